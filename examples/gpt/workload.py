@@ -1,0 +1,33 @@
+"""The GPT example as a zerocc workload: `workload: "workload:workload"` in a plan names it."""
+
+import data
+import torch
+from model import GPT, GPTConfig
+
+from zerocc.workload import Workload
+
+
+def workload(
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_embd: int = 64,
+    block_size: int = 64,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> Workload:
+    """A char-level GPT on the embedded text; `batch_size` is per rank."""
+    torch.manual_seed(seed)  # every rank builds the same initial weights
+    config = GPTConfig(
+        vocab_size=data.vocab_size,
+        block_size=block_size,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+    )
+    return Workload(
+        GPT(config),
+        loss_fn=None,  # GPT.forward(idx, targets) returns the loss
+        batches=lambda rank, world_size: data.batches(
+            rank, world_size, batch_size=batch_size, block_size=block_size, seed=seed
+        ),
+    )

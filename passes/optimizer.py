@@ -1,0 +1,164 @@
+"""optimizer: the update of each unit's shard, at the end of the micro-batch that steps.
+
+Acts on the ``grad_shard`` tags of the shard pass. Per unit, in order: the gradient is scaled
+by 1/(ranks × micro-batches) (collectives sum, the update takes the mean), multiplied by the
+global-norm clip coefficient when ``grad_clip`` is set (the squared norm is all-reduced across
+ranks when gradients are sharded), and the update runs on the rank's shard only; stages 1-2 then
+all-gather the updated shards into the replicated parameters, and the gradient accumulator is
+reset. Programs of micro-batches that do not step are left as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from zerocc.ir import (
+    GRAD,
+    GRAD_SHARD,
+    OPTIM_STATE,
+    PARAM_FULL,
+    PARAM_SHARD,
+    STEP,
+    emit,
+    emit_collective,
+    info,
+    nodes_with_role,
+    placeholders,
+    state_placeholder,
+)
+from zerocc.ops import op
+from zerocc.pass_manager import PassContext, register_pass
+from zerocc.plan import OptimizerConfig
+
+GROUP = "dp"
+OPTIMIZER_STATES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def optimizer_states(config: OptimizerConfig) -> tuple[str, ...]:
+    """Names of the per-shard states the optimizer keeps."""
+    if config.name == "sgd" and config.momentum == 0:
+        return ()
+    return OPTIMIZER_STATES[config.name]
+
+
+@register_pass(
+    "optimizer",
+    requires=("grad_shards",),
+    produces=("optimizer_update",),
+    options=lambda plan: {
+        "config": plan.optimizer,
+        "stage": plan.zero.stage,
+        "grad_accumulation": plan.grad_accumulation,
+    },
+)
+def optimizer(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    config: OptimizerConfig,
+    stage: int,
+    grad_accumulation: int,
+) -> fx.GraphModule:
+    """Insert clipping, the sharded optimizer update and (stages 1-2) the updated-param gather."""
+    grad_shards = {info(n).unit: n for n in nodes_with_role(gm, GRAD_SHARD)}
+    if not ctx.boundary or not grad_shards:
+        return gm
+    graph = gm.graph
+    by_role = {
+        role: {info(n).unit: n for n in placeholders(gm, role)}
+        for role in (PARAM_FULL, PARAM_SHARD, GRAD)
+    }
+    like = next(iter(grad_shards.values())).meta["val"]
+    units = [u for u in ctx.units if u.name in grad_shards]
+    states = {
+        u.name: [
+            state_placeholder(
+                graph,
+                f"{u.key}.{s}",
+                OPTIM_STATE,
+                u.name,
+                (u.shard_numel if stage else u.padded_numel,),
+                u.dtype,
+                like,
+            )
+            for s in optimizer_states(config)
+        ]
+        for u in units
+    }
+    step = None
+    if config.name == "adamw":
+        step = state_placeholder(graph, "optim.step", STEP, None, (), torch.int64, like)
+    scale = 1.0 / (ctx.world_size * grad_accumulation)
+    where = {"phase": "optimizer"}
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):
+        coef = None
+        if config.grad_clip is not None:
+            grads = [grad_shards[u.name] for u in units]
+            total = emit(graph, op("sum_squares"), (grads, scale), **where)
+            if stage > 0:  # each rank holds a slice of the gradient: sum the squares over ranks
+                total = emit_collective(
+                    graph,
+                    op("all_reduce_start"),
+                    op("wait"),
+                    (total, GROUP),
+                    nbytes=2 * 4,
+                    note="all-reduce the squared grad norm",
+                    **where,
+                )
+            coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
+        for u in units:
+            target = by_role[PARAM_SHARD].get(u.name, by_role[PARAM_FULL].get(u.name))
+            grad = grad_shards[u.name]
+            if config.name == "adamw":
+                m, v = states[u.name]
+                args = (
+                    target,
+                    grad,
+                    m,
+                    v,
+                    step,
+                    coef,
+                    scale,
+                    config.lr,
+                    config.betas[0],
+                    config.betas[1],
+                    config.eps,
+                    config.weight_decay,
+                )
+                emit(graph, op("adamw_"), args, unit=u.name, **where)
+            else:
+                buf = states[u.name][0] if states[u.name] else None
+                args = (
+                    target,
+                    grad,
+                    buf,
+                    coef,
+                    scale,
+                    config.lr,
+                    config.momentum,
+                    config.weight_decay,
+                )
+                emit(graph, op("sgd_"), args, unit=u.name, **where)
+            if stage in (1, 2):
+                emit_collective(
+                    graph,
+                    op("all_gather_into_start"),
+                    op("wait"),
+                    (by_role[PARAM_FULL][u.name], target, GROUP),
+                    nbytes=u.padded_numel * u.dtype.itemsize,
+                    unit=u.name,
+                    note=f"all-gather {u.name}'s updated shards",
+                    **where,
+                )
+            emit(
+                graph,
+                torch.ops.aten.zero_.default,
+                (by_role[GRAD][u.name],),
+                unit=u.name,
+                note="reset the gradient accumulator",
+                **where,
+            )
+    gm.recompile()
+    return gm

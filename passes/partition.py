@@ -1,0 +1,122 @@
+"""partition: parameters -> FSDP units (an analysis pass: it tags, it does not rewrite).
+
+Unit roots are modules chosen by class name, FQN glob or size; the root module is always one.
+A parameter belongs to the innermost unit root that contains every module holding it, so a tied
+parameter (embedding and output head) lands in one unit covering all its uses, at their lowest
+common ancestor, as FSDP does. Frozen parameters (``requires_grad=False``) form units of their
+own (``<name>[frozen]``): no gradient communication and no optimizer state.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import fx
+
+from zerocc.capture import ModelInfo, ParamInfo
+from zerocc.errors import PlanError
+from zerocc.ir import PARAM, info, placeholders, tag
+from zerocc.pass_manager import PassContext, register_pass
+from zerocc.units import Unit
+
+ROOT = ""
+
+
+def _contains(outer: str, inner: str) -> bool:
+    return outer == ROOT or inner == outer or inner.startswith(outer + ".")
+
+
+def _common_ancestor(modules: tuple[str, ...]) -> str:
+    parts = [m.split(".") if m else [] for m in modules]
+    common = []
+    for level in zip(*parts, strict=False):
+        if any(x != level[0] for x in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _unit_root_of(param: ParamInfo, roots: set[str]) -> str:
+    home = _common_ancestor(param.owners)
+    return max((r for r in roots if _contains(r, home)), key=lambda r: len(r) + (r != ROOT))
+
+
+def _match_roots(model: ModelInfo, classes: list[str], modules: list[str]) -> set[str]:
+    roots = {ROOT}
+    present = {cls for _, cls in model.modules}
+    for cls in classes:
+        if cls not in present:
+            raise PlanError(
+                f"units.classes: no module of class {cls!r} in the model; its classes "
+                f"are: {', '.join(sorted(present))}"
+            )
+        roots |= {fqn for fqn, c in model.modules if c == cls}
+    for pattern in modules:
+        hits = {fqn for fqn, _ in model.modules if fqn and fnmatch.fnmatchcase(fqn, pattern)}
+        if not hits:
+            examples = ", ".join(fqn for fqn, _ in model.modules[1:6])
+            raise PlanError(
+                f"units.modules: pattern {pattern!r} matches no module; module names "
+                f"look like: {examples}"
+            )
+        roots |= hits
+    return roots
+
+
+def _add_size_roots(model: ModelInfo, roots: set[str], min_mb: float) -> None:
+    """Bottom-up: a module whose parameters not yet in a unit reach ``min_mb`` becomes a unit."""
+    threshold = min_mb * 2**20
+    for fqn, _ in reversed(model.modules):
+        if fqn in roots:
+            continue
+        # Parameters living under this module that no unit at or below it has claimed yet.
+        pending = sum(
+            p.numel * p.dtype.itemsize
+            for p in model.params
+            if _contains(fqn, _common_ancestor(p.owners))
+            and not _contains(fqn, _unit_root_of(p, roots))
+        )
+        if pending >= threshold:
+            roots.add(fqn)
+
+
+def assign_units(
+    model: ModelInfo, world_size: int, classes: list[str], modules: list[str], min_mb: float | None
+) -> list[Unit]:
+    """The units of ``model`` for the plan's ``units`` section, ordered as their parameters are."""
+    roots = _match_roots(model, classes, modules)
+    if min_mb is not None:
+        _add_size_roots(model, roots, min_mb)
+    groups: dict[tuple[str, bool], list[ParamInfo]] = {}
+    for p in model.params:
+        groups.setdefault((_unit_root_of(p, roots), p.requires_grad), []).append(p)
+    units = []
+    for (root, trainable), params in groups.items():
+        name = root or "root"
+        units.append(Unit.build(name if trainable else f"{name}[frozen]", params, world_size))
+    return units
+
+
+@register_pass(
+    "partition",
+    produces=("units",),
+    options=lambda plan: {
+        "classes": plan.units.classes,
+        "modules": plan.units.modules,
+        "min_mb": plan.units.min_mb,
+    },
+)
+def partition(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    classes: list[str],
+    modules: list[str],
+    min_mb: float | None,
+) -> fx.GraphModule:
+    """Split parameters into FSDP units; tags each parameter placeholder with its unit."""
+    ctx.units = assign_units(ctx.model, ctx.world_size, classes, modules, min_mb)
+    unit_of = {p.fqn: u.name for u in ctx.units for p in u.params}
+    for node in placeholders(gm, PARAM):
+        tag(node, unit=unit_of[info(node).key])
+    return gm

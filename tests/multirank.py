@@ -1,0 +1,75 @@
+"""Run a function on N local gloo ranks (spawned processes) and collect what each returns.
+
+A rank that raises sends its error back; a run that outlives its timeout is killed and fails
+the test: a hang never reaches CI.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # Serialized here: tensors sent through the queue as shared memory die with the rank.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world, *args), buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException as e:  # report every failure, typed, to the test process
+        queue.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600) -> list[Any]:
+    """``fn(rank, world, *args)`` on each of ``world`` ranks; returns results by rank.
+
+    Raises RuntimeError with the first rank's traceback if any rank failed; ``errors`` of that
+    exception holds (type name, message) per failed rank.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            results[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors:
+        first = errors[min(errors)]
+        err = RuntimeError(f"rank {min(errors)} failed: {first[0]}: {first[1]}\n{first[2]}")
+        err.errors = {r: v[:2] for r, v in errors.items()}
+        raise err
+    import torch
+
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world)]

@@ -1,0 +1,95 @@
+"""The correctness oracle: N ranks against one process training on all ranks' batches.
+
+``train`` runs in each spawned rank; ``reference`` runs in the test process with torch.optim on
+the same model and the union of the ranks' micro-batches, summing each chunk's loss scaled by
+1/(ranks × micro-batches), which is the gradient of the mean loss over all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from models import MODELS, build
+
+import zerocc
+from zerocc.explain import describe
+
+
+def case_id(case: dict[str, Any]) -> str:
+    extras = [f"{k}={v}" for k, v in sorted(case.items())
+              if k not in ("model", "stage", "world", "steps")]
+    return "-".join([case["model"], f"zero{case['stage']}", f"ws{case['world']}", *extras])
+
+
+def plan_of(case: dict[str, Any]) -> dict[str, Any]:
+    optimizer = case.get("optimizer", {"name": "adamw", "lr": 1e-2, "eps": 1e-3,
+                                       "weight_decay": 0.01})
+    return {"zero": {"stage": case["stage"]}, "units": MODELS[case["model"]][2],
+            "optimizer": optimizer, "grad_accumulation": case.get("accum", 1), "seed": 7}
+
+
+def batch_of(case: dict[str, Any], index: int, rank: int):
+    make = MODELS[case["model"]][1]
+    steps = case.get("steps", 5) * case.get("accum", 1)
+    if case.get("short_last") and index == steps - 1:
+        return make(index, rank, 1)
+    return make(index, rank)
+
+
+def _model(case: dict[str, Any]) -> torch.nn.Module:
+    if case.get("meta"):
+        with torch.device("meta"):
+            return build(case["model"])
+    return build(case["model"])
+
+
+def train(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each case on this rank: losses per micro-batch, comm of the last step, full params."""
+    out = {}
+    for case in cases:
+        step = zerocc.compile(_model(case), plan_of(case))
+        k, losses = case.get("accum", 1), []
+        for i in range(case.get("steps", 5) * k):
+            losses.append(float(step(*batch_of(case, i, rank))))
+        out[case_id(case)] = {
+            "losses": losses,
+            "elements": dict(step.comm.stats.elements),
+            "psi": sum(u.padded_numel for u in step.units if u.trainable),
+            "figures": describe(step),
+            "params": step.full_state_dict() if rank == 0 else None,
+        }
+    return out
+
+
+def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """Losses per rank per micro-batch, and the final state dict, of unsharded training."""
+    model = _model(case)
+    if case.get("meta"):
+        zerocc.materialize(model, seed=7)
+    cfg = plan_of(case)["optimizer"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg["name"] == "adamw":
+        opt = torch.optim.AdamW(params, lr=cfg["lr"], eps=cfg["eps"],
+                                weight_decay=cfg.get("weight_decay", 0.0))
+    else:
+        opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0),
+                              weight_decay=cfg.get("weight_decay", 0.0))
+    world, k = case["world"], case.get("accum", 1)
+    losses: list[list[float]] = [[] for _ in range(world)]
+    for s in range(case.get("steps", 5)):
+        opt.zero_grad()
+        for micro in range(k):
+            for r in range(world):
+                loss = model(*batch_of(case, s * k + micro, r))
+                losses[r].append(float(loss.detach()))
+                (loss / (world * k)).backward()
+        if cfg.get("grad_clip"):
+            torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        opt.step()
+    return losses, model.state_dict()
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / max(‖b‖, tiny): one number per tensor, robust to near-zero entries."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))

@@ -1,0 +1,45 @@
+"""Tests of the `zerocc plan` commands in zerocc/cli.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerocc.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+
+
+@pytest.mark.parametrize("name", ["zero0.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml"])
+def test_plan_check_accepts_each_example(capsys, name):
+    path = EXAMPLES / name
+    assert main(["plan", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: ok (stage {name[4]}," in out and "partition -> shard -> optimizer" in out
+
+
+def test_plan_check_rejects_a_bad_plan(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("zero:\n  stage: 4\n")
+    assert main(["plan", "check", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert str(path) in captured.err and "zero.stage" in captured.err
+    assert "allowed values: 0, 1, 2, 3" in captured.err and "Traceback" not in captured.err
+
+
+def test_plan_check_missing_file(tmp_path, capsys):
+    assert main(["plan", "check", str(tmp_path / "nope.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_plan_schema_prints_json(capsys):
+    assert main(["plan", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "Plan" and "zero" in schema["properties"]
+
+
+@pytest.mark.parametrize("argv", [[], ["plan"]])
+def test_no_command_prints_help(capsys, argv):
+    assert main(argv) == 0
+    assert "usage: zerocc" in capsys.readouterr().out

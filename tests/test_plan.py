@@ -1,0 +1,268 @@
+"""Tests of zerocc/plan.py (and the workload loading a plan drives, zerocc/workload.py)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zerocc.errors import PlanError, ZeroccError
+from zerocc.plan import Plan, load_plan, plan_json_schema
+from zerocc.workload import Workload, load_workload
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+
+
+def write(tmp_path: Path, text: str, name: str = "plan.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def plan_error(src) -> str:
+    with pytest.raises(PlanError) as info:
+        load_plan(src)
+    message = str(info.value)
+    assert "pydantic" not in message and "errors.pydantic.dev" not in message
+    return message
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def test_load_from_path_dict_and_plan(tmp_path):
+    path = write(tmp_path, "zero:\n  stage: 2\nunits:\n  classes: [Block]\n")
+    from_path = load_plan(path)
+    from_str = load_plan(str(path))
+    from_dict = load_plan({"zero": {"stage": 2}, "units": {"classes": ["Block"]}})
+    assert from_path.zero.stage == from_str.zero.stage == from_dict.zero.stage == 2
+    assert from_path.units.classes == from_dict.units.classes == ["Block"]
+    assert from_path.source == str(path) and from_dict.source is None
+    assert load_plan(from_dict) is from_dict
+
+
+def test_defaults():
+    plan = load_plan({})
+    assert plan.zero.stage == 3 and plan.zero.world_size is None
+    assert plan.units.classes == [] and plan.units.modules == [] and plan.units.min_mb is None
+    opt = plan.optimizer
+    assert (opt.name, opt.lr, opt.betas, opt.eps) == ("adamw", 1e-3, (0.9, 0.999), 1e-8)
+    assert (opt.weight_decay, opt.momentum, opt.grad_clip) == (0.0, 0.0, None)
+    assert plan.grad_accumulation == 1 and plan.precision.param == "fp32"
+    assert (plan.backend.name, plan.backend.device) == ("eager", "auto")
+    assert plan.passes is None and plan.workload is None and plan.workload_args == {}
+    assert plan.seed == 0 and plan.source is None
+
+
+def test_empty_file_is_all_defaults(tmp_path):
+    assert load_plan(write(tmp_path, "")).model_dump() == Plan().model_dump()
+
+
+@pytest.mark.parametrize("name", ["zero0.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml"])
+def test_example_plans_load(name):
+    plan = load_plan(EXAMPLES / name)
+    assert plan.zero.stage == int(name[4]) and plan.workload == "workload:workload"
+
+
+def test_source_is_not_a_plan_field():
+    assert "unknown field 'source'" in plan_error({"source": "elsewhere.yaml"})
+    assert "source" not in Plan().model_dump() and "source" not in plan_json_schema()["properties"]
+
+
+# --- error messages --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [5, -1, "3", True, 3.0])
+def test_bad_stage_names_path_value_and_allowed_values(tmp_path, stage):
+    message = plan_error({"zero": {"stage": stage}})
+    assert "zero.stage" in message and repr(stage) in message
+    assert "allowed values: 0, 1, 2, 3" in message
+
+
+def test_error_names_the_file(tmp_path):
+    path = write(tmp_path, "zero:\n  stage: 7\n")
+    message = plan_error(path)
+    assert str(path) in message and "zero.stage" in message and "7" in message
+
+
+def test_unknown_field_suggests_the_closest_and_lists_allowed():
+    message = plan_error({"zero": {"stgae": 3}})
+    assert "zero.stgae" in message
+    assert "unknown field 'stgae'" in message and "did you mean 'stage'?" in message
+    assert "allowed fields here: stage, world_size" in message
+    top = plan_error({"optimiser": {}})
+    assert "did you mean 'optimizer'?" in top and "grad_accumulation" in top
+
+
+def test_unknown_field_without_a_close_name_has_no_suggestion():
+    message = plan_error({"units": {"xyz": 1}})
+    assert "did you mean" not in message
+    assert "allowed fields here: classes, modules, min_mb" in message
+
+
+def test_bad_literal_lists_allowed_values():
+    message = plan_error({"optimizer": {"name": "adam"}})
+    assert "optimizer.name" in message and "'adam'" in message
+    assert "'adamw', 'sgd'" in message
+
+
+def test_every_bad_field_is_reported():
+    message = plan_error({"zero": {"stage": 9}, "optimizer": {"lr": -1.0}, "seeds": 1})
+    assert "zero.stage" in message and "optimizer.lr" in message and "seeds" in message
+
+
+def test_bad_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "zero:\n  stage: [3\n")
+    message = plan_error(path)
+    assert "invalid YAML" in message and str(path) in message and "line" in message
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    message = plan_error(missing)
+    assert str(missing) in message and "not found" in message
+
+
+def test_non_mapping_yaml(tmp_path):
+    message = plan_error(write(tmp_path, "- zero\n- stage\n"))
+    assert "expected a mapping" in message
+
+
+def test_section_that_is_not_a_mapping():
+    message = plan_error({"zero": 3})
+    assert "zero: expected a mapping of fields: stage, world_size" in message
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_is_not_supported_yet(dtype):
+    message = plan_error({"precision": {"param": dtype}})
+    assert f"precision.param: '{dtype}' is not supported yet (only 'fp32')" in message
+
+
+def test_momentum_is_sgd_only():
+    message = plan_error({"optimizer": {"momentum": 0.9}})
+    assert "optimizer.momentum" in message and "sgd only" in message
+    assert load_plan({"optimizer": {"name": "sgd", "momentum": 0.9}}).optimizer.momentum == 0.9
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("optimizer.lr", 0),
+        ("optimizer.eps", -1e-8),
+        ("optimizer.weight_decay", -0.1),
+        ("optimizer.grad_clip", 0),
+        ("grad_accumulation", 0),
+        ("zero.world_size", 0),
+        ("units.min_mb", 0),
+    ],
+)
+def test_numeric_bounds(field, value):
+    section, _, name = field.rpartition(".")
+    data = {section: {name: value}} if section else {name: value}
+    message = plan_error(data)
+    assert field in message and repr(value) in message
+
+
+def test_betas_each_in_unit_interval():
+    assert "optimizer.betas[1]" in plan_error({"optimizer": {"betas": [0.9, 1.0]}})
+    assert "optimizer.betas[0]" in plan_error({"optimizer": {"betas": [-0.1, 0.9]}})
+
+
+@pytest.mark.parametrize("workload", ["workload", "a:b:c", "my-module:fn", ":fn", "mod:"])
+def test_bad_workload_string(workload):
+    message = plan_error({"workload": workload})
+    assert "workload" in message and "'module:function'" in message
+
+
+def test_good_workload_strings():
+    assert load_plan({"workload": "pkg.mod:make"}).workload == "pkg.mod:make"
+
+
+def test_plan_error_is_a_zerocc_error_and_a_value_error():
+    assert issubclass(PlanError, ZeroccError) and issubclass(PlanError, ValueError)
+    with pytest.raises(PlanError):
+        load_plan(42)
+
+
+# --- schema ----------------------------------------------------------------------------------
+
+
+def test_schema_describes_every_property():
+    schema = plan_json_schema()
+    models = [schema, *schema["$defs"].values()]
+    assert len(models) == 6
+    for model in models:
+        assert model["additionalProperties"] is False
+        for name, prop in model["properties"].items():
+            assert prop.get("description"), f"{model['title']}.{name} has no description"
+
+
+def test_schema_lists_literal_choices():
+    defs = plan_json_schema()["$defs"]
+    assert defs["ZeroConfig"]["properties"]["stage"]["enum"] == [0, 1, 2, 3]
+    assert defs["BackendConfig"]["properties"]["device"]["enum"] == ["auto", "cpu", "cuda"]
+
+
+# --- workload loading ------------------------------------------------------------------------
+
+WORKLOAD_PY = """
+import torch
+from zerocc.workload import Workload
+
+def make(width=3):
+    return Workload(torch.nn.Linear(width, 1), batches=lambda rank, world_size: iter([]))
+
+def not_a_workload():
+    return 42
+"""
+
+
+def test_load_workload_next_to_the_plan(tmp_path):
+    write(tmp_path, WORKLOAD_PY, "workload.py")
+    plan = load_plan(write(tmp_path, "workload: workload:make\nworkload_args: {width: 5}\n"))
+    workload = load_workload(plan)
+    assert isinstance(workload, Workload) and workload.model.in_features == 5
+
+
+def test_load_workload_prefers_the_plan_directory_over_a_cached_module(tmp_path):
+    for width, sub in [(2, "a"), (4, "b")]:
+        (tmp_path / sub).mkdir()
+        write(tmp_path / sub, WORKLOAD_PY.replace("width=3", f"width={width}"), "workload.py")
+        plan = load_plan(write(tmp_path / sub, "workload: workload:make\n"))
+        assert load_workload(plan).model.in_features == width
+
+
+@pytest.mark.parametrize(
+    ("plan_text", "expected"),
+    [
+        ("{}", "names no workload"),
+        ("workload: missing_module:make", "cannot import module 'missing_module'"),
+        ("workload: workload:nothing", "has no function 'nothing'"),
+        ("workload: workload:not_a_workload", "returned int, not a zerocc.workload.Workload"),
+        ("{workload: 'workload:make', workload_args: {depth: 2}}", "workload_args"),
+    ],
+)
+def test_load_workload_errors(tmp_path, plan_text, expected):
+    write(tmp_path, WORKLOAD_PY, "workload.py")
+    plan = load_plan(write(tmp_path, plan_text + "\n"))
+    with pytest.raises(PlanError, match=expected):
+        load_workload(plan)
+
+
+def test_workload_takes_only_the_model_positionally():
+    with pytest.raises(TypeError):
+        Workload(nn.Linear(1, 1), None, lambda rank, world_size: iter([]))
+
+
+def test_gpt_example_loss_starts_near_uniform():
+    plan = load_plan(EXAMPLES / "zero3.yaml")
+    plan.workload_args.update(n_layer=1, n_embd=32, block_size=16, batch_size=2)
+    workload = load_workload(plan)
+    idx, targets = next(workload.batches(1, 2))
+    assert idx.shape == targets.shape == (2, 16) and idx.dtype == torch.long
+    assert torch.equal(idx[:, 1:], targets[:, :-1])
+    vocab = workload.model.lm_head.out_features
+    assert workload.model.lm_head.weight is workload.model.transformer.wte.weight
+    assert abs(workload.model(idx, targets).item() - math.log(vocab)) < 0.5

@@ -1,0 +1,102 @@
+"""zerocc: a compiler for sharded data-parallel training (ZeRO 0-3 / FSDP) in PyTorch.
+
+step = zerocc.compile(model, "plan.yaml")
+loss = step(*batch)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerocc.ops  # noqa: F401  (registers the zerocc op library)
+from zerocc.capture import LossFn
+from zerocc.comm import Comm, FakeComm, TorchComm, comm_from_environment
+from zerocc.errors import (
+    CaptureError,
+    InvariantError,
+    NotSupportedError,
+    PassOrderError,
+    PlanError,
+    RankMismatchError,
+    ZeroccError,
+)
+from zerocc.materialize import materialize
+from zerocc.plan import Plan, load_plan
+from zerocc.train_step import TrainStep
+from zerocc.workload import Workload, load_workload
+
+__all__ = [
+    "CaptureError",
+    "FakeComm",
+    "InvariantError",
+    "NotSupportedError",
+    "PassOrderError",
+    "Plan",
+    "PlanError",
+    "RankMismatchError",
+    "TrainStep",
+    "Workload",
+    "ZeroccError",
+    "compile",
+    "load_plan",
+    "load_workload",
+    "materialize",
+]
+__version__ = "0.1.0"
+
+
+def _device(plan: Plan) -> torch.device:
+    wanted = plan.backend.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda":
+        if not torch.cuda.is_available():
+            raise PlanError(
+                "backend.device: 'cuda' asked for, but no CUDA device is available; "
+                "allowed here: auto, cpu"
+            )
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _init_process_group(device: torch.device) -> None:
+    """Under torchrun (WORLD_SIZE > 1) with no process group yet, create the default one."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def compile(
+    model: nn.Module,
+    plan: str | os.PathLike | dict | Plan,
+    loss_fn: LossFn | None = None,
+    *,
+    comm: Comm | None = None,
+) -> TrainStep:
+    """Compile the training step of ``model`` under ``plan`` (a YAML path, a dict or a Plan).
+
+    ``loss_fn(model, *batch) -> scalar`` defaults to ``model(*batch)`` (or its ``.loss``).
+    The step's semantics are DDP's: every rank passes its own micro-batch, the gradient is the
+    mean over ranks (and micro-batches). ``comm`` overrides the process group, e.g.
+    ``zerocc.FakeComm(world_size=8)`` to build and run programs for 8 simulated ranks.
+    Programs are built on the first call of each batch signature.
+    """
+    plan = load_plan(plan)
+    device = _device(plan)
+    if comm is None:
+        _init_process_group(device)
+        comm = comm_from_environment()
+    expected = plan.zero.world_size
+    if expected is not None and expected != comm.world_size:
+        raise PlanError(
+            f"zero.world_size: the plan expects {expected} ranks, but this run has "
+            f"{comm.world_size}; launch {expected} ranks or change zero.world_size"
+        )
+    if isinstance(comm, TorchComm) and device.type == "cpu" and dist.get_backend() == "nccl":
+        raise PlanError("backend.device: cpu, but the process group uses NCCL; use gloo")
+    return TrainStep(model, plan, loss_fn, comm, device)

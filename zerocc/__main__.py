@@ -1,0 +1,5 @@
+"""`python -m zerocc`: the zerocc command line."""
+
+from zerocc.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""Capture one training step (loss, then gradients of every trainable parameter) as one fx graph.
+
+The step is traced by ``make_fx`` on fake tensors: no parameter is ever materialized, so a model
+built on the ``meta`` device captures as well as a real one. Parameters, buffers and the batch's
+tensors become placeholders; the graph returns ``(loss, *grads)``, one gradient per trainable
+parameter (``None`` where a parameter does not reach the loss). Every node is tagged with its
+phase (forward/backward) and the module it came from.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+from zerocc.errors import CaptureError
+from zerocc.ir import BATCH, BUFFER, PARAM, tag
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the model, under its first name; ``aliases`` lists every name (ties)."""
+
+    fqn: str
+    aliases: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        """FQNs of the modules that hold the parameter (several when it is tied)."""
+        return tuple(a.rpartition(".")[0] for a in self.aliases)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What capture and partition need to know about the model, without touching its weights."""
+
+    params: tuple[ParamInfo, ...]
+    buffers: tuple[ParamInfo, ...]
+    modules: tuple[tuple[str, str], ...]  # (fqn, class name) in registration order
+
+    @property
+    def trainable(self) -> tuple[ParamInfo, ...]:
+        return tuple(p for p in self.params if p.requires_grad)
+
+
+def describe_model(model: nn.Module) -> ModelInfo:
+    """Parameters (with tied aliases), buffers and modules of ``model``."""
+
+    def collect(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[ParamInfo, ...]:
+        by_id: dict[int, list[str]] = {}
+        first: dict[int, torch.Tensor] = {}
+        for name, t in named:
+            by_id.setdefault(id(t), []).append(name)
+            first.setdefault(id(t), t)
+        return tuple(
+            ParamInfo(
+                names[0],
+                tuple(names),
+                tuple(first[i].shape),
+                first[i].dtype,
+                bool(first[i].requires_grad),
+            )
+            for i, names in by_id.items()
+        )
+
+    params = collect(list(model.named_parameters(remove_duplicate=False)))
+    buffers = collect(list(model.named_buffers(remove_duplicate=False)))
+    modules = tuple((fqn, type(m).__name__) for fqn, m in model.named_modules())
+    return ModelInfo(params, buffers, modules)
+
+
+def default_loss_fn(model: nn.Module, *batch: Any) -> torch.Tensor:
+    """``model(*batch)``, or its ``.loss`` when the output has one (Hugging Face models)."""
+    out = model(*batch)
+    return out.loss if hasattr(out, "loss") else out
+
+
+class _Step(nn.Module):
+    """Holds the model so ``functional_call`` can swap in fake parameters around ``loss_fn``."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, *batch)
+
+
+class _ModuleTracker:
+    """Records which module is running whenever the traced graph grows.
+
+    Forward: module pre/post hooks. Backward: a pre-hook on the autograd node of each module's
+    outputs, so the backward ops that follow are attributed to that module.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.stack: list[str] = []
+        self.changes: list[tuple[int, str]] = [(0, "")]
+        self.handles = []
+        for fqn, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter(fqn)))
+            self.handles.append(module.register_forward_hook(self._leave(fqn)))
+
+    @staticmethod
+    def graph_len() -> int:
+        mode = get_proxy_mode()
+        return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    def _enter(self, fqn: str):
+        def hook(module, args):
+            self.stack.append(fqn)
+            self.changes.append((self.graph_len(), fqn))
+
+        return hook
+
+    def _leave(self, fqn: str):
+        def hook(module, args, output):
+            self.stack.pop()
+            self.changes.append((self.graph_len(), self.stack[-1] if self.stack else ""))
+            # Backward tagging: when autograd reaches this module's outputs, its backward begins.
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.grad_fn.register_prehook(self._backward_of(fqn))
+
+        return hook
+
+    def _backward_of(self, fqn: str):
+        def prehook(grad_outputs):
+            self.changes.append((self.graph_len(), fqn))
+
+        return prehook
+
+    def module_at(self, index: int) -> str:
+        current = ""
+        for start, fqn in self.changes:
+            if start > index:
+                break
+            current = fqn
+        return current
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def capture(
+    model: nn.Module,
+    info: ModelInfo,
+    loss_fn: LossFn | None,
+    batch: Sequence[Any],
+    device: torch.device,
+) -> fx.GraphModule:
+    """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors."""
+    loss_fn = loss_fn or default_loss_fn
+    wrapper = _Step(model, loss_fn)
+    trainable = [p for p in info.params if p.requires_grad]
+    if not trainable:
+        raise CaptureError("the model has no trainable parameter (every requires_grad is False)")
+    tensor_positions = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
+    n_params, n_buffers = len(info.params), len(info.buffers)
+    tracker = _ModuleTracker(model)
+    forward_end: list[int] = []
+
+    def step(*flat: torch.Tensor):
+        params, buffers = flat[:n_params], flat[n_params : n_params + n_buffers]
+        full_batch = list(batch)
+        for pos, t in zip(tensor_positions, flat[n_params + n_buffers :], strict=True):
+            full_batch[pos] = t
+        state = {f"model.{p.fqn}": t for p, t in zip(info.params, params, strict=True)}
+        state.update({f"model.{b.fqn}": t for b, t in zip(info.buffers, buffers, strict=True)})
+        loss = torch.func.functional_call(wrapper, state, tuple(full_batch), tie_weights=True)
+        loss = _check_loss(loss)
+        forward_end.append(_ModuleTracker.graph_len())
+        wanted = [t for p, t in zip(info.params, params, strict=True) if p.requires_grad]
+        grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+        return (loss.detach(), *grads)
+
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        flat = [
+            torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+            for p in info.params
+        ]
+        flat += [torch.empty(b.shape, dtype=b.dtype, device=device) for b in info.buffers]
+        flat += [fake_mode.from_tensor(batch[i]) for i in tensor_positions]
+    try:
+        with fx_traceback.preserve_node_meta(), fake_mode:
+            gm = make_fx(step, tracing_mode="real")(*flat)
+    except CaptureError:
+        raise
+    except Exception as e:  # an error inside the user's model: say where it surfaced
+        raise CaptureError(f"tracing the training step failed: {type(e).__name__}: {e}") from e
+    finally:
+        tracker.remove()
+    gm.graph.eliminate_dead_code()
+    _tag(gm, info, tensor_positions, forward_end[0], tracker)
+    gm.recompile()
+    return gm
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise CaptureError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}; pass "
+            "loss_fn=(lambda model, *batch: ...) to zerocc.compile"
+        )
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise CaptureError(
+            f"loss_fn must return a floating scalar tensor, got shape {tuple(loss.shape)} "
+            f"dtype {loss.dtype}; reduce it (e.g. .mean()) before returning"
+        )
+    return loss.reshape(())
+
+
+def _identifier(fqn: str) -> str:
+    name = re.sub(r"\W", "_", fqn)
+    return name if name[:1].isalpha() else f"_{name}"
+
+
+def _tag(
+    gm: fx.GraphModule,
+    info: ModelInfo,
+    tensor_positions: list[int],
+    forward_end: int,
+    tracker: _ModuleTracker,
+) -> None:
+    nodes = list(gm.graph.nodes)
+    ph = [n for n in nodes if n.op == "placeholder"]
+    roles = [(PARAM, p.fqn, "p_") for p in info.params]
+    roles += [(BUFFER, b.fqn, "b_") for b in info.buffers]
+    roles += [(BATCH, str(i), "batch_") for i in tensor_positions]
+    for node, (role, key, prefix) in zip(ph, roles, strict=True):
+        name = prefix + _identifier(key)
+        node._rename(name)
+        node.target = name
+        tag(node, role=role, key=key, phase="forward")
+    for index, node in enumerate(nodes):
+        if node.op not in ("placeholder", "output"):
+            phase = "forward" if index < forward_end else "backward"
+            tag(node, phase=phase, module=tracker.module_at(index))

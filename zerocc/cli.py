@@ -1,0 +1,223 @@
+"""The `zerocc` command: check a plan, print its schema, train a plan's workload on local ranks.
+
+`zerocc train PLAN --nproc N` launches N local ranks with torch's own launcher
+(`torch.distributed.run`, what `torchrun` runs); each rank re-enters this module with
+`ZEROCC_RANK_WORKER=1` set and runs `_train_rank`. Under an outside `torchrun` the command is
+already a rank and does not launch again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from zerocc.errors import ZeroccError
+from zerocc.plan import DEFAULT_PASSES, Plan, load_plan, plan_json_schema
+
+RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the zerocc command line; returns the exit status (2 for a zerocc error)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        (getattr(args, "help_of", None) or parser).print_help()
+        return 0
+    try:
+        return args.run(args)
+    except ZeroccError as exc:
+        where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+        print(f"zerocc: {where}error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zerocc", description="A compiler for sharded data-parallel training (ZeRO 0-3)."
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    plan = commands.add_parser("plan", help="check a plan file or print the plan schema")
+    plan.set_defaults(help_of=plan)
+    plan_commands = plan.add_subparsers(title="commands", metavar="COMMAND")
+    check = plan_commands.add_parser("check", help="validate a plan file and summarize it")
+    check.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    check.set_defaults(run=_plan_check)
+    schema = plan_commands.add_parser("schema", help="print the JSON Schema of plan files")
+    schema.set_defaults(run=_plan_schema)
+
+    train = commands.add_parser("train", help="train the plan's workload on local ranks")
+    train.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    train.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    train.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    train.add_argument(
+        "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
+    )
+    train.set_defaults(run=_train)
+    return parser
+
+
+def _plan_check(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    print(f"{args.plan}: ok ({describe_plan(plan)})")
+    return 0
+
+
+def _plan_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(plan_json_schema(), indent=2))
+    return 0
+
+
+def describe_plan(plan: Plan) -> str:
+    """A one-line summary of a plan: stage, passes, units, optimizer, workload."""
+    passes = plan.passes if plan.passes is not None else DEFAULT_PASSES
+    units = [f"class {c}" for c in plan.units.classes]
+    units += [f"modules {m}" for m in plan.units.modules]
+    if plan.units.min_mb is not None:
+        units.append(f">= {plan.units.min_mb} MB")
+    opt = plan.optimizer
+    parts = [
+        f"stage {plan.zero.stage}",
+        f"{len(passes)} passes ({' -> '.join(passes)})" if passes else "no passes",
+        f"units: {', '.join(units) or 'whole model'}",
+        f"{opt.name} lr {opt.lr:g}" + (f" clip {opt.grad_clip:g}" if opt.grad_clip else ""),
+        f"workload {plan.workload or 'none'}",
+    ]
+    return ", ".join(parts)
+
+
+# --- train ----------------------------------------------------------------------------------
+
+
+def _train(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)  # check the plan once, before any rank starts
+    if args.nproc < 1 or args.steps < 1:
+        raise ZeroccError("--nproc and --steps must be at least 1")
+    launched = RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    if launched or args.nproc == 1:
+        return _train_rank(plan, args.steps)
+    return _launch(args)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Start `args.nproc` local ranks through torch.distributed.run, each running `_train_rank`."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    port = args.master_port or _free_port()
+    launcher_args = [
+        "--nproc-per-node", str(args.nproc),
+        "--nnodes", "1",
+        "--master-addr", "127.0.0.1",
+        "--master-port", str(port),
+        "-m", "zerocc", "train", str(args.plan), "--steps", str(args.steps),
+    ]  # fmt: skip
+    saved = {name: os.environ.get(name) for name in (RANK_WORKER_ENV, "OMP_NUM_THREADS")}
+    os.environ[RANK_WORKER_ENV] = "1"  # the ranks run _train_rank instead of launching again
+    # torchrun would set 1 thread per rank; share the cores between the ranks instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    try:
+        torchrun.run(torchrun.parse_args(launcher_args))
+    except ChildFailedError as exc:
+        codes = sorted({failure.exitcode for failure in exc.failures.values()})
+        print(f"zerocc: {len(exc.failures)} rank(s) failed (exit codes {codes})", file=sys.stderr)
+        return 2 if 2 in codes else 1  # 2: a zerocc error, already printed by the rank
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return 0
+
+
+def _train_rank(plan: Plan, steps: int) -> int:
+    """One rank: join the process group (when launched), compile the workload, run `steps`."""
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    import zerocc
+    from zerocc.workload import load_workload
+
+    device = _device(plan)
+    if "RANK" in os.environ and not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        workload = load_workload(plan)
+        step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
+        batches = itertools.islice(workload.batches(rank, world_size), steps)
+        first = next(batches, None)
+        if first is None:
+            raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
+        started = time.perf_counter()
+        losses = [float(step(*(_to(t, device) for t in first)))]  # captures and compiles
+        first_done = time.perf_counter()
+        if rank == 0:
+            print(step.explain(), flush=True)  # explains the program the first step built
+        with tqdm(total=steps, initial=1, desc="train", unit="step", disable=rank != 0) as progress:
+            progress.set_postfix(loss=f"{losses[-1]:.4f}")
+            for batch in batches:
+                losses.append(float(step(*(_to(t, device) for t in batch))))
+                progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+                progress.update()
+        if rank == 0:
+            _print_summary(step.summary(), losses, started, first_done, world_size)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _print_summary(
+    summary: dict[str, Any], losses: list[float], started: float, first_done: float, world: int
+) -> None:
+    later = len(losses) - 1  # the first step also captured and compiled: timed apart
+    first = f"the first step took {first_done - started:.2f} s, capture included"
+    if later:
+        first = f"{later / (time.perf_counter() - first_done):.2f} steps/s after it; " + first
+    comm = summary.get("comm_bytes_per_step", {})
+    comm_text = ", ".join(f"{kind} {_bytes(n)}" for kind, n in comm.items()) or "none"
+    print(
+        f"\n{len(losses)} step(s) on {world} rank(s): {first}\n"
+        f"final loss (rank 0): {losses[-1]:.4f}\n"
+        f"communication per step: {comm_text}\n"
+        f"model state per rank: {_bytes(summary.get('model_state_bytes', 0))}"
+    )
+
+
+def _device(plan: Plan) -> str:
+    import torch
+
+    if plan.backend.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return plan.backend.device
+
+
+def _to(value: Any, device: str) -> Any:
+    return value.to(device) if hasattr(value, "to") else value
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"

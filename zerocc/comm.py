@@ -1,0 +1,178 @@
+"""Communication: the process group a program runs against, and what its collectives moved.
+
+The graph's collective ops (``zerocc.all_gather_start`` and friends, see :mod:`zerocc.ops`) call
+into the *active* :class:`Comm`, set by the runtime around each program run. Three kinds:
+
+- :class:`TorchComm`: ``torch.distributed`` (gloo on CPU, NCCL on CUDA), async work handles;
+- :class:`SoloComm`: world size 1 without a process group;
+- :class:`FakeComm`: a null group of any size for graph-level tests and estimates; its
+  collectives produce correctly shaped results without any peer.
+
+Every collective is counted at its call site in :class:`CommStats` (logical elements: an
+all-gather counts its output, a reduce-scatter its input, an all-reduce twice its size, as in
+the ZeRO paper's 2Ψ/3Ψ accounting).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Elements and bytes moved per collective kind since the last :meth:`reset`."""
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, elements: int, itemsize: int) -> None:
+        self.calls[kind] += 1
+        self.elements[kind] += elements
+        self.bytes[kind] += elements * itemsize
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.elements.clear()
+        self.bytes.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {
+            "calls": dict(self.calls),
+            "elements": dict(self.elements),
+            "bytes": dict(self.bytes),
+        }
+
+
+class Work:
+    """A handle on an issued collective; :meth:`wait` blocks until it is done."""
+
+    def __init__(self, handle: dist.Work | None = None) -> None:
+        self._handle = handle
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            self._handle.wait()
+
+
+class Comm(abc.ABC):
+    """Base of the process-group adapters: rank, world size, counted collectives."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
+        """``out`` (world_size × shard) receives every rank's ``shard``."""
+        self.stats.record("all_gather", out.numel(), out.element_size())
+        return self._all_gather(out, shard)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
+        """``out`` receives this rank's chunk of the sum of every rank's ``full``."""
+        self.stats.record("reduce_scatter", full.numel(), full.element_size())
+        return self._reduce_scatter(out, full)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        """``tensor`` becomes the sum over ranks, in place."""
+        self.stats.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
+        return self._all_reduce(tensor)
+
+    @abc.abstractmethod
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work: ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor) -> Work: ...
+
+
+class TorchComm(Comm):
+    """Collectives through ``torch.distributed`` on a process group, issued asynchronously."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
+        return Work(dist.all_gather_single(out, shard, group=self.group, async_op=True))
+
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
+        return Work(dist.reduce_scatter_single(out, full, group=self.group, async_op=True))
+
+    def _all_reduce(self, tensor: torch.Tensor) -> Work:
+        return Work(dist.all_reduce(tensor, group=self.group, async_op=True))
+
+
+class SoloComm(Comm):
+    """World size 1: every collective is a copy (or nothing)."""
+
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
+        if out.data_ptr() != shard.data_ptr():
+            out.copy_(shard)
+        return Work()
+
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
+        out.copy_(full)
+        return Work()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> Work:
+        return Work()
+
+
+class FakeComm(Comm):
+    """A null process group of any size: results as if every rank held this rank's data."""
+
+    def __init__(self, world_size: int, rank: int = 0) -> None:
+        super().__init__()
+        self.world_size, self.rank = world_size, rank
+
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
+        out.view(self.world_size, -1).copy_(shard.reshape(1, -1).clone())
+        return Work()
+
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
+        out.copy_(full.view(self.world_size, -1)[self.rank] * self.world_size)
+        return Work()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> Work:
+        tensor.mul_(self.world_size)
+        return Work()
+
+
+_ACTIVE: list[Comm] = []
+
+
+@contextlib.contextmanager
+def use_comm(comm: Comm) -> Iterator[Comm]:
+    """Make ``comm`` the group the graph's collective ops run on, for the ``with`` body."""
+    _ACTIVE.append(comm)
+    try:
+        yield comm
+    finally:
+        _ACTIVE.pop()
+
+
+def active_comm() -> Comm:
+    """The comm set by :func:`use_comm`; a graph run outside one is an error, not a hang."""
+    if not _ACTIVE:
+        raise RuntimeError("a zerocc collective ran outside of a TrainStep (no active comm)")
+    return _ACTIVE[-1]
+
+
+def comm_from_environment() -> Comm:
+    """The default process group when one is initialized, else a world of one."""
+    if dist.is_available() and dist.is_initialized():
+        return TorchComm()
+    return SoloComm()

@@ -1,0 +1,39 @@
+"""The errors zerocc raises on purpose.
+
+Every error zerocc means to show a user derives from `ZeroccError`; the CLI prints such an error
+as one line and exits with status 2 instead of showing a traceback.
+"""
+
+
+class ZeroccError(Exception):
+    """Base class of every error zerocc raises on purpose; anything else is a bug."""
+
+
+class PlanError(ZeroccError, ValueError):
+    """Raised when a plan (or the workload it names) cannot be loaded or is invalid.
+
+    The message names the plan file, the dotted YAML path of each bad field, the bad value and
+    what is allowed there.
+    """
+
+
+class CaptureError(ZeroccError):
+    """Raised when the training step of a model cannot be captured as one graph."""
+
+
+class PassOrderError(ZeroccError):
+    """Raised before any pass runs when the pipeline's order breaks a pass's requirements."""
+
+
+class RankMismatchError(ZeroccError):
+    """Raised when ranks disagree: a different world size than the plan expects, or programs
+    whose hashes differ across ranks (the message names the first differing node)."""
+
+
+class NotSupportedError(ZeroccError):
+    """Raised when a plan or model asks for something zerocc does not support yet."""
+
+
+class InvariantError(ZeroccError):
+    """Raised (under ``ZEROCC_VERIFY=1``) when a pass leaves a graph that breaks an IR invariant;
+    the message names the pass and the first offending node."""

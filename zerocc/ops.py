@@ -1,0 +1,259 @@
+"""zerocc's own ops, registered with ``torch.library`` in the ``zerocc`` namespace.
+
+Each op has an eager implementation and a fake (meta) one, so a scheduled graph stays printable,
+runnable by fx, shape-propagatable on fake tensors, and lowerable by later backends.
+
+Collectives come in start/wait pairs: ``*_start`` issues the collective on the active
+:class:`~zerocc.comm.Comm` and returns its (not yet valid) result; ``wait`` blocks until it is
+valid and returns it. Schemas carry alias annotations, so fx and the verifier know that ``wait``
+returns its input and that ``all_reduce_start`` writes its argument.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.library import Library
+
+from zerocc.comm import Work, active_comm
+
+_lib = Library("zerocc", "DEF")
+_pending: dict[int, Work] = {}
+
+SCHEMAS = {
+    "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group) -> Tensor",
+    "all_gather_into_start": (
+        "all_gather_into_start(Tensor(a!) out, Tensor shard, str group) -> Tensor(a!)"
+    ),
+    "reduce_scatter_start": (
+        "reduce_scatter_start(Tensor full, int world_size, str group) -> Tensor"
+    ),
+    "all_reduce_start": "all_reduce_start(Tensor(a!) tensor, str group) -> Tensor(a!)",
+    "wait": "wait(Tensor(a) tensor) -> Tensor(a)",
+    "free": "free(Tensor(a!) tensor) -> ()",
+    "pack": "pack(Tensor?[] tensors, int[] numels, SymInt numel) -> Tensor",
+    "sum_squares": "sum_squares(Tensor[] tensors, float scale) -> Tensor",
+    "clip_coef": "clip_coef(Tensor total_sq, float max_norm) -> Tensor",
+    "adamw_": (
+        "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
+        " Tensor step, Tensor? clip_coef, float grad_scale, float lr, float beta1, float beta2,"
+        " float eps, float weight_decay) -> ()"
+    ),
+    "sgd_": (
+        "sgd_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, Tensor? clip_coef,"
+        " float grad_scale, float lr, float momentum, float weight_decay) -> ()"
+    ),
+}
+COLLECTIVE_STARTS = (
+    "all_gather_start",
+    "all_gather_into_start",
+    "reduce_scatter_start",
+    "all_reduce_start",
+)
+
+for _schema in SCHEMAS.values():
+    _lib.define(_schema)
+
+
+def _impl(name: str):
+    def register(fn):
+        _lib.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return register
+
+
+def _fake(name: str):
+    return torch.library.register_fake(f"zerocc::{name}")
+
+
+def _issue(result: torch.Tensor, work: Work) -> torch.Tensor:
+    _pending[result.data_ptr()] = work
+    return result
+
+
+# --- collectives -------------------------------------------------------------------------
+
+
+@_impl("all_gather_start")
+def _all_gather_start(shard: torch.Tensor, world_size: int, group: str) -> torch.Tensor:
+    out = shard.new_empty(shard.numel() * world_size)
+    return _issue(out, active_comm().all_gather(out, shard))
+
+
+@_impl("all_gather_into_start")
+def _all_gather_into_start(out: torch.Tensor, shard: torch.Tensor, group: str) -> torch.Tensor:
+    return _issue(out, active_comm().all_gather(out, shard))
+
+
+@_impl("reduce_scatter_start")
+def _reduce_scatter_start(full: torch.Tensor, world_size: int, group: str) -> torch.Tensor:
+    out = full.new_empty(full.numel() // world_size)
+    return _issue(out, active_comm().reduce_scatter(out, full))
+
+
+@_impl("all_reduce_start")
+def _all_reduce_start(tensor: torch.Tensor, group: str) -> torch.Tensor:
+    return _issue(tensor, active_comm().all_reduce(tensor))
+
+
+@_impl("wait")
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    work = _pending.pop(tensor.data_ptr(), None)
+    if work is None:
+        raise RuntimeError("zerocc.wait on a tensor with no collective in flight")
+    work.wait()
+    return tensor
+
+
+@_fake("all_gather_start")
+def _(shard, world_size, group):
+    return shard.new_empty(shard.numel() * world_size)
+
+
+@_fake("all_gather_into_start")
+def _(out, shard, group):
+    return out
+
+
+@_fake("reduce_scatter_start")
+def _(full, world_size, group):
+    return full.new_empty(full.numel() // world_size)
+
+
+@_fake("all_reduce_start")
+def _(tensor, group):
+    return tensor
+
+
+@_fake("wait")
+def _(tensor):
+    return tensor
+
+
+def pending_collectives() -> int:
+    """Collectives issued and not yet waited on (0 after every complete program run)."""
+    return len(_pending)
+
+
+# --- memory ------------------------------------------------------------------------------
+
+
+@_impl("free")
+def _free(tensor: torch.Tensor) -> None:
+    # Release the storage now, even if a stray reference would keep the tensor alive.
+    tensor.untyped_storage().resize_(0)
+
+
+@_fake("free")
+def _(tensor):
+    return None
+
+
+@_impl("pack")
+def _pack(tensors: list[torch.Tensor | None], numels: list[int], numel: int) -> torch.Tensor:
+    like = next((t for t in tensors if t is not None), None)
+    if like is None:
+        raise RuntimeError("zerocc.pack needs at least one tensor")
+    out = like.new_zeros(numel)
+    offset = 0
+    for t, n in zip(tensors, numels, strict=True):
+        if t is not None:
+            out[offset : offset + n].copy_(t.reshape(-1))
+        offset += n
+    return out
+
+
+@_fake("pack")
+def _(tensors, numels, numel):
+    like = next(t for t in tensors if t is not None)
+    return like.new_empty(numel)
+
+
+# --- optimizer ---------------------------------------------------------------------------
+
+
+@_impl("sum_squares")
+def _sum_squares(tensors: list[torch.Tensor], scale: float) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    for t in tensors:
+        total += (t.float() * scale).pow(2).sum()
+    return total
+
+
+@_fake("sum_squares")
+def _(tensors, scale):
+    return tensors[0].new_empty((), dtype=torch.float32)
+
+
+@_impl("clip_coef")
+def _clip_coef(total_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
+    # Same formula as torch.nn.utils.clip_grad_norm_.
+    return (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)
+
+
+@_fake("clip_coef")
+def _(total_sq, max_norm):
+    return total_sq.new_empty(())
+
+
+def _effective_grad(grad: torch.Tensor, clip_coef: torch.Tensor | None, scale: float):
+    g = grad * scale
+    if clip_coef is not None:
+        g.mul_(clip_coef)
+    return g
+
+
+@_impl("adamw_")
+def _adamw_(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    step,
+    clip_coef,
+    grad_scale,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+) -> None:
+    """AdamW on one flat shard, step for step the arithmetic of ``torch.optim.AdamW``."""
+    g = _effective_grad(grad, clip_coef, grad_scale)
+    t = int(step.item())
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = lr / (1 - beta1**t)
+    bias_correction2_sqrt = math.sqrt(1 - beta2**t)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@_impl("sgd_")
+def _sgd_(param, grad, momentum_buffer, clip_coef, grad_scale, lr, momentum, weight_decay) -> None:
+    """SGD on one flat shard, as ``torch.optim.SGD`` (no dampening, no Nesterov)."""
+    g = _effective_grad(grad, clip_coef, grad_scale)
+    if weight_decay:
+        g.add_(param, alpha=weight_decay)
+    if momentum_buffer is not None:
+        # The buffer starts at zero, so the first step stores g exactly, as torch's clone does.
+        g = momentum_buffer.mul_(momentum).add_(g)
+    param.add_(g, alpha=-lr)
+
+
+@_fake("adamw_")
+def _(*args):
+    return None
+
+
+@_fake("sgd_")
+def _(*args):
+    return None
+
+
+def op(name: str) -> torch._ops.OpOverload:
+    """The default overload of ``zerocc.<name>``."""
+    return getattr(torch.ops.zerocc, name).default

@@ -1,0 +1,292 @@
+"""The plan: a YAML file that says how to shard, optimize and run one training step.
+
+A tree of pydantic models; `load_plan` turns any invalid input into one `PlanError` naming the
+file, the YAML path of each bad field, the bad value and what is allowed there.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import ErrorDetails
+
+from zerocc.errors import PlanError
+
+DEFAULT_PASSES = ["partition", "shard", "optimizer"]
+
+_WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+class _Section(BaseModel):
+    """Base of every plan model: an unknown field (a typo) is an error, not a silent default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ZeroConfig(_Section):
+    """Which ZeRO stage to apply, and over how many ranks."""
+
+    stage: Literal[0, 1, 2, 3] = Field(
+        3, description="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters"
+    )
+    world_size: int | None = Field(
+        None, ge=1, description="expected world size; compile fails clearly under any other"
+    )
+
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _stage_is_an_int(cls, stage: Any) -> Any:
+        # Literal[0, 1, 2, 3] alone would take YAML `true` as stage 1 and `3.0` as stage 3.
+        if isinstance(stage, bool | float):
+            raise ValueError(f"{stage!r} is not allowed; allowed values: 0, 1, 2, 3")
+        return stage
+
+
+class UnitsConfig(_Section):
+    """How parameters are grouped into FSDP units (gathered, freed and reduced together)."""
+
+    classes: list[str] = Field(
+        default_factory=list,
+        description="every module whose class name is listed becomes one FSDP unit, "
+        "innermost first",
+    )
+    modules: list[str] = Field(
+        default_factory=list,
+        description="fnmatch globs over module FQNs, e.g. 'h.*' or 'transformer.h.[0-3]'",
+    )
+    min_mb: float | None = Field(
+        None,
+        gt=0,
+        description="size-based wrapping: a module whose not-yet-assigned parameters reach this "
+        "many MB becomes a unit, bottom-up",
+    )
+
+
+class OptimizerConfig(_Section):
+    """The optimizer, applied to each rank's shard of the parameters."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="optimizer, as torch.optim names it")
+    lr: float = Field(1e-3, gt=0, description="learning rate")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon, added to the denominator")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW) or L2 (SGD)")
+    momentum: float = Field(0.0, ge=0, description="SGD momentum (sgd only)")
+    grad_clip: float | None = Field(None, gt=0, description="clip by global L2 norm over all ranks")
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum_is_sgd_only(cls, momentum: float, info: ValidationInfo) -> float:
+        name = info.data.get("name")
+        if momentum != 0 and name == "adamw":
+            raise ValueError(
+                f"momentum {momentum} applies to sgd only; set optimizer.name: sgd or drop momentum"
+            )
+        return momentum
+
+
+class PrecisionConfig(_Section):
+    """Dtypes of parameters, gradients and collectives."""
+
+    param: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="dtype of parameters in compute; only 'fp32' is supported yet"
+    )
+
+    @field_validator("param")
+    @classmethod
+    def _only_fp32_yet(cls, param: str) -> str:
+        if param != "fp32":
+            raise ValueError(
+                f"{param!r} is not supported yet (only 'fp32'); "
+                "mixed precision arrives with the precision pass"
+            )
+        return param
+
+
+class BackendConfig(_Section):
+    """Which backend runs the scheduled graph, and on which device."""
+
+    name: Literal["eager"] = Field(
+        "eager", description="how the scheduled graph runs; eager interprets it node by node"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda when available, else cpu"
+    )
+
+
+class Plan(_Section):
+    """A zerocc plan: how to shard, optimize and run one training step."""
+
+    zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and world size")
+    units: UnitsConfig = Field(
+        default_factory=UnitsConfig, description="how parameters are grouped into FSDP units"
+    )
+    optimizer: OptimizerConfig = Field(
+        default_factory=OptimizerConfig, description="optimizer and gradient clipping"
+    )
+    grad_accumulation: int = Field(
+        1,
+        ge=1,
+        description="micro-batches per optimizer step; the gradient is the mean over ranks and "
+        "micro-batches",
+    )
+    precision: PrecisionConfig = Field(
+        default_factory=PrecisionConfig, description="dtypes of parameters and gradients"
+    )
+    backend: BackendConfig = Field(
+        default_factory=BackendConfig, description="which backend runs the scheduled graph"
+    )
+    passes: list[str] | None = Field(
+        None, description="pass pipeline in order; default: partition, shard, optimizer"
+    )
+    workload: str | None = Field(
+        None,
+        description="'module:function' returning a zerocc Workload; the module is imported with "
+        "the plan file's directory on sys.path",
+        json_schema_extra={"pattern": _WORKLOAD_SHAPE.pattern},
+    )
+    workload_args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments passed to the workload function"
+    )
+    seed: int = Field(
+        0, description="seed for deterministic initialization of models built on the meta device"
+    )
+
+    # Not a field: it is where the plan came from, never something a plan file may set.
+    _source: str | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> str | None:
+        """The path the plan was loaded from (None for a dict or Plan); the workload module is
+        resolved relative to its directory."""
+        return self._source
+
+    @field_validator("workload")
+    @classmethod
+    def _workload_shape(cls, workload: str | None) -> str | None:
+        if workload is not None and not _WORKLOAD_SHAPE.match(workload):
+            raise ValueError(
+                f"{workload!r} is not of the form 'module:function' (e.g. 'workload:workload')"
+            )
+        return workload
+
+
+def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
+    """Load and validate a plan from a YAML file path, a dict, or a Plan (returned as is).
+
+    Raises PlanError, naming the file, the YAML path of each bad field, the value and what is
+    allowed, for a missing file, bad YAML, a non-mapping document, or an invalid field.
+    """
+    if isinstance(src, Plan):
+        return src
+    where = "plan"
+    source = None
+    if isinstance(src, dict):
+        data: Any = src
+    elif isinstance(src, str | os.PathLike):
+        path = Path(src)
+        source = str(path)
+        where = f"plan file {source}"
+        if not path.is_file():
+            raise PlanError(f"{where}: not found" if not path.exists() else f"{where}: not a file")
+        try:
+            with path.open() as stream:  # a stream, so YAML errors name the file
+                data = yaml.safe_load(stream)
+        except yaml.YAMLError as exc:
+            raise PlanError(f"{where}: invalid YAML: {exc}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PlanError(f"{where}: cannot be read: {exc}") from None
+        if data is None:  # an empty file: every default
+            data = {}
+    else:
+        raise PlanError(f"a plan is a YAML path, a dict or a zerocc.Plan, not {type(src).__name__}")
+    if not isinstance(data, dict):
+        got = f"{type(data).__name__} {_show(data)}"
+        raise PlanError(f"{where}: expected a mapping of fields at the top, got {got}")
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(err) for err in exc.errors()]
+        raise PlanError(f"{where} is invalid:\n" + "\n".join(f"  {ln}" for ln in lines)) from None
+    plan._source = source
+    return plan
+
+
+def plan_json_schema() -> dict:
+    """The JSON Schema of plan files, for editors and `zerocc plan schema`."""
+    schema = Plan.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+# --- error messages -------------------------------------------------------------------------
+
+
+def _describe(err: ErrorDetails) -> str:
+    """One line for one pydantic error: YAML path, what is wrong, the value, what is allowed."""
+    loc = err["loc"]
+    path = _dotted(loc) or "<plan>"
+    value = err.get("input")
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = list(_model_at(loc[:-1]).model_fields)
+        name = str(loc[-1])
+        close = difflib.get_close_matches(name, allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{path}: unknown field {name!r}{hint}; allowed fields here: {', '.join(allowed)}"
+    if kind == "literal_error":
+        choices = _literal_choices(loc) or [err.get("ctx", {}).get("expected", "?")]
+        return f"{path}: {_show(value)} is not allowed; allowed values: {', '.join(choices)}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        model = _model_at(loc)
+        expected = f"fields: {', '.join(model.model_fields)}" if model else "keys and values"
+        return f"{path}: expected a mapping of {expected}; got {_show(value)}"
+    msg = err["msg"]
+    if kind in ("value_error", "assertion_error"):
+        return f"{path}: {msg.split(', ', 1)[-1]}"
+    return f"{path}: {msg[:1].lower()}{msg[1:]}; got {_show(value)}"
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The plan model found by following `loc` from Plan, or None if it leads elsewhere."""
+    model: type[BaseModel] | None = Plan
+    for part in loc:
+        field = model.model_fields.get(part) if model and isinstance(part, str) else None
+        nested = field.annotation if field else None
+        model = nested if isinstance(nested, type) and issubclass(nested, BaseModel) else None
+    return model
+
+
+def _literal_choices(loc: tuple[int | str, ...]) -> list[str]:
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(str(loc[-1])) if model else None
+    if field is None or typing.get_origin(field.annotation) is not Literal:
+        return []
+    return [_show(choice) for choice in typing.get_args(field.annotation)]
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,276 @@
+"""TrainStep: the compiled training step a user calls, and the state it owns.
+
+``step(*batch)`` runs one micro-batch on this rank: forward, backward, communication and, on
+every ``grad_accumulation``-th call, the optimizer update. Programs are compiled on first sight
+of a batch signature (shapes, dtypes, non-tensor values) and cached, one for micro-batches that
+step and one for those that only accumulate. Before each call the ranks agree on the signature
+(a mismatch is an error on every rank, never a hang), and before a new program first runs they
+compare its hash (a mismatch names the first differing line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from zerocc.backends import get_backend
+from zerocc.capture import LossFn, capture, describe_model
+from zerocc.comm import Comm, TorchComm, use_comm
+from zerocc.errors import CaptureError, RankMismatchError
+from zerocc.explain import explain_step, model_state_bytes
+from zerocc.ir import (
+    BATCH,
+    BUFFER,
+    GRAD,
+    OPTIM_STATE,
+    PARAM_FULL,
+    PARAM_SHARD,
+    STEP,
+    info,
+    placeholders,
+    val,
+)
+from zerocc.materialize import initial_values, is_meta
+from zerocc.ops import pending_collectives
+from zerocc.pass_manager import PassContext, PassRecord, build_pipeline, run_pipeline
+from zerocc.plan import Plan
+from zerocc.printing import format_program
+from zerocc.units import Unit
+
+
+@dataclass
+class Program:
+    """One compiled program: the scheduled graph, how it was built, and its runnable form."""
+
+    gm: fx.GraphModule
+    records: list[PassRecord]
+    bindings: list[tuple[str, str]]  # (role, key) per placeholder, in order
+    run: Any
+    digest: str
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def batch_signature(batch: Sequence[Any]) -> tuple:
+    """What makes two batches need different programs: tensor shapes/dtypes, other values."""
+    return tuple(
+        ("tensor", tuple(b.shape), str(b.dtype)) if isinstance(b, torch.Tensor) else ("value", b)
+        for b in batch
+    )
+
+
+class TrainStep:
+    """The compiled training step. See :func:`zerocc.compile`."""
+
+    def __init__(
+        self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
+    ) -> None:
+        self.plan, self.loss_fn, self.comm, self.device = plan, loss_fn, comm, device
+        self.model = model
+        self.model_info = describe_model(model)
+        self.state_dict_keys = list(model.state_dict(keep_vars=True))
+        self.pipeline = build_pipeline(plan)
+        self.backend = get_backend(plan.backend.name)
+        self.units: list[Unit] = []
+        self.state: dict[str, torch.Tensor] = {}
+        self.programs: dict[tuple, Program] = {}
+        self.micro_batches = 0
+        self.steps = 0
+        self._last_program: Program | None = None
+
+    # -- running ----------------------------------------------------------------------------
+
+    def __call__(self, *batch: Any) -> torch.Tensor:
+        """Run one micro-batch of this rank; returns its loss."""
+        batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        boundary = (self.micro_batches + 1) % self.plan.grad_accumulation == 0
+        signature = batch_signature(batch)
+        self._agree(("signature", signature, boundary), "the batch shapes differ across ranks")
+        key = (signature, boundary)
+        if key not in self.programs:
+            self.programs[key] = self._build(batch, boundary)
+        program = self.programs[key]
+        if boundary:
+            self.steps += 1
+            if "optim.step" in self.state:
+                self.state["optim.step"].fill_(self.steps)
+        args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
+        self.comm.stats.reset()
+        with torch.no_grad(), use_comm(self.comm):
+            loss = program.run(*args)
+        if pending_collectives():
+            raise RuntimeError("a program finished with collectives still in flight")
+        self.micro_batches += 1
+        self._last_program = program
+        return loss
+
+    def _build(self, batch: tuple, boundary: bool) -> Program:
+        gm = capture(self.model, self.model_info, self.loss_fn, batch, self.device)
+        ctx = PassContext(self.plan, self.comm.world_size, self.model_info, boundary=boundary)
+        gm, records = run_pipeline(gm, ctx, self.pipeline)
+        if self.units and [u.name for u in self.units] != [u.name for u in ctx.units]:
+            raise CaptureError("the units of a new program differ from the first program's")
+        self.units = ctx.units
+        self._allocate(gm)
+        text = format_program(gm)
+        digest = _digest(text)
+        self._agree(("program", digest), "the compiled programs differ across ranks", text)
+        bindings = [(info(n).role, info(n).key) for n in placeholders(gm)]
+        return Program(gm, records, bindings, self.backend(gm), digest)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _allocate(self, gm: fx.GraphModule) -> None:
+        """Create the persistent state the program's placeholders name, once per key."""
+        needed = [n for n in placeholders(gm) if info(n).role != BATCH]
+        missing = [n for n in needed if info(n).key not in self.state]
+        if not missing:
+            return
+        units = {u.name: u for u in self.units}
+        fresh_units = {info(n).unit for n in missing if info(n).role in (PARAM_FULL, PARAM_SHARD)}
+        fresh_buffers = [info(n).key for n in missing if info(n).role == BUFFER]
+        wanted = [p.fqn for u in fresh_units for p in units[u].params] + fresh_buffers
+        values = initial_values(self.model, wanted, self.plan.seed, self.device)
+        rank = self.comm.rank
+        for node in sorted(missing, key=lambda n: info(n).role != PARAM_FULL):
+            record, fake = info(node), val(node)
+            if record.role == PARAM_FULL:
+                tensor = units[record.unit].flatten(values)
+            elif record.role == PARAM_SHARD:
+                # Stages 1-2: a view of this rank's slice of the replicated flat parameter;
+                # stage 3: the shard is all this rank holds.
+                unit = units[record.unit]
+                replicated = self.state.get(f"{unit.key}.param", None)
+                if record.key.endswith(".param_shard") and replicated is not None:
+                    tensor = unit.shard_of(replicated, rank)
+                else:
+                    tensor = unit.shard_of(unit.flatten(values), rank).clone()
+            elif record.role == BUFFER:
+                tensor = values[record.key]
+            elif record.role == STEP:
+                tensor = torch.zeros((), dtype=torch.int64)
+            elif record.role in (GRAD, OPTIM_STATE):
+                tensor = torch.zeros(fake.shape, dtype=fake.dtype, device=self.device)
+            else:
+                raise CaptureError(f"placeholder {node.name!r} has unknown role {record.role!r}")
+            self.state[record.key] = tensor
+        if not is_meta(self.model) and all(k in self.state for k in self._param_keys()):
+            # The TrainStep owns the weights from now on; full_state_dict() returns them.
+            self.model.to("meta")
+
+    def _param_keys(self) -> list[str]:
+        return [f"{u.key}.param" for u in self.units]
+
+    # -- agreement across ranks -------------------------------------------------------------
+
+    def _agree(self, what: tuple, problem: str, detail: str | None = None) -> None:
+        """Raise on every rank when ranks disagree on ``what`` (8-byte hash compared first)."""
+        if not isinstance(self.comm, TorchComm) or self.comm.world_size == 1:
+            return
+        digest = int(_digest(repr(what))[:15], 16)
+        mine = torch.tensor([digest], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.comm.world_size)]
+        dist.all_gather(everyone, mine, group=self.comm.group)
+        if all(int(t) == digest for t in everyone):
+            return
+        views: list[Any] = [None] * self.comm.world_size
+        dist.all_gather_object(
+            views, detail if detail is not None else repr(what), group=self.comm.group
+        )
+        raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + _first_difference(views))
+
+    # -- inspection -------------------------------------------------------------------------
+
+    @property
+    def program(self) -> fx.GraphModule:
+        """The scheduled graph of the last program run (or built)."""
+        program = self._last_program or next(iter(self.programs.values()), None)
+        if program is None:
+            raise RuntimeError("no program yet: call step(*batch) once to compile")
+        return program.gm
+
+    @property
+    def records(self) -> list[PassRecord]:
+        """What each pass did to the last program: time, graph after it, ops added/removed."""
+        return (self._last_program or next(iter(self.programs.values()))).records
+
+    def explain(self) -> str:
+        """Units, bytes each collective moves per step, model-state bytes per rank vs formula."""
+        return explain_step(self)
+
+    def summary(self) -> dict[str, Any]:
+        """Figures of the last step: bytes per collective kind, model-state bytes per rank."""
+        return {
+            "comm_bytes_per_step": dict(self.comm.stats.bytes),
+            "model_state_bytes": model_state_bytes(self)["total"],
+        }
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{fqn: full fp32 tensor on CPU}`` for every key of ``model.state_dict()``."""
+        full: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            flat = self.state[f"{unit.key}.param"]
+            if flat.numel() != unit.padded_numel:
+                gathered = flat.new_empty(unit.padded_numel)
+                self.comm.all_gather(gathered, flat).wait()
+                flat = gathered
+            for p in unit.params:
+                value = unit.unflatten(flat)[p.fqn].detach().to("cpu", copy=True)
+                full.update(dict.fromkeys(p.param.aliases, value))
+        for b in self.model_info.buffers:
+            if b.fqn in self.state:
+                full.update(dict.fromkeys(b.aliases, self.state[b.fqn].detach().cpu().clone()))
+        return {k: full[k] for k in self.state_dict_keys if k in full}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards, optimizer state and counters (reload with the same plan/world)."""
+        tensors = {k: t for k, t in self.state.items() if not k.endswith(".param_shard")}
+        return {
+            "state": tensors,
+            "steps": self.steps,
+            "micro_batches": self.micro_batches,
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "stage": self.plan.zero.stage,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (same world size, rank and stage)."""
+        for field in ("world_size", "rank", "stage"):
+            mine = {
+                "world_size": self.comm.world_size,
+                "rank": self.comm.rank,
+                "stage": self.plan.zero.stage,
+            }[field]
+            if sd[field] != mine:
+                raise RankMismatchError(
+                    f"checkpoint was saved with {field}={sd[field]}, this run has {field}={mine}"
+                )
+        for key, tensor in sd["state"].items():
+            if key in self.state:
+                self.state[key].copy_(tensor)
+            else:
+                self.state[key] = tensor.clone().to(self.device)
+        self.steps, self.micro_batches = sd["steps"], sd["micro_batches"]
+
+
+def _first_difference(views: list[Any]) -> str:
+    """Name the first line where ranks' texts differ, with each rank's version of it."""
+    lines = [str(v).splitlines() for v in views]
+    for i in range(max(len(x) for x in lines)):
+        at = [x[i] if i < len(x) else "<end>" for x in lines]
+        if len(set(at)) > 1:
+            return f"first difference at line {i + 1}: " + "; ".join(
+                f"rank {r}: {text.strip()}" for r, text in enumerate(at)
+            )
+    return "texts differ"
