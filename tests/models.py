@@ -1,4 +1,4 @@
-"""Small models that exercise what sharding gets wrong: ties, frozen parts, reuse, buffers, odd sizes.
+"""Small models for what sharding gets wrong: ties, frozen parts, reuse, buffers, odd sizes.
 
 Each entry of ``MODELS`` builds a model deterministically and makes rank-local batches, so a
 worker process and the reference in the test process build the same thing.
@@ -95,14 +95,26 @@ def _features(n_in: int, target: Callable[[torch.Generator, int], torch.Tensor])
 # name -> (build, batch(step, rank), units section)
 MODELS = {
     "gpt": (tiny_gpt, _gpt_batch, {"classes": ["Block"]}),
-    "frozen": (FrozenBackbone, _features(12, lambda g, n: torch.randint(0, 5, (n,), generator=g)),
-               {"modules": ["backbone", "adapter"]}),
-    "twice": (CalledTwice, _features(10, lambda g, n: torch.randint(0, 3, (n,), generator=g)),
-              {"modules": ["shared", "middle"]}),
-    "buffers": (WithBuffers, _features(8, lambda g, n: torch.randn(n, 4, generator=g)),
-                {"modules": ["lin1"]}),
-    "odd": (OddSizes, _features(5, lambda g, n: torch.randn(n, 1, generator=g)),
-            {"modules": ["a", "b"]}),
+    "frozen": (
+        FrozenBackbone,
+        _features(12, lambda g, n: torch.randint(0, 5, (n,), generator=g)),
+        {"modules": ["backbone", "adapter"]},
+    ),
+    "twice": (
+        CalledTwice,
+        _features(10, lambda g, n: torch.randint(0, 3, (n,), generator=g)),
+        {"modules": ["shared", "middle"]},
+    ),
+    "buffers": (
+        WithBuffers,
+        _features(8, lambda g, n: torch.randn(n, 4, generator=g)),
+        {"modules": ["lin1"]},
+    ),
+    "odd": (
+        OddSizes,
+        _features(5, lambda g, n: torch.randn(n, 1, generator=g)),
+        {"modules": ["a", "b"]},
+    ),
 }
 
 

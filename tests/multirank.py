@@ -9,7 +9,9 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -25,8 +27,13 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -50,15 +57,29 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600) -> lis
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            results[rank] = (status, value)
+        while len(results) < world:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+                results[rank] = (status, value)
+                continue
+            except queue_module.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                why = (
+                    f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+                    if dead
+                    else f"ranks still running after {timeout:.0f}s"
+                )
+                raise RuntimeError(f"multi-rank run failed: {why}")
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -17,16 +17,23 @@ from zerocc.explain import describe
 
 
 def case_id(case: dict[str, Any]) -> str:
-    extras = [f"{k}={v}" for k, v in sorted(case.items())
-              if k not in ("model", "stage", "world", "steps")]
+    extras = [
+        f"{k}={v}" for k, v in sorted(case.items()) if k not in ("model", "stage", "world", "steps")
+    ]
     return "-".join([case["model"], f"zero{case['stage']}", f"ws{case['world']}", *extras])
 
 
 def plan_of(case: dict[str, Any]) -> dict[str, Any]:
-    optimizer = case.get("optimizer", {"name": "adamw", "lr": 1e-2, "eps": 1e-3,
-                                       "weight_decay": 0.01})
-    return {"zero": {"stage": case["stage"]}, "units": MODELS[case["model"]][2],
-            "optimizer": optimizer, "grad_accumulation": case.get("accum", 1), "seed": 7}
+    optimizer = case.get(
+        "optimizer", {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
+    )
+    return {
+        "zero": {"stage": case["stage"]},
+        "units": MODELS[case["model"]][2],
+        "optimizer": optimizer,
+        "grad_accumulation": case.get("accum", 1),
+        "seed": 7,
+    }
 
 
 def batch_of(case: dict[str, Any], index: int, rank: int):
@@ -52,12 +59,14 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
         k, losses = case.get("accum", 1), []
         for i in range(case.get("steps", 5) * k):
             losses.append(float(step(*batch_of(case, i, rank))))
+        elements = dict(step.comm.stats.elements)  # of the last step's program alone
+        params = step.full_state_dict()  # collective: every rank calls it
         out[case_id(case)] = {
             "losses": losses,
-            "elements": dict(step.comm.stats.elements),
+            "elements": elements,
             "psi": sum(u.padded_numel for u in step.units if u.trainable),
             "figures": describe(step),
-            "params": step.full_state_dict() if rank == 0 else None,
+            "params": params if rank == 0 else None,
         }
     return out
 
@@ -70,11 +79,16 @@ def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.
     cfg = plan_of(case)["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg["name"] == "adamw":
-        opt = torch.optim.AdamW(params, lr=cfg["lr"], eps=cfg["eps"],
-                                weight_decay=cfg.get("weight_decay", 0.0))
+        opt = torch.optim.AdamW(
+            params, lr=cfg["lr"], eps=cfg["eps"], weight_decay=cfg.get("weight_decay", 0.0)
+        )
     else:
-        opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0),
-                              weight_decay=cfg.get("weight_decay", 0.0))
+        opt = torch.optim.SGD(
+            params,
+            lr=cfg["lr"],
+            momentum=cfg.get("momentum", 0.0),
+            weight_decay=cfg.get("weight_decay", 0.0),
+        )
     world, k = case["world"], case.get("accum", 1)
     losses: list[list[float]] = [[] for _ in range(world)]
     for s in range(case.get("steps", 5)):

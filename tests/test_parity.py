@@ -22,13 +22,27 @@ def _matrix(world: int) -> list[dict]:
     cases = [{"model": m, "stage": s, "world": world} for m in MODELS for s in range(4)]
     if world == 2:
         cases += [
-            {"model": "gpt", "stage": 3, "world": 2, "accum": 2,
-             "optimizer": {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}},
-            {"model": "gpt", "stage": 1, "world": 2, "accum": 3,
-             "optimizer": {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}},
+            {
+                "model": "gpt",
+                "stage": 3,
+                "world": 2,
+                "accum": 2,
+                "optimizer": {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05},
+            },
+            {
+                "model": "gpt",
+                "stage": 1,
+                "world": 2,
+                "accum": 3,
+                "optimizer": {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05},
+            },
             {"model": "gpt", "stage": 0, "world": 2, "accum": 2},
-            {"model": "odd", "stage": 2, "world": 2,
-             "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}},
+            {
+                "model": "odd",
+                "stage": 2,
+                "world": 2,
+                "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+            },
             {"model": "gpt", "stage": 3, "world": 2, "optimizer": {"name": "sgd", "lr": 0.5}},
             {"model": "gpt", "stage": 3, "world": 2, "meta": True},
             {"model": "gpt", "stage": 2, "world": 2, "short_last": True},
@@ -74,7 +88,8 @@ def test_elements_communicated_per_step(world, stage):
 def test_model_state_bytes_match_formula(world, stage):
     """Live persistent params + grads + optimizer states vs ZeRO's formula, within 2%."""
     figures = _results(world)[0][case_id({"model": "gpt", "stage": stage, "world": world})][
-        "figures"]
+        "figures"
+    ]
     measured, formula = figures["model_state_bytes"], figures["formula_bytes"]
     for category in ("params", "grads", "optimizer", "total"):
         assert measured[category] == pytest.approx(formula[category], rel=0.02), category

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from zerocc.ir import GRAD, OPTIM_STATE, PARAM_FULL, PARAM_SHARD, info, placeholders
+from zerocc.ir import GRAD, OPTIM_STATE, PARAM_FULL, PARAM_SHARD, info, op_name, placeholders
 from zerocc.passes.optimizer import optimizer_states
 from zerocc.printing import human_bytes
 
@@ -54,7 +54,8 @@ def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
         times = 1 if boundary else k - 1
         for node in program.gm.graph.nodes:
             if info(node).stream == "comm" and info(node).bytes:
-                kind = str(node.target).split(".")[1].removesuffix("_start").removesuffix("_into")
+                name = op_name(node.target).removeprefix("zerocc.")
+                kind = name.removesuffix("_start").removesuffix("_into")
                 out[kind] += times * info(node).bytes
     return dict(out)
 

@@ -84,6 +84,9 @@ def initial_values(
     modules = dict(model.named_modules())
     for fqn in sorted(owners):
         module = modules[fqn]
+        # The module's own meta tensors go back in place afterwards: the same objects, so ties
+        # to other modules (an output head sharing the embedding) stay intact.
+        originals = dict(module._parameters), dict(module._buffers)
         _reset(module, fqn, seed, device)
         for name, t in [
             *module.named_parameters(recurse=False),
@@ -92,5 +95,25 @@ def initial_values(
             full = f"{fqn}.{name}" if fqn else name
             if full in wanted:
                 values[full] = t.detach().clone()
-        module.to_empty(device="meta", recurse=False)
+        module._parameters.update(originals[0])
+        module._buffers.update(originals[1])
     return values
+
+
+def release_to_meta(model: nn.Module) -> None:
+    """Swap the model's parameters and buffers for meta tensors, keeping ties: the TrainStep
+    owns the weights once its state is built, and the model's copy is freed."""
+    from zerocc.capture import describe_model
+
+    modules = dict(model.named_modules())
+    described = describe_model(model)
+    for p in described.params:
+        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+        for alias in p.aliases:
+            owner, _, name = alias.rpartition(".")
+            modules[owner]._parameters[name] = meta
+    for b in described.buffers:
+        meta = torch.empty(b.shape, dtype=b.dtype, device="meta")
+        for alias in b.aliases:
+            owner, _, name = alias.rpartition(".")
+            modules[owner]._buffers[name] = meta

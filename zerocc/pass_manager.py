@@ -19,9 +19,11 @@ from typing import Any
 
 from torch import fx
 
+from zerocc.capture import ModelInfo
 from zerocc.errors import PassOrderError, PlanError
 from zerocc.ir import count_ops, propagate_fake_values
 from zerocc.plan import Plan
+from zerocc.units import Unit
 
 DEFAULT_PIPELINE = ("partition", "shard", "optimizer")
 CAPTURE_PROVIDES = frozenset({"joint_graph"})
@@ -74,9 +76,9 @@ class PassContext:
 
     plan: Plan
     world_size: int
-    model: Any  # zerocc.capture.ModelInfo
+    model: ModelInfo
     boundary: bool = True  # whether this program ends with the optimizer step
-    units: list[Any] = field(default_factory=list)  # filled by the partition pass
+    units: list[Unit] = field(default_factory=list)  # filled by the partition pass
 
 
 @dataclass

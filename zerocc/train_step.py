@@ -36,9 +36,10 @@ from zerocc.ir import (
     placeholders,
     val,
 )
-from zerocc.materialize import initial_values, is_meta
+from zerocc.materialize import initial_values, is_meta, release_to_meta
 from zerocc.ops import pending_collectives
 from zerocc.pass_manager import PassContext, PassRecord, build_pipeline, run_pipeline
+from zerocc.passes.partition import assign_units
 from zerocc.plan import Plan
 from zerocc.printing import format_program
 from zerocc.units import Unit
@@ -79,7 +80,12 @@ class TrainStep:
         self.state_dict_keys = list(model.state_dict(keep_vars=True))
         self.pipeline = build_pipeline(plan)
         self.backend = get_backend(plan.backend.name)
-        self.units: list[Unit] = []
+        # Units are derived again by the partition pass; building them now turns a plan that
+        # cannot partition this model (a pattern that matches nothing) into an error at compile.
+        units = plan.units
+        self.units: list[Unit] = assign_units(
+            self.model_info, comm.world_size, units.classes, units.modules, units.min_mb
+        )
         self.state: dict[str, torch.Tensor] = {}
         self.programs: dict[tuple, Program] = {}
         self.micro_batches = 0
@@ -116,7 +122,7 @@ class TrainStep:
         gm = capture(self.model, self.model_info, self.loss_fn, batch, self.device)
         ctx = PassContext(self.plan, self.comm.world_size, self.model_info, boundary=boundary)
         gm, records = run_pipeline(gm, ctx, self.pipeline)
-        if self.units and [u.name for u in self.units] != [u.name for u in ctx.units]:
+        if [u.name for u in self.units] != [u.name for u in ctx.units]:
             raise CaptureError("the units of a new program differ from the first program's")
         self.units = ctx.units
         self._allocate(gm)
@@ -164,7 +170,7 @@ class TrainStep:
             self.state[record.key] = tensor
         if not is_meta(self.model) and all(k in self.state for k in self._param_keys()):
             # The TrainStep owns the weights from now on; full_state_dict() returns them.
-            self.model.to("meta")
+            release_to_meta(self.model)
 
     def _param_keys(self) -> list[str]:
         return [f"{u.key}.param" for u in self.units]
@@ -216,7 +222,10 @@ class TrainStep:
     # -- checkpoints ------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{fqn: full fp32 tensor on CPU}`` for every key of ``model.state_dict()``."""
+        """``{fqn: full fp32 tensor on CPU}`` for every key of ``model.state_dict()``.
+
+        A collective under stage 3 (shards are all-gathered): call it on every rank.
+        """
         full: dict[str, torch.Tensor] = {}
         for unit in self.units:
             flat = self.state[f"{unit.key}.param"]

@@ -1,0 +1,64 @@
+"""Pass manager: contracts, records, and the invariant checks of ZEROCC_VERIFY."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import tiny_gpt
+from parity import batch_of
+
+import zerocc
+from zerocc.errors import InvariantError
+from zerocc.ir import info, op_name
+from zerocc.verify import verify_program
+
+
+def _step(stage=3):
+    plan = {"zero": {"stage": stage}, "units": {"classes": ["Block"]}}
+    step = zerocc.compile(tiny_gpt(), plan, comm=zerocc.FakeComm(2))
+    step(*batch_of({"model": "gpt"}, 0, 0))
+    return step
+
+
+def test_each_pass_is_timed_and_its_graph_kept():
+    records = _step().records
+    assert [r.name for r in records] == ["partition", "shard", "optimizer"]
+    shard = records[1]
+    assert shard.seconds > 0 and shard.program.startswith("# Constructed by pass 'shard'")
+    assert shard.ops_added["zerocc.all_gather_start"] == 6  # 3 units, forward and backward
+    assert records[0].ops_added == {} and records[0].ops_removed == {}  # analysis only
+    assert records[2].ops_added["zerocc.adamw_"] == 3
+
+
+def test_use_after_free_is_caught():
+    gm = _step().program
+    free = next(n for n in gm.graph.nodes if op_name(n.target) == "zerocc.free")
+    first_user = next(u for a in free.args for u in a.users if u is not free)
+    first_user.prepend(free)  # free the gathered unit before its first use
+    with pytest.raises(InvariantError, match="after it was freed"):
+        verify_program(gm, after="test")
+
+
+def test_collective_without_wait_is_caught():
+    gm = _step().program
+    wait = next(n for n in gm.graph.nodes if op_name(n.target) == "zerocc.wait")
+    start = wait.args[0]
+    wait.replace_all_uses_with(start)
+    gm.graph.erase_node(wait)
+    with pytest.raises(InvariantError, match="exactly one wait"):
+        verify_program(gm, after="test")
+
+
+def test_writing_a_tensor_while_its_collective_is_in_flight_is_caught():
+    gm = _step(stage=0).program
+    start = next(n for n in gm.graph.nodes if op_name(n.target) == "zerocc.all_reduce_start")
+    with gm.graph.inserting_after(start):
+        gm.graph.call_function(torch.ops.aten.zero_.default, (start.args[0],))
+    with pytest.raises(InvariantError, match="while collective"):
+        verify_program(gm, after="test")
+
+
+def test_graph_nodes_carry_units_and_streams():
+    gm = _step().program
+    comm = [n for n in gm.graph.nodes if info(n).stream == "comm"]
+    assert comm and all(info(n).unit for n in comm)
