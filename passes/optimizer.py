@@ -27,11 +27,10 @@ from zerocc.ir import (
     placeholders,
     state_placeholder,
 )
-from zerocc.ops import op
+from zerocc.ops import DP_GROUP, op
 from zerocc.pass_manager import PassContext, register_pass
 from zerocc.plan import OptimizerConfig
 
-GROUP = "dp"
 OPTIMIZER_STATES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
@@ -102,7 +101,7 @@ def optimizer(
                     graph,
                     op("all_reduce_start"),
                     op("wait"),
-                    (total, GROUP),
+                    (total, DP_GROUP),
                     nbytes=2 * 4,
                     note="all-reduce the squared grad norm",
                     **where,
@@ -146,7 +145,7 @@ def optimizer(
                     graph,
                     op("all_gather_into_start"),
                     op("wait"),
-                    (by_role[PARAM_FULL][u.name], target, GROUP),
+                    (by_role[PARAM_FULL][u.name], target, DP_GROUP),
                     nbytes=u.padded_numel * u.dtype.itemsize,
                     unit=u.name,
                     note=f"all-gather {u.name}'s updated shards",

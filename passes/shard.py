@@ -41,11 +41,10 @@ from zerocc.ir import (
     state_placeholder,
     tag,
 )
-from zerocc.ops import op
+from zerocc.ops import DP_GROUP, op
 from zerocc.pass_manager import PassContext, register_pass
 from zerocc.units import Unit
 
-GROUP = "dp"
 aten = torch.ops.aten
 
 
@@ -123,9 +122,8 @@ class _ShardRewriter:
 
     def param_view(self, node: fx.Node, phase: str) -> fx.Node:
         unit = self.units[self.uses.unit_of[node]]
-        placed = next(p for p in unit.params if p.fqn == self.param_of[node])
         flat = self.flat[(unit.name, self.scope(phase))]
-        return self.view_of(flat, unit, placed.fqn, phase)
+        return self.view_of(flat, unit, self.param_of[node], phase)
 
     def view_of(self, flat: fx.Node, unit: Unit, fqn: str, phase: str) -> fx.Node:
         placed = next(p for p in unit.params if p.fqn == fqn)
@@ -165,7 +163,7 @@ class _ShardRewriter:
     def gather(self, unit: Unit, phase: str) -> None:
         flat = self.collective(
             "all_gather_start",
-            (self.state[unit.name]["param"], unit.world_size, GROUP),
+            (self.state[unit.name]["param"], unit.world_size, DP_GROUP),
             unit,
             phase,
             unit.padded_numel * unit.dtype.itemsize,
@@ -205,7 +203,7 @@ class _ShardRewriter:
         )
         reduced = self.collective(
             "reduce_scatter_start",
-            (packed, unit.world_size, GROUP),
+            (packed, unit.world_size, DP_GROUP),
             unit,
             "backward",
             unit.padded_numel * unit.dtype.itemsize,
@@ -227,7 +225,7 @@ class _ShardRewriter:
         if self.stage == 0:
             self.collective(
                 "all_reduce_start",
-                (grad, GROUP),
+                (grad, DP_GROUP),
                 unit,
                 "backward",
                 2 * nbytes,
@@ -237,7 +235,7 @@ class _ShardRewriter:
         else:
             self.collective(
                 "reduce_scatter_start",
-                (grad, unit.world_size, GROUP),
+                (grad, unit.world_size, DP_GROUP),
                 unit,
                 "backward",
                 nbytes,

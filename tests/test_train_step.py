@@ -12,8 +12,11 @@ PLAN = {"zero": {"stage": 3}, "units": {"classes": ["Block"]}, "optimizer": {"ep
 
 
 def _batch(i: int, size: int = 2):
-    return batch_of({"model": "gpt"}, i, 0) if size == 2 else tuple(
-        t[:size] for t in batch_of({"model": "gpt"}, i, 0))
+    return (
+        batch_of({"model": "gpt"}, i, 0)
+        if size == 2
+        else tuple(t[:size] for t in batch_of({"model": "gpt"}, i, 0))
+    )
 
 
 def test_programs_are_cached_by_batch_signature():
@@ -50,8 +53,9 @@ def test_checkpoint_resumes_exactly():
 
 
 def test_explain_shows_units_comm_and_formula():
-    step = zerocc.compile(build("odd"), {"zero": {"stage": 2}, "units": {"modules": ["a"]}},
-                          comm=zerocc.FakeComm(4))
+    step = zerocc.compile(
+        build("odd"), {"zero": {"stage": 2}, "units": {"modules": ["a"]}}, comm=zerocc.FakeComm(4)
+    )
     step(*batch_of({"model": "odd"}, 0, 0))
     text = step.explain()
     assert "ZeRO stage 2, world size 4, 2 units" in text

@@ -18,6 +18,7 @@ from torch.library import Library
 
 from zerocc.comm import Work, active_comm
 
+DP_GROUP = "dp"  # name of the data-parallel group the collectives run on
 _lib = Library("zerocc", "DEF")
 _pending: dict[int, Work] = {}
 
