@@ -19,6 +19,7 @@ from typing import Any
 
 from zerocc.errors import ZeroccError
 from zerocc.plan import DEFAULT_PASSES, Plan, load_plan, plan_json_schema
+from zerocc.printing import human_bytes
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"
 
@@ -188,12 +189,12 @@ def _print_summary(
     if later:
         first = f"{later / (time.perf_counter() - first_done):.2f} steps/s after it; " + first
     comm = summary.get("comm_bytes_per_step", {})
-    comm_text = ", ".join(f"{kind} {_bytes(n)}" for kind, n in comm.items()) or "none"
+    comm_text = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in comm.items()) or "none"
     print(
         f"\n{len(losses)} step(s) on {world} rank(s): {first}\n"
         f"final loss (rank 0): {losses[-1]:.4f}\n"
         f"communication per step: {comm_text}\n"
-        f"model state per rank: {_bytes(summary.get('model_state_bytes', 0))}"
+        f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
     )
 
 
@@ -213,11 +214,3 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
