@@ -22,10 +22,9 @@ from torch import fx
 from zerocc.capture import ModelInfo
 from zerocc.errors import PassOrderError, PlanError
 from zerocc.ir import count_ops, propagate_fake_values
-from zerocc.plan import Plan
+from zerocc.plan import DEFAULT_PASSES, Plan
 from zerocc.units import Unit
 
-DEFAULT_PIPELINE = ("partition", "shard", "optimizer")
 CAPTURE_PROVIDES = frozenset({"joint_graph"})
 
 
@@ -106,7 +105,7 @@ def build_pipeline(plan: Plan) -> Pipeline:
     """Resolve the plan's pass names, check the order, bind each pass's options."""
     import zerocc.passes  # noqa: F401  (registers the built-in passes)
 
-    names = list(plan.passes) if plan.passes is not None else list(DEFAULT_PIPELINE)
+    names = list(plan.passes) if plan.passes is not None else list(DEFAULT_PASSES)
     explicit = plan.passes is not None
     specs = []
     for i, name in enumerate(names):
