@@ -16,10 +16,8 @@ from torch import fx
 from zerocc.ir import (
     GRAD,
     GRAD_SHARD,
-    OPTIM_STATE,
     PARAM_FULL,
     PARAM_SHARD,
-    STEP,
     emit,
     emit_collective,
     info,
@@ -30,15 +28,7 @@ from zerocc.ir import (
 from zerocc.ops import DP_GROUP, op
 from zerocc.pass_manager import PassContext, register_pass
 from zerocc.plan import OptimizerConfig
-
-OPTIMIZER_STATES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-
-
-def optimizer_states(config: OptimizerConfig) -> tuple[str, ...]:
-    """Names of the per-shard states the optimizer keeps."""
-    if config.name == "sgd" and config.momentum == 0:
-        return ()
-    return OPTIMIZER_STATES[config.name]
+from zerocc.state import STEP_SPEC, optimizer_specs
 
 
 @register_pass(
@@ -71,23 +61,10 @@ def optimizer(
     like = next(iter(grad_shards.values())).meta["val"]
     units = [u for u in ctx.units if u.name in grad_shards]
     states = {
-        u.name: [
-            state_placeholder(
-                graph,
-                f"{u.key}.{s}",
-                OPTIM_STATE,
-                u.name,
-                (u.shard_numel if stage else u.padded_numel,),
-                u.dtype,
-                like,
-            )
-            for s in optimizer_states(config)
-        ]
+        u.name: [state_placeholder(graph, spec, like) for spec in optimizer_specs(u, stage, config)]
         for u in units
     }
-    step = None
-    if config.name == "adamw":
-        step = state_placeholder(graph, "optim.step", STEP, None, (), torch.int64, like)
+    step = state_placeholder(graph, STEP_SPEC, like) if config.name == "adamw" else None
     scale = 1.0 / (ctx.world_size * grad_accumulation)
     where = {"phase": "optimizer"}
     output = next(n for n in graph.nodes if n.op == "output")

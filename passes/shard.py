@@ -29,10 +29,7 @@ from zerocc.ir import (
     BATCH,
     BUFFER,
     GATHERED,
-    GRAD,
     GRAD_SHARD,
-    PARAM_FULL,
-    PARAM_SHARD,
     STEP,
     copy_node,
     emit,
@@ -43,6 +40,7 @@ from zerocc.ir import (
 )
 from zerocc.ops import DP_GROUP, op
 from zerocc.pass_manager import PassContext, register_pass
+from zerocc.state import param_specs
 from zerocc.units import Unit
 
 aten = torch.ops.aten
@@ -67,36 +65,12 @@ class _ShardRewriter:
     def add_placeholders(self) -> None:
         like = next(n.meta["val"] for n in self.old.graph.nodes if n.op == "placeholder")
         for unit in self.ctx.units:
-            sharded = self.stage == 3
-            shape = (unit.shard_numel,) if sharded else (unit.padded_numel,)
             nodes = {
-                "param": state_placeholder(
-                    self.graph,
-                    f"{unit.key}.param",
-                    PARAM_SHARD if sharded else PARAM_FULL,
-                    unit.name,
-                    shape,
-                    unit.dtype,
-                    like,
-                )
+                name: state_placeholder(self.graph, spec, like)
+                for name, spec in param_specs(unit, self.stage).items()
             }
-            if unit.trainable and self.stage in (1, 2):
-                nodes["param_shard"] = state_placeholder(
-                    self.graph,
-                    f"{unit.key}.param_shard",
-                    PARAM_SHARD,
-                    unit.name,
-                    (unit.shard_numel,),
-                    unit.dtype,
-                    like,
-                )
-            if unit.trainable:
-                grad_shape = (unit.padded_numel,) if self.stage <= 1 else (unit.shard_numel,)
-                nodes["grad"] = state_placeholder(
-                    self.graph, f"{unit.key}.grad", GRAD, unit.name, grad_shape, unit.dtype, like
-                )
             self.state[unit.name] = nodes
-            if not sharded:
+            if self.stage != 3:
                 self.flat[(unit.name, "resident")] = nodes["param"]
         for n in self.old.graph.nodes:
             if n.op == "placeholder" and info(n).role in (BUFFER, BATCH, STEP):

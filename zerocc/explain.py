@@ -6,8 +6,8 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from zerocc.ir import GRAD, OPTIM_STATE, PARAM_FULL, PARAM_SHARD, info, op_name, placeholders
-from zerocc.passes.optimizer import optimizer_states
 from zerocc.printing import human_bytes
+from zerocc.state import optimizer_states
 
 if TYPE_CHECKING:
     from zerocc.train_step import TrainStep

@@ -150,28 +150,21 @@ def emit_collective(
     return emit(graph, wait, (started,), stream="comm", role=role, **fields)
 
 
-def state_placeholder(
-    graph: fx.Graph,
-    key: str,
-    role: str,
-    unit: str | None,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    like: torch.Tensor,
-) -> fx.Node:
-    """A placeholder the runtime binds to persistent state ``key``, with a fake value like
-    ``like``'s (same fake mode and device). Inserted after the existing placeholders."""
+def state_placeholder(graph: fx.Graph, spec: Any, like: torch.Tensor) -> fx.Node:
+    """A placeholder the runtime binds to persistent state ``spec`` (a
+    :class:`zerocc.state.StateSpec`), with a fake value in ``like``'s fake mode and device.
+    Inserted after the existing placeholders."""
     existing = [n for n in graph.nodes if n.op == "placeholder"]
     anchor = existing[-1].next if existing else next(iter(graph.nodes), None)
-    name = "".join(c if c.isalnum() else "_" for c in key)
+    name = "".join(c if c.isalnum() else "_" for c in spec.key)
     if anchor is None or anchor.op == "root":
         node = graph.placeholder(name)
     else:
         with graph.inserting_before(anchor):
             node = graph.placeholder(name)
     with like.fake_mode:
-        node.meta["val"] = torch.empty(shape, dtype=dtype, device=like.device)
-    return tag(node, role=role, key=key, unit=unit)
+        node.meta["val"] = torch.empty(spec.shape, dtype=spec.dtype, device=like.device)
+    return tag(node, role=spec.role, key=spec.key, unit=spec.unit)
 
 
 def propagate_fake_values(gm: fx.GraphModule) -> None:

@@ -26,9 +26,6 @@ from zerocc.errors import CaptureError, RankMismatchError
 from zerocc.explain import explain_step, model_state_bytes
 from zerocc.ir import (
     BATCH,
-    BUFFER,
-    GRAD,
-    OPTIM_STATE,
     PARAM_FULL,
     PARAM_SHARD,
     STEP,
@@ -42,6 +39,7 @@ from zerocc.pass_manager import PassContext, PassRecord, build_pipeline, run_pip
 from zerocc.passes.partition import assign_units
 from zerocc.plan import Plan
 from zerocc.printing import format_program
+from zerocc.state import state_specs
 from zerocc.units import Unit
 
 
@@ -86,7 +84,7 @@ class TrainStep:
         self.units: list[Unit] = assign_units(
             self.model_info, comm.world_size, units.classes, units.modules, units.min_mb
         )
-        self.state: dict[str, torch.Tensor] = {}
+        self.state: dict[str, torch.Tensor] = self._initial_state()
         self.programs: dict[tuple, Program] = {}
         self.micro_batches = 0
         self.steps = 0
@@ -125,7 +123,7 @@ class TrainStep:
         if [u.name for u in self.units] != [u.name for u in ctx.units]:
             raise CaptureError("the units of a new program differ from the first program's")
         self.units = ctx.units
-        self._allocate(gm)
+        self._check_bindings(gm)
         text = format_program(gm)
         digest = _digest(text)
         self._agree(("program", digest), "the compiled programs differ across ranks", text)
@@ -134,46 +132,46 @@ class TrainStep:
 
     # -- state ------------------------------------------------------------------------------
 
-    def _allocate(self, gm: fx.GraphModule) -> None:
-        """Create the persistent state the program's placeholders name, once per key."""
-        needed = [n for n in placeholders(gm) if info(n).role != BATCH]
-        missing = [n for n in needed if info(n).key not in self.state]
-        if not missing:
-            return
+    def _initial_state(self) -> dict[str, torch.Tensor]:
+        """Every persistent tensor of the plan, built at compile time. Parameters are built one
+        unit at a time, so a meta-device model never has more than one unit materialized;
+        afterwards the TrainStep owns the weights (``full_state_dict()`` returns them) and the
+        model's own copy is released."""
+        rank, seed, device = self.comm.rank, self.plan.seed, self.device
         units = {u.name: u for u in self.units}
-        fresh_units = {info(n).unit for n in missing if info(n).role in (PARAM_FULL, PARAM_SHARD)}
-        fresh_buffers = [info(n).key for n in missing if info(n).role == BUFFER]
-        wanted = [p.fqn for u in fresh_units for p in units[u].params] + fresh_buffers
-        values = initial_values(self.model, wanted, self.plan.seed, self.device)
-        rank = self.comm.rank
-        for node in sorted(missing, key=lambda n: info(n).role != PARAM_FULL):
-            record, fake = info(node), val(node)
-            if record.role == PARAM_FULL:
-                tensor = units[record.unit].flatten(values)
-            elif record.role == PARAM_SHARD:
-                # Stages 1-2: a view of this rank's slice of the replicated flat parameter;
-                # stage 3: the shard is all this rank holds.
-                unit = units[record.unit]
-                replicated = self.state.get(f"{unit.key}.param", None)
-                if record.key.endswith(".param_shard") and replicated is not None:
-                    tensor = unit.shard_of(replicated, rank)
-                else:
-                    tensor = unit.shard_of(unit.flatten(values), rank).clone()
-            elif record.role == BUFFER:
-                tensor = values[record.key]
-            elif record.role == STEP:
-                tensor = torch.zeros((), dtype=torch.int64)
-            elif record.role in (GRAD, OPTIM_STATE):
-                tensor = torch.zeros(fake.shape, dtype=fake.dtype, device=self.device)
+        state: dict[str, torch.Tensor] = {}
+        for spec in state_specs(self.units, self.plan.zero.stage, self.plan.optimizer):
+            unit = units.get(spec.unit)
+            if spec.key.endswith(".param_shard"):  # stages 1-2: a view of the replicated flat
+                state[spec.key] = unit.shard_of(state[f"{unit.key}.param"], rank)
+            elif spec.role in (PARAM_FULL, PARAM_SHARD):
+                fqns = [p.fqn for p in unit.params]
+                flat = unit.flatten(initial_values(self.model, fqns, seed, device))
+                # Stage 3 keeps a copy of its shard alone: a view would keep the whole flat alive.
+                state[spec.key] = (
+                    flat if spec.role == PARAM_FULL else unit.shard_of(flat, rank).clone()
+                )
             else:
-                raise CaptureError(f"placeholder {node.name!r} has unknown role {record.role!r}")
-            self.state[record.key] = tensor
-        if not is_meta(self.model) and all(k in self.state for k in self._param_keys()):
-            # The TrainStep owns the weights from now on; full_state_dict() returns them.
+                on = torch.device("cpu") if spec.role == STEP else device
+                state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype, device=on)
+        buffers = [b.fqn for b in self.model_info.buffers]
+        state.update(initial_values(self.model, buffers, seed, device))
+        if not is_meta(self.model):
             release_to_meta(self.model)
+        return state
 
-    def _param_keys(self) -> list[str]:
-        return [f"{u.key}.param" for u in self.units]
+    def _check_bindings(self, gm: fx.GraphModule) -> None:
+        """Every state placeholder of a program names a tensor the TrainStep holds, as shaped."""
+        for node in placeholders(gm):
+            record, fake = info(node), val(node)
+            if record.role == BATCH:
+                continue
+            held = self.state.get(record.key)
+            if held is None or held.shape != fake.shape or held.dtype != fake.dtype:
+                raise CaptureError(
+                    f"program placeholder {node.name!r} ({record.role} {record.key!r}, "
+                    f"{tuple(fake.shape)} {fake.dtype}) matches no state tensor"
+                )
 
     # -- agreement across ranks -------------------------------------------------------------
 
@@ -242,35 +240,39 @@ class TrainStep:
         return {k: full[k] for k in self.state_dict_keys if k in full}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shards, optimizer state and counters (reload with the same plan/world)."""
-        tensors = {k: t for k, t in self.state.items() if not k.endswith(".param_shard")}
-        return {
-            "state": tensors,
+        """This rank's shards, optimizer state and counters, ready for
+        ``torch.distributed.checkpoint.save`` (or ``torch.save``). Tensor keys carry the rank
+        (``rank1/transformer.h.0.param``) since every rank holds different shards; reload
+        with the same plan and world size."""
+        prefix = f"rank{self.comm.rank}/"
+        sd: dict[str, Any] = {
+            prefix + k: t for k, t in self.state.items() if not k.endswith(".param_shard")
+        }
+        sd["zerocc"] = {
             "steps": self.steps,
             "micro_batches": self.micro_batches,
             "world_size": self.comm.world_size,
-            "rank": self.comm.rank,
             "stage": self.plan.zero.stage,
         }
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (same world size, rank and stage)."""
-        for field in ("world_size", "rank", "stage"):
-            mine = {
-                "world_size": self.comm.world_size,
-                "rank": self.comm.rank,
-                "stage": self.plan.zero.stage,
-            }[field]
-            if sd[field] != mine:
+        """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
+        saved = sd["zerocc"]
+        for field, mine in (("world_size", self.comm.world_size), ("stage", self.plan.zero.stage)):
+            if saved[field] != mine:
                 raise RankMismatchError(
-                    f"checkpoint was saved with {field}={sd[field]}, this run has {field}={mine}"
+                    f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
                 )
-        for key, tensor in sd["state"].items():
-            if key in self.state:
-                self.state[key].copy_(tensor)
-            else:
-                self.state[key] = tensor.clone().to(self.device)
-        self.steps, self.micro_batches = sd["steps"], sd["micro_batches"]
+        prefix = f"rank{self.comm.rank}/"
+        expected = {k for k in self.state if not k.endswith(".param_shard")}
+        missing = sorted(expected - {k.removeprefix(prefix) for k in sd if k.startswith(prefix)})
+        if missing:
+            raise RankMismatchError(f"checkpoint lacks {missing[:3]} for rank {self.comm.rank}")
+        for key in expected:
+            if sd[prefix + key] is not self.state[key]:
+                self.state[key].copy_(sd[prefix + key])
+        self.steps, self.micro_batches = saved["steps"], saved["micro_batches"]
 
 
 def _first_difference(views: list[Any]) -> str:
