@@ -72,3 +72,13 @@ def test_meta_model_materializes_one_unit_at_a_time(monkeypatch):
     assert sum(v.numel() for k, v in step.state.items() if k.endswith(".param")) == sum(
         u.shard_numel for u in step.units
     )
+
+
+def test_predicted_comm_counts_every_micro_batch_of_a_step():
+    plan = {**PLAN, "zero": {"stage": 2}, "grad_accumulation": 3}
+    step = zerocc.compile(build("gpt"), plan, comm=zerocc.FakeComm(2))
+    for i in range(3):
+        step(*_batch(i))
+    psi_bytes = 4 * sum(u.padded_numel for u in step.units)
+    predicted = zerocc.explain.comm_bytes_per_step(step)
+    assert predicted == {"reduce_scatter": 3 * psi_bytes, "all_gather": psi_bytes}

@@ -47,10 +47,14 @@ def formula_bytes(step: TrainStep) -> dict[str, float]:
 
 
 def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
-    """Bytes per collective kind the compiled programs move per optimizer step (per rank)."""
+    """Bytes per collective kind moved per optimizer step (per rank): the stepping program plus
+    ``grad_accumulation - 1`` accumulating ones, for the first batch shape compiled."""
     out: dict[str, int] = defaultdict(int)
     k = step.plan.grad_accumulation
-    for (_, boundary), program in step.programs.items():
+    signature = next(iter(step.programs))[0]
+    for (sig, boundary), program in step.programs.items():
+        if sig != signature:
+            continue
         times = 1 if boundary else k - 1
         for node in program.gm.graph.nodes:
             if info(node).stream == "comm" and info(node).bytes:

@@ -39,7 +39,7 @@ from zerocc.pass_manager import PassContext, PassRecord, build_pipeline, run_pip
 from zerocc.passes.partition import assign_units
 from zerocc.plan import Plan
 from zerocc.printing import format_program
-from zerocc.state import state_specs
+from zerocc.state import STEP_SPEC, state_specs
 from zerocc.units import Unit
 
 
@@ -104,8 +104,8 @@ class TrainStep:
         program = self.programs[key]
         if boundary:
             self.steps += 1
-            if "optim.step" in self.state:
-                self.state["optim.step"].fill_(self.steps)
+            if STEP_SPEC.key in self.state:
+                self.state[STEP_SPEC.key].fill_(self.steps)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         self.comm.stats.reset()
         with torch.no_grad(), use_comm(self.comm):
