@@ -102,6 +102,8 @@ def optimizer(
                     config.betas[1],
                     config.eps,
                     config.weight_decay,
+                    list(info(grad).no_grad),
+                    stage > 0,
                 )
                 emit(graph, op("adamw_"), args, unit=u.name, **where)
             else:
@@ -115,6 +117,8 @@ def optimizer(
                     config.lr,
                     config.momentum,
                     config.weight_decay,
+                    list(info(grad).no_grad),
+                    stage > 0,
                 )
                 emit(graph, op("sgd_"), args, unit=u.name, **where)
             if stage in (1, 2):

@@ -271,7 +271,15 @@ class _ShardRewriter:
                 if unit.name in reached:
                     self.reduce_full_grad(unit)
         self.graph.output(self.env[output.args[0][0]])
+        for node in self.graph.nodes:
+            if info(node).role == GRAD_SHARD:
+                tag(node, no_grad=self.unreached_ranges(self.units[info(node).unit]))
         return self.graph
+
+    def unreached_ranges(self, unit: Unit) -> tuple[int, ...]:
+        """(offset, numel) pairs of the unit's parameters the loss does not reach."""
+        pairs = [(p.offset, p.numel) for p in unit.params if self.uses.grads[p.fqn] is None]
+        return tuple(x for pair in pairs for x in pair)
 
 
 @register_pass(

@@ -1,4 +1,5 @@
-"""Small models for what sharding gets wrong: ties, frozen parts, reuse, buffers, odd sizes.
+"""Small models for what sharding gets wrong: ties, frozen parts, reuse, buffers, unused
+parameters, odd sizes.
 
 Each entry of ``MODELS`` builds a model deterministically and makes rank-local batches, so a
 worker process and the reference in the test process build the same thing.
@@ -74,6 +75,19 @@ class OddSizes(nn.Module):
         return F.mse_loss(h * self.gain.sum(), y)
 
 
+class UnusedInUnit(nn.Module):
+    """A parameter the loss never reaches (an unused pooler) in a unit with ones it does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 9), nn.Tanh())
+        self.pooler = nn.Linear(9, 9)  # never called: torch.optim skips it, so must zerocc
+        self.head = nn.Linear(9, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.body(x)), y)
+
+
 def tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
 
@@ -109,6 +123,11 @@ MODELS = {
         WithBuffers,
         _features(8, lambda g, n: torch.randn(n, 4, generator=g)),
         {"modules": ["lin1"]},
+    ),
+    "unused": (
+        UnusedInUnit,
+        _features(6, lambda g, n: torch.randint(0, 2, (n,), generator=g)),
+        {"modules": ["body"]},
     ),
     "odd": (
         OddSizes,

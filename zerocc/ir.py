@@ -42,6 +42,7 @@ class NodeInfo:
     key: str | None = None  # state key the runtime binds a placeholder to
     stream: str = "compute"  # compute | comm
     bytes: int = 0  # bytes a collective moves (per rank, logical size)
+    no_grad: tuple[int, ...] = ()  # grad_shard: (offset, numel) pairs the loss does not reach
     note: str | None = None  # why the node is here, in words, for the printed program
 
 

@@ -11,6 +11,7 @@ returns its input and that ``all_reduce_start`` writes its argument.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -39,11 +40,12 @@ SCHEMAS = {
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
         " Tensor step, Tensor? clip_coef, float grad_scale, float lr, float beta1, float beta2,"
-        " float eps, float weight_decay) -> ()"
+        " float eps, float weight_decay, int[] skip, bool sharded) -> ()"
     ),
     "sgd_": (
         "sgd_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, Tensor? clip_coef,"
-        " float grad_scale, float lr, float momentum, float weight_decay) -> ()"
+        " float grad_scale, float lr, float momentum, float weight_decay, int[] skip,"
+        " bool sharded) -> ()"
     ),
 }
 COLLECTIVE_STARTS = (
@@ -206,6 +208,25 @@ def _effective_grad(grad: torch.Tensor, clip_coef: torch.Tensor | None, scale: f
     return g
 
 
+@contextlib.contextmanager
+def _untouched(tensors: list[torch.Tensor | None], skip: list[int], sharded: bool):
+    """Keep the ``skip`` ranges (flat offset, numel pairs, over the unit's whole flat buffer)
+    of these tensors as they were: parameters the loss does not reach are not updated, as
+    torch.optim skips a parameter whose ``grad`` is None."""
+    tensors = [t for t in tensors if t is not None]
+    size = tensors[0].numel()
+    base = active_comm().rank * size if sharded else 0
+    kept = []
+    for offset, numel in zip(skip[::2], skip[1::2], strict=True):
+        lo, hi = max(offset, base) - base, min(offset + numel, base + size) - base
+        if lo < hi:
+            kept.append((lo, hi, [t[lo:hi].clone() for t in tensors]))
+    yield
+    for lo, hi, copies in kept:
+        for t, c in zip(tensors, copies, strict=True):
+            t[lo:hi].copy_(c)
+
+
 @_impl("adamw_")
 def _adamw_(
     param,
@@ -220,29 +241,35 @@ def _adamw_(
     beta2,
     eps,
     weight_decay,
+    skip,
+    sharded,
 ) -> None:
     """AdamW on one flat shard, step for step the arithmetic of ``torch.optim.AdamW``."""
     g = _effective_grad(grad, clip_coef, grad_scale)
     t = int(step.item())
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    step_size = lr / (1 - beta1**t)
-    bias_correction2_sqrt = math.sqrt(1 - beta2**t)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    with _untouched([param, exp_avg, exp_avg_sq], skip, sharded):
+        param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = lr / (1 - beta1**t)
+        bias_correction2_sqrt = math.sqrt(1 - beta2**t)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 @_impl("sgd_")
-def _sgd_(param, grad, momentum_buffer, clip_coef, grad_scale, lr, momentum, weight_decay) -> None:
+def _sgd_(
+    param, grad, momentum_buffer, clip_coef, grad_scale, lr, momentum, weight_decay, skip, sharded
+) -> None:
     """SGD on one flat shard, as ``torch.optim.SGD`` (no dampening, no Nesterov)."""
     g = _effective_grad(grad, clip_coef, grad_scale)
-    if weight_decay:
-        g.add_(param, alpha=weight_decay)
-    if momentum_buffer is not None:
-        # The buffer starts at zero, so the first step stores g exactly, as torch's clone does.
-        g = momentum_buffer.mul_(momentum).add_(g)
-    param.add_(g, alpha=-lr)
+    with _untouched([param, momentum_buffer], skip, sharded):
+        if weight_decay:
+            g.add_(param, alpha=weight_decay)
+        if momentum_buffer is not None:
+            # The buffer starts at zero, so the first step stores g exactly, as torch's clone.
+            g = momentum_buffer.mul_(momentum).add_(g)
+        param.add_(g, alpha=-lr)
 
 
 @_fake("adamw_")
