@@ -46,3 +46,45 @@ def test_meta_model_captures_without_materializing():
         not isinstance(val(n), torch.Tensor) or val(n).device.type == "cpu" for n in gm.graph.nodes
     )
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_data_dependent_control_flow_is_a_clear_error():
+    import pytest
+
+    from zerocc.errors import CaptureError
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            y = self.lin(x).sum()
+            return y if y > 0 else -y
+
+    model = Branchy()
+    with pytest.raises(CaptureError, match="control flow on a tensor's value"):
+        capture(model, describe_model(model), None, (torch.randn(2, 4),), torch.device("cpu"))
+
+
+def test_default_loss_reads_the_loss_attribute_of_model_outputs():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Output:  # the shape of a Hugging Face ModelOutput
+        loss: torch.Tensor
+        logits: torch.Tensor
+
+    class WithOutput(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return Output(loss=logits.pow(2).mean(), logits=logits)
+
+    model = WithOutput()
+    gm = capture(model, describe_model(model), None, (torch.randn(2, 4),), torch.device("cpu"))
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert val(outputs[0]).shape == () and len(outputs) == 3

@@ -82,3 +82,10 @@ def test_predicted_comm_counts_every_micro_batch_of_a_step():
     psi_bytes = 4 * sum(u.padded_numel for u in step.units)
     predicted = zerocc.explain.comm_bytes_per_step(step)
     assert predicted == {"reduce_scatter": 3 * psi_bytes, "all_gather": psi_bytes}
+
+
+def test_explain_before_the_first_step_shows_units_and_model_states():
+    step = zerocc.compile(build("gpt"), PLAN, comm=zerocc.FakeComm(2))
+    text = step.explain()
+    assert "transformer.h.1" in text and "ZeRO formula" in text
+    assert "known once the step is compiled" in text

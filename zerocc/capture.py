@@ -209,7 +209,15 @@ def capture(
     except CaptureError:
         raise
     except Exception as e:  # an error inside the user's model: say where it surfaced
-        raise CaptureError(f"tracing the training step failed: {type(e).__name__}: {e}") from e
+        hint = ""
+        if "DataDependent" in type(e).__name__:
+            hint = (
+                " (zerocc traces the step on fake tensors, without values: Python control "
+                "flow on a tensor's value, such as `if x.sum() > 0`, cannot be captured)"
+            )
+        raise CaptureError(
+            f"tracing the training step failed: {type(e).__name__}: {e}{hint}"
+        ) from e
     finally:
         tracker.remove()
     gm.graph.eliminate_dead_code()

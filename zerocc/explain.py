@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from zerocc.ir import GRAD, OPTIM_STATE, PARAM_FULL, PARAM_SHARD, info, op_name, placeholders
+from zerocc.ir import GRAD, OPTIM_STATE, PARAM_FULL, PARAM_SHARD, info, op_name
 from zerocc.printing import human_bytes
-from zerocc.state import optimizer_states
+from zerocc.state import optimizer_states, state_specs
 
 if TYPE_CHECKING:
     from zerocc.train_step import TrainStep
@@ -17,7 +17,9 @@ _CATEGORY = {PARAM_FULL: "params", PARAM_SHARD: "params", GRAD: "grads", OPTIM_S
 
 def model_state_bytes(step: TrainStep) -> dict[str, int]:
     """Bytes of the live persistent params, grads and optimizer states of this rank (measured)."""
-    roles = {info(n).key: info(n).role for p in step.programs.values() for n in placeholders(p.gm)}
+    roles = {
+        s.key: s.role for s in state_specs(step.units, step.plan.zero.stage, step.plan.optimizer)
+    }
     seen: set[int] = set()
     out: dict[str, int] = defaultdict(int)
     for key, tensor in step.state.items():
@@ -50,6 +52,8 @@ def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
     """Bytes per collective kind moved per optimizer step (per rank): the stepping program plus
     ``grad_accumulation - 1`` accumulating ones, for the first batch shape compiled."""
     out: dict[str, int] = defaultdict(int)
+    if not step.programs:
+        return {}
     k = step.plan.grad_accumulation
     signature = next(iter(step.programs))[0]
     for (sig, boundary), program in step.programs.items():
@@ -65,9 +69,8 @@ def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
 
 
 def explain_step(step: TrainStep) -> str:
-    """A plain-text report of the compiled step (compile first by running one micro-batch)."""
-    if not step.programs:
-        return "zerocc: nothing compiled yet; run step(*batch) once, then explain()."
+    """A plain-text report: units, communication per step (once a program is compiled, at the
+    first call), and model-state bytes per rank measured next to ZeRO's formula."""
     plan, n = step.plan, step.comm.world_size
     psi = sum(u.padded_numel for u in step.units if u.trainable)
     lines = [
@@ -84,10 +87,12 @@ def explain_step(step: TrainStep) -> str:
             f"{u.shard_numel:>11,}  {'yes' if u.trainable else 'no (frozen)'}"
         )
     lines += ["", "communication per optimizer step, per rank:"]
+    if not step.programs:
+        lines.append("  (known once the step is compiled, at its first call)")
+    itemsize = step.units[0].dtype.itemsize
     for kind, nbytes in sorted(comm_bytes_per_step(step).items()):
         lines.append(
-            f"  {kind:<16}{human_bytes(nbytes):>12}  ({nbytes / 4 / max(psi, 1):.2f} Ψ "
-            "at 4 bytes/element)"
+            f"  {kind:<16}{human_bytes(nbytes):>12}  ({nbytes / itemsize / max(psi, 1):.2f} Ψ)"
         )
     measured, formula = model_state_bytes(step), formula_bytes(step)
     lines += ["", f"model states per rank{'':<7}{'measured':>12}{'ZeRO formula':>14}"]
