@@ -62,3 +62,11 @@ def test_graph_nodes_carry_units_and_streams():
     gm = _step().program
     comm = [n for n in gm.graph.nodes if info(n).stream == "comm"]
     assert comm and all(info(n).unit for n in comm)
+
+
+def test_default_pipeline_changes_no_numerics():
+    from zerocc.pass_manager import PASSES, build_pipeline
+    from zerocc.plan import DEFAULT_PASSES, Plan
+
+    assert [s.name for s in build_pipeline(Plan()).specs] == DEFAULT_PASSES
+    assert not any(PASSES[name].changes_numerics for name in DEFAULT_PASSES)
