@@ -140,6 +140,11 @@ def pending_collectives() -> int:
     return len(_pending)
 
 
+def forget_pending() -> None:
+    """Drop the handles of a program run that failed midway, so the next run starts clean."""
+    _pending.clear()
+
+
 # --- memory ------------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ from zerocc.ir import (
     val,
 )
 from zerocc.materialize import initial_values, is_meta, release_to_meta
-from zerocc.ops import pending_collectives
+from zerocc.ops import forget_pending, pending_collectives
 from zerocc.pass_manager import PassContext, PassRecord, build_pipeline, run_pipeline
 from zerocc.passes.partition import assign_units
 from zerocc.plan import Plan
@@ -108,8 +108,12 @@ class TrainStep:
                 self.state[STEP_SPEC.key].fill_(self.steps)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         self.comm.stats.reset()
-        with torch.no_grad(), use_comm(self.comm):
-            loss = program.run(*args)
+        try:
+            with torch.no_grad(), use_comm(self.comm):
+                loss = program.run(*args)
+        except BaseException:
+            forget_pending()
+            raise
         if pending_collectives():
             raise RuntimeError("a program finished with collectives still in flight")
         self.micro_batches += 1
