@@ -30,7 +30,6 @@ from zerocc.ir import (
     BUFFER,
     GATHERED,
     GRAD_SHARD,
-    STEP,
     copy_node,
     emit,
     emit_collective,
@@ -73,7 +72,7 @@ class _ShardRewriter:
             if self.stage != 3:
                 self.flat[(unit.name, "resident")] = nodes["param"]
         for n in self.old.graph.nodes:
-            if n.op == "placeholder" and info(n).role in (BUFFER, BATCH, STEP):
+            if n.op == "placeholder" and info(n).role in (BUFFER, BATCH):
                 self.env[n] = copy_node(self.graph, n, lambda a: a)
 
     # -- parameter values -------------------------------------------------------------------

@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import fx
+
+if TYPE_CHECKING:
+    from zerocc.state import StateSpec
 
 Phase = Literal["forward", "backward", "optimizer"]
 
@@ -151,10 +154,9 @@ def emit_collective(
     return emit(graph, wait, (started,), stream="comm", role=role, **fields)
 
 
-def state_placeholder(graph: fx.Graph, spec: Any, like: torch.Tensor) -> fx.Node:
-    """A placeholder the runtime binds to persistent state ``spec`` (a
-    :class:`zerocc.state.StateSpec`), with a fake value in ``like``'s fake mode and device.
-    Inserted after the existing placeholders."""
+def state_placeholder(graph: fx.Graph, spec: StateSpec, like: torch.Tensor) -> fx.Node:
+    """A placeholder the runtime binds to persistent state ``spec``, with a fake value in
+    ``like``'s fake mode and device. Inserted after the existing placeholders."""
     existing = [n for n in graph.nodes if n.op == "placeholder"]
     anchor = existing[-1].next if existing else next(iter(graph.nodes), None)
     name = "".join(c if c.isalnum() else "_" for c in spec.key)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from zerocc.capture import ParamInfo, describe_model
 from zerocc.errors import CaptureError
 
 
@@ -25,6 +26,13 @@ def _module_seed(seed: int, fqn: str) -> int:
 
 def _direct_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def _bind(model: nn.Module, tensor_info: ParamInfo, kind: str, tensor: torch.Tensor) -> None:
+    """Make every name of a (possibly tied) parameter or buffer refer to ``tensor``."""
+    for alias in tensor_info.aliases:
+        owner, _, name = alias.rpartition(".")
+        getattr(model.get_submodule(owner), kind)[name] = tensor
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -53,19 +61,13 @@ def materialize(model: nn.Module, seed: int = 0, device: str | torch.device = "c
     Tied parameters stay tied: ``to_empty`` gives each module new tensors, so every alias is
     pointed back at its parameter's first name afterwards.
     """
-    from zerocc.capture import describe_model
-
     device = torch.device(device)
     described = describe_model(model)
     for fqn, module in model.named_modules():
         if any(t.is_meta for t in _direct_tensors(module)):
             _reset(module, fqn, seed, device)
-    modules = dict(model.named_modules())
     for p in described.params:
-        canonical = model.get_parameter(p.fqn)
-        for alias in p.aliases[1:]:
-            owner, _, name = alias.rpartition(".")
-            setattr(modules[owner], name, canonical)
+        _bind(model, p, "_parameters", model.get_parameter(p.fqn))
     return model
 
 
@@ -103,17 +105,9 @@ def initial_values(
 def release_to_meta(model: nn.Module) -> None:
     """Swap the model's parameters and buffers for meta tensors, keeping ties: the TrainStep
     owns the weights once its state is built, and the model's copy is freed."""
-    from zerocc.capture import describe_model
-
-    modules = dict(model.named_modules())
     described = describe_model(model)
     for p in described.params:
-        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
-        for alias in p.aliases:
-            owner, _, name = alias.rpartition(".")
-            modules[owner]._parameters[name] = meta
+        meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        _bind(model, p, "_parameters", nn.Parameter(meta, p.requires_grad))
     for b in described.buffers:
-        meta = torch.empty(b.shape, dtype=b.dtype, device="meta")
-        for alias in b.aliases:
-            owner, _, name = alias.rpartition(".")
-            modules[owner]._buffers[name] = meta
+        _bind(model, b, "_buffers", torch.empty(b.shape, dtype=b.dtype, device="meta"))
