@@ -1,0 +1,125 @@
+"""zerocc's kernels in plain torch: the reference every other kernel set is tested against.
+
+Each function works on flat tensors of one FSDP unit (or a rank's shard of one). They are what
+the ``zerocc`` ops run under ``backend.kernels: torch``, and the oracle of the Triton kernels
+(:mod:`zerocc.backends.kernels.triton_kernels`).
+
+Conventions shared by every kernel set:
+
+- ``grad`` may be of any floating dtype (the ``precision.reduce`` dtype); arithmetic is fp32.
+- The gradient the update uses is ``grad * grad_scale`` (1/(ranks × micro-batches): the
+  collectives sum), times ``grad_coef`` (a 0-dim fp32 tensor: the clip coefficient) when given.
+- ``found_inf`` (a 0-dim fp32 tensor, nonzero when a gradient overflowed) skips the update:
+  nothing is written, as ``GradScaler.step`` skips ``optimizer.step()``.
+- ``param_copy`` (same numel as ``param``, usually bf16/fp16) receives the updated ``param``
+  cast to its dtype: the compute copy the next all-gather sends.
+- ``step`` is the 1-based count of applied updates (an int64 0-dim tensor, on the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _skipped(found_inf: torch.Tensor | None) -> bool:
+    return found_inf is not None and bool(found_inf.item() != 0)
+
+
+def _effective_grad(
+    grad: torch.Tensor, grad_scale: float, grad_coef: torch.Tensor | None
+) -> torch.Tensor:
+    g = grad.float() * grad_scale
+    if grad_coef is not None:
+        g.mul_(grad_coef)
+    return g
+
+
+def adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    grad_coef: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    param_copy: torch.Tensor | None,
+    grad_scale: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW on one flat fp32 shard, step for step the arithmetic of ``torch.optim.AdamW``."""
+    if _skipped(found_inf):
+        return
+    g = _effective_grad(grad, grad_scale, grad_coef)
+    t = int(step.item())
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = lr / (1 - beta1**t)
+    bias_correction2_sqrt = math.sqrt(1 - beta2**t)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+    if param_copy is not None:
+        param_copy.copy_(param)
+
+
+def sgd_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    grad_coef: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    param_copy: torch.Tensor | None,
+    grad_scale: float,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+) -> None:
+    """SGD on one flat fp32 shard, as ``torch.optim.SGD`` (no dampening, no Nesterov)."""
+    if _skipped(found_inf):
+        return
+    g = _effective_grad(grad, grad_scale, grad_coef)
+    if weight_decay:
+        g.add_(param, alpha=weight_decay)
+    if momentum_buffer is not None:
+        # The buffer starts at zero, so the first step stores g exactly, as torch's clone.
+        g = momentum_buffer.mul_(momentum).add_(g)
+    param.add_(g, alpha=-lr)
+    if param_copy is not None:
+        param_copy.copy_(param)
+
+
+def unscale_check_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """Multiply every gradient by ``inv_scale`` in place; return a 0-dim fp32 flag, 1.0 when
+    any element of any gradient is inf or NaN (else 0.0)."""
+    found = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+    for g in grads:
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        g.mul_(inv_scale)
+    return found
+
+
+def pack(
+    tensors: list[torch.Tensor | None],
+    numels: list[int],
+    numel: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One flat buffer of ``numel`` elements in ``dtype`` (default: the tensors'): each tensor,
+    flattened and cast, at the sum of the ``numels`` before it; zeros where a tensor is None
+    and in the padding at the end."""
+    like = next((t for t in tensors if t is not None), None)
+    if like is None:
+        raise RuntimeError("zerocc.pack needs at least one tensor")
+    out = torch.zeros(numel, dtype=dtype or like.dtype, device=like.device)
+    offset = 0
+    for t, n in zip(tensors, numels, strict=True):
+        if t is not None:
+            out[offset : offset + n].copy_(t.reshape(-1))
+        offset += n
+    return out
