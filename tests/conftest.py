@@ -5,8 +5,10 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 os.environ.setdefault("ZEROCC_VERIFY", "1")
-if not __import__("torch").cuda.is_available():
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # The tests import their helper modules (models, multirank) and the example GPT by name.
 sys.path.insert(0, str(Path(__file__).parent))
