@@ -14,8 +14,10 @@ import torch
 from torch import fx
 
 from zerocc.ir import (
+    FOUND_INF,
     GRAD,
     GRAD_SHARD,
+    MASTER,
     PARAM_FULL,
     PARAM_SHARD,
     emit,
@@ -24,6 +26,7 @@ from zerocc.ir import (
     nodes_with_role,
     placeholders,
     state_placeholder,
+    val,
 )
 from zerocc.ops import DP_GROUP, op
 from zerocc.pass_manager import PassContext, register_pass
@@ -56,12 +59,17 @@ def optimizer(
     graph = gm.graph
     by_role = {
         role: {info(n).unit: n for n in placeholders(gm, role)}
-        for role in (PARAM_FULL, PARAM_SHARD, GRAD)
+        for role in (PARAM_FULL, PARAM_SHARD, GRAD, MASTER)
     }
+    found_inf = next(iter(nodes_with_role(gm, FOUND_INF)), None)
     like = next(iter(grad_shards.values())).meta["val"]
     units = [u for u in ctx.units if u.name in grad_shards]
+    precision = ctx.plan.precision if ctx.plan.precision.mixed else None
     states = {
-        u.name: [state_placeholder(graph, spec, like) for spec in optimizer_specs(u, stage, config)]
+        u.name: [
+            state_placeholder(graph, spec, like)
+            for spec in optimizer_specs(u, stage, config, precision)
+        ]
         for u in units
     }
     step = state_placeholder(graph, STEP_SPEC, like) if config.name == "adamw" else None
@@ -85,7 +93,10 @@ def optimizer(
                 )
             coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
         for u in units:
-            target = by_role[PARAM_SHARD].get(u.name, by_role[PARAM_FULL].get(u.name))
+            param = by_role[PARAM_SHARD].get(u.name, by_role[PARAM_FULL].get(u.name))
+            # Mixed precision: update the master weights, write their compute-dtype copy.
+            master = by_role[MASTER].get(u.name)
+            target, copy = (master, param) if master is not None else (param, None)
             grad = grad_shards[u.name]
             if config.name == "adamw":
                 m, v = states[u.name]
@@ -96,6 +107,8 @@ def optimizer(
                     v,
                     step,
                     coef,
+                    found_inf,
+                    copy,
                     scale,
                     config.lr,
                     config.betas[0],
@@ -113,6 +126,8 @@ def optimizer(
                     grad,
                     buf,
                     coef,
+                    found_inf,
+                    copy,
                     scale,
                     config.lr,
                     config.momentum,
@@ -122,12 +137,13 @@ def optimizer(
                 )
                 emit(graph, op("sgd_"), args, unit=u.name, **where)
             if stage in (1, 2):
+                full = by_role[PARAM_FULL][u.name]
                 emit_collective(
                     graph,
                     op("all_gather_into_start"),
                     op("wait"),
-                    (by_role[PARAM_FULL][u.name], target, DP_GROUP),
-                    nbytes=u.padded_numel * u.dtype.itemsize,
+                    (full, param, DP_GROUP),
+                    nbytes=u.padded_numel * val(full).dtype.itemsize,
                     unit=u.name,
                     note=f"all-gather {u.name}'s updated shards",
                     **where,

@@ -26,10 +26,9 @@ from torch import fx
 from zerocc.passes.param_uses import ParamUses, analyze
 
 from zerocc.ir import (
-    BATCH,
-    BUFFER,
     GATHERED,
     GRAD_SHARD,
+    PARAM,
     copy_node,
     emit,
     emit_collective,
@@ -72,7 +71,7 @@ class _ShardRewriter:
             if self.stage != 3:
                 self.flat[(unit.name, "resident")] = nodes["param"]
         for n in self.old.graph.nodes:
-            if n.op == "placeholder" and info(n).role in (BUFFER, BATCH):
+            if n.op == "placeholder" and info(n).role != PARAM:
                 self.env[n] = copy_node(self.graph, n, lambda a: a)
 
     # -- parameter values -------------------------------------------------------------------

@@ -3,10 +3,17 @@
 ``train`` runs in each spawned rank; ``reference`` runs in the test process with torch.optim on
 the same model and the union of the ranks' micro-batches, summing each chunk's loss scaled by
 1/(ranks × micro-batches), which is the gradient of the mean loss over all of them.
+
+Under mixed precision the reference follows the recipe, written plainly: fp32 master weights
+under torch.optim; each step, forward and backward of every micro-batch on a copy of the model
+cast to the compute dtype (floating batch tensors cast too, the loss cast to fp32); gradients
+summed in fp32 into the masters and divided by ranks × micro-batches; fp16 losses scaled by
+``torch.amp.GradScaler`` (unscale, clip, skip on overflow, update the scale).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -16,9 +23,17 @@ import zerocc
 from zerocc.explain import describe
 
 
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={_show(v)}" for k, v in value.items())
+    return str(value)
+
+
 def case_id(case: dict[str, Any]) -> str:
     extras = [
-        f"{k}={v}" for k, v in sorted(case.items()) if k not in ("model", "stage", "world", "steps")
+        f"{k}={_show(v)}"
+        for k, v in sorted(case.items())
+        if k not in ("model", "stage", "world", "steps")
     ]
     return "-".join([case["model"], f"zero{case['stage']}", f"ws{case['world']}", *extras])
 
@@ -32,6 +47,8 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         "units": MODELS[case["model"]][2],
         "optimizer": optimizer,
         "grad_accumulation": case.get("accum", 1),
+        "precision": case.get("precision", {}),
+        "backend": {"kernels": case.get("kernels", "torch")},
         "seed": 7,
     }
 
@@ -71,13 +88,8 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """Losses per rank per micro-batch, and the final state dict, of unsharded training."""
-    model = _model(case)
-    if case.get("meta"):
-        zerocc.materialize(model, seed=7)
+def _optimizer(case: dict[str, Any], params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     cfg = plan_of(case)["optimizer"]
-    params = [p for p in model.parameters() if p.requires_grad]
     if cfg["name"] == "adamw":
         opt = torch.optim.AdamW(
             params, lr=cfg["lr"], eps=cfg["eps"], weight_decay=cfg.get("weight_decay", 0.0)
@@ -89,6 +101,26 @@ def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.
             momentum=cfg.get("momentum", 0.0),
             weight_decay=cfg.get("weight_decay", 0.0),
         )
+    return opt
+
+
+def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """Losses per rank per micro-batch, and the final state dict, of unsharded training."""
+    model = _model(case)
+    if case.get("meta"):
+        zerocc.materialize(model, seed=7)
+    if plan_of(case)["precision"]:
+        # One thread, as in the ranks: bf16 results round differently when a CPU kernel splits
+        # its fp32 accumulation over another number of threads.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _mixed_reference(case, model)
+        finally:
+            torch.set_num_threads(threads)
+    cfg = plan_of(case)["optimizer"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(case, params)
     world, k = case["world"], case.get("accum", 1)
     losses: list[list[float]] = [[] for _ in range(world)]
     for s in range(case.get("steps", 5)):
@@ -101,6 +133,57 @@ def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.
         if cfg.get("grad_clip"):
             torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
         opt.step()
+    return losses, model.state_dict()
+
+
+def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
+    precision = zerocc.load_plan(plan_of(case)).precision
+    compute = precision.dtype("param")
+    cfg = plan_of(case)["optimizer"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(case, params)
+    scaler = None
+    if precision.scaling == "dynamic":
+        knobs = precision.dynamic
+        assert knobs.hysteresis == 1, "GradScaler has no hysteresis"
+        scaler = torch.amp.GradScaler(
+            "cpu",
+            init_scale=knobs.initial,
+            growth_factor=knobs.growth_factor,
+            backoff_factor=knobs.backoff_factor,
+            growth_interval=knobs.growth_interval,
+        )
+    world, k = case["world"], case.get("accum", 1)
+    losses: list[list[float]] = [[] for _ in range(world)]
+    for s in range(case.get("steps", 5)):
+        cast = copy.deepcopy(model).to(compute)
+        cast_params = [p for p in cast.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for micro in range(k):
+            for r in range(world):
+                batch = [
+                    b.to(compute) if b.is_floating_point() else b
+                    for b in batch_of(case, s * k + micro, r)
+                ]
+                loss = cast(*batch).float()
+                losses[r].append(float(loss.detach()))
+                seed = scaler.scale(loss) if scaler else loss
+                grads = torch.autograd.grad(seed, cast_params, allow_unused=True)
+                for p, g in zip(params, grads, strict=True):
+                    if g is not None:
+                        p.grad += g.float()
+        for p in params:
+            p.grad /= world * k
+        if scaler:
+            scaler.unscale_(opt)
+        if cfg.get("grad_clip"):
+            torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return losses, model.state_dict()
 
 

@@ -5,6 +5,13 @@ built on the ``meta`` device captures as well as a real one. Parameters, buffers
 tensors become placeholders; the graph returns ``(loss, *grads)``, one gradient per trainable
 parameter (``None`` where a parameter does not reach the loss). Every node is tagged with its
 phase (forward/backward) and the module it came from.
+
+Under mixed precision (:class:`Casts`) the step is traced as the recipe runs it: every parameter
+is cast to the compute dtype where the model reads it, floating batch tensors are cast on entry,
+floating buffers to their dtype where read, the loss is cast to the output dtype, and
+backward is seeded with the loss scale (a placeholder) instead of 1. Autograd of those casts
+gives fp32 gradients ``_to_copy(g_bf16)``; the precision pass later moves the casts to where
+they are cheapest (before the all-gather, into the reduction).
 """
 
 from __future__ import annotations
@@ -21,9 +28,42 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from zerocc.errors import CaptureError
-from zerocc.ir import BATCH, BUFFER, PARAM, tag
+from zerocc.ir import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, tag
+from zerocc.plan import PrecisionConfig
 
 LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Casts:
+    """How a step is traced under mixed precision; every field None/False is plain fp32."""
+
+    compute: torch.dtype | None = None  # parameters and floating batch tensors, at use
+    buffers: torch.dtype | None = None  # floating buffers, at use (kept in their own dtype)
+    output: torch.dtype | None = None  # the loss
+    loss_scale: bool = False  # backward seeded with the loss-scale placeholder
+
+    @classmethod
+    def of(cls, precision: PrecisionConfig) -> Casts:
+        """The casts a plan's precision section asks for (none unless it leaves fp32)."""
+        if not precision.mixed:
+            return cls()
+        return cls(
+            precision.dtype("param"),
+            precision.dtype("buffers"),
+            precision.dtype("output"),
+            precision.scaling != "none",
+        )
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        return _cast_floating(t, self.compute)
+
+    def to_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        return _cast_floating(t, self.buffers)
+
+
+def _cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -169,8 +209,10 @@ def capture(
     loss_fn: LossFn | None,
     batch: Sequence[Any],
     device: torch.device,
+    casts: Casts | None = None,
 ) -> fx.GraphModule:
     """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors."""
+    casts = casts or Casts()
     loss_fn = loss_fn or default_loss_fn
     wrapper = _Step(model, loss_fn)
     trainable = [p for p in info.params if p.requires_grad]
@@ -181,18 +223,31 @@ def capture(
     tracker = _ModuleTracker(model)
     forward_end: list[int] = []
 
+    n_batch = len(tensor_positions)
+
     def step(*flat: torch.Tensor):
         params, buffers = flat[:n_params], flat[n_params : n_params + n_buffers]
+        batch_tensors = flat[n_params + n_buffers : n_params + n_buffers + n_batch]
         full_batch = list(batch)
-        for pos, t in zip(tensor_positions, flat[n_params + n_buffers :], strict=True):
-            full_batch[pos] = t
-        state = {f"model.{p.fqn}": t for p, t in zip(info.params, params, strict=True)}
-        state.update({f"model.{b.fqn}": t for b, t in zip(info.buffers, buffers, strict=True)})
+        for pos, t in zip(tensor_positions, batch_tensors, strict=True):
+            full_batch[pos] = casts.to_compute(t)
+        state = {
+            f"model.{p.fqn}": casts.to_compute(t) for p, t in zip(info.params, params, strict=True)
+        }
+        state.update(
+            {
+                f"model.{b.fqn}": casts.to_buffer(t)
+                for b, t in zip(info.buffers, buffers, strict=True)
+            }
+        )
         loss = torch.func.functional_call(wrapper, state, tuple(full_batch), tie_weights=True)
         loss = _check_loss(loss)
+        if casts.output is not None:
+            loss = loss.to(casts.output)
         forward_end.append(_ModuleTracker.graph_len())
         wanted = [t for p, t in zip(info.params, params, strict=True) if p.requires_grad]
-        grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+        seed = flat[-1].to(loss.dtype) if casts.loss_scale else None
+        grads = torch.autograd.grad(loss, wanted, grad_outputs=seed, allow_unused=True)
         return (loss.detach(), *grads)
 
     fake_mode = FakeTensorMode()
@@ -203,6 +258,8 @@ def capture(
         ]
         flat += [torch.empty(b.shape, dtype=b.dtype, device=device) for b in info.buffers]
         flat += [fake_mode.from_tensor(batch[i]) for i in tensor_positions]
+        if casts.loss_scale:
+            flat.append(torch.empty((), dtype=torch.float32, device=device))
     try:
         with fx_traceback.preserve_node_meta(), fake_mode:
             gm = make_fx(step, tracing_mode="real")(*flat)
@@ -221,7 +278,7 @@ def capture(
     finally:
         tracker.remove()
     gm.graph.eliminate_dead_code()
-    _tag(gm, info, tensor_positions, forward_end[0], tracker)
+    _tag(gm, info, tensor_positions, forward_end[0], tracker, casts.loss_scale)
     gm.recompile()
     return gm
 
@@ -251,12 +308,15 @@ def _tag(
     tensor_positions: list[int],
     forward_end: int,
     tracker: _ModuleTracker,
+    loss_scale: bool,
 ) -> None:
     nodes = list(gm.graph.nodes)
     ph = [n for n in nodes if n.op == "placeholder"]
     roles = [(PARAM, p.fqn, "p_") for p in info.params]
     roles += [(BUFFER, b.fqn, "b_") for b in info.buffers]
     roles += [(BATCH, str(i), "batch_") for i in tensor_positions]
+    if loss_scale:
+        roles.append((LOSS_SCALE, LOSS_SCALE_KEY, ""))
     for node, (role, key, prefix) in zip(ph, roles, strict=True):
         name = prefix + _identifier(key)
         node._rename(name)

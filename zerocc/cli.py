@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from zerocc.errors import ZeroccError
-from zerocc.plan import DEFAULT_PASSES, Plan, load_plan, plan_json_schema
+from zerocc.plan import Plan, load_plan, plan_json_schema
 from zerocc.printing import human_bytes
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"
@@ -78,7 +78,7 @@ def _plan_schema(args: argparse.Namespace) -> int:
 
 def describe_plan(plan: Plan) -> str:
     """A one-line summary of a plan: stage, passes, units, optimizer, workload."""
-    passes = plan.passes if plan.passes is not None else DEFAULT_PASSES
+    passes = plan.pass_names
     units = [f"class {c}" for c in plan.units.classes]
     units += [f"modules {m}" for m in plan.units.modules]
     if plan.units.min_mb is not None:

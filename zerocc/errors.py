@@ -37,3 +37,8 @@ class NotSupportedError(ZeroccError):
 class InvariantError(ZeroccError):
     """Raised (under ``ZEROCC_VERIFY=1``) when a pass leaves a graph that breaks an IR invariant;
     the message names the pass and the first offending node."""
+
+
+class PlanWarning(UserWarning):
+    """Warned when a plan is valid but likely not what its author wants (e.g. fp16 compute
+    without loss scaling)."""

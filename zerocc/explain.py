@@ -5,21 +5,26 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from zerocc.ir import GRAD, OPTIM_STATE, PARAM_FULL, PARAM_SHARD, info, op_name
+from zerocc.ir import GRAD, MASTER, OPTIM_STATE, PARAM_FULL, PARAM_SHARD, info, op_name
 from zerocc.printing import human_bytes
-from zerocc.state import optimizer_states, state_specs
+from zerocc.state import Dtypes, optimizer_states, state_specs
 
 if TYPE_CHECKING:
     from zerocc.train_step import TrainStep
 
-_CATEGORY = {PARAM_FULL: "params", PARAM_SHARD: "params", GRAD: "grads", OPTIM_STATE: "optimizer"}
+# As ZeRO counts them: fp32 master weights are optimizer state (2 + 2 + 12 bytes per parameter).
+_CATEGORY = {
+    PARAM_FULL: "params",
+    PARAM_SHARD: "params",
+    GRAD: "grads",
+    MASTER: "optimizer",
+    OPTIM_STATE: "optimizer",
+}
 
 
 def model_state_bytes(step: TrainStep) -> dict[str, int]:
     """Bytes of the live persistent params, grads and optimizer states of this rank (measured)."""
-    roles = {
-        s.key: s.role for s in state_specs(step.units, step.plan.zero.stage, step.plan.optimizer)
-    }
+    roles = {s.key: s.role for s in state_specs(step.units, step.plan)}
     seen: set[int] = set()
     out: dict[str, int] = defaultdict(int)
     for key, tensor in step.state.items():
@@ -34,16 +39,23 @@ def model_state_bytes(step: TrainStep) -> dict[str, int]:
 
 
 def formula_bytes(step: TrainStep) -> dict[str, float]:
-    """ZeRO's model-state bytes per rank for this plan: what each stage keeps whole or sharded."""
-    stage, n = step.plan.zero.stage, step.comm.world_size
-    states = len(optimizer_states(step.plan.optimizer))
+    """ZeRO's model-state bytes per rank for this plan: what each stage keeps whole or sharded,
+    in each state's dtype (with bf16 compute, reduce and fp32 master: 2 + 2 + 12 bytes per
+    parameter, as the ZeRO paper counts)."""
+    plan, n = step.plan, step.comm.world_size
+    stage = plan.zero.stage
+    states = len(optimizer_states(plan.optimizer))
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for u in step.units:
-        psi = u.padded_numel * u.dtype.itemsize
-        out["params"] += psi / n if stage == 3 else psi
+        d = Dtypes.of(u, plan.precision if plan.precision.mixed else None)
+        psi = u.padded_numel
+        out["params"] += psi * d.param.itemsize / (n if stage == 3 else 1)
+        if d.master != d.param:
+            out["optimizer"] += psi * d.master.itemsize / (n if stage >= 1 else 1)
         if u.trainable:
-            out["grads"] += psi if stage <= 1 else psi / n
-            out["optimizer"] += states * (psi / n if stage >= 1 else psi)
+            grad = d.reduce if stage <= 1 else d.master
+            out["grads"] += psi * grad.itemsize / (n if stage >= 2 else 1)
+            out["optimizer"] += states * psi * d.master.itemsize / (n if stage >= 1 else 1)
     out["total"] = sum(out.values())
     return out
 
@@ -78,6 +90,7 @@ def explain_step(step: TrainStep) -> str:
         f"{plan.optimizer.name}, grad_accumulation {plan.grad_accumulation}",
         f"trainable Ψ = {psi:,} elements with padding "
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
+        precision_line(step),
         "",
         f"{'unit':<28}{'params':>7}{'elements':>12}{'padded':>12}{'shard':>11}  trainable",
     ]
@@ -89,10 +102,9 @@ def explain_step(step: TrainStep) -> str:
     lines += ["", "communication per optimizer step, per rank:"]
     if not step.programs:
         lines.append("  (known once the step is compiled, at its first call)")
-    itemsize = step.units[0].dtype.itemsize
     for kind, nbytes in sorted(comm_bytes_per_step(step).items()):
         lines.append(
-            f"  {kind:<16}{human_bytes(nbytes):>12}  ({nbytes / itemsize / max(psi, 1):.2f} Ψ)"
+            f"  {kind:<16}{human_bytes(nbytes):>12}  ({nbytes / max(psi, 1):.2f} bytes per Ψ)"
         )
     measured, formula = model_state_bytes(step), formula_bytes(step)
     lines += ["", f"model states per rank{'':<7}{'measured':>12}{'ZeRO formula':>14}"]
@@ -103,10 +115,25 @@ def explain_step(step: TrainStep) -> str:
     return "\n".join(lines)
 
 
+def precision_line(step: TrainStep) -> str:
+    """Dtypes of compute, reduction and master weights; the loss scale and skipped steps."""
+    p = step.plan.precision
+    line = f"precision: compute {p.param}, reduce {p.reduce}, master {p.master}"
+    if step.loss_scaler is not None:
+        kind = "dynamic" if step.loss_scaler.dynamic else "static"
+        line += (
+            f"; {kind} loss scale {step.loss_scale:g}, "
+            f"{step.skipped_steps} of {step.steps + step.skipped_steps} steps skipped for overflow"
+        )
+    return line
+
+
 def describe(step: TrainStep) -> dict[str, Any]:
     """The figures of :func:`explain_step` as a dict, for tools and tests."""
     return {
         "model_state_bytes": model_state_bytes(step),
         "formula_bytes": formula_bytes(step),
         "comm_bytes_per_step": comm_bytes_per_step(step),
+        "loss_scale": step.loss_scale,
+        "skipped_steps": step.skipped_steps,
     }

@@ -28,10 +28,14 @@ OPTIM_STATE = "optim_state"  # optimizer state of a unit's shard (exp_avg, momen
 BUFFER = "buffer"  # a module buffer, replicated
 BATCH = "batch"  # one tensor of the micro-batch
 STEP = "step"  # the optimizer step counter (int64 scalar)
+MASTER = "master"  # the weights the optimizer updates, when they differ in dtype from `param`
+LOSS_SCALE = "loss_scale"  # the loss scale (fp32 scalar) backward is seeded with
+LOSS_SCALE_KEY = "amp.loss_scale"  # its state key (there is one per step)
 
 # Roles of computed nodes that later passes act on.
 GATHERED = "gathered"  # a unit's all-gathered flat parameter (stage 3)
 GRAD_SHARD = "grad_shard"  # the reduced gradient a unit's optimizer update reads
+FOUND_INF = "found_inf"  # 1.0 when a gradient overflowed on any rank: the update is skipped
 
 
 @dataclass

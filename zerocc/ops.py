@@ -12,16 +12,19 @@ returns its input and that ``all_reduce_start`` writes its argument.
 from __future__ import annotations
 
 import contextlib
-import math
+from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 from torch.library import Library
 
+from zerocc.backends.kernels import kernel_set
 from zerocc.comm import Work, active_comm
 
 DP_GROUP = "dp"  # name of the data-parallel group the collectives run on
 _lib = Library("zerocc", "DEF")
 _pending: dict[int, Work] = {}
+_kernels: list[ModuleType] = []
 
 SCHEMAS = {
     "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group) -> Tensor",
@@ -34,18 +37,20 @@ SCHEMAS = {
     "all_reduce_start": "all_reduce_start(Tensor(a!) tensor, str group) -> Tensor(a!)",
     "wait": "wait(Tensor(a) tensor) -> Tensor(a)",
     "free": "free(Tensor(a!) tensor) -> ()",
-    "pack": "pack(Tensor?[] tensors, int[] numels, SymInt numel) -> Tensor",
+    "pack": "pack(Tensor?[] tensors, int[] numels, SymInt numel, ScalarType? dtype=None) -> Tensor",
+    "unscale_check_": "unscale_check_(Tensor(a!)[] grads, Tensor inv_scale) -> Tensor",
     "sum_squares": "sum_squares(Tensor[] tensors, float scale) -> Tensor",
     "clip_coef": "clip_coef(Tensor total_sq, float max_norm) -> Tensor",
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
-        " Tensor step, Tensor? clip_coef, float grad_scale, float lr, float beta1, float beta2,"
-        " float eps, float weight_decay, int[] skip, bool sharded) -> ()"
+        " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
+        " float grad_scale, float lr, float beta1, float beta2, float eps, float weight_decay,"
+        " int[] skip, bool sharded) -> ()"
     ),
     "sgd_": (
-        "sgd_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, Tensor? clip_coef,"
-        " float grad_scale, float lr, float momentum, float weight_decay, int[] skip,"
-        " bool sharded) -> ()"
+        "sgd_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, Tensor? grad_coef,"
+        " Tensor? found_inf, Tensor(d!)? param_copy, float grad_scale, float lr,"
+        " float momentum, float weight_decay, int[] skip, bool sharded) -> ()"
     ),
 }
 COLLECTIVE_STARTS = (
@@ -160,23 +165,29 @@ def _(tensor):
 
 
 @_impl("pack")
-def _pack(tensors: list[torch.Tensor | None], numels: list[int], numel: int) -> torch.Tensor:
-    like = next((t for t in tensors if t is not None), None)
-    if like is None:
-        raise RuntimeError("zerocc.pack needs at least one tensor")
-    out = like.new_zeros(numel)
-    offset = 0
-    for t, n in zip(tensors, numels, strict=True):
-        if t is not None:
-            out[offset : offset + n].copy_(t.reshape(-1))
-        offset += n
-    return out
+def _pack(
+    tensors: list[torch.Tensor | None],
+    numels: list[int],
+    numel: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return active_kernels().pack(tensors, numels, numel, dtype)
 
 
 @_fake("pack")
-def _(tensors, numels, numel):
+def _(tensors, numels, numel, dtype=None):
     like = next(t for t in tensors if t is not None)
-    return like.new_empty(numel)
+    return like.new_empty(numel, dtype=dtype or like.dtype)
+
+
+@_impl("unscale_check_")
+def _unscale_check_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    return active_kernels().unscale_check_(grads, inv_scale)
+
+
+@_fake("unscale_check_")
+def _(grads, inv_scale):
+    return inv_scale.new_empty((), dtype=torch.float32)
 
 
 # --- optimizer ---------------------------------------------------------------------------
@@ -206,13 +217,6 @@ def _(total_sq, max_norm):
     return total_sq.new_empty(())
 
 
-def _effective_grad(grad: torch.Tensor, clip_coef: torch.Tensor | None, scale: float):
-    g = grad * scale
-    if clip_coef is not None:
-        g.mul_(clip_coef)
-    return g
-
-
 @contextlib.contextmanager
 def _untouched(tensors: list[torch.Tensor | None], skip: list[int], sharded: bool):
     """Keep the ``skip`` ranges (flat offset, numel pairs, over the unit's whole flat buffer)
@@ -239,7 +243,9 @@ def _adamw_(
     exp_avg,
     exp_avg_sq,
     step,
-    clip_coef,
+    grad_coef,
+    found_inf,
+    param_copy,
     grad_scale,
     lr,
     beta1,
@@ -249,32 +255,55 @@ def _adamw_(
     skip,
     sharded,
 ) -> None:
-    """AdamW on one flat shard, step for step the arithmetic of ``torch.optim.AdamW``."""
-    g = _effective_grad(grad, clip_coef, grad_scale)
-    t = int(step.item())
-    with _untouched([param, exp_avg, exp_avg_sq], skip, sharded):
-        param.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step_size = lr / (1 - beta1**t)
-        bias_correction2_sqrt = math.sqrt(1 - beta2**t)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+    """AdamW on one flat shard (see :func:`zerocc.backends.kernels.reference.adamw_`)."""
+    with _untouched([param, exp_avg, exp_avg_sq, param_copy], skip, sharded):
+        active_kernels().adamw_(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step,
+            grad_coef,
+            found_inf,
+            param_copy,
+            grad_scale,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        )
 
 
 @_impl("sgd_")
 def _sgd_(
-    param, grad, momentum_buffer, clip_coef, grad_scale, lr, momentum, weight_decay, skip, sharded
+    param,
+    grad,
+    momentum_buffer,
+    grad_coef,
+    found_inf,
+    param_copy,
+    grad_scale,
+    lr,
+    momentum,
+    weight_decay,
+    skip,
+    sharded,
 ) -> None:
-    """SGD on one flat shard, as ``torch.optim.SGD`` (no dampening, no Nesterov)."""
-    g = _effective_grad(grad, clip_coef, grad_scale)
-    with _untouched([param, momentum_buffer], skip, sharded):
-        if weight_decay:
-            g.add_(param, alpha=weight_decay)
-        if momentum_buffer is not None:
-            # The buffer starts at zero, so the first step stores g exactly, as torch's clone.
-            g = momentum_buffer.mul_(momentum).add_(g)
-        param.add_(g, alpha=-lr)
+    """SGD on one flat shard (see :func:`zerocc.backends.kernels.reference.sgd_`)."""
+    with _untouched([param, momentum_buffer, param_copy], skip, sharded):
+        active_kernels().sgd_(
+            param,
+            grad,
+            momentum_buffer,
+            grad_coef,
+            found_inf,
+            param_copy,
+            grad_scale,
+            lr,
+            momentum,
+            weight_decay,
+        )
 
 
 @_fake("adamw_")
@@ -285,6 +314,21 @@ def _(*args):
 @_fake("sgd_")
 def _(*args):
     return None
+
+
+@contextlib.contextmanager
+def use_kernels(name: str) -> Iterator[ModuleType]:
+    """Run zerocc's compute ops (update, unscale, pack) with kernel set ``name`` in the body."""
+    _kernels.append(kernel_set(name))
+    try:
+        yield _kernels[-1]
+    finally:
+        _kernels.pop()
+
+
+def active_kernels() -> ModuleType:
+    """The kernel set chosen by :func:`use_kernels`; the torch reference outside of one."""
+    return _kernels[-1] if _kernels else kernel_set("torch")
 
 
 def op(name: str) -> torch._ops.OpOverload:

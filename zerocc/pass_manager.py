@@ -22,7 +22,7 @@ from torch import fx
 from zerocc.capture import ModelInfo
 from zerocc.errors import PassOrderError, PlanError
 from zerocc.ir import count_ops, propagate_fake_values
-from zerocc.plan import DEFAULT_PASSES, Plan
+from zerocc.plan import Plan
 from zerocc.units import Unit
 
 CAPTURE_PROVIDES = frozenset({"joint_graph"})
@@ -36,6 +36,7 @@ class PassSpec:
     fn: Callable[..., fx.GraphModule]
     requires: frozenset[str]
     produces: frozenset[str]
+    forbids: frozenset[str]
     changes_numerics: bool
     options: Callable[[Plan], dict[str, Any]]
     doc: str
@@ -49,10 +50,14 @@ def register_pass(
     *,
     requires: tuple[str, ...] = (),
     produces: tuple[str, ...] = (),
+    forbids: tuple[str, ...] = (),
     changes_numerics: bool = False,
     options: Callable[[Plan], dict[str, Any]] | None = None,
 ) -> Callable[[Callable[..., fx.GraphModule]], Callable[..., fx.GraphModule]]:
-    """Register ``fn`` as pass ``name``; ``options(plan)`` gives its keyword options."""
+    """Register ``fn`` as pass ``name``; ``options(plan)`` gives its keyword options.
+
+    ``requires`` must be produced by an earlier pass; ``forbids`` must not be (the pass has to
+    run before whatever produces it)."""
 
     def decorate(fn: Callable[..., fx.GraphModule]) -> Callable[..., fx.GraphModule]:
         PASSES[name] = PassSpec(
@@ -60,6 +65,7 @@ def register_pass(
             fn,
             frozenset(requires),
             frozenset(produces),
+            frozenset(forbids),
             changes_numerics,
             options or (lambda plan: {}),
             (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
@@ -105,9 +111,9 @@ def build_pipeline(plan: Plan) -> Pipeline:
     """Resolve the plan's pass names, check the order, bind each pass's options."""
     import zerocc.passes  # noqa: F401  (registers the built-in passes)
 
-    # Invariant 4: the default pipeline holds no pass that changes numerics; such a pass runs
-    # only when a plan names it.
-    names = list(plan.passes) if plan.passes is not None else list(DEFAULT_PASSES)
+    # Invariant 4: the default pipeline holds no pass that changes numerics unless the plan asks
+    # for it (the precision pass runs when the precision section leaves fp32).
+    names = plan.pass_names
     specs = []
     for i, name in enumerate(names):
         if name not in PASSES:
@@ -121,9 +127,17 @@ def build_pipeline(plan: Plan) -> Pipeline:
 
 
 def check_order(specs: list[PassSpec] | tuple[PassSpec, ...]) -> None:
-    """Reject a pipeline in which a pass runs before what it requires is produced."""
+    """Reject a pipeline in which a pass runs before what it requires is produced, or after
+    what it must precede."""
     available = set(CAPTURE_PROVIDES)
     for spec in specs:
+        early = spec.forbids & available
+        if early:
+            producers = [s.name for s in specs if s.produces & early]
+            raise PassOrderError(
+                f"pass {spec.name!r} must run before {', '.join(map(repr, producers))} "
+                f"(which produces {', '.join(sorted(early))})"
+            )
         missing = spec.requires - available
         if missing:
             providers = {m: [s.name for s in PASSES.values() if m in s.produces] for m in missing}

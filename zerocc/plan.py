@@ -10,9 +10,11 @@ import difflib
 import os
 import re
 import typing
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 import yaml
 from pydantic import (
     BaseModel,
@@ -22,12 +24,14 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import ErrorDetails
 
-from zerocc.errors import PlanError
+from zerocc.errors import PlanError, PlanWarning
 
 DEFAULT_PASSES = ["partition", "shard", "optimizer"]
+MIXED_PRECISION_PASSES = ["partition", "shard", "precision", "optimizer"]
 
 _WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
@@ -101,22 +105,99 @@ class OptimizerConfig(_Section):
         return momentum
 
 
-class PrecisionConfig(_Section):
-    """Dtypes of parameters, gradients and collectives."""
+Dtype = Literal["fp32", "bf16", "fp16"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-    param: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="dtype of parameters in compute; only 'fp32' is supported yet"
+
+class LossScaleConfig(_Section):
+    """Dynamic loss scaling knobs (fp16): the scale backs off on overflow, grows when stable."""
+
+    initial: float = Field(2.0**16, gt=0, description="scale of the first step")
+    growth_interval: int = Field(
+        2000, ge=1, description="steps without overflow after which the scale grows"
+    )
+    growth_factor: float = Field(2.0, gt=1, description="the scale is multiplied by this to grow")
+    backoff_factor: float = Field(
+        0.5, gt=0, lt=1, description="the scale is multiplied by this on overflow"
+    )
+    hysteresis: int = Field(
+        2,
+        ge=1,
+        description="overflowing steps tolerated before the scale backs off (each one is "
+        "still skipped); 1 backs off on every overflow, as torch's GradScaler",
+    )
+    min_scale: float = Field(1.0, gt=0, description="the scale never backs off below this")
+
+
+class PrecisionConfig(_Section):
+    """Mixed precision: compute, reduction and master dtypes, and loss scaling."""
+
+    param: Dtype = Field(
+        "fp32", description="compute dtype: parameters are gathered and used in it"
+    )
+    reduce: Dtype = Field(
+        "fp32", description="dtype of gradient reduce-scatter / all-reduce and accumulators"
+    )
+    master: Dtype = Field(
+        "fp32", description="dtype of the weights the optimizer updates (and its states)"
+    )
+    buffers: Dtype | None = Field(
+        None, description="dtype of floating buffers; default: follow `param`"
+    )
+    output: Dtype = Field("fp32", description="dtype of the loss the step returns")
+    loss_scale: Literal["dynamic", "none"] | float | None = Field(
+        None,
+        description="'dynamic', a fixed number, or 'none'; default: dynamic for fp16, else none",
+    )
+    dynamic: LossScaleConfig = Field(
+        default_factory=LossScaleConfig, description="knobs of loss_scale: dynamic"
     )
 
-    @field_validator("param")
+    @field_validator("loss_scale", mode="before")
     @classmethod
-    def _only_fp32_yet(cls, param: str) -> str:
-        if param != "fp32":
+    def _scale_choice(cls, scale: Any) -> Any:
+        number = isinstance(scale, int | float) and not isinstance(scale, bool)
+        if scale is None or scale in ("dynamic", "none") or (number and scale > 0):
+            return scale
+        raise ValueError(
+            f"{scale!r} is not allowed; allowed values: 'dynamic', 'none', or a positive number"
+        )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrecisionConfig:
+        if self.master not in ("fp32", self.param):
+            pure = "" if self.param == "fp32" else f" (or {self.param} for pure {self.param})"
             raise ValueError(
-                f"{param!r} is not supported yet (only 'fp32'); "
-                "mixed precision arrives with the precision pass"
+                f"master {self.master!r} is lower than param {self.param!r}: the optimizer "
+                f"must update weights at least as precise as those used in compute; use "
+                f"master: fp32{pure}"
             )
-        return param
+        if self.param == "fp16" and self.scaling == "none":
+            warnings.warn(
+                "precision: fp16 compute without loss scaling: small gradients underflow to "
+                "zero in fp16; set precision.loss_scale: dynamic",
+                PlanWarning,
+                stacklevel=2,
+            )
+        return self
+
+    @property
+    def scaling(self) -> str:
+        """'dynamic', 'static' or 'none' once the default is resolved."""
+        if self.loss_scale is None:
+            return "dynamic" if self.param == "fp16" else "none"
+        return "static" if isinstance(self.loss_scale, float) else self.loss_scale
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the plan leaves fp32 anywhere (the precision pass must run)."""
+        dtypes = (self.param, self.reduce, self.master, self.buffers or self.param, self.output)
+        return any(d != "fp32" for d in dtypes) or self.scaling != "none"
+
+    def dtype(self, field: str) -> torch.dtype:
+        """The torch dtype of ``field`` (``buffers`` resolved to ``param`` when unset)."""
+        name = getattr(self, field) or self.param
+        return DTYPES[name]
 
 
 class BackendConfig(_Section):
@@ -124,6 +205,11 @@ class BackendConfig(_Section):
 
     name: Literal["eager"] = Field(
         "eager", description="how the scheduled graph runs; eager interprets it node by node"
+    )
+    kernels: Literal["torch", "triton"] = Field(
+        "torch",
+        description="zerocc's own kernels (optimizer update, unscale, pack): torch ops, or fused "
+        "Triton kernels (on CPU only interpreted, with TRITON_INTERPRET=1)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when available, else cpu"
@@ -153,7 +239,9 @@ class Plan(_Section):
         default_factory=BackendConfig, description="which backend runs the scheduled graph"
     )
     passes: list[str] | None = Field(
-        None, description="pass pipeline in order; default: partition, shard, optimizer"
+        None,
+        description="pass pipeline in order; default: partition, shard, optimizer (with "
+        "precision before optimizer when the precision section leaves fp32)",
     )
     workload: str | None = Field(
         None,
@@ -176,6 +264,22 @@ class Plan(_Section):
         """The path the plan was loaded from (None for a dict or Plan); the workload module is
         resolved relative to its directory."""
         return self._source
+
+    @property
+    def pass_names(self) -> list[str]:
+        """The pipeline this plan runs: ``passes``, or the default for its precision."""
+        if self.passes is not None:
+            return list(self.passes)
+        return list(MIXED_PRECISION_PASSES if self.precision.mixed else DEFAULT_PASSES)
+
+    @model_validator(mode="after")
+    def _precision_pass_listed(self) -> Plan:
+        if self.passes is not None and self.precision.mixed and "precision" not in self.passes:
+            raise ValueError(
+                "the precision section leaves fp32, but `passes` does not list 'precision'; "
+                "add it before 'optimizer' (or drop `passes` for the default pipeline)"
+            )
+        return self
 
     @field_validator("workload")
     @classmethod

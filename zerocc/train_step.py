@@ -20,12 +20,15 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from zerocc.backends import get_backend
-from zerocc.capture import LossFn, capture, describe_model
+from zerocc.backends.kernels import check_kernels
+from zerocc.capture import Casts, LossFn, capture, describe_model
 from zerocc.comm import Comm, TorchComm, use_comm
 from zerocc.errors import CaptureError, RankMismatchError
 from zerocc.explain import explain_step, model_state_bytes
 from zerocc.ir import (
     BATCH,
+    FOUND_INF,
+    MASTER,
     PARAM_FULL,
     PARAM_SHARD,
     STEP,
@@ -33,13 +36,14 @@ from zerocc.ir import (
     placeholders,
     val,
 )
+from zerocc.loss_scale import LossScaler
 from zerocc.materialize import initial_values, is_meta, release_to_meta
-from zerocc.ops import forget_pending, pending_collectives
+from zerocc.ops import forget_pending, pending_collectives, use_kernels
 from zerocc.pass_manager import PassContext, PassRecord, build_pipeline, run_pipeline
 from zerocc.passes.partition import assign_units
 from zerocc.plan import Plan
 from zerocc.printing import format_program
-from zerocc.state import STEP_SPEC, state_specs
+from zerocc.state import LOSS_SCALE_SPEC, STEP_SPEC, StateSpec, state_specs
 from zerocc.units import Unit
 
 
@@ -52,6 +56,7 @@ class Program:
     bindings: list[tuple[str, str]]  # (role, key) per placeholder, in order
     run: Any
     digest: str
+    returns_found_inf: bool  # returns (loss, found_inf): the loss is scaled, and it steps
 
 
 def _digest(text: str) -> str:
@@ -78,6 +83,8 @@ class TrainStep:
         self.state_dict_keys = list(model.state_dict(keep_vars=True))
         self.pipeline = build_pipeline(plan)
         self.backend = get_backend(plan.backend.name)
+        check_kernels(plan.backend.kernels, device)
+        self.casts = Casts.of(plan.precision)
         # Units are derived again by the partition pass; building them now turns a plan that
         # cannot partition this model (a pattern that matches nothing) into an error at compile.
         units = plan.units
@@ -85,9 +92,12 @@ class TrainStep:
             self.model_info, comm.world_size, units.classes, units.modules, units.min_mb
         )
         self.state: dict[str, torch.Tensor] = self._initial_state()
+        self.loss_scaler: LossScaler | None = None
+        if LOSS_SCALE_SPEC.key in self.state:
+            self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
         self.programs: dict[tuple, Program] = {}
         self.micro_batches = 0
-        self.steps = 0
+        self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         self._last_program: Program | None = None
 
     # -- running ----------------------------------------------------------------------------
@@ -102,14 +112,12 @@ class TrainStep:
         if key not in self.programs:
             self.programs[key] = self._build(batch, boundary)
         program = self.programs[key]
-        if boundary:
-            self.steps += 1
-            if STEP_SPEC.key in self.state:
-                self.state[STEP_SPEC.key].fill_(self.steps)
+        if boundary and STEP_SPEC.key in self.state:
+            self.state[STEP_SPEC.key].fill_(self.steps + 1)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         self.comm.stats.reset()
         try:
-            with torch.no_grad(), use_comm(self.comm):
+            with torch.no_grad(), use_comm(self.comm), use_kernels(self.plan.backend.kernels):
                 loss = program.run(*args)
         except BaseException:
             forget_pending()
@@ -118,10 +126,34 @@ class TrainStep:
             raise RuntimeError("a program finished with collectives still in flight")
         self.micro_batches += 1
         self._last_program = program
+        if program.returns_found_inf:
+            loss, found_inf = loss
+            self._account_step(overflow=bool(found_inf))
+        elif boundary:
+            self._account_step(overflow=False)
         return loss
 
+    def _account_step(self, overflow: bool) -> None:
+        """After an optimizer step: count it (unless skipped) and update the loss scale."""
+        if not overflow:
+            self.steps += 1
+        elif STEP_SPEC.key in self.state:
+            self.state[STEP_SPEC.key].fill_(self.steps)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the next step runs with (None without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because a gradient overflowed (loss scaling only)."""
+        return self.loss_scaler.skipped_steps if self.loss_scaler else 0
+
     def _build(self, batch: tuple, boundary: bool) -> Program:
-        gm = capture(self.model, self.model_info, self.loss_fn, batch, self.device)
+        gm = capture(self.model, self.model_info, self.loss_fn, batch, self.device, self.casts)
         ctx = PassContext(self.plan, self.comm.world_size, self.model_info, boundary=boundary)
         gm, records = run_pipeline(gm, ctx, self.pipeline)
         if [u.name for u in self.units] != [u.name for u in ctx.units]:
@@ -131,7 +163,9 @@ class TrainStep:
         digest = _digest(text)
         self._agree(("program", digest), "the compiled programs differ across ranks", text)
         bindings = [(info(n).role, info(n).key) for n in placeholders(gm)]
-        return Program(gm, records, bindings, self.backend(gm), digest)
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        found_inf = isinstance(outputs, tuple) and info(outputs[-1]).role == FOUND_INF
+        return Program(gm, records, bindings, self.backend(gm), digest, found_inf)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -140,28 +174,36 @@ class TrainStep:
         unit at a time, so a meta-device model never has more than one unit materialized;
         afterwards the TrainStep owns the weights (``full_state_dict()`` returns them) and the
         model's own copy is released."""
-        rank, seed, device = self.comm.rank, self.plan.seed, self.device
-        units = {u.name: u for u in self.units}
+        specs = state_specs(self.units, self.plan)
+        weights = (PARAM_FULL, PARAM_SHARD, MASTER)
         state: dict[str, torch.Tensor] = {}
-        for spec in state_specs(self.units, self.plan.zero.stage, self.plan.optimizer):
-            unit = units.get(spec.unit)
-            if spec.key.endswith(".param_shard"):  # stages 1-2: a view of the replicated flat
-                state[spec.key] = unit.shard_of(state[f"{unit.key}.param"], rank)
-            elif spec.role in (PARAM_FULL, PARAM_SHARD):
-                fqns = [p.fqn for p in unit.params]
-                flat = unit.flatten(initial_values(self.model, fqns, seed, device))
-                # Stage 3 keeps a copy of its shard alone: a view would keep the whole flat alive.
-                state[spec.key] = (
-                    flat if spec.role == PARAM_FULL else unit.shard_of(flat, rank).clone()
-                )
-            else:
-                on = torch.device("cpu") if spec.role == STEP else device
+        for unit in self.units:
+            ours = [s for s in specs if s.unit == unit.name and s.role in weights]
+            fqns = [p.fqn for p in unit.params]
+            flat = unit.flatten(initial_values(self.model, fqns, self.plan.seed, self.device))
+            for spec in ours:
+                state[spec.key] = self._weights(spec, flat, state)
+        for spec in specs:
+            if spec.key not in state:
+                on = torch.device("cpu") if spec.role == STEP else self.device
                 state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype, device=on)
         buffers = [b.fqn for b in self.model_info.buffers]
-        state.update(initial_values(self.model, buffers, seed, device))
+        state.update(initial_values(self.model, buffers, self.plan.seed, self.device))
         if not is_meta(self.model):
             release_to_meta(self.model)
         return state
+
+    def _weights(
+        self, spec: StateSpec, flat: torch.Tensor, state: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """A unit's flat parameter (replicated), its shard, or their master weights, from the
+        unit's initial flat values ``flat``."""
+        unit = next(u for u in self.units if u.name == spec.unit)
+        if spec.key.endswith(".param_shard"):  # stages 1-2: a view of the replicated flat
+            return unit.shard_of(state[f"{unit.key}.param"], self.comm.rank)
+        value = flat if spec.shape == flat.shape else unit.shard_of(flat, self.comm.rank)
+        # A copy (of the shard alone: a view would keep the whole flat alive).
+        return value.to(spec.dtype, copy=True)
 
     def _check_bindings(self, gm: fx.GraphModule) -> None:
         """Every state placeholder of a program names a tensor the TrainStep holds, as shaped."""
@@ -223,19 +265,21 @@ class TrainStep:
     # -- checkpoints ------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{fqn: full fp32 tensor on CPU}`` for every key of ``model.state_dict()``.
+        """``{fqn: full tensor on CPU}`` for every key of ``model.state_dict()``, in the model's
+        dtypes: the master weights under mixed precision.
 
-        A collective under stage 3 (shards are all-gathered): call it on every rank.
+        A collective when the weights are sharded (stage 3; stages 1-2 under mixed precision,
+        whose masters are sharded): call it on every rank.
         """
         full: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            flat = self.state[f"{unit.key}.param"]
+            flat = self.state.get(f"{unit.key}.master", self.state[f"{unit.key}.param"])
             if flat.numel() != unit.padded_numel:
                 gathered = flat.new_empty(unit.padded_numel)
                 self.comm.all_gather(gathered, flat).wait()
                 flat = gathered
             for p in unit.params:
-                value = unit.unflatten(flat)[p.fqn].detach().to("cpu", copy=True)
+                value = unit.unflatten(flat)[p.fqn].detach().to("cpu", p.param.dtype, copy=True)
                 full.update(dict.fromkeys(p.param.aliases, value))
         for b in self.model_info.buffers:
             if b.fqn in self.state:
@@ -257,6 +301,8 @@ class TrainStep:
             "world_size": self.comm.world_size,
             "stage": self.plan.zero.stage,
         }
+        if self.loss_scaler is not None:
+            sd["zerocc"]["loss_scaler"] = self.loss_scaler.state_dict()
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -276,6 +322,8 @@ class TrainStep:
             if sd[prefix + key] is not self.state[key]:
                 self.state[key].copy_(sd[prefix + key])
         self.steps, self.micro_batches = saved["steps"], saved["micro_batches"]
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(saved["loss_scaler"])
 
 
 def _first_difference(views: list[Any]) -> str:

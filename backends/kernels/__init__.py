@@ -8,7 +8,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
+
+import torch
+
+from zerocc.errors import NotSupportedError
 
 KERNEL_SETS = {"torch": "reference", "triton": "triton_kernels"}
 
@@ -16,3 +21,21 @@ KERNEL_SETS = {"torch": "reference", "triton": "triton_kernels"}
 def kernel_set(name: str) -> ModuleType:
     """The module implementing kernel set ``name`` (imported on first use)."""
     return importlib.import_module(f"{__name__}.{KERNEL_SETS[name]}")
+
+
+def check_kernels(name: str, device: torch.device) -> None:
+    """Fail at compile time, not mid-step, when kernel set ``name`` cannot run on ``device``."""
+    if name != "triton":
+        return
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise NotSupportedError(
+            "backend.kernels: triton runs on a GPU; on CPU only interpreted, which is slow and "
+            "meant for tests: set TRITON_INTERPRET=1 before starting Python, or use "
+            "backend.kernels: torch"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise NotSupportedError(
+            f"backend.kernels: triton, but triton cannot be imported ({e}); pip install triton"
+        ) from None

@@ -1,0 +1,193 @@
+"""precision: mixed precision on the sharded program (compute, reduce and master dtypes; loss
+scaling).
+
+Capture traced the step as the recipe runs it (see :class:`zerocc.capture.Casts`): each
+parameter is cast to the compute dtype where the model reads it, and autograd of that cast
+hands back gradients cast up to fp32. The shard pass laid the program out in the model's dtype
+(fp32). This pass moves the casts to where they cost least:
+
+- **Parameters**: ``param`` (the replicated flat, or stage 3's shard) becomes the compute-dtype
+  copy, so every all-gather moves half the bytes, and the per-parameter casts after the gather
+  vanish. The weights the optimizer updates move to new ``master`` placeholders (fp32), and
+  the update writes both (see the optimizer pass).
+- **Gradients**: the up-casts of the gradients are dropped; the per-unit pack casts straight to
+  the ``reduce`` dtype (stages 2-3), the full accumulators are kept in it (stages 0-1), so
+  reductions move ``reduce``-dtype bytes; reduced shards are added into fp32 accumulators
+  (stages 2-3) and the update computes in fp32.
+- **Loss scaling** (the program that steps): every reduced gradient is unscaled in place by
+  1/scale while looking for inf/NaN (one fused op); the flag is all-reduced when gradients are
+  sharded, so every rank skips the same steps; the program returns it after the loss, and the
+  optimizer pass passes it to each update, which then writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from zerocc.errors import InvariantError
+from zerocc.ir import (
+    FOUND_INF,
+    GATHERED,
+    GRAD,
+    GRAD_SHARD,
+    LOSS_SCALE,
+    PARAM_FULL,
+    alias_closure,
+    emit,
+    emit_collective,
+    info,
+    nodes_with_role,
+    placeholders,
+    propagate_fake_values,
+    state_placeholder,
+    val,
+)
+from zerocc.ops import DP_GROUP, op
+from zerocc.pass_manager import PassContext, register_pass
+from zerocc.plan import PrecisionConfig
+from zerocc.state import param_specs
+
+aten = torch.ops.aten
+
+
+def _retype(node: fx.Node, dtype: torch.dtype) -> None:
+    fake = val(node)
+    with fake.fake_mode:
+        node.meta["val"] = torch.empty(fake.shape, dtype=dtype, device=fake.device)
+
+
+def _is_cast(node: fx.Node) -> bool:
+    """A pure dtype cast, ``x.to(dtype)``, as capture traces it."""
+    return (
+        node.op == "call_function"
+        and node.target is aten._to_copy.default
+        and set(node.kwargs) == {"dtype"}
+    )
+
+
+class _PrecisionRewriter:
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, precision: PrecisionConfig) -> None:
+        self.gm, self.graph, self.ctx = gm, gm.graph, ctx
+        self.precision = precision
+        self.compute = precision.dtype("param")
+        self.stage = ctx.plan.zero.stage
+
+    def retype_state(self) -> None:
+        """Give ``param``/``param_shard``/``grad`` placeholders their mixed-precision dtypes, and
+        add the ``master`` weights the update reads (the program that steps)."""
+        specs = {
+            s.key: s
+            for u in self.ctx.units
+            for s in param_specs(u, self.stage, self.precision).values()
+        }
+        for node in placeholders(self.gm):
+            spec = specs.get(info(node).key or "")
+            if spec is not None and spec.dtype != val(node).dtype:
+                _retype(node, spec.dtype)
+        if self.ctx.boundary:
+            like = val(next(iter(placeholders(self.gm))))
+            for spec in specs.values():
+                if spec.key.endswith(".master"):
+                    state_placeholder(self.graph, spec, like)
+
+    def drop_param_casts(self) -> None:
+        """The casts of parameter views to the compute dtype read a compute-dtype copy now."""
+        sources = placeholders(self.gm, PARAM_FULL) + nodes_with_role(self.gm, GATHERED)
+        for source in sources:
+            for node in alias_closure(source):
+                for user in list(node.users):
+                    if _is_cast(user) and user.kwargs["dtype"] == self.compute:
+                        user.replace_all_uses_with(node)
+                        self.graph.erase_node(user)
+
+    def reduce_in_reduce_dtype(self) -> None:
+        """Gradients go into packs and accumulators in their compute dtype, not cast to fp32."""
+        reduce = self.precision.dtype("reduce")
+        accumulators = {n for g in placeholders(self.gm, GRAD) for n in alias_closure(g)}
+        for node in list(self.graph.nodes):
+            if node.target is op("pack"):
+                tensors = [self._uncast(t) for t in node.args[0]]
+                node.args = (tensors, node.args[1], node.args[2], reduce)
+            elif node.target is aten.add_.Tensor and node.args[0] in accumulators:
+                node.args = (node.args[0], self._uncast(node.args[1]), *node.args[2:])
+
+    def _uncast(self, grad: fx.Node | None) -> fx.Node | None:
+        """The compute-dtype gradient under capture's up-cast of it (erased when unused)."""
+        if grad is None or not _is_cast(grad):
+            return grad
+        source = grad.args[0]
+        if len(grad.users) == 1:
+            grad.replace_all_uses_with(source)
+            self.graph.erase_node(grad)
+        return source
+
+    def unscale(self) -> fx.Node:
+        """Unscale every reduced gradient in place and find overflows (on any rank)."""
+        scale = placeholders(self.gm, LOSS_SCALE)
+        if not scale:
+            raise InvariantError("loss scaling is on, but the program has no loss-scale input")
+        grads = nodes_with_role(self.gm, GRAD_SHARD)
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        where = {"phase": "optimizer"}
+        with self.graph.inserting_before(output):
+            inv = emit(self.graph, aten.reciprocal.default, (scale[0],), **where)
+            found = emit(
+                self.graph,
+                op("unscale_check_"),
+                (grads, inv),
+                note="unscale the reduced gradients by 1/loss_scale; 1.0 if any is inf/NaN",
+                **where,
+            )
+            if self.stage > 0:  # each rank checked its own slice of the gradient
+                found = emit_collective(
+                    self.graph,
+                    op("all_reduce_start"),
+                    op("wait"),
+                    (found, DP_GROUP),
+                    nbytes=2 * 4,
+                    note="all-reduce the overflow flag: every rank skips the same steps",
+                    **where,
+                )
+        info(found).role = FOUND_INF
+        output.args = ((output.args[0], found),)
+        return found
+
+
+def _rescale_collective_bytes(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Collectives now move tensors of other dtypes: scale their recorded bytes."""
+    units = {u.name: u for u in ctx.units}
+    for node in gm.graph.nodes:
+        unit = units.get(info(node).unit or "")
+        if info(node).stream != "comm" or not info(node).bytes or unit is None:
+            continue
+        moved = next(a for a in node.args if isinstance(a, fx.Node))
+        if node.target is op("all_gather_into_start"):
+            moved = node.args[0]
+        itemsize = val(moved).dtype.itemsize
+        info(node).bytes = info(node).bytes // unit.dtype.itemsize * itemsize
+
+
+@register_pass(
+    "precision",
+    requires=("sharded_params", "grad_shards"),
+    produces=("mixed_precision",),
+    forbids=("optimizer_update",),
+    changes_numerics=True,
+    options=lambda plan: {"precision": plan.precision},
+)
+def precision(
+    gm: fx.GraphModule, ctx: PassContext, *, precision: PrecisionConfig
+) -> fx.GraphModule:
+    """Compute in ``precision.param``, reduce in ``precision.reduce``, keep ``master`` weights,
+    and unscale + overflow-check gradients when the loss is scaled."""
+    rewriter = _PrecisionRewriter(gm, ctx, precision)
+    rewriter.retype_state()
+    rewriter.drop_param_casts()
+    rewriter.reduce_in_reduce_dtype()
+    if precision.scaling != "none" and ctx.boundary:
+        rewriter.unscale()
+    gm.recompile()
+    propagate_fake_values(gm)
+    _rescale_collective_bytes(gm, ctx)
+    return gm
