@@ -58,11 +58,16 @@ def _retype(node: fx.Node, dtype: torch.dtype) -> None:
 
 
 def _is_cast(node: fx.Node) -> bool:
-    """A pure dtype cast, ``x.to(dtype)``, as capture traces it."""
+    """A dtype cast on the same device, as capture traces ``x.to(dtype)`` and autograd traces
+    its backward (``_to_copy(g, dtype=..., layout=strided, device=<g's device>)``)."""
+    if node.op != "call_function" or node.target is not aten._to_copy.default:
+        return False
+    kwargs = node.kwargs
     return (
-        node.op == "call_function"
-        and node.target is aten._to_copy.default
-        and set(node.kwargs) == {"dtype"}
+        "dtype" in kwargs
+        and set(kwargs) <= {"dtype", "layout", "device"}
+        and kwargs.get("layout", torch.strided) == torch.strided
+        and kwargs.get("device", val(node.args[0]).device) == val(node.args[0]).device
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerocc.errors import PlanError, ZeroccError
+from zerocc.errors import PlanError, PlanWarning, ZeroccError
 from zerocc.plan import Plan, load_plan, plan_json_schema
 from zerocc.workload import Workload, load_workload
 
@@ -134,10 +134,53 @@ def test_section_that_is_not_a_mapping():
     assert "zero: expected a mapping of fields: stage, world_size" in message
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_low_precision_is_not_supported_yet(dtype):
-    message = plan_error({"precision": {"param": dtype}})
-    assert f"precision.param: '{dtype}' is not supported yet (only 'fp32')" in message
+# --- precision -------------------------------------------------------------------------------
+
+
+def test_precision_defaults_and_pipeline():
+    plan = load_plan({"precision": {"param": "bf16"}})
+    assert plan.precision.scaling == "none" and plan.precision.dtype("buffers") == torch.bfloat16
+    assert plan.pass_names == ["partition", "shard", "precision", "optimizer"]
+    assert load_plan({}).pass_names == ["partition", "shard", "optimizer"]
+    assert load_plan({"precision": {"param": "fp16"}}).precision.scaling == "dynamic"
+    fixed = load_plan({"precision": {"param": "fp16", "loss_scale": 1024}}).precision
+    assert fixed.scaling == "static" and fixed.loss_scale == 1024
+
+
+def test_fp16_without_loss_scaling_warns_about_underflow():
+    with pytest.warns(PlanWarning, match="underflow"):
+        load_plan({"precision": {"param": "fp16", "loss_scale": "none"}})
+
+
+@pytest.mark.parametrize(
+    ("param", "master", "hint"),
+    [("fp32", "bf16", "use master: fp32"), ("bf16", "fp16", "(or bf16 for pure bf16)")],
+)
+def test_master_lower_than_param_is_rejected(param, master, hint):
+    message = plan_error({"precision": {"param": param, "master": master}})
+    assert f"precision: master '{master}' is lower than param '{param}'" in message
+    assert hint in message
+
+
+def test_pure_bf16_is_allowed_with_torch_kernels_only():
+    assert load_plan({"precision": {"param": "bf16", "master": "bf16"}}).precision.mixed
+    message = plan_error(
+        {"precision": {"param": "bf16", "master": "bf16"}, "backend": {"kernels": "triton"}}
+    )
+    assert "backend.kernels: triton updates fp32 master weights" in message
+
+
+@pytest.mark.parametrize("scale", [-1, 0, "dyn", True])
+def test_bad_loss_scale(scale):
+    message = plan_error({"precision": {"loss_scale": scale}})
+    assert "precision.loss_scale:" in message and "'dynamic', 'none', or a positive" in message
+
+
+def test_precision_pass_must_be_listed_when_precision_leaves_fp32():
+    message = plan_error(
+        {"precision": {"param": "bf16"}, "passes": ["partition", "shard", "optimizer"]}
+    )
+    assert "does not list 'precision'" in message
 
 
 def test_momentum_is_sgd_only():
@@ -192,7 +235,7 @@ def test_plan_error_is_a_zerocc_error_and_a_value_error():
 def test_schema_describes_every_property():
     schema = plan_json_schema()
     models = [schema, *schema["$defs"].values()]
-    assert len(models) == 6
+    assert len(models) == 7
     for model in models:
         assert model["additionalProperties"] is False
         for name, prop in model["properties"].items():

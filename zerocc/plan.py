@@ -273,6 +273,15 @@ class Plan(_Section):
         return list(MIXED_PRECISION_PASSES if self.precision.mixed else DEFAULT_PASSES)
 
     @model_validator(mode="after")
+    def _kernels_update_fp32_masters(self) -> Plan:
+        if self.backend.kernels == "triton" and self.precision.master != "fp32":
+            raise ValueError(
+                "backend.kernels: triton updates fp32 master weights; precision.master: "
+                f"{self.precision.master} needs backend.kernels: torch"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _precision_pass_listed(self) -> Plan:
         if self.passes is not None and self.precision.mixed and "precision" not in self.passes:
             raise ValueError(

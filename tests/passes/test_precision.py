@@ -1,0 +1,109 @@
+"""Graph-level tests of the precision pass, and bytes counted at the collectives, on a fake
+process group (no ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import tiny_gpt
+from parity import batch_of
+
+import zerocc
+from zerocc.errors import PassOrderError
+from zerocc.ir import FOUND_INF, MASTER, PARAM_FULL, PARAM_SHARD, info, op_name, placeholders, val
+
+WORLD = 4
+
+
+def compiled(stage: int, precision: dict, world: int = WORLD, calls: int = 1):
+    plan = {
+        "zero": {"stage": stage},
+        "units": {"classes": ["Block"]},
+        "optimizer": {"grad_clip": 1.0},
+        "precision": precision,
+    }
+    step = zerocc.compile(tiny_gpt(), plan, comm=zerocc.FakeComm(world))
+    for i in range(calls):
+        step(*batch_of({"model": "gpt"}, i, 0))
+    return step
+
+
+def nodes(step, name: str):
+    return [n for n in step.program.graph.nodes if op_name(n.target) == name]
+
+
+def moved(step) -> dict[str, int]:
+    """Bytes per collective kind of the last step, counted where each collective is issued."""
+    return dict(step.comm.stats.bytes)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parameters_are_used_in_the_compute_dtype_without_per_use_casts(stage):
+    step = compiled(stage, {"param": "bf16"})
+    weights = placeholders(step.program, PARAM_SHARD if stage == 3 else PARAM_FULL)
+    assert weights and all(val(n).dtype == torch.bfloat16 for n in weights)
+    masters = placeholders(step.program, MASTER)
+    assert len(masters) == len(step.units)
+    assert all(val(n).dtype == torch.float32 for n in masters)
+    # Capture cast every parameter at use and every gradient back to fp32; no cast of either
+    # survives: parameters are read from the bf16 copy, gradients packed from bf16.
+    casts = [n for n in nodes(step, "aten._to_copy") if info(n).phase != "forward"]
+    assert not [n for n in casts if val(n.args[0]).dtype == torch.bfloat16], casts
+    updates = nodes(step, "zerocc.adamw_")
+    assert all(n.args[0] in masters and n.args[7] is not None for n in updates)
+
+
+def test_stage3_gathers_move_half_the_bytes_of_fp32():
+    fp32, bf16 = compiled(3, {}), compiled(3, {"param": "bf16"})
+    assert moved(bf16)["all_gather"] * 2 == moved(fp32)["all_gather"]
+    gathered = [val(n.args[0]).dtype for n in nodes(bf16, "zerocc.all_gather_start")]
+    assert set(gathered) == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(("reduce", "itemsize"), [("fp32", 4), ("bf16", 2), ("fp16", 2)])
+def test_reduce_scatter_bytes_follow_the_reduce_dtype(stage, reduce, itemsize):
+    step = compiled(stage, {"param": "bf16", "reduce": reduce})
+    psi = sum(u.padded_numel for u in step.units)
+    assert moved(step)["reduce_scatter"] == psi * itemsize
+    reduced = {val(n.args[0]).dtype for n in nodes(step, "zerocc.reduce_scatter_start")}
+    assert reduced == {
+        zerocc.load_plan({"precision": {"reduce": reduce}}).precision.dtype("reduce")
+    }
+
+
+def test_stage0_all_reduces_in_the_reduce_dtype():
+    fp32, bf16 = compiled(0, {"param": "bf16"}), compiled(0, {"param": "bf16", "reduce": "bf16"})
+    assert moved(bf16)["all_reduce"] * 2 == moved(fp32)["all_reduce"]
+
+
+def test_explain_counts_the_same_bytes_as_the_collectives():
+    step = compiled(3, {"param": "bf16", "reduce": "bf16"})
+    figures = zerocc.explain.describe(step)
+    assert figures["comm_bytes_per_step"]["all_gather"] == moved(step)["all_gather"]
+    assert figures["comm_bytes_per_step"]["reduce_scatter"] == moved(step)["reduce_scatter"]
+    assert figures["model_state_bytes"] == pytest.approx(figures["formula_bytes"])
+    psi = sum(u.padded_numel for u in step.units)
+    # ZeRO's 16 bytes per parameter over 4 ranks: 2 param + 2 grad (fp32: 4) + 12 optimizer.
+    assert figures["formula_bytes"]["total"] == pytest.approx(psi * (2 + 4 + 12) / WORLD)
+    assert "compute bf16, reduce bf16, master fp32" in step.explain()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_unscales_checks_and_passes_the_flag_to_every_update(stage):
+    step = compiled(stage, {"param": "fp16"})
+    (check,) = nodes(step, "zerocc.unscale_check_")
+    (flag,) = [n for n in step.program.graph.nodes if info(n).role == FOUND_INF]
+    # Sharded gradients: each rank checked its slice, so the flag is all-reduced.
+    assert (flag is check) == (stage == 0)
+    assert all(n.args[6] is flag for n in nodes(step, "zerocc.adamw_"))
+    output = next(n for n in step.program.graph.nodes if n.op == "output")
+    assert output.args[0][1] is flag
+    assert step.loss_scale is not None and "loss scale" in step.explain()
+
+
+def test_precision_after_optimizer_is_an_order_error():
+    plan = {"precision": {"param": "bf16"}, "passes": ["partition", "shard", "optimizer"]}
+    plan["passes"].append("precision")
+    with pytest.raises(PassOrderError, match="'precision' must run before 'optimizer'"):
+        zerocc.compile(tiny_gpt(), plan, comm=zerocc.FakeComm(2))

@@ -1,0 +1,167 @@
+"""Mixed precision on gloo ranks: parity with the recipe, overflow handling, and a bf16 curve.
+
+Parity tolerance 1e-2 relative (losses and every master weight), as the issue sets it: the
+reference follows the same recipe (fp32 masters, a cast copy for forward/backward, fp32
+gradient sums, GradScaler for fp16), so with an fp32 reduction the two differ only in the
+order of the fp32 gradient sums; one ulp of difference there can flip the rounding of a bf16
+weight copy (2^-8 relative) and Adam turns a flipped gradient sign into a step of lr. Measured:
+the torch kernels agree bit for bit on this CPU (the ranks and the reference run one thread
+each); a bf16 reduction (sums rounded to bf16) and the Triton kernels (a last-bit difference of
+sqrt in a few elements) stay below 6e-3 after five steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from models import MODELS, build
+from multirank import run_ranks
+from parity import case_id, reference, relative_difference, train
+
+import zerocc
+
+TOL = 1e-2
+FP16 = {"param": "fp16", "dynamic": {"hysteresis": 1}}  # GradScaler's rule, for the reference
+
+
+def _matrix(world: int) -> list[dict]:
+    cases = [
+        {"model": "gpt", "stage": s, "world": world, "precision": p, "kernels": k}
+        for s in range(4)
+        for p in ({"param": "bf16"}, FP16)
+        for k in ("torch", "triton")
+    ]
+    if world == 2:
+        cases += [
+            {"model": m, "stage": s, "world": 2, "precision": {"param": "bf16"}}
+            for m in ("frozen", "buffers", "twice")
+            for s in (1, 3)
+        ]
+        cases += [
+            {"model": "gpt", "stage": s, "world": 2, "precision": {"param": "bf16", "reduce": r}}
+            for s, r in ((0, "bf16"), (2, "bf16"), (3, "fp16"))
+        ]
+        clipped = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}
+        cases += [
+            {"model": "gpt", "stage": 3, "world": 2, "precision": FP16, "accum": 2,
+             "optimizer": clipped},
+            {"model": "odd", "stage": 2, "world": 2, "precision": {"param": "bf16"},
+             "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "kernels": "triton"},
+        ]  # fmt: skip
+    return cases
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    return run_ranks(world, train, _matrix(world))
+
+
+CASES = [c for w in (1, 2) for c in _matrix(w)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_the_mixed_precision_recipe(case):
+    ranks = _results(case["world"])
+    ref_losses, ref_state = reference(case)
+    key = case_id(case)
+    for rank, result in enumerate(ranks):
+        ours = result[key]["losses"]
+        for i, (a, b) in enumerate(zip(ours, ref_losses[rank], strict=True)):
+            assert abs(a - b) <= TOL * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
+    params = ranks[0][key]["params"]
+    assert set(params) == set(ref_state)
+    for name, ref in ref_state.items():
+        assert params[name].dtype == ref.dtype, name
+        assert relative_difference(params[name], ref) <= TOL, name
+
+
+def test_fp16_runs_skip_the_steps_the_reference_skips():
+    """The first step overflows (a scale of 2^16 is inf in fp16): both skip it."""
+    fp16 = [c for c in _matrix(2) if c["precision"] is FP16 and "accum" not in c]
+    for case in fp16:
+        assert _results(2)[0][case_id(case)]["figures"]["skipped_steps"] == 1, case_id(case)
+
+
+# --- overflow on one rank ----------------------------------------------------------------------
+
+
+OVERFLOW_AT = 2
+SCALES = [1024, 1024, 512, 512, 512, 1024, 1024]  # after each step: halved, grown back
+
+
+def _overflow_run(rank: int, world: int) -> list[dict]:
+    plan = {
+        "zero": {"stage": 3},
+        "units": MODELS["buffers"][2],
+        "optimizer": {"lr": 1e-2, "eps": 1e-3},
+        "precision": {
+            "param": "fp16",
+            "dynamic": {"initial": 1024, "growth_interval": 3, "hysteresis": 1},
+        },
+    }
+    step = zerocc.compile(build("buffers"), plan)
+    record = []
+    for i in range(len(SCALES)):
+        x, y = MODELS["buffers"][1](i, rank)
+        if i == OVERFLOW_AT and rank == 1:
+            x[0, 0] = float("inf")  # this rank's gradient overflows
+        before = {k: t.clone() for k, t in step.state.items() if not k.endswith(".grad")}
+        step(x, y)
+        record.append(
+            {
+                "unchanged": [k for k, t in before.items() if torch.equal(t, step.state[k])],
+                "changed": [k for k, t in before.items() if not torch.equal(t, step.state[k])],
+                "scale": step.loss_scale,
+                "skipped": step.skipped_steps,
+                "steps": step.steps,
+            }
+        )
+    return record
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    ranks = run_ranks(2, _overflow_run)
+    for rank, record in enumerate(ranks):
+        assert [r["scale"] for r in record] == SCALES, rank
+        skipped = record[OVERFLOW_AT]
+        # Every master weight, compute copy, optimizer state and the step counter: bit-identical.
+        assert not [k for k in skipped["changed"] if k != "amp.loss_scale"], skipped["changed"]
+        assert any(k.endswith(".master") for k in skipped["unchanged"])
+        assert any(k.endswith(".exp_avg_sq") for k in skipped["unchanged"])
+        assert skipped["skipped"] == 1 and skipped["steps"] == OVERFLOW_AT
+        # The steps around it do update (the check above could fail).
+        for normal in (record[OVERFLOW_AT - 1], record[OVERFLOW_AT + 1]):
+            assert any(k.endswith(".master") for k in normal["changed"])
+        assert record[-1]["steps"] == len(SCALES) - 1
+
+
+# --- a bf16 loss curve -------------------------------------------------------------------------
+
+
+def _curve(precision: dict, steps: int = 50) -> list[float]:
+    from workload import workload
+
+    work = workload(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4)
+    plan = {
+        "zero": {"stage": 3},
+        "units": {"classes": ["Block"]},
+        "optimizer": {"lr": 3e-3, "grad_clip": 1.0},
+        "precision": precision,
+    }
+    step = zerocc.compile(work.model, plan)
+    batches = work.batches(0, 1)
+    return [float(step(*next(batches))) for _ in range(steps)]
+
+
+def test_bf16_gpt_follows_the_fp32_loss_curve():
+    fp32, bf16 = _curve({}), _curve({"param": "bf16"})
+    # An untrained model sits at ln(vocab) ≈ 4.1; fifty steps reach ≈ 3.0 (character unigrams).
+    assert sum(fp32[-10:]) < 0.9 * sum(fp32[:10]), "the fp32 run does not train"
+
+    def smooth(xs, i):
+        return sum(xs[i - 5 : i]) / 5
+
+    for i in range(5, 51):
+        assert smooth(bf16, i) == pytest.approx(smooth(fp32, i), rel=0.03), i
