@@ -18,9 +18,12 @@ def _losses(step, rank: int, indices) -> list[float]:
     return [float(step(*batch_of({"model": "gpt"}, i, rank))) for i in indices]
 
 
-def _resume(rank: int, world: int, path: str, stage: int) -> tuple[list[float], list[float]]:
-    plan = {**PLAN, "zero": {"stage": stage}}
-    straight = _losses(zerocc.compile(build("gpt"), plan), rank, range(4))
+def _resume(
+    rank: int, world: int, path: str, stage: int, precision: dict | None = None
+) -> tuple[list[float], list[float]]:
+    plan = {**PLAN, "zero": {"stage": stage}, "precision": precision or {}}
+    straight = zerocc.compile(build("gpt"), plan)
+    straight_losses = _losses(straight, rank, range(4))
     first = zerocc.compile(build("gpt"), plan)
     _losses(first, rank, range(2))
     dcp.save(first.state_dict(), checkpoint_id=path)
@@ -28,7 +31,13 @@ def _resume(rank: int, world: int, path: str, stage: int) -> tuple[list[float], 
     sd = resumed.state_dict()
     dcp.load(sd, checkpoint_id=path)
     resumed.load_state_dict(sd)
-    return straight[2:], _losses(resumed, rank, (2, 3))
+    resumed_losses = _losses(resumed, rank, (2, 3))
+    assert (resumed.loss_scale, resumed.skipped_steps, resumed.steps) == (
+        straight.loss_scale,
+        straight.skipped_steps,
+        straight.steps,
+    )
+    return straight_losses[2:], resumed_losses
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -38,8 +47,10 @@ def test_dcp_save_and_load_resume_exactly_on_two_ranks(tmp_path, stage):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_dcp_in_one_process(tmp_path):
-    straight, resumed = _resume(0, 1, str(tmp_path / "ckpt"), 2)
+@pytest.mark.parametrize("precision", [None, {"param": "fp16", "dynamic": {"hysteresis": 1}}])
+def test_dcp_in_one_process(tmp_path, precision):
+    """fp16: the first step overflows, so the loss scale and skip count must come back too."""
+    straight, resumed = _resume(0, 1, str(tmp_path / "ckpt"), 2, precision)
     assert resumed == straight
 
 

@@ -9,7 +9,13 @@ from multirank import run_ranks
 from parity import batch_of
 
 import zerocc
-from zerocc.errors import CaptureError, PassOrderError, PlanError, RankMismatchError
+from zerocc.errors import (
+    CaptureError,
+    NotSupportedError,
+    PassOrderError,
+    PlanError,
+    RankMismatchError,
+)
 
 
 def test_invalid_plan_names_the_field():
@@ -63,3 +69,10 @@ def test_ranks_that_disagree_on_shapes_all_get_an_error():
     for rank, message in enumerate(messages):
         assert message.startswith(f"rank {rank}: the batch shapes differ across ranks")
         assert "rank 0:" in message and "rank 1:" in message
+
+
+def test_triton_kernels_on_cpu_need_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    plan = {"backend": {"kernels": "triton", "device": "cpu"}}
+    with pytest.raises(NotSupportedError, match="TRITON_INTERPRET=1"):
+        zerocc.compile(build("gpt"), plan)
