@@ -10,7 +10,9 @@ from zerocc.cli import main
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 
 
-@pytest.mark.parametrize("name", ["zero0.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml"])
+@pytest.mark.parametrize(
+    "name", ["zero0.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml", "zero3-bf16.yaml"]
+)
 def test_plan_check_accepts_each_example(capsys, name):
     path = EXAMPLES / name
     assert main(["plan", "check", str(path)]) == 0

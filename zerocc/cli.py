@@ -88,6 +88,12 @@ def describe_plan(plan: Plan) -> str:
         f"stage {plan.zero.stage}",
         f"{len(passes)} passes ({' -> '.join(passes)})" if passes else "no passes",
         f"units: {', '.join(units) or 'whole model'}",
+        f"{plan.precision.param} compute"
+        + (
+            f", {plan.precision.reduce} reduce, {plan.precision.scaling} loss scale"
+            if plan.precision.mixed
+            else ""
+        ),
         f"{opt.name} lr {opt.lr:g}" + (f" clip {opt.grad_clip:g}" if opt.grad_clip else ""),
         f"workload {plan.workload or 'none'}",
     ]
@@ -196,6 +202,11 @@ def _print_summary(
         f"communication per step: {comm_text}\n"
         f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
     )
+    if summary.get("loss_scale") is not None:
+        print(
+            f"loss scale: {summary['loss_scale']:g}, "
+            f"{summary['skipped_steps']} step(s) skipped for overflow"
+        )
 
 
 def _device(plan: Plan) -> str:
