@@ -17,7 +17,12 @@ def test_plan_check_accepts_each_example(capsys, name):
     path = EXAMPLES / name
     assert main(["plan", "check", str(path)]) == 0
     out = capsys.readouterr().out
-    assert f"{path}: ok (stage {name[4]}," in out and "partition -> shard -> optimizer" in out
+    assert f"{path}: ok (stage {name[4]}," in out
+    if "bf16" in name:
+        assert "partition -> shard -> precision -> optimizer" in out
+        assert "bf16 compute, fp32 reduce, fp32 master, no loss scaling" in out
+    else:
+        assert "partition -> shard -> optimizer" in out and "fp32," in out
 
 
 def test_plan_check_rejects_a_bad_plan(tmp_path, capsys):

@@ -88,16 +88,19 @@ def describe_plan(plan: Plan) -> str:
         f"stage {plan.zero.stage}",
         f"{len(passes)} passes ({' -> '.join(passes)})" if passes else "no passes",
         f"units: {', '.join(units) or 'whole model'}",
-        f"{plan.precision.param} compute"
-        + (
-            f", {plan.precision.reduce} reduce, {plan.precision.scaling} loss scale"
-            if plan.precision.mixed
-            else ""
-        ),
+        _describe_precision(plan),
         f"{opt.name} lr {opt.lr:g}" + (f" clip {opt.grad_clip:g}" if opt.grad_clip else ""),
         f"workload {plan.workload or 'none'}",
     ]
     return ", ".join(parts)
+
+
+def _describe_precision(plan: Plan) -> str:
+    p = plan.precision
+    if not p.mixed:
+        return "fp32"
+    scaling = "no loss scaling" if p.scaling == "none" else f"{p.scaling} loss scaling"
+    return f"{p.param} compute, {p.reduce} reduce, {p.master} master, {scaling}"
 
 
 # --- train ----------------------------------------------------------------------------------

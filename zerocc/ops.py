@@ -7,6 +7,11 @@ Collectives come in start/wait pairs: ``*_start`` issues the collective on the a
 :class:`~zerocc.comm.Comm` and returns its (not yet valid) result; ``wait`` blocks until it is
 valid and returns it. Schemas carry alias annotations, so fx and the verifier know that ``wait``
 returns its input and that ``all_reduce_start`` writes its argument.
+
+The compute ops (``adamw_``, ``sgd_``, ``unscale_check_``, ``pack``) run the kernel set made
+active by :func:`use_kernels` (``backend.kernels``: the torch reference or fused Triton kernels,
+see :mod:`zerocc.backends.kernels`); the skip ranges of parameters the loss does not reach are
+handled here, the same for every set.
 """
 
 from __future__ import annotations
@@ -237,73 +242,21 @@ def _untouched(tensors: list[torch.Tensor | None], skip: list[int], sharded: boo
 
 
 @_impl("adamw_")
-def _adamw_(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    step,
-    grad_coef,
-    found_inf,
-    param_copy,
-    grad_scale,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    skip,
-    sharded,
-) -> None:
+def _adamw_(*args) -> None:
     """AdamW on one flat shard (see :func:`zerocc.backends.kernels.reference.adamw_`)."""
+    *update, skip, sharded = args
+    param, _, exp_avg, exp_avg_sq, _, _, _, param_copy = update[:8]
     with _untouched([param, exp_avg, exp_avg_sq, param_copy], skip, sharded):
-        active_kernels().adamw_(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            step,
-            grad_coef,
-            found_inf,
-            param_copy,
-            grad_scale,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        )
+        active_kernels().adamw_(*update)
 
 
 @_impl("sgd_")
-def _sgd_(
-    param,
-    grad,
-    momentum_buffer,
-    grad_coef,
-    found_inf,
-    param_copy,
-    grad_scale,
-    lr,
-    momentum,
-    weight_decay,
-    skip,
-    sharded,
-) -> None:
+def _sgd_(*args) -> None:
     """SGD on one flat shard (see :func:`zerocc.backends.kernels.reference.sgd_`)."""
+    *update, skip, sharded = args
+    param, _, momentum_buffer, _, _, param_copy = update[:6]
     with _untouched([param, momentum_buffer, param_copy], skip, sharded):
-        active_kernels().sgd_(
-            param,
-            grad,
-            momentum_buffer,
-            grad_coef,
-            found_inf,
-            param_copy,
-            grad_scale,
-            lr,
-            momentum,
-            weight_decay,
-        )
+        active_kernels().sgd_(*update)
 
 
 @_fake("adamw_")

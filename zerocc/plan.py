@@ -6,10 +6,8 @@ file, the YAML path of each bad field, the bad value and what is allowed there.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
-import typing
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,9 +24,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails
 
 from zerocc.errors import PlanError, PlanWarning
+from zerocc.plan_messages import describe_error, show
 
 DEFAULT_PASSES = ["partition", "shard", "optimizer"]
 MIXED_PRECISION_PASSES = ["partition", "shard", "precision", "optimizer"]
@@ -330,12 +328,12 @@ def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
     else:
         raise PlanError(f"a plan is a YAML path, a dict or a zerocc.Plan, not {type(src).__name__}")
     if not isinstance(data, dict):
-        got = f"{type(data).__name__} {_show(data)}"
+        got = f"{type(data).__name__} {show(data)}"
         raise PlanError(f"{where}: expected a mapping of fields at the top, got {got}")
     try:
         plan = Plan.model_validate(data)
     except ValidationError as exc:
-        lines = [_describe(err) for err in exc.errors()]
+        lines = [describe_error(err, Plan) for err in exc.errors()]
         raise PlanError(f"{where} is invalid:\n" + "\n".join(f"  {ln}" for ln in lines)) from None
     plan._source = source
     return plan
@@ -345,61 +343,3 @@ def plan_json_schema() -> dict:
     """The JSON Schema of plan files, for editors and `zerocc plan schema`."""
     schema = Plan.model_json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
-
-
-# --- error messages -------------------------------------------------------------------------
-
-
-def _describe(err: ErrorDetails) -> str:
-    """One line for one pydantic error: YAML path, what is wrong, the value, what is allowed."""
-    loc = err["loc"]
-    path = _dotted(loc) or "<plan>"
-    value = err.get("input")
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        allowed = list(_model_at(loc[:-1]).model_fields)
-        name = str(loc[-1])
-        close = difflib.get_close_matches(name, allowed, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"{path}: unknown field {name!r}{hint}; allowed fields here: {', '.join(allowed)}"
-    if kind == "literal_error":
-        choices = _literal_choices(loc) or [err.get("ctx", {}).get("expected", "?")]
-        return f"{path}: {_show(value)} is not allowed; allowed values: {', '.join(choices)}"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        model = _model_at(loc)
-        expected = f"fields: {', '.join(model.model_fields)}" if model else "keys and values"
-        return f"{path}: expected a mapping of {expected}; got {_show(value)}"
-    msg = err["msg"]
-    if kind in ("value_error", "assertion_error"):
-        return f"{path}: {msg.split(', ', 1)[-1]}"
-    return f"{path}: {msg[:1].lower()}{msg[1:]}; got {_show(value)}"
-
-
-def _dotted(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The plan model found by following `loc` from Plan, or None if it leads elsewhere."""
-    model: type[BaseModel] | None = Plan
-    for part in loc:
-        field = model.model_fields.get(part) if model and isinstance(part, str) else None
-        nested = field.annotation if field else None
-        model = nested if isinstance(nested, type) and issubclass(nested, BaseModel) else None
-    return model
-
-
-def _literal_choices(loc: tuple[int | str, ...]) -> list[str]:
-    model = _model_at(loc[:-1])
-    field = model.model_fields.get(str(loc[-1])) if model else None
-    if field is None or typing.get_origin(field.annotation) is not Literal:
-        return []
-    return [_show(choice) for choice in typing.get_args(field.annotation)]
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
