@@ -39,7 +39,6 @@ from zerocc.ir import (
     info,
     nodes_with_role,
     placeholders,
-    propagate_fake_values,
     state_placeholder,
     val,
 )
@@ -169,7 +168,9 @@ def _rescale_collective_bytes(gm: fx.GraphModule, ctx: PassContext) -> None:
         moved = next(a for a in node.args if isinstance(a, fx.Node))
         if node.target is op("all_gather_into_start"):
             moved = node.args[0]
-        itemsize = val(moved).dtype.itemsize
+        # Placeholders are retyped already; a pack says its dtype (values propagate later).
+        dtype = moved.args[3] if moved.target is op("pack") else val(moved).dtype
+        itemsize = dtype.itemsize
         info(node).bytes = info(node).bytes // unit.dtype.itemsize * itemsize
 
 
@@ -192,7 +193,6 @@ def precision(
     rewriter.reduce_in_reduce_dtype()
     if precision.scaling != "none" and ctx.boundary:
         rewriter.unscale()
-    gm.recompile()
-    propagate_fake_values(gm)
     _rescale_collective_bytes(gm, ctx)
+    gm.recompile()
     return gm

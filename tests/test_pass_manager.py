@@ -22,12 +22,13 @@ def _step(stage=3):
 
 def test_each_pass_is_timed_and_its_graph_kept():
     records = _step().records
-    assert [r.name for r in records] == ["partition", "shard", "optimizer"]
-    shard = records[1]
+    assert [r.name for r in records] == ["capture", "partition", "shard", "optimizer"]
+    assert records[0].program.startswith("# Captured by make_fx")
+    shard = records[2]
     assert shard.seconds > 0 and shard.program.startswith("# Constructed by pass 'shard'")
     assert shard.ops_added["zerocc.all_gather_start"] == 6  # 3 units, forward and backward
-    assert records[0].ops_added == {} and records[0].ops_removed == {}  # analysis only
-    assert records[2].ops_added["zerocc.adamw_"] == 3
+    assert records[1].ops_added == {} and records[1].ops_removed == {}  # analysis only
+    assert records[3].ops_added["zerocc.adamw_"] == 3
 
 
 def test_use_after_free_is_caught():

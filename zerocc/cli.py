@@ -1,4 +1,5 @@
-"""The `zerocc` command: check a plan, print its schema, train a plan's workload on local ranks.
+"""The `zerocc` command: check a plan, print its schema, train a plan's workload on local ranks,
+inspect what the compiler built and estimate what it costs (`zerocc.cli_inspect`).
 
 `zerocc train PLAN --nproc N` launches N local ranks with torch's own launcher
 (`torch.distributed.run`, what `torchrun` runs); each rank re-enters this module with
@@ -17,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from zerocc.cli_inspect import add_commands as add_inspect_commands
 from zerocc.errors import ZeroccError
 from zerocc.plan import Plan, load_plan, plan_json_schema
 from zerocc.printing import human_bytes
@@ -61,7 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
     )
+    train.add_argument(
+        "--dump",
+        metavar="DIR",
+        help="write per-pass programs, the measured trace, memory plots and report.html to DIR",
+    )
     train.set_defaults(run=_train)
+    add_inspect_commands(commands)
     return parser
 
 

@@ -5,21 +5,15 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from zerocc.ir import GRAD, MASTER, OPTIM_STATE, PARAM_FULL, PARAM_SHARD, info, op_name
+from torch import fx
+
+from zerocc.ir import info, op_name
+from zerocc.memory import STATE_CATEGORY
 from zerocc.printing import human_bytes
 from zerocc.state import Dtypes, optimizer_states, state_specs
 
 if TYPE_CHECKING:
     from zerocc.train_step import TrainStep
-
-# As ZeRO counts them: fp32 master weights are optimizer state (2 + 2 + 12 bytes per parameter).
-_CATEGORY = {
-    PARAM_FULL: "params",
-    PARAM_SHARD: "params",
-    GRAD: "grads",
-    MASTER: "optimizer",
-    OPTIM_STATE: "optimizer",
-}
 
 
 def model_state_bytes(step: TrainStep) -> dict[str, int]:
@@ -28,7 +22,7 @@ def model_state_bytes(step: TrainStep) -> dict[str, int]:
     seen: set[int] = set()
     out: dict[str, int] = defaultdict(int)
     for key, tensor in step.state.items():
-        category = _CATEGORY.get(roles.get(key, ""))
+        category = STATE_CATEGORY.get(roles.get(key, ""))
         storage = tensor.untyped_storage()
         if category is None or storage.data_ptr() in seen:
             continue  # a view of another state tensor (stage 1-2 shards) is no extra memory
@@ -63,16 +57,20 @@ def formula_bytes(step: TrainStep) -> dict[str, float]:
 def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
     """Bytes per collective kind moved per optimizer step (per rank): the stepping program plus
     ``grad_accumulation - 1`` accumulating ones, for the first batch shape compiled."""
-    out: dict[str, int] = defaultdict(int)
     if not step.programs:
         return {}
-    k = step.plan.grad_accumulation
     signature = next(iter(step.programs))[0]
-    for (sig, boundary), program in step.programs.items():
-        if sig != signature:
-            continue
-        times = 1 if boundary else k - 1
-        for node in program.gm.graph.nodes:
+    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
+    return comm_bytes(programs, step.plan.grad_accumulation)
+
+
+def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
+    """Bytes per collective kind per optimizer step, from the programs that step (``True``) and
+    accumulate (``False``), as their collectives record them."""
+    out: dict[str, int] = defaultdict(int)
+    for boundary, gm in programs.items():
+        times = 1 if boundary else grad_accumulation - 1
+        for node in gm.graph.nodes:
             if info(node).stream == "comm" and info(node).bytes:
                 name = op_name(node.target).removeprefix("zerocc.")
                 kind = name.removesuffix("_start").removesuffix("_into")

@@ -97,6 +97,7 @@ class PassRecord:
     nodes_after: int
     ops_added: dict[str, int]
     ops_removed: dict[str, int]
+    gm: fx.GraphModule | None = None  # a copy of the graph after the pass, when kept
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,10 @@ def run_pipeline(
     gm: fx.GraphModule,
     ctx: PassContext,
     pipeline: Pipeline,
+    keep: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
-    """Run each pass in order, timing it, keeping the graph after it, verifying if asked."""
+    """Run each pass in order, timing it, recording the program after it (and ``keep(gm)``, a
+    copy of the graph, when given), verifying if asked."""
     from zerocc.printing import format_program
     from zerocc.verify import verify_program
 
@@ -195,6 +198,7 @@ def run_pipeline(
                 len(gm.graph.nodes),
                 added,
                 removed,
+                keep(gm) if keep else None,
             )
         )
     return gm, records

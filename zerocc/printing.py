@@ -109,3 +109,33 @@ def format_program(
         elif only_unit is None or info(node).unit == only_unit:
             lines.append(f"    {format_node(node)}")
     return "\n".join(lines)
+
+
+def program_to_json(
+    gm: fx.GraphModule, header: str | None = None, only_unit: str | None = None
+) -> dict[str, Any]:
+    """The program as data for tools: one record per node (op, inputs, value, zerocc facts)."""
+    nodes = []
+    for node in gm.graph.nodes:
+        record = info(node)
+        if only_unit is not None and record.unit != only_unit and node.op != "output":
+            continue
+        value = val(node)
+        nodes.append(
+            {
+                "name": node.name,
+                "kind": node.op,
+                "op": op_name(node.target) if node.op == "call_function" else str(node.target),
+                "args": [_arg(a) for a in node.args],
+                "value": describe_value(value),
+                "phase": record.phase,
+                "unit": record.unit,
+                "module": record.module,
+                "role": record.role,
+                "key": record.key,
+                "stream": record.stream,
+                "bytes": record.bytes,
+                "note": record.note,
+            }
+        )
+    return {"header": header, "nodes": nodes}

@@ -21,8 +21,9 @@ from torch import fx, nn
 
 from zerocc.backends import get_backend
 from zerocc.backends.kernels import check_kernels
-from zerocc.capture import Casts, LossFn, capture, describe_model
+from zerocc.capture import LossFn, describe_model
 from zerocc.comm import Comm, TorchComm, use_comm
+from zerocc.compiler import compile_program
 from zerocc.errors import CaptureError, RankMismatchError
 from zerocc.explain import explain_step, model_state_bytes
 from zerocc.ir import (
@@ -38,8 +39,9 @@ from zerocc.ir import (
 )
 from zerocc.loss_scale import LossScaler
 from zerocc.materialize import initial_values, is_meta, release_to_meta
+from zerocc.measure import ProfiledRun, profile_run
 from zerocc.ops import forget_pending, pending_collectives, use_kernels
-from zerocc.pass_manager import PassContext, PassRecord, build_pipeline, run_pipeline
+from zerocc.pass_manager import PassRecord, build_pipeline
 from zerocc.passes.partition import assign_units
 from zerocc.plan import Plan
 from zerocc.printing import format_program
@@ -84,7 +86,6 @@ class TrainStep:
         self.pipeline = build_pipeline(plan)
         self.backend = get_backend(plan.backend.name)
         check_kernels(plan.backend.kernels, device)
-        self.casts = Casts.of(plan.precision)
         # Units are derived again by the partition pass; building them now turns a plan that
         # cannot partition this model (a pattern that matches nothing) into an error at compile.
         units = plan.units
@@ -104,6 +105,24 @@ class TrainStep:
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """Run one micro-batch of this rank; returns its loss."""
+        return self._step(batch)
+
+    def profile(self, *batch: Any) -> tuple[torch.Tensor, ProfiledRun]:
+        """Run one micro-batch as :meth:`__call__` does, op by op, timing every op and
+        measuring live tensor memory (see :class:`zerocc.measure.ProfiledRun`)."""
+        recorders: list[ProfiledRun] = []
+
+        def run(program: Program, args: list[Any]) -> Any:
+            result, recorder = profile_run(
+                program.gm, args, self.comm.rank, model_state_bytes(self)
+            )
+            recorders.append(recorder)
+            return result
+
+        loss = self._step(batch, run)
+        return loss, recorders[0]
+
+    def _step(self, batch: tuple, run: Any = None) -> torch.Tensor:
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
         boundary = (self.micro_batches + 1) % self.plan.grad_accumulation == 0
         signature = batch_signature(batch)
@@ -118,7 +137,7 @@ class TrainStep:
         self.comm.stats.reset()
         try:
             with torch.no_grad(), use_comm(self.comm), use_kernels(self.plan.backend.kernels):
-                loss = program.run(*args)
+                loss = run(program, args) if run else program.run(*args)
         except BaseException:
             forget_pending()
             raise
@@ -153,10 +172,19 @@ class TrainStep:
         return self.loss_scaler.skipped_steps if self.loss_scaler else 0
 
     def _build(self, batch: tuple, boundary: bool) -> Program:
-        gm = capture(self.model, self.model_info, self.loss_fn, batch, self.device, self.casts)
-        ctx = PassContext(self.plan, self.comm.world_size, self.model_info, boundary=boundary)
-        gm, records = run_pipeline(gm, ctx, self.pipeline)
-        if [u.name for u in self.units] != [u.name for u in ctx.units]:
+        compiled = compile_program(
+            self.model,
+            self.model_info,
+            self.plan,
+            self.pipeline,
+            batch,
+            loss_fn=self.loss_fn,
+            device=self.device,
+            world_size=self.comm.world_size,
+            boundary=boundary,
+        )
+        gm, records = compiled.gm, compiled.records
+        if [u.name for u in self.units] != [u.name for u in compiled.units]:
             raise CaptureError("the partition pass built other units than the compiled state's")
         self._check_bindings(gm)
         text = format_program(gm)

@@ -1,0 +1,128 @@
+"""Memory of a rank, predicted from a scheduled program without running it.
+
+Two parts. **Model states** are the persistent tensors of the plan (``zerocc/state.py``): the
+runtime allocates exactly these, so their bytes are exact. **Transient memory** follows the
+program's liveness: a node's result occupies its storage from the node until the last use of
+anything that aliases that storage (views, ``wait``), as the eager backend's generated code
+drops references; ``zerocc.free`` releases a gathered unit at once. In-place ops and views
+allocate nothing. Storages made by an all-gather count as *gathered*; every other transient
+(activations saved for backward, gradients, packed buckets) as *activations*.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import fx
+
+from zerocc.ir import (
+    BUFFER,
+    GRAD,
+    LOSS_SCALE,
+    MASTER,
+    OPTIM_STATE,
+    PARAM_FULL,
+    PARAM_SHARD,
+    STEP,
+    info,
+    op_name,
+    val,
+)
+from zerocc.plan import Plan
+from zerocc.state import state_specs
+from zerocc.timeline import MemoryTimeline
+from zerocc.units import Unit
+
+# As ZeRO counts them: fp32 master weights are optimizer state (2 + 2 + 12 bytes per parameter).
+STATE_CATEGORY = {
+    PARAM_FULL: "params",
+    PARAM_SHARD: "params",
+    GRAD: "grads",
+    MASTER: "optimizer",
+    OPTIM_STATE: "optimizer",
+    STEP: "optimizer",
+    LOSS_SCALE: "optimizer",
+}
+_GATHERS = ("zerocc.all_gather_start",)
+
+
+def model_state_bytes_of(units: list[Unit], plan: Plan) -> dict[str, int]:
+    """Bytes of the plan's persistent state per category (params, grads, optimizer, total).
+    Views (stages 1-2 ``param_shard``) are not counted twice."""
+    out: dict[str, int] = defaultdict(int)
+    for spec in state_specs(units, plan):
+        if spec.key.endswith(".param_shard"):
+            continue
+        numel = 1
+        for size in spec.shape:
+            numel *= size
+        out[STATE_CATEGORY[spec.role]] += numel * spec.dtype.itemsize
+    out["total"] = sum(out.values())
+    return dict(out)
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a node's value (a tensor, or a tuple/list of values)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTimeline:
+    """Live bytes per category after each node of ``gm``: the model states throughout, plus
+    gathered units and activations by liveness."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    persistent: set[int] = set()  # storages bound from outside (state, batch, buffers)
+    born: dict[int, tuple[int, int, str]] = {}  # storage -> (position, bytes, category)
+    last_use: dict[int, int] = {}
+    freed_at: dict[int, int] = {}
+    for node in nodes:
+        i = position[node]
+        for t in tensors_in(val(node)):
+            key = _storage(t)
+            if node.op == "placeholder":
+                persistent.add(key)
+                continue
+            if key not in born and key not in persistent:
+                category = "gathered" if op_name(node.target) in _GATHERS else "activations"
+                born[key] = (i, t.untyped_storage().nbytes(), category)
+            end = max((position[u] for u in node.users), default=i)
+            if node.op == "output" or any(u.op == "output" for u in node.users):
+                end = len(nodes)
+            last_use[key] = max(last_use.get(key, i), end)
+        if op_name(node.target) == "zerocc.free":
+            for t in tensors_in(val(node.args[0])):
+                freed_at.setdefault(_storage(t), i)
+    events: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for key, (start, nbytes, category) in born.items():
+        # A point is "while node i runs": its inputs and result are live. A storage goes after
+        # the last node that reads it, or at the `free` that releases it.
+        release = freed_at.get(key, last_use.get(key, start) + 1)
+        events[start].append((category, nbytes))
+        events[release].append((category, -nbytes))
+    live = {c: model_states.get(c, 0) for c in ("params", "grads", "optimizer")}
+    live.update(gathered=0, activations=0)
+    timeline = MemoryTimeline()
+    for node in nodes:
+        for category, delta in events.get(position[node], []):
+            live[category] += delta
+        if node.op in ("placeholder", "output"):
+            continue
+        label = op_name(node.target) + (f" {info(node).unit}" if info(node).unit else "")
+        timeline.append(label, info(node).phase or "", live)
+    return timeline
+
+
+def buffer_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the module buffers a program reads (replicated; not model states)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == BUFFER]
+    return sum(t.untyped_storage().nbytes() for n in nodes for t in tensors_in(val(n)))
