@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from zerocc.cli_inspect import add_commands as add_inspect_commands
@@ -118,6 +119,10 @@ def _train(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # check the plan once, before any rank starts
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
+    if args.dump:  # every rank reads it (inherited by the launched ranks)
+        from zerocc.dumps import DUMP_DIR_ENV
+
+        os.environ[DUMP_DIR_ENV] = str(Path(args.dump).resolve())
     launched = RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
     if launched or args.nproc == 1:
         return _train_rank(plan, args.steps)
@@ -192,6 +197,8 @@ def _train_rank(plan: Plan, steps: int) -> int:
                 progress.update()
         if rank == 0:
             _print_summary(step.summary(), losses, started, first_done, world_size)
+            if step.dump_dir is not None:
+                print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -214,6 +214,16 @@ class BackendConfig(_Section):
     )
 
 
+class DumpsConfig(_Section):
+    """Files that show what the compiler built and what a run did (see zerocc.dumps)."""
+
+    dir: str | None = Field(
+        None,
+        description="folder for per-pass programs (.py, .dot), the measured trace, memory "
+        "plots and report.html; ZEROCC_DUMP_DIR overrides it",
+    )
+
+
 class Plan(_Section):
     """A zerocc plan: how to shard, optimize and run one training step."""
 
@@ -235,6 +245,9 @@ class Plan(_Section):
     )
     backend: BackendConfig = Field(
         default_factory=BackendConfig, description="which backend runs the scheduled graph"
+    )
+    dumps: DumpsConfig = Field(
+        default_factory=DumpsConfig, description="where to write inspection dumps, if anywhere"
     )
     passes: list[str] | None = Field(
         None,

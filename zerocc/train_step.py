@@ -24,6 +24,7 @@ from zerocc.backends.kernels import check_kernels
 from zerocc.capture import LossFn, describe_model
 from zerocc.comm import Comm, TorchComm, use_comm
 from zerocc.compiler import compile_program
+from zerocc.dumps import dump_dir, write_program_dumps, write_run_dumps
 from zerocc.errors import CaptureError, RankMismatchError
 from zerocc.explain import explain_step, model_state_bytes
 from zerocc.ir import (
@@ -100,6 +101,8 @@ class TrainStep:
         self.micro_batches = 0
         self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         self._last_program: Program | None = None
+        self.dump_dir = dump_dir(plan)
+        self._run_dumped = False
 
     # -- running ----------------------------------------------------------------------------
 
@@ -123,6 +126,12 @@ class TrainStep:
         return loss, recorders[0]
 
     def _step(self, batch: tuple, run: Any = None) -> torch.Tensor:
+        if self.dump_dir and not self._run_dumped and run is None and self._steps_next():
+            # Dumps: the first step that runs the optimizer runs op by op, timed, on every rank.
+            self._run_dumped = True
+            loss, recorder = self.profile(*batch)
+            write_run_dumps(self.dump_dir, self, recorder)
+            return loss
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
         boundary = (self.micro_batches + 1) % self.plan.grad_accumulation == 0
         signature = batch_signature(batch)
@@ -171,6 +180,9 @@ class TrainStep:
         """Optimizer steps skipped because a gradient overflowed (loss scaling only)."""
         return self.loss_scaler.skipped_steps if self.loss_scaler else 0
 
+    def _steps_next(self) -> bool:
+        return (self.micro_batches + 1) % self.plan.grad_accumulation == 0
+
     def _build(self, batch: tuple, boundary: bool) -> Program:
         compiled = compile_program(
             self.model,
@@ -182,8 +194,12 @@ class TrainStep:
             device=self.device,
             world_size=self.comm.world_size,
             boundary=boundary,
+            keep_graphs=self.dump_dir is not None,
         )
         gm, records = compiled.gm, compiled.records
+        if self.dump_dir is not None and self.comm.rank == 0:
+            name = f"{'step' if boundary else 'accumulate'}-{len(self.programs)}"
+            write_program_dumps(self.dump_dir, name, records)
         if [u.name for u in self.units] != [u.name for u in compiled.units]:
             raise CaptureError("the partition pass built other units than the compiled state's")
         self._check_bindings(gm)
