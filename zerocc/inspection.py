@@ -127,7 +127,8 @@ def pass_table(records: list[PassRecord]) -> list[list[str]]:
     rows = [["pass", "ms", "nodes", "added", "removed", "ops inserted"]]
     for r in records:
         inserted = ", ".join(
-            f"{name.removeprefix('zerocc.')} ×{n}" for name, n in sorted(r.ops_added.items())
+            f"{name.removeprefix('zerocc.')} ×{n}"
+            for name, n in sorted(r.ops_added.items(), key=lambda kv: (kv[0][:5] == "aten.", kv))
         )
         rows.append(
             [

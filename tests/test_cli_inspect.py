@@ -1,0 +1,107 @@
+"""`zerocc inspect` and `zerocc estimate` on the example plans (nothing is launched)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pydot
+import pytest
+
+from zerocc.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated - use:DeprecationWarning")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+ZERO3 = str(EXAMPLES / "zero3.yaml")
+BF16 = str(EXAMPLES / "zero3-bf16.yaml")
+UNITS = ["root", "transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.h.3"]
+
+
+def run(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_pass_table_names_each_pass_and_what_it_inserted(capsys):
+    out = run(capsys, "inspect", ZERO3, "--world-size", "4")
+    rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}
+    assert ["capture", "partition", "shard", "optimizer"] == [
+        name for name in rows if name in ("capture", "partition", "shard", "optimizer")
+    ]
+    # 5 units, gathered and freed in forward and backward; one reduce-scatter per unit.
+    assert "all_gather_start ×10" in rows["shard"] and "free ×10" in rows["shard"]
+    assert "reduce_scatter_start ×5" in rows["shard"]
+    assert "adamw_ ×5" in rows["optimizer"] and "4 ranks" in out
+
+
+def test_print_after_shows_each_units_collectives_in_order(capsys):
+    out = run(capsys, "inspect", ZERO3, "--print-after", "shard")
+    assert out.startswith("# Constructed by pass 'shard'")
+    lines = out.splitlines()
+    for unit in UNITS:
+        ops = [
+            re.search(r"zerocc\.(\w+)\(", line).group(1) + ("*" if "role=gathered" in line else "")
+            for line in lines
+            if f"unit={unit} " in line and "zerocc." in line
+        ]
+        gathers = [op for op in ops if op in ("all_gather_start", "wait*", "free")]
+        assert gathers == ["all_gather_start", "wait*", "free"] * 2, (unit, ops)
+        reduce = ops.index("reduce_scatter_start")
+        assert ops[reduce - 1] == "pack" and ops[reduce + 1] == "wait", (unit, ops)
+
+
+def test_print_before_is_the_previous_passes_program(capsys):
+    out = run(capsys, "inspect", ZERO3, "--print-before", "shard")
+    assert out.startswith("# Constructed by pass 'partition'") and "zerocc." not in out
+
+
+def test_diff_shows_only_what_the_pass_changed(capsys):
+    assert run(capsys, "inspect", ZERO3, "--diff", "partition") == ""  # an analysis pass
+    diff = run(capsys, "inspect", BF16, "--diff", "precision").splitlines()
+    removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]
+    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    # Per-parameter casts after the gathers are gone; gathers move bf16.
+    assert any("aten._to_copy" in line for line in removed)
+    assert not any("aten._to_copy(view" in line for line in added)
+    assert any("all_gather_start" in line and "bf16[" in line for line in added)
+    context = [line for line in diff if line.startswith(" ")]
+    assert len(context) < len(removed) + len(added)  # a diff, not the whole program
+
+
+def test_dot_output_parses_with_a_cluster_per_unit(capsys):
+    out = run(capsys, "inspect", ZERO3, "--print-after", "optimizer", "--format", "dot")
+    (graph,) = pydot.graph_from_dot_data(out)
+    clusters = {g.get_name().strip('"') for g in graph.get_subgraphs()}
+    assert {f"cluster_{u.replace('.', '_')}" for u in UNITS} <= clusters
+
+
+def test_json_and_unit_filter(capsys):
+    out = run(capsys, "inspect", ZERO3, "--print-after", "optimizer", "--format", "json",
+              "--unit", "transformer.h.2")  # fmt: skip
+    nodes = [n for n in json.loads(out)["nodes"] if n["kind"] != "output"]
+    assert nodes and {n["unit"] for n in nodes} == {"transformer.h.2"}
+    assert {"zerocc.all_gather_start", "zerocc.adamw_"} <= {n["op"] for n in nodes}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--diff", "nope"], "no pass 'nope' in this pipeline; passes: partition, shard"),
+        (["--unit", "h.9"], "--unit 'h.9': no such unit; units: root, transformer.h.0"),
+    ],
+)
+def test_bad_pass_or_unit_is_a_clear_error(capsys, argv, message):
+    assert main(["inspect", ZERO3, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_estimate_table_shows_the_four_stages(capsys):
+    out = run(capsys, "estimate", ZERO3, "--world-size", "8", "--table")
+    header = next(line for line in out.splitlines() if line.startswith("per rank"))
+    assert header.split()[2:] == ["stage", "0", "stage", "1", "stage", "2", "stage", "3"]
+    assert "gathered units (peak)" in out and "reduce_scatter / step" in out
+    figures = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "8", "--table", "--json"))
+    states = [f["model_states"]["total"] for f in figures]
+    assert states == sorted(states, reverse=True) and states[0] > 4 * states[3]
