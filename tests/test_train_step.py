@@ -52,17 +52,17 @@ def test_explain_shows_units_comm_and_formula():
 
 
 def test_meta_model_materializes_one_unit_at_a_time(monkeypatch):
-    import zerocc.train_step as train_step
+    import zerocc.state as state_module
 
     sizes = []
-    real = train_step.initial_values
+    real = state_module.initial_values
 
     def counting(model, fqns, seed, device):
         values = real(model, fqns, seed, device)
         sizes.append(sum(v.numel() for v in values.values()))
         return values
 
-    monkeypatch.setattr(train_step, "initial_values", counting)
+    monkeypatch.setattr(state_module, "initial_values", counting)
     with torch.device("meta"):
         model = build("gpt")
     step = zerocc.compile(model, PLAN, comm=zerocc.FakeComm(2))

@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from zerocc.capture import ModelInfo
 from zerocc.ir import (
     GRAD,
     LOSS_SCALE,
@@ -28,6 +30,7 @@ from zerocc.ir import (
     PARAM_SHARD,
     STEP,
 )
+from zerocc.materialize import initial_values
 from zerocc.plan import OptimizerConfig, Plan, PrecisionConfig
 from zerocc.units import Unit
 
@@ -130,3 +133,38 @@ def state_specs(units: list[Unit], plan: Plan) -> list[StateSpec]:
     if plan.precision.scaling != "none":
         specs.append(LOSS_SCALE_SPEC)
     return sorted(specs, key=lambda s: s.role != PARAM_FULL)
+
+
+def allocate_state(
+    model: nn.Module,
+    model_info: ModelInfo,
+    units: list[Unit],
+    plan: Plan,
+    rank: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Every persistent tensor of ``plan`` for ``rank``, keyed as its spec: weights from the
+    model's initial values (one unit materialized at a time), everything else zeros (the
+    step counter on the CPU), and the model's buffers under their FQNs."""
+    specs = state_specs(units, plan)
+    weights = (PARAM_FULL, PARAM_SHARD, MASTER)
+    state: dict[str, torch.Tensor] = {}
+    for unit in units:
+        fqns = [p.fqn for p in unit.params]
+        flat = unit.flatten(initial_values(model, fqns, plan.seed, device))
+        for spec in specs:
+            if spec.unit != unit.name or spec.role not in weights:
+                continue
+            if spec.key.endswith(".param_shard"):  # stages 1-2: a view of the replicated flat
+                state[spec.key] = unit.shard_of(state[f"{unit.key}.param"], rank)
+                continue
+            value = flat if spec.shape == flat.shape else unit.shard_of(flat, rank)
+            # A copy (of the shard alone: a view would keep the whole flat alive).
+            state[spec.key] = value.to(spec.dtype, copy=True)
+    for spec in specs:
+        if spec.key not in state:
+            on = torch.device("cpu") if spec.role == STEP else device
+            state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype, device=on)
+    buffers = [b.fqn for b in model_info.buffers]
+    state.update(initial_values(model, buffers, plan.seed, device))
+    return state

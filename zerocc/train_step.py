@@ -30,23 +30,19 @@ from zerocc.explain import explain_step, model_state_bytes
 from zerocc.ir import (
     BATCH,
     FOUND_INF,
-    MASTER,
-    PARAM_FULL,
-    PARAM_SHARD,
-    STEP,
     info,
     placeholders,
     val,
 )
 from zerocc.loss_scale import LossScaler
-from zerocc.materialize import initial_values, is_meta, release_to_meta
+from zerocc.materialize import is_meta, release_to_meta
 from zerocc.measure import ProfiledRun, profile_run
 from zerocc.ops import forget_pending, pending_collectives, use_kernels
 from zerocc.pass_manager import PassRecord, build_pipeline
 from zerocc.passes.partition import assign_units
 from zerocc.plan import Plan
 from zerocc.printing import format_program
-from zerocc.state import LOSS_SCALE_SPEC, STEP_SPEC, StateSpec, state_specs
+from zerocc.state import LOSS_SCALE_SPEC, STEP_SPEC, allocate_state
 from zerocc.units import Unit
 
 
@@ -93,7 +89,14 @@ class TrainStep:
         self.units: list[Unit] = assign_units(
             self.model_info, comm.world_size, units.classes, units.modules, units.min_mb
         )
-        self.state: dict[str, torch.Tensor] = self._initial_state()
+        # Parameters are built one unit at a time, so a meta-device model never has more than
+        # one unit materialized; afterwards the TrainStep owns the weights
+        # (``full_state_dict()`` returns them) and the model's own copy is released.
+        self.state: dict[str, torch.Tensor] = allocate_state(
+            model, self.model_info, self.units, plan, comm.rank, device
+        )
+        if not is_meta(model):
+            release_to_meta(model)
         self.loss_scaler: LossScaler | None = None
         if LOSS_SCALE_SPEC.key in self.state:
             self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
@@ -212,42 +215,6 @@ class TrainStep:
         return Program(gm, records, bindings, self.backend(gm), digest, found_inf)
 
     # -- state ------------------------------------------------------------------------------
-
-    def _initial_state(self) -> dict[str, torch.Tensor]:
-        """Every persistent tensor of the plan, built at compile time. Parameters are built one
-        unit at a time, so a meta-device model never has more than one unit materialized;
-        afterwards the TrainStep owns the weights (``full_state_dict()`` returns them) and the
-        model's own copy is released."""
-        specs = state_specs(self.units, self.plan)
-        weights = (PARAM_FULL, PARAM_SHARD, MASTER)
-        state: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            ours = [s for s in specs if s.unit == unit.name and s.role in weights]
-            fqns = [p.fqn for p in unit.params]
-            flat = unit.flatten(initial_values(self.model, fqns, self.plan.seed, self.device))
-            for spec in ours:
-                state[spec.key] = self._weights(spec, flat, state)
-        for spec in specs:
-            if spec.key not in state:
-                on = torch.device("cpu") if spec.role == STEP else self.device
-                state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype, device=on)
-        buffers = [b.fqn for b in self.model_info.buffers]
-        state.update(initial_values(self.model, buffers, self.plan.seed, self.device))
-        if not is_meta(self.model):
-            release_to_meta(self.model)
-        return state
-
-    def _weights(
-        self, spec: StateSpec, flat: torch.Tensor, state: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """A unit's flat parameter (replicated), its shard, or their master weights, from the
-        unit's initial flat values ``flat``."""
-        unit = next(u for u in self.units if u.name == spec.unit)
-        if spec.key.endswith(".param_shard"):  # stages 1-2: a view of the replicated flat
-            return unit.shard_of(state[f"{unit.key}.param"], self.comm.rank)
-        value = flat if spec.shape == flat.shape else unit.shard_of(flat, self.comm.rank)
-        # A copy (of the shard alone: a view would keep the whole flat alive).
-        return value.to(spec.dtype, copy=True)
 
     def _check_bindings(self, gm: fx.GraphModule) -> None:
         """Every state placeholder of a program names a tensor the TrainStep holds, as shaped."""
