@@ -13,6 +13,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -199,6 +200,10 @@ def _train_rank(plan: Plan, steps: int) -> int:
             _print_summary(step.summary(), losses, started, first_done, world_size)
             if step.dump_dir is not None:
                 print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
+                if not shutil.which("dot"):
+                    from zerocc.dot import GRAPHVIZ_HINT
+
+                    print(f"  {GRAPHVIZ_HINT}")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
