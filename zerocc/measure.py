@@ -17,10 +17,8 @@ import torch
 from torch import fx
 
 from zerocc.ir import info, op_name
-from zerocc.memory import tensors_in
+from zerocc.memory import node_label, tensors_in, transient_category
 from zerocc.timeline import MemoryTimeline, TraceEvent
-
-_GATHERS = ("zerocc.all_gather_start",)
 
 
 class ProfiledRun(fx.Interpreter):
@@ -57,15 +55,14 @@ class ProfiledRun(fx.Interpreter):
             storage = ref()
             if storage is not None:
                 live[category] += storage.nbytes()
-        label = op_name(n.target) + (f" {info(n).unit}" if info(n).unit else "")
-        self.timeline.append(label, info(n).phase or "", live)
+        self.timeline.append(node_label(n), info(n).phase or "", live)
         return result
 
     def _now(self) -> float:
         return (time.perf_counter_ns() - self._origin) / 1e3
 
     def _track(self, n: fx.Node, result: Any) -> None:
-        category = "gathered" if op_name(n.target) in _GATHERS else "activations"
+        category = transient_category(n)
         for t in tensors_in(result):
             storage = t.untyped_storage()
             key = storage._cdata  # an address: unique among live storages only

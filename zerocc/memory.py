@@ -18,7 +18,6 @@ import torch
 from torch import fx
 
 from zerocc.ir import (
-    BUFFER,
     GRAD,
     LOSS_SCALE,
     MASTER,
@@ -45,7 +44,6 @@ STATE_CATEGORY = {
     STEP: "optimizer",
     LOSS_SCALE: "optimizer",
 }
-_GATHERS = ("zerocc.all_gather_start",)
 
 
 def model_state_bytes_of(units: list[Unit], plan: Plan) -> dict[str, int]:
@@ -61,6 +59,16 @@ def model_state_bytes_of(units: list[Unit], plan: Plan) -> dict[str, int]:
         out[STATE_CATEGORY[spec.role]] += numel * spec.dtype.itemsize
     out["total"] = sum(out.values())
     return dict(out)
+
+
+def node_label(node: fx.Node) -> str:
+    """How a timeline point names the node that ran: its op and unit."""
+    return op_name(node.target) + (f" {info(node).unit}" if info(node).unit else "")
+
+
+def transient_category(node: fx.Node) -> str:
+    """Where a storage a node makes is counted: an all-gather's result is a gathered unit."""
+    return "gathered" if op_name(node.target) == "zerocc.all_gather_start" else "activations"
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -93,7 +101,7 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
                 persistent.add(key)
                 continue
             if key not in born and key not in persistent:
-                category = "gathered" if op_name(node.target) in _GATHERS else "activations"
+                category = transient_category(node)
                 born[key] = (i, t.untyped_storage().nbytes(), category)
             end = max((position[u] for u in node.users), default=i)
             if node.op == "output" or any(u.op == "output" for u in node.users):
@@ -117,12 +125,5 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
             live[category] += delta
         if node.op in ("placeholder", "output"):
             continue
-        label = op_name(node.target) + (f" {info(node).unit}" if info(node).unit else "")
-        timeline.append(label, info(node).phase or "", live)
+        timeline.append(node_label(node), info(node).phase or "", live)
     return timeline
-
-
-def buffer_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of the module buffers a program reads (replicated; not model states)."""
-    nodes = [n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == BUFFER]
-    return sum(t.untyped_storage().nbytes() for n in nodes for t in tensors_in(val(n)))
