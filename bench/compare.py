@@ -1,0 +1,294 @@
+"""zerocc against its peers, side by side in one run: the same model, seed, batches, optimizer
+and world size under zerocc (ZeRO 1-3), PyTorch FSDP2 (ZeRO-3/ZeRO-2, eager and compiled) and
+DeepSpeed (ZeRO 1-3).
+
+Each system runs on its own fresh rank processes (bench/ranks.py). They are set up one after
+another (capture, torch.compile and the warm-up steps are not timed), then timed in rounds:
+every system runs ``--steps`` steps per round, in turn (A B C A B C ...), so drift of the machine
+falls on all alike. Reported per system: the median step time, peak memory per rank, bytes
+communicated per step (counted at torch.distributed, next to the ZeRO formula) and the loss
+after all steps, which must agree across systems (differences printed). A system that fails is
+reported with its error. Usage::
+
+    python bench/compare.py                    # the example GPT at 31.6M, 2 CPU ranks (~10 min)
+    python bench/compare.py --quick            # a small GPT, fewer steps (~1-2 min)
+    python bench/compare.py --systems zerocc fsdp2-z3   # families or system names
+    python bench/compare.py --gpu              # one GPU, bf16, NCCL, a 354M GPT: tokens/s, MFU
+
+Prints the table last; writes ``bench/results/compare-<device>-<date>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import statistics
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from config import BenchConfig, flops_per_token, num_params
+from measure import zero_formula_bytes
+from ranks import SystemFailed, SystemRanks
+from report import legend, loss_report, plot, table, targets, write_json
+from systems import System, all_systems
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REFERENCE = "zerocc-z3"
+RTOL = {"fp32": 1e-5, "bf16": 1e-2}  # loss after all steps, relative to the reference's
+QUICK = dict(n_layer=2, n_embd=128, n_head=4, warmup=2, rounds=2, steps=2)
+GPU = dict(n_layer=24, n_embd=1024, n_head=16, block_size=1024, vocab_size=50304, batch_size=16,
+           world_size=1, device="cuda", dtype="bf16", warmup=3, rounds=5, steps=5)  # fmt: skip
+PEAK_TFLOPS = {"H100": 989.5, "H200": 989.5, "A100": 312.0, "L40S": 362.0}  # bf16 dense
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"small and short: {QUICK}")
+    p.add_argument("--gpu", action="store_true", help="one GPU, bf16, NCCL, a 354M GPT")
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=["all"],
+        help="system names or families (zerocc, fsdp2, deepspeed); default all",
+    )
+    p.add_argument("--layers", type=int, dest="n_layer")
+    p.add_argument("--embd", type=int, dest="n_embd")
+    p.add_argument("--heads", type=int, dest="n_head")
+    p.add_argument("--block", type=int, dest="block_size")
+    p.add_argument("--vocab", type=int, dest="vocab_size")
+    p.add_argument("--batch", type=int, dest="batch_size", help="sequences per rank and step")
+    p.add_argument("--world-size", type=int, dest="world_size")
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="compute dtype (fp32 masters)")
+    p.add_argument("--warmup", type=int, help="untimed steps per system")
+    p.add_argument("--rounds", type=int, help="timed rounds")
+    p.add_argument("--steps", type=int, help="steps per system and round")
+    p.add_argument("--rtol", type=float, help=f"loss parity tolerance, relative (default {RTOL})")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=900,
+        help="seconds a system may take to set up, or to answer one command",
+    )
+    p.add_argument("--peak-tflops", type=float, help="peak FLOP/s of one device, for MFU")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
+    return p.parse_args(argv)
+
+
+def make_config(args: argparse.Namespace) -> BenchConfig:
+    cfg = BenchConfig()
+    cfg = replace(cfg, **((GPU if args.gpu else {}) | (QUICK if args.quick else {})))
+    given = {k: v for k, v in vars(args).items() if k in BenchConfig.__dataclass_fields__}
+    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    threads = max(1, (os.cpu_count() or 1) // cfg.world_size)
+    return replace(cfg, threads=threads)
+
+
+def select(wanted: list[str], systems: dict[str, System]) -> list[str]:
+    """Names in ``wanted`` (or all of a family) in the canonical order; unknown names fail."""
+    chosen: set[str] = set()
+    for w in wanted:
+        match = [n for n, s in systems.items() if w in ("all", n, s.family)]
+        if not match:
+            raise SystemExit(f"unknown system {w!r}; known: {', '.join(systems)}")
+        chosen.update(match)
+    return [n for n in systems if n in chosen]
+
+
+def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+    """Set each system up, time them in interleaved rounds, collect what every rank measured."""
+    runs: dict[str, dict[str, Any]] = {n: {"answers": []} for n in names}
+    live: dict[str, SystemRanks] = {}
+
+    def fail(name: str, error: Exception) -> None:
+        runs[name]["error"] = str(error)
+        print(f"  {name}: FAILED: {str(error).splitlines()[0]}", flush=True)
+        if name in live:
+            live.pop(name).close()
+
+    for name in names:  # one at a time: compilation and warm-up are not timed
+        print(f"setting up {name} ...", flush=True)
+        try:
+            live[name] = SystemRanks(name, cfg, timeout)
+            runs[name]["ready"] = live[name].ready
+            runs[name]["answers"].append(live[name].command("warmup", cfg.warmup))
+        except SystemFailed as e:
+            fail(name, e)
+    for r in range(cfg.rounds):
+        order = list(live) if r % 2 == 0 else list(reversed(live))  # A B C, C B A, ...
+        print(f"round {r + 1}/{cfg.rounds}: {', '.join(order)}", flush=True)
+        for name in order:
+            try:  # one untimed step first: the rank gave its free memory back while idle
+                runs[name]["answers"].append(live[name].command("round", 1 + cfg.steps))
+            except SystemFailed as e:
+                fail(name, e)
+    for name in list(live):
+        try:
+            runs[name]["final"] = live[name].command("finish")
+        except SystemFailed as e:
+            fail(name, e)
+        else:
+            live.pop(name).close()
+    return runs
+
+
+def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],
+              peak_flops: float | None) -> dict[str, Any]:  # fmt: skip
+    """One system's row: medians, maxima over ranks, the loss curve (mean over ranks)."""
+    out: dict[str, Any] = {"name": system.name, "family": system.family, "stage": system.stage,
+                           "what": system.what}  # fmt: skip
+    if "error" in run:
+        return out | {"status": "failed", "error": run["error"]}
+    answers = run["answers"]  # [warm-up, round 1, ...], each a list by rank
+    # A step lasts as long as its slowest rank; the first step of each round is not timed.
+    timed = [max(ranks) for a in answers[1:] for ranks in _by_step(a, "times")[1:]]
+    losses = [statistics.fmean(ranks) for a in answers for ranks in _by_step(a, "losses")]
+    final, ready, last = run["final"], run["ready"], answers[-1]
+    median = statistics.median(timed)
+    if cfg.device == "cuda":
+        memory = max(f["cuda_max_allocated"] for f in final)
+    else:
+        memory = max(f["peak_rss"] - f["rss_built"] for f in final)
+    live = [r.get("live_tensor_peak") for r in answers[0] if r.get("live_tensor_peak")]
+    gather_bytes = 2 if cfg.dtype == "bf16" else 4  # parameters travel in the compute dtype
+    tokens_per_s = cfg.tokens_per_step / median
+    return out | {
+        "status": "ok",
+        "steps": len(losses),
+        "median_step_s": median,
+        "iqr_step_s": _iqr(timed),
+        "step_times_s": timed,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "peak_memory": memory,
+        "peak_rss_per_rank": [f["peak_rss"] for f in final],
+        "rss_built_per_rank": [f["rss_built"] for f in final],
+        "peak_rss_with_setup_per_rank": [
+            max(f["peak_rss"], f["peak_rss_setup"] or 0) for f in final
+        ],
+        "live_tensor_peak": max(live) if live else None,
+        "comm_bytes": last[0]["comm"]["bytes"],
+        "comm_calls": last[0]["comm"]["calls"],
+        "comm_bytes_reported": last[0]["reported"].get("comm_bytes"),
+        "model_state_bytes_reported": last[0]["reported"].get("model_state_bytes"),
+        "comm_formula": zero_formula_bytes(
+            system.stage, num_params(cfg), gather_bytes, 4, cfg.world_size
+        ),
+        "setup_s": max(r["setup_s"] for r in ready),
+        "warmup_s": max(r["wall_s"] for r in answers[0]),
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token(cfg) / (peak_flops * cfg.world_size)
+        if peak_flops
+        else None,
+    }
+
+
+def _iqr(values: list[float]) -> float:
+    """Interquartile range: how far apart the middle half of ``values`` lies."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return q3 - q1
+
+
+def _by_step(answer: list[dict[str, Any]], key: str) -> list[tuple[float, ...]]:
+    """``answer[rank][key][step]`` regrouped as one tuple of the ranks' values per step."""
+    return list(zip(*(r[key] for r in answer), strict=True))
+
+
+def compare_losses(rows: list[dict[str, Any]]) -> str | None:
+    """Fill in each row's loss difference from the reference's; returns the reference's name."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    ref = next((r for r in ok if r["name"] == REFERENCE), ok[0] if ok else None)
+    for r in ok:
+        rel = [abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True)]
+        r["loss_rel_diff"], r["max_rel_diff_steps"] = rel[-1], max(rel)
+    return ref["name"] if ref else None
+
+
+def machine(cfg: BenchConfig) -> dict[str, Any]:
+    import torch
+
+    info = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "zerocc": _version("zerocc"),
+        "deepspeed": _version("deepspeed"),
+    }
+    if cfg.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _peak_flops(args: argparse.Namespace, info: dict[str, Any]) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    gpu = info.get("gpu", "")
+    return next((t * 1e12 for name, t in PEAK_TFLOPS.items() if name in gpu), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = make_config(args)
+    rtol = args.rtol or RTOL[cfg.dtype]
+    systems = all_systems()
+    names = select(args.systems, systems)
+    # Every rank's libraries size their thread pools from these (set before any rank starts).
+    os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    info = machine(cfg)
+    print(f"{len(names)} systems, GPT {num_params(cfg) / 1e6:.1f}M parameters, "
+          f"{cfg.world_size} rank(s) on {cfg.device} × {cfg.threads} thread(s), "
+          f"{cfg.total_steps} steps each", flush=True)  # fmt: skip
+    runs = run_systems(cfg, names, args.timeout)
+    rows = [summarize(cfg, systems[n], runs[n], _peak_flops(args, info)) for n in names]
+    reference = compare_losses(rows)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stem = args.out / f"compare-{cfg.device}-{stamp}"
+    write_json(stem.with_suffix(".json"), {
+        "machine": info, "config": asdict(cfg), "params": num_params(cfg),
+        "reference": reference, "rtol": rtol, "targets": targets(rows), "systems": rows,
+    })  # fmt: skip
+    gpu = cfg.device == "cuda"
+    title = (f"GPT {num_params(cfg) / 1e6:.1f}M, {cfg.world_size} rank(s), {cfg.device}, "
+             f"{cfg.dtype}, {info['date']}")  # fmt: skip
+    plot(stem.with_suffix(".png"), rows, title, gpu)
+    print(f"\nwrote {stem}.json and {stem}.png\n")
+    print(loss_report(rows, reference, rtol) + "\n")
+    print(legend(rows, gpu) + "\n")
+    if goals := targets(rows):
+        print("\n".join(goals) + "\n")
+    print(f"{title}; median of {cfg.rounds} rounds × {cfg.steps} timed steps "
+          f"(after {cfg.warmup} warm-up steps; 1 untimed step opens each round)")  # fmt: skip
+    print(table(rows, reference, gpu))
+    differs = [r for r in rows if r["status"] == "ok" and r["loss_rel_diff"] > rtol]
+    return 1 if differs or not reference else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The benchmark's configuration, and the model and batches every system trains on.
+
+Each rank of each system builds the example GPT (examples/gpt/model.py) from the same seed, so
+every system starts from the same weights, and draws its batches from examples/gpt/data.py, so
+rank r of every system sees the same data at every step.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt"
+if str(EXAMPLE) not in sys.path:
+    sys.path.insert(0, str(EXAMPLE))
+
+import data  # noqa: E402  (examples/gpt/data.py)
+from model import GPT, GPTConfig  # noqa: E402  (examples/gpt/model.py)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run: the model, the data, the optimizer, the ranks and the schedule."""
+
+    n_layer: int = 10  # transformer blocks
+    n_embd: int = 512  # residual width (n_layer 10 × n_embd 512: 31.6M parameters)
+    n_head: int = 8  # attention heads
+    block_size: int = 64  # tokens per sequence
+    vocab_size: int | None = None  # None: the text's characters (65); pad for LLM-like heads
+    batch_size: int = 8  # sequences per rank and step
+    seed: int = 0  # weights and data
+    lr: float = 1e-3  # AdamW, the same for every system; no gradient clipping anywhere
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    world_size: int = 2  # ranks per system
+    device: str = "cpu"  # cpu (gloo) | cuda (NCCL, one GPU per rank)
+    dtype: str = "fp32"  # compute dtype: fp32 | bf16 (fp32 master weights and optimizer)
+    threads: int = 1  # torch threads per rank: the machine's cores shared equally by the ranks
+    warmup: int = 2  # untimed steps per system first (capture, torch.compile, allocator)
+    rounds: int = 5  # timed rounds; every system runs 1 + `steps` steps per round, in turn
+    steps: int = 3  # timed steps per system and round (after one untimed step)
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps every system takes: the loss after these is compared."""
+        return self.warmup + self.rounds * (1 + self.steps)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step consumes over all ranks."""
+        return self.world_size * self.batch_size * self.block_size
+
+
+def gpt_config(cfg: BenchConfig) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=cfg.vocab_size or data.vocab_size,
+        block_size=cfg.block_size,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+    )
+
+
+def build_model(cfg: BenchConfig) -> GPT:
+    """The example GPT in fp32 on the CPU, with the weights of seed ``cfg.seed``."""
+    torch.manual_seed(cfg.seed)
+    return GPT(gpt_config(cfg))
+
+
+def num_params(cfg: BenchConfig) -> int:
+    """Parameters of the model (the tied embedding once), computed without building it."""
+    c = gpt_config(cfg)
+    per_block = 12 * c.n_embd**2 + 13 * c.n_embd  # attention 4C² + 4C, MLP 8C² + 5C, 2 LNs 4C
+    return c.vocab_size * c.n_embd + c.block_size * c.n_embd + c.n_layer * per_block + 2 * c.n_embd
+
+
+def flops_per_token(cfg: BenchConfig) -> int:
+    """Training FLOPs per token, as PaLM's MFU counts them: 6N plus attention's 12·L·T·C."""
+    return 6 * num_params(cfg) + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
+
+
+def batches(cfg: BenchConfig, rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s (idx, targets) batches, each (batch_size, block_size)."""
+    return data.batches(
+        rank, cfg.world_size, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed
+    )
