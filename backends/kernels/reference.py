@@ -116,10 +116,13 @@ def pack(
     like = next((t for t in tensors if t is not None), None)
     if like is None:
         raise RuntimeError("zerocc.pack needs at least one tensor")
-    out = torch.zeros(numel, dtype=dtype or like.dtype, device=like.device)
+    out = torch.empty(numel, dtype=dtype or like.dtype, device=like.device)
     offset = 0
     for t, n in zip(tensors, numels, strict=True):
-        if t is not None:
+        if t is None:
+            out[offset : offset + n].zero_()
+        else:
             out[offset : offset + n].copy_(t.reshape(-1))
         offset += n
+    out[offset:].zero_()  # only the holes and the padding are written twice, not the buffer
     return out
