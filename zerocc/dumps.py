@@ -23,7 +23,7 @@ import yaml
 
 from zerocc.chrome_trace import write_chrome_trace
 from zerocc.dot import GRAPHVIZ_HINT, program_to_dot, render_svg
-from zerocc.explain import comm_bytes_per_step, precision_line
+from zerocc.explain import comm_bytes_per_step, precision_line, unit_rows
 from zerocc.inspection import pass_table
 from zerocc.memory import model_state_bytes_of, predict_memory
 from zerocc.pass_manager import PassRecord
@@ -106,11 +106,7 @@ def _sections(
 ) -> list[ReportSection]:
     plan = step.plan
     records = step.records
-    units = [["unit", "params", "elements", "padded", "shard", "trainable"]] + [
-        [u.name, str(len(u.params)), f"{u.numel:,}", f"{u.padded_numel:,}",
-         f"{u.shard_numel:,}", "yes" if u.trainable else "no (frozen)"]
-        for u in step.units
-    ]  # fmt: skip
+    units = unit_rows(step.units)
     plan_text = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False)
     programs = sorted((root / "programs").glob("*/*"))
     graphs = [["file"]] + [[str(p.relative_to(root))] for p in programs]

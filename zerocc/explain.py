@@ -11,6 +11,7 @@ from zerocc.ir import info, op_name
 from zerocc.memory import STATE_CATEGORY
 from zerocc.printing import human_bytes
 from zerocc.state import Dtypes, optimizer_states, state_specs
+from zerocc.units import Unit
 
 if TYPE_CHECKING:
     from zerocc.train_step import TrainStep
@@ -78,6 +79,15 @@ def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> 
     return dict(out)
 
 
+def unit_rows(units: list[Unit]) -> list[list[str]]:
+    """A table of the units (header first): parameters, elements, padded size, shard size."""
+    return [["unit", "params", "elements", "padded", "shard", "trainable"]] + [
+        [u.name, str(len(u.params)), f"{u.numel:,}", f"{u.padded_numel:,}",
+         f"{u.shard_numel:,}", "yes" if u.trainable else "no (frozen)"]
+        for u in units
+    ]  # fmt: skip
+
+
 def explain_step(step: TrainStep) -> str:
     """A plain-text report: units, communication per step (once a program is compiled, at the
     first call), and model-state bytes per rank measured next to ZeRO's formula."""
@@ -90,13 +100,9 @@ def explain_step(step: TrainStep) -> str:
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
         precision_line(step),
         "",
-        f"{'unit':<28}{'params':>7}{'elements':>12}{'padded':>12}{'shard':>11}  trainable",
     ]
-    for u in step.units:
-        lines.append(
-            f"{u.name:<28}{len(u.params):>7}{u.numel:>12,}{u.padded_numel:>12,}"
-            f"{u.shard_numel:>11,}  {'yes' if u.trainable else 'no (frozen)'}"
-        )
+    for name, params, elements, padded, shard, trainable in unit_rows(step.units):
+        lines.append(f"{name:<28}{params:>7}{elements:>12}{padded:>12}{shard:>11}  {trainable}")
     lines += ["", "communication per optimizer step, per rank:"]
     if not step.programs:
         lines.append("  (known once the step is compiled, at its first call)")

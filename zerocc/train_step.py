@@ -136,7 +136,7 @@ class TrainStep:
             write_run_dumps(self.dump_dir, self, recorder)
             return loss
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
-        boundary = (self.micro_batches + 1) % self.plan.grad_accumulation == 0
+        boundary = self._steps_next()
         signature = batch_signature(batch)
         self._agree(("signature", signature, boundary), "the batch shapes differ across ranks")
         key = (signature, boundary)
