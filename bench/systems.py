@@ -48,8 +48,9 @@ def _adamw(params: Any, cfg: BenchConfig) -> torch.optim.AdamW:
 
 
 def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, stage: int,
-                  backend: str = "eager") -> Runner:  # fmt: skip
-    """``zerocc.compile`` with one unit per Block (the embeddings, final LN and head: the root)."""
+                  backend: str = "eager", overlap: dict | None = None) -> Runner:  # fmt: skip
+    """``zerocc.compile`` with one unit per Block (the embeddings, final LN and head: the root);
+    ``overlap``: the plan's overlap section (default: the overlap pass with its defaults)."""
     import zerocc
 
     plan: dict[str, Any] = {
@@ -63,6 +64,7 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
             "weight_decay": cfg.weight_decay,
         },
         "backend": {"name": backend, "device": device.type},
+        "overlap": overlap or {},
         "seed": cfg.seed,
     }
     if cfg.dtype != "fp32":

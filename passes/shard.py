@@ -5,7 +5,8 @@ Parameters become one flat buffer per unit, padded to a multiple of the world si
 - 3: each rank holds a shard. A unit is all-gathered before its first use in forward and freed
   after its last, gathered again before its first use in backward and freed after its last;
   its gradient is reduce-scattered right after its last contribution and added to the rank's
-  gradient shard.
+  gradient shard. A unit the plan keeps gathered (``units.keep_gathered``) is gathered once,
+  before its first use, and freed after its last use in the step.
 - 2: parameters replicated; gradients reduce-scattered as they are produced, each rank keeping
   only its gradient shard.
 - 1: parameters and full gradients replicated; gradients accumulate over micro-batches and are
@@ -21,10 +22,13 @@ update.
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 from torch import fx
 from zerocc.passes.param_uses import ParamUses, analyze
 
+from zerocc.errors import PlanError
 from zerocc.ir import (
     GATHERED,
     GRAD_SHARD,
@@ -47,8 +51,8 @@ aten = torch.ops.aten
 class _ShardRewriter:
     """Copies the captured graph into a new one, inserting the stage's flat params and comm."""
 
-    def __init__(self, gm: fx.GraphModule, ctx: PassContext, stage: int) -> None:
-        self.old, self.ctx, self.stage = gm, ctx, stage
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, stage: int, kept: set[str]) -> None:
+        self.old, self.ctx, self.stage, self.kept = gm, ctx, stage, kept
         self.units = {u.name: u for u in ctx.units}
         self.uses: ParamUses = analyze(gm, [p.fqn for p in ctx.model.trainable])
         self.param_of = {n: info(n).key for n in self.uses.unit_of}
@@ -76,8 +80,12 @@ class _ShardRewriter:
 
     # -- parameter values -------------------------------------------------------------------
 
-    def scope(self, phase: str) -> str:
-        return phase if self.stage == 3 else "resident"
+    def scope(self, phase: str, unit: str | None = None) -> str:
+        """Which gathered copy a use in ``phase`` reads: per phase in stage 3 (one for the whole
+        step for a kept unit), the resident parameters otherwise."""
+        if self.stage != 3:
+            return "resident"
+        return "step" if unit in self.kept else phase
 
     def value(self, node: fx.Node, phase: str) -> fx.Node:
         """The new graph's value for an old node, re-deriving parameter values in scope."""
@@ -94,7 +102,7 @@ class _ShardRewriter:
 
     def param_view(self, node: fx.Node, phase: str) -> fx.Node:
         unit = self.units[self.uses.unit_of[node]]
-        flat = self.flat[(unit.name, self.scope(phase))]
+        flat = self.flat[(unit.name, self.scope(phase, unit.name))]
         return self.view_of(flat, unit, self.param_of[node], phase)
 
     def view_of(self, flat: fx.Node, unit: Unit, fqn: str, phase: str) -> fx.Node:
@@ -133,26 +141,34 @@ class _ShardRewriter:
         )
 
     def gather(self, unit: Unit, phase: str) -> None:
+        scope = self.scope(phase, unit.name)
+        if (unit.name, scope) in self.flat:  # kept gathered since forward
+            return
+        when = "step" if scope == "step" else phase
         flat = self.collective(
             "all_gather_start",
             (self.state[unit.name]["param"], unit.world_size, DP_GROUP),
             unit,
             phase,
             unit.padded_numel * unit.dtype.itemsize,
-            f"gather {unit.name} before its first use in {phase}",
+            f"gather {unit.name} before its first use in {when}",
             role=GATHERED,
         )
-        self.flat[(unit.name, phase)] = flat
+        self.flat[(unit.name, scope)] = flat
 
     def free(self, unit: Unit, phase: str) -> None:
-        flat = self.flat.pop((unit.name, phase))
+        scope = self.scope(phase, unit.name)
+        if scope == "step" and phase == "forward" and (unit.name, "backward") in self.uses.windows:
+            return  # kept gathered for its use in backward
+        flat = self.flat.pop((unit.name, scope))
+        when = "step" if scope == "step" else phase
         emit(
             self.graph,
             op("free"),
             (flat,),
             phase=phase,
             unit=unit.name,
-            note=f"free {unit.name} after its last use in {phase}",
+            note=f"free {unit.name} after its last use in {when}",
         )
 
     def accumulate_grad(self, unit: Unit, fqn: str, grad: fx.Node) -> None:
@@ -280,13 +296,50 @@ class _ShardRewriter:
         return tuple(x for pair in pairs for x in pair)
 
 
+def kept_gathered(
+    units: list[Unit], patterns: list[str], below_mb: float | None, itemsize: int
+) -> set[str]:
+    """Names of the units kept gathered for the whole step: those whose name (``root`` for the
+    root unit) matches a pattern, and those smaller than ``below_mb`` when gathered."""
+    kept = set()
+    for pattern in patterns:
+        hits = {u.name for u in units if fnmatch.fnmatchcase(u.key, pattern)}
+        if not hits:
+            names = ", ".join(u.key for u in units[:6])
+            raise PlanError(
+                f"units.keep_gathered: pattern {pattern!r} matches no unit; units are: {names}"
+            )
+        kept |= hits
+    if below_mb is not None:
+        kept |= {u.name for u in units if u.padded_numel * itemsize < below_mb * 2**20}
+    return kept
+
+
+def _options(plan) -> dict:
+    return {
+        "stage": plan.zero.stage,
+        "keep_gathered": plan.units.keep_gathered,
+        "keep_gathered_below_mb": plan.units.keep_gathered_below_mb,
+        "itemsize": plan.precision.dtype("param").itemsize,
+    }
+
+
 @register_pass(
     "shard",
     requires=("units",),
     produces=("sharded_params", "grad_shards"),
-    options=lambda plan: {"stage": plan.zero.stage},
+    options=_options,
 )
-def shard(gm: fx.GraphModule, ctx: PassContext, *, stage: int) -> fx.GraphModule:
+def shard(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    stage: int,
+    keep_gathered: list[str] = (),
+    keep_gathered_below_mb: float | None = None,
+    itemsize: int = 4,
+) -> fx.GraphModule:
     """Flatten each unit's parameters and insert ZeRO-``stage`` gathers, frees and reductions."""
-    graph = _ShardRewriter(gm, ctx, stage).run()
+    kept = kept_gathered(ctx.units, list(keep_gathered), keep_gathered_below_mb, itemsize)
+    graph = _ShardRewriter(gm, ctx, stage, kept if stage == 3 else set()).run()
     return fx.GraphModule(gm, graph)

@@ -44,11 +44,12 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
     )
     return {
         "zero": {"stage": case["stage"]},
-        "units": MODELS[case["model"]][2],
+        "units": {**MODELS[case["model"]][2], **case.get("units", {})},
         "optimizer": optimizer,
         "grad_accumulation": case.get("accum", 1),
         "precision": case.get("precision", {}),
         "backend": {"kernels": case.get("kernels", "torch")},
+        "overlap": case.get("overlap", {}),
         "seed": 7,
     }
 

@@ -22,7 +22,7 @@ def _step(stage=3):
 
 def test_each_pass_is_timed_and_its_graph_kept():
     records = _step().records
-    assert [r.name for r in records] == ["capture", "partition", "shard", "optimizer"]
+    assert [r.name for r in records] == ["capture", "partition", "shard", "optimizer", "overlap"]
     assert records[0].program.startswith("# Captured by make_fx")
     shard = records[2]
     assert shard.seconds > 0 and shard.program.startswith("# Constructed by pass 'shard'")

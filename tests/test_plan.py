@@ -140,8 +140,9 @@ def test_section_that_is_not_a_mapping():
 def test_precision_defaults_and_pipeline():
     plan = load_plan({"precision": {"param": "bf16"}})
     assert plan.precision.scaling == "none" and plan.precision.dtype("buffers") == torch.bfloat16
-    assert plan.pass_names == ["partition", "shard", "precision", "optimizer"]
-    assert load_plan({}).pass_names == ["partition", "shard", "optimizer"]
+    assert plan.pass_names == ["partition", "shard", "precision", "optimizer", "overlap"]
+    assert load_plan({}).pass_names == ["partition", "shard", "optimizer", "overlap"]
+    assert load_plan({"overlap": {"enabled": False}}).pass_names[-1] == "optimizer"
     assert load_plan({"precision": {"param": "fp16"}}).precision.scaling == "dynamic"
     fixed = load_plan({"precision": {"param": "fp16", "loss_scale": 1024}}).precision
     assert fixed.scaling == "static" and fixed.loss_scale == 1024
@@ -235,7 +236,7 @@ def test_plan_error_is_a_zerocc_error_and_a_value_error():
 def test_schema_describes_every_property():
     schema = plan_json_schema()
     models = [schema, *schema["$defs"].values()]
-    assert len(models) == 8
+    assert len(models) == 10  # Plan and the nine models under it
     for model in models:
         assert model["additionalProperties"] is False
         for name, prop in model["properties"].items():

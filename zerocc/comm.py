@@ -3,14 +3,16 @@
 The graph's collective ops (``zerocc.all_gather_start`` and friends, see :mod:`zerocc.ops`) call
 into the *active* :class:`Comm`, set by the runtime around each program run. Three kinds:
 
-- :class:`TorchComm`: ``torch.distributed`` (gloo on CPU, NCCL on CUDA), async work handles;
+- :class:`TorchComm`: ``torch.distributed``: on CPU (gloo) async work handles; on CUDA (NCCL)
+  a dedicated communication stream, ordered against the compute stream by events;
 - :class:`SoloComm`: world size 1 without a process group;
 - :class:`FakeComm`: a null group of any size for graph-level tests and estimates; its
   collectives produce correctly shaped results without any peer.
 
 Every collective is counted at its call site in :class:`CommStats` (logical elements: an
 all-gather counts its output, a reduce-scatter its input, an all-reduce twice its size, as in
-the ZeRO paper's 2Ψ/3Ψ accounting).
+the ZeRO paper's 2Ψ/3Ψ accounting), and the time waits blocked the caller in ``blocked_s``:
+the communication the schedule left exposed.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ class CommStats:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    blocked_s: float = 0.0  # seconds waits blocked the caller (on CUDA: the host, not the GPU)
 
     def record(self, kind: str, elements: int, itemsize: int) -> None:
         self.calls[kind] += 1
@@ -42,6 +46,7 @@ class CommStats:
         self.calls.clear()
         self.elements.clear()
         self.bytes.clear()
+        self.blocked_s = 0.0
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {
@@ -52,14 +57,21 @@ class CommStats:
 
 
 class Work:
-    """A handle on an issued collective; :meth:`wait` blocks until it is done."""
+    """A handle on an issued collective; :meth:`wait` blocks until it is done. On CUDA the
+    handle is the event recorded on the communication stream after the collective, and waiting
+    makes the current (compute) stream wait for it, without blocking the host."""
 
-    def __init__(self, handle: dist.Work | None = None) -> None:
+    def __init__(
+        self, handle: dist.Work | None = None, event: torch.cuda.Event | None = None
+    ) -> None:
         self._handle = handle
+        self._event = event
 
     def wait(self) -> None:
         if self._handle is not None:
             self._handle.wait()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
 
 
 class Comm(abc.ABC):
@@ -104,15 +116,45 @@ class TorchComm(Comm):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _issue(self, tensors: list[torch.Tensor], collective: Callable[[bool], Any]) -> Work:
+        """Run ``collective(async_op)`` on CPU as async work; on CUDA on the communication
+        stream, after the compute stream's pending work (which produced the inputs)."""
+        if not tensors[0].is_cuda:
+            return Work(collective(True))
+        device = tensors[0].device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            collective(False)  # ordered on `stream`; the host does not wait for the GPU
+            done = torch.cuda.Event()
+            done.record(stream)
+        for t in tensors:
+            # Made on the compute stream, used on this one: the caching allocator must not hand
+            # their memory out again before this stream is past them (a free right after the
+            # wait, or a reduce-scatter input dropped once issued).
+            t.record_stream(stream)
+        return Work(event=done)
 
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
-        return Work(dist.all_gather_single(out, shard, group=self.group, async_op=True))
+        return self._issue(
+            [out, shard],
+            lambda a: dist.all_gather_single(out, shard, group=self.group, async_op=a),
+        )
 
     def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
-        return Work(dist.reduce_scatter_single(out, full, group=self.group, async_op=True))
+        return self._issue(
+            [out, full],
+            lambda a: dist.reduce_scatter_single(out, full, group=self.group, async_op=a),
+        )
 
     def _all_reduce(self, tensor: torch.Tensor) -> Work:
-        return Work(dist.all_reduce(tensor, group=self.group, async_op=True))
+        return self._issue(
+            [tensor], lambda a: dist.all_reduce(tensor, group=self.group, async_op=a)
+        )
 
 
 class SoloComm(Comm):

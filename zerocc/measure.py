@@ -5,6 +5,9 @@ dropping each value after its last use), timing every op and, after each, summin
 the live storages the run created. Collectives appear on a communication track from their
 start to the end of their wait; everything else on the compute track. The numbers are what
 ``zerocc estimate`` predicts, measured: the tests hold one to the other.
+
+The time a wait blocks is communication the schedule failed to hide: it is recorded on the
+compute track too, as an ``exposed`` event (see :func:`exposed_us`).
 """
 
 from __future__ import annotations
@@ -88,6 +91,19 @@ class ProfiledRun(fx.Interpreter):
             args |= {"bytes": info(issued).bytes, "note": info(issued).note or ""}
             title = f"{name} {record.unit}" if record.unit else name
             self.events.append(TraceEvent(self.rank, "comm", title, begin, end - begin, args))
+            self.events.append(
+                TraceEvent(
+                    self.rank, "compute", f"wait {title}", start, end - start, args | EXPOSED
+                )
+            )
+
+
+EXPOSED = {"exposed": True}  # args of a compute-track event that is a blocking wait
+
+
+def exposed_us(events: list[TraceEvent]) -> float:
+    """Microseconds the compute track spent blocked in waits: the exposed communication."""
+    return sum(e.duration_us for e in events if e.track == "compute" and e.args.get("exposed"))
 
 
 def profile_run(

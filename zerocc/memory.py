@@ -4,7 +4,8 @@ Two parts. **Model states** are the persistent tensors of the plan (``zerocc/sta
 runtime allocates exactly these, so their bytes are exact. **Transient memory** follows the
 program's liveness: a node's result occupies its storage from the node until the last use of
 anything that aliases that storage (views, ``wait``), as the eager backend's generated code
-drops references; ``zerocc.free`` releases a gathered unit at once. In-place ops and views
+drops references; a collective holds its inputs until its wait (its work handle keeps them);
+``zerocc.free`` releases a gathered unit at once. In-place ops and views
 allocate nothing. Storages made by an all-gather count as *gathered*; every other transient
 (activations saved for backward, gradients, packed buckets) as *activations*.
 """
@@ -84,6 +85,13 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _done(user: fx.Node) -> fx.Node:
+    """Where a use by ``user`` ends: a collective reads its inputs until its wait."""
+    if info(user).stream == "comm" and info(user).bytes and len(user.users) == 1:
+        return next(iter(user.users))
+    return user
+
+
 def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTimeline:
     """Live bytes per category after each node of ``gm``: the model states throughout, plus
     gathered units and activations by liveness."""
@@ -103,7 +111,7 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
             if key not in born and key not in persistent:
                 category = transient_category(node)
                 born[key] = (i, t.untyped_storage().nbytes(), category)
-            end = max((position[u] for u in node.users), default=i)
+            end = max((position[_done(u)] for u in node.users), default=i)
             if node.op == "output" or any(u.op == "output" for u in node.users):
                 end = len(nodes)
             last_use[key] = max(last_use.get(key, i), end)

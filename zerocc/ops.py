@@ -17,6 +17,7 @@ handled here, the same for every set.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -116,7 +117,9 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
     work = _pending.pop(tensor.data_ptr(), None)
     if work is None:
         raise RuntimeError("zerocc.wait on a tensor with no collective in flight")
+    began = time.perf_counter()
     work.wait()
+    active_comm().stats.blocked_s += time.perf_counter() - began
     return tensor
 
 

@@ -28,8 +28,9 @@ from pydantic import (
 from zerocc.errors import PlanError, PlanWarning
 from zerocc.plan_messages import describe_error, show
 
-DEFAULT_PASSES = ["partition", "shard", "optimizer"]
-MIXED_PRECISION_PASSES = ["partition", "shard", "precision", "optimizer"]
+DEFAULT_PASSES = ["partition", "shard", "optimizer", "overlap"]
+MIXED_PRECISION_PASSES = ["partition", "shard", "precision", "optimizer", "overlap"]
+OVERLAP_PASS = "overlap"  # left out of the default pipeline when overlap.enabled is false
 
 _WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
@@ -78,6 +79,18 @@ class UnitsConfig(_Section):
         gt=0,
         description="size-based wrapping: a module whose not-yet-assigned parameters reach this "
         "many MB becomes a unit, bottom-up",
+    )
+    keep_gathered: list[str] = Field(
+        default_factory=list,
+        description="stage 3: fnmatch globs over unit names ('root' is the root unit) of units "
+        "gathered once per step and kept until their last use in backward (no re-gather in "
+        "backward), like FSDP2's reshard_after_forward=False",
+    )
+    keep_gathered_below_mb: float | None = Field(
+        None,
+        gt=0,
+        description="stage 3: units whose gathered parameters are smaller than this many MB are "
+        "kept gathered for the step too (DeepSpeed's persistence threshold, per step)",
     )
 
 
@@ -214,6 +227,54 @@ class BackendConfig(_Section):
     )
 
 
+class OverlapConfig(_Section):
+    """Hide communication behind compute (the overlap pass): prefetch gathers, delay waits."""
+
+    enabled: bool = Field(
+        True, description="run the overlap pass in the default pipeline (losses are unchanged)"
+    )
+    prefetch: int = Field(
+        1,
+        ge=0,
+        description="upper bound on the units whose all-gathers are issued ahead of the unit "
+        "being computed (0: gather each unit just before its use)",
+    )
+    max_inflight_mb: float | None = Field(
+        None,
+        gt=0,
+        description="memory budget of collectives in flight (issued, not yet waited on): "
+        "prefetched units and gradient buckets; default: bounded by `prefetch` only",
+    )
+    bucket_mb: float = Field(
+        0,
+        ge=0,
+        description="consecutive units smaller than this many MB are gathered and reduced in one "
+        "collective of up to this size (0: one collective per unit)",
+    )
+
+
+class CostConfig(_Section):
+    """Device rates of the cost model behind `zerocc estimate` and the dumps' predicted trace.
+
+    Unset rates come from ``calibration`` (a file `zerocc profile` writes), else from built-in
+    defaults for the device."""
+
+    calibration: str | None = Field(
+        None,
+        description="JSON written by `zerocc profile PLAN`, relative to the plan file",
+    )
+    compute_tflops: float | None = Field(None, gt=0, description="dense compute rate, TFLOP/s")
+    memory_gb_per_s: float | None = Field(
+        None, gt=0, description="memory bandwidth of elementwise ops, GB/s"
+    )
+    link_gbps: float | None = Field(
+        None, gt=0, description="per-rank interconnect bandwidth, Gbit/s (e.g. 400 for NDR IB)"
+    )
+    latency_us: float | None = Field(
+        None, ge=0, description="per-hop latency of a collective, microseconds (the alpha term)"
+    )
+
+
 class DumpsConfig(_Section):
     """Files that show what the compiler built and what a run did (see zerocc.dumps)."""
 
@@ -246,13 +307,21 @@ class Plan(_Section):
     backend: BackendConfig = Field(
         default_factory=BackendConfig, description="which backend runs the scheduled graph"
     )
+    overlap: OverlapConfig = Field(
+        default_factory=OverlapConfig,
+        description="overlap of communication with compute: prefetch, budget, buckets",
+    )
+    cost: CostConfig = Field(
+        default_factory=CostConfig, description="device rates of the cost model (estimates)"
+    )
     dumps: DumpsConfig = Field(
         default_factory=DumpsConfig, description="where to write inspection dumps, if anywhere"
     )
     passes: list[str] | None = Field(
         None,
-        description="pass pipeline in order; default: partition, shard, optimizer (with "
-        "precision before optimizer when the precision section leaves fp32)",
+        description="pass pipeline in order; default: partition, shard, optimizer, overlap (with "
+        "precision before optimizer when the precision section leaves fp32, without overlap "
+        "when overlap.enabled is false)",
     )
     workload: str | None = Field(
         None,
@@ -281,7 +350,8 @@ class Plan(_Section):
         """The pipeline this plan runs: ``passes``, or the default for its precision."""
         if self.passes is not None:
             return list(self.passes)
-        return list(MIXED_PRECISION_PASSES if self.precision.mixed else DEFAULT_PASSES)
+        names = MIXED_PRECISION_PASSES if self.precision.mixed else DEFAULT_PASSES
+        return [n for n in names if self.overlap.enabled or n != OVERLAP_PASS]
 
     @model_validator(mode="after")
     def _kernels_update_fp32_masters(self) -> Plan:
@@ -298,6 +368,24 @@ class Plan(_Section):
             raise ValueError(
                 "the precision section leaves fp32, but `passes` does not list 'precision'; "
                 "add it before 'optimizer' (or drop `passes` for the default pipeline)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _keep_gathered_is_stage_3(self) -> Plan:
+        units = self.units
+        if self.zero.stage != 3 and (units.keep_gathered or units.keep_gathered_below_mb):
+            raise ValueError(
+                f"units.keep_gathered applies to stage 3 only: stage {self.zero.stage} keeps "
+                "every parameter resident; drop it or set zero.stage: 3"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlap_pass_enabled(self) -> Plan:
+        if self.passes is not None and not self.overlap.enabled and OVERLAP_PASS in self.passes:
+            raise ValueError(
+                "overlap.enabled is false, but `passes` lists 'overlap'; drop one of them"
             )
         return self
 

@@ -1,0 +1,249 @@
+"""overlap: hide communication behind compute by moving collective starts up and waits down.
+
+The shard and optimizer passes emit every collective as a start right before its wait. This pass
+reschedules the pairs; it never moves compute relative to compute, so losses stay bit-identical
+to the unoverlapped program:
+
+1. **Buckets** (``bucket_mb`` > 0): runs of consecutive small units' all-gathers, and of their
+   gradient reduce-scatters, become one collective each (see :mod:`zerocc.passes.bucketing`).
+2. **Prefetch**: each parameter all-gather (forward and backward) is issued as early as
+   (a) its inputs allow: never above a node that writes the shard it reads, (b) ``prefetch``
+   allows: no earlier than the wait of the gather ``prefetch`` units before it, so at most that
+   many units are gathered ahead of the one being computed, and (c) the budget allows.
+3. **Late waits**: every wait moves down to just before the first node that needs what the
+   collective produced or touches what it reads or writes; a reduced gradient's accumulation
+   into the gradient shard (an in-place add, independent of all compute) moves with its wait.
+   Reduce-scatters thus finish behind the next units' backward, and stages 1-2's all-gathers of
+   updated shards behind the remaining updates.
+
+The budget, ``max_inflight_mb``, bounds the bytes held by collectives in flight (issued, not
+yet waited on) at every point of the program: a prefetched unit's gathered buffer, a gradient
+bucket and its reduced shard. In-place collectives (stage 0's all-reduce, stages 1-2's gathers
+into the persistent parameters) hold nothing extra. Gathers are placed first (a stalled gather
+stalls compute at once), then waits, each in program order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from zerocc.passes.bucketing import bucket_collectives
+
+from zerocc.access import StorageRoots
+from zerocc.ir import GRAD, info, op_name, val
+from zerocc.pass_manager import PassContext, register_pass
+
+aten = torch.ops.aten
+MB = 2**20
+
+
+@dataclass
+class Collective:
+    """A start/wait pair, the nodes that move with its wait, and the bytes it holds in flight."""
+
+    start: fx.Node
+    wait: fx.Node
+    leaders: list[fx.Node]  # a bucket's copy-in, issued with its start
+    followers: list[fx.Node]  # accumulations of the result into gradient state, and their views
+    inflight_bytes: int
+
+    @property
+    def is_prefetch(self) -> bool:
+        """A parameter all-gather into a new buffer (stage 3, forward or backward)."""
+        return op_name(self.start.target) == "zerocc.all_gather_start" and (
+            info(self.start).phase in ("forward", "backward")
+        )
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = val(node)
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _accumulates(user: fx.Node, value: fx.Node, roots: StorageRoots) -> bool:
+    """Whether ``user`` adds ``value`` into gradient state in place."""
+    return (
+        user.target is aten.add_.Tensor
+        and user.args[1] is value
+        and info(roots.root[user.args[0]]).role == GRAD
+    )
+
+
+def _followers(wait: fx.Node, roots: StorageRoots) -> list[fx.Node]:
+    """The accumulations of a collective's result (or of slices of it) into gradient state."""
+    followers = []
+    for user in wait.users:
+        if _accumulates(user, wait, roots):
+            followers.append(user)
+        elif (
+            user.target is aten.slice.Tensor
+            and user.users
+            and all(_accumulates(u, user, roots) for u in user.users)
+        ):
+            followers += [user, *user.users]
+    return followers
+
+
+def _leaders(start: fx.Node) -> list[fx.Node]:
+    """A bucket's copy-in of persistent shards, which can be issued wherever its start is."""
+    source = start.args[0]
+    if (
+        isinstance(source, fx.Node)
+        and source.target is aten.cat.default
+        and len(source.users) == 1
+        and all(a.op == "placeholder" for a in source.all_input_nodes)
+    ):
+        return [source]
+    return []
+
+
+def find_collectives(gm: fx.GraphModule, roots: StorageRoots) -> list[Collective]:
+    """The program's collectives in order of their starts."""
+    found = []
+    for start in gm.graph.nodes:
+        if info(start).stream != "comm" or not info(start).bytes:
+            continue
+        (wait,) = start.users
+        held = _nbytes(start) if roots.root[start] is start else 0
+        held += sum(_nbytes(a) for a in start.all_input_nodes if a.op != "placeholder")
+        found.append(Collective(start, wait, _leaders(start), _followers(wait, roots), held))
+    return found
+
+
+class _Schedule:
+    """Positions of the program's nodes and the in-flight bytes at each, kept current."""
+
+    def __init__(self, gm: fx.GraphModule, collectives: list[Collective]) -> None:
+        self.graph = gm.graph
+        self.collectives = collectives
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Positions, and ``inflight[i]``: bytes held by collectives while node ``i`` runs (a
+        node placed before node ``i`` runs alongside those too)."""
+        self.nodes = list(self.graph.nodes)
+        self.position = {n: i for i, n in enumerate(self.nodes)}
+        delta = [0] * (len(self.nodes) + 1)
+        for c in self.collectives:
+            delta[self.position[c.start]] += c.inflight_bytes
+            delta[self.position[c.wait] + 1] -= c.inflight_bytes  # held through its wait
+        self.inflight, running = [], 0
+        for d in delta[:-1]:
+            running += d
+            self.inflight.append(running)
+
+    def over_budget(self, i: int, nbytes: int, budget: float) -> bool:
+        return self.inflight[i] + nbytes > budget
+
+
+def hoist_gathers(
+    gm: fx.GraphModule,
+    collectives: list[Collective],
+    roots: StorageRoots,
+    prefetch: int,
+    budget: float,
+) -> None:
+    """Issue each parameter all-gather as early as its inputs, ``prefetch`` and the budget
+    allow."""
+    schedule = _Schedule(gm, collectives)
+    gathers = [c for c in collectives if c.is_prefetch]
+    if prefetch == 0:
+        return
+    for k, c in enumerate(gathers):
+        moving = [*c.leaders, c.start]
+        here = schedule.position[moving[0]]
+        flight = roots.collective_access(c.start, c.wait)
+        for node in c.leaders:
+            flight = flight | roots.access(node)
+        earliest = here
+        while earliest > 0:
+            before = schedule.nodes[earliest - 1]
+            if before.op == "placeholder" or roots.access(before).conflicts(flight):
+                break
+            earliest -= 1
+        if k >= prefetch:
+            earliest = max(earliest, schedule.position[gathers[k - prefetch].wait] + 1)
+        for i in range(here - 1, earliest - 1, -1):
+            if schedule.over_budget(i, c.inflight_bytes, budget):
+                earliest = i + 1
+                break
+        if earliest < here:
+            for node in moving:
+                schedule.nodes[earliest].prepend(node)
+            schedule.refresh()
+
+
+def sink_waits(
+    gm: fx.GraphModule, collectives: list[Collective], roots: StorageRoots, budget: float
+) -> None:
+    """Move each wait (with its accumulations) down to just before the first node that needs
+    it, as far as the budget allows."""
+    schedule = _Schedule(gm, collectives)
+    for c in collectives:
+        if c.is_prefetch:  # waited on right before its first use already
+            continue
+        moving = [c.wait, *c.followers]
+        access = roots.collective_access(c.start, c.wait)
+        for node in c.followers:
+            access = access | roots.access(node)
+        last = max(schedule.position[n] for n in moving)
+        target = last + 1
+        while target < len(schedule.nodes):
+            node = schedule.nodes[target]
+            needs = any(a in moving for a in node.all_input_nodes)
+            if node.op == "output" or needs or roots.access(node).conflicts(access):
+                break
+            target += 1
+        for i in range(last + 1, target):
+            if schedule.over_budget(i, c.inflight_bytes, budget):
+                target = i
+                break
+        if target > last + 1:
+            for node in moving:
+                schedule.nodes[target].prepend(node)
+            schedule.refresh()
+
+
+def inflight_peak(gm: fx.GraphModule) -> int:
+    """The most bytes held by collectives in flight at any point of ``gm``."""
+    collectives = find_collectives(gm, StorageRoots(gm))
+    return max(_Schedule(gm, collectives).inflight, default=0)
+
+
+def _options(plan) -> dict:
+    config = plan.overlap
+    return {
+        "prefetch": config.prefetch,
+        "max_inflight_mb": config.max_inflight_mb,
+        "bucket_mb": config.bucket_mb,
+    }
+
+
+@register_pass(
+    "overlap",
+    requires=("optimizer_update",),
+    produces=("overlapped",),
+    options=_options,
+)
+def overlap(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    prefetch: int,
+    max_inflight_mb: float | None,
+    bucket_mb: float,
+) -> fx.GraphModule:
+    """Bucket small units' collectives, prefetch all-gathers under a memory budget, and wait
+    on every collective as late as possible, without reordering compute."""
+    if bucket_mb > 0:
+        bucket_collectives(gm, bucket_mb * MB)
+    budget = float("inf") if max_inflight_mb is None else max_inflight_mb * MB
+    roots = StorageRoots(gm)
+    collectives = find_collectives(gm, roots)
+    hoist_gathers(gm, collectives, roots, prefetch, budget)
+    sink_waits(gm, collectives, roots, budget)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
