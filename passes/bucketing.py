@@ -1,16 +1,20 @@
 """Buckets: several small units' collectives as one, to pay a collective's latency once.
 
-Two kinds are bucketed, each over runs of consecutive collectives of one phase whose units are
-each smaller than the bucket size, up to that size in total:
+Three kinds are bucketed, each over runs of consecutive collectives of one phase whose units
+are each smaller than the bucket size, up to that size in total:
 
 - **Parameter all-gathers** (stage 3): the units' shards are concatenated (copy-in) and gathered
   at once, at the first unit's place; the result holds, rank by rank, every unit's shard, so each
   unit's flat parameter is copied out of its column of the ``(ranks, bucket)`` grid. The bucket
   buffer is freed at once; each unit's copy is freed where the unit's gather was.
-- **Gradient reduce-scatters** (stages 2-3): the units' packed gradients, each viewed as
+- **Gradient reduce-scatters** (stages 1-3): the units' gradients, each viewed as
   ``(ranks, shard)``, are concatenated column-wise, so that every rank's chunk of the bucket is
   its shard of every unit; the reduce-scatter is issued at the last unit's place (when all are
   complete) and each unit reads its slice of the reduced shard.
+- **Gradient all-reduces** (stage 0, DDP's buckets): the units' gradients are concatenated,
+  all-reduced at the last unit's place, and copied back into each unit's gradient.
+
+Stages 1-2's all-gathers of updated shards are not bucketed.
 
 Both move each element through the same reduction as before (a sum over ranks), only in a
 larger message: on two ranks the sums are bit-identical; on more, the collective library may
@@ -22,7 +26,16 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.ir import GATHERED, emit, emit_collective, info, op_name, propagate_fake_values, val
+from zerocc.ir import (
+    GATHERED,
+    emit,
+    emit_collective,
+    info,
+    op_name,
+    propagate_fake_values,
+    tag,
+    val,
+)
 from zerocc.ops import DP_GROUP, op
 
 aten = torch.ops.aten
@@ -104,11 +117,22 @@ def bucket_gathers(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> No
         graph.erase_node(start)
 
 
+def _hand_over(wait: fx.Node, value: fx.Node, last: fx.Node, earlier: set[fx.Node]) -> None:
+    """``value`` replaces a unit's old wait: it takes the wait's role, and the wait's users that
+    ran before the bucket (a unit's accumulation into its gradient shard) now follow it."""
+    tag(value, role=info(wait).role, no_grad=info(wait).no_grad)
+    wait.replace_all_uses_with(value)
+    for user in list(value.users):
+        if user in earlier:
+            last.prepend(user)
+
+
 def bucket_reduce_scatters(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> None:
     """One reduce-scatter for the run's units, at the last one's place; each unit reads its
     slice of the reduced shard."""
     graph = gm.graph
     last = run[-1][0]
+    earlier = set(_before(graph, last))
     world = last.args[1]
     packs = [start.args[0] for start, _ in run]
     shard_sizes = [val(p).numel() // world for p in packs]
@@ -130,17 +154,52 @@ def bucket_reduce_scatters(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]
         for (start, wait), size in zip(run, shard_sizes, strict=True):
             unit = {"unit": info(start).unit, **where}
             piece = emit(graph, aten.slice.Tensor, (reduced, 0, offset, offset + size), **unit)
-            wait.replace_all_uses_with(piece)
-            for user in list(piece.users):  # each unit's accumulation follows its slice
-                last.prepend(user)
+            _hand_over(wait, piece, last, earlier)
             offset += size
     for start, wait in run:
         graph.erase_node(wait)
         graph.erase_node(start)
 
 
+def bucket_all_reduces(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> None:
+    """One all-reduce for the run's units' gradients, at the last one's place; each unit's
+    gradient is copied back from the reduced bucket."""
+    graph = gm.graph
+    last = run[-1][0]
+    earlier = set(_before(graph, last))
+    grads = [start.args[0] for start, _ in run]
+    where = {"phase": info(last).phase}
+    with graph.inserting_before(last):
+        flat = emit(graph, aten.cat.default, (grads,), note="a gradient bucket", **where)
+        reduced = emit_collective(
+            graph,
+            op("all_reduce_start"),
+            op("wait"),
+            (flat, DP_GROUP),
+            nbytes=sum(info(start).bytes for start, _ in run),
+            note=f"all-reduce bucket {_units(run)} after the last one's gradient",
+            **where,
+        )
+        offset = 0
+        for (start, wait), grad in zip(run, grads, strict=True):
+            unit = {"unit": info(start).unit, **where}
+            size = val(grad).numel()
+            piece = emit(graph, aten.slice.Tensor, (reduced, 0, offset, offset + size), **unit)
+            back = emit(graph, aten.copy_.default, (grad, piece), **unit)
+            _hand_over(wait, back, last, earlier)
+            offset += size
+    for start, wait in run:
+        graph.erase_node(wait)
+        graph.erase_node(start)
+
+
+def _before(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:
+    nodes = list(graph.nodes)
+    return nodes[: nodes.index(node)]
+
+
 def bucket_collectives(gm: fx.GraphModule, bucket_bytes: float) -> None:
-    """Bucket runs of small units' parameter all-gathers and gradient reduce-scatters."""
+    """Bucket runs of small units' parameter all-gathers and gradient reductions."""
     gathers = [
         (s, w)
         for s, w in _pairs(gm, "all_gather_start")
@@ -148,11 +207,12 @@ def bucket_collectives(gm: fx.GraphModule, bucket_bytes: float) -> None:
     ]
     for run in _runs(gathers, bucket_bytes):
         bucket_gathers(gm, run)
-    scatters = [
-        (s, w)
-        for s, w in _pairs(gm, "reduce_scatter_start")
-        if info(s).phase == "backward" and s.args[0].target is op("pack")
-    ]
-    for run in _runs(scatters, bucket_bytes):
+    backward = {
+        name: [(s, w) for s, w in _pairs(gm, name) if info(s).phase == "backward"]
+        for name in ("reduce_scatter_start", "all_reduce_start")
+    }
+    for run in _runs(backward["reduce_scatter_start"], bucket_bytes):
         bucket_reduce_scatters(gm, run)
+    for run in _runs(backward["all_reduce_start"], bucket_bytes):
+        bucket_all_reduces(gm, run)
     propagate_fake_values(gm)

@@ -63,9 +63,9 @@ def _nbytes(node: fx.Node) -> int:
 
 
 def _accumulates(user: fx.Node, value: fx.Node, roots: StorageRoots) -> bool:
-    """Whether ``user`` adds ``value`` into gradient state in place."""
+    """Whether ``user`` adds (or copies) ``value`` into gradient state in place."""
     return (
-        user.target is aten.add_.Tensor
+        user.target in (aten.add_.Tensor, aten.copy_.default)
         and user.args[1] is value
         and info(roots.root[user.args[0]]).role == GRAD
     )
@@ -170,8 +170,10 @@ def hoist_gathers(
                 earliest = i + 1
                 break
         if earliest < here:
+            after = schedule.nodes[earliest - 1]
             for node in moving:
                 schedule.nodes[earliest].prepend(node)
+            info(c.start).note = f"{info(c.start).note}; prefetched: issued right after {after}"
             schedule.refresh()
 
 
@@ -196,13 +198,16 @@ def sink_waits(
             if node.op == "output" or needs or roots.access(node).conflicts(access):
                 break
             target += 1
+        why = "the first node that needs it"
         for i in range(last + 1, target):
             if schedule.over_budget(i, c.inflight_bytes, budget):
-                target = i
+                target, why = i, "as late as max_inflight_mb allows"
                 break
         if target > last + 1:
+            before = schedule.nodes[target]
             for node in moving:
-                schedule.nodes[target].prepend(node)
+                before.prepend(node)
+            info(c.wait).note = f"waited on late: right before {before}, {why}"
             schedule.refresh()
 
 

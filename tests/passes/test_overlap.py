@@ -121,6 +121,23 @@ def test_buckets_gather_and_reduce_small_units_together():
         assert moved[0] == moved[1], name
 
 
+@pytest.mark.parametrize("stage, name", [(0, "all_reduce_start"), (1, "reduce_scatter_start")])
+def test_buckets_reduce_stage_0_and_1_gradients_together(stage, name):
+    def reductions(gm):
+        return [n for n in calls(gm, name) if info(n).phase == "backward"]
+
+    plain, bucketed = program(stage), program(stage, {"bucket_mb": 1})
+    assert len(reductions(plain)) == 3 and len(reductions(bucketed)) == 1
+    moved = [sum(info(n).bytes for n in reductions(gm)) for gm in (plain, bucketed)]
+    assert moved[0] == moved[1]
+
+
+def test_moved_collectives_say_why_in_the_program():
+    notes = [info(n).note or "" for n in program().graph.nodes]
+    assert any("prefetched: issued right after" in note for note in notes)
+    assert any("waited on late: right before" in note for note in notes)
+
+
 def test_a_bucket_stops_at_its_size():
     unit = max(info(n).bytes for n in gathers(program()))
     gm = program(overlap={"bucket_mb": 1.5 * unit / MB})

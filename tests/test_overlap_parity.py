@@ -25,7 +25,8 @@ VARIANTS = [
     {"model": "gpt", "stage": 3, "units": {"keep_gathered": ["root"]}, "overlap": BUCKETS},
     {"model": "gpt", "stage": 3, "overlap": {"max_inflight_mb": 0.05}},
     {"model": "gpt", "stage": 2, "overlap": BUCKETS, "precision": {"param": "bf16"}},
-    {"model": "gpt", "stage": 1, "accum": 2, "optimizer": CLIPPED},
+    {"model": "gpt", "stage": 1, "accum": 2, "optimizer": CLIPPED, "overlap": BUCKETS},
+    {"model": "gpt", "stage": 0, "overlap": BUCKETS},
     {"model": "odd", "stage": 3, "overlap": BUCKETS},
 ]
 
