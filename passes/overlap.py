@@ -13,8 +13,11 @@ to the unoverlapped program:
 3. **Late waits**: every wait moves down to just before the first node that needs what the
    collective produced or touches what it reads or writes; a reduced gradient's accumulation
    into the gradient shard (an in-place add, independent of all compute) moves with its wait.
-   Reduce-scatters thus finish behind the next units' backward, and stages 1-2's all-gathers of
-   updated shards behind the remaining updates.
+   A collective that holds memory in flight (a reduce-scatter holds its gradient bucket) is
+   waited on no later than the next collective of its kind is issued, so one is in flight at a
+   time, as in FSDP2: each reduce-scatter finishes behind the next unit's backward. In-place
+   collectives hold nothing: stage 0's all-reduces finish behind the rest of backward, stages
+   1-2's all-gathers of updated shards behind the remaining updates.
 
 The budget, ``max_inflight_mb``, bounds the bytes held by collectives in flight (issued, not
 yet waited on) at every point of the program: a prefetched unit's gathered buffer, a gradient
@@ -197,6 +200,8 @@ def sink_waits(
             needs = any(a in moving for a in node.all_input_nodes)
             if node.op == "output" or needs or roots.access(node).conflicts(access):
                 break
+            if c.inflight_bytes and node.target is c.start.target:
+                break  # one reduction holding memory in flight at a time, as FSDP2
             target += 1
         why = "the first node that needs it"
         for i in range(last + 1, target):

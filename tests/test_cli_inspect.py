@@ -105,3 +105,33 @@ def test_estimate_table_shows_the_four_stages(capsys):
     figures = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "8", "--table", "--json"))
     states = [f["model_states"]["total"] for f in figures]
     assert states == sorted(states, reverse=True) and states[0] > 4 * states[3]
+
+
+def test_estimate_predicts_the_step_time_with_the_flags_rates(capsys, tmp_path):
+    from zerocc.cost import DeviceRates
+
+    flags = ["--link-gbps", "400", "--latency-us", "2", "--device", "cuda"]
+    fast = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "8", "--json", *flags))
+    timing = fast["timing"]
+    assert timing["rate_sources"]["link_bytes_per_s"] == "flags"
+    assert timing["rates"]["link_bytes_per_s"] == 50e9 and timing["rates"]["latency_s"] == 2e-6
+    assert timing["step_ms"] >= timing["compute_ms"] > 0 and timing["comm_ms"] > 0
+    assert 0 <= timing["exposed_comm_ms"] <= timing["comm_ms"]
+    assert timing["exposed_comm_pct"] == pytest.approx(
+        100 * timing["exposed_comm_ms"] / timing["step_ms"]
+    )
+    slow = DeviceRates.defaults("cuda").replace("test", link_bytes_per_s=1e6)
+    slow.save(tmp_path / "slow.json")
+    out = run(capsys, "estimate", ZERO3, "--world-size", "8", "--calibration",
+              str(tmp_path / "slow.json"))  # fmt: skip
+    step = re.search(r"^  step +([\d.]+) (ms|s)$", out, re.M)
+    assert step and float(step[1]) * (1e3 if step[2] == "s" else 1) > fast["timing"]["step_ms"]
+    assert re.search(r"exposed communication +[\d.]+ m?s +\(\d+% of the step\)", out)
+    assert "peak memory" in out and "rates (cuda calibration)" in out
+
+
+def test_estimate_table_has_a_step_time_row(capsys):
+    out = run(capsys, "estimate", ZERO3, "--world-size", "4", "--table", "--link-gbps", "10")
+    rows = {line[:26].strip(): line[26:].split() for line in out.splitlines()}
+    assert len(rows["step time"]) == 8 and len(rows["exposed communication"]) == 8  # 4 × "n ms"
+    assert "link from the flags" in out

@@ -276,3 +276,22 @@ def test_report_section_checks_kind_and_body():
         ReportSection("x", "picture", "a.png")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="list of rows"):
         ReportSection("x", "table", "a,b")
+
+
+def test_trace_puts_the_predicted_run_under_each_measured_rank(program, tmp_path):
+    from zerocc.cost import DeviceRates
+    from zerocc.dumps import write_trace
+    from zerocc.simulate import predict_step
+
+    predicted = predict_step({True: program}, 1, DeviceRates.defaults("cpu"), 2).events
+    assert {e.track for e in predicted} == {"compute", "comm"}
+    measured = [TraceEvent(r, "compute", "mm", 0.0, 5.0) for r in (0, 1)]
+    write_trace(measured, predicted, [0, 1], tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    order = {e["pid"]: e["args"]["sort_index"] for e in events if e["name"] == "process_sort_index"}
+    assert names == {0: "rank 0", 1: "rank 1", 1000: "rank 0 (predicted)",
+                     1001: "rank 1 (predicted)"}  # fmt: skip
+    assert sorted(order, key=order.get) == [0, 1000, 1, 1001]
+    slices = [e for e in events if e["ph"] == "X" and e["pid"] == 1001]
+    assert len(slices) == len(predicted) and {e["tid"] for e in slices} == {0, 1}

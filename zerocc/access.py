@@ -48,6 +48,7 @@ class StorageRoots:
             if n.op == "placeholder" and info(n).role == PARAM_FULL
         }
         self.root: dict[fx.Node, fx.Node] = {}
+        self._access: dict[fx.Node, Access] = {}
         for node in gm.graph.nodes:
             if node.op == "placeholder" and info(node).role == PARAM_SHARD:
                 self.root[node] = full_of.get(info(node).unit, node)
@@ -57,11 +58,14 @@ class StorageRoots:
 
     def access(self, node: fx.Node) -> Access:
         """What ``node`` itself reads and writes."""
-        reads = frozenset(self.root[a] for a in node.all_input_nodes)
-        writes = {self.root[a] for a in _written_arguments(node)}
-        if self.root[node] is node and node.op != "output":
-            writes.add(node)
-        return Access(reads, frozenset(writes))
+        known = self._access.get(node)
+        if known is None:
+            reads = frozenset(self.root[a] for a in node.all_input_nodes)
+            writes = {self.root[a] for a in _written_arguments(node)}
+            if self.root[node] is node and node.op != "output":
+                writes.add(node)
+            known = self._access[node] = Access(reads, frozenset(writes))
+        return known
 
     def collective_access(self, start: fx.Node, wait: fx.Node) -> Access:
         """What a collective reads and writes while in flight (its start's inputs and output)."""

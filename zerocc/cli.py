@@ -1,10 +1,11 @@
 """The `zerocc` command: check a plan, print its schema, train a plan's workload on local ranks,
-inspect what the compiler built and estimate what it costs (`zerocc.cli_inspect`).
+calibrate the cost model on them (`zerocc.calibrate`), inspect what the compiler built and
+estimate what it costs (`zerocc.cli_inspect`).
 
-`zerocc train PLAN --nproc N` launches N local ranks with torch's own launcher
-(`torch.distributed.run`, what `torchrun` runs); each rank re-enters this module with
-`ZEROCC_RANK_WORKER=1` set and runs `_train_rank`. Under an outside `torchrun` the command is
-already a rank and does not launch again.
+`zerocc train PLAN --nproc N` (and `zerocc profile`) launches N local ranks with torch's own
+launcher (`torch.distributed.run`, what `torchrun` runs); each rank re-enters this module with
+`ZEROCC_RANK_WORKER=1` set and runs `_train_rank` (`profile_rank`). Under an outside `torchrun`
+the command is already a rank and does not launch again.
 """
 
 from __future__ import annotations
@@ -71,6 +72,21 @@ def _parser() -> argparse.ArgumentParser:
         help="write per-pass programs, the measured trace, memory plots and report.html to DIR",
     )
     train.set_defaults(run=_train)
+
+    profile = commands.add_parser(
+        "profile", help="measure this machine and fit the cost model's rates (a calibration)"
+    )
+    profile.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    profile.add_argument(
+        "-o", "--output", metavar="FILE",
+        help="calibration JSON to write (default: <plan>.calibration.json next to the plan)",
+    )  # fmt: skip
+    profile.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    profile.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    profile.add_argument(
+        "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
+    )
+    profile.set_defaults(run=_profile)
     add_inspect_commands(commands)
     return parser
 
@@ -124,14 +140,19 @@ def _train(args: argparse.Namespace) -> int:
         from zerocc.dumps import DUMP_DIR_ENV
 
         os.environ[DUMP_DIR_ENV] = str(Path(args.dump).resolve())
-    launched = RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
-    if launched or args.nproc == 1:
+    if _launched() or args.nproc == 1:
         return _train_rank(plan, args.steps)
-    return _launch(args)
+    return _launch(args, ["train", str(args.plan), "--steps", str(args.steps)])
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """Start `args.nproc` local ranks through torch.distributed.run, each running `_train_rank`."""
+def _launched() -> bool:
+    """Whether this process is already a rank (launched by zerocc or an outside torchrun)."""
+    return RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _launch(args: argparse.Namespace, command: list[str]) -> int:
+    """Start `args.nproc` local ranks through torch.distributed.run, each running `zerocc
+    COMMAND...` as a rank (`_train_rank`, `profile_rank`)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -141,10 +162,10 @@ def _launch(args: argparse.Namespace) -> int:
         "--nnodes", "1",
         "--master-addr", "127.0.0.1",
         "--master-port", str(port),
-        "-m", "zerocc", "train", str(args.plan), "--steps", str(args.steps),
+        "-m", "zerocc", *command,
     ]  # fmt: skip
     saved = {name: os.environ.get(name) for name in (RANK_WORKER_ENV, "OMP_NUM_THREADS")}
-    os.environ[RANK_WORKER_ENV] = "1"  # the ranks run _train_rank instead of launching again
+    os.environ[RANK_WORKER_ENV] = "1"  # the ranks run the command instead of launching again
     # torchrun would set 1 thread per rank; share the cores between the ranks instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     try:
@@ -160,6 +181,22 @@ def _launch(args: argparse.Namespace) -> int:
             else:
                 os.environ[name] = value
     return 0
+
+
+# --- profile ----------------------------------------------------------------------------------
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """`zerocc profile`: launch the plan's ranks (as `train` does) to calibrate the cost model."""
+    from zerocc.calibrate import default_output, profile_rank
+
+    plan = load_plan(args.plan)
+    if args.nproc < 1 or args.steps < 1:
+        raise ZeroccError("--nproc and --steps must be at least 1")
+    output = Path(args.output or default_output(args.plan))  # the ranks share this cwd
+    if _launched() or args.nproc == 1:
+        return profile_rank(plan, output, args.steps)
+    return _launch(args, ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps)])
 
 
 def _train_rank(plan: Plan, steps: int) -> int:

@@ -10,6 +10,7 @@ import argparse
 import difflib
 import json
 
+from zerocc.cost import RATE_FIELDS, DeviceRates, rates_for
 from zerocc.errors import ZeroccError
 from zerocc.inspection import Estimate, Inspection, estimate, inspect_plan, pass_table
 from zerocc.pass_manager import PassRecord
@@ -41,6 +42,23 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     _world_size(est)
     est.add_argument("--table", action="store_true", help="ZeRO stages 0-3 side by side")
     est.add_argument("--json", action="store_true", help="print the figures as JSON")
+    est.add_argument(
+        "--link-gbps", type=float, metavar="G",
+        help="per-rank interconnect bandwidth in Gbit/s (overrides plan.cost.link_gbps)",
+    )  # fmt: skip
+    est.add_argument(
+        "--latency-us", type=float, metavar="US",
+        help="collective latency per hop in microseconds (overrides plan.cost.latency_us)",
+    )  # fmt: skip
+    est.add_argument(
+        "--calibration", metavar="FILE",
+        help="rates measured by `zerocc profile` (overrides plan.cost.calibration)",
+    )  # fmt: skip
+    est.add_argument(
+        "--device", choices=("cpu", "cuda"),
+        help="whose built-in rates fill what no calibration or plan gives (default: the "
+        "plan's backend.device; auto: this machine's)",
+    )  # fmt: skip
     est.set_defaults(run=run_estimate)
 
 
@@ -137,16 +155,27 @@ def _pass_table_text(inspection: Inspection) -> str:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    """``zerocc estimate``: per-rank memory and bytes per step, for one stage or all four."""
+    """``zerocc estimate``: per-rank memory, bytes and time per step, for one stage or all four."""
     plan = load_plan(args.plan)
+    for flag in ("link_gbps", "latency_us"):
+        value = getattr(args, flag)
+        if value is not None and (value < 0 or (flag == "link_gbps" and value == 0)):
+            raise ZeroccError(f"--{flag.replace('_', '-')} must be positive, not {value:g}")
+    rates = rates_for(plan, args.device, args.calibration).replace(
+        "flags",
+        link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
+        latency_s=args.latency_us * 1e-6 if args.latency_us is not None else None,
+    )
     if args.table:
-        estimates = [estimate(_inspection(args, _with_stage(plan, stage))) for stage in range(4)]
+        estimates = [
+            estimate(_inspection(args, _with_stage(plan, stage)), rates) for stage in range(4)
+        ]
         if args.json:
             print(json.dumps([e.as_dict() for e in estimates], indent=2))
         else:
             print(_estimate_table(plan, estimates))
         return 0
-    result = estimate(_inspection(args, plan))
+    result = estimate(_inspection(args, plan), rates)
     print(json.dumps(result.as_dict(), indent=2) if args.json else _estimate_text(plan, result))
     return 0
 
@@ -179,7 +208,49 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     lines += [f"  {name:<24}{human_bytes(get(e)):>12}" for name, get in ROWS]
     lines += ["", "communication per optimizer step, per rank:"]
     lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.comm.items())]
+    if e.timing is not None and e.rates is not None:
+        t = e.timing
+        lines += [
+            "",
+            "time per optimizer step (the program simulated on a compute and a comm stream):",
+            f"  {'step':<24}{human_seconds(t.step_s):>12}",
+            f"  {'compute':<24}{human_seconds(t.compute_s):>12}",
+            f"  {'communication':<24}{human_seconds(t.comm_s):>12}",
+            f"  {'exposed communication':<24}{human_seconds(t.exposed_s):>12}"
+            f"  ({100 * t.exposed_fraction:.0f}% of the step)",
+            f"  {'peak memory':<24}{human_bytes(e.peak['total']):>12}",
+            "",
+            f"rates ({_sources(e.rates)}):",
+            f"  {e.rates.describe()}",
+        ]
     return "\n".join(lines)
+
+
+def human_seconds(seconds: float) -> str:
+    """``1.23 s``, ``45.6 ms`` or ``789 us``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+RATE_NAMES = ("compute", "memory", "overhead", "link", "latency", "overlap")  # of RATE_FIELDS
+
+
+def _sources(rates: DeviceRates) -> str:
+    """Where the rates came from, e.g. ``link from the plan; the rest: cuda defaults``."""
+    names = dict(zip(RATE_FIELDS, RATE_NAMES, strict=True))
+    by_source: dict[str, list[str]] = {}
+    for rate, name in names.items():
+        by_source.setdefault(rates.sources.get(rate, "default"), []).append(name)
+    if len(by_source) == 1:
+        (source,) = by_source
+        return f"{rates.device} {'defaults' if source == 'default' else source}"
+    parts = [f"{', '.join(v)} from the {k}" for k, v in by_source.items() if k != "default"]
+    if "default" in by_source:
+        parts.append(f"{', '.join(by_source['default'])}: {rates.device} defaults")
+    return "; ".join(parts)
 
 
 def _estimate_table(plan: Plan, estimates: list[Estimate]) -> str:
@@ -199,4 +270,14 @@ def _estimate_table(plan: Plan, estimates: list[Estimate]) -> str:
             f"{kind + ' / step':<26}"
             + "".join(f"{human_bytes(e.comm.get(kind, 0)):>12}" for e in estimates)
         )
+    if all(e.timing is not None for e in estimates):
+        for name, get in TIME_ROWS:
+            lines.append(f"{name:<26}" + "".join(f"{human_seconds(get(e)):>12}" for e in estimates))
+        lines.append(f"(time: simulated with {_sources(estimates[0].rates)})")
     return "\n".join(lines)
+
+
+TIME_ROWS = (
+    ("step time", lambda e: e.timing.step_s),
+    ("exposed communication", lambda e: e.timing.exposed_s),
+)

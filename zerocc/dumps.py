@@ -6,7 +6,8 @@ it). Rank 0 writes, into that folder:
 - ``programs/<program>/NN-<pass>.py`` and ``.dot`` (``.svg`` with Graphviz installed): the
   program after each pass, when it is compiled;
 - after the first step that runs the optimizer, which every rank runs op by op, timed:
-  ``trace.json`` (Chrome/Perfetto trace events: a compute and a communication track per rank),
+  ``trace.json`` (Chrome/Perfetto trace events: a compute and a communication track per rank,
+  and under each rank the same program as the cost model predicts it, "rank N (predicted)"),
   ``memory.png`` (live bytes over the program by category, predicted and measured, peaks
   marked), and ``report.html``, which ties the plan, the passes, the units, the memory plot,
   the estimate and the trace together.
@@ -14,6 +15,7 @@ it). Rank 0 writes, into that folder:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,16 +23,19 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 import yaml
 
-from zerocc.chrome_trace import write_chrome_trace
+from zerocc.chrome_trace import chrome_trace
+from zerocc.cost import DeviceRates, rates_for
 from zerocc.dot import GRAPHVIZ_HINT, program_to_dot, render_svg
 from zerocc.explain import comm_bytes_per_step, precision_line, unit_rows
 from zerocc.inspection import pass_table
+from zerocc.measure import exposed_us
 from zerocc.memory import model_state_bytes_of, predict_memory
 from zerocc.pass_manager import PassRecord
 from zerocc.plan import Plan
 from zerocc.printing import human_bytes
 from zerocc.report import ReportSection, write_report
-from zerocc.timeline import MemoryTimeline
+from zerocc.simulate import Simulation, predict_step
+from zerocc.timeline import MemoryTimeline, TraceEvent
 
 if TYPE_CHECKING:
     from zerocc.comm import Comm
@@ -75,9 +80,12 @@ def write_run_dumps(root: Path, step: TrainStep, recorder: ProfiledRun) -> Path 
     from zerocc.plots import plot_memory  # matplotlib: only when dumping
 
     root.mkdir(parents=True, exist_ok=True)
-    write_chrome_trace(events, root / "trace.json")
     program = step.program
     states = model_state_bytes_of(step.units, step.plan)
+    rates = rates_for(step.plan, step.device.type)
+    simulated = predict_step({True: program}, 1, rates, step.comm.world_size)
+    ranks = sorted({e.rank for e in events})
+    write_trace(events, simulated.events, ranks, root / "trace.json")
     predicted = predict_memory(program, states)
     plot_memory(
         root / "memory.png",
@@ -86,9 +94,79 @@ def write_run_dumps(root: Path, step: TrainStep, recorder: ProfiledRun) -> Path 
         f"rank 0, ZeRO stage {step.plan.zero.stage}, {step.comm.world_size} ranks",
     )
     report = root / "report.html"
-    write_report(report, title="zerocc run report", sections=_sections(root, step, predicted,
-                 recorder.timeline))  # fmt: skip
+    sections = _sections(root, step, predicted, recorder.timeline)
+    sections.insert(-2, _time_section(simulated, rates, recorder.events))
+    write_report(report, title="zerocc run report", sections=sections)
     return report
+
+
+PREDICTED_PID = 1000  # trace process ids of the predicted ranks: PREDICTED_PID + rank
+
+
+def write_trace(
+    measured: list[TraceEvent], predicted: list[TraceEvent], ranks: list[int], path: Path
+) -> None:
+    """``trace.json``: each measured rank, and under it the predicted run of the same program
+    as a process of its own, "rank N (predicted)" (every rank runs the same program)."""
+    copies = [
+        TraceEvent(PREDICTED_PID + rank, e.track, e.name, e.start_us, e.duration_us, e.args)
+        for rank in ranks
+        for e in predicted
+    ]
+    trace = chrome_trace(measured + copies)
+    for event in trace["traceEvents"]:
+        if event["ph"] != "M" or event.get("tid") is not None:
+            continue
+        predicted_rank = event["pid"] >= PREDICTED_PID
+        rank = event["pid"] - PREDICTED_PID if predicted_rank else event["pid"]
+        if event["name"] == "process_name":
+            event["args"]["name"] = f"rank {rank} (predicted)" if predicted_rank else f"rank {rank}"
+        elif event["name"] == "process_sort_index":
+            event["args"]["sort_index"] = 2 * rank + predicted_rank
+    path.write_text(json.dumps(trace, default=str))
+
+
+def _time_section(simulated: Simulation, rates: DeviceRates, measured: list[TraceEvent]) -> (
+        ReportSection):  # fmt: skip
+    """Predicted against measured step and exposed communication, rank 0."""
+    mine = [e for e in measured if e.rank == 0]
+    span_us = max((e.start_us + e.duration_us for e in mine), default=0.0)
+    exposed = exposed_us(mine)
+    rows = [
+        ["rank 0", "step", "compute", "communication", "exposed communication"],
+        ["predicted", _ms(simulated.step_s * 1e6), _ms(simulated.compute_s * 1e6),
+         _ms(simulated.comm_s * 1e6),
+         f"{_ms(simulated.exposed_s * 1e6)} ({100 * simulated.exposed_fraction:.0f}%)"],
+        ["measured (this profiled step)", _ms(span_us), _ms(_busy_us(mine, "compute")),
+         _ms(_busy_us(mine, "comm")),
+         f"{_ms(exposed)} ({100 * exposed / span_us if span_us else 0:.0f}%)"],
+    ]  # fmt: skip
+    return ReportSection(
+        "Time",
+        "table",
+        rows,
+        "the program simulated by the cost model (rates: "
+        f"{rates.describe()}; `zerocc profile` fits them to this machine), next to this run. "
+        "The measured step ran op by op under the profiler, which adds its own overhead "
+        "between ops; communication is the comm track's busy time, from each collective's "
+        "issue to the end of its wait.",
+    )
+
+
+def _busy_us(events: list[TraceEvent], track: str) -> float:
+    """Microseconds covered by the track's events (overlapping events counted once)."""
+    spans = sorted((e.start_us, e.start_us + e.duration_us) for e in events
+                   if e.track == track and not e.args.get("exposed"))  # fmt: skip
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.1f} ms"
 
 
 def _gather(comm: Comm, events: list[Any]) -> list[Any]:
@@ -130,7 +208,8 @@ def _sections(
             "Timeline",
             "link",
             str(root / "trace.json"),
-            f"the measured schedule, a compute and a communication track per rank: open it in "
+            f"the measured schedule, a compute and a communication track per rank, each "
+            f"followed by the schedule the cost model predicts (rank N (predicted)): open it in "
             f"{PERFETTO} (Open trace file) or chrome://tracing",
         ),
         ReportSection("Programs", "table", graphs, _graph_caption(programs)),

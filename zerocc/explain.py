@@ -110,6 +110,8 @@ def explain_step(step: TrainStep) -> str:
         lines.append(
             f"  {kind:<16}{human_bytes(nbytes):>12}  ({nbytes / max(psi, 1):.2f} bytes per Ψ)"
         )
+    if step.programs:
+        lines += ["", predicted_time_line(step)]
     measured, formula = model_state_bytes(step), formula_bytes(step)
     lines += ["", f"model states per rank{'':<7}{'measured':>12}{'ZeRO formula':>14}"]
     for cat in ("params", "grads", "optimizer", "total"):
@@ -117,6 +119,26 @@ def explain_step(step: TrainStep) -> str:
             f"  {cat:<26}{human_bytes(measured.get(cat, 0)):>12}{human_bytes(formula[cat]):>14}"
         )
     return "\n".join(lines)
+
+
+def predicted_time_line(step: TrainStep) -> str:
+    """The step's time as the cost model predicts it (``zerocc estimate``'s simulation of the
+    compiled programs, with the plan's rates: ``plan.cost``, a calibration, or defaults)."""
+    from zerocc.cost import rates_for
+    from zerocc.simulate import predict_step
+
+    signature = next(iter(step.programs))[0]
+    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
+    if len(programs) < (1 if step.plan.grad_accumulation == 1 else 2):
+        return "predicted step time: known once every program of a step is compiled"
+    rates = rates_for(step.plan, step.device.type)
+    t = predict_step(programs, step.plan.grad_accumulation, rates, step.comm.world_size)
+    source = "calibrated" if "calibration" in rates.sources.values() else "default"
+    return (
+        f"predicted step time: {t.step_s * 1e3:.1f} ms (compute {t.compute_s * 1e3:.1f} ms, "
+        f"communication {t.comm_s * 1e3:.1f} ms, exposed {t.exposed_s * 1e3:.1f} ms = "
+        f"{100 * t.exposed_fraction:.0f}%; {source} {rates.device} rates)"
+    )
 
 
 def precision_line(step: TrainStep) -> str:

@@ -15,10 +15,12 @@ import torch
 
 from zerocc.capture import describe_model
 from zerocc.compiler import CompiledProgram, compile_program
+from zerocc.cost import DeviceRates, rates_for
 from zerocc.explain import comm_bytes
 from zerocc.memory import model_state_bytes_of, predict_memory
 from zerocc.pass_manager import PassRecord, build_pipeline
 from zerocc.plan import Plan, load_plan
+from zerocc.simulate import Simulation, predict_step
 from zerocc.timeline import MemoryTimeline
 from zerocc.units import Unit
 from zerocc.workload import Workload, load_workload
@@ -84,7 +86,8 @@ def _first_batch(workload: Workload, world_size: int) -> tuple[Any, ...]:
 
 @dataclass
 class Estimate:
-    """Per-rank memory and communication of one optimizer step, predicted from the program."""
+    """Per-rank memory, communication and time of one optimizer step, predicted from the
+    program."""
 
     stage: int
     world_size: int
@@ -92,21 +95,33 @@ class Estimate:
     peak: dict[str, int]  # total, and gathered / activations at their own highest
     comm: dict[str, int]  # bytes per collective kind per optimizer step
     timeline: MemoryTimeline = field(repr=False)
+    timing: Simulation | None = field(default=None, repr=False)  # the simulated step
+    rates: DeviceRates | None = None  # the cost model's rates behind ``timing``
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as plain data (``zerocc estimate --json``)."""
-        return {
+        out = {
             "stage": self.stage,
             "world_size": self.world_size,
             "model_states": self.model_states,
             "peak": self.peak,
             "comm_bytes_per_step": self.comm,
         }
+        if self.timing is not None and self.rates is not None:
+            timing = {k: v for k, v in self.timing.as_dict().items() if k != "peak_bytes"}
+            out["timing"] = {
+                **timing,
+                "rates": self.rates.as_dict(),
+                "rate_sources": dict(self.rates.sources),
+            }
+        return out
 
 
-def estimate(inspection: Inspection) -> Estimate:
+def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estimate:
     """Model states from the plan's state layout; transient memory by liveness over the
-    stepping program; bytes per collective kind per step (accumulating programs included)."""
+    stepping program; bytes per collective kind per step (accumulating programs included);
+    the step's time, simulated with ``rates`` (default: :func:`zerocc.cost.rates_for` the
+    plan)."""
     plan = inspection.plan
     states = model_state_bytes_of(inspection.units, plan)
     timeline = predict_memory(inspection.stepping.gm, states)
@@ -119,7 +134,12 @@ def estimate(inspection: Inspection) -> Estimate:
     }
     programs = {b: p.gm for b, p in inspection.programs.items()}
     comm = comm_bytes(programs, plan.grad_accumulation)
-    return Estimate(plan.zero.stage, inspection.world_size, states, peak, comm, timeline)
+    rates = rates or rates_for(plan)
+    timing = predict_step(programs, plan.grad_accumulation, rates, inspection.world_size)
+    timing.peak_bytes, timing.memory = total, timeline
+    return Estimate(
+        plan.zero.stage, inspection.world_size, states, peak, comm, timeline, timing, rates
+    )
 
 
 def pass_table(records: list[PassRecord]) -> list[list[str]]:

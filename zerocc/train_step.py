@@ -36,7 +36,7 @@ from zerocc.ir import (
 )
 from zerocc.loss_scale import LossScaler
 from zerocc.materialize import is_meta, release_to_meta
-from zerocc.measure import ProfiledRun, profile_run
+from zerocc.measure import ProfiledRun
 from zerocc.ops import forget_pending, pending_collectives, use_kernels
 from zerocc.pass_manager import PassRecord, build_pipeline
 from zerocc.passes.partition import assign_units
@@ -113,17 +113,17 @@ class TrainStep:
         """Run one micro-batch of this rank; returns its loss."""
         return self._step(batch)
 
-    def profile(self, *batch: Any) -> tuple[torch.Tensor, ProfiledRun]:
+    def profile(
+        self, *batch: Any, recorder: type[ProfiledRun] = ProfiledRun
+    ) -> tuple[torch.Tensor, ProfiledRun]:
         """Run one micro-batch as :meth:`__call__` does, op by op, timing every op and
-        measuring live tensor memory (see :class:`zerocc.measure.ProfiledRun`)."""
+        measuring live tensor memory (see :class:`zerocc.measure.ProfiledRun`); ``recorder``:
+        the ProfiledRun (sub)class that runs it (``zerocc.calibrate`` has its own)."""
         recorders: list[ProfiledRun] = []
 
         def run(program: Program, args: list[Any]) -> Any:
-            result, recorder = profile_run(
-                program.gm, args, self.comm.rank, model_state_bytes(self)
-            )
-            recorders.append(recorder)
-            return result
+            recorders.append(recorder(program.gm, self.comm.rank, model_state_bytes(self)))
+            return recorders[-1].run(*args)
 
         loss = self._step(batch, run)
         return loss, recorders[0]
