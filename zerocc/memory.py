@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from zerocc.ir import (
+    GATHERED,
     GRAD,
     LOSS_SCALE,
     MASTER,
@@ -68,8 +69,10 @@ def node_label(node: fx.Node) -> str:
 
 
 def transient_category(node: fx.Node) -> str:
-    """Where a storage a node makes is counted: an all-gather's result is a gathered unit."""
-    return "gathered" if op_name(node.target) == "zerocc.all_gather_start" else "activations"
+    """Where a storage a node makes is counted: an all-gather's result, or a unit's copy out of
+    a gather bucket, is a gathered unit."""
+    gathered = op_name(node.target) == "zerocc.all_gather_start" or info(node).role == GATHERED
+    return "gathered" if gathered else "activations"
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -101,10 +101,14 @@ def test_budget_bounds_the_bytes_in_flight():
     assert max(in_flight_at_compute(tiny)) == 0
 
 
-def test_predicted_peak_grows_by_at_most_the_budget():
-    workload = Workload(
+def _workload() -> Workload:
+    return Workload(
         tiny_gpt(), batches=lambda rank, world: iter([batch_of({"model": "gpt"}, 0, 0)])
     )
+
+
+def test_predicted_peak_grows_by_at_most_the_budget():
+    workload = _workload()
     plan = {"zero": {"stage": 3}, "units": {"classes": ["Block"]}}
     peaks = {}
     for name, overlap in {"off": {"enabled": False}, "on": {"max_inflight_mb": 0.1}}.items():
@@ -136,6 +140,16 @@ def test_moved_collectives_say_why_in_the_program():
     notes = [info(n).note or "" for n in program().graph.nodes]
     assert any("prefetched: issued right after" in note for note in notes)
     assert any("waited on late: right before" in note for note in notes)
+
+
+def test_units_copied_out_of_a_bucket_count_as_gathered():
+    overlap = {"bucket_mb": 1, "prefetch": 0}  # one bucket in flight at a time
+    plan = {"zero": {"stage": 3}, "units": {"classes": ["Block"]}, "overlap": overlap}
+    gm = program(overlap=overlap)
+    forward = [n for n in gathers(gm) if info(n).phase == "forward"]
+    units = sum(info(n).bytes for n in forward)  # every unit, in one bucket
+    peak = estimate(inspect_plan(plan, 4, _workload())).peak
+    assert peak["gathered"] >= 2 * units  # the bucket and its copies, before it is freed
 
 
 def test_a_bucket_stops_at_its_size():
