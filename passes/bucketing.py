@@ -70,8 +70,29 @@ def _pairs(gm: fx.GraphModule, name: str) -> list[tuple[fx.Node, fx.Node]]:
     ]
 
 
-def _units(run: list[tuple[fx.Node, fx.Node]]) -> str:
-    return ", ".join(info(start).unit or "root" for start, _ in run)
+Run = list[tuple[fx.Node, fx.Node]]  # start/wait pairs bucketed together
+
+
+def _issue(graph: fx.Graph, name: str, args: tuple, run: Run, when: str, phase: str) -> fx.Node:
+    """The bucket's collective ``name`` (start and wait, returns the wait), moving the bytes of
+    the run's collectives together."""
+    units = ", ".join(info(start).unit or "root" for start, _ in run)
+    verb = name.removesuffix("_start").replace("_", "-")
+    return emit_collective(
+        graph,
+        op(name),
+        op("wait"),
+        args,
+        nbytes=sum(info(start).bytes for start, _ in run),
+        note=f"{verb} bucket {units} {when}",
+        phase=phase,
+    )
+
+
+def _erase(graph: fx.Graph, run: Run) -> None:
+    for start, wait in run:
+        graph.erase_node(wait)
+        graph.erase_node(start)
 
 
 def bucket_gathers(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> None:
@@ -85,15 +106,10 @@ def bucket_gathers(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> No
     where = {"phase": info(first).phase}
     with graph.inserting_before(first):
         flat = emit(graph, aten.cat.default, (shards,), note="copy-in of a gather bucket", **where)
-        gathered = emit_collective(
-            graph,
-            op("all_gather_start"),
-            op("wait"),
-            (flat, world, DP_GROUP),
-            nbytes=sum(info(start).bytes for start, _ in run),
-            note=f"gather bucket {_units(run)} before the first one's use",
-            **where,
-        )
+        gathered = _issue(
+            graph, "all_gather_start", (flat, world, DP_GROUP), run,
+            "before the first one's use", info(first).phase,
+        )  # fmt: skip
         grid = emit(graph, aten.view.default, (gathered, [world, sum(sizes)]), **where)
         offset = 0
         outs = []
@@ -111,10 +127,9 @@ def bucket_gathers(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> No
             outs.append(emit(graph, aten.view.default, (copied, [-1]), **unit))
             offset += size
         emit(graph, op("free"), (gathered,), note="free the gather bucket", **where)
-    for (start, wait), out in zip(run, outs, strict=True):
+    for (_, wait), out in zip(run, outs, strict=True):
         wait.replace_all_uses_with(out)
-        graph.erase_node(wait)
-        graph.erase_node(start)
+    _erase(graph, run)
 
 
 def _hand_over(wait: fx.Node, value: fx.Node, last: fx.Node, earlier: set[fx.Node]) -> None:
@@ -141,24 +156,17 @@ def bucket_reduce_scatters(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]
         grids = [emit(graph, aten.view.default, (p, [world, -1]), **where) for p in packs]
         grid = emit(graph, aten.cat.default, (grids, 1), note="a gradient bucket", **where)
         flat = emit(graph, aten.view.default, (grid, [-1]), **where)
-        reduced = emit_collective(
-            graph,
-            op("reduce_scatter_start"),
-            op("wait"),
-            (flat, world, DP_GROUP),
-            nbytes=sum(info(start).bytes for start, _ in run),
-            note=f"reduce-scatter bucket {_units(run)} after the last one's gradient",
-            **where,
-        )
+        reduced = _issue(
+            graph, "reduce_scatter_start", (flat, world, DP_GROUP), run,
+            "after the last one's gradient", info(last).phase,
+        )  # fmt: skip
         offset = 0
         for (start, wait), size in zip(run, shard_sizes, strict=True):
             unit = {"unit": info(start).unit, **where}
             piece = emit(graph, aten.slice.Tensor, (reduced, 0, offset, offset + size), **unit)
             _hand_over(wait, piece, last, earlier)
             offset += size
-    for start, wait in run:
-        graph.erase_node(wait)
-        graph.erase_node(start)
+    _erase(graph, run)
 
 
 def bucket_all_reduces(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> None:
@@ -171,15 +179,10 @@ def bucket_all_reduces(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -
     where = {"phase": info(last).phase}
     with graph.inserting_before(last):
         flat = emit(graph, aten.cat.default, (grads,), note="a gradient bucket", **where)
-        reduced = emit_collective(
-            graph,
-            op("all_reduce_start"),
-            op("wait"),
-            (flat, DP_GROUP),
-            nbytes=sum(info(start).bytes for start, _ in run),
-            note=f"all-reduce bucket {_units(run)} after the last one's gradient",
-            **where,
-        )
+        reduced = _issue(
+            graph, "all_reduce_start", (flat, DP_GROUP), run,
+            "after the last one's gradient", info(last).phase,
+        )  # fmt: skip
         offset = 0
         for (start, wait), grad in zip(run, grads, strict=True):
             unit = {"unit": info(start).unit, **where}
@@ -188,9 +191,7 @@ def bucket_all_reduces(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -
             back = emit(graph, aten.copy_.default, (grad, piece), **unit)
             _hand_over(wait, back, last, earlier)
             offset += size
-    for start, wait in run:
-        graph.erase_node(wait)
-        graph.erase_node(start)
+    _erase(graph, run)
 
 
 def _before(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:

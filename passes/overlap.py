@@ -150,10 +150,10 @@ def hoist_gathers(
 ) -> None:
     """Issue each parameter all-gather as early as its inputs, ``prefetch`` and the budget
     allow."""
-    schedule = _Schedule(gm, collectives)
-    gathers = [c for c in collectives if c.is_prefetch]
     if prefetch == 0:
         return
+    schedule = _Schedule(gm, collectives)
+    gathers = [c for c in collectives if c.is_prefetch]
     for k, c in enumerate(gathers):
         moving = [*c.leaders, c.start]
         here = schedule.position[moving[0]]

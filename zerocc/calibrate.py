@@ -52,11 +52,11 @@ from zerocc.cost import (
     DeviceRates,
     NodeWork,
     node_work,
-    plan_device,
     ring_hops,
 )
 from zerocc.measure import ProfiledRun
 from zerocc.plan import Plan
+from zerocc.rank import first_batch, joined_group, to_device
 
 if TYPE_CHECKING:
     from zerocc.train_step import TrainStep
@@ -468,10 +468,6 @@ class CalibrationRun(ProfiledRun):
         return result
 
 
-def _to(batch: Sequence[Any], device: torch.device) -> tuple[Any, ...]:
-    return tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
-
-
 def slowest(comm: Comm, values: list[float], device: torch.device) -> list[float]:
     """Element-wise maximum over ranks (a tensor on ``device``: NCCL reduces only GPU ones)."""
     if not dist.is_initialized() or comm.world_size == 1:
@@ -497,7 +493,7 @@ def calibrate(
     def one_step(recorder: type[ProfiledRun] | None = None) -> list[Any]:
         recorders = []
         for _ in range(k):
-            batch = _to(next(batches), device)
+            batch = to_device(next(batches), device)
             if recorder is not None:
                 recorders.append(step.profile(*batch, recorder=recorder)[1])
             else:
@@ -573,24 +569,14 @@ def _device_name(device: torch.device) -> str:
 def profile_rank(plan: Plan, output: Path, steps: int) -> int:
     """One rank of ``zerocc profile``: join the group, compile, calibrate; rank 0 writes."""
     import zerocc
-    from zerocc.errors import ZeroccError
     from zerocc.workload import load_workload
 
-    device = plan_device(plan)
-    if "RANK" in os.environ and not dist.is_initialized():
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    try:
+    with joined_group(plan) as (rank, world_size):
         workload = load_workload(plan)
         step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
         batches = workload.batches(rank, world_size)
-        first = next(batches, None)
-        if first is None:
-            raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
-        step(*_to(first, step.device))  # captures and compiles
+        first = first_batch(batches, plan, rank, world_size)
+        step(*to_device(first, step.device))  # captures and compiles
         result = calibrate(step, _endless(batches, workload, rank, world_size), steps=steps)
         if rank == 0:
             output.parent.mkdir(parents=True, exist_ok=True)
@@ -598,9 +584,6 @@ def profile_rank(plan: Plan, output: Path, steps: int) -> int:
             print(result.table())
             print(f"wrote {output}; use it with `zerocc estimate PLAN --calibration {output}` "
                   f"or `cost: {{calibration: {output.name}}}` in a plan next to it")  # fmt: skip
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

@@ -201,36 +201,27 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _train_rank(plan: Plan, steps: int) -> int:
     """One rank: join the process group (when launched), compile the workload, run `steps`."""
-    import torch
-    import torch.distributed as dist
     from tqdm import tqdm
 
     import zerocc
+    from zerocc.rank import first_batch, joined_group, plan_device, to_device
     from zerocc.workload import load_workload
 
-    device = _device(plan)
-    if "RANK" in os.environ and not dist.is_initialized():
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    try:
+    device = plan_device(plan)
+    with joined_group(plan) as (rank, world_size):
         workload = load_workload(plan)
         step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
         batches = itertools.islice(workload.batches(rank, world_size), steps)
-        first = next(batches, None)
-        if first is None:
-            raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
+        first = first_batch(batches, plan, rank, world_size)
         started = time.perf_counter()
-        losses = [float(step(*(_to(t, device) for t in first)))]  # captures and compiles
+        losses = [float(step(*to_device(first, device)))]  # captures and compiles
         first_done = time.perf_counter()
         if rank == 0:
             print(step.explain(), flush=True)  # explains the program the first step built
         with tqdm(total=steps, initial=1, desc="train", unit="step", disable=rank != 0) as progress:
             progress.set_postfix(loss=f"{losses[-1]:.4f}")
             for batch in batches:
-                losses.append(float(step(*(_to(t, device) for t in batch))))
+                losses.append(float(step(*to_device(batch, device))))
                 progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
                 progress.update()
         if rank == 0:
@@ -241,9 +232,6 @@ def _train_rank(plan: Plan, steps: int) -> int:
                     from zerocc.dot import GRAPHVIZ_HINT
 
                     print(f"  {GRAPHVIZ_HINT}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 
@@ -267,18 +255,6 @@ def _print_summary(
             f"loss scale: {summary['loss_scale']:g}, "
             f"{summary['skipped_steps']} step(s) skipped for overflow"
         )
-
-
-def _device(plan: Plan) -> str:
-    import torch
-
-    if plan.backend.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return plan.backend.device
-
-
-def _to(value: Any, device: str) -> Any:
-    return value.to(device) if hasattr(value, "to") else value
 
 
 def _free_port() -> int:

@@ -50,6 +50,7 @@ from zerocc.errors import PlanError
 from zerocc.ir import info, is_alias_op, op_name, val
 from zerocc.memory import tensors_in
 from zerocc.ops import COLLECTIVE_STARTS
+from zerocc.rank import plan_device
 
 if TYPE_CHECKING:
     from zerocc.plan import Plan
@@ -212,13 +213,6 @@ def rates_for(
         link_bytes_per_s=cost.link_gbps * 1e9 / 8 if cost.link_gbps else None,
         latency_s=cost.latency_us * 1e-6 if cost.latency_us is not None else None,
     )
-
-
-def plan_device(plan: Plan) -> str:
-    """The device the plan runs on: ``backend.device``, ``auto`` resolved on this machine."""
-    if plan.backend.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return plan.backend.device
 
 
 # --- work of a node -----------------------------------------------------------------------------

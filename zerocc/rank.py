@@ -1,0 +1,54 @@
+"""What a rank launched by a zerocc command (`train`, `profile`) does around its work: resolve the
+plan's device, join the process group the launcher set up, move batches to the device."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerocc.errors import ZeroccError
+from zerocc.plan import Plan
+
+
+def plan_device(plan: Plan) -> str:
+    """The device the plan runs on: ``backend.device``, ``auto`` resolved on this machine."""
+    if plan.backend.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return plan.backend.device
+
+
+@contextlib.contextmanager
+def joined_group(plan: Plan) -> Iterator[tuple[int, int]]:
+    """(rank, world size) for the body: the launcher's process group joined (NCCL on CUDA, gloo
+    on CPU) when ``RANK`` is set, a world of one otherwise; the group is left at the end."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        device = plan_device(plan)
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        if dist.is_initialized():
+            yield dist.get_rank(), dist.get_world_size()
+        else:
+            yield 0, 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def to_device(batch: Sequence[Any], device: torch.device | str) -> tuple[Any, ...]:
+    """The batch with its tensors on ``device``."""
+    return tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
+
+
+def first_batch(batches: Iterator[Sequence[Any]], plan: Plan, rank: int, world_size: int):
+    """The first of this rank's batches; a workload that yields none is a clear error."""
+    first = next(batches, None)
+    if first is None:
+        raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
+    return first
