@@ -50,6 +50,8 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         "precision": case.get("precision", {}),
         "backend": {"kernels": case.get("kernels", "torch")},
         "overlap": case.get("overlap", {}),
+        "offload": case.get("offload", {}),
+        "checkpointing": case.get("checkpointing", {}),
         "seed": 7,
     }
 

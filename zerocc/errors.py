@@ -39,6 +39,12 @@ class InvariantError(ZeroccError):
     the message names the pass and the first offending node."""
 
 
+class OffloadError(ZeroccError):
+    """Raised when offloaded state cannot be placed or moved: an ``nvme_path`` that does not
+    exist or is not writable, too little disk for the states, a disk that fills up (or a file
+    that does not read back) during training. The message names the path and the bytes."""
+
+
 class PlanWarning(UserWarning):
     """Warned when a plan is valid but likely not what its author wants (e.g. fp16 compute
     without loss scaling)."""

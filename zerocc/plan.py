@@ -31,6 +31,8 @@ from zerocc.plan_messages import describe_error, show
 DEFAULT_PASSES = ["partition", "shard", "optimizer", "overlap"]
 MIXED_PRECISION_PASSES = ["partition", "shard", "precision", "optimizer", "overlap"]
 OVERLAP_PASS = "overlap"  # left out of the default pipeline when overlap.enabled is false
+RECOMPUTE_PASS = "recompute"  # in the default pipeline (after partition) when units checkpoint
+OFFLOAD_PASS = "offload"  # in the default pipeline (after optimizer) when anything is offloaded
 
 _WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
@@ -275,6 +277,67 @@ class CostConfig(_Section):
     )
 
 
+Location = Literal["none", "cpu", "nvme"]
+
+
+class OffloadConfig(_Section):
+    """Where model states live when they do not fit on the device (ZeRO-Offload / -Infinity).
+
+    ``cpu``: host memory (pinned when a GPU is present); ``nvme``: files under ``nvme_path``,
+    read and written by background I/O threads. On a CPU-only machine the "device" is host
+    memory too: offloaded states are then accounted in their own pool."""
+
+    optimizer: Location = Field(
+        "none",
+        description="where the fp32 master weights and optimizer moments of offloaded units "
+        "live; their update runs there (stages 1-3)",
+    )
+    params: Location = Field(
+        "none",
+        description="stage 3: where each offloaded unit's parameter shard lives between its "
+        "all-gathers; it is copied in before each gather, scheduled like a prefetch",
+    )
+    ratio: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the share of the model's parameters (whole units, those whose gradients "
+        "are complete first) that are offloaded; 1: every unit",
+    )
+    nvme_path: str | None = Field(
+        None,
+        description="folder for the state files of nvme offload (a fast local disk); a "
+        "per-run subfolder is created there and removed at exit",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is offloaded."""
+        return self.optimizer != "none" or self.params != "none"
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether any state lives in files under ``nvme_path``."""
+        return "nvme" in (self.optimizer, self.params)
+
+
+class CheckpointingConfig(_Section):
+    """Activation checkpointing (the recompute pass): forward activations of chosen units are
+    not kept for backward; their forward runs again right before their backward."""
+
+    units: Literal["none", "all"] | list[str] = Field(
+        "none",
+        description="'all': every unit but the root (whose forward ends where backward "
+        "begins); or fnmatch globs over unit names, e.g. ['transformer.h.*']; 'none': keep "
+        "every activation",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any unit is recomputed."""
+        return self.units != "none" and self.units != []
+
+
 class DumpsConfig(_Section):
     """Files that show what the compiler built and what a run did (see zerocc.dumps)."""
 
@@ -314,14 +377,23 @@ class Plan(_Section):
     cost: CostConfig = Field(
         default_factory=CostConfig, description="device rates of the cost model (estimates)"
     )
+    offload: OffloadConfig = Field(
+        default_factory=OffloadConfig,
+        description="optimizer states and parameters in host memory or on NVMe",
+    )
+    checkpointing: CheckpointingConfig = Field(
+        default_factory=CheckpointingConfig,
+        description="activation checkpointing: which units' forward is recomputed in backward",
+    )
     dumps: DumpsConfig = Field(
         default_factory=DumpsConfig, description="where to write inspection dumps, if anywhere"
     )
     passes: list[str] | None = Field(
         None,
         description="pass pipeline in order; default: partition, shard, optimizer, overlap (with "
-        "precision before optimizer when the precision section leaves fp32, without overlap "
-        "when overlap.enabled is false)",
+        "recompute after partition when checkpointing.units is set, precision before optimizer "
+        "when the precision section leaves fp32, offload after optimizer when anything is "
+        "offloaded, without overlap when overlap.enabled is false)",
     )
     workload: str | None = Field(
         None,
@@ -350,7 +422,11 @@ class Plan(_Section):
         """The pipeline this plan runs: ``passes``, or the default for its precision."""
         if self.passes is not None:
             return list(self.passes)
-        names = MIXED_PRECISION_PASSES if self.precision.mixed else DEFAULT_PASSES
+        names = list(MIXED_PRECISION_PASSES if self.precision.mixed else DEFAULT_PASSES)
+        if self.checkpointing.enabled:
+            names.insert(names.index("partition") + 1, RECOMPUTE_PASS)
+        if self.offload.enabled:
+            names.insert(names.index("optimizer") + 1, OFFLOAD_PASS)
         return [n for n in names if self.overlap.enabled or n != OVERLAP_PASS]
 
     @model_validator(mode="after")
@@ -386,6 +462,39 @@ class Plan(_Section):
         if self.passes is not None and not self.overlap.enabled and OVERLAP_PASS in self.passes:
             raise ValueError(
                 "overlap.enabled is false, but `passes` lists 'overlap'; drop one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _offload_fits_the_stage(self) -> Plan:
+        offload, stage = self.offload, self.zero.stage
+        if offload.optimizer != "none" and stage == 0:
+            raise ValueError(
+                f"offload.optimizer: {offload.optimizer} needs a sharded optimizer (zero.stage "
+                "1, 2 or 3); stage 0 keeps every optimizer state on every rank"
+            )
+        if offload.params != "none" and stage != 3:
+            raise ValueError(
+                f"offload.params: {offload.params} needs zero.stage: 3 (stage {stage} keeps "
+                "every parameter resident on the device)"
+            )
+        if offload.uses_nvme and not offload.nvme_path:
+            raise ValueError("offload to nvme needs offload.nvme_path: a folder on a local disk")
+        if self.passes is not None and offload.enabled and OFFLOAD_PASS not in self.passes:
+            raise ValueError(
+                "the offload section offloads states, but `passes` does not list 'offload'; "
+                "add it after 'optimizer' (or drop `passes` for the default pipeline)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _recompute_pass_listed(self) -> Plan:
+        if self.passes is not None and self.checkpointing.enabled and (
+            RECOMPUTE_PASS not in self.passes
+        ):
+            raise ValueError(
+                "checkpointing.units is set, but `passes` does not list 'recompute'; add it "
+                "after 'partition' (or drop `passes` for the default pipeline)"
             )
         return self
 
