@@ -235,6 +235,7 @@ def _options(plan) -> dict:
     "overlap",
     requires=("optimizer_update",),
     produces=("overlapped",),
+    forbids=("offloaded",),  # offload places its copies against the overlapped schedule
     options=_options,
 )
 def overlap(

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocc.ops  # noqa: F401  (registers the zerocc op library)
+import zerocc.transfers  # noqa: F401  (and its offload copies)
 from zerocc.capture import LossFn
 from zerocc.comm import Comm, FakeComm, TorchComm, comm_from_environment
 from zerocc.errors import (

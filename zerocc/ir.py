@@ -51,6 +51,7 @@ class NodeInfo:
     bytes: int = 0  # bytes a collective moves (per rank, logical size)
     no_grad: tuple[int, ...] = ()  # grad_shard: (offset, numel) pairs the loss does not reach
     note: str | None = None  # why the node is here, in words, for the printed program
+    pool: str | None = None  # "host": the result lives in host memory, not on the device
 
 
 def info(node: fx.Node) -> NodeInfo:

@@ -82,7 +82,8 @@ def _fake(name: str):
     return torch.library.register_fake(f"zerocc::{name}")
 
 
-def _issue(result: torch.Tensor, work: Work) -> torch.Tensor:
+def issue(result: torch.Tensor, work: Work) -> torch.Tensor:
+    """Record ``work`` as in flight for ``result``, which ``zerocc.wait`` completes."""
     _pending[result.data_ptr()] = work
     return result
 
@@ -93,23 +94,23 @@ def _issue(result: torch.Tensor, work: Work) -> torch.Tensor:
 @_impl("all_gather_start")
 def _all_gather_start(shard: torch.Tensor, world_size: int, group: str) -> torch.Tensor:
     out = shard.new_empty(shard.numel() * world_size)
-    return _issue(out, active_comm().all_gather(out, shard))
+    return issue(out, active_comm().all_gather(out, shard))
 
 
 @_impl("all_gather_into_start")
 def _all_gather_into_start(out: torch.Tensor, shard: torch.Tensor, group: str) -> torch.Tensor:
-    return _issue(out, active_comm().all_gather(out, shard))
+    return issue(out, active_comm().all_gather(out, shard))
 
 
 @_impl("reduce_scatter_start")
 def _reduce_scatter_start(full: torch.Tensor, world_size: int, group: str) -> torch.Tensor:
     out = full.new_empty(full.numel() // world_size)
-    return _issue(out, active_comm().reduce_scatter(out, full))
+    return issue(out, active_comm().reduce_scatter(out, full))
 
 
 @_impl("all_reduce_start")
 def _all_reduce_start(tensor: torch.Tensor, group: str) -> torch.Tensor:
-    return _issue(tensor, active_comm().all_reduce(tensor))
+    return issue(tensor, active_comm().all_reduce(tensor))
 
 
 @_impl("wait")
@@ -250,7 +251,7 @@ def _adamw_(*args) -> None:
     *update, skip, sharded = args
     param, _, exp_avg, exp_avg_sq, _, _, _, param_copy = update[:8]
     with _untouched([param, exp_avg, exp_avg_sq, param_copy], skip, sharded):
-        active_kernels().adamw_(*update)
+        _kernels_for(param).adamw_(*update)
 
 
 @_impl("sgd_")
@@ -259,7 +260,7 @@ def _sgd_(*args) -> None:
     *update, skip, sharded = args
     param, _, momentum_buffer, _, _, param_copy = update[:6]
     with _untouched([param, momentum_buffer, param_copy], skip, sharded):
-        active_kernels().sgd_(*update)
+        _kernels_for(param).sgd_(*update)
 
 
 @_fake("adamw_")
@@ -270,6 +271,15 @@ def _(*args):
 @_fake("sgd_")
 def _(*args):
     return None
+
+
+def _kernels_for(param: torch.Tensor) -> ModuleType:
+    """The update's kernels: an offloaded unit's update runs on the host while the compute is
+    on a GPU, where the plan's Triton kernels do not run: the torch reference does there (on
+    CPU it is vectorized and multi-threaded by ATen's intra-op pool)."""
+    if param.device.type == "cpu" and torch.cuda.is_available():
+        return kernel_set("torch")
+    return active_kernels()
 
 
 @contextlib.contextmanager

@@ -392,7 +392,7 @@ class Plan(_Section):
         None,
         description="pass pipeline in order; default: partition, shard, optimizer, overlap (with "
         "recompute after partition when checkpointing.units is set, precision before optimizer "
-        "when the precision section leaves fp32, offload after optimizer when anything is "
+        "when the precision section leaves fp32, offload last when anything is "
         "offloaded, without overlap when overlap.enabled is false)",
     )
     workload: str | None = Field(
@@ -426,7 +426,7 @@ class Plan(_Section):
         if self.checkpointing.enabled:
             names.insert(names.index("partition") + 1, RECOMPUTE_PASS)
         if self.offload.enabled:
-            names.insert(names.index("optimizer") + 1, OFFLOAD_PASS)
+            names.append(OFFLOAD_PASS)  # last: its copies are placed against the final schedule
         return [n for n in names if self.overlap.enabled or n != OVERLAP_PASS]
 
     @model_validator(mode="after")
@@ -483,14 +483,16 @@ class Plan(_Section):
         if self.passes is not None and offload.enabled and OFFLOAD_PASS not in self.passes:
             raise ValueError(
                 "the offload section offloads states, but `passes` does not list 'offload'; "
-                "add it after 'optimizer' (or drop `passes` for the default pipeline)"
+                "add it last (or drop `passes` for the default pipeline)"
             )
         return self
 
     @model_validator(mode="after")
     def _recompute_pass_listed(self) -> Plan:
-        if self.passes is not None and self.checkpointing.enabled and (
-            RECOMPUTE_PASS not in self.passes
+        if (
+            self.passes is not None
+            and self.checkpointing.enabled
+            and (RECOMPUTE_PASS not in self.passes)
         ):
             raise ValueError(
                 "checkpointing.units is set, but `passes` does not list 'recompute'; add it "

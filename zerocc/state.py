@@ -10,11 +10,17 @@ reads, and ``master`` holds the weights the optimizer updates (fp32): the whole 
 this rank's shard otherwise. The update writes both. Gradient accumulators are in the
 ``reduce`` dtype where they are the buffers the collective reduces (full, stages 0-1) and in the
 master dtype where they receive reduced shards (stages 2-3).
+
+Offload (:class:`Placement`) says where each state lives: on the device, in host memory, or in
+a file on NVMe. A unit whose optimizer or parameters are offloaded always has a separate
+``master`` (also in fp32 training): the update runs on the master where the optimizer states
+live, and the compute copy ``param`` is written from it wherever that lives.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,21 +37,78 @@ from zerocc.ir import (
     STEP,
 )
 from zerocc.materialize import initial_values
-from zerocc.plan import OptimizerConfig, Plan, PrecisionConfig
+from zerocc.plan import OffloadConfig, OptimizerConfig, Plan, PrecisionConfig
 from zerocc.units import Unit
 
 OPTIMIZER_STATES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
+# Where a persistent tensor lives.
+DEVICE = "device"  # the compute device (the GPU; on a CPU-only machine, the compute pool)
+HOST = "host"  # host memory (pinned when a GPU is present): offload to cpu
+NVME = "nvme"  # a file under offload.nvme_path, read into host buffers when needed
+LOCATIONS = (DEVICE, HOST, NVME)
+_PLAN_LOCATION = {"none": DEVICE, "cpu": HOST, "nvme": NVME}
+
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One persistent tensor: its key, role, unit, shape and dtype."""
+    """One persistent tensor: its key, role, unit, shape, dtype and where it lives."""
 
     key: str
     role: str
     unit: str | None
     shape: tuple[int, ...]
     dtype: torch.dtype
+    location: str = field(default=DEVICE, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor."""
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one unit's states live: the master weights with the optimizer states (the update
+    runs there), and (stage 3) the parameter shard between its all-gathers."""
+
+    optimizer: str = DEVICE
+    params: str = DEVICE
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether anything of the unit lives off the device."""
+        return self.optimizer != DEVICE or self.params != DEVICE
+
+
+def offloaded_units(units: list[Unit], ratio: float) -> list[Unit]:
+    """The units ``offload.ratio`` selects: whole units, taken in the reverse of the model's
+    parameter order (for a model written in execution order: those whose gradients complete
+    first in backward, so their copies have the most backward left to hide behind) until they
+    hold ``ratio`` of the parameters."""
+    total = sum(u.numel for u in units)
+    chosen: list[Unit] = []
+    held = 0
+    for unit in reversed(units):
+        if held >= ratio * total - 1e-9 * total:
+            break
+        chosen.append(unit)
+        held += unit.numel
+    return chosen
+
+
+def placements(units: list[Unit], offload: OffloadConfig) -> dict[str, Placement]:
+    """Where each unit's states live under the plan's ``offload`` section."""
+    out = {u.name: Placement() for u in units}
+    if not offload.enabled:
+        return out
+    for unit in offloaded_units(units, offload.ratio):
+        optimizer = _PLAN_LOCATION[offload.optimizer] if unit.trainable else DEVICE
+        out[unit.name] = Placement(optimizer, _PLAN_LOCATION[offload.params])
+    return out
 
 
 STEP_SPEC = StateSpec("optim.step", STEP, None, (), torch.int64)
@@ -76,19 +139,25 @@ def optimizer_states(config: OptimizerConfig) -> tuple[str, ...]:
 
 
 def param_specs(
-    unit: Unit, stage: int, precision: PrecisionConfig | None = None
+    unit: Unit,
+    stage: int,
+    precision: PrecisionConfig | None = None,
+    placement: Placement = Placement(),
 ) -> dict[str, StateSpec]:
     """``param`` (stage 3: this rank's shard; else the replicated flat), ``param_shard``
-    (stages 1-2: this rank's slice of it), ``master`` (when its dtype differs from ``param``'s:
-    the weights the optimizer updates) and ``grad`` (the accumulator: full for stages 0-1, a
-    shard for 2-3). Frozen units keep no ``grad``. ``precision=None`` is the model's dtype
-    throughout, the layout the shard pass builds before the precision pass retypes it."""
+    (stages 1-2: this rank's slice of it), ``master`` (the weights the optimizer updates, when
+    their dtype differs from ``param``'s or the unit is offloaded) and ``grad`` (the
+    accumulator: full for stages 0-1, a shard for 2-3). Frozen units keep no ``grad``.
+    ``precision=None`` is the model's dtype throughout, the layout the shard pass builds before
+    the precision pass retypes it."""
     full, shard = (unit.padded_numel,), (unit.shard_numel,)
     dtypes = Dtypes.of(unit, precision)
     key = unit.key
 
-    def spec(name: str, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> StateSpec:
-        return StateSpec(f"{key}.{name}", role, unit.name, shape, dtype)
+    def spec(
+        name: str, role: str, shape: tuple[int, ...], dtype: torch.dtype, where: str = DEVICE
+    ) -> StateSpec:
+        return StateSpec(f"{key}.{name}", role, unit.name, shape, dtype, where)
 
     specs = {
         "param": spec(
@@ -96,12 +165,15 @@ def param_specs(
             PARAM_SHARD if stage == 3 else PARAM_FULL,
             shard if stage == 3 else full,
             dtypes.param,
+            placement.params,
         )
     }
     if unit.trainable and stage in (1, 2):
         specs["param_shard"] = spec("param_shard", PARAM_SHARD, shard, dtypes.param)
-    if dtypes.master != dtypes.param:
-        specs["master"] = spec("master", MASTER, full if stage == 0 else shard, dtypes.master)
+    if dtypes.master != dtypes.param or (unit.trainable and placement.offloaded):
+        specs["master"] = spec(
+            "master", MASTER, full if stage == 0 else shard, dtypes.master, placement.optimizer
+        )
     if unit.trainable:
         accumulated = full if stage <= 1 else shard
         specs["grad"] = spec(
@@ -111,13 +183,17 @@ def param_specs(
 
 
 def optimizer_specs(
-    unit: Unit, stage: int, config: OptimizerConfig, precision: PrecisionConfig | None = None
+    unit: Unit,
+    stage: int,
+    config: OptimizerConfig,
+    precision: PrecisionConfig | None = None,
+    placement: Placement = Placement(),
 ) -> list[StateSpec]:
     """The optimizer states of a trainable unit: of its shard, or of the whole flat (stage 0)."""
     shape = (unit.shard_numel,) if stage >= 1 else (unit.padded_numel,)
     dtype = Dtypes.of(unit, precision).master
     return [
-        StateSpec(f"{unit.key}.{name}", OPTIM_STATE, unit.name, shape, dtype)
+        StateSpec(f"{unit.key}.{name}", OPTIM_STATE, unit.name, shape, dtype, placement.optimizer)
         for name in optimizer_states(config)
     ]
 
@@ -126,13 +202,30 @@ def state_specs(units: list[Unit], plan: Plan) -> list[StateSpec]:
     """Every persistent tensor of a plan, replicated flat parameters first."""
     stage, config = plan.zero.stage, plan.optimizer
     precision = plan.precision if plan.precision.mixed else None
-    specs = [s for u in units for s in param_specs(u, stage, precision).values()]
-    specs += [s for u in units if u.trainable for s in optimizer_specs(u, stage, config, precision)]
+    where = placements(units, plan.offload)
+    specs = [s for u in units for s in param_specs(u, stage, precision, where[u.name]).values()]
+    specs += [
+        s
+        for u in units
+        if u.trainable
+        for s in optimizer_specs(u, stage, config, precision, where[u.name])
+    ]
     if config.name == "adamw":
         specs.append(STEP_SPEC)
     if plan.precision.scaling != "none":
         specs.append(LOSS_SCALE_SPEC)
     return sorted(specs, key=lambda s: s.role != PARAM_FULL)
+
+
+def empty_on(
+    location: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An uninitialized tensor for state at ``location`` of a run on ``device``: on the device,
+    or in host memory (pinned when the device is a GPU, so copies to and from it are
+    asynchronous DMA)."""
+    if location == DEVICE:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 def allocate_state(
@@ -142,13 +235,30 @@ def allocate_state(
     plan: Plan,
     rank: int,
     device: torch.device,
+    store: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """Every persistent tensor of ``plan`` for ``rank``, keyed as its spec: weights from the
-    model's initial values (one unit materialized at a time), everything else zeros (the
-    step counter on the CPU), and the model's buffers under their FQNs."""
+    """Every resident persistent tensor of ``plan`` for ``rank``, keyed as its spec, where its
+    spec places it: weights from the model's initial values (one unit materialized at a time),
+    everything else zeros (the step counter on the CPU), and the model's buffers under their
+    FQNs. States placed on NVMe are written to ``store`` (a :class:`zerocc.nvme.NvmeStore`)
+    instead of being returned."""
     specs = state_specs(units, plan)
     weights = (PARAM_FULL, PARAM_SHARD, MASTER)
     state: dict[str, torch.Tensor] = {}
+
+    def place(spec: StateSpec, value: torch.Tensor | None) -> None:
+        tensor = empty_on(
+            HOST if spec.location == NVME else spec.location, spec.shape, spec.dtype, device
+        )
+        if value is None:
+            tensor.zero_()
+        else:
+            tensor.copy_(value)  # a copy (of the shard alone: a view keeps the whole flat alive)
+        if spec.location == NVME:
+            store.write(spec.key, tensor).wait()
+        else:
+            state[spec.key] = tensor
+
     for unit in units:
         fqns = [p.fqn for p in unit.params]
         flat = unit.flatten(initial_values(model, fqns, plan.seed, device))
@@ -158,13 +268,14 @@ def allocate_state(
             if spec.key.endswith(".param_shard"):  # stages 1-2: a view of the replicated flat
                 state[spec.key] = unit.shard_of(state[f"{unit.key}.param"], rank)
                 continue
-            value = flat if spec.shape == flat.shape else unit.shard_of(flat, rank)
-            # A copy (of the shard alone: a view would keep the whole flat alive).
-            state[spec.key] = value.to(spec.dtype, copy=True)
+            place(spec, flat if spec.shape == flat.shape else unit.shard_of(flat, rank))
     for spec in specs:
-        if spec.key not in state:
-            on = torch.device("cpu") if spec.role == STEP else device
-            state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype, device=on)
+        if spec.key in state or spec.role in weights:
+            continue
+        if spec.role == STEP:
+            state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype)
+        else:
+            place(spec, None)
     buffers = [b.fqn for b in model_info.buffers]
     state.update(initial_values(model, buffers, plan.seed, device))
     return state

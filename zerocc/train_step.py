@@ -37,12 +37,21 @@ from zerocc.ir import (
 from zerocc.loss_scale import LossScaler
 from zerocc.materialize import is_meta, release_to_meta
 from zerocc.measure import ProfiledRun
+from zerocc.nvme import NvmeStore
 from zerocc.ops import forget_pending, pending_collectives, use_kernels
 from zerocc.pass_manager import PassRecord, build_pipeline
 from zerocc.passes.partition import assign_units
 from zerocc.plan import Plan
 from zerocc.printing import format_program
-from zerocc.state import LOSS_SCALE_SPEC, STEP_SPEC, allocate_state
+from zerocc.state import (
+    LOSS_SCALE_SPEC,
+    NVME,
+    STEP_SPEC,
+    StateSpec,
+    allocate_state,
+    state_specs,
+)
+from zerocc.transfers import Transfers, use_transfers
 from zerocc.units import Unit
 
 
@@ -89,11 +98,16 @@ class TrainStep:
         self.units: list[Unit] = assign_units(
             self.model_info, comm.world_size, units.classes, units.modules, units.min_mb
         )
+        # States placed on NVMe live in files of this rank's store, checked for room before
+        # anything is written; every other state in ``self.state``.
+        self.nvme_specs = [s for s in state_specs(self.units, plan) if s.location == NVME]
+        self.store = open_store(plan, comm.rank, self.nvme_specs)
+        self.transfers = Transfers(self.store)
         # Parameters are built one unit at a time, so a meta-device model never has more than
         # one unit materialized; afterwards the TrainStep owns the weights
         # (``full_state_dict()`` returns them) and the model's own copy is released.
         self.state: dict[str, torch.Tensor] = allocate_state(
-            model, self.model_info, self.units, plan, comm.rank, device
+            model, self.model_info, self.units, plan, comm.rank, device, self.store
         )
         if not is_meta(model):
             release_to_meta(model)
@@ -147,8 +161,14 @@ class TrainStep:
             self.state[STEP_SPEC.key].fill_(self.steps + 1)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         self.comm.stats.reset()
+        self.transfers.stats.reset()
         try:
-            with torch.no_grad(), use_comm(self.comm), use_kernels(self.plan.backend.kernels):
+            with (
+                torch.no_grad(),
+                use_comm(self.comm),
+                use_transfers(self.transfers),
+                use_kernels(self.plan.backend.kernels),
+            ):
                 loss = run(program, args) if run else program.run(*args)
         except BaseException:
             forget_pending()
@@ -247,6 +267,14 @@ class TrainStep:
         )
         raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + _first_difference(views))
 
+    def _resident_and_nvme_state(self) -> dict[str, torch.Tensor]:
+        """Every persistent tensor: those held in memory, and those on NVMe read back."""
+        state = dict(self.state)
+        for spec in self.nvme_specs:
+            state[spec.key] = torch.empty(spec.shape, dtype=spec.dtype)
+            self.store.read(spec.key, state[spec.key]).wait()
+        return state
+
     # -- inspection -------------------------------------------------------------------------
 
     @property
@@ -286,8 +314,9 @@ class TrainStep:
         whose masters are sharded): call it on every rank.
         """
         full: dict[str, torch.Tensor] = {}
+        state = self._resident_and_nvme_state()
         for unit in self.units:
-            flat = self.state.get(f"{unit.key}.master", self.state[f"{unit.key}.param"])
+            flat = state.get(f"{unit.key}.master", state[f"{unit.key}.param"])
             if flat.numel() != unit.padded_numel:
                 gathered = flat.new_empty(unit.padded_numel)
                 self.comm.all_gather(gathered, flat).wait()
@@ -307,7 +336,9 @@ class TrainStep:
         with the same plan and world size."""
         prefix = f"rank{self.comm.rank}/"
         sd: dict[str, Any] = {
-            prefix + k: t for k, t in self.state.items() if not k.endswith(".param_shard")
+            prefix + k: t
+            for k, t in self._resident_and_nvme_state().items()
+            if not k.endswith(".param_shard")
         }
         sd["zerocc"] = {
             "steps": self.steps,
@@ -328,16 +359,30 @@ class TrainStep:
                     f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
                 )
         prefix = f"rank{self.comm.rank}/"
-        expected = {k for k in self.state if not k.endswith(".param_shard")}
+        nvme = {s.key for s in self.nvme_specs}
+        expected = {k for k in [*self.state, *nvme] if not k.endswith(".param_shard")}
         missing = sorted(expected - {k.removeprefix(prefix) for k in sd if k.startswith(prefix)})
         if missing:
             raise RankMismatchError(f"checkpoint lacks {missing[:3]} for rank {self.comm.rank}")
-        for key in expected:
+        for key in expected - nvme:
             if sd[prefix + key] is not self.state[key]:
                 self.state[key].copy_(sd[prefix + key])
+        for key in nvme:
+            value = sd[prefix + key].detach().to("cpu").contiguous()
+            self.store.write(key, value).wait()
         self.steps, self.micro_batches = saved["steps"], saved["micro_batches"]
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(saved["loss_scaler"])
+
+
+def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | None:
+    """The NVMe store of this rank when the plan places states there, checked for room for all
+    of them (plus the temporary file of the largest write) before anything is written."""
+    if not specs:
+        return None
+    store = NvmeStore(plan.offload.nvme_path, rank)
+    store.check_capacity(sum(s.nbytes for s in specs), largest=max(s.nbytes for s in specs))
+    return store
 
 
 def _first_difference(views: list[Any]) -> str:

@@ -1,0 +1,330 @@
+"""offload: optimizer states and parameters in host memory or on NVMe, with their copies.
+
+Acts on the placement :func:`zerocc.state.placements` gives each unit (``offload.ratio`` of the
+parameters, ``offload.optimizer`` / ``offload.params``). Runs last, on the scheduled program, so
+its copies are placed against the final order of compute and communication:
+
+- **Optimizer** (host or NVMe): the unit's master weights and optimizer states are bound in
+  host memory (or read from their files into host buffers) and its update runs on the host.
+  The reduced gradient shard is copied to the host right after its last write (the accumulation
+  of the reduce-scatter's result: the copy hides behind the rest of backward); the clip
+  coefficient and overflow flag follow. The updated master is then copied into the
+  compute-dtype parameter wherever that lives (what the fused update's ``param_copy`` does, as
+  a copy), and stages 1-2 gather it as before. NVMe: a unit's files are read while the previous
+  unit updates (double buffering) and written back while the next one does, so at most two
+  units' states are in host memory at once.
+- **Parameters** (stage 3, host or NVMe): the unit's shard lives off the device; before each of
+  its all-gathers a device copy is made, issued when the previous offloaded shard's copy is
+  consumed (a prefetch of one), and it goes when the gather is done.
+
+Copies are start/wait pairs on the ``copy`` stream (:mod:`zerocc.transfers`). No arithmetic
+changes: the update runs the same kernel on the same fp32 values, and the compute copy is cast
+from the same master, so losses equal those of the program without offload.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from zerocc.access import StorageRoots
+from zerocc.ir import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
+from zerocc.ir import state_placeholder as new_placeholder
+from zerocc.pass_manager import PassContext, register_pass
+from zerocc.plan import OffloadConfig
+from zerocc.state import DEVICE, HOST, NVME, Placement, StateSpec, placements, state_specs
+from zerocc.transfers import NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
+
+aten = torch.ops.aten
+CPU = torch.device("cpu")
+# Positions of (weights, gradient, states..., clip coefficient, overflow flag, compute copy).
+UPDATE_ARGS = {
+    "zerocc.adamw_": {"states": (2, 3), "scalars": (5, 6), "copy": 7},
+    "zerocc.sgd_": {"states": (2,), "scalars": (3, 4), "copy": 5},
+}
+
+
+def _transfer(name: str) -> torch._ops.OpOverload:
+    return getattr(torch.ops.zerocc, name).default
+
+
+class _Offloader:
+    """Rewrites one program for the units' placements."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, where: dict[str, Placement]) -> None:
+        self.gm, self.graph, self.where = gm, gm.graph, where
+        self.specs = {s.key: s for s in state_specs(ctx.units, ctx.plan)}
+        self.bound = {info(n).key: n for n in placeholders(gm) if info(n).key in self.specs}
+        self.like = next(v for v in map(val, placeholders(gm)) if isinstance(v, torch.Tensor))
+        self.device = self.like.device
+        self.updates = [
+            n
+            for n in self.graph.nodes
+            if op_name(n.target) in UPDATE_ARGS and where[info(n).unit].offloaded
+        ]
+
+    # -- emitting -------------------------------------------------------------------------
+
+    def _start(self, target: str, args: tuple, nbytes: int, note: str, **where) -> fx.Node:
+        start = emit(self.graph, _transfer(target), args, stream="copy", note=note, **where)
+        info(start).bytes = nbytes
+        return start
+
+    def _wait(self, start: fx.Node, phase: str | None = None) -> fx.Node:
+        record = info(start)
+        return emit(
+            self.graph,
+            torch.ops.zerocc.wait.default,
+            (start,),
+            stream="copy",
+            unit=record.unit,
+            phase=phase or record.phase,
+        )
+
+    def _spec(self, unit: str, name: str) -> StateSpec:
+        return self.specs[f"{next(iter(self._unit_keys(unit)))}.{name}"]
+
+    def _unit_keys(self, unit: str) -> set[str]:
+        return {s.key.rpartition(".")[0] for s in self.specs.values() if s.unit == unit}
+
+    # -- placeholders ---------------------------------------------------------------------
+
+    def place_states(self) -> None:
+        """Off-device states get CPU fake values; an updated unit without a master weight (an
+        fp32 plan) gets one: the update runs on it where the optimizer states live."""
+        updated = {info(n).unit for n in self.updates}
+        for key, spec in self.specs.items():
+            node = self.bound.get(key)
+            if node is None and spec.role == MASTER and spec.unit in updated:
+                node = self.bound[key] = new_placeholder(self.graph, spec, self.like)
+            if node is None or spec.location == DEVICE:
+                continue
+            with self.like.fake_mode:
+                node.meta["val"] = torch.empty(spec.shape, dtype=spec.dtype, device=CPU)
+
+    def _nvme(self, node: object) -> StateSpec | None:
+        """The spec of an NVMe-resident state placeholder, else None."""
+        if not isinstance(node, fx.Node) or node.op != "placeholder":
+            return None
+        spec = self.specs.get(info(node).key)
+        return spec if spec is not None and spec.location == NVME else None
+
+    def drop_nvme_placeholders(self) -> None:
+        """NVMe states are read through their files, never bound: their placeholders go."""
+        for node in list(self.bound.values()):
+            if self._nvme(node) is not None:
+                if node.users:
+                    raise AssertionError(f"NVMe state {node.name} is still read directly")
+                self.graph.erase_node(node)
+
+    # -- the optimizer --------------------------------------------------------------------
+
+    def offload_updates(self) -> None:
+        """Rewrite every offloaded unit's update; NVMe reads one unit ahead, writes one behind."""
+        nvme = [u for u in self.updates if self.where[info(u).unit].optimizer == NVME]
+        reads: dict[fx.Node, dict[int, fx.Node]] = {}
+        writes: list[fx.Node] = []
+        host_scalars: dict[fx.Node, fx.Node] = {}
+        for update in self.updates:
+            placement = self.where[info(update).unit]
+            if update in nvme:
+                if update not in reads:
+                    reads[update] = self._read_states(update, issue_before=update)
+                following = nvme[nvme.index(update) + 1 :]
+                if following:  # double buffering: the next unit's files load during this update
+                    reads[following[0]] = self._read_states(following[0], issue_before=update)
+            param = self._rewrite_update(update, placement, reads.get(update, {}), host_scalars)
+            newer = self._write_back(update, param, placement)
+            for wait in writes:  # the previous unit's writes end behind this unit's update
+                update.next.prepend(wait)
+            writes = newer
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        for wait in writes:
+            output.prepend(wait)
+
+    def _read_states(self, update: fx.Node, issue_before: fx.Node) -> dict[int, fx.Node]:
+        """Start reading the update's NVMe states (by argument position) before
+        ``issue_before``; their waits go right before the update."""
+        reads: dict[int, fx.Node] = {}
+        layout = UPDATE_ARGS[op_name(update.target)]
+        master = self._spec(info(update).unit, "master")
+        for index in (0, *layout["states"]):
+            spec = master if index == 0 else self._nvme(update.args[index])
+            if spec is None or spec.location != NVME:
+                continue
+            with self.graph.inserting_before(issue_before):
+                start = self._start(
+                    "nvme_read_start",
+                    (spec.key, list(spec.shape), spec.dtype, CPU, NVME_READ),
+                    spec.nbytes,
+                    f"read {spec.key} from NVMe",
+                    unit=spec.unit,
+                    phase="optimizer",
+                )
+            info(start).pool = HOST
+            with self.graph.inserting_before(update):
+                reads[index] = self._wait(start)
+        return reads
+
+    def _rewrite_update(
+        self,
+        update: fx.Node,
+        placement: Placement,
+        reads: dict[int, fx.Node],
+        host_scalars: dict[fx.Node, fx.Node],
+    ) -> fx.Node:
+        """Point the update at the master and states where they live (NVMe: their reads), and
+        off the device at host copies of its gradient and scalars. Returns the compute copy the
+        update no longer writes (see :meth:`_write_back`)."""
+        layout = UPDATE_ARGS[op_name(update.target)]
+        args = list(update.args)
+        param = args[layout["copy"]] if args[layout["copy"]] is not None else args[0]
+        args[0] = self.bound[self._spec(info(update).unit, "master").key]
+        args[layout["copy"]] = None
+        for index, node in reads.items():
+            args[index] = node
+        if placement.optimizer != DEVICE:
+            args[1] = self._gradient_to_host(update, args[1])
+            for index in layout["scalars"]:
+                scalar = args[index]
+                if isinstance(scalar, fx.Node):
+                    if scalar not in host_scalars:
+                        with self.graph.inserting_before(update):
+                            start = self._start(
+                                "copy_start",
+                                (scalar, CPU, TO_HOST),
+                                4,
+                                "the step's clip coefficient / overflow flag, for host updates",
+                                phase="optimizer",
+                            )
+                            host_scalars[scalar] = self._wait(start)
+                    args[index] = host_scalars[scalar]
+        update.args = tuple(args)
+        return param
+
+    def _gradient_to_host(self, update: fx.Node, grad: fx.Node) -> fx.Node:
+        """Copy the reduced gradient to the host right after its last write."""
+        roots = StorageRoots(self.gm)
+        nodes = list(self.graph.nodes)
+        root, last = roots.root[grad], grad
+        for node in nodes[nodes.index(grad) + 1 : nodes.index(update)]:
+            if root in roots.access(node).writes:
+                last = node
+        unit = info(update).unit
+        with self.graph.inserting_before(last.next):
+            start = self._start(
+                "copy_start",
+                (grad, CPU, TO_HOST),
+                val(grad).numel() * val(grad).element_size(),
+                f"copy {unit}'s reduced gradient to the host once it is complete",
+                unit=unit,
+                phase=info(last).phase or "backward",
+            )
+        info(start).pool = HOST
+        with self.graph.inserting_before(update):
+            return self._wait(start, "optimizer")
+
+    def _write_back(self, update: fx.Node, param: fx.Node, placement: Placement) -> list[fx.Node]:
+        """After the update: the compute copy receives the master (cast to its dtype) wherever
+        it lives, and NVMe states go back to their files. Returns the NVMe writes' waits, for
+        the caller to place."""
+        unit = info(update).unit
+        param_spec = self._spec(unit, "param")
+        master = update.args[0]
+        where = {"unit": unit, "phase": "optimizer"}
+        writes: list[fx.Node] = []
+        with self.graph.inserting_before(update.next):
+            if param_spec.location == NVME:
+                cast = emit(self.graph, aten._to_copy.default, (master,), pool=HOST, **where)
+                cast.kwargs = {"dtype": param_spec.dtype, "device": CPU}
+                writes.append(self._write(cast, param_spec, f"write {unit}'s parameters", where))
+            else:
+                direction = TO_DEVICE if param_spec.location == DEVICE else TO_HOST
+                start = self._start(
+                    "copy_into_start",
+                    (param, master, direction),
+                    param_spec.nbytes,
+                    f"copy {unit}'s updated master weights into its compute copy",
+                    **where,
+                )
+                self._sink(start, self._wait(start))
+            if placement.optimizer == NVME:
+                for arg in update.args:
+                    if isinstance(arg, fx.Node) and op_name(arg.target) == "zerocc.wait":
+                        key = arg.args[0].args[0]
+                        if isinstance(key, str):
+                            writes.append(self._write(arg, self.specs[key], "write back", where))
+        return writes
+
+    def _write(self, value: fx.Node, spec: StateSpec, what: str, where: dict) -> fx.Node:
+        start = self._start(
+            "nvme_write_start",
+            (value, spec.key, NVME_WRITE),
+            spec.nbytes,
+            f"{what} {spec.key} to NVMe",
+            **where,
+        )
+        return self._wait(start)
+
+    def _sink(self, start: fx.Node, wait: fx.Node) -> None:
+        """Move ``wait`` down to the first node that touches what its copy reads or writes."""
+        roots = StorageRoots(self.gm)
+        touched = roots.collective_access(start, wait)
+        node = wait.next
+        while node.op != "output" and not roots.access(node).conflicts(touched):
+            node = node.next
+        node.prepend(wait)
+
+    # -- parameters -----------------------------------------------------------------------
+
+    def copy_params_in(self) -> None:
+        """Each read of an offloaded parameter shard outside the optimizer (a gather) reads a
+        device copy made just before it, issued when the previous such copy is consumed."""
+        uses = [
+            (node, arg)
+            for node in self.graph.nodes
+            if node.op == "call_function" and info(node).phase != "optimizer"
+            for arg in node.all_input_nodes
+            if self._off_device_param(arg)
+        ]
+        previous: fx.Node | None = None
+        for user, param in uses:
+            spec = self.specs[info(param).key]
+            unit, phase = info(param).unit, info(user).phase
+            note = f"copy {unit}'s parameter shard in for its all-gather"
+            with self.graph.inserting_before(previous or user):
+                if spec.location == NVME:
+                    args = (spec.key, list(spec.shape), spec.dtype, self.device, NVME_READ)
+                    start = self._start("nvme_read_start", args, spec.nbytes, note, unit=unit)
+                else:
+                    args = (param, self.device, TO_DEVICE)
+                    start = self._start("copy_start", args, spec.nbytes, note, unit=unit)
+                info(start).phase = phase
+            with self.graph.inserting_before(user):
+                wait = self._wait(start)
+            user.replace_input_with(param, wait)
+            previous = user
+
+    def _off_device_param(self, node: fx.Node) -> bool:
+        spec = self.specs.get(info(node).key) if node.op == "placeholder" else None
+        return spec is not None and spec.role == PARAM_SHARD and spec.location != DEVICE
+
+
+@register_pass(
+    "offload",
+    requires=("optimizer_update",),
+    produces=("offloaded",),
+    options=lambda plan: {"config": plan.offload},
+)
+def offload(gm: fx.GraphModule, ctx: PassContext, *, config: OffloadConfig) -> fx.GraphModule:
+    """Place offloaded units' states in host memory or on NVMe and insert their copies."""
+    where = placements(ctx.units, config)
+    if not any(p.offloaded for p in where.values()):
+        return gm
+    offloader = _Offloader(gm, ctx, where)
+    offloader.place_states()
+    offloader.offload_updates()
+    offloader.copy_params_in()
+    offloader.drop_nvme_placeholders()
+    gm.recompile()
+    return gm

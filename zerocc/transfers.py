@@ -1,0 +1,233 @@
+"""Copies between the device, host memory and NVMe: the offload ops and the engine that runs them.
+
+The offload pass moves state with four ops in the ``zerocc`` namespace, start/wait pairs like
+the collectives (``zerocc.wait`` completes them, see :mod:`zerocc.ops`):
+
+- ``copy_start(src, device, direction)``: a new tensor on ``device`` holding ``src``;
+- ``copy_into_start(dst, src, direction)``: ``dst`` (anywhere) receives ``src``, cast to its dtype;
+- ``nvme_read_start(key, shape, dtype, device, direction)``: a new tensor read from the state
+  file of ``key``;
+- ``nvme_write_start(src, key, direction)``: ``src`` written to the state file of ``key``
+  (returns ``src``, which must not change until the wait).
+
+``direction`` names the traffic for :class:`TransferStats` (``to_host``, ``to_device``,
+``nvme_read``, ``nvme_write``): on a CPU-only machine host and device are the same memory, so
+the op cannot tell by itself.
+
+The active :class:`Transfers` engine (set by the runtime around a program run) runs them. On a
+GPU, copies run on one copy stream per device, ordered after the compute stream's work so far;
+waiting on a copy to the host blocks the host (the CPU reads the result next: the host
+optimizer update), waiting on a copy to the device makes the compute stream wait on an event.
+On a CPU-only machine copies are a memcpy done inline (the same cores compute; there is nothing
+to overlap) and only NVMe I/O runs in the background, on the store's threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.library import Library
+
+from zerocc.ops import issue
+
+_lib = Library("zerocc", "FRAGMENT")
+SCHEMAS = {
+    "copy_start": "copy_start(Tensor src, Device device, str direction) -> Tensor",
+    "copy_into_start": ("copy_into_start(Tensor(a!) dst, Tensor src, str direction) -> Tensor(a!)"),
+    "nvme_read_start": (
+        "nvme_read_start(str key, SymInt[] shape, ScalarType dtype, Device device,"
+        " str direction) -> Tensor"
+    ),
+    "nvme_write_start": "nvme_write_start(Tensor(a) src, str key, str direction) -> Tensor(a)",
+}
+TRANSFER_STARTS = tuple(SCHEMAS)
+for _schema in SCHEMAS.values():
+    _lib.define(_schema)
+
+TO_HOST, TO_DEVICE, NVME_READ, NVME_WRITE = "to_host", "to_device", "nvme_read", "nvme_write"
+
+
+@dataclass
+class TransferStats:
+    """Bytes moved per direction since the last :meth:`reset`."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, direction: str, tensor: torch.Tensor) -> None:
+        self.bytes[direction] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.bytes.clear()
+
+
+class _Done:
+    """The handle of a transfer that completed when it was issued."""
+
+    def wait(self) -> None:
+        return None
+
+
+class _CudaCopy:
+    """A copy on the copy stream: a copy to the host is waited on by the host, a copy to the
+    device by the compute stream."""
+
+    def __init__(self, event: torch.cuda.Event, host_reads: bool) -> None:
+        self._event, self._host_reads = event, host_reads
+
+    def wait(self) -> None:
+        if self._host_reads:
+            self._event.synchronize()
+        else:
+            torch.cuda.current_stream().wait_event(self._event)
+
+
+class _ReadThenCopy:
+    """An NVMe read into a pinned host buffer, copied to the device when waited on."""
+
+    def __init__(self, read: Any, staging: torch.Tensor, out: torch.Tensor) -> None:
+        self._read, self._staging, self._out = read, staging, out
+
+    def wait(self) -> None:
+        self._read.wait()
+        self._out.copy_(self._staging)
+
+
+class Transfers:
+    """Runs the transfer ops of one rank: copies (a copy stream on a GPU) and NVMe I/O through
+    ``store`` (a :class:`zerocc.nvme.NvmeStore`, when the plan offloads to NVMe)."""
+
+    def __init__(self, store: Any = None) -> None:
+        self.store = store
+        self.stats = TransferStats()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Any:
+        """``dst`` receives ``src`` (cast to ``dst``'s dtype)."""
+        self.stats.record(direction, dst)
+        gpu = dst if dst.is_cuda else src if src.is_cuda else None
+        if gpu is None:
+            dst.copy_(src)
+            return _Done()
+        stream = self._stream(gpu.device)
+        stream.wait_stream(torch.cuda.current_stream(gpu.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        for t in (dst, src):
+            if t.is_cuda:
+                t.record_stream(stream)
+        return _CudaCopy(event, host_reads=not dst.is_cuda)
+
+    def read(self, key: str, out: torch.Tensor, direction: str) -> Any:
+        """``out`` receives the state file of ``key``."""
+        self.stats.record(direction, out)
+        store = self._store()
+        if not out.is_cuda:
+            return store.read(key, out)
+        staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        return _ReadThenCopy(store.read(key, staging), staging, out)
+
+    def write(self, key: str, src: torch.Tensor, direction: str) -> Any:
+        """The state file of ``key`` receives ``src`` (a host tensor)."""
+        self.stats.record(direction, src)
+        return self._store().write(key, src)
+
+    def _store(self) -> Any:
+        if self.store is None:
+            raise RuntimeError("a program reads NVMe state, but no NVMe store is active")
+        return self.store
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+_active: list[Transfers] = []
+
+
+@contextlib.contextmanager
+def use_transfers(engine: Transfers) -> Iterator[Transfers]:
+    """Run the transfer ops of the body with ``engine``."""
+    _active.append(engine)
+    try:
+        yield engine
+    finally:
+        _active.pop()
+
+
+def active_transfers() -> Transfers:
+    """The engine set by :func:`use_transfers`; an inline one without NVMe outside of it."""
+    if not _active:
+        _active.append(Transfers())  # the bottom of the stack: stays for later calls
+    return _active[-1]
+
+
+def new_on(
+    device: torch.device, shape: Any, dtype: torch.dtype, like: torch.Tensor
+) -> torch.Tensor:
+    """An empty tensor for a transfer's result: host memory is pinned when a GPU takes part."""
+    pinned = device.type == "cpu" and (like.is_cuda or torch.cuda.is_available())
+    return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pinned)
+
+
+def _impl(name: str):
+    def register(fn):
+        _lib.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return register
+
+
+def _fake(name: str):
+    return torch.library.register_fake(f"zerocc::{name}")
+
+
+@_impl("copy_start")
+def _copy_start(src: torch.Tensor, device: torch.device, direction: str) -> torch.Tensor:
+    out = new_on(device, src.shape, src.dtype, src)
+    return issue(out, active_transfers().copy(out, src, direction))
+
+
+@_impl("copy_into_start")
+def _copy_into_start(dst: torch.Tensor, src: torch.Tensor, direction: str) -> torch.Tensor:
+    return issue(dst, active_transfers().copy(dst, src, direction))
+
+
+@_impl("nvme_read_start")
+def _nvme_read_start(
+    key: str, shape: list[int], dtype: torch.dtype, device: torch.device, direction: str
+) -> torch.Tensor:
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    return issue(out, active_transfers().read(key, out, direction))
+
+
+@_impl("nvme_write_start")
+def _nvme_write_start(src: torch.Tensor, key: str, direction: str) -> torch.Tensor:
+    return issue(src, active_transfers().write(key, src, direction))
+
+
+@_fake("copy_start")
+def _(src, device, direction):
+    return torch.empty(src.shape, dtype=src.dtype, device=device)
+
+
+@_fake("copy_into_start")
+def _(dst, src, direction):
+    return dst
+
+
+@_fake("nvme_read_start")
+def _(key, shape, dtype, device, direction):
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+@_fake("nvme_write_start")
+def _(src, key, direction):
+    return src
