@@ -10,49 +10,103 @@ from torch import fx
 from zerocc.ir import info, op_name
 from zerocc.memory import STATE_CATEGORY
 from zerocc.printing import human_bytes
-from zerocc.state import Dtypes, optimizer_states, state_specs
+from zerocc.state import (
+    DEVICE,
+    LOCATIONS,
+    NVME,
+    Dtypes,
+    optimizer_states,
+    placements,
+    state_specs,
+)
 from zerocc.units import Unit
 
 if TYPE_CHECKING:
     from zerocc.train_step import TrainStep
 
 
-def model_state_bytes(step: TrainStep) -> dict[str, int]:
-    """Bytes of the live persistent params, grads and optimizer states of this rank (measured)."""
-    roles = {s.key: s.role for s in state_specs(step.units, step.plan)}
+def state_bytes_by_location(step: TrainStep) -> dict[str, dict[str, int]]:
+    """Bytes of this rank's persistent params, grads and optimizer states (measured) in each
+    place they live: ``device``, ``host`` (offload to cpu: on a CPU-only machine, the pool
+    apart from the compute's) and ``nvme`` (the files of the rank's store)."""
+    specs = {s.key: s for s in state_specs(step.units, step.plan)}
+    out = {where: dict.fromkeys(("params", "grads", "optimizer"), 0) for where in LOCATIONS}
     seen: set[int] = set()
-    out: dict[str, int] = defaultdict(int)
     for key, tensor in step.state.items():
-        category = STATE_CATEGORY.get(roles.get(key, ""))
+        spec = specs.get(key)
         storage = tensor.untyped_storage()
-        if category is None or storage.data_ptr() in seen:
+        if spec is None or storage.data_ptr() in seen:
             continue  # a view of another state tensor (stage 1-2 shards) is no extra memory
         seen.add(storage.data_ptr())
-        out[category] += storage.nbytes()
-    out["total"] = sum(out.values())
-    return dict(out)
+        out[spec.location][STATE_CATEGORY[spec.role]] += storage.nbytes()
+    for spec in step.nvme_specs:
+        out[NVME][STATE_CATEGORY[spec.role]] += step.store.path_of(spec.key).stat().st_size
+    for pool in out.values():
+        pool["total"] = sum(pool.values())
+    return out
 
 
-def formula_bytes(step: TrainStep) -> dict[str, float]:
-    """ZeRO's model-state bytes per rank for this plan: what each stage keeps whole or sharded,
-    in each state's dtype (with bf16 compute, reduce and fp32 master: 2 + 2 + 12 bytes per
-    parameter, as the ZeRO paper counts)."""
+def model_state_bytes(step: TrainStep) -> dict[str, int]:
+    """Bytes of the live persistent params, grads and optimizer states of this rank on the
+    device (measured); what offload placed elsewhere is in :func:`state_bytes_by_location`."""
+    return state_bytes_by_location(step)[DEVICE]
+
+
+def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
+    """ZeRO's model-state bytes per rank for this plan at ``location``: what each stage keeps
+    whole or sharded, in each state's dtype (with bf16 compute, reduce and fp32 master: 2 + 2 +
+    12 bytes per parameter, as the ZeRO paper counts), the offloaded units' master weights and
+    optimizer states (and parameters) moved off the device."""
     plan, n = step.plan, step.comm.world_size
     stage = plan.zero.stage
     states = len(optimizer_states(plan.optimizer))
+    where = placements(step.units, plan.offload)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for u in step.units:
         d = Dtypes.of(u, plan.precision if plan.precision.mixed else None)
-        psi = u.padded_numel
-        out["params"] += psi * d.param.itemsize / (n if stage == 3 else 1)
-        if d.master != d.param:
-            out["optimizer"] += psi * d.master.itemsize / (n if stage >= 1 else 1)
-        if u.trainable:
+        psi, place = u.padded_numel, where[u.name]
+        if place.params == location:
+            out["params"] += psi * d.param.itemsize / (n if stage == 3 else 1)
+        sharded = n if stage >= 1 else 1
+        if place.optimizer == location and (
+            d.master != d.param or (u.trainable and place.offloaded)
+        ):
+            out["optimizer"] += psi * d.master.itemsize / sharded
+        if u.trainable and location == DEVICE:
             grad = d.reduce if stage <= 1 else d.master
             out["grads"] += psi * grad.itemsize / (n if stage >= 2 else 1)
-            out["optimizer"] += states * psi * d.master.itemsize / (n if stage >= 1 else 1)
+        if u.trainable and place.optimizer == location:
+            out["optimizer"] += states * psi * d.master.itemsize / sharded
     out["total"] = sum(out.values())
     return out
+
+
+def transfer_bytes_per_step(step: TrainStep) -> dict[str, int]:
+    """Bytes offload moves per optimizer step per rank, by direction (to_host, to_device,
+    nvme_read, nvme_write), as the compiled programs' copies record them."""
+    if not step.programs:
+        return {}
+    signature = next(iter(step.programs))[0]
+    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
+    return transfer_bytes(programs, step.plan.grad_accumulation)
+
+
+def transfer_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
+    """Bytes per transfer direction per optimizer step, from the programs that step (``True``)
+    and accumulate (``False``)."""
+    out: dict[str, int] = defaultdict(int)
+    for boundary, gm in programs.items():
+        times = 1 if boundary else grad_accumulation - 1
+        for node in gm.graph.nodes:
+            if info(node).stream == "copy" and info(node).bytes:
+                out[node.args[-1]] += times * info(node).bytes
+    return dict(out)
+
+
+def recompute_summary(gm: fx.GraphModule) -> tuple[int, set[str]]:
+    """How many ops the recompute pass copied into backward, and of which units' modules."""
+    recomputed = [n for n in gm.graph.nodes if (info(n).note or "").startswith("recomputed")]
+    return len(recomputed), {info(n).note.partition("forward of ")[2] for n in recomputed}
 
 
 def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
@@ -118,7 +172,30 @@ def explain_step(step: TrainStep) -> str:
         lines.append(
             f"  {cat:<26}{human_bytes(measured.get(cat, 0)):>12}{human_bytes(formula[cat]):>14}"
         )
+    if step.plan.offload.enabled:
+        lines += ["", *offload_lines(step)]
     return "\n".join(lines)
+
+
+def offload_lines(step: TrainStep) -> list[str]:
+    """Where every byte of the model states lives (device, host, NVMe; measured), and the
+    traffic offload adds per optimizer step."""
+    pools = state_bytes_by_location(step)
+    offloaded = [u for u, p in placements(step.units, step.plan.offload).items() if p.offloaded]
+    lines = [
+        f"offload: optimizer {step.plan.offload.optimizer}, params {step.plan.offload.params}, "
+        f"{len(offloaded)} of {len(step.units)} units (ratio {step.plan.offload.ratio:g})",
+        f"where the model states live{'':<2}" + "".join(f"{w:>12}" for w in LOCATIONS),
+    ]
+    for cat in ("params", "grads", "optimizer", "total"):
+        row = "".join(f"{human_bytes(pools[w].get(cat, 0)):>12}" for w in LOCATIONS)
+        lines.append(f"  {cat:<26}{row}")
+    lines.append("offload traffic per optimizer step, per rank:")
+    if not step.programs:
+        lines.append("  (known once the step is compiled, at its first call)")
+    for direction, nbytes in sorted(transfer_bytes_per_step(step).items()):
+        lines.append(f"  {direction:<16}{human_bytes(nbytes):>12}")
+    return lines
 
 
 def predicted_time_line(step: TrainStep) -> str:
@@ -160,6 +237,8 @@ def describe(step: TrainStep) -> dict[str, Any]:
         "model_state_bytes": model_state_bytes(step),
         "formula_bytes": formula_bytes(step),
         "comm_bytes_per_step": comm_bytes_per_step(step),
+        "state_bytes_by_location": state_bytes_by_location(step),
+        "transfer_bytes_per_step": transfer_bytes_per_step(step),
         "loss_scale": step.loss_scale,
         "skipped_steps": step.skipped_steps,
     }

@@ -4,10 +4,12 @@ Two parts. **Model states** are the persistent tensors of the plan (``zerocc/sta
 runtime allocates exactly these, so their bytes are exact. **Transient memory** follows the
 program's liveness: a node's result occupies its storage from the node until the last use of
 anything that aliases that storage (views, ``wait``), as the eager backend's generated code
-drops references; a collective holds its inputs until its wait (its work handle keeps them);
-``zerocc.free`` releases a gathered unit at once. In-place ops and views
-allocate nothing. Storages made by an all-gather count as *gathered*; every other transient
-(activations saved for backward, gradients, packed buckets) as *activations*.
+drops references; a collective (or a copy) holds its inputs until its wait (its work handle
+keeps them); ``zerocc.free`` releases a gathered unit at once. In-place ops and views allocate
+nothing. Storages made by an all-gather count as *gathered*; every other transient (activations
+saved for backward, gradients, packed buckets) as *activations*. What offload keeps in host
+memory or on NVMe (states, and the host buffers of its copies) is not device memory: model
+states there are reported apart (``host``, ``nvme``), host buffers not at all.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from zerocc.ir import (
     val,
 )
 from zerocc.plan import Plan
-from zerocc.state import state_specs
+from zerocc.state import DEVICE, HOST, state_specs
 from zerocc.timeline import MemoryTimeline
 from zerocc.units import Unit
 
@@ -49,17 +51,18 @@ STATE_CATEGORY = {
 
 
 def model_state_bytes_of(units: list[Unit], plan: Plan) -> dict[str, int]:
-    """Bytes of the plan's persistent state per category (params, grads, optimizer, total).
+    """Bytes of the plan's persistent state on the device per category (params, grads,
+    optimizer, total), and of what offload places elsewhere (``host``, ``nvme``: totals).
     Views (stages 1-2 ``param_shard``) are not counted twice."""
     out: dict[str, int] = defaultdict(int)
     for spec in state_specs(units, plan):
         if spec.key.endswith(".param_shard"):
             continue
-        numel = 1
-        for size in spec.shape:
-            numel *= size
-        out[STATE_CATEGORY[spec.role]] += numel * spec.dtype.itemsize
-    out["total"] = sum(out.values())
+        if spec.location == DEVICE:
+            out[STATE_CATEGORY[spec.role]] += spec.nbytes
+        else:
+            out[spec.location] += spec.nbytes
+    out["total"] = sum(out[c] for c in ("params", "grads", "optimizer"))
     return dict(out)
 
 
@@ -89,8 +92,8 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _done(user: fx.Node) -> fx.Node:
-    """Where a use by ``user`` ends: a collective reads its inputs until its wait."""
-    if info(user).stream == "comm" and info(user).bytes and len(user.users) == 1:
+    """Where a use by ``user`` ends: a collective or a copy reads its inputs until its wait."""
+    if info(user).stream != "compute" and info(user).bytes and len(user.users) == 1:
         return next(iter(user.users))
     return user
 
@@ -111,6 +114,8 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
             if node.op == "placeholder":
                 persistent.add(key)
                 continue
+            if info(node).pool == HOST:  # host buffers of offload: not device memory
+                persistent.add(key)
             if key not in born and key not in persistent:
                 category = transient_category(node)
                 born[key] = (i, t.untyped_storage().nbytes(), category)

@@ -25,7 +25,7 @@ from zerocc.capture import LossFn, describe_model
 from zerocc.comm import Comm, TorchComm, use_comm
 from zerocc.compiler import compile_program
 from zerocc.dumps import dump_dir, write_program_dumps, write_run_dumps
-from zerocc.errors import CaptureError, RankMismatchError
+from zerocc.errors import CaptureError, OffloadError, RankMismatchError
 from zerocc.explain import explain_step, model_state_bytes
 from zerocc.ir import (
     BATCH,
@@ -170,6 +170,12 @@ class TrainStep:
                 use_kernels(self.plan.backend.kernels),
             ):
                 loss = run(program, args) if run else program.run(*args)
+        except OffloadError as exc:
+            forget_pending()
+            raise OffloadError(
+                f"rank {self.comm.rank}, step {self.steps + 1}: {exc}. Training stopped: this "
+                "step's update is incomplete; load the last checkpoint to go on"
+            ) from exc
         except BaseException:
             forget_pending()
             raise

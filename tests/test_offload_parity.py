@@ -1,0 +1,79 @@
+"""Offload on 2 gloo ranks: every placement trains as unsharded training does, and exactly as
+the same plan without offload.
+
+Two checks per case. Against the one-process reference with the tolerances of the other parity
+tests (fp32 1e-5, see test_parity.py; bf16 1e-2, see test_mixed_precision.py). And against the
+same plan without offload with no tolerance at all: offload moves states and copies tensors,
+the update runs the same kernel on the same fp32 values wherever they live, and the compute
+copy is cast from the same master, so losses and weights must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from multirank import run_ranks
+from parity import case_id, reference, relative_difference, train
+
+NVME = Path(tempfile.gettempdir()) / "zerocc-test-nvme"
+NVME.mkdir(exist_ok=True)
+CPU = {"optimizer": "cpu"}
+ON_NVME = {"optimizer": "nvme", "nvme_path": str(NVME)}
+CLIPPED = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}
+BF16 = {"param": "bf16"}
+
+CASES = [
+    {"model": "gpt", "stage": 3, "offload": CPU},
+    {"model": "gpt", "stage": 3, "offload": ON_NVME},
+    {"model": "gpt", "stage": 3, "offload": {**CPU, "ratio": 0.5}},
+    {"model": "gpt", "stage": 3, "offload": {"params": "cpu"}},
+    {"model": "gpt", "stage": 3, "offload": {"params": "nvme", "nvme_path": str(NVME)}},
+    {"model": "gpt", "stage": 2, "offload": CPU},
+    {"model": "gpt", "stage": 1, "offload": ON_NVME, "accum": 2, "optimizer": CLIPPED},
+    {"model": "odd", "stage": 2, "offload": {**ON_NVME, "ratio": 0.5},
+     "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},
+    {"model": "gpt", "stage": 3, "offload": {**CPU, "params": "cpu"}, "precision": BF16},
+    {"model": "gpt", "stage": 2, "offload": ON_NVME, "precision": BF16},
+    # Everything together: part of the model on NVMe, parameters on the host, recomputation.
+    {"model": "gpt", "stage": 3, "accum": 2, "optimizer": CLIPPED,
+     "offload": {**ON_NVME, "params": "cpu", "ratio": 0.5},
+     "checkpointing": {"units": "all"}},
+    {"model": "gpt", "stage": 3, "precision": BF16, "checkpointing": {"units": "all"},
+     "offload": {**ON_NVME, "params": "nvme"}},
+]  # fmt: skip
+
+
+def _pair(case: dict) -> tuple[dict, dict]:
+    offloaded = {"world": 2, "steps": 3, **case}
+    return offloaded, {k: v for k, v in offloaded.items() if k != "offload"}
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return run_ranks(2, train, [c for case in CASES for c in _pair(case)])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: case_id({"world": 2, **c}))
+def test_offload_matches_unsharded_training_and_the_plan_without_it(case):
+    offloaded, resident = _pair(case)
+    tol = 1e-2 if "precision" in case else 1e-5
+    ref_losses, ref_state = reference(offloaded)
+    for rank, result in enumerate(_results()):
+        ours = result[case_id(offloaded)]["losses"]
+        assert ours == result[case_id(resident)]["losses"], rank
+        for i, (a, b) in enumerate(zip(ours, ref_losses[rank], strict=True)):
+            assert abs(a - b) <= tol * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
+    params = _results()[0][case_id(offloaded)]["params"]
+    resident_params = _results()[0][case_id(resident)]["params"]
+    for name, ref in ref_state.items():
+        assert torch.equal(params[name], resident_params[name]), name
+        assert relative_difference(params[name], ref) <= tol, name
+
+
+def test_state_files_are_removed_at_exit():
+    _results()
+    assert not any(NVME.iterdir()), list(NVME.iterdir())
