@@ -168,7 +168,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     )
     if args.table:
         estimates = [
-            estimate(_inspection(args, _with_stage(plan, stage)), rates) for stage in range(4)
+            estimate(_inspection(args, _with_stage(plan, stage)), rates)
+            for stage in _stages_for(plan)
         ]
         if args.json:
             print(json.dumps([e.as_dict() for e in estimates], indent=2))
@@ -178,6 +179,13 @@ def run_estimate(args: argparse.Namespace) -> int:
     result = estimate(_inspection(args, plan), rates)
     print(json.dumps(result.as_dict(), indent=2) if args.json else _estimate_text(plan, result))
     return 0
+
+
+def _stages_for(plan: Plan) -> list[int]:
+    """The stages the plan's offload section allows (optimizer offload: 1-3; params: 3)."""
+    if plan.offload.params != "none":
+        return [3]
+    return [1, 2, 3] if plan.offload.optimizer != "none" else [0, 1, 2, 3]
 
 
 def _with_stage(plan: Plan, stage: int) -> Plan:
@@ -191,6 +199,8 @@ ROWS = (
     ("grads", lambda e: e.model_states.get("grads", 0)),
     ("optimizer states", lambda e: e.model_states.get("optimizer", 0)),
     ("model states", lambda e: e.model_states["total"]),
+    ("  + in host memory", lambda e: e.offloaded["host"]),
+    ("  + on NVMe", lambda e: e.offloaded["nvme"]),
     ("gathered units (peak)", lambda e: e.peak["gathered"]),
     ("activations (peak)", lambda e: e.peak["activations"]),
     ("peak", lambda e: e.peak["total"]),
@@ -205,9 +215,16 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
         "",
         "memory per rank (predicted from the scheduled program):",
     ]
-    lines += [f"  {name:<24}{human_bytes(get(e)):>12}" for name, get in ROWS]
+    lines += [
+        f"  {name:<24}{human_bytes(get(e)):>12}"
+        for name, get in ROWS
+        if plan.offload.enabled or not name.startswith("  +")
+    ]
     lines += ["", "communication per optimizer step, per rank:"]
     lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.comm.items())]
+    if e.transfers:
+        lines += ["", "offload traffic per optimizer step, per rank:"]
+        lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.transfers.items())]
     if e.timing is not None and e.rates is not None:
         t = e.timing
         lines += [
@@ -264,11 +281,18 @@ def _estimate_table(plan: Plan, estimates: list[Estimate]) -> str:
         "-" * len(header),
     ]
     for name, get in ROWS:
-        lines.append(f"{name:<26}" + "".join(f"{human_bytes(get(e)):>12}" for e in estimates))
+        if plan.offload.enabled or not name.startswith("  +"):
+            row = "".join(f"{human_bytes(get(e)):>12}" for e in estimates)
+            lines.append(f"{name:<26}{row}")
     for kind in kinds:
         lines.append(
             f"{kind + ' / step':<26}"
             + "".join(f"{human_bytes(e.comm.get(kind, 0)):>12}" for e in estimates)
+        )
+    for kind in sorted({k for e in estimates for k in e.transfers}):
+        lines.append(
+            f"{kind + ' / step':<26}"
+            + "".join(f"{human_bytes(e.transfers.get(kind, 0)):>12}" for e in estimates)
         )
     if all(e.timing is not None for e in estimates):
         for name, get in TIME_ROWS:

@@ -16,11 +16,12 @@ import torch
 from zerocc.capture import describe_model
 from zerocc.compiler import CompiledProgram, compile_program
 from zerocc.cost import DeviceRates, rates_for
-from zerocc.explain import comm_bytes
+from zerocc.explain import comm_bytes, transfer_bytes
 from zerocc.memory import model_state_bytes_of, predict_memory
 from zerocc.pass_manager import PassRecord, build_pipeline
 from zerocc.plan import Plan, load_plan
 from zerocc.simulate import Simulation, predict_step
+from zerocc.state import HOST, NVME
 from zerocc.timeline import MemoryTimeline
 from zerocc.units import Unit
 from zerocc.workload import Workload, load_workload
@@ -94,6 +95,8 @@ class Estimate:
     model_states: dict[str, int]  # params, grads, optimizer, total (exact: the plan's state)
     peak: dict[str, int]  # total, and gathered / activations at their own highest
     comm: dict[str, int]  # bytes per collective kind per optimizer step
+    offloaded: dict[str, int]  # model-state bytes off the device: host, nvme
+    transfers: dict[str, int]  # bytes offload moves per step: to_host, to_device, nvme_read, ...
     timeline: MemoryTimeline = field(repr=False)
     timing: Simulation | None = field(default=None, repr=False)  # the simulated step
     rates: DeviceRates | None = None  # the cost model's rates behind ``timing``
@@ -106,6 +109,8 @@ class Estimate:
             "model_states": self.model_states,
             "peak": self.peak,
             "comm_bytes_per_step": self.comm,
+            "offloaded_model_states": self.offloaded,
+            "transfer_bytes_per_step": self.transfers,
         }
         if self.timing is not None and self.rates is not None:
             timing = {k: v for k, v in self.timing.as_dict().items() if k != "peak_bytes"}
@@ -134,11 +139,22 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
     }
     programs = {b: p.gm for b, p in inspection.programs.items()}
     comm = comm_bytes(programs, plan.grad_accumulation)
+    transfers = transfer_bytes(programs, plan.grad_accumulation)
+    offloaded = {where: states.get(where, 0) for where in (HOST, NVME)}
     rates = rates or rates_for(plan)
     timing = predict_step(programs, plan.grad_accumulation, rates, inspection.world_size)
     timing.peak_bytes, timing.memory = total, timeline
     return Estimate(
-        plan.zero.stage, inspection.world_size, states, peak, comm, timeline, timing, rates
+        plan.zero.stage,
+        inspection.world_size,
+        states,
+        peak,
+        comm,
+        offloaded,
+        transfers,
+        timeline,
+        timing,
+        rates,
     )
 
 
