@@ -220,3 +220,31 @@ def test_nvme_offload_lowers_the_peak_resident_memory(tmp_path):
     in_memory = _peak_rss({"optimizer": "cpu"})
     on_disk = _peak_rss({"optimizer": "nvme", "nvme_path": str(tmp_path)})
     assert in_memory - on_disk >= 100 * 2**20, (in_memory / 2**20, on_disk / 2**20)
+
+
+# -- zerocc estimate ----------------------------------------------------------------------
+
+
+def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
+    from workload import workload
+
+    from zerocc.inspection import estimate, inspect_plan
+
+    small = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4}
+    plan = {
+        **_plan(tmp_path, optimizer="nvme", params="cpu", ratio=0.5),
+        "workload": "workload:workload",
+        "workload_args": small,
+    }
+    work = workload(**small)
+    step = zerocc.compile(work.model, plan)
+    step(*next(work.batches(0, 1)))
+    predicted = estimate(inspect_plan(plan, 1, workload(**small)))
+    measured = state_bytes_by_location(step)
+    assert predicted.model_states["total"] == measured["device"]["total"]
+    assert predicted.offloaded["host"] == measured["host"]["total"] > 0
+    # Files hold a header (< 512 bytes) besides each state.
+    nvme_states = predicted.offloaded["nvme"]
+    assert nvme_states <= measured["nvme"]["total"] <= nvme_states + 512 * len(step.nvme_specs)
+    assert predicted.transfers == describe(step)["transfer_bytes_per_step"]
+    assert predicted.transfers == dict(step.transfers.stats.bytes)  # what the copies moved
