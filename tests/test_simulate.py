@@ -39,6 +39,13 @@ class Program:
         self.costs[start] = seconds
         return tag(start, stream="comm", bytes=nbytes, unit="u")
 
+    def copy(self, seconds: float, direction: str = "to_host") -> fx.Node:
+        start = self.graph.call_function(
+            zerocc_ops.copy_start.default, (self.x, torch.device("cpu"), direction)
+        )
+        self.costs[start] = seconds
+        return tag(start, stream="copy", bytes=1000, unit="u")
+
     def wait(self, start: fx.Node) -> fx.Node:
         self.last = self.graph.call_function(zerocc_ops.wait.default, (start,))
         return tag(self.last, stream="comm", unit="u")
@@ -71,6 +78,23 @@ def test_a_wait_right_after_its_start_exposes_all_of_it():
     assert sim.step_s == pytest.approx(4.5)
     (record,) = sim.collectives
     assert (record.issued_s, record.start_s, record.end_s, record.waited_s) == (1.0, 1.0, 3.5, 1.0)
+
+
+def test_copies_run_on_their_own_stream_beside_collectives():
+    """A copy and a collective issued together both run from their issue; each wait blocks
+    only for its own transfer."""
+    p = Program()
+    gather, copy = p.gather(2.0), p.copy(3.0)
+    p.compute(1.0)
+    p.wait(gather)  # exposed 1
+    p.wait(copy)  # exposed 1 more: the copy ran from 0 to 3, beside the gather
+    sim = simulate(p.module(), p.costs)
+    assert sim.exposed_s == pytest.approx(2.0)
+    assert sim.step_s == pytest.approx(3.0)
+    assert sim.comm_s == pytest.approx(2.0) and sim.copy_s == pytest.approx(3.0)
+    assert len(sim.collectives) == 1  # copies are not collectives
+    tracks = {e.track for e in sim.events}
+    assert {"comm", "copy"} <= tracks
 
 
 def test_two_collectives_queue_in_issue_order():

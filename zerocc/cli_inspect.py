@@ -235,6 +235,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
             f"  {'communication':<24}{human_seconds(t.comm_s):>12}",
             f"  {'exposed communication':<24}{human_seconds(t.exposed_s):>12}"
             f"  ({100 * t.exposed_fraction:.0f}% of the step)",
+            *([f"  {'offload copies':<24}{human_seconds(t.copy_s):>12}"] if e.transfers else []),
             f"  {'peak memory':<24}{human_bytes(e.peak['total']):>12}",
             "",
             f"rates ({_sources(e.rates)}):",
@@ -252,7 +253,8 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-RATE_NAMES = ("compute", "memory", "overhead", "link", "latency", "overlap")  # of RATE_FIELDS
+RATE_NAMES = ("compute", "memory", "overhead", "link", "latency", "overlap", "host link", "nvme",
+              "host memory")  # of RATE_FIELDS  # fmt: skip
 
 
 def _sources(rates: DeviceRates) -> str:

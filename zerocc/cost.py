@@ -30,6 +30,12 @@ rate ``comm_overlap`` (1 on a GPU; on a CPU whose cores are all busy computing, 
 share of a collective's transfer (the bandwidth term) that can run alongside compute; the rest
 is taken from the compute stream (:meth:`CostModel.stolen`), so on a CPU a hidden collective
 hides its waiting, not its copying.
+
+**Offload**: a copy between device and host takes ``overhead + bytes / host_link`` (PCIe on a
+GPU; on a CPU-only machine an inline memcpy, taken whole from the compute stream), an NVMe read
+or write ``overhead + bytes / nvme`` (on the store's I/O threads); both run on the copy
+stream. An op on host tensors of a GPU plan (the update of an offloaded unit) runs at the
+host's memory rate, ``host_memory``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from zerocc.ir import info, is_alias_op, op_name, val
 from zerocc.memory import tensors_in
 from zerocc.ops import COLLECTIVE_STARTS
 from zerocc.rank import plan_device
+from zerocc.transfers import TRANSFER_STARTS
 
 if TYPE_CHECKING:
     from zerocc.plan import Plan
@@ -71,6 +78,9 @@ DEFAULT_RATES: dict[str, dict[str, Any]] = {
         "link_bytes_per_s": 2e9,
         "latency_s": 50e-6,
         "comm_overlap": 0.0,
+        "host_link_bytes_per_s": 8e9,
+        "nvme_bytes_per_s": 2e9,
+        "host_memory_bytes_per_s": 8e9,
     },
     # One H100/H200-class GPU: ~70% of the 989 TFLOP/s bf16/fp16 dense peak, plain fp32 (no TF32)
     # ~50 TFLOP/s, ~3 TB/s of HBM, ~5 us per eagerly launched op; one 400 Gbit/s NDR InfiniBand
@@ -82,10 +92,17 @@ DEFAULT_RATES: dict[str, dict[str, Any]] = {
         "link_bytes_per_s": 400e9 / 8,
         "latency_s": 5e-6,
         "comm_overlap": 1.0,
+        # PCIe Gen5 x16 from pinned memory (~50 GB/s peak), a datacenter NVMe drive, and the
+        # host's multi-threaded elementwise rate for the offloaded update.
+        "host_link_bytes_per_s": 40e9,
+        "nvme_bytes_per_s": 3e9,
+        "host_memory_bytes_per_s": 40e9,
     },
 }
 RATE_FIELDS = ("compute_flops", "memory_bytes_per_s", "overhead_s", "link_bytes_per_s",
-               "latency_s", "comm_overlap")  # fmt: skip
+               "latency_s", "comm_overlap", "host_link_bytes_per_s", "nvme_bytes_per_s",
+               "host_memory_bytes_per_s")  # fmt: skip
+OFFLOAD_RATES = RATE_FIELDS[6:]  # absent from calibration files older than offload
 
 
 @dataclass
@@ -99,6 +116,9 @@ class DeviceRates:
     link_bytes_per_s: float  # per-rank interconnect bandwidth
     latency_s: float  # per-hop latency of a collective (the alpha term)
     comm_overlap: float  # share of a collective's transfer that runs alongside compute (0-1)
+    host_link_bytes_per_s: float = 8e9  # copies between device and host memory (PCIe)
+    nvme_bytes_per_s: float = 2e9  # reads and writes of offloaded state files
+    host_memory_bytes_per_s: float = 8e9  # ops on host tensors while the device is a GPU
     # Fitted per collective kind where a backend runs them unlike one ring (gloo's all-gather
     # moves a byte about half as fast as its all-reduce): kind -> latency_s, link_bytes_per_s.
     # Setting the link or latency (plan, flags) drops them.
@@ -145,6 +165,9 @@ class DeviceRates:
             "link_bytes_per_s": self.link_bytes_per_s,
             "latency_s": self.latency_s,
             "comm_overlap": self.comm_overlap,
+            "host_link_bytes_per_s": self.host_link_bytes_per_s,
+            "nvme_bytes_per_s": self.nvme_bytes_per_s,
+            "host_memory_bytes_per_s": self.host_memory_bytes_per_s,
             "collectives": {k: dict(v) for k, v in self.collectives.items()},
         }
 
@@ -155,7 +178,9 @@ class DeviceRates:
             f"{self.device}: compute TFLOP/s {flops}; memory {self.memory_bytes_per_s / 1e9:.3g}"
             f" GB/s; {self.overhead_s * 1e6:.3g} us per op; link "
             f"{self.link_bytes_per_s * 8 / 1e9:.3g} Gbit/s, {self.latency_s * 1e6:.3g} us per hop,"
-            f" {100 * self.comm_overlap:.0f}% overlappable with compute"
+            f" {100 * self.comm_overlap:.0f}% overlappable with compute; host link "
+            f"{self.host_link_bytes_per_s / 1e9:.3g} GB/s, NVMe {self.nvme_bytes_per_s / 1e9:.3g}"
+            f" GB/s, host memory {self.host_memory_bytes_per_s / 1e9:.3g} GB/s"
         )
         for kind, fitted in sorted(self.collectives.items()):
             line += (f"; {kind} {fitted['link_bytes_per_s'] * 8 / 1e9:.3g} Gbit/s, "
@@ -175,7 +200,9 @@ class DeviceRates:
             rates = data["rates"]
             if data.get("format") != CALIBRATION_FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, expected {CALIBRATION_FORMAT}")
-            loaded = cls(**{k: rates[k] for k in ("device", *RATE_FIELDS)},
+            defaults = DEFAULT_RATES.get(rates["device"], DEFAULT_RATES["cpu"])
+            offload = {k: rates.get(k, defaults[k]) for k in OFFLOAD_RATES}
+            loaded = cls(**{k: rates[k] for k in ("device", *RATE_FIELDS[:6])}, **offload,
                          collectives=rates.get("collectives", {}))  # fmt: skip
         except FileNotFoundError:
             raise PlanError(f"calibration file {path}: not found") from None
@@ -217,19 +244,20 @@ def rates_for(
 
 # --- work of a node -----------------------------------------------------------------------------
 
-COMPUTE, COLLECTIVE, WAIT, FREE = "compute", "collective", "wait", "free"
+COMPUTE, COLLECTIVE, TRANSFER, WAIT, FREE = "compute", "collective", "transfer", "wait", "free"
 
 
 @dataclass(frozen=True)
 class NodeWork:
     """What one node does, independent of rates."""
 
-    kind: str  # compute | collective | wait | free (no cost: placeholders, getitem, output)
+    kind: str  # compute | collective | transfer | wait | free (free: placeholders, getitem, ...)
     flops: float = 0.0
-    bytes: int = 0  # compute: bytes read + written; collective: logical bytes per rank
+    bytes: int = 0  # compute: read + written; collective: logical bytes per rank; transfer: moved
     dtype: str | None = None  # dtype of the FLOPs (fp32, bf16, ...)
     ranks: int = 0  # collective: ranks taking part, when the op says (0: the world size)
-    collective: str = ""  # collective: all_gather | reduce_scatter | all_reduce
+    collective: str = ""  # collective: all_gather | ...; transfer: to_host | nvme_read | ...
+    host: bool = field(default=False, compare=False)  # compute on host tensors only
 
 
 _WORK_KEY = "zerocc_work"
@@ -251,13 +279,18 @@ def _work_of(node: fx.Node) -> NodeWork:
     if name.removeprefix("zerocc.") in COLLECTIVE_STARTS:
         ranks, kind = _ranks(node, name), collective_kind(node)
         return NodeWork(COLLECTIVE, bytes=info(node).bytes, ranks=ranks, collective=kind)
+    if name.removeprefix("zerocc.") in TRANSFER_STARTS:
+        return NodeWork(TRANSFER, bytes=info(node).bytes, collective=node.args[-1])
     if name == "zerocc.wait":
         return NodeWork(WAIT)
     if _is_view(node) or name == "zerocc.free":
         return NodeWork(COMPUTE)  # a view or a release: the op's overhead only
     args, kwargs = _values(node.args), _values(node.kwargs)
     flops, dtype = _flops(node, args, kwargs)
-    return NodeWork(COMPUTE, flops=flops, bytes=_bytes_moved(node, args, kwargs), dtype=dtype)
+    inputs = tensors_in([*args, *kwargs.values()])
+    host = bool(inputs) and all(t.device.type == "cpu" for t in inputs)
+    moved = _bytes_moved(node, args, kwargs)
+    return NodeWork(COMPUTE, flops=flops, bytes=moved, dtype=dtype, host=host)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -364,11 +397,22 @@ class CostModel:
         return seconds
 
     def work_time(self, work: NodeWork) -> float:
+        if work.kind == COMPUTE and work.host and self.rates.device != "cpu":
+            return self.rates.overhead_s + work.bytes / self.rates.host_memory_bytes_per_s
         if work.kind == COMPUTE:
             return self.compute_time(work.flops, work.bytes, work.dtype)
         if work.kind == COLLECTIVE:
             return self.collective_time(work.collective, work.bytes, work.ranks or self.world_size)
+        if work.kind == TRANSFER:
+            return self.transfer_time(work.collective, work.bytes)
         return 0.0
+
+    def transfer_time(self, direction: str, nbytes: float) -> float:
+        """A copy between device and host (``to_host``, ``to_device``) or an NVMe read or
+        write of ``nbytes``."""
+        r = self.rates
+        rate = r.nvme_bytes_per_s if direction.startswith("nvme") else r.host_link_bytes_per_s
+        return r.overhead_s + nbytes / rate
 
     def compute_time(self, flops: float, nbytes: float, dtype: str | None = None) -> float:
         """Roofline: the op's overhead plus the longer of its math and its memory traffic."""
@@ -387,6 +431,9 @@ class CostModel:
         """Compute-stream seconds a collective takes while it runs: the share of its transfer
         that cannot overlap compute (``1 - comm_overlap`` of the bandwidth term)."""
         work = node_work(node)
+        if work.kind == TRANSFER:  # on a CPU-only machine a copy is an inline memcpy
+            inline = self.rates.device == "cpu" and not work.collective.startswith("nvme")
+            return self(node) if inline else 0.0
         ranks = work.ranks or self.world_size
         if work.kind != COLLECTIVE or ranks <= 1 or self.rates.comm_overlap >= 1:
             return 0.0

@@ -1,4 +1,4 @@
-"""Replay a scheduled program on the two streams of one rank and predict how long it takes.
+"""Replay a scheduled program on the streams of one rank and predict how long it takes.
 
 Every rank runs the same program, so one rank is simulated. In program order:
 
@@ -12,9 +12,13 @@ Every rank runs the same program, so one rank is simulated. In program order:
   copies with the cores that compute, see :mod:`zerocc.cost`); that time is exposed too, charged
   when the collective is issued.
 
-The step lasts until both streams are done. The events use the tracks of a measured run
+Offload's copies (:mod:`zerocc.transfers`) run the same way on a third stream, **copy**: FIFO
+among themselves, beside the collectives; a wait on one that is not done is exposed too.
+
+The step lasts until every stream is done. The events use the tracks of a measured run
 (:mod:`zerocc.measure`): compute ops, and a blocking wait as an ``exposed`` compute event, on
-"compute"; each collective on "comm", from when it starts moving bytes to when it ends.
+"compute"; each collective on "comm", each copy on "copy", from when it starts moving bytes to
+when it ends.
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from typing import Any
 
 from torch import fx
 
-from zerocc.cost import CostModel, DeviceRates, collective_kind
+from zerocc.cost import TRANSFER, CostModel, DeviceRates, collective_kind, node_work
 from zerocc.ir import info, op_name
 from zerocc.measure import EXPOSED
 from zerocc.memory import predict_memory
 from zerocc.ops import COLLECTIVE_STARTS
 from zerocc.timeline import MemoryTimeline, TraceEvent
+from zerocc.transfers import TRANSFER_STARTS
+
+STARTS = (*COLLECTIVE_STARTS, *TRANSFER_STARTS)
 
 Costs = Callable[[fx.Node], float] | Mapping[fx.Node, float]
 
@@ -40,7 +47,7 @@ class CollectiveRecord:
     """One simulated collective (seconds from the start of the step)."""
 
     node: str  # name of its start node
-    kind: str  # all_gather | reduce_scatter | all_reduce
+    kind: str  # all_gather | reduce_scatter | all_reduce; a copy: to_host | nvme_read | ...
     unit: str | None
     bytes: int  # logical bytes per rank (ZeRO's accounting)
     issued_s: float  # when the compute stream issued it
@@ -63,6 +70,7 @@ class Simulation:
     peak_bytes: int | None = None  # predicted peak memory (predict_memory), when states given
     memory: MemoryTimeline | None = field(default=None, repr=False)
     stolen_s: float = 0.0  # of exposed_s: compute time collectives took while running
+    copy_s: float = 0.0  # copy stream busy (offload's copies and NVMe I/O)
 
     @property
     def exposed_fraction(self) -> float:
@@ -78,6 +86,7 @@ class Simulation:
             "exposed_comm_ms": self.exposed_s * 1e3,
             "exposed_comm_pct": 100 * self.exposed_fraction,
             "stolen_ms": self.stolen_s * 1e3,
+            "copy_ms": self.copy_s * 1e3,
             "peak_bytes": self.peak_bytes,
         }
 
@@ -101,7 +110,7 @@ def simulate(
         if node.op != "call_function":
             continue
         name = op_name(node.target)
-        if name.removeprefix("zerocc.") in COLLECTIVE_STARTS:
+        if name.removeprefix("zerocc.") in STARTS:
             replay.issue(node)
         elif name == "zerocc.wait":
             replay.wait(node)
@@ -109,15 +118,16 @@ def simulate(
             replay.run(node)
     memory = predict_memory(gm, model_states) if model_states is not None else None
     return Simulation(
-        step_s=max(replay.compute, replay.comm_free),
+        step_s=max(replay.compute, *replay.free.values()),
         compute_s=replay.busy,
-        comm_s=replay.comm_busy,
+        comm_s=replay.stream_busy["comm"],
         exposed_s=replay.exposed,
         collectives=replay.records,
         events=replay.events,
         peak_bytes=memory.peak()[1] if memory is not None else None,
         memory=memory,
         stolen_s=replay.stolen,
+        copy_s=replay.stream_busy["copy"],
     )
 
 
@@ -129,12 +139,14 @@ def _lookup(costs: Costs | None) -> Callable[[fx.Node], float]:
 
 
 class _Replay:
-    """The two streams of one rank, advanced node by node (seconds)."""
+    """The streams of one rank, advanced node by node (seconds)."""
 
     def __init__(self, cost: Callable, steal: Callable, issue_s: float, rank: int) -> None:
         self.cost, self.steal, self.issue_s, self.rank = cost, steal, issue_s, rank
-        self.compute = self.comm_free = 0.0  # when each stream is next free
-        self.busy = self.comm_busy = self.exposed = self.stolen = 0.0
+        self.compute = 0.0  # when the compute stream is next free
+        self.free = {"comm": 0.0, "copy": 0.0}  # when each other stream is
+        self.stream_busy = {"comm": 0.0, "copy": 0.0}
+        self.busy = self.exposed = self.stolen = 0.0
         self.events: list[TraceEvent] = []
         self.records: list[CollectiveRecord] = []
         self.pending: dict[fx.Node, CollectiveRecord] = {}
@@ -152,16 +164,18 @@ class _Replay:
             self.events.append(_event(self.rank, node, issued, self.issue_s))
             self.compute += self.issue_s
             self.busy += self.issue_s
-        begin = max(issued, self.comm_free)  # FIFO behind the collectives already issued
-        self.comm_free = begin + duration
-        self.comm_busy += duration
-        kind = collective_kind(node)
-        record = CollectiveRecord(
-            node.name, kind, info(node).unit, info(node).bytes, issued, begin, self.comm_free
-        )
+        copy = node_work(node).kind == TRANSFER
+        stream = "copy" if copy else "comm"
+        begin = max(issued, self.free[stream])  # FIFO behind what the stream already has
+        self.free[stream] = end = begin + duration
+        self.stream_busy[stream] += duration
+        kind = node.args[-1] if copy else collective_kind(node)
+        record = CollectiveRecord(node.name, kind, info(node).unit, info(node).bytes, issued,
+                                  begin, end)  # fmt: skip
         self.pending[node] = record
-        self.records.append(record)
-        self.events.append(_comm_event(self.rank, record))
+        if not copy:
+            self.records.append(record)
+        self.events.append(_comm_event(self.rank, record, stream))
         taken = self.steal(node)
         if taken:
             self._expose(f"transfer {_named(record)}", node, taken, stolen=True)
@@ -193,7 +207,7 @@ def _started_by(wait: fx.Node) -> fx.Node | None:
     """The collective start a wait completes (through views, should a pass put one between)."""
     node = wait.args[0] if wait.args else None
     while isinstance(node, fx.Node):
-        if op_name(node.target).removeprefix("zerocc.") in COLLECTIVE_STARTS:
+        if op_name(node.target).removeprefix("zerocc.") in STARTS:
             return node
         node = node.args[0] if node.args else None
     return None
@@ -210,9 +224,9 @@ def _event(rank: int, node: fx.Node, start_s: float, seconds: float) -> TraceEve
     return TraceEvent(rank, "compute", _title(node), start_s * 1e6, seconds * 1e6, args)
 
 
-def _comm_event(rank: int, r: CollectiveRecord) -> TraceEvent:
+def _comm_event(rank: int, r: CollectiveRecord, track: str = "comm") -> TraceEvent:
     args = {"bytes": r.bytes, "node": r.node, "issued_us": r.issued_s * 1e6}
-    return TraceEvent(rank, "comm", _named(r), r.start_s * 1e6, (r.end_s - r.start_s) * 1e6, args)
+    return TraceEvent(rank, track, _named(r), r.start_s * 1e6, (r.end_s - r.start_s) * 1e6, args)
 
 
 def simulate_step(
@@ -247,6 +261,7 @@ def simulate_step(
         total.comm_s += run.comm_s
         total.exposed_s += run.exposed_s
         total.stolen_s += run.stolen_s
+        total.copy_s += run.copy_s
     peaks = [s for s in once.values() if s.peak_bytes is not None]
     if peaks:
         highest = max(peaks, key=lambda s: s.peak_bytes or 0)
