@@ -1,7 +1,7 @@
 """The IR invariants of DESIGN.md, checked after every pass when ``ZEROCC_VERIFY=1``.
 
-1. Every collective has exactly one start and one wait, in that order, on one stream, and
-   nothing touches an in-place collective's tensor while it is in flight.
+1. Every collective (and every offload copy) has exactly one start and one wait, in that order,
+   on one stream, and nothing touches an in-place collective's tensor while it is in flight.
 2. No use of a gathered parameter before its wait or after its free.
 (3, every rank's program is identical, is checked by the runtime across ranks; 4, passes that
 change numerics are opt-in, by the pipeline builder.)
@@ -14,8 +14,9 @@ from torch import fx
 from zerocc.errors import InvariantError
 from zerocc.ir import GATHERED, alias_closure, info, op_name
 from zerocc.ops import COLLECTIVE_STARTS
+from zerocc.transfers import TRANSFER_STARTS
 
-_STARTS = {f"zerocc.{name}" for name in COLLECTIVE_STARTS}
+_STARTS = {f"zerocc.{name}" for name in (*COLLECTIVE_STARTS, *TRANSFER_STARTS)}
 
 
 def _fail(after: str, node: fx.Node, problem: str) -> InvariantError:
