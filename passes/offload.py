@@ -54,6 +54,7 @@ class _Offloader:
     def __init__(self, gm: fx.GraphModule, ctx: PassContext, where: dict[str, Placement]) -> None:
         self.gm, self.graph, self.where = gm, gm.graph, where
         self.specs = {s.key: s for s in state_specs(ctx.units, ctx.plan)}
+        self.unit_key = {u.name: u.key for u in ctx.units}
         self.bound = {info(n).key: n for n in placeholders(gm) if info(n).key in self.specs}
         self.like = next(v for v in map(val, placeholders(gm)) if isinstance(v, torch.Tensor))
         self.device = self.like.device
@@ -82,10 +83,7 @@ class _Offloader:
         )
 
     def _spec(self, unit: str, name: str) -> StateSpec:
-        return self.specs[f"{next(iter(self._unit_keys(unit)))}.{name}"]
-
-    def _unit_keys(self, unit: str) -> set[str]:
-        return {s.key.rpartition(".")[0] for s in self.specs.values() if s.unit == unit}
+        return self.specs[f"{self.unit_key[unit]}.{name}"]
 
     # -- placeholders ---------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ compare its hash (a mismatch names the first differing line).
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -383,11 +384,15 @@ class TrainStep:
 
 def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | None:
     """The NVMe store of this rank when the plan places states there, checked for room for all
-    of them (plus the temporary file of the largest write) before anything is written."""
+    of them (plus the temporary file of the largest write) before anything is written. Ranks on
+    one machine share its disk: the check counts every local rank's states
+    (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
     if not specs:
         return None
     store = NvmeStore(plan.offload.nvme_path, rank)
-    store.check_capacity(sum(s.nbytes for s in specs), largest=max(s.nbytes for s in specs))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    largest = max(s.nbytes for s in specs)
+    store.check_capacity(local_ranks * sum(s.nbytes for s in specs), largest=largest)
     return store
 
 
