@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from zerocc.ir import PARAM, info
+from zerocc.rng import is_random
 
 
 @dataclass
@@ -42,8 +43,11 @@ class ParamUses:
 
 
 def _mutates(node: fx.Node) -> bool:
+    """Writes an input, or draws random numbers: never re-derived (a second draw differs)."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+    return isinstance(target, torch._ops.OpOverload) and (
+        target._schema.is_mutable or is_random(node)
+    )
 
 
 def analyze(gm: fx.GraphModule, trainable_fqns: list[str]) -> ParamUses:

@@ -92,6 +92,11 @@ def tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
 
 
+def tiny_gpt_dropout() -> GPT:
+    """The tiny GPT with dropout after the embeddings, in attention and on both residuals."""
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1))
+
+
 def _gpt_batch(step: int, rank: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randint(0, 32, (batch, 8), generator=g)
@@ -140,3 +145,9 @@ MODELS = {
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return MODELS[name][0]()
+
+
+# Models whose forward draws random numbers, as MODELS entries. Not in MODELS: the parity matrix
+# holds every entry of it against one process training on all ranks' batches, which draws other
+# numbers; a run of one of these is compared with another run of itself (recompute on and off).
+RANDOM_MODELS = {"gpt_dropout": (tiny_gpt_dropout, _gpt_batch, {"classes": ["Block"]})}

@@ -236,7 +236,7 @@ def test_plan_error_is_a_zerocc_error_and_a_value_error():
 def test_schema_describes_every_property():
     schema = plan_json_schema()
     models = [schema, *schema["$defs"].values()]
-    assert len(models) == 10  # Plan and the nine models under it
+    assert len(models) == 12  # Plan and the eleven models under it
     for model in models:
         assert model["additionalProperties"] is False
         for name, prop in model["properties"].items():
@@ -247,6 +247,8 @@ def test_schema_lists_literal_choices():
     defs = plan_json_schema()["$defs"]
     assert defs["ZeroConfig"]["properties"]["stage"]["enum"] == [0, 1, 2, 3]
     assert defs["BackendConfig"]["properties"]["device"]["enum"] == ["auto", "cpu", "cuda"]
+    offload = defs["OffloadConfig"]["properties"]
+    assert offload["optimizer"]["enum"] == offload["params"]["enum"] == ["none", "cpu", "nvme"]
 
 
 # --- workload loading ------------------------------------------------------------------------

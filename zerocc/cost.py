@@ -283,8 +283,8 @@ def _work_of(node: fx.Node) -> NodeWork:
         return NodeWork(TRANSFER, bytes=info(node).bytes, collective=node.args[-1])
     if name == "zerocc.wait":
         return NodeWork(WAIT)
-    if _is_view(node) or name == "zerocc.free":
-        return NodeWork(COMPUTE)  # a view or a release: the op's overhead only
+    if _is_view(node) or name in ("zerocc.free", "zerocc.rng_state", "zerocc.set_rng_state"):
+        return NodeWork(COMPUTE)  # a view, a release, a generator's state: the overhead only
     args, kwargs = _values(node.args), _values(node.kwargs)
     flops, dtype = _flops(node, args, kwargs)
     inputs = tensors_in([*args, *kwargs.values()])
