@@ -12,6 +12,7 @@ import json
 
 from zerocc.cost import RATE_FIELDS, DeviceRates, rates_for
 from zerocc.errors import ZeroccError
+from zerocc.explain import describe_recompute
 from zerocc.inspection import Estimate, Inspection, estimate, inspect_plan, pass_table
 from zerocc.pass_manager import PassRecord
 from zerocc.plan import Plan, load_plan
@@ -222,6 +223,8 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     ]
     lines += ["", "communication per optimizer step, per rank:"]
     lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.comm.items())]
+    if plan.checkpointing.enabled:
+        lines += ["", describe_recompute(e.recompute)]
     if e.transfers:
         lines += ["", "offload traffic per optimizer step, per rank:"]
         lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.transfers.items())]

@@ -103,10 +103,43 @@ def transfer_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int)
     return dict(out)
 
 
-def recompute_summary(gm: fx.GraphModule) -> tuple[int, set[str]]:
-    """How many ops the recompute pass copied into backward, and of which units' modules."""
-    recomputed = [n for n in gm.graph.nodes if (info(n).note or "").startswith("recomputed")]
-    return len(recomputed), {info(n).note.partition("forward of ")[2] for n in recomputed}
+def recompute_cost(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict:
+    """What recomputation costs per optimizer step: the ops the recompute pass copied into
+    backward, their FLOPs (the cost model's count) against the step's, and the units."""
+    from zerocc.cost import COMPUTE, node_work
+
+    ops = flops = total = 0.0
+    units: set[str] = set()
+    for boundary, gm in programs.items():
+        times = 1 if boundary else grad_accumulation - 1
+        for node in gm.graph.nodes:
+            work = node_work(node)
+            done = times * work.flops if work.kind == COMPUTE else 0.0
+            total += done
+            note = info(node).note or ""
+            if note.startswith("recomputed: forward of "):
+                ops += times
+                flops += done
+                units.add(note.removeprefix("recomputed: forward of "))
+    return {"ops": int(ops), "flops": flops, "step_flops": total, "units": sorted(units)}
+
+
+def recompute_line(step: TrainStep) -> str:
+    """One line: how much of the step recomputation adds (once a program is compiled)."""
+    if not step.programs:
+        return "recomputation: known once the step is compiled, at its first call"
+    signature = next(iter(step.programs))[0]
+    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
+    return describe_recompute(recompute_cost(programs, step.plan.grad_accumulation))
+
+
+def describe_recompute(cost: dict) -> str:
+    """``recomputation: 5 units, 212 ops, +1.2 GFLOP per step (+24% of the step's FLOPs)``."""
+    share = cost["flops"] / max(cost["step_flops"] - cost["flops"], 1)
+    return (
+        f"recomputation: {len(cost['units'])} units, {cost['ops']} ops, "
+        f"+{cost['flops'] / 1e9:.3g} GFLOP per step (+{100 * share:.0f}% of the step's FLOPs)"
+    )
 
 
 def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
@@ -172,6 +205,8 @@ def explain_step(step: TrainStep) -> str:
         lines.append(
             f"  {cat:<26}{human_bytes(measured.get(cat, 0)):>12}{human_bytes(formula[cat]):>14}"
         )
+    if step.plan.checkpointing.enabled:
+        lines += ["", recompute_line(step)]
     if step.plan.offload.enabled:
         lines += ["", *offload_lines(step)]
     return "\n".join(lines)

@@ -16,7 +16,7 @@ import torch
 from zerocc.capture import describe_model
 from zerocc.compiler import CompiledProgram, compile_program
 from zerocc.cost import DeviceRates, rates_for
-from zerocc.explain import comm_bytes, transfer_bytes
+from zerocc.explain import comm_bytes, recompute_cost, transfer_bytes
 from zerocc.memory import model_state_bytes_of, predict_memory
 from zerocc.pass_manager import PassRecord, build_pipeline
 from zerocc.plan import Plan, load_plan
@@ -97,6 +97,7 @@ class Estimate:
     comm: dict[str, int]  # bytes per collective kind per optimizer step
     offloaded: dict[str, int]  # model-state bytes off the device: host, nvme
     transfers: dict[str, int]  # bytes offload moves per step: to_host, to_device, nvme_read, ...
+    recompute: dict[str, Any]  # ops, flops, step_flops, units the recompute pass added
     timeline: MemoryTimeline = field(repr=False)
     timing: Simulation | None = field(default=None, repr=False)  # the simulated step
     rates: DeviceRates | None = None  # the cost model's rates behind ``timing``
@@ -111,6 +112,7 @@ class Estimate:
             "comm_bytes_per_step": self.comm,
             "offloaded_model_states": self.offloaded,
             "transfer_bytes_per_step": self.transfers,
+            "recompute": self.recompute,
         }
         if self.timing is not None and self.rates is not None:
             timing = {k: v for k, v in self.timing.as_dict().items() if k != "peak_bytes"}
@@ -152,6 +154,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         comm,
         offloaded,
         transfers,
+        recompute_cost(programs, plan.grad_accumulation),
         timeline,
         timing,
         rates,

@@ -71,6 +71,19 @@ def test_none_recomputes_nothing_and_runs_no_pass():
     assert "recompute" not in [r.name for r in step.records]
 
 
+def test_explain_and_estimate_say_what_recomputation_costs():
+    from zerocc.explain import recompute_cost
+
+    step = compiled("all")
+    cost = recompute_cost({True: step.program}, 1)
+    assert cost["units"] == ["transformer.h.0", "transformer.h.1"]
+    assert cost["ops"] == len(recomputed(step))
+    # The blocks' forward again: more than nothing, less than a third of forward + backward.
+    assert 0 < cost["flops"] < cost["step_flops"] / 3
+    assert "recomputation: 2 units" in step.explain()
+    assert recompute_cost({True: compiled("none").program}, 1)["ops"] == 0
+
+
 def test_globs_select_units():
     assert {info(n).note for n in recomputed(compiled(["transformer.h.1"]))} == {
         NOTE + "transformer.h.1"
