@@ -250,6 +250,10 @@ def _print_summary(
         f"communication per step: {comm_text}\n"
         f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
     )
+    offload = summary.get("offload_bytes_per_step")
+    if offload:
+        moved = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in sorted(offload.items()))
+        print(f"offload traffic per step: {moved}")
     if summary.get("loss_scale") is not None:
         print(
             f"loss scale: {summary['loss_scale']:g}, "

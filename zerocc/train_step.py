@@ -302,11 +302,13 @@ class TrainStep:
         return explain_step(self)
 
     def summary(self) -> dict[str, Any]:
-        """Figures of the last step: bytes per collective kind, model-state bytes per rank, the
-        loss scale (None without scaling) and the steps skipped for overflow."""
+        """Figures of the last step: bytes per collective kind, model-state bytes per rank (on
+        the device), bytes offload moved per direction, the loss scale (None without scaling)
+        and the steps skipped for overflow."""
         return {
             "comm_bytes_per_step": dict(self.comm.stats.bytes),
             "model_state_bytes": model_state_bytes(self)["total"],
+            "offload_bytes_per_step": dict(self.transfers.stats.bytes),
             "loss_scale": self.loss_scale,
             "skipped_steps": self.skipped_steps,
         }
