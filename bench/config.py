@@ -46,6 +46,7 @@ class BenchConfig:
     warmup: int = 2  # untimed steps per system first (capture, torch.compile, allocator)
     rounds: int = 5  # timed rounds; every system runs 1 + `steps` steps per round, in turn
     steps: int = 3  # timed steps per system and round (after one untimed step)
+    nvme_path: str | None = None  # folder for the files of NVMe offload (None: the temp folder)
 
     @property
     def total_steps(self) -> int:

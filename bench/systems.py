@@ -1,14 +1,20 @@
-"""The systems bench/compare.py trains, one runner each: zerocc, PyTorch FSDP2, DeepSpeed ZeRO.
+"""The systems the benchmarks train, one runner each: zerocc, PyTorch FSDP2, DeepSpeed ZeRO.
 
 A runner takes the freshly built example GPT on the CPU (the same weights in every system) and
 returns a :class:`Runner` whose ``train_step(idx, targets)`` does one optimizer step of this
 rank's batch, DDP semantics (gradients averaged over ranks), AdamW with the benchmark's
 hyperparameters, no clipping. Each runs inside a rank process whose process group is already
 initialized (gloo on CPU, NCCL on CUDA); libraries are imported there, not here.
+
+:func:`all_systems` holds bench/compare.py's systems; :func:`offload_systems` the memory-saving
+variants bench/offload.py adds (offload, recomputation). A rank finds either kind by name in
+``all_systems()``, which iterates over compare.py's alone.
 """
 
 from __future__ import annotations
 
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,6 +47,12 @@ class System:
     imports: tuple[str, ...] = ()  # imported before the model is built: not counted as memory
 
 
+def cpu_seconds() -> dict[str, Any]:
+    """The CPU time this rank process has used so far, all its threads (gloo's, the NVMe I/O
+    threads): between two answers, the work of the steps in between, however busy the machine."""
+    return {"cpu_s": time.process_time()}
+
+
 def _adamw(params: Any, cfg: BenchConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
@@ -48,9 +60,12 @@ def _adamw(params: Any, cfg: BenchConfig) -> torch.optim.AdamW:
 
 
 def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, stage: int,
-                  backend: str = "eager", overlap: dict | None = None) -> Runner:  # fmt: skip
+                  backend: str = "eager", overlap: dict | None = None, offload: dict | None = None,
+                  checkpointing: dict | None = None) -> Runner:  # fmt: skip
     """``zerocc.compile`` with one unit per Block (the embeddings, final LN and head: the root);
-    ``overlap``: the plan's overlap section (default: the overlap pass with its defaults)."""
+    ``overlap``, ``offload``, ``checkpointing``: those sections of the plan (default: the overlap
+    pass with its defaults, nothing offloaded, nothing recomputed). NVMe offload without an
+    ``nvme_path`` puts its files under ``cfg.nvme_path``, else the system's temp folder."""
     import zerocc
 
     plan: dict[str, Any] = {
@@ -65,8 +80,12 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
         },
         "backend": {"name": backend, "device": device.type},
         "overlap": overlap or {},
+        "offload": dict(offload or {}),
+        "checkpointing": checkpointing or {},
         "seed": cfg.seed,
     }
+    if "nvme" in plan["offload"].values() and not plan["offload"].get("nvme_path"):
+        plan["offload"]["nvme_path"] = cfg.nvme_path or tempfile.gettempdir()
     if cfg.dtype != "fp32":
         plan["precision"] = {"param": cfg.dtype, "reduce": "fp32", "master": "fp32"}
     step = zerocc.compile(model, plan)
@@ -76,29 +95,43 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
         return loss, recorder.timeline.peak()[1]
 
     def reported() -> dict[str, Any]:
+        from zerocc.explain import state_bytes_by_location, transfer_bytes_per_step
+
         summary = step.summary()
         return {
             "comm_bytes": summary["comm_bytes_per_step"],
-            "model_state_bytes": summary["model_state_bytes"],
-        }
+            "model_state_bytes": summary["model_state_bytes"],  # the device pool's
+            "state_bytes_by_location": state_bytes_by_location(step),  # device, host, nvme
+            "transfer_bytes": dict(step.transfers.stats.bytes),  # offload's copies, last step
+            "transfer_bytes_program": transfer_bytes_per_step(step),  # what the program says
+        } | cpu_seconds()
 
     return Runner(step, profile_step, reported)
 
 
 def fsdp2_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
-                 reshard_after_forward: bool, compiled: bool) -> Runner:  # fmt: skip
-    """``fully_shard`` on every Block, then on the root; optionally ``torch.compile(model)``."""
+                 reshard_after_forward: bool, compiled: bool,
+                 cpu_offload: dict | None = None) -> Runner:  # fmt: skip
+    """``fully_shard`` on every Block, then on the root; optionally ``torch.compile(model)``;
+    ``cpu_offload``: ``offload_policy=CPUOffloadPolicy(**cpu_offload)`` (None: no offload)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     model.to(device)
     mesh = init_device_mesh(device.type, (cfg.world_size,))
     mp_policy = MixedPrecisionPolicy()
     if cfg.dtype != "fp32":
         mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
+    offload = OffloadPolicy() if cpu_offload is None else CPUOffloadPolicy(**cpu_offload)
     shard = partial(
-        fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
-    )
+        fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        offload_policy=offload,
+    )  # fmt: skip
     for block in model.transformer.h:
         shard(block)
     shard(model)
@@ -112,22 +145,33 @@ def fsdp2_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return Runner(train_step)
+    return Runner(train_step, reported=cpu_seconds)
 
 
 def deepspeed_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
-                     stage: int) -> Runner:  # fmt: skip
-    """``deepspeed.initialize`` with ZeRO ``stage`` and torch's AdamW as the client optimizer."""
+                     stage: int, offload_optimizer: str | None = None,
+                     offload_param: str | None = None) -> Runner:  # fmt: skip
+    """``deepspeed.initialize`` with ZeRO ``stage`` and torch's AdamW as the client optimizer;
+    ``offload_optimizer`` / ``offload_param``: the ``device`` of those ZeRO sections (None: off).
+    Offloaded, the client AdamW stays (``zero_force_ds_cpu_optimizer: false``): DeepSpeed's own
+    DeepSpeedCPUAdam would round otherwise than every other system's optimizer."""
     import deepspeed
 
+    zero: dict[str, Any] = {"stage": stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": offload_optimizer}
+    if offload_param:
+        zero["offload_param"] = {"device": offload_param}
     ds_config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # torch's AdamW, the optimizer every system runs
         "gradient_clipping": 0.0,  # DeepSpeed clips to 1.0 unless told; no system clips here
         "steps_per_print": 1 << 30,
     }
+    if offload_optimizer:
+        ds_config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW stays, offloaded too
     if cfg.dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(
@@ -140,7 +184,7 @@ def deepspeed_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *
         engine.step()
         return loss.detach()
 
-    return Runner(train_step)
+    return Runner(train_step, reported=cpu_seconds)
 
 
 def _zerocc_backends() -> list[str]:
@@ -149,9 +193,20 @@ def _zerocc_backends() -> list[str]:
     return list(BACKENDS)
 
 
-def all_systems() -> dict[str, System]:
-    """Every system by name: zerocc stages 1-3 on each of its backends, FSDP2 ZeRO-3/ZeRO-2
-    eager and compiled, DeepSpeed ZeRO 1-3."""
+class Systems(dict[str, System]):
+    """Systems by name, in bench/compare.py's order; a name not among them is looked up in
+    :func:`offload_systems`, so that a rank process builds any benchmark's system by name."""
+
+    def __missing__(self, name: str) -> System:
+        more = offload_systems()
+        if name not in more:
+            raise KeyError(name)
+        return more[name]
+
+
+def all_systems() -> Systems:
+    """Every system bench/compare.py runs, by name: zerocc stages 1-3 on each of its backends,
+    FSDP2 ZeRO-3/ZeRO-2 eager and compiled, DeepSpeed ZeRO 1-3."""
     systems: list[System] = []
     for backend in _zerocc_backends():
         suffix = "" if backend == "eager" else f"-{backend}"
@@ -174,6 +229,51 @@ def all_systems() -> dict[str, System]:
         systems.append(System(
             f"deepspeed-z{stage}", "deepspeed", stage, partial(deepspeed_runner, stage=stage),
             f"deepspeed.initialize, zero_optimization.stage {stage}, torch AdamW",
+            ("deepspeed",),
+        ))  # fmt: skip
+    return Systems((s.name, s) for s in systems)
+
+
+# zerocc stage 3 with each memory-saving option: (name suffix, offload, checkpointing, what).
+ZEROCC_SAVINGS = (
+    ("opt-cpu", {"optimizer": "cpu"}, None, "offload.optimizer: cpu"),
+    ("opt-cpu-r0.5", {"optimizer": "cpu", "ratio": 0.5}, None,
+     "offload.optimizer: cpu, offload.ratio: 0.5"),
+    ("opt-nvme", {"optimizer": "nvme"}, None, "offload.optimizer: nvme (files in a temp folder)"),
+    ("opt-par-cpu", {"optimizer": "cpu", "params": "cpu"}, None,
+     "offload.optimizer: cpu, offload.params: cpu"),
+    ("recompute", None, {"units": "all"}, "checkpointing.units: all"),
+    ("opt-par-cpu-rc", {"optimizer": "cpu", "params": "cpu"}, {"units": "all"},
+     "offload.optimizer: cpu, offload.params: cpu, checkpointing.units: all"),
+)  # fmt: skip
+
+
+def offload_systems() -> dict[str, System]:
+    """bench/offload.py's variants of the stage-3 systems, by name: zerocc with each option
+    of ZEROCC_SAVINGS, FSDP2 with ``CPUOffloadPolicy`` (pinned, as by default, and not),
+    DeepSpeed with its optimizer, and its parameters too, offloaded to the CPU."""
+    systems = [
+        System(
+            f"zerocc-z3-{suffix}", "zerocc", 3,
+            partial(zerocc_runner, stage=3, offload=offload, checkpointing=checkpointing),
+            f"zerocc.compile, zero.stage 3, {what}", ("zerocc",),
+        )
+        for suffix, offload, checkpointing, what in ZEROCC_SAVINGS
+    ]  # fmt: skip
+    for suffix, policy in (("", {}), ("-unpinned", {"pin_memory": False})):
+        systems.append(System(
+            f"fsdp2-z3-offload{suffix}", "fsdp2", 3,
+            partial(fsdp2_runner, reshard_after_forward=True, compiled=False, cpu_offload=policy),
+            f"fully_shard(reshard_after_forward=True, offload_policy=CPUOffloadPolicy("
+            f"{', '.join(f'{k}={v}' for k, v in policy.items())})), eager",
+            ("torch.distributed.fsdp",),
+        ))  # fmt: skip
+    for suffix, param in (("opt", None), ("opt-par", "cpu")):
+        systems.append(System(
+            f"deepspeed-z3-offload-{suffix}", "deepspeed", 3,
+            partial(deepspeed_runner, stage=3, offload_optimizer="cpu", offload_param=param),
+            "deepspeed.initialize, zero_optimization.stage 3, offload_optimizer.device cpu"
+            + (", offload_param.device cpu" if param else "") + ", torch AdamW",
             ("deepspeed",),
         ))  # fmt: skip
     return {s.name: s for s in systems}
