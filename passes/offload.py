@@ -85,6 +85,12 @@ class _Offloader:
     def _spec(self, unit: str, name: str) -> StateSpec:
         return self.specs[f"{self.unit_key[unit]}.{name}"]
 
+    def _weights(self, unit: str) -> StateSpec:
+        """What the unit's update writes: its master, or (no master: the optimizer states live
+        with the parameters, in their dtype) the parameter shard itself."""
+        master = f"{self.unit_key[unit]}.master"
+        return self.specs[master] if master in self.specs else self._spec(unit, "param")
+
     # -- placeholders ---------------------------------------------------------------------
 
     def place_states(self) -> None:
@@ -145,9 +151,9 @@ class _Offloader:
         ``issue_before``; their waits go right before the update."""
         reads: dict[int, fx.Node] = {}
         layout = UPDATE_ARGS[op_name(update.target)]
-        master = self._spec(info(update).unit, "master")
+        weights = self._weights(info(update).unit)
         for index in (0, *layout["states"]):
-            spec = master if index == 0 else self._nvme(update.args[index])
+            spec = weights if index == 0 else self._nvme(update.args[index])
             if spec is None or spec.location != NVME:
                 continue
             with self.graph.inserting_before(issue_before):
@@ -177,7 +183,7 @@ class _Offloader:
         layout = UPDATE_ARGS[op_name(update.target)]
         args = list(update.args)
         param = args[layout["copy"]] if args[layout["copy"]] is not None else args[0]
-        args[0] = self.bound[self._spec(info(update).unit, "master").key]
+        args[0] = self.bound[self._weights(info(update).unit).key]
         args[layout["copy"]] = None
         for index, node in reads.items():
             args[index] = node
@@ -228,24 +234,11 @@ class _Offloader:
         the caller to place."""
         unit = info(update).unit
         param_spec = self._spec(unit, "param")
-        master = update.args[0]
         where = {"unit": unit, "phase": "optimizer"}
         writes: list[fx.Node] = []
         with self.graph.inserting_before(update.next):
-            if param_spec.location == NVME:
-                cast = emit(self.graph, aten._to_copy.default, (master,), pool=HOST, **where)
-                cast.kwargs = {"dtype": param_spec.dtype, "device": CPU}
-                writes.append(self._write(cast, param_spec, f"write {unit}'s parameters", where))
-            else:
-                direction = TO_DEVICE if param_spec.location == DEVICE else TO_HOST
-                start = self._start(
-                    "copy_into_start",
-                    (param, master, direction),
-                    param_spec.nbytes,
-                    f"copy {unit}'s updated master weights into its compute copy",
-                    **where,
-                )
-                self._sink(start, self._wait(start))
+            if self._weights(unit) is not param_spec:  # else the update wrote them itself
+                writes += self._update_compute_copy(update.args[0], param, param_spec, where)
             if placement.optimizer == NVME:
                 for arg in update.args:
                     if isinstance(arg, fx.Node) and op_name(arg.target) == "zerocc.wait":
@@ -253,6 +246,27 @@ class _Offloader:
                         if isinstance(key, str):
                             writes.append(self._write(arg, self.specs[key], "write back", where))
         return writes
+
+    def _update_compute_copy(
+        self, master: fx.Node, param: fx.Node, spec: StateSpec, where: dict
+    ) -> list[fx.Node]:
+        """The compute copy (``param``, at ``spec.location``) receives the updated master, cast
+        to its dtype; returns the wait of an NVMe write, for the caller to place."""
+        unit = where["unit"]
+        if spec.location == NVME:
+            cast = emit(self.graph, aten._to_copy.default, (master,), pool=HOST, **where)
+            cast.kwargs = {"dtype": spec.dtype, "device": CPU}
+            return [self._write(cast, spec, f"write {unit}'s parameters", where)]
+        direction = TO_DEVICE if spec.location == DEVICE else TO_HOST
+        start = self._start(
+            "copy_into_start",
+            (param, master, direction),
+            spec.nbytes,
+            f"copy {unit}'s updated master weights into its compute copy",
+            **where,
+        )
+        self._sink(start, self._wait(start))
+        return []
 
     def _write(self, value: fx.Node, spec: StateSpec, what: str, where: dict) -> fx.Node:
         start = self._start(

@@ -32,6 +32,9 @@ CASES = [
     {"model": "gpt", "stage": 3, "offload": {**CPU, "ratio": 0.5}},
     {"model": "gpt", "stage": 3, "offload": {"params": "cpu"}},
     {"model": "gpt", "stage": 3, "offload": {"params": "nvme", "nvme_path": str(NVME)}},
+    # fp32 with states and parameters together: no master, the update writes the parameters.
+    {"model": "gpt", "stage": 3, "offload": {**CPU, "params": "cpu"}},
+    {"model": "gpt", "stage": 3, "offload": {**ON_NVME, "params": "nvme"}},
     {"model": "gpt", "stage": 2, "offload": CPU},
     {"model": "gpt", "stage": 1, "offload": ON_NVME, "accum": 2, "optimizer": CLIPPED},
     {"model": "odd", "stage": 2, "offload": {**ON_NVME, "ratio": 0.5},

@@ -69,7 +69,7 @@ def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
             out["params"] += psi * d.param.itemsize / (n if stage == 3 else 1)
         sharded = n if stage >= 1 else 1
         if place.optimizer == location and (
-            d.master != d.param or (u.trainable and place.offloaded)
+            d.master != d.param or (u.trainable and place.split)
         ):
             out["optimizer"] += psi * d.master.itemsize / sharded
         if u.trainable and location == DEVICE:

@@ -12,7 +12,7 @@ this rank's shard otherwise. The update writes both. Gradient accumulators are i
 master dtype where they receive reduced shards (stages 2-3).
 
 Offload (:class:`Placement`) says where each state lives: on the device, in host memory, or in
-a file on NVMe. A unit whose optimizer or parameters are offloaded always has a separate
+a file on NVMe. A unit whose optimizer states live elsewhere than its parameters has a separate
 ``master`` (also in fp32 training): the update runs on the master where the optimizer states
 live, and the compute copy ``param`` is written from it wherever that lives.
 """
@@ -77,6 +77,12 @@ class Placement:
 
     optimizer: str = DEVICE
     params: str = DEVICE
+
+    @property
+    def split(self) -> bool:
+        """Whether the optimizer states and the parameters live apart: the update then needs a
+        master weight of its own where the states are."""
+        return self.optimizer != self.params
 
     @property
     def offloaded(self) -> bool:
@@ -146,7 +152,7 @@ def param_specs(
 ) -> dict[str, StateSpec]:
     """``param`` (stage 3: this rank's shard; else the replicated flat), ``param_shard``
     (stages 1-2: this rank's slice of it), ``master`` (the weights the optimizer updates, when
-    their dtype differs from ``param``'s or the unit is offloaded) and ``grad`` (the
+    their dtype differs from ``param``'s or they live apart from it) and ``grad`` (the
     accumulator: full for stages 0-1, a shard for 2-3). Frozen units keep no ``grad``.
     ``precision=None`` is the model's dtype throughout, the layout the shard pass builds before
     the precision pass retypes it."""
@@ -170,7 +176,7 @@ def param_specs(
     }
     if unit.trainable and stage in (1, 2):
         specs["param_shard"] = spec("param_shard", PARAM_SHARD, shard, dtypes.param)
-    if dtypes.master != dtypes.param or (unit.trainable and placement.offloaded):
+    if dtypes.master != dtypes.param or (unit.trainable and placement.split):
         specs["master"] = spec(
             "master", MASTER, full if stage == 0 else shard, dtypes.master, placement.optimizer
         )
