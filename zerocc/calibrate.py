@@ -484,6 +484,7 @@ def calibrate(
     """Measure ``step`` (a compiled TrainStep, ranks joined) on ``batches`` and fit the rates
     (module docs): ``warmup`` untimed optimizer steps, ``steps`` timed, ``profiled`` run op by
     op. Call on every rank (it runs collectives); every rank returns rank 0's calibration."""
+    from zerocc.explain import step_programs
     from zerocc.memory import model_state_bytes_of
     from zerocc.simulate import predict_step
 
@@ -524,8 +525,7 @@ def calibrate(
         links["overlap"] = measure_overlap(comm, plan, device)
         rates = rates.replace("calibration", comm_overlap=links["overlap"]["overlap"])
     rates = _agree(comm, rates)
-    signature = next(iter(step.programs))[0]
-    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
+    programs = step_programs(step)
     states = model_state_bytes_of(step.units, plan)
     predicted = predict_step(programs, k, rates, comm.world_size, model_states=states)
     measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3

@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     from zerocc.train_step import TrainStep
 
 
+def step_programs(step: TrainStep) -> dict[bool, fx.GraphModule]:
+    """The compiled programs of the first batch shape, by whether they step (empty before the
+    first call)."""
+    if not step.programs:
+        return {}
+    signature = next(iter(step.programs))[0]
+    return {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
+
+
 def state_bytes_by_location(step: TrainStep) -> dict[str, dict[str, int]]:
     """Bytes of this rank's persistent params, grads and optimizer states (measured) in each
     place they live: ``device``, ``host`` (offload to cpu: on a CPU-only machine, the pool
@@ -68,9 +77,7 @@ def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
         if place.params == location:
             out["params"] += psi * d.param.itemsize / (n if stage == 3 else 1)
         sharded = n if stage >= 1 else 1
-        if place.optimizer == location and (
-            d.master != d.param or (u.trainable and place.split)
-        ):
+        if place.optimizer == location and (d.master != d.param or (u.trainable and place.split)):
             out["optimizer"] += psi * d.master.itemsize / sharded
         if u.trainable and location == DEVICE:
             grad = d.reduce if stage <= 1 else d.master
@@ -84,11 +91,8 @@ def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
 def transfer_bytes_per_step(step: TrainStep) -> dict[str, int]:
     """Bytes offload moves per optimizer step per rank, by direction (to_host, to_device,
     nvme_read, nvme_write), as the compiled programs' copies record them."""
-    if not step.programs:
-        return {}
-    signature = next(iter(step.programs))[0]
-    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
-    return transfer_bytes(programs, step.plan.grad_accumulation)
+    programs = step_programs(step)
+    return transfer_bytes(programs, step.plan.grad_accumulation) if programs else {}
 
 
 def transfer_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
@@ -126,10 +130,9 @@ def recompute_cost(programs: dict[bool, fx.GraphModule], grad_accumulation: int)
 
 def recompute_line(step: TrainStep) -> str:
     """One line: how much of the step recomputation adds (once a program is compiled)."""
-    if not step.programs:
+    programs = step_programs(step)
+    if not programs:
         return "recomputation: known once the step is compiled, at its first call"
-    signature = next(iter(step.programs))[0]
-    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
     return describe_recompute(recompute_cost(programs, step.plan.grad_accumulation))
 
 
@@ -145,11 +148,8 @@ def describe_recompute(cost: dict) -> str:
 def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
     """Bytes per collective kind moved per optimizer step (per rank): the stepping program plus
     ``grad_accumulation - 1`` accumulating ones, for the first batch shape compiled."""
-    if not step.programs:
-        return {}
-    signature = next(iter(step.programs))[0]
-    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
-    return comm_bytes(programs, step.plan.grad_accumulation)
+    programs = step_programs(step)
+    return comm_bytes(programs, step.plan.grad_accumulation) if programs else {}
 
 
 def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
@@ -239,8 +239,7 @@ def predicted_time_line(step: TrainStep) -> str:
     from zerocc.cost import rates_for
     from zerocc.simulate import predict_step
 
-    signature = next(iter(step.programs))[0]
-    programs = {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
+    programs = step_programs(step)
     if len(programs) < (1 if step.plan.grad_accumulation == 1 else 2):
         return "predicted step time: known once every program of a step is compiled"
     rates = rates_for(step.plan, step.device.type)

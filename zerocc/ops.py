@@ -70,15 +70,19 @@ for _schema in SCHEMAS.values():
     _lib.define(_schema)
 
 
-def _impl(name: str):
+def implements(name: str, lib: Library | None = None):
+    """Decorator: ``fn`` is the eager implementation of ``zerocc.<name>`` (defined in ``lib``,
+    by default this module's)."""
+
     def register(fn):
-        _lib.impl(name, fn, "CompositeExplicitAutograd")
+        (lib or _lib).impl(name, fn, "CompositeExplicitAutograd")
         return fn
 
     return register
 
 
-def _fake(name: str):
+def fake(name: str):
+    """Decorator: ``fn`` is the fake (meta) implementation of ``zerocc.<name>``."""
     return torch.library.register_fake(f"zerocc::{name}")
 
 
@@ -91,29 +95,29 @@ def issue(result: torch.Tensor, work: Work) -> torch.Tensor:
 # --- collectives -------------------------------------------------------------------------
 
 
-@_impl("all_gather_start")
+@implements("all_gather_start")
 def _all_gather_start(shard: torch.Tensor, world_size: int, group: str) -> torch.Tensor:
     out = shard.new_empty(shard.numel() * world_size)
     return issue(out, active_comm().all_gather(out, shard))
 
 
-@_impl("all_gather_into_start")
+@implements("all_gather_into_start")
 def _all_gather_into_start(out: torch.Tensor, shard: torch.Tensor, group: str) -> torch.Tensor:
     return issue(out, active_comm().all_gather(out, shard))
 
 
-@_impl("reduce_scatter_start")
+@implements("reduce_scatter_start")
 def _reduce_scatter_start(full: torch.Tensor, world_size: int, group: str) -> torch.Tensor:
     out = full.new_empty(full.numel() // world_size)
     return issue(out, active_comm().reduce_scatter(out, full))
 
 
-@_impl("all_reduce_start")
+@implements("all_reduce_start")
 def _all_reduce_start(tensor: torch.Tensor, group: str) -> torch.Tensor:
     return issue(tensor, active_comm().all_reduce(tensor))
 
 
-@_impl("wait")
+@implements("wait")
 def _wait(tensor: torch.Tensor) -> torch.Tensor:
     work = _pending.pop(tensor.data_ptr(), None)
     if work is None:
@@ -124,27 +128,27 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@_fake("all_gather_start")
+@fake("all_gather_start")
 def _(shard, world_size, group):
     return shard.new_empty(shard.numel() * world_size)
 
 
-@_fake("all_gather_into_start")
+@fake("all_gather_into_start")
 def _(out, shard, group):
     return out
 
 
-@_fake("reduce_scatter_start")
+@fake("reduce_scatter_start")
 def _(full, world_size, group):
     return full.new_empty(full.numel() // world_size)
 
 
-@_fake("all_reduce_start")
+@fake("all_reduce_start")
 def _(tensor, group):
     return tensor
 
 
-@_fake("wait")
+@fake("wait")
 def _(tensor):
     return tensor
 
@@ -162,18 +166,18 @@ def forget_pending() -> None:
 # --- memory ------------------------------------------------------------------------------
 
 
-@_impl("free")
+@implements("free")
 def _free(tensor: torch.Tensor) -> None:
     # Release the storage now, even if a stray reference would keep the tensor alive.
     tensor.untyped_storage().resize_(0)
 
 
-@_fake("free")
+@fake("free")
 def _(tensor):
     return None
 
 
-@_impl("pack")
+@implements("pack")
 def _pack(
     tensors: list[torch.Tensor | None],
     numels: list[int],
@@ -183,18 +187,18 @@ def _pack(
     return active_kernels().pack(tensors, numels, numel, dtype)
 
 
-@_fake("pack")
+@fake("pack")
 def _(tensors, numels, numel, dtype=None):
     like = next(t for t in tensors if t is not None)
     return like.new_empty(numel, dtype=dtype or like.dtype)
 
 
-@_impl("unscale_check_")
+@implements("unscale_check_")
 def _unscale_check_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
     return active_kernels().unscale_check_(grads, inv_scale)
 
 
-@_fake("unscale_check_")
+@fake("unscale_check_")
 def _(grads, inv_scale):
     return inv_scale.new_empty((), dtype=torch.float32)
 
@@ -202,7 +206,7 @@ def _(grads, inv_scale):
 # --- optimizer ---------------------------------------------------------------------------
 
 
-@_impl("sum_squares")
+@implements("sum_squares")
 def _sum_squares(tensors: list[torch.Tensor], scale: float) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
     for t in tensors:
@@ -210,18 +214,18 @@ def _sum_squares(tensors: list[torch.Tensor], scale: float) -> torch.Tensor:
     return total
 
 
-@_fake("sum_squares")
+@fake("sum_squares")
 def _(tensors, scale):
     return tensors[0].new_empty((), dtype=torch.float32)
 
 
-@_impl("clip_coef")
+@implements("clip_coef")
 def _clip_coef(total_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
     # Same formula as torch.nn.utils.clip_grad_norm_.
     return (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)
 
 
-@_fake("clip_coef")
+@fake("clip_coef")
 def _(total_sq, max_norm):
     return total_sq.new_empty(())
 
@@ -245,7 +249,7 @@ def _untouched(tensors: list[torch.Tensor | None], skip: list[int], sharded: boo
             t[lo:hi].copy_(c)
 
 
-@_impl("adamw_")
+@implements("adamw_")
 def _adamw_(*args) -> None:
     """AdamW on one flat shard (see :func:`zerocc.backends.kernels.reference.adamw_`)."""
     *update, skip, sharded = args
@@ -254,7 +258,7 @@ def _adamw_(*args) -> None:
         _kernels_for(param).adamw_(*update)
 
 
-@_impl("sgd_")
+@implements("sgd_")
 def _sgd_(*args) -> None:
     """SGD on one flat shard (see :func:`zerocc.backends.kernels.reference.sgd_`)."""
     *update, skip, sharded = args
@@ -263,12 +267,12 @@ def _sgd_(*args) -> None:
         _kernels_for(param).sgd_(*update)
 
 
-@_fake("adamw_")
+@fake("adamw_")
 def _(*args):
     return None
 
 
-@_fake("sgd_")
+@fake("sgd_")
 def _(*args):
     return None
 

@@ -23,6 +23,8 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.library import Library
 
+from zerocc.ops import fake, implements
+
 _lib = Library("zerocc", "FRAGMENT")
 _lib.define("rng_state(Tensor like) -> Tensor")
 _lib.define("set_rng_state(Tensor state, Tensor like) -> ()")
@@ -56,30 +58,22 @@ def _state_numel(device: torch.device) -> int:
     return _STATE_NUMEL[device.type]
 
 
-def _impl(name: str):
-    def register(fn):
-        _lib.impl(name, fn, "CompositeExplicitAutograd")
-        return fn
-
-    return register
-
-
-@_impl("rng_state")
+@implements("rng_state", _lib)
 def _rng_state(like: torch.Tensor) -> torch.Tensor:
     return _get_state(like.device)
 
 
-@_impl("set_rng_state")
+@implements("set_rng_state", _lib)
 def _set_rng_state(state: torch.Tensor, like: torch.Tensor) -> None:
     _set_state(state, like.device)
 
 
-@torch.library.register_fake("zerocc::rng_state")
+@fake("rng_state")
 def _(like):
     return like.new_empty((_state_numel(like.device),), dtype=torch.uint8, device="cpu")
 
 
-@torch.library.register_fake("zerocc::set_rng_state")
+@fake("set_rng_state")
 def _(state, like):
     return None
 

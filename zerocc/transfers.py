@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.library import Library
 
-from zerocc.ops import issue
+from zerocc.ops import fake, implements, issue
 
 _lib = Library("zerocc", "FRAGMENT")
 SCHEMAS = {
@@ -177,30 +177,18 @@ def new_on(
     return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pinned)
 
 
-def _impl(name: str):
-    def register(fn):
-        _lib.impl(name, fn, "CompositeExplicitAutograd")
-        return fn
-
-    return register
-
-
-def _fake(name: str):
-    return torch.library.register_fake(f"zerocc::{name}")
-
-
-@_impl("copy_start")
+@implements("copy_start", _lib)
 def _copy_start(src: torch.Tensor, device: torch.device, direction: str) -> torch.Tensor:
     out = new_on(device, src.shape, src.dtype, src)
     return issue(out, active_transfers().copy(out, src, direction))
 
 
-@_impl("copy_into_start")
+@implements("copy_into_start", _lib)
 def _copy_into_start(dst: torch.Tensor, src: torch.Tensor, direction: str) -> torch.Tensor:
     return issue(dst, active_transfers().copy(dst, src, direction))
 
 
-@_impl("nvme_read_start")
+@implements("nvme_read_start", _lib)
 def _nvme_read_start(
     key: str, shape: list[int], dtype: torch.dtype, device: torch.device, direction: str
 ) -> torch.Tensor:
@@ -208,26 +196,26 @@ def _nvme_read_start(
     return issue(out, active_transfers().read(key, out, direction))
 
 
-@_impl("nvme_write_start")
+@implements("nvme_write_start", _lib)
 def _nvme_write_start(src: torch.Tensor, key: str, direction: str) -> torch.Tensor:
     return issue(src, active_transfers().write(key, src, direction))
 
 
-@_fake("copy_start")
+@fake("copy_start")
 def _(src, device, direction):
     return torch.empty(src.shape, dtype=src.dtype, device=device)
 
 
-@_fake("copy_into_start")
+@fake("copy_into_start")
 def _(dst, src, direction):
     return dst
 
 
-@_fake("nvme_read_start")
+@fake("nvme_read_start")
 def _(key, shape, dtype, device, direction):
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
-@_fake("nvme_write_start")
+@fake("nvme_write_start")
 def _(src, key, direction):
     return src
