@@ -264,4 +264,10 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     nvme_states = predicted.offloaded["nvme"]
     assert nvme_states <= measured["nvme"]["total"] <= nvme_states + 512 * len(step.nvme_specs)
     assert predicted.transfers == describe(step)["transfer_bytes_per_step"]
+    # Host buffers at their peak: the offloaded units' fp32 gradient shards (copied out as they
+    # complete, kept until their updates) and at most three units' states read from NVMe.
+    offloaded = offloaded_units(step.units, 0.5)
+    largest = max(u.shard_numel for u in offloaded)
+    grads = 4 * sum(u.shard_numel for u in offloaded)
+    assert grads <= predicted.peak["host_buffers"] <= grads + 3 * 12 * largest + 8
     assert predicted.transfers == dict(step.transfers.stats.bytes)  # what the copies moved

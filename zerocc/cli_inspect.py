@@ -205,6 +205,7 @@ ROWS = (
     ("gathered units (peak)", lambda e: e.peak["gathered"]),
     ("activations (peak)", lambda e: e.peak["activations"]),
     ("peak", lambda e: e.peak["total"]),
+    ("  + host buffers (peak)", lambda e: e.peak["host_buffers"]),
 )
 
 

@@ -137,6 +137,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         "total": total,
         "gathered": max(timeline.series["gathered"], default=0),
         "activations": max(timeline.series["activations"], default=0),
+        "host_buffers": timeline.host_peak,
         "at": index,
     }
     programs = {b: p.gm for b, p in inspection.programs.items()}

@@ -8,8 +8,8 @@ drops references; a collective (or a copy) holds its inputs until its wait (its 
 keeps them); ``zerocc.free`` releases a gathered unit at once. In-place ops and views allocate
 nothing. Storages made by an all-gather count as *gathered*; every other transient (activations
 saved for backward, gradients, packed buckets) as *activations*. What offload keeps in host
-memory or on NVMe (states, and the host buffers of its copies) is not device memory: model
-states there are reported apart (``host``, ``nvme``), host buffers not at all.
+memory or on NVMe (states, and the host buffers of its copies) is not device memory: it is
+reported apart (model states ``host``, ``nvme``; the host buffers' peak).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def _done(user: fx.Node) -> fx.Node:
 
 def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTimeline:
     """Live bytes per category after each node of ``gm``: the model states throughout, plus
-    gathered units and activations by liveness."""
+    gathered units and activations by liveness; the peak of offload's host buffers apart
+    (``host_peak``)."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     persistent: set[int] = set()  # storages bound from outside (state, batch, buffers)
@@ -114,10 +115,9 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
             if node.op == "placeholder":
                 persistent.add(key)
                 continue
-            if info(node).pool == HOST:  # host buffers of offload: not device memory
-                persistent.add(key)
             if key not in born and key not in persistent:
-                category = transient_category(node)
+                # Host buffers of offload are not device memory: tracked apart.
+                category = "host" if info(node).pool == HOST else transient_category(node)
                 born[key] = (i, t.untyped_storage().nbytes(), category)
             end = max((position[_done(u)] for u in node.users), default=i)
             if node.op == "output" or any(u.op == "output" for u in node.users):
@@ -134,7 +134,7 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
         events[start].append((category, nbytes))
         events[release].append((category, -nbytes))
     live = {c: model_states.get(c, 0) for c in ("params", "grads", "optimizer")}
-    live.update(gathered=0, activations=0)
+    live.update(gathered=0, activations=0, host=0)
     timeline = MemoryTimeline()
     for node in nodes:
         for category, delta in events.get(position[node], []):

@@ -20,12 +20,14 @@ class MemoryTimeline:
     labels: list[str] = field(default_factory=list)  # what ran at each point (op and unit)
     phases: list[str] = field(default_factory=list)  # forward | backward | optimizer | ""
     series: dict[str, list[int]] = field(default_factory=lambda: {c: [] for c in CATEGORIES})
+    host_peak: int = 0  # highest bytes of offload's host buffers (not in any device category)
 
     def append(self, label: str, phase: str, live: dict[str, int]) -> None:
         self.labels.append(label)
         self.phases.append(phase)
         for category in CATEGORIES:
             self.series[category].append(live.get(category, 0))
+        self.host_peak = max(self.host_peak, live.get("host", 0))
 
     def totals(self) -> list[int]:
         return [sum(values) for values in zip(*self.series.values(), strict=True)]
