@@ -92,9 +92,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan_check(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan)
+    plan = _checked_plan(args.plan)
     print(f"{args.plan}: ok ({describe_plan(plan)})")
     return 0
+
+
+def _checked_plan(path: str) -> Plan:
+    """The plan, loaded and checked against this machine where it can be before any model is
+    built: an NVMe offload folder must exist and take files."""
+    plan = load_plan(path)
+    if plan.offload.uses_nvme:
+        from zerocc.nvme import check_folder
+
+        check_folder(Path(plan.offload.nvme_path))
+    return plan
 
 
 def _plan_schema(args: argparse.Namespace) -> int:
@@ -133,7 +144,7 @@ def _describe_precision(plan: Plan) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan)  # check the plan once, before any rank starts
+    plan = _checked_plan(args.plan)  # check the plan once, before any rank starts
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     if args.dump:  # every rank reads it (inherited by the launched ranks)

@@ -204,7 +204,7 @@ class NvmeStore:
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"NvmeStore {name} must be an integer >= {least}, got {value!r}")
         self.root = Path(root)
-        _check_root(self.root)
+        check_folder(self.root)
         self.run_dir = self.root / f"zerocc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.dir = self.run_dir / f"rank{rank}"
         self._chunk = chunk_mb << 20
@@ -378,7 +378,7 @@ class NvmeStore:
             raise OffloadError(f"could not read {key} from {path}: {exc.strerror}") from exc
 
 
-def _check_root(root: Path) -> None:
+def check_folder(root: Path) -> None:
     """Raise `OffloadError` unless ``root`` is an existing, writable folder."""
     where = f"nvme offload folder {root} (offload.nvme_path)"
     try:
