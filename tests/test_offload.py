@@ -271,3 +271,13 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     grads = 4 * sum(u.shard_numel for u in offloaded)
     assert grads <= predicted.peak["host_buffers"] <= grads + 3 * 12 * largest + 8
     assert predicted.transfers == dict(step.transfers.stats.bytes)  # what the copies moved
+
+
+def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
+    from zerocc.train_step import host_update_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert host_update_threads() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
+    assert host_update_threads() == 1

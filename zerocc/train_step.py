@@ -104,6 +104,8 @@ class TrainStep:
         self.nvme_specs = [s for s in state_specs(self.units, plan) if s.location == NVME]
         self.store = open_store(plan, comm.rank, self.nvme_specs)
         self.transfers = Transfers(self.store)
+        if plan.offload.optimizer != "none" and device.type == "cuda":
+            torch.set_num_threads(host_update_threads())
         # Parameters are built one unit at a time, so a meta-device model never has more than
         # one unit materialized; afterwards the TrainStep owns the weights
         # (``full_state_dict()`` returns them) and the model's own copy is released.
@@ -382,6 +384,14 @@ class TrainStep:
         self.steps, self.micro_batches = saved["steps"], saved["micro_batches"]
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(saved["loss_scaler"])
+
+
+def host_update_threads() -> int:
+    """Threads for the host updates of offloaded units on a GPU machine: this rank's share of
+    the cores it may run on. Launchers set OMP_NUM_THREADS=1 for GPU ranks (torchrun does), which
+    would leave the update, the one large CPU computation of the step, on a single core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | None:
