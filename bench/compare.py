@@ -31,7 +31,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from config import BenchConfig, flops_per_token, num_params
+from config import BenchConfig, add_config_arguments, config_from, flops_per_token, num_params
 from measure import zero_formula_bytes
 from ranks import SystemFailed, SystemRanks
 from report import legend, loss_report, plot, table, targets, write_json
@@ -56,37 +56,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["all"],
         help="system names or families (zerocc, fsdp2, deepspeed); default all",
     )
-    p.add_argument("--layers", type=int, dest="n_layer")
-    p.add_argument("--embd", type=int, dest="n_embd")
-    p.add_argument("--heads", type=int, dest="n_head")
-    p.add_argument("--block", type=int, dest="block_size")
+    add_config_arguments(p)
     p.add_argument("--vocab", type=int, dest="vocab_size")
-    p.add_argument("--batch", type=int, dest="batch_size", help="sequences per rank and step")
     p.add_argument("--world-size", type=int, dest="world_size")
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="compute dtype (fp32 masters)")
-    p.add_argument("--warmup", type=int, help="untimed steps per system")
-    p.add_argument("--rounds", type=int, help="timed rounds")
-    p.add_argument("--steps", type=int, help="steps per system and round")
     p.add_argument("--rtol", type=float, help=f"loss parity tolerance, relative (default {RTOL})")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=900,
-        help="seconds a system may take to set up, or to answer one command",
-    )
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s of one device, for MFU")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     return p.parse_args(argv)
 
 
 def make_config(args: argparse.Namespace) -> BenchConfig:
-    cfg = BenchConfig()
-    cfg = replace(cfg, **((GPU if args.gpu else {}) | (QUICK if args.quick else {})))
-    given = {k: v for k, v in vars(args).items() if k in BenchConfig.__dataclass_fields__}
-    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
-    threads = max(1, (os.cpu_count() or 1) // cfg.world_size)
-    return replace(cfg, threads=threads)
+    base = replace(BenchConfig(), **((GPU if args.gpu else {}) | (QUICK if args.quick else {})))
+    return config_from(args, base)
 
 
 def select(wanted: list[str], systems: dict[str, System]) -> list[str]:

@@ -7,9 +7,11 @@ rank r of every system sees the same data at every step.
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -92,3 +94,29 @@ def batches(cfg: BenchConfig, rank: int) -> Iterator[tuple[torch.Tensor, torch.T
     return data.batches(
         rank, cfg.world_size, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed
     )
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The command-line flags every benchmark takes for the model and the schedule; each one
+    given overrides that field of the config (see :func:`config_from`)."""
+    p.add_argument("--layers", type=int, dest="n_layer")
+    p.add_argument("--embd", type=int, dest="n_embd")
+    p.add_argument("--heads", type=int, dest="n_head")
+    p.add_argument("--block", type=int, dest="block_size")
+    p.add_argument("--batch", type=int, dest="batch_size", help="sequences per rank and step")
+    p.add_argument("--warmup", type=int, help="untimed steps per system")
+    p.add_argument("--rounds", type=int, help="timed rounds")
+    p.add_argument("--steps", type=int, help="timed steps per system and round")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=900,
+        help="seconds a system may take to set up, or to answer one command",
+    )
+
+
+def config_from(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
+    """``base`` with every config field the flags gave, and each rank's share of the cores."""
+    given = {k: v for k, v in vars(args).items() if k in BenchConfig.__dataclass_fields__}
+    cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
+    return replace(cfg, threads=max(1, (os.cpu_count() or 1) // cfg.world_size))

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from compare import RTOL, compare_losses, machine, run_systems, select, summarize
-from config import BenchConfig, num_params
+from config import BenchConfig, add_config_arguments, config_from, num_params
 from report import MIB, write_json
 from systems import ZEROCC_SAVINGS, System, all_systems, offload_systems
 
@@ -64,30 +64,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["all"],
         help="system names or families (zerocc, fsdp2, deepspeed); default: all",
     )
-    p.add_argument("--layers", type=int, dest="n_layer")
-    p.add_argument("--embd", type=int, dest="n_embd")
-    p.add_argument("--heads", type=int, dest="n_head")
-    p.add_argument("--block", type=int, dest="block_size")
-    p.add_argument("--batch", type=int, dest="batch_size", help="sequences per rank and step")
-    p.add_argument("--warmup", type=int, help="untimed steps per system")
-    p.add_argument("--rounds", type=int, help="timed rounds")
-    p.add_argument("--steps", type=int, help="timed steps per system and round")
+    add_config_arguments(p)
     p.add_argument("--nvme-dir", type=Path, help="where the NVMe files go (default: temp folder)")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=900,
-        help="seconds a system may take to set up, or to answer a command",
-    )
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     return p.parse_args(argv)
 
 
 def make_config(args: argparse.Namespace, nvme_path: str) -> BenchConfig:
-    cfg = replace(BenchConfig(), **(TINY if args.tiny else DEFAULT), nvme_path=nvme_path)
-    given = {k: v for k, v in vars(args).items() if k in BenchConfig.__dataclass_fields__}
-    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
-    return replace(cfg, threads=max(1, (os.cpu_count() or 1) // cfg.world_size))
+    base = replace(BenchConfig(), **(TINY if args.tiny else DEFAULT), nvme_path=nvme_path)
+    return config_from(args, base)
 
 
 def candidates() -> dict[str, System]:

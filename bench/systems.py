@@ -102,7 +102,7 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
             "comm_bytes": summary["comm_bytes_per_step"],
             "model_state_bytes": summary["model_state_bytes"],  # the device pool's
             "state_bytes_by_location": state_bytes_by_location(step),  # device, host, nvme
-            "transfer_bytes": dict(step.transfers.stats.bytes),  # offload's copies, last step
+            "transfer_bytes": summary["offload_bytes_per_step"],  # offload's copies, last step
             "transfer_bytes_program": transfer_bytes_per_step(step),  # what the program says
         } | cpu_seconds()
 

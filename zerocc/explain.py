@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import fx
@@ -98,12 +99,23 @@ def transfer_bytes_per_step(step: TrainStep) -> dict[str, int]:
 def transfer_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
     """Bytes per transfer direction per optimizer step, from the programs that step (``True``)
     and accumulate (``False``)."""
+    return _bytes_per_step(programs, grad_accumulation, "copy", lambda node: node.args[-1])
+
+
+def _bytes_per_step(
+    programs: dict[bool, fx.GraphModule],
+    grad_accumulation: int,
+    stream: str,
+    kind: Callable[[fx.Node], str],
+) -> dict[str, int]:
+    """Bytes the start nodes on ``stream`` record, per ``kind(node)``, over one optimizer step:
+    the stepping program once, the accumulating one ``grad_accumulation - 1`` times."""
     out: dict[str, int] = defaultdict(int)
     for boundary, gm in programs.items():
         times = 1 if boundary else grad_accumulation - 1
         for node in gm.graph.nodes:
-            if info(node).stream == "copy" and info(node).bytes:
-                out[node.args[-1]] += times * info(node).bytes
+            if info(node).stream == stream and info(node).bytes:
+                out[kind(node)] += times * info(node).bytes
     return dict(out)
 
 
@@ -155,15 +167,12 @@ def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
 def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
     """Bytes per collective kind per optimizer step, from the programs that step (``True``) and
     accumulate (``False``), as their collectives record them."""
-    out: dict[str, int] = defaultdict(int)
-    for boundary, gm in programs.items():
-        times = 1 if boundary else grad_accumulation - 1
-        for node in gm.graph.nodes:
-            if info(node).stream == "comm" and info(node).bytes:
-                name = op_name(node.target).removeprefix("zerocc.")
-                kind = name.removesuffix("_start").removesuffix("_into")
-                out[kind] += times * info(node).bytes
-    return dict(out)
+
+    def kind(node: fx.Node) -> str:
+        name = op_name(node.target).removeprefix("zerocc.")
+        return name.removesuffix("_start").removesuffix("_into")
+
+    return _bytes_per_step(programs, grad_accumulation, "comm", kind)
 
 
 def unit_rows(units: list[Unit]) -> list[list[str]]:

@@ -306,8 +306,9 @@ class OffloadConfig(_Section):
     )
     nvme_path: str | None = Field(
         None,
-        description="folder for the state files of nvme offload (a fast local disk); a "
-        "per-run subfolder is created there and removed at exit",
+        description="folder for the state files of nvme offload (a fast local disk; a relative "
+        "path is from the working directory); a per-run subfolder is created there and removed "
+        "at exit",
     )
 
     @property

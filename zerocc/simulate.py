@@ -233,22 +233,14 @@ def simulate_step(
     programs: Mapping[bool, fx.GraphModule],
     grad_accumulation: int,
     costs: Costs,
-    *,
-    issue_s: float = 0.0,
-    stolen: Costs | None = None,
-    model_states: dict[str, int] | None = None,
-    rank: int = 0,
+    **options: Any,
 ) -> Simulation:
     """One optimizer step: ``grad_accumulation - 1`` runs of the accumulating program
-    (``programs[False]``) then the stepping one (``programs[True]``), back to back. Every
-    program waits on all it issues, so the runs add up; the peak memory is the highest of
-    the programs'."""
+    (``programs[False]``) then the stepping one (``programs[True]``), back to back, each
+    replayed by :func:`simulate` with ``options`` (its keyword arguments). Every program waits
+    on all it issues, so the runs add up; the peak memory is the highest of the programs'."""
     order = [False] * (grad_accumulation - 1) + [True]
-    once = {
-        b: simulate(programs[b], costs, issue_s=issue_s, stolen=stolen,
-                    model_states=model_states, rank=rank)
-        for b in set(order)
-    }  # fmt: skip
+    once = {b: simulate(programs[b], costs, **options) for b in set(order)}
     if len(order) == 1:
         return once[True]
     total = Simulation(0.0, 0.0, 0.0, 0.0)

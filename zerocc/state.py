@@ -19,7 +19,7 @@ live, and the compute copy ``param`` is written from it wherever that lives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ class StateSpec:
     unit: str | None
     shape: tuple[int, ...]
     dtype: torch.dtype
-    location: str = field(default=DEVICE, compare=False)
+    location: str = DEVICE
 
     @property
     def nbytes(self) -> int:
