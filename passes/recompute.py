@@ -35,6 +35,7 @@ from torch import fx
 from zerocc.passes.param_uses import analyze
 
 import zerocc.rng  # noqa: F401  (registers the RNG ops the copies use)
+from zerocc.access import StorageRoots, written_arguments
 from zerocc.errors import PlanError
 from zerocc.ir import copy_node, emit, info, op_name, tag, val
 from zerocc.pass_manager import PassContext, register_pass
@@ -87,56 +88,6 @@ class Run:
     first_reader: fx.Node | None = None  # where the copies go
 
 
-# Batch norms that update their running statistics in training though their schemas declare no
-# write (the functional-schema ``_native_batch_norm_legit`` declares it).
-_UNDECLARED_WRITES = {
-    aten.native_batch_norm.default,
-    aten.cudnn_batch_norm.default,
-    aten.miopen_batch_norm.default,
-}
-
-
-def _returns_alias(node: fx.Node) -> bool:
-    returns = getattr(getattr(node.target, "_schema", None), "returns", [])
-    return len(returns) == 1 and returns[0].alias_info is not None
-
-
-def _aliased_input(node: fx.Node) -> fx.Node | None:
-    """The input whose storage ``node``'s result lives in: the argument a view or in-place op
-    returns (per its schema), or for a getitem, the list of views it picks from."""
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        source = node.args[0]
-        return source if isinstance(source, fx.Node) and _returns_alias(source) else None
-    if not _returns_alias(node):
-        return None
-    alias = node.target._schema.returns[0].alias_info.before_set
-    for arg, value in zip(node.target._schema.arguments, node.args, strict=False):
-        if arg.alias_info is not None and arg.alias_info.before_set == alias:
-            return value if isinstance(value, fx.Node) else None
-    return None
-
-
-def _written_inputs(node: fx.Node) -> list[fx.Node]:
-    """The inputs ``node`` writes in place: those its schema marks ``!``, and the running
-    statistics a training-mode batch norm updates though its schema does not say so."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return []
-    pairs = list(zip(schema.arguments, node.args, strict=False))
-    pairs += [(a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs]
-    written = [value for arg, value in pairs if arg.alias_info and arg.alias_info.is_write]
-    if node.target in _UNDECLARED_WRITES and argument(node, "training"):
-        written += [argument(node, "running_mean"), argument(node, "running_var")]
-    return [
-        n
-        for value in written
-        for n in (value if isinstance(value, list | tuple) else [value])
-        if isinstance(n, fx.Node)
-    ]
-
-
 class _Analysis:
     """Storage, ownership and parameter facts of the captured graph, computed once.
 
@@ -149,13 +100,12 @@ class _Analysis:
         self.gm = gm
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.param_like = set(analyze(gm, [p.fqn for p in ctx.model.trainable]).roots)
-        self.root: dict[fx.Node, fx.Node] = {}
+        roots = StorageRoots(gm)
+        self.root = roots.root
         self.writes: dict[fx.Node, set[fx.Node]] = {}
         self.writers: dict[fx.Node, list[fx.Node]] = {}
         for node in gm.graph.nodes:
-            source = _aliased_input(node)
-            self.root[node] = self.root[source] if source is not None else node
-            self.writes[node] = {self.root[a] for a in _written_inputs(node)}
+            self.writes[node] = {self.root[a] for a in written_arguments(node)}
             for root in self.writes[node]:
                 self.writers.setdefault(root, []).append(node)
 

@@ -3,10 +3,12 @@ reorder.
 
 Every tensor value belongs to one *storage root*: the node that allocated it, or the placeholder
 the runtime binds. Views, in-place ops and ``wait`` return an alias of an argument (their schemas
-say which), so they share that argument's root. Stages 1-2 bind a unit's ``param_shard``
-placeholder to a view of its ``param_full``: both are one root. A node *reads* the roots of its
-tensor inputs and *writes* the roots of the arguments its schema marks mutable; a node that
-allocates also writes its own root (it defines it).
+say which), so they share that argument's root; so does a getitem of a list of views
+(``split``). Stages 1-2 bind a unit's ``param_shard`` placeholder to a view of its
+``param_full``: both are one root. A node *reads* the roots of its tensor inputs and *writes*
+the roots of the arguments its schema marks mutable (and a training batch norm its running
+statistics, which its schema does not mark); a node that allocates also writes its own root
+(it defines it).
 
 A collective is in flight from its start to its wait: during that span it reads its inputs and
 writes its output, so :func:`collective_access` charges both to the pair.
@@ -14,12 +16,15 @@ writes its output, so :func:`collective_access` charges both to the pair.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
 from zerocc.ir import PARAM_FULL, PARAM_SHARD, info
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class StorageRoots:
         known = self._access.get(node)
         if known is None:
             reads = frozenset(self.root[a] for a in node.all_input_nodes)
-            writes = {self.root[a] for a in _written_arguments(node)}
+            writes = {self.root[a] for a in written_arguments(node)}
             if self.root[node] is node and node.op != "output":
                 writes.add(node)
             known = self._access[node] = Access(reads, frozenset(writes))
@@ -91,24 +96,46 @@ def _nodes_in(value: object) -> list[fx.Node]:
     return []
 
 
-def _written_arguments(node: fx.Node) -> list[fx.Node]:
-    return [
-        n
-        for arg, value in _schema_arguments(node)
-        if arg.alias_info is not None and arg.alias_info.is_write
-        for n in _nodes_in(value)
-    ]
+# Batch norms that update their running statistics in training though their schemas declare no
+# write (the functional-schema ``_native_batch_norm_legit`` declares it).
+_UNDECLARED_WRITES = {
+    aten.native_batch_norm.default,
+    aten.cudnn_batch_norm.default,
+    aten.miopen_batch_norm.default,
+}
+
+
+def written_arguments(node: fx.Node) -> list[fx.Node]:
+    """The inputs ``node`` writes in place: those its schema marks ``!``, and the running
+    statistics a training-mode batch norm updates though its schema does not say so."""
+    pairs = _schema_arguments(node)
+    written = [n for arg, value in pairs if arg.alias_info and arg.alias_info.is_write
+               for n in _nodes_in(value)]  # fmt: skip
+    if node.target in _UNDECLARED_WRITES:
+        given = {arg.name: value for arg, value in pairs}
+        if given.get("training"):
+            written += [n for name in ("running_mean", "running_var")
+                        for n in _nodes_in(given.get(name))]  # fmt: skip
+    return written
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    returns = getattr(getattr(node.target, "_schema", None), "returns", [])
+    return len(returns) == 1 and returns[0].alias_info is not None
 
 
 def _aliased_argument(node: fx.Node) -> fx.Node | None:
-    """The argument whose storage the node's (single) result aliases, if any."""
+    """The argument whose storage the node's (single) result aliases, if any; for a getitem,
+    the list of views (``split``'s result) it picks from."""
     target = node.target
+    if node.op == "call_function" and target is operator.getitem:
+        source = node.args[0]
+        return source if isinstance(source, fx.Node) and _returns_alias(source) else None
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return None
-    returns = target._schema.returns
-    if len(returns) != 1 or returns[0].alias_info is None:
+    if not _returns_alias(node):
         return None
-    alias_set = returns[0].alias_info.before_set
+    alias_set = target._schema.returns[0].alias_info.before_set
     for arg, value in _schema_arguments(node):
         if arg.alias_info is not None and arg.alias_info.before_set == alias_set:
             return value if isinstance(value, fx.Node) else None
