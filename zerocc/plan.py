@@ -165,6 +165,13 @@ class PrecisionConfig(_Section):
     dynamic: LossScaleConfig = Field(
         default_factory=LossScaleConfig, description="knobs of loss_scale: dynamic"
     )
+    on_nonfinite: Literal["error", "skip"] | None = Field(
+        None,
+        description="what a step whose reduced gradient holds an inf or NaN does, before the "
+        "update writes anything: 'error' stops every rank naming the step and the first such "
+        "unit; 'skip' skips the step on every rank (counted in skipped_steps); default: skip "
+        "under loss scaling (overflow is how the scale backs off), else error",
+    )
 
     @field_validator("loss_scale", mode="before")
     @classmethod
@@ -185,6 +192,11 @@ class PrecisionConfig(_Section):
                 f"must update weights at least as precise as those used in compute; use "
                 f"master: fp32{pure}"
             )
+        if self.on_nonfinite == "error" and self.scaling != "none":
+            raise ValueError(
+                "on_nonfinite: error with loss scaling: an overflowing step is how the scale "
+                "learns to back off, so it is skipped; drop on_nonfinite (or set loss_scale: none)"
+            )
         if self.param == "fp16" and self.scaling == "none":
             warnings.warn(
                 "precision: fp16 compute without loss scaling: small gradients underflow to "
@@ -193,6 +205,13 @@ class PrecisionConfig(_Section):
                 stacklevel=2,
             )
         return self
+
+    @property
+    def nonfinite(self) -> str:
+        """'error' or 'skip' once the default is resolved."""
+        if self.on_nonfinite is None:
+            return "skip" if self.scaling != "none" else "error"
+        return self.on_nonfinite
 
     @property
     def scaling(self) -> str:
@@ -226,6 +245,18 @@ class BackendConfig(_Section):
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when available, else cpu"
+    )
+    timeout_s: float = Field(
+        600,
+        gt=0,
+        description="seconds a collective may wait for its peers before every rank still "
+        "running stops with an error naming the ranks that stopped answering (compilation "
+        "does not count against it)",
+    )
+    check_memory: bool = Field(
+        True,
+        description="before training, compare the predicted per-rank peak with the memory "
+        "this machine has and stop with the plan changes that would fit; false: go on anyway",
     )
 
 
