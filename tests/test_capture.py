@@ -88,3 +88,72 @@ def test_default_loss_reads_the_loss_attribute_of_model_outputs():
     gm = capture(model, describe_model(model), None, (torch.randn(2, 4),), torch.device("cpu"))
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert val(outputs[0]).shape == () and len(outputs) == 3
+
+
+# -- placeholder names ----------------------------------------------------------------------------
+
+# Module names and keys a model may hold, each a problem for a Python argument name: a leading
+# digit (nn.Sequential), a keyword, a builtin, '-', spaces, non-ASCII letters, and two keys that
+# read the same once made identifiers ('a-b' and 'a_b').
+AWKWARD_NAMES = ["0.param", "if", "print", "a-b", "a_b", "with space", "é.weight", "layers.0", ""]
+
+
+def _assert_valid_arguments(nodes) -> None:
+    import keyword
+
+    names = [n.name for n in nodes]
+    assert len(set(names)) == len(names), names
+    for node in nodes:
+        assert node.name.isidentifier() and not keyword.iskeyword(node.name), node.name
+        assert node.target == node.name  # fx's forward takes arguments by target, reads by name
+
+
+def test_name_placeholder_makes_unique_identifiers_that_are_the_targets():
+    from torch import fx
+
+    from zerocc.ir import name_placeholder
+
+    graph = fx.Graph()
+    nodes = [name_placeholder(graph.placeholder("x"), text) for text in AWKWARD_NAMES]
+    graph.output(tuple(nodes))
+    _assert_valid_arguments(nodes)
+    gm = fx.GraphModule(torch.nn.Module(), graph)  # compiles its generated forward
+    assert gm(*range(len(nodes))) == tuple(range(len(nodes)))
+
+
+def test_state_placeholders_of_awkward_keys_are_valid_arguments():
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerocc.ir import PARAM_FULL, state_placeholder
+    from zerocc.state import StateSpec
+
+    with FakeTensorMode():
+        like = torch.empty(2)
+    graph = fx.Graph()
+    specs = [StateSpec(f"{k}.param", PARAM_FULL, k, (2,), torch.float32) for k in AWKWARD_NAMES]
+    nodes = [state_placeholder(graph, spec, like) for spec in specs]
+    graph.output(tuple(nodes))
+    _assert_valid_arguments(nodes)
+    fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_captured_placeholders_of_awkward_module_names_are_valid_arguments():
+    class Awkward(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            keys = [k for k in AWKWARD_NAMES if k and "." not in k]  # '.' cannot be in a key
+            self.blocks = torch.nn.ModuleDict({k: torch.nn.Linear(2, 2) for k in keys})
+            self.seq = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+        def forward(self, x):
+            for block in self.blocks.values():
+                x = block(x)
+            return self.seq(x).sum()
+
+    model = Awkward()
+    gm = capture(model, describe_model(model), None, (torch.randn(2, 2),), torch.device("cpu"))
+    _assert_valid_arguments(placeholders(gm))
+    assert {info(n).key for n in placeholders(gm, PARAM)} == {
+        name for name, _ in model.named_parameters()
+    }

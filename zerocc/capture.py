@@ -16,7 +16,6 @@ they are cheapest (before the all-gather, into the reduction).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from zerocc.errors import CaptureError
-from zerocc.ir import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, tag
+from zerocc.ir import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
 from zerocc.plan import PrecisionConfig
 
 LossFn = Callable[..., torch.Tensor]
@@ -297,11 +296,6 @@ def _check_loss(loss: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
-def _identifier(fqn: str) -> str:
-    name = re.sub(r"\W", "_", fqn)
-    return name if name[:1].isalpha() else f"_{name}"
-
-
 def _tag(
     gm: fx.GraphModule,
     info: ModelInfo,
@@ -318,9 +312,7 @@ def _tag(
     if loss_scale:
         roles.append((LOSS_SCALE, LOSS_SCALE_KEY, ""))
     for node, (role, key, prefix) in zip(ph, roles, strict=True):
-        name = prefix + _identifier(key)
-        node._rename(name)
-        node.target = name
+        name_placeholder(node, prefix + key)
         tag(node, role=role, key=key, phase="forward")
     for index, node in enumerate(nodes):
         if node.op not in ("placeholder", "output"):

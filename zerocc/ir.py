@@ -7,6 +7,7 @@ carries (:class:`NodeInfo`) and the few helpers every pass uses to read and copy
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -159,17 +160,37 @@ def emit_collective(
     return emit(graph, wait, (started,), stream="comm", role=role, **fields)
 
 
+def name_placeholder(node: fx.Node, text: str) -> fx.Node:
+    """Name placeholder ``node`` after ``text`` (a state key, a parameter's FQN): the name is a
+    Python identifier, unique in its graph, and also the node's target. Returns the node.
+
+    fx's generated ``forward`` takes each placeholder as an argument named by its *target* and
+    reads it by its *name*: a target that is no identifier (``0.param`` of an ``nn.Sequential``
+    unit) is a syntax error, and two that read alike (``a-b``, ``a_b``) a duplicate argument.
+    Characters other than ASCII letters, digits and ``_`` become ``_``, a leading digit gets a
+    ``_`` before it; the graph's namespace then adds a ``_<n>`` suffix to a keyword, a builtin or
+    a name already taken.
+    """
+    readable = re.sub(r"[^0-9a-zA-Z_]+", "_", text) or "_"
+    if readable[0].isdigit():
+        readable = f"_{readable}"
+    if node.name != readable:
+        node._rename(readable)  # through the namespace: unique, never a keyword or builtin
+    node.target = node.name
+    return node
+
+
 def state_placeholder(graph: fx.Graph, spec: StateSpec, like: torch.Tensor) -> fx.Node:
     """A placeholder the runtime binds to persistent state ``spec``, with a fake value in
     ``like``'s fake mode and device. Inserted after the existing placeholders."""
     existing = [n for n in graph.nodes if n.op == "placeholder"]
     anchor = existing[-1].next if existing else next(iter(graph.nodes), None)
-    name = "".join(c if c.isalnum() else "_" for c in spec.key)
     if anchor is None or anchor.op == "root":
-        node = graph.placeholder(name)
+        node = graph.placeholder(spec.key)
     else:
         with graph.inserting_before(anchor):
-            node = graph.placeholder(name)
+            node = graph.placeholder(spec.key)
+    name_placeholder(node, spec.key)  # fx made a name of the key, but left it the raw target
     with like.fake_mode:
         node.meta["val"] = torch.empty(spec.shape, dtype=spec.dtype, device=like.device)
     return tag(node, role=spec.role, key=spec.key, unit=spec.unit)

@@ -1,7 +1,7 @@
 """Print a program as readable Python: one line per op, with shape, dtype, unit, phase, stream.
 
 # Constructed by pass 'shard' (took 4.1 ms)
-def program(h_0_param: f32[2080], batch__0: i64[8, 64]):
+def program(h_0_param: f32[2080], batch_0: i64[8, 64]):
     all_gather_start = zerocc.all_gather_start(h_0_param, 2, 'dp')  # f32[4160] unit=h.0 ...
 """
 
