@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import BaseModel
 from torch import nn
 
 from zerocc.errors import PlanError, PlanWarning, ZeroccError
@@ -212,6 +213,190 @@ def test_numeric_bounds(field, value):
 def test_betas_each_in_unit_interval():
     assert "optimizer.betas[1]" in plan_error({"optimizer": {"betas": [0.9, 1.0]}})
     assert "optimizer.betas[0]" in plan_error({"optimizer": {"betas": [-0.1, 0.9]}})
+
+
+# --- numbers a plan cannot train with --------------------------------------------------------
+
+
+def _float_fields(model: type[BaseModel] = Plan, prefix: tuple[str, ...] = ()):
+    """The YAML path of every float field of the plan (tuples of floats and unions included),
+    sections nested in sections included: a field added later is covered too."""
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _float_fields(field.annotation, (*prefix, name))
+        elif "float" in str(field.annotation):
+            yield (*prefix, name)
+
+
+def _nested(path: tuple[str, ...], value) -> dict:
+    for part in reversed(path):
+        value = {part: value}
+    return value
+
+
+FLOAT_FIELDS = list(_float_fields())
+
+
+def test_float_fields_are_found_in_every_section():
+    found = {".".join(path) for path in FLOAT_FIELDS}
+    assert {
+        "units.min_mb", "optimizer.lr", "optimizer.betas", "precision.loss_scale",
+        "precision.dynamic.initial", "backend.timeout_s", "overlap.bucket_mb",
+        "cost.latency_us", "offload.ratio",
+    } <= found  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("path", FLOAT_FIELDS, ids=".".join)
+def test_every_float_field_must_be_finite(path, value):
+    message = plan_error(_nested(path, [0.5, value] if path[-1] == "betas" else value))
+    assert ".".join(path) in message and repr(value) in message and "allowed" in message
+    assert "\n" not in message  # one bad field: one line
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("optimizer: {lr: .inf}", "optimizer.lr: inf is not allowed; allowed: a finite number"),
+        ("optimizer: {lr: 1e40}", "optimizer.lr: '1e40' is too large"),
+        ("optimizer: {weight_decay: .inf}", "optimizer.weight_decay: inf is not allowed"),
+        ("optimizer: {eps: .inf}", "optimizer.eps: inf is not allowed"),
+        ("optimizer: {eps: .nan}", "optimizer.eps: nan is not allowed"),
+        ("precision: {param: fp16, loss_scale: .inf}", "precision.loss_scale: inf is not allowed"),
+        ("precision: {dynamic: {initial: .inf}}", "precision.dynamic.initial: inf is not allowed"),
+        ("backend: {timeout_s: .inf}", "backend.timeout_s: inf is not allowed"),
+    ],
+)
+def test_yaml_infinities_and_huge_numbers_are_plan_errors(tmp_path, text, expected):
+    path = write(tmp_path, text + "\n")
+    assert f"plan file {path}: {expected}" in plan_error(path)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"optimizer": {"lr": 2.0}}, "optimizer.lr: 2.0 is too large: an AdamW step"),
+        ({"optimizer": {"name": "sgd", "lr": 20.0}}, "<= 10 for sgd"),
+        (
+            {"optimizer": {"lr": 0.5, "weight_decay": 2.0}},
+            "optimizer: lr 0.5 * weight_decay 2 = 1:",
+        ),
+        ({"optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 1.0}}, "lr * weight_decay < 1"),
+        ({"optimizer": {"name": "sgd", "momentum": 1.0}}, "a finite number >= 0 and < 1"),
+        ({"optimizer": {"eps": 1e-40}}, "optimizer.eps: 1e-40 is not allowed; allowed: a finite"),
+        ({"optimizer": {"grad_clip": math.inf}}, "optimizer.grad_clip: inf is not allowed"),
+        ({"precision": {"loss_scale": 2.0**40}}, "or a positive number from 1.18e-38 to 2^32"),
+        ({"precision": {"dynamic": {"initial": 2.0**40}}}, "<= 4294967296"),
+        (
+            {"precision": {"dynamic": {"initial": 4, "min_scale": 8}}},
+            "min_scale 8 is above initial",
+        ),
+        ({"backend": {"timeout_s": 1e9}}, "backend.timeout_s: 1000000000.0 is not allowed"),
+    ],
+)
+def test_numbers_out_of_their_meaningful_range(data, expected):
+    assert expected in plan_error(data)
+
+
+def test_numbers_at_the_edges_of_their_ranges_are_accepted(tmp_path):
+    assert load_plan({"optimizer": {"lr": 1.0, "weight_decay": 0.5}}).optimizer.lr == 1.0
+    assert load_plan({"optimizer": {"name": "sgd", "lr": 10, "momentum": 0.99}}).optimizer.lr == 10
+    scale = load_plan(write(tmp_path, "precision: {param: fp16, loss_scale: 1e4}\n")).precision
+    assert scale.loss_scale == 1e4 and scale.scaling == "static"  # YAML reads 1e4 as a string
+    assert load_plan({"precision": {"dynamic": {"initial": 2.0**32}}}).precision.dynamic.initial
+
+
+# --- YAML that no plan may hold --------------------------------------------------------------
+
+
+def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path):
+    path = write(tmp_path, "optimizer:\n  lr: 1.0e-3\n  eps: 1.0e-8\n  lr: 1.0\n")
+    message = plan_error(path)
+    assert "line 4: duplicate key 'lr' (first at line 2)" in message and str(path) in message
+    top = plan_error(write(tmp_path, "zero: {stage: 3}\nseed: 1\nzero: {stage: 1}\n", "top.yaml"))
+    assert "line 3: duplicate key 'zero' (first at line 1)" in top
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    text = "workload_args:\n  base: &b {n: 1, m: 2}\n  other: {<<: *b, n: 3}\n"
+    assert load_plan(write(tmp_path, text)).workload_args["other"] == {"n": 3, "m": 2}
+
+
+def _deep_list(levels: int) -> list:
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_deeply_nested_yaml_is_one_line_plan_error(tmp_path):
+    path = write(tmp_path, "workload_args: {x: " + "[" * 10000 + "]" * 10000 + "}\n")
+    message = plan_error(path)
+    assert "line 1: nested deeper than 100 levels" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("section", ["workload_args", "units"])
+def test_deeply_nested_dict_is_one_line_plan_error(section):
+    data = (
+        {"workload_args": {"x": _deep_list(10000)}}
+        if section == "workload_args"
+        else {"units": {"classes": _deep_list(10000)}}
+    )
+    message = plan_error(data)
+    assert f"plan: {section}." in message and "nested deeper than 100 levels" in message
+    assert "\n" not in message
+
+
+def test_a_yaml_alias_that_contains_itself_is_refused(tmp_path):
+    message = plan_error(write(tmp_path, "workload_args: &a {x: *a}\n"))
+    assert "workload_args.x.x" in message and "contains itself" in message
+
+
+def test_yaml_aliases_that_expand_to_billions_of_values_are_refused(tmp_path):
+    text = "workload_args:\n  a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n" for i in range(1, 10)
+    )
+    assert "more than 1,000,000 values" in plan_error(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("as_path", [False, True])
+def test_a_nul_byte_in_the_plan_path(tmp_path, as_path):
+    src = str(tmp_path / "pl\0an.yaml")
+    message = plan_error(Path(src) if as_path else src)
+    assert "a path cannot contain a NUL byte" in message and "\0" not in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "field", ["offload.nvme_path", "dumps.dir", "cost.calibration"]
+)  # fmt: skip
+def test_a_nul_byte_in_a_path_field(tmp_path, field):
+    section, name = field.split(".")
+    extra = "  optimizer: nvme\n" if section == "offload" else ""
+    path = write(tmp_path, f'{section}:\n{extra}  {name}: "a\\0b"\nzero: {{stage: 3}}\n')
+    message = plan_error(path)
+    assert f"{field}: 'a\\x00b' contains a NUL byte" in message and "\n" not in message
+
+
+# --- passes listed that would do nothing -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("passes", "expected"),
+    [
+        (
+            ["partition", "recompute", "shard", "optimizer"],
+            "passes[1]: 'recompute' would do nothing",
+        ),
+        (
+            ["partition", "shard", "precision", "optimizer"],
+            "passes[2]: 'precision' would do nothing",
+        ),
+        (["partition", "shard", "optimizer", "offload"], "passes[3]: 'offload' would do nothing"),
+    ],
+)
+def test_a_listed_pass_with_nothing_to_do_is_an_error(passes, expected):
+    assert expected in plan_error({"passes": passes})
 
 
 @pytest.mark.parametrize("workload", ["workload", "a:b:c", "my-module:fn", ":fn", "mod:"])

@@ -15,18 +15,21 @@ from typing import Annotated, Any, Literal
 import torch
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
 from zerocc.errors import PlanError, PlanWarning
-from zerocc.plan_messages import describe_error, show
+from zerocc.plan_messages import describe_error, invalid_plan, plan_origin, show
+from zerocc.plan_yaml import PlanDataError, check_shape, load_yaml
 
 DEFAULT_PASSES = ["partition", "shard", "optimizer", "overlap"]
 MIXED_PRECISION_PASSES = ["partition", "shard", "precision", "optimizer", "overlap"]
@@ -38,11 +41,37 @@ _WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
+# The smallest positive normal fp32 number: a positive value below it (eps, a loss scale) is a
+# subnormal or rounds to 0 in the fp32 arithmetic of the update and the loss scaling.
+FP32_TINY = torch.finfo(torch.float32).tiny
+# The largest learning rate per optimizer. AdamW moves each weight by about lr per step whatever
+# the gradient's scale (its update is normalized), so lr > 1 moves every weight by more than its
+# own size each step: what `lr: 1e3` meaning 1e-3 (a dropped minus sign) looks like. An SGD step
+# is lr times the gradient, whose scale is the loss's: large-batch recipes reach lr ~3-10.
+MAX_LR = {"adamw": 1.0, "sgd": 10.0}
+# The largest loss scale: Megatron-LM's initial 2^32 is the largest used in practice; above it
+# every step overflows (and is skipped) until the scale has backed off.
+MAX_LOSS_SCALE = 2.0**32
+# The longest collective timeout: a collective that waits a week is hung (and longer ones
+# overflow the process group's millisecond clock for no benefit).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _no_nul(path: str | None) -> str | None:
+    """A path field: no file system allows a NUL byte in a path (open() would raise)."""
+    if path is not None and "\0" in path:
+        raise ValueError(f"{path!r} contains a NUL byte, which no file system allows in a path")
+    return path
+
+
+PathStr = Annotated[str, AfterValidator(_no_nul)]
+
 
 class _Section(BaseModel):
-    """Base of every plan model: an unknown field (a typo) is an error, not a silent default."""
+    """Base of every plan model: an unknown field (a typo) is an error, not a silent default;
+    every float is finite (YAML's .inf and .nan are not numbers a plan can train with)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ZeroConfig(_Section):
@@ -100,12 +129,82 @@ class OptimizerConfig(_Section):
     """The optimizer, applied to each rank's shard of the parameters."""
 
     name: Literal["adamw", "sgd"] = Field("adamw", description="optimizer, as torch.optim names it")
-    lr: float = Field(1e-3, gt=0, description="learning rate")
-    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon, added to the denominator")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW) or L2 (SGD)")
-    momentum: float = Field(0.0, ge=0, description="SGD momentum (sgd only)")
-    grad_clip: float | None = Field(None, gt=0, description="clip by global L2 norm over all ranks")
+    lr: float = Field(
+        1e-3,
+        gt=0,
+        description="learning rate, > 0 and at most 1 for adamw (its step moves each weight by "
+        "about lr, whatever the gradient's scale: lr > 1 is a typo such as 1e3 for 1e-3) or 10 "
+        "for sgd (its step is lr times the gradient; large-batch recipes reach ~3-10)",
+        json_schema_extra={"maximum": max(MAX_LR.values())},
+    )
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.999),
+        description="AdamW betas, each in [0, 1) (a moment that keeps all of its past never "
+        "forgets its first gradient)",
+    )
+    eps: float = Field(
+        1e-8,
+        ge=FP32_TINY,
+        description="AdamW epsilon, added to the denominator; at least the smallest normal fp32 "
+        "number (1.2e-38): below it, it is a subnormal that GPU kernels flush to 0 (or 0 "
+        "itself), and a weight whose gradient is 0 becomes NaN (0/0)",
+    )
+    weight_decay: float = Field(
+        0.0,
+        ge=0,
+        description="decoupled weight decay (AdamW) or L2 (SGD); each step multiplies the "
+        "weights by 1 - lr * weight_decay, so lr * weight_decay must be < 1",
+    )
+    momentum: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="SGD momentum (sgd only), in [0, 1): at 1 or above the momentum buffer "
+        "never decays and the steps grow without bound",
+    )
+    grad_clip: float | None = Field(
+        None,
+        gt=0,
+        description="clip by global L2 norm over all ranks (a finite norm > 0; null: no clipping)",
+    )
+
+    @field_validator("lr", mode="wrap")
+    @classmethod
+    def _lr_in_range(
+        cls, lr: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> float:
+        # One message for every bad lr, with the range of this plan's optimizer (the field's
+        # own bounds are the loosest, those of any optimizer).
+        name = info.data.get("name")
+        largest = MAX_LR.get(name, max(MAX_LR.values()))
+        try:
+            value = handler(lr)
+        except ValidationError:
+            value = None
+        allowed = f"allowed: a finite number > 0 and <= {largest:g} for {name or 'any optimizer'}"
+        if value is None:
+            raise ValueError(f"{show(lr)} is not allowed; {allowed}")
+        if value > largest:
+            why = {
+                "adamw": "an AdamW step moves each weight by about lr",
+                "sgd": "an SGD step is lr times the gradient",
+            }.get(name, "lr bounds the size of a step")
+            raise ValueError(
+                f"{show(lr)} is too large: {why}; {allowed} (a dropped minus sign, as in 1e3 "
+                "for 1e-3?)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _decay_keeps_the_weights(self) -> OptimizerConfig:
+        shrink = self.lr * self.weight_decay
+        if shrink >= 1:
+            raise ValueError(
+                f"lr {self.lr:g} * weight_decay {self.weight_decay:g} = {shrink:g}: each step "
+                "multiplies the weights by 1 - lr * weight_decay, which zeroes or flips them at "
+                "1 or more; allowed: lr * weight_decay < 1 (usual weight_decay: 0.01-0.1)"
+            )
+        return self
 
     @field_validator("momentum")
     @classmethod
@@ -125,13 +224,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class LossScaleConfig(_Section):
     """Dynamic loss scaling knobs (fp16): the scale backs off on overflow, grows when stable."""
 
-    initial: float = Field(2.0**16, gt=0, description="scale of the first step")
+    initial: float = Field(
+        2.0**16,
+        ge=FP32_TINY,
+        le=MAX_LOSS_SCALE,
+        description="scale of the first step; a normal fp32 number at most 2^32 (Megatron-LM's "
+        "initial scale, the largest used in practice: above it every step overflows until the "
+        "scale has backed off)",
+    )
     growth_interval: int = Field(
         2000, ge=1, description="steps without overflow after which the scale grows"
     )
-    growth_factor: float = Field(2.0, gt=1, description="the scale is multiplied by this to grow")
+    growth_factor: float = Field(
+        2.0, gt=1, description="the scale is multiplied by this (finite, > 1) to grow"
+    )
     backoff_factor: float = Field(
-        0.5, gt=0, lt=1, description="the scale is multiplied by this on overflow"
+        0.5, gt=0, lt=1, description="the scale is multiplied by this on overflow, in (0, 1)"
     )
     hysteresis: int = Field(
         2,
@@ -139,7 +247,22 @@ class LossScaleConfig(_Section):
         description="overflowing steps tolerated before the scale backs off (each one is "
         "still skipped); 1 backs off on every overflow, as torch's GradScaler",
     )
-    min_scale: float = Field(1.0, gt=0, description="the scale never backs off below this")
+    min_scale: float = Field(
+        1.0,
+        ge=FP32_TINY,
+        le=MAX_LOSS_SCALE,
+        description="the scale never backs off below this; at most `initial` (a normal fp32 "
+        "number: the scale is an fp32 tensor)",
+    )
+
+    @model_validator(mode="after")
+    def _floor_below_initial(self) -> LossScaleConfig:
+        if self.min_scale > self.initial:
+            raise ValueError(
+                f"min_scale {self.min_scale:g} is above initial {self.initial:g}: the scale "
+                "would start below its own floor; allowed: min_scale <= initial"
+            )
+        return self
 
 
 class PrecisionConfig(_Section):
@@ -160,7 +283,8 @@ class PrecisionConfig(_Section):
     output: Dtype = Field("fp32", description="dtype of the loss the step returns")
     loss_scale: Literal["dynamic", "none"] | float | None = Field(
         None,
-        description="'dynamic', a fixed number, or 'none'; default: dynamic for fp16, else none",
+        description="'dynamic', a fixed number (a normal fp32 number at most 2^32, as "
+        "dynamic.initial), or 'none'; default: dynamic for fp16, else none",
     )
     dynamic: LossScaleConfig = Field(
         default_factory=LossScaleConfig, description="knobs of loss_scale: dynamic"
@@ -176,11 +300,21 @@ class PrecisionConfig(_Section):
     @field_validator("loss_scale", mode="before")
     @classmethod
     def _scale_choice(cls, scale: Any) -> Any:
-        number = isinstance(scale, int | float) and not isinstance(scale, bool)
-        if scale is None or scale in ("dynamic", "none") or (number and scale > 0):
+        # Numbers are checked here, not by the union's float: its errors would come once per
+        # member of the union ("should be 'dynamic' or 'none'", "should be finite").
+        if scale is None or scale in ("dynamic", "none"):
             return scale
+        if isinstance(scale, str):  # YAML reads 1e4 (no dot) as a string, as other floats take it
+            try:
+                scale = float(scale)
+            except ValueError:
+                pass
+        number = isinstance(scale, int | float) and not isinstance(scale, bool)
+        if number and FP32_TINY <= scale <= MAX_LOSS_SCALE:  # NaN and inf fail it too
+            return float(scale)
         raise ValueError(
-            f"{scale!r} is not allowed; allowed values: 'dynamic', 'none', or a positive number"
+            f"{show(scale)} is not allowed; allowed values: 'dynamic', 'none', or a positive "
+            f"number from {FP32_TINY:.3g} to 2^32 (finite)"
         )
 
     @model_validator(mode="after")
@@ -249,9 +383,10 @@ class BackendConfig(_Section):
     timeout_s: float = Field(
         600,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description="seconds a collective may wait for its peers before every rank still "
         "running stops with an error naming the ranks that stopped answering (compilation "
-        "does not count against it)",
+        "does not count against it); > 0 and at most a week (604800)",
     )
     check_memory: bool = Field(
         True,
@@ -292,7 +427,7 @@ class CostConfig(_Section):
     Unset rates come from ``calibration`` (a file `zerocc profile` writes), else from built-in
     defaults for the device."""
 
-    calibration: str | None = Field(
+    calibration: PathStr | None = Field(
         None,
         description="JSON written by `zerocc profile PLAN`, relative to the plan file",
     )
@@ -335,7 +470,7 @@ class OffloadConfig(_Section):
         description="the share of the model's parameters (whole units, those whose gradients "
         "are complete first) that are offloaded; 1: every unit",
     )
-    nvme_path: str | None = Field(
+    nvme_path: PathStr | None = Field(
         None,
         description="folder for the state files of nvme offload (a fast local disk; a relative "
         "path is from the working directory); a per-run subfolder is created there and removed "
@@ -373,7 +508,7 @@ class CheckpointingConfig(_Section):
 class DumpsConfig(_Section):
     """Files that show what the compiler built and what a run did (see zerocc.dumps)."""
 
-    dir: str | None = Field(
+    dir: PathStr | None = Field(
         None,
         description="folder for per-pass programs (.py, .dot), the measured trace, memory "
         "plots and report.html; ZEROCC_DUMP_DIR overrides it",
@@ -532,6 +667,38 @@ class Plan(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _listed_passes_have_work(self) -> Plan:
+        # A listed pass whose section asks for nothing would run as a silent no-op: the plan's
+        # author meant something else. (The reverse, a section whose pass is not listed, is
+        # checked above.)
+        if self.passes is None:
+            return self
+        idle = {
+            RECOMPUTE_PASS: (
+                not self.checkpointing.enabled,
+                "checkpointing.units is 'none'",
+                "set checkpointing.units (e.g. all)",
+            ),
+            OFFLOAD_PASS: (
+                not self.offload.enabled,
+                "offload.optimizer and offload.params are 'none'",
+                "set offload.optimizer (or params)",
+            ),
+            "precision": (
+                not self.precision.mixed,
+                "the precision section keeps fp32 everywhere",
+                "set precision.param: bf16 (or fp16)",
+            ),
+        }
+        for i, name in enumerate(self.passes):
+            nothing_to_do, why, fix = idle.get(name, (False, "", ""))
+            if nothing_to_do:
+                raise ValueError(
+                    f"passes[{i}]: {name!r} would do nothing: {why}; {fix}, or drop {name!r}"
+                )
+        return self
+
     @field_validator("workload")
     @classmethod
     def _workload_shape(cls, workload: str | None) -> str | None:
@@ -546,7 +713,8 @@ def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
     """Load and validate a plan from a YAML file path, a dict, or a Plan (returned as is).
 
     Raises PlanError, naming the file, the YAML path of each bad field, the value and what is
-    allowed, for a missing file, bad YAML, a non-mapping document, or an invalid field.
+    allowed, for a missing file, bad YAML (a key given twice included), a non-mapping document,
+    data nested too deep, or an invalid field.
     """
     if isinstance(src, Plan):
         return src
@@ -555,32 +723,42 @@ def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
     if isinstance(src, dict):
         data: Any = src
     elif isinstance(src, str | os.PathLike):
-        path = Path(src)
-        source = str(path)
-        where = f"plan file {source}"
-        if not path.is_file():
-            raise PlanError(f"{where}: not found" if not path.exists() else f"{where}: not a file")
-        try:
-            with path.open() as stream:  # a stream, so YAML errors name the file
-                data = yaml.safe_load(stream)
-        except yaml.YAMLError as exc:
-            raise PlanError(f"{where}: invalid YAML: {exc}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{where}: cannot be read: {exc}") from None
-        if data is None:  # an empty file: every default
-            data = {}
+        source = str(Path(os.fsdecode(src)))
+        where = plan_origin(source)
+        if "\0" in source:
+            raise PlanError(f"{where}: a path cannot contain a NUL byte")
+        data = _read_yaml(Path(source), where)
     else:
         raise PlanError(f"a plan is a YAML path, a dict or a zerocc.Plan, not {type(src).__name__}")
+    try:
+        check_shape(data)
+    except PlanDataError as exc:
+        raise PlanError(f"{where}: {exc}") from None
     if not isinstance(data, dict):
         got = f"{type(data).__name__} {show(data)}"
         raise PlanError(f"{where}: expected a mapping of fields at the top, got {got}")
     try:
         plan = Plan.model_validate(data)
     except ValidationError as exc:
-        lines = [describe_error(err, Plan) for err in exc.errors()]
-        raise PlanError(f"{where} is invalid:\n" + "\n".join(f"  {ln}" for ln in lines)) from None
+        raise invalid_plan(where, [describe_error(err, Plan) for err in exc.errors()]) from None
     plan._source = source
     return plan
+
+
+def _read_yaml(path: Path, where: str) -> Any:
+    """The document of the plan file at ``path`` ({} for an empty file)."""
+    if not path.is_file():
+        raise PlanError(f"{where}: not found" if not path.exists() else f"{where}: not a file")
+    try:
+        with path.open() as stream:  # a stream, so YAML errors name the file
+            data = load_yaml(stream)
+    except PlanDataError as exc:
+        raise PlanError(f"{where}: invalid YAML: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{where}: invalid YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{where}: cannot be read: {exc}") from None
+    return {} if data is None else data  # an empty file: every default
 
 
 def plan_json_schema() -> dict:
