@@ -65,3 +65,59 @@ def test_plan_schema_prints_json(capsys):
 def test_no_command_prints_help(capsys, argv):
     assert main(argv) == 0
     assert "usage: zerocc" in capsys.readouterr().out
+
+
+def test_plan_check_accepts_every_example_plan(capsys):
+    for path in sorted(EXAMPLES.parent.glob("**/*.yaml")):
+        assert main(["plan", "check", str(path)]) == 0, capsys.readouterr().err
+        assert f"{path}: ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("passes", "expected"),
+    [
+        ("[shard, partition]", "passes[0]: 'shard' requires 'units' (produced by partition)"),
+        ("[partition, partition, shard, optimizer]", "passes[1]: 'partition' is listed twice"),
+        ("[partition, shard]", "passes: a training step needs 'optimizer_update'"),
+        (
+            "[partition, shrad, optimizer]",
+            "passes[1]: unknown pass 'shrad' (did you mean 'shard'?)",
+        ),
+        ("[partition, shard, optimizer, overlap, optimizer]", "passes[4]: 'optimizer' is listed"),
+    ],
+)
+def test_plan_check_checks_the_passes(tmp_path, capsys, passes, expected):
+    path = tmp_path / "passes.yaml"
+    path.write_text(f"passes: {passes}\n")
+    assert main(["plan", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"zerocc: error: plan file {path}: {expected}" in err
+    allowed = "partition, recompute, shard, precision, optimizer, overlap, offload"
+    assert allowed in err or "twice" in err  # the allowed order (or names) comes with the error
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'offload: {optimizer: nvme, nvme_path: "a\\0b"}',
+        'dumps: {dir: "a\\0b"}',
+        'cost: {calibration: "a\\0b"}',
+        "workload_args: {x: " + "[" * 10000 + "]" * 10000 + "}",
+        "optimizer: {lr: .inf}",
+        "optimizer:\n  lr: 1.0e-3\n  lr: 1.0e-2",
+    ],
+    ids=["nvme_path", "dumps.dir", "calibration", "nested", "inf", "duplicate"],
+)
+def test_plan_check_reports_bad_data_in_one_line(tmp_path, capsys, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + "\n")
+    assert main(["plan", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zerocc: error: plan file {path}: ") and err.count("\n") == 1
+
+
+def test_plan_check_of_a_path_with_a_nul_byte(capsys):
+    assert main(["plan", "check", "plan\0.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err == "zerocc: error: plan file 'plan\\x00.yaml': a path cannot contain a NUL byte\n"

@@ -8,7 +8,7 @@ from models import tiny_gpt
 from parity import batch_of
 
 import zerocc
-from zerocc.errors import InvariantError
+from zerocc.errors import InvariantError, PlanError
 from zerocc.ir import info, op_name
 from zerocc.verify import verify_program
 
@@ -62,7 +62,13 @@ def test_writing_a_tensor_while_its_collective_is_in_flight_is_caught():
 def test_graph_nodes_carry_units_and_streams():
     gm = _step().program
     comm = [n for n in gm.graph.nodes if info(n).stream == "comm"]
-    assert comm and all(info(n).unit for n in comm)
+    # All but the all-reduce of every unit's non-finite flag, once per step.
+    step_wide = [n for n in comm if not info(n).unit]
+    assert comm and [op_name(n.target) for n in step_wide] == [
+        "zerocc.all_reduce_start",
+        "zerocc.wait",
+    ]
+    assert op_name(step_wide[0].args[0].target) == "zerocc.nonfinite_flags"
 
 
 def test_default_pipeline_changes_no_numerics():
@@ -71,3 +77,46 @@ def test_default_pipeline_changes_no_numerics():
 
     assert [s.name for s in build_pipeline(Plan()).specs] == DEFAULT_PASSES
     assert not any(PASSES[name].changes_numerics for name in DEFAULT_PASSES)
+
+
+ORDER = "partition, recompute, shard, precision, optimizer, overlap, offload"
+BF16 = {"precision": {"param": "bf16"}}
+CPU_OFFLOAD = {"offload": {"optimizer": "cpu"}}
+
+
+@pytest.mark.parametrize(
+    ("passes", "extra", "expected"),
+    [
+        (["shard", "partition"], {}, "passes[0]: 'shard' requires 'units'"),
+        (["partition", "partition", "shard", "optimizer"], {},
+         "passes[1]: 'partition' is listed twice (first at passes[0])"),
+        (["partition", "shard", "optimizer", "shard"], {}, "passes[3]: 'shard' is listed twice"),
+        (["partition", "shard"], {},
+         "passes: a training step needs 'optimizer_update' (produced by optimizer)"),
+        ([], {}, "passes: a training step needs 'grad_shards'"),
+        (["partition", "optimizer"], {},
+         "passes[1]: 'optimizer' requires 'grad_shards' (produced by shard)"),
+        (["partition", "shard", "optimizer", "precision"], BF16,
+         "passes[3]: 'precision' must run before 'optimizer' (passes[2])"),
+        (["partition", "shard", "optimizer", "offload", "overlap"], CPU_OFFLOAD,
+         "passes[4]: 'overlap' must run before 'offload' (passes[3])"),
+        (["partition", "shard", "optimzer"], {},
+         "passes[2]: unknown pass 'optimzer' (did you mean 'optimizer'?)"),
+    ],
+)  # fmt: skip
+def test_bad_pass_lists_are_plan_errors_before_capture(passes, extra, expected):
+    with pytest.raises(PlanError) as info:
+        zerocc.compile(tiny_gpt(), {"passes": passes, **extra}, comm=zerocc.FakeComm(2))
+    message = str(info.value)
+    assert message.startswith(f"plan: {expected}")
+    assert ORDER in message or "twice" in message  # the order the contracts allow, or names
+    if message.startswith("plan: passes:"):
+        assert "required passes: partition, shard, optimizer" in message
+
+
+def test_the_order_in_messages_is_the_one_the_contracts_allow():
+    from zerocc.pass_manager import PASSES, check_order
+
+    order = ORDER.split(", ")
+    assert sorted(order) == sorted(PASSES)
+    check_order([PASSES[name] for name in order])  # every pass, in that order: allowed

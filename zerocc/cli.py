@@ -98,9 +98,13 @@ def _plan_check(args: argparse.Namespace) -> int:
 
 
 def _checked_plan(path: str) -> Plan:
-    """The plan, loaded and checked against this machine where it can be before any model is
-    built: an NVMe offload folder must exist and take files."""
+    """The plan, loaded and checked where it can be before any model is built: its `passes`
+    against the passes' contracts, and on this machine an NVMe offload folder must exist and
+    take files."""
+    from zerocc.pass_manager import check_passes
+
     plan = load_plan(path)
+    check_passes(plan)
     if plan.offload.uses_nvme:
         from zerocc.nvme import check_folder
 

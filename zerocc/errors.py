@@ -21,8 +21,10 @@ class CaptureError(ZeroccError):
     """Raised when the training step of a model cannot be captured as one graph."""
 
 
-class PassOrderError(ZeroccError):
-    """Raised before any pass runs when the pipeline's order breaks a pass's requirements."""
+class PassOrderError(PlanError):
+    """Raised before any pass runs when the plan's `passes` break a pass's contract (a pass
+    before what it requires, after what it must precede, or no pass producing what a training
+    step needs): a plan error, naming ``passes[i]`` and the order the passes allow."""
 
 
 class RankMismatchError(ZeroccError):

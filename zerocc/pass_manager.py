@@ -10,6 +10,7 @@ verified after each pass when ``ZEROCC_VERIFY=1``.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import time
@@ -20,12 +21,17 @@ from typing import Any
 from torch import fx
 
 from zerocc.capture import ModelInfo
-from zerocc.errors import PassOrderError, PlanError
+from zerocc.errors import PassOrderError
 from zerocc.ir import count_ops, propagate_fake_values
 from zerocc.plan import Plan
+from zerocc.plan_messages import invalid_plan, plan_origin
 from zerocc.units import Unit
 
 CAPTURE_PROVIDES = frozenset({"joint_graph"})
+# What a compiled training step needs its pipeline to produce: units (its state is laid out per
+# unit), gradients reduced into shards, and the optimizer's update. Without the update a step
+# would run forward and backward and never change a weight.
+STEP_NEEDS = frozenset({"units", "grad_shards", "optimizer_update"})
 
 
 @dataclass(frozen=True)
@@ -109,48 +115,116 @@ class Pipeline:
 
 
 def build_pipeline(plan: Plan) -> Pipeline:
-    """Resolve the plan's pass names, check the order, bind each pass's options."""
-    import zerocc.passes  # noqa: F401  (registers the built-in passes)
-
+    """Resolve the plan's pass names, check them (`check_passes`), bind each pass's options."""
     # Invariant 4: the default pipeline holds no pass that changes numerics unless the plan asks
     # for it (the precision pass runs when the precision section leaves fp32).
-    names = plan.pass_names
-    specs = []
-    for i, name in enumerate(names):
-        if name not in PASSES:
-            raise PlanError(
-                f"passes[{i}]: unknown pass {name!r}; known passes: " + ", ".join(sorted(PASSES))
-            )
-        specs.append(PASSES[name])
-    check_order(specs)
+    specs = check_passes(plan)
     bound = tuple(functools.partial(s.fn, **s.options(plan)) for s in specs)
-    return Pipeline(tuple(specs), bound)
+    return Pipeline(specs, bound)
+
+
+def check_passes(plan: Plan) -> tuple[PassSpec, ...]:
+    """The specs of the plan's pipeline, in order, once its names are known and its order is
+    one the passes' contracts allow; raises PlanError naming ``passes[i]`` and what is allowed
+    (`zerocc plan check` and `zerocc.compile` both call it, before anything is captured)."""
+    import zerocc.passes  # noqa: F401  (registers the built-in passes)
+
+    names = plan.pass_names
+    where = plan_origin(plan.source)
+    unknown = [
+        f"passes[{i}]: unknown pass {name!r}{_close_match(name)}; known passes: "
+        + ", ".join(_canonical_order())
+        for i, name in enumerate(names)
+        if name not in PASSES
+    ]
+    if unknown:
+        raise invalid_plan(where, unknown)
+    first: dict[str, int] = {}
+    repeated = []
+    for i, name in enumerate(names):
+        if name in first:
+            repeated.append(
+                f"passes[{i}]: {name!r} is listed twice (first at passes[{first[name]}]); each "
+                "pass runs once"
+            )
+        first.setdefault(name, i)
+    if repeated:
+        raise invalid_plan(where, repeated)
+    specs = tuple(PASSES[name] for name in names)
+    try:
+        check_order(specs)
+    except PassOrderError as exc:
+        raise PassOrderError(f"{where}: {exc}") from None
+    return specs
 
 
 def check_order(specs: list[PassSpec] | tuple[PassSpec, ...]) -> None:
     """Reject a pipeline in which a pass runs before what it requires is produced, or after
-    what it must precede."""
+    what it must precede, or that never produces what a training step needs (STEP_NEEDS). The
+    PassOrderError (a PlanError) names ``passes[i]`` and the order the contracts allow."""
+    order = f"passes run in this order: {', '.join(_canonical_order())}"
     available = set(CAPTURE_PROVIDES)
-    for spec in specs:
+    for i, spec in enumerate(specs):
         early = spec.forbids & available
         if early:
-            producers = [s.name for s in specs if s.produces & early]
+            producers = [
+                f"{s.name!r} (passes[{j}])" for j, s in enumerate(specs[:i]) if s.produces & early
+            ]
             raise PassOrderError(
-                f"pass {spec.name!r} must run before {', '.join(map(repr, producers))} "
-                f"(which produces {', '.join(sorted(early))})"
+                f"passes[{i}]: {spec.name!r} must run before {', '.join(producers)}, which "
+                f"produces {', '.join(sorted(early))}; {order}"
             )
         missing = spec.requires - available
         if missing:
-            providers = {m: [s.name for s in PASSES.values() if m in s.produces] for m in missing}
-            needs = "; ".join(
-                f"{m!r} (produced by {', '.join(p) or 'no registered pass'})"
-                for m, p in sorted(providers.items())
-            )
             raise PassOrderError(
-                f"pass {spec.name!r} requires {needs}, which no earlier pass "
-                "in the pipeline produces"
+                f"passes[{i}]: {spec.name!r} requires {_produced_by(missing)}, which no earlier "
+                f"pass produces; {order}"
             )
         available |= spec.produces
+    missing = STEP_NEEDS - available
+    if missing:
+        raise PassOrderError(
+            f"passes: a training step needs {_produced_by(missing)}, which no listed pass "
+            f"produces; required passes: {', '.join(_required_passes())}; {order}"
+        )
+
+
+def _produced_by(artifacts: set[str] | frozenset[str]) -> str:
+    """Each artifact and the passes that produce it: 'units' (produced by partition); ..."""
+    return "; ".join(
+        f"{a!r} (produced by {', '.join(s.name for s in PASSES.values() if a in s.produces)})"
+        for a in sorted(artifacts)
+    )
+
+
+def _required_passes() -> list[str]:
+    """The passes every pipeline holds: those producing what a training step needs."""
+    return [n for n in _canonical_order() if PASSES[n].produces & STEP_NEEDS]
+
+
+def _canonical_order() -> list[str]:
+    """Every registered pass, in the one order their contracts allow (producers before the
+    passes that require what they produce; a pass before the producers of what it forbids),
+    ties in registration order."""
+    after: dict[str, set[str]] = {name: set() for name in PASSES}  # pass -> passes before it
+    for spec in PASSES.values():
+        for other in PASSES.values():
+            if spec.requires & other.produces:
+                after[spec.name].add(other.name)
+            if spec.forbids & other.produces:
+                after[other.name].add(spec.name)
+    order: list[str] = []
+    while len(order) < len(after):
+        ready = [n for n in after if n not in order and after[n] <= set(order)]
+        if not ready:  # a cycle in the contracts: list the rest as registered
+            ready = [n for n in after if n not in order]
+        order.append(ready[0])
+    return order
+
+
+def _close_match(name: str) -> str:
+    close = difflib.get_close_matches(name, list(PASSES), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def verify_enabled() -> bool:
