@@ -1,6 +1,7 @@
 """Tests of zerocc/plan.py (and the workload loading a plan drives, zerocc/workload.py)."""
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -480,6 +481,66 @@ def test_load_workload_errors(tmp_path, plan_text, expected):
     plan = load_plan(write(tmp_path, plan_text + "\n"))
     with pytest.raises(PlanError, match=expected):
         load_workload(plan)
+
+
+@pytest.fixture
+def cwd_elsewhere(tmp_path, monkeypatch):
+    """Folders a/ (the plan's) and b/ (the current directory, first on sys.path as `python -m`
+    puts it, both as '' and as its path)."""
+    plan_dir, cwd = tmp_path / "a", tmp_path / "b"
+    plan_dir.mkdir()
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", ["", str(cwd), *sys.path])
+    return plan_dir, cwd
+
+
+def test_workload_comes_from_the_plan_folder_before_the_current_directory(cwd_elsewhere):
+    plan_dir, cwd = cwd_elsewhere
+    write(plan_dir, WORKLOAD_PY.replace("width=3", "width=2"), "workload.py")
+    write(cwd, WORKLOAD_PY.replace("width=3", "width=7"), "workload.py")
+    plan = load_plan(write(plan_dir, "workload: workload:make\n"))
+    assert load_workload(plan).model.in_features == 2
+
+
+def test_workload_is_never_imported_from_the_current_directory(cwd_elsewhere, monkeypatch):
+    plan_dir, cwd = cwd_elsewhere
+    write(cwd, WORKLOAD_PY, "cwd_only_workload.py")
+    monkeypatch.delitem(sys.modules, "cwd_only_workload", raising=False)
+    plan = load_plan(write(plan_dir, "workload: cwd_only_workload:make\n"))
+    for _ in range(2):  # the second time with the module imported (from the cwd) by the caller
+        with pytest.raises(PlanError) as info:
+            load_workload(plan)
+        message = str(info.value)
+        assert f"searched the plan's folder {plan_dir}, then installed packages" in message
+        assert (
+            "not the current directory" in message and f"{cwd} holds 'cwd_only_workload'" in message
+        )
+        __import__("cwd_only_workload")
+    assert sys.path[:2] == ["", str(cwd)]  # the search path is restored
+
+
+def test_workload_of_a_plan_in_the_current_directory(tmp_path, monkeypatch):
+    write(tmp_path, WORKLOAD_PY, "here_workload.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "here_workload", raising=False)
+    write(tmp_path, "workload: here_workload:make\n")
+    plan = load_plan("plan.yaml")  # a relative path: the plan's folder is the current directory
+    assert load_workload(plan).model.in_features == 3
+
+
+def test_a_plan_given_as_a_dict_imports_installed_workloads_only(cwd_elsewhere, monkeypatch):
+    plan_dir, cwd = cwd_elsewhere
+    write(cwd, WORKLOAD_PY, "dict_workload.py")
+    monkeypatch.delitem(sys.modules, "dict_workload", raising=False)
+    plan = load_plan({"workload": "dict_workload:make"})
+    with pytest.raises(
+        PlanError, match=r"installed packages \(sys.path\) \(a plan given as a dict"
+    ):
+        load_workload(plan)
+    write(plan_dir, WORKLOAD_PY, "dict_workload.py")
+    monkeypatch.syspath_prepend(str(plan_dir))  # as an installed package is
+    assert load_workload(plan).model.in_features == 3
 
 
 def test_workload_takes_only_the_model_positionally():

@@ -564,8 +564,11 @@ class Plan(_Section):
     )
     workload: str | None = Field(
         None,
-        description="'module:function' returning a zerocc Workload; the module is imported with "
-        "the plan file's directory on sys.path",
+        description="'module:function' returning a zerocc Workload. It is code: importing and "
+        "calling it runs it, as running a training script would. The module is looked up in the "
+        "plan file's folder first, then in installed packages (sys.path), never in the current "
+        "directory unless it is the plan's folder; a plan given as a dict has no folder, so "
+        "installed packages only",
         json_schema_extra={"pattern": _WORKLOAD_SHAPE.pattern},
     )
     workload_args: dict[str, Any] = Field(
@@ -581,7 +584,7 @@ class Plan(_Section):
     @property
     def source(self) -> str | None:
         """The path the plan was loaded from (None for a dict or Plan); the workload module is
-        resolved relative to its directory."""
+        looked up in its folder first (see zerocc.workload.load_workload)."""
         return self._source
 
     @property
