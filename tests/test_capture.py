@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import NamedTuple
+
+import pytest
 import torch
 from models import tiny_gpt
 from parity import batch_of
 
-from zerocc.capture import capture, describe_model
+from zerocc.capture import capture, default_loss_fn, describe_model
+from zerocc.errors import CaptureError
 from zerocc.ir import BATCH, PARAM, info, placeholders, val
 
 
@@ -49,10 +54,6 @@ def test_meta_model_captures_without_materializing():
 
 
 def test_data_dependent_control_flow_is_a_clear_error():
-    import pytest
-
-    from zerocc.errors import CaptureError
-
     class Branchy(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -157,3 +158,73 @@ def test_captured_placeholders_of_awkward_module_names_are_valid_arguments():
     assert {info(n).key for n in placeholders(gm, PARAM)} == {
         name for name, _ in model.named_parameters()
     }
+
+
+# -- the default loss -----------------------------------------------------------------------------
+
+
+class _Returns(torch.nn.Module):
+    """A model whose output is ``make(loss, logits)``: the containers models return a loss in."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.make = make
+
+    def forward(self, x):
+        logits = self.lin(x)
+        return self.make(logits.pow(2).mean(), logits)
+
+
+class _LossAndLogits(NamedTuple):
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class _ModelOutputLike(OrderedDict):
+    """Hugging Face's ModelOutput without labels: a dict without the None fields as keys, and
+    every field an attribute, None included."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__(logits=logits)
+        self.loss = None
+        self.logits = logits
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda loss, logits: loss,
+        lambda loss, logits: {"loss": loss, "logits": logits},
+        lambda loss, logits: (loss, logits),  # Hugging Face with return_dict=False
+        lambda loss, logits: [loss, logits],
+        _LossAndLogits,
+    ],
+    ids=["tensor", "dict", "tuple", "list", "namedtuple"],
+)
+def test_default_loss_finds_the_loss_in_each_container(make):
+    model, x = _Returns(make), torch.randn(2, 4)
+    expected = model.lin(x).pow(2).mean()
+    assert torch.equal(default_loss_fn(model, x), expected)
+    gm = capture(model, describe_model(model), None, (x,), torch.device("cpu"))
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert val(outputs[0]).shape == () and len(outputs) == 3
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda loss, logits: _ModelOutputLike(logits), r"\.loss .*None.*labels.*loss_fn"),
+        (lambda loss, logits: {"loss": None, "logits": logits}, r"\['loss'\].*None.*labels"),
+        (lambda loss, logits: {"logits": logits, "hidden": logits}, r"keys: 'logits', 'hidden'"),
+        (lambda loss, logits: (logits,), r"first element.*shape \(2, 3\).*labels.*loss_fn"),
+        (lambda loss, logits: (), r"returned tuple.*holds no loss.*loss_fn"),
+        (lambda loss, logits: logits, r"model's output is a tensor of shape \(2, 3\).*loss_fn"),
+        (lambda loss, logits: 1.0, r"returned float.*holds no loss"),
+    ],
+    ids=["hf-no-labels", "dict-none", "no-loss-key", "tuple-logits", "empty", "logits", "float"],
+)
+def test_default_loss_says_why_an_output_holds_no_loss(make, match):
+    model = _Returns(make)
+    with pytest.raises(CaptureError, match=match):
+        capture(model, describe_model(model), None, (torch.randn(2, 4),), torch.device("cpu"))

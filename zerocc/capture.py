@@ -16,7 +16,7 @@ they are cheapest (before the all-gather, into the reduction).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,9 +128,62 @@ def describe_model(model: nn.Module) -> ModelInfo:
 
 
 def default_loss_fn(model: nn.Module, *batch: Any) -> torch.Tensor:
-    """``model(*batch)``, or its ``.loss`` when the output has one (Hugging Face models)."""
-    out = model(*batch)
-    return out.loss if hasattr(out, "loss") else out
+    """The loss ``model(*batch)`` returns: the output itself when it is a tensor, else where
+    Hugging Face models put it: ``.loss`` (a ModelOutput, a dataclass, a namedtuple),
+    ``["loss"]`` (a dict), or the first element (a tuple or list, as with ``return_dict=False``).
+    Raises CaptureError, saying why, when the output holds no floating scalar loss there."""
+    return _loss_in(model(*batch))
+
+
+_PASS_LOSS_FN = "pass loss_fn=(lambda model, *batch: <scalar loss>) to zerocc.compile"
+_NO_LABELS = "a Hugging Face model computes its loss only when the batch holds its labels"
+
+
+def _loss_in(output: Any) -> torch.Tensor:
+    """The loss in a model's output, found as :func:`default_loss_fn` says."""
+    kind = type(output).__name__
+    if isinstance(output, torch.Tensor):
+        loss, where = output, "the model's output"
+    elif hasattr(output, "loss"):  # before Mapping: a ModelOutput is a dict without None fields
+        loss, where = output.loss, f"the model's output .loss ({kind})"
+    elif isinstance(output, Mapping):
+        if "loss" not in output:
+            keys = ", ".join(repr(k) for k in output)
+            raise CaptureError(
+                f"the model returned a {kind} without a 'loss' key (keys: {keys}); return the "
+                f"loss under 'loss', or {_PASS_LOSS_FN}"
+            )
+        loss, where = output["loss"], f"the model's output ['loss'] ({kind})"
+    elif isinstance(output, (tuple, list)) and output:
+        loss, where = output[0], f"the first element of the model's output ({kind})"
+    else:
+        empty = " (empty)" if isinstance(output, (tuple, list)) else ""
+        raise CaptureError(
+            f"the model returned {kind}{empty}, which holds no loss: the default loss is the "
+            "model's output when it is a tensor, else its .loss, its ['loss'] or its first "
+            f"element; return one of those, or {_PASS_LOSS_FN}"
+        )
+    if loss is None:
+        raise CaptureError(f"{where} is None ({_NO_LABELS}): pass the labels, or {_PASS_LOSS_FN}")
+    if not _is_scalar_loss(loss):
+        hint = ""
+        if isinstance(output, (tuple, list)):  # a Hugging Face model's, with return_dict=False
+            hint = f" ({_NO_LABELS}, and returns it first)"
+        raise CaptureError(
+            f"{where} is {_describe(loss)}, not a floating scalar loss{hint}: reduce it (e.g. "
+            f".mean()) in the model, or {_PASS_LOSS_FN}"
+        )
+    return loss
+
+
+def _is_scalar_loss(loss: Any) -> bool:
+    return isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
 
 
 class _Step(nn.Module):
@@ -283,15 +336,14 @@ def capture(
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor):
-        raise CaptureError(
-            f"loss_fn must return a scalar tensor, got {type(loss).__name__}; pass "
-            "loss_fn=(lambda model, *batch: ...) to zerocc.compile"
+    """The loss a user's loss_fn returned, as shape ``()``; CaptureError unless it is a
+    floating scalar tensor (the default's loss is checked where it is found)."""
+    if not _is_scalar_loss(loss):
+        reduce = (
+            "; reduce it (e.g. .mean()) before returning" if isinstance(loss, torch.Tensor) else ""
         )
-    if loss.numel() != 1 or not loss.is_floating_point():
         raise CaptureError(
-            f"loss_fn must return a floating scalar tensor, got shape {tuple(loss.shape)} "
-            f"dtype {loss.dtype}; reduce it (e.g. .mean()) before returning"
+            f"loss_fn must return a floating scalar tensor, got {_describe(loss)}{reduce}"
         )
     return loss.reshape(())
 
