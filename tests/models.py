@@ -8,6 +8,7 @@ worker process and the reference in the test process build the same thing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -144,10 +145,165 @@ MODELS = {
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return MODELS[name][0]()
+    return entry(name)[0]()
 
 
 # Models whose forward draws random numbers, as MODELS entries. Not in MODELS: the parity matrix
 # holds every entry of it against one process training on all ranks' batches, which draws other
 # numbers; a run of one of these is compared with another run of itself (recompute on and off).
 RANDOM_MODELS = {"gpt_dropout": (tiny_gpt_dropout, _gpt_batch, {"classes": ["Block"]})}
+
+
+# -- kinds of models zerocc once failed to compile (issue 15) -------------------------------------
+
+
+class MeanSquare(nn.Module):
+    """The loss as the last child of an ``nn.Sequential``: drive the outputs to zero."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.pow(2).mean()
+
+
+def numbered() -> nn.Sequential:
+    """An ``nn.Sequential`` at the root whose numbered children are units ("0", "2"), and one
+    nested in it ("3.0", "3.1"): unit names, and so state keys, that start with a digit."""
+    nested = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nested, MeanSquare())
+
+
+# Keys a Python argument cannot be named by as they are: a keyword, a builtin, '-', a space, a
+# non-ASCII letter, and two that read the same once made identifiers ('a-b', 'a_b').
+AWKWARD_KEYS = ("if", "print", "a-b", "a_b", "é x")
+
+
+class AwkwardKeys(nn.Module):
+    """Units under ``nn.ModuleDict`` keys that are no Python identifiers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({k: nn.Linear(6, 6) for k in AWKWARD_KEYS})
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = torch.tanh(block(x))
+        return F.cross_entropy(self.head(x), y)
+
+
+class Recurrent(nn.Module):
+    """A recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) read at its last time step."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+        width = rnn.hidden_size * (2 if rnn.bidirectional else 1)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)  # (B, T, width)
+        return F.mse_loss(self.head(out[:, -1]), y)
+
+
+def _recurrent(kind: type[nn.Module], **options):
+    def build_recurrent() -> Recurrent:
+        return Recurrent(kind(3, 4, batch_first=True, **options))
+
+    return build_recurrent
+
+
+def _sequences(step: int, rank: int, size: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(size, 5, 3, generator=g), torch.randn(size, 2, generator=g)
+
+
+def _inputs(step: int, rank: int, size: int = 4) -> tuple[torch.Tensor]:
+    """A batch of inputs alone (the model's loss needs no target)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return (torch.randn(size, 6, generator=g),)
+
+
+class LossAndLogits(NamedTuple):
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class ReturnsContainer(nn.Module):
+    """A classifier that returns its loss inside ``wrap(loss, logits)``, as Hugging Face models
+    do: a dict, a tuple with the loss first (``return_dict=False``), a namedtuple."""
+
+    def __init__(self, wrap: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        logits = self.head(self.body(x))
+        return self.wrap(F.cross_entropy(logits, y), logits)
+
+
+def _returns(wrap: Callable[[torch.Tensor, torch.Tensor], Any]):
+    return lambda: ReturnsContainer(wrap)
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output, read plainly for the references (zerocc finds it with its
+    own default loss, which the parity tests hold to this)."""
+    if isinstance(output, dict):
+        return output["loss"]
+    if isinstance(output, LossAndLogits):
+        return output.loss
+    if isinstance(output, tuple):
+        return output[0]
+    return output
+
+
+_classes = _features(6, lambda g, n: torch.randint(0, 3, (n,), generator=g))
+_rnn_units = {"modules": ["rnn"]}
+
+# As MODELS entries, held against one process on 2 ranks at stages 0-3 by test_model_kinds_parity
+# (one spawn), not in the whole matrix of test_parity (worlds 1-3 and their extras).
+MODEL_KINDS = {
+    "numbered": (
+        numbered,
+        _inputs,
+        {"modules": ["0", "2", "3.0", "3.1"]},
+    ),
+    "awkward_keys": (
+        AwkwardKeys,
+        _classes,
+        {"modules": [f"blocks.{k}" for k in AWKWARD_KEYS]},
+    ),
+    "lstm": (_recurrent(nn.LSTM), _sequences, _rnn_units),
+    "lstm_deep": (_recurrent(nn.LSTM, num_layers=2, bidirectional=True), _sequences, _rnn_units),
+    "gru": (_recurrent(nn.GRU), _sequences, _rnn_units),
+    "rnn_tanh": (_recurrent(nn.RNN, nonlinearity="tanh"), _sequences, _rnn_units),
+    "rnn_relu": (_recurrent(nn.RNN, nonlinearity="relu"), _sequences, _rnn_units),
+    "returns_dict": (
+        _returns(lambda loss, logits: {"loss": loss, "logits": logits}),
+        _classes,
+        {"modules": ["body"]},
+    ),
+    "returns_tuple": (
+        _returns(lambda loss, logits: (loss, logits)),
+        _classes,
+        {"modules": ["body"]},
+    ),
+    "returns_namedtuple": (_returns(LossAndLogits), _classes, {"modules": ["body"]}),
+}
+# lstm_deep with dropout between its layers: random, so compared with itself across stages.
+RANDOM_KINDS = {
+    "lstm_dropout": (
+        _recurrent(nn.LSTM, num_layers=2, bidirectional=True, dropout=0.5),
+        _sequences,
+        _rnn_units,
+    )
+}
+
+
+def entry(name: str) -> tuple[Callable[[], nn.Module], Callable[..., Any], dict[str, Any]]:
+    """The (build, batch, units) of a model of any registry here, by name."""
+    for registry in (MODELS, MODEL_KINDS, RANDOM_MODELS, RANDOM_KINDS):
+        if name in registry:
+            return registry[name]
+    raise KeyError(name)

@@ -17,7 +17,7 @@ import copy
 from typing import Any
 
 import torch
-from models import MODELS, build
+from models import build, entry, loss_of
 
 import zerocc
 from zerocc.explain import describe
@@ -44,7 +44,7 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
     )
     return {
         "zero": {"stage": case["stage"]},
-        "units": {**MODELS[case["model"]][2], **case.get("units", {})},
+        "units": {**entry(case["model"])[2], **case.get("units", {})},
         "optimizer": optimizer,
         "grad_accumulation": case.get("accum", 1),
         "precision": case.get("precision", {}),
@@ -57,7 +57,7 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def batch_of(case: dict[str, Any], index: int, rank: int):
-    make = MODELS[case["model"]][1]
+    make = entry(case["model"])[1]
     steps = case.get("steps", 5) * case.get("accum", 1)
     if case.get("short_last") and index == steps - 1:
         return make(index, rank, 1)
@@ -130,7 +130,7 @@ def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.
         opt.zero_grad()
         for micro in range(k):
             for r in range(world):
-                loss = model(*batch_of(case, s * k + micro, r))
+                loss = loss_of(model(*batch_of(case, s * k + micro, r)))
                 losses[r].append(float(loss.detach()))
                 (loss / (world * k)).backward()
         if cfg.get("grad_clip"):
@@ -169,7 +169,7 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
                     b.to(compute) if b.is_floating_point() else b
                     for b in batch_of(case, s * k + micro, r)
                 ]
-                loss = cast(*batch).float()
+                loss = loss_of(cast(*batch)).float()
                 losses[r].append(float(loss.detach()))
                 seed = scaler.scale(loss) if scaler else loss
                 grads = torch.autograd.grad(seed, cast_params, allow_unused=True)

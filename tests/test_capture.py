@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import NamedTuple
 
 import pytest
 import torch
-from models import tiny_gpt
+from models import build, entry, tiny_gpt
 from parity import batch_of
 
+import zerocc
 from zerocc.capture import capture, default_loss_fn, describe_model
 from zerocc.errors import CaptureError
 from zerocc.ir import BATCH, PARAM, info, placeholders, val
@@ -228,3 +230,44 @@ def test_default_loss_says_why_an_output_holds_no_loss(make, match):
     model = _Returns(make)
     with pytest.raises(CaptureError, match=match):
         capture(model, describe_model(model), None, (torch.randn(2, 4),), torch.device("cpu"))
+
+
+# -- the grad mode a step is traced and run in ----------------------------------------------------
+
+
+def _lstm_step() -> zerocc.TrainStep:
+    """An LSTM at stage 3: on CPU its forward is aten.mkldnn_rnn_layer, which returns the
+    workspace its backward reads only while grad is enabled."""
+    plan = {"zero": {"stage": 3}, "units": {"modules": ["rnn"]}, "seed": 7}
+    return zerocc.compile(build("lstm"), plan)
+
+
+def _batches() -> list[tuple[torch.Tensor, ...]]:
+    return [entry("lstm")[1](i, 0) for i in range(2)]
+
+
+def _trained(step, batches, mode=None) -> list[float]:
+    losses = []
+    for batch in batches:
+        with mode() if mode else contextlib.nullcontext():
+            losses.append(float(step(*batch)))
+    return losses
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=lambda m: m.__name__)
+def test_a_step_called_without_grad_trains_as_with_it(mode):
+    """A step is traced and runs with grad enabled (the mode it was traced in), whatever the
+    caller's: a training loop may call it under no_grad, and an LSTM's backward needs it."""
+    expected = _trained(_lstm_step(), _batches())
+    assert _trained(_lstm_step(), _batches(), mode) == expected
+
+
+def test_a_batch_that_requires_grad_trains_as_one_that_does_not():
+    """Running with grad enabled records no autograd graph: a batch tensor that requires grad
+    is read as data, and no state tensor comes to require grad through an in-place update."""
+    expected = _trained(_lstm_step(), _batches())
+    step = _lstm_step()
+    batches = [tuple(t.clone().requires_grad_() for t in b) for b in _batches()]
+    assert _trained(step, batches) == expected
+    assert not [key for key, t in step.state.items() if t.requires_grad or t.grad_fn is not None]
+    assert all(b[0].grad is None for b in batches)

@@ -16,7 +16,8 @@ they are cheapest (before the all-gather, into the reduction).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +187,29 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+@contextlib.contextmanager
+def traced_grad_mode() -> Iterator[None]:
+    """The autograd mode a step is captured in and its programs run in, whatever the caller's:
+    grad enabled, outside inference mode.
+
+    Capture needs it for ``torch.autograd.grad``. A program must run in the mode it was traced
+    in because some kernels choose their outputs by the ambient grad mode, not by their
+    arguments: on CPU, ``aten.mkldnn_rnn_layer`` (``nn.LSTM``'s forward) returns the workspace
+    its backward reads only while grad is enabled, None under ``no_grad``. Running with grad
+    enabled records no autograd graph as long as no input requires grad: state tensors never
+    do, and batch tensors go through :func:`detach_inputs`.
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def detach_inputs(args: Sequence[Any]) -> list[Any]:
+    """A program's arguments with every tensor that requires grad (a batch the caller built
+    with ``requires_grad``) detached: read as data, never recorded by autograd, so an in-place
+    update of state by such a tensor leaves the state a plain tensor."""
+    return [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+
+
 class _Step(nn.Module):
     """Holds the model so ``functional_call`` can swap in fake parameters around ``loss_fn``."""
 
@@ -303,7 +327,7 @@ def capture(
         return (loss.detach(), *grads)
 
     fake_mode = FakeTensorMode()
-    with fake_mode:
+    with traced_grad_mode(), fake_mode:  # parameters that require grad are no inference tensors
         flat = [
             torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
             for p in info.params
@@ -313,7 +337,7 @@ def capture(
         if casts.loss_scale:
             flat.append(torch.empty((), dtype=torch.float32, device=device))
     try:
-        with fx_traceback.preserve_node_meta(), fake_mode:
+        with traced_grad_mode(), fx_traceback.preserve_node_meta(), fake_mode:
             gm = make_fx(step, tracing_mode="real")(*flat)
     except CaptureError:
         raise

@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from zerocc.backends import get_backend
 from zerocc.backends.kernels import check_kernels
-from zerocc.capture import LossFn, describe_model
+from zerocc.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
 from zerocc.comm import Comm, TorchComm, use_comm
 from zerocc.compiler import compile_program
 from zerocc.dumps import dump_dir, write_program_dumps, write_run_dumps
@@ -167,11 +167,12 @@ class TrainStep:
         self.transfers.stats.reset()
         try:
             with (
-                torch.no_grad(),
+                traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
                 use_comm(self.comm),
                 use_transfers(self.transfers),
                 use_kernels(self.plan.backend.kernels),
             ):
+                args = detach_inputs(args)  # so that grad mode records no autograd graph
                 loss = run(program, args) if run else program.run(*args)
         except OffloadError as exc:
             forget_pending()
