@@ -8,10 +8,10 @@ Collectives come in start/wait pairs: ``*_start`` issues the collective on the a
 valid and returns it. Schemas carry alias annotations, so fx and the verifier know that ``wait``
 returns its input and that ``all_reduce_start`` writes its argument.
 
-The compute ops (``adamw_``, ``sgd_``, ``unscale_check_``, ``pack``) run the kernel set made
-active by :func:`use_kernels` (``backend.kernels``: the torch reference or fused Triton kernels,
-see :mod:`zerocc.backends.kernels`); the skip ranges of parameters the loss does not reach are
-handled here, the same for every set.
+The compute ops (``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags``, ``pack``) run
+the kernel set made active by :func:`use_kernels` (``backend.kernels``: the torch reference or
+fused Triton kernels, see :mod:`zerocc.backends.kernels`); the skip ranges of parameters the
+loss does not reach are handled here, the same for every set.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ SCHEMAS = {
     "pack": "pack(Tensor?[] tensors, int[] numels, SymInt numel, ScalarType? dtype=None) -> Tensor",
     "unscale_check_": "unscale_check_(Tensor(a!)[] grads, Tensor inv_scale) -> Tensor",
     "sum_squares": "sum_squares(Tensor[] tensors, float scale) -> Tensor",
+    "nonfinite_flags": "nonfinite_flags(Tensor[] grads, float scale, bool sum_squares) -> Tensor",
     "clip_coef": "clip_coef(Tensor total_sq, float max_norm) -> Tensor",
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
@@ -201,6 +202,16 @@ def _unscale_check_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch
 @fake("unscale_check_")
 def _(grads, inv_scale):
     return inv_scale.new_empty((), dtype=torch.float32)
+
+
+@implements("nonfinite_flags")
+def _nonfinite_flags(grads: list[torch.Tensor], scale: float, sum_squares: bool) -> torch.Tensor:
+    return active_kernels().nonfinite_flags(grads, scale, sum_squares)
+
+
+@fake("nonfinite_flags")
+def _(grads, scale, sum_squares):
+    return grads[0].new_empty(len(grads) + int(sum_squares), dtype=torch.float32)
 
 
 # --- optimizer ---------------------------------------------------------------------------

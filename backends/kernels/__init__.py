@@ -2,7 +2,8 @@
 
 ``torch`` (:mod:`.reference`) runs everywhere and is the oracle; ``triton``
 (:mod:`.triton_kernels`) fuses each update into one pass over memory. Every set provides
-``adamw_``, ``sgd_``, ``unscale_check_`` and ``pack`` with the signatures of the reference.
+``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags`` and ``pack`` with the signatures
+of the reference.
 """
 
 from __future__ import annotations

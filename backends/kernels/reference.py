@@ -104,6 +104,22 @@ def unscale_check_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.
     return found
 
 
+def nonfinite_flags(grads: list[torch.Tensor], scale: float, sum_squares: bool) -> torch.Tensor:
+    """A float32 vector: per gradient, 1.0 when any of its elements is inf or NaN (else 0.0);
+    with ``sum_squares``, one more entry, the sum over every gradient of ``(g * scale)**2`` in
+    fp32 (the clip's squared norm). Exact: a huge but finite gradient whose squares overflow
+    makes that sum inf, never its flag."""
+    flags = [(~torch.isfinite(g)).any() for g in grads]
+    out = torch.stack(flags).float()
+    if sum_squares:
+        # The sum_squares op's arithmetic, so clipped plans round as they did before the check.
+        total = torch.zeros((), dtype=torch.float32, device=out.device)
+        for g in grads:
+            total += (g.float() * scale).pow(2).sum()
+        out = torch.cat([out, total.reshape(1)])
+    return out
+
+
 def pack(
     tensors: list[torch.Tensor | None],
     numels: list[int],

@@ -15,8 +15,9 @@ What else is fused:
 - ``grad_coef`` and ``found_inf`` stay on the device: the kernel loads them, so nothing waits
   for the GPU. When ``found_inf`` is nonzero every load and store is masked off: the step is
   skipped without a host sync (the reference's ``.item()`` is one).
-- ``unscale_check_`` multiplies and tests for inf/NaN in the same pass; ``pack`` casts while
-  it copies, and zeroes only the holes and the tail instead of the whole buffer.
+- ``unscale_check_`` multiplies and tests for inf/NaN in the same pass; ``nonfinite_flags``
+  tests for inf/NaN and sums the squares for the clip in one read; ``pack`` casts while it
+  copies, and zeroes only the holes and the tail instead of the whole buffer.
 
 The arithmetic is ``torch.optim.AdamW``'s (and ``SGD``'s) op for op, in fp32: one rounding
 where torch's kernels fuse a multiply-add (``lerp``, ``addcmul``, ``add`` with ``alpha``: here
@@ -169,6 +170,21 @@ def _unscale_check_kernel(grad_ptr, inv_scale_ptr, found_ptr, n, BLOCK: tl.const
 
 
 @triton.jit
+def _nonfinite_flags_kernel(
+    grad_ptr, flag_ptr, partial_ptr, n, scale, SUM_SQUARES: tl.constexpr, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    tl.store(flag_ptr, 1.0, mask=tl.max(bad.to(tl.int32), axis=0) > 0)  # no race: all store 1.0
+    if SUM_SQUARES:
+        # One partial per program, summed afterwards: a fixed order (atomics would not be).
+        y = x * scale
+        tl.store(partial_ptr + tl.program_id(0), tl.sum(y * y, axis=0))
+
+
+@triton.jit
 def _cast_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -314,6 +330,38 @@ def unscale_check_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.
                 g, inv_scale, found, g.numel(), BLOCK=BLOCK, **_LAUNCH
             )
     return found
+
+
+def nonfinite_flags(grads: list[torch.Tensor], scale: float, sum_squares: bool) -> torch.Tensor:
+    """Per gradient, 1.0 when any element is inf or NaN (else 0.0); with ``sum_squares``, one
+    more entry: the sum of ``(g * scale)**2`` over every gradient. One kernel per gradient reads
+    it once for both (the reference reads it twice); the partial sums per block are added by
+    torch, on the device: no host sync. The sum may differ from the reference's in the last
+    bits (another order of addition); the flags are exact."""
+    device = grads[0].device
+    out = torch.zeros(len(grads) + int(sum_squares), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for i, g in enumerate(grads):
+        _check_contiguous(**{f"grads[{i}]": g})
+        if not g.numel():
+            continue
+        grid = _grid(g.numel())
+        partials = torch.empty(grid[0] if sum_squares else 0, dtype=torch.float32, device=device)
+        _nonfinite_flags_kernel[grid](
+            g,
+            out[i:],  # a view: the kernel stores the flag at its first element
+            out if not sum_squares else partials,  # never written without sum_squares
+            g.numel(),
+            float(scale),
+            SUM_SQUARES=sum_squares,
+            BLOCK=BLOCK,
+            **_LAUNCH,
+        )
+        if sum_squares:
+            total += partials.sum()
+    if sum_squares:
+        out[-1] = total
+    return out
 
 
 def pack(

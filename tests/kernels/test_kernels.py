@@ -237,6 +237,36 @@ def test_unscale_check_matches_reference(bad):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
+HUGE = (3, 5, 1e30)  # finite, but its square overflows fp32: the sum is inf, the flag is not set
+
+
+@pytest.mark.parametrize("sum_squares", [False, True], ids=["flags", "flags+sum_squares"])
+@pytest.mark.parametrize(
+    "bad", [None, *NON_FINITE.values(), HUGE], ids=["finite", *NON_FINITE, "huge_but_finite"]
+)
+def test_nonfinite_flags_match_reference(bad, sum_squares):
+    grads = _grads()
+    if bad is not None:
+        which, where, value = bad
+        grads[which][where] = value
+    before = [g.clone() for g in grads]
+    ours = triton_kernels.nonfinite_flags(grads, 0.25, sum_squares)
+    ref = reference.nonfinite_flags(grads, 0.25, sum_squares)
+    n = len(grads)
+    assert ours.dtype == ref.dtype == torch.float32
+    assert ours.shape == ref.shape == (n + sum_squares,)
+    expected = torch.zeros(n, device=DEVICE)
+    if bad is not None and bad is not HUGE:
+        expected[bad[0]] = 1.0
+    _assert_bit_identical(ours[:n], expected)
+    _assert_bit_identical(ref[:n], expected)
+    if sum_squares:  # the same squares, added in another order
+        torch.testing.assert_close(ours[n], ref[n], rtol=1e-6, atol=0, equal_nan=True)
+        assert torch.isfinite(ref[n]) == (bad is None)
+    for g, b in zip(grads, before, strict=True):  # read, never written
+        _assert_bit_identical(g, b)
+
+
 PACKS = {  # the tensors' dtype, the buffer's (None: the tensors')
     "fp32": (torch.float32, None),
     "fp32_to_bf16": (torch.float32, torch.bfloat16),
