@@ -362,12 +362,14 @@ def capture(
 def _check_loss(loss: Any) -> torch.Tensor:
     """The loss a user's loss_fn returned, as shape ``()``; CaptureError unless it is a
     floating scalar tensor (the default's loss is checked where it is found)."""
-    if not _is_scalar_loss(loss):
-        reduce = (
-            "; reduce it (e.g. .mean()) before returning" if isinstance(loss, torch.Tensor) else ""
-        )
+    if not isinstance(loss, torch.Tensor):
         raise CaptureError(
-            f"loss_fn must return a floating scalar tensor, got {_describe(loss)}{reduce}"
+            f"loss_fn must return a floating scalar tensor, got {type(loss).__name__}"
+        )
+    if not _is_scalar_loss(loss):
+        raise CaptureError(
+            f"loss_fn must return a floating scalar tensor, got shape {tuple(loss.shape)} "
+            f"dtype {loss.dtype}; reduce it (e.g. .mean()) before returning"
         )
     return loss.reshape(())
 
