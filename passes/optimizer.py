@@ -6,6 +6,14 @@ global-norm clip coefficient when ``grad_clip`` is set (the squared norm is all-
 ranks when gradients are sharded), and the update runs on the rank's shard only; stages 1-2 then
 all-gather the updated shards into the replicated parameters, and the gradient accumulator is
 reset. Programs of micro-batches that do not step are left as they are.
+
+Without loss scaling (whose unscale already finds overflows, see the precision pass), one op
+reads every reduced gradient shard before the first update: ``nonfinite_flags``, one flag per
+unit (1.0 when its gradient holds an inf or NaN), with the clip's squared norm as one more
+entry when clipping, from the same read. The vector is all-reduced when ranks hold slices (one
+collective for both), and its max gates every update as ``found_inf``: such a step writes
+nothing on any rank. The program returns (loss, flags, found_inf); the TrainStep skips or stops
+(``precision.on_nonfinite``), so both modes run the same program.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from zerocc.pass_manager import PassContext, register_pass
 from zerocc.plan import OptimizerConfig
 from zerocc.state import STEP_SPEC, optimizer_specs
 
+aten = torch.ops.aten
+
 
 @register_pass(
     "optimizer",
@@ -42,6 +52,7 @@ from zerocc.state import STEP_SPEC, optimizer_specs
         "config": plan.optimizer,
         "stage": plan.zero.stage,
         "grad_accumulation": plan.grad_accumulation,
+        "check_nonfinite": plan.precision.scaling == "none",
     },
 )
 def optimizer(
@@ -51,8 +62,10 @@ def optimizer(
     config: OptimizerConfig,
     stage: int,
     grad_accumulation: int,
+    check_nonfinite: bool,
 ) -> fx.GraphModule:
-    """Insert clipping, the sharded optimizer update and (stages 1-2) the updated-param gather."""
+    """Insert the non-finite check, clipping, the sharded optimizer update and (stages 1-2) the
+    updated-param gather."""
     grad_shards = {info(n).unit: n for n in nodes_with_role(gm, GRAD_SHARD)}
     if not ctx.boundary or not grad_shards:
         return gm
@@ -77,20 +90,15 @@ def optimizer(
     where = {"phase": "optimizer"}
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
-        coef = None
-        if config.grad_clip is not None:
-            grads = [grad_shards[u.name] for u in units]
+        coef, grads = None, [grad_shards[u.name] for u in units]
+        total = None
+        if check_nonfinite:
+            found_inf, total = _check_nonfinite(graph, output, grads, scale, config, stage)
+        elif config.grad_clip is not None:
             total = emit(graph, op("sum_squares"), (grads, scale), **where)
             if stage > 0:  # each rank holds a slice of the gradient: sum the squares over ranks
-                total = emit_collective(
-                    graph,
-                    op("all_reduce_start"),
-                    op("wait"),
-                    (total, DP_GROUP),
-                    nbytes=2 * 4,
-                    note="all-reduce the squared grad norm",
-                    **where,
-                )
+                total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
+        if config.grad_clip is not None:
             coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
         for u in units:
             param = by_role[PARAM_SHARD].get(u.name, by_role[PARAM_FULL].get(u.name))
@@ -158,3 +166,59 @@ def optimizer(
             )
     gm.recompile()
     return gm
+
+
+def _all_reduce(graph: fx.Graph, tensor: fx.Node, numel: int, note: str) -> fx.Node:
+    return emit_collective(
+        graph,
+        op("all_reduce_start"),
+        op("wait"),
+        (tensor, DP_GROUP),
+        nbytes=2 * 4 * numel,
+        note=note,
+        phase="optimizer",
+    )
+
+
+def _check_nonfinite(
+    graph: fx.Graph,
+    output: fx.Node,
+    grads: list[fx.Node],
+    scale: float,
+    config: OptimizerConfig,
+    stage: int,
+) -> tuple[fx.Node, fx.Node | None]:
+    """Flag every unit whose reduced gradient holds an inf or NaN, on every rank; returns the
+    flag that gates the updates (returned by the program after the flags) and, when clipping,
+    the squared norm from the same read."""
+    clip = config.grad_clip is not None
+    where = {"phase": "optimizer"}
+    flags = emit(
+        graph,
+        op("nonfinite_flags"),
+        (grads, scale, clip),
+        note="1.0 per unit whose reduced gradient holds an inf/NaN"
+        + ("; last, the squared norm the clip reads" if clip else ""),
+        **where,
+    )
+    if stage > 0:  # each rank checked its slice of the gradient
+        flags = _all_reduce(
+            graph,
+            flags,
+            len(grads) + clip,
+            "all-reduce the non-finite flags"
+            + (" and the squared norm" if clip else "")
+            + ": every rank skips or stops at the same step",
+        )
+    units = emit(graph, aten.slice.Tensor, (flags, 0, 0, len(grads)), **where)
+    found_inf = emit(
+        graph,
+        aten.amax.default,
+        (units, [0]),
+        role=FOUND_INF,
+        note="nonzero when a gradient is not finite: every update then writes nothing",
+        **where,
+    )
+    output.args = ((output.args[0], flags, found_inf),)
+    total = emit(graph, aten.select.int, (flags, 0, len(grads)), **where) if clip else None
+    return found_inf, total

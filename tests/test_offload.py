@@ -95,10 +95,10 @@ def test_explain_shows_where_bytes_live_and_the_traffic(tmp_path):
     assert "where the model states live" in text and "nvme" in text
     traffic = describe(step)["transfer_bytes_per_step"]
     shards = sum(u.shard_numel for u in step.units)
-    # Per step: fp32 gradient shards out and the bf16 compute copy into the host parameters;
-    # each parameter shard in for its forward and its backward gather; three fp32 states read
-    # and written.
-    assert traffic["to_host"] == 4 * shards + 2 * shards
+    # Per step: fp32 gradient shards out and the bf16 compute copy into the host parameters,
+    # and the 4-byte non-finite flag the host updates read; each parameter shard in for its
+    # forward and its backward gather; three fp32 states read and written.
+    assert traffic["to_host"] == 4 * shards + 2 * shards + 4
     assert traffic["to_device"] == 2 * 2 * shards
     assert traffic["nvme_read"] == traffic["nvme_write"] == 3 * 4 * shards
 

@@ -81,7 +81,13 @@ def test_predicted_comm_counts_every_micro_batch_of_a_step():
         step(*_batch(i))
     psi_bytes = 4 * sum(u.padded_numel for u in step.units)
     predicted = zerocc.explain.comm_bytes_per_step(step)
-    assert predicted == {"reduce_scatter": 3 * psi_bytes, "all_gather": psi_bytes}
+    # Once per step, the all-reduce of one non-finite flag (fp32) per unit.
+    flags_bytes = 2 * 4 * len(step.units)
+    assert predicted == {
+        "reduce_scatter": 3 * psi_bytes,
+        "all_gather": psi_bytes,
+        "all_reduce": flags_bytes,
+    }
 
 
 def test_explain_before_the_first_step_shows_units_and_model_states():

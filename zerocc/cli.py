@@ -274,6 +274,8 @@ def _print_summary(
             f"loss scale: {summary['loss_scale']:g}, "
             f"{summary['skipped_steps']} step(s) skipped for overflow"
         )
+    elif summary.get("skipped_steps"):
+        print(f"{summary['skipped_steps']} step(s) skipped for a non-finite gradient")
 
 
 def _free_port() -> int:

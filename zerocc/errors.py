@@ -47,6 +47,12 @@ class OffloadError(ZeroccError):
     that does not read back) during training. The message names the path and the bytes."""
 
 
+class NonFiniteError(ZeroccError):
+    """Raised on every rank when a step's reduced gradient holds an inf or NaN and the plan says
+    ``precision.on_nonfinite: error`` (the default without loss scaling). The message names the
+    step and the first unit whose gradient was not finite; the update wrote nothing."""
+
+
 class PlanWarning(UserWarning):
     """Warned when a plan is valid but likely not what its author wants (e.g. fp16 compute
     without loss scaling)."""

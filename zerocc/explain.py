@@ -262,7 +262,8 @@ def predicted_time_line(step: TrainStep) -> str:
 
 
 def precision_line(step: TrainStep) -> str:
-    """Dtypes of compute, reduction and master weights; the loss scale and skipped steps."""
+    """Dtypes of compute, reduction and master weights; the loss scale, or what a non-finite
+    gradient does; skipped steps."""
     p = step.plan.precision
     line = f"precision: compute {p.param}, reduce {p.reduce}, master {p.master}"
     if step.loss_scaler is not None:
@@ -271,6 +272,10 @@ def precision_line(step: TrainStep) -> str:
             f"; {kind} loss scale {step.loss_scale:g}, "
             f"{step.skipped_steps} of {step.steps + step.skipped_steps} steps skipped for overflow"
         )
+    else:  # without loss scaling: what a step whose gradient is not finite does
+        line += f"; non-finite gradients: {p.nonfinite}"
+        if p.nonfinite == "skip":
+            line += f", {step.skipped_steps} of {step.steps + step.skipped_steps} steps skipped"
     return line
 
 

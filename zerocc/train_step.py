@@ -38,6 +38,7 @@ from zerocc.ir import (
 from zerocc.loss_scale import LossScaler
 from zerocc.materialize import is_meta, release_to_meta
 from zerocc.measure import ProfiledRun
+from zerocc.nonfinite import nonfinite_error
 from zerocc.nvme import NvmeStore
 from zerocc.ops import forget_pending, pending_collectives, use_kernels
 from zerocc.pass_manager import PassRecord, build_pipeline
@@ -65,7 +66,7 @@ class Program:
     bindings: list[tuple[str, str]]  # (role, key) per placeholder, in order
     run: Any
     digest: str
-    returns_found_inf: bool  # returns (loss, found_inf): the loss is scaled, and it steps
+    returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
 
 
 def _digest(text: str) -> str:
@@ -188,20 +189,30 @@ class TrainStep:
         self.micro_batches += 1
         self._last_program = program
         if program.returns_found_inf:
-            loss, found_inf = loss
-            self._account_step(overflow=bool(found_inf))
+            # (loss, found_inf) under loss scaling; (loss, per-unit flags, found_inf) without.
+            loss, *flags, found_inf = loss
+            self._account_step(overflow=bool(found_inf), flags=flags[0] if flags else None)
         elif boundary:
             self._account_step(overflow=False)
         return loss
 
-    def _account_step(self, overflow: bool) -> None:
-        """After an optimizer step: count it (unless skipped) and update the loss scale."""
+    def _account_step(self, overflow: bool, flags: torch.Tensor | None = None) -> None:
+        """After an optimizer step: count it (unless skipped: its update wrote nothing) and
+        update the loss scale. A step whose gradient was not finite (``flags``: the program's
+        per-unit flags) under ``precision.on_nonfinite: error`` raises NonFiniteError instead,
+        counted neither as applied nor as skipped: its micro-batches are discarded (the program
+        zeroed the gradient accumulators, as after any step; the micro-batch count goes back to
+        the step's first), so the TrainStep is left as before the step."""
         if not overflow:
             self.steps += 1
         elif STEP_SPEC.key in self.state:
             self.state[STEP_SPEC.key].fill_(self.steps)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
+        if overflow and flags is not None and self.plan.precision.nonfinite == "error":
+            step = self.micro_batches // self.plan.grad_accumulation
+            self.micro_batches -= self.plan.grad_accumulation
+            raise nonfinite_error(self.program, flags, self.comm.rank, step)
 
     @property
     def loss_scale(self) -> float | None:
@@ -210,8 +221,11 @@ class TrainStep:
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because a gradient overflowed (loss scaling only)."""
-        return self.loss_scaler.skipped_steps if self.loss_scaler else 0
+        """Optimizer steps skipped, their update writing nothing, because a reduced gradient
+        held an inf or NaN (an overflow under loss scaling, or ``precision.on_nonfinite:
+        skip``). Every step boundary run either applies its update or skips it, so this is
+        boundaries less steps applied (a checkpoint, which saves both counters, keeps it)."""
+        return self.micro_batches // self.plan.grad_accumulation - self.steps
 
     def _steps_next(self) -> bool:
         return (self.micro_batches + 1) % self.plan.grad_accumulation == 0
@@ -307,7 +321,7 @@ class TrainStep:
     def summary(self) -> dict[str, Any]:
         """Figures of the last step: bytes per collective kind, model-state bytes per rank (on
         the device), bytes offload moved per direction, the loss scale (None without scaling)
-        and the steps skipped for overflow."""
+        and the steps skipped for a non-finite gradient (see :attr:`skipped_steps`)."""
         return {
             "comm_bytes_per_step": dict(self.comm.stats.bytes),
             "model_state_bytes": model_state_bytes(self)["total"],
