@@ -53,6 +53,14 @@ class NonFiniteError(ZeroccError):
     step and the first unit whose gradient was not finite; the update wrote nothing."""
 
 
+class InsufficientMemoryError(ZeroccError, MemoryError):
+    """Raised on every rank, before the memory is allocated, when a plan's predicted per-rank
+    peak times the ranks sharing a machine's memory exceeds what that machine has available:
+    the model states when the step is compiled, the step's activations, gathered units and host
+    buffers before its first run. The message gives the figures, the shortfall and the plan
+    changes that would fit; ``backend.check_memory: false`` goes on anyway."""
+
+
 class PlanWarning(UserWarning):
     """Warned when a plan is valid but likely not what its author wants (e.g. fp16 compute
     without loss scaling)."""

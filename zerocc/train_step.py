@@ -38,6 +38,7 @@ from zerocc.ir import (
 from zerocc.loss_scale import LossScaler
 from zerocc.materialize import is_meta, release_to_meta
 from zerocc.measure import ProfiledRun
+from zerocc.memory_check import check_model_states, check_step_memory
 from zerocc.nonfinite import nonfinite_error
 from zerocc.nvme import NvmeStore
 from zerocc.ops import forget_pending, pending_collectives, use_kernels
@@ -107,6 +108,8 @@ class TrainStep:
         self.transfers = Transfers(self.store)
         if plan.offload.optimizer != "none" and device.type == "cuda":
             torch.set_num_threads(host_update_threads())
+        if plan.backend.check_memory:  # before anything is allocated: the states fit
+            check_model_states(self.model_info, self.units, plan, comm, device)
         # Parameters are built one unit at a time, so a meta-device model never has more than
         # one unit materialized; afterwards the TrainStep owns the weights
         # (``full_state_dict()`` returns them) and the model's own copy is released.
@@ -256,6 +259,23 @@ class TrainStep:
         bindings = [(info(n).role, info(n).key) for n in placeholders(gm)]
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         found_inf = isinstance(outputs, tuple) and info(outputs[-1]).role == FOUND_INF
+        if self.plan.backend.check_memory:  # before its first run: the step's memory fits
+
+            def recompile(plan: Plan) -> fx.GraphModule:  # another plan, for the error's changes
+                compiled = compile_program(
+                    self.model,
+                    self.model_info,
+                    plan,
+                    build_pipeline(plan),
+                    batch,
+                    loss_fn=self.loss_fn,
+                    device=self.device,
+                    world_size=self.comm.world_size,
+                    boundary=boundary,
+                )
+                return compiled.gm
+
+            check_step_memory(gm, self.units, self.plan, self.comm, self.device, recompile)
         return Program(gm, records, bindings, self.backend(gm), digest, found_inf)
 
     # -- state ------------------------------------------------------------------------------

@@ -1,0 +1,29 @@
+"""Plans one change away that need less memory (what InsufficientMemoryError proposes)."""
+
+from __future__ import annotations
+
+import torch
+
+from zerocc.plan import load_plan
+from zerocc.plan_changes import plan_changes, smallest_world_size
+
+CPU = torch.device("cpu")
+
+
+def test_plan_changes_are_valid_plans_one_change_away():
+    stage0 = load_plan({"zero": {"stage": 0}})
+    texts = _texts(stage0, torch.device("cuda", 0))
+    assert "zero.stage: 1, offload.optimizer: cpu" in texts
+    assert "zero.stage: 3, offload.optimizer: cpu, offload.params: cpu" in texts
+    assert not any("offload.optimizer: cpu" in t for t in _texts(stage0, CPU))  # same memory
+    listed = load_plan({"passes": ["partition", "shard", "optimizer", "overlap"]})
+    assert not any("offload" in t for t in _texts(listed, CPU))  # `passes` lacks it: invalid
+
+
+def _texts(plan, device) -> list[str]:
+    return [c.text for c in plan_changes(plan, device, recompute=True)]
+
+
+def test_smallest_world_size_is_the_first_that_fits():
+    assert smallest_world_size(lambda n: 1000 // n <= 7, 4) == 126
+    assert smallest_world_size(lambda n: False, 4) is None
