@@ -64,18 +64,22 @@ def batch_of(case: dict[str, Any], index: int, rank: int):
     return make(index, rank)
 
 
-def _model(case: dict[str, Any]) -> torch.nn.Module:
+def _model(case: dict[str, Any], rank: int = 0) -> torch.nn.Module:
+    """The case's model as ``rank`` builds it: seeded alike on every rank, unless the case says
+    ``rank_seeds`` (each rank its own seed, a common mistake zerocc must undo as DDP does: every
+    rank starts from rank 0's weights, which the reference, built as rank 0, trains)."""
+    seed = 7919 * rank if case.get("rank_seeds") else 0
     if case.get("meta"):
         with torch.device("meta"):
-            return build(case["model"])
-    return build(case["model"])
+            return build(case["model"], seed)
+    return build(case["model"], seed)
 
 
 def train(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Each case on this rank: losses per micro-batch, comm of the last step, full params."""
     out = {}
     for case in cases:
-        step = zerocc.compile(_model(case), plan_of(case))
+        step = zerocc.compile(_model(case, rank), plan_of(case))
         k, losses = case.get("accum", 1), []
         for i in range(case.get("steps", 5) * k):
             losses.append(float(step(*batch_of(case, i, rank))))

@@ -67,7 +67,7 @@ def _disagreeing_shapes(rank: int, world: int) -> str:
 def test_ranks_that_disagree_on_shapes_all_get_an_error():
     messages = run_ranks(2, _disagreeing_shapes, timeout=300)
     for rank, message in enumerate(messages):
-        assert message.startswith(f"rank {rank}: the batch shapes differ across ranks")
+        assert message.startswith(f"rank {rank}, step 2: the batch shapes differ across ranks")
         assert "rank 0:" in message and "rank 1:" in message
 
 
@@ -76,3 +76,43 @@ def test_triton_kernels_on_cpu_need_the_interpreter(monkeypatch):
     plan = {"backend": {"kernels": "triton", "device": "cpu"}}
     with pytest.raises(NotSupportedError, match="TRITON_INTERPRET=1"):
         zerocc.compile(build("gpt"), plan)
+
+
+def _linear_step(stage: int, accum: int = 1) -> zerocc.TrainStep:
+    torch.manual_seed(0)
+    plan = {"zero": {"stage": stage}, "grad_accumulation": accum}
+    return zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=lambda m, x: m(x).pow(2).mean())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_batch_of_another_dtype_is_a_clear_error_and_nothing_broken_is_kept(stage):
+    step = _linear_step(stage)
+    step(torch.ones(3, 4))
+    before = step.full_state_dict()
+    for _ in range(2):  # the failed program is not cached: the second try fails the same way
+        with pytest.raises(zerocc.BatchError) as error:
+            step(torch.ones(3, 4, dtype=torch.float64))
+        message = str(error.value)
+        assert "batch[0]: float64 tensor of shape (3, 4), earlier float32 tensor" in message
+        assert "node addmm" in message and "mat1 and mat2 must have the same dtype" in message
+        assert "not kept and nothing was updated" in message
+    assert len(step.programs) == 1
+    assert all(torch.equal(before[k], v) for k, v in step.full_state_dict().items())
+    step(torch.ones(3, 4))  # the step goes on with batches it can take
+    assert step.steps == 2
+
+
+def test_a_failed_micro_batch_drops_its_accumulation_window():
+    step = _linear_step(stage=2, accum=2)
+    step(torch.ones(3, 4))  # accumulates
+    with pytest.raises(zerocc.BatchError, match="the 1 micro-batch"):
+        step(torch.ones(3, 4, dtype=torch.float64))
+    assert step.micro_batches == 0
+    grads = [t for k, t in step.state.items() if k.endswith(".grad")]
+    assert grads and all(not g.any() for g in grads)
+    clean = _linear_step(stage=2, accum=2)
+    for s in (step, clean):
+        s(torch.full((3, 4), 2.0))
+        s(torch.full((3, 4), 3.0))
+    expected = clean.full_state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in step.full_state_dict().items())

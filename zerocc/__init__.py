@@ -15,14 +15,17 @@ from torch import nn
 import zerocc.ops  # noqa: F401  (registers the zerocc op library)
 import zerocc.transfers  # noqa: F401  (and its offload copies)
 from zerocc.capture import LossFn
-from zerocc.comm import Comm, FakeComm, TorchComm, comm_from_environment
+from zerocc.comm import Comm, FakeComm, comm_from_environment
 from zerocc.errors import (
+    BatchError,
     CaptureError,
+    DataExhaustedError,
     InvariantError,
     NotSupportedError,
     PassOrderError,
     PlanError,
     RankMismatchError,
+    RankStoppedError,
     ZeroccError,
 )
 from zerocc.materialize import materialize
@@ -31,7 +34,9 @@ from zerocc.train_step import TrainStep
 from zerocc.workload import Workload, load_workload
 
 __all__ = [
+    "BatchError",
     "CaptureError",
+    "DataExhaustedError",
     "FakeComm",
     "InvariantError",
     "NotSupportedError",
@@ -39,6 +44,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "RankMismatchError",
+    "RankStoppedError",
     "TrainStep",
     "Workload",
     "ZeroccError",
@@ -89,15 +95,27 @@ def compile(
     """
     plan = load_plan(plan)
     device = _device(plan)
+    made_comm = comm is None
     if comm is None:
         _init_process_group(device)
-        comm = comm_from_environment()
+        grouped = dist.is_initialized()
+        _check_world_size(plan, dist.get_world_size() if grouped else 1)
+        if grouped and device.type == "cpu" and dist.get_backend() == "nccl":
+            raise PlanError("backend.device: cpu, but the process group uses NCCL; use gloo")
+        comm = comm_from_environment(plan.backend.timeout_s)
+    _check_world_size(plan, comm.world_size)
+    try:
+        return TrainStep(model, plan, loss_fn, comm, device)
+    except BaseException:
+        if made_comm:
+            comm.close()  # the group made for this step dies with it
+        raise
+
+
+def _check_world_size(plan: Plan, world_size: int) -> None:
     expected = plan.zero.world_size
-    if expected is not None and expected != comm.world_size:
+    if expected is not None and expected != world_size:
         raise PlanError(
             f"zero.world_size: the plan expects {expected} ranks, but this run has "
-            f"{comm.world_size}; launch {expected} ranks or change zero.world_size"
+            f"{world_size}; launch {expected} ranks or change zero.world_size"
         )
-    if isinstance(comm, TorchComm) and device.type == "cpu" and dist.get_backend() == "nccl":
-        raise PlanError("backend.device: cpu, but the process group uses NCCL; use gloo")
-    return TrainStep(model, plan, loss_fn, comm, device)

@@ -4,7 +4,10 @@ The graph's collective ops (``zerocc.all_gather_start`` and friends, see :mod:`z
 into the *active* :class:`Comm`, set by the runtime around each program run. Three kinds:
 
 - :class:`TorchComm`: ``torch.distributed``: on CPU (gloo) async work handles; on CUDA (NCCL)
-  a dedicated communication stream, ordered against the compute stream by events;
+  a dedicated communication stream, ordered against the compute stream by events. zerocc runs
+  on a process group of its own (:meth:`TorchComm.create`), made with ``backend.timeout_s`` so
+  that no collective waits longer, watched by a heartbeat (:mod:`zerocc.watchdog`), and closed
+  (its threads joined) at exit while the interpreter is still whole;
 - :class:`SoloComm`: world size 1 without a process group;
 - :class:`FakeComm`: a null group of any size for graph-level tests and estimates; its
   collectives produce correctly shaped results without any peer.
@@ -18,14 +21,19 @@ the communication the schedule left exposed.
 from __future__ import annotations
 
 import abc
+import atexit
 import contextlib
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from zerocc.watchdog import Heartbeat
 
 
 @dataclass
@@ -59,26 +67,43 @@ class CommStats:
 class Work:
     """A handle on an issued collective; :meth:`wait` blocks until it is done. On CUDA the
     handle is the event recorded on the communication stream after the collective, and waiting
-    makes the current (compute) stream wait for it, without blocking the host."""
+    makes the current (compute) stream wait for it, without blocking the host. A wait that
+    fails (a peer that stopped answering for the group's timeout, or left) is recorded on the
+    comm (``comm.failure``) before it raises."""
 
     def __init__(
-        self, handle: dist.Work | None = None, event: torch.cuda.Event | None = None
+        self,
+        handle: dist.Work | None = None,
+        event: torch.cuda.Event | None = None,
+        comm: Comm | None = None,
     ) -> None:
         self._handle = handle
         self._event = event
+        self._comm = comm
 
     def wait(self) -> None:
         if self._handle is not None:
-            self._handle.wait()
+            try:
+                self._handle.wait()
+            except Exception as exc:
+                if self._comm is not None:
+                    self._comm.failure = exc
+                raise
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
 
 
 class Comm(abc.ABC):
-    """Base of the process-group adapters: rank, world size, counted collectives."""
+    """Base of the process-group adapters: rank, world size, counted collectives.
+
+    ``heartbeat`` (a :class:`zerocc.watchdog.Heartbeat`, None without peers) tells who still
+    answers; ``failure`` is the first exception a collective raised: the group is unusable
+    after it."""
 
     rank: int = 0
     world_size: int = 1
+    heartbeat: Heartbeat | None = None
+    failure: BaseException | None = None
 
     def __init__(self) -> None:
         self.stats = CommStats()
@@ -97,6 +122,15 @@ class Comm(abc.ABC):
         """``tensor`` becomes the sum over ranks, in place."""
         self.stats.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
         return self._all_reduce(tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """``tensor`` becomes ``src``'s, in place, on every rank (not counted: it runs once, when
+        the state is built, not per step). Without peers there is nothing to do."""
+        return None
+
+    def close(self) -> None:
+        """Release the process group's resources (nothing to release but for TorchComm)."""
+        return None
 
     @abc.abstractmethod
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work: ...
@@ -117,12 +151,66 @@ class TorchComm(Comm):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._owns_group = False
+        self._closed = False
+
+    @classmethod
+    def create(cls, timeout_s: float) -> TorchComm:
+        """zerocc's own process group over every rank of the default one, whose collectives
+        wait at most ``timeout_s`` (the default group's timeout is the user's, 30 minutes for
+        gloo), watched by a heartbeat, and closed at interpreter exit.
+
+        Closing matters: a gloo worker thread releases the last collective's tensors after the
+        caller has moved on, and releasing a tensor Python has seen needs the interpreter. A group
+        still alive when the interpreter finalizes lets that thread meet a dying interpreter
+        (``terminate called without an active exception``, SIGABRT after every step finished).
+        ``torch._dynamo`` keeps references to the process groups that exist when it is first
+        imported (capture imports it), so a group made before that import can never be
+        destroyed: it is imported first."""
+        import torch._dynamo  # noqa: F401  (before the group exists: see above)
+
+        group = dist.new_group(timeout=timedelta(seconds=timeout_s))
+        comm = cls(group)
+        comm._owns_group = True
+        store = dist.distributed_c10d._get_default_store()
+        comm.heartbeat = Heartbeat(store, f"zerocc/{group.group_name}", comm.rank, comm.world_size)
+        atexit.register(_close_at_exit, weakref.ref(comm))
+        return comm
+
+    def close(self) -> None:
+        """Stop the heartbeat and destroy the group zerocc made, joining its threads (a group
+        that failed is aborted instead: its pending collectives would each wait out the
+        timeout). The comm is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        group, self.group = self.group, None
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if not self._owns_group:
+            return
+        if self.failure is not None and hasattr(group, "abort"):
+            group.abort()
+        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        work = self._issue(
+            [tensor], lambda a: dist.broadcast(tensor, src, group=self.group, async_op=a)
+        )
+        work.wait()
 
     def _issue(self, tensors: list[torch.Tensor], collective: Callable[[bool], Any]) -> Work:
         """Run ``collective(async_op)`` on CPU as async work; on CUDA on the communication
         stream, after the compute stream's pending work (which produced the inputs)."""
+        if self._closed:
+            raise RuntimeError("a zerocc collective ran on a closed process group")
         if not tensors[0].is_cuda:
-            return Work(collective(True))
+            try:
+                return Work(collective(True), comm=self)
+            except Exception as exc:
+                self.failure = exc
+                raise
         device = tensors[0].device
         stream = self._streams.get(device)
         if stream is None:
@@ -213,8 +301,15 @@ def active_comm() -> Comm:
     return _ACTIVE[-1]
 
 
-def comm_from_environment() -> Comm:
-    """The default process group when one is initialized, else a world of one."""
+def comm_from_environment(timeout_s: float) -> Comm:
+    """zerocc's own group over the default process group when one is initialized (collectives
+    bounded by ``timeout_s``), else a world of one."""
     if dist.is_available() and dist.is_initialized():
-        return TorchComm()
+        return TorchComm.create(timeout_s)
     return SoloComm()
+
+
+def _close_at_exit(comm: weakref.ref[TorchComm]) -> None:
+    alive = comm()
+    if alive is not None:
+        alive.close()

@@ -61,6 +61,30 @@ class InsufficientMemoryError(ZeroccError, MemoryError):
     changes that would fit; ``backend.check_memory: false`` goes on anyway."""
 
 
+class RankStoppedError(ZeroccError):
+    """Raised on every rank still running when a peer stopped answering: it was stopped, hung,
+    killed or exited while the others waited for it in a collective longer than
+    ``backend.timeout_s``. The message names the silent rank(s), the step and the op;
+    ``silent`` holds what the heartbeats told of them (``zerocc.watchdog.PeerState``: rank, pid,
+    host, last status), for launchers that stop them."""
+
+    def __init__(self, message: str, silent: list | tuple = ()) -> None:
+        super().__init__(message)
+        self.silent = list(silent)
+
+
+class DataExhaustedError(ZeroccError):
+    """Raised on every rank when some ranks ran out of batches while others still had one: the
+    message names the ranks and the step. (When every rank runs out at the same step, training
+    simply ends.)"""
+
+
+class BatchError(ZeroccError):
+    """Raised when a batch cannot be trained on: the program compiled for a new batch signature
+    failed on its first run (a dtype the model does not take, say). The message names the op and
+    how the batch differs from earlier ones; the failed program is not kept."""
+
+
 class PlanWarning(UserWarning):
     """Warned when a plan is valid but likely not what its author wants (e.g. fp16 compute
     without loss scaling)."""

@@ -40,6 +40,12 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
+def holds_values(model: nn.Module, fqns: Iterable[str]) -> bool:
+    """Whether any of the named parameters/buffers holds real values (is not on ``meta``)."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    return any(not tensors[f].is_meta for f in fqns)
+
+
 def _reset(module: nn.Module, fqn: str, seed: int, device: torch.device) -> None:
     reset = getattr(module, "reset_parameters", None)
     if reset is None:

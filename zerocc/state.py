@@ -19,6 +19,7 @@ live, and the compute copy ``param`` is written from it wherever that lives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from zerocc.ir import (
     PARAM_SHARD,
     STEP,
 )
-from zerocc.materialize import initial_values
+from zerocc.materialize import holds_values, initial_values
 from zerocc.plan import OffloadConfig, OptimizerConfig, Plan, PrecisionConfig
 from zerocc.units import Unit
 
@@ -242,12 +243,20 @@ def allocate_state(
     rank: int,
     device: torch.device,
     store: Any = None,
+    from_rank_0: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every resident persistent tensor of ``plan`` for ``rank``, keyed as its spec, where its
     spec places it: weights from the model's initial values (one unit materialized at a time),
     everything else zeros (the step counter on the CPU), and the model's buffers under their
     FQNs. States placed on NVMe are written to ``store`` (a :class:`zerocc.nvme.NvmeStore`)
-    instead of being returned."""
+    instead of being returned.
+
+    Every rank starts from rank 0's weights and buffers, as DDP does: ``from_rank_0(t)``
+    (a broadcast) overwrites a unit's full flat, before it is sharded, and each buffer, with
+    rank 0's values whenever the model holds real values for them (ranks seeded differently
+    would otherwise train a mix of their starting points). Tensors on the ``meta`` device are
+    initialized from the plan's seed and their own name, the same on every rank, so they need
+    no broadcast."""
     specs = state_specs(units, plan)
     weights = (PARAM_FULL, PARAM_SHARD, MASTER)
     state: dict[str, torch.Tensor] = {}
@@ -268,6 +277,8 @@ def allocate_state(
     for unit in units:
         fqns = [p.fqn for p in unit.params]
         flat = unit.flatten(initial_values(model, fqns, plan.seed, device))
+        if from_rank_0 is not None and holds_values(model, fqns):
+            from_rank_0(flat)
         for spec in specs:
             if spec.unit != unit.name or spec.role not in weights:
                 continue
@@ -282,6 +293,10 @@ def allocate_state(
             state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype)
         else:
             place(spec, None)
-    buffers = [b.fqn for b in model_info.buffers]
-    state.update(initial_values(model, buffers, plan.seed, device))
+    buffers = initial_values(model, [b.fqn for b in model_info.buffers], plan.seed, device)
+    for fqn, value in buffers.items():
+        if from_rank_0 is not None and holds_values(model, [fqn]):
+            buffers[fqn] = value = value.contiguous()
+            from_rank_0(value)
+    state.update(buffers)
     return state

@@ -26,11 +26,20 @@ from zerocc.capture import LossFn, describe_model, detach_inputs, traced_grad_mo
 from zerocc.comm import Comm, TorchComm, use_comm
 from zerocc.compiler import compile_program
 from zerocc.dumps import dump_dir, write_program_dumps, write_run_dumps
-from zerocc.errors import CaptureError, OffloadError, RankMismatchError
+from zerocc.errors import (
+    BatchError,
+    CaptureError,
+    DataExhaustedError,
+    OffloadError,
+    RankMismatchError,
+    RankStoppedError,
+)
 from zerocc.explain import explain_step, model_state_bytes
+from zerocc.failures import describe_node, failing_node, signature_difference
 from zerocc.ir import (
     BATCH,
     FOUND_INF,
+    GRAD,
     info,
     placeholders,
     val,
@@ -56,6 +65,7 @@ from zerocc.state import (
 )
 from zerocc.transfers import Transfers, use_transfers
 from zerocc.units import Unit
+from zerocc.watchdog import describe_silence, silent_peers
 
 
 @dataclass
@@ -114,7 +124,14 @@ class TrainStep:
         # one unit materialized; afterwards the TrainStep owns the weights
         # (``full_state_dict()`` returns them) and the model's own copy is released.
         self.state: dict[str, torch.Tensor] = allocate_state(
-            model, self.model_info, self.units, plan, comm.rank, device, self.store
+            model,
+            self.model_info,
+            self.units,
+            plan,
+            comm.rank,
+            device,
+            self.store,
+            from_rank_0=comm.broadcast if comm.world_size > 1 else None,
         )
         if not is_meta(model):
             release_to_meta(model)
@@ -122,6 +139,7 @@ class TrainStep:
         if LOSS_SCALE_SPEC.key in self.state:
             self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
         self.programs: dict[tuple, Program] = {}
+        self._builds = 0  # programs compiled, the failed ones too: the same on every rank
         self.micro_batches = 0
         self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         self._last_program: Program | None = None
@@ -150,6 +168,7 @@ class TrainStep:
         return loss, recorders[0]
 
     def _step(self, batch: tuple, run: Any = None) -> torch.Tensor:
+        self._check_usable()
         if self.dump_dir and not self._run_dumped and run is None and self._steps_next():
             # Dumps: the first step that runs the optimizer runs op by op, timed, on every rank.
             self._run_dumped = True
@@ -159,11 +178,13 @@ class TrainStep:
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
         boundary = self._steps_next()
         signature = batch_signature(batch)
-        self._agree(("signature", signature, boundary), "the batch shapes differ across ranks")
+        self._set_status(f"in step {self._step_number()}")
+        self._agree_on_batch(("next batch", signature, boundary))
         key = (signature, boundary)
-        if key not in self.programs:
-            self.programs[key] = self._build(batch, boundary)
-        program = self.programs[key]
+        program = self.programs.get(key)
+        first_run = program is None
+        if program is None:  # kept once it has run: a program that fails is not
+            program = self._build(batch, boundary)
         if boundary and STEP_SPEC.key in self.state:
             self.state[STEP_SPEC.key].fill_(self.steps + 1)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
@@ -184,9 +205,14 @@ class TrainStep:
                 f"rank {self.comm.rank}, step {self.steps + 1}: {exc}. Training stopped: this "
                 "step's update is incomplete; load the last checkpoint to go on"
             ) from exc
-        except BaseException:
+        except BaseException as exc:
             forget_pending()
-            raise
+            failure = self._run_failed(exc, program, signature if first_run else None)
+            if failure is exc:
+                raise
+            raise failure from exc
+        if first_run:
+            self.programs[key] = program
         if pending_collectives():
             raise RuntimeError("a program finished with collectives still in flight")
         self.micro_batches += 1
@@ -197,7 +223,112 @@ class TrainStep:
             self._account_step(overflow=bool(found_inf), flags=flags[0] if flags else None)
         elif boundary:
             self._account_step(overflow=False)
+        if boundary:
+            self._set_status(f"after step {self.micro_batches // self.plan.grad_accumulation}")
         return loss
+
+    def end_of_data(self) -> None:
+        """Call instead of ``step(*batch)`` when this rank has no batch left. Returns when every
+        rank ran out at the same micro-batch (training ends there; a partly accumulated step is
+        dropped); otherwise raises DataExhaustedError here and, in their ``step(...)`` call, on
+        every rank that still had a batch: ranks that train on different numbers of batches
+        would wait for each other forever (or, under DDP, silently desynchronize)."""
+        self._check_usable()
+        self._set_status(f"out of data at step {self._step_number()}")
+        self._agree_on_batch(_END_OF_DATA)
+
+    def _step_number(self) -> int:
+        """The 1-based number of the optimizer step the next micro-batch belongs to."""
+        return self.micro_batches // self.plan.grad_accumulation + 1
+
+    def _set_status(self, status: str) -> None:
+        """What this rank is doing, as its heartbeat tells the others (an attribute write)."""
+        if self.comm.heartbeat is not None:
+            self.comm.heartbeat.status = status
+
+    def _check_usable(self) -> None:
+        if self.comm.failure is not None:
+            raise RankStoppedError(
+                f"rank {self.comm.rank}: this training step cannot go on: its process group "
+                f"failed ({_first_line(self.comm.failure)}); start the ranks again and load "
+                "the last checkpoint"
+            )
+
+    def _run_failed(
+        self, exc: BaseException, program: Program, new_signature: tuple | None
+    ) -> BaseException:
+        """The error to raise for a program run that raised ``exc`` (``exc`` itself when
+        nothing can be added). A failed collective is a peer that stopped answering: the
+        heartbeats name it, and the group is closed (nothing more can run on it). Anything else
+        leaves the step as before the micro-batch's accumulation window began: gradient
+        accumulators zeroed, that window's micro-batches dropped; a new program that failed on
+        its first run (``new_signature``) is not kept."""
+        node = failing_node(program.gm, exc.__traceback__)
+        step = self._step_number()
+        if self.comm.failure is not None:
+            return self._peer_failure(exc, describe_node(node))
+        for spec in state_specs(self.units, self.plan):
+            if spec.role == GRAD and spec.key in self.state:
+                self.state[spec.key].zero_()
+        dropped = self.micro_batches % self.plan.grad_accumulation
+        self.micro_batches -= dropped
+        if node is not None and info(node).phase == "optimizer":
+            detail = "the update may be partly applied: load the last checkpoint to go on"
+        else:
+            detail = "nothing was updated" + (
+                f"; the {dropped} micro-batch(es) accumulated for this step were dropped"
+                if dropped
+                else ""
+            )
+        if not isinstance(exc, Exception) or isinstance(exc, torch.OutOfMemoryError):
+            return exc
+        earlier = [sig for sig, _ in self.programs]
+        if new_signature is None or not earlier:
+            exc.add_note(f"zerocc: rank {self.comm.rank}, step {step}: in {describe_node(node)}")
+            return exc
+        return BatchError(
+            f"rank {self.comm.rank}, step {step}: the program compiled for a new batch signature "
+            f"({signature_difference(new_signature, earlier)}) failed on its first run in "
+            f"{describe_node(node)}: {type(exc).__name__}: {_first_line(exc)}. The program was "
+            f"not kept and {detail}. Give the model batches of the dtypes it takes (cast them in "
+            "the data pipeline or the loss_fn)"
+        )
+
+    def _peer_failure(self, exc: BaseException, where: str) -> RankStoppedError:
+        """The error of a collective that failed (in ``where``): who stopped answering (a
+        survey of the heartbeats), and the group closed so that the process can exit without
+        waiting for the collectives still queued on it."""
+        survey = self.comm.heartbeat.survey() if self.comm.heartbeat else None
+        who = describe_silence(survey, self.comm.rank)
+        self.comm.close()
+        silent = silent_peers(survey, self.comm.rank)
+        return RankStoppedError(
+            f"rank {self.comm.rank}, step {self._step_number()}: {who}. This rank gave up in "
+            f"{where} after backend.timeout_s ({self.plan.backend.timeout_s:g} s) "
+            f"or when the peer left ({type(exc).__name__}: {_first_line(exc)}). Training "
+            "stopped; start the ranks again and load the last checkpoint",
+            silent,
+        )
+
+    def _agree_on_batch(self, what: tuple) -> None:
+        """Agree across ranks on the next micro-batch's signature, or on having none."""
+        views = self._disagreement(what, repr(what))
+        if views is None:
+            return
+        step = self._step_number()
+        ended = [r for r, v in enumerate(views) if v == repr(_END_OF_DATA)]
+        if ended:
+            going = [r for r in range(len(views)) if r not in ended]
+            raise DataExhaustedError(
+                f"rank {self.comm.rank}, step {step}: rank(s) {_ranks(ended)} ran out of "
+                f"batches while rank(s) {_ranks(going)} still had one. Every rank must train on "
+                "the same number of batches (as under DDP): split the data evenly across ranks "
+                "(drop the remainder), or stop every rank at the same step"
+            )
+        raise RankMismatchError(
+            f"rank {self.comm.rank}, step {step}: the batch shapes differ across ranks: "
+            + _first_difference(views)
+        )
 
     def _account_step(self, overflow: bool, flags: torch.Tensor | None = None) -> None:
         """After an optimizer step: count it (unless skipped: its update wrote nothing) and
@@ -234,6 +365,7 @@ class TrainStep:
         return (self.micro_batches + 1) % self.plan.grad_accumulation == 0
 
     def _build(self, batch: tuple, boundary: bool) -> Program:
+        self._set_status(f"compiling a program for step {self._step_number()}")
         compiled = compile_program(
             self.model,
             self.model_info,
@@ -255,7 +387,12 @@ class TrainStep:
         self._check_bindings(gm)
         text = format_program(gm)
         digest = _digest(text)
-        self._agree(("program", digest), "the compiled programs differ across ranks", text)
+        self._builds += 1
+        if self.comm.heartbeat is not None:  # compiling takes what it takes, while ranks live
+            self.comm.heartbeat.wait_for_all(
+                f"compiled-{self._builds}", self.plan.backend.timeout_s, "a program to compile"
+            )
+        self._agree(("compiled program", digest), "the compiled programs differ across ranks", text)
         bindings = [(info(n).role, info(n).key) for n in placeholders(gm)]
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         found_inf = isinstance(outputs, tuple) and info(outputs[-1]).role == FOUND_INF
@@ -297,19 +434,30 @@ class TrainStep:
 
     def _agree(self, what: tuple, problem: str, detail: str | None = None) -> None:
         """Raise on every rank when ranks disagree on ``what`` (8-byte hash compared first)."""
+        views = self._disagreement(what, detail if detail is not None else repr(what))
+        if views is not None:
+            raise RankMismatchError(
+                f"rank {self.comm.rank}: {problem}: " + _first_difference(views)
+            )
+
+    def _disagreement(self, what: tuple, detail: str) -> list[Any] | None:
+        """None when every rank has the same ``what`` (an 8-byte hash compared); else every
+        rank's ``detail``, by rank."""
         if not isinstance(self.comm, TorchComm) or self.comm.world_size == 1:
-            return
+            return None
         digest = int(_digest(repr(what))[:15], 16)
         mine = torch.tensor([digest], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.comm.world_size)]
-        dist.all_gather(everyone, mine, group=self.comm.group)
-        if all(int(t) == digest for t in everyone):
-            return
         views: list[Any] = [None] * self.comm.world_size
-        dist.all_gather_object(
-            views, detail if detail is not None else repr(what), group=self.comm.group
-        )
-        raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + _first_difference(views))
+        try:
+            dist.all_gather(everyone, mine, group=self.comm.group)
+            if all(int(t) == digest for t in everyone):
+                return None
+            dist.all_gather_object(views, detail, group=self.comm.group)
+        except Exception as exc:  # a peer that stopped answering, or left
+            self.comm.failure = exc
+            raise self._peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
+        return views
 
     def _resident_and_nvme_state(self) -> dict[str, torch.Tensor]:
         """Every persistent tensor: those held in memory, and those on NVMe read back."""
@@ -441,6 +589,18 @@ def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | Non
     largest = max(s.nbytes for s in specs)
     store.check_capacity(local_ranks * sum(s.nbytes for s in specs), largest=largest)
     return store
+
+
+_END_OF_DATA = ("end of data",)  # what a rank with no batch left agrees on
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _first_difference(views: list[Any]) -> str:
