@@ -11,7 +11,6 @@ the command is already a rank and does not launch again.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -23,10 +22,9 @@ from typing import Any
 
 from zerocc.cli_inspect import add_commands as add_inspect_commands
 from zerocc.errors import ZeroccError
+from zerocc.launch import RANK_WORKER_ENV, report
 from zerocc.plan import Plan, load_plan, plan_json_schema
 from zerocc.printing import human_bytes
-
-RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,36 +164,10 @@ def _launched() -> bool:
 
 
 def _launch(args: argparse.Namespace, command: list[str]) -> int:
-    """Start `args.nproc` local ranks through torch.distributed.run, each running `zerocc
-    COMMAND...` as a rank (`_train_rank`, `profile_rank`)."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    """Start `args.nproc` local ranks, each running `zerocc COMMAND...` as a rank."""
+    from zerocc.launch import launch
 
-    port = args.master_port or _free_port()
-    launcher_args = [
-        "--nproc-per-node", str(args.nproc),
-        "--nnodes", "1",
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(port),
-        "-m", "zerocc", *command,
-    ]  # fmt: skip
-    saved = {name: os.environ.get(name) for name in (RANK_WORKER_ENV, "OMP_NUM_THREADS")}
-    os.environ[RANK_WORKER_ENV] = "1"  # the ranks run the command instead of launching again
-    # torchrun would set 1 thread per rank; share the cores between the ranks instead.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    try:
-        torchrun.run(torchrun.parse_args(launcher_args))
-    except ChildFailedError as exc:
-        codes = sorted({failure.exitcode for failure in exc.failures.values()})
-        print(f"zerocc: {len(exc.failures)} rank(s) failed (exit codes {codes})", file=sys.stderr)
-        return 2 if 2 in codes else 1  # 2: a zerocc error, already printed by the rank
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    return 0
+    return launch(args.nproc, args.master_port or _free_port(), command)
 
 
 # --- profile ----------------------------------------------------------------------------------
@@ -205,7 +177,7 @@ def _profile(args: argparse.Namespace) -> int:
     """`zerocc profile`: launch the plan's ranks (as `train` does) to calibrate the cost model."""
     from zerocc.calibrate import default_output, profile_rank
 
-    plan = load_plan(args.plan)
+    plan = _checked_plan(args.plan)  # as `train`: checked once, before any rank starts
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     output = Path(args.output or default_output(args.plan))  # the ranks share this cwd
@@ -215,38 +187,68 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _train_rank(plan: Plan, steps: int) -> int:
-    """One rank: join the process group (when launched), compile the workload, run `steps`."""
+    """One rank: join the process group (when launched), compile the workload, run `steps`.
+    What the launcher should know (the predicted peak, the error that ends the rank and the
+    peers it found silent) goes to the rank's report (`zerocc.launch.report`)."""
+    from zerocc.rank import joined_group
+
+    with joined_group(plan) as (rank, world_size):
+        try:
+            return _train_steps(plan, steps, rank, world_size)
+        except BaseException as exc:
+            silent = [vars(p) for p in getattr(exc, "silent", [])]
+            report(error=f"{type(exc).__name__}: {exc}".splitlines()[0], silent=silent)
+            raise
+
+
+def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
     from tqdm import tqdm
 
     import zerocc
-    from zerocc.rank import first_batch, joined_group, plan_device, to_device
+    from zerocc.memory import model_state_bytes_of, predict_memory
+    from zerocc.rank import plan_device, to_device
     from zerocc.workload import load_workload
 
     device = plan_device(plan)
-    with joined_group(plan) as (rank, world_size):
-        workload = load_workload(plan)
-        step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
-        batches = itertools.islice(workload.batches(rank, world_size), steps)
-        first = first_batch(batches, plan, rank, world_size)
-        started = time.perf_counter()
-        losses = [float(step(*to_device(first, device)))]  # captures and compiles
-        first_done = time.perf_counter()
-        if rank == 0:
-            print(step.explain(), flush=True)  # explains the program the first step built
-        with tqdm(total=steps, initial=1, desc="train", unit="step", disable=rank != 0) as progress:
-            progress.set_postfix(loss=f"{losses[-1]:.4f}")
-            for batch in batches:
-                losses.append(float(step(*to_device(batch, device))))
-                progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-                progress.update()
-        if rank == 0:
-            _print_summary(step.summary(), losses, started, first_done, world_size)
-            if step.dump_dir is not None:
-                print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
-                if not shutil.which("dot"):
-                    from zerocc.dot import GRAPHVIZ_HINT
+    workload = load_workload(plan)
+    step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
+    batches = iter(workload.batches(rank, world_size))
 
-                    print(f"  {GRAPHVIZ_HINT}")
+    def next_batch() -> tuple | None:
+        """This rank's next batch; None once every rank has run out at this step (a rank
+        that runs out while others go on stops them all: DataExhaustedError)."""
+        batch = next(batches, None)
+        if batch is None:
+            step.end_of_data()
+        return batch
+
+    first = next_batch()
+    if first is None:
+        raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
+    started = time.perf_counter()
+    losses = [float(step(*to_device(first, device)))]  # captures and compiles
+    first_done = time.perf_counter()
+    timeline = predict_memory(step.program, model_state_bytes_of(step.units, plan))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    report(predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks)
+    if rank == 0:
+        print(step.explain(), flush=True)  # explains the program the first step built
+    with tqdm(total=steps, initial=1, desc="train", unit="step", disable=rank != 0) as progress:
+        progress.set_postfix(loss=f"{losses[-1]:.4f}")
+        while len(losses) < steps and (batch := next_batch()) is not None:
+            losses.append(float(step(*to_device(batch, device))))
+            progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            progress.update()
+    if rank == 0:
+        if len(losses) < steps:
+            print(f"the data ran out on every rank after {len(losses)} step(s)")
+        _print_summary(step.summary(), losses, started, first_done, world_size)
+        if step.dump_dir is not None:
+            print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
+            if not shutil.which("dot"):
+                from zerocc.dot import GRAPHVIZ_HINT
+
+                print(f"  {GRAPHVIZ_HINT}")
     return 0
 
 

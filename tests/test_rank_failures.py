@@ -1,0 +1,157 @@
+"""A rank that stops, runs out of data or dies: every other rank stops too, with an error that
+names it, and `zerocc train` says what became of each rank (zerocc/watchdog.py, zerocc/launch.py,
+the TrainStep's agreement on each micro-batch).
+
+The multi-rank cases run `zerocc train` on 2 local CPU ranks with a tiny workload whose batches
+misbehave on purpose (WORKLOAD below).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from zerocc.launch import failure_report
+
+WORKLOAD = '''
+import os, signal, time
+import torch
+from torch import nn
+from zerocc.workload import Workload
+
+
+def workload(stop_rank=-1, stop_at=3, batches=100, short_rank=-1, raise_rank=-1):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def make(rank, world):
+        for i in range(4 if rank == short_rank else batches):
+            if rank == stop_rank and i == stop_at:
+                with open(f"stopped-{rank}", "w") as f:
+                    f.write(str(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)  # as a debugger, or a hung rank, would
+            if rank == raise_rank and i == stop_at:
+                raise ValueError("the data loader broke")
+            g = torch.Generator().manual_seed(rank * 1000 + i)
+            yield torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+    return Workload(model, loss_fn=lambda m, x, y: ((m(x) - y) ** 2).mean(), batches=make)
+'''
+
+
+def _train(tmp_path: Path, timeout_s: float = 30, **workload_args) -> subprocess.CompletedProcess:
+    (tmp_path / "workload.py").write_text(WORKLOAD)
+    args = ", ".join(f"{k}: {v}" for k, v in workload_args.items())
+    (tmp_path / "plan.yaml").write_text(
+        textwrap.dedent(f"""\
+            workload: "workload:workload"
+            workload_args: {{{args}}}
+            zero: {{stage: 3}}
+            backend: {{device: cpu, timeout_s: {timeout_s}}}
+            """)
+    )
+    command = [sys.executable, "-m", "zerocc", "train", "plan.yaml", "--nproc", "2", "--steps", "8"]
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+
+
+def test_a_stopped_rank_stops_the_job_within_the_timeout(tmp_path):
+    timeout_s = 5
+    run = _train(tmp_path, timeout_s, stop_rank=1, stop_at=3)
+    ended = time.time()
+    stopped = float((tmp_path / "stopped-1").read_text())
+    assert run.returncode == 2, run.stderr
+    # The timeout, a survey of the heartbeats (2.5 beats), exiting: "a few seconds".
+    assert ended - stopped < timeout_s + 8, run.stderr
+    error = next(ln for ln in run.stderr.splitlines() if ln.startswith("zerocc: rank 0: error"))
+    assert "step 4" in error and "rank 1 (pid" in error and "stopped answering" in error
+    assert "agreement on the next batch" in error and "backend.timeout_s (5 s)" in error
+    assert "rank 1 (pid" in run.stderr.split("rank(s) failed:")[1]
+    assert "the launcher killed it" in run.stderr
+
+
+def test_a_rank_out_of_data_stops_every_rank(tmp_path):
+    run = _train(tmp_path, short_rank=1)
+    assert run.returncode == 2, run.stderr
+    for rank in (0, 1):
+        line = next(ln for ln in run.stderr.splitlines() if f"zerocc: rank {rank}: error" in ln)
+        assert "step 5: rank(s) 1 ran out of batches while rank(s) 0 still had one" in line
+
+
+def test_every_rank_out_of_data_at_once_ends_training(tmp_path):
+    run = _train(tmp_path, batches=4)
+    assert run.returncode == 0, run.stderr
+    assert "the data ran out on every rank after 4 step(s)" in run.stdout
+
+
+def test_a_rank_that_dies_is_named_with_its_error(tmp_path):
+    run = _train(tmp_path, raise_rank=1, stop_at=2)
+    assert run.returncode == 2, run.stderr
+    report = run.stderr.split("rank(s) failed:")[1]
+    assert "rank 1 (pid" in report and "exit code 1" in report
+    assert "last error: ValueError: the data loader broke" in report
+    assert "rank 0 (pid" in report and "stopped by the launcher after rank 1 failed" in report
+
+
+def _leave_early(rank: int, world: int) -> str:
+    import torch
+
+    import zerocc
+
+    model = torch.nn.Linear(4, 1)
+    plan = {"zero": {"stage": 3}, "backend": {"timeout_s": 60}}
+    step = zerocc.compile(model, plan, loss_fn=lambda m, x: m(x).pow(2).mean())
+    for _ in range(2):
+        step(torch.ones(2, 4))
+    if rank == 1:  # a script that stops training early, and exits (spawned ranks skip atexit)
+        step.comm.close()  # what zerocc does at interpreter exit
+        return "left"
+    started = time.monotonic()
+    try:
+        step(torch.ones(2, 4))
+    except zerocc.RankStoppedError as exc:
+        return f"{time.monotonic() - started:.1f} s: {exc}"
+    return "no error"
+
+
+def test_a_rank_that_left_is_named_at_once_not_after_the_timeout():
+    from multirank import run_ranks
+
+    waited, message = run_ranks(2, _leave_early)[0].split(" s: ", 1)
+    assert float(waited) < 20, message  # the timeout is 60 s
+    assert "rank 1 (pid" in message and "exited (after step 2)" in message
+
+
+# -- the launcher's report, on made-up failures --------------------------------------------------
+
+
+def test_sigkill_without_an_error_reads_as_the_out_of_memory_killer():
+    gib = 2**30
+    reports = {1: {"predicted_peak_bytes": 3 * gib, "local_ranks": 2}}
+    text = failure_report({1: (-signal.SIGKILL, 42)}, reports, {}, memory_total=4 * gib)
+    assert "rank 1 (pid 42): killed by SIGKILL" in text
+    assert "out-of-memory killer" in text
+    assert "predicted peak 3.0GiB per rank" in text and "6.0GiB for the 2 ranks" in text
+    assert "this machine has 4.0GiB" in text
+
+
+def test_report_names_signals_causes_and_last_errors():
+    reports = {0: {"error": "ValueError: boom"}, 2: {}}
+    failures = {0: (1, 10), 1: (-signal.SIGTERM, 11), 2: (-signal.SIGABRT, 12)}
+    text = failure_report(failures, reports, {})
+    lines = text.splitlines()
+    assert lines[0] == "zerocc: 3 rank(s) failed:"
+    assert "rank 0 (pid 10): exit code 1" in text and "last error: ValueError: boom" in text
+    assert "rank 1 (pid 11): killed by SIGTERM: stopped by the launcher after rank 0 failed" in text
+    assert "rank 2 (pid 12): killed by SIGABRT: aborted in native code" in text
+
+
+@pytest.mark.parametrize("code", [-signal.SIGKILL, -signal.SIGSEGV])
+def test_report_of_a_rank_the_launcher_killed_says_so(code):
+    text = failure_report({1: (code, 7)}, {}, {1: 7})
+    assert "it stopped answering its peers, and the launcher killed it" in text
