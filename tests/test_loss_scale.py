@@ -50,3 +50,8 @@ def test_state_round_trips():
     t = scaler()
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict() and float(t.tensor) == 32
+
+
+def test_growth_stops_at_the_largest_scale_a_plan_allows():
+    s = scaler(dynamic={"initial": 2.0**31, "growth_factor": 1000, "growth_interval": 1})
+    assert run(s, "...") == [2.0**32] * 3  # not inf, which would skip every later step

@@ -558,3 +558,17 @@ def test_gpt_example_loss_starts_near_uniform():
     vocab = workload.model.lm_head.out_features
     assert workload.model.lm_head.weight is workload.model.transformer.wte.weight
     assert abs(workload.model(idx, targets).item() - math.log(vocab)) < 0.5
+
+
+@pytest.mark.parametrize(
+    "data, path",
+    [
+        ({"optimizer": {"lr": True}}, "optimizer.lr"),
+        ({"zero": {"world_size": True}}, "zero.world_size"),
+        ({"overlap": {"prefetch": False}}, "overlap.prefetch"),
+        ({"backend": {"timeout_s": True}}, "backend.timeout_s"),
+    ],
+)
+def test_a_boolean_is_not_a_number(data, path):
+    message = plan_error(data)  # YAML `lr: true` would otherwise read as 1.0
+    assert path in message and ("True" in message or "False" in message)

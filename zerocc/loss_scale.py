@@ -7,8 +7,9 @@ scale. The rule is DeepSpeed's dynamic loss scaler, which with ``hysteresis: 1``
 ``torch.amp.GradScaler``'s: on overflow the step is skipped and, once ``hysteresis`` overflows
 have been tolerated, the scale is multiplied by ``backoff_factor`` (never below ``min_scale``);
 after ``growth_interval`` steps in a row without overflow it is multiplied by
-``growth_factor`` (and the hysteresis budget refilled). A static scale never changes, but its
-overflowing steps are still skipped.
+``growth_factor`` (and the hysteresis budget refilled), never above ``MAX_LOSS_SCALE`` (2^32,
+the plan's own bound: a scale left to grow reaches inf, and then every step is skipped). A
+static scale never changes, but its overflowing steps are still skipped.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerocc.plan import PrecisionConfig
+from zerocc.plan import MAX_LOSS_SCALE, PrecisionConfig
 
 
 @dataclass
@@ -68,7 +69,7 @@ class LossScaler:
         elif self.dynamic:
             self.good_steps += 1
             if self.good_steps == self.growth_interval:
-                self.scale *= self.growth_factor
+                self.scale = min(self.scale * self.growth_factor, MAX_LOSS_SCALE)
                 self.good_steps = 0
                 self.hysteresis_left = self.hysteresis
         self.tensor.fill_(self.scale)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -69,9 +70,24 @@ PathStr = Annotated[str, AfterValidator(_no_nul)]
 
 class _Section(BaseModel):
     """Base of every plan model: an unknown field (a typo) is an error, not a silent default;
-    every float is finite (YAML's .inf and .nan are not numbers a plan can train with)."""
+    every float is finite (YAML's .inf and .nan are not numbers a plan can train with), and a
+    number is never a YAML boolean (``lr: true`` would read as 1.0)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and _takes_numbers(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{value!r} is a boolean, not a number")
+        return value
+
+
+def _takes_numbers(annotation: Any) -> bool:
+    """Whether a field's type admits plain numbers (int or float, alone or in a union)."""
+    if annotation in (int, float):
+        return True
+    return any(_takes_numbers(arg) for arg in typing.get_args(annotation))
 
 
 class ZeroConfig(_Section):
