@@ -18,13 +18,26 @@ Conventions shared by every kernel set:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
 
 def _skipped(found_inf: torch.Tensor | None) -> bool:
     return found_inf is not None and bool(found_inf.item() != 0)
+
+
+@contextlib.contextmanager
+def _in_fp32(*tensors: torch.Tensor | None) -> Iterator[list[torch.Tensor | None]]:
+    """The tensors in fp32 for an update's arithmetic: themselves when they are fp32; fp32
+    copies, stored back (rounded once) at the end, when they are kept in a lower precision."""
+    wide = [None if t is None else t.float() for t in tensors]
+    yield wide
+    for t, w in zip(tensors, wide, strict=True):
+        if t is not None and w is not t:
+            t.copy_(w)
 
 
 def _effective_grad(
@@ -52,18 +65,21 @@ def adamw_(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """AdamW on one flat fp32 shard, step for step the arithmetic of ``torch.optim.AdamW``."""
+    """AdamW on one flat fp32 shard, step for step the arithmetic of ``torch.optim.AdamW``
+    (on a shard stored in bf16/fp16, ``precision.master: bf16``, the same arithmetic in fp32,
+    rounded once when stored)."""
     if _skipped(found_inf):
         return
     g = _effective_grad(grad, grad_scale, grad_coef)
     t = int(step.item())
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    step_size = lr / (1 - beta1**t)
-    bias_correction2_sqrt = math.sqrt(1 - beta2**t)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    with _in_fp32(param, exp_avg, exp_avg_sq) as (p, m, v):
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = lr / (1 - beta1**t)
+        bias_correction2_sqrt = math.sqrt(1 - beta2**t)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
     if param_copy is not None:
         param_copy.copy_(param)
 
@@ -80,16 +96,18 @@ def sgd_(
     momentum: float,
     weight_decay: float,
 ) -> None:
-    """SGD on one flat fp32 shard, as ``torch.optim.SGD`` (no dampening, no Nesterov)."""
+    """SGD on one flat fp32 shard, as ``torch.optim.SGD`` (no dampening, no Nesterov); on a
+    shard stored in bf16/fp16, the same arithmetic in fp32, rounded once when stored."""
     if _skipped(found_inf):
         return
     g = _effective_grad(grad, grad_scale, grad_coef)
-    if weight_decay:
-        g.add_(param, alpha=weight_decay)
-    if momentum_buffer is not None:
-        # The buffer starts at zero, so the first step stores g exactly, as torch's clone.
-        g = momentum_buffer.mul_(momentum).add_(g)
-    param.add_(g, alpha=-lr)
+    with _in_fp32(param, momentum_buffer) as (p, buf):
+        if weight_decay:
+            g.add_(p, alpha=weight_decay)
+        if buf is not None:
+            # The buffer starts at zero, so the first step stores g exactly, as torch's clone.
+            g = buf.mul_(momentum).add_(g)
+        p.add_(g, alpha=-lr)
     if param_copy is not None:
         param_copy.copy_(param)
 
