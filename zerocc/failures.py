@@ -1,5 +1,6 @@
-"""Where a program run failed, in the program's own words: the node that raised, and how a batch
-that broke a new program differs from the batches before it.
+"""Where a program run failed, in the program's own words: the node that raised, how a batch
+that broke a new program differs from the batches before it, and who stopped answering when a
+collective failed.
 
 The node is read off the exception's traceback at no cost to the run: torch.fx compiles a
 program's ``forward`` from generated source, one statement per node (``addmm = torch.ops...``),
@@ -14,7 +15,10 @@ from types import TracebackType
 
 from torch import fx
 
+from zerocc.comm import Comm
+from zerocc.errors import RankStoppedError
 from zerocc.ir import info
+from zerocc.watchdog import describe_silence, silent_peers
 
 _ASSIGNED = re.compile(r"^\s*(\w+)\s*=")  # "addmm = ..." (and "... ;  free = None")
 
@@ -79,3 +83,26 @@ def _show(element: tuple) -> str:
         dtype = element[2].removeprefix("torch.")
         return f"{dtype} tensor of shape {tuple(element[1])}"
     return f"value {element[1]!r}"
+
+
+def peer_failure(
+    comm: Comm, exc: BaseException, where: str, step: int, timeout_s: float
+) -> RankStoppedError:
+    """The error of a collective that failed (``exc``, in ``where``): who stopped answering (a
+    survey of the heartbeats), with ``comm`` closed so that the process can exit without waiting
+    for the collectives still queued on it."""
+    survey = comm.heartbeat.survey() if comm.heartbeat else None
+    comm.close()
+    return RankStoppedError(
+        f"rank {comm.rank}, step {step}: {describe_silence(survey, comm.rank)}. This rank gave up "
+        f"in {where} after backend.timeout_s ({timeout_s:g} s) or when the peer left "
+        f"({type(exc).__name__}: {first_line(exc)}). Training stopped; start the ranks again and "
+        "load the last checkpoint",
+        silent_peers(survey, comm.rank),
+    )
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -10,32 +10,42 @@ compare its hash (a mismatch names the first differing line).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 
+from zerocc.agreement import (
+    END_OF_DATA,
+    batch_disagreement,
+    digest,
+    first_difference,
+    views_if_they_differ,
+)
 from zerocc.backends import get_backend
 from zerocc.backends.kernels import check_kernels
 from zerocc.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
-from zerocc.comm import Comm, TorchComm, use_comm
-from zerocc.compiler import compile_program
+from zerocc.comm import Comm, use_comm
+from zerocc.compiler import CompiledProgram, compile_program
 from zerocc.dumps import dump_dir, write_program_dumps, write_run_dumps
 from zerocc.errors import (
     BatchError,
     CaptureError,
-    DataExhaustedError,
     OffloadError,
     RankMismatchError,
     RankStoppedError,
 )
 from zerocc.explain import explain_step, model_state_bytes
-from zerocc.failures import describe_node, failing_node, signature_difference
+from zerocc.failures import (
+    describe_node,
+    failing_node,
+    first_line,
+    peer_failure,
+    signature_difference,
+)
 from zerocc.ir import (
     BATCH,
     FOUND_INF,
@@ -65,7 +75,6 @@ from zerocc.state import (
 )
 from zerocc.transfers import Transfers, use_transfers
 from zerocc.units import Unit
-from zerocc.watchdog import describe_silence, silent_peers
 
 
 @dataclass
@@ -78,10 +87,6 @@ class Program:
     run: Any
     digest: str
     returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def batch_signature(batch: Sequence[Any]) -> tuple:
@@ -235,7 +240,7 @@ class TrainStep:
         would wait for each other forever (or, under DDP, silently desynchronize)."""
         self._check_usable()
         self._set_status(f"out of data at step {self._step_number()}")
-        self._agree_on_batch(_END_OF_DATA)
+        self._agree_on_batch(END_OF_DATA)
 
     def _step_number(self) -> int:
         """The 1-based number of the optimizer step the next micro-batch belongs to."""
@@ -250,7 +255,7 @@ class TrainStep:
         if self.comm.failure is not None:
             raise RankStoppedError(
                 f"rank {self.comm.rank}: this training step cannot go on: its process group "
-                f"failed ({_first_line(self.comm.failure)}); start the ranks again and load "
+                f"failed ({first_line(self.comm.failure)}); start the ranks again and load "
                 "the last checkpoint"
             )
 
@@ -289,46 +294,21 @@ class TrainStep:
         return BatchError(
             f"rank {self.comm.rank}, step {step}: the program compiled for a new batch signature "
             f"({signature_difference(new_signature, earlier)}) failed on its first run in "
-            f"{describe_node(node)}: {type(exc).__name__}: {_first_line(exc)}. The program was "
+            f"{describe_node(node)}: {type(exc).__name__}: {first_line(exc)}. The program was "
             f"not kept and {detail}. Give the model batches of the dtypes it takes (cast them in "
             "the data pipeline or the loss_fn)"
         )
 
     def _peer_failure(self, exc: BaseException, where: str) -> RankStoppedError:
-        """The error of a collective that failed (in ``where``): who stopped answering (a
-        survey of the heartbeats), and the group closed so that the process can exit without
-        waiting for the collectives still queued on it."""
-        survey = self.comm.heartbeat.survey() if self.comm.heartbeat else None
-        who = describe_silence(survey, self.comm.rank)
-        self.comm.close()
-        silent = silent_peers(survey, self.comm.rank)
-        return RankStoppedError(
-            f"rank {self.comm.rank}, step {self._step_number()}: {who}. This rank gave up in "
-            f"{where} after backend.timeout_s ({self.plan.backend.timeout_s:g} s) "
-            f"or when the peer left ({type(exc).__name__}: {_first_line(exc)}). Training "
-            "stopped; start the ranks again and load the last checkpoint",
-            silent,
+        return peer_failure(
+            self.comm, exc, where, self._step_number(), self.plan.backend.timeout_s
         )
 
     def _agree_on_batch(self, what: tuple) -> None:
         """Agree across ranks on the next micro-batch's signature, or on having none."""
-        views = self._disagreement(what, repr(what))
-        if views is None:
-            return
-        step = self._step_number()
-        ended = [r for r, v in enumerate(views) if v == repr(_END_OF_DATA)]
-        if ended:
-            going = [r for r in range(len(views)) if r not in ended]
-            raise DataExhaustedError(
-                f"rank {self.comm.rank}, step {step}: rank(s) {_ranks(ended)} ran out of "
-                f"batches while rank(s) {_ranks(going)} still had one. Every rank must train on "
-                "the same number of batches (as under DDP): split the data evenly across ranks "
-                "(drop the remainder), or stop every rank at the same step"
-            )
-        raise RankMismatchError(
-            f"rank {self.comm.rank}, step {step}: the batch shapes differ across ranks: "
-            + _first_difference(views)
-        )
+        views = self._views_if_they_differ(what, repr(what))
+        if views is not None:
+            raise batch_disagreement(views, self.comm.rank, self._step_number())
 
     def _account_step(self, overflow: bool, flags: torch.Tensor | None = None) -> None:
         """After an optimizer step: count it (unless skipped: its update wrote nothing) and
@@ -364,20 +344,28 @@ class TrainStep:
     def _steps_next(self) -> bool:
         return (self.micro_batches + 1) % self.plan.grad_accumulation == 0
 
-    def _build(self, batch: tuple, boundary: bool) -> Program:
-        self._set_status(f"compiling a program for step {self._step_number()}")
-        compiled = compile_program(
+    def _compile(
+        self, batch: tuple, boundary: bool, plan: Plan | None = None, keep_graphs: bool = False
+    ) -> CompiledProgram:
+        """Capture the step on ``batch`` and run the pipeline of ``plan`` (default: this step's;
+        another one to predict what a plan change would need)."""
+        plan = plan or self.plan
+        return compile_program(
             self.model,
             self.model_info,
-            self.plan,
-            self.pipeline,
+            plan,
+            self.pipeline if plan is self.plan else build_pipeline(plan),
             batch,
             loss_fn=self.loss_fn,
             device=self.device,
             world_size=self.comm.world_size,
             boundary=boundary,
-            keep_graphs=self.dump_dir is not None,
+            keep_graphs=keep_graphs,
         )
+
+    def _build(self, batch: tuple, boundary: bool) -> Program:
+        self._set_status(f"compiling a program for step {self._step_number()}")
+        compiled = self._compile(batch, boundary, keep_graphs=self.dump_dir is not None)
         gm, records = compiled.gm, compiled.records
         if self.dump_dir is not None and self.comm.rank == 0:
             name = f"{'step' if boundary else 'accumulate'}-{len(self.programs)}"
@@ -386,34 +374,28 @@ class TrainStep:
             raise CaptureError("the partition pass built other units than the compiled state's")
         self._check_bindings(gm)
         text = format_program(gm)
-        digest = _digest(text)
+        program_digest = digest(text)
         self._builds += 1
         if self.comm.heartbeat is not None:  # compiling takes what it takes, while ranks live
             self.comm.heartbeat.wait_for_all(
                 f"compiled-{self._builds}", self.plan.backend.timeout_s, "a program to compile"
             )
-        self._agree(("compiled program", digest), "the compiled programs differ across ranks", text)
+        self._agree(
+            ("compiled program", program_digest), "the compiled programs differ across ranks", text
+        )
         bindings = [(info(n).role, info(n).key) for n in placeholders(gm)]
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         found_inf = isinstance(outputs, tuple) and info(outputs[-1]).role == FOUND_INF
         if self.plan.backend.check_memory:  # before its first run: the step's memory fits
-
-            def recompile(plan: Plan) -> fx.GraphModule:  # another plan, for the error's changes
-                compiled = compile_program(
-                    self.model,
-                    self.model_info,
-                    plan,
-                    build_pipeline(plan),
-                    batch,
-                    loss_fn=self.loss_fn,
-                    device=self.device,
-                    world_size=self.comm.world_size,
-                    boundary=boundary,
-                )
-                return compiled.gm
-
-            check_step_memory(gm, self.units, self.plan, self.comm, self.device, recompile)
-        return Program(gm, records, bindings, self.backend(gm), digest, found_inf)
+            check_step_memory(
+                gm,
+                self.units,
+                self.plan,
+                self.comm,
+                self.device,
+                lambda plan: self._compile(batch, boundary, plan).gm,  # for the error's changes
+            )
+        return Program(gm, records, bindings, self.backend(gm), program_digest, found_inf)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -434,30 +416,15 @@ class TrainStep:
 
     def _agree(self, what: tuple, problem: str, detail: str | None = None) -> None:
         """Raise on every rank when ranks disagree on ``what`` (8-byte hash compared first)."""
-        views = self._disagreement(what, detail if detail is not None else repr(what))
+        views = self._views_if_they_differ(what, detail if detail is not None else repr(what))
         if views is not None:
-            raise RankMismatchError(
-                f"rank {self.comm.rank}: {problem}: " + _first_difference(views)
-            )
+            raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + first_difference(views))
 
-    def _disagreement(self, what: tuple, detail: str) -> list[Any] | None:
-        """None when every rank has the same ``what`` (an 8-byte hash compared); else every
-        rank's ``detail``, by rank."""
-        if not isinstance(self.comm, TorchComm) or self.comm.world_size == 1:
-            return None
-        digest = int(_digest(repr(what))[:15], 16)
-        mine = torch.tensor([digest], dtype=torch.int64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.comm.world_size)]
-        views: list[Any] = [None] * self.comm.world_size
+    def _views_if_they_differ(self, what: tuple, detail: str) -> list[Any] | None:
         try:
-            dist.all_gather(everyone, mine, group=self.comm.group)
-            if all(int(t) == digest for t in everyone):
-                return None
-            dist.all_gather_object(views, detail, group=self.comm.group)
+            return views_if_they_differ(self.comm, what, detail)
         except Exception as exc:  # a peer that stopped answering, or left
-            self.comm.failure = exc
             raise self._peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
-        return views
 
     def _resident_and_nvme_state(self) -> dict[str, torch.Tensor]:
         """Every persistent tensor: those held in memory, and those on NVMe read back."""
@@ -591,25 +558,3 @@ def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | Non
     return store
 
 
-_END_OF_DATA = ("end of data",)  # what a rank with no batch left agrees on
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-def _first_difference(views: list[Any]) -> str:
-    """Name the first line where ranks' texts differ, with each rank's version of it."""
-    lines = [str(v).splitlines() for v in views]
-    for i in range(max(len(x) for x in lines)):
-        at = [x[i] if i < len(x) else "<end>" for x in lines]
-        if len(set(at)) > 1:
-            return f"first difference at line {i + 1}: " + "; ".join(
-                f"rank {r}: {text.strip()}" for r, text in enumerate(at)
-            )
-    return "texts differ"
