@@ -197,3 +197,19 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / max(‖b‖, tiny): one number per tensor, robust to near-zero entries."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def assert_matches_reference(ranks: list[dict[str, Any]], case: dict[str, Any], tol: float) -> None:
+    """Every rank's losses, micro-batch by micro-batch, and rank 0's full state dict (the same
+    keys as ``model.state_dict()``) within ``tol`` relative of :func:`reference`."""
+    ref_losses, ref_state = reference(case)
+    key = case_id(case)
+    for rank, result in enumerate(ranks):
+        ours = result[key]["losses"]
+        assert len(ours) == len(ref_losses[rank])
+        for i, (a, b) in enumerate(zip(ours, ref_losses[rank], strict=True)):
+            assert abs(a - b) <= tol * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
+    params = ranks[0][key]["params"]
+    assert set(params) == set(ref_state), "full_state_dict keys differ from model.state_dict()"
+    for name, ref in ref_state.items():
+        assert relative_difference(params[name], ref) <= tol, name

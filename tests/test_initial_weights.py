@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 from multirank import run_ranks
-from parity import case_id, reference, relative_difference, train
+from parity import assert_matches_reference, case_id, train
 from torch import nn
 
 import zerocc
@@ -28,18 +28,13 @@ CASES += [
 
 
 @functools.cache
-def _trained() -> dict:
-    return run_ranks(2, train, CASES)[0]
+def _trained() -> list[dict]:
+    return run_ranks(2, train, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_ranks_seeded_differently_train_rank_0s_model(case):
-    ran = _trained()[case_id(case)]
-    losses, state = reference(case)
-    for got, want in zip(ran["losses"], losses[0], strict=True):
-        assert abs(got - want) <= TOL * max(1.0, abs(want))
-    for name, value in state.items():
-        assert relative_difference(ran["params"][name], value) <= TOL, name
+    assert_matches_reference(_trained(), case, TOL)
 
 
 class _RandomBuffer(nn.Module):

@@ -17,7 +17,7 @@ import functools
 import pytest
 from models import MODEL_KINDS, RANDOM_KINDS
 from multirank import run_ranks
-from parity import case_id, reference, relative_difference, train
+from parity import assert_matches_reference, case_id, reference, relative_difference, train
 
 TOL = 1e-5
 STAGES = (0, 1, 2, 3)
@@ -33,17 +33,7 @@ def _results() -> list[dict]:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_unsharded_training(case):
     ranks = _results()
-    ref_losses, ref_state = reference(case)
-    key = case_id(case)
-    for rank, result in enumerate(ranks):
-        ours = result[key]["losses"]
-        assert len(ours) == len(ref_losses[rank])
-        for i, (a, b) in enumerate(zip(ours, ref_losses[rank], strict=True)):
-            assert abs(a - b) <= TOL * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
-    params = ranks[0][key]["params"]
-    assert set(params) == set(ref_state), "full_state_dict keys differ from model.state_dict()"
-    for name, ref in ref_state.items():
-        assert relative_difference(params[name], ref) <= TOL, name
+    assert_matches_reference(ranks, case, TOL)
 
 
 @pytest.mark.parametrize("case", [c for c in RANDOM if c["stage"]], ids=case_id)

@@ -13,7 +13,7 @@ import functools
 import pytest
 from models import MODELS
 from multirank import run_ranks
-from parity import case_id, reference, relative_difference, train
+from parity import assert_matches_reference, case_id, train
 
 TOL = 1e-5
 
@@ -61,17 +61,7 @@ CASES = [c for w in (1, 2, 3) for c in _matrix(w)]
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_unsharded_training(case):
     ranks = _results(case["world"])
-    ref_losses, ref_state = reference(case)
-    key = case_id(case)
-    for rank, result in enumerate(ranks):
-        ours = result[key]["losses"]
-        assert len(ours) == len(ref_losses[rank])
-        for i, (a, b) in enumerate(zip(ours, ref_losses[rank], strict=True)):
-            assert abs(a - b) <= TOL * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
-    params = ranks[0][key]["params"]
-    assert set(params) == set(ref_state), "full_state_dict keys differ from model.state_dict()"
-    for name, ref in ref_state.items():
-        assert relative_difference(params[name], ref) <= TOL, name
+    assert_matches_reference(ranks, case, TOL)
 
 
 @pytest.mark.parametrize("world", [2, 3])
