@@ -127,6 +127,29 @@ def test_a_rank_that_left_is_named_at_once_not_after_the_timeout():
     assert "rank 1 (pid" in message and "exited (after step 2)" in message
 
 
+def _slow_compile(rank: int, world: int, timeout_s: float) -> list[float]:
+    import torch
+
+    import zerocc
+
+    def loss_fn(model, x):  # runs when the step is traced: rank 1 traces slowly
+        if rank == 1:
+            time.sleep(2 * timeout_s)
+        return model(x).pow(2).mean()
+
+    torch.manual_seed(0)
+    plan = {"zero": {"stage": 3}, "backend": {"timeout_s": timeout_s}}
+    step = zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=loss_fn)
+    return [float(step(torch.ones(2, 4))) for _ in range(2)]
+
+
+def test_compiling_does_not_count_against_the_timeout():
+    from multirank import run_ranks
+
+    losses = run_ranks(2, _slow_compile, 2.0)
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
 # -- the launcher's report, on made-up failures --------------------------------------------------
 
 
