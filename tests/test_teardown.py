@@ -62,3 +62,31 @@ def test_short_runs_end_without_an_abort(tmp_path):
         assert run.returncode == 0 and "terminate called" not in run.stderr, (
             f"run {attempt + 1} of {REPEAT}:\n{run.stderr[-3000:]}"
         )
+
+
+def _gloo_threads() -> int:
+    tasks = os.listdir("/proc/self/task")
+    return sum(open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo") for t in tasks)
+
+
+def _compile_and_drop(rank: int, world: int) -> tuple[int, int]:
+    import gc
+
+    import torch
+
+    import zerocc
+
+    before = _gloo_threads()
+    for _ in range(3):
+        step = zerocc.compile(torch.nn.Linear(4, 1), {}, loss_fn=lambda m, x: m(x).sum())
+        step(torch.ones(2, 4))
+        del step
+        gc.collect()
+    return before, _gloo_threads()
+
+
+def test_a_dropped_step_releases_its_process_group():
+    from multirank import run_ranks
+
+    for before, after in run_ranks(2, _compile_and_drop):
+        assert after == before  # each step's group and its threads are gone with it

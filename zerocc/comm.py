@@ -21,7 +21,6 @@ the communication the schedule left exposed.
 from __future__ import annotations
 
 import abc
-import atexit
 import contextlib
 import weakref
 from collections import defaultdict
@@ -151,7 +150,7 @@ class TorchComm(Comm):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._owns_group = False
+        self._release: weakref.finalize | None = None  # set when zerocc made the group
         self._closed = False
 
     @classmethod
@@ -166,33 +165,32 @@ class TorchComm(Comm):
         (``terminate called without an active exception``, SIGABRT after every step finished).
         ``torch._dynamo`` keeps references to the process groups that exist when it is first
         imported (capture imports it), so a group made before that import can never be
-        destroyed: it is imported first."""
+        destroyed: it is imported first. The group is released when the comm is closed, when
+        it is garbage (a TrainStep dropped), or at interpreter exit, whichever comes first."""
         import torch._dynamo  # noqa: F401  (before the group exists: see above)
 
         group = dist.new_group(timeout=timedelta(seconds=timeout_s))
         comm = cls(group)
-        comm._owns_group = True
         store = dist.distributed_c10d._get_default_store()
         comm.heartbeat = Heartbeat(store, f"zerocc/{group.group_name}", comm.rank, comm.world_size)
-        atexit.register(_close_at_exit, weakref.ref(comm))
+        comm._release = weakref.finalize(comm, _release_group, group, comm.heartbeat)
         return comm
 
     def close(self) -> None:
         """Stop the heartbeat and destroy the group zerocc made, joining its threads (a group
-        that failed is aborted instead: its pending collectives would each wait out the
+        that failed is aborted first: its pending collectives would each wait out the
         timeout). The comm is unusable afterwards."""
         if self._closed:
             return
         self._closed = True
         group, self.group = self.group, None
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-        if not self._owns_group:
-            return
-        if self.failure is not None and hasattr(group, "abort"):
+        if self.failure is not None and self._release is not None and hasattr(group, "abort"):
             group.abort()
-        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-            dist.destroy_process_group(group)
+        del group  # the finalizer holds the last reference: the group dies in it
+        if self._release is not None:
+            self._release()
+        elif self.heartbeat is not None:
+            self.heartbeat.stop()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         work = self._issue(
@@ -309,7 +307,9 @@ def comm_from_environment(timeout_s: float) -> Comm:
     return SoloComm()
 
 
-def _close_at_exit(comm: weakref.ref[TorchComm]) -> None:
-    alive = comm()
-    if alive is not None:
-        alive.close()
+def _release_group(group: dist.ProcessGroup, heartbeat: Heartbeat) -> None:
+    """Stop a zerocc group's heartbeat and destroy the group (if the user has not destroyed
+    every group already); run once, by close, garbage collection or interpreter exit."""
+    heartbeat.stop()
+    if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(group)
