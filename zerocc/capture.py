@@ -25,8 +25,9 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from zerocc.compat import get_proxy_mode
 from zerocc.errors import CaptureError
 from zerocc.ir import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
 from zerocc.plan import PrecisionConfig

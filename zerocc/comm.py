@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerocc.compat import all_gather_single, let_gloo_workers_finish, reduce_scatter_single
 from zerocc.watchdog import Heartbeat
 
 
@@ -228,13 +229,13 @@ class TorchComm(Comm):
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
         return self._issue(
             [out, shard],
-            lambda a: dist.all_gather_single(out, shard, group=self.group, async_op=a),
+            lambda a: all_gather_single(out, shard, group=self.group, async_op=a),
         )
 
     def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
         return self._issue(
             [out, full],
-            lambda a: dist.reduce_scatter_single(out, full, group=self.group, async_op=a),
+            lambda a: reduce_scatter_single(out, full, group=self.group, async_op=a),
         )
 
     def _all_reduce(self, tensor: torch.Tensor) -> Work:
@@ -313,3 +314,4 @@ def _release_group(group: dist.ProcessGroup, heartbeat: Heartbeat) -> None:
     heartbeat.stop()
     if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
         dist.destroy_process_group(group)
+    let_gloo_workers_finish()

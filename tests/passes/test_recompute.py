@@ -270,7 +270,9 @@ def test_side_effects_are_kept_not_duplicated(cls):
     assert losses == expected_losses
     for name, value in expected.items():  # running statistics included
         assert torch.equal(state[name], value), name
-    assert len(ops(step, "aten.native_batch_norm")) == (cls is WithBatchNorm)
+    # torch < 2.5 traces a training batch norm as the in-place _native_batch_norm_legit
+    norms = ops(step, "aten.native_batch_norm") + ops(step, "aten._native_batch_norm_legit")
+    assert len(norms) == (cls is WithBatchNorm)
     assert recomputed(step, "body")  # the rest of the unit is still recomputed
     if cls is OverwritesItsInput:
         for name in ("aten.exp", "aten.mul"):
