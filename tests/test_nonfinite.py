@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multirank import run_ranks
+from optional_deps import marked, runnable
 from torch import nn
 
 import zerocc
@@ -137,7 +138,7 @@ def _cases() -> list[dict]:
 
 @functools.cache
 def _results() -> list[dict[str, dict]]:
-    return run_ranks(2, _train, _cases())
+    return run_ranks(2, _train, runnable(_cases()))
 
 
 def _bad_step_of(config: dict, poison: float, mode: str) -> list[dict]:
@@ -149,7 +150,7 @@ def _poison_id(value: tuple) -> str:
     return name({**config, "poison": poison})
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_poison_id)
+@pytest.mark.parametrize("config", marked(CONFIGS, lambda c: c[0]), ids=_poison_id)
 def test_error_stops_every_rank_naming_the_step_and_unit_and_writes_nothing(config):
     config, poison = config
     for rank, record in enumerate(_bad_step_of(config, poison, "error")):
@@ -165,7 +166,7 @@ def test_error_stops_every_rank_naming_the_step_and_unit_and_writes_nothing(conf
         assert all(torch.isfinite(torch.tensor(record["losses"])))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_poison_id)
+@pytest.mark.parametrize("config", marked(CONFIGS, lambda c: c[0]), ids=_poison_id)
 def test_skip_skips_the_step_on_every_rank_and_writes_nothing(config):
     config, poison = config
     skipped = _bad_step_of(config, poison, "skip")
@@ -184,7 +185,7 @@ def test_skip_skips_the_step_on_every_rank_and_writes_nothing(config):
     assert all(torch.equal(t, stopped[n]) for n, t in final.items())
 
 
-@pytest.mark.parametrize("config", WITH_REFERENCE, ids=name)
+@pytest.mark.parametrize("config", marked(WITH_REFERENCE), ids=name)
 def test_a_skipped_or_stopped_step_is_as_if_its_batch_never_came(config):
     poison = next(p for c, p in CONFIGS if c == config)
     reference = [ranks[name(config)] for ranks in _results()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from types import ModuleType
 
 import torch
@@ -18,10 +19,37 @@ from zerocc.errors import NotSupportedError
 
 KERNEL_SETS = {"torch": "reference", "triton": "triton_kernels"}
 
+# The oldest Triton the kernels are verified with: their tests pass interpreted (TRITON_INTERPRET=1)
+# with 3.3 and later; under 3.0-3.2 (torch 2.4-2.6 bring them) most fail (wrong results, or the
+# interpreter rejects the kernels). No GPU run says otherwise for the compiled kernels.
+MIN_TRITON = (3, 3)
+# zerocc does not depend on triton itself: torch's CUDA wheels bring the Triton they were built
+# with, and on CPU it only interprets the kernels (for tests).
+TRITON_INSTALL = (
+    "torch's CUDA wheels bring it; otherwise `pip install triton` "
+    '(from a zerocc checkout: `pip install -e ".[triton]"`)'
+)
+
 
 def kernel_set(name: str) -> ModuleType:
     """The module implementing kernel set ``name`` (imported on first use)."""
     return importlib.import_module(f"{__name__}.{KERNEL_SETS[name]}")
+
+
+def triton_problem() -> str | None:
+    """Why the ``triton`` kernel set cannot run here (triton missing or too old), or None."""
+    try:
+        import triton
+    except ImportError as e:
+        return f"triton cannot be imported ({e}): {TRITON_INSTALL}"
+    found = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    if found is None or tuple(map(int, found.groups())) < MIN_TRITON:
+        wanted = ".".join(map(str, MIN_TRITON))
+        return (
+            f"zerocc's Triton kernels need triton >= {wanted}, found {triton.__version__} "
+            f"(torch >= 2.7 brings one; on CPU: `pip install -U triton`)"
+        )
+    return None
 
 
 def check_kernels(name: str, device: torch.device) -> None:
@@ -34,9 +62,8 @@ def check_kernels(name: str, device: torch.device) -> None:
             "meant for tests: set TRITON_INTERPRET=1 before starting Python, or use "
             "backend.kernels: torch"
         )
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
+    problem = triton_problem()
+    if problem is not None:
         raise NotSupportedError(
-            f"backend.kernels: triton, but triton cannot be imported ({e}); pip install triton"
-        ) from None
+            f"backend.kernels: triton, but {problem}; or use backend.kernels: torch"
+        )

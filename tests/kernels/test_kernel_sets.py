@@ -1,0 +1,51 @@
+"""Choosing a kernel set: ``backend.kernels: triton`` where triton is missing or older than the
+kernels are verified with is a NotSupportedError at compile time that says what to install;
+zerocc itself does not depend on triton (it runs without it)."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerocc
+from zerocc.errors import NotSupportedError
+
+PLAN = {"backend": {"kernels": "triton", "device": "cpu"}}
+
+
+def _compile_with(monkeypatch: pytest.MonkeyPatch, triton: types.ModuleType | None) -> str:
+    """The error of compiling a triton plan (interpreted, on CPU) where ``import triton`` gives
+    ``triton`` (None: the import fails)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    with pytest.raises(NotSupportedError) as error:
+        zerocc.compile(torch.nn.Linear(4, 1), PLAN, loss_fn=lambda m, x: m(x).pow(2).mean())
+    return str(error.value)
+
+
+def test_a_triton_plan_without_triton_names_the_install_command(monkeypatch):
+    message = _compile_with(monkeypatch, None)
+    assert message.startswith("backend.kernels: triton, but triton cannot be imported"), message
+    assert "`pip install triton`" in message and '`pip install -e ".[triton]"`' in message
+    assert message.endswith("or use backend.kernels: torch"), message
+
+
+def test_a_triton_older_than_the_verified_one_is_refused(monkeypatch):
+    old = types.ModuleType("triton")
+    old.__version__ = "3.0.0"  # what torch 2.4 brings: its interpreter computes wrong updates
+    message = _compile_with(monkeypatch, old)
+    assert "zerocc's Triton kernels need triton >= 3.3, found 3.0.0" in message, message
+    assert "or use backend.kernels: torch" in message
+
+
+def test_zerocc_installs_without_triton_and_its_extras_bring_it():
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    for extra in ("triton", "dev"):  # dev: the kernel tests run interpreted on CPU
+        assert [d for d in project["optional-dependencies"][extra] if d.startswith("triton")]
