@@ -1,4 +1,9 @@
-"""Run a function on N local gloo ranks (spawned processes) and collect what each returns.
+"""Run a function on N local ranks (spawned processes) and collect what each returns.
+
+Ranks join a gloo group by default: CPU ranks, whose plans say ``backend.device: cpu`` (on a
+machine with a GPU, ``auto`` would put them on CUDA) and whose Triton kernels run interpreted
+(``TRITON_INTERPRET=1`` set for them, whatever this process has). ``backend="nccl"`` gives each
+rank the GPU ``cuda:rank`` (tests marked ``cuda``/``two_gpus``, see conftest.py).
 
 A rank that raises sends its error back; a run that outlives its timeout is killed and fails
 the test: a hang never reaches CI.
@@ -13,8 +18,24 @@ import queue as queue_module
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in os.environ for the body, restored afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _free_port() -> int:
@@ -23,7 +44,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: mp.Queue) -> None:
+def _worker(
+    rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue: mp.Queue
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -36,7 +59,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         # Serialized here: tensors sent through the queue as shared memory die with the rank.
         buffer = io.BytesIO()
         torch.save(fn(rank, world, *args), buffer)
@@ -48,8 +73,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600) -> list[Any]:
-    """``fn(rank, world, *args)`` on each of ``world`` ranks; returns results by rank.
+def run_ranks(
+    world: int, fn: Callable, *args: Any, timeout: float = 600, backend: str = "gloo"
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on each of ``world`` ranks of a ``backend`` group (gloo: CPU
+    ranks; nccl: rank i on cuda:i); returns results by rank.
 
     Raises RuntimeError with the first rank's traceback if any rank failed; ``errors`` of that
     exception holds (type name, message) per failed rank.
@@ -58,10 +86,13 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600) -> lis
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)
+        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue))
+        for r in range(world)
     ]
-    for p in procs:
-        p.start()
+    # Spawned ranks inherit this environment when they start (and read it as they import).
+    with _environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
+        for p in procs:
+            p.start()
     results: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:

@@ -11,7 +11,12 @@ from parity import batch_of
 import zerocc
 from zerocc.errors import RankMismatchError
 
-PLAN = {"zero": {"stage": 3}, "units": {"classes": ["Block"]}, "optimizer": {"eps": 1e-3}}
+PLAN = {
+    "zero": {"stage": 3},
+    "units": {"classes": ["Block"]},
+    "optimizer": {"eps": 1e-3},
+    "backend": {"device": "cpu"},
+}
 
 
 def _losses(step, rank: int, indices) -> list[float]:

@@ -28,6 +28,7 @@ def _plan(stage: int, **extra) -> dict:
         "optimizer": {"grad_clip": 1.0},
         "workload": "workload:workload",
         "workload_args": SMALL,
+        "backend": {"device": "cpu"},
         **extra,
     }
 

@@ -51,7 +51,7 @@ class _RandomBuffer(nn.Module):
 
 def _start(rank: int, world: int, stage: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(100 + rank)  # each rank its own weights and buffer
-    step = zerocc.compile(_RandomBuffer(), {"zero": {"stage": stage}})
+    step = zerocc.compile(_RandomBuffer(), {"zero": {"stage": stage}, "backend": {"device": "cpu"}})
     return step.full_state_dict()
 
 

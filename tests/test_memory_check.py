@@ -235,7 +235,7 @@ def _too_much_for_two_ranks(rank: int, world: int, per_rank: int) -> None:
     from zerocc import machine_memory as memory
 
     memory.available_memory = lambda device: {HOST_POOL: 3 * per_rank // 2}
-    z.compile(_meta_gpt(), GPT_PLAN)
+    z.compile(_meta_gpt(), {**GPT_PLAN, "backend": {"device": "cpu"}})
 
 
 def test_ranks_sharing_a_machine_fail_together():

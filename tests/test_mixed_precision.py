@@ -101,6 +101,7 @@ def _overflow_run(rank: int, world: int) -> list[dict]:
             "param": "fp16",
             "dynamic": {"initial": 1024, "growth_interval": 3, "hysteresis": 1},
         },
+        "backend": {"device": "cpu"},
     }
     step = zerocc.compile(build("buffers"), plan)
     record = []

@@ -62,7 +62,7 @@ def plan_of(case: dict) -> dict:
         "optimizer": {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01, **case.get("optimizer", {})},
         "grad_accumulation": case.get("accum", 1),
         "precision": precision,
-        "backend": {"kernels": case.get("kernels", "torch")},
+        "backend": {"kernels": case.get("kernels", "torch"), "device": "cpu"},
         "seed": 3,
     }
 

@@ -19,7 +19,8 @@ def test_profile_writes_a_calibration_that_estimate_reads(tmp_path, capsys):
     for name in ("workload.py", "data.py", "model.py"):
         (tmp_path / name).write_text((EXAMPLES / name).read_text())
     plan = tmp_path / "tiny.yaml"
-    fields = {"workload": "workload:workload", "workload_args": TINY, "zero": {"stage": 3}}
+    fields = {"workload": "workload:workload", "workload_args": TINY, "zero": {"stage": 3},
+              "backend": {"device": "cpu"}}  # fmt: skip
     plan.write_text(json.dumps({**fields, "units": {"classes": ["Block"]}}))
     run = subprocess.run(
         [sys.executable, "-m", "zerocc", "profile", str(plan), "--nproc", "2", "--steps", "2"],

@@ -104,7 +104,7 @@ def _leave_early(rank: int, world: int) -> str:
     import zerocc
 
     model = torch.nn.Linear(4, 1)
-    plan = {"zero": {"stage": 3}, "backend": {"timeout_s": 60}}
+    plan = {"zero": {"stage": 3}, "backend": {"device": "cpu", "timeout_s": 60}}
     step = zerocc.compile(model, plan, loss_fn=lambda m, x: m(x).pow(2).mean())
     for _ in range(2):
         step(torch.ones(2, 4))
@@ -138,7 +138,7 @@ def _slow_compile(rank: int, world: int, timeout_s: float) -> list[float]:
         return model(x).pow(2).mean()
 
     torch.manual_seed(0)
-    plan = {"zero": {"stage": 3}, "backend": {"timeout_s": timeout_s}}
+    plan = {"zero": {"stage": 3}, "backend": {"device": "cpu", "timeout_s": timeout_s}}
     step = zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=loss_fn)
     return [float(step(torch.ones(2, 4))) for _ in range(2)]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -16,10 +15,12 @@ import zerocc.ops  # noqa: F401  (registers the zerocc op library)
 import zerocc.transfers  # noqa: F401  (and its offload copies)
 from zerocc.capture import LossFn
 from zerocc.comm import Comm, FakeComm, comm_from_environment
+from zerocc.devices import join_default_group, rank_device, use_device
 from zerocc.errors import (
     BatchError,
     CaptureError,
     DataExhaustedError,
+    DeviceError,
     InvariantError,
     NotSupportedError,
     PassOrderError,
@@ -37,6 +38,7 @@ __all__ = [
     "BatchError",
     "CaptureError",
     "DataExhaustedError",
+    "DeviceError",
     "FakeComm",
     "InvariantError",
     "NotSupportedError",
@@ -56,28 +58,6 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def _device(plan: Plan) -> torch.device:
-    wanted = plan.backend.device
-    if wanted == "auto":
-        wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    if wanted == "cuda":
-        if not torch.cuda.is_available():
-            raise PlanError(
-                "backend.device: 'cuda' asked for, but no CUDA device is available; "
-                "allowed here: auto, cpu"
-            )
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _init_process_group(device: torch.device) -> None:
-    """Under torchrun (WORLD_SIZE > 1) with no process group yet, create the default one."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-
-
 def compile(
     model: nn.Module,
     plan: str | os.PathLike | dict | Plan,
@@ -94,15 +74,13 @@ def compile(
     Programs are built on the first call of each batch signature.
     """
     plan = load_plan(plan)
-    device = _device(plan)
+    device = rank_device(plan)  # checked before anything touches CUDA
+    use_device(device)
     made_comm = comm is None
     if comm is None:
-        _init_process_group(device)
-        grouped = dist.is_initialized()
-        _check_world_size(plan, dist.get_world_size() if grouped else 1)
-        if grouped and device.type == "cpu" and dist.get_backend() == "nccl":
-            raise PlanError("backend.device: cpu, but the process group uses NCCL; use gloo")
-        comm = comm_from_environment(plan.backend.timeout_s)
+        join_default_group(device)
+        _check_world_size(plan, dist.get_world_size() if dist.is_initialized() else 1)
+        comm = comm_from_environment(plan.backend.timeout_s, device)
     _check_world_size(plan, comm.world_size)
     try:
         return TrainStep(model, plan, loss_fn, comm, device)

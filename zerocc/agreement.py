@@ -35,10 +35,10 @@ def views_if_they_differ(comm: Comm, what: tuple, detail: str) -> list[Any] | No
     everyone = [torch.zeros_like(mine) for _ in range(comm.world_size)]
     views: list[Any] = [None] * comm.world_size
     try:
-        dist.all_gather(everyone, mine, group=comm.group)
+        dist.all_gather(everyone, mine, group=comm.control_group)
         if all(torch.equal(t, mine) for t in everyone):
             return None
-        dist.all_gather_object(views, detail, group=comm.group)
+        dist.all_gather_object(views, detail, group=comm.control_group)
     except Exception as exc:
         comm.failure = exc
         raise

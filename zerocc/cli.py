@@ -155,7 +155,7 @@ def _train(args: argparse.Namespace) -> int:
         os.environ[DUMP_DIR_ENV] = str(Path(args.dump).resolve())
     if _launched() or args.nproc == 1:
         return _train_rank(plan, args.steps)
-    return _launch(args, ["train", str(args.plan), "--steps", str(args.steps)])
+    return _launch(plan, args, ["train", str(args.plan), "--steps", str(args.steps)])
 
 
 def _launched() -> bool:
@@ -163,10 +163,13 @@ def _launched() -> bool:
     return RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _launch(args: argparse.Namespace, command: list[str]) -> int:
-    """Start `args.nproc` local ranks, each running `zerocc COMMAND...` as a rank."""
+def _launch(plan: Plan, args: argparse.Namespace, command: list[str]) -> int:
+    """Start `args.nproc` local ranks, each running `zerocc COMMAND...` as a rank, once the
+    machine has a device for every one of them (one error here, not one per rank)."""
+    from zerocc.devices import rank_device
     from zerocc.launch import launch
 
+    rank_device(plan, local_rank=0, local_ranks=args.nproc)
     return launch(args.nproc, args.master_port or _free_port(), command)
 
 
@@ -183,7 +186,8 @@ def _profile(args: argparse.Namespace) -> int:
     output = Path(args.output or default_output(args.plan))  # the ranks share this cwd
     if _launched() or args.nproc == 1:
         return profile_rank(plan, output, args.steps)
-    return _launch(args, ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps)])
+    command = ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps)]
+    return _launch(plan, args, command)
 
 
 def _train_rank(plan: Plan, steps: int) -> int:
@@ -206,12 +210,12 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
 
     import zerocc
     from zerocc.memory import model_state_bytes_of, predict_memory
-    from zerocc.rank import plan_device, to_device
+    from zerocc.rank import to_device
     from zerocc.workload import load_workload
 
-    device = plan_device(plan)
     workload = load_workload(plan)
     step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
+    device = step.device  # this rank's: cuda:LOCAL_RANK or cpu
     batches = iter(workload.batches(rank, world_size))
 
     def next_batch() -> tuple | None:

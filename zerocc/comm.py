@@ -123,6 +123,12 @@ class Comm(abc.ABC):
         self.stats.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
         return self._all_reduce(tensor)
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), by rank: what ranks tell each other about
+        themselves (not counted in ``stats``). Without peers, this rank's alone (a FakeComm's
+        ranks are simulated: they have nothing to tell)."""
+        return [obj]
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """``tensor`` becomes ``src``'s, in place, on every rank (not counted: it runs once, when
         the state is built, not per step). Without peers there is nothing to do."""
@@ -143,11 +149,23 @@ class Comm(abc.ABC):
 
 
 class TorchComm(Comm):
-    """Collectives through ``torch.distributed`` on a process group, issued asynchronously."""
+    """Collectives through ``torch.distributed`` on a process group, issued asynchronously.
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    Two groups over the same ranks: ``group`` carries the programs' collectives (NCCL for CUDA
+    tensors, gloo for CPU ones); ``control_group``, always gloo, carries what the ranks tell
+    each other about themselves (agreements, memory figures, dump events): CPU tensors and
+    pickled objects, which NCCL cannot move without copying them to the GPU and syncing the
+    host. Without a control group of its own, the data group serves both (it must then be
+    gloo)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.group = group
+        self.control_group = control_group if control_group is not None else group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -155,10 +173,12 @@ class TorchComm(Comm):
         self._closed = False
 
     @classmethod
-    def create(cls, timeout_s: float) -> TorchComm:
-        """zerocc's own process group over every rank of the default one, whose collectives
+    def create(cls, timeout_s: float, device: torch.device) -> TorchComm:
+        """zerocc's own process groups over every rank of the default one, whose collectives
         wait at most ``timeout_s`` (the default group's timeout is the user's, 30 minutes for
-        gloo), watched by a heartbeat, and closed at interpreter exit.
+        gloo), watched by a heartbeat, and closed at interpreter exit: the data group on the
+        backend of ``device``'s tensors (NCCL for CUDA, gloo for CPU, whatever the default
+        group's), and the gloo control group beside it (see the class).
 
         Closing matters: a gloo worker thread releases the last collective's tensors after the
         caller has moved on, and releasing a tensor Python has seen needs the interpreter. A group
@@ -170,11 +190,14 @@ class TorchComm(Comm):
         it is garbage (a TrainStep dropped), or at interpreter exit, whichever comes first."""
         import torch._dynamo  # noqa: F401  (before the group exists: see above)
 
-        group = dist.new_group(timeout=timedelta(seconds=timeout_s))
-        comm = cls(group)
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        group = dist.new_group(backend=backend, timeout=timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        comm = cls(group, control)
         store = dist.distributed_c10d._get_default_store()
         comm.heartbeat = Heartbeat(store, f"zerocc/{group.group_name}", comm.rank, comm.world_size)
-        comm._release = weakref.finalize(comm, _release_group, group, comm.heartbeat)
+        comm._release = weakref.finalize(comm, _release_groups, [group, control], comm.heartbeat)
         return comm
 
     def close(self) -> None:
@@ -184,14 +207,31 @@ class TorchComm(Comm):
         if self._closed:
             return
         self._closed = True
-        group, self.group = self.group, None
-        if self.failure is not None and self._release is not None and hasattr(group, "abort"):
-            group.abort()
-        del group  # the finalizer holds the last reference: the group dies in it
+        groups = [self.group, self.control_group]
+        self.group = self.control_group = None
+        if self.failure is not None and self._release is not None:
+            for group in groups:
+                if hasattr(group, "abort"):
+                    group.abort()
+        del groups  # the finalizer holds the last references: the groups die in it
         if self._release is not None:
             self._release()
         elif self.heartbeat is not None:
             self.heartbeat.stop()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank, over the gloo control group (on NCCL, objects
+        would be pickled into CUDA tensors and the host synced). A failure (a peer that
+        stopped answering, or left) is recorded in ``failure`` and raised."""
+        if self.world_size == 1:
+            return [obj]
+        everyone: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(everyone, obj, group=self.control_group)
+        except Exception as exc:
+            self.failure = exc
+            raise
+        return everyone
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         work = self._issue(
@@ -300,18 +340,20 @@ def active_comm() -> Comm:
     return _ACTIVE[-1]
 
 
-def comm_from_environment(timeout_s: float) -> Comm:
-    """zerocc's own group over the default process group when one is initialized (collectives
-    bounded by ``timeout_s``), else a world of one."""
+def comm_from_environment(timeout_s: float, device: torch.device) -> Comm:
+    """zerocc's own groups over the default process group when one is initialized
+    (collectives bounded by ``timeout_s``, the data group on ``device``'s backend), else a
+    world of one."""
     if dist.is_available() and dist.is_initialized():
-        return TorchComm.create(timeout_s)
+        return TorchComm.create(timeout_s, device)
     return SoloComm()
 
 
-def _release_group(group: dist.ProcessGroup, heartbeat: Heartbeat) -> None:
-    """Stop a zerocc group's heartbeat and destroy the group (if the user has not destroyed
-    every group already); run once, by close, garbage collection or interpreter exit."""
+def _release_groups(groups: list[dist.ProcessGroup], heartbeat: Heartbeat) -> None:
+    """Stop zerocc's heartbeat and destroy its groups (those the user has not destroyed
+    already, with every group); run once, by close, garbage collection or interpreter exit."""
     heartbeat.stop()
-    if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-        dist.destroy_process_group(group)
+    for group in groups:
+        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
     let_gloo_workers_finish()

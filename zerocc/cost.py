@@ -52,11 +52,11 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from zerocc.devices import device_kind
 from zerocc.errors import PlanError
 from zerocc.ir import info, is_alias_op, op_name, val
 from zerocc.memory import tensors_in
 from zerocc.ops import COLLECTIVE_STARTS
-from zerocc.rank import plan_device
 from zerocc.transfers import TRANSFER_STARTS
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ def rates_for(
     if path is not None and device is None:
         rates = DeviceRates.load(path)
     else:
-        rates = DeviceRates.defaults(device or plan_device(plan))
+        rates = DeviceRates.defaults(device or device_kind(plan))
         if path is not None:
             loaded = DeviceRates.load(path)
             fields = {k: getattr(loaded, k) for k in (*RATE_FIELDS, "collectives")}

@@ -20,7 +20,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 import yaml
 
 from zerocc.chrome_trace import chrome_trace
@@ -170,13 +169,7 @@ def _ms(us: float) -> str:
 
 
 def _gather(comm: Comm, events: list[Any]) -> list[Any]:
-    from zerocc.comm import TorchComm
-
-    if not isinstance(comm, TorchComm) or comm.world_size == 1:
-        return list(events)
-    everyone: list[Any] = [None] * comm.world_size
-    dist.all_gather_object(everyone, events, group=comm.group)
-    return [e for rank_events in everyone for e in rank_events]
+    return [e for rank_events in comm.all_gather_object(events) for e in rank_events]
 
 
 def _sections(

@@ -17,6 +17,12 @@ class PlanError(ZeroccError, ValueError):
     """
 
 
+class DeviceError(PlanError):
+    """Raised before anything touches CUDA when the plan's ``backend.device`` cannot be served
+    where the rank runs: CUDA asked for on a machine without a GPU, or more ranks on a machine
+    than it has GPUs (each rank needs its own). The message says what to launch instead."""
+
+
 class CaptureError(ZeroccError):
     """Raised when the training step of a model cannot be captured as one graph."""
 

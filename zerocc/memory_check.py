@@ -29,15 +29,13 @@ import os
 import socket
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from zerocc import machine_memory
 from zerocc.capture import ModelInfo
-from zerocc.comm import Comm, TorchComm
+from zerocc.comm import Comm
 from zerocc.errors import InsufficientMemoryError
 from zerocc.machine_memory import DEVICE_POOL, HOST_POOL, pool_names
 from zerocc.memory import STATE_CATEGORY, predict_memory
@@ -236,11 +234,7 @@ def _exchange(comm: Comm, device: torch.device, need: dict[str, int]) -> list[Ra
         need,
         machine_memory.available_memory(device),
     )
-    if not isinstance(comm, TorchComm) or comm.world_size == 1:
-        return [mine]
-    everyone: list[Any] = [None] * comm.world_size
-    dist.all_gather_object(everyone, mine, group=comm.group)
-    return everyone
+    return comm.all_gather_object(mine)  # on the control group: CPU objects, also on NCCL
 
 
 def _sharers(views: list[RankMemory], view: RankMemory, pool: str) -> int:

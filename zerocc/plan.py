@@ -394,7 +394,9 @@ class BackendConfig(_Section):
         "Triton kernels (on CPU only interpreted, with TRITON_INTERPRET=1)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: cuda when available, else cpu"
+        "auto",
+        description="auto: cuda when this machine has a GPU, else cpu; on cuda, rank i of a "
+        "machine runs on cuda:i, and a machine needs a GPU per rank",
     )
     timeout_s: float = Field(
         600,

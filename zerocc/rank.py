@@ -1,36 +1,29 @@
 """What a rank launched by a zerocc command (`train`, `profile`) does around its work: resolve the
-plan's device, join the process group the launcher set up, move batches to the device."""
+plan's device (:mod:`zerocc.devices`), join the process group the launcher set up, move batches
+to the device."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from zerocc.devices import join_default_group, rank_device
 from zerocc.errors import ZeroccError
 from zerocc.plan import Plan
 
 
-def plan_device(plan: Plan) -> str:
-    """The device the plan runs on: ``backend.device``, ``auto`` resolved on this machine."""
-    if plan.backend.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return plan.backend.device
-
-
 @contextlib.contextmanager
 def joined_group(plan: Plan) -> Iterator[tuple[int, int]]:
-    """(rank, world size) for the body: the launcher's process group joined (NCCL on CUDA, gloo
-    on CPU) when ``RANK`` is set, a world of one otherwise; the group is left at the end."""
-    if "RANK" in os.environ and not dist.is_initialized():
-        device = plan_device(plan)
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    """(rank, world size) for the body: the launcher's process group joined when
+    ``WORLD_SIZE`` > 1 (NCCL on CUDA, gloo on CPU: the plan's device for this rank, checked
+    before anything touches CUDA, see :func:`zerocc.devices.rank_device`), a world of one
+    otherwise; the group is left at the end. ``zerocc.compile`` resolves the same device: use
+    the step's ``device`` for batches."""
+    join_default_group(rank_device(plan))
     try:
         if dist.is_initialized():
             yield dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,124 @@
+"""zerocc on GPUs: parity on one GPU (world 1) and on two (NCCL, one GPU per rank), the Triton
+kernels launched for real, the communication stream and its events, `zerocc train`.
+
+Marked ``cuda`` / ``two_gpus`` (tests/conftest.py): skipped, with the reason, on a machine with
+fewer GPUs. Tolerance as in test_parity.py (1e-5 relative), against the same CPU reference: in
+fp32, with TF32 off (torch's default for matmul), a GPU rounds each dot product and sum of the
+same fp32 values in another order than the CPU, a few ulps apart, as the sharded sum does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from multirank import run_ranks
+from parity import assert_matches_reference, case_id, train
+
+TOL = 1e-5
+EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt" / "zero3.yaml"
+
+
+def _cases(world: int) -> list[dict]:
+    on_gpu = {"model": "gpt", "world": world, "device": "cuda"}
+    cases = [{**on_gpu, "stage": s} for s in range(4)]
+    cases.append({**on_gpu, "stage": 3, "accum": 2})
+    cases.append({**on_gpu, "stage": 2, "kernels": "triton"})  # launched, not interpreted
+    return cases
+
+
+def _train_on_gpus(rank: int, world: int, cases: list[dict]) -> dict:
+    """parity.train on this rank's GPU, with what the rank saw of its device."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = train(rank, world, cases)
+    out["current_device"] = torch.cuda.current_device()
+    out["triton_interpreted"] = os.environ.get("TRITON_INTERPRET") == "1"
+    return out
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    return run_ranks(world, _train_on_gpus, _cases(world), backend="nccl")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", _cases(1), ids=case_id)
+def test_one_gpu_matches_unsharded_training(case):
+    ranks = _results(1)
+    assert ranks[0]["current_device"] == 0 and not ranks[0]["triton_interpreted"]
+    assert_matches_reference(ranks, case, TOL)
+
+
+@pytest.mark.two_gpus
+@pytest.mark.parametrize("case", _cases(2), ids=case_id)
+def test_two_nccl_ranks_match_unsharded_training(case):
+    ranks = _results(2)
+    assert [r["current_device"] for r in ranks] == [0, 1]  # cuda:LOCAL_RANK, made current
+    assert_matches_reference(ranks, case, TOL)
+
+
+def _stream_and_events(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from zerocc.comm import TorchComm
+
+    comm = TorchComm.create(30, torch.device("cuda", rank))
+    shard = torch.arange(4.0, device="cuda") + 10 * rank
+    out = torch.empty(4 * world, device="cuda")
+    work = comm.all_gather(out, shard)
+    issued_on = {s for s in comm._streams.values()}
+    work.wait()  # the compute stream waits for the collective's event; the host does not
+    torch.cuda.current_stream().synchronize()
+    result = {
+        "backends": [dist.get_backend(comm.group), dist.get_backend(comm.control_group)],
+        "host_waited": work._handle is not None,
+        "has_event": work._event is not None,
+        "own_stream": torch.cuda.current_stream() not in issued_on and len(issued_on) == 1,
+        "gathered": out.cpu().tolist(),
+        "objects": comm.all_gather_object({"rank": rank}),
+    }
+    comm.close()
+    return result
+
+
+@pytest.mark.cuda
+def test_collectives_run_on_a_communication_stream_ordered_by_events():
+    (result,) = run_ranks(1, _stream_and_events, backend="nccl")
+    assert result["backends"] == ["nccl", "gloo"]
+    assert result["has_event"] and not result["host_waited"] and result["own_stream"]
+    assert result["gathered"] == [0.0, 1.0, 2.0, 3.0]
+    assert result["objects"] == [{"rank": 0}]
+
+
+@pytest.mark.two_gpus
+def test_two_nccl_ranks_gather_on_the_stream_and_talk_on_gloo():
+    results = run_ranks(2, _stream_and_events, backend="nccl")
+    for result in results:
+        assert result["backends"] == ["nccl", "gloo"] and result["has_event"]
+        assert result["gathered"] == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
+        assert result["objects"] == [{"rank": 0}, {"rank": 1}]
+
+
+def _train_example(nproc: int) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "zerocc", "train", str(EXAMPLE), "--nproc", str(nproc),
+               "--steps", "3"]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.cuda
+def test_train_the_example_on_one_gpu():
+    run = _train_example(1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "3 step(s) on 1 rank(s)" in run.stdout + run.stderr
+
+
+@pytest.mark.two_gpus
+def test_train_the_example_on_two_gpus():
+    run = _train_example(2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "3 step(s) on 2 rank(s)" in run.stdout + run.stderr
