@@ -107,21 +107,43 @@ class Comm(abc.ABC):
 
     def __init__(self) -> None:
         self.stats = CommStats()
+        self._before_next_collective: Callable[[], None] | None = None
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
         """``out`` (world_size × shard) receives every rank's ``shard``."""
+        self._run_check()
         self.stats.record("all_gather", out.numel(), out.element_size())
         return self._all_gather(out, shard)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
         """``out`` receives this rank's chunk of the sum of every rank's ``full``."""
+        self._run_check()
         self.stats.record("reduce_scatter", full.numel(), full.element_size())
         return self._reduce_scatter(out, full)
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         """``tensor`` becomes the sum over ranks, in place."""
+        self._run_check()
         self.stats.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
         return self._all_reduce(tensor)
+
+    @contextlib.contextmanager
+    def checked_before_first_collective(
+        self, check: Callable[[], None] | None
+    ) -> Iterator[None]:
+        """Run ``check`` (if any) right before the first collective issued in the body (not at
+        all when none is); what it raises stops the body there, before the collective. The
+        TrainStep settles the ranks' agreement on a micro-batch this way."""
+        self._before_next_collective = check
+        try:
+            yield
+        finally:
+            self._before_next_collective = None
+
+    def _run_check(self) -> None:
+        check, self._before_next_collective = self._before_next_collective, None
+        if check is not None:
+            check()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), by rank: what ranks tell each other about

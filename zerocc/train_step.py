@@ -3,13 +3,16 @@
 ``step(*batch)`` runs one micro-batch on this rank: forward, backward, communication and, on
 every ``grad_accumulation``-th call, the optimizer update. Programs are compiled on first sight
 of a batch signature (shapes, dtypes, non-tensor values) and cached, one for micro-batches that
-step and one for those that only accumulate. Before each call the ranks agree on the signature
-(a mismatch is an error on every rank, never a hang), and before a new program first runs they
-compare its hash (a mismatch names the first differing line).
+step and one for those that only accumulate. On each call the ranks agree on the signature (a
+mismatch is an error on every rank, never a hang): the agreement is issued at once and settled
+before this rank compiles, or, for a cached program, right before its first collective, so that
+its round trip runs behind the work before it (see :mod:`zerocc.agreement`). Before a new
+program first runs the ranks compare its hash (a mismatch names the first differing line).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +23,8 @@ from torch import fx, nn
 
 from zerocc.agreement import (
     END_OF_DATA,
+    Agreement,
+    agrees_at_first_collective,
     batch_disagreement,
     digest,
     first_difference,
@@ -87,6 +92,7 @@ class Program:
     run: Any
     digest: str
     returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
+    agrees_at_first_collective: bool  # the batch agreement may be settled that late
 
 
 def batch_signature(batch: Sequence[Any]) -> tuple:
@@ -184,15 +190,19 @@ class TrainStep:
         boundary = self._steps_next()
         signature = batch_signature(batch)
         self._set_status(f"in step {self._step_number()}")
-        self._agree_on_batch(("next batch", signature, boundary))
         key = (signature, boundary)
+        agreement = self._propose(("next batch", signature, boundary))
         program = self.programs.get(key)
         first_run = program is None
         if program is None:  # kept once it has run: a program that fails is not
+            self._settle(agreement)  # every rank compiles it, or none does
             program = self._build(batch, boundary)
+        elif not program.agrees_at_first_collective:
+            self._settle(agreement)
         if boundary and STEP_SPEC.key in self.state:
             self.state[STEP_SPEC.key].fill_(self.steps + 1)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
+        late = None if agreement.settled else lambda: self._settle(agreement)
         self.comm.stats.reset()
         self.transfers.stats.reset()
         try:
@@ -201,21 +211,25 @@ class TrainStep:
                 use_comm(self.comm),
                 use_transfers(self.transfers),
                 use_kernels(self.plan.backend.kernels),
+                self.comm.checked_before_first_collective(late),
             ):
                 args = detach_inputs(args)  # so that grad mode records no autograd graph
                 loss = run(program, args) if run else program.run(*args)
-        except OffloadError as exc:
-            forget_pending()
-            raise OffloadError(
-                f"rank {self.comm.rank}, step {self.steps + 1}: {exc}. Training stopped: this "
-                "step's update is incomplete; load the last checkpoint to go on"
-            ) from exc
         except BaseException as exc:
             forget_pending()
-            failure = self._run_failed(exc, program, signature if first_run else None)
+            if exc is agreement.error:  # the ranks disagree: stopped before anything was written
+                if boundary and STEP_SPEC.key in self.state:
+                    self.state[STEP_SPEC.key].fill_(self.steps)
+                raise
+            if not agreement.settled:  # the peers settle it: so must this rank, then fail
+                with contextlib.suppress(Exception):
+                    self._settle(agreement)
+            failure = self._run_failure(exc, program, signature if first_run else None)
             if failure is exc:
                 raise
             raise failure from exc
+        if not agreement.settled:  # (settled before the run, or at its first collective)
+            self._settle(agreement)
         if first_run:
             self.programs[key] = program
         if pending_collectives():
@@ -232,6 +246,18 @@ class TrainStep:
             self._set_status(f"after step {self.micro_batches // self.plan.grad_accumulation}")
         return loss
 
+    def _run_failure(
+        self, exc: BaseException, program: Program, new_signature: tuple | None
+    ) -> BaseException:
+        """The error to raise for a program run that raised ``exc`` (``exc`` itself when
+        nothing can be added; see :meth:`_run_failed`)."""
+        if isinstance(exc, OffloadError):
+            return OffloadError(
+                f"rank {self.comm.rank}, step {self.steps + 1}: {exc}. Training stopped: this "
+                "step's update is incomplete; load the last checkpoint to go on"
+            )
+        return self._run_failed(exc, program, new_signature)
+
     def end_of_data(self) -> None:
         """Call instead of ``step(*batch)`` when this rank has no batch left. Returns when every
         rank ran out at the same micro-batch (training ends there; a partly accumulated step is
@@ -240,7 +266,7 @@ class TrainStep:
         would wait for each other forever (or, under DDP, silently desynchronize)."""
         self._check_usable()
         self._set_status(f"out of data at step {self._step_number()}")
-        self._agree_on_batch(END_OF_DATA)
+        self._settle(self._propose(END_OF_DATA))
 
     def _step_number(self) -> int:
         """The 1-based number of the optimizer step the next micro-batch belongs to."""
@@ -304,11 +330,27 @@ class TrainStep:
             self.comm, exc, where, self._step_number(), self.plan.backend.timeout_s
         )
 
-    def _agree_on_batch(self, what: tuple) -> None:
-        """Agree across ranks on the next micro-batch's signature, or on having none."""
-        views = self._views_if_they_differ(what, repr(what))
+    def _propose(self, what: tuple) -> Agreement:
+        """Issue the ranks' agreement on the next micro-batch (its signature, or that there is
+        none) without waiting for it; :meth:`_settle` waits."""
+        try:
+            return Agreement(self.comm, what, repr(what))
+        except Exception as exc:  # the group failed already
+            raise self._peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
+
+    def _settle(self, agreement: Agreement) -> None:
+        """Wait for the ranks' agreement on the next micro-batch; raise on every rank when they
+        differ (RankMismatchError, DataExhaustedError) or a peer stopped answering
+        (RankStoppedError). What it raises is kept as ``agreement.error``."""
+        try:
+            views = agreement.views_if_they_differ()
+        except Exception as exc:  # a peer that stopped answering, or left
+            failure = self._peer_failure(exc, f"the ranks' agreement on the {agreement.what[0]}")
+            agreement.error = failure
+            raise failure from exc
         if views is not None:
-            raise batch_disagreement(views, self.comm.rank, self._step_number())
+            agreement.error = batch_disagreement(views, self.comm.rank, self._step_number())
+            raise agreement.error
 
     def _account_step(self, overflow: bool, flags: torch.Tensor | None = None) -> None:
         """After an optimizer step: count it (unless skipped: its update wrote nothing) and
@@ -386,6 +428,7 @@ class TrainStep:
         bindings = [(info(n).role, info(n).key) for n in placeholders(gm)]
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         found_inf = isinstance(outputs, tuple) and info(outputs[-1]).role == FOUND_INF
+        late_agreement = agrees_at_first_collective(gm)
         if self.plan.backend.check_memory:  # before its first run: the step's memory fits
             check_step_memory(
                 gm,
@@ -395,7 +438,9 @@ class TrainStep:
                 self.device,
                 lambda plan: self._compile(batch, boundary, plan).gm,  # for the error's changes
             )
-        return Program(gm, records, bindings, self.backend(gm), program_digest, found_inf)
+        return Program(
+            gm, records, bindings, self.backend(gm), program_digest, found_inf, late_agreement
+        )
 
     # -- state ------------------------------------------------------------------------------
 
