@@ -53,6 +53,7 @@ class _Offloader:
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext, where: dict[str, Placement]) -> None:
         self.gm, self.graph, self.where = gm, gm.graph, where
+        self.solo = ctx.world_size == 1
         self.specs = {s.key: s for s in state_specs(ctx.units, ctx.plan)}
         self.unit_key = {u.name: u.key for u in ctx.units}
         self.bound = {info(n).key: n for n in placeholders(gm) if info(n).key in self.specs}
@@ -290,21 +291,24 @@ class _Offloader:
     # -- parameters -----------------------------------------------------------------------
 
     def copy_params_in(self) -> None:
-        """Each read of an offloaded parameter shard outside the optimizer (a gather) reads a
-        device copy made just before it, issued when the previous such copy is consumed."""
-        uses = [
-            (node, arg)
-            for node in self.graph.nodes
-            if node.op == "call_function" and info(node).phase != "optimizer"
-            for arg in node.all_input_nodes
-            if self._off_device_param(arg)
-        ]
+        """The reads of an offloaded parameter shard in each phase outside the optimizer (its
+        all-gather; at world size 1, which gathers nothing, the views compute reads) read one
+        device copy, made just before the first of them and issued when the previous such copy
+        is consumed."""
+        uses: dict[tuple[fx.Node, str], list[fx.Node]] = {}  # (shard, phase) -> readers
+        for node in self.graph.nodes:
+            if node.op != "call_function" or info(node).phase == "optimizer":
+                continue
+            for arg in node.all_input_nodes:
+                if self._off_device_param(arg):
+                    uses.setdefault((arg, info(node).phase), []).append(node)
         previous: fx.Node | None = None
-        for user, param in uses:
+        for (param, phase), users in uses.items():
             spec = self.specs[info(param).key]
-            unit, phase = info(param).unit, info(user).phase
-            note = f"copy {unit}'s parameter shard in for its all-gather"
-            with self.graph.inserting_before(previous or user):
+            unit, first = info(param).unit, users[0]
+            use = f"its reads in {phase} (one rank gathers nothing)" if self.solo else None
+            note = f"copy {unit}'s parameter shard in for {use or 'its all-gather'}"
+            with self.graph.inserting_before(previous or first):
                 if spec.location == NVME:
                     args = (spec.key, list(spec.shape), spec.dtype, self.device, NVME_READ)
                     start = self._start("nvme_read_start", args, spec.nbytes, note, unit=unit)
@@ -312,10 +316,11 @@ class _Offloader:
                     args = (param, self.device, TO_DEVICE)
                     start = self._start("copy_start", args, spec.nbytes, note, unit=unit)
                 info(start).phase = phase
-            with self.graph.inserting_before(user):
+            with self.graph.inserting_before(first):
                 wait = self._wait(start)
-            user.replace_input_with(param, wait)
-            previous = user
+            for user in users:
+                user.replace_input_with(param, wait)
+            previous = first
 
     def _off_device_param(self, node: fx.Node) -> bool:
         spec = self.specs.get(info(node).key) if node.op == "placeholder" else None

@@ -4,8 +4,11 @@ Acts on the ``grad_shard`` tags of the shard pass. Per unit, in order: the gradi
 by 1/(ranks × micro-batches) (collectives sum, the update takes the mean), multiplied by the
 global-norm clip coefficient when ``grad_clip`` is set (the squared norm is all-reduced across
 ranks when gradients are sharded), and the update runs on the rank's shard only; stages 1-2 then
-all-gather the updated shards into the replicated parameters, and the gradient accumulator is
-reset. Programs of micro-batches that do not step are left as they are.
+all-gather the updated shards into the replicated parameters, and the gradient accumulator (with
+``grad_accumulation`` > 1) is reset. Programs of micro-batches that do not step are left as they
+are. On one rank nothing is communicated; without accumulation there the shard pass leaves one
+gradient per parameter (``span``) and each parameter's slice of the flat state is updated from
+it, so that no gradient is copied into a flat buffer.
 
 Without loss scaling (whose unscale already finds overflows, see the precision pass), one op
 reads every reduced gradient shard before the first update: ``nonfinite_flags``, one flag per
@@ -17,6 +20,8 @@ nothing on any rank. The program returns (loss, flags, found_inf); the TrainStep
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -66,7 +71,9 @@ def optimizer(
 ) -> fx.GraphModule:
     """Insert the non-finite check, clipping, the sharded optimizer update and (stages 1-2) the
     updated-param gather."""
-    grad_shards = {info(n).unit: n for n in nodes_with_role(gm, GRAD_SHARD)}
+    grad_shards: dict[str, list[fx.Node]] = {}
+    for node in nodes_with_role(gm, GRAD_SHARD):
+        grad_shards.setdefault(info(node).unit, []).append(node)
     if not ctx.boundary or not grad_shards:
         return gm
     graph = gm.graph
@@ -75,7 +82,7 @@ def optimizer(
         for role in (PARAM_FULL, PARAM_SHARD, GRAD, MASTER)
     }
     found_inf = next(iter(nodes_with_role(gm, FOUND_INF)), None)
-    like = next(iter(grad_shards.values())).meta["val"]
+    like = next(iter(grad_shards.values()))[0].meta["val"]
     units = [u for u in ctx.units if u.name in grad_shards]
     precision = ctx.plan.precision if ctx.plan.precision.mixed else None
     states = {
@@ -87,16 +94,18 @@ def optimizer(
     }
     step = state_placeholder(graph, STEP_SPEC, like) if config.name == "adamw" else None
     scale = 1.0 / (ctx.world_size * grad_accumulation)
+    # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
+    sliced = stage > 0 and ctx.world_size > 1
     where = {"phase": "optimizer"}
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
-        coef, grads = None, [grad_shards[u.name] for u in units]
+        coef, grads = None, [g for u in units for g in grad_shards[u.name]]
         total = None
         if check_nonfinite:
-            found_inf, total = _check_nonfinite(graph, output, grads, scale, config, stage)
+            found_inf, total = _check_nonfinite(graph, output, grads, scale, config, sliced)
         elif config.grad_clip is not None:
             total = emit(graph, op("sum_squares"), (grads, scale), **where)
-            if stage > 0:  # each rank holds a slice of the gradient: sum the squares over ranks
+            if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
                 total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
         if config.grad_clip is not None:
             coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
@@ -105,46 +114,14 @@ def optimizer(
             # Mixed precision: update the master weights, write their compute-dtype copy.
             master = by_role[MASTER].get(u.name)
             target, copy = (master, param) if master is not None else (param, None)
-            grad = grad_shards[u.name]
-            if config.name == "adamw":
-                m, v = states[u.name]
-                args = (
-                    target,
-                    grad,
-                    m,
-                    v,
-                    step,
-                    coef,
-                    found_inf,
-                    copy,
-                    scale,
-                    config.lr,
-                    config.betas[0],
-                    config.betas[1],
-                    config.eps,
-                    config.weight_decay,
-                    list(info(grad).no_grad),
-                    stage > 0,
-                )
-                emit(graph, op("adamw_"), args, unit=u.name, **where)
-            else:
-                buf = states[u.name][0] if states[u.name] else None
-                args = (
-                    target,
-                    grad,
-                    buf,
-                    coef,
-                    found_inf,
-                    copy,
-                    scale,
-                    config.lr,
-                    config.momentum,
-                    config.weight_decay,
-                    list(info(grad).no_grad),
-                    stage > 0,
-                )
-                emit(graph, op("sgd_"), args, unit=u.name, **where)
-            if stage in (1, 2):
+            for grad in grad_shards[u.name]:
+                span = info(grad).span
+                tensors = [target, *states[u.name], copy]
+                if span is not None:  # one parameter's gradient: update its slice of the flat
+                    tensors = [_slice(graph, t, span, u.name) for t in tensors]
+                update = _Update(tensors[0], grad, tensors[1:-1], tensors[-1])
+                _emit_update(graph, config, u.name, update, step, coef, found_inf, scale, stage)
+            if stage in (1, 2) and ctx.world_size > 1:
                 full = by_role[PARAM_FULL][u.name]
                 emit_collective(
                     graph,
@@ -156,16 +133,91 @@ def optimizer(
                     note=f"all-gather {u.name}'s updated shards",
                     **where,
                 )
-            emit(
-                graph,
-                torch.ops.aten.zero_.default,
-                (by_role[GRAD][u.name],),
-                unit=u.name,
-                note="reset the gradient accumulator",
-                **where,
-            )
+            if u.name in by_role[GRAD]:
+                emit(
+                    graph,
+                    torch.ops.aten.zero_.default,
+                    (by_role[GRAD][u.name],),
+                    unit=u.name,
+                    note="reset the gradient accumulator",
+                    **where,
+                )
     gm.recompile()
     return gm
+
+
+@dataclass
+class _Update:
+    """What one update reads and writes: the weights, the gradient, the optimizer states and
+    the compute-dtype copy (mixed precision)."""
+
+    weights: fx.Node
+    grad: fx.Node
+    states: list[fx.Node]
+    copy: fx.Node | None
+
+
+def _slice(graph: fx.Graph, flat: fx.Node | None, span: tuple[int, int], unit: str):
+    """The view of ``flat`` that holds one parameter (``span``: offset, numel)."""
+    if flat is None:
+        return None
+    offset, numel = span
+    args = (flat, 0, offset, offset + numel)
+    return emit(graph, aten.slice.Tensor, args, unit=unit, phase="optimizer")
+
+
+def _emit_update(
+    graph: fx.Graph,
+    config: OptimizerConfig,
+    unit: str,
+    update: _Update,
+    step: fx.Node | None,
+    coef: fx.Node | None,
+    found_inf: fx.Node | None,
+    scale: float,
+    stage: int,
+) -> None:
+    """One ``adamw_`` / ``sgd_`` of a flat shard (or of one parameter's slice of it)."""
+    skip = list(info(update.grad).no_grad)
+    where = {"unit": unit, "phase": "optimizer"}
+    if config.name == "adamw":
+        m, v = update.states
+        args = (
+            update.weights,
+            update.grad,
+            m,
+            v,
+            step,
+            coef,
+            found_inf,
+            update.copy,
+            scale,
+            config.lr,
+            config.betas[0],
+            config.betas[1],
+            config.eps,
+            config.weight_decay,
+            skip,
+            stage > 0,
+        )
+        emit(graph, op("adamw_"), args, **where)
+    else:
+        buf = update.states[0] if update.states else None
+        args = (
+            update.weights,
+            update.grad,
+            buf,
+            coef,
+            found_inf,
+            update.copy,
+            scale,
+            config.lr,
+            config.momentum,
+            config.weight_decay,
+            skip,
+            stage > 0,
+        )
+        emit(graph, op("sgd_"), args, **where)
 
 
 def _all_reduce(graph: fx.Graph, tensor: fx.Node, numel: int, note: str) -> fx.Node:
@@ -186,7 +238,7 @@ def _check_nonfinite(
     grads: list[fx.Node],
     scale: float,
     config: OptimizerConfig,
-    stage: int,
+    sliced: bool,
 ) -> tuple[fx.Node, fx.Node | None]:
     """Flag every unit whose reduced gradient holds an inf or NaN, on every rank; returns the
     flag that gates the updates (returned by the program after the flags) and, when clipping,
@@ -201,7 +253,7 @@ def _check_nonfinite(
         + ("; last, the squared norm the clip reads" if clip else ""),
         **where,
     )
-    if stage > 0:  # each rank checked its slice of the gradient
+    if sliced:  # each rank checked its slice of the gradient
         flags = _all_reduce(
             graph,
             flags,

@@ -36,6 +36,7 @@ from zerocc.passes.bucketing import bucket_collectives
 
 from zerocc.access import StorageRoots
 from zerocc.ir import GRAD, info, op_name, val
+from zerocc.ops import op
 from zerocc.pass_manager import PassContext, register_pass
 
 aten = torch.ops.aten
@@ -66,16 +67,19 @@ def _nbytes(node: fx.Node) -> int:
 
 
 def _accumulates(user: fx.Node, value: fx.Node, roots: StorageRoots) -> bool:
-    """Whether ``user`` adds (or copies) ``value`` into gradient state in place."""
-    return (
-        user.target in (aten.add_.Tensor, aten.copy_.default)
-        and user.args[1] is value
-        and info(roots.root[user.args[0]]).role == GRAD
-    )
+    """Whether ``user`` adds (or copies) ``value`` into a gradient in place (gradient state, or
+    the packed gradient a bucket's all-reduce copies back into), or casts it to the dtype the
+    update reads it in: independent of all compute, it can follow its wait anywhere."""
+    if user.target is aten._to_copy.default:
+        return user.args[0] is value
+    if user.target not in (aten.add_.Tensor, aten.copy_.default) or user.args[1] is not value:
+        return False
+    destination = roots.root[user.args[0]]
+    return info(destination).role == GRAD or destination.target is op("pack")
 
 
 def _followers(wait: fx.Node, roots: StorageRoots) -> list[fx.Node]:
-    """The accumulations of a collective's result (or of slices of it) into gradient state."""
+    """The accumulations of a collective's result (or of slices of it) into gradients."""
     followers = []
     for user in wait.users:
         if _accumulates(user, wait, roots):
@@ -110,7 +114,13 @@ def find_collectives(gm: fx.GraphModule, roots: StorageRoots) -> list[Collective
             continue
         (wait,) = start.users
         held = _nbytes(start) if roots.root[start] is start else 0
-        held += sum(_nbytes(a) for a in start.all_input_nodes if a.op != "placeholder")
+        # A collective keeps its input alive until its wait; a unit's packed gradient reduced
+        # in place lives on to the update anyway (stage 0 without accumulation).
+        held += sum(
+            _nbytes(a)
+            for a in start.all_input_nodes
+            if a.op != "placeholder" and not (roots.root[start] is a and a.target is op("pack"))
+        )
         found.append(Collective(start, wait, _leaders(start), _followers(wait, roots), held))
     return found
 

@@ -11,9 +11,13 @@ hands back gradients cast up to fp32. The shard pass laid the program out in the
   vanish. The weights the optimizer updates move to new ``master`` placeholders (fp32), and
   the update writes both (see the optimizer pass).
 - **Gradients**: the up-casts of the gradients are dropped; the per-unit pack casts straight to
-  the ``reduce`` dtype (stages 2-3), the full accumulators are kept in it (stages 0-1), so
-  reductions move ``reduce``-dtype bytes; reduced shards are added into fp32 accumulators
-  (stages 2-3) and the update computes in fp32.
+  the ``reduce`` dtype, the full accumulators are kept in it (stages 0-1), so reductions move
+  ``reduce``-dtype bytes; reduced shards are added into accumulators of ``precision.grad``
+  (stages 2-3) and the update computes in fp32. Without accumulation the update reads the
+  reduced gradient itself (at world size 1, backward's), cast to the kept gradient dtype only
+  where that changes a value: a narrower ``grad`` rounds, and under loss scaling the in-place
+  unscale runs in the kept dtype. A gradient the kept dtype holds exactly (bf16 in fp32) is
+  read as it is: the update's arithmetic is fp32 either way.
 - **Loss scaling** (the program that steps): every reduced gradient is unscaled in place by
   1/scale while looking for inf/NaN (one fused op); the flag is all-reduced when gradients are
   sharded, so every rank skips the same steps; the program returns it after the loss, and the
@@ -33,10 +37,12 @@ from zerocc.ir import (
     GRAD_SHARD,
     LOSS_SCALE,
     PARAM_FULL,
+    PARAM_SHARD,
     alias_closure,
     emit,
     emit_collective,
     info,
+    is_alias_op,
     nodes_with_role,
     placeholders,
     state_placeholder,
@@ -45,9 +51,13 @@ from zerocc.ir import (
 from zerocc.ops import DP_GROUP, op
 from zerocc.pass_manager import PassContext, register_pass
 from zerocc.plan import PrecisionConfig
-from zerocc.state import param_specs
+from zerocc.state import Dtypes, param_specs
 
 aten = torch.ops.aten
+
+
+# Ops whose result has their first argument's dtype (besides views and in-place ops).
+_KEEPS_DTYPE = (aten.clone.default, op("reduce_scatter_start"))
 
 
 def _retype(node: fx.Node, dtype: torch.dtype) -> None:
@@ -76,6 +86,9 @@ class _PrecisionRewriter:
         self.precision = precision
         self.compute = precision.dtype("param")
         self.stage = ctx.plan.zero.stage
+        self.accumulation = ctx.plan.grad_accumulation
+        # The dtype gradients are kept in for the update: reduce (stages 0-1) or grad (2-3).
+        self.kept = Dtypes.of(ctx.units[0], precision).gradient(self.stage)
 
     def retype_state(self) -> None:
         """Give ``param``/``param_shard``/``grad`` placeholders their mixed-precision dtypes, and
@@ -83,7 +96,9 @@ class _PrecisionRewriter:
         specs = {
             s.key: s
             for u in self.ctx.units
-            for s in param_specs(u, self.stage, self.precision).values()
+            for s in param_specs(
+                u, self.stage, self.precision, grad_accumulation=self.accumulation
+            ).values()
         }
         for node in placeholders(self.gm):
             spec = specs.get(info(node).key or "")
@@ -97,7 +112,12 @@ class _PrecisionRewriter:
 
     def drop_param_casts(self) -> None:
         """The casts of parameter views to the compute dtype read a compute-dtype copy now."""
-        sources = placeholders(self.gm, PARAM_FULL) + nodes_with_role(self.gm, GATHERED)
+        # At world size 1 stage 3's shard is read directly (nothing is gathered).
+        sources = [
+            *placeholders(self.gm, PARAM_FULL),
+            *placeholders(self.gm, PARAM_SHARD),
+            *nodes_with_role(self.gm, GATHERED),
+        ]
         for source in sources:
             for node in alias_closure(source):
                 for user in list(node.users):
@@ -112,9 +132,13 @@ class _PrecisionRewriter:
         for node in list(self.graph.nodes):
             if node.target is op("pack"):
                 tensors = [self._uncast(t) for t in node.args[0]]
-                node.args = (tensors, node.args[1], node.args[2], reduce)
+                # A pack no collective reads (world size 1) holds the gradient the update reads.
+                dtype = self.kept if info(node).role == GRAD_SHARD else reduce
+                node.args = (tensors, node.args[1], node.args[2], dtype)
             elif node.target is aten.add_.Tensor and node.args[0] in accumulators:
                 node.args = (node.args[0], self._uncast(node.args[1]), *node.args[2:])
+            elif info(node).span is not None:  # a parameter's gradient, read in place
+                self._read_uncast(node)
 
     def _uncast(self, grad: fx.Node | None) -> fx.Node | None:
         """The compute-dtype gradient under capture's up-cast of it (erased when unused)."""
@@ -125,6 +149,55 @@ class _PrecisionRewriter:
             grad.replace_all_uses_with(source)
             self.graph.erase_node(grad)
         return source
+
+    def _read_uncast(self, view: fx.Node) -> None:
+        """A parameter's gradient the update reads where backward left it (world size 1): read
+        it in the compute dtype, under capture's up-cast (and a contiguous copy of it)."""
+        source = view.args[0]
+        if source.target is aten.clone.default:
+            source.args = (self._uncast(source.args[0]),)
+        else:
+            view.args = (self._uncast(source), *view.args[1:])
+
+    def keep_gradients(self) -> None:
+        """Without accumulation the update reads the reduced gradient (at world size 1,
+        backward's): cast it to the kept dtype where that changes what the update sees: a
+        narrower kept dtype rounds it, and the unscale of loss scaling writes it in place."""
+        scaled = self.precision.scaling != "none"
+        for node in nodes_with_role(self.gm, GRAD_SHARD):
+            have = self._dtype_of(node)
+            exact = self.kept == torch.float32  # fp32 holds every bf16 and fp16 value
+            if have == self.kept or (exact and not scaled):
+                continue
+            with self.graph.inserting_after(node):
+                cast = emit(
+                    self.graph,
+                    aten._to_copy.default,
+                    (node,),
+                    phase=info(node).phase,
+                    unit=info(node).unit,
+                    role=GRAD_SHARD,
+                    no_grad=info(node).no_grad,
+                    span=info(node).span,
+                    note=f"the gradient kept in {str(self.kept).removeprefix('torch.')} for "
+                    "the update",
+                )
+            cast.kwargs = {"dtype": self.kept}
+            info(node).role, info(node).span = None, None
+
+    def _dtype_of(self, node: fx.Node) -> torch.dtype:
+        """The dtype ``node`` will hold once values are propagated again: placeholders are
+        retyped already, a pack or a cast says its dtype, views, in-place ops, copies and
+        collectives keep their input's, and what capture traced holds the recipe's."""
+        if node.op == "placeholder":
+            return val(node).dtype
+        if node.target is op("pack"):
+            return node.args[3]
+        if node.target is aten._to_copy.default and "dtype" in node.kwargs:
+            return node.kwargs["dtype"]
+        if node.target in _KEEPS_DTYPE or is_alias_op(node):
+            return self._dtype_of(node.args[0])
+        return val(node).dtype
 
     def unscale(self) -> fx.Node:
         """Unscale every reduced gradient in place and find overflows (on any rank)."""
@@ -143,7 +216,7 @@ class _PrecisionRewriter:
                 note="unscale the reduced gradients by 1/loss_scale; 1.0 if any is inf/NaN",
                 **where,
             )
-            if self.stage > 0:  # each rank checked its own slice of the gradient
+            if self.stage > 0 and self.ctx.world_size > 1:  # each rank checked its own slice
                 found = emit_collective(
                     self.graph,
                     op("all_reduce_start"),
@@ -191,6 +264,8 @@ def precision(
     rewriter.retype_state()
     rewriter.drop_param_casts()
     rewriter.reduce_in_reduce_dtype()
+    if ctx.plan.grad_accumulation == 1:
+        rewriter.keep_gradients()
     if precision.scaling != "none" and ctx.boundary:
         rewriter.unscale()
     _rescale_collective_bytes(gm, ctx)

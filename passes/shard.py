@@ -14,7 +14,18 @@ Parameters become one flat buffer per unit, padded to a multiple of the world si
 - 0: DDP: full gradients accumulate, all-reduced as each unit's gradient completes on the
   micro-batch that steps.
 
-The reduced gradient each unit's optimizer update reads is tagged ``grad_shard``; the optimizer
+Without accumulation (``grad_accumulation: 1``) no gradient is kept between steps: each unit's
+gradients are packed into one buffer as soon as they are complete and reduced (all-reduced at
+stage 0, reduce-scattered at stages 1-3), and the update reads the collective's result. Stage 1
+then reduces as stage 2 does.
+
+A world of one rank communicates nothing: parameters are read where they are kept (stage 3's
+shard is the whole flat), nothing is gathered, packed or reduced, and without accumulation the
+update reads each parameter's gradient where backward left it (a unit whose states are
+offloaded packs its gradient for the copy to the host).
+
+The reduced gradient each unit's optimizer update reads is tagged ``grad_shard`` (world size 1
+without accumulation: one per parameter, with its ``span`` in the flat buffer); the optimizer
 pass acts on those tags. Collectives are start/wait pairs, the wait right after its start (the
 overlap pass moves them). Collectives sum; the 1/(ranks × micro-batches) mean is applied by the
 update.
@@ -26,23 +37,23 @@ import fnmatch
 
 import torch
 from torch import fx
+from zerocc.passes.gradients import Gradients, flat_view, unit_collective
 from zerocc.passes.param_uses import ParamUses, analyze
 
 from zerocc.errors import PlanError
 from zerocc.ir import (
     GATHERED,
-    GRAD_SHARD,
     PARAM,
     copy_node,
     emit,
-    emit_collective,
     info,
     state_placeholder,
     tag,
 )
 from zerocc.ops import DP_GROUP, op
 from zerocc.pass_manager import PassContext, register_pass
-from zerocc.state import param_specs
+from zerocc.plan import OffloadConfig
+from zerocc.state import DEVICE, param_specs, placements
 from zerocc.units import Unit
 
 aten = torch.ops.aten
@@ -51,14 +62,33 @@ aten = torch.ops.aten
 class _ShardRewriter:
     """Copies the captured graph into a new one, inserting the stage's flat params and comm."""
 
-    def __init__(self, gm: fx.GraphModule, ctx: PassContext, stage: int, kept: set[str]) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        ctx: PassContext,
+        stage: int,
+        kept: set[str],
+        grad_accumulation: int,
+        offload: OffloadConfig,
+    ) -> None:
         self.old, self.ctx, self.stage, self.kept = gm, ctx, stage, kept
+        self.grad_accumulation = grad_accumulation
+        self.solo = ctx.world_size == 1  # nothing to gather, pack or reduce
+        self.gathers = stage == 3 and not self.solo
+        where = placements(ctx.units, offload)
+        self.offloaded = {name for name, place in where.items() if place.offloaded}
+        # Parameter values are re-derived per phase where each phase reads its own copy: stage
+        # 3's gathers, or at world size 1 the device copies offload makes of shards it keeps off
+        # the device (so that forward's copy is not kept alive into backward).
+        self.per_phase = self.gathers or (
+            stage == 3 and any(place.params != DEVICE for place in where.values())
+        )
         self.units = {u.name: u for u in ctx.units}
         self.uses: ParamUses = analyze(gm, [p.fqn for p in ctx.model.trainable])
         self.param_of = {n: info(n).key for n in self.uses.unit_of}
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
-        self.flat: dict[tuple[str, str], fx.Node] = {}  # (unit, scope) -> full flat param
+        self.flat: dict[tuple[str, str], fx.Node] = {}  # (unit, scope) -> gathered flat param
         self.memo: dict[tuple[fx.Node, str], fx.Node] = {}
         self.state: dict[str, dict[str, fx.Node]] = {}  # unit -> {"param", "param_shard", "grad"}
 
@@ -67,13 +97,10 @@ class _ShardRewriter:
     def add_placeholders(self) -> None:
         like = next(n.meta["val"] for n in self.old.graph.nodes if n.op == "placeholder")
         for unit in self.ctx.units:
-            nodes = {
-                name: state_placeholder(self.graph, spec, like)
-                for name, spec in param_specs(unit, self.stage).items()
+            specs = param_specs(unit, self.stage, grad_accumulation=self.grad_accumulation)
+            self.state[unit.name] = {
+                name: state_placeholder(self.graph, spec, like) for name, spec in specs.items()
             }
-            self.state[unit.name] = nodes
-            if self.stage != 3:
-                self.flat[(unit.name, "resident")] = nodes["param"]
         for n in self.old.graph.nodes:
             if n.op == "placeholder" and info(n).role != PARAM:
                 self.env[n] = copy_node(self.graph, n, lambda a: a)
@@ -81,9 +108,9 @@ class _ShardRewriter:
     # -- parameter values -------------------------------------------------------------------
 
     def scope(self, phase: str, unit: str | None = None) -> str:
-        """Which gathered copy a use in ``phase`` reads: per phase in stage 3 (one for the whole
-        step for a kept unit), the resident parameters otherwise."""
-        if self.stage != 3:
+        """Which copy of the parameters a use in ``phase`` reads: per phase in stage 3 (one for
+        the whole step for a kept unit), the resident parameters otherwise."""
+        if not self.per_phase:
             return "resident"
         return "step" if unit in self.kept else phase
 
@@ -102,50 +129,21 @@ class _ShardRewriter:
 
     def param_view(self, node: fx.Node, phase: str) -> fx.Node:
         unit = self.units[self.uses.unit_of[node]]
-        flat = self.flat[(unit.name, self.scope(phase, unit.name))]
-        return self.view_of(flat, unit, self.param_of[node], phase)
-
-    def view_of(self, flat: fx.Node, unit: Unit, fqn: str, phase: str) -> fx.Node:
-        placed = next(p for p in unit.params if p.fqn == fqn)
-        where = {"phase": phase, "unit": unit.name}
-        sliced = emit(
-            self.graph,
-            aten.slice.Tensor,
-            (flat, 0, placed.offset, placed.offset + placed.numel),
-            **where,
-        )
-        return emit(self.graph, aten.view.default, (sliced, list(placed.param.shape)), **where)
+        if self.gathers:
+            flat = self.flat[(unit.name, self.scope(phase, unit.name))]
+        else:  # read where it is kept: the replicated flat, or (world size 1) the whole shard
+            flat = self.state[unit.name]["param"]
+        return flat_view(self.graph, flat, unit, self.param_of[node], phase)
 
     # -- communication ----------------------------------------------------------------------
-
-    def collective(
-        self,
-        start_op: str,
-        args: tuple,
-        unit: Unit,
-        phase: str,
-        nbytes: int,
-        note: str,
-        role: str | None = None,
-    ) -> fx.Node:
-        return emit_collective(
-            self.graph,
-            op(start_op),
-            op("wait"),
-            args,
-            nbytes=nbytes,
-            note=note,
-            role=role,
-            phase=phase,
-            unit=unit.name,
-        )
 
     def gather(self, unit: Unit, phase: str) -> None:
         scope = self.scope(phase, unit.name)
         if (unit.name, scope) in self.flat:  # kept gathered since forward
             return
         when = "step" if scope == "step" else phase
-        flat = self.collective(
+        flat = unit_collective(
+            self.graph,
             "all_gather_start",
             (self.state[unit.name]["param"], unit.world_size, DP_GROUP),
             unit,
@@ -171,66 +169,6 @@ class _ShardRewriter:
             note=f"free {unit.name} after its last use in {when}",
         )
 
-    def accumulate_grad(self, unit: Unit, fqn: str, grad: fx.Node) -> None:
-        """Stages 0-1: add one parameter's gradient into its view of the full accumulator."""
-        acc = self.view_of(self.state[unit.name]["grad"], unit, fqn, "backward")
-        emit(self.graph, aten.add_.Tensor, (acc, grad), phase="backward", unit=unit.name)
-
-    def reduce_unit_grad(self, unit: Unit) -> None:
-        """Stages 2-3: pack the unit's gradients, reduce-scatter, add into the gradient shard."""
-        grads = [
-            None if self.uses.grads[p.fqn] is None else self.env[self.uses.grads[p.fqn]]
-            for p in unit.params
-        ]
-        packed = emit(
-            self.graph,
-            op("pack"),
-            (grads, [p.numel for p in unit.params], unit.padded_numel),
-            phase="backward",
-            unit=unit.name,
-        )
-        reduced = self.collective(
-            "reduce_scatter_start",
-            (packed, unit.world_size, DP_GROUP),
-            unit,
-            "backward",
-            unit.padded_numel * unit.dtype.itemsize,
-            f"reduce-scatter {unit.name}'s gradient after its last contribution",
-        )
-        emit(
-            self.graph,
-            aten.add_.Tensor,
-            (self.state[unit.name]["grad"], reduced),
-            phase="backward",
-            unit=unit.name,
-            role=GRAD_SHARD if self.ctx.boundary else None,
-        )
-
-    def reduce_full_grad(self, unit: Unit) -> None:
-        """Stages 0-1, stepping micro-batch: the accumulated full gradient is reduced."""
-        grad = self.state[unit.name]["grad"]
-        nbytes = unit.padded_numel * unit.dtype.itemsize
-        if self.stage == 0:
-            self.collective(
-                "all_reduce_start",
-                (grad, DP_GROUP),
-                unit,
-                "backward",
-                2 * nbytes,
-                f"all-reduce {unit.name}'s gradient (DDP)",
-                role=GRAD_SHARD,
-            )
-        else:
-            self.collective(
-                "reduce_scatter_start",
-                (grad, unit.world_size, DP_GROUP),
-                unit,
-                "backward",
-                nbytes,
-                f"reduce-scatter {unit.name}'s accumulated gradient",
-                role=GRAD_SHARD,
-            )
-
     # -- the rewrite ------------------------------------------------------------------------
 
     def last_contribution(self) -> dict[fx.Node, list[Unit]]:
@@ -251,11 +189,17 @@ class _ShardRewriter:
     def run(self) -> fx.Graph:
         self.add_placeholders()
         complete = self.last_contribution()
-        grad_of = {}
-        for fqn, g in self.uses.grads.items():
-            if g is not None:
-                grad_of.setdefault(g, []).append(fqn)
-        unit_of_fqn = {p.fqn: u for u in self.ctx.units for p in u.params}
+        accumulators = {u: nodes["grad"] for u, nodes in self.state.items() if "grad" in nodes}
+        gradients = Gradients(
+            self.graph,
+            self.ctx,
+            self.stage,
+            self.grad_accumulation,
+            self.uses,
+            self.env,
+            accumulators,
+            self.offloaded,
+        )
         output = None
         for node in self.old.graph.nodes:
             if node.op == "placeholder" or node in self.uses.derived:
@@ -264,36 +208,20 @@ class _ShardRewriter:
                 output = node
                 continue
             phase = info(node).phase
-            if self.stage == 3:
+            if self.gathers:
                 for unit_name in self.uses.starting_at(node):
                     self.gather(self.units[unit_name], phase)
             self.env[node] = copy_node(self.graph, node, lambda a, ph=phase: self.value(a, ph))
-            if self.stage <= 1:
-                for fqn in grad_of.get(node, []):
-                    self.accumulate_grad(unit_of_fqn[fqn], fqn, self.env[node])
+            gradients.produced(node)
             for unit in complete.get(node, []):
-                if self.stage >= 2:
-                    self.reduce_unit_grad(unit)
-                elif self.stage == 0 and self.ctx.boundary:
-                    self.reduce_full_grad(unit)
-            if self.stage == 3:
+                gradients.complete(unit)
+            if self.gathers:
                 for unit_name in self.uses.ending_at(node):
                     self.free(self.units[unit_name], phase)
-        if self.stage == 1 and self.ctx.boundary:
-            reached = {u.name for units in complete.values() for u in units}
-            for unit in self.ctx.units:
-                if unit.name in reached:
-                    self.reduce_full_grad(unit)
+        reached = {u.name for units in complete.values() for u in units}
+        gradients.after_backward([u for u in self.ctx.units if u.name in reached])
         self.graph.output(self.env[output.args[0][0]])
-        for node in self.graph.nodes:
-            if info(node).role == GRAD_SHARD:
-                tag(node, no_grad=self.unreached_ranges(self.units[info(node).unit]))
         return self.graph
-
-    def unreached_ranges(self, unit: Unit) -> tuple[int, ...]:
-        """(offset, numel) pairs of the unit's parameters the loss does not reach."""
-        pairs = [(p.offset, p.numel) for p in unit.params if self.uses.grads[p.fqn] is None]
-        return tuple(x for pair in pairs for x in pair)
 
 
 def kept_gathered(
@@ -321,6 +249,8 @@ def _options(plan) -> dict:
         "keep_gathered": plan.units.keep_gathered,
         "keep_gathered_below_mb": plan.units.keep_gathered_below_mb,
         "itemsize": plan.precision.dtype("param").itemsize,
+        "grad_accumulation": plan.grad_accumulation,
+        "offload": plan.offload,
     }
 
 
@@ -338,8 +268,19 @@ def shard(
     keep_gathered: list[str] = (),
     keep_gathered_below_mb: float | None = None,
     itemsize: int = 4,
+    grad_accumulation: int = 1,
+    offload: OffloadConfig | None = None,
 ) -> fx.GraphModule:
-    """Flatten each unit's parameters and insert ZeRO-``stage`` gathers, frees and reductions."""
+    """Flatten each unit's parameters and insert ZeRO-``stage`` gathers, frees and reductions
+    (none on one rank)."""
     kept = kept_gathered(ctx.units, list(keep_gathered), keep_gathered_below_mb, itemsize)
-    graph = _ShardRewriter(gm, ctx, stage, kept if stage == 3 else set()).run()
-    return fx.GraphModule(gm, graph)
+    gathering = stage == 3 and ctx.world_size > 1
+    rewriter = _ShardRewriter(
+        gm,
+        ctx,
+        stage,
+        kept if gathering else set(),
+        grad_accumulation,
+        offload or OffloadConfig(),
+    )
+    return fx.GraphModule(gm, rewriter.run())

@@ -8,7 +8,9 @@ Under mixed precision the reference follows the recipe, written plainly: fp32 ma
 under torch.optim; each step, forward and backward of every micro-batch on a copy of the model
 cast to the compute dtype (floating batch tensors cast too, the loss cast to fp32); gradients
 summed in fp32 into the masters and divided by ranks × micro-batches; fp16 losses scaled by
-``torch.amp.GradScaler`` (unscale, clip, skip on overflow, update the scale).
+``torch.amp.GradScaler`` (unscale, clip, skip on overflow, update the scale). A plan that keeps
+gradient shards in a 16-bit ``precision.grad`` (stages 2-3) has each micro-batch's gradient,
+summed over ranks, rounded to that dtype and added into an accumulator of it.
 """
 
 from __future__ import annotations
@@ -116,15 +118,19 @@ def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.
     model = _model(case)
     if case.get("meta"):
         zerocc.materialize(model, seed=7)
-    if plan_of(case)["precision"]:
-        # One thread, as in the ranks: bf16 results round differently when a CPU kernel splits
-        # its fp32 accumulation over another number of threads.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+    # One thread, as in the ranks: a CPU kernel that splits its fp32 accumulation over another
+    # number of threads rounds differently (bf16 results visibly, fp32 ones in the last bit).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if plan_of(case)["precision"]:
             return _mixed_reference(case, model)
-        finally:
-            torch.set_num_threads(threads)
+        return _fp32_reference(case, model)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
     cfg = plan_of(case)["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(case, params)
@@ -161,6 +167,10 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
             growth_interval=knobs.growth_interval,
         )
     world, k = case["world"], case.get("accum", 1)
+    # Gradient shards kept in a 16-bit dtype (precision.grad, stages 2-3): each micro-batch's
+    # reduced gradient is rounded to it, and accumulated in it.
+    kept = precision.dtype("grad") if precision.grad and case["stage"] >= 2 else None
+    kept = kept if kept != torch.float32 else None
     losses: list[list[float]] = [[] for _ in range(world)]
     for s in range(case.get("steps", 5)):
         cast = copy.deepcopy(model).to(compute)
@@ -168,6 +178,10 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
         for p in params:
             p.grad = torch.zeros_like(p)
         for micro in range(k):
+            if kept:  # the accumulator aside: p.grad sums this micro-batch over ranks
+                accumulated = [p.grad for p in params]
+                for p in params:
+                    p.grad = torch.zeros_like(p)
             for r in range(world):
                 batch = [
                     b.to(compute) if b.is_floating_point() else b
@@ -180,6 +194,9 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
                 for p, g in zip(params, grads, strict=True):
                     if g is not None:
                         p.grad += g.float()
+            if kept:
+                for p, acc in zip(params, accumulated, strict=True):
+                    p.grad = (acc.to(kept) + p.grad.to(kept)).float()
         for p in params:
             p.grad /= world * k
         if scaler:

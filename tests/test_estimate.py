@@ -75,14 +75,37 @@ def test_a_7b_model_on_the_meta_device_estimates_without_memory():
     units: list[Unit] = inspection.units
     psi = sum(u.padded_numel for u in units)
     assert 6.5e9 < sum(u.numel for u in units) < 7e9
-    # bf16 params, fp32 grad shards, fp32 master + Adam moments, each over 64 ranks.
+    # bf16 params, fp32 master + Adam moments, each over 64 ranks. No gradient is state at
+    # grad_accumulation 1: the updates read the reduced fp32 shards, held within the step.
     assert figures.model_states["params"] == psi * 2 // 64
-    assert figures.model_states["grads"] == psi * 4 // 64
+    assert figures.model_states["grads"] == 0 and figures.held_grads == psi * 4 // 64
     assert figures.model_states["optimizer"] == psi * 12 // 64 + 8  # + the step counter
     # Stage 3: gathered twice in bf16, reduce-scattered once in fp32.
     assert figures.comm["all_gather"] == 2 * 2 * psi and figures.comm["reduce_scatter"] == 4 * psi
     block = next(u for u in units if u.name == "transformer.h.0")
     assert figures.peak["gathered"] >= 2 * block.padded_numel  # a bf16 block at least
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_estimate_gives_zeros_bytes_per_parameter_with_bf16_gradients(stage):
+    """precision.grad: bf16 (reduce: bf16), gradients accumulated over micro-batches: model
+    states of exactly 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (ZeRO's mixed-precision Adam; + 8
+    bytes of AdamW's step counter). At grad_accumulation 1 the gradients are no state: the
+    update reads the bf16 reduced shards, held within the step (2 bytes, sharded from stage 1
+    on, which then reduces as stage 2 does)."""
+    from workload import workload
+
+    n = 4
+    bf16 = {"param": "bf16", "reduce": "bf16", "grad": "bf16"}
+    work = workload(**SMALL)
+    kept = estimate(inspect_plan(_plan(stage, precision=bf16, grad_accumulation=2), n, work))
+    psi = sum(u.padded_numel for u in inspect_plan(_plan(stage), n, work).units)
+    zero = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
+    assert kept.model_states["total"] == zero[stage] + 8
+    assert kept.model_states["grads"] == 2 * psi // (n if stage >= 2 else 1)
+    held = estimate(inspect_plan(_plan(stage, precision=bf16), n, work))
+    assert held.model_states["total"] == zero[stage] + 8 - kept.model_states["grads"]
+    assert held.held_grads == 2 * psi // (n if stage >= 1 else 1)
 
 
 def test_train_dump_writes_programs_trace_memory_and_report(tmp_path):

@@ -155,7 +155,9 @@ def test_no_world_size_fits_what_stage_0_keeps_whole(machine):
 
 
 def test_a_step_that_does_not_fit_fails_before_its_program_runs(machine, allocations):
-    plan = {**GPT_PLAN, "zero": {"stage": 1}}
+    # Stage 3: without gradient accumulation the tiny GPT's stage 1-2 steps peak while the last
+    # block's gradients are packed for their reduction, which recomputation does not lower.
+    plan = {**GPT_PLAN, "zero": {"stage": 3}}
     recomputed = {**plan, "checkpointing": {"units": "all"}}
     step_bytes, recomputed_bytes = _step_need(plan, 2), _step_need(recomputed, 2)
     assert recomputed_bytes < step_bytes

@@ -22,9 +22,11 @@ from optional_deps import marked, runnable
 from parity import case_id, reference, relative_difference, train
 
 import zerocc
+from zerocc.errors import PlanError
 
 TOL = 1e-2
 FP16 = {"param": "fp16", "dynamic": {"hysteresis": 1}}  # GradScaler's rule, for the reference
+BF16_GRADS = {"param": "bf16", "reduce": "bf16", "grad": "bf16"}
 
 
 def _matrix(world: int) -> list[dict]:
@@ -43,6 +45,13 @@ def _matrix(world: int) -> list[dict]:
         cases += [
             {"model": "gpt", "stage": s, "world": 2, "precision": {"param": "bf16", "reduce": r}}
             for s, r in ((0, "bf16"), (2, "bf16"), (3, "fp16"))
+        ]
+        # Gradient shards in bf16 (precision.grad), ZeRO's 2 bytes: the reference rounds each
+        # micro-batch's reduced gradient to bf16 and accumulates it in bf16.
+        cases += [
+            {"model": "gpt", "stage": s, "world": 2, "precision": BF16_GRADS, "accum": a}
+            for s in (2, 3)
+            for a in (1, 2)
         ]
         clipped = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}
         cases += [
@@ -76,6 +85,29 @@ def test_matches_the_mixed_precision_recipe(case):
     for name, ref in ref_state.items():
         assert params[name].dtype == ref.dtype, name
         assert relative_difference(params[name], ref) <= TOL, name
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_gradient_shards_are_state_of_2_bytes_per_element(stage):
+    """With accumulation the gradient shards are state, kept in precision.grad: 2 bytes per
+    element of a rank's shard (ZeRO's 2Ψ/N), measured on the ranks."""
+    case = {"model": "gpt", "stage": stage, "world": 2, "precision": BF16_GRADS, "accum": 2}
+    result = _results(2)[0][case_id(case)]
+    assert result["figures"]["model_state_bytes"]["grads"] == 2 * (result["psi"] // 2)
+
+
+def test_grad_dtype_is_fp32_or_the_compute_dtype():
+    """precision.grad: fp32 or param's dtype; another 16-bit dtype is a plan error naming both
+    (a narrower grad than reduce is allowed: the sum is reduced wide, rounded once)."""
+    plan = zerocc.load_plan({"precision": {"param": "bf16", "grad": "bf16"}})
+    assert plan.precision.dtype("grad") == torch.bfloat16 and plan.precision.reduce == "fp32"
+    assert zerocc.load_plan({"precision": {"param": "bf16"}}).precision.dtype("grad") == (
+        torch.float32
+    )
+    with pytest.raises(PlanError, match="precision: grad 'fp16' with param 'bf16'.*65504"):
+        zerocc.load_plan({"precision": {"param": "bf16", "grad": "fp16"}})
+    with pytest.raises(PlanError, match="grad 'bf16' with param 'fp32'.*use grad: fp32"):
+        zerocc.load_plan({"precision": {"grad": "bf16"}})
 
 
 def test_fp16_runs_skip_the_steps_the_reference_skips():

@@ -12,7 +12,7 @@ import json
 
 from zerocc.cost import RATE_FIELDS, DeviceRates, rates_for
 from zerocc.errors import ZeroccError
-from zerocc.explain import describe_recompute
+from zerocc.explain import describe_recompute, held_gradients_line, no_communication
 from zerocc.inspection import Estimate, Inspection, estimate, inspect_plan, pass_table
 from zerocc.pass_manager import PassRecord
 from zerocc.plan import Plan, load_plan
@@ -211,9 +211,10 @@ ROWS = (
 
 def _estimate_text(plan: Plan, e: Estimate) -> str:
     p = plan.precision
+    grads = p.reduce if e.stage <= 1 else (p.grad or p.master)
     lines = [
         f"{plan.source or 'plan'}: ZeRO stage {e.stage}, {e.world_size} ranks, "
-        f"compute {p.param}, reduce {p.reduce}, master {p.master}",
+        f"compute {p.param}, reduce {p.reduce}, master {p.master}, grads {grads}",
         "",
         "memory per rank (predicted from the scheduled program):",
     ]
@@ -222,8 +223,12 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
         for name, get in ROWS
         if plan.offload.enabled or not name.startswith("  +")
     ]
+    if plan.grad_accumulation == 1:
+        lines.append(held_gradients_line(e.held_grads, e.psi, e.world_size, width=24))
     lines += ["", "communication per optimizer step, per rank:"]
     lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.comm.items())]
+    if not e.comm:
+        lines.append(f"  {'none':<24}{human_bytes(0):>12}{no_communication(e.world_size)}")
     if plan.checkpointing.enabled:
         lines += ["", describe_recompute(e.recompute)]
     if e.transfers:
@@ -290,7 +295,7 @@ def _estimate_table(plan: Plan, estimates: list[Estimate]) -> str:
         if plan.offload.enabled or not name.startswith("  +"):
             row = "".join(f"{human_bytes(get(e)):>12}" for e in estimates)
             lines.append(f"{name:<26}{row}")
-    for kind in kinds:
+    for kind in kinds or ["communication"]:  # one rank: a row of 0B
         lines.append(
             f"{kind + ' / step':<26}"
             + "".join(f"{human_bytes(e.comm.get(kind, 0)):>12}" for e in estimates)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from zerocc.ir import info, op_name
+from zerocc.ir import GRAD_SHARD, info, nodes_with_role, op_name, val
 from zerocc.memory import STATE_CATEGORY
 from zerocc.printing import human_bytes
 from zerocc.state import (
@@ -23,6 +23,7 @@ from zerocc.state import (
 from zerocc.units import Unit
 
 if TYPE_CHECKING:
+    from zerocc.plan import Plan
     from zerocc.train_step import TrainStep
 
 
@@ -64,15 +65,22 @@ def model_state_bytes(step: TrainStep) -> dict[str, int]:
 
 def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
     """ZeRO's model-state bytes per rank for this plan at ``location``: what each stage keeps
-    whole or sharded, in each state's dtype (with bf16 compute, reduce and fp32 master: 2 + 2 +
-    12 bytes per parameter, as the ZeRO paper counts), the offloaded units' master weights and
-    optimizer states (and parameters) moved off the device."""
-    plan, n = step.plan, step.comm.world_size
+    whole or sharded, in each state's dtype (with bf16 compute, reduce and grad and fp32
+    master: 2 + 2 + 12 bytes per parameter, as the ZeRO paper counts), the offloaded units'
+    master weights and optimizer states (and parameters) moved off the device. Gradients are
+    state only where they are accumulated over micro-batches: with ``grad_accumulation: 1``
+    each lives from its reduction to its update, within the step, and the formula counts none
+    (:func:`held_gradient_bytes` says what ZeRO would count)."""
+    return zero_formula(step.units, step.plan, step.comm.world_size, location)
+
+
+def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) -> dict[str, float]:
+    """:func:`formula_bytes` of ``plan`` for ``units`` on ``n`` ranks."""
     stage = plan.zero.stage
     states = len(optimizer_states(plan.optimizer))
-    where = placements(step.units, plan.offload)
+    where = placements(units, plan.offload)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for u in step.units:
+    for u in units:
         d = Dtypes.of(u, plan.precision if plan.precision.mixed else None)
         psi, place = u.padded_numel, where[u.name]
         if place.params == location:
@@ -80,9 +88,8 @@ def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
         sharded = n if stage >= 1 else 1
         if place.optimizer == location and (d.master != d.param or (u.trainable and place.split)):
             out["optimizer"] += psi * d.master.itemsize / sharded
-        if u.trainable and location == DEVICE:
-            grad = d.reduce if stage <= 1 else d.master
-            out["grads"] += psi * grad.itemsize / (n if stage >= 2 else 1)
+        if u.trainable and location == DEVICE and plan.grad_accumulation > 1:
+            out["grads"] += psi * d.gradient(stage).itemsize / (n if stage >= 2 else 1)
         if u.trainable and place.optimizer == location:
             out["optimizer"] += states * psi * d.master.itemsize / sharded
     out["total"] = sum(out.values())
@@ -202,10 +209,13 @@ def explain_step(step: TrainStep) -> str:
     lines += ["", "communication per optimizer step, per rank:"]
     if not step.programs:
         lines.append("  (known once the step is compiled, at its first call)")
-    for kind, nbytes in sorted(comm_bytes_per_step(step).items()):
+    comm = comm_bytes_per_step(step)
+    for kind, nbytes in sorted(comm.items()):
         lines.append(
             f"  {kind:<16}{human_bytes(nbytes):>12}  ({nbytes / max(psi, 1):.2f} bytes per Ψ)"
         )
+    if step.programs and not comm:
+        lines.append(f"  {'none':<16}{human_bytes(0):>12}{no_communication(n)}")
     if step.programs:
         lines += ["", predicted_time_line(step)]
     measured, formula = model_state_bytes(step), formula_bytes(step)
@@ -214,11 +224,37 @@ def explain_step(step: TrainStep) -> str:
         lines.append(
             f"  {cat:<26}{human_bytes(measured.get(cat, 0)):>12}{human_bytes(formula[cat]):>14}"
         )
+    programs = step_programs(step)
+    if plan.grad_accumulation == 1 and True in programs:
+        lines.append(held_gradients_line(held_gradient_bytes(programs[True]), psi, n))
     if step.plan.checkpointing.enabled:
         lines += ["", recompute_line(step)]
     if step.plan.offload.enabled:
         lines += ["", *offload_lines(step)]
     return "\n".join(lines)
+
+
+def no_communication(world_size: int) -> str:
+    """Why a program communicates nothing (said next to its 0 bytes)."""
+    return "  (one rank: nothing to gather or reduce)" if world_size == 1 else ""
+
+
+def held_gradient_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the gradients a stepping program's updates read, per rank: the reduced shards
+    (at world size 1, backward's gradients). With ``grad_accumulation: 1`` they are not model
+    state: each lives from its reduction to its update, within the step."""
+    return sum(val(n).numel() * val(n).element_size() for n in nodes_with_role(gm, GRAD_SHARD))
+
+
+def held_gradients_line(held: int, psi: int, world_size: int, width: int = 26) -> str:
+    """A row for the gradients when none is kept between steps (``grad_accumulation: 1``):
+    the bytes the update reads, held within the step (counted in its activations)."""
+    which, since = ("reduced", "their reduction") if world_size > 1 else ("backward's", "backward")
+    return (
+        f"  {'grads within the step':<{width}}{human_bytes(held):>12}  ({held / max(psi, 1):.2f} "
+        f"bytes per Ψ, not kept between steps: the update reads {which} gradients, held from "
+        f"{since} to it)"
+    )
 
 
 def offload_lines(step: TrainStep) -> list[str]:
@@ -265,7 +301,8 @@ def precision_line(step: TrainStep) -> str:
     """Dtypes of compute, reduction and master weights; the loss scale, or what a non-finite
     gradient does; skipped steps."""
     p = step.plan.precision
-    line = f"precision: compute {p.param}, reduce {p.reduce}, master {p.master}"
+    kept = p.reduce if step.plan.zero.stage <= 1 else (p.grad or p.master)
+    line = f"precision: compute {p.param}, reduce {p.reduce}, master {p.master}, grads {kept}"
     if step.loss_scaler is not None:
         kind = "dynamic" if step.loss_scaler.dynamic else "static"
         line += (

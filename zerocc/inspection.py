@@ -16,7 +16,7 @@ import torch
 from zerocc.capture import describe_model
 from zerocc.compiler import CompiledProgram, compile_program
 from zerocc.cost import DeviceRates, rates_for
-from zerocc.explain import comm_bytes, recompute_cost, transfer_bytes
+from zerocc.explain import comm_bytes, held_gradient_bytes, recompute_cost, transfer_bytes
 from zerocc.memory import model_state_bytes_of, predict_memory
 from zerocc.pass_manager import PassRecord, build_pipeline
 from zerocc.plan import Plan, load_plan
@@ -101,6 +101,10 @@ class Estimate:
     timeline: MemoryTimeline = field(repr=False)
     timing: Simulation | None = field(default=None, repr=False)  # the simulated step
     rates: DeviceRates | None = None  # the cost model's rates behind ``timing``
+    # Bytes of the gradients the updates read (grad_accumulation 1: not model state, held from
+    # their reduction to the update within the step; part of the activations' peak)
+    held_grads: int = 0
+    psi: int = 0  # trainable elements, with padding
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as plain data (``zerocc estimate --json``)."""
@@ -113,6 +117,7 @@ class Estimate:
             "offloaded_model_states": self.offloaded,
             "transfer_bytes_per_step": self.transfers,
             "recompute": self.recompute,
+            "held_gradient_bytes": self.held_grads,
         }
         if self.timing is not None and self.rates is not None:
             timing = {k: v for k, v in self.timing.as_dict().items() if k != "peak_bytes"}
@@ -159,6 +164,8 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         timeline,
         timing,
         rates,
+        held_gradient_bytes(inspection.stepping.gm),
+        sum(u.padded_numel for u in inspection.units if u.trainable),
     )
 
 

@@ -51,6 +51,9 @@ class NodeInfo:
     stream: str = "compute"  # compute | comm
     bytes: int = 0  # bytes a collective moves (per rank, logical size)
     no_grad: tuple[int, ...] = ()  # grad_shard: (offset, numel) pairs the loss does not reach
+    # grad_shard of one parameter (world size 1: read where backward left it, not packed):
+    # its (offset, numel) in the unit's flat buffer; None for a gradient of the whole flat
+    span: tuple[int, int] | None = None
     note: str | None = None  # why the node is here, in words, for the printed program
     pool: str | None = None  # "host": the result lives in host memory, not on the device
 

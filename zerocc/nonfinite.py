@@ -24,9 +24,11 @@ def nonfinite_units(gm: fx.GraphModule, flags: torch.Tensor) -> list[str]:
         for n in gm.graph.nodes
         if n.op == "call_function" and op_name(n.target) == "zerocc.nonfinite_flags"
     )
+    # One flag per gradient: per unit, or at world size 1 per parameter (several per unit).
     units = [info(grad).unit for grad in check.args[0]]
     set_flags = flags[: len(units)].tolist()
-    return [unit for unit, flag in zip(units, set_flags, strict=True) if flag != 0]
+    bad = [unit for unit, flag in zip(units, set_flags, strict=True) if flag != 0]
+    return list(dict.fromkeys(bad))
 
 
 def nonfinite_error(

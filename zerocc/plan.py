@@ -293,6 +293,14 @@ class PrecisionConfig(_Section):
     master: Dtype = Field(
         "fp32", description="dtype of the weights the optimizer updates (and its states)"
     )
+    grad: Dtype | None = Field(
+        None,
+        description="dtype the gradient shards are kept in between their reduction and the "
+        "update, and accumulated in across micro-batches (stages 2-3; stages 0-1 keep the full "
+        "gradient in `reduce`, the buffer their collective reduces in place): fp32 or `param`'s "
+        "dtype; bf16 with reduce: bf16 gives ZeRO's 2 bytes per parameter, but bf16 "
+        "accumulation over micro-batches rounds every addition; default: master's (fp32)",
+    )
     buffers: Dtype | None = Field(
         None, description="dtype of floating buffers; default: follow `param`"
     )
@@ -342,6 +350,15 @@ class PrecisionConfig(_Section):
                 f"must update weights at least as precise as those used in compute; use "
                 f"master: fp32{pure}"
             )
+        if self.grad not in (None, "fp32", self.param):
+            why = (
+                "16-bit gradients come from a 16-bit backward; with param: fp32 use grad: fp32"
+                if self.param == "fp32"
+                else f"gradients come out of backward in {self.param}, and the other 16-bit "
+                "dtype would change their range (fp16 overflows above 65504) or drop mantissa "
+                f"bits (bf16 keeps 8) without saving a byte; use grad: {self.param} or fp32"
+            )
+            raise ValueError(f"grad {self.grad!r} with param {self.param!r}: {why}")
         if self.on_nonfinite == "error" and self.scaling != "none":
             raise ValueError(
                 "on_nonfinite: error with loss scaling: an overflowing step is how the scale "
@@ -373,12 +390,20 @@ class PrecisionConfig(_Section):
     @property
     def mixed(self) -> bool:
         """Whether the plan leaves fp32 anywhere (the precision pass must run)."""
-        dtypes = (self.param, self.reduce, self.master, self.buffers or self.param, self.output)
+        dtypes = (
+            self.param,
+            self.reduce,
+            self.master,
+            self.grad or self.master,
+            self.buffers or self.param,
+            self.output,
+        )
         return any(d != "fp32" for d in dtypes) or self.scaling != "none"
 
     def dtype(self, field: str) -> torch.dtype:
-        """The torch dtype of ``field`` (``buffers`` resolved to ``param`` when unset)."""
-        name = getattr(self, field) or self.param
+        """The torch dtype of ``field`` (``buffers`` resolved to ``param`` when unset, ``grad``
+        to ``master``)."""
+        name = getattr(self, field) or (self.master if field == "grad" else self.param)
         return DTYPES[name]
 
 

@@ -7,9 +7,13 @@ that allocates them at compile time cannot disagree.
 
 Under mixed precision ``param`` is the compute copy (e.g. bf16) the gathers move and the forward
 reads, and ``master`` holds the weights the optimizer updates (fp32): the whole flat for stage 0,
-this rank's shard otherwise. The update writes both. Gradient accumulators are in the
-``reduce`` dtype where they are the buffers the collective reduces (full, stages 0-1) and in the
-master dtype where they receive reduced shards (stages 2-3).
+this rank's shard otherwise. The update writes both.
+
+Gradients persist only to be accumulated over micro-batches: with ``grad_accumulation: 1`` the
+reduced gradient goes straight from its collective to the update, a transient of the program,
+and no ``grad`` state exists. With accumulation, the accumulators are in the ``reduce`` dtype
+where they are the buffers the collective reduces (full, stages 0-1) and in ``precision.grad``
+(default: the master dtype) where they receive reduced shards (stages 2-3).
 
 Offload (:class:`Placement`) says where each state lives: on the device, in host memory, or in
 a file on NVMe. A unit whose optimizer states live elsewhere than its parameters has a separate
@@ -124,18 +128,25 @@ LOSS_SCALE_SPEC = StateSpec(LOSS_SCALE_KEY, LOSS_SCALE, None, (), torch.float32)
 
 @dataclass(frozen=True)
 class Dtypes:
-    """The dtypes of a unit's state: compute copy, master weights, accumulators."""
+    """The dtypes of a unit's state: compute copy, master weights, reductions, gradient shards."""
 
     param: torch.dtype
     master: torch.dtype
     reduce: torch.dtype
+    grad: torch.dtype  # the gradient shards of stages 2-3 (``precision.grad``)
 
     @classmethod
     def of(cls, unit: Unit, precision: PrecisionConfig | None) -> Dtypes:
         """The plan's dtypes, or the model's own (fp32 layout) when ``precision`` is None."""
         if precision is None:
-            return cls(unit.dtype, unit.dtype, unit.dtype)
-        return cls(*(precision.dtype(f) for f in ("param", "master", "reduce")))
+            return cls(unit.dtype, unit.dtype, unit.dtype, unit.dtype)
+        return cls(*(precision.dtype(f) for f in ("param", "master", "reduce", "grad")))
+
+    def gradient(self, stage: int) -> torch.dtype:
+        """The dtype a unit's gradient is kept in for the update (and accumulated in): the
+        ``reduce`` dtype of the full gradient the collective reduces in place (stages 0-1),
+        ``grad`` for the gradient shards (stages 2-3)."""
+        return self.reduce if stage <= 1 else self.grad
 
 
 def optimizer_states(config: OptimizerConfig) -> tuple[str, ...]:
@@ -150,13 +161,15 @@ def param_specs(
     stage: int,
     precision: PrecisionConfig | None = None,
     placement: Placement = Placement(),
+    grad_accumulation: int = 1,
 ) -> dict[str, StateSpec]:
     """``param`` (stage 3: this rank's shard; else the replicated flat), ``param_shard``
     (stages 1-2: this rank's slice of it), ``master`` (the weights the optimizer updates, when
-    their dtype differs from ``param``'s or they live apart from it) and ``grad`` (the
-    accumulator: full for stages 0-1, a shard for 2-3). Frozen units keep no ``grad``.
-    ``precision=None`` is the model's dtype throughout, the layout the shard pass builds before
-    the precision pass retypes it."""
+    their dtype differs from ``param``'s or they live apart from it) and, when gradients are
+    accumulated over micro-batches (``grad_accumulation`` > 1), ``grad`` (the accumulator: full
+    for stages 0-1, a shard for 2-3). Frozen units keep no ``grad``. ``precision=None`` is the
+    model's dtype throughout, the layout the shard pass builds before the precision pass
+    retypes it."""
     full, shard = (unit.padded_numel,), (unit.shard_numel,)
     dtypes = Dtypes.of(unit, precision)
     key = unit.key
@@ -181,11 +194,9 @@ def param_specs(
         specs["master"] = spec(
             "master", MASTER, full if stage == 0 else shard, dtypes.master, placement.optimizer
         )
-    if unit.trainable:
+    if unit.trainable and grad_accumulation > 1:
         accumulated = full if stage <= 1 else shard
-        specs["grad"] = spec(
-            "grad", GRAD, accumulated, dtypes.reduce if stage <= 1 else dtypes.master
-        )
+        specs["grad"] = spec("grad", GRAD, accumulated, dtypes.gradient(stage))
     return specs
 
 
@@ -210,7 +221,11 @@ def state_specs(units: list[Unit], plan: Plan) -> list[StateSpec]:
     stage, config = plan.zero.stage, plan.optimizer
     precision = plan.precision if plan.precision.mixed else None
     where = placements(units, plan.offload)
-    specs = [s for u in units for s in param_specs(u, stage, precision, where[u.name]).values()]
+    specs = [
+        s
+        for u in units
+        for s in param_specs(u, stage, precision, where[u.name], plan.grad_accumulation).values()
+    ]
     specs += [
         s
         for u in units

@@ -10,17 +10,19 @@ from parity import batch_of
 
 import zerocc
 from zerocc.errors import PassOrderError
+from zerocc.explain import held_gradient_bytes
 from zerocc.ir import FOUND_INF, MASTER, PARAM_FULL, PARAM_SHARD, info, op_name, placeholders, val
 
 WORLD = 4
 
 
-def compiled(stage: int, precision: dict, world: int = WORLD, calls: int = 1):
+def compiled(stage: int, precision: dict, world: int = WORLD, calls: int = 1, accum: int = 1):
     plan = {
         "zero": {"stage": stage},
         "units": {"classes": ["Block"]},
         "optimizer": {"grad_clip": 1.0},
         "precision": precision,
+        "grad_accumulation": accum,
     }
     step = zerocc.compile(tiny_gpt(), plan, comm=zerocc.FakeComm(world))
     for i in range(calls):
@@ -85,9 +87,46 @@ def test_explain_counts_the_same_bytes_as_the_collectives():
     # Measured counts the step counter and the loss scale too (16 bytes the formula ignores).
     assert figures["model_state_bytes"] == pytest.approx(figures["formula_bytes"], rel=1e-3)
     psi = sum(u.padded_numel for u in step.units)
-    # ZeRO's 16 bytes per parameter over 4 ranks: 2 param + 2 grad (fp32: 4) + 12 optimizer.
-    assert figures["formula_bytes"]["total"] == pytest.approx(psi * (2 + 4 + 12) / WORLD)
-    assert "compute bf16, reduce bf16, master fp32" in step.explain()
+    # Over 4 ranks: 2 param + 12 optimizer bytes per parameter. At grad_accumulation 1 no
+    # gradient is state: the updates read the bf16 reduced shards (2 bytes), held in the step.
+    assert figures["formula_bytes"]["total"] == pytest.approx(psi * (2 + 12) / WORLD)
+    assert held_gradient_bytes(step.program) == psi * 2 // WORLD
+    assert "compute bf16, reduce bf16, master fp32, grads fp32" in step.explain()
+
+
+BF16_GRADS = {"param": "bf16", "reduce": "bf16", "grad": "bf16"}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_gradients_give_zeros_bytes_per_parameter(stage):
+    """ZeRO's mixed-precision Adam with bf16 gradients, accumulated over micro-batches (so they
+    are state): params 2, grads 2, optimizer 12 bytes per parameter, each sharded from its
+    stage on, 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N: measured, and explain's formula."""
+    step = compiled(stage, BF16_GRADS, accum=2, calls=2)
+    figures = zerocc.explain.describe(step)
+    psi, n = sum(u.padded_numel for u in step.units), WORLD
+    expected = {
+        "params": 2 * psi // (n if stage == 3 else 1),
+        "grads": 2 * psi // (n if stage >= 2 else 1),
+        "optimizer": 12 * psi // (n if stage >= 1 else 1),
+    }
+    measured = dict(figures["model_state_bytes"])
+    measured["optimizer"] -= 8  # AdamW's step counter
+    for category, nbytes in expected.items():
+        assert figures["formula_bytes"][category] == nbytes, category
+        assert measured[category] == nbytes, category
+    zero = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
+    assert figures["formula_bytes"]["total"] == zero[stage]
+    assert "grads bf16" in step.explain()
+
+
+def test_grad_dtype_leaves_the_full_accumulators_of_stages_0_1_in_reduce():
+    """Stages 0-1 keep the full gradient in `reduce` (the buffer their collective reduces in
+    place); precision.grad is the dtype of stage 2-3's gradient shards."""
+    step = compiled(1, {**BF16_GRADS, "reduce": "fp32"}, accum=2)
+    assert {t.dtype for k, t in step.state.items() if k.endswith(".grad")} == {torch.float32}
+    step = compiled(2, {**BF16_GRADS, "reduce": "fp32"}, accum=2)
+    assert {t.dtype for k, t in step.state.items() if k.endswith(".grad")} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -92,7 +92,9 @@ def test_stage2_reduce_scatters_in_backward_and_gathers_updated_params():
 
 
 def test_stage1_reduces_once_after_the_last_backward_op():
-    step = compiled(1)
+    """With accumulation: the full gradient accumulates over micro-batches, and is reduced once
+    on the micro-batch that steps."""
+    step = compiled(1, accum=2, calls=2)
     nodes = list(step.program.graph.nodes)
     # Captured backward ops carry no unit; what the shard pass adds (accumulation) does.
     last_backward = max(
@@ -102,6 +104,28 @@ def test_stage1_reduces_once_after_the_last_backward_op():
     assert len(scatters) == len(step.units)
     assert all(nodes.index(n) > last_backward for n in scatters)
     assert len(ops(step, "all_gather_into_start")) == len(step.units)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_without_accumulation_the_reduced_gradient_goes_straight_to_the_update(stage):
+    """grad_accumulation 1: no gradient state, no add into it, no zeroing of it; each unit's
+    gradient is packed once complete, reduced, and the collective's result is what its update
+    reads (stage 1 reduces as stage 2 does: the full gradient never exists as a whole)."""
+    step = compiled(stage)
+    assert not [k for k in step.state if k.endswith(".grad")]
+    graph = step.program.graph
+    assert not [n for n in graph.nodes if op_name(n.target) in ("aten.add_", "aten.zero_")]
+    reduce = "all_reduce_start" if stage == 0 else "reduce_scatter_start"
+    reductions = ops(step, reduce, "backward")
+    assert [op_name(n.args[0].target) for n in reductions] == ["zerocc.pack"] * len(step.units)
+    waits = {next(iter(n.users)) for n in reductions}
+    assert {n.args[1] for n in ops(step, "adamw_")} == waits
+    # Reduced as each unit's gradient completes, not after backward.
+    nodes = list(graph.nodes)
+    last_backward = max(
+        i for i, n in enumerate(nodes) if info(n).phase == "backward" and info(n).unit is None
+    )
+    assert nodes.index(reductions[0]) < last_backward
 
 
 def test_stage0_all_reduces_and_updates_full_params():
