@@ -7,9 +7,11 @@ anything that aliases that storage (views, ``wait``), as the eager backend's gen
 drops references; a collective (or a copy) holds its inputs until its wait (its work handle
 keeps them); ``zerocc.free`` releases a gathered unit at once. In-place ops and views allocate
 nothing. Storages made by an all-gather count as *gathered*; every other transient (activations
-saved for backward, gradients, packed buckets) as *activations*. What offload keeps in host
-memory or on NVMe (states, and the host buffers of its copies) is not device memory: it is
-reported apart (model states ``host``, ``nvme``; the host buffers' peak).
+saved for backward, gradients, packed buckets) as *activations*: without gradient accumulation
+no gradient is model state, and the reduced gradients the update reads are transients from
+their reduction to the update. What offload keeps in host memory or on NVMe (states, and the
+host buffers of its copies) is not device memory: it is reported apart (model states ``host``,
+``nvme``; the host buffers' peak).
 """
 
 from __future__ import annotations
