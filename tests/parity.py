@@ -114,18 +114,23 @@ def _optimizer(case: dict[str, Any], params: list[torch.nn.Parameter]) -> torch.
 
 
 def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """Losses per rank per micro-batch, and the final state dict, of unsharded training."""
+    """Losses per rank per micro-batch, and the final state dict (on the CPU), of unsharded
+    training on the case's device: the device the ranks ran on. Another device's kernels round
+    bf16 differently (the GPU's matmuls accumulate in another order than the CPU's), and Adam
+    turns a flipped last bit into a step of lr: a CPU reference of a bf16 run on CUDA differed by
+    1.6e-2 (issue 16), as this CPU's own kernels on 2 threads instead of 1 differ by 8e-3."""
     model = _model(case)
     if case.get("meta"):
         zerocc.materialize(model, seed=7)
+    model.to(_device(case))
     # One thread, as in the ranks: a CPU kernel that splits its fp32 accumulation over another
     # number of threads rounds differently (bf16 results visibly, fp32 ones in the last bit).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if plan_of(case)["precision"]:
-            return _mixed_reference(case, model)
-        return _fp32_reference(case, model)
+        run = _mixed_reference if plan_of(case)["precision"] else _fp32_reference
+        losses, state = run(case, model)
+        return losses, {name: value.cpu() for name, value in state.items()}
     finally:
         torch.set_num_threads(threads)
 
@@ -140,7 +145,7 @@ def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
         opt.zero_grad()
         for micro in range(k):
             for r in range(world):
-                loss = loss_of(model(*batch_of(case, s * k + micro, r)))
+                loss = loss_of(model(*_on_device(case, batch_of(case, s * k + micro, r))))
                 losses[r].append(float(loss.detach()))
                 (loss / (world * k)).backward()
         if cfg.get("grad_clip"):
@@ -160,7 +165,7 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
         knobs = precision.dynamic
         assert knobs.hysteresis == 1, "GradScaler has no hysteresis"
         scaler = torch.amp.GradScaler(
-            "cpu",
+            _device(case).type,
             init_scale=knobs.initial,
             growth_factor=knobs.growth_factor,
             backoff_factor=knobs.backoff_factor,
@@ -185,7 +190,7 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
             for r in range(world):
                 batch = [
                     b.to(compute) if b.is_floating_point() else b
-                    for b in batch_of(case, s * k + micro, r)
+                    for b in _on_device(case, batch_of(case, s * k + micro, r))
                 ]
                 loss = loss_of(cast(*batch)).float()
                 losses[r].append(float(loss.detach()))
@@ -209,6 +214,14 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
         else:
             opt.step()
     return losses, model.state_dict()
+
+
+def _device(case: dict[str, Any]) -> torch.device:
+    return torch.device(case.get("device", "cpu"))
+
+
+def _on_device(case: dict[str, Any], batch: tuple) -> list:
+    return [b.to(_device(case)) if isinstance(b, torch.Tensor) else b for b in batch]
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -2,9 +2,14 @@
 kernels launched for real, the communication stream and its events, `zerocc train`.
 
 Marked ``cuda`` / ``two_gpus`` (tests/conftest.py): skipped, with the reason, on a machine with
-fewer GPUs. Tolerance as in test_parity.py (1e-5 relative), against the same CPU reference: in
-fp32, with TF32 off (torch's default for matmul), a GPU rounds each dot product and sum of the
-same fp32 values in another order than the CPU, a few ulps apart, as the sharded sum does.
+fewer GPUs. Tolerance as in test_parity.py (1e-5 relative) in fp32: with TF32 off (torch's
+default for matmul), the GPU rounds each dot product and sum of the same fp32 values in another
+order than the reference, a few ulps apart, as the sharded sum does. In bf16 as in
+test_mixed_precision.py (1e-2), against a reference computed on the same GPU
+(parity.reference runs on the case's device): a CPU reference of a bf16 run on CUDA differs by
+1.6e-2, because the two devices' kernels round bf16 differently and Adam turns a flipped last
+bit into a step of lr (issue 16; on this CPU, the reference's own kernels on 2 threads instead of
+1 already differ by 8e-3).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from multirank import run_ranks
 from parity import assert_matches_reference, case_id, train
 
 TOL = 1e-5
+MIXED_TOL = 1e-2
 EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt" / "zero3.yaml"
 
 
@@ -29,7 +35,12 @@ def _cases(world: int) -> list[dict]:
     cases = [{**on_gpu, "stage": s} for s in range(4)]
     cases.append({**on_gpu, "stage": 3, "accum": 2})
     cases.append({**on_gpu, "stage": 2, "kernels": "triton"})  # launched, not interpreted
+    cases += [{**on_gpu, "stage": s, "precision": {"param": "bf16"}} for s in (0, 3)]
     return cases
+
+
+def _tol(case: dict) -> float:
+    return MIXED_TOL if case.get("precision") else TOL
 
 
 def _train_on_gpus(rank: int, world: int, cases: list[dict]) -> dict:
@@ -51,7 +62,7 @@ def _results(world: int) -> list[dict]:
 def test_one_gpu_matches_unsharded_training(case):
     ranks = _results(1)
     assert ranks[0]["current_device"] == 0 and not ranks[0]["triton_interpreted"]
-    assert_matches_reference(ranks, case, TOL)
+    assert_matches_reference(ranks, case, _tol(case))
 
 
 @pytest.mark.two_gpus
@@ -59,7 +70,7 @@ def test_one_gpu_matches_unsharded_training(case):
 def test_two_nccl_ranks_match_unsharded_training(case):
     ranks = _results(2)
     assert [r["current_device"] for r in ranks] == [0, 1]  # cuda:LOCAL_RANK, made current
-    assert_matches_reference(ranks, case, TOL)
+    assert_matches_reference(ranks, case, _tol(case))
 
 
 def _stream_and_events(rank: int, world: int) -> dict:
