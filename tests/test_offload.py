@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import build
+from optional_deps import needs_triton
 from parity import batch_of
 
 import zerocc
@@ -282,3 +283,23 @@ def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
     assert host_update_threads() == cores
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
     assert host_update_threads() == 1
+
+
+@needs_triton
+def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypatch):
+    """Only a step that computes on a GPU moves host updates to the torch kernels and pins host
+    buffers; a CPU rank on a machine with a GPU does neither (pinning would give it a CUDA
+    context, and its `kernels: triton` would silently run the torch ones)."""
+    from zerocc.backends.kernels import kernel_set
+
+    from zerocc.ops import _kernels_for, use_kernels
+    from zerocc.transfers import Transfers, new_on, use_transfers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    host = torch.zeros(4)
+    with use_kernels("triton", torch.device("cpu")):
+        assert _kernels_for(host) is kernel_set("triton")
+    with use_kernels("triton", torch.device("cuda", 0)):
+        assert _kernels_for(host) is kernel_set("torch")
+    with use_transfers(Transfers(device=torch.device("cpu"))):
+        assert not new_on(torch.device("cpu"), (4,), torch.float32, host).is_pinned()

@@ -30,7 +30,8 @@ from zerocc.comm import Work, active_comm
 DP_GROUP = "dp"  # name of the data-parallel group the collectives run on
 _lib = Library("zerocc", "DEF")
 _pending: dict[int, Work] = {}
-_kernels: list[ModuleType] = []
+_kernels: list[tuple[ModuleType, torch.device]] = []  # (kernel set, the step's device)
+CPU = torch.device("cpu")
 
 SCHEMAS = {
     "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group) -> Tensor",
@@ -289,27 +290,29 @@ def _(*args):
 
 
 def _kernels_for(param: torch.Tensor) -> ModuleType:
-    """The update's kernels: an offloaded unit's update runs on the host while the compute is
+    """The update's kernels: an offloaded unit's update runs on the host while the step computes
     on a GPU, where the plan's Triton kernels do not run: the torch reference does there (on
-    CPU it is vectorized and multi-threaded by ATen's intra-op pool)."""
-    if param.device.type == "cpu" and torch.cuda.is_available():
+    CPU it is vectorized and multi-threaded by ATen's intra-op pool). A step on the CPU keeps
+    its plan's kernels, on a machine with a GPU too."""
+    if param.device.type == "cpu" and _kernels and _kernels[-1][1].type == "cuda":
         return kernel_set("torch")
     return active_kernels()
 
 
 @contextlib.contextmanager
-def use_kernels(name: str) -> Iterator[ModuleType]:
-    """Run zerocc's compute ops (update, unscale, pack) with kernel set ``name`` in the body."""
-    _kernels.append(kernel_set(name))
+def use_kernels(name: str, device: torch.device = CPU) -> Iterator[ModuleType]:
+    """Run zerocc's compute ops (update, unscale, pack) with kernel set ``name`` in the body,
+    for a step that computes on ``device``."""
+    _kernels.append((kernel_set(name), device))
     try:
-        yield _kernels[-1]
+        yield _kernels[-1][0]
     finally:
         _kernels.pop()
 
 
 def active_kernels() -> ModuleType:
     """The kernel set chosen by :func:`use_kernels`; the torch reference outside of one."""
-    return _kernels[-1] if _kernels else kernel_set("torch")
+    return _kernels[-1][0] if _kernels else kernel_set("torch")
 
 
 def op(name: str) -> torch._ops.OpOverload:

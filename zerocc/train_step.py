@@ -126,7 +126,7 @@ class TrainStep:
         # anything is written; every other state in ``self.state``.
         self.nvme_specs = [s for s in state_specs(self.units, plan) if s.location == NVME]
         self.store = open_store(plan, comm.rank, self.nvme_specs)
-        self.transfers = Transfers(self.store)
+        self.transfers = Transfers(self.store, device)
         if plan.offload.optimizer != "none" and device.type == "cuda":
             torch.set_num_threads(host_update_threads())
         if plan.backend.check_memory:  # before anything is allocated: the states fit
@@ -210,7 +210,7 @@ class TrainStep:
                 traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
                 use_comm(self.comm),
                 use_transfers(self.transfers),
-                use_kernels(self.plan.backend.kernels),
+                use_kernels(self.plan.backend.kernels, self.device),
                 self.comm.checked_before_first_collective(late),
             ):
                 args = detach_inputs(args)  # so that grad mode records no autograd graph

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.library import Library
 
-from zerocc.ops import fake, implements, issue
+from zerocc.ops import CPU, fake, implements, issue
 
 _lib = Library("zerocc", "FRAGMENT")
 SCHEMAS = {
@@ -99,10 +99,12 @@ class _ReadThenCopy:
 
 class Transfers:
     """Runs the transfer ops of one rank: copies (a copy stream on a GPU) and NVMe I/O through
-    ``store`` (a :class:`zerocc.nvme.NvmeStore`, when the plan offloads to NVMe)."""
+    ``store`` (a :class:`zerocc.nvme.NvmeStore`, when the plan offloads to NVMe), for a step
+    that computes on ``device`` (host buffers are pinned when that is a GPU)."""
 
-    def __init__(self, store: Any = None) -> None:
+    def __init__(self, store: Any = None, device: torch.device = CPU) -> None:
         self.store = store
+        self.device = device
         self.stats = TransferStats()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -172,8 +174,9 @@ def active_transfers() -> Transfers:
 def new_on(
     device: torch.device, shape: Any, dtype: torch.dtype, like: torch.Tensor
 ) -> torch.Tensor:
-    """An empty tensor for a transfer's result: host memory is pinned when a GPU takes part."""
-    pinned = device.type == "cpu" and (like.is_cuda or torch.cuda.is_available())
+    """An empty tensor for a transfer's result: host memory is pinned when a GPU takes part
+    (not merely when the machine has one: a CPU rank would make a CUDA context for it)."""
+    pinned = device.type == "cpu" and (like.is_cuda or active_transfers().device.type == "cuda")
     return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pinned)
 
 
