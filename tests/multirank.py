@@ -18,24 +18,10 @@ import queue as queue_module
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` set in os.environ for the body, restored afterwards."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+from zerocc.launch import environment
 
 
 def _free_port() -> int:
@@ -90,7 +76,7 @@ def run_ranks(
         for r in range(world)
     ]
     # Spawned ranks inherit this environment when they start (and read it as they import).
-    with _environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
+    with environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
         for p in procs:
             p.start()
     results: dict[int, tuple[str, Any]] = {}

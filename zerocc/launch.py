@@ -15,6 +15,7 @@ reads them:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +65,20 @@ def launch(nproc: int, port: int, command: list[str]) -> int:
     return 0
 
 
-@contextmanager
-def _rank_environment(nproc: int, run_dir: str) -> Iterator[None]:
-    """The variables the launched ranks inherit, restored afterwards."""
-    names = (RANK_WORKER_ENV, "OMP_NUM_THREADS", RUN_DIR_ENV)
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ[RANK_WORKER_ENV] = "1"  # the ranks run the command instead of launching again
-    os.environ[RUN_DIR_ENV] = run_dir
-    # torchrun would set 1 thread per rank; share the cores between the ranks instead.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+def _rank_environment(nproc: int, run_dir: str) -> contextlib.AbstractContextManager:
+    """The variables the launched ranks inherit: they run the command instead of launching
+    again, report to ``run_dir``, and share the cores (torchrun would give each one thread)."""
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    return environment(
+        {RANK_WORKER_ENV: "1", RUN_DIR_ENV: run_dir, "OMP_NUM_THREADS": threads}
+    )
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in os.environ for the body, restored afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
