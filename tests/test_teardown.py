@@ -73,6 +73,7 @@ def _compile_and_drop(rank: int, world: int) -> tuple[int, int]:
     import gc
 
     import torch
+    import torch._dynamo  # noqa: F401  (starts the default group's gloo threads: not zerocc's)
 
     import zerocc
 
