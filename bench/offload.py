@@ -137,7 +137,7 @@ def finish_rows(rows: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> 
         if r["family"] != "zerocc":
             continue
         reported = [a["reported"] for a in runs[r["name"]]["answers"][-1]]
-        by_pool = [x["state_bytes_by_location"] for x in reported]  # zerocc.explain's, by rank
+        by_pool = [x["state_bytes_by_location"] for x in reported]  # the step's, by rank
         r["state_bytes"] = {p: max(x[p]["total"] for x in by_pool) for p in by_pool[0]}
         r["state_bytes_by_rank"] = by_pool
         kinds = {k for x in reported for k in x["transfer_bytes"]}

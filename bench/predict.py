@@ -4,7 +4,7 @@ For each ZeRO stage asked for (2 and 3 by default), fresh ranks train the benchm
 (bench/config.py: 10 layers × 512, 2 gloo ranks with 1 thread each) under zerocc's default
 pipeline (overlap on), and:
 
-1. calibrate with ``zerocc.calibrate.calibrate``, the code behind ``zerocc profile``: timed
+1. calibrate with ``zerocc.inspect.calibrate.calibrate``, the code behind ``zerocc profile``: timed
    steps, every op timed (fitted to overhead + FLOPs + bytes), the collectives timed on the
    process group (fitted to latency + bandwidth);
 2. measure: ``--steps`` more steps, timed as they run (a step lasts as long as its slowest
@@ -57,8 +57,8 @@ def stage_rank(rank: int, cfg: BenchConfig, stage: int, port: int, steps: int, o
     torch.set_num_threads(cfg.threads)
     import torch.distributed as dist
 
-    from zerocc.calibrate import calibrate, slowest
-    from zerocc.measure import exposed_us
+    from zerocc.cost.timeline import exposed_us
+    from zerocc.inspect.calibrate import calibrate, slowest
 
     dist.init_process_group("gloo")
     step = zerocc_runner(build_model(cfg), cfg, torch.device("cpu"), stage=stage).train_step
@@ -86,16 +86,16 @@ def stage_rank(rank: int, cfg: BenchConfig, stage: int, port: int, steps: int, o
 def program_of(plan: Any, cfg: BenchConfig) -> Any:
     """The stage's stepping program, compiled again here on fake tensors (as `zerocc
     estimate` does): the same pipeline for the same world size builds the same program."""
-    from zerocc.inspection import inspect_plan
-    from zerocc.workload import Workload
+    from zerocc.compiler.workload import Workload
+    from zerocc.inspect.estimate import inspect_plan
 
     workload = Workload(build_model(cfg), batches=lambda rank, world: batches(cfg, rank))
     return inspect_plan(plan, cfg.world_size, workload).stepping.gm
 
 
 def _predict(program: Any, rates: dict[str, Any], world_size: int) -> dict[str, float]:
-    from zerocc.cost import DeviceRates
-    from zerocc.simulate import predict_step
+    from zerocc.cost.model import DeviceRates
+    from zerocc.cost.simulate import predict_step
 
     fitted = DeviceRates(**rates)
     return predict_step({True: program}, 1, fitted, world_size).as_dict()

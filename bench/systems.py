@@ -95,13 +95,13 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
         return loss, recorder.timeline.peak()[1]
 
     def reported() -> dict[str, Any]:
-        from zerocc.explain import state_bytes_by_location, transfer_bytes_per_step
+        from zerocc.inspect.explain import transfer_bytes_per_step
 
         summary = step.summary()
         return {
             "comm_bytes": summary["comm_bytes_per_step"],
             "model_state_bytes": summary["model_state_bytes"],  # the device pool's
-            "state_bytes_by_location": state_bytes_by_location(step),  # device, host, nvme
+            "state_bytes_by_location": step.state_bytes_by_location(),  # device, host, nvme
             "transfer_bytes": summary["offload_bytes_per_step"],  # offload's copies, last step
             "transfer_bytes_program": transfer_bytes_per_step(step),  # what the program says
         } | cpu_seconds()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.ir import (
+from zerocc.ir.nodes import (
     GATHERED,
     emit,
     emit_collective,
@@ -36,7 +36,7 @@ from zerocc.ir import (
     tag,
     val,
 )
-from zerocc.ops import DP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, op
 
 aten = torch.ops.aten
 

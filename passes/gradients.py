@@ -27,10 +27,10 @@ import torch
 from torch import fx
 from zerocc.passes.param_uses import ParamUses
 
-from zerocc.ir import GRAD_SHARD, emit, emit_collective, info, tag, val
-from zerocc.ops import DP_GROUP, op
-from zerocc.pass_manager import PassContext
-from zerocc.units import Unit
+from zerocc.compiler.pass_spec import PassContext
+from zerocc.compiler.units import Unit
+from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
+from zerocc.ir.ops import DP_GROUP, op
 
 aten = torch.ops.aten
 

@@ -1,8 +1,8 @@
 """offload: optimizer states and parameters in host memory or on NVMe, with their copies.
 
-Acts on the placement :func:`zerocc.state.placements` gives each unit (``offload.ratio`` of the
-parameters, ``offload.optimizer`` / ``offload.params``). Runs last, on the scheduled program, so
-its copies are placed against the final order of compute and communication:
+Acts on the placement :func:`zerocc.compiler.state.placements` gives each unit (``offload.ratio``
+of the parameters, ``offload.optimizer`` / ``offload.params``). Runs last, on the scheduled
+program, so its copies are placed against the final order of compute and communication:
 
 - **Optimizer** (host or NVMe): the unit's master weights and optimizer states are bound in
   host memory (or read from their files into host buffers) and its update runs on the host.
@@ -17,7 +17,7 @@ its copies are placed against the final order of compute and communication:
   its all-gathers a device copy is made, issued when the previous offloaded shard's copy is
   consumed (a prefetch of one), and it goes when the gather is done.
 
-Copies are start/wait pairs on the ``copy`` stream (:mod:`zerocc.transfers`). No arithmetic
+Copies are start/wait pairs on the ``copy`` stream (:mod:`zerocc.runtime.transfers`). No arithmetic
 changes: the update runs the same kernel on the same fp32 values, and the compute copy is cast
 from the same master, so losses equal those of the program without offload.
 """
@@ -27,13 +27,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.access import StorageRoots
-from zerocc.ir import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
-from zerocc.ir import state_placeholder as new_placeholder
-from zerocc.pass_manager import PassContext, register_pass
-from zerocc.plan import OffloadConfig
-from zerocc.state import DEVICE, HOST, NVME, Placement, StateSpec, placements, state_specs
-from zerocc.transfers import NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
+from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.plan import OffloadConfig
+from zerocc.compiler.state import DEVICE, HOST, NVME, Placement, StateSpec, placements, state_specs
+from zerocc.ir.access import StorageRoots
+from zerocc.ir.nodes import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
+from zerocc.ir.nodes import state_placeholder as new_placeholder
+from zerocc.ir.ops import NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")

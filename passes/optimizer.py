@@ -26,7 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from zerocc.ir import (
+from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.plan import OptimizerConfig
+from zerocc.compiler.state import STEP_SPEC, optimizer_specs
+from zerocc.ir.nodes import (
     FOUND_INF,
     GRAD,
     GRAD_SHARD,
@@ -41,10 +44,7 @@ from zerocc.ir import (
     state_placeholder,
     val,
 )
-from zerocc.ops import DP_GROUP, op
-from zerocc.pass_manager import PassContext, register_pass
-from zerocc.plan import OptimizerConfig
-from zerocc.state import STEP_SPEC, optimizer_specs
+from zerocc.ir.ops import DP_GROUP, op
 
 aten = torch.ops.aten
 

@@ -34,10 +34,10 @@ import torch
 from torch import fx
 from zerocc.passes.bucketing import bucket_collectives
 
-from zerocc.access import StorageRoots
-from zerocc.ir import GRAD, info, op_name, val
-from zerocc.ops import op
-from zerocc.pass_manager import PassContext, register_pass
+from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.ir.access import StorageRoots
+from zerocc.ir.nodes import GRAD, info, op_name, val
+from zerocc.ir.ops import op
 
 aten = torch.ops.aten
 MB = 2**20

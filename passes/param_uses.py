@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from zerocc.ir import PARAM, info
-from zerocc.rng import is_random
+from zerocc.ir.nodes import PARAM, info
+from zerocc.ir.rng import is_random
 
 
 @dataclass

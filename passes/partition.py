@@ -13,11 +13,11 @@ import fnmatch
 
 from torch import fx
 
-from zerocc.capture import ModelInfo, ParamInfo
+from zerocc.compiler.capture import ModelInfo, ParamInfo
+from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
-from zerocc.ir import PARAM, info, placeholders, tag
-from zerocc.pass_manager import PassContext, register_pass
-from zerocc.units import Unit
+from zerocc.ir.nodes import PARAM, info, placeholders, tag
 
 ROOT = ""
 

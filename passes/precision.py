@@ -1,7 +1,7 @@
 """precision: mixed precision on the sharded program (compute, reduce and master dtypes; loss
 scaling).
 
-Capture traced the step as the recipe runs it (see :class:`zerocc.capture.Casts`): each
+Capture traced the step as the recipe runs it (see :class:`zerocc.compiler.capture.Casts`): each
 parameter is cast to the compute dtype where the model reads it, and autograd of that cast
 hands back gradients cast up to fp32. The shard pass laid the program out in the model's dtype
 (fp32). This pass moves the casts to where they cost least:
@@ -29,8 +29,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.plan import PrecisionConfig
+from zerocc.compiler.state import Dtypes, param_specs
 from zerocc.errors import InvariantError
-from zerocc.ir import (
+from zerocc.ir.nodes import (
     FOUND_INF,
     GATHERED,
     GRAD,
@@ -48,10 +51,7 @@ from zerocc.ir import (
     state_placeholder,
     val,
 )
-from zerocc.ops import DP_GROUP, op
-from zerocc.pass_manager import PassContext, register_pass
-from zerocc.plan import PrecisionConfig
-from zerocc.state import Dtypes, param_specs
+from zerocc.ir.ops import DP_GROUP, op
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ checkpoints one call:
   ``bernoulli_``) are copied with it. A node whose copy could not see what the original saw
   (it would read a kept value that an in-place op overwrites before the recompute) is kept
   instead, and its note says why.
-- **Random ops** replay their forward's numbers (:mod:`zerocc.rng`): the generator state is
+- **Random ops** replay their forward's numbers (:mod:`zerocc.ir.rng`): the generator state is
   saved right before the op in forward, set before its copy and restored after it.
 
 It runs before shard: the copies are ordinary backward nodes there, so stage 3 gathers a unit
@@ -34,13 +34,13 @@ import torch
 from torch import fx
 from zerocc.passes.param_uses import analyze
 
-import zerocc.rng  # noqa: F401  (registers the RNG ops the copies use)
-from zerocc.access import StorageRoots, written_arguments
+import zerocc.ir.rng  # noqa: F401  (registers the RNG ops the copies use)
+from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
-from zerocc.ir import copy_node, emit, info, op_name, tag, val
-from zerocc.pass_manager import PassContext, register_pass
-from zerocc.rng import RNG_STATE, SET_RNG_STATE, argument, is_random
-from zerocc.units import Unit
+from zerocc.ir.access import StorageRoots, written_arguments
+from zerocc.ir.nodes import copy_node, emit, info, op_name, tag, val
+from zerocc.ir.rng import RNG_STATE, SET_RNG_STATE, argument, is_random
 
 aten = torch.ops.aten
 ROOT_NAME = "root"  # the root unit, left out of "all": its forward ends where backward begins
@@ -92,7 +92,7 @@ class _Analysis:
     """Storage, ownership and parameter facts of the captured graph, computed once.
 
     Every value lives in the storage of its *root*, the node that allocated it (views, in-place
-    ops and a getitem of a view list share their input's root), as :mod:`zerocc.access` counts
+    ops and a getitem of a view list share their input's root), as :mod:`zerocc.ir.access` counts
     them; ``writers`` lists, per root, the nodes that write it in place, in program order.
     """
 

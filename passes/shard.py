@@ -40,8 +40,12 @@ from torch import fx
 from zerocc.passes.gradients import Gradients, flat_view, unit_collective
 from zerocc.passes.param_uses import ParamUses, analyze
 
+from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.plan import OffloadConfig
+from zerocc.compiler.state import DEVICE, param_specs, placements
+from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
-from zerocc.ir import (
+from zerocc.ir.nodes import (
     GATHERED,
     PARAM,
     copy_node,
@@ -50,11 +54,7 @@ from zerocc.ir import (
     state_placeholder,
     tag,
 )
-from zerocc.ops import DP_GROUP, op
-from zerocc.pass_manager import PassContext, register_pass
-from zerocc.plan import OffloadConfig
-from zerocc.state import DEVICE, param_specs, placements
-from zerocc.units import Unit
+from zerocc.ir.ops import DP_GROUP, op
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from zerocc.launch import environment
+from zerocc.runtime.launch import environment
 
 
 def _free_port() -> int:

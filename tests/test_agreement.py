@@ -1,7 +1,7 @@
-"""The ranks' agreement on each micro-batch (zerocc/agreement.py, TrainStep): issued at once and
-settled right before the first collective of a cached program whose run writes nothing before
-it, so that its round trip runs behind that work; settled before the run otherwise, and before
-compiling. Disagreements found that late are still errors on every rank with nothing written,
+"""The ranks' agreement on each micro-batch (zerocc/runtime/agreement.py, TrainStep): issued at
+once and settled right before the first collective of a cached program whose run writes nothing
+before it, so that its round trip runs behind that work; settled before the run otherwise, and
+before compiling. Disagreements found that late are still errors on every rank with nothing written,
 the groups stay usable, and the ranks' control traffic goes through the gloo control group.
 """
 
@@ -77,7 +77,7 @@ def test_a_program_that_writes_before_its_first_collective_agrees_before_it_runs
 def _where_settled(rank: int, world: int, stage: int) -> list[tuple[bool, int]]:
     """For each call: whether the agreement was settled while the program ran, and how many
     collectives the program had issued by then."""
-    from zerocc import comm as comm_module
+    from zerocc.runtime import comm as comm_module
     from zerocc.train_step import TrainStep
 
     step = zerocc.compile(build("gpt"), _plan(stage))
@@ -229,7 +229,7 @@ def _groups_for_cuda(rank: int, world: int) -> list[str | None]:
     then made with gloo: this machine has no NCCL)."""
     import torch.distributed as dist
 
-    from zerocc.comm import TorchComm
+    from zerocc.runtime.comm import TorchComm
 
     asked: list[str | None] = []
     new_group = dist.new_group

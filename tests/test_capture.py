@@ -12,9 +12,9 @@ from models import build, entry, tiny_gpt
 from parity import batch_of
 
 import zerocc
-from zerocc.capture import capture, default_loss_fn, describe_model
+from zerocc.compiler.capture import capture, default_loss_fn, describe_model
 from zerocc.errors import CaptureError
-from zerocc.ir import BATCH, PARAM, info, placeholders, val
+from zerocc.ir.nodes import BATCH, PARAM, info, placeholders, val
 
 
 def _captured(model):
@@ -114,7 +114,7 @@ def _assert_valid_arguments(nodes) -> None:
 def test_name_placeholder_makes_unique_identifiers_that_are_the_targets():
     from torch import fx
 
-    from zerocc.ir import name_placeholder
+    from zerocc.ir.nodes import name_placeholder
 
     graph = fx.Graph()
     nodes = [name_placeholder(graph.placeholder("x"), text) for text in AWKWARD_NAMES]
@@ -128,8 +128,8 @@ def test_state_placeholders_of_awkward_keys_are_valid_arguments():
     from torch import fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zerocc.ir import PARAM_FULL, state_placeholder
-    from zerocc.state import StateSpec
+    from zerocc.compiler.state import StateSpec
+    from zerocc.ir.nodes import PARAM_FULL, state_placeholder
 
     with FakeTensorMode():
         like = torch.empty(2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pydot
 import pytest
 
-from zerocc.cli import main
+from zerocc.cli.main import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated - use:DeprecationWarning")
 
@@ -108,7 +108,7 @@ def test_estimate_table_shows_the_four_stages(capsys):
 
 
 def test_estimate_predicts_the_step_time_with_the_flags_rates(capsys, tmp_path):
-    from zerocc.cost import DeviceRates
+    from zerocc.cost.model import DeviceRates
 
     flags = ["--link-gbps", "400", "--latency-us", "2", "--device", "cuda"]
     fast = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "8", "--json", *flags))

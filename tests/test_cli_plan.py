@@ -1,11 +1,11 @@
-"""Tests of the `zerocc plan` commands in zerocc/cli.py."""
+"""Tests of the `zerocc plan` commands in zerocc/cli/main.py."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from zerocc.cli import main
+from zerocc.cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 

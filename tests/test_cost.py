@@ -11,11 +11,19 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from zerocc.calibrate import fit_compute, fit_link, nnls
-from zerocc.cost import COLLECTIVE, COMPUTE, CostModel, DeviceRates, NodeWork, node_work, rates_for
+from zerocc.compiler.plan import load_plan
+from zerocc.cost.model import (
+    COLLECTIVE,
+    COMPUTE,
+    CostModel,
+    DeviceRates,
+    NodeWork,
+    node_work,
+    rates_for,
+)
 from zerocc.errors import PlanError
-from zerocc.ir import tag
-from zerocc.plan import load_plan
+from zerocc.inspect.calibrate import fit_compute, fit_link, nnls
+from zerocc.ir.nodes import tag
 
 aten = torch.ops.aten
 

@@ -76,7 +76,7 @@ def test_two_nccl_ranks_match_unsharded_training(case):
 def _stream_and_events(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from zerocc.comm import TorchComm
+    from zerocc.runtime.comm import TorchComm
 
     comm = TorchComm.create(30, torch.device("cuda", rank))
     shard = torch.arange(4.0, device="cuda") + 10 * rank

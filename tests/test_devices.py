@@ -1,4 +1,4 @@
-"""Which device each rank runs on (zerocc/devices.py), on this CPU machine with GPUs faked:
+"""Which device each rank runs on (zerocc/runtime/devices.py), on this CPU machine with GPUs faked:
 rank i of a machine on cuda:i; a plan that needs more GPUs than the machine has is a
 DeviceError on every rank, before anything touches CUDA, and `zerocc train` says so before it
 starts any rank; CPU plans stay on the CPU whatever the machine has."""
@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import zerocc
-from zerocc.cli import main
-from zerocc.devices import device_kind, rank_device
+from zerocc.cli.main import main
+from zerocc.compiler.plan import load_plan
+from zerocc.cost.model import device_kind
 from zerocc.errors import DeviceError, PlanError
-from zerocc.plan import load_plan
+from zerocc.runtime.devices import rank_device
 
 LINEAR = {"loss_fn": lambda m, x: m(x).pow(2).mean()}
 
@@ -105,7 +106,7 @@ def test_cpu_ranks_on_a_gpu_machine_stay_on_the_cpu(gpus, monkeypatch):
 def test_the_launcher_checks_every_rank_has_a_gpu_before_starting_any(
     gpus, monkeypatch, tmp_path, capsys
 ):
-    from zerocc import launch
+    from zerocc.runtime import launch
 
     gpus(1)
     monkeypatch.delenv("ZEROCC_RANK_WORKER", raising=False)

@@ -14,13 +14,13 @@ from models import MODELS, build
 from parity import batch_of
 
 import zerocc
-from zerocc import dot
-from zerocc.chrome_trace import chrome_trace, write_chrome_trace
-from zerocc.ir import info, op_name
-from zerocc.plots import plot_memory
-from zerocc.printing import human_bytes
-from zerocc.report import ReportSection, write_report
-from zerocc.timeline import MemoryTimeline, TraceEvent
+from zerocc.cost.timeline import MemoryTimeline, TraceEvent
+from zerocc.inspect import dot
+from zerocc.inspect.chrome_trace import chrome_trace, write_chrome_trace
+from zerocc.inspect.plots import plot_memory
+from zerocc.inspect.report import ReportSection, write_report
+from zerocc.ir.nodes import info, op_name
+from zerocc.ir.printing import human_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # pydot 4 builds its parser with pyparsing names that pyparsing 3.3 deprecates: not ours to fix.
@@ -279,9 +279,9 @@ def test_report_section_checks_kind_and_body():
 
 
 def test_trace_puts_the_predicted_run_under_each_measured_rank(program, tmp_path):
-    from zerocc.cost import DeviceRates
-    from zerocc.dumps import write_trace
-    from zerocc.simulate import predict_step
+    from zerocc.cost.model import DeviceRates
+    from zerocc.cost.simulate import predict_step
+    from zerocc.inspect.dumps import write_trace
 
     predicted = predict_step({True: program}, 1, DeviceRates.defaults("cpu"), 2).events
     assert {e.track for e in predicted} == {"compute", "comm"}

@@ -13,9 +13,8 @@ import torch
 from multirank import run_ranks
 
 import zerocc
-from zerocc.explain import model_state_bytes
-from zerocc.inspection import estimate, inspect_plan
-from zerocc.units import Unit
+from zerocc.compiler.units import Unit
+from zerocc.inspect.estimate import estimate, inspect_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 SMALL = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4}
@@ -46,7 +45,7 @@ def _measure(rank: int, world: int) -> list[dict]:
         predicted = estimate(inspect_plan(_plan(stage), world, work)) if rank == 0 else None
         out.append(
             {
-                "model_states": model_state_bytes(step)["total"],
+                "model_states": step.model_state_bytes()["total"],
                 "peak": recorder.timeline.peak()[1],
                 "predicted": predicted.as_dict() if predicted else None,
             }

@@ -1,5 +1,5 @@
-"""Every rank starts from rank 0's weights and buffers (zerocc/state.py `allocate_state`), as DDP
-broadcasts them: ranks seeded differently, a common mistake, must still train one model.
+"""Every rank starts from rank 0's weights and buffers (zerocc/compiler/state.py `allocate_state`),
+as DDP broadcasts them: ranks seeded differently, a common mistake, must still train one model.
 
 Parity against the reference built as rank 0 builds its model, at every stage; a model built on
 ``meta`` needs no broadcast (its initialization depends on the plan's seed and each tensor's name

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from zerocc.loss_scale import LossScaler
-from zerocc.plan import load_plan
+from zerocc.compiler.plan import load_plan
+from zerocc.runtime.loss_scale import LossScaler
 
 
 def scaler(**precision) -> LossScaler:

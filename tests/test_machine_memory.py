@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerocc import machine_memory
+from zerocc.runtime import machine_memory
 
 GiB = 2**30
 

@@ -18,15 +18,15 @@ from zerocc.passes.partition import assign_units
 
 import zerocc
 import zerocc.train_step as train_step_module
-from zerocc import machine_memory, memory_check
-from zerocc.capture import describe_model
-from zerocc.compiler import compile_program
+from zerocc.compiler.capture import describe_model
+from zerocc.compiler.pass_manager import build_pipeline
+from zerocc.compiler.plan import load_plan
+from zerocc.compiler.plan_changes import NVME_PATH_HINT
+from zerocc.compiler.program import compile_program
 from zerocc.errors import InsufficientMemoryError
-from zerocc.machine_memory import DEVICE_POOL, HOST_POOL
-from zerocc.pass_manager import build_pipeline
-from zerocc.plan import load_plan
-from zerocc.plan_changes import NVME_PATH_HINT
-from zerocc.printing import human_bytes
+from zerocc.ir.printing import human_bytes
+from zerocc.runtime import machine_memory, memory_check
+from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL
 
 GPT_PLAN = {"units": {"classes": ["Block"]}, "optimizer": {"eps": 1e-3}}
 CPU = torch.device("cpu")
@@ -234,7 +234,7 @@ def test_on_a_gpu_device_states_may_move_to_host_memory(machine):
 
 def _too_much_for_two_ranks(rank: int, world: int, per_rank: int) -> None:
     import zerocc as z
-    from zerocc import machine_memory as memory
+    from zerocc.runtime import machine_memory as memory
 
     memory.available_memory = lambda device: {HOST_POOL: 3 * per_rank // 2}
     z.compile(_meta_gpt(), {**GPT_PLAN, "backend": {"device": "cpu"}})

@@ -21,7 +21,7 @@ from torch import nn
 
 import zerocc
 from zerocc.errors import NonFiniteError
-from zerocc.ir import FOUND_INF, info, op_name
+from zerocc.ir.nodes import FOUND_INF, info, op_name
 
 BAD_STEP = 1  # the optimizer step (0-based) whose first micro-batch is poisoned on rank 0
 STEPS = 3

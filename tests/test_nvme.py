@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerocc import nvme
 from zerocc.errors import OffloadError
-from zerocc.nvme import NvmeStore
+from zerocc.runtime import nvme
+from zerocc.runtime.nvme import NvmeStore
 
 
 def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -248,7 +248,7 @@ def test_store_never_closed_is_removed(tmp_path):
 
     script = textwrap.dedent(f"""
         import torch
-        from zerocc.nvme import NvmeStore
+        from zerocc.runtime.nvme import NvmeStore
         store = NvmeStore({str(tmp_path)!r}, rank=1)
         store.write("x", torch.ones(1000))  # still pending at exit
         print(store.dir)

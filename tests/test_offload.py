@@ -22,10 +22,10 @@ from optional_deps import needs_triton
 from parity import batch_of
 
 import zerocc
-from zerocc import nvme
+from zerocc.compiler.state import offloaded_units
 from zerocc.errors import OffloadError, PlanError
-from zerocc.explain import describe, state_bytes_by_location
-from zerocc.state import offloaded_units
+from zerocc.inspect.explain import describe
+from zerocc.runtime import nvme
 
 GPT = {"model": "gpt"}
 
@@ -57,12 +57,12 @@ def test_optimizer_offload_moves_the_offloaded_share_of_12_psi_off_the_device(ra
     """bf16 compute, fp32 masters: the device keeps 2 + 4 bytes per shard element of an
     offloaded unit instead of 2 + 4 + 12; the 12 (master, exp_avg, exp_avg_sq) are measured in
     the host pool (cpu) or in the state files (nvme)."""
-    resident = state_bytes_by_location(_trained(_plan()))
+    resident = _trained(_plan()).state_bytes_by_location()
     for where, pool in (("cpu", "host"), ("nvme", "nvme")):
         step = _trained(_plan(tmp_path if where == "nvme" else None, optimizer=where, ratio=ratio))
         share = 12 * sum(u.shard_numel for u in offloaded_units(step.units, ratio))
         assert 0 < share <= 12 * sum(u.shard_numel for u in step.units)
-        measured = state_bytes_by_location(step)
+        measured = step.state_bytes_by_location()
         assert resident["device"]["total"] - measured["device"]["total"] == share
         assert measured["device"]["grads"] == resident["device"]["grads"]
         offloaded = measured[pool]["optimizer"]
@@ -72,7 +72,7 @@ def test_optimizer_offload_moves_the_offloaded_share_of_12_psi_off_the_device(ra
 
 def test_parameter_offload_moves_the_shards_off_the_device():
     step = _trained(_plan(params="cpu"))
-    measured = state_bytes_by_location(step)
+    measured = step.state_bytes_by_location()
     assert measured["device"]["params"] == 0
     assert measured["host"]["params"] == 2 * sum(u.shard_numel for u in step.units)
 
@@ -82,7 +82,7 @@ def test_fp32_states_with_their_parameters_keep_no_second_copy():
     in place, so the host holds 4 + 4 + 4 bytes per element (param, exp_avg, exp_avg_sq)."""
     plan = {**_plan(optimizer="cpu", params="cpu"), "precision": {}}
     step = _trained(plan)
-    measured = state_bytes_by_location(step)
+    measured = step.state_bytes_by_location()
     shards = sum(u.shard_numel for u in step.units)
     assert measured["host"]["total"] == 12 * shards
     assert measured["device"]["params"] == 0
@@ -247,7 +247,7 @@ def test_nvme_offload_lowers_the_peak_resident_memory(tmp_path):
 def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     from workload import workload
 
-    from zerocc.inspection import estimate, inspect_plan
+    from zerocc.inspect.estimate import estimate, inspect_plan
 
     small = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4}
     plan = {
@@ -259,7 +259,7 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     step = zerocc.compile(work.model, plan)
     step(*next(work.batches(0, 1)))
     predicted = estimate(inspect_plan(plan, 1, workload(**small)))
-    measured = state_bytes_by_location(step)
+    measured = step.state_bytes_by_location()
     assert predicted.model_states["total"] == measured["device"]["total"]
     assert predicted.offloaded["host"] == measured["host"]["total"] > 0
     # Files hold a header (< 512 bytes) besides each state.
@@ -290,10 +290,10 @@ def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypa
     """Only a step that computes on a GPU moves host updates to the torch kernels and pins host
     buffers; a CPU rank on a machine with a GPU does neither (pinning would give it a CUDA
     context, and its `kernels: triton` would silently run the torch ones)."""
+    from zerocc.backends.eager.ops import _kernels_for, use_kernels
     from zerocc.backends.kernels import kernel_set
 
-    from zerocc.ops import _kernels_for, use_kernels
-    from zerocc.transfers import Transfers, new_on, use_transfers
+    from zerocc.runtime.transfers import Transfers, new_on, use_transfers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     host = torch.zeros(4)

@@ -9,8 +9,8 @@ from parity import batch_of
 
 import zerocc
 from zerocc.errors import InvariantError, PlanError
-from zerocc.ir import info, op_name
-from zerocc.verify import verify_program
+from zerocc.ir.nodes import info, op_name
+from zerocc.ir.verify import verify_program
 
 
 def _step(stage=3):
@@ -72,8 +72,8 @@ def test_graph_nodes_carry_units_and_streams():
 
 
 def test_default_pipeline_changes_no_numerics():
-    from zerocc.pass_manager import PASSES, build_pipeline
-    from zerocc.plan import DEFAULT_PASSES, Plan
+    from zerocc.compiler.pass_manager import PASSES, build_pipeline
+    from zerocc.compiler.plan import DEFAULT_PASSES, Plan
 
     assert [s.name for s in build_pipeline(Plan()).specs] == DEFAULT_PASSES
     assert not any(PASSES[name].changes_numerics for name in DEFAULT_PASSES)
@@ -115,7 +115,7 @@ def test_bad_pass_lists_are_plan_errors_before_capture(passes, extra, expected):
 
 
 def test_the_order_in_messages_is_the_one_the_contracts_allow():
-    from zerocc.pass_manager import PASSES, check_order
+    from zerocc.compiler.pass_manager import PASSES, check_order
 
     order = ORDER.split(", ")
     assert sorted(order) == sorted(PASSES)

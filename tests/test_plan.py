@@ -1,4 +1,5 @@
-"""Tests of zerocc/plan.py (and the workload loading a plan drives, zerocc/workload.py)."""
+"""Tests of zerocc/compiler/plan.py (and the workload loading a plan drives,
+zerocc/compiler/workload.py)."""
 
 import math
 import sys
@@ -9,9 +10,9 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
+from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
+from zerocc.compiler.workload import Workload, load_workload
 from zerocc.errors import PlanError, PlanWarning, ZeroccError
-from zerocc.plan import Plan, load_plan, plan_json_schema
-from zerocc.workload import Workload, load_workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 
@@ -441,7 +442,7 @@ def test_schema_lists_literal_choices():
 
 WORKLOAD_PY = """
 import torch
-from zerocc.workload import Workload
+from zerocc.compiler.workload import Workload
 
 def make(width=3):
     return Workload(torch.nn.Linear(width, 1), batches=lambda rank, world_size: iter([]))
@@ -472,7 +473,10 @@ def test_load_workload_prefers_the_plan_directory_over_a_cached_module(tmp_path)
         ("{}", "names no workload"),
         ("workload: missing_module:make", "cannot import module 'missing_module'"),
         ("workload: workload:nothing", "has no function 'nothing'"),
-        ("workload: workload:not_a_workload", "returned int, not a zerocc.workload.Workload"),
+        (
+            "workload: workload:not_a_workload",
+            "returned int, not a zerocc.compiler.workload.Workload",
+        ),
         ("{workload: 'workload:make', workload_args: {depth: 2}}", "workload_args"),
     ],
 )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from zerocc.plan import load_plan
-from zerocc.plan_changes import plan_changes, smallest_world_size
+from zerocc.compiler.plan import load_plan
+from zerocc.compiler.plan_changes import plan_changes, smallest_world_size
 
 CPU = torch.device("cpu")
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zerocc.cli import main
-from zerocc.cost import RATE_FIELDS, DeviceRates
+from zerocc.cli.main import main
+from zerocc.cost.model import RATE_FIELDS, DeviceRates
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "batch_size": 2}

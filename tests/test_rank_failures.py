@@ -1,6 +1,6 @@
 """A rank that stops, runs out of data or dies: every other rank stops too, with an error that
-names it, and `zerocc train` says what became of each rank (zerocc/watchdog.py, zerocc/launch.py,
-the TrainStep's agreement on each micro-batch).
+names it, and `zerocc train` says what became of each rank (zerocc/runtime/watchdog.py,
+zerocc/runtime/launch.py, the TrainStep's agreement on each micro-batch).
 
 The multi-rank cases run `zerocc train` on 2 local CPU ranks with a tiny workload whose batches
 misbehave on purpose (WORKLOAD below).
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from zerocc.launch import failure_report
+from zerocc.runtime.launch import failure_report
 
-WORKLOAD = '''
+WORKLOAD = """
 import os, signal, time
 import torch
 from torch import nn
-from zerocc.workload import Workload
+from zerocc.compiler.workload import Workload
 
 
 def workload(stop_rank=-1, stop_at=3, batches=100, short_rank=-1, raise_rank=-1):
@@ -42,7 +42,7 @@ def workload(stop_rank=-1, stop_at=3, batches=100, short_rank=-1, raise_rank=-1)
             yield torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
     return Workload(model, loss_fn=lambda m, x, y: ((m(x) - y) ** 2).mean(), batches=make)
-'''
+"""
 
 
 def _train(tmp_path: Path, timeout_s: float = 30, **workload_args) -> subprocess.CompletedProcess:

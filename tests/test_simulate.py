@@ -9,13 +9,13 @@ from models import tiny_gpt
 from parity import batch_of
 from torch import fx
 
-from zerocc.cost import CostModel, DeviceRates
-from zerocc.inspection import inspect_plan
-from zerocc.ir import tag
-from zerocc.measure import exposed_us
-from zerocc.memory import model_state_bytes_of, predict_memory
-from zerocc.simulate import simulate, simulate_step
-from zerocc.workload import Workload
+from zerocc.compiler.workload import Workload
+from zerocc.cost.memory import model_state_bytes_of, predict_memory
+from zerocc.cost.model import CostModel, DeviceRates
+from zerocc.cost.simulate import simulate, simulate_step
+from zerocc.cost.timeline import exposed_us
+from zerocc.inspect.estimate import inspect_plan
+from zerocc.ir.nodes import tag
 
 aten, zerocc_ops = torch.ops.aten, torch.ops.zerocc
 

@@ -52,7 +52,7 @@ def test_explain_shows_units_comm_and_formula():
 
 
 def test_meta_model_materializes_one_unit_at_a_time(monkeypatch):
-    import zerocc.state as state_module
+    import zerocc.compiler.state as state_module
 
     sizes = []
     real = state_module.initial_values
@@ -80,7 +80,7 @@ def test_predicted_comm_counts_every_micro_batch_of_a_step():
     for i in range(3):
         step(*_batch(i))
     psi_bytes = 4 * sum(u.padded_numel for u in step.units)
-    predicted = zerocc.explain.comm_bytes_per_step(step)
+    predicted = zerocc.inspect.explain.comm_bytes_per_step(step)
     # Once per step, the all-reduce of one non-finite flag (fp32) per unit.
     flags_bytes = 2 * 4 * len(step.units)
     assert predicted == {

@@ -11,11 +11,11 @@ import os
 import torch.distributed as dist
 from torch import nn
 
-import zerocc.ops  # noqa: F401  (registers the zerocc op library)
-import zerocc.transfers  # noqa: F401  (and its offload copies)
-from zerocc.capture import LossFn
-from zerocc.comm import Comm, FakeComm, comm_from_environment
-from zerocc.devices import join_default_group, rank_device, use_device
+import zerocc.ir.ops  # noqa: F401  (defines the zerocc op library)
+from zerocc.compiler.capture import LossFn
+from zerocc.compiler.materialize import materialize
+from zerocc.compiler.plan import Plan, load_plan
+from zerocc.compiler.workload import Workload, load_workload
 from zerocc.errors import (
     BatchError,
     CaptureError,
@@ -29,10 +29,9 @@ from zerocc.errors import (
     RankStoppedError,
     ZeroccError,
 )
-from zerocc.materialize import materialize
-from zerocc.plan import Plan, load_plan
+from zerocc.runtime.comm import Comm, FakeComm, comm_from_environment
+from zerocc.runtime.devices import join_default_group, rank_device, use_device
 from zerocc.train_step import TrainStep
-from zerocc.workload import Workload, load_workload
 
 __all__ = [
     "BatchError",

@@ -14,11 +14,11 @@ from models import build
 from parity import batch_of
 
 import zerocc
-from zerocc.comm import SoloComm
-from zerocc.explain import describe
-from zerocc.inspection import estimate, inspect_plan
-from zerocc.ir import GATHERED, GRAD_SHARD, PARAM_SHARD, info, op_name, placeholders, val
-from zerocc.ops import COLLECTIVE_STARTS
+from zerocc.inspect.estimate import estimate, inspect_plan
+from zerocc.inspect.explain import describe
+from zerocc.ir.nodes import GATHERED, GRAD_SHARD, PARAM_SHARD, info, op_name, placeholders, val
+from zerocc.ir.ops import COLLECTIVE_STARTS
+from zerocc.runtime.comm import SoloComm
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 # What a rank does only to talk to others: collectives, their waits, packing gradients into a

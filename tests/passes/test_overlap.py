@@ -8,10 +8,10 @@ from parity import batch_of
 from zerocc.passes.overlap import inflight_peak
 
 import zerocc
+from zerocc.compiler.workload import Workload
 from zerocc.errors import PassOrderError, PlanError
-from zerocc.inspection import estimate, inspect_plan
-from zerocc.ir import info, op_name
-from zerocc.workload import Workload
+from zerocc.inspect.estimate import estimate, inspect_plan
+from zerocc.ir.nodes import info, op_name
 
 MB = 2**20
 

@@ -6,7 +6,7 @@ import pytest
 from models import build, tiny_gpt
 from zerocc.passes.partition import assign_units
 
-from zerocc.capture import describe_model
+from zerocc.compiler.capture import describe_model
 
 
 def units_of(model, world=2, classes=(), modules=(), min_mb=None):

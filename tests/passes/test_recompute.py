@@ -12,14 +12,13 @@ from torch import nn
 from workload import workload
 
 import zerocc
-import zerocc.rng  # noqa: F401  (registers zerocc.rng_state / zerocc.set_rng_state)
+import zerocc.ir.rng  # noqa: F401  (registers zerocc.rng_state / zerocc.set_rng_state)
+from zerocc.compiler.workload import Workload
+from zerocc.cost.memory import predict_memory
 from zerocc.errors import PassOrderError, PlanError
-from zerocc.explain import model_state_bytes
-from zerocc.inspection import inspect_plan
-from zerocc.ir import info, op_name
-from zerocc.memory import predict_memory
-from zerocc.printing import format_program
-from zerocc.workload import Workload
+from zerocc.inspect.estimate import inspect_plan
+from zerocc.ir.nodes import info, op_name
+from zerocc.ir.printing import format_program
 
 NOTE = "recomputed: forward of "
 
@@ -72,7 +71,7 @@ def test_none_recomputes_nothing_and_runs_no_pass():
 
 
 def test_explain_and_estimate_say_what_recomputation_costs():
-    from zerocc.explain import recompute_cost
+    from zerocc.inspect.explain import recompute_cost
 
     step = compiled("all")
     cost = recompute_cost({True: step.program}, 1)
@@ -302,7 +301,7 @@ def activation_peaks() -> dict[str, dict[str, int]]:
         batches = work.batches(0, 1)
         step(*next(batches))
         _, recorder = step.profile(*next(batches))
-        predicted = predict_memory(step.program, model_state_bytes(step))
+        predicted = predict_memory(step.program, step.model_state_bytes())
         peaks["predicted"][units] = max(predicted.series["activations"])
         peaks["measured"][units] = max(recorder.timeline.series["activations"])
     return peaks

@@ -7,7 +7,7 @@ from models import build, tiny_gpt
 from parity import batch_of
 
 import zerocc
-from zerocc.ir import info, op_name
+from zerocc.ir.nodes import info, op_name
 
 
 def compiled(stage: int, world: int = 4, accum: int = 1, calls: int = 1, model=None):
@@ -167,7 +167,7 @@ def test_module_called_twice_is_gathered_once_per_phase():
 
 
 def test_program_prints_as_readable_python_with_units_and_streams():
-    text = zerocc.printing.format_program(compiled(3).program, "after shard")
+    text = zerocc.ir.printing.format_program(compiled(3).program, "after shard")
     assert text.startswith("# after shard\ndef program(")
     assert "zerocc.all_gather_start(" in text and "stream=comm" in text
     assert "unit=transformer.h.0" in text

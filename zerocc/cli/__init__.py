@@ -1,0 +1,1 @@
+"""The command line: ``zerocc train | plan | inspect | estimate | profile``, the top layer."""

@@ -1,0 +1,318 @@
+"""`zerocc inspect` and `zerocc estimate`: what the compiler built, and what it will cost.
+
+Both compile the plan's workload for ``--world-size`` simulated ranks (nothing is launched and
+no weight is allocated; see :mod:`zerocc.inspect.estimate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+
+from zerocc.compiler.pass_manager import PassRecord
+from zerocc.compiler.plan import Plan, load_plan
+from zerocc.cost.model import RATE_FIELDS, DeviceRates, rates_for
+from zerocc.errors import ZeroccError
+from zerocc.inspect.estimate import Estimate, Inspection, estimate, inspect_plan, pass_table
+from zerocc.inspect.explain import describe_recompute, held_gradients_line, no_communication
+from zerocc.ir.printing import format_program, human_bytes, program_to_json
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Register ``inspect`` and ``estimate`` on the ``zerocc`` command's subparsers."""
+    inspect = commands.add_parser(
+        "inspect", help="show what each pass inserted (no ranks are launched)"
+    )
+    inspect.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    _world_size(inspect)
+    shown = inspect.add_mutually_exclusive_group()
+    shown.add_argument("--print-after", metavar="PASS", help="the program after PASS (or 'all')")
+    shown.add_argument("--print-before", metavar="PASS", help="the program before PASS")
+    shown.add_argument("--diff", metavar="PASS", help="what PASS changed, as a unified diff")
+    inspect.add_argument(
+        "--format", choices=("py", "dot", "json"), default="py", help="how to print a program"
+    )
+    inspect.add_argument("--unit", metavar="NAME", help="only the nodes of FSDP unit NAME")
+    inspect.set_defaults(run=run_inspect)
+
+    est = commands.add_parser(
+        "estimate", help="per-rank memory and communication per step, for any world size"
+    )
+    est.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    _world_size(est)
+    est.add_argument("--table", action="store_true", help="ZeRO stages 0-3 side by side")
+    est.add_argument("--json", action="store_true", help="print the figures as JSON")
+    est.add_argument(
+        "--link-gbps", type=float, metavar="G",
+        help="per-rank interconnect bandwidth in Gbit/s (overrides plan.cost.link_gbps)",
+    )  # fmt: skip
+    est.add_argument(
+        "--latency-us", type=float, metavar="US",
+        help="collective latency per hop in microseconds (overrides plan.cost.latency_us)",
+    )  # fmt: skip
+    est.add_argument(
+        "--calibration", metavar="FILE",
+        help="rates measured by `zerocc profile` (overrides plan.cost.calibration)",
+    )  # fmt: skip
+    est.add_argument(
+        "--device", choices=("cpu", "cuda"),
+        help="whose built-in rates fill what no calibration or plan gives (default: the "
+        "plan's backend.device; auto: this machine's)",
+    )  # fmt: skip
+    est.set_defaults(run=run_estimate)
+
+
+def _world_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks to simulate (default: the plan's zero.world_size, else 2)",
+    )
+
+
+def _inspection(args: argparse.Namespace, plan: Plan | None = None) -> Inspection:
+    plan = plan or load_plan(args.plan)
+    world_size = args.world_size or plan.zero.world_size or 2
+    if world_size < 1:
+        raise ZeroccError("--world-size must be at least 1")
+    return inspect_plan(plan, world_size, keep_graphs=True)
+
+
+# --- inspect ----------------------------------------------------------------------------------
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """``zerocc inspect``: the pass table, or one program printed, or one pass's diff."""
+    inspection = _inspection(args)
+    records = inspection.stepping.records
+    if args.unit is not None and args.unit not in {u.name for u in inspection.units}:
+        names = ", ".join(u.name for u in inspection.units)
+        raise ZeroccError(f"--unit {args.unit!r}: no such unit; units: {names}")
+    if args.diff:
+        before, after = _around(records, args.diff)
+        print(_diff(before, after, args.unit), end="")
+    elif args.print_after == "all":
+        for record in records:
+            print(_show(record, args.format, args.unit))
+    elif args.print_after or args.print_before:
+        before, after = _around(records, args.print_after or args.print_before)
+        print(_show(after if args.print_after else before, args.format, args.unit))
+    else:
+        print(_pass_table_text(inspection))
+    return 0
+
+
+def _around(records: list[PassRecord], name: str) -> tuple[PassRecord, PassRecord]:
+    """The records before and after pass ``name`` (the first is the captured program)."""
+    names = [r.name for r in records]
+    if name not in names[1:]:
+        raise ZeroccError(f"no pass {name!r} in this pipeline; passes: {', '.join(names[1:])}")
+    i = names.index(name)
+    return records[i - 1], records[i]
+
+
+def _show(record: PassRecord, fmt: str, unit: str | None) -> str:
+    header = record.program.splitlines()[0].removeprefix("# ")
+    if fmt == "json":
+        return json.dumps(program_to_json(record.gm, header, unit), indent=1)
+    if fmt == "dot":
+        from zerocc.inspect.dot import program_to_dot
+
+        return program_to_dot(record.gm, header, unit)
+    return format_program(record.gm, header, unit)
+
+
+def _diff(before: PassRecord, after: PassRecord, unit: str | None) -> str:
+    """The printed programs' unified diff, headers (which carry timings) left out."""
+    old = format_program(before.gm, only_unit=unit).splitlines(keepends=True)
+    new = format_program(after.gm, only_unit=unit).splitlines(keepends=True)
+    return "".join(
+        difflib.unified_diff(old, new, f"before {after.name}", f"after {after.name}", n=1)
+    )
+
+
+def _pass_table_text(inspection: Inspection) -> str:
+    plan, records = inspection.plan, inspection.stepping.records
+    rows = pass_table(records)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        f"{plan.source or 'plan'}: ZeRO stage {plan.zero.stage}, {inspection.world_size} ranks, "
+        f"{len(inspection.units)} units; the program of a step that runs the optimizer",
+        "",
+    ]
+    for n, row in enumerate(rows):
+        cells = [c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w) for i, (c, w) in
+                 enumerate(zip(row, widths, strict=True))]  # fmt: skip
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# --- estimate ---------------------------------------------------------------------------------
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """``zerocc estimate``: per-rank memory, bytes and time per step, for one stage or all four."""
+    plan = load_plan(args.plan)
+    for flag in ("link_gbps", "latency_us"):
+        value = getattr(args, flag)
+        if value is not None and (value < 0 or (flag == "link_gbps" and value == 0)):
+            raise ZeroccError(f"--{flag.replace('_', '-')} must be positive, not {value:g}")
+    rates = rates_for(plan, args.device, args.calibration).replace(
+        "flags",
+        link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
+        latency_s=args.latency_us * 1e-6 if args.latency_us is not None else None,
+    )
+    if args.table:
+        estimates = [
+            estimate(_inspection(args, _with_stage(plan, stage)), rates)
+            for stage in _stages_for(plan)
+        ]
+        if args.json:
+            print(json.dumps([e.as_dict() for e in estimates], indent=2))
+        else:
+            print(_estimate_table(plan, estimates))
+        return 0
+    result = estimate(_inspection(args, plan), rates)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else _estimate_text(plan, result))
+    return 0
+
+
+def _stages_for(plan: Plan) -> list[int]:
+    """The stages the plan's offload section allows (optimizer offload: 1-3; params: 3)."""
+    if plan.offload.params != "none":
+        return [3]
+    return [1, 2, 3] if plan.offload.optimizer != "none" else [0, 1, 2, 3]
+
+
+def _with_stage(plan: Plan, stage: int) -> Plan:
+    copy = plan.model_copy(update={"zero": plan.zero.model_copy(update={"stage": stage})})
+    copy._source = plan.source
+    return copy
+
+
+ROWS = (
+    ("params", lambda e: e.model_states.get("params", 0)),
+    ("grads", lambda e: e.model_states.get("grads", 0)),
+    ("optimizer states", lambda e: e.model_states.get("optimizer", 0)),
+    ("model states", lambda e: e.model_states["total"]),
+    ("  + in host memory", lambda e: e.offloaded["host"]),
+    ("  + on NVMe", lambda e: e.offloaded["nvme"]),
+    ("gathered units (peak)", lambda e: e.peak["gathered"]),
+    ("activations (peak)", lambda e: e.peak["activations"]),
+    ("peak", lambda e: e.peak["total"]),
+    ("  + host buffers (peak)", lambda e: e.peak["host_buffers"]),
+)
+
+
+def _estimate_text(plan: Plan, e: Estimate) -> str:
+    p = plan.precision
+    grads = p.reduce if e.stage <= 1 else (p.grad or p.master)
+    lines = [
+        f"{plan.source or 'plan'}: ZeRO stage {e.stage}, {e.world_size} ranks, "
+        f"compute {p.param}, reduce {p.reduce}, master {p.master}, grads {grads}",
+        "",
+        "memory per rank (predicted from the scheduled program):",
+    ]
+    lines += [
+        f"  {name:<24}{human_bytes(get(e)):>12}"
+        for name, get in ROWS
+        if plan.offload.enabled or not name.startswith("  +")
+    ]
+    if plan.grad_accumulation == 1:
+        lines.append(held_gradients_line(e.held_grads, e.psi, e.world_size, width=24))
+    lines += ["", "communication per optimizer step, per rank:"]
+    lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.comm.items())]
+    if not e.comm:
+        lines.append(f"  {'none':<24}{human_bytes(0):>12}{no_communication(e.world_size)}")
+    if plan.checkpointing.enabled:
+        lines += ["", describe_recompute(e.recompute)]
+    if e.transfers:
+        lines += ["", "offload traffic per optimizer step, per rank:"]
+        lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.transfers.items())]
+    if e.timing is not None and e.rates is not None:
+        t = e.timing
+        lines += [
+            "",
+            "time per optimizer step (the program simulated on a compute and a comm stream):",
+            f"  {'step':<24}{human_seconds(t.step_s):>12}",
+            f"  {'compute':<24}{human_seconds(t.compute_s):>12}",
+            f"  {'communication':<24}{human_seconds(t.comm_s):>12}",
+            f"  {'exposed communication':<24}{human_seconds(t.exposed_s):>12}"
+            f"  ({100 * t.exposed_fraction:.0f}% of the step)",
+            *([f"  {'offload copies':<24}{human_seconds(t.copy_s):>12}"] if e.transfers else []),
+            f"  {'peak memory':<24}{human_bytes(e.peak['total']):>12}",
+            "",
+            f"rates ({_sources(e.rates)}):",
+            f"  {e.rates.describe()}",
+        ]
+    return "\n".join(lines)
+
+
+def human_seconds(seconds: float) -> str:
+    """``1.23 s``, ``45.6 ms`` or ``789 us``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+RATE_NAMES = ("compute", "memory", "overhead", "link", "latency", "overlap", "host link", "nvme",
+              "host memory")  # of RATE_FIELDS  # fmt: skip
+
+
+def _sources(rates: DeviceRates) -> str:
+    """Where the rates came from, e.g. ``link from the plan; the rest: cuda defaults``."""
+    names = dict(zip(RATE_FIELDS, RATE_NAMES, strict=True))
+    by_source: dict[str, list[str]] = {}
+    for rate, name in names.items():
+        by_source.setdefault(rates.sources.get(rate, "default"), []).append(name)
+    if len(by_source) == 1:
+        (source,) = by_source
+        return f"{rates.device} {'defaults' if source == 'default' else source}"
+    parts = [f"{', '.join(v)} from the {k}" for k, v in by_source.items() if k != "default"]
+    if "default" in by_source:
+        parts.append(f"{', '.join(by_source['default'])}: {rates.device} defaults")
+    return "; ".join(parts)
+
+
+def _estimate_table(plan: Plan, estimates: list[Estimate]) -> str:
+    kinds = sorted({k for e in estimates for k in e.comm})
+    header = f"{'per rank':<26}" + "".join(f"{'stage ' + str(e.stage):>12}" for e in estimates)
+    lines = [
+        f"{plan.source or 'plan'}: {estimates[0].world_size} ranks, "
+        f"compute {plan.precision.param}; memory predicted from each stage's program",
+        "",
+        header,
+        "-" * len(header),
+    ]
+    for name, get in ROWS:
+        if plan.offload.enabled or not name.startswith("  +"):
+            row = "".join(f"{human_bytes(get(e)):>12}" for e in estimates)
+            lines.append(f"{name:<26}{row}")
+    for kind in kinds or ["communication"]:  # one rank: a row of 0B
+        lines.append(
+            f"{kind + ' / step':<26}"
+            + "".join(f"{human_bytes(e.comm.get(kind, 0)):>12}" for e in estimates)
+        )
+    for kind in sorted({k for e in estimates for k in e.transfers}):
+        lines.append(
+            f"{kind + ' / step':<26}"
+            + "".join(f"{human_bytes(e.transfers.get(kind, 0)):>12}" for e in estimates)
+        )
+    if all(e.timing is not None for e in estimates):
+        for name, get in TIME_ROWS:
+            lines.append(f"{name:<26}" + "".join(f"{human_seconds(get(e)):>12}" for e in estimates))
+        lines.append(f"(time: simulated with {_sources(estimates[0].rates)})")
+    return "\n".join(lines)
+
+
+TIME_ROWS = (
+    ("step time", lambda e: e.timing.step_s),
+    ("exposed communication", lambda e: e.timing.exposed_s),
+)

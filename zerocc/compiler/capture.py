@@ -1,0 +1,399 @@
+"""Capture one training step (loss, then gradients of every trainable parameter) as one fx graph.
+
+The step is traced by ``make_fx`` on fake tensors: no parameter is ever materialized, so a model
+built on the ``meta`` device captures as well as a real one. Parameters, buffers and the batch's
+tensors become placeholders; the graph returns ``(loss, *grads)``, one gradient per trainable
+parameter (``None`` where a parameter does not reach the loss). Every node is tagged with its
+phase (forward/backward) and the module it came from.
+
+Under mixed precision (:class:`Casts`) the step is traced as the recipe runs it: every parameter
+is cast to the compute dtype where the model reads it, floating batch tensors are cast on entry,
+floating buffers to their dtype where read, the loss is cast to the output dtype, and
+backward is seeded with the loss scale (a placeholder) instead of 1. Autograd of those casts
+gives fp32 gradients ``_to_copy(g_bf16)``; the precision pass later moves the casts to where
+they are cheapest (before the all-gather, into the reduction).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from zerocc.compat import get_proxy_mode
+from zerocc.compiler.plan import PrecisionConfig
+from zerocc.errors import CaptureError
+from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Casts:
+    """How a step is traced under mixed precision; every field None/False is plain fp32."""
+
+    compute: torch.dtype | None = None  # parameters and floating batch tensors, at use
+    buffers: torch.dtype | None = None  # floating buffers, at use (kept in their own dtype)
+    output: torch.dtype | None = None  # the loss
+    loss_scale: bool = False  # backward seeded with the loss-scale placeholder
+
+    @classmethod
+    def of(cls, precision: PrecisionConfig) -> Casts:
+        """The casts a plan's precision section asks for (none unless it leaves fp32)."""
+        if not precision.mixed:
+            return cls()
+        return cls(
+            precision.dtype("param"),
+            precision.dtype("buffers"),
+            precision.dtype("output"),
+            precision.scaling != "none",
+        )
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        return _cast_floating(t, self.compute)
+
+    def to_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        return _cast_floating(t, self.buffers)
+
+
+def _cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the model, under its first name; ``aliases`` lists every name (ties)."""
+
+    fqn: str
+    aliases: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        """FQNs of the modules that hold the parameter (several when it is tied)."""
+        return tuple(a.rpartition(".")[0] for a in self.aliases)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What capture and partition need to know about the model, without touching its weights."""
+
+    params: tuple[ParamInfo, ...]
+    buffers: tuple[ParamInfo, ...]
+    modules: tuple[tuple[str, str], ...]  # (fqn, class name) in registration order
+
+    @property
+    def trainable(self) -> tuple[ParamInfo, ...]:
+        return tuple(p for p in self.params if p.requires_grad)
+
+
+def describe_model(model: nn.Module) -> ModelInfo:
+    """Parameters (with tied aliases), buffers and modules of ``model``."""
+
+    def collect(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[ParamInfo, ...]:
+        by_id: dict[int, list[str]] = {}
+        first: dict[int, torch.Tensor] = {}
+        for name, t in named:
+            by_id.setdefault(id(t), []).append(name)
+            first.setdefault(id(t), t)
+        return tuple(
+            ParamInfo(
+                names[0],
+                tuple(names),
+                tuple(first[i].shape),
+                first[i].dtype,
+                bool(first[i].requires_grad),
+            )
+            for i, names in by_id.items()
+        )
+
+    params = collect(list(model.named_parameters(remove_duplicate=False)))
+    buffers = collect(list(model.named_buffers(remove_duplicate=False)))
+    modules = tuple((fqn, type(m).__name__) for fqn, m in model.named_modules())
+    return ModelInfo(params, buffers, modules)
+
+
+def default_loss_fn(model: nn.Module, *batch: Any) -> torch.Tensor:
+    """The loss ``model(*batch)`` returns: the output itself when it is a tensor, else where
+    Hugging Face models put it: ``.loss`` (a ModelOutput, a dataclass, a namedtuple),
+    ``["loss"]`` (a dict), or the first element (a tuple or list, as with ``return_dict=False``).
+    Raises CaptureError, saying why, when the output holds no floating scalar loss there."""
+    return _loss_in(model(*batch))
+
+
+_PASS_LOSS_FN = "pass loss_fn=(lambda model, *batch: <scalar loss>) to zerocc.compile"
+_NO_LABELS = "a Hugging Face model computes its loss only when the batch holds its labels"
+
+
+def _loss_in(output: Any) -> torch.Tensor:
+    """The loss in a model's output, found as :func:`default_loss_fn` says."""
+    kind = type(output).__name__
+    if isinstance(output, torch.Tensor):
+        loss, where = output, "the model's output"
+    elif hasattr(output, "loss"):  # before Mapping: a ModelOutput is a dict without None fields
+        loss, where = output.loss, f"the model's output .loss ({kind})"
+    elif isinstance(output, Mapping):
+        if "loss" not in output:
+            keys = ", ".join(repr(k) for k in output)
+            raise CaptureError(
+                f"the model returned a {kind} without a 'loss' key (keys: {keys}); return the "
+                f"loss under 'loss', or {_PASS_LOSS_FN}"
+            )
+        loss, where = output["loss"], f"the model's output ['loss'] ({kind})"
+    elif isinstance(output, (tuple, list)) and output:
+        loss, where = output[0], f"the first element of the model's output ({kind})"
+    else:
+        empty = " (empty)" if isinstance(output, (tuple, list)) else ""
+        raise CaptureError(
+            f"the model returned {kind}{empty}, which holds no loss: the default loss is the "
+            "model's output when it is a tensor, else its .loss, its ['loss'] or its first "
+            f"element; return one of those, or {_PASS_LOSS_FN}"
+        )
+    if loss is None:
+        raise CaptureError(f"{where} is None ({_NO_LABELS}): pass the labels, or {_PASS_LOSS_FN}")
+    if not _is_scalar_loss(loss):
+        hint = ""
+        if isinstance(output, (tuple, list)):  # a Hugging Face model's, with return_dict=False
+            hint = f" ({_NO_LABELS}, and returns it first)"
+        raise CaptureError(
+            f"{where} is {_describe(loss)}, not a floating scalar loss{hint}: reduce it (e.g. "
+            f".mean()) in the model, or {_PASS_LOSS_FN}"
+        )
+    return loss
+
+
+def _is_scalar_loss(loss: Any) -> bool:
+    return isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
+
+
+@contextlib.contextmanager
+def traced_grad_mode() -> Iterator[None]:
+    """The autograd mode a step is captured in and its programs run in, whatever the caller's:
+    grad enabled, outside inference mode.
+
+    Capture needs it for ``torch.autograd.grad``. A program must run in the mode it was traced
+    in because some kernels choose their outputs by the ambient grad mode, not by their
+    arguments: on CPU, ``aten.mkldnn_rnn_layer`` (``nn.LSTM``'s forward) returns the workspace
+    its backward reads only while grad is enabled, None under ``no_grad``. Running with grad
+    enabled records no autograd graph as long as no input requires grad: state tensors never
+    do, and batch tensors go through :func:`detach_inputs`.
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def detach_inputs(args: Sequence[Any]) -> list[Any]:
+    """A program's arguments with every tensor that requires grad (a batch the caller built
+    with ``requires_grad``) detached: read as data, never recorded by autograd, so an in-place
+    update of state by such a tensor leaves the state a plain tensor."""
+    return [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+
+
+class _Step(nn.Module):
+    """Holds the model so ``functional_call`` can swap in fake parameters around ``loss_fn``."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, *batch)
+
+
+class _ModuleTracker:
+    """Records which module is running whenever the traced graph grows.
+
+    Forward: module pre/post hooks. Backward: a pre-hook on the autograd node of each module's
+    outputs, so the backward ops that follow are attributed to that module.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.stack: list[str] = []
+        self.changes: list[tuple[int, str]] = [(0, "")]
+        self.handles = []
+        for fqn, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter(fqn)))
+            self.handles.append(module.register_forward_hook(self._leave(fqn)))
+
+    @staticmethod
+    def graph_len() -> int:
+        mode = get_proxy_mode()
+        return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    def _enter(self, fqn: str):
+        def hook(module, args):
+            self.stack.append(fqn)
+            self.changes.append((self.graph_len(), fqn))
+
+        return hook
+
+    def _leave(self, fqn: str):
+        def hook(module, args, output):
+            self.stack.pop()
+            self.changes.append((self.graph_len(), self.stack[-1] if self.stack else ""))
+            # Backward tagging: when autograd reaches this module's outputs, its backward begins.
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.grad_fn.register_prehook(self._backward_of(fqn))
+
+        return hook
+
+    def _backward_of(self, fqn: str):
+        def prehook(grad_outputs):
+            self.changes.append((self.graph_len(), fqn))
+
+        return prehook
+
+    def module_at(self, index: int) -> str:
+        current = ""
+        for start, fqn in self.changes:
+            if start > index:
+                break
+            current = fqn
+        return current
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def capture(
+    model: nn.Module,
+    info: ModelInfo,
+    loss_fn: LossFn | None,
+    batch: Sequence[Any],
+    device: torch.device,
+    casts: Casts | None = None,
+) -> fx.GraphModule:
+    """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors."""
+    casts = casts or Casts()
+    loss_fn = loss_fn or default_loss_fn
+    wrapper = _Step(model, loss_fn)
+    trainable = [p for p in info.params if p.requires_grad]
+    if not trainable:
+        raise CaptureError("the model has no trainable parameter (every requires_grad is False)")
+    tensor_positions = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
+    n_params, n_buffers = len(info.params), len(info.buffers)
+    tracker = _ModuleTracker(model)
+    forward_end: list[int] = []
+
+    n_batch = len(tensor_positions)
+
+    def step(*flat: torch.Tensor):
+        params, buffers = flat[:n_params], flat[n_params : n_params + n_buffers]
+        batch_tensors = flat[n_params + n_buffers : n_params + n_buffers + n_batch]
+        full_batch = list(batch)
+        for pos, t in zip(tensor_positions, batch_tensors, strict=True):
+            full_batch[pos] = casts.to_compute(t)
+        state = {
+            f"model.{p.fqn}": casts.to_compute(t) for p, t in zip(info.params, params, strict=True)
+        }
+        state.update(
+            {
+                f"model.{b.fqn}": casts.to_buffer(t)
+                for b, t in zip(info.buffers, buffers, strict=True)
+            }
+        )
+        loss = torch.func.functional_call(wrapper, state, tuple(full_batch), tie_weights=True)
+        loss = _check_loss(loss)
+        if casts.output is not None:
+            loss = loss.to(casts.output)
+        forward_end.append(_ModuleTracker.graph_len())
+        wanted = [t for p, t in zip(info.params, params, strict=True) if p.requires_grad]
+        seed = flat[-1].to(loss.dtype) if casts.loss_scale else None
+        grads = torch.autograd.grad(loss, wanted, grad_outputs=seed, allow_unused=True)
+        return (loss.detach(), *grads)
+
+    fake_mode = FakeTensorMode()
+    with traced_grad_mode(), fake_mode:  # parameters that require grad are no inference tensors
+        flat = [
+            torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+            for p in info.params
+        ]
+        flat += [torch.empty(b.shape, dtype=b.dtype, device=device) for b in info.buffers]
+        flat += [fake_mode.from_tensor(batch[i]) for i in tensor_positions]
+        if casts.loss_scale:
+            flat.append(torch.empty((), dtype=torch.float32, device=device))
+    try:
+        with traced_grad_mode(), fx_traceback.preserve_node_meta(), fake_mode:
+            gm = make_fx(step, tracing_mode="real")(*flat)
+    except CaptureError:
+        raise
+    except Exception as e:  # an error inside the user's model: say where it surfaced
+        hint = ""
+        if "DataDependent" in type(e).__name__:
+            hint = (
+                " (zerocc traces the step on fake tensors, without values: Python control "
+                "flow on a tensor's value, such as `if x.sum() > 0`, cannot be captured)"
+            )
+        raise CaptureError(
+            f"tracing the training step failed: {type(e).__name__}: {e}{hint}"
+        ) from e
+    finally:
+        tracker.remove()
+    gm.graph.eliminate_dead_code()
+    _tag(gm, info, tensor_positions, forward_end[0], tracker, casts.loss_scale)
+    gm.recompile()
+    return gm
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    """The loss a user's loss_fn returned, as shape ``()``; CaptureError unless it is a
+    floating scalar tensor (the default's loss is checked where it is found)."""
+    if not isinstance(loss, torch.Tensor):
+        raise CaptureError(
+            f"loss_fn must return a floating scalar tensor, got {type(loss).__name__}"
+        )
+    if not _is_scalar_loss(loss):
+        raise CaptureError(
+            f"loss_fn must return a floating scalar tensor, got shape {tuple(loss.shape)} "
+            f"dtype {loss.dtype}; reduce it (e.g. .mean()) before returning"
+        )
+    return loss.reshape(())
+
+
+def _tag(
+    gm: fx.GraphModule,
+    info: ModelInfo,
+    tensor_positions: list[int],
+    forward_end: int,
+    tracker: _ModuleTracker,
+    loss_scale: bool,
+) -> None:
+    nodes = list(gm.graph.nodes)
+    ph = [n for n in nodes if n.op == "placeholder"]
+    roles = [(PARAM, p.fqn, "p_") for p in info.params]
+    roles += [(BUFFER, b.fqn, "b_") for b in info.buffers]
+    roles += [(BATCH, str(i), "batch_") for i in tensor_positions]
+    if loss_scale:
+        roles.append((LOSS_SCALE, LOSS_SCALE_KEY, ""))
+    for node, (role, key, prefix) in zip(ph, roles, strict=True):
+        name_placeholder(node, prefix + key)
+        tag(node, role=role, key=key, phase="forward")
+    for index, node in enumerate(nodes):
+        if node.op not in ("placeholder", "output"):
+            phase = "forward" if index < forward_end else "backward"
+            tag(node, phase=phase, module=tracker.module_at(index))

@@ -1,0 +1,218 @@
+"""Passes: registration with a contract, order checking, and a timed, recorded pipeline run.
+
+A pass is ``fn(gm, ctx, **options) -> gm``. Its :class:`PassSpec` says what it requires and
+produces (artifact names such as ``"units"``), whether it changes numerics, and how its options
+are read from the plan; they are bound with ``functools.partial`` when the pipeline is built, so
+the runner passes nothing pass-specific. Each run is timed; the graph after every pass is kept as
+a :class:`PassRecord` (printed program and op counts) for inspection, and the IR invariants are
+verified after each pass when ``ZEROCC_VERIFY=1``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import fx
+
+import zerocc.passes  # noqa: F401  (registers the built-in passes)
+from zerocc.compiler.pass_spec import PASSES, PassContext, PassSpec
+from zerocc.compiler.plan import Plan
+from zerocc.compiler.plan_messages import invalid_plan, plan_origin
+from zerocc.errors import PassOrderError
+from zerocc.ir.nodes import count_ops, propagate_fake_values
+
+CAPTURE_PROVIDES = frozenset({"joint_graph"})
+# What a compiled training step needs its pipeline to produce: units (its state is laid out per
+# unit), gradients reduced into shards, and the optimizer's update. Without the update a step
+# would run forward and backward and never change a weight.
+STEP_NEEDS = frozenset({"units", "grad_shards", "optimizer_update"})
+
+
+@dataclass
+class PassRecord:
+    """One pass's run: its time, the graph after it, and what it changed."""
+
+    name: str
+    seconds: float
+    program: str
+    nodes_before: int
+    nodes_after: int
+    ops_added: dict[str, int]
+    ops_removed: dict[str, int]
+    gm: fx.GraphModule | None = None  # a copy of the graph after the pass, when kept
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Passes in order, options bound."""
+
+    specs: tuple[PassSpec, ...]
+    bound: tuple[Callable[..., fx.GraphModule], ...]
+
+
+def build_pipeline(plan: Plan) -> Pipeline:
+    """Resolve the plan's pass names, check them (`check_passes`), bind each pass's options."""
+    # Invariant 4: the default pipeline holds no pass that changes numerics unless the plan asks
+    # for it (the precision pass runs when the precision section leaves fp32).
+    specs = check_passes(plan)
+    bound = tuple(functools.partial(s.fn, **s.options(plan)) for s in specs)
+    return Pipeline(specs, bound)
+
+
+def check_passes(plan: Plan) -> tuple[PassSpec, ...]:
+    """The specs of the plan's pipeline, in order, once its names are known and its order is
+    one the passes' contracts allow; raises PlanError naming ``passes[i]`` and what is allowed
+    (`zerocc plan check` and `zerocc.compile` both call it, before anything is captured)."""
+
+    names = plan.pass_names
+    where = plan_origin(plan.source)
+    unknown = [
+        f"passes[{i}]: unknown pass {name!r}{_close_match(name)}; known passes: "
+        + ", ".join(_canonical_order())
+        for i, name in enumerate(names)
+        if name not in PASSES
+    ]
+    if unknown:
+        raise invalid_plan(where, unknown)
+    first: dict[str, int] = {}
+    repeated = []
+    for i, name in enumerate(names):
+        if name in first:
+            repeated.append(
+                f"passes[{i}]: {name!r} is listed twice (first at passes[{first[name]}]); each "
+                "pass runs once"
+            )
+        first.setdefault(name, i)
+    if repeated:
+        raise invalid_plan(where, repeated)
+    specs = tuple(PASSES[name] for name in names)
+    try:
+        check_order(specs)
+    except PassOrderError as exc:
+        raise PassOrderError(f"{where}: {exc}") from None
+    return specs
+
+
+def check_order(specs: list[PassSpec] | tuple[PassSpec, ...]) -> None:
+    """Reject a pipeline in which a pass runs before what it requires is produced, or after
+    what it must precede, or that never produces what a training step needs (STEP_NEEDS). The
+    PassOrderError (a PlanError) names ``passes[i]`` and the order the contracts allow."""
+    order = f"passes run in this order: {', '.join(_canonical_order())}"
+    available = set(CAPTURE_PROVIDES)
+    for i, spec in enumerate(specs):
+        early = spec.forbids & available
+        if early:
+            producers = [
+                f"{s.name!r} (passes[{j}])" for j, s in enumerate(specs[:i]) if s.produces & early
+            ]
+            raise PassOrderError(
+                f"passes[{i}]: {spec.name!r} must run before {', '.join(producers)}, which "
+                f"produces {', '.join(sorted(early))}; {order}"
+            )
+        missing = spec.requires - available
+        if missing:
+            raise PassOrderError(
+                f"passes[{i}]: {spec.name!r} requires {_produced_by(missing)}, which no earlier "
+                f"pass produces; {order}"
+            )
+        available |= spec.produces
+    missing = STEP_NEEDS - available
+    if missing:
+        raise PassOrderError(
+            f"passes: a training step needs {_produced_by(missing)}, which no listed pass "
+            f"produces; required passes: {', '.join(_required_passes())}; {order}"
+        )
+
+
+def _produced_by(artifacts: set[str] | frozenset[str]) -> str:
+    """Each artifact and the passes that produce it: 'units' (produced by partition); ..."""
+    return "; ".join(
+        f"{a!r} (produced by {', '.join(s.name for s in PASSES.values() if a in s.produces)})"
+        for a in sorted(artifacts)
+    )
+
+
+def _required_passes() -> list[str]:
+    """The passes every pipeline holds: those producing what a training step needs."""
+    return [n for n in _canonical_order() if PASSES[n].produces & STEP_NEEDS]
+
+
+def _canonical_order() -> list[str]:
+    """Every registered pass, in the one order their contracts allow (producers before the
+    passes that require what they produce; a pass before the producers of what it forbids),
+    ties in registration order."""
+    after: dict[str, set[str]] = {name: set() for name in PASSES}  # pass -> passes before it
+    for spec in PASSES.values():
+        for other in PASSES.values():
+            if spec.requires & other.produces:
+                after[spec.name].add(other.name)
+            if spec.forbids & other.produces:
+                after[other.name].add(spec.name)
+    order: list[str] = []
+    while len(order) < len(after):
+        ready = [n for n in after if n not in order and after[n] <= set(order)]
+        if not ready:  # a cycle in the contracts: list the rest as registered
+            ready = [n for n in after if n not in order]
+        order.append(ready[0])
+    return order
+
+
+def _close_match(name: str) -> str:
+    close = difflib.get_close_matches(name, list(PASSES), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def verify_enabled() -> bool:
+    """``ZEROCC_VERIFY=1`` turns on invariant checks after every pass."""
+    return os.environ.get("ZEROCC_VERIFY", "0") not in ("", "0", "false", "False")
+
+
+def run_pipeline(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    pipeline: Pipeline,
+    keep: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
+) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """Run each pass in order, timing it, recording the program after it (and ``keep(gm)``, a
+    copy of the graph, when given), verifying if asked."""
+    from zerocc.ir.printing import format_program
+    from zerocc.ir.verify import verify_program
+
+    records = []
+    verify = verify_enabled()
+    for spec, fn in zip(pipeline.specs, pipeline.bound, strict=True):
+        before = count_ops(gm.graph.nodes)
+        n_before = len(gm.graph.nodes)
+        start = time.perf_counter()
+        gm = fn(gm, ctx)
+        if count_ops(gm.graph.nodes) != before or len(gm.graph.nodes) != n_before:
+            propagate_fake_values(gm)
+        seconds = time.perf_counter() - start
+        if verify:
+            verify_program(gm, after=spec.name)
+        after = count_ops(gm.graph.nodes)
+        added = {
+            k: after.get(k, 0) - before.get(k, 0)
+            for k in after
+            if after.get(k, 0) > before.get(k, 0)
+        }
+        removed = {k: before[k] - after.get(k, 0) for k in before if before[k] > after.get(k, 0)}
+        header = f"Constructed by pass {spec.name!r} (took {seconds * 1e3:.1f} ms)"
+        records.append(
+            PassRecord(
+                spec.name,
+                seconds,
+                format_program(gm, header),
+                n_before,
+                len(gm.graph.nodes),
+                added,
+                removed,
+                keep(gm) if keep else None,
+            )
+        )
+    return gm, records

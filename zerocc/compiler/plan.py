@@ -1,0 +1,813 @@
+"""The plan: a YAML file that says how to shard, optimize and run one training step.
+
+A tree of pydantic models; `load_plan` turns any invalid input into one `PlanError` naming the
+file, the YAML path of each bad field, the bad value and what is allowed there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import typing
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+
+from zerocc.compiler.plan_messages import describe_error, invalid_plan, plan_origin, show
+from zerocc.compiler.plan_yaml import PlanDataError, check_shape, load_yaml
+from zerocc.errors import PlanError, PlanWarning
+
+DEFAULT_PASSES = ["partition", "shard", "optimizer", "overlap"]
+MIXED_PRECISION_PASSES = ["partition", "shard", "precision", "optimizer", "overlap"]
+OVERLAP_PASS = "overlap"  # left out of the default pipeline when overlap.enabled is false
+RECOMPUTE_PASS = "recompute"  # in the default pipeline (after partition) when units checkpoint
+OFFLOAD_PASS = "offload"  # in the default pipeline (after optimizer) when anything is offloaded
+
+_WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+# The smallest positive normal fp32 number: a positive value below it (eps, a loss scale) is a
+# subnormal or rounds to 0 in the fp32 arithmetic of the update and the loss scaling.
+FP32_TINY = torch.finfo(torch.float32).tiny
+# The largest learning rate per optimizer. AdamW moves each weight by about lr per step whatever
+# the gradient's scale (its update is normalized), so lr > 1 moves every weight by more than its
+# own size each step: what `lr: 1e3` meaning 1e-3 (a dropped minus sign) looks like. An SGD step
+# is lr times the gradient, whose scale is the loss's: large-batch recipes reach lr ~3-10.
+MAX_LR = {"adamw": 1.0, "sgd": 10.0}
+# The largest loss scale: Megatron-LM's initial 2^32 is the largest used in practice; above it
+# every step overflows (and is skipped) until the scale has backed off.
+MAX_LOSS_SCALE = 2.0**32
+# The longest collective timeout: a collective that waits a week is hung (and longer ones
+# overflow the process group's millisecond clock for no benefit).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _no_nul(path: str | None) -> str | None:
+    """A path field: no file system allows a NUL byte in a path (open() would raise)."""
+    if path is not None and "\0" in path:
+        raise ValueError(f"{path!r} contains a NUL byte, which no file system allows in a path")
+    return path
+
+
+PathStr = Annotated[str, AfterValidator(_no_nul)]
+
+
+class _Section(BaseModel):
+    """Base of every plan model: an unknown field (a typo) is an error, not a silent default;
+    every float is finite (YAML's .inf and .nan are not numbers a plan can train with), and a
+    number is never a YAML boolean (``lr: true`` would read as 1.0)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and _takes_numbers(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{value!r} is a boolean, not a number")
+        return value
+
+
+def _takes_numbers(annotation: Any) -> bool:
+    """Whether a field's type admits plain numbers (int or float, alone or in a union)."""
+    if annotation in (int, float):
+        return True
+    return any(_takes_numbers(arg) for arg in typing.get_args(annotation))
+
+
+class ZeroConfig(_Section):
+    """Which ZeRO stage to apply, and over how many ranks."""
+
+    stage: Literal[0, 1, 2, 3] = Field(
+        3, description="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters"
+    )
+    world_size: int | None = Field(
+        None, ge=1, description="expected world size; compile fails clearly under any other"
+    )
+
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _stage_is_an_int(cls, stage: Any) -> Any:
+        # Literal[0, 1, 2, 3] alone would take YAML `true` as stage 1 and `3.0` as stage 3.
+        if isinstance(stage, bool | float):
+            raise ValueError(f"{stage!r} is not allowed; allowed values: 0, 1, 2, 3")
+        return stage
+
+
+class UnitsConfig(_Section):
+    """How parameters are grouped into FSDP units (gathered, freed and reduced together)."""
+
+    classes: list[str] = Field(
+        default_factory=list,
+        description="every module whose class name is listed becomes one FSDP unit, "
+        "innermost first",
+    )
+    modules: list[str] = Field(
+        default_factory=list,
+        description="fnmatch globs over module FQNs, e.g. 'h.*' or 'transformer.h.[0-3]'",
+    )
+    min_mb: float | None = Field(
+        None,
+        gt=0,
+        description="size-based wrapping: a module whose not-yet-assigned parameters reach this "
+        "many MB becomes a unit, bottom-up",
+    )
+    keep_gathered: list[str] = Field(
+        default_factory=list,
+        description="stage 3: fnmatch globs over unit names ('root' is the root unit) of units "
+        "gathered once per step and kept until their last use in backward (no re-gather in "
+        "backward), like FSDP2's reshard_after_forward=False",
+    )
+    keep_gathered_below_mb: float | None = Field(
+        None,
+        gt=0,
+        description="stage 3: units whose gathered parameters are smaller than this many MB are "
+        "kept gathered for the step too (DeepSpeed's persistence threshold, per step)",
+    )
+
+
+class OptimizerConfig(_Section):
+    """The optimizer, applied to each rank's shard of the parameters."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="optimizer, as torch.optim names it")
+    lr: float = Field(
+        1e-3,
+        gt=0,
+        description="learning rate, > 0 and at most 1 for adamw (its step moves each weight by "
+        "about lr, whatever the gradient's scale: lr > 1 is a typo such as 1e3 for 1e-3) or 10 "
+        "for sgd (its step is lr times the gradient; large-batch recipes reach ~3-10)",
+        json_schema_extra={"maximum": max(MAX_LR.values())},
+    )
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.999),
+        description="AdamW betas, each in [0, 1) (a moment that keeps all of its past never "
+        "forgets its first gradient)",
+    )
+    eps: float = Field(
+        1e-8,
+        ge=FP32_TINY,
+        description="AdamW epsilon, added to the denominator; at least the smallest normal fp32 "
+        "number (1.2e-38): below it, it is a subnormal that GPU kernels flush to 0 (or 0 "
+        "itself), and a weight whose gradient is 0 becomes NaN (0/0)",
+    )
+    weight_decay: float = Field(
+        0.0,
+        ge=0,
+        description="decoupled weight decay (AdamW) or L2 (SGD); each step multiplies the "
+        "weights by 1 - lr * weight_decay, so lr * weight_decay must be < 1",
+    )
+    momentum: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="SGD momentum (sgd only), in [0, 1): at 1 or above the momentum buffer "
+        "never decays and the steps grow without bound",
+    )
+    grad_clip: float | None = Field(
+        None,
+        gt=0,
+        description="clip by global L2 norm over all ranks (a finite norm > 0; null: no clipping)",
+    )
+
+    @field_validator("lr", mode="wrap")
+    @classmethod
+    def _lr_in_range(
+        cls, lr: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> float:
+        # One message for every bad lr, with the range of this plan's optimizer (the field's
+        # own bounds are the loosest, those of any optimizer).
+        name = info.data.get("name")
+        largest = MAX_LR.get(name, max(MAX_LR.values()))
+        try:
+            value = handler(lr)
+        except ValidationError:
+            value = None
+        allowed = f"allowed: a finite number > 0 and <= {largest:g} for {name or 'any optimizer'}"
+        if value is None:
+            raise ValueError(f"{show(lr)} is not allowed; {allowed}")
+        if value > largest:
+            why = {
+                "adamw": "an AdamW step moves each weight by about lr",
+                "sgd": "an SGD step is lr times the gradient",
+            }.get(name, "lr bounds the size of a step")
+            raise ValueError(
+                f"{show(lr)} is too large: {why}; {allowed} (a dropped minus sign, as in 1e3 "
+                "for 1e-3?)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _decay_keeps_the_weights(self) -> OptimizerConfig:
+        shrink = self.lr * self.weight_decay
+        if shrink >= 1:
+            raise ValueError(
+                f"lr {self.lr:g} * weight_decay {self.weight_decay:g} = {shrink:g}: each step "
+                "multiplies the weights by 1 - lr * weight_decay, which zeroes or flips them at "
+                "1 or more; allowed: lr * weight_decay < 1 (usual weight_decay: 0.01-0.1)"
+            )
+        return self
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum_is_sgd_only(cls, momentum: float, info: ValidationInfo) -> float:
+        name = info.data.get("name")
+        if momentum != 0 and name == "adamw":
+            raise ValueError(
+                f"momentum {momentum} applies to sgd only; set optimizer.name: sgd or drop momentum"
+            )
+        return momentum
+
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaleConfig(_Section):
+    """Dynamic loss scaling knobs (fp16): the scale backs off on overflow, grows when stable."""
+
+    initial: float = Field(
+        2.0**16,
+        ge=FP32_TINY,
+        le=MAX_LOSS_SCALE,
+        description="scale of the first step; a normal fp32 number at most 2^32 (Megatron-LM's "
+        "initial scale, the largest used in practice: above it every step overflows until the "
+        "scale has backed off)",
+    )
+    growth_interval: int = Field(
+        2000, ge=1, description="steps without overflow after which the scale grows"
+    )
+    growth_factor: float = Field(
+        2.0, gt=1, description="the scale is multiplied by this (finite, > 1) to grow"
+    )
+    backoff_factor: float = Field(
+        0.5, gt=0, lt=1, description="the scale is multiplied by this on overflow, in (0, 1)"
+    )
+    hysteresis: int = Field(
+        2,
+        ge=1,
+        description="overflowing steps tolerated before the scale backs off (each one is "
+        "still skipped); 1 backs off on every overflow, as torch's GradScaler",
+    )
+    min_scale: float = Field(
+        1.0,
+        ge=FP32_TINY,
+        le=MAX_LOSS_SCALE,
+        description="the scale never backs off below this; at most `initial` (a normal fp32 "
+        "number: the scale is an fp32 tensor)",
+    )
+
+    @model_validator(mode="after")
+    def _floor_below_initial(self) -> LossScaleConfig:
+        if self.min_scale > self.initial:
+            raise ValueError(
+                f"min_scale {self.min_scale:g} is above initial {self.initial:g}: the scale "
+                "would start below its own floor; allowed: min_scale <= initial"
+            )
+        return self
+
+
+class PrecisionConfig(_Section):
+    """Mixed precision: compute, reduction and master dtypes, and loss scaling."""
+
+    param: Dtype = Field(
+        "fp32", description="compute dtype: parameters are gathered and used in it"
+    )
+    reduce: Dtype = Field(
+        "fp32", description="dtype of gradient reduce-scatter / all-reduce and accumulators"
+    )
+    master: Dtype = Field(
+        "fp32", description="dtype of the weights the optimizer updates (and its states)"
+    )
+    grad: Dtype | None = Field(
+        None,
+        description="dtype the gradient shards are kept in between their reduction and the "
+        "update, and accumulated in across micro-batches (stages 2-3; stages 0-1 keep the full "
+        "gradient in `reduce`, the buffer their collective reduces in place): fp32 or `param`'s "
+        "dtype; bf16 with reduce: bf16 gives ZeRO's 2 bytes per parameter, but bf16 "
+        "accumulation over micro-batches rounds every addition; default: master's (fp32)",
+    )
+    buffers: Dtype | None = Field(
+        None, description="dtype of floating buffers; default: follow `param`"
+    )
+    output: Dtype = Field("fp32", description="dtype of the loss the step returns")
+    loss_scale: Literal["dynamic", "none"] | float | None = Field(
+        None,
+        description="'dynamic', a fixed number (a normal fp32 number at most 2^32, as "
+        "dynamic.initial), or 'none'; default: dynamic for fp16, else none",
+    )
+    dynamic: LossScaleConfig = Field(
+        default_factory=LossScaleConfig, description="knobs of loss_scale: dynamic"
+    )
+    on_nonfinite: Literal["error", "skip"] | None = Field(
+        None,
+        description="what a step whose reduced gradient holds an inf or NaN does, before the "
+        "update writes anything: 'error' stops every rank naming the step and the first such "
+        "unit; 'skip' skips the step on every rank (counted in skipped_steps); default: skip "
+        "under loss scaling (overflow is how the scale backs off), else error",
+    )
+
+    @field_validator("loss_scale", mode="before")
+    @classmethod
+    def _scale_choice(cls, scale: Any) -> Any:
+        # Numbers are checked here, not by the union's float: its errors would come once per
+        # member of the union ("should be 'dynamic' or 'none'", "should be finite").
+        if scale is None or scale in ("dynamic", "none"):
+            return scale
+        if isinstance(scale, str):  # YAML reads 1e4 (no dot) as a string, as other floats take it
+            try:
+                scale = float(scale)
+            except ValueError:
+                pass
+        number = isinstance(scale, int | float) and not isinstance(scale, bool)
+        if number and FP32_TINY <= scale <= MAX_LOSS_SCALE:  # NaN and inf fail it too
+            return float(scale)
+        raise ValueError(
+            f"{show(scale)} is not allowed; allowed values: 'dynamic', 'none', or a positive "
+            f"number from {FP32_TINY:.3g} to 2^32 (finite)"
+        )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrecisionConfig:
+        if self.master not in ("fp32", self.param):
+            pure = "" if self.param == "fp32" else f" (or {self.param} for pure {self.param})"
+            raise ValueError(
+                f"master {self.master!r} is lower than param {self.param!r}: the optimizer "
+                f"must update weights at least as precise as those used in compute; use "
+                f"master: fp32{pure}"
+            )
+        if self.grad not in (None, "fp32", self.param):
+            why = (
+                "16-bit gradients come from a 16-bit backward; with param: fp32 use grad: fp32"
+                if self.param == "fp32"
+                else f"gradients come out of backward in {self.param}, and the other 16-bit "
+                "dtype would change their range (fp16 overflows above 65504) or drop mantissa "
+                f"bits (bf16 keeps 8) without saving a byte; use grad: {self.param} or fp32"
+            )
+            raise ValueError(f"grad {self.grad!r} with param {self.param!r}: {why}")
+        if self.on_nonfinite == "error" and self.scaling != "none":
+            raise ValueError(
+                "on_nonfinite: error with loss scaling: an overflowing step is how the scale "
+                "learns to back off, so it is skipped; drop on_nonfinite (or set loss_scale: none)"
+            )
+        if self.param == "fp16" and self.scaling == "none":
+            warnings.warn(
+                "precision: fp16 compute without loss scaling: small gradients underflow to "
+                "zero in fp16; set precision.loss_scale: dynamic",
+                PlanWarning,
+                stacklevel=2,
+            )
+        return self
+
+    @property
+    def nonfinite(self) -> str:
+        """'error' or 'skip' once the default is resolved."""
+        if self.on_nonfinite is None:
+            return "skip" if self.scaling != "none" else "error"
+        return self.on_nonfinite
+
+    @property
+    def scaling(self) -> str:
+        """'dynamic', 'static' or 'none' once the default is resolved."""
+        if self.loss_scale is None:
+            return "dynamic" if self.param == "fp16" else "none"
+        return "static" if isinstance(self.loss_scale, float) else self.loss_scale
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the plan leaves fp32 anywhere (the precision pass must run)."""
+        dtypes = (
+            self.param,
+            self.reduce,
+            self.master,
+            self.grad or self.master,
+            self.buffers or self.param,
+            self.output,
+        )
+        return any(d != "fp32" for d in dtypes) or self.scaling != "none"
+
+    def dtype(self, field: str) -> torch.dtype:
+        """The torch dtype of ``field`` (``buffers`` resolved to ``param`` when unset, ``grad``
+        to ``master``)."""
+        name = getattr(self, field) or (self.master if field == "grad" else self.param)
+        return DTYPES[name]
+
+
+class BackendConfig(_Section):
+    """Which backend runs the scheduled graph, and on which device."""
+
+    name: Literal["eager"] = Field(
+        "eager", description="how the scheduled graph runs; eager interprets it node by node"
+    )
+    kernels: Literal["torch", "triton"] = Field(
+        "torch",
+        description="zerocc's own kernels (optimizer update, unscale, pack): torch ops, or fused "
+        "Triton kernels (on CPU only interpreted, with TRITON_INTERPRET=1)",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="auto: cuda when this machine has a GPU, else cpu; on cuda, rank i of a "
+        "machine runs on cuda:i, and a machine needs a GPU per rank",
+    )
+    timeout_s: float = Field(
+        600,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="seconds a collective may wait for its peers before every rank still "
+        "running stops with an error naming the ranks that stopped answering (compilation "
+        "does not count against it); > 0 and at most a week (604800)",
+    )
+    check_memory: bool = Field(
+        True,
+        description="before training, compare the predicted per-rank peak with the memory "
+        "this machine has and stop with the plan changes that would fit; false: go on anyway",
+    )
+
+
+class OverlapConfig(_Section):
+    """Hide communication behind compute (the overlap pass): prefetch gathers, delay waits."""
+
+    enabled: bool = Field(
+        True, description="run the overlap pass in the default pipeline (losses are unchanged)"
+    )
+    prefetch: int = Field(
+        1,
+        ge=0,
+        description="upper bound on the units whose all-gathers are issued ahead of the unit "
+        "being computed (0: gather each unit just before its use)",
+    )
+    max_inflight_mb: float | None = Field(
+        None,
+        gt=0,
+        description="memory budget of collectives in flight (issued, not yet waited on): "
+        "prefetched units and gradient buckets; default: bounded by `prefetch` only",
+    )
+    bucket_mb: float = Field(
+        0,
+        ge=0,
+        description="consecutive units smaller than this many MB are gathered and reduced in one "
+        "collective of up to this size (0: one collective per unit)",
+    )
+
+
+class CostConfig(_Section):
+    """Device rates of the cost model behind `zerocc estimate` and the dumps' predicted trace.
+
+    Unset rates come from ``calibration`` (a file `zerocc profile` writes), else from built-in
+    defaults for the device."""
+
+    calibration: PathStr | None = Field(
+        None,
+        description="JSON written by `zerocc profile PLAN`, relative to the plan file",
+    )
+    compute_tflops: float | None = Field(None, gt=0, description="dense compute rate, TFLOP/s")
+    memory_gb_per_s: float | None = Field(
+        None, gt=0, description="memory bandwidth of elementwise ops, GB/s"
+    )
+    link_gbps: float | None = Field(
+        None, gt=0, description="per-rank interconnect bandwidth, Gbit/s (e.g. 400 for NDR IB)"
+    )
+    latency_us: float | None = Field(
+        None, ge=0, description="per-hop latency of a collective, microseconds (the alpha term)"
+    )
+
+
+Location = Literal["none", "cpu", "nvme"]
+
+
+class OffloadConfig(_Section):
+    """Where model states live when they do not fit on the device (ZeRO-Offload / -Infinity).
+
+    ``cpu``: host memory (pinned when a GPU is present); ``nvme``: files under ``nvme_path``,
+    read and written by background I/O threads. On a CPU-only machine the "device" is host
+    memory too: offloaded states are then accounted in their own pool."""
+
+    optimizer: Location = Field(
+        "none",
+        description="where the fp32 master weights and optimizer moments of offloaded units "
+        "live; their update runs there (stages 1-3)",
+    )
+    params: Location = Field(
+        "none",
+        description="stage 3: where each offloaded unit's parameter shard lives between its "
+        "all-gathers; it is copied in before each gather, scheduled like a prefetch",
+    )
+    ratio: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the share of the model's parameters (whole units, those whose gradients "
+        "are complete first) that are offloaded; 1: every unit",
+    )
+    nvme_path: PathStr | None = Field(
+        None,
+        description="folder for the state files of nvme offload (a fast local disk; a relative "
+        "path is from the working directory); a per-run subfolder is created there and removed "
+        "at exit",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is offloaded."""
+        return self.optimizer != "none" or self.params != "none"
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether any state lives in files under ``nvme_path``."""
+        return "nvme" in (self.optimizer, self.params)
+
+
+class CheckpointingConfig(_Section):
+    """Activation checkpointing (the recompute pass): forward activations of chosen units are
+    not kept for backward; their forward runs again right before their backward."""
+
+    units: Literal["none", "all"] | list[str] = Field(
+        "none",
+        description="'all': every unit but the root (whose forward ends where backward "
+        "begins); or fnmatch globs over unit names, e.g. ['transformer.h.*']; 'none': keep "
+        "every activation",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any unit is recomputed."""
+        return self.units != "none" and self.units != []
+
+
+class DumpsConfig(_Section):
+    """Files that show what the compiler built and what a run did (see zerocc.inspect.dumps)."""
+
+    dir: PathStr | None = Field(
+        None,
+        description="folder for per-pass programs (.py, .dot), the measured trace, memory "
+        "plots and report.html; ZEROCC_DUMP_DIR overrides it",
+    )
+
+
+class Plan(_Section):
+    """A zerocc plan: how to shard, optimize and run one training step."""
+
+    zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and world size")
+    units: UnitsConfig = Field(
+        default_factory=UnitsConfig, description="how parameters are grouped into FSDP units"
+    )
+    optimizer: OptimizerConfig = Field(
+        default_factory=OptimizerConfig, description="optimizer and gradient clipping"
+    )
+    grad_accumulation: int = Field(
+        1,
+        ge=1,
+        description="micro-batches per optimizer step; the gradient is the mean over ranks and "
+        "micro-batches",
+    )
+    precision: PrecisionConfig = Field(
+        default_factory=PrecisionConfig, description="dtypes of parameters and gradients"
+    )
+    backend: BackendConfig = Field(
+        default_factory=BackendConfig, description="which backend runs the scheduled graph"
+    )
+    overlap: OverlapConfig = Field(
+        default_factory=OverlapConfig,
+        description="overlap of communication with compute: prefetch, budget, buckets",
+    )
+    cost: CostConfig = Field(
+        default_factory=CostConfig, description="device rates of the cost model (estimates)"
+    )
+    offload: OffloadConfig = Field(
+        default_factory=OffloadConfig,
+        description="optimizer states and parameters in host memory or on NVMe",
+    )
+    checkpointing: CheckpointingConfig = Field(
+        default_factory=CheckpointingConfig,
+        description="activation checkpointing: which units' forward is recomputed in backward",
+    )
+    dumps: DumpsConfig = Field(
+        default_factory=DumpsConfig, description="where to write inspection dumps, if anywhere"
+    )
+    passes: list[str] | None = Field(
+        None,
+        description="pass pipeline in order; default: partition, shard, optimizer, overlap (with "
+        "recompute after partition when checkpointing.units is set, precision before optimizer "
+        "when the precision section leaves fp32, offload last when anything is "
+        "offloaded, without overlap when overlap.enabled is false)",
+    )
+    workload: str | None = Field(
+        None,
+        description="'module:function' returning a zerocc Workload. It is code: importing and "
+        "calling it runs it, as running a training script would. The module is looked up in the "
+        "plan file's folder first, then in installed packages (sys.path), never in the current "
+        "directory unless it is the plan's folder; a plan given as a dict has no folder, so "
+        "installed packages only",
+        json_schema_extra={"pattern": _WORKLOAD_SHAPE.pattern},
+    )
+    workload_args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments passed to the workload function"
+    )
+    seed: int = Field(
+        0, description="seed for deterministic initialization of models built on the meta device"
+    )
+
+    # Not a field: it is where the plan came from, never something a plan file may set.
+    _source: str | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> str | None:
+        """The path the plan was loaded from (None for a dict or Plan); the workload module is
+        looked up in its folder first (see zerocc.compiler.workload.load_workload)."""
+        return self._source
+
+    @property
+    def pass_names(self) -> list[str]:
+        """The pipeline this plan runs: ``passes``, or the default for its precision."""
+        if self.passes is not None:
+            return list(self.passes)
+        names = list(MIXED_PRECISION_PASSES if self.precision.mixed else DEFAULT_PASSES)
+        if self.checkpointing.enabled:
+            names.insert(names.index("partition") + 1, RECOMPUTE_PASS)
+        if self.offload.enabled:
+            names.append(OFFLOAD_PASS)  # last: its copies are placed against the final schedule
+        return [n for n in names if self.overlap.enabled or n != OVERLAP_PASS]
+
+    @model_validator(mode="after")
+    def _kernels_update_fp32_masters(self) -> Plan:
+        if self.backend.kernels == "triton" and self.precision.master != "fp32":
+            raise ValueError(
+                "backend.kernels: triton updates fp32 master weights; precision.master: "
+                f"{self.precision.master} needs backend.kernels: torch"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _precision_pass_listed(self) -> Plan:
+        if self.passes is not None and self.precision.mixed and "precision" not in self.passes:
+            raise ValueError(
+                "the precision section leaves fp32, but `passes` does not list 'precision'; "
+                "add it before 'optimizer' (or drop `passes` for the default pipeline)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _keep_gathered_is_stage_3(self) -> Plan:
+        units = self.units
+        if self.zero.stage != 3 and (units.keep_gathered or units.keep_gathered_below_mb):
+            raise ValueError(
+                f"units.keep_gathered applies to stage 3 only: stage {self.zero.stage} keeps "
+                "every parameter resident; drop it or set zero.stage: 3"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlap_pass_enabled(self) -> Plan:
+        if self.passes is not None and not self.overlap.enabled and OVERLAP_PASS in self.passes:
+            raise ValueError(
+                "overlap.enabled is false, but `passes` lists 'overlap'; drop one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _offload_fits_the_stage(self) -> Plan:
+        offload, stage = self.offload, self.zero.stage
+        if offload.optimizer != "none" and stage == 0:
+            raise ValueError(
+                f"offload.optimizer: {offload.optimizer} needs a sharded optimizer (zero.stage "
+                "1, 2 or 3); stage 0 keeps every optimizer state on every rank"
+            )
+        if offload.params != "none" and stage != 3:
+            raise ValueError(
+                f"offload.params: {offload.params} needs zero.stage: 3 (stage {stage} keeps "
+                "every parameter resident on the device)"
+            )
+        if offload.uses_nvme and not offload.nvme_path:
+            raise ValueError("offload to nvme needs offload.nvme_path: a folder on a local disk")
+        if self.passes is not None and offload.enabled and OFFLOAD_PASS not in self.passes:
+            raise ValueError(
+                "the offload section offloads states, but `passes` does not list 'offload'; "
+                "add it last (or drop `passes` for the default pipeline)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _recompute_pass_listed(self) -> Plan:
+        if (
+            self.passes is not None
+            and self.checkpointing.enabled
+            and (RECOMPUTE_PASS not in self.passes)
+        ):
+            raise ValueError(
+                "checkpointing.units is set, but `passes` does not list 'recompute'; add it "
+                "after 'partition' (or drop `passes` for the default pipeline)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _listed_passes_have_work(self) -> Plan:
+        # A listed pass whose section asks for nothing would run as a silent no-op: the plan's
+        # author meant something else. (The reverse, a section whose pass is not listed, is
+        # checked above.)
+        if self.passes is None:
+            return self
+        idle = {
+            RECOMPUTE_PASS: (
+                not self.checkpointing.enabled,
+                "checkpointing.units is 'none'",
+                "set checkpointing.units (e.g. all)",
+            ),
+            OFFLOAD_PASS: (
+                not self.offload.enabled,
+                "offload.optimizer and offload.params are 'none'",
+                "set offload.optimizer (or params)",
+            ),
+            "precision": (
+                not self.precision.mixed,
+                "the precision section keeps fp32 everywhere",
+                "set precision.param: bf16 (or fp16)",
+            ),
+        }
+        for i, name in enumerate(self.passes):
+            nothing_to_do, why, fix = idle.get(name, (False, "", ""))
+            if nothing_to_do:
+                raise ValueError(
+                    f"passes[{i}]: {name!r} would do nothing: {why}; {fix}, or drop {name!r}"
+                )
+        return self
+
+    @field_validator("workload")
+    @classmethod
+    def _workload_shape(cls, workload: str | None) -> str | None:
+        if workload is not None and not _WORKLOAD_SHAPE.match(workload):
+            raise ValueError(
+                f"{workload!r} is not of the form 'module:function' (e.g. 'workload:workload')"
+            )
+        return workload
+
+
+def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
+    """Load and validate a plan from a YAML file path, a dict, or a Plan (returned as is).
+
+    Raises PlanError, naming the file, the YAML path of each bad field, the value and what is
+    allowed, for a missing file, bad YAML (a key given twice included), a non-mapping document,
+    data nested too deep, or an invalid field.
+    """
+    if isinstance(src, Plan):
+        return src
+    where = "plan"
+    source = None
+    if isinstance(src, dict):
+        data: Any = src
+    elif isinstance(src, str | os.PathLike):
+        source = str(Path(os.fsdecode(src)))
+        where = plan_origin(source)
+        if "\0" in source:
+            raise PlanError(f"{where}: a path cannot contain a NUL byte")
+        data = _read_yaml(Path(source), where)
+    else:
+        raise PlanError(f"a plan is a YAML path, a dict or a zerocc.Plan, not {type(src).__name__}")
+    try:
+        check_shape(data)
+    except PlanDataError as exc:
+        raise PlanError(f"{where}: {exc}") from None
+    if not isinstance(data, dict):
+        got = f"{type(data).__name__} {show(data)}"
+        raise PlanError(f"{where}: expected a mapping of fields at the top, got {got}")
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_plan(where, [describe_error(err, Plan) for err in exc.errors()]) from None
+    plan._source = source
+    return plan
+
+
+def _read_yaml(path: Path, where: str) -> Any:
+    """The document of the plan file at ``path`` ({} for an empty file)."""
+    if not path.is_file():
+        raise PlanError(f"{where}: not found" if not path.exists() else f"{where}: not a file")
+    try:
+        with path.open() as stream:  # a stream, so YAML errors name the file
+            data = load_yaml(stream)
+    except PlanDataError as exc:
+        raise PlanError(f"{where}: invalid YAML: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{where}: invalid YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{where}: cannot be read: {exc}") from None
+    return {} if data is None else data  # an empty file: every default
+
+
+def plan_json_schema() -> dict:
+    """The JSON Schema of plan files, for editors and `zerocc plan schema`."""
+    schema = Plan.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}

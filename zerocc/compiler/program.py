@@ -1,0 +1,80 @@
+"""Compile one program: capture the step, then run the plan's pass pipeline over it.
+
+The TrainStep compiles this way before running, and the inspection tools (``zerocc inspect``,
+``zerocc estimate``) compile this way without running anything: capture works on fake tensors
+and passes never touch data, so a model on the ``meta`` device of any size compiles in seconds
+for any world size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
+from zerocc.compiler.pass_manager import PassContext, PassRecord, Pipeline, run_pipeline
+from zerocc.compiler.plan import Plan
+from zerocc.compiler.units import Unit
+from zerocc.ir.nodes import count_ops
+from zerocc.ir.printing import format_program
+
+
+@dataclass
+class CompiledProgram:
+    """A scheduled program, what each pass did to it, and the units it was built with."""
+
+    gm: fx.GraphModule
+    records: list[PassRecord]  # the captured graph first ("capture"), then one per pass
+    units: list[Unit]
+
+
+def compile_program(
+    model: nn.Module,
+    model_info: ModelInfo,
+    plan: Plan,
+    pipeline: Pipeline,
+    batch: Sequence[Any],
+    *,
+    loss_fn: LossFn | None,
+    device: torch.device,
+    world_size: int,
+    boundary: bool,
+    keep_graphs: bool = False,
+) -> CompiledProgram:
+    """Capture ``model``'s step on ``batch`` and run ``pipeline`` for ``world_size`` ranks;
+    ``boundary``: the program ends with the optimizer step. ``keep_graphs`` keeps a copy of the
+    graph after every pass in its record (for inspection)."""
+    start = time.perf_counter()
+    gm = capture(model, model_info, loss_fn, batch, device, Casts.of(plan.precision))
+    seconds = time.perf_counter() - start
+    n = len(gm.graph.nodes)
+    captured = PassRecord(
+        "capture",
+        seconds,
+        format_program(gm, f"Captured by make_fx (took {seconds * 1e3:.1f} ms)"),
+        0,
+        n,
+        count_ops(gm.graph.nodes),
+        {},
+    )
+    if keep_graphs:
+        captured.gm = snapshot(gm)
+    ctx = PassContext(plan, world_size, model_info, boundary=boundary)
+    gm, records = run_pipeline(gm, ctx, pipeline, snapshot if keep_graphs else None)
+    return CompiledProgram(gm, [captured, *records], ctx.units)
+
+
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and their zerocc records) later passes cannot change."""
+    from zerocc.ir.nodes import copy_node
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = copy_node(graph, node, env.__getitem__)
+    return fx.GraphModule(gm, graph)

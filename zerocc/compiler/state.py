@@ -1,0 +1,317 @@
+"""The persistent state of a training step: what each rank keeps between steps, and its layout.
+
+One place says which tensors exist for a plan (per unit: the flat parameter or its shard, the
+fp32 master weights under mixed precision, the gradient accumulator, the optimizer states; the
+step counter and the loss scale), so the passes that create their placeholders and the runtime
+that allocates them at compile time cannot disagree.
+
+Under mixed precision ``param`` is the compute copy (e.g. bf16) the gathers move and the forward
+reads, and ``master`` holds the weights the optimizer updates (fp32): the whole flat for stage 0,
+this rank's shard otherwise. The update writes both.
+
+Gradients persist only to be accumulated over micro-batches: with ``grad_accumulation: 1`` the
+reduced gradient goes straight from its collective to the update, a transient of the program,
+and no ``grad`` state exists. With accumulation, the accumulators are in the ``reduce`` dtype
+where they are the buffers the collective reduces (full, stages 0-1) and in ``precision.grad``
+(default: the master dtype) where they receive reduced shards (stages 2-3).
+
+Offload (:class:`Placement`) says where each state lives: on the device, in host memory, or in
+a file on NVMe. A unit whose optimizer states live elsewhere than its parameters has a separate
+``master`` (also in fp32 training): the update runs on the master where the optimizer states
+live, and the compute copy ``param`` is written from it wherever that lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerocc.compiler.capture import ModelInfo
+from zerocc.compiler.materialize import holds_values, initial_values
+from zerocc.compiler.plan import OffloadConfig, OptimizerConfig, Plan, PrecisionConfig
+from zerocc.compiler.units import Unit
+from zerocc.ir.nodes import (
+    GRAD,
+    LOSS_SCALE,
+    LOSS_SCALE_KEY,
+    MASTER,
+    OPTIM_STATE,
+    PARAM_FULL,
+    PARAM_SHARD,
+    STEP,
+)
+
+OPTIMIZER_STATES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+# Where a persistent tensor lives.
+DEVICE = "device"  # the compute device (the GPU; on a CPU-only machine, the compute pool)
+HOST = "host"  # host memory (pinned when a GPU is present): offload to cpu
+NVME = "nvme"  # a file under offload.nvme_path, read into host buffers when needed
+LOCATIONS = (DEVICE, HOST, NVME)
+_PLAN_LOCATION = {"none": DEVICE, "cpu": HOST, "nvme": NVME}
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One persistent tensor: its key, role, unit, shape, dtype and where it lives."""
+
+    key: str
+    role: str
+    unit: str | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    location: str = DEVICE
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor."""
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one unit's states live: the master weights with the optimizer states (the update
+    runs there), and (stage 3) the parameter shard between its all-gathers."""
+
+    optimizer: str = DEVICE
+    params: str = DEVICE
+
+    @property
+    def split(self) -> bool:
+        """Whether the optimizer states and the parameters live apart: the update then needs a
+        master weight of its own where the states are."""
+        return self.optimizer != self.params
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether anything of the unit lives off the device."""
+        return self.optimizer != DEVICE or self.params != DEVICE
+
+
+def offloaded_units(units: list[Unit], ratio: float) -> list[Unit]:
+    """The units ``offload.ratio`` selects: whole units, taken in the reverse of the model's
+    parameter order (for a model written in execution order: those whose gradients complete
+    first in backward, so their copies have the most backward left to hide behind) until they
+    hold ``ratio`` of the parameters."""
+    total = sum(u.numel for u in units)
+    chosen: list[Unit] = []
+    held = 0
+    for unit in reversed(units):
+        if held >= ratio * total - 1e-9 * total:
+            break
+        chosen.append(unit)
+        held += unit.numel
+    return chosen
+
+
+def placements(units: list[Unit], offload: OffloadConfig) -> dict[str, Placement]:
+    """Where each unit's states live under the plan's ``offload`` section."""
+    out = {u.name: Placement() for u in units}
+    if not offload.enabled:
+        return out
+    for unit in offloaded_units(units, offload.ratio):
+        optimizer = _PLAN_LOCATION[offload.optimizer] if unit.trainable else DEVICE
+        out[unit.name] = Placement(optimizer, _PLAN_LOCATION[offload.params])
+    return out
+
+
+STEP_SPEC = StateSpec("optim.step", STEP, None, (), torch.int64)
+LOSS_SCALE_SPEC = StateSpec(LOSS_SCALE_KEY, LOSS_SCALE, None, (), torch.float32)
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The dtypes of a unit's state: compute copy, master weights, reductions, gradient shards."""
+
+    param: torch.dtype
+    master: torch.dtype
+    reduce: torch.dtype
+    grad: torch.dtype  # the gradient shards of stages 2-3 (``precision.grad``)
+
+    @classmethod
+    def of(cls, unit: Unit, precision: PrecisionConfig | None) -> Dtypes:
+        """The plan's dtypes, or the model's own (fp32 layout) when ``precision`` is None."""
+        if precision is None:
+            return cls(unit.dtype, unit.dtype, unit.dtype, unit.dtype)
+        return cls(*(precision.dtype(f) for f in ("param", "master", "reduce", "grad")))
+
+    def gradient(self, stage: int) -> torch.dtype:
+        """The dtype a unit's gradient is kept in for the update (and accumulated in): the
+        ``reduce`` dtype of the full gradient the collective reduces in place (stages 0-1),
+        ``grad`` for the gradient shards (stages 2-3)."""
+        return self.reduce if stage <= 1 else self.grad
+
+
+def optimizer_states(config: OptimizerConfig) -> tuple[str, ...]:
+    """Names of the per-shard states the optimizer keeps."""
+    if config.name == "sgd" and config.momentum == 0:
+        return ()
+    return OPTIMIZER_STATES[config.name]
+
+
+def param_specs(
+    unit: Unit,
+    stage: int,
+    precision: PrecisionConfig | None = None,
+    placement: Placement = Placement(),
+    grad_accumulation: int = 1,
+) -> dict[str, StateSpec]:
+    """``param`` (stage 3: this rank's shard; else the replicated flat), ``param_shard``
+    (stages 1-2: this rank's slice of it), ``master`` (the weights the optimizer updates, when
+    their dtype differs from ``param``'s or they live apart from it) and, when gradients are
+    accumulated over micro-batches (``grad_accumulation`` > 1), ``grad`` (the accumulator: full
+    for stages 0-1, a shard for 2-3). Frozen units keep no ``grad``. ``precision=None`` is the
+    model's dtype throughout, the layout the shard pass builds before the precision pass
+    retypes it."""
+    full, shard = (unit.padded_numel,), (unit.shard_numel,)
+    dtypes = Dtypes.of(unit, precision)
+    key = unit.key
+
+    def spec(
+        name: str, role: str, shape: tuple[int, ...], dtype: torch.dtype, where: str = DEVICE
+    ) -> StateSpec:
+        return StateSpec(f"{key}.{name}", role, unit.name, shape, dtype, where)
+
+    specs = {
+        "param": spec(
+            "param",
+            PARAM_SHARD if stage == 3 else PARAM_FULL,
+            shard if stage == 3 else full,
+            dtypes.param,
+            placement.params,
+        )
+    }
+    if unit.trainable and stage in (1, 2):
+        specs["param_shard"] = spec("param_shard", PARAM_SHARD, shard, dtypes.param)
+    if dtypes.master != dtypes.param or (unit.trainable and placement.split):
+        specs["master"] = spec(
+            "master", MASTER, full if stage == 0 else shard, dtypes.master, placement.optimizer
+        )
+    if unit.trainable and grad_accumulation > 1:
+        accumulated = full if stage <= 1 else shard
+        specs["grad"] = spec("grad", GRAD, accumulated, dtypes.gradient(stage))
+    return specs
+
+
+def optimizer_specs(
+    unit: Unit,
+    stage: int,
+    config: OptimizerConfig,
+    precision: PrecisionConfig | None = None,
+    placement: Placement = Placement(),
+) -> list[StateSpec]:
+    """The optimizer states of a trainable unit: of its shard, or of the whole flat (stage 0)."""
+    shape = (unit.shard_numel,) if stage >= 1 else (unit.padded_numel,)
+    dtype = Dtypes.of(unit, precision).master
+    return [
+        StateSpec(f"{unit.key}.{name}", OPTIM_STATE, unit.name, shape, dtype, placement.optimizer)
+        for name in optimizer_states(config)
+    ]
+
+
+def state_specs(units: list[Unit], plan: Plan) -> list[StateSpec]:
+    """Every persistent tensor of a plan, replicated flat parameters first."""
+    stage, config = plan.zero.stage, plan.optimizer
+    precision = plan.precision if plan.precision.mixed else None
+    where = placements(units, plan.offload)
+    specs = [
+        s
+        for u in units
+        for s in param_specs(u, stage, precision, where[u.name], plan.grad_accumulation).values()
+    ]
+    specs += [
+        s
+        for u in units
+        if u.trainable
+        for s in optimizer_specs(u, stage, config, precision, where[u.name])
+    ]
+    if config.name == "adamw":
+        specs.append(STEP_SPEC)
+    if plan.precision.scaling != "none":
+        specs.append(LOSS_SCALE_SPEC)
+    return sorted(specs, key=lambda s: s.role != PARAM_FULL)
+
+
+def empty_on(
+    location: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An uninitialized tensor for state at ``location`` of a run on ``device``: on the device,
+    or in host memory (pinned when the device is a GPU, so copies to and from it are
+    asynchronous DMA)."""
+    if location == DEVICE:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def allocate_state(
+    model: nn.Module,
+    model_info: ModelInfo,
+    units: list[Unit],
+    plan: Plan,
+    rank: int,
+    device: torch.device,
+    store: Any = None,
+    from_rank_0: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every resident persistent tensor of ``plan`` for ``rank``, keyed as its spec, where its
+    spec places it: weights from the model's initial values (one unit materialized at a time),
+    everything else zeros (the step counter on the CPU), and the model's buffers under their
+    FQNs. States placed on NVMe are written to ``store`` (a :class:`zerocc.runtime.nvme.NvmeStore`)
+    instead of being returned.
+
+    Every rank starts from rank 0's weights and buffers, as DDP does: ``from_rank_0(t)``
+    (a broadcast) overwrites a unit's full flat, before it is sharded, and each buffer, with
+    rank 0's values whenever the model holds real values for them (ranks seeded differently
+    would otherwise train a mix of their starting points). Tensors on the ``meta`` device are
+    initialized from the plan's seed and their own name, the same on every rank, so they need
+    no broadcast."""
+    specs = state_specs(units, plan)
+    weights = (PARAM_FULL, PARAM_SHARD, MASTER)
+    state: dict[str, torch.Tensor] = {}
+
+    def place(spec: StateSpec, value: torch.Tensor | None) -> None:
+        tensor = empty_on(
+            HOST if spec.location == NVME else spec.location, spec.shape, spec.dtype, device
+        )
+        if value is None:
+            tensor.zero_()
+        else:
+            tensor.copy_(value)  # a copy (of the shard alone: a view keeps the whole flat alive)
+        if spec.location == NVME:
+            store.write(spec.key, tensor).wait()
+        else:
+            state[spec.key] = tensor
+
+    for unit in units:
+        fqns = [p.fqn for p in unit.params]
+        flat = unit.flatten(initial_values(model, fqns, plan.seed, device))
+        if from_rank_0 is not None and holds_values(model, fqns):
+            from_rank_0(flat)
+        for spec in specs:
+            if spec.unit != unit.name or spec.role not in weights:
+                continue
+            if spec.key.endswith(".param_shard"):  # stages 1-2: a view of the replicated flat
+                state[spec.key] = unit.shard_of(state[f"{unit.key}.param"], rank)
+                continue
+            place(spec, flat if spec.shape == flat.shape else unit.shard_of(flat, rank))
+    for spec in specs:
+        if spec.key in state or spec.role in weights:
+            continue
+        if spec.role == STEP:
+            state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype)
+        else:
+            place(spec, None)
+    buffers = initial_values(model, [b.fqn for b in model_info.buffers], plan.seed, device)
+    for fqn, value in buffers.items():
+        if from_rank_0 is not None and holds_values(model, [fqn]):
+            buffers[fqn] = value = value.contiguous()
+            from_rank_0(value)
+    state.update(buffers)
+    return state

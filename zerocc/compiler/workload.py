@@ -1,0 +1,160 @@
+"""A workload: the model, its loss and its data, named by a plan's `workload: module:function`."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass
+from pathlib import Path
+
+from torch import nn
+
+from zerocc.compiler.plan import Plan
+from zerocc.errors import PlanError
+
+__all__ = ["Workload", "load_workload"]
+
+
+@dataclass
+class Workload:
+    """What `zerocc train` trains: a model, an optional loss, and each rank's batches.
+
+    `batches(rank, world_size)` yields this rank's local batches, each a tuple of tensors passed
+    as `step(*batch)`; every rank must get different data, as under DDP. `loss_fn(model, *batch)`
+    returns a scalar; None means `model(*batch)` (or its `.loss`). Only `model` may be passed
+    positionally, so `Workload(model, loss_fn, batches)` fails loudly instead of mixing them up.
+    """
+
+    model: nn.Module
+    _: KW_ONLY
+    loss_fn: Callable | None = None
+    batches: Callable[[int, int], Iterator[tuple]]
+
+
+def load_workload(plan: Plan) -> Workload:
+    """Import `plan.workload` ("module:function") and call it with `plan.workload_args`.
+
+    The workload is code: importing it runs it, as running a training script would. The module
+    is found in the plan file's folder first, then in installed packages (sys.path), never in
+    the current directory unless that is the plan's folder: a plan names the code next to it,
+    not whatever file of that name sits where the command happens to run. A plan given as a
+    dict or Plan has no folder: its workload comes from installed packages only. The function
+    runs with the same search path, so its own imports resolve the same way. Raises PlanError
+    naming the module or function when it cannot be imported (with where it searched), found,
+    called with the arguments, or returns no Workload.
+    """
+    if plan.workload is None:
+        raise PlanError("workload: the plan names no workload; set workload: 'module:function'")
+    module_name, function_name = plan.workload.split(":")
+    plan_dir = Path(plan.source).resolve().parent if plan.source else None
+    with _search_path(plan_dir) as searched:
+        try:
+            if plan_dir is not None:
+                _forget_if_shadowed(module_name, plan_dir)
+            _forget_if_from_cwd(module_name, plan_dir)
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise PlanError(
+                f"workload: cannot import module {module_name!r}: {exc}; searched "
+                f"{searched}{_cwd_hint(module_name, plan_dir)}"
+            ) from None
+        function = getattr(module, function_name, None)
+        if not callable(function):
+            raise PlanError(
+                f"workload: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
+                f"function {function_name!r}"
+            )
+        try:
+            inspect.signature(function).bind(**plan.workload_args)
+        except TypeError as exc:
+            raise PlanError(f"workload_args: cannot call {plan.workload}: {exc}") from None
+        except ValueError:  # no signature to check (a builtin): let the call itself tell
+            pass
+        workload = function(**plan.workload_args)
+    if not isinstance(workload, Workload):
+        raise PlanError(
+            f"workload: {plan.workload} returned {type(workload).__name__}, not a "
+            "zerocc.compiler.workload.Workload"
+        )
+    return workload
+
+
+@contextlib.contextmanager
+def _search_path(plan_dir: Path | None) -> Iterator[str]:
+    """sys.path for the workload, restored after: the plan's folder first, then sys.path
+    without the current directory ('' or its path: `python -m zerocc` puts it first) unless
+    it is the plan's folder. Yields the search order as the error message says it."""
+    cwd = _real(os.getcwd())
+    installed = [p for p in sys.path if _real(p) != cwd]
+    first = [str(plan_dir)] if plan_dir is not None else []
+    saved = list(sys.path)
+    sys.path[:] = first + installed
+    if plan_dir is None:
+        searched = "installed packages (sys.path) (a plan given as a dict has no folder)"
+    else:
+        searched = f"the plan's folder {plan_dir}, then installed packages (sys.path)"
+    if plan_dir is None or _real(str(plan_dir)) != cwd:
+        searched += "; not the current directory"
+    try:
+        yield searched
+    finally:
+        sys.path[:] = saved
+
+
+def _real(path: str) -> str:
+    """``path`` with links resolved ('' is the current directory, as on sys.path)."""
+    return os.path.realpath(path or ".")
+
+
+def _cwd_hint(module_name: str, plan_dir: Path | None) -> str:
+    """A hint when the module sits in the current directory, which is not searched."""
+    top = module_name.split(".")[0]
+    if _module_file(Path.cwd(), top) is None or (plan_dir and _real(str(plan_dir)) == _real(".")):
+        return ""
+    return (
+        f" ({Path.cwd()} holds {top!r}, but the current directory is not searched: put the "
+        "module next to the plan, or install it)"
+    )
+
+
+def _module_file(folder: Path, top: str) -> Path | None:
+    """The file a top-level module ``top`` would be imported from in ``folder``, if any."""
+    for candidate in (folder / f"{top}.py", folder / top / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _forget(top: str) -> None:
+    for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+        del sys.modules[name]
+
+
+def _forget_if_shadowed(module_name: str, plan_dir: Path) -> None:
+    """Drop a cached module of the same name imported from elsewhere (e.g. another plan's
+    `workload.py`), so the plan's own module is the one imported."""
+    top = module_name.split(".")[0]
+    cached = sys.modules.get(top)
+    local = _module_file(plan_dir, top)
+    if cached is None or local is None:
+        return
+    cached_file = getattr(cached, "__file__", None)
+    if cached_file is None or Path(cached_file).resolve() != local.resolve():
+        _forget(top)
+
+
+def _forget_if_from_cwd(module_name: str, plan_dir: Path | None) -> None:
+    """Drop a cached module that was imported from the current directory (by the caller, say),
+    unless that is the plan's folder: the plan's search would not have found it there."""
+    top = module_name.split(".")[0]
+    cached_file = getattr(sys.modules.get(top), "__file__", None)
+    cwd = _real(".")
+    if cached_file is None or (plan_dir is not None and _real(str(plan_dir)) == cwd):
+        return
+    local = _module_file(Path(cwd), top)
+    if local is not None and _real(cached_file) == _real(str(local)):
+        _forget(top)

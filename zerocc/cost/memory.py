@@ -1,0 +1,147 @@
+"""Memory of a rank, predicted from a scheduled program without running it.
+
+Two parts. **Model states** are the persistent tensors of the plan (``zerocc/compiler/state.py``):
+the runtime allocates exactly these, so their bytes are exact. **Transient memory** follows the
+program's liveness: a node's result occupies its storage from the node until the last use of
+anything that aliases that storage (views, ``wait``), as the eager backend's generated code
+drops references; a collective (or a copy) holds its inputs until its wait (its work handle
+keeps them); ``zerocc.free`` releases a gathered unit at once. In-place ops and views allocate
+nothing. Storages made by an all-gather count as *gathered*; every other transient (activations
+saved for backward, gradients, packed buckets) as *activations*: without gradient accumulation
+no gradient is model state, and the reduced gradients the update reads are transients from
+their reduction to the update. What offload keeps in host memory or on NVMe (states, and the
+host buffers of its copies) is not device memory: it is reported apart (model states ``host``,
+``nvme``; the host buffers' peak).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import fx
+
+from zerocc.compiler.plan import Plan
+from zerocc.compiler.state import DEVICE, HOST, state_specs
+from zerocc.compiler.units import Unit
+from zerocc.cost.timeline import MemoryTimeline
+from zerocc.ir.nodes import (
+    GATHERED,
+    GRAD,
+    LOSS_SCALE,
+    MASTER,
+    OPTIM_STATE,
+    PARAM_FULL,
+    PARAM_SHARD,
+    STEP,
+    info,
+    op_name,
+    val,
+)
+
+# As ZeRO counts them: fp32 master weights are optimizer state (2 + 2 + 12 bytes per parameter).
+STATE_CATEGORY = {
+    PARAM_FULL: "params",
+    PARAM_SHARD: "params",
+    GRAD: "grads",
+    MASTER: "optimizer",
+    OPTIM_STATE: "optimizer",
+    STEP: "optimizer",
+    LOSS_SCALE: "optimizer",
+}
+
+
+def model_state_bytes_of(units: list[Unit], plan: Plan) -> dict[str, int]:
+    """Bytes of the plan's persistent state on the device per category (params, grads,
+    optimizer, total), and of what offload places elsewhere (``host``, ``nvme``: totals).
+    Views (stages 1-2 ``param_shard``) are not counted twice."""
+    out: dict[str, int] = defaultdict(int)
+    for spec in state_specs(units, plan):
+        if spec.key.endswith(".param_shard"):
+            continue
+        if spec.location == DEVICE:
+            out[STATE_CATEGORY[spec.role]] += spec.nbytes
+        else:
+            out[spec.location] += spec.nbytes
+    out["total"] = sum(out[c] for c in ("params", "grads", "optimizer"))
+    return dict(out)
+
+
+def node_label(node: fx.Node) -> str:
+    """How a timeline point names the node that ran: its op and unit."""
+    return op_name(node.target) + (f" {info(node).unit}" if info(node).unit else "")
+
+
+def transient_category(node: fx.Node) -> str:
+    """Where a storage a node makes is counted: an all-gather's result, or a unit's copy out of
+    a gather bucket, is a gathered unit."""
+    gathered = op_name(node.target) == "zerocc.all_gather_start" or info(node).role == GATHERED
+    return "gathered" if gathered else "activations"
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a node's value (a tensor, or a tuple/list of values)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _done(user: fx.Node) -> fx.Node:
+    """Where a use by ``user`` ends: a collective or a copy reads its inputs until its wait."""
+    if info(user).stream != "compute" and info(user).bytes and len(user.users) == 1:
+        return next(iter(user.users))
+    return user
+
+
+def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTimeline:
+    """Live bytes per category after each node of ``gm``: the model states throughout, plus
+    gathered units and activations by liveness; the peak of offload's host buffers apart
+    (``host_peak``)."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    persistent: set[int] = set()  # storages bound from outside (state, batch, buffers)
+    born: dict[int, tuple[int, int, str]] = {}  # storage -> (position, bytes, category)
+    last_use: dict[int, int] = {}
+    freed_at: dict[int, int] = {}
+    for node in nodes:
+        i = position[node]
+        for t in tensors_in(val(node)):
+            key = _storage(t)
+            if node.op == "placeholder":
+                persistent.add(key)
+                continue
+            if key not in born and key not in persistent:
+                # Host buffers of offload are not device memory: tracked apart.
+                category = "host" if info(node).pool == HOST else transient_category(node)
+                born[key] = (i, t.untyped_storage().nbytes(), category)
+            end = max((position[_done(u)] for u in node.users), default=i)
+            if node.op == "output" or any(u.op == "output" for u in node.users):
+                end = len(nodes)
+            last_use[key] = max(last_use.get(key, i), end)
+        if op_name(node.target) == "zerocc.free":
+            for t in tensors_in(val(node.args[0])):
+                freed_at.setdefault(_storage(t), i)
+    events: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for key, (start, nbytes, category) in born.items():
+        # A point is "while node i runs": its inputs and result are live. A storage goes after
+        # the last node that reads it, or at the `free` that releases it.
+        release = freed_at.get(key, last_use.get(key, start) + 1)
+        events[start].append((category, nbytes))
+        events[release].append((category, -nbytes))
+    live = {c: model_states.get(c, 0) for c in ("params", "grads", "optimizer")}
+    live.update(gathered=0, activations=0, host=0)
+    timeline = MemoryTimeline()
+    for node in nodes:
+        for category, delta in events.get(position[node], []):
+            live[category] += delta
+        if node.op in ("placeholder", "output"):
+            continue
+        timeline.append(node_label(node), info(node).phase or "", live)
+    return timeline

@@ -1,0 +1,566 @@
+"""`zerocc profile PLAN`: measure this machine and fit the cost model's rates to it.
+
+On every rank of the plan (launched as ``zerocc train`` launches them), the plan's workload is
+compiled and warmed up, then:
+
+1. **steps**: ``steps`` optimizer steps are timed as they run (a step lasts as long as its
+   slowest rank; the median is kept): what the prediction is checked against;
+2. **ops**: a few more steps run op by op (``TrainStep.profile`` with :class:`CalibrationRun`:
+   each collective finishes when it is issued, so no op shares the cores or the memory bus
+   with a transfer; on a GPU every op is synchronized, so its time is its kernels'). Views,
+   which do no work, time the profiler's own cost per op, taken off every op; the rest is
+   fitted, by non-negative least squares, to ``flops / F[dtype]`` (compute-bound ops) or
+   ``bytes / B`` (the others; which term an op falls under is the roofline's ``max``, iterated
+   to a fixed point). The per-op overhead the model keeps is the eager backend's: the same
+   program run as the backend runs it (:class:`EagerRun`, collectives again one at a time and
+   timed apart) takes, per op, this much beyond the work the fitted rates explain (at most
+   the profiler's own per-op cost);
+3. **collectives**: all-gather, reduce-scatter and all-reduce on the plan's process group,
+   from 64 KiB to 32 MiB per rank, in the plan's dtypes (gathers in the compute dtype,
+   reductions in the reduce dtype), each timed from issue to the end of its wait, together
+   with every collective of the program as step 2 ran it, are fitted to the ring model of
+   :mod:`zerocc.cost.model` (latency per hop, link bandwidth; relative errors, so that small and
+   large messages count alike), over all kinds and per kind;
+4. **overlap**: a transfer and matmuls timed alone and together give the share of a transfer
+   that runs alongside compute (:func:`measure_overlap`).
+
+Rank 0's rates are every rank's; rank 0 writes them and what was measured (device, world size,
+the median step and the simulator's prediction of it with the fitted rates) with
+:meth:`DeviceRates.save`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from zerocc.compiler.plan import Plan
+from zerocc.cost.model import (
+    COMPUTE,
+    CostModel,
+    DeviceRates,
+    NodeWork,
+    node_work,
+    ring_hops,
+)
+from zerocc.runtime.comm import Comm, Work, active_comm, use_comm
+from zerocc.runtime.measure import ProfiledRun
+from zerocc.runtime.rank import to_device
+
+if TYPE_CHECKING:
+    from zerocc.runtime.step import StepRunner as TrainStep
+
+MESSAGE_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)  # per rank
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_output(plan_path: str | os.PathLike[str]) -> Path:
+    """Where ``zerocc profile PLAN`` writes: ``<plan stem>.calibration.json`` next to the plan,
+    so that ``cost: {calibration: <plan stem>.calibration.json}`` in the plan finds it."""
+    path = Path(plan_path)
+    return path.with_name(f"{path.stem}.calibration.json")
+
+
+@dataclass
+class Calibration:
+    """What one calibration measured and the rates fitted to it."""
+
+    rates: DeviceRates
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def measured_step_ms(self) -> float:
+        return self.measured["step_ms"]["measured"]
+
+    @property
+    def predicted_step_ms(self) -> float:
+        return self.measured["step_ms"]["predicted"]
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        self.rates.save(path, self.measured)
+
+    def table(self) -> str:
+        """A short report: the fitted rates, the fits' quality, measured vs predicted step."""
+        r, m = self.rates, self.measured
+        flops = ", ".join(f"{d} {v / 1e9:.1f}" for d, v in sorted(r.compute_flops.items()))
+        ops, link = m["ops"], m["collectives"]
+        step = m["step_ms"]
+        lines = [
+            f"calibration of {m['device']}, {m['world_size']} rank(s), "
+            f"{m['threads']} thread(s) per rank",
+            f"  compute        {flops} GFLOP/s  ({ops['fitted']}: from {ops['nodes']} ops)",
+            f"  memory         {r.memory_bytes_per_s / 1e9:.2f} GB/s",
+            f"  overhead       {r.overhead_s * 1e6:.1f} us per op",
+            f"  ops            measured {ops['measured_ms']:.1f} ms, fitted "
+            f"{ops['fitted_ms']:.1f} ms a step (sum over ops)",
+            f"  link           {r.link_bytes_per_s * 8 / 1e9:.2f} Gbit/s "
+            f"({r.link_bytes_per_s / 1e9:.2f} GB/s), latency {r.latency_s * 1e6:.1f} us per hop",
+            f"  collectives    {link['timed']} timed, median error "
+            f"{link['median_error_pct']:.0f}%; {100 * r.comm_overlap:.0f}% of a transfer "
+            "overlaps compute",
+            f"  step           measured {step['measured']:.1f} ms (median of {step['steps']}), "
+            f"predicted {step['predicted']:.1f} ms ({step['error_pct']:+.0f}%)",
+        ]
+        return "\n".join(lines)
+
+
+# --- least squares ------------------------------------------------------------------------------
+
+
+def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """Non-negative least squares, exactly, for the few columns the fits have: the best of the
+    unconstrained solutions over every subset of columns whose coefficients are all >= 0."""
+    import numpy as np
+
+    a, b = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
+    columns = a.shape[1]
+    best, best_residual = [0.0] * columns, float(np.sum(b * b))
+    for size in range(1, columns + 1):
+        for subset in itertools.combinations(range(columns), size):
+            sub = a[:, subset]
+            if not np.any(sub):
+                continue
+            coef, *_ = np.linalg.lstsq(sub, b, rcond=None)
+            if np.any(coef < 0):
+                continue
+            residual = float(np.sum((sub @ coef - b) ** 2))
+            if residual < best_residual:
+                best_residual = residual
+                best = [0.0] * columns
+                for i, c in zip(subset, coef, strict=True):
+                    best[i] = float(c)
+    return best
+
+
+# --- compute ------------------------------------------------------------------------------------
+
+
+def op_samples(recorders: Sequence[ProfiledRun]) -> list[tuple[NodeWork, float]]:
+    """(work, median seconds) of each compute node the recorders timed (waits left out)."""
+    times: dict[fx.Node, list[float]] = defaultdict(list)
+    for recorder in recorders:
+        by_name = {n.name: n for n in recorder.module.graph.nodes}
+        for event in recorder.events:
+            node = by_name.get(event.args.get("node", ""))
+            if event.track != "compute" or event.args.get("exposed") or node is None:
+                continue
+            if node_work(node).kind == COMPUTE:
+                times[node].append(event.duration_us * 1e-6)
+    return [(node_work(n), statistics.median(ts)) for n, ts in times.items()]
+
+
+def fit_compute(
+    samples: Sequence[tuple[NodeWork, float]], base: DeviceRates
+) -> tuple[DeviceRates, dict[str, Any]]:
+    """Fit FLOP/s per dtype and memory bytes/s to per-op times (module docs); rates the samples
+    cannot tell (no op of that kind) keep ``base``'s.
+
+    Ops that do no work (views) time what running any op costs where it was measured (the
+    profiler's interpreter included): their median is the overhead, taken from every op before
+    the rates are fitted. Without such ops the overhead is the fit's intercept."""
+    idle = [t for w, t in samples if not w.flops and not w.bytes]
+    profiled = statistics.median(idle) if len(idle) >= 5 else None
+    busy = [(w, t) for w, t in samples if w.flops or w.bytes] if profiled is not None else samples
+    dtypes = sorted({w.dtype or "fp32" for w, _ in busy if w.flops})
+    rates = base
+    coef: list[float] = []
+    for _ in range(5):  # classify by the current rates' roofline, refit, until stable
+        rows = []
+        for work, _ in busy:
+            bound = work.flops / rates.flops_per_s(work.dtype) > work.bytes / (
+                rates.memory_bytes_per_s
+            )
+            flops = [work.flops if bound and (work.dtype or "fp32") == d else 0.0 for d in dtypes]
+            intercept = [1.0] if profiled is None else []
+            rows.append([*intercept, *flops, 0.0 if bound else float(work.bytes)])
+        new = nnls(rows, [t - (profiled or 0.0) for _, t in busy])
+        if new == coef:
+            break
+        coef = new
+        fitted = coef if profiled is None else [profiled, *coef]
+        flops = {d: 1 / c for d, c in zip(dtypes, fitted[1:-1], strict=True) if c > 0}
+        rates = base.replace(
+            "calibration",
+            overhead_s=fitted[0],
+            compute_flops=flops or None,
+            memory_bytes_per_s=1 / fitted[-1] if fitted[-1] > 0 else None,
+        )
+    model = CostModel(rates, 1)
+    fitted_s = sum(model.compute_time(w.flops, w.bytes, w.dtype) for w, _ in samples)
+    stats = {
+        "nodes": len(samples),
+        "measured_ms": 1e3 * sum(t for _, t in samples),
+        "fitted_ms": 1e3 * fitted_s,
+        "profiled_overhead_us": 1e6 * rates.overhead_s,
+        "fitted": ("overhead, " if profiled is None else "")
+        + ", ".join(f"{d} FLOP/s" for d in dtypes)
+        + ", memory",
+    }
+    return rates, stats
+
+
+def eager_overhead(runs: Sequence[EagerRun], rates: DeviceRates) -> float | None:
+    """Seconds per op of the eager backend's generated code: what the program's compute took
+    (its run, less its collectives, each run alone) beyond the work the fitted rates explain,
+    per compute op. The least over ``runs`` (a busy machine only ever adds time), and at most
+    ``rates.overhead_s``, the profiler's per-op cost, which runs the same ops and more (None
+    without runs)."""
+    per_op = []
+    for run in runs:
+        model = CostModel(rates.replace("calibration", overhead_s=0.0), 1)
+        works = [node_work(n) for n in run.module.graph.nodes if node_work(n).kind == COMPUTE]
+        work_s = sum(model.compute_time(w.flops, w.bytes, w.dtype) for w in works)
+        comm_s = sum(c["seconds"] for c in run.collectives)
+        per_op.append((run.seconds - comm_s - work_s) / max(len(works), 1))
+    return min(max(0.0, min(per_op)), rates.overhead_s) if per_op else None
+
+
+# --- collectives --------------------------------------------------------------------------------
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_collectives(
+    comm: Comm, plan: Plan, device: torch.device, sizes: Sequence[int] = MESSAGE_BYTES,
+    reps: int = 5,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Median seconds of each collective kind and size on ``comm``, from issue to the end of its
+    wait, ranks lined up by a barrier before each; ``bytes`` as ZeRO counts them (logical)."""
+    n = comm.world_size
+    dtypes = {
+        "all_gather": DTYPES[plan.precision.param],
+        "reduce_scatter": DTYPES[plan.precision.reduce],
+        "all_reduce": DTYPES[plan.precision.reduce],
+    }
+    samples = []
+    for kind, size in itertools.product(KINDS, sizes):
+        dtype = dtypes[kind]
+        numel = max(n, size // dtype.itemsize // n * n)  # per rank, divisible by the ranks
+        full = torch.ones(numel, dtype=dtype, device=device)
+        part = torch.ones(numel // n, dtype=dtype, device=device)
+        seconds = []
+        for _ in range(reps + 1):  # the first warms the group's buffers up: not kept
+            _barrier(comm, device)
+            start = time.perf_counter()
+            if kind == "all_gather":
+                work = comm.all_gather(full, part)
+            elif kind == "reduce_scatter":
+                work = comm.reduce_scatter(part, full)
+            else:
+                work = comm.all_reduce(full)
+            work.wait()
+            _synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        logical = full.numel() * dtype.itemsize * (2 if kind == "all_reduce" else 1)
+        samples.append({"kind": kind, "bytes": logical, "ranks": n,
+                        "seconds": statistics.median(seconds[1:])})  # fmt: skip
+    return samples
+
+
+def _barrier(comm: Comm, device: torch.device) -> None:
+    _synchronize(device)
+    if dist.is_initialized() and comm.world_size > 1:
+        dist.barrier(group=getattr(comm, "group", None))
+
+
+def measure_overlap(comm: Comm, plan: Plan, device: torch.device, reps: int = 9) -> dict[
+        str, float]:  # fmt: skip
+    """How much of a collective's transfer runs alongside compute: an all-gather of 32 MiB
+    (``M``) and matmuls of about as long (``C``), timed alone and together (``T``), in turn,
+    ``reps`` times; ``overlap = (C + M - T) / min(C, M)`` (the median over the rounds): 1 when
+    together they take as long as the longer, 0 when as long as both one after the other (a
+    CPU whose cores compute and copy alike)."""
+    dtype = DTYPES[plan.precision.param]
+    if device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.float32  # CPU fp16 matmuls are too slow to say anything
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    numel = (32 << 20) // dtype.itemsize // comm.world_size * comm.world_size
+    full = torch.empty(numel, dtype=dtype, device=device)
+    part = torch.ones(numel // comm.world_size, dtype=dtype, device=device)
+
+    def matmuls(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    def timed(fn: Any) -> float:
+        _barrier(comm, device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    def gather() -> None:
+        comm.all_gather(full, part).wait()
+
+    timed(lambda: matmuls(1))  # warm-up
+    timed(gather)
+    one = statistics.median(timed(lambda: matmuls(1)) for _ in range(3))
+    m = statistics.median(timed(gather) for _ in range(3))
+    count = int(slowest(comm, [float(max(1, round(m / one)))], device)[0])  # same on all
+
+    def both() -> None:
+        work = comm.all_gather(full, part)
+        matmuls(count)
+        work.wait()
+
+    rounds = []
+    for _ in range(reps):
+        c, m, t = timed(lambda: matmuls(count)), timed(gather), timed(both)
+        rounds.append((c, m, t, (c + m - t) / min(c, m)))
+    c, m, t, overlap = (statistics.median(r[i] for r in rounds) for i in range(4))
+    overlap = min(1.0, max(0.0, overlap))
+    return {"compute_s": c, "comm_s": m, "together_s": t, "overlap": overlap}
+
+
+def fit_link(samples: Sequence[dict[str, Any]], base: DeviceRates) -> tuple[DeviceRates, dict[
+        str, Any]]:  # fmt: skip
+    """Fit latency per hop and link bytes/s to timed collectives (the ring model of
+    :mod:`zerocc.cost.model`; errors relative to each size's time): one fit over all kinds (the
+    link), and one per kind (a backend may run some kinds less well than a ring)."""
+    if not samples or samples[0]["ranks"] < 2:
+        return base, {"timed": len(samples), "samples": [], "median_error_pct": 0.0}
+    timed, samples = len(samples), _trimmed(samples)
+    latency, link = _fit_ring(samples)
+    kinds = {}
+    for kind in sorted({s["kind"] for s in samples}):
+        fitted = _fit_ring([s for s in samples if s["kind"] == kind])
+        if fitted[1] is not None:
+            kinds[kind] = {"latency_s": fitted[0], "link_bytes_per_s": fitted[1]}
+    rates = base.replace("calibration", latency_s=latency, link_bytes_per_s=link, collectives=kinds)
+    model = CostModel(rates, samples[0]["ranks"])
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for s in samples:
+        groups[s["kind"], s["bytes"], s["ranks"], bool(s.get("in_program"))].append(s["seconds"])
+    summary = []
+    for (kind, nbytes, ranks, in_program), seconds in sorted(groups.items()):
+        predicted = model.collective_time(kind, nbytes, ranks)
+        summary.append({"kind": kind, "bytes": nbytes, "ranks": ranks, "in_program": in_program,
+                        "count": len(seconds), "median_s": statistics.median(seconds),
+                        "mean_s": statistics.fmean(seconds), "predicted_s": predicted})  # fmt: skip
+    errors = [abs(g["predicted_s"] / g["mean_s"] - 1) * 100 for g in summary]
+    return rates, {"timed": timed, "samples": summary,
+                   "median_error_pct": statistics.median(errors)}  # fmt: skip
+
+
+def _trimmed(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples less the slowest tenth of each kind and size with ten or more: a busy
+    machine's outliers, not the rank skew every step pays."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for s in samples:
+        groups[s["kind"], s["bytes"], s["ranks"]].append(s)
+    kept = []
+    for group in groups.values():
+        group = sorted(group, key=lambda s: s["seconds"])
+        kept += group[: len(group) - len(group) // 10]
+    return kept
+
+
+def _fit_ring(samples: Sequence[dict[str, Any]]) -> tuple[float, float | None]:
+    """(latency per hop, link bytes/s or None when the bytes explain nothing). Each sample is
+    weighted by 1 / the median time of its kind and size: relative errors across sizes, but
+    the mean within a size, as a step adds the times of its collectives (in a program, rank
+    skew makes some of them wait for the other ranks)."""
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for s in samples:
+        groups[s["kind"], s["bytes"], s["ranks"]].append(s["seconds"])
+    rows, targets = [], []
+    for s in samples:
+        n = s["ranks"]
+        weight = 1 / max(statistics.median(groups[s["kind"], s["bytes"], n]), 1e-9)
+        rows.append([ring_hops(s["kind"], n) * weight, (n - 1) / n * s["bytes"] * weight])
+        targets.append(s["seconds"] * weight)
+    latency, per_byte = nnls(rows, targets)
+    return latency, (1 / per_byte if per_byte > 0 else None)
+
+
+# --- the whole calibration ----------------------------------------------------------------------
+
+
+class _SerialComm(Comm):
+    """The step's comm, each collective finished (and timed) before it returns: a calibration
+    run times every op with no transfer running beside it, and every collective of the real
+    program alone."""
+
+    def __init__(self, inner: Comm, device: torch.device, samples: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.inner, self.device, self.samples = inner, device, samples
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    def _timed(self, kind: str, nbytes: int, issue: Any) -> Work:
+        _synchronize(self.device)
+        start = time.perf_counter()
+        issue().wait()
+        _synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.samples.append({"kind": kind, "bytes": nbytes, "ranks": self.world_size,
+                             "seconds": seconds, "in_program": True})  # fmt: skip
+        return Work()
+
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
+        nbytes = out.numel() * out.element_size()
+        return self._timed("all_gather", nbytes, lambda: self.inner.all_gather(out, shard))
+
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
+        nbytes = full.numel() * full.element_size()
+        return self._timed("reduce_scatter", nbytes, lambda: self.inner.reduce_scatter(out, full))
+
+    def _all_reduce(self, tensor: torch.Tensor) -> Work:
+        nbytes = 2 * tensor.numel() * tensor.element_size()
+        return self._timed("all_reduce", nbytes, lambda: self.inner.all_reduce(tensor))
+
+
+class EagerRun(ProfiledRun):
+    """The program run as the eager backend runs it (its generated code, not op by op), each
+    collective finished when issued: ``seconds`` is its compute plus its collectives in turn,
+    ``collectives`` their times. Records no events."""
+
+    def __init__(self, gm: fx.GraphModule, rank: int, model_states: dict[str, int]) -> None:
+        super().__init__(gm, rank, model_states)
+        self.collectives: list[dict[str, Any]] = []
+        self.seconds = 0.0
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        with use_comm(_SerialComm(active_comm(), device, self.collectives)):
+            _synchronize(device)
+            start = time.perf_counter()
+            result = self.module(*args)
+            _synchronize(device)
+            self.seconds = time.perf_counter() - start
+        return result
+
+
+class CalibrationRun(ProfiledRun):
+    """A profiled run for fitting: each collective completes (timed, in ``collectives``) when
+    it is issued, so no op shares the machine with a transfer; on a GPU the compute stream is
+    synchronized after every op, so an op's time is its kernels', not their launch's."""
+
+    def __init__(self, gm: fx.GraphModule, rank: int, model_states: dict[str, int]) -> None:
+        super().__init__(gm, rank, model_states)
+        self.collectives: list[dict[str, Any]] = []
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        comm = active_comm()
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        with use_comm(_SerialComm(comm, device or torch.device("cpu"), self.collectives)):
+            return super().run(*args, **kwargs)
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        result = super().call_function(target, args, kwargs)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+        return result
+
+
+def slowest(comm: Comm, values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum over ranks (a tensor on ``device``: NCCL reduces only GPU ones)."""
+    if not dist.is_initialized() or comm.world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=getattr(comm, "group", None))
+    return t.tolist()
+
+
+def calibrate(
+    step: TrainStep, batches: Iterator[Sequence[Any]], *, steps: int = 5, warmup: int = 2,
+    profiled: int = 3,
+) -> Calibration:  # fmt: skip
+    """Measure ``step`` (a compiled TrainStep, ranks joined) on ``batches`` and fit the rates
+    (module docs): ``warmup`` untimed optimizer steps, ``steps`` timed, ``profiled`` run op by
+    op. Call on every rank (it runs collectives); every rank returns rank 0's calibration."""
+    from zerocc.cost.memory import model_state_bytes_of
+    from zerocc.cost.simulate import predict_step
+    from zerocc.inspect.explain import step_programs
+
+    plan, comm, device = step.plan, step.comm, step.device
+    k = plan.grad_accumulation
+
+    def one_step(recorder: type[ProfiledRun] | None = None) -> list[Any]:
+        recorders = []
+        for _ in range(k):
+            batch = to_device(next(batches), device)
+            if recorder is not None:
+                recorders.append(step.profile(*batch, recorder=recorder)[1])
+            else:
+                float(step(*batch))
+        _synchronize(device)
+        return recorders
+
+    for _ in range(warmup):
+        one_step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - start)
+    times = slowest(comm, times, device)
+    recorders = [r for _ in range(profiled) for r in one_step(CalibrationRun)]
+    eager = [r for _ in range(2 * profiled) for r in one_step(EagerRun)]  # at full speed
+    # Rank 0's ops stand for all: every rank runs the same program on as much data.
+    rates, ops = fit_compute(op_samples(recorders), DeviceRates.defaults(device.type))
+    overhead = eager_overhead(eager, rates)
+    if overhead is not None:
+        rates = rates.replace("calibration", overhead_s=overhead)
+    ops["overhead_us"] = rates.overhead_s * 1e6
+    in_program = [c for r in recorders + eager for c in r.collectives]
+    swept = time_collectives(comm, plan, device) if comm.world_size > 1 else []
+    rates, links = fit_link(swept + in_program, rates)
+    if comm.world_size > 1:
+        links["overlap"] = measure_overlap(comm, plan, device)
+        rates = rates.replace("calibration", comm_overlap=links["overlap"]["overlap"])
+    rates = _agree(comm, rates)
+    programs = step_programs(step)
+    states = model_state_bytes_of(step.units, plan)
+    predicted = predict_step(programs, k, rates, comm.world_size, model_states=states)
+    measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3
+    measured = {
+        "device": _device_name(device),
+        "world_size": comm.world_size,
+        "threads": torch.get_num_threads(),
+        "plan": plan.source,
+        "stage": plan.zero.stage,
+        "step_ms": {
+            "measured": measured_ms,
+            "steps": steps,
+            "all": [1e3 * t for t in times],
+            "predicted": predicted_ms,
+            "error_pct": 100 * (predicted_ms / measured_ms - 1),
+            "predicted_exposed_comm_ms": predicted.exposed_s * 1e3,
+        },
+        "ops": ops,
+        "collectives": links,
+    }
+    return Calibration(rates, measured)
+
+
+def _agree(comm: Comm, rates: DeviceRates) -> DeviceRates:
+    """Rank 0's rates on every rank (each rank fitted its own; they would differ by noise)."""
+    if not dist.is_initialized() or comm.world_size == 1:
+        return rates
+    box = [rates]
+    dist.broadcast_object_list(box, src=0, group=getattr(comm, "group", None))
+    return box[0]
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"

@@ -1,0 +1,238 @@
+"""Dumps: what the compiler built and what a real run did, as files to read and share.
+
+Turned on by the plan's ``dumps.dir`` or ``ZEROCC_DUMP_DIR`` (``zerocc train --dump DIR`` sets
+it). Rank 0 writes, into that folder:
+
+- ``programs/<program>/NN-<pass>.py`` and ``.dot`` (``.svg`` with Graphviz installed): the
+  program after each pass, when it is compiled;
+- after the first step that runs the optimizer, which every rank runs op by op, timed:
+  ``trace.json`` (Chrome/Perfetto trace events: a compute and a communication track per rank,
+  and under each rank the same program as the cost model predicts it, "rank N (predicted)"),
+  ``memory.png`` (live bytes over the program by category, predicted and measured, peaks
+  marked), and ``report.html``, which ties the plan, the passes, the units, the memory plot,
+  the estimate and the trace together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from zerocc.compiler.pass_manager import PassRecord
+from zerocc.compiler.plan import Plan
+from zerocc.cost.memory import model_state_bytes_of, predict_memory
+from zerocc.cost.model import DeviceRates, rates_for
+from zerocc.cost.simulate import Simulation, predict_step
+from zerocc.cost.timeline import MemoryTimeline, TraceEvent, exposed_us
+from zerocc.inspect.chrome_trace import chrome_trace
+from zerocc.inspect.dot import GRAPHVIZ_HINT, program_to_dot, render_svg
+from zerocc.inspect.estimate import pass_table
+from zerocc.inspect.explain import comm_bytes_per_step, precision_line, unit_rows
+from zerocc.inspect.report import ReportSection, write_report
+from zerocc.ir.printing import human_bytes
+
+if TYPE_CHECKING:
+    from zerocc.runtime.comm import Comm
+    from zerocc.runtime.measure import ProfiledRun
+    from zerocc.runtime.step import StepRunner as TrainStep
+
+DUMP_DIR_ENV = "ZEROCC_DUMP_DIR"
+PERFETTO = "https://ui.perfetto.dev"
+
+
+def dump_dir(plan: Plan) -> Path | None:
+    """Where to dump: ``ZEROCC_DUMP_DIR``, else the plan's ``dumps.dir``, else nowhere."""
+    where = os.environ.get(DUMP_DIR_ENV) or plan.dumps.dir
+    return Path(where) if where else None
+
+
+def write_program_dumps(root: Path, name: str, records: list[PassRecord]) -> list[Path]:
+    """The program after each pass as ``.py`` and ``.dot`` (and ``.svg`` when Graphviz is
+    installed); returns the files written."""
+    folder = root / "programs" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i, record in enumerate(records):
+        stem = folder / f"{i:02d}-{record.name}"
+        stem.with_suffix(".py").write_text(record.program + "\n")
+        written.append(stem.with_suffix(".py"))
+        if record.gm is not None:
+            dot = program_to_dot(record.gm, f"{name}: after {record.name}")
+            stem.with_suffix(".dot").write_text(dot)
+            written.append(stem.with_suffix(".dot"))
+            if render_svg(dot, stem.with_suffix(".svg")):
+                written.append(stem.with_suffix(".svg"))
+    return written
+
+
+def write_run_dumps(root: Path, step: TrainStep, recorder: ProfiledRun) -> Path | None:
+    """Gather every rank's timed ops (a collective: every rank calls it) and, on rank 0, write
+    ``trace.json``, ``memory.png`` and ``report.html``; returns the report's path on rank 0."""
+    events = _gather(step.comm, recorder.events)
+    if step.comm.rank != 0:
+        return None
+    from zerocc.inspect.plots import plot_memory  # matplotlib: only when dumping
+
+    root.mkdir(parents=True, exist_ok=True)
+    program = step.program
+    states = model_state_bytes_of(step.units, step.plan)
+    rates = rates_for(step.plan, step.device.type)
+    simulated = predict_step({True: program}, 1, rates, step.comm.world_size)
+    ranks = sorted({e.rank for e in events})
+    write_trace(events, simulated.events, ranks, root / "trace.json")
+    predicted = predict_memory(program, states)
+    plot_memory(
+        root / "memory.png",
+        predicted,
+        recorder.timeline,
+        f"rank 0, ZeRO stage {step.plan.zero.stage}, {step.comm.world_size} ranks",
+    )
+    report = root / "report.html"
+    sections = _sections(root, step, predicted, recorder.timeline)
+    sections.insert(-2, _time_section(simulated, rates, recorder.events))
+    write_report(report, title="zerocc run report", sections=sections)
+    return report
+
+
+PREDICTED_PID = 1000  # trace process ids of the predicted ranks: PREDICTED_PID + rank
+
+
+def write_trace(
+    measured: list[TraceEvent], predicted: list[TraceEvent], ranks: list[int], path: Path
+) -> None:
+    """``trace.json``: each measured rank, and under it the predicted run of the same program
+    as a process of its own, "rank N (predicted)" (every rank runs the same program)."""
+    copies = [
+        TraceEvent(PREDICTED_PID + rank, e.track, e.name, e.start_us, e.duration_us, e.args)
+        for rank in ranks
+        for e in predicted
+    ]
+    trace = chrome_trace(measured + copies)
+    for event in trace["traceEvents"]:
+        if event["ph"] != "M" or event.get("tid") is not None:
+            continue
+        predicted_rank = event["pid"] >= PREDICTED_PID
+        rank = event["pid"] - PREDICTED_PID if predicted_rank else event["pid"]
+        if event["name"] == "process_name":
+            event["args"]["name"] = f"rank {rank} (predicted)" if predicted_rank else f"rank {rank}"
+        elif event["name"] == "process_sort_index":
+            event["args"]["sort_index"] = 2 * rank + predicted_rank
+    path.write_text(json.dumps(trace, default=str))
+
+
+def _time_section(simulated: Simulation, rates: DeviceRates, measured: list[TraceEvent]) -> (
+        ReportSection):  # fmt: skip
+    """Predicted against measured step and exposed communication, rank 0."""
+    mine = [e for e in measured if e.rank == 0]
+    span_us = max((e.start_us + e.duration_us for e in mine), default=0.0)
+    exposed = exposed_us(mine)
+    rows = [
+        ["rank 0", "step", "compute", "communication", "exposed communication"],
+        ["predicted", _ms(simulated.step_s * 1e6), _ms(simulated.compute_s * 1e6),
+         _ms(simulated.comm_s * 1e6),
+         f"{_ms(simulated.exposed_s * 1e6)} ({100 * simulated.exposed_fraction:.0f}%)"],
+        ["measured (this profiled step)", _ms(span_us), _ms(_busy_us(mine, "compute")),
+         _ms(_busy_us(mine, "comm")),
+         f"{_ms(exposed)} ({100 * exposed / span_us if span_us else 0:.0f}%)"],
+    ]  # fmt: skip
+    return ReportSection(
+        "Time",
+        "table",
+        rows,
+        "the program simulated by the cost model (rates: "
+        f"{rates.describe()}; `zerocc profile` fits them to this machine), next to this run. "
+        "The measured step ran op by op under the profiler, which adds its own overhead "
+        "between ops; communication is the comm track's busy time, from each collective's "
+        "issue to the end of its wait.",
+    )
+
+
+def _busy_us(events: list[TraceEvent], track: str) -> float:
+    """Microseconds covered by the track's events (overlapping events counted once)."""
+    spans = sorted((e.start_us, e.start_us + e.duration_us) for e in events
+                   if e.track == track and not e.args.get("exposed"))  # fmt: skip
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.1f} ms"
+
+
+def _gather(comm: Comm, events: list[Any]) -> list[Any]:
+    return [e for rank_events in comm.all_gather_object(events) for e in rank_events]
+
+
+def _sections(
+    root: Path, step: TrainStep, predicted: MemoryTimeline, measured: MemoryTimeline
+) -> list[ReportSection]:
+    plan = step.plan
+    records = step.records
+    units = unit_rows(step.units)
+    plan_text = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False)
+    programs = sorted((root / "programs").glob("*/*"))
+    graphs = [["file"]] + [[str(p.relative_to(root))] for p in programs]
+    sections = [
+        ReportSection("Plan", "text", f"# {plan.source or 'plan'}\n{plan_text}"),
+        ReportSection(
+            "Passes",
+            "table",
+            pass_table(records),
+            "what each pass did to the program that runs the optimizer (zerocc inspect)",
+        ),
+        ReportSection("Units", "table", units, precision_line(step)),
+        ReportSection(
+            "Memory",
+            "image",
+            str(root / "memory.png"),
+            _memory_caption(predicted, measured),
+        ),
+        ReportSection("Estimate", "text", _estimate_text(step, predicted)),
+        ReportSection(
+            "Timeline",
+            "link",
+            str(root / "trace.json"),
+            f"the measured schedule, a compute and a communication track per rank, each "
+            f"followed by the schedule the cost model predicts (rank N (predicted)): open it in "
+            f"{PERFETTO} (Open trace file) or chrome://tracing",
+        ),
+        ReportSection("Programs", "table", graphs, _graph_caption(programs)),
+    ]
+    return sections
+
+
+def _memory_caption(predicted: MemoryTimeline, measured: MemoryTimeline) -> str:
+    (_, p), (_, m) = predicted.peak(), measured.peak()
+    return (
+        f"live bytes of rank 0 over the program, by category: predicted from the scheduled "
+        f"program (areas), measured in this run (line). Peak: predicted {human_bytes(p)}, "
+        f"measured {human_bytes(m)}."
+    )
+
+
+def _estimate_text(step: TrainStep, predicted: MemoryTimeline) -> str:
+    states = model_state_bytes_of(step.units, step.plan)
+    lines = ["model states per rank:"]
+    lines += [f"  {k:<14}{human_bytes(v):>12}" for k, v in states.items()]
+    lines += [
+        f"  {'gathered peak':<14}{human_bytes(max(predicted.series['gathered'])):>12}",
+        f"  {'activ. peak':<14}{human_bytes(max(predicted.series['activations'])):>12}",
+        f"  {'peak':<14}{human_bytes(predicted.peak()[1]):>12}",
+        "communication per optimizer step, per rank:",
+    ]
+    lines += [f"  {k:<14}{human_bytes(v):>12}" for k, v in comm_bytes_per_step(step).items()]
+    return "\n".join(lines)
+
+
+def _graph_caption(programs: list[Path]) -> str:
+    if any(p.suffix == ".svg" for p in programs):
+        return "the program after each pass, as Python, Graphviz DOT and SVG"
+    return f"the program after each pass, as Python and Graphviz DOT; {GRAPHVIZ_HINT}"

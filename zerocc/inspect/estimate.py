@@ -1,0 +1,190 @@
+"""Compile a plan for N simulated ranks without running anything, and estimate its cost.
+
+``zerocc inspect`` and ``zerocc estimate`` sit on this: the plan's workload gives the model and a
+batch (rank 0's first); the step is captured on fake tensors and the pipeline run for
+``world_size`` ranks. No parameter is allocated, so a model built on the ``meta`` device of any
+size inspects in seconds, for 8 ranks or 1024.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerocc.compiler.capture import describe_model
+from zerocc.compiler.pass_manager import PassRecord, build_pipeline
+from zerocc.compiler.plan import Plan, load_plan
+from zerocc.compiler.program import CompiledProgram, compile_program
+from zerocc.compiler.state import HOST, NVME
+from zerocc.compiler.units import Unit
+from zerocc.compiler.workload import Workload, load_workload
+from zerocc.cost.memory import model_state_bytes_of, predict_memory
+from zerocc.cost.model import DeviceRates, rates_for
+from zerocc.cost.simulate import Simulation, predict_step
+from zerocc.cost.timeline import MemoryTimeline
+from zerocc.inspect.explain import comm_bytes, held_gradient_bytes, recompute_cost, transfer_bytes
+
+
+@dataclass
+class Inspection:
+    """A plan compiled for ``world_size`` ranks: the program that steps (and, with gradient
+    accumulation, the one that only accumulates), each with its pass records."""
+
+    plan: Plan
+    world_size: int
+    programs: dict[bool, CompiledProgram]  # boundary -> program
+
+    @property
+    def stepping(self) -> CompiledProgram:
+        return self.programs[True]
+
+    @property
+    def units(self) -> list[Unit]:
+        return self.stepping.units
+
+
+def inspect_plan(
+    plan: Plan | str | dict,
+    world_size: int,
+    workload: Workload | None = None,
+    *,
+    keep_graphs: bool = False,
+) -> Inspection:
+    """Compile ``plan`` for ``world_size`` ranks (its ``workload`` unless one is given), on fake
+    tensors. ``keep_graphs`` keeps the graph after every pass (for printing one unit, DOT)."""
+    plan = load_plan(plan)
+    workload = workload or load_workload(plan)
+    batch = _first_batch(workload, world_size)
+    model_info = describe_model(workload.model)
+    pipeline = build_pipeline(plan)
+    boundaries = [True] if plan.grad_accumulation == 1 else [True, False]
+    programs = {
+        boundary: compile_program(
+            workload.model,
+            model_info,
+            plan,
+            pipeline,
+            batch,
+            loss_fn=workload.loss_fn,
+            device=torch.device("cpu"),
+            world_size=world_size,
+            boundary=boundary,
+            keep_graphs=keep_graphs,
+        )
+        for boundary in boundaries
+    }
+    return Inspection(plan, world_size, programs)
+
+
+def _first_batch(workload: Workload, world_size: int) -> tuple[Any, ...]:
+    batch = next(iter(workload.batches(0, world_size)), None)
+    if batch is None:
+        raise ValueError("the workload's batches(0, world_size) yielded no batch")
+    return tuple(batch)
+
+
+@dataclass
+class Estimate:
+    """Per-rank memory, communication and time of one optimizer step, predicted from the
+    program."""
+
+    stage: int
+    world_size: int
+    model_states: dict[str, int]  # params, grads, optimizer, total (exact: the plan's state)
+    peak: dict[str, int]  # total, and gathered / activations at their own highest
+    comm: dict[str, int]  # bytes per collective kind per optimizer step
+    offloaded: dict[str, int]  # model-state bytes off the device: host, nvme
+    transfers: dict[str, int]  # bytes offload moves per step: to_host, to_device, nvme_read, ...
+    recompute: dict[str, Any]  # ops, flops, step_flops, units the recompute pass added
+    timeline: MemoryTimeline = field(repr=False)
+    timing: Simulation | None = field(default=None, repr=False)  # the simulated step
+    rates: DeviceRates | None = None  # the cost model's rates behind ``timing``
+    # Bytes of the gradients the updates read (grad_accumulation 1: not model state, held from
+    # their reduction to the update within the step; part of the activations' peak)
+    held_grads: int = 0
+    psi: int = 0  # trainable elements, with padding
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as plain data (``zerocc estimate --json``)."""
+        out = {
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "model_states": self.model_states,
+            "peak": self.peak,
+            "comm_bytes_per_step": self.comm,
+            "offloaded_model_states": self.offloaded,
+            "transfer_bytes_per_step": self.transfers,
+            "recompute": self.recompute,
+            "held_gradient_bytes": self.held_grads,
+        }
+        if self.timing is not None and self.rates is not None:
+            timing = {k: v for k, v in self.timing.as_dict().items() if k != "peak_bytes"}
+            out["timing"] = {
+                **timing,
+                "rates": self.rates.as_dict(),
+                "rate_sources": dict(self.rates.sources),
+            }
+        return out
+
+
+def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estimate:
+    """Model states from the plan's state layout; transient memory by liveness over the
+    stepping program; bytes per collective kind per step (accumulating programs included);
+    the step's time, simulated with ``rates`` (default: :func:`zerocc.cost.model.rates_for` the
+    plan)."""
+    plan = inspection.plan
+    states = model_state_bytes_of(inspection.units, plan)
+    timeline = predict_memory(inspection.stepping.gm, states)
+    index, total = timeline.peak()
+    peak = {
+        "total": total,
+        "gathered": max(timeline.series["gathered"], default=0),
+        "activations": max(timeline.series["activations"], default=0),
+        "host_buffers": timeline.host_peak,
+        "at": index,
+    }
+    programs = {b: p.gm for b, p in inspection.programs.items()}
+    comm = comm_bytes(programs, plan.grad_accumulation)
+    transfers = transfer_bytes(programs, plan.grad_accumulation)
+    offloaded = {where: states.get(where, 0) for where in (HOST, NVME)}
+    rates = rates or rates_for(plan)
+    timing = predict_step(programs, plan.grad_accumulation, rates, inspection.world_size)
+    timing.peak_bytes, timing.memory = total, timeline
+    return Estimate(
+        plan.zero.stage,
+        inspection.world_size,
+        states,
+        peak,
+        comm,
+        offloaded,
+        transfers,
+        recompute_cost(programs, plan.grad_accumulation),
+        timeline,
+        timing,
+        rates,
+        held_gradient_bytes(inspection.stepping.gm),
+        sum(u.padded_numel for u in inspection.units if u.trainable),
+    )
+
+
+def pass_table(records: list[PassRecord]) -> list[list[str]]:
+    """Rows (header first) of what each pass did: time, node counts, ops inserted/removed."""
+    rows = [["pass", "ms", "nodes", "added", "removed", "ops inserted"]]
+    for r in records:
+        inserted = ", ".join(
+            f"{name.removeprefix('zerocc.')} ×{n}"
+            for name, n in sorted(r.ops_added.items(), key=lambda kv: (kv[0][:5] == "aten.", kv))
+        )
+        rows.append(
+            [
+                r.name,
+                f"{r.seconds * 1e3:.1f}",
+                str(r.nodes_after),
+                f"+{max(r.nodes_after - r.nodes_before, 0)}" if r.name != "capture" else "",
+                f"-{sum(r.ops_removed.values())}" if r.ops_removed else "",
+                "(the captured step)" if r.name == "capture" else inserted or "-",
+            ]
+        )
+    return rows

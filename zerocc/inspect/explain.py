@@ -1,0 +1,299 @@
+"""``TrainStep.explain()``: units, communication per step, model-state bytes vs ZeRO's formula."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import fx
+
+from zerocc.compiler.state import (
+    DEVICE,
+    LOCATIONS,
+    Dtypes,
+    optimizer_states,
+    placements,
+)
+from zerocc.compiler.units import Unit
+from zerocc.ir.nodes import GRAD_SHARD, info, nodes_with_role, op_name, val
+from zerocc.ir.printing import human_bytes
+
+if TYPE_CHECKING:
+    from zerocc.compiler.plan import Plan
+    from zerocc.runtime.step import StepRunner as TrainStep
+
+
+def step_programs(step: TrainStep) -> dict[bool, fx.GraphModule]:
+    """The compiled programs of the first batch shape, by whether they step (empty before the
+    first call)."""
+    if not step.programs:
+        return {}
+    signature = next(iter(step.programs))[0]
+    return {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
+
+
+def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
+    """ZeRO's model-state bytes per rank for this plan at ``location``: what each stage keeps
+    whole or sharded, in each state's dtype (with bf16 compute, reduce and grad and fp32
+    master: 2 + 2 + 12 bytes per parameter, as the ZeRO paper counts), the offloaded units'
+    master weights and optimizer states (and parameters) moved off the device. Gradients are
+    state only where they are accumulated over micro-batches: with ``grad_accumulation: 1``
+    each lives from its reduction to its update, within the step, and the formula counts none
+    (:func:`held_gradient_bytes` says what ZeRO would count)."""
+    return zero_formula(step.units, step.plan, step.comm.world_size, location)
+
+
+def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) -> dict[str, float]:
+    """:func:`formula_bytes` of ``plan`` for ``units`` on ``n`` ranks."""
+    stage = plan.zero.stage
+    states = len(optimizer_states(plan.optimizer))
+    where = placements(units, plan.offload)
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for u in units:
+        d = Dtypes.of(u, plan.precision if plan.precision.mixed else None)
+        psi, place = u.padded_numel, where[u.name]
+        if place.params == location:
+            out["params"] += psi * d.param.itemsize / (n if stage == 3 else 1)
+        sharded = n if stage >= 1 else 1
+        if place.optimizer == location and (d.master != d.param or (u.trainable and place.split)):
+            out["optimizer"] += psi * d.master.itemsize / sharded
+        if u.trainable and location == DEVICE and plan.grad_accumulation > 1:
+            out["grads"] += psi * d.gradient(stage).itemsize / (n if stage >= 2 else 1)
+        if u.trainable and place.optimizer == location:
+            out["optimizer"] += states * psi * d.master.itemsize / sharded
+    out["total"] = sum(out.values())
+    return out
+
+
+def transfer_bytes_per_step(step: TrainStep) -> dict[str, int]:
+    """Bytes offload moves per optimizer step per rank, by direction (to_host, to_device,
+    nvme_read, nvme_write), as the compiled programs' copies record them."""
+    programs = step_programs(step)
+    return transfer_bytes(programs, step.plan.grad_accumulation) if programs else {}
+
+
+def transfer_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
+    """Bytes per transfer direction per optimizer step, from the programs that step (``True``)
+    and accumulate (``False``)."""
+    return _bytes_per_step(programs, grad_accumulation, "copy", lambda node: node.args[-1])
+
+
+def _bytes_per_step(
+    programs: dict[bool, fx.GraphModule],
+    grad_accumulation: int,
+    stream: str,
+    kind: Callable[[fx.Node], str],
+) -> dict[str, int]:
+    """Bytes the start nodes on ``stream`` record, per ``kind(node)``, over one optimizer step:
+    the stepping program once, the accumulating one ``grad_accumulation - 1`` times."""
+    out: dict[str, int] = defaultdict(int)
+    for boundary, gm in programs.items():
+        times = 1 if boundary else grad_accumulation - 1
+        for node in gm.graph.nodes:
+            if info(node).stream == stream and info(node).bytes:
+                out[kind(node)] += times * info(node).bytes
+    return dict(out)
+
+
+def recompute_cost(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict:
+    """What recomputation costs per optimizer step: the ops the recompute pass copied into
+    backward, their FLOPs (the cost model's count) against the step's, and the units."""
+    from zerocc.cost.model import COMPUTE, node_work
+
+    ops = flops = total = 0.0
+    units: set[str] = set()
+    for boundary, gm in programs.items():
+        times = 1 if boundary else grad_accumulation - 1
+        for node in gm.graph.nodes:
+            work = node_work(node)
+            done = times * work.flops if work.kind == COMPUTE else 0.0
+            total += done
+            note = info(node).note or ""
+            if note.startswith("recomputed: forward of "):
+                ops += times
+                flops += done
+                units.add(note.removeprefix("recomputed: forward of "))
+    return {"ops": int(ops), "flops": flops, "step_flops": total, "units": sorted(units)}
+
+
+def recompute_line(step: TrainStep) -> str:
+    """One line: how much of the step recomputation adds (once a program is compiled)."""
+    programs = step_programs(step)
+    if not programs:
+        return "recomputation: known once the step is compiled, at its first call"
+    return describe_recompute(recompute_cost(programs, step.plan.grad_accumulation))
+
+
+def describe_recompute(cost: dict) -> str:
+    """``recomputation: 5 units, 212 ops, +1.2 GFLOP per step (+24% of the step's FLOPs)``."""
+    share = cost["flops"] / max(cost["step_flops"] - cost["flops"], 1)
+    return (
+        f"recomputation: {len(cost['units'])} units, {cost['ops']} ops, "
+        f"+{cost['flops'] / 1e9:.3g} GFLOP per step (+{100 * share:.0f}% of the step's FLOPs)"
+    )
+
+
+def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
+    """Bytes per collective kind moved per optimizer step (per rank): the stepping program plus
+    ``grad_accumulation - 1`` accumulating ones, for the first batch shape compiled."""
+    programs = step_programs(step)
+    return comm_bytes(programs, step.plan.grad_accumulation) if programs else {}
+
+
+def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
+    """Bytes per collective kind per optimizer step, from the programs that step (``True``) and
+    accumulate (``False``), as their collectives record them."""
+
+    def kind(node: fx.Node) -> str:
+        name = op_name(node.target).removeprefix("zerocc.")
+        return name.removesuffix("_start").removesuffix("_into")
+
+    return _bytes_per_step(programs, grad_accumulation, "comm", kind)
+
+
+def unit_rows(units: list[Unit]) -> list[list[str]]:
+    """A table of the units (header first): parameters, elements, padded size, shard size."""
+    return [["unit", "params", "elements", "padded", "shard", "trainable"]] + [
+        [u.name, str(len(u.params)), f"{u.numel:,}", f"{u.padded_numel:,}",
+         f"{u.shard_numel:,}", "yes" if u.trainable else "no (frozen)"]
+        for u in units
+    ]  # fmt: skip
+
+
+def explain_step(step: TrainStep) -> str:
+    """A plain-text report: units, communication per step (once a program is compiled, at the
+    first call), and model-state bytes per rank measured next to ZeRO's formula."""
+    plan, n = step.plan, step.comm.world_size
+    psi = sum(u.padded_numel for u in step.units if u.trainable)
+    lines = [
+        f"zerocc step: ZeRO stage {plan.zero.stage}, world size {n}, {len(step.units)} units, "
+        f"{plan.optimizer.name}, grad_accumulation {plan.grad_accumulation}",
+        f"trainable Ψ = {psi:,} elements with padding "
+        f"({sum(u.numel for u in step.units if u.trainable):,} without)",
+        precision_line(step),
+        "",
+    ]
+    for name, params, elements, padded, shard, trainable in unit_rows(step.units):
+        lines.append(f"{name:<28}{params:>7}{elements:>12}{padded:>12}{shard:>11}  {trainable}")
+    lines += ["", "communication per optimizer step, per rank:"]
+    if not step.programs:
+        lines.append("  (known once the step is compiled, at its first call)")
+    comm = comm_bytes_per_step(step)
+    for kind, nbytes in sorted(comm.items()):
+        lines.append(
+            f"  {kind:<16}{human_bytes(nbytes):>12}  ({nbytes / max(psi, 1):.2f} bytes per Ψ)"
+        )
+    if step.programs and not comm:
+        lines.append(f"  {'none':<16}{human_bytes(0):>12}{no_communication(n)}")
+    if step.programs:
+        lines += ["", predicted_time_line(step)]
+    measured, formula = step.model_state_bytes(), formula_bytes(step)
+    lines += ["", f"model states per rank{'':<7}{'measured':>12}{'ZeRO formula':>14}"]
+    for cat in ("params", "grads", "optimizer", "total"):
+        lines.append(
+            f"  {cat:<26}{human_bytes(measured.get(cat, 0)):>12}{human_bytes(formula[cat]):>14}"
+        )
+    programs = step_programs(step)
+    if plan.grad_accumulation == 1 and True in programs:
+        lines.append(held_gradients_line(held_gradient_bytes(programs[True]), psi, n))
+    if step.plan.checkpointing.enabled:
+        lines += ["", recompute_line(step)]
+    if step.plan.offload.enabled:
+        lines += ["", *offload_lines(step)]
+    return "\n".join(lines)
+
+
+def no_communication(world_size: int) -> str:
+    """Why a program communicates nothing (said next to its 0 bytes)."""
+    return "  (one rank: nothing to gather or reduce)" if world_size == 1 else ""
+
+
+def held_gradient_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the gradients a stepping program's updates read, per rank: the reduced shards
+    (at world size 1, backward's gradients). With ``grad_accumulation: 1`` they are not model
+    state: each lives from its reduction to its update, within the step."""
+    return sum(val(n).numel() * val(n).element_size() for n in nodes_with_role(gm, GRAD_SHARD))
+
+
+def held_gradients_line(held: int, psi: int, world_size: int, width: int = 26) -> str:
+    """A row for the gradients when none is kept between steps (``grad_accumulation: 1``):
+    the bytes the update reads, held within the step (counted in its activations)."""
+    which, since = ("reduced", "their reduction") if world_size > 1 else ("backward's", "backward")
+    return (
+        f"  {'grads within the step':<{width}}{human_bytes(held):>12}  ({held / max(psi, 1):.2f} "
+        f"bytes per Ψ, not kept between steps: the update reads {which} gradients, held from "
+        f"{since} to it)"
+    )
+
+
+def offload_lines(step: TrainStep) -> list[str]:
+    """Where every byte of the model states lives (device, host, NVMe; measured), and the
+    traffic offload adds per optimizer step."""
+    pools = step.state_bytes_by_location()
+    offloaded = [u for u, p in placements(step.units, step.plan.offload).items() if p.offloaded]
+    lines = [
+        f"offload: optimizer {step.plan.offload.optimizer}, params {step.plan.offload.params}, "
+        f"{len(offloaded)} of {len(step.units)} units (ratio {step.plan.offload.ratio:g})",
+        f"where the model states live{'':<2}" + "".join(f"{w:>12}" for w in LOCATIONS),
+    ]
+    for cat in ("params", "grads", "optimizer", "total"):
+        row = "".join(f"{human_bytes(pools[w].get(cat, 0)):>12}" for w in LOCATIONS)
+        lines.append(f"  {cat:<26}{row}")
+    lines.append("offload traffic per optimizer step, per rank:")
+    if not step.programs:
+        lines.append("  (known once the step is compiled, at its first call)")
+    for direction, nbytes in sorted(transfer_bytes_per_step(step).items()):
+        lines.append(f"  {direction:<16}{human_bytes(nbytes):>12}")
+    return lines
+
+
+def predicted_time_line(step: TrainStep) -> str:
+    """The step's time as the cost model predicts it (``zerocc estimate``'s simulation of the
+    compiled programs, with the plan's rates: ``plan.cost``, a calibration, or defaults)."""
+    from zerocc.cost.model import rates_for
+    from zerocc.cost.simulate import predict_step
+
+    programs = step_programs(step)
+    if len(programs) < (1 if step.plan.grad_accumulation == 1 else 2):
+        return "predicted step time: known once every program of a step is compiled"
+    rates = rates_for(step.plan, step.device.type)
+    t = predict_step(programs, step.plan.grad_accumulation, rates, step.comm.world_size)
+    source = "calibrated" if "calibration" in rates.sources.values() else "default"
+    return (
+        f"predicted step time: {t.step_s * 1e3:.1f} ms (compute {t.compute_s * 1e3:.1f} ms, "
+        f"communication {t.comm_s * 1e3:.1f} ms, exposed {t.exposed_s * 1e3:.1f} ms = "
+        f"{100 * t.exposed_fraction:.0f}%; {source} {rates.device} rates)"
+    )
+
+
+def precision_line(step: TrainStep) -> str:
+    """Dtypes of compute, reduction and master weights; the loss scale, or what a non-finite
+    gradient does; skipped steps."""
+    p = step.plan.precision
+    kept = p.reduce if step.plan.zero.stage <= 1 else (p.grad or p.master)
+    line = f"precision: compute {p.param}, reduce {p.reduce}, master {p.master}, grads {kept}"
+    if step.loss_scaler is not None:
+        kind = "dynamic" if step.loss_scaler.dynamic else "static"
+        line += (
+            f"; {kind} loss scale {step.loss_scale:g}, "
+            f"{step.skipped_steps} of {step.steps + step.skipped_steps} steps skipped for overflow"
+        )
+    else:  # without loss scaling: what a step whose gradient is not finite does
+        line += f"; non-finite gradients: {p.nonfinite}"
+        if p.nonfinite == "skip":
+            line += f", {step.skipped_steps} of {step.steps + step.skipped_steps} steps skipped"
+    return line
+
+
+def describe(step: TrainStep) -> dict[str, Any]:
+    """The figures of :func:`explain_step` as a dict, for tools and tests."""
+    return {
+        "model_state_bytes": step.model_state_bytes(),
+        "formula_bytes": formula_bytes(step),
+        "comm_bytes_per_step": comm_bytes_per_step(step),
+        "state_bytes_by_location": step.state_bytes_by_location(),
+        "transfer_bytes_per_step": transfer_bytes_per_step(step),
+        "loss_scale": step.loss_scale,
+        "skipped_steps": step.skipped_steps,
+    }

@@ -1,0 +1,179 @@
+"""zerocc's own ops: their schemas and fake (meta) implementations, in the ``zerocc`` namespace.
+
+A scheduled graph stays printable, shape-propagatable on fake tensors and lowerable because
+every op it holds has a schema and a fake implementation here. What an op does when a program
+runs is the backend's: :mod:`zerocc.backends.eager` registers the eager implementations.
+
+Collectives come in start/wait pairs: ``*_start`` issues the collective and returns its (not
+yet valid) result; ``wait`` blocks until it is valid and returns it. The offload copies are
+start/wait pairs too (``copy_start``, ``copy_into_start``, ``nvme_read_start``,
+``nvme_write_start``; ``direction`` names the traffic: on a CPU-only machine host and device are
+the same memory, so the op cannot tell by itself). Schemas carry alias annotations, so fx and the
+verifier know that ``wait`` returns its input and that ``all_reduce_start`` writes its argument.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import Library
+
+DP_GROUP = "dp"  # name of the data-parallel group the collectives run on
+CPU = torch.device("cpu")
+_lib = Library("zerocc", "DEF")
+
+SCHEMAS = {
+    "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group) -> Tensor",
+    "all_gather_into_start": (
+        "all_gather_into_start(Tensor(a!) out, Tensor shard, str group) -> Tensor(a!)"
+    ),
+    "reduce_scatter_start": (
+        "reduce_scatter_start(Tensor full, int world_size, str group) -> Tensor"
+    ),
+    "all_reduce_start": "all_reduce_start(Tensor(a!) tensor, str group) -> Tensor(a!)",
+    "wait": "wait(Tensor(a) tensor) -> Tensor(a)",
+    "free": "free(Tensor(a!) tensor) -> ()",
+    "pack": "pack(Tensor?[] tensors, int[] numels, SymInt numel, ScalarType? dtype=None) -> Tensor",
+    "unscale_check_": "unscale_check_(Tensor(a!)[] grads, Tensor inv_scale) -> Tensor",
+    "sum_squares": "sum_squares(Tensor[] tensors, float scale) -> Tensor",
+    "nonfinite_flags": "nonfinite_flags(Tensor[] grads, float scale, bool sum_squares) -> Tensor",
+    "clip_coef": "clip_coef(Tensor total_sq, float max_norm) -> Tensor",
+    "adamw_": (
+        "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
+        " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
+        " float grad_scale, float lr, float beta1, float beta2, float eps, float weight_decay,"
+        " int[] skip, bool sharded) -> ()"
+    ),
+    "sgd_": (
+        "sgd_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, Tensor? grad_coef,"
+        " Tensor? found_inf, Tensor(d!)? param_copy, float grad_scale, float lr,"
+        " float momentum, float weight_decay, int[] skip, bool sharded) -> ()"
+    ),
+}
+COLLECTIVE_STARTS = (
+    "all_gather_start",
+    "all_gather_into_start",
+    "reduce_scatter_start",
+    "all_reduce_start",
+)
+
+TRANSFER_SCHEMAS = {
+    "copy_start": "copy_start(Tensor src, Device device, str direction) -> Tensor",
+    "copy_into_start": ("copy_into_start(Tensor(a!) dst, Tensor src, str direction) -> Tensor(a!)"),
+    "nvme_read_start": (
+        "nvme_read_start(str key, SymInt[] shape, ScalarType dtype, Device device,"
+        " str direction) -> Tensor"
+    ),
+    "nvme_write_start": "nvme_write_start(Tensor(a) src, str key, str direction) -> Tensor(a)",
+}
+TRANSFER_STARTS = tuple(TRANSFER_SCHEMAS)
+TO_HOST, TO_DEVICE, NVME_READ, NVME_WRITE = "to_host", "to_device", "nvme_read", "nvme_write"
+
+for _schema in (*SCHEMAS.values(), *TRANSFER_SCHEMAS.values()):
+    _lib.define(_schema)
+
+
+def implements(name: str, lib: Library | None = None):
+    """Decorator: ``fn`` is the eager implementation of ``zerocc.<name>`` (defined in ``lib``,
+    by default this module's)."""
+
+    def register(fn):
+        (lib or _lib).impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return register
+
+
+def fake(name: str):
+    """Decorator: ``fn`` is the fake (meta) implementation of ``zerocc.<name>``."""
+    return torch.library.register_fake(f"zerocc::{name}")
+
+
+@fake("all_gather_start")
+def _(shard, world_size, group):
+    return shard.new_empty(shard.numel() * world_size)
+
+
+@fake("all_gather_into_start")
+def _(out, shard, group):
+    return out
+
+
+@fake("reduce_scatter_start")
+def _(full, world_size, group):
+    return full.new_empty(full.numel() // world_size)
+
+
+@fake("all_reduce_start")
+def _(tensor, group):
+    return tensor
+
+
+@fake("wait")
+def _(tensor):
+    return tensor
+
+
+@fake("free")
+def _(tensor):
+    return None
+
+
+@fake("pack")
+def _(tensors, numels, numel, dtype=None):
+    like = next(t for t in tensors if t is not None)
+    return like.new_empty(numel, dtype=dtype or like.dtype)
+
+
+@fake("unscale_check_")
+def _(grads, inv_scale):
+    return inv_scale.new_empty((), dtype=torch.float32)
+
+
+@fake("nonfinite_flags")
+def _(grads, scale, sum_squares):
+    return grads[0].new_empty(len(grads) + int(sum_squares), dtype=torch.float32)
+
+
+@fake("sum_squares")
+def _(tensors, scale):
+    return tensors[0].new_empty((), dtype=torch.float32)
+
+
+@fake("clip_coef")
+def _(total_sq, max_norm):
+    return total_sq.new_empty(())
+
+
+@fake("adamw_")
+def _(*args):
+    return None
+
+
+@fake("sgd_")
+def _(*args):
+    return None
+
+
+@fake("copy_start")
+def _(src, device, direction):
+    return torch.empty(src.shape, dtype=src.dtype, device=device)
+
+
+@fake("copy_into_start")
+def _(dst, src, direction):
+    return dst
+
+
+@fake("nvme_read_start")
+def _(key, shape, dtype, device, direction):
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+@fake("nvme_write_start")
+def _(src, key, direction):
+    return src
+
+
+def op(name: str) -> torch._ops.OpOverload:
+    """The default overload of ``zerocc.<name>``."""
+    return getattr(torch.ops.zerocc, name).default

@@ -1,0 +1,136 @@
+"""Ranks agree before they act: on the next micro-batch (its shapes and dtypes, or that there
+is none left) and on every new program, so that a difference is an error on every rank, naming
+each rank's view, and never a hang or a silent divergence.
+
+An agreement all-gathers an 8-byte hash of what each rank is about to do, on the comm's gloo
+control group; only when the hashes differ does it gather the full views, to say where they
+differ. It is issued without waiting (:class:`Agreement`) and settled when its answer is
+needed: the TrainStep settles the agreement on a micro-batch right before the first
+collective of a program whose run writes nothing before that collective
+(:func:`agrees_at_first_collective`), so the round trip runs behind the work before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from zerocc.errors import DataExhaustedError, RankMismatchError, ZeroccError
+from zerocc.ir.access import StorageRoots
+from zerocc.ir.nodes import BATCH, info, op_name, placeholders
+from zerocc.ir.ops import COLLECTIVE_STARTS
+from zerocc.runtime.comm import Comm, TorchComm
+
+END_OF_DATA = ("end of data",)  # what a rank with no batch left agrees on
+
+
+def digest(text: str) -> str:
+    """A hash of ``text`` (hex), the same on every rank."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Agreement:
+    """One agreement in flight: every rank's 8-byte hash of ``what`` all-gathered on the
+    control group of ``comm``, issued at construction without waiting. Every rank must settle
+    its agreements (:meth:`views_if_they_differ`) in the order it issued them: a difference
+    gathers the ranks' ``detail`` on the same group. Without peers there is nothing to agree
+    on. A collective that fails (a peer that stopped answering, or left) is recorded on
+    ``comm.failure`` and raised."""
+
+    def __init__(self, comm: Comm, what: tuple, detail: str) -> None:
+        self.comm, self.what, self.detail = comm, what, detail
+        self.error: BaseException | None = None  # what settling it raised, set by its settler
+        self._views: list[Any] | None = None
+        self._work: dist.Work | None = None
+        if not isinstance(comm, TorchComm) or comm.world_size == 1:
+            return
+        self._mine = torch.tensor([int(digest(repr(what))[:15], 16)], dtype=torch.int64)
+        self._everyone = [torch.zeros_like(self._mine) for _ in range(comm.world_size)]
+        try:
+            self._work = dist.all_gather(
+                self._everyone, self._mine, group=comm.control_group, async_op=True
+            )
+        except Exception as exc:
+            comm.failure = exc
+            raise
+
+    @property
+    def settled(self) -> bool:
+        """Whether its answer is known (or there was nothing to agree on)."""
+        return self._work is None
+
+    def views_if_they_differ(self) -> list[Any] | None:
+        """Wait for the answer: None when every rank had the same ``what``, else every rank's
+        ``detail``, by rank. Settled once; later calls give the same answer."""
+        work, self._work = self._work, None
+        if work is None:
+            return self._views
+        try:
+            work.wait()
+            if not all(torch.equal(t, self._mine) for t in self._everyone):
+                self._views = self.comm.all_gather_object(self.detail)
+        except Exception as exc:
+            self.comm.failure = exc
+            raise
+        return self._views
+
+
+def views_if_they_differ(comm: Comm, what: tuple, detail: str) -> list[Any] | None:
+    """None when every rank of ``comm`` has the same ``what``; else every rank's ``detail``, by
+    rank: an :class:`Agreement` issued and settled at once."""
+    return Agreement(comm, what, detail).views_if_they_differ()
+
+
+def agrees_at_first_collective(gm: fx.GraphModule) -> bool:
+    """Whether a run of ``gm`` may settle the ranks' agreement on it as late as right before its
+    first collective: it has one, and nothing before it writes a tensor the runtime binds
+    (weights, gradients, optimizer state, buffers such as batch norm's running statistics,
+    counters). A run stopped there leaves the state as it was, so a disagreement is an error
+    with nothing updated, as if it had been found before the run; and no rank has issued a
+    collective that a peer that disagrees will never match."""
+    roots = StorageRoots(gm)
+    bound = {n for n in placeholders(gm) if info(n).role != BATCH}
+    for node in gm.graph.nodes:
+        if op_name(node.target).removeprefix("zerocc.") in COLLECTIVE_STARTS:
+            return True
+        if node.op == "call_function" and roots.access(node).writes & bound:
+            return False
+    return False
+
+
+def batch_disagreement(views: list[Any], rank: int, step: int) -> ZeroccError:
+    """The error of ranks that disagree on the next micro-batch: some have none left
+    (DataExhaustedError), or their batches' shapes differ (RankMismatchError)."""
+    ended = [r for r, v in enumerate(views) if v == repr(END_OF_DATA)]
+    if ended:
+        going = [r for r in range(len(views)) if r not in ended]
+        return DataExhaustedError(
+            f"rank {rank}, step {step}: rank(s) {_ranks(ended)} ran out of batches while "
+            f"rank(s) {_ranks(going)} still had one. Every rank must train on the same number "
+            "of batches (as under DDP): split the data evenly across ranks (drop the "
+            "remainder), or stop every rank at the same step"
+        )
+    return RankMismatchError(
+        f"rank {rank}, step {step}: the batch shapes differ across ranks: "
+        + first_difference(views)
+    )
+
+
+def first_difference(views: list[Any]) -> str:
+    """Name the first line where ranks' texts differ, with each rank's version of it."""
+    lines = [str(v).splitlines() for v in views]
+    for i in range(max(len(x) for x in lines)):
+        at = [x[i] if i < len(x) else "<end>" for x in lines]
+        if len(set(at)) > 1:
+            return f"first difference at line {i + 1}: " + "; ".join(
+                f"rank {r}: {text.strip()}" for r, text in enumerate(at)
+            )
+    return "texts differ"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))

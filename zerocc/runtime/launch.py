@@ -1,0 +1,246 @@
+"""Local ranks for `zerocc train` and `zerocc profile`: launched through torch's own launcher,
+watched while they run, and, when some fail, a report that says which, how and why.
+
+Each rank writes what the launcher should know to a JSON file of its own in the run folder
+(``ZEROCC_RUN_DIR``, a temporary folder): its pid, its predicted memory peak once its first
+program is compiled, and its error when it fails, with the peers it found silent. The launcher
+reads them:
+- while the ranks run: a rank that reports peers that stopped answering on this machine (a
+  process under SIGSTOP, or hung) has them killed at once; torchrun's own SIGTERM does not reach
+  a stopped process, and it would wait 30 seconds before its SIGKILL;
+- after a failure: one line per failed rank, with its signal by name, the likely cause where it
+  can be known (SIGKILL and no error of its own: the out-of-memory killer, with the predicted
+  peak next to the machine's memory) and its last error line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from zerocc.ir.printing import human_bytes
+
+RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"  # set in launched ranks: run the command, do not launch
+RUN_DIR_ENV = "ZEROCC_RUN_DIR"  # the folder where launched ranks leave their reports
+
+
+def launch(nproc: int, port: int, command: list[str]) -> int:
+    """Start ``nproc`` local ranks through torch.distributed.run, each running ``zerocc
+    COMMAND...`` as a rank; returns 0, or 2 when ranks failed (after reporting them)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    launcher_args = [
+        "--nproc-per-node", str(nproc),
+        "--nnodes", "1",
+        "--master-addr", "127.0.0.1",
+        "--master-port", str(port),
+        "-m", "zerocc", *command,
+    ]  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="zerocc-run-") as run_dir,
+        _rank_environment(nproc, run_dir),
+    ):
+        watcher = _SilentRankKiller(Path(run_dir))
+        try:
+            torchrun.run(torchrun.parse_args(launcher_args))
+        except ChildFailedError as exc:
+            failures = {
+                rank: (failure.exitcode, failure.pid) for rank, failure in exc.failures.items()
+            }
+            reports = read_reports(Path(run_dir))
+            print(failure_report(failures, reports, watcher.killed), file=sys.stderr)
+            return 2
+        finally:
+            watcher.stop()
+    return 0
+
+
+def _rank_environment(nproc: int, run_dir: str) -> contextlib.AbstractContextManager:
+    """The variables the launched ranks inherit: they run the command instead of launching
+    again, report to ``run_dir``, and share the cores (torchrun would give each one thread)."""
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    return environment({RANK_WORKER_ENV: "1", RUN_DIR_ENV: run_dir, "OMP_NUM_THREADS": threads})
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in os.environ for the body, restored afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# --- what a rank reports ------------------------------------------------------------------
+
+
+def report(**fields: Any) -> None:
+    """Add ``fields`` to this rank's report, when it was launched by zerocc (else nothing)."""
+    run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get("RANK")
+    if not run_dir or rank is None:
+        return
+    path = Path(run_dir) / f"rank{rank}.json"
+    current = json.loads(path.read_text()) if path.exists() else {}
+    current.update(fields, rank=int(rank), pid=os.getpid(), host=socket.gethostname())
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(current))
+    partial.replace(path)  # readers never see half a report
+
+
+def read_reports(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's report so far, by rank."""
+    reports = {}
+    for path in run_dir.glob("rank*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        reports[int(data["rank"])] = data
+    return reports
+
+
+class _SilentRankKiller:
+    """Kills, on this machine, the ranks another rank reported as silent (stopped or hung):
+    torchrun's SIGTERM stays pending on a stopped process until its SIGKILL 30 s later. It waits
+    for the reporting rank to exit first (at most a few seconds), so that the launcher learns of
+    the failure from the rank that saw it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.killed: dict[int, int] = {}  # rank -> pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zerocc-launch-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        host = socket.gethostname()
+        first_seen: dict[int, float] = {}  # reporting rank -> when its report named silent peers
+        while not self._stop.wait(0.2):
+            for reporter, data in read_reports(self.run_dir).items():
+                if not data.get("silent"):
+                    continue
+                first_seen.setdefault(reporter, time.monotonic())
+                if _alive(data["pid"]) and time.monotonic() - first_seen[reporter] < 3:
+                    continue
+                for peer in data["silent"]:
+                    rank, pid = peer["rank"], peer.get("pid")
+                    if pid and peer.get("host") == host and rank not in self.killed:
+                        self.killed[rank] = pid
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --- the failure report -------------------------------------------------------------------
+
+
+def failure_report(
+    failures: dict[int, tuple[int, int]],
+    reports: dict[int, dict[str, Any]],
+    killed: dict[int, int],
+    memory_total: int | None = None,
+) -> str:
+    """One line per failed rank (``failures``: rank -> (exit code, pid)): how it ended, the
+    likely cause, its last error line."""
+    lines = [f"zerocc: {len(failures)} rank(s) failed:"]
+    first_error = min((r for r in failures if reports.get(r, {}).get("error")), default=None)
+    for rank in sorted(failures):
+        code, pid = failures[rank]
+        data = reports.get(rank, {})
+        error = data.get("error")
+        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+        cause = _likely_cause(rank, code, data, killed, first_error, failures, memory_total)
+        text = f"  rank {rank} (pid {pid}): {how}"
+        if cause:
+            text += f": {cause}"
+        if error:
+            text += f"\n    last error: {error}"
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _likely_cause(
+    rank: int,
+    code: int,
+    data: dict[str, Any],
+    killed: dict[int, int],
+    first_error: int | None,
+    failures: dict[int, tuple[int, int]],
+    memory_total: int | None,
+) -> str:
+    if rank in killed:
+        return "it stopped answering its peers, and the launcher killed it"
+    if code == -signal.SIGKILL and not data.get("error"):
+        return _out_of_memory(data, len(failures), memory_total)
+    if code == -signal.SIGTERM and first_error is not None and first_error != rank:
+        return f"stopped by the launcher after rank {first_error} failed"
+    if code == -signal.SIGABRT and not data.get("error"):
+        return "aborted in native code (a crash in a library, or C++ std::terminate)"
+    if code == -signal.SIGSEGV:
+        return "a segmentation fault in native code"
+    return ""
+
+
+def _out_of_memory(data: dict[str, Any], ranks: int, memory_total: int | None) -> str:
+    """SIGKILL with no error of the rank's own: on Linux, most likely the out-of-memory
+    killer; say what the rank was predicted to need next to what the machine has."""
+    total = memory_total if memory_total is not None else _machine_memory()
+    text = "killed without an error of its own: most likely the out-of-memory killer"
+    peak = data.get("predicted_peak_bytes")
+    figures = []
+    if peak:
+        figures.append(f"predicted peak {human_bytes(peak)} per rank")
+    local = data.get("local_ranks")
+    if peak and local:
+        figures.append(f"{human_bytes(peak * local)} for the {local} ranks on this machine")
+    if total:
+        figures.append(f"this machine has {human_bytes(total)}")
+    if figures:
+        text += f" ({'; '.join(figures)})"
+    return text + "; see `zerocc estimate` for plans that need less"
+
+
+def _machine_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,47 @@
+"""What a rank launched by a zerocc command (`train`, `profile`) does around its work: resolve the
+plan's device (:mod:`zerocc.runtime.devices`), join the process group the launcher set up, move
+batches to the device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerocc.compiler.plan import Plan
+from zerocc.errors import ZeroccError
+from zerocc.runtime.devices import join_default_group, rank_device
+
+
+@contextlib.contextmanager
+def joined_group(plan: Plan) -> Iterator[tuple[int, int]]:
+    """(rank, world size) for the body: the launcher's process group joined when
+    ``WORLD_SIZE`` > 1 (NCCL on CUDA, gloo on CPU: the plan's device for this rank, checked
+    before anything touches CUDA, see :func:`zerocc.runtime.devices.rank_device`), a world of one
+    otherwise; the group is left at the end. ``zerocc.compile`` resolves the same device: use
+    the step's ``device`` for batches."""
+    join_default_group(rank_device(plan))
+    try:
+        if dist.is_initialized():
+            yield dist.get_rank(), dist.get_world_size()
+        else:
+            yield 0, 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def to_device(batch: Sequence[Any], device: torch.device | str) -> tuple[Any, ...]:
+    """The batch with its tensors on ``device``."""
+    return tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
+
+
+def first_batch(batches: Iterator[Sequence[Any]], plan: Plan, rank: int, world_size: int):
+    """The first of this rank's batches; a workload that yields none is a clear error."""
+    first = next(batches, None)
+    if first is None:
+        raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
+    return first

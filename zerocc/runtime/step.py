@@ -1,0 +1,610 @@
+"""StepRunner: runs the compiled training step of a rank, and owns the state it keeps.
+
+``step(*batch)`` runs one micro-batch on this rank: forward, backward, communication and, on
+every ``grad_accumulation``-th call, the optimizer update. Programs are compiled on first sight
+of a batch signature (shapes, dtypes, non-tensor values) and cached, one for micro-batches that
+step and one for those that only accumulate. On each call the ranks agree on the signature (a
+mismatch is an error on every rank, never a hang): the agreement is issued at once and settled
+before this rank compiles, or, for a cached program, right before its first collective, so that
+its round trip runs behind the work before it (see :mod:`zerocc.runtime.agreement`). Before a new
+program first runs the ranks compare its hash (a mismatch names the first differing line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from zerocc.backends import get_backend
+from zerocc.backends.eager.ops import forget_pending, pending_collectives, use_kernels
+from zerocc.backends.kernels import check_kernels
+from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
+from zerocc.compiler.materialize import is_meta, release_to_meta
+from zerocc.compiler.pass_manager import PassRecord, build_pipeline
+from zerocc.compiler.plan import Plan
+from zerocc.compiler.program import CompiledProgram, compile_program
+from zerocc.compiler.state import (
+    DEVICE,
+    LOSS_SCALE_SPEC,
+    NVME,
+    STEP_SPEC,
+    StateSpec,
+    allocate_state,
+    state_specs,
+)
+from zerocc.compiler.units import Unit
+from zerocc.errors import (
+    BatchError,
+    CaptureError,
+    OffloadError,
+    RankMismatchError,
+    RankStoppedError,
+)
+from zerocc.ir.nodes import (
+    BATCH,
+    FOUND_INF,
+    GRAD,
+    info,
+    placeholders,
+    val,
+)
+from zerocc.ir.printing import format_program
+from zerocc.passes.partition import assign_units
+from zerocc.runtime.agreement import (
+    END_OF_DATA,
+    Agreement,
+    agrees_at_first_collective,
+    batch_disagreement,
+    digest,
+    first_difference,
+    views_if_they_differ,
+)
+from zerocc.runtime.comm import Comm, use_comm
+from zerocc.runtime.failures import (
+    describe_node,
+    failing_node,
+    first_line,
+    peer_failure,
+    signature_difference,
+)
+from zerocc.runtime.loss_scale import LossScaler
+from zerocc.runtime.measure import ProfiledRun
+from zerocc.runtime.memory_check import check_model_states, check_step_memory
+from zerocc.runtime.nonfinite import nonfinite_error
+from zerocc.runtime.nvme import NvmeStore
+from zerocc.runtime.state_memory import state_bytes_by_location
+from zerocc.runtime.transfers import Transfers, use_transfers
+
+
+@dataclass
+class Program:
+    """One compiled program: the scheduled graph, how it was built, and its runnable form."""
+
+    gm: fx.GraphModule
+    records: list[PassRecord]
+    bindings: list[tuple[str, str]]  # (role, key) per placeholder, in order
+    run: Any
+    digest: str
+    returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
+    agrees_at_first_collective: bool  # the batch agreement may be settled that late
+
+
+def batch_signature(batch: Sequence[Any]) -> tuple:
+    """What makes two batches need different programs: tensor shapes/dtypes, other values."""
+    return tuple(
+        ("tensor", tuple(b.shape), str(b.dtype)) if isinstance(b, torch.Tensor) else ("value", b)
+        for b in batch
+    )
+
+
+class StepRunner:
+    """Runs the compiled training step of one rank and owns the state it keeps between steps:
+    the runtime under :class:`zerocc.TrainStep`, which adds what users read about it."""
+
+    def __init__(
+        self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
+    ) -> None:
+        self.plan, self.loss_fn, self.comm, self.device = plan, loss_fn, comm, device
+        self.model = model
+        self.model_info = describe_model(model)
+        self.state_dict_keys = list(model.state_dict(keep_vars=True))
+        self.pipeline = build_pipeline(plan)
+        self.backend = get_backend(plan.backend.name)
+        check_kernels(plan.backend.kernels, device)
+        # Units are derived again by the partition pass; building them now turns a plan that
+        # cannot partition this model (a pattern that matches nothing) into an error at compile.
+        units = plan.units
+        self.units: list[Unit] = assign_units(
+            self.model_info, comm.world_size, units.classes, units.modules, units.min_mb
+        )
+        # States placed on NVMe live in files of this rank's store, checked for room before
+        # anything is written; every other state in ``self.state``.
+        self.nvme_specs = [s for s in state_specs(self.units, plan) if s.location == NVME]
+        self.store = open_store(plan, comm.rank, self.nvme_specs)
+        self.transfers = Transfers(self.store, device)
+        if plan.offload.optimizer != "none" and device.type == "cuda":
+            torch.set_num_threads(host_update_threads())
+        if plan.backend.check_memory:  # before anything is allocated: the states fit
+            check_model_states(self.model_info, self.units, plan, comm, device)
+        # Parameters are built one unit at a time, so a meta-device model never has more than
+        # one unit materialized; afterwards the TrainStep owns the weights
+        # (``full_state_dict()`` returns them) and the model's own copy is released.
+        self.state: dict[str, torch.Tensor] = allocate_state(
+            model,
+            self.model_info,
+            self.units,
+            plan,
+            comm.rank,
+            device,
+            self.store,
+            from_rank_0=comm.broadcast if comm.world_size > 1 else None,
+        )
+        if not is_meta(model):
+            release_to_meta(model)
+        self.loss_scaler: LossScaler | None = None
+        if LOSS_SCALE_SPEC.key in self.state:
+            self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
+        self.programs: dict[tuple, Program] = {}
+        self._builds = 0  # programs compiled, the failed ones too: the same on every rank
+        self.micro_batches = 0
+        self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
+        self._last_program: Program | None = None
+
+    # -- running ----------------------------------------------------------------------------
+
+    def __call__(self, *batch: Any) -> torch.Tensor:
+        """Run one micro-batch of this rank; returns its loss."""
+        return self._step(batch)
+
+    def profile(
+        self, *batch: Any, recorder: type[ProfiledRun] = ProfiledRun
+    ) -> tuple[torch.Tensor, ProfiledRun]:
+        """Run one micro-batch as :meth:`__call__` does, op by op, timing every op and
+        measuring live tensor memory (see :class:`zerocc.runtime.measure.ProfiledRun`);
+        ``recorder``: the ProfiledRun (sub)class that runs it (``zerocc.inspect.calibrate`` has its
+        own)."""
+        recorders: list[ProfiledRun] = []
+
+        def run(program: Program, args: list[Any]) -> Any:
+            recorders.append(recorder(program.gm, self.comm.rank, self.model_state_bytes()))
+            return recorders[-1].run(*args)
+
+        loss = self._step(batch, run)
+        return loss, recorders[0]
+
+    def _step(self, batch: tuple, run: Any = None) -> torch.Tensor:
+        self._check_usable()
+        batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        boundary = self._steps_next()
+        signature = batch_signature(batch)
+        self._set_status(f"in step {self._step_number()}")
+        key = (signature, boundary)
+        agreement = self._propose(("next batch", signature, boundary))
+        program = self.programs.get(key)
+        first_run = program is None
+        if program is None:  # kept once it has run: a program that fails is not
+            self._settle(agreement)  # every rank compiles it, or none does
+            program = self._build(batch, boundary)
+        elif not program.agrees_at_first_collective:
+            self._settle(agreement)
+        if boundary and STEP_SPEC.key in self.state:
+            self.state[STEP_SPEC.key].fill_(self.steps + 1)
+        args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
+        late = None if agreement.settled else lambda: self._settle(agreement)
+        self.comm.stats.reset()
+        self.transfers.stats.reset()
+        try:
+            with (
+                traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
+                use_comm(self.comm),
+                use_transfers(self.transfers),
+                use_kernels(self.plan.backend.kernels, self.device),
+                self.comm.checked_before_first_collective(late),
+            ):
+                args = detach_inputs(args)  # so that grad mode records no autograd graph
+                loss = run(program, args) if run else program.run(*args)
+        except BaseException as exc:
+            forget_pending()
+            if exc is agreement.error:  # the ranks disagree: stopped before anything was written
+                if boundary and STEP_SPEC.key in self.state:
+                    self.state[STEP_SPEC.key].fill_(self.steps)
+                raise
+            if not agreement.settled:  # the peers settle it: so must this rank, then fail
+                with contextlib.suppress(Exception):
+                    self._settle(agreement)
+            failure = self._run_failure(exc, program, signature if first_run else None)
+            if failure is exc:
+                raise
+            raise failure from exc
+        if not agreement.settled:  # (settled before the run, or at its first collective)
+            self._settle(agreement)
+        if first_run:
+            self.programs[key] = program
+        if pending_collectives():
+            raise RuntimeError("a program finished with collectives still in flight")
+        self.micro_batches += 1
+        self._last_program = program
+        if program.returns_found_inf:
+            # (loss, found_inf) under loss scaling; (loss, per-unit flags, found_inf) without.
+            loss, *flags, found_inf = loss
+            self._account_step(overflow=bool(found_inf), flags=flags[0] if flags else None)
+        elif boundary:
+            self._account_step(overflow=False)
+        if boundary:
+            self._set_status(f"after step {self.micro_batches // self.plan.grad_accumulation}")
+        return loss
+
+    def _run_failure(
+        self, exc: BaseException, program: Program, new_signature: tuple | None
+    ) -> BaseException:
+        """The error to raise for a program run that raised ``exc`` (``exc`` itself when
+        nothing can be added; see :meth:`_run_failed`)."""
+        if isinstance(exc, OffloadError):
+            return OffloadError(
+                f"rank {self.comm.rank}, step {self.steps + 1}: {exc}. Training stopped: this "
+                "step's update is incomplete; load the last checkpoint to go on"
+            )
+        return self._run_failed(exc, program, new_signature)
+
+    def end_of_data(self) -> None:
+        """Call instead of ``step(*batch)`` when this rank has no batch left. Returns when every
+        rank ran out at the same micro-batch (training ends there; a partly accumulated step is
+        dropped); otherwise raises DataExhaustedError here and, in their ``step(...)`` call, on
+        every rank that still had a batch: ranks that train on different numbers of batches
+        would wait for each other forever (or, under DDP, silently desynchronize)."""
+        self._check_usable()
+        self._set_status(f"out of data at step {self._step_number()}")
+        self._settle(self._propose(END_OF_DATA))
+
+    def _step_number(self) -> int:
+        """The 1-based number of the optimizer step the next micro-batch belongs to."""
+        return self.micro_batches // self.plan.grad_accumulation + 1
+
+    def _set_status(self, status: str) -> None:
+        """What this rank is doing, as its heartbeat tells the others (an attribute write)."""
+        if self.comm.heartbeat is not None:
+            self.comm.heartbeat.status = status
+
+    def _check_usable(self) -> None:
+        if self.comm.failure is not None:
+            raise RankStoppedError(
+                f"rank {self.comm.rank}: this training step cannot go on: its process group "
+                f"failed ({first_line(self.comm.failure)}); start the ranks again and load "
+                "the last checkpoint"
+            )
+
+    def _run_failed(
+        self, exc: BaseException, program: Program, new_signature: tuple | None
+    ) -> BaseException:
+        """The error to raise for a program run that raised ``exc`` (``exc`` itself when
+        nothing can be added). A failed collective is a peer that stopped answering: the
+        heartbeats name it, and the group is closed (nothing more can run on it). Anything else
+        leaves the step as before the micro-batch's accumulation window began: gradient
+        accumulators zeroed, that window's micro-batches dropped; a new program that failed on
+        its first run (``new_signature``) is not kept."""
+        node = failing_node(program.gm, exc.__traceback__)
+        step = self._step_number()
+        if self.comm.failure is not None:
+            return self._peer_failure(exc, describe_node(node))
+        for spec in state_specs(self.units, self.plan):
+            if spec.role == GRAD and spec.key in self.state:
+                self.state[spec.key].zero_()
+        dropped = self.micro_batches % self.plan.grad_accumulation
+        self.micro_batches -= dropped
+        if node is not None and info(node).phase == "optimizer":
+            detail = "the update may be partly applied: load the last checkpoint to go on"
+        else:
+            detail = "nothing was updated" + (
+                f"; the {dropped} micro-batch(es) accumulated for this step were dropped"
+                if dropped
+                else ""
+            )
+        if not isinstance(exc, Exception) or isinstance(exc, torch.OutOfMemoryError):
+            return exc
+        earlier = [sig for sig, _ in self.programs]
+        if new_signature is None or not earlier:
+            exc.add_note(f"zerocc: rank {self.comm.rank}, step {step}: in {describe_node(node)}")
+            return exc
+        return BatchError(
+            f"rank {self.comm.rank}, step {step}: the program compiled for a new batch signature "
+            f"({signature_difference(new_signature, earlier)}) failed on its first run in "
+            f"{describe_node(node)}: {type(exc).__name__}: {first_line(exc)}. The program was "
+            f"not kept and {detail}. Give the model batches of the dtypes it takes (cast them in "
+            "the data pipeline or the loss_fn)"
+        )
+
+    def _peer_failure(self, exc: BaseException, where: str) -> RankStoppedError:
+        return peer_failure(self.comm, exc, where, self._step_number(), self.plan.backend.timeout_s)
+
+    def _propose(self, what: tuple) -> Agreement:
+        """Issue the ranks' agreement on the next micro-batch (its signature, or that there is
+        none) without waiting for it; :meth:`_settle` waits."""
+        try:
+            return Agreement(self.comm, what, repr(what))
+        except Exception as exc:  # the group failed already
+            raise self._peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
+
+    def _settle(self, agreement: Agreement) -> None:
+        """Wait for the ranks' agreement on the next micro-batch; raise on every rank when they
+        differ (RankMismatchError, DataExhaustedError) or a peer stopped answering
+        (RankStoppedError). What it raises is kept as ``agreement.error``."""
+        try:
+            views = agreement.views_if_they_differ()
+        except Exception as exc:  # a peer that stopped answering, or left
+            failure = self._peer_failure(exc, f"the ranks' agreement on the {agreement.what[0]}")
+            agreement.error = failure
+            raise failure from exc
+        if views is not None:
+            agreement.error = batch_disagreement(views, self.comm.rank, self._step_number())
+            raise agreement.error
+
+    def _account_step(self, overflow: bool, flags: torch.Tensor | None = None) -> None:
+        """After an optimizer step: count it (unless skipped: its update wrote nothing) and
+        update the loss scale. A step whose gradient was not finite (``flags``: the program's
+        per-unit flags) under ``precision.on_nonfinite: error`` raises NonFiniteError instead,
+        counted neither as applied nor as skipped: its micro-batches are discarded (the program
+        zeroed the gradient accumulators, as after any step; the micro-batch count goes back to
+        the step's first), so the TrainStep is left as before the step."""
+        if not overflow:
+            self.steps += 1
+        elif STEP_SPEC.key in self.state:
+            self.state[STEP_SPEC.key].fill_(self.steps)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        if overflow and flags is not None and self.plan.precision.nonfinite == "error":
+            step = self.micro_batches // self.plan.grad_accumulation
+            self.micro_batches -= self.plan.grad_accumulation
+            raise nonfinite_error(self.program, flags, self.comm.rank, step)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the next step runs with (None without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped, their update writing nothing, because a reduced gradient
+        held an inf or NaN (an overflow under loss scaling, or ``precision.on_nonfinite:
+        skip``). Every step boundary run either applies its update or skips it, so this is
+        boundaries less steps applied (a checkpoint, which saves both counters, keeps it)."""
+        return self.micro_batches // self.plan.grad_accumulation - self.steps
+
+    def _steps_next(self) -> bool:
+        return (self.micro_batches + 1) % self.plan.grad_accumulation == 0
+
+    # -- what the layer above observes (zerocc.TrainStep writes dumps from these) -----------
+
+    def _keeps_pass_graphs(self) -> bool:
+        """Whether a compiled program keeps the graph after each pass (memory and time that
+        only inspection needs). The runtime alone needs none."""
+        return False
+
+    def _program_built(self, name: str, records: list[PassRecord]) -> None:
+        """Called when a program (``step-N`` / ``accumulate-N``) has been compiled, with what
+        each pass did. The runtime alone has nothing to do with it."""
+
+    def _compile(
+        self, batch: tuple, boundary: bool, plan: Plan | None = None, keep_graphs: bool = False
+    ) -> CompiledProgram:
+        """Capture the step on ``batch`` and run the pipeline of ``plan`` (default: this step's;
+        another one to predict what a plan change would need)."""
+        plan = plan or self.plan
+        return compile_program(
+            self.model,
+            self.model_info,
+            plan,
+            self.pipeline if plan is self.plan else build_pipeline(plan),
+            batch,
+            loss_fn=self.loss_fn,
+            device=self.device,
+            world_size=self.comm.world_size,
+            boundary=boundary,
+            keep_graphs=keep_graphs,
+        )
+
+    def _build(self, batch: tuple, boundary: bool) -> Program:
+        self._set_status(f"compiling a program for step {self._step_number()}")
+        compiled = self._compile(batch, boundary, keep_graphs=self._keeps_pass_graphs())
+        gm, records = compiled.gm, compiled.records
+        self._program_built(f"{'step' if boundary else 'accumulate'}-{len(self.programs)}", records)
+        if [u.name for u in self.units] != [u.name for u in compiled.units]:
+            raise CaptureError("the partition pass built other units than the compiled state's")
+        self._check_bindings(gm)
+        text = format_program(gm)
+        program_digest = digest(text)
+        self._builds += 1
+        if self.comm.heartbeat is not None:  # compiling takes what it takes, while ranks live
+            self.comm.heartbeat.wait_for_all(
+                f"compiled-{self._builds}", self.plan.backend.timeout_s, "a program to compile"
+            )
+        self._agree(
+            ("compiled program", program_digest), "the compiled programs differ across ranks", text
+        )
+        bindings = [(info(n).role, info(n).key) for n in placeholders(gm)]
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        found_inf = isinstance(outputs, tuple) and info(outputs[-1]).role == FOUND_INF
+        late_agreement = agrees_at_first_collective(gm)
+        if self.plan.backend.check_memory:  # before its first run: the step's memory fits
+            check_step_memory(
+                gm,
+                self.units,
+                self.plan,
+                self.comm,
+                self.device,
+                lambda plan: self._compile(batch, boundary, plan).gm,  # for the error's changes
+            )
+        return Program(
+            gm, records, bindings, self.backend(gm), program_digest, found_inf, late_agreement
+        )
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _check_bindings(self, gm: fx.GraphModule) -> None:
+        """Every state placeholder of a program names a tensor the TrainStep holds, as shaped."""
+        for node in placeholders(gm):
+            record, fake = info(node), val(node)
+            if record.role == BATCH:
+                continue
+            held = self.state.get(record.key)
+            if held is None or held.shape != fake.shape or held.dtype != fake.dtype:
+                raise CaptureError(
+                    f"program placeholder {node.name!r} ({record.role} {record.key!r}, "
+                    f"{tuple(fake.shape)} {fake.dtype}) matches no state tensor"
+                )
+
+    # -- agreement across ranks -------------------------------------------------------------
+
+    def _agree(self, what: tuple, problem: str, detail: str | None = None) -> None:
+        """Raise on every rank when ranks disagree on ``what`` (8-byte hash compared first)."""
+        views = self._views_if_they_differ(what, detail if detail is not None else repr(what))
+        if views is not None:
+            raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + first_difference(views))
+
+    def _views_if_they_differ(self, what: tuple, detail: str) -> list[Any] | None:
+        try:
+            return views_if_they_differ(self.comm, what, detail)
+        except Exception as exc:  # a peer that stopped answering, or left
+            raise self._peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
+
+    def _resident_and_nvme_state(self) -> dict[str, torch.Tensor]:
+        """Every persistent tensor: those held in memory, and those on NVMe read back."""
+        state = dict(self.state)
+        for spec in self.nvme_specs:
+            state[spec.key] = torch.empty(spec.shape, dtype=spec.dtype)
+            self.store.read(spec.key, state[spec.key]).wait()
+        return state
+
+    # -- inspection -------------------------------------------------------------------------
+
+    @property
+    def program(self) -> fx.GraphModule:
+        """The scheduled graph of the last program run (or built)."""
+        program = self._last_program or next(iter(self.programs.values()), None)
+        if program is None:
+            raise RuntimeError("no program yet: call step(*batch) once to compile")
+        return program.gm
+
+    @property
+    def records(self) -> list[PassRecord]:
+        """What each pass did to the last program: time, graph after it, ops added/removed."""
+        return (self._last_program or next(iter(self.programs.values()))).records
+
+    def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
+        """Bytes of this rank's persistent params, grads and optimizer states (measured) in
+        each place they live: ``device``, ``host`` and ``nvme``."""
+        return state_bytes_by_location(self.state, state_specs(self.units, self.plan), self.store)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of the live persistent params, grads and optimizer states of this rank on the
+        device (measured); what offload placed elsewhere is in :meth:`state_bytes_by_location`."""
+        return self.state_bytes_by_location()[DEVICE]
+
+    def summary(self) -> dict[str, Any]:
+        """Figures of the last step: bytes per collective kind, model-state bytes per rank (on
+        the device), bytes offload moved per direction, the loss scale (None without scaling)
+        and the steps skipped for a non-finite gradient (see :attr:`skipped_steps`)."""
+        return {
+            "comm_bytes_per_step": dict(self.comm.stats.bytes),
+            "model_state_bytes": self.model_state_bytes()["total"],
+            "offload_bytes_per_step": dict(self.transfers.stats.bytes),
+            "loss_scale": self.loss_scale,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{fqn: full tensor on CPU}`` for every key of ``model.state_dict()``, in the model's
+        dtypes: the master weights under mixed precision.
+
+        A collective when the weights are sharded (stage 3; stages 1-2 under mixed precision,
+        whose masters are sharded): call it on every rank.
+        """
+        full: dict[str, torch.Tensor] = {}
+        state = self._resident_and_nvme_state()
+        for unit in self.units:
+            flat = state.get(f"{unit.key}.master", state[f"{unit.key}.param"])
+            if flat.numel() != unit.padded_numel:
+                gathered = flat.new_empty(unit.padded_numel)
+                self.comm.all_gather(gathered, flat).wait()
+                flat = gathered
+            for p in unit.params:
+                value = unit.unflatten(flat)[p.fqn].detach().to("cpu", p.param.dtype, copy=True)
+                full.update(dict.fromkeys(p.param.aliases, value))
+        for b in self.model_info.buffers:
+            if b.fqn in self.state:
+                full.update(dict.fromkeys(b.aliases, self.state[b.fqn].detach().cpu().clone()))
+        return {k: full[k] for k in self.state_dict_keys if k in full}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards, optimizer state and counters, ready for
+        ``torch.distributed.checkpoint.save`` (or ``torch.save``). Tensor keys carry the rank
+        (``rank1/transformer.h.0.param``) since every rank holds different shards; reload
+        with the same plan and world size."""
+        prefix = f"rank{self.comm.rank}/"
+        sd: dict[str, Any] = {
+            prefix + k: t
+            for k, t in self._resident_and_nvme_state().items()
+            if not k.endswith(".param_shard")
+        }
+        sd["zerocc"] = {
+            "steps": self.steps,
+            "micro_batches": self.micro_batches,
+            "world_size": self.comm.world_size,
+            "stage": self.plan.zero.stage,
+        }
+        if self.loss_scaler is not None:
+            sd["zerocc"]["loss_scaler"] = self.loss_scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
+        saved = sd["zerocc"]
+        for field, mine in (("world_size", self.comm.world_size), ("stage", self.plan.zero.stage)):
+            if saved[field] != mine:
+                raise RankMismatchError(
+                    f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
+                )
+        prefix = f"rank{self.comm.rank}/"
+        nvme = {s.key for s in self.nvme_specs}
+        expected = {k for k in [*self.state, *nvme] if not k.endswith(".param_shard")}
+        missing = sorted(expected - {k.removeprefix(prefix) for k in sd if k.startswith(prefix)})
+        if missing:
+            raise RankMismatchError(f"checkpoint lacks {missing[:3]} for rank {self.comm.rank}")
+        for key in expected - nvme:
+            if sd[prefix + key] is not self.state[key]:
+                self.state[key].copy_(sd[prefix + key])
+        for key in nvme:
+            value = sd[prefix + key].detach().to("cpu").contiguous()
+            self.store.write(key, value).wait()
+        self.steps, self.micro_batches = saved["steps"], saved["micro_batches"]
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(saved["loss_scaler"])
+
+
+def host_update_threads() -> int:
+    """Threads for the host updates of offloaded units on a GPU machine: this rank's share of
+    the cores it may run on. Launchers set OMP_NUM_THREADS=1 for GPU ranks (torchrun does), which
+    would leave the update, the one large CPU computation of the step, on a single core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | None:
+    """The NVMe store of this rank when the plan places states there, checked for room for all
+    of them (plus the temporary file of the largest write) before anything is written. Ranks on
+    one machine share its disk: the check counts every local rank's states
+    (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
+    if not specs:
+        return None
+    store = NvmeStore(plan.offload.nvme_path, rank)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    largest = max(s.nbytes for s in specs)
+    store.check_capacity(local_ranks * sum(s.nbytes for s in specs), largest=largest)
+    return store

@@ -1,0 +1,154 @@
+"""The copy engine: runs the offload ops' copies between the device, host memory and NVMe.
+
+The offload pass moves state with four start/wait ops (``copy_start``, ``copy_into_start``,
+``nvme_read_start``, ``nvme_write_start``: schemas in :mod:`zerocc.ir.ops`); their ``direction``
+names the traffic for :class:`TransferStats`.
+
+The active :class:`Transfers` engine (set by the runtime around a program run) runs them
+(the eager backend's implementations call it). On a
+GPU, copies run on one copy stream per device, ordered after the compute stream's work so far;
+waiting on a copy to the host blocks the host (the CPU reads the result next: the host
+optimizer update), waiting on a copy to the device makes the compute stream wait on an event.
+On a CPU-only machine copies are a memcpy done inline (the same cores compute; there is nothing
+to overlap) and only NVMe I/O runs in the background, on the store's threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerocc.ir.ops import CPU
+
+
+@dataclass
+class TransferStats:
+    """Bytes moved per direction since the last :meth:`reset`."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, direction: str, tensor: torch.Tensor) -> None:
+        self.bytes[direction] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.bytes.clear()
+
+
+class _Done:
+    """The handle of a transfer that completed when it was issued."""
+
+    def wait(self) -> None:
+        return None
+
+
+class _CudaCopy:
+    """A copy on the copy stream: a copy to the host is waited on by the host, a copy to the
+    device by the compute stream."""
+
+    def __init__(self, event: torch.cuda.Event, host_reads: bool) -> None:
+        self._event, self._host_reads = event, host_reads
+
+    def wait(self) -> None:
+        if self._host_reads:
+            self._event.synchronize()
+        else:
+            torch.cuda.current_stream().wait_event(self._event)
+
+
+class _ReadThenCopy:
+    """An NVMe read into a pinned host buffer, copied to the device when waited on."""
+
+    def __init__(self, read: Any, staging: torch.Tensor, out: torch.Tensor) -> None:
+        self._read, self._staging, self._out = read, staging, out
+
+    def wait(self) -> None:
+        self._read.wait()
+        self._out.copy_(self._staging)
+
+
+class Transfers:
+    """Runs the transfer ops of one rank: copies (a copy stream on a GPU) and NVMe I/O through
+    ``store`` (a :class:`zerocc.runtime.nvme.NvmeStore`, when the plan offloads to NVMe), for a step
+    that computes on ``device`` (host buffers are pinned when that is a GPU)."""
+
+    def __init__(self, store: Any = None, device: torch.device = CPU) -> None:
+        self.store = store
+        self.device = device
+        self.stats = TransferStats()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Any:
+        """``dst`` receives ``src`` (cast to ``dst``'s dtype)."""
+        self.stats.record(direction, dst)
+        gpu = dst if dst.is_cuda else src if src.is_cuda else None
+        if gpu is None:
+            dst.copy_(src)
+            return _Done()
+        stream = self._stream(gpu.device)
+        stream.wait_stream(torch.cuda.current_stream(gpu.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        for t in (dst, src):
+            if t.is_cuda:
+                t.record_stream(stream)
+        return _CudaCopy(event, host_reads=not dst.is_cuda)
+
+    def read(self, key: str, out: torch.Tensor, direction: str) -> Any:
+        """``out`` receives the state file of ``key``."""
+        self.stats.record(direction, out)
+        store = self._store()
+        if not out.is_cuda:
+            return store.read(key, out)
+        staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        return _ReadThenCopy(store.read(key, staging), staging, out)
+
+    def write(self, key: str, src: torch.Tensor, direction: str) -> Any:
+        """The state file of ``key`` receives ``src`` (a host tensor)."""
+        self.stats.record(direction, src)
+        return self._store().write(key, src)
+
+    def _store(self) -> Any:
+        if self.store is None:
+            raise RuntimeError("a program reads NVMe state, but no NVMe store is active")
+        return self.store
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+_active: list[Transfers] = []
+
+
+@contextlib.contextmanager
+def use_transfers(engine: Transfers) -> Iterator[Transfers]:
+    """Run the transfer ops of the body with ``engine``."""
+    _active.append(engine)
+    try:
+        yield engine
+    finally:
+        _active.pop()
+
+
+def active_transfers() -> Transfers:
+    """The engine set by :func:`use_transfers`; an inline one without NVMe outside of it."""
+    if not _active:
+        _active.append(Transfers())  # the bottom of the stack: stays for later calls
+    return _active[-1]
+
+
+def new_on(
+    device: torch.device, shape: Any, dtype: torch.dtype, like: torch.Tensor
+) -> torch.Tensor:
+    """An empty tensor for a transfer's result: host memory is pinned when a GPU takes part
+    (not merely when the machine has one: a CPU rank would make a CUDA context for it)."""
+    pinned = device.type == "cpu" and (like.is_cuda or active_transfers().device.type == "cuda")
+    return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pinned)
