@@ -121,7 +121,7 @@ def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.
     1.6e-2 (issue 16), as this CPU's own kernels on 2 threads instead of 1 differ by 8e-3."""
     model = _model(case)
     if case.get("meta"):
-        zerocc.compiler.materialize(model, seed=7)
+        zerocc.materialize(model, seed=7)
     model.to(_device(case))
     # One thread, as in the ranks: a CPU kernel that splits its fp32 accumulation over another
     # number of threads rounds differently (bf16 results visibly, fp32 ones in the last bit).

@@ -475,7 +475,7 @@ def test_load_workload_prefers_the_plan_directory_over_a_cached_module(tmp_path)
         ("workload: workload:nothing", "has no function 'nothing'"),
         (
             "workload: workload:not_a_workload",
-            "returned int, not a zerocc.compiler.workload.Workload",
+            "returned int, not a zerocc.Workload",
         ),
         ("{workload: 'workload:make', workload_args: {depth: 2}}", "workload_args"),
     ],

@@ -4,7 +4,7 @@ import data
 import torch
 from model import GPT, GPTConfig
 
-from zerocc.compiler.workload import Workload
+from zerocc import Workload
 
 
 def workload(

@@ -78,7 +78,7 @@ def load_workload(plan: Plan) -> Workload:
     if not isinstance(workload, Workload):
         raise PlanError(
             f"workload: {plan.workload} returned {type(workload).__name__}, not a "
-            "zerocc.compiler.workload.Workload"
+            "zerocc.Workload"
         )
     return workload
 
