@@ -17,7 +17,7 @@ from parity import batch_of
 from zerocc.passes.partition import assign_units
 
 import zerocc
-import zerocc.train_step as train_step_module
+import zerocc.runtime.step as step_module
 from zerocc.compiler.capture import describe_model
 from zerocc.compiler.pass_manager import build_pipeline
 from zerocc.compiler.plan import load_plan
@@ -63,13 +63,13 @@ def machine(monkeypatch):
 def allocations(monkeypatch):
     """Calls of allocate_state (each one goes through)."""
     calls = []
-    real = train_step_module.allocate_state
+    real = step_module.allocate_state
 
     def counting(*args, **kwargs):
         calls.append(args[3])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_step_module, "allocate_state", counting)
+    monkeypatch.setattr(step_module, "allocate_state", counting)
     return calls
 
 
@@ -256,7 +256,7 @@ def test_a_model_larger_than_this_machine_fails_on_its_real_figures(monkeypatch)
     """~32B parameters on the meta device, stage 0 on one rank: ~480 GiB of states."""
     reached = []
     monkeypatch.setattr(
-        train_step_module, "allocate_state", lambda *a, **k: reached.append(a) or {}
+        step_module, "allocate_state", lambda *a, **k: reached.append(a) or {}
     )
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     config = GPTConfig(vocab_size=32000, block_size=64, n_layer=40, n_head=64, n_embd=8192)

@@ -276,7 +276,7 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
 
 
 def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
-    from zerocc.train_step import host_update_threads
+    from zerocc.runtime.step import host_update_threads
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
