@@ -103,7 +103,9 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
             "model_state_bytes": summary["model_state_bytes"],  # the device pool's
             "state_bytes_by_location": step.state_bytes_by_location(),  # device, host, nvme
             "transfer_bytes": summary["offload_bytes_per_step"],  # offload's copies, last step
-            "transfer_bytes_program": transfer_bytes_per_step(step),  # what the program says
+            "transfer_bytes_program": transfer_bytes_per_step(
+                step.record()
+            ),  # what the program says
         } | cpu_seconds()
 
     return Runner(step, profile_step, reported)

@@ -91,7 +91,7 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
             "losses": losses,
             "elements": elements,
             "psi": sum(u.padded_numel for u in step.units if u.trainable),
-            "figures": describe(step),
+            "figures": describe(step.record()),
             "params": params if rank == 0 else None,
         }
     return out

@@ -255,9 +255,7 @@ def test_ranks_sharing_a_machine_fail_together():
 def test_a_model_larger_than_this_machine_fails_on_its_real_figures(monkeypatch):
     """~32B parameters on the meta device, stage 0 on one rank: ~480 GiB of states."""
     reached = []
-    monkeypatch.setattr(
-        step_module, "allocate_state", lambda *a, **k: reached.append(a) or {}
-    )
+    monkeypatch.setattr(step_module, "allocate_state", lambda *a, **k: reached.append(a) or {})
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     config = GPTConfig(vocab_size=32000, block_size=64, n_layer=40, n_head=64, n_embd=8192)
     with torch.device("meta"):

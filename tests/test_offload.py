@@ -94,7 +94,7 @@ def test_explain_shows_where_bytes_live_and_the_traffic(tmp_path):
     step = _trained(_plan(tmp_path, optimizer="nvme", params="cpu"))
     text = step.explain()
     assert "where the model states live" in text and "nvme" in text
-    traffic = describe(step)["transfer_bytes_per_step"]
+    traffic = describe(step.record())["transfer_bytes_per_step"]
     shards = sum(u.shard_numel for u in step.units)
     # Per step: fp32 gradient shards out and the bf16 compute copy into the host parameters,
     # and the 4-byte non-finite flag the host updates read; each parameter shard in for its
@@ -265,7 +265,7 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     # Files hold a header (< 512 bytes) besides each state.
     nvme_states = predicted.offloaded["nvme"]
     assert nvme_states <= measured["nvme"]["total"] <= nvme_states + 512 * len(step.nvme_specs)
-    assert predicted.transfers == describe(step)["transfer_bytes_per_step"]
+    assert predicted.transfers == describe(step.record())["transfer_bytes_per_step"]
     # Host buffers at their peak: the offloaded units' fp32 gradient shards (copied out as they
     # complete, kept until their updates) and at most three units' states read from NVMe.
     offloaded = offloaded_units(step.units, 0.5)

@@ -80,7 +80,7 @@ def test_predicted_comm_counts_every_micro_batch_of_a_step():
     for i in range(3):
         step(*_batch(i))
     psi_bytes = 4 * sum(u.padded_numel for u in step.units)
-    predicted = zerocc.inspect.explain.comm_bytes_per_step(step)
+    predicted = zerocc.inspect.explain.comm_bytes_per_step(step.record())
     # Once per step, the all-reduce of one non-finite flag (fp32) per unit.
     flags_bytes = 2 * 4 * len(step.units)
     assert predicted == {

@@ -33,7 +33,7 @@ class TrainStep(StepRunner):
 
     def explain(self) -> str:
         """Units, bytes each collective moves per step, model-state bytes per rank vs formula."""
-        return explain_step(self)
+        return explain_step(self.record())
 
     def _step(self, batch: tuple, run: Any = None) -> torch.Tensor:
         if self.dump_dir and not self._run_dumped and run is None and self._steps_next():
@@ -41,7 +41,7 @@ class TrainStep(StepRunner):
             self._check_usable()
             self._run_dumped = True
             loss, recorder = self.profile(*batch)
-            write_run_dumps(self.dump_dir, self, recorder)
+            write_run_dumps(self.dump_dir, self.record(), recorder, self.comm)
             return loss
         return super()._step(batch, run)
 

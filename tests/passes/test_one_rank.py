@@ -64,7 +64,7 @@ def test_no_program_of_one_rank_communicates(stage, precision, accum):
     assert isinstance(step.comm, SoloComm)
     assert not communication(step)
     assert calls == [{}] * len(calls)  # nothing reached the comm either
-    assert describe(step)["comm_bytes_per_step"] == {}
+    assert describe(step.record())["comm_bytes_per_step"] == {}
     assert "none                      0B  (one rank: nothing to gather or reduce)" in step.explain()
     # Gradients persist only to be accumulated.
     assert bool([k for k in step.state if k.endswith(".grad")]) == (accum > 1)

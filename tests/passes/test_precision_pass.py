@@ -90,7 +90,7 @@ def test_stage0_all_reduces_in_the_reduce_dtype():
 
 def test_explain_counts_the_same_bytes_as_the_collectives():
     step = compiled(3, {"param": "bf16", "reduce": "bf16"})
-    figures = zerocc.inspect.explain.describe(step)
+    figures = zerocc.inspect.explain.describe(step.record())
     assert figures["comm_bytes_per_step"]["all_gather"] == moved(step)["all_gather"]
     assert figures["comm_bytes_per_step"]["reduce_scatter"] == moved(step)["reduce_scatter"]
     # Measured counts the step counter and the loss scale too (16 bytes the formula ignores).
@@ -112,7 +112,7 @@ def test_bf16_gradients_give_zeros_bytes_per_parameter(stage):
     are state): params 2, grads 2, optimizer 12 bytes per parameter, each sharded from its
     stage on, 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N: measured, and explain's formula."""
     step = compiled(stage, BF16_GRADS, accum=2, calls=2)
-    figures = zerocc.inspect.explain.describe(step)
+    figures = zerocc.inspect.explain.describe(step.record())
     psi, n = sum(u.padded_numel for u in step.units), WORLD
     expected = {
         "params": 2 * psi // (n if stage == 3 else 1),

@@ -77,8 +77,7 @@ def load_workload(plan: Plan) -> Workload:
         workload = function(**plan.workload_args)
     if not isinstance(workload, Workload):
         raise PlanError(
-            f"workload: {plan.workload} returned {type(workload).__name__}, not a "
-            "zerocc.Workload"
+            f"workload: {plan.workload} returned {type(workload).__name__}, not a zerocc.Workload"
         )
     return workload
 

@@ -486,7 +486,6 @@ def calibrate(
     op. Call on every rank (it runs collectives); every rank returns rank 0's calibration."""
     from zerocc.cost.memory import model_state_bytes_of
     from zerocc.cost.simulate import predict_step
-    from zerocc.inspect.explain import step_programs
 
     plan, comm, device = step.plan, step.comm, step.device
     k = plan.grad_accumulation
@@ -525,7 +524,7 @@ def calibrate(
         links["overlap"] = measure_overlap(comm, plan, device)
         rates = rates.replace("calibration", comm_overlap=links["overlap"]["overlap"])
     rates = _agree(comm, rates)
-    programs = step_programs(step)
+    programs = step.record().programs
     states = model_state_bytes_of(step.units, plan)
     predicted = predict_step(programs, k, rates, comm.world_size, model_states=states)
     measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3

@@ -38,7 +38,7 @@ from zerocc.ir.printing import human_bytes
 if TYPE_CHECKING:
     from zerocc.runtime.comm import Comm
     from zerocc.runtime.measure import ProfiledRun
-    from zerocc.runtime.step import StepRunner as TrainStep
+    from zerocc.runtime.record import StepRecord
 
 DUMP_DIR_ENV = "ZEROCC_DUMP_DIR"
 PERFETTO = "https://ui.perfetto.dev"
@@ -69,19 +69,20 @@ def write_program_dumps(root: Path, name: str, records: list[PassRecord]) -> lis
     return written
 
 
-def write_run_dumps(root: Path, step: TrainStep, recorder: ProfiledRun) -> Path | None:
-    """Gather every rank's timed ops (a collective: every rank calls it) and, on rank 0, write
-    ``trace.json``, ``memory.png`` and ``report.html``; returns the report's path on rank 0."""
-    events = _gather(step.comm, recorder.events)
-    if step.comm.rank != 0:
+def write_run_dumps(root: Path, step: StepRecord, recorder: ProfiledRun, comm: Comm) -> Path | None:
+    """Gather every rank's timed ops over ``comm`` (a collective: every rank calls it) and, on
+    rank 0, write ``trace.json``, ``memory.png`` and ``report.html``; returns the report's path
+    on rank 0."""
+    events = _gather(comm, recorder.events)
+    if step.rank != 0:
         return None
     from zerocc.inspect.plots import plot_memory  # matplotlib: only when dumping
 
     root.mkdir(parents=True, exist_ok=True)
     program = step.program
     states = model_state_bytes_of(step.units, step.plan)
-    rates = rates_for(step.plan, step.device.type)
-    simulated = predict_step({True: program}, 1, rates, step.comm.world_size)
+    rates = rates_for(step.plan, step.device_type)
+    simulated = predict_step({True: program}, 1, rates, step.world_size)
     ranks = sorted({e.rank for e in events})
     write_trace(events, simulated.events, ranks, root / "trace.json")
     predicted = predict_memory(program, states)
@@ -89,7 +90,7 @@ def write_run_dumps(root: Path, step: TrainStep, recorder: ProfiledRun) -> Path 
         root / "memory.png",
         predicted,
         recorder.timeline,
-        f"rank 0, ZeRO stage {step.plan.zero.stage}, {step.comm.world_size} ranks",
+        f"rank 0, ZeRO stage {step.plan.zero.stage}, {step.world_size} ranks",
     )
     report = root / "report.html"
     sections = _sections(root, step, predicted, recorder.timeline)
@@ -172,7 +173,7 @@ def _gather(comm: Comm, events: list[Any]) -> list[Any]:
 
 
 def _sections(
-    root: Path, step: TrainStep, predicted: MemoryTimeline, measured: MemoryTimeline
+    root: Path, step: StepRecord, predicted: MemoryTimeline, measured: MemoryTimeline
 ) -> list[ReportSection]:
     plan = step.plan
     records = step.records
@@ -218,7 +219,7 @@ def _memory_caption(predicted: MemoryTimeline, measured: MemoryTimeline) -> str:
     )
 
 
-def _estimate_text(step: TrainStep, predicted: MemoryTimeline) -> str:
+def _estimate_text(step: StepRecord, predicted: MemoryTimeline) -> str:
     states = model_state_bytes_of(step.units, step.plan)
     lines = ["model states per rank:"]
     lines += [f"  {k:<14}{human_bytes(v):>12}" for k, v in states.items()]

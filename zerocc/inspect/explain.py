@@ -18,22 +18,13 @@ from zerocc.compiler.state import (
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, info, nodes_with_role, op_name, val
 from zerocc.ir.printing import human_bytes
+from zerocc.runtime.record import StepRecord
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
-    from zerocc.runtime.step import StepRunner as TrainStep
 
 
-def step_programs(step: TrainStep) -> dict[bool, fx.GraphModule]:
-    """The compiled programs of the first batch shape, by whether they step (empty before the
-    first call)."""
-    if not step.programs:
-        return {}
-    signature = next(iter(step.programs))[0]
-    return {b: p.gm for (sig, b), p in step.programs.items() if sig == signature}
-
-
-def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
+def formula_bytes(step: StepRecord, location: str = DEVICE) -> dict[str, float]:
     """ZeRO's model-state bytes per rank for this plan at ``location``: what each stage keeps
     whole or sharded, in each state's dtype (with bf16 compute, reduce and grad and fp32
     master: 2 + 2 + 12 bytes per parameter, as the ZeRO paper counts), the offloaded units'
@@ -41,7 +32,7 @@ def formula_bytes(step: TrainStep, location: str = DEVICE) -> dict[str, float]:
     state only where they are accumulated over micro-batches: with ``grad_accumulation: 1``
     each lives from its reduction to its update, within the step, and the formula counts none
     (:func:`held_gradient_bytes` says what ZeRO would count)."""
-    return zero_formula(step.units, step.plan, step.comm.world_size, location)
+    return zero_formula(step.units, step.plan, step.world_size, location)
 
 
 def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) -> dict[str, float]:
@@ -66,10 +57,10 @@ def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) 
     return out
 
 
-def transfer_bytes_per_step(step: TrainStep) -> dict[str, int]:
+def transfer_bytes_per_step(step: StepRecord) -> dict[str, int]:
     """Bytes offload moves per optimizer step per rank, by direction (to_host, to_device,
     nvme_read, nvme_write), as the compiled programs' copies record them."""
-    programs = step_programs(step)
+    programs = step.programs
     return transfer_bytes(programs, step.plan.grad_accumulation) if programs else {}
 
 
@@ -117,9 +108,9 @@ def recompute_cost(programs: dict[bool, fx.GraphModule], grad_accumulation: int)
     return {"ops": int(ops), "flops": flops, "step_flops": total, "units": sorted(units)}
 
 
-def recompute_line(step: TrainStep) -> str:
+def recompute_line(step: StepRecord) -> str:
     """One line: how much of the step recomputation adds (once a program is compiled)."""
-    programs = step_programs(step)
+    programs = step.programs
     if not programs:
         return "recomputation: known once the step is compiled, at its first call"
     return describe_recompute(recompute_cost(programs, step.plan.grad_accumulation))
@@ -134,10 +125,10 @@ def describe_recompute(cost: dict) -> str:
     )
 
 
-def comm_bytes_per_step(step: TrainStep) -> dict[str, int]:
+def comm_bytes_per_step(step: StepRecord) -> dict[str, int]:
     """Bytes per collective kind moved per optimizer step (per rank): the stepping program plus
     ``grad_accumulation - 1`` accumulating ones, for the first batch shape compiled."""
-    programs = step_programs(step)
+    programs = step.programs
     return comm_bytes(programs, step.plan.grad_accumulation) if programs else {}
 
 
@@ -161,10 +152,10 @@ def unit_rows(units: list[Unit]) -> list[list[str]]:
     ]  # fmt: skip
 
 
-def explain_step(step: TrainStep) -> str:
+def explain_step(step: StepRecord) -> str:
     """A plain-text report: units, communication per step (once a program is compiled, at the
     first call), and model-state bytes per rank measured next to ZeRO's formula."""
-    plan, n = step.plan, step.comm.world_size
+    plan, n = step.plan, step.world_size
     psi = sum(u.padded_numel for u in step.units if u.trainable)
     lines = [
         f"zerocc step: ZeRO stage {plan.zero.stage}, world size {n}, {len(step.units)} units, "
@@ -188,13 +179,13 @@ def explain_step(step: TrainStep) -> str:
         lines.append(f"  {'none':<16}{human_bytes(0):>12}{no_communication(n)}")
     if step.programs:
         lines += ["", predicted_time_line(step)]
-    measured, formula = step.model_state_bytes(), formula_bytes(step)
+    measured, formula = step.model_state_bytes, formula_bytes(step)
     lines += ["", f"model states per rank{'':<7}{'measured':>12}{'ZeRO formula':>14}"]
     for cat in ("params", "grads", "optimizer", "total"):
         lines.append(
             f"  {cat:<26}{human_bytes(measured.get(cat, 0)):>12}{human_bytes(formula[cat]):>14}"
         )
-    programs = step_programs(step)
+    programs = step.programs
     if plan.grad_accumulation == 1 and True in programs:
         lines.append(held_gradients_line(held_gradient_bytes(programs[True]), psi, n))
     if step.plan.checkpointing.enabled:
@@ -227,10 +218,10 @@ def held_gradients_line(held: int, psi: int, world_size: int, width: int = 26) -
     )
 
 
-def offload_lines(step: TrainStep) -> list[str]:
+def offload_lines(step: StepRecord) -> list[str]:
     """Where every byte of the model states lives (device, host, NVMe; measured), and the
     traffic offload adds per optimizer step."""
-    pools = step.state_bytes_by_location()
+    pools = step.state_bytes
     offloaded = [u for u, p in placements(step.units, step.plan.offload).items() if p.offloaded]
     lines = [
         f"offload: optimizer {step.plan.offload.optimizer}, params {step.plan.offload.params}, "
@@ -248,17 +239,17 @@ def offload_lines(step: TrainStep) -> list[str]:
     return lines
 
 
-def predicted_time_line(step: TrainStep) -> str:
+def predicted_time_line(step: StepRecord) -> str:
     """The step's time as the cost model predicts it (``zerocc estimate``'s simulation of the
     compiled programs, with the plan's rates: ``plan.cost``, a calibration, or defaults)."""
     from zerocc.cost.model import rates_for
     from zerocc.cost.simulate import predict_step
 
-    programs = step_programs(step)
+    programs = step.programs
     if len(programs) < (1 if step.plan.grad_accumulation == 1 else 2):
         return "predicted step time: known once every program of a step is compiled"
-    rates = rates_for(step.plan, step.device.type)
-    t = predict_step(programs, step.plan.grad_accumulation, rates, step.comm.world_size)
+    rates = rates_for(step.plan, step.device_type)
+    t = predict_step(programs, step.plan.grad_accumulation, rates, step.world_size)
     source = "calibrated" if "calibration" in rates.sources.values() else "default"
     return (
         f"predicted step time: {t.step_s * 1e3:.1f} ms (compute {t.compute_s * 1e3:.1f} ms, "
@@ -267,14 +258,14 @@ def predicted_time_line(step: TrainStep) -> str:
     )
 
 
-def precision_line(step: TrainStep) -> str:
+def precision_line(step: StepRecord) -> str:
     """Dtypes of compute, reduction and master weights; the loss scale, or what a non-finite
     gradient does; skipped steps."""
     p = step.plan.precision
     kept = p.reduce if step.plan.zero.stage <= 1 else (p.grad or p.master)
     line = f"precision: compute {p.param}, reduce {p.reduce}, master {p.master}, grads {kept}"
-    if step.loss_scaler is not None:
-        kind = "dynamic" if step.loss_scaler.dynamic else "static"
+    if step.loss_scale is not None:
+        kind = "dynamic" if step.dynamic_loss_scale else "static"
         line += (
             f"; {kind} loss scale {step.loss_scale:g}, "
             f"{step.skipped_steps} of {step.steps + step.skipped_steps} steps skipped for overflow"
@@ -286,13 +277,13 @@ def precision_line(step: TrainStep) -> str:
     return line
 
 
-def describe(step: TrainStep) -> dict[str, Any]:
+def describe(step: StepRecord) -> dict[str, Any]:
     """The figures of :func:`explain_step` as a dict, for tools and tests."""
     return {
-        "model_state_bytes": step.model_state_bytes(),
+        "model_state_bytes": step.model_state_bytes,
         "formula_bytes": formula_bytes(step),
         "comm_bytes_per_step": comm_bytes_per_step(step),
-        "state_bytes_by_location": step.state_bytes_by_location(),
+        "state_bytes_by_location": step.state_bytes,
         "transfer_bytes_per_step": transfer_bytes_per_step(step),
         "loss_scale": step.loss_scale,
         "skipped_steps": step.skipped_steps,

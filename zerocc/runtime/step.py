@@ -78,6 +78,7 @@ from zerocc.runtime.measure import ProfiledRun
 from zerocc.runtime.memory_check import check_model_states, check_step_memory
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.nvme import NvmeStore
+from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_memory import state_bytes_by_location
 from zerocc.runtime.transfers import Transfers, use_transfers
 
@@ -494,6 +495,26 @@ class StepRunner:
     def records(self) -> list[PassRecord]:
         """What each pass did to the last program: time, graph after it, ops added/removed."""
         return (self._last_program or next(iter(self.programs.values()))).records
+
+    def record(self) -> StepRecord:
+        """A plain record of this compiled step, for inspection (:mod:`zerocc.runtime.record`)."""
+        last = self._last_program or next(iter(self.programs.values()), None)
+        first = next(iter(self.programs), (None,))[0]
+        return StepRecord(
+            plan=self.plan,
+            world_size=self.comm.world_size,
+            rank=self.comm.rank,
+            device_type=self.device.type,
+            units=self.units,
+            programs={b: p.gm for (sig, b), p in self.programs.items() if sig == first},
+            program=last.gm if last else None,
+            records=last.records if last else [],
+            state_bytes=self.state_bytes_by_location(),
+            loss_scale=self.loss_scale,
+            dynamic_loss_scale=bool(self.loss_scaler and self.loss_scaler.dynamic),
+            steps=self.steps,
+            skipped_steps=self.skipped_steps,
+        )
 
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """Bytes of this rank's persistent params, grads and optimizer states (measured) in

@@ -1,0 +1,43 @@
+"""A plain record of a compiled step: what inspection reads, without the runner behind it.
+
+``explain()``, the dumps and calibration are functions over a :class:`StepRecord`
+(:meth:`zerocc.runtime.step.StepRunner.record` makes one), so they depend on what a compiled
+step *is*, not on how the runner keeps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from zerocc.compiler.pass_manager import PassRecord
+from zerocc.compiler.plan import Plan
+from zerocc.compiler.state import DEVICE
+from zerocc.compiler.units import Unit
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rank's compiled step, as of when the record was taken."""
+
+    plan: Plan
+    world_size: int
+    rank: int
+    device_type: str  # "cpu" | "cuda": the rates a prediction uses
+    units: list[Unit]
+    # The compiled programs of the first batch shape, by whether they step (empty before the
+    # first call).
+    programs: dict[bool, fx.GraphModule]
+    program: fx.GraphModule | None  # the last program run (or built)
+    records: list[PassRecord]  # what each pass did to it
+    state_bytes: dict[str, dict[str, int]]  # measured, by location (device, host, nvme)
+    loss_scale: float | None  # the next step's; None without loss scaling
+    dynamic_loss_scale: bool  # whether the scale adapts to overflows
+    steps: int  # optimizer steps applied
+    skipped_steps: int  # optimizer steps skipped for a non-finite gradient
+
+    @property
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of the live persistent params, grads and optimizer states on the device."""
+        return self.state_bytes[DEVICE]
