@@ -114,8 +114,13 @@ def partition(
     modules: list[str],
     min_mb: float | None,
 ) -> fx.GraphModule:
-    """Split parameters into FSDP units; tags each parameter placeholder with its unit."""
-    ctx.units = assign_units(ctx.model, ctx.world_size, classes, modules, min_mb)
+    """Split parameters into FSDP units; tags each parameter placeholder with its unit.
+
+    A training step lays its state out before its first program exists (a checkpoint loads into
+    it before the first call), so it hands the units it allocated for in ``ctx.units``: they are
+    built once, here or there, never twice. A compile-only run (inspect, estimate) has none."""
+    if not ctx.units:
+        ctx.units = assign_units(ctx.model, ctx.world_size, classes, modules, min_mb)
     unit_of = {p.fqn: u.name for u in ctx.units for p in u.params}
     for node in placeholders(gm, PARAM):
         tag(node, unit=unit_of[info(node).key])

@@ -44,11 +44,14 @@ def compile_program(
     device: torch.device,
     world_size: int,
     boundary: bool,
+    units: list[Unit] | None = None,
     keep_graphs: bool = False,
 ) -> CompiledProgram:
     """Capture ``model``'s step on ``batch`` and run ``pipeline`` for ``world_size`` ranks;
-    ``boundary``: the program ends with the optimizer step. ``keep_graphs`` keeps a copy of the
-    graph after every pass in its record (for inspection)."""
+    ``boundary``: the program ends with the optimizer step. ``units``: the FSDP units the
+    caller's state is laid out in (the partition pass assigns them when there are none).
+    ``keep_graphs`` keeps a copy of the graph after every pass in its record (for
+    inspection)."""
     start = time.perf_counter()
     gm = capture(model, model_info, loss_fn, batch, device, Casts.of(plan.precision))
     seconds = time.perf_counter() - start
@@ -64,7 +67,7 @@ def compile_program(
     )
     if keep_graphs:
         captured.gm = snapshot(gm)
-    ctx = PassContext(plan, world_size, model_info, boundary=boundary)
+    ctx = PassContext(plan, world_size, model_info, boundary=boundary, units=list(units or []))
     gm, records = run_pipeline(gm, ctx, pipeline, snapshot if keep_graphs else None)
     return CompiledProgram(gm, [captured, *records], ctx.units)
 
