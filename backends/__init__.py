@@ -1,14 +1,57 @@
-"""Backends: turn a scheduled program into a callable. ``eager`` runs it node by node."""
+"""Backends: turn a scheduled program into an executable bound to a runtime context.
 
-from collections.abc import Callable
-from typing import Any
+A backend is ``compile(program, example_inputs, ctx) -> Executable``: ``program`` is the
+scheduled ``fx.GraphModule`` (zerocc's ops in it have schemas and fake implementations only,
+:mod:`zerocc.ir.ops`), ``example_inputs`` the fake values of its placeholders, ``ctx`` the
+:class:`~zerocc.runtime.context.RuntimeContext` (process group, copy engine, kernel set,
+device). The executable owns its runtime state (what is in flight); interpreting its ``gm``
+node by node runs the same computation (profiling, calibration and dumps do). ``eager`` is the
+reference; another backend registers itself with :func:`register_backend` and is chosen by a
+plan's ``backend.name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from torch import fx
 from zerocc.backends import eager
 
-BACKENDS: dict[str, Callable[[fx.GraphModule], Callable[..., Any]]] = {"eager": eager.compile}
+from zerocc.errors import PlanError
+from zerocc.runtime.context import RuntimeContext
 
 
-def get_backend(name: str) -> Callable[[fx.GraphModule], Callable[..., Any]]:
-    """The compile function of backend ``name``."""
+class Executable(Protocol):
+    """A program bound to a runtime context."""
+
+    gm: fx.GraphModule  # what runs; interpretable node by node, nodes tagged as the program's
+
+    def __call__(self, *args: Any) -> Any: ...
+
+    def in_flight(self) -> int:
+        """Collectives and copies issued and not yet waited on."""
+        ...
+
+    def reset(self) -> None:
+        """Forget what a failed run left in flight."""
+        ...
+
+
+Backend = Callable[[fx.GraphModule, Sequence[Any], RuntimeContext], Executable]
+BACKENDS: dict[str, Backend] = {"eager": eager.compile}
+
+
+def register_backend(name: str, backend: Backend) -> None:
+    """Make ``backend`` the one a plan's ``backend.name: <name>`` runs on."""
+    BACKENDS[name] = backend
+
+
+def get_backend(name: str) -> Backend:
+    """The backend a plan names; a PlanError listing the registered ones for any other."""
+    if name not in BACKENDS:
+        raise PlanError(
+            f"backend.name: {name!r} is not a registered backend; registered: "
+            f"{', '.join(sorted(BACKENDS))}"
+        )
     return BACKENDS[name]

@@ -290,16 +290,21 @@ def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypa
     """Only a step that computes on a GPU moves host updates to the torch kernels and pins host
     buffers; a CPU rank on a machine with a GPU does neither (pinning would give it a CUDA
     context, and its `kernels: triton` would silently run the torch ones)."""
-    from zerocc.backends.eager.ops import _kernels_for, use_kernels
+    from zerocc.backends.eager.ops import EagerOps
     from zerocc.backends.kernels import kernel_set
 
-    from zerocc.runtime.transfers import Transfers, new_on, use_transfers
+    from zerocc.runtime.comm import SoloComm
+    from zerocc.runtime.context import RuntimeContext
+    from zerocc.runtime.transfers import Transfers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     host = torch.zeros(4)
-    with use_kernels("triton", torch.device("cpu")):
-        assert _kernels_for(host) is kernel_set("triton")
-    with use_kernels("triton", torch.device("cuda", 0)):
-        assert _kernels_for(host) is kernel_set("torch")
-    with use_transfers(Transfers(device=torch.device("cpu"))):
-        assert not new_on(torch.device("cpu"), (4,), torch.float32, host).is_pinned()
+
+    def ops_on(device: torch.device) -> EagerOps:
+        engine = Transfers(device=device)
+        return EagerOps(RuntimeContext(SoloComm(), engine, kernel_set("triton"), device))
+
+    assert ops_on(torch.device("cpu")).kernels_for(host) is kernel_set("triton")
+    assert ops_on(torch.device("cuda", 0)).kernels_for(host) is kernel_set("torch")
+    cpu_engine = ops_on(torch.device("cpu")).ctx.transfers
+    assert not cpu_engine.empty(torch.device("cpu"), (4,), torch.float32, host).is_pinned()

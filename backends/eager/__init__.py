@@ -1,20 +1,25 @@
 """The eager backend: the reference that runs everywhere.
 
-The program runs op by op as fx's generated Python, which drops each intermediate after its last
-use; zerocc's ops do the rest (collectives on the active comm, gathered buffers released at
-``free``).
+:func:`compile` binds a scheduled program to a runtime context (:class:`EagerExecutable`): the
+program runs op by op as fx's generated Python, which drops each intermediate after its last
+use; zerocc's ops run on the context's comm, copy engine and kernels
+(:mod:`zerocc.backends.eager.ops`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-import zerocc.backends.eager.ops  # noqa: F401  (registers the eager implementations)
 from torch import fx
+from zerocc.backends.eager.executable import EagerExecutable
+
+from zerocc.runtime.context import RuntimeContext
 
 
-def compile(gm: fx.GraphModule) -> Callable[..., Any]:
-    """A callable that runs ``gm`` eagerly; arguments are the program's placeholders in order."""
-    gm.recompile()
-    return gm
+def compile(
+    program: fx.GraphModule, example_inputs: Sequence[Any], ctx: RuntimeContext
+) -> EagerExecutable:
+    """An executable that runs ``program`` eagerly on ``ctx``; it is called with the program's
+    placeholders in order (``example_inputs``: their fake values; eager needs none)."""
+    return EagerExecutable(program, ctx)

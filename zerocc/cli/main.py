@@ -97,12 +97,14 @@ def _plan_check(args: argparse.Namespace) -> int:
 
 def _checked_plan(path: str) -> Plan:
     """The plan, loaded and checked where it can be before any model is built: its `passes`
-    against the passes' contracts, and on this machine an NVMe offload folder must exist and
-    take files."""
+    against the passes' contracts, its backend among the registered ones, and on this machine
+    an NVMe offload folder must exist and take files."""
+    from zerocc.backends import get_backend
     from zerocc.compiler.pass_manager import check_passes
 
     plan = load_plan(path)
     check_passes(plan)
+    get_backend(plan.backend.name)
     if plan.offload.uses_nvme:
         from zerocc.runtime.nvme import check_folder
 

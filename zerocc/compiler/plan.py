@@ -410,8 +410,10 @@ class PrecisionConfig(_Section):
 class BackendConfig(_Section):
     """Which backend runs the scheduled graph, and on which device."""
 
-    name: Literal["eager"] = Field(
-        "eager", description="how the scheduled graph runs; eager interprets it node by node"
+    name: str = Field(
+        "eager",
+        description="the backend that runs the scheduled graph: eager (the reference, op by op) "
+        "or one registered with zerocc.backends.register_backend",
     )
     kernels: Literal["torch", "triton"] = Field(
         "torch",

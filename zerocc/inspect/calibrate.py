@@ -31,6 +31,7 @@ the median step and the simulator's prediction of it with the fitted rates) with
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import statistics
@@ -54,11 +55,12 @@ from zerocc.cost.model import (
     node_work,
     ring_hops,
 )
-from zerocc.runtime.comm import Comm, Work, active_comm, use_comm
+from zerocc.runtime.comm import Comm, Work
 from zerocc.runtime.measure import ProfiledRun
 from zerocc.runtime.rank import to_device
 
 if TYPE_CHECKING:
+    from zerocc.backends import Executable
     from zerocc.runtime.step import StepRunner as TrainStep
 
 MESSAGE_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)  # per rank
@@ -426,40 +428,47 @@ class _SerialComm(Comm):
 
 
 class EagerRun(ProfiledRun):
-    """The program run as the eager backend runs it (its generated code, not op by op), each
-    collective finished when issued: ``seconds`` is its compute plus its collectives in turn,
-    ``collectives`` their times. Records no events."""
+    """The program run as the backend's executable runs it (its generated code, not op by op),
+    on a comm whose collectives finish when issued (:class:`_SerialComm`, filling
+    ``collectives``): ``seconds`` is its compute plus its collectives in turn. Records no
+    events."""
 
-    def __init__(self, gm: fx.GraphModule, rank: int, model_states: dict[str, int]) -> None:
-        super().__init__(gm, rank, model_states)
-        self.collectives: list[dict[str, Any]] = []
+    def __init__(
+        self,
+        executable: Executable,
+        rank: int,
+        model_states: dict[str, int],
+        collectives: list[dict[str, Any]],
+    ) -> None:
+        super().__init__(executable, rank, model_states)
+        self.collectives = collectives
         self.seconds = 0.0
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        with use_comm(_SerialComm(active_comm(), device, self.collectives)):
-            _synchronize(device)
-            start = time.perf_counter()
-            result = self.module(*args)
-            _synchronize(device)
-            self.seconds = time.perf_counter() - start
+        _synchronize(device)
+        start = time.perf_counter()
+        result = self.executable(*args)
+        _synchronize(device)
+        self.seconds = time.perf_counter() - start
         return result
 
 
 class CalibrationRun(ProfiledRun):
-    """A profiled run for fitting: each collective completes (timed, in ``collectives``) when
-    it is issued, so no op shares the machine with a transfer; on a GPU the compute stream is
-    synchronized after every op, so an op's time is its kernels', not their launch's."""
+    """A profiled run for fitting, on a comm whose collectives complete (timed, in
+    ``collectives``) when issued (:class:`_SerialComm`), so no op shares the machine with a
+    transfer; on a GPU the compute stream is synchronized after every op, so an op's time is
+    its kernels', not their launch's."""
 
-    def __init__(self, gm: fx.GraphModule, rank: int, model_states: dict[str, int]) -> None:
-        super().__init__(gm, rank, model_states)
-        self.collectives: list[dict[str, Any]] = []
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        comm = active_comm()
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        with use_comm(_SerialComm(comm, device or torch.device("cpu"), self.collectives)):
-            return super().run(*args, **kwargs)
+    def __init__(
+        self,
+        executable: Executable,
+        rank: int,
+        model_states: dict[str, int],
+        collectives: list[dict[str, Any]],
+    ) -> None:
+        super().__init__(executable, rank, model_states)
+        self.collectives = collectives
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         result = super().call_function(target, args, kwargs)
@@ -490,12 +499,15 @@ def calibrate(
     plan, comm, device = step.plan, step.comm, step.device
     k = plan.grad_accumulation
 
-    def one_step(recorder: type[ProfiledRun] | None = None) -> list[Any]:
+    def one_step(recorder: type[EagerRun | CalibrationRun] | None = None) -> list[Any]:
         recorders = []
         for _ in range(k):
             batch = to_device(next(batches), device)
             if recorder is not None:
-                recorders.append(step.profile(*batch, recorder=recorder)[1])
+                timed: list[dict[str, Any]] = []  # each collective of the run, alone
+                make = functools.partial(recorder, collectives=timed)
+                serial = _SerialComm(comm, device, timed)
+                recorders.append(step.profile(*batch, recorder=make, comm=serial)[1])
             else:
                 float(step(*batch))
         _synchronize(device)

@@ -119,7 +119,9 @@ def alias_closure(root: fx.Node) -> list[fx.Node]:
 
 
 def op_name(target: Any) -> str:
-    """Short readable name of a call target: ``aten.mm``, ``zerocc.all_gather_start``."""
+    """Short readable name of a call target: ``aten.mm``, ``zerocc.all_gather_start``. A
+    backend's function standing in for an op (``__wrapped__``) is named after the op."""
+    target = getattr(target, "__wrapped__", target)
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace
         name = target._schema.name.split("::")[-1]

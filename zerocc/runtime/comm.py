@@ -1,7 +1,8 @@
 """Communication: the process group a program runs against, and what its collectives moved.
 
-The graph's collective ops (``zerocc.all_gather_start`` and friends, see :mod:`zerocc.ir.ops`) call
-into the *active* :class:`Comm`, set by the runtime around each program run. Three kinds:
+The graph's collective ops (``zerocc.all_gather_start`` and friends, see :mod:`zerocc.ir.ops`) run
+on the :class:`Comm` of the runtime context an executable was compiled with
+(:mod:`zerocc.runtime.context`). Three kinds:
 
 - :class:`TorchComm`: ``torch.distributed``: on CPU (gloo) async work handles; on CUDA (NCCL)
   a dedicated communication stream, ordered against the compute stream by events. zerocc runs
@@ -338,26 +339,6 @@ class FakeComm(Comm):
     def _all_reduce(self, tensor: torch.Tensor) -> Work:
         tensor.mul_(self.world_size)
         return Work()
-
-
-_ACTIVE: list[Comm] = []
-
-
-@contextlib.contextmanager
-def use_comm(comm: Comm) -> Iterator[Comm]:
-    """Make ``comm`` the group the graph's collective ops run on, for the ``with`` body."""
-    _ACTIVE.append(comm)
-    try:
-        yield comm
-    finally:
-        _ACTIVE.pop()
-
-
-def active_comm() -> Comm:
-    """The comm set by :func:`use_comm`; a graph run outside one is an error, not a hang."""
-    if not _ACTIVE:
-        raise RuntimeError("a zerocc collective ran outside of a TrainStep (no active comm)")
-    return _ACTIVE[-1]
 
 
 def comm_from_environment(timeout_s: float, device: torch.device) -> Comm:

@@ -14,22 +14,27 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import fx
 
 from zerocc.cost.memory import node_label, tensors_in, transient_category
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
 from zerocc.ir.nodes import info, op_name
 
+if TYPE_CHECKING:
+    from zerocc.backends import Executable
+
 
 class ProfiledRun(fx.Interpreter):
-    """Run ``gm`` once, recording :class:`TraceEvent` s and a measured :class:`MemoryTimeline`
-    (``model_states``: the bytes of the persistent state, added to every point)."""
+    """Run a backend's ``executable`` once, node by node, recording :class:`TraceEvent` s and
+    a measured :class:`MemoryTimeline` (``model_states``: the bytes of the persistent state,
+    added to every point)."""
 
-    def __init__(self, gm: fx.GraphModule, rank: int, model_states: dict[str, int]) -> None:
-        super().__init__(gm, garbage_collect_values=True)
+    def __init__(self, executable: Executable, rank: int, model_states: dict[str, int]) -> None:
+        super().__init__(executable.gm, garbage_collect_values=True)
+        self.executable = executable
         self.rank = rank
         self.model_states = model_states
         self.events: list[TraceEvent] = []
@@ -98,9 +103,5 @@ class ProfiledRun(fx.Interpreter):
             )
 
 
-def profile_run(
-    gm: fx.GraphModule, args: list[torch.Tensor | Any], rank: int, model_states: dict[str, int]
-) -> tuple[Any, ProfiledRun]:
-    """Run ``gm(*args)`` under :class:`ProfiledRun`; returns its result and the recorder."""
-    run = ProfiledRun(gm, rank, model_states)
-    return run.run(*args), run
+# What StepRunner.profile makes a recorder with: (executable, rank, model-state bytes).
+RecorderFactory = Callable[["Executable", int, dict[str, int]], ProfiledRun]

@@ -15,15 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from zerocc.backends import get_backend
-from zerocc.backends.eager.ops import forget_pending, pending_collectives, use_kernels
-from zerocc.backends.kernels import check_kernels
+from zerocc.backends import Executable, get_backend
+from zerocc.backends.kernels import check_kernels, kernel_set
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
 from zerocc.compiler.materialize import is_meta, release_to_meta
 from zerocc.compiler.pass_manager import PassRecord, build_pipeline
@@ -65,7 +64,8 @@ from zerocc.runtime.agreement import (
     first_difference,
     views_if_they_differ,
 )
-from zerocc.runtime.comm import Comm, use_comm
+from zerocc.runtime.comm import Comm
+from zerocc.runtime.context import RuntimeContext
 from zerocc.runtime.failures import (
     describe_node,
     failing_node,
@@ -74,13 +74,13 @@ from zerocc.runtime.failures import (
     signature_difference,
 )
 from zerocc.runtime.loss_scale import LossScaler
-from zerocc.runtime.measure import ProfiledRun
+from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states, check_step_memory
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.nvme import NvmeStore
 from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_memory import state_bytes_by_location
-from zerocc.runtime.transfers import Transfers, use_transfers
+from zerocc.runtime.transfers import Transfers
 
 
 @dataclass
@@ -90,7 +90,8 @@ class Program:
     gm: fx.GraphModule
     records: list[PassRecord]
     bindings: list[tuple[str, str]]  # (role, key) per placeholder, in order
-    run: Any
+    example_inputs: list[Any]  # the placeholders' fake values
+    run: Executable  # bound to the step's runtime context
     digest: str
     returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
     agrees_at_first_collective: bool  # the batch agreement may be settled that late
@@ -131,6 +132,8 @@ class StepRunner:
         self.nvme_specs = [s for s in state_specs(self.units, plan) if s.location == NVME]
         self.store = open_store(plan, comm.rank, self.nvme_specs)
         self.transfers = Transfers(self.store, device)
+        kernels = kernel_set(plan.backend.kernels)
+        self.context = RuntimeContext(comm, self.transfers, kernels, device)
         if plan.offload.optimizer != "none" and device.type == "cuda":
             torch.set_num_threads(host_update_threads())
         if plan.backend.check_memory:  # before anything is allocated: the states fit
@@ -166,16 +169,20 @@ class StepRunner:
         return self._step(batch)
 
     def profile(
-        self, *batch: Any, recorder: type[ProfiledRun] = ProfiledRun
+        self, *batch: Any, recorder: RecorderFactory = ProfiledRun, comm: Comm | None = None
     ) -> tuple[torch.Tensor, ProfiledRun]:
         """Run one micro-batch as :meth:`__call__` does, op by op, timing every op and
-        measuring live tensor memory (see :class:`zerocc.runtime.measure.ProfiledRun`);
-        ``recorder``: the ProfiledRun (sub)class that runs it (``zerocc.inspect.calibrate`` has its
-        own)."""
+        measuring live tensor memory (see :class:`zerocc.runtime.measure.ProfiledRun`): the
+        program is compiled by the plan's backend and its executable interpreted.
+        ``recorder`` makes the ProfiledRun (subclass) that runs it (``zerocc.inspect.calibrate``
+        has its own); ``comm``: the process group its collectives run on (default: the
+        step's; calibration times each collective alone on a wrapper of it)."""
         recorders: list[ProfiledRun] = []
+        context = replace(self.context, comm=comm) if comm is not None else self.context
 
         def run(program: Program, args: list[Any]) -> Any:
-            recorders.append(recorder(program.gm, self.comm.rank, self.model_state_bytes()))
+            executable = self.backend(program.gm, program.example_inputs, context)
+            recorders.append(recorder(executable, self.comm.rank, self.model_state_bytes()))
             return recorders[-1].run(*args)
 
         loss = self._step(batch, run)
@@ -205,15 +212,12 @@ class StepRunner:
         try:
             with (
                 traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
-                use_comm(self.comm),
-                use_transfers(self.transfers),
-                use_kernels(self.plan.backend.kernels, self.device),
                 self.comm.checked_before_first_collective(late),
             ):
                 args = detach_inputs(args)  # so that grad mode records no autograd graph
                 loss = run(program, args) if run else program.run(*args)
         except BaseException as exc:
-            forget_pending()
+            program.run.reset()
             if exc is agreement.error:  # the ranks disagree: stopped before anything was written
                 if boundary and STEP_SPEC.key in self.state:
                     self.state[STEP_SPEC.key].fill_(self.steps)
@@ -229,7 +233,7 @@ class StepRunner:
             self._settle(agreement)
         if first_run:
             self.programs[key] = program
-        if pending_collectives():
+        if program.run.in_flight():
             raise RuntimeError("a program finished with collectives still in flight")
         self.micro_batches += 1
         self._last_program = program
@@ -441,8 +445,16 @@ class StepRunner:
                 self.device,
                 lambda plan: self._compile(batch, boundary, plan).gm,  # for the error's changes
             )
+        example_inputs = [val(n) for n in placeholders(gm)]
         return Program(
-            gm, records, bindings, self.backend(gm), program_digest, found_inf, late_agreement
+            gm,
+            records,
+            bindings,
+            example_inputs,
+            self.backend(gm, example_inputs, self.context),
+            program_digest,
+            found_inf,
+            late_agreement,
         )
 
     # -- state ------------------------------------------------------------------------------

@@ -4,8 +4,7 @@ The offload pass moves state with four start/wait ops (``copy_start``, ``copy_in
 ``nvme_read_start``, ``nvme_write_start``: schemas in :mod:`zerocc.ir.ops`); their ``direction``
 names the traffic for :class:`TransferStats`.
 
-The active :class:`Transfers` engine (set by the runtime around a program run) runs them
-(the eager backend's implementations call it). On a
+A :class:`Transfers` engine runs them, one per rank's step (a backend's executable calls it). On a
 GPU, copies run on one copy stream per device, ordered after the compute stream's work so far;
 waiting on a copy to the host blocks the host (the CPU reads the result next: the host
 optimizer update), waiting on a copy to the device makes the compute stream wait on an event.
@@ -15,9 +14,7 @@ to overlap) and only NVMe I/O runs in the background, on the store's threads.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,36 +116,15 @@ class Transfers:
             raise RuntimeError("a program reads NVMe state, but no NVMe store is active")
         return self.store
 
+    def empty(
+        self, device: torch.device, shape: Any, dtype: torch.dtype, like: torch.Tensor
+    ) -> torch.Tensor:
+        """An empty tensor for a transfer's result: host memory is pinned when a GPU takes part
+        (not merely when the machine has one: a CPU rank would make a CUDA context for it)."""
+        pinned = device.type == "cpu" and (like.is_cuda or self.device.type == "cuda")
+        return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pinned)
+
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
-
-
-_active: list[Transfers] = []
-
-
-@contextlib.contextmanager
-def use_transfers(engine: Transfers) -> Iterator[Transfers]:
-    """Run the transfer ops of the body with ``engine``."""
-    _active.append(engine)
-    try:
-        yield engine
-    finally:
-        _active.pop()
-
-
-def active_transfers() -> Transfers:
-    """The engine set by :func:`use_transfers`; an inline one without NVMe outside of it."""
-    if not _active:
-        _active.append(Transfers())  # the bottom of the stack: stays for later calls
-    return _active[-1]
-
-
-def new_on(
-    device: torch.device, shape: Any, dtype: torch.dtype, like: torch.Tensor
-) -> torch.Tensor:
-    """An empty tensor for a transfer's result: host memory is pinned when a GPU takes part
-    (not merely when the machine has one: a CPU rank would make a CUDA context for it)."""
-    pinned = device.type == "cpu" and (like.is_cuda or active_transfers().device.type == "cuda")
-    return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pinned)
