@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from torch import fx
-from zerocc.backends import eager
 
+from zerocc.backends import eager
 from zerocc.errors import PlanError
 from zerocc.runtime.context import RuntimeContext
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import triton
+
 from zerocc.backends.kernels import reference, triton_kernels
 
 DEVICE = "cuda"

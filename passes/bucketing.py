@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from zerocc.ir.fake_values import propagate_fake_values
 from zerocc.ir.nodes import (
     GATHERED,
     emit,
     emit_collective,
     info,
     op_name,
-    propagate_fake_values,
     tag,
     val,
 )

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from zerocc.passes.param_uses import ParamUses
 
 from zerocc.compiler.pass_spec import PassContext
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
 from zerocc.ir.ops import DP_GROUP, op
+from zerocc.passes.param_uses import ParamUses
 
 aten = torch.ops.aten
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from zerocc.passes.bucketing import bucket_collectives
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.nodes import GRAD, info, op_name, val
 from zerocc.ir.ops import op
+from zerocc.passes.bucketing import bucket_collectives
 
 aten = torch.ops.aten
 MB = 2**20

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from zerocc.passes.param_uses import analyze
 
 import zerocc.ir.rng  # noqa: F401  (registers the RNG ops the copies use)
 from zerocc.compiler.pass_spec import PassContext, register_pass
@@ -41,6 +40,7 @@ from zerocc.errors import PlanError
 from zerocc.ir.access import StorageRoots, written_arguments
 from zerocc.ir.nodes import copy_node, emit, info, op_name, tag, val
 from zerocc.ir.rng import RNG_STATE, SET_RNG_STATE, argument, is_random
+from zerocc.passes.param_uses import analyze
 
 aten = torch.ops.aten
 ROOT_NAME = "root"  # the root unit, left out of "all": its forward ends where backward begins

@@ -37,8 +37,6 @@ import fnmatch
 
 import torch
 from torch import fx
-from zerocc.passes.gradients import Gradients, flat_view, unit_collective
-from zerocc.passes.param_uses import ParamUses, analyze
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
@@ -55,6 +53,8 @@ from zerocc.ir.nodes import (
     tag,
 )
 from zerocc.ir.ops import DP_GROUP, op
+from zerocc.passes.gradients import Gradients, flat_view, unit_collective
+from zerocc.passes.param_uses import ParamUses, analyze
 
 aten = torch.ops.aten
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from zerocc.backends.kernels import triton_problem
 
 TRITON_PROBLEM = triton_problem()

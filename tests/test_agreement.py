@@ -77,18 +77,26 @@ def test_a_program_that_writes_before_its_first_collective_agrees_before_it_runs
 def _where_settled(rank: int, world: int, stage: int) -> list[tuple[bool, int]]:
     """For each call: whether the agreement was settled while the program ran, and how many
     collectives the program had issued by then."""
-    from zerocc.runtime import comm as comm_module
+    from zerocc.backends.eager.executable import EagerExecutable
     from zerocc.train_step import TrainStep
 
     step = zerocc.compile(build("gpt"), _plan(stage))
     seen: list[tuple[bool, int]] = []
-    settle = TrainStep._settle
+    settle, run = TrainStep._settle, EagerExecutable.__call__
+    running = [False]
 
     def recording(self, agreement):
-        seen.append((bool(comm_module._ACTIVE), sum(self.comm.stats.calls.values())))
+        seen.append((running[0], sum(self.comm.stats.calls.values())))
         return settle(self, agreement)
 
-    TrainStep._settle = recording
+    def tracked(self, *args):
+        running[0] = True
+        try:
+            return run(self, *args)
+        finally:
+            running[0] = False
+
+    TrainStep._settle, EagerExecutable.__call__ = recording, tracked
     for i in range(3):
         step(*batch_of(GPT, i, rank))
     return seen

@@ -14,7 +14,6 @@ from model import GPT, GPTConfig
 from models import build
 from multirank import run_ranks
 from parity import batch_of
-from zerocc.passes.partition import assign_units
 
 import zerocc
 import zerocc.runtime.step as step_module
@@ -25,6 +24,7 @@ from zerocc.compiler.plan_changes import NVME_PATH_HINT
 from zerocc.compiler.program import compile_program
 from zerocc.errors import InsufficientMemoryError
 from zerocc.ir.printing import human_bytes
+from zerocc.passes.partition import assign_units
 from zerocc.runtime import machine_memory, memory_check
 from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL
 

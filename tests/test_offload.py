@@ -292,7 +292,6 @@ def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypa
     context, and its `kernels: triton` would silently run the torch ones)."""
     from zerocc.backends.eager.ops import EagerOps
     from zerocc.backends.kernels import kernel_set
-
     from zerocc.runtime.comm import SoloComm
     from zerocc.runtime.context import RuntimeContext
     from zerocc.runtime.transfers import Transfers

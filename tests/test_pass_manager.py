@@ -120,3 +120,52 @@ def test_the_order_in_messages_is_the_one_the_contracts_allow():
     order = ORDER.split(", ")
     assert sorted(order) == sorted(PASSES)
     check_order([PASSES[name] for name in order])  # every pass, in that order: allowed
+
+
+def _metadata(gm: torch.fx.GraphModule) -> dict[str, list[tuple]]:
+    """Shape, stride, dtype and device of every tensor of every node's fake value."""
+    from zerocc.ir.fake_values import _tensors
+
+    return {
+        n.name: [(tuple(t.shape), t.stride(), t.dtype, t.device) for t in _tensors(n.meta["val"])]
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    }
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        "zero0.yaml",
+        "zero1.yaml",
+        "zero2.yaml",
+        "zero3.yaml",
+        "zero3-bf16.yaml",
+        "zero3-offload.yaml",
+        {"zero": {"stage": 3}, "units": {"classes": ["Block"]}, "overlap": {"bucket_mb": 1}},
+        {"zero": {"stage": 2}, "precision": {"param": "fp16"}, "grad_accumulation": 2},
+    ],
+    ids=str,
+)
+def test_values_propagated_after_each_pass_are_those_of_a_full_propagation(plan):
+    """Each pass re-runs on fake tensors only the nodes it changed and what depends on them
+    (zerocc.ir.fake_values): the result must be what running every node again gives, the
+    values (shapes, strides, dtypes, devices) and the memory the liveness analysis predicts
+    from their storages."""
+    from pathlib import Path
+
+    from zerocc.cost.memory import predict_memory
+    from zerocc.inspect.estimate import inspect_plan
+    from zerocc.ir.fake_values import propagate_all_fake_values
+
+    examples = Path(__file__).parent.parent / "examples" / "gpt"
+    if isinstance(plan, str):
+        plan = zerocc.load_plan(examples / plan)
+    else:
+        plan = zerocc.load_plan({"workload": "workload:workload", **plan})
+    for compiled in inspect_plan(plan, 2).programs.values():
+        gm = compiled.gm
+        incremental, peak = _metadata(gm), predict_memory(gm, {}).peak()
+        propagate_all_fake_values(gm)
+        assert _metadata(gm) == incremental
+        assert predict_memory(gm, {}).peak() == peak

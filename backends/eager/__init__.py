@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import fx
-from zerocc.backends.eager.executable import EagerExecutable
 
+from zerocc.backends.eager.executable import EagerExecutable
 from zerocc.runtime.context import RuntimeContext
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from torch import fx
-from zerocc.backends.eager.ops import EagerOps
 
+from zerocc.backends.eager.ops import EagerOps
 from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
 from zerocc.runtime.context import RuntimeContext
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from types import ModuleType
 
 import torch
-from zerocc.backends.kernels import kernel_set
 
+from zerocc.backends.kernels import kernel_set
 from zerocc.runtime.comm import Work
 from zerocc.runtime.context import RuntimeContext
 

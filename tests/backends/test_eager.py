@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zerocc.backends.eager.ops
 from torch import nn
+
+import zerocc
+import zerocc.backends.eager.ops
+import zerocc.runtime.comm
+import zerocc.runtime.transfers
 from zerocc.backends import BACKENDS, eager, register_backend
 from zerocc.backends.eager.executable import bind
 from zerocc.backends.eager.ops import EagerOps
 from zerocc.backends.kernels import kernel_set
-
-import zerocc
-import zerocc.runtime.comm
-import zerocc.runtime.transfers
 from zerocc.ir.nodes import op_name
 from zerocc.runtime.comm import FakeComm
 from zerocc.runtime.context import RuntimeContext

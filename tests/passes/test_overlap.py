@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from models import tiny_gpt
 from parity import batch_of
-from zerocc.passes.overlap import inflight_peak
 
 import zerocc
 from zerocc.compiler.workload import Workload
 from zerocc.errors import PassOrderError, PlanError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import info, op_name
+from zerocc.passes.overlap import inflight_peak
 
 MB = 2**20
 

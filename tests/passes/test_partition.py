@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from models import build, tiny_gpt
-from zerocc.passes.partition import assign_units
 
 from zerocc.compiler.capture import describe_model
+from zerocc.passes.partition import assign_units
 
 
 def units_of(model, world=2, classes=(), modules=(), min_mb=None):

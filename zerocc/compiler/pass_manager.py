@@ -24,7 +24,8 @@ from zerocc.compiler.pass_spec import PASSES, PassContext, PassSpec
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan_messages import invalid_plan, plan_origin
 from zerocc.errors import PassOrderError
-from zerocc.ir.nodes import count_ops, propagate_fake_values
+from zerocc.ir.fake_values import propagate_fake_values
+from zerocc.ir.nodes import count_ops
 
 CAPTURE_PROVIDES = frozenset({"joint_graph"})
 # What a compiled training step needs its pipeline to produce: units (its state is laid out per
@@ -185,13 +186,13 @@ def run_pipeline(
 
     records = []
     verify = verify_enabled()
+    propagate_fake_values(gm)  # records what each captured value was computed from
     for spec, fn in zip(pipeline.specs, pipeline.bound, strict=True):
         before = count_ops(gm.graph.nodes)
         n_before = len(gm.graph.nodes)
         start = time.perf_counter()
         gm = fn(gm, ctx)
-        if count_ops(gm.graph.nodes) != before or len(gm.graph.nodes) != n_before:
-            propagate_fake_values(gm)
+        propagate_fake_values(gm)  # only what the pass changed, and what depends on it
         seconds = time.perf_counter() - start
         if verify:
             verify_program(gm, after=spec.name)

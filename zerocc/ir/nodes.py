@@ -206,12 +206,3 @@ def state_placeholder(graph: fx.Graph, spec: StateLike, like: torch.Tensor) -> f
     with like.fake_mode:
         node.meta["val"] = torch.empty(spec.shape, dtype=spec.dtype, device=like.device)
     return tag(node, role=spec.role, key=spec.key, unit=spec.unit)
-
-
-def propagate_fake_values(gm: fx.GraphModule) -> None:
-    """Recompute ``meta["val"]`` of every node from the placeholders' fake values."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = next(v.fake_mode for v in inputs if isinstance(v, torch.Tensor))
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)

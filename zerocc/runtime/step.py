@@ -295,7 +295,7 @@ class StepRunner:
         leaves the step as before the micro-batch's accumulation window began: gradient
         accumulators zeroed, that window's micro-batches dropped; a new program that failed on
         its first run (``new_signature``) is not kept."""
-        node = failing_node(program.gm, exc.__traceback__)
+        node = failing_node(program.run.gm, exc.__traceback__)  # (named as the program's)
         step = self._step_number()
         if self.comm.failure is not None:
             return self._peer_failure(exc, describe_node(node))

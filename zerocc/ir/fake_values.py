@@ -1,0 +1,122 @@
+"""Fake values of a program's nodes (``meta["val"]``), kept current as passes rewrite it.
+
+A pass adds nodes without values, rewires existing ones, or retypes a placeholder; everything
+downstream of such a change needs its value again, and nothing else does. Each node records
+what its value was computed from: its target, the versions of its inputs' values and its
+literal arguments. :func:`propagate_fake_values` runs on fake tensors exactly the nodes with no
+value or whose record no longer matches, in program order, so a value that changes makes its
+users run again. Re-running every node after every pass was ~70% of compile time on a 7B model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.node import map_aggregate, map_arg
+
+_VERSION = "zerocc_val_version"  # (the value it versions, its version)
+_SOURCE = "zerocc_val_source"  # what the node's value was computed from
+_versions = itertools.count()
+
+
+def propagate_fake_values(gm: fx.GraphModule) -> int:
+    """Give every ``call_function`` node of ``gm`` a fake value computed from its current
+    inputs, running only those whose value is missing or stale; returns how many ran. A node
+    that has a value and no record yet (just captured, or made by a pass with its value) is
+    taken as current."""
+    mode = _fake_mode(gm)
+    ran = 0
+    owned: set[int] = set()  # the value tensors seen so far: a node's value is its own
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            source = _source(node)
+            # A node copied with its meta (recompute's forward copies) holds its original's
+            # value object: it needs one of its own, in storage of its own.
+            copied = _claim(node.meta.get("val"), owned)
+            if not copied and "val" in node.meta:
+                if node.meta.setdefault(_SOURCE, source) == source:
+                    continue
+            value = _run(node)
+            if copied or not _same_fresh_value(node.meta.get("val"), value, node):
+                node.meta["val"] = value
+                _claim(value, owned)
+            node.meta[_SOURCE] = source
+            ran += 1
+    return ran
+
+
+def _claim(value: Any, owned: set[int]) -> bool:
+    """Record ``value``'s tensors as a node's own; whether another node's held one already."""
+    ids = [id(t) for t in _tensors(value)]
+    taken = any(i in owned for i in ids)
+    owned.update(ids)
+    return taken
+
+
+def propagate_all_fake_values(gm: fx.GraphModule) -> None:
+    """Recompute ``meta["val"]`` of every node from the placeholders' fake values (what
+    :func:`propagate_fake_values` must agree with; the tests hold one to the other)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, _fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
+    for node in gm.graph.nodes:
+        node.meta.pop(_SOURCE, None)
+
+
+def _fake_mode(gm: fx.GraphModule) -> Any:
+    inputs = (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")
+    return next(v.fake_mode for v in inputs if isinstance(v, torch.Tensor))
+
+
+def _version(node: fx.Node) -> int:
+    """A number that changes whenever ``node``'s value is replaced (by propagation or by a
+    pass that sets it, as a placeholder's retyping does)."""
+    value = node.meta.get("val")
+    tagged = node.meta.get(_VERSION)
+    if tagged is None or tagged[0] is not value:
+        tagged = node.meta[_VERSION] = (value, next(_versions))
+    return tagged[1]
+
+
+def _source(node: fx.Node) -> tuple:
+    inputs = tuple(_version(n) for n in node.all_input_nodes)
+    literals = repr(map_arg((node.args, node.kwargs), lambda n: n.name))
+    return (node.target, inputs, literals)
+
+
+def _same_fresh_value(old: Any, new: Any, node: fx.Node) -> bool:
+    """Whether ``new`` may be dropped for ``old``: the same shapes, strides, dtypes and
+    devices, in storage of its own (no view or in-place result of an input, whose storage must
+    be the input's for the liveness analysis). Keeping ``old`` keeps its version, so the
+    node's users need not run again: a change stops spreading where values stop changing."""
+    olds, news = _tensors(old), _tensors(new)
+    if old is None or len(olds) != len(news) or type(old) is not type(new):
+        return False
+    inputs = {
+        t.untyped_storage()._cdata
+        for n in node.all_input_nodes
+        for t in _tensors(n.meta.get("val"))
+    }
+    return all(
+        (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+        and b.untyped_storage()._cdata not in inputs
+        for a, b in zip(olds, news, strict=True)
+    )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def _run(node: fx.Node) -> Any:
+    args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    result = node.target(*args, **kwargs)
+    return map_aggregate(result, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
