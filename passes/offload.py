@@ -343,5 +343,4 @@ def offload(gm: fx.GraphModule, ctx: PassContext, *, config: OffloadConfig) -> f
     offloader.offload_updates()
     offloader.copy_params_in()
     offloader.drop_nvme_placeholders()
-    gm.recompile()
     return gm

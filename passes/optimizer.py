@@ -142,7 +142,6 @@ def optimizer(
                     note="reset the gradient accumulator",
                     **where,
                 )
-    gm.recompile()
     return gm
 
 

@@ -266,5 +266,4 @@ def overlap(
     hoist_gathers(gm, collectives, roots, prefetch, budget)
     sink_waits(gm, collectives, roots, budget)
     gm.graph.lint()
-    gm.recompile()
     return gm

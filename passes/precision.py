@@ -269,5 +269,4 @@ def precision(
     if precision.scaling != "none" and ctx.boundary:
         rewriter.unscale()
     _rescale_collective_bytes(gm, ctx)
-    gm.recompile()
     return gm

@@ -297,5 +297,4 @@ def recompute(gm: fx.GraphModule, ctx: PassContext, *, units: str | list[str]) -
         if run.copied:
             recompute_run(gm, run)
     gm.graph.lint()
-    gm.recompile()
     return gm

@@ -118,7 +118,7 @@ def _around(records: list[PassRecord], name: str) -> tuple[PassRecord, PassRecor
 
 
 def _show(record: PassRecord, fmt: str, unit: str | None) -> str:
-    header = record.program.splitlines()[0].removeprefix("# ")
+    header = record.header
     if fmt == "json":
         return json.dumps(program_to_json(record.gm, header, unit), indent=1)
     if fmt == "dot":

@@ -17,6 +17,7 @@ they are cheapest (before the all-gather, into the reduction).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,10 +80,7 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def owners(self) -> tuple[str, ...]:

@@ -21,7 +21,6 @@ from zerocc.compiler.pass_manager import PassContext, PassRecord, Pipeline, run_
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import count_ops
-from zerocc.ir.printing import format_program
 
 
 @dataclass
@@ -59,7 +58,7 @@ def compile_program(
     captured = PassRecord(
         "capture",
         seconds,
-        format_program(gm, f"Captured by make_fx (took {seconds * 1e3:.1f} ms)"),
+        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)",
         0,
         n,
         count_ops(gm.graph.nodes),

@@ -16,6 +16,7 @@ writes its output, so :func:`collective_access` charges both to the pair.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -82,10 +83,16 @@ def _schema_arguments(node: fx.Node) -> list[tuple[torch._C.Argument, object]]:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return []
-    schema = target._schema.arguments
+    schema = _arguments_of(target)
     pairs = list(zip(schema, node.args, strict=False))
     pairs += [(a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs]
     return pairs
+
+
+@functools.cache
+def _arguments_of(op: torch._ops.OpOverload) -> tuple[torch._C.Argument, ...]:
+    """An op's schema arguments (torch builds the list anew on every read)."""
+    return tuple(op._schema.arguments)
 
 
 def _nodes_in(value: object) -> list[fx.Node]:

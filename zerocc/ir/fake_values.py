@@ -117,6 +117,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _run(node: fx.Node) -> Any:
+    """``node`` run on its inputs' fake values. Without autograd: a value records no graph,
+    so it needs no detached copy (making one was a sixth of propagation's time)."""
     args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    result = node.target(*args, **kwargs)
-    return map_aggregate(result, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
+    with torch.no_grad():
+        return node.target(*args, **kwargs)

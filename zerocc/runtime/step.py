@@ -506,7 +506,8 @@ class StepRunner:
 
     @property
     def records(self) -> list[PassRecord]:
-        """What each pass did to the last program: time, graph after it, ops added/removed."""
+        """What each pass did to the last program: time, ops added and removed (and the graph
+        after it where dumps keep it)."""
         return (self._last_program or next(iter(self.programs.values()))).records
 
     def record(self) -> StepRecord:
