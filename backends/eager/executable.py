@@ -10,6 +10,7 @@ use, as the program's own would. Nodes keep the program's names and ``meta``, so
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,11 +52,14 @@ def bind(program: fx.GraphModule, ops: EagerOps) -> fx.GraphModule:
     graph._codegen = program.graph._codegen
     graph.output(graph.graph_copy(program.graph, {}))
     ops_of = {node: _zerocc_op(node) for node in graph.nodes}  # before any node is rebound
+    # The graph module and its graph reference each other: only the cycle collector frees
+    # them. Held strongly, the ops (and the comm of their context) would live as long, and a
+    # dropped step would keep its process group past the default group's destruction.
+    ops_ref = weakref.ref(ops)
     for node, name in ops_of.items():
         if name is None or name in IMPLEMENTED_WITH_SCHEMA:
             continue
-        implementation = getattr(ops, name, None)
-        if implementation is None:
+        if getattr(ops, name, None) is None:
             raise NotImplementedError(f"the eager backend has no implementation of zerocc.{name}")
         if name in STARTS:
             node.kwargs = {**node.kwargs, "started": node.name}
@@ -64,7 +68,7 @@ def bind(program: fx.GraphModule, ops: EagerOps) -> fx.GraphModule:
             if not isinstance(start, fx.Node) or ops_of.get(start) not in STARTS:
                 raise ValueError(f"{node.name}: zerocc.wait of {start}, no collective or copy")
             node.kwargs = {**node.kwargs, "started": start.name}
-        node.target = _standing_in_for(node.target, implementation)
+        node.target = _standing_in_for(node.target, ops_ref, name)
     return fx.GraphModule(program, graph)
 
 
@@ -75,13 +79,19 @@ def _zerocc_op(node: fx.Node) -> str | None:
     return target._schema.name.split("::")[-1] if target.namespace == "zerocc" else None
 
 
-def _standing_in_for(op: torch._ops.OpOverload, implementation: Callable) -> Callable:
-    """``implementation`` as a plain function named after ``op`` (fx's generated code calls it
-    by that name), with ``__wrapped__`` = ``op`` so readers of the graph still see the op."""
+def _standing_in_for(
+    op: torch._ops.OpOverload, ops: weakref.ref[EagerOps], name: str
+) -> Callable[..., Any]:
+    """A plain function named after ``op`` (fx's generated code calls it by that name) that
+    runs ``name`` of the executable's ops, with ``__wrapped__`` = ``op`` so readers of the
+    graph still see the op."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        return implementation(*args, **kwargs)
+        bound = ops()
+        if bound is None:
+            raise RuntimeError(f"zerocc.{name}: the executable of this program was released")
+        return getattr(bound, name)(*args, **kwargs)
 
-    call.__name__ = call.__qualname__ = op._schema.name.split("::")[-1]
+    call.__name__ = call.__qualname__ = name
     call.__wrapped__ = op
     return call
