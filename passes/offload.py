@@ -330,8 +330,12 @@ class _Offloader:
 @register_pass(
     "offload",
     requires=("optimizer_update",),
-    produces=("offloaded",),
+    provides=("offloaded",),
     options=lambda plan: {"config": plan.offload},
+    enabled=lambda plan: plan.offload.enabled,
+    when="the offload section offloads states",
+    off_because="offload.optimizer and offload.params are 'none'",
+    turn_on="set offload.optimizer (or params)",
 )
 def offload(gm: fx.GraphModule, ctx: PassContext, *, config: OffloadConfig) -> fx.GraphModule:
     """Place offloaded units' states in host memory or on NVMe and insert their copies."""

@@ -52,7 +52,7 @@ aten = torch.ops.aten
 @register_pass(
     "optimizer",
     requires=("grad_shards",),
-    produces=("optimizer_update",),
+    provides=("optimizer_update",),
     options=lambda plan: {
         "config": plan.optimizer,
         "stage": plan.zero.stage,

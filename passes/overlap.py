@@ -244,9 +244,14 @@ def _options(plan) -> dict:
 @register_pass(
     "overlap",
     requires=("optimizer_update",),
-    produces=("overlapped",),
+    provides=("overlapped",),
     forbids=("offloaded",),  # offload places its copies against the overlapped schedule
     options=_options,
+    enabled=lambda plan: plan.overlap.enabled,
+    when="overlap.enabled is true (the default)",
+    off_because="overlap.enabled is false",
+    turn_on="set overlap.enabled: true",
+    optional=True,  # a plan's own `passes` may leave the schedule as the other passes made it
 )
 def overlap(
     gm: fx.GraphModule,

@@ -99,7 +99,7 @@ def assign_units(
 
 @register_pass(
     "partition",
-    produces=("units",),
+    provides=("units",),
     options=lambda plan: {
         "classes": plan.units.classes,
         "modules": plan.units.modules,

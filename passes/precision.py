@@ -250,10 +250,14 @@ def _rescale_collective_bytes(gm: fx.GraphModule, ctx: PassContext) -> None:
 @register_pass(
     "precision",
     requires=("sharded_params", "grad_shards"),
-    produces=("mixed_precision",),
+    provides=("mixed_precision",),
     forbids=("optimizer_update",),
     changes_numerics=True,
     options=lambda plan: {"precision": plan.precision},
+    enabled=lambda plan: plan.precision.mixed,
+    when="the precision section leaves fp32",
+    off_because="the precision section keeps fp32 everywhere",
+    turn_on="set precision.param: bf16 (or fp16)",
 )
 def precision(
     gm: fx.GraphModule, ctx: PassContext, *, precision: PrecisionConfig

@@ -274,9 +274,13 @@ def recompute_run(gm: fx.GraphModule, run: Run) -> None:
 @register_pass(
     "recompute",
     requires=("units",),
-    produces=("recompute",),
+    provides=("recompute",),
     forbids=("sharded_params",),
     options=lambda plan: {"units": plan.checkpointing.units},
+    enabled=lambda plan: plan.checkpointing.enabled,
+    when="checkpointing.units is set",
+    off_because="checkpointing.units is 'none'",
+    turn_on="set checkpointing.units (e.g. all)",
 )
 def recompute(gm: fx.GraphModule, ctx: PassContext, *, units: str | list[str]) -> fx.GraphModule:
     """Recompute the forward of the chosen units in backward instead of saving it."""

@@ -257,7 +257,7 @@ def _options(plan) -> dict:
 @register_pass(
     "shard",
     requires=("units",),
-    produces=("sharded_params", "grad_shards"),
+    provides=("sharded_params", "grad_shards"),
     options=_options,
 )
 def shard(

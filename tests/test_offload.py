@@ -22,6 +22,7 @@ from optional_deps import needs_triton
 from parity import batch_of
 
 import zerocc
+from zerocc.compiler.pass_manager import check_passes
 from zerocc.compiler.state import offloaded_units
 from zerocc.errors import OffloadError, PlanError
 from zerocc.inspect.explain import describe
@@ -129,7 +130,7 @@ def test_offloaded_program_says_why_each_copy_is_there():
 )  # fmt: skip
 def test_bad_offload_plans_are_plan_errors(plan, message):
     with pytest.raises(PlanError, match=message):
-        zerocc.load_plan(plan)
+        check_passes(zerocc.load_plan(plan))
 
 
 def test_missing_nvme_path_fails_at_compile(tmp_path):

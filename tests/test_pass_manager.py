@@ -72,11 +72,12 @@ def test_graph_nodes_carry_units_and_streams():
 
 
 def test_default_pipeline_changes_no_numerics():
-    from zerocc.compiler.pass_manager import PASSES, build_pipeline
-    from zerocc.compiler.plan import DEFAULT_PASSES, Plan
+    from zerocc.compiler.pass_manager import build_pipeline
+    from zerocc.compiler.plan import Plan
 
-    assert [s.name for s in build_pipeline(Plan()).specs] == DEFAULT_PASSES
-    assert not any(PASSES[name].changes_numerics for name in DEFAULT_PASSES)
+    specs = build_pipeline(Plan()).specs
+    assert [s.name for s in specs] == ["partition", "shard", "optimizer", "overlap"]
+    assert not any(s.changes_numerics for s in specs)
 
 
 ORDER = "partition, recompute, shard, precision, optimizer, overlap, offload"
@@ -169,3 +170,64 @@ def test_values_propagated_after_each_pass_are_those_of_a_full_propagation(plan)
         propagate_all_fake_values(gm)
         assert _metadata(gm) == incremental
         assert predict_memory(gm, {}).peak() == peak
+
+
+# -- one source of pipeline order -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "plan, expected",
+    [  # the pipelines plan.py's hand-written lists gave before the specs ordered them
+        ({}, ["partition", "shard", "optimizer", "overlap"]),
+        ({"overlap": {"enabled": False}}, ["partition", "shard", "optimizer"]),
+        (
+            {"precision": {"param": "bf16"}},
+            ["partition", "shard", "precision", "optimizer", "overlap"],
+        ),
+        (
+            {"checkpointing": {"units": "all"}, "precision": {"param": "fp16"}},
+            ["partition", "recompute", "shard", "precision", "optimizer", "overlap"],
+        ),
+        (
+            {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "params": "cpu"}},
+            ["partition", "shard", "optimizer", "overlap", "offload"],
+        ),
+        (
+            {"zero": {"stage": 2}, "offload": {"optimizer": "cpu"}, "overlap": {"enabled": False}},
+            ["partition", "shard", "optimizer", "offload"],
+        ),
+    ],
+)
+def test_the_default_pipeline_is_the_passes_the_plan_turns_on_in_contract_order(plan, expected):
+    from zerocc.compiler.pass_manager import pipeline_names
+
+    assert pipeline_names(zerocc.load_plan(plan)) == expected
+
+
+def test_an_unknown_capability_is_refused_when_the_pass_registers():
+    from zerocc.compiler.pass_spec import PASSES, register_pass
+
+    with pytest.raises(ValueError, match="unknown capability 'unit'; known: joint_graph, units"):
+        register_pass("typo", provides=("unit",))(lambda gm, ctx: gm)
+    assert "typo" not in PASSES
+
+
+def test_a_pass_that_does_not_provide_what_it_promises_fails_under_verification():
+    """A pass registered as providing units that assigns none: ZEROCC_VERIFY (on in the tests)
+    says so after it runs, naming the pass and the capability."""
+    from zerocc.compiler.pass_spec import PASSES, register_pass
+    from zerocc.inspect.estimate import inspect_plan
+
+    @register_pass("lazy_partition", provides=("units",))
+    def lazy_partition(gm, ctx):
+        """Claims to partition; does nothing."""
+        return gm
+
+    try:
+        plan = zerocc.load_plan(
+            {"workload": "workload:workload", "passes": ["lazy_partition", "shard", "optimizer"]}
+        )
+        with pytest.raises(InvariantError, match="'lazy_partition' did not provide.*units: no"):
+            inspect_plan(plan, 2)
+    finally:
+        del PASSES["lazy_partition"]

@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
+from zerocc.compiler.pass_manager import check_passes, pipeline_names
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.errors import PlanError, PlanWarning, ZeroccError
@@ -29,6 +30,15 @@ def plan_error(src) -> str:
     message = str(info.value)
     assert "pydantic" not in message and "errors.pydantic.dev" not in message
     return message
+
+
+def pipeline_error(src) -> str:
+    """The PlanError of a plan whose sections load but whose `passes` the contracts refuse
+    (`zerocc plan check` and `zerocc.compile` check them)."""
+    plan = load_plan(src)
+    with pytest.raises(PlanError) as info:
+        check_passes(plan)
+    return str(info.value)
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -143,9 +153,9 @@ def test_section_that_is_not_a_mapping():
 def test_precision_defaults_and_pipeline():
     plan = load_plan({"precision": {"param": "bf16"}})
     assert plan.precision.scaling == "none" and plan.precision.dtype("buffers") == torch.bfloat16
-    assert plan.pass_names == ["partition", "shard", "precision", "optimizer", "overlap"]
-    assert load_plan({}).pass_names == ["partition", "shard", "optimizer", "overlap"]
-    assert load_plan({"overlap": {"enabled": False}}).pass_names[-1] == "optimizer"
+    assert pipeline_names(plan) == ["partition", "shard", "precision", "optimizer", "overlap"]
+    assert pipeline_names(load_plan({})) == ["partition", "shard", "optimizer", "overlap"]
+    assert pipeline_names(load_plan({"overlap": {"enabled": False}}))[-1] == "optimizer"
     assert load_plan({"precision": {"param": "fp16"}}).precision.scaling == "dynamic"
     fixed = load_plan({"precision": {"param": "fp16", "loss_scale": 1024}}).precision
     assert fixed.scaling == "static" and fixed.loss_scale == 1024
@@ -181,7 +191,7 @@ def test_bad_loss_scale(scale):
 
 
 def test_precision_pass_must_be_listed_when_precision_leaves_fp32():
-    message = plan_error(
+    message = pipeline_error(
         {"precision": {"param": "bf16"}, "passes": ["partition", "shard", "optimizer"]}
     )
     assert "does not list 'precision'" in message
@@ -398,7 +408,7 @@ def test_a_nul_byte_in_a_path_field(tmp_path, field):
     ],
 )
 def test_a_listed_pass_with_nothing_to_do_is_an_error(passes, expected):
-    assert expected in plan_error({"passes": passes})
+    assert expected in pipeline_error({"passes": passes})
 
 
 @pytest.mark.parametrize("workload", ["workload", "a:b:c", "my-module:fn", ":fn", "mod:"])

@@ -7,6 +7,7 @@ from models import tiny_gpt
 from parity import batch_of
 
 import zerocc
+from zerocc.compiler.pass_manager import check_passes
 from zerocc.compiler.workload import Workload
 from zerocc.errors import PassOrderError, PlanError
 from zerocc.inspect.estimate import estimate, inspect_plan
@@ -173,7 +174,9 @@ def test_keep_gathered_errors_name_the_fix():
     with pytest.raises(PlanError, match="stage 3 only"):
         zerocc.load_plan({"zero": {"stage": 2}, "units": {"keep_gathered": ["root"]}})
     with pytest.raises(PlanError, match="overlap.enabled is false"):
-        zerocc.load_plan({"overlap": {"enabled": False}, "passes": ["partition", "overlap"]})
+        check_passes(
+            zerocc.load_plan({"overlap": {"enabled": False}, "passes": ["partition", "overlap"]})
+        )
 
 
 def test_overlap_runs_after_the_optimizer():

@@ -119,7 +119,9 @@ def _plan_schema(args: argparse.Namespace) -> int:
 
 def describe_plan(plan: Plan) -> str:
     """A one-line summary of a plan: stage, passes, units, optimizer, workload."""
-    passes = plan.pass_names
+    from zerocc.compiler.pass_manager import pipeline_names
+
+    passes = pipeline_names(plan)
     units = [f"class {c}" for c in plan.units.classes]
     units += [f"modules {m}" for m in plan.units.modules]
     if plan.units.min_mb is not None:

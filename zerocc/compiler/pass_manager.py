@@ -1,11 +1,13 @@
-"""Passes: registration with a contract, order checking, and a timed, recorded pipeline run.
+"""The pipeline: which passes a plan runs, in what order, and a timed, recorded run of them.
 
-A pass is ``fn(gm, ctx, **options) -> gm``. Its :class:`PassSpec` says what it requires and
-produces (artifact names such as ``"units"``), whether it changes numerics, and how its options
-are read from the plan; they are bound with ``functools.partial`` when the pipeline is built, so
-the runner passes nothing pass-specific. Each run is timed; the graph after every pass is kept as
-a :class:`PassRecord` (printed program and op counts) for inspection, and the IR invariants are
-verified after each pass when ``ZEROCC_VERIFY=1``.
+A pass's :class:`PassSpec` (:mod:`zerocc.compiler.pass_spec`) says what it requires and
+provides (:mod:`zerocc.compiler.capabilities`), when a plan turns it on, whether it changes
+numerics, and how its options are read from the plan. The specs are the one source of order:
+the default pipeline is every pass the plan turns on, ordered by the contracts; a plan's own
+``passes`` list is checked against them. Options are bound with ``functools.partial`` when the
+pipeline is built, so the runner passes nothing pass-specific. Each run is timed and recorded
+(:class:`PassRecord`); under ``ZEROCC_VERIFY=1`` the IR invariants and what each pass promised
+to provide are checked after it.
 """
 
 from __future__ import annotations
@@ -20,19 +22,15 @@ from dataclasses import dataclass
 from torch import fx
 
 import zerocc.passes  # noqa: F401  (registers the built-in passes)
+from zerocc.compiler import capabilities
+from zerocc.compiler.capabilities import CAPTURE_PROVIDES, STEP_NEEDS
 from zerocc.compiler.pass_spec import PASSES, PassContext, PassSpec
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan_messages import invalid_plan, plan_origin
-from zerocc.errors import PassOrderError
+from zerocc.errors import InvariantError, PassOrderError
 from zerocc.ir.fake_values import propagate_fake_values
 from zerocc.ir.nodes import count_ops
 from zerocc.ir.printing import format_program
-
-CAPTURE_PROVIDES = frozenset({"joint_graph"})
-# What a compiled training step needs its pipeline to produce: units (its state is laid out per
-# unit), gradients reduced into shards, and the optimizer's update. Without the update a step
-# would run forward and backward and never change a weight.
-STEP_NEEDS = frozenset({"units", "grad_shards", "optimizer_update"})
 
 
 @dataclass
@@ -72,12 +70,20 @@ def build_pipeline(plan: Plan) -> Pipeline:
     return Pipeline(specs, bound)
 
 
-def check_passes(plan: Plan) -> tuple[PassSpec, ...]:
-    """The specs of the plan's pipeline, in order, once its names are known and its order is
-    one the passes' contracts allow; raises PlanError naming ``passes[i]`` and what is allowed
-    (`zerocc plan check` and `zerocc.compile` both call it, before anything is captured)."""
+def pipeline_names(plan: Plan) -> list[str]:
+    """The passes ``plan`` runs: its ``passes`` list, or the default pipeline: every
+    registered pass the plan turns on, in the one order their contracts allow."""
+    if plan.passes is not None:
+        return list(plan.passes)
+    return [name for name in _canonical_order() if PASSES[name].enabled_for(plan)]
 
-    names = plan.pass_names
+
+def check_passes(plan: Plan) -> tuple[PassSpec, ...]:
+    """The specs of the plan's pipeline, in order, once its names are known, each pass it
+    turns on is listed and each listed pass has something to do, and its order is one the
+    passes' contracts allow; raises PlanError naming ``passes[i]`` and what is allowed
+    (`zerocc plan check` and `zerocc.compile` both call it, before anything is captured)."""
+    names = pipeline_names(plan)
     where = plan_origin(plan.source)
     unknown = [
         f"passes[{i}]: unknown pass {name!r}{_close_match(name)}; known passes: "
@@ -98,12 +104,37 @@ def check_passes(plan: Plan) -> tuple[PassSpec, ...]:
         first.setdefault(name, i)
     if repeated:
         raise invalid_plan(where, repeated)
+    if plan.passes is not None:
+        _check_listed(plan, names, where)
     specs = tuple(PASSES[name] for name in names)
     try:
         check_order(specs)
     except PassOrderError as exc:
         raise PassOrderError(f"{where}: {exc}") from None
     return specs
+
+
+def _check_listed(plan: Plan, names: list[str], where: str) -> None:
+    """A plan's own ``passes`` list holds every pass its sections turn on, and no pass they
+    leave with nothing to do (it would run as a silent no-op: the author meant something
+    else)."""
+    problems = [
+        f"passes[{i}]: {name!r} would do nothing: {spec.off_because}; {spec.turn_on}, or drop "
+        f"{name!r}"
+        for i, name in enumerate(names)
+        if not (spec := PASSES[name]).enabled_for(plan)
+    ]
+    problems += [
+        f"{spec.when}, but `passes` does not list {name!r}; add it (passes run in this order: "
+        f"{', '.join(_canonical_order())}), or drop `passes` for the default pipeline"
+        for name, spec in PASSES.items()
+        if name not in names
+        and not spec.optional
+        and spec.enabled is not None
+        and spec.enabled(plan)
+    ]
+    if problems:
+        raise invalid_plan(where, problems)
 
 
 def check_order(specs: list[PassSpec] | tuple[PassSpec, ...]) -> None:
@@ -116,7 +147,7 @@ def check_order(specs: list[PassSpec] | tuple[PassSpec, ...]) -> None:
         early = spec.forbids & available
         if early:
             producers = [
-                f"{s.name!r} (passes[{j}])" for j, s in enumerate(specs[:i]) if s.produces & early
+                f"{s.name!r} (passes[{j}])" for j, s in enumerate(specs[:i]) if s.provides & early
             ]
             raise PassOrderError(
                 f"passes[{i}]: {spec.name!r} must run before {', '.join(producers)}, which "
@@ -128,7 +159,7 @@ def check_order(specs: list[PassSpec] | tuple[PassSpec, ...]) -> None:
                 f"passes[{i}]: {spec.name!r} requires {_produced_by(missing)}, which no earlier "
                 f"pass produces; {order}"
             )
-        available |= spec.produces
+        available |= spec.provides
     missing = STEP_NEEDS - available
     if missing:
         raise PassOrderError(
@@ -140,14 +171,14 @@ def check_order(specs: list[PassSpec] | tuple[PassSpec, ...]) -> None:
 def _produced_by(artifacts: set[str] | frozenset[str]) -> str:
     """Each artifact and the passes that produce it: 'units' (produced by partition); ..."""
     return "; ".join(
-        f"{a!r} (produced by {', '.join(s.name for s in PASSES.values() if a in s.produces)})"
+        f"{str(a)!r} (produced by {', '.join(s.name for s in PASSES.values() if a in s.provides)})"
         for a in sorted(artifacts)
     )
 
 
 def _required_passes() -> list[str]:
     """The passes every pipeline holds: those producing what a training step needs."""
-    return [n for n in _canonical_order() if PASSES[n].produces & STEP_NEEDS]
+    return [n for n in _canonical_order() if PASSES[n].provides & STEP_NEEDS]
 
 
 def _canonical_order() -> list[str]:
@@ -157,9 +188,9 @@ def _canonical_order() -> list[str]:
     after: dict[str, set[str]] = {name: set() for name in PASSES}  # pass -> passes before it
     for spec in PASSES.values():
         for other in PASSES.values():
-            if spec.requires & other.produces:
+            if spec.requires & other.provides:
                 after[spec.name].add(other.name)
-            if spec.forbids & other.produces:
+            if spec.forbids & other.provides:
                 after[other.name].add(spec.name)
     order: list[str] = []
     while len(order) < len(after):
@@ -173,6 +204,15 @@ def _canonical_order() -> list[str]:
 def _close_match(name: str) -> str:
     close = difflib.get_close_matches(name, list(PASSES), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_provided(spec: PassSpec, gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Under ``ZEROCC_VERIFY``: the graph holds what the pass promised to provide."""
+    problems = capabilities.missing(spec.provides, gm, ctx)
+    if problems:
+        raise InvariantError(
+            f"pass {spec.name!r} did not provide what it promises: " + "; ".join(problems)
+        )
 
 
 def verify_enabled() -> bool:
@@ -202,6 +242,7 @@ def run_pipeline(
         seconds = time.perf_counter() - start
         if verify:
             verify_program(gm, after=spec.name)
+            _check_provided(spec, gm, ctx)
         after = count_ops(gm.graph.nodes)
         added = {
             k: after.get(k, 0) - before.get(k, 0)

@@ -2,9 +2,10 @@
 every pass reads.
 
 A pass is ``fn(gm, ctx, **options) -> gm``, registered with :func:`register_pass`: what it
-requires and produces (artifact names such as ``"units"``), whether it changes numerics, and how
-its options are read from the plan. The passes (:mod:`zerocc.passes`) import this module; the
-pass manager (:mod:`zerocc.compiler.pass_manager`) imports them.
+requires and provides (:mod:`zerocc.compiler.capabilities`), when a plan runs it, whether it
+changes numerics, and how its options are read from the plan. The passes
+(:mod:`zerocc.passes`) import this module; the pass manager
+(:mod:`zerocc.compiler.pass_manager`) imports them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from torch import fx
 
+from zerocc.compiler.capabilities import Capability, capability
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.units import Unit
@@ -26,12 +28,25 @@ class PassSpec:
 
     name: str
     fn: Callable[..., fx.GraphModule]
-    requires: frozenset[str]
-    produces: frozenset[str]
-    forbids: frozenset[str]
+    requires: frozenset[Capability]
+    provides: frozenset[Capability]
+    forbids: frozenset[Capability]  # the pass runs before whatever provides these
     changes_numerics: bool
     options: Callable[[Plan], dict[str, Any]]
     doc: str
+    # When the default pipeline holds the pass, and how a plan turns it on (said when a plan
+    # lists the pass with nothing to do); None: every plan runs it.
+    enabled: Callable[[Plan], bool] | None = None
+    when: str = ""  # "the precision section leaves fp32"
+    off_because: str = ""  # "the precision section keeps fp32 everywhere"
+    turn_on: str = ""  # "set precision.param: bf16 (or fp16)"
+    # A plan's own `passes` may leave it out though its section turns it on: it changes the
+    # schedule, not what is computed (overlap).
+    optional: bool = False
+
+    def enabled_for(self, plan: Plan) -> bool:
+        """Whether ``plan``'s default pipeline runs this pass."""
+        return self.enabled is None or self.enabled(plan)
 
 
 PASSES: dict[str, PassSpec] = {}
@@ -41,26 +56,39 @@ def register_pass(
     name: str,
     *,
     requires: tuple[str, ...] = (),
-    produces: tuple[str, ...] = (),
+    provides: tuple[str, ...] = (),
     forbids: tuple[str, ...] = (),
     changes_numerics: bool = False,
     options: Callable[[Plan], dict[str, Any]] | None = None,
+    enabled: Callable[[Plan], bool] | None = None,
+    when: str = "",
+    off_because: str = "",
+    turn_on: str = "",
+    optional: bool = False,
 ) -> Callable[[Callable[..., fx.GraphModule]], Callable[..., fx.GraphModule]]:
     """Register ``fn`` as pass ``name``; ``options(plan)`` gives its keyword options.
 
-    ``requires`` must be produced by an earlier pass; ``forbids`` must not be (the pass has to
-    run before whatever produces it)."""
+    ``requires`` must be provided by an earlier pass; ``forbids`` must not be (the pass has to
+    run before whatever provides it); names are :class:`Capability` values (an unknown one is
+    an error here). ``enabled(plan)``: whether the default pipeline runs it (every plan, when
+    None), ``when`` saying so in words, ``off_because`` and ``turn_on`` what a plan that lists
+    it with nothing to do is told; ``optional``: a plan's own ``passes`` may leave it out."""
 
     def decorate(fn: Callable[..., fx.GraphModule]) -> Callable[..., fx.GraphModule]:
         PASSES[name] = PassSpec(
             name,
             fn,
-            frozenset(requires),
-            frozenset(produces),
-            frozenset(forbids),
+            frozenset(capability(c) for c in requires),
+            frozenset(capability(c) for c in provides),
+            frozenset(capability(c) for c in forbids),
             changes_numerics,
             options or (lambda plan: {}),
             (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
+            enabled,
+            when,
+            off_because,
+            turn_on,
+            optional,
         )
         return fn
 

@@ -32,12 +32,6 @@ from zerocc.compiler.plan_messages import describe_error, invalid_plan, plan_ori
 from zerocc.compiler.plan_yaml import PlanDataError, check_shape, load_yaml
 from zerocc.errors import PlanError, PlanWarning
 
-DEFAULT_PASSES = ["partition", "shard", "optimizer", "overlap"]
-MIXED_PRECISION_PASSES = ["partition", "shard", "precision", "optimizer", "overlap"]
-OVERLAP_PASS = "overlap"  # left out of the default pipeline when overlap.enabled is false
-RECOMPUTE_PASS = "recompute"  # in the default pipeline (after partition) when units checkpoint
-OFFLOAD_PASS = "offload"  # in the default pipeline (after optimizer) when anything is offloaded
-
 _WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -602,10 +596,9 @@ class Plan(_Section):
     )
     passes: list[str] | None = Field(
         None,
-        description="pass pipeline in order; default: partition, shard, optimizer, overlap (with "
-        "recompute after partition when checkpointing.units is set, precision before optimizer "
-        "when the precision section leaves fp32, offload last when anything is "
-        "offloaded, without overlap when overlap.enabled is false)",
+        description="pass pipeline in order; default: every pass the plan's sections turn on "
+        "(partition, shard, optimizer always; recompute, precision, overlap and offload when "
+        "their sections ask), in the order the passes' contracts allow",
     )
     workload: str | None = Field(
         None,
@@ -632,18 +625,6 @@ class Plan(_Section):
         looked up in its folder first (see zerocc.compiler.workload.load_workload)."""
         return self._source
 
-    @property
-    def pass_names(self) -> list[str]:
-        """The pipeline this plan runs: ``passes``, or the default for its precision."""
-        if self.passes is not None:
-            return list(self.passes)
-        names = list(MIXED_PRECISION_PASSES if self.precision.mixed else DEFAULT_PASSES)
-        if self.checkpointing.enabled:
-            names.insert(names.index("partition") + 1, RECOMPUTE_PASS)
-        if self.offload.enabled:
-            names.append(OFFLOAD_PASS)  # last: its copies are placed against the final schedule
-        return [n for n in names if self.overlap.enabled or n != OVERLAP_PASS]
-
     @model_validator(mode="after")
     def _kernels_update_fp32_masters(self) -> Plan:
         if self.backend.kernels == "triton" and self.precision.master != "fp32":
@@ -654,29 +635,12 @@ class Plan(_Section):
         return self
 
     @model_validator(mode="after")
-    def _precision_pass_listed(self) -> Plan:
-        if self.passes is not None and self.precision.mixed and "precision" not in self.passes:
-            raise ValueError(
-                "the precision section leaves fp32, but `passes` does not list 'precision'; "
-                "add it before 'optimizer' (or drop `passes` for the default pipeline)"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _keep_gathered_is_stage_3(self) -> Plan:
         units = self.units
         if self.zero.stage != 3 and (units.keep_gathered or units.keep_gathered_below_mb):
             raise ValueError(
                 f"units.keep_gathered applies to stage 3 only: stage {self.zero.stage} keeps "
                 "every parameter resident; drop it or set zero.stage: 3"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _overlap_pass_enabled(self) -> Plan:
-        if self.passes is not None and not self.overlap.enabled and OVERLAP_PASS in self.passes:
-            raise ValueError(
-                "overlap.enabled is false, but `passes` lists 'overlap'; drop one of them"
             )
         return self
 
@@ -695,56 +659,6 @@ class Plan(_Section):
             )
         if offload.uses_nvme and not offload.nvme_path:
             raise ValueError("offload to nvme needs offload.nvme_path: a folder on a local disk")
-        if self.passes is not None and offload.enabled and OFFLOAD_PASS not in self.passes:
-            raise ValueError(
-                "the offload section offloads states, but `passes` does not list 'offload'; "
-                "add it last (or drop `passes` for the default pipeline)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _recompute_pass_listed(self) -> Plan:
-        if (
-            self.passes is not None
-            and self.checkpointing.enabled
-            and (RECOMPUTE_PASS not in self.passes)
-        ):
-            raise ValueError(
-                "checkpointing.units is set, but `passes` does not list 'recompute'; add it "
-                "after 'partition' (or drop `passes` for the default pipeline)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _listed_passes_have_work(self) -> Plan:
-        # A listed pass whose section asks for nothing would run as a silent no-op: the plan's
-        # author meant something else. (The reverse, a section whose pass is not listed, is
-        # checked above.)
-        if self.passes is None:
-            return self
-        idle = {
-            RECOMPUTE_PASS: (
-                not self.checkpointing.enabled,
-                "checkpointing.units is 'none'",
-                "set checkpointing.units (e.g. all)",
-            ),
-            OFFLOAD_PASS: (
-                not self.offload.enabled,
-                "offload.optimizer and offload.params are 'none'",
-                "set offload.optimizer (or params)",
-            ),
-            "precision": (
-                not self.precision.mixed,
-                "the precision section keeps fp32 everywhere",
-                "set precision.param: bf16 (or fp16)",
-            ),
-        }
-        for i, name in enumerate(self.passes):
-            nothing_to_do, why, fix = idle.get(name, (False, "", ""))
-            if nothing_to_do:
-                raise ValueError(
-                    f"passes[{i}]: {name!r} would do nothing: {why}; {fix}, or drop {name!r}"
-                )
         return self
 
     @field_validator("workload")

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from zerocc.compiler.pass_manager import check_passes
 from zerocc.compiler.plan import Plan
+from zerocc.errors import PlanError
 
 NVME_PATH_HINT = "<folder on a local disk>"  # written for offload.nvme_path when it is unset
 MAX_WORLD_SIZE = 2**16  # larger than any job that runs today
@@ -67,8 +69,8 @@ def _get(plan: Plan, path: str) -> Any:
 
 
 def _derive(plan: Plan, option: dict[str, Any]) -> Plan | None:
-    """``plan`` with the dotted fields of ``option`` set, validated (None if invalid, e.g. a
-    `passes` list that does not name the pass the change needs)."""
+    """``plan`` with the dotted fields of ``option`` set, validated, its `passes` included
+    (None if invalid, e.g. a `passes` list that does not name the pass the change needs)."""
     data = plan.model_dump()
     for path, value in option.items():
         *parents, leaf = path.split(".")
@@ -80,7 +82,8 @@ def _derive(plan: Plan, option: dict[str, Any]) -> Plan | None:
         warnings.simplefilter("ignore")  # the plan's own warnings were shown when it loaded
         try:
             derived = Plan.model_validate(data)
-        except ValidationError:
+            check_passes(derived)
+        except (ValidationError, PlanError):
             return None
     derived._source = plan.source
     return derived
