@@ -31,6 +31,7 @@ from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import DEVICE, HOST, NVME, Placement, StateSpec, placements, state_specs
 from zerocc.ir.access import StorageRoots
+from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
 from zerocc.ir.nodes import state_placeholder as new_placeholder
 from zerocc.ir.ops import NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
@@ -68,7 +69,7 @@ class _Offloader:
     # -- emitting -------------------------------------------------------------------------
 
     def _start(self, target: str, args: tuple, nbytes: int, note: str, **where) -> fx.Node:
-        start = emit(self.graph, _transfer(target), args, stream="copy", note=note, **where)
+        start = emit(self.graph, _transfer(target), args, stream=Stream.COPY, note=note, **where)
         info(start).bytes = nbytes
         return start
 
@@ -78,7 +79,7 @@ class _Offloader:
             self.graph,
             torch.ops.zerocc.wait.default,
             (start,),
-            stream="copy",
+            stream=Stream.COPY,
             unit=record.unit,
             phase=phase or record.phase,
         )

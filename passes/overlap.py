@@ -35,6 +35,7 @@ from torch import fx
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
+from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import GRAD, info, op_name, val
 from zerocc.ir.ops import op
 from zerocc.passes.bucketing import bucket_collectives
@@ -110,7 +111,7 @@ def find_collectives(gm: fx.GraphModule, roots: StorageRoots) -> list[Collective
     """The program's collectives in order of their starts."""
     found = []
     for start in gm.graph.nodes:
-        if info(start).stream != "comm" or not info(start).bytes:
+        if info(start).stream != Stream.COMM or not info(start).bytes:
             continue
         (wait,) = start.users
         held = _nbytes(start) if roots.root[start] is start else 0

@@ -33,6 +33,7 @@ from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.compiler.state import Dtypes, param_specs
 from zerocc.errors import InvariantError
+from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import (
     FOUND_INF,
     GATHERED,
@@ -236,7 +237,7 @@ def _rescale_collective_bytes(gm: fx.GraphModule, ctx: PassContext) -> None:
     units = {u.name: u for u in ctx.units}
     for node in gm.graph.nodes:
         unit = units.get(info(node).unit or "")
-        if info(node).stream != "comm" or not info(node).bytes or unit is None:
+        if info(node).stream != Stream.COMM or not info(node).bytes or unit is None:
             continue
         moved = next(a for a in node.args if isinstance(a, fx.Node))
         if node.target is op("all_gather_into_start"):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Protocol
 
+import torch
 from torch import fx
 
 from zerocc.compiler.plan import Plan
@@ -139,8 +140,16 @@ def _overlapped(gm: fx.GraphModule, ctx: PassContext) -> str | None:
 def _offloaded(gm: fx.GraphModule, ctx: PassContext) -> str | None:
     if not any(p.offloaded for p in placements(ctx.units, ctx.plan.offload).values()):
         return None  # the plan's ratio offloads no unit of this model
-    copies = ("zerocc.copy_start", "zerocc.copy_into_start", "zerocc.nvme_read_start")
-    return None if _ops(gm, *copies) else "offloaded units, but no copy moves their states"
+    offload = ctx.plan.offload
+    reads_nvme = offload.params == "nvme" or (offload.optimizer == "nvme" and ctx.boundary)
+    if reads_nvme and not _ops(gm, "zerocc.nvme_read_start"):
+        return "states placed on NVMe, but nothing reads them"
+    values = (n.meta.get("val") for n in placeholders(gm))
+    on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
+    copies = _ops(gm, "zerocc.copy_start", "zerocc.copy_into_start")
+    if on_gpu and not copies:  # (on a CPU-only machine host and device are one memory)
+        return "offloaded units, but no copy moves their states"
+    return None
 
 
 def _ops(gm: fx.GraphModule, *names: str) -> list[fx.Node]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.materialize import holds_values, initial_values
 from zerocc.compiler.plan import OffloadConfig, OptimizerConfig, Plan, PrecisionConfig
 from zerocc.compiler.units import Unit
+from zerocc.ir.kinds import Role
 from zerocc.ir.nodes import (
     GRAD,
     LOSS_SCALE,
@@ -47,10 +49,17 @@ from zerocc.ir.nodes import (
 
 OPTIMIZER_STATES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
+
 # Where a persistent tensor lives.
-DEVICE = "device"  # the compute device (the GPU; on a CPU-only machine, the compute pool)
-HOST = "host"  # host memory (pinned when a GPU is present): offload to cpu
-NVME = "nvme"  # a file under offload.nvme_path, read into host buffers when needed
+class Location(StrEnum):
+    """Where a state tensor lives."""
+
+    DEVICE = "device"  # the compute device (the GPU; on a CPU-only machine, the compute pool)
+    HOST = "host"  # host memory (pinned when a GPU is present): offload to cpu
+    NVME = "nvme"  # a file under offload.nvme_path, read into host buffers when needed
+
+
+DEVICE, HOST, NVME = Location.DEVICE, Location.HOST, Location.NVME
 LOCATIONS = (DEVICE, HOST, NVME)
 _PLAN_LOCATION = {"none": DEVICE, "cpu": HOST, "nvme": NVME}
 
@@ -60,11 +69,11 @@ class StateSpec:
     """One persistent tensor: its key, role, unit, shape, dtype and where it lives."""
 
     key: str
-    role: str
+    role: Role
     unit: str | None
     shape: tuple[int, ...]
     dtype: torch.dtype
-    location: str = DEVICE
+    location: Location = DEVICE
 
     @property
     def nbytes(self) -> int:
@@ -240,7 +249,7 @@ def state_specs(units: list[Unit], plan: Plan) -> list[StateSpec]:
 
 
 def empty_on(
-    location: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    location: Location, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """An uninitialized tensor for state at ``location`` of a run on ``device``: on the device,
     or in host memory (pinned when the device is a GPU, so copies to and from it are

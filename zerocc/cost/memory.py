@@ -26,6 +26,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import DEVICE, HOST, state_specs
 from zerocc.compiler.units import Unit
 from zerocc.cost.timeline import MemoryTimeline
+from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import (
     GATHERED,
     GRAD,
@@ -36,6 +37,7 @@ from zerocc.ir.nodes import (
     PARAM_SHARD,
     STEP,
     info,
+    op_kind,
     op_name,
     val,
 )
@@ -95,7 +97,7 @@ def _storage(t: torch.Tensor) -> int:
 
 def _done(user: fx.Node) -> fx.Node:
     """Where a use by ``user`` ends: a collective or a copy reads its inputs until its wait."""
-    if info(user).stream != "compute" and info(user).bytes and len(user.users) == 1:
+    if info(user).stream != Stream.COMPUTE and info(user).bytes and len(user.users) == 1:
         return next(iter(user.users))
     return user
 
@@ -125,7 +127,7 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
             if node.op == "output" or any(u.op == "output" for u in node.users):
                 end = len(nodes)
             last_use[key] = max(last_use.get(key, i), end)
-        if op_name(node.target) == "zerocc.free":
+        if op_kind(node) is OpKind.FREE:
             for t in tensors_in(val(node.args[0])):
                 freed_at.setdefault(_storage(t), i)
     events: dict[int, list[tuple[str, int]]] = defaultdict(list)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +53,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from zerocc.cost.memory import tensors_in
 from zerocc.errors import PlanError
-from zerocc.ir.nodes import info, is_alias_op, op_name, val
-from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
+from zerocc.ir.kinds import OpKind
+from zerocc.ir.nodes import info, op_kind, op_name, val
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
@@ -242,14 +241,21 @@ def rates_for(
 
 # --- work of a node -----------------------------------------------------------------------------
 
-COMPUTE, COLLECTIVE, TRANSFER, WAIT, FREE = "compute", "collective", "transfer", "wait", "free"
+# The kinds of work a node's NodeWork has (``free``: nothing runs, see OpKind.PLUMBING).
+COMPUTE, COLLECTIVE, TRANSFER, WAIT = (
+    OpKind.COMPUTE,
+    OpKind.COLLECTIVE,
+    OpKind.TRANSFER,
+    OpKind.WAIT,
+)
+FREE = OpKind.PLUMBING
 
 
 @dataclass(frozen=True)
 class NodeWork:
     """What one node does, independent of rates."""
 
-    kind: str  # compute | collective | transfer | wait | free (free: placeholders, getitem, ...)
+    kind: OpKind  # compute | collective | transfer | wait | plumbing (placeholders, getitem)
     flops: float = 0.0
     bytes: int = 0  # compute: read + written; collective: logical bytes per rank; transfer: moved
     dtype: str | None = None  # dtype of the FLOPs (fp32, bf16, ...)
@@ -271,17 +277,19 @@ def node_work(node: fx.Node) -> NodeWork:
 
 
 def _work_of(node: fx.Node) -> NodeWork:
-    if node.op != "call_function" or node.target is operator.getitem:
+    kind = op_kind(node)
+    if kind is OpKind.PLUMBING:
         return _FREE
-    name = op_name(node.target)
-    if name.removeprefix("zerocc.") in COLLECTIVE_STARTS:
-        ranks, kind = _ranks(node, name), collective_kind(node)
-        return NodeWork(COLLECTIVE, bytes=info(node).bytes, ranks=ranks, collective=kind)
-    if name.removeprefix("zerocc.") in TRANSFER_STARTS:
+    if kind is OpKind.COLLECTIVE:
+        ranks = _ranks(node, op_name(node.target))
+        return NodeWork(
+            COLLECTIVE, bytes=info(node).bytes, ranks=ranks, collective=collective_kind(node)
+        )
+    if kind is OpKind.TRANSFER:
         return NodeWork(TRANSFER, bytes=info(node).bytes, collective=node.args[-1])
-    if name == "zerocc.wait":
+    if kind is OpKind.WAIT:
         return NodeWork(WAIT)
-    if _is_view(node) or name in ("zerocc.free", "zerocc.rng_state", "zerocc.set_rng_state"):
+    if kind in (OpKind.VIEW, OpKind.FREE, OpKind.RNG):
         return NodeWork(COMPUTE)  # a view, a release, a generator's state: the overhead only
     args, kwargs = _values(node.args), _values(node.kwargs)
     flops, dtype = _flops(node, args, kwargs)
@@ -289,14 +297,6 @@ def _work_of(node: fx.Node) -> NodeWork:
     host = bool(inputs) and all(t.device.type == "cpu" for t in inputs)
     moved = _bytes_moved(node, args, kwargs)
     return NodeWork(COMPUTE, flops=flops, bytes=moved, dtype=dtype, host=host)
-
-
-def _is_view(node: fx.Node) -> bool:
-    """A view (alias) of an input that writes nothing; in-place ops (``add_``) do work."""
-    if not is_alias_op(node):
-        return False
-    return not any(a.alias_info is not None and a.alias_info.is_write
-                   for a in node.target._schema.arguments)  # fmt: skip
 
 
 def _values(x: Any) -> Any:

@@ -32,10 +32,10 @@ from torch import fx
 from zerocc.cost.memory import predict_memory
 from zerocc.cost.model import TRANSFER, CostModel, DeviceRates, collective_kind, node_work
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
-from zerocc.ir.nodes import info, op_name
-from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
+from zerocc.ir.kinds import OpKind
+from zerocc.ir.nodes import info, op_kind, op_name
 
-STARTS = (*COLLECTIVE_STARTS, *TRANSFER_STARTS)
+STARTS = (OpKind.COLLECTIVE, OpKind.TRANSFER)  # what the comm and copy streams run
 
 Costs = Callable[[fx.Node], float] | Mapping[fx.Node, float]
 
@@ -107,10 +107,10 @@ def simulate(
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        name = op_name(node.target)
-        if name.removeprefix("zerocc.") in STARTS:
+        kind = op_kind(node)
+        if kind in STARTS:
             replay.issue(node)
-        elif name == "zerocc.wait":
+        elif kind is OpKind.WAIT:
             replay.wait(node)
         else:
             replay.run(node)
@@ -205,7 +205,7 @@ def _started_by(wait: fx.Node) -> fx.Node | None:
     """The collective start a wait completes (through views, should a pass put one between)."""
     node = wait.args[0] if wait.args else None
     while isinstance(node, fx.Node):
-        if op_name(node.target).removeprefix("zerocc.") in STARTS:
+        if op_kind(node) in STARTS:
             return node
         node = node.args[0] if node.args else None
     return None

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import info, op_name, val
 from zerocc.ir.printing import describe_value, human_bytes
 
@@ -65,7 +66,7 @@ def _style(node: fx.Node) -> dict[str, str]:
         style = dict(INPUT)
     else:
         style = dict(_PHASE_STYLES.get(record.phase or "", OTHER))
-    if record.stream == "comm":
+    if record.stream == Stream.COMM:
         style["fillcolor"] = COLLECTIVE_FILL
     elif _is_free(node):
         style.update(fillcolor=FREE_FILL, color=FREE_BORDER, penwidth="2")
@@ -79,7 +80,7 @@ def _label(node: fx.Node) -> str:
     value = val(node)
     if isinstance(value, torch.Tensor):
         lines.append(describe_value(value))
-    if record.stream == "comm" and record.bytes:
+    if record.stream == Stream.COMM and record.bytes:
         lines.append(human_bytes(record.bytes))
     return "\n".join(lines)
 

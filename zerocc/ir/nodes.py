@@ -7,6 +7,7 @@ carries (:class:`NodeInfo`) and the few helpers every pass uses to read and copy
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -15,25 +16,17 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import fx
 
+from zerocc.ir.kinds import OpKind, Role, Stream
+from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
+
 Phase = Literal["forward", "backward", "optimizer"]
 
-# Roles of placeholders: what the runtime binds to them.
-PARAM_FULL = "param_full"  # a unit's whole flat parameter, replicated (stages 0-2)
-PARAM_SHARD = "param_shard"  # the slice of a unit's flat parameter this rank owns and updates
-PARAM = "param"  # one original parameter (only in the captured graph)
-GRAD = "grad"  # a unit's gradient accumulator (full flat for stages 0-1, shard for 2-3)
-OPTIM_STATE = "optim_state"  # optimizer state of a unit's shard (exp_avg, momentum_buffer, ...)
-BUFFER = "buffer"  # a module buffer, replicated
-BATCH = "batch"  # one tensor of the micro-batch
-STEP = "step"  # the optimizer step counter (int64 scalar)
-MASTER = "master"  # the weights the optimizer updates, when they differ in dtype from `param`
-LOSS_SCALE = "loss_scale"  # the loss scale (fp32 scalar) backward is seeded with
-LOSS_SCALE_KEY = "amp.loss_scale"  # its state key (there is one per step)
-
-# Roles of computed nodes that later passes act on.
-GATHERED = "gathered"  # a unit's all-gathered flat parameter (stage 3)
-GRAD_SHARD = "grad_shard"  # the reduced gradient a unit's optimizer update reads
-FOUND_INF = "found_inf"  # 1.0 when a gradient overflowed on any rank: the update is skipped
+# The role names the passes use (members of Role).
+PARAM_FULL, PARAM_SHARD, PARAM = Role.PARAM_FULL, Role.PARAM_SHARD, Role.PARAM
+GRAD, OPTIM_STATE, BUFFER, BATCH = Role.GRAD, Role.OPTIM_STATE, Role.BUFFER, Role.BATCH
+STEP, MASTER, LOSS_SCALE = Role.STEP, Role.MASTER, Role.LOSS_SCALE
+GATHERED, GRAD_SHARD, FOUND_INF = Role.GATHERED, Role.GRAD_SHARD, Role.FOUND_INF
+LOSS_SCALE_KEY = "amp.loss_scale"  # the loss scale's state key (there is one per step)
 
 
 @dataclass
@@ -43,9 +36,9 @@ class NodeInfo:
     phase: Phase | None = None  # forward, backward or optimizer
     module: str | None = None  # FQN of the source module ("" for the root)
     unit: str | None = None  # FSDP unit the node belongs to or acts on
-    role: str | None = None  # placeholder role or a computed role (see the constants above)
+    role: Role | None = None  # placeholder role or a computed role
     key: str | None = None  # state key the runtime binds a placeholder to
-    stream: str = "compute"  # compute | comm
+    stream: Stream = Stream.COMPUTE
     bytes: int = 0  # bytes a collective moves (per rank, logical size)
     no_grad: tuple[int, ...] = ()  # grad_shard: (offset, numel) pairs the loss does not reach
     # grad_shard of one parameter (world size 1: read where backward left it, not packed):
@@ -107,6 +100,31 @@ def is_alias_op(node: fx.Node) -> bool:
     return len(returns) == 1 and returns[0].alias_info is not None
 
 
+_ZEROCC_KINDS = {
+    **dict.fromkeys(COLLECTIVE_STARTS, OpKind.COLLECTIVE),
+    **dict.fromkeys(TRANSFER_STARTS, OpKind.TRANSFER),
+    "wait": OpKind.WAIT,
+    "free": OpKind.FREE,
+    "rng_state": OpKind.RNG,
+    "set_rng_state": OpKind.RNG,
+}
+
+
+def op_kind(node: fx.Node) -> OpKind:
+    """What ``node`` does: the one classification every reader of a program shares."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return OpKind.PLUMBING
+    name = op_name(node.target)
+    kind = _ZEROCC_KINDS.get(name.removeprefix("zerocc.")) if name.startswith("zerocc.") else None
+    if kind is not None:
+        return kind
+    if is_alias_op(node) and not any(
+        a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments
+    ):
+        return OpKind.VIEW  # in-place ops (add_) alias their input too, but do work
+    return OpKind.COMPUTE
+
+
 def alias_closure(root: fx.Node) -> list[fx.Node]:
     """The node and every node that is (transitively) a view of it."""
     seen, stack = [root], [root]
@@ -154,12 +172,12 @@ def emit_collective(
     *,
     nbytes: int,
     note: str,
-    role: str | None = None,
+    role: Role | None = None,
     **fields: Any,
 ) -> fx.Node:
     """Insert a collective as a start/wait pair on the comm stream; returns the wait."""
-    started = emit(graph, start, args, stream="comm", bytes=nbytes, note=note, **fields)
-    return emit(graph, wait, (started,), stream="comm", role=role, **fields)
+    started = emit(graph, start, args, stream=Stream.COMM, bytes=nbytes, note=note, **fields)
+    return emit(graph, wait, (started,), stream=Stream.COMM, role=role, **fields)
 
 
 def name_placeholder(node: fx.Node, text: str) -> fx.Node:
@@ -188,7 +206,7 @@ class StateLike(Protocol):
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    role: str
+    role: Role
     unit: str | None
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import info, op_name, val
 
 _DTYPES = {
@@ -64,7 +65,7 @@ def _comment(node: fx.Node) -> str:
         parts.append(f"unit={record.unit}")
     if record.phase:
         parts.append(record.phase)
-    if record.stream != "compute":
+    if record.stream != Stream.COMPUTE:
         parts.append(f"stream={record.stream}")
     if record.bytes:
         parts.append(human_bytes(record.bytes))

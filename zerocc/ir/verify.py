@@ -12,10 +12,8 @@ from __future__ import annotations
 from torch import fx
 
 from zerocc.errors import InvariantError
-from zerocc.ir.nodes import GATHERED, alias_closure, info, op_name
-from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
-
-_STARTS = {f"zerocc.{name}" for name in (*COLLECTIVE_STARTS, *TRANSFER_STARTS)}
+from zerocc.ir.kinds import OpKind
+from zerocc.ir.nodes import GATHERED, alias_closure, info, op_kind, op_name
 
 
 def _fail(after: str, node: fx.Node, problem: str) -> InvariantError:
@@ -29,7 +27,7 @@ def verify_program(gm: fx.GraphModule, after: str) -> None:
     gm.graph.lint()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and op_name(node.target) in _STARTS:
+        if op_kind(node) in (OpKind.COLLECTIVE, OpKind.TRANSFER):
             _check_collective(node, order, after)
         if info(node).role == GATHERED:
             _check_gathered(node, order, after)
@@ -65,7 +63,7 @@ def _check_collective(start: fx.Node, order: dict[fx.Node, int], after: str) -> 
 
 def _check_gathered(flat: fx.Node, order: dict[fx.Node, int], after: str) -> None:
     aliases = alias_closure(flat)
-    frees = [u for a in aliases for u in a.users if op_name(u.target) == "zerocc.free"]
+    frees = [u for a in aliases for u in a.users if op_kind(u) is OpKind.FREE]
     if len(frees) > 1:
         raise _fail(after, frees[1], f"frees {flat.name!r} a second time")
     if not frees:

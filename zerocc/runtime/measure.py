@@ -21,6 +21,7 @@ from torch import fx
 
 from zerocc.cost.memory import node_label, tensors_in, transient_category
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
+from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import info, op_name
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class ProfiledRun(fx.Interpreter):
         name = op_name(n.target).removeprefix("aten.").removeprefix("zerocc.")
         title = f"{name} {record.unit}" if record.unit else name
         args = {"phase": record.phase or "", "node": n.name}
-        if record.stream != "comm":
+        if record.stream != Stream.COMM:
             self.events.append(TraceEvent(self.rank, "compute", title, start, end - start, args))
         elif record.bytes:  # a collective's start: its slice ends when its wait returns
             self._comm_start[n] = start
