@@ -1,10 +1,10 @@
 """Measure a real run of a program: when each op ran, and the tensor memory it kept alive.
 
-:class:`ProfiledRun` interprets the program node by node (as the eager backend's code does,
-dropping each value after its last use), timing every op and, after each, summing the bytes of
-the live storages the run created. Collectives appear on a communication track from their
-start to the end of their wait; everything else on the compute track. The numbers are what
-``zerocc estimate`` predicts, measured: the tests hold one to the other.
+:class:`ProfiledRun` interprets a backend's executable node by node (its ``gm``, whose nodes
+are the program's; each value dropped after its last use, as generated code does), timing every
+op and, after each, summing the bytes of the live storages the run created. Collectives appear on a
+communication track from their start to the end of their wait; everything else on the compute
+track. The numbers are what ``zerocc estimate`` predicts, measured: the tests hold one to the other.
 
 The time a wait blocks is communication the schedule failed to hide: it is recorded on the
 compute track too, as an ``exposed`` event (see :func:`exposed_us`).
