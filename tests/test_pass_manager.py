@@ -175,35 +175,6 @@ def test_values_propagated_after_each_pass_are_those_of_a_full_propagation(plan)
 # -- one source of pipeline order -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "plan, expected",
-    [  # the pipelines plan.py's hand-written lists gave before the specs ordered them
-        ({}, ["partition", "shard", "optimizer", "overlap"]),
-        ({"overlap": {"enabled": False}}, ["partition", "shard", "optimizer"]),
-        (
-            {"precision": {"param": "bf16"}},
-            ["partition", "shard", "precision", "optimizer", "overlap"],
-        ),
-        (
-            {"checkpointing": {"units": "all"}, "precision": {"param": "fp16"}},
-            ["partition", "recompute", "shard", "precision", "optimizer", "overlap"],
-        ),
-        (
-            {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "params": "cpu"}},
-            ["partition", "shard", "optimizer", "overlap", "offload"],
-        ),
-        (
-            {"zero": {"stage": 2}, "offload": {"optimizer": "cpu"}, "overlap": {"enabled": False}},
-            ["partition", "shard", "optimizer", "offload"],
-        ),
-    ],
-)
-def test_the_default_pipeline_is_the_passes_the_plan_turns_on_in_contract_order(plan, expected):
-    from zerocc.compiler.pass_manager import pipeline_names
-
-    assert pipeline_names(zerocc.load_plan(plan)) == expected
-
-
 def test_an_unknown_capability_is_refused_when_the_pass_registers():
     from zerocc.compiler.pass_spec import PASSES, register_pass
 

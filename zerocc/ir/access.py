@@ -144,6 +144,11 @@ def _aliased_argument(node: fx.Node) -> fx.Node | None:
         return None
     alias_set = target._schema.returns[0].alias_info.before_set
     for arg, value in _schema_arguments(node):
-        if arg.alias_info is not None and arg.alias_info.before_set == alias_set:
+        alias = arg.alias_info
+        # A list of views (``split(Tensor(a -> *) self) -> Tensor(a)[]``) names no set on the
+        # list itself: its elements alias the argument that goes into the wildcard.
+        if alias is not None and (
+            alias.before_set == alias_set or (not alias_set and "*" in alias.after_set)
+        ):
             return value if isinstance(value, fx.Node) else None
     return None
