@@ -3,7 +3,7 @@ as DDP broadcasts them: ranks seeded differently, a common mistake, must still t
 
 Parity against the reference built as rank 0 builds its model, at every stage; a model built on
 ``meta`` needs no broadcast (its initialization depends on the plan's seed and each tensor's name
-alone), so ranks whose global RNG differs agree there too. Tolerance as tests/test_parity.py.
+alone), so ranks whose global RNG differs agree there too. Tolerance as tests/parity/test_parity.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 import zerocc
 
-TOL = 1e-5  # as tests/test_parity.py: float32 rounding of a few ulps per step, five steps
+TOL = 1e-5  # as tests/parity/test_parity.py: float32 rounding of a few ulps per step, five steps
 
 CASES = [{"model": "gpt", "stage": s, "world": 2, "rank_seeds": True} for s in range(4)]
 CASES += [

@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 from multirank import run_ranks
+
 from parity import case_id, train
 
 OFF = {"enabled": False}

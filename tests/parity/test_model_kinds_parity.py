@@ -17,6 +17,7 @@ import functools
 import pytest
 from models import MODEL_KINDS, RANDOM_KINDS
 from multirank import run_ranks
+
 from parity import assert_matches_reference, case_id, reference, relative_difference, train
 
 TOL = 1e-5

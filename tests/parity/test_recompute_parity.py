@@ -15,6 +15,7 @@ import pytest
 import torch
 from models import MODELS, RANDOM_MODELS
 from multirank import run_ranks
+
 from parity import case_id, reference, relative_difference, train
 
 ALL = {"units": "all"}

@@ -15,6 +15,7 @@ import functools
 import pytest
 from models import MODELS
 from multirank import run_ranks
+
 from parity import assert_matches_reference, case_id, train
 
 TOL = 1e-5

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from multirank import run_ranks
+
 from parity import case_id, reference, relative_difference, train
 
 NVME = Path(tempfile.gettempdir()) / "zerocc-test-nvme"
