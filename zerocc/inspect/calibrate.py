@@ -427,11 +427,9 @@ class _SerialComm(Comm):
         return self._timed("all_reduce", nbytes, lambda: self.inner.all_reduce(tensor))
 
 
-class EagerRun(ProfiledRun):
-    """The program run as the backend's executable runs it (its generated code, not op by op),
-    on a comm whose collectives finish when issued (:class:`_SerialComm`, filling
-    ``collectives``): ``seconds`` is its compute plus its collectives in turn. Records no
-    events."""
+class _SerialRun(ProfiledRun):
+    """A run on a comm whose collectives finish when issued (:class:`_SerialComm`), which
+    times each of them into ``collectives``."""
 
     def __init__(
         self,
@@ -442,7 +440,13 @@ class EagerRun(ProfiledRun):
     ) -> None:
         super().__init__(executable, rank, model_states)
         self.collectives = collectives
-        self.seconds = 0.0
+
+
+class EagerRun(_SerialRun):
+    """The program run as the backend's executable runs it (its generated code, not op by op):
+    ``seconds`` is its compute plus its collectives in turn. Records no events."""
+
+    seconds = 0.0
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
@@ -454,21 +458,10 @@ class EagerRun(ProfiledRun):
         return result
 
 
-class CalibrationRun(ProfiledRun):
-    """A profiled run for fitting, on a comm whose collectives complete (timed, in
-    ``collectives``) when issued (:class:`_SerialComm`), so no op shares the machine with a
-    transfer; on a GPU the compute stream is synchronized after every op, so an op's time is
-    its kernels', not their launch's."""
-
-    def __init__(
-        self,
-        executable: Executable,
-        rank: int,
-        model_states: dict[str, int],
-        collectives: list[dict[str, Any]],
-    ) -> None:
-        super().__init__(executable, rank, model_states)
-        self.collectives = collectives
+class CalibrationRun(_SerialRun):
+    """A profiled run for fitting: no op shares the machine with a transfer (collectives finish
+    when issued); on a GPU the compute stream is synchronized after every op, so an op's time
+    is its kernels', not their launch's."""
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         result = super().call_function(target, args, kwargs)
@@ -499,7 +492,7 @@ def calibrate(
     plan, comm, device = step.plan, step.comm, step.device
     k = plan.grad_accumulation
 
-    def one_step(recorder: type[EagerRun | CalibrationRun] | None = None) -> list[Any]:
+    def one_step(recorder: type[_SerialRun] | None = None) -> list[Any]:
         recorders = []
         for _ in range(k):
             batch = to_device(next(batches), device)
