@@ -43,7 +43,11 @@ BACKENDS: dict[str, Backend] = {"eager": eager.compile}
 
 
 def register_backend(name: str, backend: Backend) -> None:
-    """Make ``backend`` the one a plan's ``backend.name: <name>`` runs on."""
+    """Make ``backend`` the one a plan's ``backend.name: <name>`` runs on. A name already
+    registered is an error: replacing a backend (``eager`` among them) would change what every
+    plan naming it runs, unseen."""
+    if name in BACKENDS:
+        raise ValueError(f"backend {name!r} is already registered; register under another name")
     BACKENDS[name] = backend
 
 

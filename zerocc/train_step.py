@@ -7,7 +7,7 @@ agreement, checkpoints); this layer adds :meth:`TrainStep.explain` and the dumps
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,7 +18,8 @@ from zerocc.compiler.plan import Plan
 from zerocc.inspect.dumps import dump_dir, write_program_dumps, write_run_dumps
 from zerocc.inspect.explain import explain_step
 from zerocc.runtime.comm import Comm
-from zerocc.runtime.step import StepRunner
+from zerocc.runtime.measure import ProfiledRun
+from zerocc.runtime.step import Program, StepRunner
 
 
 class TrainStep(StepRunner):
@@ -35,15 +36,17 @@ class TrainStep(StepRunner):
         """Units, bytes each collective moves per step, model-state bytes per rank vs formula."""
         return explain_step(self.record())
 
-    def _step(self, batch: tuple, run: Any = None) -> torch.Tensor:
-        if self.dump_dir and not self._run_dumped and run is None and self._steps_next():
+    def _step(
+        self, batch: tuple, recorded: Callable[[Program], ProfiledRun] | None = None
+    ) -> torch.Tensor:
+        if self.dump_dir and not self._run_dumped and recorded is None and self._steps_next():
             # Dumps: the first step that runs the optimizer runs op by op, timed, on every rank.
             self._check_usable()
             self._run_dumped = True
             loss, recorder = self.profile(*batch)
             write_run_dumps(self.dump_dir, self.record(), recorder, self.comm)
             return loss
-        return super()._step(batch, run)
+        return super()._step(batch, recorded)
 
     def _keeps_pass_graphs(self) -> bool:
         return self.dump_dir is not None

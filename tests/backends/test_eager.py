@@ -151,3 +151,44 @@ def test_an_unregistered_backend_is_a_plan_error_naming_the_registered_ones():
     plan = {**PLAN, "backend": {"device": "cpu", "name": "inductorr"}}
     with pytest.raises(zerocc.PlanError, match="'inductorr' is not a registered backend.*eager"):
         zerocc.compile(_model(), plan, loss_fn=_loss, comm=FakeComm(2))
+
+
+def test_a_profiled_run_is_checked_on_the_executable_that_ran():
+    """Profiling runs the program on an executable of its own: what that one leaves in flight
+    is the error, not what the step's (idle) executable holds."""
+
+    class Leaky:
+        def __init__(self, inner):
+            self.inner, self.gm = inner, inner.gm
+
+        def __call__(self, *args):
+            return self.inner(*args)
+
+        def in_flight(self):
+            return 1  # as if a collective were never waited on
+
+        def reset(self):
+            self.inner.reset()
+
+    built = []
+
+    def leaky_after_the_first(program, example_inputs, ctx):
+        executable = eager.compile(program, example_inputs, ctx)
+        built.append(executable)
+        return executable if len(built) == 1 else Leaky(executable)
+
+    register_backend("leaky", leaky_after_the_first)
+    try:
+        plan = {**PLAN, "backend": {"device": "cpu", "name": "leaky"}}
+        step = zerocc.compile(_model(), plan, loss_fn=_loss, comm=FakeComm(2))
+        step(torch.randn(4, 8))  # the step's own executable: clean
+        with pytest.raises(RuntimeError, match="collectives still in flight"):
+            step.profile(torch.randn(4, 8))
+    finally:
+        del BACKENDS["leaky"]
+
+
+def test_a_registered_name_is_not_replaced():
+    with pytest.raises(ValueError, match="'eager' is already registered"):
+        register_backend("eager", eager.compile)
+    assert BACKENDS["eager"] is eager.compile

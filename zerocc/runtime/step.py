@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -180,15 +180,19 @@ class StepRunner:
         recorders: list[ProfiledRun] = []
         context = replace(self.context, comm=comm) if comm is not None else self.context
 
-        def run(program: Program, args: list[Any]) -> Any:
+        def recorded(program: Program) -> ProfiledRun:
             executable = self.backend(program.gm, program.example_inputs, context)
             recorders.append(recorder(executable, self.comm.rank, self.model_state_bytes()))
-            return recorders[-1].run(*args)
+            return recorders[-1]
 
-        loss = self._step(batch, run)
+        loss = self._step(batch, recorded)
         return loss, recorders[0]
 
-    def _step(self, batch: tuple, run: Any = None) -> torch.Tensor:
+    def _step(
+        self, batch: tuple, recorded: Callable[[Program], ProfiledRun] | None = None
+    ) -> torch.Tensor:
+        """One micro-batch; ``recorded(program)``, when given, makes the recorder the program
+        runs under (on an executable of its own) instead of the program's executable."""
         self._check_usable()
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
         boundary = self._steps_next()
@@ -206,6 +210,8 @@ class StepRunner:
         if boundary and STEP_SPEC.key in self.state:
             self.state[STEP_SPEC.key].fill_(self.steps + 1)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
+        recorder = recorded(program) if recorded is not None else None
+        executable = recorder.executable if recorder is not None else program.run
         late = None if agreement.settled else lambda: self._settle(agreement)
         self.comm.stats.reset()
         self.transfers.stats.reset()
@@ -215,9 +221,9 @@ class StepRunner:
                 self.comm.checked_before_first_collective(late),
             ):
                 args = detach_inputs(args)  # so that grad mode records no autograd graph
-                loss = run(program, args) if run else program.run(*args)
+                loss = recorder.run(*args) if recorder is not None else executable(*args)
         except BaseException as exc:
-            program.run.reset()
+            executable.reset()
             if exc is agreement.error:  # the ranks disagree: stopped before anything was written
                 if boundary and STEP_SPEC.key in self.state:
                     self.state[STEP_SPEC.key].fill_(self.steps)
@@ -233,7 +239,7 @@ class StepRunner:
             self._settle(agreement)
         if first_run:
             self.programs[key] = program
-        if program.run.in_flight():
+        if executable.in_flight():
             raise RuntimeError("a program finished with collectives still in flight")
         self.micro_batches += 1
         self._last_program = program
