@@ -29,7 +29,15 @@ from torch import fx
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
-from zerocc.compiler.state import DEVICE, HOST, NVME, Placement, StateSpec, placements, state_specs
+from zerocc.compiler.state import (
+    DEVICE,
+    HOST,
+    NVME,
+    Placement,
+    StateSpec,
+    declare_placements,
+    placements,
+)
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
@@ -55,7 +63,7 @@ class _Offloader:
     def __init__(self, gm: fx.GraphModule, ctx: PassContext, where: dict[str, Placement]) -> None:
         self.gm, self.graph, self.where = gm, gm.graph, where
         self.solo = ctx.world_size == 1
-        self.specs = {s.key: s for s in state_specs(ctx.units, ctx.plan)}
+        self.specs = {s.key: s for s in ctx.layout}  # as placed (`declare_placements`)
         self.unit_key = {u.name: u.key for u in ctx.units}
         self.bound = {info(n).key: n for n in placeholders(gm) if info(n).key in self.specs}
         self.like = next(v for v in map(val, placeholders(gm)) if isinstance(v, torch.Tensor))
@@ -337,6 +345,7 @@ class _Offloader:
     when="the offload section offloads states",
     off_because="offload.optimizer and offload.params are 'none'",
     turn_on="set offload.optimizer (or params)",
+    declares=declare_placements,
 )
 def offload(gm: fx.GraphModule, ctx: PassContext, *, config: OffloadConfig) -> fx.GraphModule:
     """Place offloaded units' states in host memory or on NVMe and insert their copies."""

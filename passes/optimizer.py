@@ -28,12 +28,13 @@ from torch import fx
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OptimizerConfig
-from zerocc.compiler.state import STEP_SPEC, optimizer_specs
+from zerocc.compiler.state import STEP_SPEC, declare_optimizer_state
 from zerocc.ir.nodes import (
     FOUND_INF,
     GRAD,
     GRAD_SHARD,
     MASTER,
+    OPTIM_STATE,
     PARAM_FULL,
     PARAM_SHARD,
     emit,
@@ -59,6 +60,7 @@ aten = torch.ops.aten
         "grad_accumulation": plan.grad_accumulation,
         "check_nonfinite": plan.precision.scaling == "none",
     },
+    declares=declare_optimizer_state,
 )
 def optimizer(
     gm: fx.GraphModule,
@@ -84,15 +86,16 @@ def optimizer(
     found_inf = next(iter(nodes_with_role(gm, FOUND_INF)), None)
     like = next(iter(grad_shards.values()))[0].meta["val"]
     units = [u for u in ctx.units if u.name in grad_shards]
-    precision = ctx.plan.precision if ctx.plan.precision.mixed else None
+    layout = ctx.layout  # as the pass declared it (`declare_optimizer_state`)
     states = {
         u.name: [
             state_placeholder(graph, spec, like)
-            for spec in optimizer_specs(u, stage, config, precision)
+            for spec in layout.of_unit(u).values()
+            if spec.role == OPTIM_STATE
         ]
         for u in units
     }
-    step = state_placeholder(graph, STEP_SPEC, like) if config.name == "adamw" else None
+    step = state_placeholder(graph, layout[STEP_SPEC.key], like) if config.name == "adamw" else None
     scale = 1.0 / (ctx.world_size * grad_accumulation)
     # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
     sliced = stage > 0 and ctx.world_size > 1

@@ -31,7 +31,7 @@ from torch import fx
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import PrecisionConfig
-from zerocc.compiler.state import Dtypes, param_specs
+from zerocc.compiler.state import Dtypes, declare_params
 from zerocc.errors import InvariantError
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import (
@@ -40,6 +40,7 @@ from zerocc.ir.nodes import (
     GRAD,
     GRAD_SHARD,
     LOSS_SCALE,
+    MASTER,
     PARAM_FULL,
     PARAM_SHARD,
     alias_closure,
@@ -87,28 +88,21 @@ class _PrecisionRewriter:
         self.precision = precision
         self.compute = precision.dtype("param")
         self.stage = ctx.plan.zero.stage
-        self.accumulation = ctx.plan.grad_accumulation
         # The dtype gradients are kept in for the update: reduce (stages 0-1) or grad (2-3).
         self.kept = Dtypes.of(ctx.units[0], precision).gradient(self.stage)
 
     def retype_state(self) -> None:
         """Give ``param``/``param_shard``/``grad`` placeholders their mixed-precision dtypes, and
         add the ``master`` weights the update reads (the program that steps)."""
-        specs = {
-            s.key: s
-            for u in self.ctx.units
-            for s in param_specs(
-                u, self.stage, self.precision, grad_accumulation=self.accumulation
-            ).values()
-        }
+        layout = self.ctx.layout  # as the pass declared it (`declare_params`)
         for node in placeholders(self.gm):
-            spec = specs.get(info(node).key or "")
+            spec = layout.get(info(node).key or "")
             if spec is not None and spec.dtype != val(node).dtype:
                 _retype(node, spec.dtype)
         if self.ctx.boundary:
             like = val(next(iter(placeholders(self.gm))))
-            for spec in specs.values():
-                if spec.key.endswith(".master"):
+            for spec in layout:
+                if spec.role == MASTER:
                     state_placeholder(self.graph, spec, like)
 
     def drop_param_casts(self) -> None:
@@ -259,6 +253,7 @@ def _rescale_collective_bytes(gm: fx.GraphModule, ctx: PassContext) -> None:
     when="the precision section leaves fp32",
     off_because="the precision section keeps fp32 everywhere",
     turn_on="set precision.param: bf16 (or fp16)",
+    declares=lambda layout, units, plan: declare_params(layout, units, plan, plan.precision),
 )
 def precision(
     gm: fx.GraphModule, ctx: PassContext, *, precision: PrecisionConfig

@@ -40,7 +40,7 @@ from torch import fx
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
-from zerocc.compiler.state import DEVICE, param_specs, placements
+from zerocc.compiler.state import DEVICE, declare_params, placements
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import (
@@ -96,10 +96,10 @@ class _ShardRewriter:
 
     def add_placeholders(self) -> None:
         like = next(n.meta["val"] for n in self.old.graph.nodes if n.op == "placeholder")
-        for unit in self.ctx.units:
-            specs = param_specs(unit, self.stage, grad_accumulation=self.grad_accumulation)
+        for unit in self.ctx.units:  # as the pass declared them (`declare_params`)
             self.state[unit.name] = {
-                name: state_placeholder(self.graph, spec, like) for name, spec in specs.items()
+                name: state_placeholder(self.graph, spec, like)
+                for name, spec in self.ctx.layout.of_unit(unit).items()
             }
         for n in self.old.graph.nodes:
             if n.op == "placeholder" and info(n).role != PARAM:
@@ -259,6 +259,7 @@ def _options(plan) -> dict:
     requires=("units",),
     provides=("sharded_params", "grad_shards"),
     options=_options,
+    declares=lambda layout, units, plan: declare_params(layout, units, plan, precision=None),
 )
 def shard(
     gm: fx.GraphModule,

@@ -18,7 +18,7 @@ from parity import batch_of
 import zerocc
 import zerocc.runtime.step as step_module
 from zerocc.compiler.capture import describe_model
-from zerocc.compiler.pass_manager import build_pipeline
+from zerocc.compiler.pass_manager import build_pipeline, plan_layout
 from zerocc.compiler.plan import load_plan
 from zerocc.compiler.plan_changes import NVME_PATH_HINT
 from zerocc.compiler.program import compile_program
@@ -61,7 +61,7 @@ def machine(monkeypatch):
 
 @pytest.fixture
 def allocations(monkeypatch):
-    """Calls of allocate_state (each one goes through)."""
+    """The layouts allocate_state was called with (each call goes through)."""
     calls = []
     real = step_module.allocate_state
 
@@ -82,7 +82,7 @@ def _states_need(model: torch.nn.Module, plan: dict, world: int, device=CPU) -> 
     """What check 1 predicts per rank and pool for ``plan`` on ``world`` ranks."""
     info, plan = describe_model(model), load_plan(plan)
     units = assign_units(info, world, plan.units.classes, plan.units.modules, plan.units.min_mb)
-    need = memory_check.model_state_need(info, units, plan, device)
+    need = memory_check.model_state_need(info, units, plan_layout(plan, units), device)
     return {pool: sum(parts.values()) for pool, parts in need.items()}
 
 
@@ -144,7 +144,7 @@ def test_states_that_do_not_fit_fail_before_any_state_is_allocated(machine, allo
     for change in changes:  # each one the message says fits does
         changed, ranks = _apply(plan, change, str(tmp_path))
         step = zerocc.compile(_meta_gpt(), changed, comm=zerocc.FakeComm(ranks or 2))
-        assert step.state and allocations[-1] == load_plan(changed)
+        assert step.state and allocations[-1] == plan_layout(load_plan(changed), step.units)
 
 
 def test_no_world_size_fits_what_stage_0_keeps_whole(machine):
@@ -221,7 +221,8 @@ def test_on_a_gpu_device_states_may_move_to_host_memory(machine):
     info, plan_model = describe_model(model), load_plan(plan)
     units = assign_units(info, 2, ["Block"], [], None)
     with pytest.raises(InsufficientMemoryError) as raised:
-        memory_check.check_model_states(info, units, plan_model, zerocc.FakeComm(2), gpu)
+        layout = plan_layout(plan_model, units)
+        memory_check.check_model_states(info, units, layout, plan_model, zerocc.FakeComm(2), gpu)
     message = str(raised.value)
     assert "memory of cuda:0: per rank" in message
     changes = _fitting_changes(message)

@@ -172,7 +172,7 @@ def zero3():
 
 def test_a_real_program_waits_for_every_collective_and_predicts_its_peak(zero3):
     gm = zero3.stepping.gm
-    states = model_state_bytes_of(zero3.units, zero3.plan)
+    states = model_state_bytes_of(zero3.stepping.layout)
     model = CostModel(DeviceRates.defaults("cpu"), 4)
     sim = simulate(gm, model, issue_s=model.issue_s, model_states=states)
     starts = [n for n in gm.graph.nodes if n.op == "call_function" and "_start" in n.name]

@@ -237,7 +237,7 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
     started = time.perf_counter()
     losses = [float(step(*to_device(first, device)))]  # captures and compiles
     first_done = time.perf_counter()
-    timeline = predict_memory(step.program, model_state_bytes_of(step.units, plan))
+    timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     report(predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks)
     if rank == 0:

@@ -27,6 +27,8 @@ from zerocc.compiler.capabilities import CAPTURE_PROVIDES, STEP_NEEDS
 from zerocc.compiler.pass_spec import PASSES, PassContext, PassSpec
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan_messages import invalid_plan, plan_origin
+from zerocc.compiler.state import StateLayout, captured_state
+from zerocc.compiler.units import Unit
 from zerocc.errors import InvariantError, PassOrderError
 from zerocc.ir.fake_values import propagate_fake_values
 from zerocc.ir.nodes import count_ops
@@ -68,6 +70,23 @@ def build_pipeline(plan: Plan) -> Pipeline:
     specs = check_passes(plan)
     bound = tuple(functools.partial(s.fn, **s.options(plan)) for s in specs)
     return Pipeline(specs, bound)
+
+
+def state_layout(pipeline: Pipeline, units: list[Unit], plan: Plan) -> StateLayout:
+    """The persistent state the pipeline's programs bind for ``units``: what capture binds,
+    then each pass's declarations in order, without compiling anything (the runtime allocates
+    from it before the first batch; the memory check and estimates count it). A compiled
+    program carries the same layout, declared as its passes ran."""
+    layout = captured_state(plan)
+    for spec in pipeline.specs:
+        if spec.declares is not None:
+            spec.declares(layout, units, plan)
+    return layout
+
+
+def plan_layout(plan: Plan, units: list[Unit]) -> StateLayout:
+    """:func:`state_layout` of ``plan``'s own pipeline."""
+    return state_layout(build_pipeline(plan), units, plan)
 
 
 def pipeline_names(plan: Plan) -> list[str]:
@@ -227,16 +246,20 @@ def run_pipeline(
     keep: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
     """Run each pass in order, timing it, recording the program after it (and ``keep(gm)``, a
-    copy of the graph, when given), verifying if asked."""
+    copy of the graph, when given), verifying if asked. Before a pass runs, the state it
+    declares is added to ``ctx.layout``."""
     from zerocc.ir.verify import verify_program
 
     records = []
     verify = verify_enabled()
     propagate_fake_values(gm)  # records what each captured value was computed from
+    ctx.layout = captured_state(ctx.plan)
     for spec, fn in zip(pipeline.specs, pipeline.bound, strict=True):
         before = count_ops(gm.graph.nodes)
         n_before = len(gm.graph.nodes)
         start = time.perf_counter()
+        if spec.declares is not None:
+            spec.declares(ctx.layout, ctx.units, ctx.plan)
         gm = fn(gm, ctx)
         propagate_fake_values(gm)  # only what the pass changed, and what depends on it
         seconds = time.perf_counter() - start

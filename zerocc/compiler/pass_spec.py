@@ -19,7 +19,10 @@ from torch import fx
 from zerocc.compiler.capabilities import Capability, capability
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
+
+Declares = Callable[[StateLayout, list[Unit], Plan], None]
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class PassSpec:
     # A plan's own `passes` may leave it out though its section turns it on: it changes the
     # schedule, not what is computed (overlap).
     optional: bool = False
+    # The persistent state the pass creates or changes, declared into the layout before it runs
+    # (and, without a graph, when the runtime lays out the state): ``declares(layout, units,
+    # plan)``. The pass makes its state placeholders from the layout.
+    declares: Declares | None = None
 
     def enabled_for(self, plan: Plan) -> bool:
         """Whether ``plan``'s default pipeline runs this pass."""
@@ -65,6 +72,7 @@ def register_pass(
     off_because: str = "",
     turn_on: str = "",
     optional: bool = False,
+    declares: Declares | None = None,
 ) -> Callable[[Callable[..., fx.GraphModule]], Callable[..., fx.GraphModule]]:
     """Register ``fn`` as pass ``name``; ``options(plan)`` gives its keyword options.
 
@@ -72,7 +80,8 @@ def register_pass(
     run before whatever provides it); names are :class:`Capability` values (an unknown one is
     an error here). ``enabled(plan)``: whether the default pipeline runs it (every plan, when
     None), ``when`` saying so in words, ``off_because`` and ``turn_on`` what a plan that lists
-    it with nothing to do is told; ``optional``: a plan's own ``passes`` may leave it out."""
+    it with nothing to do is told; ``optional``: a plan's own ``passes`` may leave it out;
+    ``declares``: the state it creates or changes (see :class:`PassSpec`)."""
 
     def decorate(fn: Callable[..., fx.GraphModule]) -> Callable[..., fx.GraphModule]:
         PASSES[name] = PassSpec(
@@ -89,6 +98,7 @@ def register_pass(
             off_because,
             turn_on,
             optional,
+            declares,
         )
         return fn
 
@@ -104,3 +114,5 @@ class PassContext:
     model: ModelInfo
     boundary: bool = True  # whether this program ends with the optimizer step
     units: list[Unit] = field(default_factory=list)  # filled by the partition pass
+    # The state the passes so far declared (each pass's ``declares``, run before it).
+    layout: StateLayout = field(default_factory=StateLayout)

@@ -19,17 +19,21 @@ from torch import fx, nn
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.pass_manager import PassContext, PassRecord, Pipeline, run_pipeline
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
-from zerocc.ir.nodes import count_ops
+from zerocc.errors import InvariantError
+from zerocc.ir.nodes import STATE_ROLES, count_ops, info, val
 
 
 @dataclass
 class CompiledProgram:
-    """A scheduled program, what each pass did to it, and the units it was built with."""
+    """A scheduled program, what each pass did to it, the units it was built with and the
+    persistent state its passes laid out (which its state placeholders bind)."""
 
     gm: fx.GraphModule
     records: list[PassRecord]  # the captured graph first ("capture"), then one per pass
     units: list[Unit]
+    layout: StateLayout
 
 
 def compile_program(
@@ -68,7 +72,24 @@ def compile_program(
         captured.gm = snapshot(gm)
     ctx = PassContext(plan, world_size, model_info, boundary=boundary, units=list(units or []))
     gm, records = run_pipeline(gm, ctx, pipeline, snapshot if keep_graphs else None)
-    return CompiledProgram(gm, [captured, *records], ctx.units)
+    check_bindings(gm, ctx.layout)
+    return CompiledProgram(gm, [captured, *records], ctx.units, ctx.layout)
+
+
+def check_bindings(gm: fx.GraphModule, layout: StateLayout) -> None:
+    """Every state placeholder of ``gm`` binds a state of ``layout``, of its shape and dtype
+    (what the runtime allocated from the layout): raises InvariantError naming the first that
+    does not."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or info(node).role not in STATE_ROLES:
+            continue
+        spec, value = layout.get(info(node).key or ""), val(node)
+        if spec is None or (spec.shape, spec.dtype) != (tuple(value.shape), value.dtype):
+            raise InvariantError(
+                f"placeholder {node.name} ({info(node).role}, {tuple(value.shape)} "
+                f"{value.dtype}) binds no state of the layout its passes declared "
+                f"({spec if spec is not None else 'no state of key ' + repr(info(node).key)})"
+            )
 
 
 def snapshot(gm: fx.GraphModule) -> fx.GraphModule:

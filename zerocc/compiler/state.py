@@ -1,9 +1,13 @@
 """The persistent state of a training step: what each rank keeps between steps, and its layout.
 
-One place says which tensors exist for a plan (per unit: the flat parameter or its shard, the
-fp32 master weights under mixed precision, the gradient accumulator, the optimizer states; the
-step counter and the loss scale), so the passes that create their placeholders and the runtime
-that allocates them at compile time cannot disagree.
+The passes that create state declare it (:class:`StateLayout`: per unit the flat parameter or
+its shard, the fp32 master weights under mixed precision, the gradient accumulator, the
+optimizer states; the step counter and the loss scale), each pass spec's ``declares`` adding to
+or re-typing or re-placing what the passes before it declared, and make their placeholders from
+it. The layout is an output of compilation: the compiled program carries it, and the runtime
+allocates from the same fold of the pipeline's declarations
+(:func:`zerocc.compiler.pass_manager.state_layout`), before any program exists, so that a
+checkpoint can load into it.
 
 Under mixed precision ``param`` is the compute copy (e.g. bf16) the gathers move and the forward
 reads, and ``master`` holds the weights the optimizer updates (fp32): the whole flat for stage 0,
@@ -23,8 +27,8 @@ live, and the compute copy ``param`` is written from it wherever that lives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -89,8 +93,8 @@ class Placement:
     """Where one unit's states live: the master weights with the optimizer states (the update
     runs there), and (stage 3) the parameter shard between its all-gathers."""
 
-    optimizer: str = DEVICE
-    params: str = DEVICE
+    optimizer: Location = DEVICE
+    params: Location = DEVICE
 
     @property
     def split(self) -> bool:
@@ -169,24 +173,20 @@ def param_specs(
     unit: Unit,
     stage: int,
     precision: PrecisionConfig | None = None,
-    placement: Placement = Placement(),
     grad_accumulation: int = 1,
 ) -> dict[str, StateSpec]:
     """``param`` (stage 3: this rank's shard; else the replicated flat), ``param_shard``
     (stages 1-2: this rank's slice of it), ``master`` (the weights the optimizer updates, when
-    their dtype differs from ``param``'s or they live apart from it) and, when gradients are
-    accumulated over micro-batches (``grad_accumulation`` > 1), ``grad`` (the accumulator: full
-    for stages 0-1, a shard for 2-3). Frozen units keep no ``grad``. ``precision=None`` is the
-    model's dtype throughout, the layout the shard pass builds before the precision pass
-    retypes it."""
+    their dtype differs from ``param``'s) and, when gradients are accumulated over micro-batches
+    (``grad_accumulation`` > 1), ``grad`` (the accumulator: full for stages 0-1, a shard for
+    2-3). Frozen units keep no ``grad``. ``precision=None`` is the model's dtype throughout, the
+    layout the shard pass declares before the precision pass retypes it. All on the device:
+    offload re-places them (:func:`place_unit`)."""
     full, shard = (unit.padded_numel,), (unit.shard_numel,)
     dtypes = Dtypes.of(unit, precision)
-    key = unit.key
 
-    def spec(
-        name: str, role: str, shape: tuple[int, ...], dtype: torch.dtype, where: str = DEVICE
-    ) -> StateSpec:
-        return StateSpec(f"{key}.{name}", role, unit.name, shape, dtype, where)
+    def spec(name: str, role: Role, shape: tuple[int, ...], dtype: torch.dtype) -> StateSpec:
+        return StateSpec(f"{unit.key}.{name}", role, unit.name, shape, dtype)
 
     specs = {
         "param": spec(
@@ -194,15 +194,12 @@ def param_specs(
             PARAM_SHARD if stage == 3 else PARAM_FULL,
             shard if stage == 3 else full,
             dtypes.param,
-            placement.params,
         )
     }
     if unit.trainable and stage in (1, 2):
         specs["param_shard"] = spec("param_shard", PARAM_SHARD, shard, dtypes.param)
-    if dtypes.master != dtypes.param or (unit.trainable and placement.split):
-        specs["master"] = spec(
-            "master", MASTER, full if stage == 0 else shard, dtypes.master, placement.optimizer
-        )
+    if dtypes.master != dtypes.param:
+        specs["master"] = spec("master", MASTER, full if stage == 0 else shard, dtypes.master)
     if unit.trainable and grad_accumulation > 1:
         accumulated = full if stage <= 1 else shard
         specs["grad"] = spec("grad", GRAD, accumulated, dtypes.gradient(stage))
@@ -210,42 +207,116 @@ def param_specs(
 
 
 def optimizer_specs(
-    unit: Unit,
-    stage: int,
-    config: OptimizerConfig,
-    precision: PrecisionConfig | None = None,
-    placement: Placement = Placement(),
+    unit: Unit, stage: int, config: OptimizerConfig, precision: PrecisionConfig | None = None
 ) -> list[StateSpec]:
     """The optimizer states of a trainable unit: of its shard, or of the whole flat (stage 0)."""
     shape = (unit.shard_numel,) if stage >= 1 else (unit.padded_numel,)
     dtype = Dtypes.of(unit, precision).master
     return [
-        StateSpec(f"{unit.key}.{name}", OPTIM_STATE, unit.name, shape, dtype, placement.optimizer)
+        StateSpec(f"{unit.key}.{name}", OPTIM_STATE, unit.name, shape, dtype)
         for name in optimizer_states(config)
     ]
 
 
-def state_specs(units: list[Unit], plan: Plan) -> list[StateSpec]:
-    """Every persistent tensor of a plan, replicated flat parameters first."""
-    stage, config = plan.zero.stage, plan.optimizer
+class StateLayout:
+    """The persistent state a compiled step binds: every :class:`StateSpec` by key, in the
+    order the passes declared them. :meth:`declare` adds a spec, or replaces the one of its key
+    in place (a retype, a move to host memory)."""
+
+    def __init__(self, specs: tuple[StateSpec, ...] | list[StateSpec] = ()) -> None:
+        self._specs: dict[str, StateSpec] = {s.key: s for s in specs}
+
+    def declare(self, spec: StateSpec) -> None:
+        """Add ``spec``, or replace the spec of its key."""
+        self._specs[spec.key] = spec
+
+    def __getitem__(self, key: str) -> StateSpec:
+        return self._specs[key]
+
+    def get(self, key: str) -> StateSpec | None:
+        """The spec of ``key``, or None."""
+        return self._specs.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._specs
+
+    def __iter__(self) -> Iterator[StateSpec]:
+        return iter(list(self._specs.values()))
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StateLayout) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"StateLayout({len(self)} states: {', '.join(self._specs)})"
+
+    def of_unit(self, unit: Unit) -> dict[str, StateSpec]:
+        """The unit's states by their name within it (``param``, ``master``, ``exp_avg``...)."""
+        prefix = f"{unit.key}."
+        return {k.removeprefix(prefix): s for k, s in self._specs.items() if s.unit == unit.name}
+
+    def at(self, location: Location) -> list[StateSpec]:
+        """The states that live at ``location``."""
+        return [s for s in self._specs.values() if s.location == location]
+
+    def difference(self, other: StateLayout) -> str:
+        """The first few keys on which two layouts differ, said for an error message."""
+        keys = dict.fromkeys([*self._specs, *other._specs])
+        differing = [k for k in keys if self.get(k) != other.get(k)]
+        return "; ".join(f"{k}: {self.get(k)} vs {other.get(k)}" for k in differing[:3])
+
+
+def captured_state(plan: Plan) -> StateLayout:
+    """The state capture binds before any pass: the loss scale, under loss scaling."""
+    return StateLayout([LOSS_SCALE_SPEC] if plan.precision.scaling != "none" else [])
+
+
+def declare_params(
+    layout: StateLayout, units: list[Unit], plan: Plan, precision: PrecisionConfig | None
+) -> None:
+    """Declare (or retype, with ``precision``) every unit's parameter states."""
+    for unit in units:
+        for spec in param_specs(unit, plan.zero.stage, precision, plan.grad_accumulation).values():
+            layout.declare(spec)
+
+
+def declare_optimizer_state(layout: StateLayout, units: list[Unit], plan: Plan) -> None:
+    """Declare each trainable unit's optimizer states and AdamW's step counter."""
     precision = plan.precision if plan.precision.mixed else None
+    for unit in units:
+        if unit.trainable:
+            for spec in optimizer_specs(unit, plan.zero.stage, plan.optimizer, precision):
+                layout.declare(spec)
+    if plan.optimizer.name == "adamw":
+        layout.declare(STEP_SPEC)
+
+
+def declare_placements(layout: StateLayout, units: list[Unit], plan: Plan) -> None:
+    """Move the states of the units ``offload`` selects to where it places them."""
     where = placements(units, plan.offload)
-    specs = [
-        s
-        for u in units
-        for s in param_specs(u, stage, precision, where[u.name], plan.grad_accumulation).values()
-    ]
-    specs += [
-        s
-        for u in units
-        if u.trainable
-        for s in optimizer_specs(u, stage, config, precision, where[u.name])
-    ]
-    if config.name == "adamw":
-        specs.append(STEP_SPEC)
-    if plan.precision.scaling != "none":
-        specs.append(LOSS_SCALE_SPEC)
-    return sorted(specs, key=lambda s: s.role != PARAM_FULL)
+    for unit in units:
+        if where[unit.name].offloaded:
+            place_unit(layout, unit, where[unit.name], plan.zero.stage)
+
+
+def place_unit(layout: StateLayout, unit: Unit, placement: Placement, stage: int) -> None:
+    """Move a unit's declared states to where ``placement`` puts them: master weights and
+    optimizer states with the optimizer, the parameter (or its shard) with the parameters. A
+    trainable unit whose optimizer lives apart from its parameters gets a master weight where
+    the optimizer is, in the parameter's dtype (an fp32 plan has none otherwise): the update
+    runs there."""
+    for name, spec in layout.of_unit(unit).items():
+        if spec.role in (MASTER, OPTIM_STATE):
+            layout.declare(replace(spec, location=placement.optimizer))
+        elif name == "param":
+            layout.declare(replace(spec, location=placement.params))
+    key = f"{unit.key}.master"
+    if unit.trainable and placement.split and key not in layout:
+        shape = (unit.padded_numel,) if stage == 0 else (unit.shard_numel,)
+        dtype = layout[f"{unit.key}.param"].dtype
+        layout.declare(StateSpec(key, MASTER, unit.name, shape, dtype, placement.optimizer))
 
 
 def empty_on(
@@ -263,13 +334,14 @@ def allocate_state(
     model: nn.Module,
     model_info: ModelInfo,
     units: list[Unit],
-    plan: Plan,
+    layout: StateLayout,
+    seed: int,
     rank: int,
     device: torch.device,
     store: Any = None,
     from_rank_0: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every resident persistent tensor of ``plan`` for ``rank``, keyed as its spec, where its
+    """Every resident persistent tensor of ``layout`` for ``rank``, keyed as its spec, where its
     spec places it: weights from the model's initial values (one unit materialized at a time),
     everything else zeros (the step counter on the CPU), and the model's buffers under their
     FQNs. States placed on NVMe are written to ``store`` (a :class:`zerocc.runtime.nvme.NvmeStore`)
@@ -279,9 +351,9 @@ def allocate_state(
     (a broadcast) overwrites a unit's full flat, before it is sharded, and each buffer, with
     rank 0's values whenever the model holds real values for them (ranks seeded differently
     would otherwise train a mix of their starting points). Tensors on the ``meta`` device are
-    initialized from the plan's seed and their own name, the same on every rank, so they need
+    initialized from ``seed`` (the plan's) and their own name, the same on every rank, so they need
     no broadcast."""
-    specs = state_specs(units, plan)
+    specs = list(layout)
     weights = (PARAM_FULL, PARAM_SHARD, MASTER)
     state: dict[str, torch.Tensor] = {}
 
@@ -300,7 +372,7 @@ def allocate_state(
 
     for unit in units:
         fqns = [p.fqn for p in unit.params]
-        flat = unit.flatten(initial_values(model, fqns, plan.seed, device))
+        flat = unit.flatten(initial_values(model, fqns, seed, device))
         if from_rank_0 is not None and holds_values(model, fqns):
             from_rank_0(flat)
         for spec in specs:
@@ -317,7 +389,7 @@ def allocate_state(
             state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype)
         else:
             place(spec, None)
-    buffers = initial_values(model, [b.fqn for b in model_info.buffers], plan.seed, device)
+    buffers = initial_values(model, [b.fqn for b in model_info.buffers], seed, device)
     for fqn, value in buffers.items():
         if from_rank_0 is not None and holds_values(model, [fqn]):
             buffers[fqn] = value = value.contiguous()

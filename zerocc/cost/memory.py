@@ -22,9 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from zerocc.compiler.plan import Plan
-from zerocc.compiler.state import DEVICE, HOST, state_specs
-from zerocc.compiler.units import Unit
+from zerocc.compiler.state import DEVICE, HOST, StateLayout
 from zerocc.cost.timeline import MemoryTimeline
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import (
@@ -54,12 +52,12 @@ STATE_CATEGORY = {
 }
 
 
-def model_state_bytes_of(units: list[Unit], plan: Plan) -> dict[str, int]:
-    """Bytes of the plan's persistent state on the device per category (params, grads,
+def model_state_bytes_of(layout: StateLayout) -> dict[str, int]:
+    """Bytes of a state layout on the device per category (params, grads,
     optimizer, total), and of what offload places elsewhere (``host``, ``nvme``: totals).
     Views (stages 1-2 ``param_shard``) are not counted twice."""
     out: dict[str, int] = defaultdict(int)
-    for spec in state_specs(units, plan):
+    for spec in layout:
         if spec.key.endswith(".param_shard"):
             continue
         if spec.location == DEVICE:

@@ -530,7 +530,7 @@ def calibrate(
         rates = rates.replace("calibration", comm_overlap=links["overlap"]["overlap"])
     rates = _agree(comm, rates)
     programs = step.record().programs
-    states = model_state_bytes_of(step.units, plan)
+    states = model_state_bytes_of(step.layout)
     predicted = predict_step(programs, k, rates, comm.world_size, model_states=states)
     measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3
     measured = {

@@ -80,7 +80,7 @@ def write_run_dumps(root: Path, step: StepRecord, recorder: ProfiledRun, comm: C
 
     root.mkdir(parents=True, exist_ok=True)
     program = step.program
-    states = model_state_bytes_of(step.units, step.plan)
+    states = model_state_bytes_of(step.layout)
     rates = rates_for(step.plan, step.device_type)
     simulated = predict_step({True: program}, 1, rates, step.world_size)
     ranks = sorted({e.rank for e in events})
@@ -220,7 +220,7 @@ def _memory_caption(predicted: MemoryTimeline, measured: MemoryTimeline) -> str:
 
 
 def _estimate_text(step: StepRecord, predicted: MemoryTimeline) -> str:
-    states = model_state_bytes_of(step.units, step.plan)
+    states = model_state_bytes_of(step.layout)
     lines = ["model states per rank:"]
     lines += [f"  {k:<14}{human_bytes(v):>12}" for k, v in states.items()]
     lines += [

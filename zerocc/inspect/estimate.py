@@ -135,7 +135,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
     the step's time, simulated with ``rates`` (default: :func:`zerocc.cost.model.rates_for` the
     plan)."""
     plan = inspection.plan
-    states = model_state_bytes_of(inspection.units, plan)
+    states = model_state_bytes_of(inspection.stepping.layout)
     timeline = predict_memory(inspection.stepping.gm, states)
     index, total = timeline.peak()
     peak = {

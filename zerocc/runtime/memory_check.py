@@ -4,8 +4,8 @@ Two checks, each before the memory it is about is allocated, both skipped with
 ``backend.check_memory: false``:
 
 1. :func:`check_model_states`, when the TrainStep is built, before any state is allocated: the
-   plan's persistent state (exact: :func:`zerocc.compiler.state.state_specs`), the model's buffers
-   and the scratch of building the state one unit at a time.
+   plan's persistent state (exact: the state layout it is then allocated from), the model's
+   buffers and the scratch of building the state one unit at a time.
 2. :func:`check_step_memory`, when a program is compiled, before it first runs: the transient
    memory of the step (activations, gathered units, offload's host buffers), the peak
    :func:`zerocc.cost.memory.predict_memory` predicts, beside the state already allocated.
@@ -18,7 +18,8 @@ after another has allocated, and every rank decides on the same figures: all rai
 
 A plan over the limit raises :class:`~zerocc.errors.InsufficientMemoryError`, which says by how
 much and which plan changes would fit (another stage, offload, recomputation, more ranks), each
-with its figure predicted by the same functions: ``state_specs`` for any plan and world size,
+with its figure predicted by the same functions: the state layout of any plan and world size
+(:func:`zerocc.compiler.pass_manager.plan_layout`),
 and, for the step's transient memory, the other plan's program compiled (on fake tensors).
 """
 
@@ -34,9 +35,10 @@ import torch
 from torch import fx
 
 from zerocc.compiler.capture import ModelInfo
+from zerocc.compiler.pass_manager import plan_layout
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan_changes import MAX_WORLD_SIZE, plan_changes, smallest_world_size
-from zerocc.compiler.state import DEVICE, HOST, NVME, state_specs
+from zerocc.compiler.state import DEVICE, HOST, NVME, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.cost.memory import STATE_CATEGORY, predict_memory
 from zerocc.errors import InsufficientMemoryError
@@ -58,14 +60,14 @@ def pool_of(location: str, device: torch.device) -> str | None:
     return HOST_POOL if location == HOST else None
 
 
-def state_need(units: list[Unit], plan: Plan, device: torch.device) -> Need:
-    """Bytes of the plan's persistent state per rank, by pool and category (params, grads,
+def state_need(layout: StateLayout, device: torch.device) -> Need:
+    """Bytes of a layout's persistent state per rank, by pool and category (params, grads,
     optimizer), exact: the tensors :func:`zerocc.compiler.state.allocate_state` allocates (a view of
     another is not counted; NVMe states are files)."""
     need: Need = {
         pool: dict.fromkeys(("params", "grads", "optimizer"), 0) for pool in pool_names(device)
     }
-    for spec in state_specs(units, plan):
+    for spec in layout:
         pool = pool_of(spec.location, device)
         if pool is not None and not spec.key.endswith(".param_shard"):
             _add(need, pool, STATE_CATEGORY[spec.role], spec.nbytes)
@@ -73,18 +75,18 @@ def state_need(units: list[Unit], plan: Plan, device: torch.device) -> Need:
 
 
 def model_state_need(
-    model_info: ModelInfo, units: list[Unit], plan: Plan, device: torch.device
+    model_info: ModelInfo, units: list[Unit], layout: StateLayout, device: torch.device
 ) -> Need:
     """What building the TrainStep's state takes per rank and pool: the plan's persistent
     state, the model's buffers, and the scratch of building them (one unit's full weights at a
     time: its initial values and its flat buffer, at most twice the unit; one NVMe state's host
     buffer)."""
-    need = state_need(units, plan, device)
+    need = state_need(layout, device)
     device_pool = pool_of(DEVICE, device)
     _add(need, device_pool, "buffers", sum(b.numel * b.dtype.itemsize for b in model_info.buffers))
     scratch = max((u.padded_numel * u.dtype.itemsize for u in units), default=0)
     _add(need, device_pool, "building", 2 * scratch)
-    nvme = [s.nbytes for s in state_specs(units, plan) if s.location == NVME]
+    nvme = [s.nbytes for s in layout.at(NVME)]
     _add(need, HOST_POOL, "building", max(nvme, default=0))
     return need
 
@@ -115,18 +117,25 @@ class RankMemory:
 
 
 def check_model_states(
-    model_info: ModelInfo, units: list[Unit], plan: Plan, comm: Comm, device: torch.device
+    model_info: ModelInfo,
+    units: list[Unit],
+    layout: StateLayout,
+    plan: Plan,
+    comm: Comm,
+    device: torch.device,
 ) -> None:
-    """Raise :class:`InsufficientMemoryError` on every rank when building the plan's state
-    would not fit in some machine's memory (call before any state is allocated)."""
-    need = model_state_need(model_info, units, plan, device)
+    """Raise :class:`InsufficientMemoryError` on every rank when building ``layout``, the
+    plan's state, would not fit in some machine's memory (call before any state is
+    allocated)."""
+    need = model_state_need(model_info, units, layout, device)
     short = _shortfalls(_exchange(comm, device, _totals(need)))
     if not short:
         return
     budget, sharers = short[0].view.available, short[0].sharing
 
     def need_of(candidate: Plan, world_size: int) -> dict[str, int]:
-        return _totals(model_state_need(model_info, _at(units, world_size), candidate, device))
+        at = _at(units, world_size)
+        return _totals(model_state_need(model_info, at, plan_layout(candidate, at), device))
 
     rows = []
     for change in plan_changes(plan, device, recompute=False):
@@ -154,27 +163,28 @@ def check_model_states(
 def check_step_memory(
     gm: fx.GraphModule,
     units: list[Unit],
+    layout: StateLayout,
     plan: Plan,
     comm: Comm,
     device: torch.device,
     recompile: Recompile,
 ) -> None:
     """Raise :class:`InsufficientMemoryError` on every rank when the transient memory of the
-    program ``gm`` would not fit beside the state already allocated (call before it first
-    runs). ``recompile(plan)`` compiles another plan's program for the same batch: the figures
-    of the changes the error proposes come from it (only on the error path)."""
+    program ``gm`` would not fit beside the state already allocated (``layout``; call before
+    it first runs). ``recompile(plan)`` compiles another plan's program for the same batch:
+    the figures of the changes the error proposes come from it (only on the error path)."""
     need = step_need(gm, device)
     short = _shortfalls(_exchange(comm, device, _totals(need)))
     if not short:
         return
     available, sharers = short[0].view.available, short[0].sharing
-    held = _totals(state_need(units, plan, device))
+    held = _totals(state_need(layout, device))
     # A change replaces this plan's states: what they hold is room for the changed plan's.
     budget = {p: a + held.get(p, 0) * sharers[p] for p, a in available.items()}
     current = _sum(held, _totals(need))
     rows = []
     for change in plan_changes(plan, device, recompute=True):
-        states = _totals(state_need(units, change.plan, device))
+        states = _totals(state_need(plan_layout(change.plan, units), device))
         if not _fits(states, budget, sharers):  # too large before its step: not compiled
             if _helps(states, current):
                 rows.append(_row(change.text, states, budget, sharers, "model states alone"))
@@ -184,7 +194,8 @@ def check_step_memory(
             rows.append(_row(change.text, changed, budget, sharers))
 
     def need_at(world_size: int) -> dict[str, int]:
-        return _sum(_totals(state_need(_at(units, world_size), plan, device)), _totals(need))
+        at = _at(units, world_size)
+        return _sum(_totals(state_need(plan_layout(plan, at), device)), _totals(need))
 
     rows.append(_ranks_row(plan, comm.world_size, need_at, budget, sharers, "step as now"))
     raise InsufficientMemoryError(

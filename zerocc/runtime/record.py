@@ -13,7 +13,7 @@ from torch import fx
 
 from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.state import DEVICE
+from zerocc.compiler.state import DEVICE, StateLayout
 from zerocc.compiler.units import Unit
 
 
@@ -26,6 +26,7 @@ class StepRecord:
     rank: int
     device_type: str  # "cpu" | "cuda": the rates a prediction uses
     units: list[Unit]
+    layout: StateLayout  # the persistent state its programs bind
     # The compiled programs of the first batch shape, by whether they step (empty before the
     # first call).
     programs: dict[bool, fx.GraphModule]

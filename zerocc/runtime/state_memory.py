@@ -4,32 +4,31 @@ from __future__ import annotations
 
 import torch
 
-from zerocc.compiler.state import LOCATIONS, NVME, StateSpec
+from zerocc.compiler.state import LOCATIONS, NVME, StateLayout
 from zerocc.cost.memory import STATE_CATEGORY
 from zerocc.runtime.nvme import NvmeStore
 
 
 def state_bytes_by_location(
     state: dict[str, torch.Tensor],
-    specs: list[StateSpec],
+    layout: StateLayout,
     store: NvmeStore | None,
 ) -> dict[str, dict[str, int]]:
     """Bytes of a rank's persistent params, grads and optimizer states (measured) in each
     place they live: ``device``, ``host`` (offload to cpu: on a CPU-only machine, the pool
-    apart from the compute's) and ``nvme`` (the files of the rank's store). ``specs``: every
-    state of the plan (:func:`zerocc.compiler.state.state_specs`)."""
-    by_key = {s.key: s for s in specs}
+    apart from the compute's) and ``nvme`` (the files of the rank's store). ``layout``: every
+    state of the plan."""
     out = {where: dict.fromkeys(("params", "grads", "optimizer"), 0) for where in LOCATIONS}
     seen: set[int] = set()
     for key, tensor in state.items():
-        spec = by_key.get(key)
+        spec = layout.get(key)
         storage = tensor.untyped_storage()
         if spec is None or storage.data_ptr() in seen:
             continue  # a view of another state tensor (stage 1-2 shards) is no extra memory
         seen.add(storage.data_ptr())
         out[spec.location][STATE_CATEGORY[spec.role]] += storage.nbytes()
-    for spec in specs:
-        if spec.location == NVME and store is not None:
+    for spec in layout.at(NVME):
+        if store is not None:
             out[NVME][STATE_CATEGORY[spec.role]] += store.path_of(spec.key).stat().st_size
     for pool in out.values():
         pool["total"] = sum(pool.values())

@@ -25,7 +25,7 @@ from zerocc.backends import Executable, get_backend
 from zerocc.backends.kernels import check_kernels, kernel_set
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
 from zerocc.compiler.materialize import is_meta, release_to_meta
-from zerocc.compiler.pass_manager import PassRecord, build_pipeline
+from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.program import CompiledProgram, compile_program
 from zerocc.compiler.state import (
@@ -35,12 +35,12 @@ from zerocc.compiler.state import (
     STEP_SPEC,
     StateSpec,
     allocate_state,
-    state_specs,
 )
 from zerocc.compiler.units import Unit
 from zerocc.errors import (
     BatchError,
     CaptureError,
+    InvariantError,
     OffloadError,
     RankMismatchError,
     RankStoppedError,
@@ -127,9 +127,11 @@ class StepRunner:
         self.units: list[Unit] = assign_units(
             self.model_info, comm.world_size, units.classes, units.modules, units.min_mb
         )
-        # States placed on NVMe live in files of this rank's store, checked for room before
-        # anything is written; every other state in ``self.state``.
-        self.nvme_specs = [s for s in state_specs(self.units, plan) if s.location == NVME]
+        # What the pipeline's passes declare (every program binds it); states placed on NVMe
+        # live in files of this rank's store, checked for room before anything is written,
+        # every other state in ``self.state``.
+        self.layout = state_layout(self.pipeline, self.units, plan)
+        self.nvme_specs = self.layout.at(NVME)
         self.store = open_store(plan, comm.rank, self.nvme_specs)
         self.transfers = Transfers(self.store, device)
         kernels = kernel_set(plan.backend.kernels)
@@ -137,7 +139,7 @@ class StepRunner:
         if plan.offload.optimizer != "none" and device.type == "cuda":
             torch.set_num_threads(host_update_threads())
         if plan.backend.check_memory:  # before anything is allocated: the states fit
-            check_model_states(self.model_info, self.units, plan, comm, device)
+            check_model_states(self.model_info, self.units, self.layout, plan, comm, device)
         # Parameters are built one unit at a time, so a meta-device model never has more than
         # one unit materialized; afterwards the TrainStep owns the weights
         # (``full_state_dict()`` returns them) and the model's own copy is released.
@@ -145,7 +147,8 @@ class StepRunner:
             model,
             self.model_info,
             self.units,
-            plan,
+            self.layout,
+            plan.seed,
             comm.rank,
             device,
             self.store,
@@ -305,7 +308,7 @@ class StepRunner:
         step = self._step_number()
         if self.comm.failure is not None:
             return self._peer_failure(exc, describe_node(node))
-        for spec in state_specs(self.units, self.plan):
+        for spec in self.layout:
             if spec.role == GRAD and spec.key in self.state:
                 self.state[spec.key].zero_()
         dropped = self.micro_batches % self.plan.grad_accumulation
@@ -427,6 +430,11 @@ class StepRunner:
         compiled = self._compile(batch, boundary, keep_graphs=self._keeps_pass_graphs())
         gm, records = compiled.gm, compiled.records
         self._program_built(f"{'step' if boundary else 'accumulate'}-{len(self.programs)}", records)
+        if compiled.layout != self.layout:  # the passes declare the same state on every compile
+            raise InvariantError(
+                "a program's passes laid out other state than the TrainStep allocated: "
+                + compiled.layout.difference(self.layout)
+            )
         self._check_bindings(gm)
         text = format_program(gm)
         program_digest = digest(text)
@@ -446,6 +454,7 @@ class StepRunner:
             check_step_memory(
                 gm,
                 self.units,
+                self.layout,
                 self.plan,
                 self.comm,
                 self.device,
@@ -526,6 +535,7 @@ class StepRunner:
             rank=self.comm.rank,
             device_type=self.device.type,
             units=self.units,
+            layout=self.layout,
             programs={b: p.gm for (sig, b), p in self.programs.items() if sig == first},
             program=last.gm if last else None,
             records=last.records if last else [],
@@ -539,7 +549,7 @@ class StepRunner:
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """Bytes of this rank's persistent params, grads and optimizer states (measured) in
         each place they live: ``device``, ``host`` and ``nvme``."""
-        return state_bytes_by_location(self.state, state_specs(self.units, self.plan), self.store)
+        return state_bytes_by_location(self.state, self.layout, self.store)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the live persistent params, grads and optimizer states of this rank on the
