@@ -243,3 +243,16 @@ def assert_matches_reference(ranks: list[dict[str, Any]], case: dict[str, Any], 
     assert set(params) == set(ref_state), "full_state_dict keys differ from model.state_dict()"
     for name, ref in ref_state.items():
         assert relative_difference(params[name], ref) <= tol, name
+
+
+def assert_bit_identical(
+    ranks: list[dict[str, Any]], on: dict[str, Any], off: dict[str, Any]
+) -> None:
+    """Case ``on`` (a pass turned on) trained exactly as case ``off``: every rank's losses equal,
+    micro-batch by micro-batch, and rank 0's full state dicts equal, key by key, to the bit."""
+    for rank, result in enumerate(ranks):
+        assert result[case_id(on)]["losses"] == result[case_id(off)]["losses"], f"rank {rank}"
+    ours, theirs = ranks[0][case_id(on)]["params"], ranks[0][case_id(off)]["params"]
+    assert set(ours) == set(theirs)
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name

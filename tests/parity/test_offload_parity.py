@@ -15,10 +15,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 from multirank import run_ranks
 
-from parity import case_id, reference, relative_difference, train
+from parity import (
+    assert_bit_identical,
+    assert_matches_reference,
+    case_id,
+    train,
+)
 
 NVME = Path(tempfile.gettempdir()) / "zerocc-test-nvme"
 NVME.mkdir(exist_ok=True)
@@ -64,18 +68,8 @@ def _results() -> list[dict]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: case_id({"world": 2, **c}))
 def test_offload_matches_unsharded_training_and_the_plan_without_it(case):
     offloaded, resident = _pair(case)
-    tol = 1e-2 if "precision" in case else 1e-5
-    ref_losses, ref_state = reference(offloaded)
-    for rank, result in enumerate(_results()):
-        ours = result[case_id(offloaded)]["losses"]
-        assert ours == result[case_id(resident)]["losses"], rank
-        for i, (a, b) in enumerate(zip(ours, ref_losses[rank], strict=True)):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
-    params = _results()[0][case_id(offloaded)]["params"]
-    resident_params = _results()[0][case_id(resident)]["params"]
-    for name, ref in ref_state.items():
-        assert torch.equal(params[name], resident_params[name]), name
-        assert relative_difference(params[name], ref) <= tol, name
+    assert_bit_identical(_results(), offloaded, resident)
+    assert_matches_reference(_results(), offloaded, 1e-2 if "precision" in case else 1e-5)
 
 
 def test_state_files_are_removed_at_exit():

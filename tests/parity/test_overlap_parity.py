@@ -11,10 +11,9 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from multirank import run_ranks
 
-from parity import case_id, train
+from parity import assert_bit_identical, case_id, train
 
 OFF = {"enabled": False}
 BUCKETS = {"bucket_mb": 1, "prefetch": 2}
@@ -46,9 +45,4 @@ def _results() -> list[dict]:
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: case_id({"world": 2, **v}))
 def test_overlap_keeps_losses_and_weights_bit_identical(variant):
-    on, off = _pair(variant)
-    for rank, result in enumerate(_results()):
-        assert result[case_id(on)]["losses"] == result[case_id(off)]["losses"], rank
-    ours, theirs = _results()[0][case_id(on)]["params"], _results()[0][case_id(off)]["params"]
-    for name, value in theirs.items():
-        assert torch.equal(ours[name], value), name
+    assert_bit_identical(_results(), *_pair(variant))

@@ -12,11 +12,10 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from models import MODELS, RANDOM_MODELS
 from multirank import run_ranks
 
-from parity import case_id, reference, relative_difference, train
+from parity import assert_bit_identical, case_id, reference, relative_difference, train
 
 ALL = {"units": "all"}
 LAST_BLOCK = {"units": ["transformer.h.1"]}
@@ -75,13 +74,7 @@ def test_checkpointed_training_matches_unsharded_training(case, tol):
 
 @pytest.mark.parametrize("case", ON_OFF, ids=[case_id(_full(c)) for c in ON_OFF])
 def test_recompute_is_bit_identical_to_saving_activations(case):
-    on, off = case_id(_full(case)), case_id(_off(case))
-    for rank, result in enumerate(_results()):
-        assert result[on]["losses"] == result[off]["losses"], rank
-    ours, theirs = _results()[0][on]["params"], _results()[0][off]["params"]
-    assert set(ours) == set(theirs)
-    for name, value in theirs.items():
-        assert torch.equal(ours[name], value), name
+    assert_bit_identical(_results(), _full(case), _off(case))
 
 
 def test_the_dropout_model_draws_masks():

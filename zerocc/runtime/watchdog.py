@@ -31,6 +31,7 @@ from zerocc.errors import RankStoppedError
 
 BEAT_S = 1.0  # seconds between two records of a rank
 MIN_BEAT_S = 0.2  # a new status is written at once, but never more often than this
+STOP_TIMEOUT_S = 10.0  # how long stopping waits for a beat in progress (a store call)
 STORE_ANSWER_S = 5.0  # how long a survey waits for the store itself before saying it is silent
 
 
@@ -112,6 +113,10 @@ class Heartbeat:
         self._stop.set()
         self._news.set()
         self._exiting = exiting
+        # Joined, not left to die with the interpreter: a daemon thread caught in a store call
+        # while the interpreter finalizes aborts the process (SIGABRT on a clean exit).
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=STOP_TIMEOUT_S)
         try:
             self._beat()
         except Exception:
