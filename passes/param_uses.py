@@ -54,11 +54,12 @@ def analyze(gm: fx.GraphModule, trainable_fqns: list[str]) -> ParamUses:
     """Find param-derived nodes, each unit's use windows per phase, and the gradient nodes."""
     nodes = list(gm.graph.nodes)
     output = nodes[-1]
+    returned = set(output.all_input_nodes)
     unit_of = {n: info(n).unit for n in nodes if n.op == "placeholder" and info(n).role == PARAM}
     roots: dict[fx.Node, frozenset[str]] = {n: frozenset({u}) for n, u in unit_of.items()}
     derived: set[fx.Node] = set()
     for n in nodes:
-        if n.op != "call_function" or n in output.all_input_nodes or _mutates(n):
+        if n.op != "call_function" or n in returned or _mutates(n):
             continue
         inputs = n.all_input_nodes
         if inputs and all(a in roots for a in inputs):

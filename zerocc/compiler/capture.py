@@ -16,6 +16,7 @@ they are cheapest (before the all-gather, into the reduction).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -266,12 +267,9 @@ class _ModuleTracker:
         return prehook
 
     def module_at(self, index: int) -> str:
-        current = ""
-        for start, fqn in self.changes:
-            if start > index:
-                break
-            current = fqn
-        return current
+        """The module whose code made the graph's ``index``-th node (changes are in order)."""
+        position = bisect.bisect_right(self.changes, index, key=lambda change: change[0])
+        return self.changes[position - 1][1] if position else ""
 
     def remove(self) -> None:
         for h in self.handles:
@@ -286,7 +284,10 @@ def capture(
     device: torch.device,
     casts: Casts | None = None,
 ) -> fx.GraphModule:
-    """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors."""
+    """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors.
+    The graph is what passes read; the module's generated code is not regenerated after dead
+    code is eliminated and placeholders renamed (a second compile of the whole step's code):
+    the pipeline recompiles its result."""
     casts = casts or Casts()
     loss_fn = loss_fn or default_loss_fn
     wrapper = _Step(model, loss_fn)
@@ -354,8 +355,7 @@ def capture(
         tracker.remove()
     gm.graph.eliminate_dead_code()
     _tag(gm, info, tensor_positions, forward_end[0], tracker, casts.loss_scale)
-    gm.recompile()
-    return gm
+    return gm  # its code is make_fx's: the pipeline recompiles its own result, once
 
 
 def _check_loss(loss: Any) -> torch.Tensor:

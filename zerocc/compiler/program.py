@@ -8,8 +8,10 @@ for any world size.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,22 @@ class CompiledProgram:
     layout: StateLayout
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the body. Compiling makes millions of objects
+    that live until it ends (nodes, fake tensors, their records) and little garbage: the
+    collector's passes over them were a sixth of a 7.5B model's compile time."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@collection_paused()
 def compile_program(
     model: nn.Module,
     model_info: ModelInfo,
