@@ -331,12 +331,40 @@ _EXTRA_FLOPS = {
 
 
 def _flops(node: fx.Node, args: tuple, kwargs: dict) -> tuple[float, str | None]:
+    """FLOPs of a node and the dtype they run in; memoized by target and argument shapes
+    (a model's layers repeat the same ops on the same shapes)."""
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet) if packet is not None else None
     extra = _EXTRA_FLOPS.get(op_name(target))
     if formula is None and extra is None:
         return 0.0, None
+    key = (target, _shapes((args, kwargs)))
+    if key not in _FLOPS_MEMO:
+        if len(_FLOPS_MEMO) >= _FLOPS_MEMO_SIZE:
+            _FLOPS_MEMO.clear()
+        _FLOPS_MEMO[key] = _count_flops(node, formula, extra, args, kwargs)
+    return _FLOPS_MEMO[key]
+
+
+_FLOPS_MEMO: dict[tuple, tuple[float, str | None]] = {}  # a pure function's results
+_FLOPS_MEMO_SIZE = 2**14
+
+
+def _shapes(value: Any) -> Any:
+    """A hashable stand-in for arguments: tensors by shape, stride and dtype."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_shapes(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _shapes(v)) for k, v in value.items())
+    return repr(value)
+
+
+def _count_flops(
+    node: fx.Node, formula: Any, extra: Any, args: tuple, kwargs: dict
+) -> tuple[float, str | None]:
     try:
         flops = extra(args, kwargs) if extra else formula(*args, out_val=val(node), **kwargs)
     except Exception:  # a formula that does not fit these arguments: count it memory-bound
