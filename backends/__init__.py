@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from torch import fx
 
-from zerocc.backends import eager
+from zerocc.backends import eager, inductor
 from zerocc.errors import PlanError
 from zerocc.runtime.context import RuntimeContext
 
@@ -37,9 +37,14 @@ class Executable(Protocol):
         """Forget what a failed run left in flight."""
         ...
 
+    def notes(self) -> list[str]:
+        """Lines for ``explain()``: what the backend made of the program (regions compiled,
+        those it left eager and why); none for a backend with nothing to say."""
+        ...
+
 
 Backend = Callable[[fx.GraphModule, Sequence[Any], RuntimeContext], Executable]
-BACKENDS: dict[str, Backend] = {"eager": eager.compile}
+BACKENDS: dict[str, Backend] = {"eager": eager.compile, "inductor": inductor.compile}
 
 
 def register_backend(name: str, backend: Backend) -> None:

@@ -45,6 +45,10 @@ class EagerExecutable:
         """Drop the handles a failed run left in flight, so the next run starts clean."""
         self.ops.in_flight.clear()
 
+    def notes(self) -> list[str]:
+        """Nothing to add: every op runs as written."""
+        return []
+
 
 def bind(program: fx.GraphModule, ops: EagerOps) -> fx.GraphModule:
     """A copy of ``program`` whose zerocc op nodes call ``ops``' implementations."""

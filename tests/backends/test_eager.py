@@ -170,6 +170,9 @@ def test_a_profiled_run_is_checked_on_the_executable_that_ran():
         def reset(self):
             self.inner.reset()
 
+        def notes(self):
+            return []
+
     built = []
 
     def leaky_after_the_first(program, example_inputs, ctx):

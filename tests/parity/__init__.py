@@ -50,7 +50,11 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         "optimizer": optimizer,
         "grad_accumulation": case.get("accum", 1),
         "precision": case.get("precision", {}),
-        "backend": {"kernels": case.get("kernels", "torch"), "device": case.get("device", "cpu")},
+        "backend": {
+            "name": case.get("backend", "eager"),
+            "kernels": case.get("kernels", "torch"),
+            "device": case.get("device", "cpu"),
+        },
         "overlap": case.get("overlap", {}),
         "offload": case.get("offload", {}),
         "checkpointing": case.get("checkpointing", {}),

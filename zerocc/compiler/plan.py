@@ -406,8 +406,9 @@ class BackendConfig(_Section):
 
     name: str = Field(
         "eager",
-        description="the backend that runs the scheduled graph: eager (the reference, op by op) "
-        "or one registered with zerocc.backends.register_backend",
+        description="the backend that runs the scheduled graph: eager (the reference, op by op), "
+        "inductor (each compute region between zerocc's ops compiled by TorchInductor: Triton "
+        "on a GPU, C++ on a CPU) or one registered with zerocc.backends.register_backend",
     )
     kernels: Literal["torch", "triton"] = Field(
         "torch",

@@ -163,6 +163,7 @@ def explain_step(step: StepRecord) -> str:
         f"trainable Ψ = {psi:,} elements with padding "
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
         precision_line(step),
+        *step.backend_notes,
         "",
     ]
     for name, params, elements, padded, shard, trainable in unit_rows(step.units):

@@ -35,6 +35,7 @@ class StepRecord:
     state_bytes: dict[str, dict[str, int]]  # measured, by location (device, host, nvme)
     loss_scale: float | None  # the next step's; None without loss scaling
     dynamic_loss_scale: bool  # whether the scale adapts to overflows
+    backend_notes: list[str]  # what the backend made of the programs (explain prints them)
     steps: int  # optimizer steps applied
     skipped_steps: int  # optimizer steps skipped for a non-finite gradient
 

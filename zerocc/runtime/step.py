@@ -542,6 +542,9 @@ class StepRunner:
             state_bytes=self.state_bytes_by_location(),
             loss_scale=self.loss_scale,
             dynamic_loss_scale=bool(self.loss_scaler and self.loss_scaler.dynamic),
+            backend_notes=list(
+                dict.fromkeys(note for p in self.programs.values() for note in p.run.notes())
+            ),
             steps=self.steps,
             skipped_steps=self.skipped_steps,
         )

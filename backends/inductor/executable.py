@@ -1,0 +1,151 @@
+"""The Inductor executable: the eager binding of a program, its compute regions compiled.
+
+The program is bound as the eager backend binds it (zerocc's ops on the context's comm, copy
+engine and kernels, handles keyed by node), then every compute region between zerocc's ops
+(:mod:`zerocc.backends.inductor.regions`) is compiled by TorchInductor when the executable is
+made, before the first run, on the region's fake input values: Triton kernels on a GPU, C++ on
+a CPU. Collectives, copies, frees and the update stay where the passes scheduled them, and
+each region runs between them as one call. A region Inductor cannot compile runs eagerly, and
+the executable says so (:meth:`InductorExecutable.notes`). Inductor's caches (its FX graph
+cache, on disk) make a region that was compiled before, in this process or an earlier launch,
+cost a lookup.
+
+Numerics: ``fallback_random`` keeps random ops on ATen's generator, so dropout masks, and
+recomputation's replay of them, are those of the eager backend. Inductor fuses and reorders
+reductions, so results match eager within rounding, not to the bit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from zerocc.backends.eager.executable import bind
+from zerocc.backends.eager.ops import EagerOps
+from zerocc.backends.inductor.regions import Region, find_regions, outline
+from zerocc.runtime.context import RuntimeContext
+
+
+@dataclass
+class RegionReport:
+    """What happened to one region: compiled (and how long it took), or why it runs eagerly."""
+
+    name: str
+    phase: str | None
+    ops: int
+    seconds: float
+    fallback: str | None = None  # "TypeError: ..." when Inductor could not compile it
+
+
+def example_inputs(values: list[Any]) -> list[Any]:
+    """Fake example inputs for Inductor in a fake mode of their own with a shape environment
+    (without one, Inductor's caches are bypassed: every launch would compile every region
+    again), as shaped, strided and placed as ``values`` (the program's fake values), inputs
+    that share storage there sharing it here (views of one flat parameter), so that what
+    Inductor assumes of aliasing holds at run time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    examples = []
+    with mode:
+        for value in values:
+            if not isinstance(value, torch.Tensor):
+                examples.append(value)
+                continue
+            storage = value.untyped_storage()
+            key = (storage._cdata, value.dtype)
+            if key not in bases:
+                size = storage.nbytes() // value.element_size()
+                bases[key] = torch.empty(size, dtype=value.dtype, device=value.device)
+            base = bases[key]
+            examples.append(base.as_strided(value.shape, value.stride(), value.storage_offset()))
+    return examples
+
+
+class CompiledRegion(nn.Module):
+    """A region's module, run as Inductor compiled it (or eagerly, when it could not)."""
+
+    def __init__(self, region: fx.GraphModule, compiled: Any | None) -> None:
+        super().__init__()
+        self.region = region
+        self.compiled = compiled
+
+    def forward(self, *args: Any) -> Any:
+        if self.compiled is None:
+            return self.region(*args)
+        return self.compiled(*args)
+
+
+class InductorExecutable:
+    """A program bound to a runtime context, its compute regions compiled by Inductor."""
+
+    def __init__(self, program: fx.GraphModule, ctx: RuntimeContext) -> None:
+        self.ops = EagerOps(ctx)
+        bound = bind(program, self.ops)
+        regions = find_regions(bound)
+        self.reports: list[RegionReport] = []
+        modules = [self._compile(bound, region) for region in regions]
+        self.gm = outline(bound, regions, modules)
+
+    def _compile(self, root: fx.GraphModule, region: Region) -> CompiledRegion:
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+
+        module = region.graph_module(root)
+        example = example_inputs([node.meta["val"] for node in region.inputs])
+        start = time.perf_counter()
+        fallback = None
+        compiled = None
+        try:
+            with config.patch(fallback_random=True, emulate_precision_casts=True):
+                compiled = compile_fx(module, example)
+        except Exception as exc:  # Inductor rejected it: the region runs eagerly
+            fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+        phase = region.nodes[0].meta.get("zerocc")
+        self.reports.append(
+            RegionReport(
+                region.name,
+                getattr(phase, "phase", None),
+                len(region.nodes),
+                time.perf_counter() - start,
+                fallback,
+            )
+        )
+        return CompiledRegion(module, compiled)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.gm(*args)
+
+    def in_flight(self) -> int:
+        """Collectives and copies issued and not yet waited on (0 after every complete run)."""
+        return len(self.ops.in_flight)
+
+    def reset(self) -> None:
+        """Drop the handles a failed run left in flight, so the next run starts clean."""
+        self.ops.in_flight.clear()
+
+    def notes(self) -> list[str]:
+        """What the backend made of the program: regions compiled and the time it took, then
+        one line per reason regions run eagerly, naming them."""
+        by_reason: dict[str, list[str]] = {}
+        for report in self.reports:
+            if report.fallback is not None:
+                by_reason.setdefault(report.fallback, []).append(report.name)
+        compiled = sum(r.fallback is None for r in self.reports)
+        seconds = sum(r.seconds for r in self.reports)
+        lines = [
+            f"inductor: {compiled} of {len(self.reports)} compute regions compiled "
+            f"({seconds:.1f} s, cached ones included)"
+        ]
+        lines += [
+            f"inductor: {len(names)} of {len(self.reports)} compute regions run eagerly "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): {reason}"
+            for reason, names in by_reason.items()
+        ]
+        return lines

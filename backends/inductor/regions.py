@@ -1,0 +1,105 @@
+"""Splitting a bound program into compute regions: the runs of ops between zerocc's own.
+
+A region is a maximal run of consecutive compute nodes (ATen ops) that holds no zerocc op:
+collectives, waits, copies, frees, the optimizer update and the RNG replay ops stay in the top
+graph, in the order the passes scheduled them, and each region becomes one ``call_module``
+node in their place. A region reads values from before it and returns those read after it (or
+by the program's output). Runs too small to gain from compiling (views alone, or fewer compute
+ops than ``min_ops``) stay inline.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from zerocc.ir.kinds import OpKind
+from zerocc.ir.nodes import info, op_kind, tag
+
+REGION_PREFIX = "region_"
+
+
+@dataclass
+class Region:
+    """One run of compute nodes, in program order, with what it reads and returns."""
+
+    name: str
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+
+    def graph_module(self, root: fx.GraphModule) -> fx.GraphModule:
+        """The region as a module of its own: its inputs as placeholders, its outputs as a
+        tuple, nodes copied with their ``meta``."""
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in self.inputs:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+        for node in self.nodes:
+            env[node] = graph.node_copy(node, env.__getitem__)
+        graph.output(tuple(env[n] for n in self.outputs))
+        return fx.GraphModule(root, graph)
+
+
+def _compute(node: fx.Node) -> bool:
+    """A node a region may hold: an ATen op that is neither zerocc's nor plumbing."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return node.target.namespace == "aten" and op_kind(node) is not OpKind.PLUMBING
+
+
+def _counts(node: fx.Node) -> bool:
+    """A node whose compilation can gain something (a view costs nothing either way)."""
+    return op_kind(node) not in (OpKind.VIEW, OpKind.PLUMBING)
+
+
+def find_regions(gm: fx.GraphModule, min_ops: int = 2) -> list[Region]:
+    """The program's compute regions worth compiling, in program order."""
+    runs: list[list[fx.Node]] = [[]]
+    current: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        # A multi-output op's getitems go with it.
+        item = node.op == "call_function" and node.target is operator.getitem
+        if _compute(node) or (item and node.args[0] in current):
+            runs[-1].append(node)
+            current.add(node)
+        elif runs[-1]:
+            runs.append([])
+            current = set()
+    regions = []
+    for run in runs:
+        if sum(map(_counts, run)) < min_ops:
+            continue
+        inside = set(run)
+        inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes if a not in inside))
+        outputs = [n for n in run if any(u not in inside for u in n.users)]
+        regions.append(Region(f"{REGION_PREFIX}{len(regions)}", run, inputs, outputs))
+    return regions
+
+
+def outline(gm: fx.GraphModule, regions: list[Region], modules: list[nn.Module]) -> fx.GraphModule:
+    """``gm`` with each region replaced by a ``call_module`` of its module (``modules``, one
+    per region, made before ``gm`` changes; each a submodule of the result under the region's
+    name) and ``getitem`` nodes for what it returns. The call node carries the tags of the
+    region's first node (its phase, unit)."""
+    replaced: dict[fx.Node, fx.Node] = {}  # a region's output -> the getitem standing for it
+    for region, module in zip(regions, modules, strict=True):
+        gm.add_submodule(region.name, module)
+        first = region.nodes[0]
+        with gm.graph.inserting_before(first):
+            args = tuple(replaced.get(n, n) for n in region.inputs)
+            call = gm.graph.call_module(region.name, args)
+            tag(call, phase=info(first).phase, unit=info(first).unit)
+            for index, node in enumerate(region.outputs):
+                item = gm.graph.call_function(operator.getitem, (call, index))
+                item.meta = dict(node.meta)
+                node.replace_all_uses_with(item)
+                replaced[node] = item
+        for node in reversed(region.nodes):
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm

@@ -1,0 +1,78 @@
+"""The Inductor backend on gloo ranks: each stage trains as one process training on all
+ranks' batches does, and as the eager backend does, with its compute regions compiled.
+
+Tolerance, fp32: 1e-5 relative, the fp32 parity tests' (test_parity.py), against both the
+reference and the eager backend. Inductor fuses elementwise ops and reorders reductions (layer
+norm statistics, softmax sums, the loss's mean), a few ulps per op, ~1e-6 relative after five
+steps of the GPT; a wrong kernel, a lost in-place update or a gradient read before its
+reduction moves the loss by far more. bf16 compute: 1e-2, as test_mixed_precision.py, the
+reference computing in bf16 too, on the losses and on each weight matrix. Inductor rounds
+differently inside its fused kernels (a bf16 ulp is 4e-3), and a vector parameter's gradient
+(a bias, a norm's) is a sum over every token of bf16 terms that cancel: its relative rounding
+is not bounded by the ulp (1.3e-2 measured on a layer norm's bias). Vector parameters are
+compared with the rest, as one vector of all the model's weights, at 1e-3 (2.3e-4 measured).
+The bf16 case trains with SGD: AdamW divides each element's update by its gradient's own
+magnitude, so a near-zero gradient element whose sign the rounding flips moves its weight by
+±lr, whatever the tolerance on the rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from multirank import run_ranks
+
+from parity import assert_matches_reference, case_id, reference, relative_difference, train
+
+CASES = [
+    {"model": "gpt", "stage": 1},
+    {"model": "gpt", "stage": 2, "accum": 2},
+    {"model": "gpt", "stage": 3},
+    {
+        "model": "gpt",
+        "stage": 3,
+        "precision": {"param": "bf16"},
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    },
+]
+
+
+def _pair(case: dict) -> tuple[dict, dict]:
+    ours = {"world": 2, "steps": 3, "backend": "inductor", **case}
+    return ours, {**ours, "backend": "eager"}
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return run_ranks(2, train, [c for case in CASES for c in _pair(case)])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: case_id({"world": 2, **c}))
+def test_inductor_matches_the_reference_and_the_eager_backend(case):
+    ours, eager = _pair(case)
+    tol = 1e-2 if "precision" in case else 1e-5
+    for rank, result in enumerate(_results()):
+        theirs = result[case_id(eager)]["losses"]
+        for a, b in zip(result[case_id(ours)]["losses"], theirs, strict=True):
+            assert abs(a - b) <= tol * abs(b), f"rank {rank}: {a} vs {b}"
+    params, eager_params = (_results()[0][case_id(c)]["params"] for c in (ours, eager))
+    if "precision" not in case:
+        assert_matches_reference(_results(), ours, tol)
+        for name, value in eager_params.items():
+            assert relative_difference(params[name], value) <= tol, name
+        return
+    ref_losses, ref_state = reference(ours)
+    for rank, result in enumerate(_results()):
+        for a, b in zip(result[case_id(ours)]["losses"], ref_losses[rank], strict=True):
+            assert abs(a - b) <= tol * abs(b), f"rank {rank}: {a} vs {b}"
+    for name, value in ref_state.items():
+        if value.dim() >= 2:
+            assert relative_difference(params[name], value) <= tol, name
+    names = sorted(ref_state)
+    whole = torch.cat([params[n].double().flatten() for n in names])
+    assert (
+        relative_difference(whole, torch.cat([ref_state[n].double().flatten() for n in names]))
+        <= 1e-3
+    )
