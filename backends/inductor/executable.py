@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from zerocc.backends.eager.executable import bind
-from zerocc.backends.eager.ops import EagerOps
+from zerocc.backends.eager.executable import EagerExecutable
 from zerocc.backends.inductor.regions import Region, find_regions, outline
+from zerocc.ir.nodes import info
 from zerocc.runtime.context import RuntimeContext
+from zerocc.runtime.failures import first_line
 
 
 @dataclass
@@ -82,16 +83,16 @@ class CompiledRegion(nn.Module):
         return self.compiled(*args)
 
 
-class InductorExecutable:
-    """A program bound to a runtime context, its compute regions compiled by Inductor."""
+class InductorExecutable(EagerExecutable):
+    """A program bound to a runtime context, its compute regions compiled by Inductor; runs,
+    and tracks what is in flight, as the eager executable does."""
 
     def __init__(self, program: fx.GraphModule, ctx: RuntimeContext) -> None:
-        self.ops = EagerOps(ctx)
-        bound = bind(program, self.ops)
-        regions = find_regions(bound)
+        super().__init__(program, ctx)
+        regions = find_regions(self.gm)
         self.reports: list[RegionReport] = []
-        modules = [self._compile(bound, region) for region in regions]
-        self.gm = outline(bound, regions, modules)
+        modules = [self._compile(self.gm, region) for region in regions]
+        self.gm = outline(self.gm, regions, modules)
 
     def _compile(self, root: fx.GraphModule, region: Region) -> CompiledRegion:
         from torch._inductor import config
@@ -100,35 +101,16 @@ class InductorExecutable:
         module = region.graph_module(root)
         example = example_inputs([node.meta["val"] for node in region.inputs])
         start = time.perf_counter()
-        fallback = None
-        compiled = None
+        compiled, fallback = None, None
         try:
             with config.patch(fallback_random=True, emulate_precision_casts=True):
                 compiled = compile_fx(module, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
-            fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-        phase = region.nodes[0].meta.get("zerocc")
-        self.reports.append(
-            RegionReport(
-                region.name,
-                getattr(phase, "phase", None),
-                len(region.nodes),
-                time.perf_counter() - start,
-                fallback,
-            )
-        )
+            fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
+        seconds = time.perf_counter() - start
+        phase = info(region.nodes[0]).phase
+        self.reports.append(RegionReport(region.name, phase, len(region.nodes), seconds, fallback))
         return CompiledRegion(module, compiled)
-
-    def __call__(self, *args: Any) -> Any:
-        return self.gm(*args)
-
-    def in_flight(self) -> int:
-        """Collectives and copies issued and not yet waited on (0 after every complete run)."""
-        return len(self.ops.in_flight)
-
-    def reset(self) -> None:
-        """Drop the handles a failed run left in flight, so the next run starts clean."""
-        self.ops.in_flight.clear()
 
     def notes(self) -> list[str]:
         """What the backend made of the program: regions compiled and the time it took, then
