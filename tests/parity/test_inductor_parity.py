@@ -3,7 +3,7 @@ ranks' batches does, and as the eager backend does, with its compute regions com
 
 Tolerance, fp32: 1e-5 relative, the fp32 parity tests' (test_parity.py), against both the
 reference and the eager backend. Inductor fuses elementwise ops and reorders reductions (layer
-norm statistics, softmax sums, the loss's mean), a few ulps per op, ~1e-6 relative after five
+norm statistics, softmax sums, the loss's mean), a few ulps per op, ~1e-7 relative after three
 steps of the GPT; a wrong kernel, a lost in-place update or a gradient read before its
 reduction moves the loss by far more. bf16 compute: 1e-2, as test_mixed_precision.py, the
 reference computing in bf16 too, on the losses and on each weight matrix. Inductor rounds
@@ -26,17 +26,21 @@ from multirank import run_ranks
 
 from parity import assert_matches_reference, case_id, reference, relative_difference, train
 
-CASES = [
+FP32 = [
     {"model": "gpt", "stage": 1},
     {"model": "gpt", "stage": 2, "accum": 2},
     {"model": "gpt", "stage": 3},
-    {
-        "model": "gpt",
-        "stage": 3,
-        "precision": {"param": "bf16"},
-        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
-    },
+    {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu"}},  # the update on the host
+    # Dropout, recomputed: the masks of ATen's generator, replayed for the recomputation. Held
+    # to the eager backend only: the one-process reference draws its masks in another order.
+    {"model": "gpt_dropout", "stage": 3, "checkpointing": {"units": "all"}},
 ]
+BF16 = {
+    "model": "gpt",
+    "stage": 3,
+    "precision": {"param": "bf16"},
+    "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+}
 
 
 def _pair(case: dict) -> tuple[dict, dict]:
@@ -46,33 +50,37 @@ def _pair(case: dict) -> tuple[dict, dict]:
 
 @functools.cache
 def _results() -> list[dict]:
-    return run_ranks(2, train, [c for case in CASES for c in _pair(case)])
+    return run_ranks(2, train, [c for case in [*FP32, BF16] for c in _pair(case)])
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: case_id({"world": 2, **c}))
-def test_inductor_matches_the_reference_and_the_eager_backend(case):
+def _assert_losses_close(ours: dict, theirs: list[list[float]], tol: float) -> None:
+    """Every rank's losses of case ``ours`` within ``tol`` of ``theirs`` (per rank)."""
+    for rank, result in enumerate(_results()):
+        for i, (a, b) in enumerate(zip(result[case_id(ours)]["losses"], theirs[rank], strict=True)):
+            assert abs(a - b) <= tol * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("case", FP32, ids=lambda c: case_id({"world": 2, **c}))
+def test_fp32_matches_the_eager_backend_and_the_reference(case):
     ours, eager = _pair(case)
-    tol = 1e-2 if "precision" in case else 1e-5
-    for rank, result in enumerate(_results()):
-        theirs = result[case_id(eager)]["losses"]
-        for a, b in zip(result[case_id(ours)]["losses"], theirs, strict=True):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank}: {a} vs {b}"
+    _assert_losses_close(ours, [r[case_id(eager)]["losses"] for r in _results()], 1e-5)
     params, eager_params = (_results()[0][case_id(c)]["params"] for c in (ours, eager))
-    if "precision" not in case:
-        assert_matches_reference(_results(), ours, tol)
-        for name, value in eager_params.items():
-            assert relative_difference(params[name], value) <= tol, name
-        return
+    for name, value in eager_params.items():
+        assert relative_difference(params[name], value) <= 1e-5, name
+    if case["model"] != "gpt_dropout":
+        assert_matches_reference(_results(), ours, 1e-5)
+
+
+def test_bf16_matches_the_reference_within_its_rounding():
+    ours, _ = _pair(BF16)
     ref_losses, ref_state = reference(ours)
-    for rank, result in enumerate(_results()):
-        for a, b in zip(result[case_id(ours)]["losses"], ref_losses[rank], strict=True):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank}: {a} vs {b}"
+    _assert_losses_close(ours, ref_losses, 1e-2)
+    params = _results()[0][case_id(ours)]["params"]
     for name, value in ref_state.items():
         if value.dim() >= 2:
-            assert relative_difference(params[name], value) <= tol, name
+            assert relative_difference(params[name], value) <= 1e-2, name
     names = sorted(ref_state)
-    whole = torch.cat([params[n].double().flatten() for n in names])
-    assert (
-        relative_difference(whole, torch.cat([ref_state[n].double().flatten() for n in names]))
-        <= 1e-3
+    whole, ref_whole = (
+        torch.cat([s[n].double().flatten() for n in names]) for s in (params, ref_state)
     )
+    assert relative_difference(whole, ref_whole) <= 1e-3
