@@ -42,6 +42,11 @@ class Executable(Protocol):
         those it left eager and why); none for a backend with nothing to say."""
         ...
 
+    def artifacts(self) -> dict[str, str]:
+        """Files for the dumps, by name: what the backend generated (code, a table of its
+        regions); none for a backend that generates nothing."""
+        ...
+
 
 Backend = Callable[[fx.GraphModule, Sequence[Any], RuntimeContext], Executable]
 BACKENDS: dict[str, Backend] = {"eager": eager.compile, "inductor": inductor.compile}

@@ -49,6 +49,10 @@ class EagerExecutable:
         """Nothing to add: every op runs as written."""
         return []
 
+    def artifacts(self) -> dict[str, str]:
+        """Nothing generated."""
+        return {}
+
 
 def bind(program: fx.GraphModule, ops: EagerOps) -> fx.GraphModule:
     """A copy of ``program`` whose zerocc op nodes call ``ops``' implementations."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ class RegionReport:
     ops: int
     seconds: float
     fallback: str | None = None  # "TypeError: ..." when Inductor could not compile it
+    code: str | None = None  # the Python (and kernels) Inductor generated for it
 
 
 def example_inputs(values: list[Any]) -> list[Any]:
@@ -96,20 +98,26 @@ class InductorExecutable(EagerExecutable):
 
     def _compile(self, root: fx.GraphModule, region: Region) -> CompiledRegion:
         from torch._inductor import config
+        from torch._inductor.codecache import PyCodeCache
         from torch._inductor.compile_fx import compile_fx
 
         module = region.graph_module(root)
         example = example_inputs([node.meta["val"] for node in region.inputs])
         start = time.perf_counter()
         compiled, fallback = None, None
+        loaded = len(PyCodeCache.modules)  # the generated module is loaded, compiled or cached
         try:
             with config.patch(fallback_random=True, emulate_precision_casts=True):
                 compiled = compile_fx(module, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
             fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
         seconds = time.perf_counter() - start
+        generated = PyCodeCache.modules[loaded:]
+        code = Path(generated[-1].__file__).read_text() if generated else None
         phase = info(region.nodes[0]).phase
-        self.reports.append(RegionReport(region.name, phase, len(region.nodes), seconds, fallback))
+        self.reports.append(
+            RegionReport(region.name, phase, len(region.nodes), seconds, fallback, code)
+        )
         return CompiledRegion(module, compiled)
 
     def notes(self) -> list[str]:
@@ -131,3 +139,16 @@ class InductorExecutable(EagerExecutable):
             for reason, names in by_reason.items()
         ]
         return lines
+
+    def artifacts(self) -> dict[str, str]:
+        """Files for the dumps: ``regions.txt`` (each region: phase, ops, compile time, how it
+        runs) and the code Inductor generated for each compiled region (``region_<i>.py``)."""
+        rows = [f"{'region':<12}{'phase':<10}{'ops':>5}{'compile s':>11}  runs"]
+        rows += [
+            f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{r.seconds:>11.2f}  "
+            + ("compiled" if r.fallback is None else f"eagerly: {r.fallback}")
+            for r in self.reports
+        ]
+        files = {"regions.txt": "\n".join(rows) + "\n"}
+        files.update({f"{r.name}.py": r.code for r in self.reports if r.code is not None})
+        return files

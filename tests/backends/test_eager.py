@@ -173,6 +173,9 @@ def test_a_profiled_run_is_checked_on_the_executable_that_ran():
         def notes(self):
             return []
 
+        def artifacts(self):
+            return {}
+
     built = []
 
     def leaky_after_the_first(program, example_inputs, ctx):

@@ -104,3 +104,13 @@ def test_a_second_launch_finds_every_region_in_inductors_caches():
     cache = counters["aot_autograd"]
     assert cache["autograd_cache_hit"] == regions, dict(cache)
     assert not cache["autograd_cache_miss"] and not cache["autograd_cache_bypass"], dict(cache)
+
+
+def test_the_dumps_hold_each_regions_generated_code():
+    _, step = _run("inductor", steps=1)
+    files = step.record().backend_artifacts
+    table = files["regions.txt"].splitlines()
+    regions = step._last_program.run.reports
+    assert len(table) == 1 + len(regions) and all("compiled" in row for row in table[1:])
+    for region in regions:
+        assert "def call(" in files[f"{region.name}.py"]  # Inductor's entry point

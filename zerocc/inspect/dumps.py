@@ -71,8 +71,9 @@ def write_program_dumps(root: Path, name: str, records: list[PassRecord]) -> lis
 
 def write_run_dumps(root: Path, step: StepRecord, recorder: ProfiledRun, comm: Comm) -> Path | None:
     """Gather every rank's timed ops over ``comm`` (a collective: every rank calls it) and, on
-    rank 0, write ``trace.json``, ``memory.png`` and ``report.html``; returns the report's path
-    on rank 0."""
+    rank 0, write ``trace.json``, ``memory.png``, ``report.html`` and what the backend
+    generated (``backend/``: Inductor's regions and their code); returns the report's path on
+    rank 0."""
     events = _gather(comm, recorder.events)
     if step.rank != 0:
         return None
@@ -92,6 +93,9 @@ def write_run_dumps(root: Path, step: StepRecord, recorder: ProfiledRun, comm: C
         recorder.timeline,
         f"rank 0, ZeRO stage {step.plan.zero.stage}, {step.world_size} ranks",
     )
+    for name, text in step.backend_artifacts.items():  # what the backend generated
+        (root / "backend").mkdir(exist_ok=True)
+        (root / "backend" / name).write_text(text)
     report = root / "report.html"
     sections = _sections(root, step, predicted, recorder.timeline)
     sections.insert(-2, _time_section(simulated, rates, recorder.events))

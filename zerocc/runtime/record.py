@@ -36,6 +36,7 @@ class StepRecord:
     loss_scale: float | None  # the next step's; None without loss scaling
     dynamic_loss_scale: bool  # whether the scale adapts to overflows
     backend_notes: list[str]  # what the backend made of the programs (explain prints them)
+    backend_artifacts: dict[str, str]  # what it generated for the last program (the dumps)
     steps: int  # optimizer steps applied
     skipped_steps: int  # optimizer steps skipped for a non-finite gradient
 

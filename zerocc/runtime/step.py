@@ -545,6 +545,7 @@ class StepRunner:
             backend_notes=list(
                 dict.fromkeys(note for p in self.programs.values() for note in p.run.notes())
             ),
+            backend_artifacts=last.run.artifacts() if last else {},
             steps=self.steps,
             skipped_steps=self.skipped_steps,
         )
