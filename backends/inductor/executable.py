@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import fx, nn
@@ -105,15 +106,23 @@ class InductorExecutable(EagerExecutable):
         example = example_inputs([node.meta["val"] for node in region.inputs])
         start = time.perf_counter()
         compiled, fallback = None, None
-        loaded = len(PyCodeCache.modules)  # the generated module is loaded, compiled or cached
+        loaded: list[str] = []  # the generated module's file, compiled now or found cached
+        real_load = PyCodeCache.load_by_key_path
+
+        def recording_load(key: str, path: str, *args: Any, **kwargs: Any) -> Any:
+            loaded.append(path)
+            return real_load(key, path, *args, **kwargs)
+
         try:
-            with config.patch(fallback_random=True, emulate_precision_casts=True):
+            with (
+                config.patch(fallback_random=True, emulate_precision_casts=True),
+                mock.patch.object(PyCodeCache, "load_by_key_path", recording_load),
+            ):
                 compiled = compile_fx(module, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
             fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
         seconds = time.perf_counter() - start
-        generated = PyCodeCache.modules[loaded:]
-        code = Path(generated[-1].__file__).read_text() if generated else None
+        code = Path(loaded[-1]).read_text() if compiled is not None and loaded else None
         phase = info(region.nodes[0]).phase
         self.reports.append(
             RegionReport(region.name, phase, len(region.nodes), seconds, fallback, code)

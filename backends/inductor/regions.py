@@ -1,6 +1,7 @@
 """Splitting a bound program into compute regions: the runs of ops between zerocc's own.
 
-A region is a maximal run of consecutive compute nodes (ATen ops) that holds no zerocc op:
+A region is a maximal run of consecutive compute nodes (ATen ops, with the getitems of their
+tuple results, wherever the program reads them) that holds no zerocc op:
 collectives, waits, copies, frees, the optimizer update and the RNG replay ops stay in the top
 graph, in the order the passes scheduled them, and each region becomes one ``call_module``
 node in their place. A region reads values from before it and returns those read after it (or
@@ -60,16 +61,19 @@ def _counts(node: fx.Node) -> bool:
 def find_regions(gm: fx.GraphModule, min_ops: int = 2) -> list[Region]:
     """The program's compute regions worth compiling, in program order."""
     runs: list[list[fx.Node]] = [[]]
-    current: set[fx.Node] = set()
+    pulled: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        # A multi-output op's getitems go with it.
-        item = node.op == "call_function" and node.target is operator.getitem
-        if _compute(node) or (item and node.args[0] in current):
+        if node in pulled:
+            continue
+        if _compute(node):
             runs[-1].append(node)
-            current.add(node)
+            # A multi-output op's getitems go with it, even those the program reads later
+            # (after a collective): a region returns tensors, never a tuple with holes.
+            items = [u for u in node.users if u.target is operator.getitem]
+            runs[-1] += items
+            pulled.update(items)
         elif runs[-1]:
             runs.append([])
-            current = set()
     regions = []
     for run in runs:
         if sum(map(_counts, run)) < min_ops:

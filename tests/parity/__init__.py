@@ -96,6 +96,7 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
             "elements": elements,
             "psi": sum(u.padded_numel for u in step.units if u.trainable),
             "figures": describe(step.record()),
+            "backend_notes": step.record().backend_notes,
             "params": params if rank == 0 else None,
         }
     return out
