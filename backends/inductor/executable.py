@@ -10,14 +10,16 @@ the executable says so (:meth:`InductorExecutable.notes`). Inductor's caches (it
 cache, on disk) make a region that was compiled before, in this process or an earlier launch,
 cost a lookup.
 
-Numerics: ``fallback_random`` keeps random ops on ATen's generator, so dropout masks, and
+Numerics (:data:`EAGER_NUMERICS`): random ops stay on ATen's generator, so dropout masks, and
 recomputation's replay of them, are those of the eager backend. Inductor fuses and reorders
 reductions, so results match eager within rounding, not to the bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,32 @@ def example_inputs(values: list[Any]) -> list[Any]:
     return examples
 
 
+# Inductor options that keep eager's numerics: random ops on ATen's generator (dropout masks,
+# and recomputation's replay of them, are eager's), low-precision results rounded where eager
+# rounds them.
+EAGER_NUMERICS = ("fallback_random", "emulate_precision_casts")
+
+
+@contextlib.contextmanager
+def _loaded_modules() -> Iterator[list[str]]:
+    """The files of the Python modules Inductor loads in the body: a region's generated code,
+    compiled now or found in its cache (none where this torch loads them otherwise)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    loaded: list[str] = []
+    real = getattr(PyCodeCache, "load_by_key_path", None)
+    if real is None:
+        yield loaded
+        return
+
+    def recording(key: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        loaded.append(path)
+        return real(key, path, *args, **kwargs)
+
+    with mock.patch.object(PyCodeCache, "load_by_key_path", recording):
+        yield loaded
+
+
 class CompiledRegion(nn.Module):
     """A region's module, run as Inductor compiled it (or eagerly, when it could not)."""
 
@@ -99,25 +127,16 @@ class InductorExecutable(EagerExecutable):
 
     def _compile(self, root: fx.GraphModule, region: Region) -> CompiledRegion:
         from torch._inductor import config
-        from torch._inductor.codecache import PyCodeCache
         from torch._inductor.compile_fx import compile_fx
 
         module = region.graph_module(root)
         example = example_inputs([node.meta["val"] for node in region.inputs])
+        # Eager's numerics where this torch has the option (older releases lack some).
+        numerics = {k: True for k in EAGER_NUMERICS if hasattr(config, k)}
         start = time.perf_counter()
         compiled, fallback = None, None
-        loaded: list[str] = []  # the generated module's file, compiled now or found cached
-        real_load = PyCodeCache.load_by_key_path
-
-        def recording_load(key: str, path: str, *args: Any, **kwargs: Any) -> Any:
-            loaded.append(path)
-            return real_load(key, path, *args, **kwargs)
-
         try:
-            with (
-                config.patch(fallback_random=True, emulate_precision_casts=True),
-                mock.patch.object(PyCodeCache, "load_by_key_path", recording_load),
-            ):
+            with config.patch(numerics), _loaded_modules() as loaded:
                 compiled = compile_fx(module, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
             fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
