@@ -135,3 +135,24 @@ def test_estimate_table_has_a_step_time_row(capsys):
     rows = {line[:26].strip(): line[26:].split() for line in out.splitlines()}
     assert len(rows["step time"]) == 8 and len(rows["exposed communication"]) == 8  # 4 × "n ms"
     assert "link from the flags" in out
+
+
+def test_lowered_shows_each_inductor_region_and_writes_its_code(capsys, tmp_path):
+    plan = tmp_path / "inductor.yaml"
+    plan.write_text(
+        'workload: "workload:workload"\n'
+        "workload_args: {n_layer: 2, n_embd: 32, n_head: 2, block_size: 16, batch_size: 2}\n"
+        "zero: {stage: 3}\nunits: {classes: [Block]}\nbackend: {name: inductor}\n"
+    )
+    out = run(capsys, "inspect", str(plan), "--world-size", "2", "--lowered", str(tmp_path / "out"))
+    assert out.startswith("backend inductor:")
+    table = out[out.index("region ") :].splitlines()
+    regions = [row.split()[0] for row in table[1:] if row.startswith("region_")]
+    assert regions and all(row.endswith("compiled") for row in table[1 : 1 + len(regions)])
+    written = {p.name for p in (tmp_path / "out").iterdir()}
+    assert written == {"regions.txt", *(f"{r}.py" for r in regions)}
+
+
+def test_lowered_on_the_eager_backend_says_nothing_is_generated(capsys):
+    out = run(capsys, "inspect", ZERO3, "--lowered")
+    assert "backend eager:" in out and "nothing generated" in out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+from pathlib import Path
 
 from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan, load_plan
@@ -34,6 +35,14 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--format", choices=("py", "dot", "json"), default="py", help="how to print a program"
     )
     inspect.add_argument("--unit", metavar="NAME", help="only the nodes of FSDP unit NAME")
+    inspect.add_argument(
+        "--lowered",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="lower the program with the plan's backend and say what it made of it (Inductor: "
+        "each region, its compile time); with DIR, write what it generated there",
+    )
     inspect.set_defaults(run=run_inspect)
 
     est = commands.add_parser(
@@ -88,13 +97,16 @@ def _inspection(args: argparse.Namespace, plan: Plan | None = None) -> Inspectio
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    """``zerocc inspect``: the pass table, or one program printed, or one pass's diff."""
+    """``zerocc inspect``: the pass table, or one program printed, or one pass's diff, or
+    what the plan's backend makes of the program (``--lowered``)."""
     inspection = _inspection(args)
     records = inspection.stepping.records
     if args.unit is not None and args.unit not in {u.name for u in inspection.units}:
         names = ", ".join(u.name for u in inspection.units)
         raise ZeroccError(f"--unit {args.unit!r}: no such unit; units: {names}")
-    if args.diff:
+    if args.lowered is not None:
+        print(_lowered_text(inspection, Path(args.lowered) if args.lowered else None))
+    elif args.diff:
         before, after = _around(records, args.diff)
         print(_diff(before, after, args.unit), end="")
     elif args.print_after == "all":
@@ -106,6 +118,25 @@ def run_inspect(args: argparse.Namespace) -> int:
     else:
         print(_pass_table_text(inspection))
     return 0
+
+
+def _lowered_text(inspection: Inspection, folder: Path | None) -> str:
+    """The backend's notes and its table of regions; what it generated written to ``folder``."""
+    from zerocc.inspect.lowering import lower
+
+    executable = lower(inspection)
+    files = executable.artifacts()
+    lines = [f"backend {inspection.plan.backend.name}:", *executable.notes()]
+    if "regions.txt" in files:
+        lines += ["", files["regions.txt"].rstrip()]
+    if not files and not executable.notes():
+        lines.append("  runs the program op by op, as printed: nothing generated")
+    if folder is not None and files:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        lines += ["", f"wrote {len(files)} file(s) to {folder}"]
+    return "\n".join(lines)
 
 
 def _around(records: list[PassRecord], name: str) -> tuple[PassRecord, PassRecord]:
