@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import itertools
 import os
 import platform
 import statistics
@@ -133,6 +134,7 @@ def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],
     losses = [statistics.fmean(ranks) for a in answers for ranks in _by_step(a, "losses")]
     final, ready, last = run["final"], run["ready"], answers[-1]
     median = statistics.median(timed)
+    cpu = cpu_per_step(run)
     if cfg.device == "cuda":
         memory = max(f["cuda_max_allocated"] for f in final)
     else:
@@ -145,6 +147,8 @@ def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],
         "steps": len(losses),
         "median_step_s": median,
         "iqr_step_s": _iqr(timed),
+        "cpu_step_s": cpu,
+        "median_cpu_step_s": statistics.median(cpu),
         "step_times_s": timed,
         "losses": losses,
         "final_loss": losses[-1],
@@ -169,6 +173,17 @@ def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],
         if peak_flops
         else None,
     }
+
+
+def cpu_per_step(run: dict[str, Any]) -> list[float]:
+    """CPU seconds per step of each round (its untimed first step included), the busier rank's:
+    the work a step does, which other load on the machine inflates far less than its time."""
+    answers = run["answers"]  # [warm-up, round 1, ...], each a list by rank
+    return [
+        max((now["reported"]["cpu_s"] - then["reported"]["cpu_s"]) / len(now["times"])
+            for then, now in zip(before, after, strict=True))
+        for before, after in itertools.pairwise(answers)
+    ]  # fmt: skip
 
 
 def _iqr(values: list[float]) -> float:

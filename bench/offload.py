@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import os
 import re
-import statistics
 import sys
 import tempfile
 from dataclasses import asdict, replace
@@ -108,17 +106,6 @@ def rank_losses(run: dict[str, Any]) -> list[list[float]]:
     return [[x for a in run["answers"] for x in a[r]["losses"]] for r in range(ranks)]
 
 
-def cpu_per_step(run: dict[str, Any]) -> list[float]:
-    """CPU seconds per step of each round (its untimed first step included), the busier rank's:
-    the work a step does, which other load on the machine inflates far less than its time."""
-    answers = run["answers"]  # [warm-up, round 1, ...], each a list by rank
-    return [
-        max((now["reported"]["cpu_s"] - then["reported"]["cpu_s"]) / len(now["times"])
-            for then, now in zip(before, after, strict=True))
-        for before, after in itertools.pairwise(answers)
-    ]  # fmt: skip
-
-
 def finish_rows(rows: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> None:
     """Add CPU time, ratios to the baselines, zerocc's pools and copies, the loss identity."""
     for r in rows:
@@ -126,8 +113,6 @@ def finish_rows(rows: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> 
             if NEEDS_GPU.search(r["error"].split("\n", 1)[0]):
                 r["status"] = "not runnable on CPU"
             continue
-        r["cpu_step_s"] = cpu_per_step(runs[r["name"]])
-        r["median_cpu_step_s"] = statistics.median(r["cpu_step_s"])
     ok = {r["name"]: r for r in rows if r["status"] == "ok"}
     for r in ok.values():
         base, ref = ok.get(BASELINES[r["family"]]), ok.get(REFERENCE)

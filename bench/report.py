@@ -23,7 +23,8 @@ def table(results: list[dict[str, Any]], reference: str | None, gpu: bool) -> st
     ref = next((r for r in results if r["name"] == reference and r["status"] == "ok"), None)
     memory = "peak alloc MiB" if gpu else "peak RSS Δ MiB"
     header = (
-        f"{'system':<20}{'step ms':>9}{'IQR':>6}{'× ' + (reference or '-'):>13}{memory:>16}"
+        f"{'system':<20}{'step ms':>9}{'IQR':>6}{'CPU ms':>8}{'× ' + (reference or '-'):>13}"
+        f"{memory:>16}"
         f"{'live MiB':>10}{'comm MiB':>10}{'formula':>9}{'tokens/s':>10}"
         + (f"{'MFU':>7}" if gpu else "")
         + f"{'final loss':>12}{'rel Δ loss':>11}"
@@ -36,6 +37,7 @@ def table(results: list[dict[str, Any]], reference: str | None, gpu: bool) -> st
         ratio = r["median_step_s"] / ref["median_step_s"] if ref else None
         row = (
             f"{r['name']:<20}{1e3 * r['median_step_s']:>9.1f}{1e3 * r['iqr_step_s']:>6.0f}"
+            f"{1e3 * r['median_cpu_step_s']:>8.0f}"
             f"{'-' if ratio is None else f'{ratio:.2f}':>13}"
             f"{_mib(r['peak_memory']):>16}{_mib(r['live_tensor_peak']):>10}"
             f"{_mib(_total(r['comm_bytes'])):>10}{_mib(_total(r['comm_formula'])):>9}"
@@ -62,6 +64,8 @@ def legend(results: list[dict[str, Any]], gpu: bool) -> str:
     lines = [
         "step ms: median of the timed steps (a step lasts as long as its slowest rank).",
         "IQR: the spread of the middle half of the timed steps.",
+        "CPU ms: CPU time per step of the busier rank (all its threads), median over the rounds:",
+        "  the work a step does, which other load on this shared machine inflates far less.",
         *memory,
         "live: peak bytes of live tensors in one step (zerocc's step.profile; not exposed by the",
         "  others on CPU).",
