@@ -95,7 +95,8 @@ def optimizer(
         ]
         for u in units
     }
-    step = state_placeholder(graph, layout[STEP_SPEC.key], like) if config.name == "adamw" else None
+    step_spec = layout.get(STEP_SPEC.key)  # AdamW's step counter
+    step = state_placeholder(graph, step_spec, like) if step_spec is not None else None
     scale = 1.0 / (ctx.world_size * grad_accumulation)
     # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
     sliced = stage > 0 and ctx.world_size > 1

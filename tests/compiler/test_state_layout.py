@@ -57,12 +57,13 @@ def test_the_program_binds_the_layout_the_runtime_allocates(name):
 
 def test_offload_moves_the_states_it_places_and_adds_a_master_where_the_update_runs():
     plan = _plan(zero={"stage": 3}, offload={"optimizer": "cpu"})
-    layout = inspect_plan(plan, 4).stepping.layout
+    inspection = inspect_plan(plan, 4)
+    layout = inspection.stepping.layout
     moved = {s.key for s in layout if s.location == HOST}
     assert moved == {s.key for s in layout if s.role in (MASTER, OPTIM_STATE)}
     masters = [s for s in layout if s.role == MASTER]
     assert masters and all(s.dtype == torch.float32 for s in masters)  # fp32: placed only
-    on_device = plan_layout(_plan(zero={"stage": 3}), inspect_plan(plan, 4).units)
+    on_device = plan_layout(_plan(zero={"stage": 3}), inspection.units)
     assert not [s for s in on_device if s.role == MASTER]
     assert {s.location for s in on_device} == {DEVICE}
 

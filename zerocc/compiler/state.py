@@ -80,6 +80,12 @@ class StateSpec:
     location: Location = DEVICE
 
     @property
+    def is_view(self) -> bool:
+        """Stages 1-2's ``param_shard``: a view of the unit's replicated flat, with no memory
+        of its own (counted, saved and allocated as part of the flat)."""
+        return self.key.endswith(".param_shard")
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the tensor."""
         numel = 1
@@ -378,7 +384,7 @@ def allocate_state(
         for spec in specs:
             if spec.unit != unit.name or spec.role not in weights:
                 continue
-            if spec.key.endswith(".param_shard"):  # stages 1-2: a view of the replicated flat
+            if spec.is_view:
                 state[spec.key] = unit.shard_of(state[f"{unit.key}.param"], rank)
                 continue
             place(spec, flat if spec.shape == flat.shape else unit.shard_of(flat, rank))

@@ -58,7 +58,7 @@ def model_state_bytes_of(layout: StateLayout) -> dict[str, int]:
     Views (stages 1-2 ``param_shard``) are not counted twice."""
     out: dict[str, int] = defaultdict(int)
     for spec in layout:
-        if spec.key.endswith(".param_shard"):
+        if spec.is_view:
             continue
         if spec.location == DEVICE:
             out[STATE_CATEGORY[spec.role]] += spec.nbytes

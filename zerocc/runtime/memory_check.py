@@ -69,7 +69,7 @@ def state_need(layout: StateLayout, device: torch.device) -> Need:
     }
     for spec in layout:
         pool = pool_of(spec.location, device)
-        if pool is not None and not spec.key.endswith(".param_shard"):
+        if pool is not None and not spec.is_view:
             _add(need, pool, STATE_CATEGORY[spec.role], spec.nbytes)
     return need
 
