@@ -1,6 +1,6 @@
 """zerocc against its peers, side by side in one run: the same model, seed, batches, optimizer
-and world size under zerocc (ZeRO 1-3), PyTorch FSDP2 (ZeRO-3/ZeRO-2, eager and compiled) and
-DeepSpeed (ZeRO 1-3).
+and world size under zerocc (ZeRO 1-3), PyTorch FSDP2 (ZeRO-3/ZeRO-2, eager and compiled),
+DeepSpeed (ZeRO 1-3) and unsharded torch (eager and compiled: the speed to match at world size 1).
 
 Each system runs on its own fresh rank processes (bench/ranks.py). They are set up one after
 another (capture, torch.compile and the warm-up steps are not timed), then timed in rounds:
@@ -32,7 +32,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from config import BenchConfig, add_config_arguments, config_from, flops_per_token, num_params
+from config import GPU, BenchConfig, add_config_arguments, config_from, flops_per_token, num_params
 from measure import zero_formula_bytes
 from ranks import SystemFailed, SystemRanks
 from report import legend, loss_report, plot, table, targets, write_json
@@ -42,8 +42,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = "zerocc-z3"
 RTOL = {"fp32": 1e-5, "bf16": 1e-2}  # loss after all steps, relative to the reference's
 QUICK = dict(n_layer=2, n_embd=128, n_head=4, warmup=2, rounds=2, steps=2)
-GPU = dict(n_layer=24, n_embd=1024, n_head=16, block_size=1024, vocab_size=50304, batch_size=16,
-           world_size=1, device="cuda", dtype="bf16", warmup=3, rounds=5, steps=5)  # fmt: skip
 PEAK_TFLOPS = {"H100": 989.5, "H200": 989.5, "A100": 312.0, "L40S": 362.0}  # bf16 dense
 
 
@@ -55,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--systems",
         nargs="+",
         default=["all"],
-        help="system names or families (zerocc, fsdp2, deepspeed); default all",
+        help="system names or families (zerocc, fsdp2, deepspeed, torch); default all",
     )
     add_config_arguments(p)
     p.add_argument("--vocab", type=int, dest="vocab_size")

@@ -61,6 +61,12 @@ class BenchConfig:
         return self.world_size * self.batch_size * self.block_size
 
 
+# compare.py --gpu (and profile_step.py --gpu): one GPU, bf16 compute, NCCL, a GPT-2-medium-sized
+# model (354M parameters) on 16 sequences of 1024 tokens per step
+GPU = dict(n_layer=24, n_embd=1024, n_head=16, block_size=1024, vocab_size=50304, batch_size=16,
+           world_size=1, device="cuda", dtype="bf16", warmup=3, rounds=5, steps=5)  # fmt: skip
+
+
 def gpt_config(cfg: BenchConfig) -> GPTConfig:
     return GPTConfig(
         vocab_size=cfg.vocab_size or data.vocab_size,

@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=20, help="timed calls per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -190,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [bench_size(log2_n, args.reps, args.warmup) for log2_n in args.sizes]
     print_table(rows)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"kernels-{now:%Y-%m-%d}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"kernels-{now:%Y-%m-%d}.json"
     meta = {
         "gpu": gpu,
         "date": now.isoformat(timespec="seconds"),

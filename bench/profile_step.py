@@ -6,6 +6,11 @@ compute track, and per collective from issue to the end of its wait on the comm 
 
     python bench/profile_step.py zerocc-z3
     python bench/profile_step.py fsdp2-z3 --layers 4 --rows 30
+    python bench/profile_step.py zerocc-z3-inductor --gpu --trace /tmp/trace.json
+
+``--gpu``: compare.py's GPU configuration (one GPU, bf16, NCCL, the 354M GPT); ops are ranked
+by their GPU time, and the step's wall time is printed beside the sum of its GPU kernels' times
+(how much of the step the GPU spends computing rather than waiting for the host).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 from collections import defaultdict
 from dataclasses import replace
@@ -20,36 +26,60 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from config import BenchConfig, batches, build_model
+from config import GPU, BenchConfig, batches, build_model
 from ranks import free_port
 from systems import all_systems
 
 
-def profile_rank(rank: int, name: str, cfg: BenchConfig, port: int, rows: int) -> None:
+def profile_rank(rank: int, name: str, cfg: BenchConfig, port: int, rows: int,
+                 trace: str | None) -> None:  # fmt: skip
     """One rank: set up ``name``, take 3 steps, profile the 4th (and, for zerocc, a 5th)."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.world_size))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    gpu = cfg.device == "cuda"
+    if not gpu:
+        os.environ["DS_ACCELERATOR"] = "cpu"
     torch.set_num_threads(cfg.threads)
     import torch.distributed as dist
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
     system = all_systems()[name]
     if system.family == "deepspeed":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")
     else:
-        dist.init_process_group("gloo")
-    runner = system.build(build_model(cfg), cfg, torch.device("cpu"))
+        dist.init_process_group("nccl" if gpu else "gloo")
+    runner = system.build(build_model(cfg), cfg, device)
     data = batches(cfg, rank)
     for _ in range(3):
         runner.train_step(*next(data))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    synchronize = torch.cuda.synchronize if gpu else (lambda: None)
+    synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
         runner.train_step(*next(data))
+        synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
     if rank == 0:
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+        sort_by = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=rows)
         print(f"{name}: one step under torch.profiler, rank 0\n{table}")
+        if gpu:
+            kernels = [
+                e for e in prof.key_averages()
+                if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+            ]  # fmt: skip
+            kernels_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+            print(f"step {wall_ms:.1f} ms wall (profiled), GPU kernels {kernels_ms:.1f} ms")
+        if trace:
+            prof.export_chrome_trace(trace)
     if runner.profile_step is not None:
         step = runner.train_step  # zerocc's TrainStep
         _, recorder = step.profile(*next(data))
@@ -72,12 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=BenchConfig.n_layer)
     p.add_argument("--embd", type=int, default=BenchConfig.n_embd)
     p.add_argument("--rows", type=int, default=20, help="ops listed")
+    p.add_argument("--gpu", action="store_true", help="compare.py's GPU configuration")
+    p.add_argument("--trace", help="write rank 0's Chrome trace of the profiled step here")
     args = p.parse_args(argv)
-    cfg = BenchConfig(n_layer=args.layers, n_embd=args.embd)
+    if args.gpu:
+        cfg = replace(BenchConfig(), **GPU)
+    else:
+        cfg = BenchConfig(n_layer=args.layers, n_embd=args.embd)
     cfg = replace(cfg, threads=max(1, (os.cpu_count() or 1) // cfg.world_size))
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
     port = free_port()
-    mp.spawn(profile_rank, args=(args.system, cfg, port, args.rows), nprocs=cfg.world_size)
+    mp.spawn(
+        profile_rank, args=(args.system, cfg, port, args.rows, args.trace), nprocs=cfg.world_size
+    )
     return 0
 
 

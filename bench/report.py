@@ -135,7 +135,10 @@ def plot(path: Path, results: list[dict[str, Any]], title: str, gpu: bool) -> No
     import matplotlib.pyplot as plt
 
     names = [r["name"] for r in results]
-    colors = [{"zerocc": "C0", "fsdp2": "C1", "deepspeed": "C2"}[r["family"]] for r in results]
+    colors = [
+        {"zerocc": "C0", "fsdp2": "C1", "deepspeed": "C2", "torch": "C3"}[r["family"]]
+        for r in results
+    ]
     ok = [r["status"] == "ok" for r in results]
     panels = (
         ("median step time (ms)", [1e3 * r.get("median_step_s", 0) if g else 0 for r, g in

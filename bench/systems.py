@@ -150,6 +150,31 @@ def fsdp2_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
     return Runner(train_step, reported=cpu_seconds)
 
 
+def torch_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
+                 compiled: bool) -> Runner:  # fmt: skip
+    """Unsharded: the whole model on every rank (``DistributedDataParallel`` beyond one rank),
+    optionally ``torch.compile``; below fp32, ``torch.autocast`` to the compute dtype with fp32
+    weights and optimizer: what a user gets without sharding, the speed a sharded step at world
+    size 1 is held to."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model.to(device)
+    wrapped = model if cfg.world_size == 1 else DistributedDataParallel(model)
+    optimizer = _adamw(model.parameters(), cfg)
+    forward = torch.compile(wrapped) if compiled else wrapped
+    autocast = torch.autocast(device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
+
+    def train_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with autocast:
+            loss = forward(idx.to(device), targets.to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Runner(train_step, reported=cpu_seconds)
+
+
 def deepspeed_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
                      stage: int, offload_optimizer: str | None = None,
                      offload_param: str | None = None) -> Runner:  # fmt: skip
@@ -208,7 +233,8 @@ class Systems(dict[str, System]):
 
 def all_systems() -> Systems:
     """Every system bench/compare.py runs, by name: zerocc stages 1-3 on each of its backends,
-    FSDP2 ZeRO-3/ZeRO-2 eager and compiled, DeepSpeed ZeRO 1-3."""
+    FSDP2 ZeRO-3/ZeRO-2 eager and compiled, DeepSpeed ZeRO 1-3, unsharded torch eager and
+    compiled."""
     systems: list[System] = []
     for backend in _zerocc_backends():
         suffix = "" if backend == "eager" else f"-{backend}"
@@ -232,6 +258,14 @@ def all_systems() -> Systems:
             f"deepspeed-z{stage}", "deepspeed", stage, partial(deepspeed_runner, stage=stage),
             f"deepspeed.initialize, zero_optimization.stage {stage}, torch AdamW",
             ("deepspeed",),
+        ))  # fmt: skip
+    for compiled in (False, True):
+        systems.append(System(
+            f"torch{'-compiled' if compiled else ''}", "torch", 0,
+            partial(torch_runner, compiled=compiled),
+            "unsharded (DDP beyond one rank), autocast below fp32"
+            + (", torch.compile(model)" if compiled else ", eager"),
+            ("torch._inductor.compile_fx",) if compiled else (),
         ))  # fmt: skip
     return Systems((s.name, s) for s in systems)
 
