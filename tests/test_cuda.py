@@ -1,5 +1,6 @@
 """zerocc on GPUs: parity on one GPU (world 1) and on two (NCCL, one GPU per rank), the Triton
-kernels launched for real, the communication stream and its events, `zerocc train`.
+kernels launched for real, the Inductor backend's regions compiled to Triton, the communication
+stream and its events, `zerocc train`.
 
 Marked ``cuda`` / ``two_gpus`` (tests/conftest.py): skipped, with the reason, on a machine with
 fewer GPUs. Tolerance as in test_parity.py (1e-5 relative) in fp32: with TF32 off (torch's
@@ -36,6 +37,7 @@ def _cases(world: int) -> list[dict]:
     cases.append({**on_gpu, "stage": 3, "accum": 2})
     cases.append({**on_gpu, "stage": 2, "kernels": "triton"})  # launched, not interpreted
     cases += [{**on_gpu, "stage": s, "precision": {"param": "bf16"}} for s in (0, 3)]
+    cases += [{**on_gpu, "stage": s, "backend": "inductor"} for s in (1, 3)]  # Triton kernels
     return cases
 
 
@@ -63,6 +65,13 @@ def test_one_gpu_matches_unsharded_training(case):
     ranks = _results(1)
     assert ranks[0]["current_device"] == 0 and not ranks[0]["triton_interpreted"]
     assert_matches_reference(ranks, case, _tol(case))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [c for c in _cases(1) if c.get("backend")], ids=case_id)
+def test_inductor_compiles_every_region_on_the_gpu(case):
+    notes = _results(1)[0][case_id(case)]["backend_notes"]
+    assert notes and not [n for n in notes if "run eagerly" in n], notes
 
 
 @pytest.mark.two_gpus

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 
-from zerocc.backends.kernels import kernel_set
+from zerocc.backends.kernels import kernel_set, reference
 from zerocc.runtime.comm import Work
 from zerocc.runtime.context import RuntimeContext
 
@@ -30,6 +31,8 @@ class EagerOps:
     def __init__(self, ctx: RuntimeContext) -> None:
         self.ctx = ctx
         self.in_flight: dict[str, Work] = {}
+        # The last found_inf flag read to the host: (the device flag, its version, host copy).
+        self._host_flag: tuple[weakref.ref, int, torch.Tensor] | None = None
 
     def _issue(self, started: str, result: torch.Tensor, work: Work) -> torch.Tensor:
         self.in_flight[started] = work
@@ -135,16 +138,20 @@ class EagerOps:
     def adamw_(self, *args) -> None:
         """AdamW on one flat shard (see :func:`zerocc.backends.kernels.reference.adamw_`)."""
         *update, skip, sharded = args
-        param, _, exp_avg, exp_avg_sq, _, _, _, param_copy = update[:8]
+        param, _, exp_avg, exp_avg_sq, _, _, found_inf, param_copy = update[:8]
+        kernels = self.kernels_for(param)
+        update[6] = self._flag_for(kernels, found_inf)
         with self._untouched([param, exp_avg, exp_avg_sq, param_copy], skip, sharded):
-            self.kernels_for(param).adamw_(*update)
+            kernels.adamw_(*update)
 
     def sgd_(self, *args) -> None:
         """SGD on one flat shard (see :func:`zerocc.backends.kernels.reference.sgd_`)."""
         *update, skip, sharded = args
-        param, _, momentum_buffer, _, _, param_copy = update[:6]
+        param, _, momentum_buffer, _, found_inf, param_copy = update[:6]
+        kernels = self.kernels_for(param)
+        update[4] = self._flag_for(kernels, found_inf)
         with self._untouched([param, momentum_buffer, param_copy], skip, sharded):
-            self.kernels_for(param).sgd_(*update)
+            kernels.sgd_(*update)
 
     def kernels_for(self, param: torch.Tensor) -> ModuleType:
         """The update's kernels: an offloaded unit's update runs on the host while the step
@@ -154,6 +161,19 @@ class EagerOps:
         if param.device.type == "cpu" and self.ctx.device.type == "cuda":
             return kernel_set("torch")
         return self.ctx.kernels
+
+    def _flag_for(self, kernels: ModuleType, found_inf: torch.Tensor | None) -> torch.Tensor | None:
+        """The ``found_inf`` flag as ``kernels`` should read it. The torch reference reads it
+        with ``.item()``, on a GPU a host sync per update (one per parameter on one rank): the
+        flag is copied to the host once, and every update of the step reads that copy. The
+        Triton kernels read it on the device, with no sync."""
+        if found_inf is None or found_inf.device.type == "cpu" or kernels is not reference:
+            return found_inf
+        last = self._host_flag
+        if last is None or last[0]() is not found_inf or last[1] != found_inf._version:
+            last = (weakref.ref(found_inf), found_inf._version, found_inf.to("cpu"))
+            self._host_flag = last
+        return last[2]
 
     @contextlib.contextmanager
     def _untouched(

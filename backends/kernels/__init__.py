@@ -1,9 +1,10 @@
 """zerocc's own kernels, in kernel sets selected by the plan's ``backend.kernels``.
 
 ``torch`` (:mod:`.reference`) runs everywhere and is the oracle; ``triton``
-(:mod:`.triton_kernels`) fuses each update into one pass over memory. Every set provides
-``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags`` and ``pack`` with the signatures
-of the reference.
+(:mod:`.triton_kernels`) fuses each update into one pass over memory, with no host sync. Every
+set provides ``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags`` and ``pack`` with the
+signatures of the reference. ``auto`` (the default) is ``triton`` where it runs compiled (a GPU,
+a Triton it supports, fp32 master weights), else ``torch``: :func:`resolve_kernels`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ TRITON_INSTALL = (
     "torch's CUDA wheels bring it; otherwise `pip install triton` "
     '(from a zerocc checkout: `pip install -e ".[triton]"`)'
 )
+
+
+def resolve_kernels(name: str, device: torch.device, master: str) -> str:
+    """The kernel set ``backend.kernels: name`` runs on ``device`` with ``precision.master``:
+    ``auto`` is ``triton`` on a GPU whose Triton can run zerocc's kernels when the masters are
+    fp32 (the only ones the Triton update writes), else ``torch``; other names are themselves."""
+    if name != "auto":
+        return name
+    triton_runs = device.type == "cuda" and triton_problem() is None
+    return "triton" if triton_runs and master == "fp32" else "torch"
 
 
 def kernel_set(name: str) -> ModuleType:

@@ -1,6 +1,7 @@
 """Choosing a kernel set: ``backend.kernels: triton`` where triton is missing or older than the
 kernels are verified with is a NotSupportedError at compile time that says what to install;
-zerocc itself does not depend on triton (it runs without it)."""
+zerocc itself does not depend on triton (it runs without it); ``auto`` picks Triton only where
+it runs compiled."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import zerocc
+from zerocc.backends.kernels import resolve_kernels
 from zerocc.errors import NotSupportedError
 
 PLAN = {"backend": {"kernels": "triton", "device": "cpu"}}
@@ -49,3 +51,26 @@ def test_zerocc_installs_without_triton_and_its_extras_bring_it():
     assert not [d for d in project["dependencies"] if d.startswith("triton")]
     for extra in ("triton", "dev"):  # dev: the kernel tests run interpreted on CPU
         assert [d for d in project["optional-dependencies"][extra] if d.startswith("triton")]
+
+
+def test_auto_picks_triton_only_where_it_runs_compiled(monkeypatch):
+    """``backend.kernels: auto`` (the default): Triton on a GPU with fp32 masters, the torch
+    reference on a CPU (where Triton only interprets), with bf16 masters (the Triton update
+    writes fp32 ones), or without a usable Triton; a named set is itself."""
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    assert resolve_kernels("auto", gpu, "fp32") == "triton"
+    assert resolve_kernels("auto", gpu, "bf16") == "torch"
+    assert resolve_kernels("auto", cpu, "fp32") == "torch"
+    assert resolve_kernels("triton", cpu, "fp32") == "triton"
+    monkeypatch.setitem(sys.modules, "triton", None)  # import fails
+    assert resolve_kernels("auto", gpu, "fp32") == "torch"
+
+
+def test_a_default_plan_on_cpu_says_it_runs_the_torch_kernels():
+    step = zerocc.compile(
+        torch.nn.Linear(4, 1), {"backend": {"device": "cpu"}}, loss_fn=lambda m, x: m(x).sum()
+    )
+    step(torch.ones(2, 4))
+    assert step.record().kernels == "torch"
+    assert "kernels torch (auto: torch ops: Triton kernels need a GPU" in step.explain()

@@ -408,12 +408,14 @@ class BackendConfig(_Section):
         "eager",
         description="the backend that runs the scheduled graph: eager (the reference, op by op), "
         "inductor (each compute region between zerocc's ops compiled by TorchInductor: Triton "
-        "on a GPU, C++ on a CPU) or one registered with zerocc.backends.register_backend",
+        "on a GPU, C++ on a CPU), auto (inductor on a GPU, eager on a CPU) or one registered "
+        "with zerocc.backends.register_backend",
     )
-    kernels: Literal["torch", "triton"] = Field(
-        "torch",
+    kernels: Literal["auto", "torch", "triton"] = Field(
+        "auto",
         description="zerocc's own kernels (optimizer update, unscale, pack): torch ops, or fused "
-        "Triton kernels (on CPU only interpreted, with TRITON_INTERPRET=1)",
+        "Triton kernels (on CPU only interpreted, with TRITON_INTERPRET=1); auto: triton on a "
+        "GPU when triton can run them and precision.master is fp32, else torch",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",

@@ -152,6 +152,22 @@ def unit_rows(units: list[Unit]) -> list[list[str]]:
     ]  # fmt: skip
 
 
+def backend_line(step: StepRecord) -> str:
+    """Which backend runs the program and which kernel set zerocc's ops call, with what
+    ``auto`` chose on this device."""
+    backend = step.plan.backend
+    name = step.backend + (" (auto)" if backend.name == "auto" else "")
+    line = f"backend {name} on {step.device_type}, kernels {step.kernels}"
+    if backend.kernels == "auto":
+        why = (
+            "fused, no host sync"
+            if step.kernels == "triton"
+            else "torch ops: Triton kernels need a GPU, a Triton they support and fp32 masters"
+        )
+        line += f" (auto: {why})"
+    return line
+
+
 def explain_step(step: StepRecord) -> str:
     """A plain-text report: units, communication per step (once a program is compiled, at the
     first call), and model-state bytes per rank measured next to ZeRO's formula."""
@@ -163,6 +179,7 @@ def explain_step(step: StepRecord) -> str:
         f"trainable Ψ = {psi:,} elements with padding "
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
         precision_line(step),
+        backend_line(step),
         *step.backend_notes,
         "",
     ]

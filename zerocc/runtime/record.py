@@ -35,6 +35,8 @@ class StepRecord:
     state_bytes: dict[str, dict[str, int]]  # measured, by location (device, host, nvme)
     loss_scale: float | None  # the next step's; None without loss scaling
     dynamic_loss_scale: bool  # whether the scale adapts to overflows
+    backend: str  # the backend that runs the programs (backend.name, auto resolved)
+    kernels: str  # the kernel set zerocc's ops run (backend.kernels, auto resolved)
     backend_notes: list[str]  # what the backend made of the programs (explain prints them)
     backend_artifacts: dict[str, str]  # what it generated for the last program (the dumps)
     steps: int  # optimizer steps applied

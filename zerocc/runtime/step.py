@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from zerocc.backends import Executable, get_backend
-from zerocc.backends.kernels import check_kernels, kernel_set
+from zerocc.backends import Executable, get_backend, resolve_backend
+from zerocc.backends.kernels import check_kernels, kernel_set, resolve_kernels
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
 from zerocc.compiler.materialize import is_meta, release_to_meta
 from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
@@ -117,8 +117,10 @@ class StepRunner:
         self.model_info = describe_model(model)
         self.state_dict_keys = list(model.state_dict(keep_vars=True))
         self.pipeline = build_pipeline(plan)
-        self.backend = get_backend(plan.backend.name)
-        check_kernels(plan.backend.kernels, device)
+        self.backend_name = resolve_backend(plan.backend.name, device)
+        self.backend = get_backend(self.backend_name)
+        self.kernels = resolve_kernels(plan.backend.kernels, device, plan.precision.master)
+        check_kernels(self.kernels, device)
         # The state is laid out in units before any program exists (a checkpoint loads into it
         # before the first call); every program is compiled for these units (the partition pass
         # tags, it does not build them again), and a plan that cannot partition this model (a
@@ -134,8 +136,7 @@ class StepRunner:
         self.nvme_specs = self.layout.at(NVME)
         self.store = open_store(plan, comm.rank, self.nvme_specs)
         self.transfers = Transfers(self.store, device)
-        kernels = kernel_set(plan.backend.kernels)
-        self.context = RuntimeContext(comm, self.transfers, kernels, device)
+        self.context = RuntimeContext(comm, self.transfers, kernel_set(self.kernels), device)
         if plan.offload.optimizer != "none" and device.type == "cuda":
             torch.set_num_threads(host_update_threads())
         if plan.backend.check_memory:  # before anything is allocated: the states fit
@@ -542,6 +543,8 @@ class StepRunner:
             state_bytes=self.state_bytes_by_location(),
             loss_scale=self.loss_scale,
             dynamic_loss_scale=bool(self.loss_scaler and self.loss_scaler.dynamic),
+            backend=self.backend_name,
+            kernels=self.kernels,
             backend_notes=list(
                 dict.fromkeys(note for p in self.programs.values() for note in p.run.notes())
             ),
