@@ -10,8 +10,8 @@ the executable says so (:meth:`InductorExecutable.notes`). Inductor's caches (it
 cache, on disk) make a region that was compiled before, in this process or an earlier launch,
 cost a lookup.
 
-Numerics (:data:`EAGER_NUMERICS`): random ops stay on ATen's generator, so dropout masks, and
-recomputation's replay of them, are those of the eager backend. Inductor fuses and reorders
+Numerics: random ops run outside the regions, by ATen, so dropout masks, and recomputation's
+replay of them, are those of the eager backend; :data:`EAGER_NUMERICS` keeps the rest close. Inductor fuses and reorders
 reductions, so results match eager within rounding, not to the bit.
 """
 

@@ -4,7 +4,9 @@ A region is a maximal run of consecutive compute nodes (ATen ops, with the getit
 tuple results, wherever the program reads them) that holds no zerocc op:
 collectives, waits, copies, frees, the optimizer update and the RNG replay ops stay in the top
 graph, in the order the passes scheduled them, and each region becomes one ``call_module``
-node in their place. A region reads values from before it and returns those read after it (or
+node in their place. Random ops (dropout's) stay there too, run by ATen: their draws are the
+eager backend's on every torch release (Inductor's ``fallback_random`` alone kept them so on
+torch 2.13, not on 2.11, which decomposes dropout into draws of another op). A region reads values from before it and returns those read after it (or
 by the program's output). Runs too small to gain from compiling (views alone, or fewer compute
 ops than ``min_ops``) stay inline.
 """
@@ -47,8 +49,11 @@ class Region:
 
 
 def _compute(node: fx.Node) -> bool:
-    """A node a region may hold: an ATen op that is neither zerocc's nor plumbing."""
+    """A node a region may hold: an ATen op that is neither zerocc's, nor plumbing, nor
+    random."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in node.target.tags:
         return False
     return node.target.namespace == "aten" and op_kind(node) is not OpKind.PLUMBING
 

@@ -72,10 +72,23 @@ def _is_zerocc(node) -> bool:
 
 
 def test_random_ops_draw_what_eager_draws():
-    """fallback_random: dropout masks come from ATen's generator, as in eager."""
+    """Random ops run outside the regions, by ATen: dropout masks are eager's on every torch
+    (torch 2.11's Inductor drew others under fallback_random)."""
     eager, _ = _run("eager", build=tiny_gpt_dropout)
-    ours, _ = _run("inductor", build=tiny_gpt_dropout)
+    ours, step = _run("inductor", build=tiny_gpt_dropout)
     _assert_close(ours, eager)
+    executable = step._last_program.run
+    regions = [n for n in executable.gm.graph.nodes if n.op == "call_module"]
+    inner = [n for r in regions for n in getattr(executable.gm, r.target).region.graph.nodes]
+    assert not [n for n in inner if _is_random(n)]
+    assert [n for n in executable.gm.graph.nodes if _is_random(n)]  # run in the top graph
+
+
+def _is_random(node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in (
+        target.tags
+    )
 
 
 def test_a_region_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch):
