@@ -7,7 +7,8 @@ scheduled ``fx.GraphModule`` (zerocc's ops in it have schemas and fake implement
 device). The executable owns its runtime state (what is in flight); interpreting its ``gm``
 node by node runs the same computation (profiling, calibration and dumps do). ``eager`` is the
 reference; another backend registers itself with :func:`register_backend` and is chosen by a
-plan's ``backend.name``.
+plan's ``backend.name``. ``auto`` is no backend of its own: :func:`resolve_backend` makes it
+``inductor`` on a GPU and ``eager`` on a CPU, as measured (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import torch
 from torch import fx
 
 from zerocc.backends import eager, inductor
@@ -50,22 +52,36 @@ class Executable(Protocol):
 
 Backend = Callable[[fx.GraphModule, Sequence[Any], RuntimeContext], Executable]
 BACKENDS: dict[str, Backend] = {"eager": eager.compile, "inductor": inductor.compile}
+AUTO = "auto"
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend ``backend.name: name`` runs on ``device``. ``auto``: ``inductor`` on a GPU,
+    where its Triton kernels took 0.93× the eager backend's step (355M GPT, one H100), and
+    ``eager`` on a CPU, where Inductor's C++ took 0.96-0.99× of it, within the noise, for a
+    first compile of minutes; any other name is itself."""
+    if name != AUTO:
+        return name
+    return "inductor" if device.type == "cuda" else "eager"
 
 
 def register_backend(name: str, backend: Backend) -> None:
     """Make ``backend`` the one a plan's ``backend.name: <name>`` runs on. A name already
     registered is an error: replacing a backend (``eager`` among them) would change what every
     plan naming it runs, unseen."""
-    if name in BACKENDS:
+    if name in BACKENDS or name == AUTO:
         raise ValueError(f"backend {name!r} is already registered; register under another name")
     BACKENDS[name] = backend
 
 
-def get_backend(name: str) -> Backend:
-    """The backend a plan names; a PlanError listing the registered ones for any other."""
+def get_backend(name: str, device: torch.device | None = None) -> Backend:
+    """The backend a plan names (``auto`` resolved for ``device``; without one, any backend
+    ``auto`` may pick); a PlanError listing the registered ones for any other name."""
+    if name == AUTO:
+        name = resolve_backend(name, device or torch.device("cpu"))
     if name not in BACKENDS:
         raise PlanError(
             f"backend.name: {name!r} is not a registered backend; registered: "
-            f"{', '.join(sorted(BACKENDS))}"
+            f"{', '.join(sorted(BACKENDS))}, or auto"
         )
     return BACKENDS[name]

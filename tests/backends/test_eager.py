@@ -12,7 +12,7 @@ import zerocc
 import zerocc.backends.eager.ops
 import zerocc.runtime.comm
 import zerocc.runtime.transfers
-from zerocc.backends import BACKENDS, eager, register_backend
+from zerocc.backends import BACKENDS, eager, register_backend, resolve_backend
 from zerocc.backends.eager.executable import bind
 from zerocc.backends.eager.ops import EagerOps
 from zerocc.backends.kernels import kernel_set
@@ -198,3 +198,17 @@ def test_a_registered_name_is_not_replaced():
     with pytest.raises(ValueError, match="'eager' is already registered"):
         register_backend("eager", eager.compile)
     assert BACKENDS["eager"] is eager.compile
+
+
+def test_auto_is_inductor_on_a_gpu_and_eager_on_a_cpu():
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "inductor"
+    assert resolve_backend("auto", torch.device("cpu")) == "eager"
+    assert resolve_backend("inductor", torch.device("cpu")) == "inductor"
+    with pytest.raises(ValueError, match="'auto' is already registered"):
+        register_backend("auto", eager.compile)
+    plan = {**PLAN, "backend": {"device": "cpu", "name": "auto"}}
+    step = zerocc.compile(_model(), plan, loss_fn=_loss, comm=FakeComm(2))
+    assert _losses(plan) == _losses(PLAN)  # the eager backend itself: bit-identical
+    step(torch.randn(4, 8))
+    assert step.record().backend == "eager"
+    assert "backend eager (auto) on cpu" in step.explain()

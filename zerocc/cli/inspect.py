@@ -124,9 +124,9 @@ def _lowered_text(inspection: Inspection, folder: Path | None) -> str:
     """The backend's notes and its table of regions; what it generated written to ``folder``."""
     from zerocc.inspect.lowering import lower
 
-    executable = lower(inspection)
+    backend, executable = lower(inspection)
     files = executable.artifacts()
-    lines = [f"backend {inspection.plan.backend.name}:", *executable.notes()]
+    lines = [f"backend {backend}:", *executable.notes()]
     if "regions.txt" in files:
         lines += ["", files["regions.txt"].rstrip()]
     if not files and not executable.notes():

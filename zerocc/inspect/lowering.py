@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from zerocc.backends import Executable, get_backend
-from zerocc.backends.kernels import kernel_set
+from zerocc.backends import Executable, get_backend, resolve_backend
+from zerocc.backends.kernels import kernel_set, resolve_kernels
 from zerocc.inspect.estimate import Inspection
 from zerocc.ir.nodes import placeholders, val
 from zerocc.runtime.comm import FakeComm
@@ -19,15 +19,17 @@ from zerocc.runtime.context import RuntimeContext
 from zerocc.runtime.transfers import Transfers
 
 
-def lower(inspection: Inspection) -> Executable:
-    """The executable the plan's backend makes of the stepping program (on its fake inputs)."""
+def lower(inspection: Inspection) -> tuple[str, Executable]:
+    """The plan's backend (``auto`` resolved for the program's device) and the executable it
+    makes of the stepping program (on its fake inputs)."""
     plan, program = inspection.plan, inspection.stepping.gm
     example = [val(n) for n in placeholders(program)]
     device = next(v.device for v in example if isinstance(v, torch.Tensor))
     context = RuntimeContext(
         FakeComm(inspection.world_size),
         Transfers(device=device),
-        kernel_set(plan.backend.kernels),
+        kernel_set(resolve_kernels(plan.backend.kernels, device, plan.precision.master)),
         device,
     )
-    return get_backend(plan.backend.name)(program, example, context)
+    name = resolve_backend(plan.backend.name, device)
+    return name, get_backend(name)(program, example, context)
