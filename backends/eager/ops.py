@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from zerocc.backends.kernels import kernel_set, reference
+from zerocc.backends.kernels import fused, kernel_set, reference
 from zerocc.runtime.comm import Work
 from zerocc.runtime.context import RuntimeContext
 
@@ -31,7 +31,7 @@ class EagerOps:
     def __init__(self, ctx: RuntimeContext) -> None:
         self.ctx = ctx
         self.in_flight: dict[str, Work] = {}
-        # The last found_inf flag read to the host: (the device flag, its version, host copy).
+        # The last found_inf flag copied where the kernels read it: (the flag, its version, copy).
         self._host_flag: tuple[weakref.ref, int, torch.Tensor] | None = None
 
     def _issue(self, started: str, result: torch.Tensor, work: Work) -> torch.Tensor:
@@ -140,7 +140,7 @@ class EagerOps:
         *update, skip, sharded = args
         param, _, exp_avg, exp_avg_sq, _, _, found_inf, param_copy = update[:8]
         kernels = self.kernels_for(param)
-        update[6] = self._flag_for(kernels, found_inf)
+        update[6] = self._flag_for(kernels, found_inf, param)
         with self._untouched([param, exp_avg, exp_avg_sq, param_copy], skip, sharded):
             kernels.adamw_(*update)
 
@@ -149,29 +149,35 @@ class EagerOps:
         *update, skip, sharded = args
         param, _, momentum_buffer, _, found_inf, param_copy = update[:6]
         kernels = self.kernels_for(param)
-        update[4] = self._flag_for(kernels, found_inf)
+        update[4] = self._flag_for(kernels, found_inf, param)
         with self._untouched([param, momentum_buffer, param_copy], skip, sharded):
             kernels.sgd_(*update)
 
     def kernels_for(self, param: torch.Tensor) -> ModuleType:
         """The update's kernels: an offloaded unit's update runs on the host while the step
-        computes on a GPU, where the plan's Triton kernels do not run: the torch reference does
-        there (on CPU it is vectorized and multi-threaded by ATen's intra-op pool). A step on the
-        CPU keeps its plan's kernels, on a machine with a GPU too."""
+        computes on a GPU, where the plan's Triton kernels do not run: torch's fused kernels do
+        there (vectorized and multi-threaded), or the reference where this torch has none. A
+        step on the CPU keeps its plan's kernels, on a machine with a GPU too."""
         if param.device.type == "cpu" and self.ctx.device.type == "cuda":
-            return kernel_set("torch")
+            return kernel_set("fused" if fused.runs_on("cpu") else "torch")
         return self.ctx.kernels
 
-    def _flag_for(self, kernels: ModuleType, found_inf: torch.Tensor | None) -> torch.Tensor | None:
-        """The ``found_inf`` flag as ``kernels`` should read it. The torch reference reads it
-        with ``.item()``, on a GPU a host sync per update (one per parameter on one rank): the
-        flag is copied to the host once, and every update of the step reads that copy. The
-        Triton kernels read it on the device, with no sync."""
-        if found_inf is None or found_inf.device.type == "cpu" or kernels is not reference:
+    def _flag_for(
+        self, kernels: ModuleType, found_inf: torch.Tensor | None, param: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The ``found_inf`` flag where ``kernels`` read it: the torch reference with ``.item()``,
+        on the host; the others on the device they update on. A flag elsewhere (on a GPU, for
+        the reference or for a host update of offloaded states) is copied once per step, and
+        every update of the step reads that copy: read per update, it was a host sync per
+        parameter on one rank."""
+        if found_inf is None:
+            return None
+        wanted = torch.device("cpu") if kernels is reference else param.device
+        if found_inf.device == wanted:
             return found_inf
         last = self._host_flag
         if last is None or last[0]() is not found_inf or last[1] != found_inf._version:
-            last = (weakref.ref(found_inf), found_inf._version, found_inf.to("cpu"))
+            last = (weakref.ref(found_inf), found_inf._version, found_inf.to(wanted))
             self._host_flag = last
         return last[2]
 

@@ -11,8 +11,9 @@ cache, on disk) make a region that was compiled before, in this process or an ea
 cost a lookup.
 
 Numerics: random ops run outside the regions, by ATen, so dropout masks, and recomputation's
-replay of them, are those of the eager backend; :data:`EAGER_NUMERICS` keeps the rest close. Inductor fuses and reorders
-reductions, so results match eager within rounding, not to the bit.
+replay of them, are those of the eager backend; :data:`EAGER_NUMERICS` keeps the rest close.
+Inductor fuses and reorders reductions, so results match eager within rounding, not to the
+bit.
 """
 
 from __future__ import annotations

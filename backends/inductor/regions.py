@@ -1,14 +1,14 @@
 """Splitting a bound program into compute regions: the runs of ops between zerocc's own.
 
 A region is a maximal run of consecutive compute nodes (ATen ops, with the getitems of their
-tuple results, wherever the program reads them) that holds no zerocc op:
-collectives, waits, copies, frees, the optimizer update and the RNG replay ops stay in the top
-graph, in the order the passes scheduled them, and each region becomes one ``call_module``
-node in their place. Random ops (dropout's) stay there too, run by ATen: their draws are the
-eager backend's on every torch release (Inductor's ``fallback_random`` alone kept them so on
-torch 2.13, not on 2.11, which decomposes dropout into draws of another op). A region reads values from before it and returns those read after it (or
-by the program's output). Runs too small to gain from compiling (views alone, or fewer compute
-ops than ``min_ops``) stay inline.
+tuple results, wherever the program reads them) that holds no zerocc op: collectives, waits,
+copies, frees, the optimizer update and the RNG replay ops stay in the top graph, in the order
+the passes scheduled them, and each region becomes one ``call_module`` node in their place.
+Random ops (dropout's) stay there too, run by ATen: their draws are the eager backend's on every
+torch release (Inductor's ``fallback_random`` alone kept them so on torch 2.13, not on 2.11,
+which decomposes dropout into draws of another op). A region reads values from before it and
+returns those read after it (or by the program's output). Runs too small to gain from compiling
+(views alone, or fewer compute ops than ``min_ops``) stay inline.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """zerocc's own kernels, in kernel sets selected by the plan's ``backend.kernels``.
 
-``torch`` (:mod:`.reference`) runs everywhere and is the oracle; ``triton``
-(:mod:`.triton_kernels`) fuses each update into one pass over memory, with no host sync. Every
-set provides ``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags`` and ``pack`` with the
-signatures of the reference. ``auto`` (the default) is ``triton`` where it runs compiled (a GPU,
-a Triton it supports, fp32 master weights), else ``torch``: :func:`resolve_kernels`.
+``torch`` (:mod:`.reference`) runs everywhere and is the oracle; ``fused`` (:mod:`.fused`)
+runs the updates on torch's fused optimizer kernels (C++ on a CPU, multi-tensor on a GPU);
+``triton`` (:mod:`.triton_kernels`) fuses each update, with its unscale, clip and cast, into one
+pass over memory. The fused sets read the non-finite flag on the device, with no host sync.
+Every set provides ``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags`` and ``pack``
+with the signatures of the reference. ``auto`` (the default, :func:`resolve_kernels`) is
+``triton`` where it runs compiled (a GPU, a Triton it supports, fp32 master weights), else
+``fused`` where torch has those kernels, else ``torch``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from zerocc.errors import NotSupportedError
 
-KERNEL_SETS = {"torch": "reference", "triton": "triton_kernels"}
+KERNEL_SETS = {"torch": "reference", "fused": "fused", "triton": "triton_kernels"}
 
 # The oldest Triton the kernels are verified with: their tests pass interpreted (TRITON_INTERPRET=1)
 # with 3.3 and later; under 3.0-3.2 (torch 2.4-2.6 bring them) most fail (wrong results, or the
@@ -35,11 +38,16 @@ TRITON_INSTALL = (
 def resolve_kernels(name: str, device: torch.device, master: str) -> str:
     """The kernel set ``backend.kernels: name`` runs on ``device`` with ``precision.master``:
     ``auto`` is ``triton`` on a GPU whose Triton can run zerocc's kernels when the masters are
-    fp32 (the only ones the Triton update writes), else ``torch``; other names are themselves."""
+    fp32 (the only ones the Triton update writes), else ``fused`` where this torch has fused
+    optimizer kernels for the device and the masters are fp32, else ``torch``; other names are
+    themselves."""
     if name != "auto":
         return name
-    triton_runs = device.type == "cuda" and triton_problem() is None
-    return "triton" if triton_runs and master == "fp32" else "torch"
+    if master != "fp32":
+        return "torch"
+    if device.type == "cuda" and triton_problem() is None:
+        return "triton"
+    return "fused" if kernel_set("fused").runs_on(device.type) else "torch"
 
 
 def kernel_set(name: str) -> ModuleType:

@@ -1,7 +1,7 @@
 """Choosing a kernel set: ``backend.kernels: triton`` where triton is missing or older than the
 kernels are verified with is a NotSupportedError at compile time that says what to install;
-zerocc itself does not depend on triton (it runs without it); ``auto`` picks Triton only where
-it runs compiled."""
+zerocc itself does not depend on triton (it runs without it); ``auto`` picks the fastest set
+that runs on the device."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerocc
-from zerocc.backends.kernels import resolve_kernels
+from zerocc.backends.kernels import fused, resolve_kernels
 from zerocc.errors import NotSupportedError
 
 PLAN = {"backend": {"kernels": "triton", "device": "cpu"}}
@@ -53,24 +53,29 @@ def test_zerocc_installs_without_triton_and_its_extras_bring_it():
         assert [d for d in project["optional-dependencies"][extra] if d.startswith("triton")]
 
 
-def test_auto_picks_triton_only_where_it_runs_compiled(monkeypatch):
-    """``backend.kernels: auto`` (the default): Triton on a GPU with fp32 masters, the torch
-    reference on a CPU (where Triton only interprets), with bf16 masters (the Triton update
-    writes fp32 ones), or without a usable Triton; a named set is itself."""
+def test_auto_picks_the_fastest_set_that_runs_here(monkeypatch):
+    """``backend.kernels: auto`` (the default): Triton on a GPU with fp32 masters; torch's fused
+    kernels on a CPU (where Triton only interprets) or without a usable Triton; the reference
+    with bf16 masters (which neither fused set writes); a named set is itself."""
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
     assert resolve_kernels("auto", gpu, "fp32") == "triton"
     assert resolve_kernels("auto", gpu, "bf16") == "torch"
-    assert resolve_kernels("auto", cpu, "fp32") == "torch"
+    assert resolve_kernels("auto", cpu, "fp32") == "fused"
+    assert resolve_kernels("auto", cpu, "bf16") == "torch"
     assert resolve_kernels("triton", cpu, "fp32") == "triton"
     monkeypatch.setitem(sys.modules, "triton", None)  # import fails
+    monkeypatch.setattr(fused, "runs_on", lambda device_type: device_type == "cpu")
     assert resolve_kernels("auto", gpu, "fp32") == "torch"
+    assert resolve_kernels("auto", cpu, "fp32") == "fused"
+    monkeypatch.setattr(fused, "runs_on", lambda device_type: False)  # a torch without them
+    assert resolve_kernels("auto", cpu, "fp32") == "torch"
 
 
-def test_a_default_plan_on_cpu_says_it_runs_the_torch_kernels():
+def test_a_default_plan_on_cpu_says_it_runs_torchs_fused_kernels():
     step = zerocc.compile(
         torch.nn.Linear(4, 1), {"backend": {"device": "cpu"}}, loss_fn=lambda m, x: m(x).sum()
     )
     step(torch.ones(2, 4))
-    assert step.record().kernels == "torch"
-    assert "kernels torch (auto: torch ops: Triton kernels need a GPU" in step.explain()
+    assert step.record().kernels == "fused"
+    assert "kernels fused (auto: torch's fused optimizer kernels" in step.explain()

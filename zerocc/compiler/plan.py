@@ -411,11 +411,12 @@ class BackendConfig(_Section):
         "on a GPU, C++ on a CPU), auto (inductor on a GPU, eager on a CPU) or one registered "
         "with zerocc.backends.register_backend",
     )
-    kernels: Literal["auto", "torch", "triton"] = Field(
+    kernels: Literal["auto", "torch", "fused", "triton"] = Field(
         "auto",
-        description="zerocc's own kernels (optimizer update, unscale, pack): torch ops, or fused "
-        "Triton kernels (on CPU only interpreted, with TRITON_INTERPRET=1); auto: triton on a "
-        "GPU when triton can run them and precision.master is fp32, else torch",
+        description="zerocc's own kernels (optimizer update, unscale, pack): torch ops (the "
+        "reference), torch's fused optimizer kernels (fused), or zerocc's Triton kernels (on "
+        "CPU only interpreted, with TRITON_INTERPRET=1); auto: triton on a GPU when triton can "
+        "run them, else fused, with fp32 masters; torch with lower-precision masters",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",

@@ -152,6 +152,14 @@ def unit_rows(units: list[Unit]) -> list[list[str]]:
     ]  # fmt: skip
 
 
+# What ``backend.kernels: auto`` chose, and why, as explain() says it.
+AUTO_KERNELS = {
+    "triton": "zerocc's Triton kernels, one fused pass per update, no host sync",
+    "fused": "torch's fused optimizer kernels, one pass per update, no host sync",
+    "torch": "the reference's torch ops: masters below fp32, or no fused kernels here",
+}
+
+
 def backend_line(step: StepRecord) -> str:
     """Which backend runs the program and which kernel set zerocc's ops call, with what
     ``auto`` chose on this device."""
@@ -159,12 +167,7 @@ def backend_line(step: StepRecord) -> str:
     name = step.backend + (" (auto)" if backend.name == "auto" else "")
     line = f"backend {name} on {step.device_type}, kernels {step.kernels}"
     if backend.kernels == "auto":
-        why = (
-            "fused, no host sync"
-            if step.kernels == "triton"
-            else "torch ops: Triton kernels need a GPU, a Triton they support and fp32 masters"
-        )
-        line += f" (auto: {why})"
+        line += f" (auto: {AUTO_KERNELS[step.kernels]})"
     return line
 
 
