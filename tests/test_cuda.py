@@ -38,6 +38,8 @@ def _cases(world: int) -> list[dict]:
     cases.append({**on_gpu, "stage": 2, "kernels": "triton"})  # launched, not interpreted
     cases += [{**on_gpu, "stage": s, "precision": {"param": "bf16"}} for s in (0, 3)]
     cases += [{**on_gpu, "stage": s, "backend": "inductor"} for s in (1, 3)]  # Triton kernels
+    # The update on the host (torch's fused CPU kernels), its gradient copied out of the GPU
+    cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu"}})
     return cases
 
 

@@ -288,11 +288,11 @@ def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
 
 @needs_triton
 def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypatch):
-    """Only a step that computes on a GPU moves host updates to the torch kernels and pins host
-    buffers; a CPU rank on a machine with a GPU does neither (pinning would give it a CUDA
-    context, and its `kernels: triton` would silently run the torch ones)."""
+    """Only a step that computes on a GPU moves host updates to torch's fused CPU kernels and
+    pins host buffers; a CPU rank on a machine with a GPU does neither (pinning would give it a
+    CUDA context, and its `kernels: triton` would silently run the fused ones)."""
     from zerocc.backends.eager.ops import EagerOps
-    from zerocc.backends.kernels import kernel_set
+    from zerocc.backends.kernels import fused, kernel_set
     from zerocc.runtime.comm import SoloComm
     from zerocc.runtime.context import RuntimeContext
     from zerocc.runtime.transfers import Transfers
@@ -305,6 +305,7 @@ def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypa
         return EagerOps(RuntimeContext(SoloComm(), engine, kernel_set("triton"), device))
 
     assert ops_on(torch.device("cpu")).kernels_for(host) is kernel_set("triton")
-    assert ops_on(torch.device("cuda", 0)).kernels_for(host) is kernel_set("torch")
+    host_kernels = kernel_set("fused" if fused.runs_on("cpu") else "torch")
+    assert ops_on(torch.device("cuda", 0)).kernels_for(host) is host_kernels
     cpu_engine = ops_on(torch.device("cpu")).ctx.transfers
     assert not cpu_engine.empty(torch.device("cpu"), (4,), torch.float32, host).is_pinned()

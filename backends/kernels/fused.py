@@ -62,7 +62,9 @@ def _scaled(grad: torch.Tensor, grad_scale: float, grad_coef: torch.Tensor | Non
 
 
 def _on(device: torch.device, found_inf: torch.Tensor | None) -> torch.Tensor | None:
-    return None if found_inf is None else found_inf.to(device)
+    """The flag as torch's kernels read it: they skip only on exactly 1.0, while zerocc's
+    flag is any nonzero count (summed over ranks and units)."""
+    return None if found_inf is None else found_inf.ne(0).to(device, torch.float32)
 
 
 def adamw_(

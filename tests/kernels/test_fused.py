@@ -1,10 +1,15 @@
 """The ``fused`` kernel set (torch's fused optimizer kernels) against the torch reference, on
 random data, on this machine's device (the CPU's C++ kernels here, CUDA's on a GPU).
 
-Tolerance, AdamW: 1e-6 relative (atol 1e-7 for moments near zero) after three steps. The
-fused kernel computes the same update in another order (its bias corrections and the
-denominator's division fold differently), about an ulp apart on some elements; a wrong
-moment, step count or skipped weight decay moves the weights by far more (the lr is 1e-2).
+Tolerance, AdamW: 1e-6 relative (atol 1e-7 for moments near zero) after three steps on the
+CPU. The fused kernel computes the same update in another order (its bias corrections and the
+denominator's division fold differently), about an ulp apart on some elements; a wrong moment,
+step count or skipped weight decay moves the weights by far more (the lr is 1e-2, so ~1e-4 and
+up). On CUDA atol is 2e-6: its kernel forms the moments as ``beta*m + (1-beta)*g`` where
+``torch.optim`` (and the reference) lerp, and where a gradient cancels the running mean that
+ulp becomes a large relative error of ``m`` that ``m/sqrt(v)`` carries into the weights;
+measured on an H100, 483 of 5003 elements apart by at most 6.8e-7 (3 ulps of a weight near 3;
+the weights here reach |w| ≈ 4).
 SGD: bit-identical (the same two operations per element).
 """
 
@@ -17,7 +22,7 @@ from zerocc.backends.kernels import fused, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ADAMW = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
-FP32 = {"rtol": 1e-6, "atol": 1e-7}
+FP32 = {"rtol": 1e-6, "atol": 2e-6 if DEVICE == "cuda" else 1e-7}
 
 pytestmark = pytest.mark.skipif(
     not fused.runs_on(DEVICE), reason=f"this torch has no fused optimizer kernels on {DEVICE}"
@@ -76,12 +81,14 @@ def test_adamw_matches_the_reference_and_leaves_the_gradient_alone(case):
 def test_a_found_inf_skips_every_write():
     state = _state(1000)
     before = {k: v.clone() for k, v in state.items()}
-    _adamw(fused, state, 1, found_inf=torch.ones((), device=DEVICE), grad_scale=0.5)
+    # zerocc's flag counts overflows (here on two ranks); torch's kernels skip only on 1.0.
+    flag = torch.full((), 2.0, device=DEVICE)
+    _adamw(fused, state, 1, found_inf=flag, grad_scale=0.5)
     for key, value in before.items():
         assert torch.equal(state[key], value), key
     param, buf = _randn(1000, 3), torch.zeros(1000, device=DEVICE)
     kept = param.clone()
-    fused.sgd_(param, _randn(1000, 4), buf, None, torch.ones((), device=DEVICE), None,
+    fused.sgd_(param, _randn(1000, 4), buf, None, flag, None,
                0.5, 0.1, 0.9, 0.01)  # fmt: skip
     assert torch.equal(param, kept) and not buf.any()
 
