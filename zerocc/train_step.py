@@ -8,6 +8,7 @@ agreement, checkpoints); this layer adds :meth:`TrainStep.explain` and the dumps
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
 from zerocc.inspect.dumps import dump_dir, write_program_dumps, write_run_dumps
 from zerocc.inspect.explain import explain_step
+from zerocc.runtime.checkpoint import load_checkpoint, save_checkpoint
 from zerocc.runtime.comm import Comm
 from zerocc.runtime.measure import ProfiledRun
 from zerocc.runtime.step import Program, StepRunner
@@ -35,6 +37,22 @@ class TrainStep(StepRunner):
     def explain(self) -> str:
         """Units, bytes each collective moves per step, model-state bytes per rank vs formula."""
         return explain_step(self.record())
+
+    def save(self, folder: str | Path, keep: int | None = None) -> Path:
+        """Save a checkpoint under ``folder`` (``step-<n>``, n: optimizer steps taken) that
+        loads under any world size, stage, units, precision or offload; returns its path.
+        Every rank writes its own slices, and the checkpoint appears by one rename once all are
+        on disk (an interrupted save leaves the earlier ones intact); only the newest ``keep``
+        are kept. Call on every rank, after a step's last micro-batch."""
+        return save_checkpoint(self, folder, keep)
+
+    def load(self, path: str | Path) -> list[str]:
+        """Load a checkpoint (a ``step-<n>`` folder, or a folder of them: the newest) saved
+        by :meth:`save` under any world size or stage; every slice read is checked against
+        its checksum. Returns notes on what differs from the run that saved it (world size,
+        stage, ...). Call on every rank."""
+        _, notes = load_checkpoint(self, path)
+        return notes
 
     def _step(
         self, batch: tuple, recorded: Callable[[Program], ProfiledRun] | None = None

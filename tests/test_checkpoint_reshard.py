@@ -1,0 +1,98 @@
+"""Checkpoints by model name: saved on N ranks at stage S, resumed on M ranks at stage T, the
+run goes on as one process trained on the same batches would.
+
+The oracle trains the model with torch.optim.AdamW on every rank's batches of each step: the
+first steps on the N ranks' batches, the rest on the M ranks'. Tolerance 1e-5 relative (losses
+and every parameter), as the other fp32 parity tests: the ranks sum gradients in another order
+than one process (a few ulps per step); a weight or moment loaded into the wrong place, or not
+at all, moves the run by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import build, loss_of
+from multirank import run_ranks
+from parity import batch_of, relative_difference
+
+import zerocc
+
+FIRST, THEN = 2, 2  # steps before the save, and after the resume
+OPTIMIZER = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
+CASE = {"model": "gpt"}
+
+
+def _plan(stage: int, **extra) -> dict:
+    plan = {
+        "zero": {"stage": stage},
+        "units": {"classes": ["Block"]},
+        "optimizer": OPTIMIZER,
+        "backend": {"device": "cpu", "kernels": "torch"},
+        "seed": 7,
+    }
+    return plan | extra
+
+
+def _first(rank: int, world: int, folder: str, stage: int, extra: dict) -> list[float]:
+    step = zerocc.compile(build("gpt"), _plan(stage, **extra))
+    losses = [float(step(*batch_of(CASE, i, rank))) for i in range(FIRST)]
+    step.save(folder)
+    return losses
+
+
+def _then(rank: int, world: int, folder: str, stage: int, extra: dict) -> dict:
+    step = zerocc.compile(build("gpt", seed=123), _plan(stage, **extra))  # other weights
+    notes = step.load(folder)
+    losses = [float(step(*batch_of(CASE, i, rank))) for i in range(FIRST, FIRST + THEN)]
+    params = step.full_state_dict()
+    return {"losses": losses, "notes": notes, "params": params, "steps": step.steps}
+
+
+def _reference(first_world: int, then_world: int):
+    model = build("gpt")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=OPTIMIZER["lr"], eps=OPTIMIZER["eps"], weight_decay=OPTIMIZER["weight_decay"]
+    )
+    losses: dict[tuple[int, int], float] = {}  # (step, rank) -> loss
+    torch.set_num_threads(1)  # as the ranks
+    for s in range(FIRST + THEN):
+        world = first_world if s < FIRST else then_world
+        opt.zero_grad()
+        for r in range(world):
+            loss = loss_of(model(*batch_of(CASE, s, r)))
+            losses[s, r] = float(loss.detach())
+            (loss / world).backward()
+        opt.step()
+    return losses, model.state_dict()
+
+
+RESHARDS = {  # (ranks, stage) saved -> (ranks, stage) loaded, extra plan of each
+    "2xZ3->3xZ1": ((2, 3), (3, 1), {}, {}),
+    "3xZ2->2xZ3": ((3, 2), (2, 3), {}, {}),
+    "2xZ3->1xZ0": ((2, 3), (1, 0), {}, {}),
+    "2xZ3 offload->2xZ2": ((2, 3), (2, 2), {"offload": {"optimizer": "cpu"}}, {}),
+}
+
+
+@pytest.mark.parametrize("pair", RESHARDS)
+def test_resume_under_another_world_size_and_stage_matches_one_process(tmp_path, pair):
+    (n, s), (m, t), first_extra, then_extra = RESHARDS[pair]
+    folder = str(tmp_path / "ckpt")
+    first = run_ranks(n, _first, folder, s, first_extra, timeout=300)
+    then = run_ranks(m, _then, folder, t, then_extra, timeout=300)
+    ref_losses, ref_state = _reference(n, m)
+    for rank in range(n):
+        ref = [ref_losses[i, rank] for i in range(FIRST)]
+        assert first[rank] == pytest.approx(ref, rel=1e-5), rank
+    for rank in range(m):
+        ref = [ref_losses[i, rank] for i in range(FIRST, FIRST + THEN)]
+        assert then[rank]["losses"] == pytest.approx(ref, rel=1e-5), rank
+        assert then[rank]["steps"] == FIRST + THEN
+    params = then[0]["params"]
+    assert set(params) == set(ref_state)
+    for name, ref in ref_state.items():
+        assert relative_difference(params[name], ref) <= 1e-5, name
+    if n != m:
+        assert any("saved on" in note for note in then[0]["notes"])

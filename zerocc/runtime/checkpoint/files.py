@@ -1,0 +1,291 @@
+"""The files of a checkpoint: one data file per rank, a JSON manifest, and the folder they
+commit to with one rename.
+
+A checkpoint is a folder ``step-00000042`` under the run's checkpoint folder:
+
+- ``rank-00000.bin`` ... : raw tensor bytes, one file per saving rank, written sequentially;
+- ``manifest.json``: what every byte is (tensor name, element range, dtype, offset) with a
+  SHA-256 of each slice, each file's size, and the run's metadata. JSON only: opening a
+  checkpoint, even someone else's, never runs code (no pickle anywhere).
+
+Saves write into ``.step-00000042.partial`` and rename it to its name once every rank's file
+and the manifest are on disk (fsynced), so a crash mid-save leaves the earlier checkpoints as
+they were; ``latest`` (a one-line file, itself replaced by a rename) names the newest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from zerocc.errors import ZeroccError
+
+FORMAT, VERSION = "zerocc-checkpoint", 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PREFIX = "step-"
+
+
+class CheckpointError(ZeroccError):
+    """A checkpoint that cannot be saved or loaded: missing, corrupted, or of another model."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of one tensor's flattened elements, ``[start, stop)``, at ``offset`` in ``file``."""
+
+    file: str
+    offset: int
+    start: int
+    stop: int
+    sha256: str
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"manifest names an unknown dtype {name!r}")
+    return dtype
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (bf16 included: viewed as bytes)."""
+    flat = tensor.detach().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+class DataWriter:
+    """Appends tensor slices to one rank's data file, hashing each as it goes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: BinaryIO = path.open("wb")
+        self.bytes = 0
+
+    def add(self, values: torch.Tensor, start: int) -> Chunk:
+        """Write ``values`` (elements ``start``.. of their tensor's flattened elements)."""
+        data = _as_bytes(values.detach().to("cpu").contiguous())
+        offset = self.bytes
+        self._file.write(data)
+        self.bytes += data.nbytes
+        digest = hashlib.sha256(data).hexdigest()
+        return Chunk(self.path.name, offset, start, start + values.numel(), digest)
+
+    def close(self) -> None:
+        """Flush and fsync: the bytes are on disk before the manifest names them."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+class DataReader:
+    """Reads chunks of a checkpoint's data files, each checked against its SHA-256."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._files: dict[str, BinaryIO] = {}
+
+    def read(self, chunk: Chunk, dtype: torch.dtype, name: str) -> torch.Tensor:
+        """The chunk's elements (1-D, CPU). Raises CheckpointError naming the file and tensor
+        when its bytes are missing or do not match the manifest's checksum."""
+        out = torch.empty(chunk.stop - chunk.start, dtype=dtype)
+        view = _as_bytes(out)
+        handle = self._open(chunk.file)
+        handle.seek(chunk.offset)
+        got = handle.readinto(view)
+        if got != view.nbytes:
+            raise CheckpointError(
+                f"{self.folder / chunk.file}: ends after {chunk.offset + got} bytes, but "
+                f"{name} [{chunk.start}:{chunk.stop}] needs bytes up to "
+                f"{chunk.offset + view.nbytes} (a truncated or replaced file)"
+            )
+        if hashlib.sha256(view).hexdigest() != chunk.sha256:
+            raise CheckpointError(
+                f"{self.folder / chunk.file}: checksum mismatch in {name} "
+                f"[{chunk.start}:{chunk.stop}] at byte {chunk.offset} (the file was changed "
+                "or corrupted after the save)"
+            )
+        return out
+
+    def _open(self, file: str) -> BinaryIO:
+        if file not in self._files:
+            path = self.folder / file
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (the manifest names it)")
+            self._files[file] = path.open("rb")
+        return self._files[file]
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+
+# --- the manifest -------------------------------------------------------------------------
+
+
+@dataclass
+class TensorEntry:
+    """One saved tensor: its full logical shape and dtype, and the chunks that hold it."""
+
+    shape: list[int]
+    dtype: str
+    chunks: list[Chunk]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+
+@dataclass
+class Manifest:
+    """What a checkpoint holds. ``meta``: the run's counters, plan, model and optimizer (plain
+    JSON); ``tensors``: every saved tensor by name; ``files``: each data file's size."""
+
+    meta: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+    files: dict[str, int]
+
+    def to_json(self) -> str:
+        tensors = {
+            name: {"shape": e.shape, "dtype": e.dtype, "chunks": [asdict(c) for c in e.chunks]}
+            for name, e in self.tensors.items()
+        }
+        body = {"format": FORMAT, "version": VERSION, "meta": self.meta, "files": self.files}
+        return json.dumps(body | {"tensors": tensors}, indent=1)
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        """The manifest of the checkpoint ``folder``; CheckpointError when there is none or it
+        is not a zerocc checkpoint of a version this zerocc reads."""
+        path = folder / MANIFEST
+        if not path.is_file():
+            raise CheckpointError(
+                f"{folder}: no {MANIFEST} (not a zerocc checkpoint, or a save that did not finish)"
+            )
+        try:
+            body = json.loads(path.read_text())
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a zerocc checkpoint manifest")
+        if body.get("version") != VERSION:
+            raise CheckpointError(
+                f"{path}: format version {body.get('version')}, this zerocc reads {VERSION}"
+            )
+        tensors = {
+            name: TensorEntry(e["shape"], e["dtype"], [Chunk(**c) for c in e["chunks"]])
+            for name, e in body["tensors"].items()
+        }
+        manifest = cls(body["meta"], tensors, body["files"])
+        manifest.check_files(folder)
+        return manifest
+
+    def check_files(self, folder: Path) -> None:
+        """Every data file is there with the size it was saved with."""
+        for name, size in self.files.items():
+            path = folder / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (saved by rank {_rank_of(name)})")
+            if path.stat().st_size != size:
+                raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the save wrote {size}")
+
+
+def _rank_of(file: str) -> str:
+    return file.removeprefix("rank-").removesuffix(".bin").lstrip("0") or "0"
+
+
+def data_file(rank: int) -> str:
+    return f"rank-{rank:05d}.bin"
+
+
+# --- folders ------------------------------------------------------------------------------
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def staging_folder(root: Path, name: str) -> Path:
+    return root / f".{name}.partial"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` by a rename: readers see the old file or the new one."""
+    partial = path.with_name(f".{path.name}.tmp")
+    with partial.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    partial.replace(path)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(root: Path, staging: Path, name: str, keep: int | None) -> Path:
+    """Make the staged checkpoint visible as ``root/name`` (one rename; an older checkpoint of
+    that name is replaced), point ``latest`` at it, and delete all but the newest ``keep``."""
+    final = root / name
+    _fsync_folder(staging)
+    if final.exists():  # a save of the same step again: the old one goes once the new is in
+        old = root / f".{name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        staging.rename(final)
+        shutil.rmtree(old)
+    else:
+        staging.rename(final)
+    _fsync_folder(root)
+    write_atomically(root / LATEST, name + "\n")
+    if keep is not None:
+        for stale in saved_checkpoints(root)[:-keep]:
+            shutil.rmtree(stale)
+    return final
+
+
+def saved_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root``, oldest first."""
+    found = [p for p in root.glob(f"{PREFIX}*") if (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint ``path`` names: a checkpoint folder itself, or a folder of them (its
+    ``latest``, else the newest complete one). CheckpointError when there is none."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint or checkpoint folder")
+    latest = path / LATEST
+    if latest.is_file():
+        named = path / latest.read_text().strip()
+        if (named / MANIFEST).is_file():
+            return named
+    found = saved_checkpoints(path)
+    if not found:
+        raise CheckpointError(
+            f"{path}: holds no complete checkpoint (no {PREFIX}*/{MANIFEST}; a save that did "
+            "not finish leaves only a .partial folder)"
+        )
+    return found[-1]

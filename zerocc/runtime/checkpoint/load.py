@@ -1,0 +1,189 @@
+"""Loading a checkpoint into a step of any world size, stage, units, precision or offload.
+
+Each rank reads only the chunks that overlap what it holds (its shard of each flat, or the
+whole flat it keeps), checks each against the manifest's SHA-256, and casts to its own dtypes.
+What the checkpoint and the step must share is the model (every parameter and buffer, by name
+and shape) and the optimizer; anything else may change, and what changes how training goes on
+is said in the returned notes. Every rank learns whether every other rank loaded: a rank whose
+files are missing or corrupted fails the load everywhere, never a rank left waiting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerocc.compiler.state import optimizer_states
+from zerocc.runtime.checkpoint.files import (
+    CheckpointError,
+    DataReader,
+    Manifest,
+    dtype_of,
+    resolve,
+)
+from zerocc.runtime.checkpoint.layout import (
+    STEP_TENSOR,
+    FlatState,
+    loaded_states,
+    rng_name,
+    weight_name,
+)
+from zerocc.runtime.checkpoint.save import _attempt, _raise
+
+if TYPE_CHECKING:
+    from zerocc.runtime.step import StepRunner
+
+
+def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[str]]:
+    """Load the checkpoint ``path`` names (a checkpoint, or a folder of them: its newest)
+    into ``runner``; returns the checkpoint's folder and notes on what differs from the run
+    that saved it. Call on every rank, before the first step or between steps."""
+    folder = resolve(path)
+    notes: list[str] = []
+
+    def load() -> None:
+        manifest = Manifest.read(folder)
+        check_compatible(runner, manifest)
+        notes.extend(_load(runner, folder, manifest))
+
+    error = _attempt(load)
+    errors = {r: e for r, e in enumerate(runner.comm.all_gather_object(error)) if e}
+    if errors:
+        same = set(errors.values())
+        if len(errors) == runner.comm.world_size and len(same) == 1:
+            message = same.pop()  # one error, every rank's: say it once
+            raise CheckpointError(f"{folder}: {message.removeprefix('CheckpointError: ')}")
+        _raise(errors, f"load of {folder}")
+    return folder, notes
+
+
+def check_compatible(runner: StepRunner, manifest: Manifest) -> None:
+    """The checkpoint is of this model and optimizer: CheckpointError naming what differs."""
+    meta = manifest.meta
+    mine = {p.fqn: p for p in (*runner.model_info.params, *runner.model_info.buffers)}
+    saved = {**meta["params"], **meta["buffers"]}
+    problems = []
+    if missing := sorted(set(mine) - set(saved)):
+        problems.append(f"it lacks {_names(missing)}")
+    if extra := sorted(set(saved) - set(mine)):
+        problems.append(f"this model has no {_names(extra)}")
+    for fqn in sorted(set(mine) & set(saved)):
+        if list(mine[fqn].shape) != saved[fqn]["shape"]:
+            problems.append(f"{fqn} is {saved[fqn]['shape']} there, {list(mine[fqn].shape)} here")
+    if problems:
+        raise CheckpointError(
+            "the checkpoint is of another model: " + "; ".join(problems[:4])
+            + (f"; and {len(problems) - 4} more differences" if len(problems) > 4 else "")
+        )  # fmt: skip
+    states = list(optimizer_states(runner.plan.optimizer))
+    name = runner.plan.optimizer.name
+    if meta["optimizer"]["name"] != name or meta["optimizer"]["states"] != states:
+        raise CheckpointError(
+            f"the checkpoint's optimizer is {meta['optimizer']['name']} with states "
+            f"{meta['optimizer']['states']}, this plan's is {name} with {states}: its "
+            "optimizer state cannot be loaded (to start a new optimizer from its weights, "
+            "export them: zerocc export)"
+        )
+
+
+def _names(fqns: list[str]) -> str:
+    return ", ".join(fqns[:3]) + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
+
+
+def _load(runner: StepRunner, folder: Path, manifest: Manifest) -> list[str]:
+    meta = manifest.meta
+    reader = DataReader(folder)
+    try:
+        optim = optimizer_states(runner.plan.optimizer)
+        for flat in loaded_states(runner.units, runner.layout, optim):
+            _fill(runner, flat, manifest, reader)
+        for buffer in runner.model_info.buffers:
+            if buffer.fqn in runner.state:
+                target = runner.state[buffer.fqn]
+                target.copy_(_read(manifest, reader, weight_name(buffer.fqn)).view(target.shape))
+        if "optim.step" in runner.state:
+            runner.state["optim.step"].copy_(_read(manifest, reader, STEP_TENSOR).view(()))
+        notes = _restore_counters(runner, meta, manifest, reader)
+    finally:
+        reader.close()
+    return notes
+
+
+def _fill(runner: StepRunner, flat: FlatState, manifest: Manifest, reader: DataReader) -> None:
+    """Fill one flat state from the saved tensors: the pieces this rank holds, cast to the
+    flat's dtype, padding zero."""
+    spec = flat.spec
+    values = torch.zeros(spec.shape, dtype=spec.dtype)
+    for piece in flat.pieces(runner.comm.rank, whole=True):
+        name = flat.name(piece.param)
+        part = _read(manifest, reader, name, piece.start, piece.stop)
+        values[piece.at : piece.at + piece.stop - piece.start].copy_(part)
+    if spec.key in runner.state:
+        runner.state[spec.key].copy_(values)
+    else:  # placed on NVMe
+        runner.store.write(spec.key, values).wait()
+
+
+def _read(
+    manifest: Manifest, reader: DataReader, name: str, start: int = 0, stop: int | None = None
+) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the saved tensor ``name``, flattened, in its saved dtype."""
+    entry = manifest.tensors.get(name)
+    if entry is None:
+        raise CheckpointError(f"the checkpoint holds no {name} (its manifest does not list it)")
+    stop = entry.numel if stop is None else stop
+    out = torch.empty(stop - start, dtype=dtype_of(entry.dtype))
+    covered = 0
+    for chunk in entry.chunks:
+        lo, hi = max(start, chunk.start), min(stop, chunk.stop)
+        if lo >= hi:
+            continue
+        values = reader.read(chunk, out.dtype, name)
+        out[lo - start : hi - start].copy_(values[lo - chunk.start : hi - chunk.start])
+        covered += hi - lo
+    if covered != stop - start:
+        raise CheckpointError(
+            f"{name}: the checkpoint's chunks cover {covered} of elements [{start}:{stop}] "
+            "(a rank's part is missing from the manifest)"
+        )
+    return out
+
+
+def _restore_counters(
+    runner: StepRunner, meta: dict[str, Any], manifest: Manifest, reader: DataReader
+) -> list[str]:
+    """Step counters, loss scaler and RNG states; notes on what could not be carried over."""
+    notes = []
+    accum = runner.plan.grad_accumulation
+    runner.steps = meta["optimizer_steps"]
+    runner.micro_batches = meta["step"] * accum
+    if accum != meta["plan"]["grad_accumulation"]:
+        notes.append(
+            f"grad_accumulation {meta['plan']['grad_accumulation']} -> {accum}: step "
+            f"{meta['step']} goes on with {accum} micro-batches per step"
+        )
+    scaler = meta["loss_scaler"]
+    if runner.loss_scaler is not None and scaler is not None:
+        runner.loss_scaler.load_state_dict(scaler)
+    elif runner.loss_scaler is not None:
+        notes.append("the checkpoint had no loss scaling: the scale starts at the plan's initial")
+    elif scaler is not None:
+        notes.append(f"the checkpoint's loss scale ({scaler['scale']:g}) is dropped: this plan "
+                     "scales no loss")  # fmt: skip
+    rank, world = runner.comm.rank, runner.comm.world_size
+    if meta["stage"] != runner.plan.zero.stage:
+        notes.append(f"saved at ZeRO stage {meta['stage']}, resharded for stage "
+                     f"{runner.plan.zero.stage}")  # fmt: skip
+    if meta["world_size"] == world:
+        torch.set_rng_state(_read(manifest, reader, rng_name(rank, "cpu")))
+        if runner.device.type == "cuda" and rng_name(rank, "cuda") in manifest.tensors:
+            torch.cuda.set_rng_state(_read(manifest, reader, rng_name(rank, "cuda")), runner.device)
+    else:
+        notes.append(
+            f"saved on {meta['world_size']} ranks, loaded on {world}: each rank's random "
+            "number generator goes on from where it is (dropout draws differ from a run that "
+            "did not stop), and each rank's data is what the workload gives this world size"
+        )
+    return notes

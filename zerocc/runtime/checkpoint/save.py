@@ -1,0 +1,205 @@
+"""Saving a step: every rank writes the slice of each tensor it owns, rank 0 the manifest, and
+the checkpoint appears by one rename once all of it is on disk.
+
+Every rank writes the same share of every unit (its shard's range of the padded flat, also of
+the flats every rank holds whole): the bytes are spread evenly over the ranks, none written
+twice. Buffers and the step counter are rank 0's to write; each rank writes its
+own RNG states. A failure on any rank (a full disk, a folder it cannot write) fails the save on
+every rank, with that rank's error, and leaves earlier checkpoints untouched.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerocc.compiler.state import optimizer_states
+from zerocc.runtime.checkpoint.files import (
+    CheckpointError,
+    Chunk,
+    DataWriter,
+    Manifest,
+    TensorEntry,
+    checkpoint_name,
+    commit,
+    data_file,
+    dtype_name,
+    staging_folder,
+)
+from zerocc.runtime.checkpoint.layout import (
+    STEP_TENSOR,
+    rng_name,
+    saved_states,
+    weight_name,
+)
+from zerocc.runtime.comm import Comm
+from zerocc.runtime.failures import first_line
+
+if TYPE_CHECKING:
+    from zerocc.runtime.step import StepRunner
+
+# One tensor's shape and dtype, and the chunks a rank wrote of it.
+Written = dict[str, tuple[list[int], str, list[dict[str, Any]]]]
+
+
+def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = None) -> Path:
+    """Save ``runner``'s state under ``root`` as ``step-<n>`` (n: optimizer steps taken) and
+    return its folder; keep the newest ``keep`` checkpoints there (None: all). Call on every
+    rank, between steps (not inside an accumulation window: the partial gradient sums are not
+    saved)."""
+    accum = runner.plan.grad_accumulation
+    if runner.micro_batches % accum:
+        raise CheckpointError(
+            f"save at micro-batch {runner.micro_batches % accum} of {accum} of step "
+            f"{runner.micro_batches // accum + 1}: a checkpoint holds no partial gradient sums; "
+            "save after the step's last micro-batch"
+        )
+    if keep is not None and keep < 1:
+        raise CheckpointError(f"keep={keep}: keep at least the checkpoint being saved (keep >= 1)")
+    comm = runner.comm
+    root = Path(root)
+    name = checkpoint_name(runner.micro_batches // accum)
+    staging = staging_folder(root, name)
+    if comm.rank == 0:
+        _agree(comm, _attempt(lambda: _fresh_folder(staging)), "prepare")
+    else:
+        _agree(comm, None, "prepare")
+    written: Written = {}
+    size = 0
+
+    def write() -> None:
+        nonlocal size
+        writer = DataWriter(staging / data_file(comm.rank))
+        _write_rank(runner, writer, written)
+        writer.close()
+        size = writer.bytes
+
+    error = _attempt(write)
+    everyone = comm.all_gather_object((error, written, size))
+    errors = {rank: e for rank, (e, _, _) in enumerate(everyone) if e is not None}
+    if errors:
+        if comm.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        _raise(errors, "write")
+    final: Path | None = None
+
+    def finish() -> None:
+        nonlocal final
+        manifest = _manifest(runner, [w for _, w, _ in everyone], [s for *_, s in everyone])
+        (staging / "manifest.json").write_text(manifest.to_json())
+        final = commit(root, staging, name, keep)
+
+    _agree(comm, _attempt(finish) if comm.rank == 0 else None, "commit")
+    return root / name if final is None else final
+
+
+def _fresh_folder(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)  # a save of this step that crashed before
+    staging.mkdir(parents=True)
+
+
+def _attempt(action) -> str | None:
+    """Run ``action``; its error as one line, or None."""
+    try:
+        action()
+    except Exception as exc:  # reported to every rank, raised on all of them
+        return f"{type(exc).__name__}: {first_line(exc)}"
+    return None
+
+
+def _agree(comm: Comm, error: str | None, what: str) -> None:
+    """Every rank learns every rank's error; all raise when any failed."""
+    errors = {r: e for r, e in enumerate(comm.all_gather_object(error)) if e is not None}
+    if errors:
+        _raise(errors, what)
+
+
+def _raise(errors: dict[int, str], what: str) -> None:
+    lines = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(errors.items()))
+    raise CheckpointError(f"checkpoint {what} failed ({lines}); earlier checkpoints are intact")
+
+
+def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> None:
+    """Write this rank's slices: its range of each unit's weights and optimizer states, its
+    RNG states, and on rank 0 the buffers and the step counter (the loss scaler's state is
+    in the manifest)."""
+    rank = runner.comm.rank
+
+    def add(name: str, shape: list[int], values: torch.Tensor, start: int = 0) -> None:
+        chunk = writer.add(values, start)
+        entry = written.setdefault(name, (shape, dtype_name(values.dtype), []))
+        entry[2].append(asdict(chunk))
+
+    for flat in saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer)):
+        values = read_state(runner, flat.spec.key)
+        for piece in flat.pieces(rank):
+            part = values[piece.at : piece.at + piece.stop - piece.start]
+            add(flat.name(piece.param), list(piece.param.param.shape), part, piece.start)
+    rng = {"cpu": torch.get_rng_state()}
+    if runner.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(runner.device)
+    for device_type, state in rng.items():
+        add(rng_name(rank, device_type), list(state.shape), state)
+    if rank != 0:
+        return
+    for buffer in runner.model_info.buffers:
+        if buffer.fqn in runner.state:
+            add(weight_name(buffer.fqn), list(buffer.shape), runner.state[buffer.fqn])
+    if "optim.step" in runner.state:
+        add(STEP_TENSOR, [], runner.state["optim.step"])
+
+
+def read_state(runner: StepRunner, key: str) -> torch.Tensor:
+    """A state tensor, read back from the rank's NVMe store when it lives there."""
+    if key in runner.state:
+        return runner.state[key]
+    spec = runner.layout[key]
+    out = torch.empty(spec.shape, dtype=spec.dtype)
+    runner.store.read(key, out).wait()
+    return out
+
+
+def _manifest(runner: StepRunner, written: list[Written], sizes: list[int]) -> Manifest:
+    tensors: dict[str, TensorEntry] = {}
+    for rank_written in written:
+        for name, (shape, dtype, chunks) in rank_written.items():
+            entry = tensors.setdefault(name, TensorEntry(shape, dtype, []))
+            entry.chunks += [Chunk(**c) for c in chunks]
+    for entry in tensors.values():
+        entry.chunks.sort(key=lambda c: c.start)
+    files = {data_file(rank): size for rank, size in enumerate(sizes)}
+    return Manifest(run_metadata(runner), tensors, files)
+
+
+def run_metadata(runner: StepRunner) -> dict[str, Any]:
+    """What a checkpoint says of the run besides its tensors: counters, world, plan, model."""
+    import zerocc
+
+    info = runner.model_info
+
+    def described(p) -> dict[str, Any]:
+        return {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "aliases": list(p.aliases)}
+
+    plan = runner.plan
+    return {
+        "step": runner.micro_batches // plan.grad_accumulation,
+        "optimizer_steps": runner.steps,
+        "micro_batches": runner.micro_batches,
+        "world_size": runner.comm.world_size,
+        "stage": plan.zero.stage,
+        "zerocc": zerocc.__version__,
+        "torch": torch.__version__,
+        "plan": plan.model_dump(mode="json"),
+        "optimizer": {
+            "name": plan.optimizer.name,
+            "states": list(optimizer_states(plan.optimizer)),
+        },
+        "loss_scaler": runner.loss_scaler.state_dict() if runner.loss_scaler else None,
+        "params": {p.fqn: described(p) | {"trainable": p.requires_grad} for p in info.params},
+        "buffers": {b.fqn: described(b) for b in info.buffers},
+        "state_dict_keys": list(runner.state_dict_keys),
+    }
