@@ -185,3 +185,39 @@ def test_weights_load_across_precisions(tmp_path):
     fp32.load(folder)
     for name, value in saved.full_state_dict().items():
         assert torch.equal(fp32.full_state_dict()[name], value), name
+
+
+# --- export -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+@pytest.mark.parametrize("name", ["gpt", "buffers"])
+def test_export_writes_what_load_state_dict_takes(tmp_path, fmt, name):
+    """Tied weights under both names (the GPT's), buffers, and the model's own dtypes: a bf16
+    model's fp32 masters come back in bf16."""
+    from zerocc.cli.main import main
+
+    model = build(name).to(torch.bfloat16)
+    units = PLAN["units"] if name == "gpt" else {}
+    step = zerocc.compile(model, {**PLAN, "units": units, "precision": {"param": "bf16"}})
+    step(
+        *[
+            b.to(torch.bfloat16) if b.is_floating_point() else b
+            for b in batch_of({"model": name}, 0, 0)
+        ]
+    )
+    folder = step.save(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), "--format", fmt, "-o", str(tmp_path)]) == 0
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        exported = load_file(tmp_path / "model.safetensors")
+    else:
+        exported = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    fresh = build(name).to(torch.bfloat16)
+    fresh.load_state_dict(exported, strict=True)
+    expected = step.full_state_dict()
+    assert list(exported) == list(expected)
+    for name, value in expected.items():
+        assert exported[name].dtype == value.dtype and torch.equal(exported[name], value), name
+    assert folder.exists()

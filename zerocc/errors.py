@@ -53,6 +53,11 @@ class OffloadError(ZeroccError):
     that does not read back) during training. The message names the path and the bytes."""
 
 
+class CheckpointError(ZeroccError):
+    """A checkpoint that cannot be saved or loaded: a rank's write failed, files missing or
+    corrupted, or a checkpoint of another model or optimizer."""
+
+
 class NonFiniteError(ZeroccError):
     """Raised on every rank when a step's reduced gradient holds an inf or NaN and the plan says
     ``precision.on_nonfinite: error`` (the default without loss scaling). The message names the

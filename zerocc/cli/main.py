@@ -4,7 +4,7 @@ estimate what it costs (`zerocc.cli.inspect`).
 
 `zerocc train PLAN --nproc N` (and `zerocc profile`) launches N local ranks with torch's own
 launcher (`torch.distributed.run`, what `torchrun` runs); each rank re-enters this module with
-`ZEROCC_RANK_WORKER=1` set and runs `_train_rank` (`profile_rank`). Under an outside `torchrun`
+`ZEROCC_RANK_WORKER=1` set and runs `train_rank` (`profile_rank`). Under an outside `torchrun`
 the command is already a rank and does not launch again.
 """
 
@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 from zerocc.cli.inspect import add_commands as add_inspect_commands
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
-from zerocc.runtime.launch import RANK_WORKER_ENV, report
+from zerocc.runtime.launch import RANK_WORKER_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +66,25 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write per-pass programs, the measured trace, memory plots and report.html to DIR",
     )
+    train.add_argument(
+        "--save", metavar="DIR",
+        help="save checkpoints to DIR: at the end, every --save-every steps and on SIGTERM "
+        "(plan: checkpoint.dir)",
+    )  # fmt: skip
+    train.add_argument(
+        "--save-every", type=int, metavar="N",
+        help="optimizer steps between saves; 0: only at the end and on SIGTERM "
+        "(plan: checkpoint.every)",
+    )  # fmt: skip
+    train.add_argument(
+        "--keep", type=int, metavar="K",
+        help="newest checkpoints kept, older ones deleted (plan: checkpoint.keep, default 3)",
+    )  # fmt: skip
+    train.add_argument(
+        "--resume", metavar="DIR",
+        help="start from a checkpoint, or the newest in a folder of them (plan: "
+        "checkpoint.resume); --steps counts the steps it already trained",
+    )  # fmt: skip
     train.set_defaults(run=_train)
 
     profile = commands.add_parser(
@@ -85,8 +101,33 @@ def _parser() -> argparse.ArgumentParser:
         "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
     )
     profile.set_defaults(run=_profile)
+    export = commands.add_parser(
+        "export", help="write a checkpoint's model as one file (safetensors or torch.save)"
+    )
+    export.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="a checkpoint, or a folder of them (its newest)"
+    )
+    export.add_argument(
+        "--format", choices=["safetensors", "torch"], default="safetensors",
+        help="safetensors (default: streamed, one tensor in memory at a time, no code on "
+        "load) or torch (torch.save; the whole model in memory)",
+    )  # fmt: skip
+    export.add_argument(
+        "-o", "--output", metavar="FILE", required=True,
+        help="file to write; a folder gets model.safetensors / pytorch_model.bin, the names "
+        "Hugging Face's from_pretrained reads (with the model's config.json beside them)",
+    )  # fmt: skip
+    export.set_defaults(run=_export)
     add_inspect_commands(commands)
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from zerocc.runtime.checkpoint.export import export_model
+
+    written = export_model(args.checkpoint, args.output, args.format)
+    print(f"{written}: {human_bytes(written.stat().st_size)}")
+    return 0
 
 
 def _plan_check(args: argparse.Namespace) -> int:
@@ -149,8 +190,13 @@ def _describe_precision(plan: Plan) -> str:
 # --- train ----------------------------------------------------------------------------------
 
 
+CHECKPOINT_FLAGS = {"save": "dir", "save_every": "every", "keep": "keep", "resume": "resume"}
+
+
 def _train(args: argparse.Namespace) -> int:
-    plan = _checked_plan(args.plan)  # check the plan once, before any rank starts
+    from zerocc.cli.train import train_rank
+
+    plan = _with_checkpoint_flags(_checked_plan(args.plan), args)  # checked once, here
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     if args.dump:  # every rank reads it (inherited by the launched ranks)
@@ -158,8 +204,35 @@ def _train(args: argparse.Namespace) -> int:
 
         os.environ[DUMP_DIR_ENV] = str(Path(args.dump).resolve())
     if _launched() or args.nproc == 1:
-        return _train_rank(plan, args.steps)
-    return _launch(plan, args, ["train", str(args.plan), "--steps", str(args.steps)])
+        return train_rank(plan, args.steps)
+    command = ["train", str(args.plan), "--steps", str(args.steps)]
+    for flag in CHECKPOINT_FLAGS:
+        if getattr(args, flag) is not None:
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return _launch(plan, args, command)
+
+
+def _with_checkpoint_flags(plan: Plan, args: argparse.Namespace) -> Plan:
+    """The plan with its `checkpoint` section overridden by the command's flags, checked as
+    the plan's own fields are."""
+    given = {
+        field: getattr(args, flag)
+        for flag, field in CHECKPOINT_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
+    if not given:
+        return plan
+    from pydantic import ValidationError
+
+    from zerocc.compiler.plan import CheckpointConfig
+
+    try:
+        section = CheckpointConfig.model_validate(plan.checkpoint.model_dump() | given)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        flag = next(f for f, field in CHECKPOINT_FLAGS.items() if field == first["loc"][0])
+        raise ZeroccError(f"--{flag.replace('_', '-')}: {first['msg']}") from None
+    return plan.model_copy(update={"checkpoint": section})  # keeps the plan's source
 
 
 def _launched() -> bool:
@@ -193,100 +266,6 @@ def _profile(args: argparse.Namespace) -> int:
         return profile_rank(plan, output, args.steps)
     command = ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps)]
     return _launch(plan, args, command)
-
-
-def _train_rank(plan: Plan, steps: int) -> int:
-    """One rank: join the process group (when launched), compile the workload, run `steps`.
-    What the launcher should know (the predicted peak, the error that ends the rank and the
-    peers it found silent) goes to the rank's report (`zerocc.runtime.launch.report`)."""
-    from zerocc.runtime.rank import joined_group
-
-    with joined_group(plan) as (rank, world_size):
-        try:
-            return _train_steps(plan, steps, rank, world_size)
-        except BaseException as exc:
-            silent = [vars(p) for p in getattr(exc, "silent", [])]
-            report(error=f"{type(exc).__name__}: {exc}".splitlines()[0], silent=silent)
-            raise
-
-
-def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
-    from tqdm import tqdm
-
-    import zerocc
-    from zerocc.compiler.workload import load_workload
-    from zerocc.cost.memory import model_state_bytes_of, predict_memory
-    from zerocc.runtime.rank import to_device
-
-    workload = load_workload(plan)
-    step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
-    device = step.device  # this rank's: cuda:LOCAL_RANK or cpu
-    batches = iter(workload.batches(rank, world_size))
-
-    def next_batch() -> tuple | None:
-        """This rank's next batch; None once every rank has run out at this step (a rank
-        that runs out while others go on stops them all: DataExhaustedError)."""
-        batch = next(batches, None)
-        if batch is None:
-            step.end_of_data()
-        return batch
-
-    first = next_batch()
-    if first is None:
-        raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
-    started = time.perf_counter()
-    losses = [float(step(*to_device(first, device)))]  # captures and compiles
-    first_done = time.perf_counter()
-    timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    report(predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks)
-    if rank == 0:
-        print(step.explain(), flush=True)  # explains the program the first step built
-    with tqdm(total=steps, initial=1, desc="train", unit="step", disable=rank != 0) as progress:
-        progress.set_postfix(loss=f"{losses[-1]:.4f}")
-        while len(losses) < steps and (batch := next_batch()) is not None:
-            losses.append(float(step(*to_device(batch, device))))
-            progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-            progress.update()
-    if rank == 0:
-        if len(losses) < steps:
-            print(f"the data ran out on every rank after {len(losses)} step(s)")
-        _print_summary(step.summary(), losses, started, first_done, world_size)
-        if step.dump_dir is not None:
-            print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
-            if not shutil.which("dot"):
-                from zerocc.inspect.dot import GRAPHVIZ_HINT
-
-                print(f"  {GRAPHVIZ_HINT}")
-    return 0
-
-
-def _print_summary(
-    summary: dict[str, Any], losses: list[float], started: float, first_done: float, world: int
-) -> None:
-    later = len(losses) - 1  # the first step also captured and compiled: timed apart
-    first = f"the first step took {first_done - started:.2f} s, capture included"
-    if later:
-        first = f"{later / (time.perf_counter() - first_done):.2f} steps/s after it; " + first
-    comm = summary.get("comm_bytes_per_step", {})
-    comm_text = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in comm.items()) or "none"
-    print(
-        f"\n{len(losses)} step(s) on {world} rank(s): {first}\n"
-        f"final loss (rank 0): {losses[-1]:.4f}\n"
-        f"communication per step: {comm_text}\n"
-        f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
-    )
-    offload = summary.get("offload_bytes_per_step")
-    if offload:
-        moved = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in sorted(offload.items()))
-        print(f"offload traffic per step: {moved}")
-    if summary.get("loss_scale") is not None:
-        print(
-            f"loss scale: {summary['loss_scale']:g}, "
-            f"{summary['skipped_steps']} step(s) skipped for overflow"
-        )
-    elif summary.get("skipped_steps"):
-        print(f"{summary['skipped_steps']} step(s) skipped for a non-finite gradient")
 
 
 def _free_port() -> int:

@@ -558,6 +558,29 @@ class DumpsConfig(_Section):
     )
 
 
+class CheckpointConfig(_Section):
+    """Checkpoints `zerocc train` saves and resumes from (`TrainStep.save` / `load`): by model
+    name, loadable under any world size or stage."""
+
+    dir: PathStr | None = Field(
+        None,
+        description="folder `zerocc train` saves checkpoints to (step-<n> folders, a 'latest' "
+        "file naming the newest): at the end of training, every `every` steps, and on SIGTERM; "
+        "none: no saves",
+    )
+    every: int = Field(
+        0, ge=0, description="optimizer steps between saves; 0: only at the end and on SIGTERM"
+    )
+    keep: int | None = Field(
+        3, ge=1, description="newest checkpoints kept in `dir`, older ones deleted; null: all"
+    )
+    resume: PathStr | None = Field(
+        None,
+        description="checkpoint to start from: a step-<n> folder, or a folder of them (its "
+        "newest); the data goes on where that run stopped",
+    )
+
+
 class Plan(_Section):
     """A zerocc plan: how to shard, optimize and run one training step."""
 
@@ -597,6 +620,10 @@ class Plan(_Section):
     )
     dumps: DumpsConfig = Field(
         default_factory=DumpsConfig, description="where to write inspection dumps, if anywhere"
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description="training checkpoints: where `zerocc train` saves, how often, what it resumes",
     )
     passes: list[str] | None = Field(
         None,

@@ -38,6 +38,7 @@ def launch(nproc: int, port: int, command: list[str]) -> int:
     """Start ``nproc`` local ranks through torch.distributed.run, each running ``zerocc
     COMMAND...`` as a rank; returns 0, or 2 when ranks failed (after reporting them)."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     launcher_args = [
@@ -61,6 +62,10 @@ def launch(nproc: int, port: int, command: list[str]) -> int:
             reports = read_reports(Path(run_dir))
             print(failure_report(failures, reports, watcher.killed), file=sys.stderr)
             return 2
+        except SignalException as exc:  # (torchrun passed the signal on to the ranks)
+            name = signal.Signals(exc.sigval).name
+            print(f"zerocc: stopped by {name}", file=sys.stderr)
+            return 128 + exc.sigval
         finally:
             watcher.stop()
     return 0

@@ -25,16 +25,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from zerocc.errors import ZeroccError
+from zerocc.errors import CheckpointError
 
 FORMAT, VERSION = "zerocc-checkpoint", 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "step-"
-
-
-class CheckpointError(ZeroccError):
-    """A checkpoint that cannot be saved or loaded: missing, corrupted, or of another model."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +199,31 @@ class Manifest:
                 raise CheckpointError(f"{path}: missing (saved by rank {_rank_of(name)})")
             if path.stat().st_size != size:
                 raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the save wrote {size}")
+
+
+def read_elements(
+    manifest: Manifest, reader: DataReader, name: str, start: int = 0, stop: int | None = None
+) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the saved tensor ``name``, flattened, in its saved dtype."""
+    entry = manifest.tensors.get(name)
+    if entry is None:
+        raise CheckpointError(f"the checkpoint holds no {name} (its manifest does not list it)")
+    stop = entry.numel if stop is None else stop
+    out = torch.empty(stop - start, dtype=dtype_of(entry.dtype))
+    covered = 0
+    for chunk in entry.chunks:
+        lo, hi = max(start, chunk.start), min(stop, chunk.stop)
+        if lo >= hi:
+            continue
+        values = reader.read(chunk, out.dtype, name)
+        out[lo - start : hi - start].copy_(values[lo - chunk.start : hi - chunk.start])
+        covered += hi - lo
+    if covered != stop - start:
+        raise CheckpointError(
+            f"{name}: the checkpoint's chunks cover {covered} of elements [{start}:{stop}] "
+            "(a rank's part is missing from the manifest)"
+        )
+    return out
 
 
 def _rank_of(file: str) -> str:

@@ -10,6 +10,8 @@ files are missing or corrupted fails the load everywhere, never a rank left wait
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,7 @@ from zerocc.runtime.checkpoint.files import (
     CheckpointError,
     DataReader,
     Manifest,
-    dtype_of,
+    read_elements,
     resolve,
 )
 from zerocc.runtime.checkpoint.layout import (
@@ -34,6 +36,9 @@ from zerocc.runtime.checkpoint.save import _attempt, _raise
 
 if TYPE_CHECKING:
     from zerocc.runtime.step import StepRunner
+
+# Elements [start, stop) of a saved tensor (all of them by default), checked, flattened.
+Read = Callable[..., torch.Tensor]
 
 
 def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[str]]:
@@ -95,30 +100,31 @@ def _names(fqns: list[str]) -> str:
 def _load(runner: StepRunner, folder: Path, manifest: Manifest) -> list[str]:
     meta = manifest.meta
     reader = DataReader(folder)
+    read = functools.partial(read_elements, manifest, reader)
     try:
         optim = optimizer_states(runner.plan.optimizer)
         for flat in loaded_states(runner.units, runner.layout, optim):
-            _fill(runner, flat, manifest, reader)
+            _fill(runner, flat, read)
         for buffer in runner.model_info.buffers:
             if buffer.fqn in runner.state:
                 target = runner.state[buffer.fqn]
-                target.copy_(_read(manifest, reader, weight_name(buffer.fqn)).view(target.shape))
+                target.copy_(read(weight_name(buffer.fqn)).view(target.shape))
         if "optim.step" in runner.state:
-            runner.state["optim.step"].copy_(_read(manifest, reader, STEP_TENSOR).view(()))
-        notes = _restore_counters(runner, meta, manifest, reader)
+            runner.state["optim.step"].copy_(read(STEP_TENSOR).view(()))
+        notes = _restore_counters(runner, meta, manifest, read)
     finally:
         reader.close()
     return notes
 
 
-def _fill(runner: StepRunner, flat: FlatState, manifest: Manifest, reader: DataReader) -> None:
+def _fill(runner: StepRunner, flat: FlatState, read: Read) -> None:
     """Fill one flat state from the saved tensors: the pieces this rank holds, cast to the
     flat's dtype, padding zero."""
     spec = flat.spec
     values = torch.zeros(spec.shape, dtype=spec.dtype)
     for piece in flat.pieces(runner.comm.rank, whole=True):
         name = flat.name(piece.param)
-        part = _read(manifest, reader, name, piece.start, piece.stop)
+        part = read(name, piece.start, piece.stop)
         values[piece.at : piece.at + piece.stop - piece.start].copy_(part)
     if spec.key in runner.state:
         runner.state[spec.key].copy_(values)
@@ -126,33 +132,8 @@ def _fill(runner: StepRunner, flat: FlatState, manifest: Manifest, reader: DataR
         runner.store.write(spec.key, values).wait()
 
 
-def _read(
-    manifest: Manifest, reader: DataReader, name: str, start: int = 0, stop: int | None = None
-) -> torch.Tensor:
-    """Elements ``[start, stop)`` of the saved tensor ``name``, flattened, in its saved dtype."""
-    entry = manifest.tensors.get(name)
-    if entry is None:
-        raise CheckpointError(f"the checkpoint holds no {name} (its manifest does not list it)")
-    stop = entry.numel if stop is None else stop
-    out = torch.empty(stop - start, dtype=dtype_of(entry.dtype))
-    covered = 0
-    for chunk in entry.chunks:
-        lo, hi = max(start, chunk.start), min(stop, chunk.stop)
-        if lo >= hi:
-            continue
-        values = reader.read(chunk, out.dtype, name)
-        out[lo - start : hi - start].copy_(values[lo - chunk.start : hi - chunk.start])
-        covered += hi - lo
-    if covered != stop - start:
-        raise CheckpointError(
-            f"{name}: the checkpoint's chunks cover {covered} of elements [{start}:{stop}] "
-            "(a rank's part is missing from the manifest)"
-        )
-    return out
-
-
 def _restore_counters(
-    runner: StepRunner, meta: dict[str, Any], manifest: Manifest, reader: DataReader
+    runner: StepRunner, meta: dict[str, Any], manifest: Manifest, read: Read
 ) -> list[str]:
     """Step counters, loss scaler and RNG states; notes on what could not be carried over."""
     notes = []
@@ -177,9 +158,9 @@ def _restore_counters(
         notes.append(f"saved at ZeRO stage {meta['stage']}, resharded for stage "
                      f"{runner.plan.zero.stage}")  # fmt: skip
     if meta["world_size"] == world:
-        torch.set_rng_state(_read(manifest, reader, rng_name(rank, "cpu")))
+        torch.set_rng_state(read(rng_name(rank, "cpu")))
         if runner.device.type == "cuda" and rng_name(rank, "cuda") in manifest.tensors:
-            torch.cuda.set_rng_state(_read(manifest, reader, rng_name(rank, "cuda")), runner.device)
+            torch.cuda.set_rng_state(read(rng_name(rank, "cuda")), runner.device)
     else:
         notes.append(
             f"saved on {meta['world_size']} ranks, loaded on {world}: each rank's random "

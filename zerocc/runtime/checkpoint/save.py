@@ -10,6 +10,7 @@ every rank, with that rank's error, and leaves earlier checkpoints untouched.
 
 from __future__ import annotations
 
+import importlib.metadata
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -175,10 +176,15 @@ def _manifest(runner: StepRunner, written: list[Written], sizes: list[int]) -> M
     return Manifest(run_metadata(runner), tensors, files)
 
 
+def _zerocc_version() -> str:
+    try:
+        return importlib.metadata.version("zerocc")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
 def run_metadata(runner: StepRunner) -> dict[str, Any]:
     """What a checkpoint says of the run besides its tensors: counters, world, plan, model."""
-    import zerocc
-
     info = runner.model_info
 
     def described(p) -> dict[str, Any]:
@@ -191,7 +197,7 @@ def run_metadata(runner: StepRunner) -> dict[str, Any]:
         "micro_batches": runner.micro_batches,
         "world_size": runner.comm.world_size,
         "stage": plan.zero.stage,
-        "zerocc": zerocc.__version__,
+        "zerocc": _zerocc_version(),
         "torch": torch.__version__,
         "plan": plan.model_dump(mode="json"),
         "optimizer": {

@@ -1,0 +1,204 @@
+"""One rank of `zerocc train`: compile the plan's workload, resume from a checkpoint where the
+plan says so, train, save checkpoints (every N steps, at the end, and when SIGTERM asks the run
+to stop, as schedulers do before preemption), and print the summary on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from zerocc.compiler.plan import Plan
+from zerocc.errors import ZeroccError
+from zerocc.ir.printing import human_bytes
+from zerocc.runtime.launch import report
+
+
+def train_rank(plan: Plan, steps: int) -> int:
+    """One rank: join the process group (when launched), compile the workload, run `steps`.
+    What the launcher should know (the predicted peak, the error that ends the rank and the
+    peers it found silent) goes to the rank's report (`zerocc.runtime.launch.report`)."""
+    from zerocc.runtime.rank import joined_group
+
+    with joined_group(plan) as (rank, world_size):
+        try:
+            return _train_steps(plan, steps, rank, world_size)
+        except BaseException as exc:
+            silent = [vars(p) for p in getattr(exc, "silent", [])]
+            report(error=f"{type(exc).__name__}: {exc}".splitlines()[0], silent=silent)
+            raise
+
+
+class _StopRequest:
+    """SIGTERM while a checkpoint folder is set: finish the step, save, stop. Every rank must
+    stop after the same step, so the ranks agree at each step's end (one small gather over the
+    control group): a rank signalled a moment later than another still stops with it."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.signalled = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signalled = True
+
+    def agreed(self, step) -> bool:
+        """Whether any rank was signalled (a collective: every rank calls it at each step)."""
+        return self.enabled and any(step.comm.all_gather_object(self.signalled))
+
+
+def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
+    from tqdm import tqdm
+
+    import zerocc
+    from zerocc.compiler.workload import load_workload
+    from zerocc.cost.memory import model_state_bytes_of, predict_memory
+    from zerocc.runtime.rank import to_device
+
+    workload = load_workload(plan)
+    step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
+    device = step.device  # this rank's: cuda:LOCAL_RANK or cpu
+    checkpoint = plan.checkpoint
+    if checkpoint.resume:
+        _resume(step, checkpoint.resume, rank)
+    done = step.micro_batches  # micro-batches before this run (those of a resumed checkpoint)
+    if done >= steps:
+        if rank == 0:
+            print(f"the checkpoint is at micro-batch {done}, --steps is {steps}: nothing to train")
+        return 0
+    batches = _batches_from(workload.batches(rank, world_size), done, rank, world_size)
+
+    def next_batch() -> tuple | None:
+        """This rank's next batch; None once every rank has run out at this step (a rank
+        that runs out while others go on stops them all: DataExhaustedError)."""
+        batch = next(batches, None)
+        if batch is None:
+            step.end_of_data()
+        return batch
+
+    first = next_batch()
+    if first is None:
+        raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
+    stop = _StopRequest(enabled=checkpoint.dir is not None)
+    saver = _Saver(step, plan)
+    started = time.perf_counter()
+    losses = [float(step(*to_device(first, device)))]  # captures and compiles
+    first_done = time.perf_counter()
+    timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    report(predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks)
+    if rank == 0:
+        print(step.explain(), flush=True)  # explains the program the first step built
+    stopped = saver.after_step(stop)
+    total = steps - done
+    with tqdm(total=total, initial=1, desc="train", unit="step", disable=rank != 0) as progress:
+        progress.set_postfix(loss=f"{losses[-1]:.4f}")
+        while not stopped and len(losses) < total and (batch := next_batch()) is not None:
+            losses.append(float(step(*to_device(batch, device))))
+            progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            progress.update()
+            stopped = saver.after_step(stop)
+    if not stopped:
+        saver.final()
+    if rank == 0:
+        if stopped:
+            print(f"stopped by SIGTERM after micro-batch {step.micro_batches}: {saver.last}; "
+                  f"go on with --resume {checkpoint.dir}")  # fmt: skip
+        elif len(losses) < total:
+            print(f"the data ran out on every rank after {len(losses)} step(s)")
+        _print_summary(step.summary(), losses, started, first_done, world_size)
+        if saver.last is not None and not stopped:
+            print(f"checkpoint: {saver.last}")
+        if step.dump_dir is not None:
+            print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
+            if not shutil.which("dot"):
+                from zerocc.inspect.dot import GRAPHVIZ_HINT
+
+                print(f"  {GRAPHVIZ_HINT}")
+    return 0
+
+
+def _resume(step, path: str, rank: int) -> None:
+    notes = step.load(path)
+    if rank == 0:
+        print(f"resumed from {path} at micro-batch {step.micro_batches} ({step.steps} optimizer "
+              "steps applied)")  # fmt: skip
+        for note in notes:
+            print(f"  note: {note}")
+
+
+def _batches_from(batches: Iterator[tuple], done: int, rank: int, world: int) -> Iterator[tuple]:
+    """This rank's batches after the first ``done`` (those a resumed run already trained on)."""
+    for skipped in range(done):
+        if next(batches, None) is None:
+            raise ZeroccError(
+                f"resume: the workload gives rank {rank} of {world} {skipped} batch(es), the "
+                f"checkpoint was saved after {done}"
+            )
+    return batches
+
+
+class _Saver:
+    """Saves the plan's checkpoints: every ``checkpoint.every`` optimizer steps, at the end
+    (unless the last save was of this same step), and when the ranks agree to stop."""
+
+    def __init__(self, step, plan: Plan) -> None:
+        self.step, self.config = step, plan.checkpoint
+        self.accum = plan.grad_accumulation
+        self.last: Path | None = None
+        self._saved_at = -1
+
+    def after_step(self, stop: _StopRequest) -> bool:
+        """Save where due after a micro-batch; whether the run must stop (SIGTERM)."""
+        if self.config.dir is None or self.step.micro_batches % self.accum:
+            return False
+        if stop.agreed(self.step):
+            self._save()
+            return True
+        optimizer_steps = self.step.micro_batches // self.accum
+        if self.config.every and optimizer_steps % self.config.every == 0:
+            self._save()
+        return False
+
+    def final(self) -> None:
+        if self.config.dir is not None and self.step.micro_batches % self.accum == 0:
+            self._save()
+
+    def _save(self) -> None:
+        if self._saved_at != self.step.micro_batches:
+            self.last = self.step.save(self.config.dir, keep=self.config.keep)
+            self._saved_at = self.step.micro_batches
+
+
+def _print_summary(
+    summary: dict[str, Any], losses: list[float], started: float, first_done: float, world: int
+) -> None:
+    later = len(losses) - 1  # the first step also captured and compiled: timed apart
+    first = f"the first step took {first_done - started:.2f} s, capture included"
+    if later:
+        first = f"{later / (time.perf_counter() - first_done):.2f} steps/s after it; " + first
+    comm = summary.get("comm_bytes_per_step", {})
+    comm_text = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in comm.items()) or "none"
+    print(
+        f"\n{len(losses)} step(s) on {world} rank(s): {first}\n"
+        f"final loss (rank 0): {losses[-1]:.4f}\n"
+        f"communication per step: {comm_text}\n"
+        f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
+    )
+    offload = summary.get("offload_bytes_per_step")
+    if offload:
+        moved = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in sorted(offload.items()))
+        print(f"offload traffic per step: {moved}")
+    if summary.get("loss_scale") is not None:
+        print(
+            f"loss scale: {summary['loss_scale']:g}, "
+            f"{summary['skipped_steps']} step(s) skipped for overflow"
+        )
+    elif summary.get("skipped_steps"):
+        print(f"{summary['skipped_steps']} step(s) skipped for a non-finite gradient")

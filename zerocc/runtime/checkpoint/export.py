@@ -1,0 +1,113 @@
+"""A checkpoint's model as one file: every key of ``model.state_dict()``, full tensors in the
+model's dtypes, as ``model.load_state_dict(strict=True)`` (or a Hugging Face model's
+``from_pretrained``, given the folder with the model's config) takes it.
+
+``safetensors`` is written as a stream: the header is known from the manifest before any
+tensor is read, then one tensor at a time is read, checked and written, so the export never
+holds more than one tensor (the ``safetensors`` package writes only a dict held whole). ``torch``
+(``torch.save``) holds the whole model in memory. Either file appears by a rename, whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from zerocc.runtime.checkpoint.files import (
+    CheckpointError,
+    DataReader,
+    Manifest,
+    dtype_of,
+    read_elements,
+    resolve,
+)
+from zerocc.runtime.checkpoint.layout import weight_name
+
+FORMATS = {"safetensors": "model.safetensors", "torch": "pytorch_model.bin"}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str) -> Path:
+    """Write the model of ``checkpoint`` (a checkpoint, or a folder of them: its newest) to
+    ``out`` in ``fmt`` (``safetensors`` or ``torch``); ``out`` an existing folder (or one
+    ending in '/') gets the file under the name Hugging Face looks for. Returns the file."""
+    if fmt not in FORMATS:
+        raise CheckpointError(f"format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    folder = resolve(checkpoint)
+    manifest = Manifest.read(folder)
+    out = Path(out)
+    if out.is_dir() or str(out).endswith(os.sep):
+        out.mkdir(parents=True, exist_ok=True)
+        out = out / FORMATS[fmt]
+    partial = out.with_name(f".{out.name}.partial")
+    reader = DataReader(folder)
+    try:
+        tensors = _model_tensors(manifest, reader)
+        if fmt == "safetensors":
+            _write_safetensors(partial, _shapes(manifest), tensors)
+        else:
+            torch.save(dict(tensors), partial)
+    finally:
+        reader.close()
+    partial.replace(out)
+    return out
+
+
+def _sources(manifest: Manifest) -> dict[str, tuple[str, list[int], torch.dtype]]:
+    """Every state-dict key (tied names included): its saved tensor, shape and model dtype."""
+    meta = manifest.meta
+    sources = {}
+    for fqn, described in {**meta["params"], **meta["buffers"]}.items():
+        for alias in described["aliases"]:
+            sources[alias] = (weight_name(fqn), described["shape"], dtype_of(described["dtype"]))
+    return {key: sources[key] for key in meta["state_dict_keys"] if key in sources}
+
+
+def _shapes(manifest: Manifest) -> dict[str, tuple[list[int], torch.dtype]]:
+    return {key: (shape, dtype) for key, (_, shape, dtype) in _sources(manifest).items()}
+
+
+def _model_tensors(manifest: Manifest, reader: DataReader) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each key's full tensor, one at a time, in the model's dtype (saved fp32 masters of a
+    bf16 model come back in bf16, as the model holds them)."""
+    for key, (name, shape, dtype) in _sources(manifest).items():
+        yield key, read_elements(manifest, reader, name).view(shape).to(dtype)
+
+
+def _write_safetensors(
+    path: Path,
+    shapes: dict[str, tuple[list[int], torch.dtype]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+) -> None:
+    """The safetensors layout: an 8-byte little-endian header size, the JSON header (padded
+    with spaces to 8 bytes), then each tensor's bytes in header order."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, (shape, dtype) in shapes.items():
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{key}: safetensors has no {dtype}; use --format torch")
+        size = dtype.itemsize
+        for n in shape:
+            size *= n
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape,
+                       "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for _, tensor in tensors:
+            flat = tensor.contiguous().reshape(-1)
+            handle.write(memoryview(flat.view(torch.uint8).numpy()).cast("B"))
+        handle.flush()
+        os.fsync(handle.fileno())
