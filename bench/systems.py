@@ -13,6 +13,7 @@ variants bench/offload.py adds (offload, recomputation). A rank finds either kin
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from collections.abc import Callable
@@ -139,15 +140,22 @@ def fsdp2_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
     shard(model)
     optimizer = _adamw(model.parameters(), cfg)
     forward = torch.compile(model) if compiled else model
+    return Runner(_train_step(forward, optimizer, device), reported=cpu_seconds)
+
+
+def _train_step(forward, optimizer, device: torch.device, autocast=None):
+    """A plain torch training step: forward (under ``autocast``), backward, update."""
+    autocast = autocast or contextlib.nullcontext()
 
     def train_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = forward(idx.to(device), targets.to(device))
+        with autocast:
+            loss = forward(idx.to(device), targets.to(device))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return Runner(train_step, reported=cpu_seconds)
+    return train_step
 
 
 def torch_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
@@ -163,16 +171,7 @@ def torch_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
     optimizer = _adamw(model.parameters(), cfg)
     forward = torch.compile(wrapped) if compiled else wrapped
     autocast = torch.autocast(device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
-
-    def train_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with autocast:
-            loss = forward(idx.to(device), targets.to(device))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return Runner(train_step, reported=cpu_seconds)
+    return Runner(_train_step(forward, optimizer, device, autocast), reported=cpu_seconds)
 
 
 def deepspeed_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
