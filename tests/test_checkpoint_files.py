@@ -221,3 +221,24 @@ def test_export_writes_what_load_state_dict_takes(tmp_path, fmt, name):
     for name, value in expected.items():
         assert exported[name].dtype == value.dtype and torch.equal(exported[name], value), name
     assert folder.exists()
+
+
+def test_export_of_a_hugging_face_model_writes_its_config_beside_the_weights(tmp_path):
+    """What from_pretrained reads from a folder: config.json and model.safetensors (the
+    config as the model's ``config.to_json_string()`` gives it; transformers itself is not a
+    test dependency)."""
+    from zerocc.runtime.checkpoint.export import export_model
+
+    class Config:
+        def to_json_string(self) -> str:
+            return json.dumps({"model_type": "gpt2", "n_layer": 2})
+
+    model = build("gpt")
+    model.config = Config()
+    step = zerocc.compile(model, PLAN)
+    step.save(tmp_path / "ckpt")
+    written = export_model(tmp_path / "ckpt", f"{tmp_path / 'hf'}/", "safetensors")
+    assert written == tmp_path / "hf" / "model.safetensors"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {
+        "model_type": "gpt2", "n_layer": 2,
+    }  # fmt: skip

@@ -39,14 +39,18 @@ _SAFETENSORS_DTYPES = {
 def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str) -> Path:
     """Write the model of ``checkpoint`` (a checkpoint, or a folder of them: its newest) to
     ``out`` in ``fmt`` (``safetensors`` or ``torch``); ``out`` an existing folder (or one
-    ending in '/') gets the file under the name Hugging Face looks for. Returns the file."""
+    ending in '/') gets the file under the name Hugging Face looks for, and a Hugging Face
+    model's ``config.json`` beside it. Returns the file."""
     if fmt not in FORMATS:
         raise CheckpointError(f"format {fmt!r}: choose one of {', '.join(FORMATS)}")
     folder = resolve(checkpoint)
     manifest = Manifest.read(folder)
+    as_folder = os.fspath(out).endswith(os.sep)  # (Path drops the trailing separator)
     out = Path(out)
-    if out.is_dir() or str(out).endswith(os.sep):
+    if as_folder or out.is_dir():
         out.mkdir(parents=True, exist_ok=True)
+        if manifest.meta.get("hf_config") is not None:  # a Hugging Face model's folder
+            (out / "config.json").write_text(json.dumps(manifest.meta["hf_config"], indent=2))
         out = out / FORMATS[fmt]
     partial = out.with_name(f".{out.name}.partial")
     reader = DataReader(folder)

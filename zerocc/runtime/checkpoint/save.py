@@ -11,6 +11,7 @@ every rank, with that rank's error, and leaves earlier checkpoints untouched.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -208,4 +209,14 @@ def run_metadata(runner: StepRunner) -> dict[str, Any]:
         "params": {p.fqn: described(p) | {"trainable": p.requires_grad} for p in info.params},
         "buffers": {b.fqn: described(b) for b in info.buffers},
         "state_dict_keys": list(runner.state_dict_keys),
+        "hf_config": _hf_config(runner.model),
     }
+
+
+def _hf_config(model) -> dict[str, Any] | None:
+    """A Hugging Face model's config (``model.config.to_json_string()``), for the export to
+    write beside the weights as from_pretrained reads them; None for other models."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "to_json_string", None)):
+        return None
+    return json.loads(config.to_json_string())
