@@ -45,10 +45,12 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
     """Load the checkpoint ``path`` names (a checkpoint, or a folder of them: its newest)
     into ``runner``; returns the checkpoint's folder and notes on what differs from the run
     that saved it. Call on every rank, before the first step or between steps."""
-    folder = resolve(path)
+    folder = Path(path)
     notes: list[str] = []
 
-    def load() -> None:
+    def load() -> None:  # (on every rank: one that cannot see the folder fails with the rest)
+        nonlocal folder
+        folder = resolve(path)
         manifest = Manifest.read(folder)
         check_compatible(runner, manifest)
         notes.extend(_load(runner, folder, manifest))
@@ -59,8 +61,8 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
         same = set(errors.values())
         if len(errors) == runner.comm.world_size and len(same) == 1:
             message = same.pop()  # one error, every rank's: say it once
-            raise CheckpointError(f"{folder}: {message.removeprefix('CheckpointError: ')}")
-        _raise(errors, f"load of {folder}")
+            raise CheckpointError(message.removeprefix("CheckpointError: "))
+        _raise(errors, f"load of {folder}", "nothing was loaded")
     return folder, notes
 
 

@@ -120,9 +120,11 @@ def _agree(comm: Comm, error: str | None, what: str) -> None:
         _raise(errors, what)
 
 
-def _raise(errors: dict[int, str], what: str) -> None:
+def _raise(
+    errors: dict[int, str], what: str, outcome: str = "earlier checkpoints are intact"
+) -> None:
     lines = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(errors.items()))
-    raise CheckpointError(f"checkpoint {what} failed ({lines}); earlier checkpoints are intact")
+    raise CheckpointError(f"checkpoint {what} failed ({lines}); {outcome}")
 
 
 def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> None:
