@@ -11,6 +11,7 @@ holds more than one tensor (the ``safetensors`` package writes only a dict held 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from zerocc.runtime.checkpoint.files import (
     CheckpointError,
     DataReader,
     Manifest,
+    as_bytes,
     dtype_of,
     read_elements,
     resolve,
@@ -53,11 +55,15 @@ def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str
             (out / "config.json").write_text(json.dumps(manifest.meta["hf_config"], indent=2))
         out = out / FORMATS[fmt]
     partial = out.with_name(f".{out.name}.partial")
+    sources = _sources(manifest)
     reader = DataReader(folder)
     try:
-        tensors = _model_tensors(manifest, reader)
+        tensors = (
+            (key, read_elements(manifest, reader, name).view(shape).to(dtype))
+            for key, (name, shape, dtype) in sources.items()
+        )  # one at a time, in the model's dtype (a bf16 model's fp32 masters back in bf16)
         if fmt == "safetensors":
-            _write_safetensors(partial, _shapes(manifest), tensors)
+            _write_safetensors(partial, sources, tensors)
         else:
             torch.save(dict(tensors), partial)
     finally:
@@ -76,32 +82,19 @@ def _sources(manifest: Manifest) -> dict[str, tuple[str, list[int], torch.dtype]
     return {key: sources[key] for key in meta["state_dict_keys"] if key in sources}
 
 
-def _shapes(manifest: Manifest) -> dict[str, tuple[list[int], torch.dtype]]:
-    return {key: (shape, dtype) for key, (_, shape, dtype) in _sources(manifest).items()}
-
-
-def _model_tensors(manifest: Manifest, reader: DataReader) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each key's full tensor, one at a time, in the model's dtype (saved fp32 masters of a
-    bf16 model come back in bf16, as the model holds them)."""
-    for key, (name, shape, dtype) in _sources(manifest).items():
-        yield key, read_elements(manifest, reader, name).view(shape).to(dtype)
-
-
 def _write_safetensors(
     path: Path,
-    shapes: dict[str, tuple[list[int], torch.dtype]],
+    sources: dict[str, tuple[str, list[int], torch.dtype]],
     tensors: Iterator[tuple[str, torch.Tensor]],
 ) -> None:
     """The safetensors layout: an 8-byte little-endian header size, the JSON header (padded
     with spaces to 8 bytes), then each tensor's bytes in header order."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for key, (shape, dtype) in shapes.items():
+    for key, (_, shape, dtype) in sources.items():
         if dtype not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{key}: safetensors has no {dtype}; use --format torch")
-        size = dtype.itemsize
-        for n in shape:
-            size *= n
+        size = dtype.itemsize * math.prod(shape)
         header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape,
                        "data_offsets": [offset, offset + size]}  # fmt: skip
         offset += size
@@ -111,7 +104,6 @@ def _write_safetensors(
         handle.write(struct.pack("<Q", len(encoded)))
         handle.write(encoded)
         for _, tensor in tensors:
-            flat = tensor.contiguous().reshape(-1)
-            handle.write(memoryview(flat.view(torch.uint8).numpy()).cast("B"))
+            handle.write(as_bytes(tensor.contiguous()))
         handle.flush()
         os.fsync(handle.fileno())

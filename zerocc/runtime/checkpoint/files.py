@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -55,7 +56,7 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
+def as_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (bf16 included: viewed as bytes)."""
     flat = tensor.detach().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
@@ -71,7 +72,7 @@ class DataWriter:
 
     def add(self, values: torch.Tensor, start: int) -> Chunk:
         """Write ``values`` (elements ``start``.. of their tensor's flattened elements)."""
-        data = _as_bytes(values.detach().to("cpu").contiguous())
+        data = as_bytes(values.detach().to("cpu").contiguous())
         offset = self.bytes
         self._file.write(data)
         self.bytes += data.nbytes
@@ -96,7 +97,7 @@ class DataReader:
         """The chunk's elements (1-D, CPU). Raises CheckpointError naming the file and tensor
         when its bytes are missing or do not match the manifest's checksum."""
         out = torch.empty(chunk.stop - chunk.start, dtype=dtype)
-        view = _as_bytes(out)
+        view = as_bytes(out)
         handle = self._open(chunk.file)
         handle.seek(chunk.offset)
         got = handle.readinto(view)
@@ -141,10 +142,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerocc.compiler.state import optimizer_states
+from zerocc.runtime.checkpoint.agreement import agree, attempt
 from zerocc.runtime.checkpoint.files import (
     CheckpointError,
     DataReader,
@@ -32,7 +33,6 @@ from zerocc.runtime.checkpoint.layout import (
     rng_name,
     weight_name,
 )
-from zerocc.runtime.checkpoint.save import _attempt, _raise
 
 if TYPE_CHECKING:
     from zerocc.runtime.step import StepRunner
@@ -55,14 +55,7 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
         check_compatible(runner, manifest)
         notes.extend(_load(runner, folder, manifest))
 
-    error = _attempt(load)
-    errors = {r: e for r, e in enumerate(runner.comm.all_gather_object(error)) if e}
-    if errors:
-        same = set(errors.values())
-        if len(errors) == runner.comm.world_size and len(same) == 1:
-            message = same.pop()  # one error, every rank's: say it once
-            raise CheckpointError(message.removeprefix("CheckpointError: "))
-        _raise(errors, f"load of {folder}", "nothing was loaded")
+    agree(runner.comm, attempt(load), f"load of {path}", "nothing was loaded")
     return folder, notes
 
 

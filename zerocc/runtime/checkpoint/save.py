@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerocc.compiler.state import optimizer_states
+from zerocc.runtime.checkpoint.agreement import agree, attempt, raise_errors
 from zerocc.runtime.checkpoint.files import (
     CheckpointError,
     Chunk,
@@ -38,12 +39,11 @@ from zerocc.runtime.checkpoint.layout import (
     saved_states,
     weight_name,
 )
-from zerocc.runtime.comm import Comm
-from zerocc.runtime.failures import first_line
 
 if TYPE_CHECKING:
     from zerocc.runtime.step import StepRunner
 
+INTACT = "earlier checkpoints are intact"
 # One tensor's shape and dtype, and the chunks a rank wrote of it.
 Written = dict[str, tuple[list[int], str, list[dict[str, Any]]]]
 
@@ -66,10 +66,8 @@ def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = Non
     root = Path(root)
     name = checkpoint_name(runner.micro_batches // accum)
     staging = staging_folder(root, name)
-    if comm.rank == 0:
-        _agree(comm, _attempt(lambda: _fresh_folder(staging)), "prepare")
-    else:
-        _agree(comm, None, "prepare")
+    prepared = attempt(lambda: _fresh_folder(staging)) if comm.rank == 0 else None
+    agree(comm, prepared, "prepare", INTACT)
     written: Written = {}
     size = 0
 
@@ -80,13 +78,11 @@ def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = Non
         writer.close()
         size = writer.bytes
 
-    error = _attempt(write)
-    everyone = comm.all_gather_object((error, written, size))
+    everyone = comm.all_gather_object((attempt(write), written, size))
     errors = {rank: e for rank, (e, _, _) in enumerate(everyone) if e is not None}
-    if errors:
-        if comm.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        _raise(errors, "write")
+    if errors and comm.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    raise_errors(errors, "write", INTACT)
     final: Path | None = None
 
     def finish() -> None:
@@ -95,36 +91,13 @@ def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = Non
         (staging / "manifest.json").write_text(manifest.to_json())
         final = commit(root, staging, name, keep)
 
-    _agree(comm, _attempt(finish) if comm.rank == 0 else None, "commit")
+    agree(comm, attempt(finish) if comm.rank == 0 else None, "commit", INTACT)
     return root / name if final is None else final
 
 
 def _fresh_folder(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)  # a save of this step that crashed before
     staging.mkdir(parents=True)
-
-
-def _attempt(action) -> str | None:
-    """Run ``action``; its error as one line, or None."""
-    try:
-        action()
-    except Exception as exc:  # reported to every rank, raised on all of them
-        return f"{type(exc).__name__}: {first_line(exc)}"
-    return None
-
-
-def _agree(comm: Comm, error: str | None, what: str) -> None:
-    """Every rank learns every rank's error; all raise when any failed."""
-    errors = {r: e for r, e in enumerate(comm.all_gather_object(error)) if e is not None}
-    if errors:
-        _raise(errors, what)
-
-
-def _raise(
-    errors: dict[int, str], what: str, outcome: str = "earlier checkpoints are intact"
-) -> None:
-    lines = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(errors.items()))
-    raise CheckpointError(f"checkpoint {what} failed ({lines}); {outcome}")
 
 
 def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> None:
