@@ -135,6 +135,107 @@ class UnitsConfig(_Section):
     )
 
 
+# The fields each learning-rate schedule reads (any other set field is an error): the first
+# three are Hugging Face Trainer's (`lr_scheduler_type`, its `warmup_steps` and
+# `num_training_steps`), the rest DeepSpeed's schedulers under their own parameter names.
+SCHEDULE_FIELDS: dict[str, tuple[str, ...]] = {
+    "constant": ("warmup_steps",),
+    "linear": ("warmup_steps", "total_steps", "min_lr"),
+    "cosine": ("warmup_steps", "total_steps", "min_lr"),
+    "warmup_lr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "warmup_decay_lr": (
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "total_num_steps",
+    ),
+    "warmup_cosine_lr": (
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "warmup_type",
+        "cos_min_ratio",
+        "total_num_steps",
+    ),
+}
+
+
+class ScheduleConfig(_Section):
+    """The learning rate per optimizer step (`zerocc.compiler.schedule.lr_at`): a runtime input
+    of the program, so a changing rate never recompiles. The position is the count of applied
+    steps (a step skipped for an overflow does not advance it, as in DeepSpeed and the Hugging
+    Face Trainer), which checkpoints keep."""
+
+    name: Literal[
+        "constant", "linear", "cosine", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr"
+    ] = Field(
+        "constant",
+        description="constant, linear, cosine: Hugging Face Trainer's schedules (linear warmup "
+        "from 0 over warmup_steps, then constant, or a linear or cosine decay to min_lr at "
+        "total_steps); warmup_lr, warmup_decay_lr, warmup_cosine_lr: DeepSpeed's WarmupLR, "
+        "WarmupDecayLR and WarmupCosineLR with their parameters and step-for-step values",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="constant, linear, cosine: steps of linear warmup from 0 to lr"
+    )
+    total_steps: int | None = Field(
+        None,
+        ge=1,
+        description="linear, cosine: the step at which the decay reaches min_lr (required)",
+    )
+    min_lr: float = Field(
+        0.0, ge=0, description="linear, cosine: the rate the decay ends at (< optimizer.lr)"
+    )
+    warmup_min_lr: float = Field(
+        0.0, ge=0, description="warmup_lr, warmup_decay_lr: the rate warmup starts from"
+    )
+    warmup_max_lr: float | None = Field(
+        None,
+        gt=0,
+        description="warmup_lr, warmup_decay_lr: the rate warmup ends at; default optimizer.lr "
+        "(DeepSpeed's WarmupDecayLR defaults to 0.001 whatever the optimizer's rate: a plan has "
+        "one peak rate; `zerocc plan import` writes DeepSpeed's value out)",
+    )
+    warmup_num_steps: int = Field(
+        1000, ge=1, description="DeepSpeed's schedules: warmup steps (at least 2 are taken)"
+    )
+    warmup_type: Literal["log", "linear"] = Field(
+        "log", description="DeepSpeed's schedules: the warmup curve, log or linear"
+    )
+    total_num_steps: int | None = Field(
+        None,
+        ge=1,
+        description="warmup_decay_lr, warmup_cosine_lr: the step the decay ends at (required)",
+    )
+    warmup_min_ratio: float = Field(
+        0.0, ge=0, le=1, description="warmup_cosine_lr: the warmup's start, a fraction of lr"
+    )
+    cos_min_ratio: float = Field(
+        0.0001, ge=0, le=1, description="warmup_cosine_lr: the decay's end, a fraction of lr"
+    )
+
+    @model_validator(mode="after")
+    def _fields_of_this_schedule(self) -> ScheduleConfig:
+        allowed = SCHEDULE_FIELDS[self.name]
+        stray = sorted(self.model_fields_set - {"name", *allowed})
+        if stray:
+            raise ValueError(
+                f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to the "
+                f"{self.name} schedule; it reads {', '.join(allowed)}"
+            )
+        total = {"linear": "total_steps", "cosine": "total_steps"}.get(self.name)
+        if self.name in ("warmup_decay_lr", "warmup_cosine_lr"):
+            total = "total_num_steps"
+        if total is not None and getattr(self, total) is None:
+            raise ValueError(f"the {self.name} schedule needs {total}: the step its decay ends")
+        if total == "total_steps" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"total_steps {self.total_steps} must be larger than warmup_steps "
+                f"{self.warmup_steps}: the decay runs between them"
+            )
+        return self
+
+
 class OptimizerConfig(_Section):
     """The optimizer, applied to each rank's shard of the parameters."""
 
@@ -177,6 +278,10 @@ class OptimizerConfig(_Section):
         gt=0,
         description="clip by global L2 norm over all ranks (a finite norm > 0; null: no clipping)",
     )
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig,
+        description="learning-rate schedule (default: constant lr); lr is its peak rate",
+    )
 
     @field_validator("lr", mode="wrap")
     @classmethod
@@ -206,11 +311,36 @@ class OptimizerConfig(_Section):
         return value
 
     @model_validator(mode="after")
+    def _schedule_fits_the_rate(self) -> OptimizerConfig:
+        schedule, peak = self.schedule, self.peak_lr
+        if schedule.warmup_max_lr is not None and schedule.warmup_max_lr > MAX_LR[self.name]:
+            raise ValueError(
+                f"schedule.warmup_max_lr {peak:g} is too large for {self.name}: allowed <= "
+                f"{MAX_LR[self.name]:g} (as lr)"
+            )
+        if schedule.name in ("linear", "cosine") and schedule.min_lr >= self.lr:
+            raise ValueError(
+                f"schedule.min_lr {schedule.min_lr:g} must be below lr {self.lr:g}: the "
+                f"{schedule.name} decay runs from lr down to min_lr"
+            )
+        if schedule.warmup_min_lr > peak:
+            raise ValueError(
+                f"schedule.warmup_min_lr {schedule.warmup_min_lr:g} is above the rate warmup "
+                f"ends at ({peak:g}); allowed: warmup_min_lr <= warmup_max_lr"
+            )
+        return self
+
+    @property
+    def peak_lr(self) -> float:
+        """The largest rate the schedule reaches: lr, or DeepSpeed's warmup_max_lr."""
+        return self.schedule.warmup_max_lr or self.lr
+
+    @model_validator(mode="after")
     def _decay_keeps_the_weights(self) -> OptimizerConfig:
-        shrink = self.lr * self.weight_decay
+        shrink = self.peak_lr * self.weight_decay
         if shrink >= 1:
             raise ValueError(
-                f"lr {self.lr:g} * weight_decay {self.weight_decay:g} = {shrink:g}: each step "
+                f"lr {self.peak_lr:g} * weight_decay {self.weight_decay:g} = {shrink:g}: each step "
                 "multiplies the weights by 1 - lr * weight_decay, which zeroes or flips them at "
                 "1 or more; allowed: lr * weight_decay < 1 (usual weight_decay: 0.01-0.1)"
             )

@@ -27,12 +27,18 @@ class Workload:
     as `step(*batch)`; every rank must get different data, as under DDP. `loss_fn(model, *batch)`
     returns a scalar; None means `model(*batch)` (or its `.loss`). Only `model` may be passed
     positionally, so `Workload(model, loss_fn, batches)` fails loudly instead of mixing them up.
+    `eval_batches(rank, world_size)`, when given, yields this rank's share of held-back data
+    (batches shaped as the training ones); `zerocc train --eval-every N` reports the mean loss
+    over all of it every N steps. `tokens_per_batch`, when given, counts the tokens of one
+    local batch, for the tokens/s `zerocc train` shows (None: not shown).
     """
 
     model: nn.Module
     _: KW_ONLY
     loss_fn: Callable | None = None
     batches: Callable[[int, int], Iterator[tuple]]
+    eval_batches: Callable[[int, int], Iterator[tuple]] | None = None
+    tokens_per_batch: Callable[[tuple], int] | None = None
 
 
 def load_workload(plan: Plan) -> Workload:
