@@ -28,7 +28,7 @@ from torch import fx
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OptimizerConfig
-from zerocc.compiler.state import STEP_SPEC, declare_optimizer_state
+from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
 from zerocc.ir.nodes import (
     FOUND_INF,
     GRAD,
@@ -97,6 +97,7 @@ def optimizer(
     }
     step_spec = layout.get(STEP_SPEC.key)  # AdamW's step counter
     step = state_placeholder(graph, step_spec, like) if step_spec is not None else None
+    lr = state_placeholder(graph, layout.get(LR_SPEC.key), like)  # the schedule's, per step
     scale = 1.0 / (ctx.world_size * grad_accumulation)
     # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
     sliced = stage > 0 and ctx.world_size > 1
@@ -124,7 +125,7 @@ def optimizer(
                 if span is not None:  # one parameter's gradient: update its slice of the flat
                     tensors = [_slice(graph, t, span, u.name) for t in tensors]
                 update = _Update(tensors[0], grad, tensors[1:-1], tensors[-1])
-                _emit_update(graph, config, u.name, update, step, coef, found_inf, scale, stage)
+                _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, stage)
             if stage in (1, 2) and ctx.world_size > 1:
                 full = by_role[PARAM_FULL][u.name]
                 emit_collective(
@@ -175,6 +176,7 @@ def _emit_update(
     unit: str,
     update: _Update,
     step: fx.Node | None,
+    lr: fx.Node,
     coef: fx.Node | None,
     found_inf: fx.Node | None,
     scale: float,
@@ -195,7 +197,7 @@ def _emit_update(
             found_inf,
             update.copy,
             scale,
-            config.lr,
+            lr,
             config.betas[0],
             config.betas[1],
             config.eps,
@@ -214,7 +216,7 @@ def _emit_update(
             found_inf,
             update.copy,
             scale,
-            config.lr,
+            lr,
             config.momentum,
             config.weight_decay,
             skip,

@@ -73,7 +73,7 @@ def analyze(gm: fx.GraphModule, trainable_fqns: list[str]) -> ParamUses:
         for unit in uses.units_used_by(n):
             key = (unit, info(n).phase)
             windows[key] = (windows.get(key, (n, n))[0], n)
-    grad_nodes = output.args[0][1:]
-    uses.grads = dict(zip(trainable_fqns, grad_nodes, strict=True))
+    grad_nodes = output.args[0][1:]  # none in a forward-only (evaluation) program
+    uses.grads = dict(zip(trainable_fqns, grad_nodes, strict=True)) if grad_nodes else {}
     uses.order = {n: i for i, n in enumerate(nodes)}
     return uses

@@ -180,8 +180,8 @@ class _ShardRewriter:
         order = self.uses.order
         at: dict[fx.Node, list[Unit]] = {}
         for unit in self.ctx.units:
-            producers = [self.uses.grads[p.fqn] for p in unit.params] if unit.trainable else []
-            producers = [g for g in producers if g is not None]
+            producers = [self.uses.grads.get(p.fqn) for p in unit.params] if unit.trainable else []
+            producers = [g for g in producers if g is not None]  # none: an evaluation program
             if producers:
                 at.setdefault(max(producers, key=order.__getitem__), []).append(unit)
         return at

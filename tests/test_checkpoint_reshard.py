@@ -14,13 +14,14 @@ import pytest
 import torch
 from models import build, loss_of
 from multirank import run_ranks
-from parity import batch_of, relative_difference
+from parity import batch_of, relative_difference, torch_scheduler
 
 import zerocc
 
 FIRST, THEN = 2, 2  # steps before the save, and after the resume
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
 CASE = {"model": "gpt"}
+SCHEDULED = {**OPTIMIZER, "schedule": {"name": "cosine", "warmup_steps": 2, "total_steps": 4}}
 
 
 def _plan(stage: int, **extra) -> dict:
@@ -49,12 +50,13 @@ def _then(rank: int, world: int, folder: str, stage: int, extra: dict) -> dict:
     return {"losses": losses, "notes": notes, "params": params, "steps": step.steps}
 
 
-def _reference(first_world: int, then_world: int):
+def _reference(first_world: int, then_world: int, schedule: dict | None):
     model = build("gpt")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         params, lr=OPTIMIZER["lr"], eps=OPTIMIZER["eps"], weight_decay=OPTIMIZER["weight_decay"]
     )
+    scheduler = torch_scheduler(schedule, opt) if schedule else None
     losses: dict[tuple[int, int], float] = {}  # (step, rank) -> loss
     torch.set_num_threads(1)  # as the ranks
     for s in range(FIRST + THEN):
@@ -65,6 +67,8 @@ def _reference(first_world: int, then_world: int):
             losses[s, r] = float(loss.detach())
             (loss / world).backward()
         opt.step()
+        if scheduler:
+            scheduler.step()
     return losses, model.state_dict()
 
 
@@ -73,6 +77,8 @@ RESHARDS = {  # (ranks, stage) saved -> (ranks, stage) loaded, extra plan of eac
     "3xZ2->2xZ3": ((3, 2), (2, 3), {}, {}),
     "2xZ3->1xZ0": ((2, 3), (1, 0), {}, {}),
     "2xZ3 offload->2xZ2": ((2, 3), (2, 2), {"offload": {"optimizer": "cpu"}}, {}),
+    # The schedule goes on where it was: at step 3 the peak rate, where a restart would be at 0.
+    "2xZ3 cosine->3xZ1": ((2, 3), (3, 1), {"optimizer": SCHEDULED}, {"optimizer": SCHEDULED}),
 }
 
 
@@ -82,7 +88,8 @@ def test_resume_under_another_world_size_and_stage_matches_one_process(tmp_path,
     folder = str(tmp_path / "ckpt")
     first = run_ranks(n, _first, folder, s, first_extra, timeout=300)
     then = run_ranks(m, _then, folder, t, then_extra, timeout=300)
-    ref_losses, ref_state = _reference(n, m)
+    schedule = first_extra.get("optimizer", {}).get("schedule")
+    ref_losses, ref_state = _reference(n, m, schedule)
     for rank in range(n):
         ref = [ref_losses[i, rank] for i in range(FIRST)]
         assert first[rank] == pytest.approx(ref, rel=1e-5), rank

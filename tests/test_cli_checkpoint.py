@@ -26,7 +26,7 @@ def _train(*flags: str, nproc: int = 2) -> str:
 
 
 def _final_loss(out: str) -> str:
-    return re.search(r"final loss \(rank 0\): (\S+)", out).group(1)
+    return re.search(r"final loss: (\S+)", out).group(1)
 
 
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):

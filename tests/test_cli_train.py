@@ -26,4 +26,4 @@ def test_train_launches_two_ranks_and_summarizes():
     out = run.stdout + run.stderr
     assert "world size 2" in out and "all_gather" in out and "reduce_scatter" in out
     assert "3 step(s) on 2 rank(s)" in out
-    assert "model state per rank" in out and "final loss (rank 0)" in out
+    assert "model state per rank" in out and "(mean over 2 rank(s), up to step 3)" in out

@@ -78,7 +78,7 @@ def test_a_7b_model_on_the_meta_device_estimates_without_memory():
     # grad_accumulation 1: the updates read the reduced fp32 shards, held within the step.
     assert figures.model_states["params"] == psi * 2 // 64
     assert figures.model_states["grads"] == 0 and figures.held_grads == psi * 4 // 64
-    assert figures.model_states["optimizer"] == psi * 12 // 64 + 8  # + the step counter
+    assert figures.model_states["optimizer"] == psi * 12 // 64 + 16  # + step counter, lr
     # Stage 3: gathered twice in bf16, reduce-scattered once in fp32.
     assert figures.comm["all_gather"] == 2 * 2 * psi and figures.comm["reduce_scatter"] == 4 * psi
     block = next(u for u in units if u.name == "transformer.h.0")
@@ -88,10 +88,10 @@ def test_a_7b_model_on_the_meta_device_estimates_without_memory():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_estimate_gives_zeros_bytes_per_parameter_with_bf16_gradients(stage):
     """precision.grad: bf16 (reduce: bf16), gradients accumulated over micro-batches: model
-    states of exactly 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (ZeRO's mixed-precision Adam; + 8
-    bytes of AdamW's step counter). At grad_accumulation 1 the gradients are no state: the
-    update reads the bf16 reduced shards, held within the step (2 bytes, sharded from stage 1
-    on, which then reduces as stage 2 does)."""
+    states of exactly 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (ZeRO's mixed-precision Adam; + 16
+    bytes of AdamW's step counter and the learning rate). At grad_accumulation 1 the gradients
+    are no state: the update reads the bf16 reduced shards, held within the step (2 bytes,
+    sharded from stage 1 on, which then reduces as stage 2 does)."""
     from workload import workload
 
     n = 4
@@ -100,10 +100,10 @@ def test_estimate_gives_zeros_bytes_per_parameter_with_bf16_gradients(stage):
     kept = estimate(inspect_plan(_plan(stage, precision=bf16, grad_accumulation=2), n, work))
     psi = sum(u.padded_numel for u in inspect_plan(_plan(stage), n, work).units)
     zero = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
-    assert kept.model_states["total"] == zero[stage] + 8
+    assert kept.model_states["total"] == zero[stage] + 16
     assert kept.model_states["grads"] == 2 * psi // (n if stage >= 2 else 1)
     held = estimate(inspect_plan(_plan(stage, precision=bf16), n, work))
-    assert held.model_states["total"] == zero[stage] + 8 - kept.model_states["grads"]
+    assert held.model_states["total"] == zero[stage] + 16 - kept.model_states["grads"]
     assert held.held_grads == 2 * psi // (n if stage >= 1 else 1)
 
 

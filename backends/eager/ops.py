@@ -138,18 +138,20 @@ class EagerOps:
     def adamw_(self, *args) -> None:
         """AdamW on one flat shard (see :func:`zerocc.backends.kernels.reference.adamw_`)."""
         *update, skip, sharded = args
-        param, _, exp_avg, exp_avg_sq, _, _, found_inf, param_copy = update[:8]
+        param, _, exp_avg, exp_avg_sq, _, _, found_inf, param_copy, _, lr = update[:10]
         kernels = self.kernels_for(param)
         update[6] = self._flag_for(kernels, found_inf, param)
+        update[9] = float(lr)  # the schedule's rate: a 0-dim tensor on the CPU, no sync
         with self._untouched([param, exp_avg, exp_avg_sq, param_copy], skip, sharded):
             kernels.adamw_(*update)
 
     def sgd_(self, *args) -> None:
         """SGD on one flat shard (see :func:`zerocc.backends.kernels.reference.sgd_`)."""
         *update, skip, sharded = args
-        param, _, momentum_buffer, _, found_inf, param_copy = update[:6]
+        param, _, momentum_buffer, _, found_inf, param_copy, _, lr = update[:8]
         kernels = self.kernels_for(param)
         update[4] = self._flag_for(kernels, found_inf, param)
+        update[7] = float(lr)
         with self._untouched([param, momentum_buffer, param_copy], skip, sharded):
             kernels.sgd_(*update)
 

@@ -68,22 +68,43 @@ def decode(ids: torch.Tensor) -> str:
     return "".join(CHARS[i] for i in ids.tolist())
 
 
+# The last tenth of the text is held back for evaluation: training windows never reach it.
+HELD_BACK = len(tokens) // 10
+_train_tokens, _eval_tokens = tokens[:-HELD_BACK], tokens[-HELD_BACK:]
+
+
 def batches(
     rank: int, world_size: int, batch_size: int, block_size: int, seed: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield this rank's (idx, targets) batches forever, each (batch_size, block_size).
+    """Yield this rank's (idx, targets) batches forever, each (batch_size, block_size), from
+    the text less its held-back tail.
 
     Step s draws batch_size * world_size windows from a generator seeded by (seed, s), and rank r
     takes the r-th slice: every rank sees different data, and a run is reproducible.
     """
-    n_windows = len(tokens) - block_size
-    assert n_windows > 0, f"block_size {block_size} >= text length {len(tokens)}"
+    n_windows = len(_train_tokens) - block_size
+    assert n_windows > 0, f"block_size {block_size} >= text length {len(_train_tokens)}"
     step = 0
     while True:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(n_windows, (batch_size * world_size,), generator=gen)
         mine = starts[rank * batch_size : (rank + 1) * batch_size]
-        idx = torch.stack([tokens[s : s + block_size] for s in mine.tolist()])  # (B, T)
-        targets = torch.stack([tokens[s + 1 : s + 1 + block_size] for s in mine.tolist()])  # (B, T)
-        yield idx, targets
+        yield _windows(_train_tokens, mine.tolist(), block_size)
         step += 1
+
+
+def eval_batches(
+    rank: int, world_size: int, batch_size: int, block_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of the held-back tail: its non-overlapping windows, dealt to the ranks
+    in turn, in batches of up to batch_size (the same count on every rank)."""
+    starts = list(range(0, len(_eval_tokens) - block_size, block_size))
+    mine = starts[rank : len(starts) - len(starts) % world_size : world_size]
+    for i in range(0, len(mine), batch_size):
+        yield _windows(_eval_tokens, mine[i : i + batch_size], block_size)
+
+
+def _windows(text: torch.Tensor, starts: list[int], block_size: int):
+    idx = torch.stack([text[s : s + block_size] for s in starts])  # (B, T)
+    targets = torch.stack([text[s + 1 : s + 1 + block_size] for s in starts])  # (B, T)
+    return idx, targets

@@ -36,4 +36,8 @@ def workload(
         batches=lambda rank, world_size: data.batches(
             rank, world_size, batch_size=batch_size, block_size=block_size, seed=seed
         ),
+        eval_batches=lambda rank, world_size: data.eval_batches(
+            rank, world_size, batch_size=batch_size, block_size=block_size
+        ),
+        tokens_per_batch=lambda batch: batch[0].numel(),
     )

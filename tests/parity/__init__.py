@@ -118,6 +118,29 @@ def _optimizer(case: dict[str, Any], params: list[torch.nn.Parameter]) -> torch.
     return opt
 
 
+def torch_scheduler(schedule: dict[str, Any], optimizer: torch.optim.Optimizer):
+    """Trainer's schedule ``schedule`` as torch's schedulers on ``optimizer``."""
+    from torch.optim import lr_scheduler
+
+    warmup = schedule.get("warmup_steps", 0)
+    ramp = lr_scheduler.LambdaLR(optimizer, lambda n: n / max(1, warmup) if n < warmup else 1.0)
+    if schedule["name"] == "constant":
+        return ramp
+    span = schedule["total_steps"] - warmup
+    base = optimizer.param_groups[0]["initial_lr"]
+    if schedule["name"] == "linear":
+        floor = schedule.get("min_lr", 0.0) / base
+        decay = lr_scheduler.LinearLR(optimizer, 1.0, floor, total_iters=span)
+    else:
+        decay = lr_scheduler.CosineAnnealingLR(optimizer, span, eta_min=schedule.get("min_lr", 0))
+    return lr_scheduler.SequentialLR(optimizer, [ramp, decay], milestones=[warmup])
+
+
+def _scheduler(case: dict[str, Any], opt: torch.optim.Optimizer):
+    schedule = plan_of(case)["optimizer"].get("schedule")
+    return torch_scheduler(schedule, opt) if schedule else None
+
+
 def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """Losses per rank per micro-batch, and the final state dict (on the CPU), of unsharded
     training on the case's device: the device the ranks ran on. Another device's kernels round
@@ -144,6 +167,7 @@ def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
     cfg = plan_of(case)["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(case, params)
+    scheduler = _scheduler(case, opt)
     world, k = case["world"], case.get("accum", 1)
     losses: list[list[float]] = [[] for _ in range(world)]
     for s in range(case.get("steps", 5)):
@@ -156,6 +180,8 @@ def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
         if cfg.get("grad_clip"):
             torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
         opt.step()
+        if scheduler:
+            scheduler.step()
     return losses, model.state_dict()
 
 
@@ -165,6 +191,7 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
     cfg = plan_of(case)["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(case, params)
+    scheduler = _scheduler(case, opt)
     scaler = None
     if precision.scaling == "dynamic":
         knobs = precision.dynamic
@@ -213,11 +240,15 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
             scaler.unscale_(opt)
         if cfg.get("grad_clip"):
             torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        scale = scaler.get_scale() if scaler else None
         if scaler:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
+        # A step skipped for an overflow (the scale backed off) does not advance the schedule.
+        if scheduler and not (scaler and scaler.get_scale() < scale):
+            scheduler.step()
     return losses, model.state_dict()
 
 

@@ -85,6 +85,25 @@ def _parser() -> argparse.ArgumentParser:
         help="start from a checkpoint, or the newest in a folder of them (plan: "
         "checkpoint.resume); --steps counts the steps it already trained",
     )  # fmt: skip
+    train.add_argument(
+        "--log-every", type=int, metavar="N",
+        help="optimizer steps per metrics record (plan: metrics.every, default 1)",
+    )  # fmt: skip
+    train.add_argument(
+        "--metrics", metavar="FILE",
+        help="append a JSONL record per --log-every steps: loss (mean over ranks), lr, "
+        "tokens/s, MFU and memory on GPUs (plan: metrics.file)",
+    )  # fmt: skip
+    train.add_argument(
+        "--tensorboard", metavar="DIR",
+        help="write the records to a TensorBoard log folder (needs tensorboard; plan: "
+        "metrics.tensorboard)",
+    )  # fmt: skip
+    train.add_argument(
+        "--eval-every", type=int, metavar="N",
+        help="evaluate the loss on the workload's held-back data every N optimizer steps and "
+        "at the end (plan: metrics.eval_every)",
+    )  # fmt: skip
     train.set_defaults(run=_train)
 
     profile = commands.add_parser(
@@ -173,7 +192,9 @@ def describe_plan(plan: Plan) -> str:
         f"{len(passes)} passes ({' -> '.join(passes)})" if passes else "no passes",
         f"units: {', '.join(units) or 'whole model'}",
         _describe_precision(plan),
-        f"{opt.name} lr {opt.lr:g}" + (f" clip {opt.grad_clip:g}" if opt.grad_clip else ""),
+        f"{opt.name} lr {opt.lr:g}"
+        + (f" ({opt.schedule.name} schedule)" if opt.schedule.name != "constant" else "")
+        + (f" clip {opt.grad_clip:g}" if opt.grad_clip else ""),
         f"workload {plan.workload or 'none'}",
     ]
     return ", ".join(parts)
@@ -190,13 +211,22 @@ def _describe_precision(plan: Plan) -> str:
 # --- train ----------------------------------------------------------------------------------
 
 
-CHECKPOINT_FLAGS = {"save": "dir", "save_every": "every", "keep": "keep", "resume": "resume"}
+# Flags of `zerocc train` that override a plan section's fields: section -> {flag: field}.
+SECTION_FLAGS = {
+    "checkpoint": {"save": "dir", "save_every": "every", "keep": "keep", "resume": "resume"},
+    "metrics": {
+        "log_every": "every",
+        "metrics": "file",
+        "tensorboard": "tensorboard",
+        "eval_every": "eval_every",
+    },
+}
 
 
 def _train(args: argparse.Namespace) -> int:
     from zerocc.cli.train import train_rank
 
-    plan = _with_checkpoint_flags(_checked_plan(args.plan), args)  # checked once, here
+    plan = _with_section_flags(_checked_plan(args.plan), args)  # checked once, here
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     if args.dump:  # every rank reads it (inherited by the launched ranks)
@@ -206,33 +236,33 @@ def _train(args: argparse.Namespace) -> int:
     if _launched() or args.nproc == 1:
         return train_rank(plan, args.steps)
     command = ["train", str(args.plan), "--steps", str(args.steps)]
-    for flag in CHECKPOINT_FLAGS:
-        if getattr(args, flag) is not None:
-            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for flags in SECTION_FLAGS.values():
+        for flag in flags:
+            if getattr(args, flag) is not None:
+                command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return _launch(plan, args, command)
 
 
-def _with_checkpoint_flags(plan: Plan, args: argparse.Namespace) -> Plan:
-    """The plan with its `checkpoint` section overridden by the command's flags, checked as
-    the plan's own fields are."""
-    given = {
-        field: getattr(args, flag)
-        for flag, field in CHECKPOINT_FLAGS.items()
-        if getattr(args, flag) is not None
-    }
-    if not given:
-        return plan
+def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
+    """The plan with its `checkpoint` and `metrics` sections overridden by the command's
+    flags, checked as the plan's own fields are."""
     from pydantic import ValidationError
 
-    from zerocc.compiler.plan import CheckpointConfig
-
-    try:
-        section = CheckpointConfig.model_validate(plan.checkpoint.model_dump() | given)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        flag = next(f for f, field in CHECKPOINT_FLAGS.items() if field == first["loc"][0])
-        raise ZeroccError(f"--{flag.replace('_', '-')}: {first['msg']}") from None
-    return plan.model_copy(update={"checkpoint": section})  # keeps the plan's source
+    update = {}
+    for name, flags in SECTION_FLAGS.items():
+        given = {
+            field: getattr(args, f) for f, field in flags.items() if getattr(args, f) is not None
+        }
+        if not given:
+            continue
+        section = getattr(plan, name)
+        try:
+            update[name] = type(section).model_validate(section.model_dump() | given)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            flag = next(f for f, field in flags.items() if field == first["loc"][0])
+            raise ZeroccError(f"--{flag.replace('_', '-')}: {first['msg']}") from None
+    return plan.model_copy(update=update) if update else plan  # keeps the plan's source
 
 
 def _launched() -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from zerocc.cli.metrics import Metrics, progress_text
 from zerocc.compiler.plan import Plan
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
@@ -87,32 +88,53 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
         raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
     stop = _StopRequest(enabled=checkpoint.dir is not None)
     saver = _Saver(step, plan)
+    metrics = Metrics(step, plan, workload, rank)
+    accum = plan.grad_accumulation
     started = time.perf_counter()
-    losses = [float(step(*to_device(first, device)))]  # captures and compiles
+    lr = step.lr  # the rate of the optimizer step the next micro-batches make
+    loss = float(step(*to_device(first, device)))  # captures and compiles
     first_done = time.perf_counter()
+    metrics.micro_batch(loss, first)
+    metrics.start_clock()
     timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     report(predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks)
     if rank == 0:
         print(step.explain(), flush=True)  # explains the program the first step built
-    stopped = saver.after_step(stop)
-    total = steps - done
+    total, ran = steps - done, 1
     with tqdm(total=total, initial=1, desc="train", unit="step", disable=rank != 0) as progress:
-        progress.set_postfix(loss=f"{losses[-1]:.4f}")
-        while not stopped and len(losses) < total and (batch := next_batch()) is not None:
-            losses.append(float(step(*to_device(batch, device))))
-            progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+
+        def after_micro_batch() -> bool:
+            """Records and saves where a step ended; whether the run must stop (SIGTERM)."""
+            nonlocal lr
+            if step.micro_batches % accum:
+                return False
+            record = metrics.after_step(lr)
+            if record is not None:
+                progress.set_postfix(progress_text(record), refresh=False)
+            lr = step.lr
+            return saver.after_step(stop)
+
+        stopped = after_micro_batch()
+        while not stopped and ran < total and (batch := next_batch()) is not None:
+            loss = float(step(*to_device(batch, device)))
+            metrics.micro_batch(loss, batch)
+            ran += 1
             progress.update()
-            stopped = saver.after_step(stop)
+            stopped = after_micro_batch()
+    final = metrics.finish(lr)
+    metrics.close()
     if not stopped:
         saver.final()
     if rank == 0:
         if stopped:
             print(f"stopped by SIGTERM after micro-batch {step.micro_batches}: {saver.last}; "
                   f"go on with --resume {checkpoint.dir}")  # fmt: skip
-        elif len(losses) < total:
-            print(f"the data ran out on every rank after {len(losses)} step(s)")
-        _print_summary(step.summary(), losses, started, first_done, world_size)
+        elif ran < total:
+            print(f"the data ran out on every rank after {ran} step(s)")
+        _print_summary(step.summary(), ran, metrics.last, started, first_done, world_size)
+        if final is not None and final.get("eval_loss") is not None:
+            print(f"eval loss (mean over every rank's held-back batches): {final['eval_loss']:.4f}")
         if saver.last is not None and not stopped:
             print(f"checkpoint: {saver.last}")
         if step.dump_dir is not None:
@@ -177,17 +199,25 @@ class _Saver:
 
 
 def _print_summary(
-    summary: dict[str, Any], losses: list[float], started: float, first_done: float, world: int
+    summary: dict[str, Any],
+    ran: int,
+    last: dict[str, Any] | None,
+    started: float,
+    first_done: float,
+    world: int,
 ) -> None:
-    later = len(losses) - 1  # the first step also captured and compiled: timed apart
+    later = ran - 1  # the first step also captured and compiled: timed apart
     first = f"the first step took {first_done - started:.2f} s, capture included"
     if later:
         first = f"{later / (time.perf_counter() - first_done):.2f} steps/s after it; " + first
     comm = summary.get("comm_bytes_per_step", {})
     comm_text = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in comm.items()) or "none"
+    loss = "none (no optimizer step completed)"
+    if last is not None and last.get("loss") is not None:
+        loss = f"{last['loss']:.4f} (mean over {world} rank(s), up to step {last['step']})"
     print(
-        f"\n{len(losses)} step(s) on {world} rank(s): {first}\n"
-        f"final loss (rank 0): {losses[-1]:.4f}\n"
+        f"\n{ran} step(s) on {world} rank(s): {first}\n"
+        f"final loss: {loss}\n"
         f"communication per step: {comm_text}\n"
         f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
     )

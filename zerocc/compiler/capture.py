@@ -283,8 +283,11 @@ def capture(
     batch: Sequence[Any],
     device: torch.device,
     casts: Casts | None = None,
+    gradients: bool = True,
 ) -> fx.GraphModule:
-    """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors.
+    """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors
+    (``gradients=False``: the loss alone, a forward-only graph for evaluation, traced with the
+    model in eval mode, as a training loop evaluates: dropout off, norms on running stats).
     The graph is what passes read; the module's generated code is not regenerated after dead
     code is eliminated and placeholders renamed (a second compile of the whole step's code):
     the pipeline recompiles its result."""
@@ -321,6 +324,8 @@ def capture(
         if casts.output is not None:
             loss = loss.to(casts.output)
         forward_end.append(_ModuleTracker.graph_len())
+        if not gradients:
+            return (loss.detach(),)
         wanted = [t for p, t in zip(info.params, params, strict=True) if p.requires_grad]
         seed = flat[-1].to(loss.dtype) if casts.loss_scale else None
         grads = torch.autograd.grad(loss, wanted, grad_outputs=seed, allow_unused=True)
@@ -334,10 +339,15 @@ def capture(
         ]
         flat += [torch.empty(b.shape, dtype=b.dtype, device=device) for b in info.buffers]
         flat += [fake_mode.from_tensor(batch[i]) for i in tensor_positions]
-        if casts.loss_scale:
+        if casts.loss_scale and gradients:
             flat.append(torch.empty((), dtype=torch.float32, device=device))
     try:
-        with traced_grad_mode(), fx_traceback.preserve_node_meta(), fake_mode:
+        with (
+            traced_grad_mode(),
+            fx_traceback.preserve_node_meta(),
+            fake_mode,
+            _in_mode(model, training=gradients),
+        ):
             gm = make_fx(step, tracing_mode="real")(*flat)
     except CaptureError:
         raise
@@ -354,8 +364,20 @@ def capture(
     finally:
         tracker.remove()
     gm.graph.eliminate_dead_code()
-    _tag(gm, info, tensor_positions, forward_end[0], tracker, casts.loss_scale)
+    _tag(gm, info, tensor_positions, forward_end[0], tracker, casts.loss_scale and gradients)
     return gm  # its code is make_fx's: the pipeline recompiles its own result, once
+
+
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model`` (every submodule) in train or eval mode while tracing, as it was after."""
+    modes = {m: m.training for m in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
 
 
 def _check_loss(loss: Any) -> torch.Tensor:

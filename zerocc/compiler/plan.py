@@ -21,10 +21,12 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -214,9 +216,18 @@ class ScheduleConfig(_Section):
         0.0001, ge=0, le=1, description="warmup_cosine_lr: the decay's end, a fraction of lr"
     )
 
+    @model_serializer(mode="wrap")
+    def _only_fields_of_this_schedule(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # A dumped plan loads again: the other schedules' fields would be errors there.
+        return {k: v for k, v in handler(self).items() if k in ("name", *self.fields())}
+
+    def fields(self) -> tuple[str, ...]:
+        """The fields this schedule reads (beside ``name``)."""
+        return SCHEDULE_FIELDS[self.name]
+
     @model_validator(mode="after")
     def _fields_of_this_schedule(self) -> ScheduleConfig:
-        allowed = SCHEDULE_FIELDS[self.name]
+        allowed = self.fields()
         stray = sorted(self.model_fields_set - {"name", *allowed})
         if stray:
             raise ValueError(
@@ -711,6 +722,41 @@ class CheckpointConfig(_Section):
     )
 
 
+class MetricsConfig(_Section):
+    """What `zerocc train` reports as it trains: the progress line, a JSONL file, TensorBoard,
+    and an evaluation loss on the workload's held-back data."""
+
+    every: int = Field(
+        1,
+        ge=1,
+        description="optimizer steps per record: the loss (mean over ranks and the steps since "
+        "the last record), learning rate, tokens/s and, on GPUs, MFU and peak memory",
+    )
+    file: PathStr | None = Field(
+        None, description="JSONL file rank 0 appends one record to per `every` steps"
+    )
+    tensorboard: PathStr | None = Field(
+        None,
+        description="TensorBoard log folder rank 0 writes the same records to (needs the "
+        "tensorboard package: pip install tensorboard)",
+    )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="optimizer steps between evaluations (and one at the end) of the loss on "
+        "the workload's eval_batches, forward only; 0: none",
+    )
+    eval_batches: int | None = Field(
+        None, ge=1, description="batches per rank an evaluation reads; null: all of them"
+    )
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="the device's dense peak TFLOP/s for MFU (default: the datasheet's for "
+        "known GPUs in the compute dtype; MFU is not shown where it is unknown)",
+    )
+
+
 class Plan(_Section):
     """A zerocc plan: how to shard, optimize and run one training step."""
 
@@ -754,6 +800,10 @@ class Plan(_Section):
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,
         description="training checkpoints: where `zerocc train` saves, how often, what it resumes",
+    )
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig,
+        description="what `zerocc train` records: progress line, JSONL, TensorBoard, eval loss",
     )
     passes: list[str] | None = Field(
         None,

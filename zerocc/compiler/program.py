@@ -67,14 +67,17 @@ def compile_program(
     boundary: bool,
     units: list[Unit] | None = None,
     keep_graphs: bool = False,
+    training: bool = True,
 ) -> CompiledProgram:
     """Capture ``model``'s step on ``batch`` and run ``pipeline`` for ``world_size`` ranks;
     ``boundary``: the program ends with the optimizer step. ``units``: the FSDP units the
     caller's state is laid out in (the partition pass assigns them when there are none).
     ``keep_graphs`` keeps a copy of the graph after every pass in its record (for
-    inspection)."""
+    inspection). ``training=False``: a forward-only program that returns the loss (evaluation;
+    the passes find no gradient, so it gathers what forward needs and updates nothing)."""
     start = time.perf_counter()
-    gm = capture(model, model_info, loss_fn, batch, device, Casts.of(plan.precision))
+    casts = Casts.of(plan.precision)
+    gm = capture(model, model_info, loss_fn, batch, device, casts, gradients=training)
     seconds = time.perf_counter() - start
     n = len(gm.graph.nodes)
     captured = PassRecord(
@@ -88,7 +91,9 @@ def compile_program(
     )
     if keep_graphs:
         captured.gm = snapshot(gm)
-    ctx = PassContext(plan, world_size, model_info, boundary=boundary, units=list(units or []))
+    ctx = PassContext(
+        plan, world_size, model_info, boundary=boundary and training, units=list(units or [])
+    )
     gm, records = run_pipeline(gm, ctx, pipeline, snapshot if keep_graphs else None)
     check_bindings(gm, ctx.layout)
     return CompiledProgram(gm, [captured, *records], ctx.units, ctx.layout)

@@ -44,6 +44,7 @@ from zerocc.ir.nodes import (
     GRAD,
     LOSS_SCALE,
     LOSS_SCALE_KEY,
+    LR,
     MASTER,
     OPTIM_STATE,
     PARAM_FULL,
@@ -142,6 +143,9 @@ def placements(units: list[Unit], offload: OffloadConfig) -> dict[str, Placement
 
 
 STEP_SPEC = StateSpec("optim.step", STEP, None, (), torch.int64)
+# The rate of the step, set by the runtime before every step from the plan's schedule: a
+# program input, so that a changing rate never recompiles (fp64, as the schedulers compute it).
+LR_SPEC = StateSpec("optim.lr", LR, None, (), torch.float64)
 LOSS_SCALE_SPEC = StateSpec(LOSS_SCALE_KEY, LOSS_SCALE, None, (), torch.float32)
 
 
@@ -289,12 +293,14 @@ def declare_params(
 
 
 def declare_optimizer_state(layout: StateLayout, units: list[Unit], plan: Plan) -> None:
-    """Declare each trainable unit's optimizer states and AdamW's step counter."""
+    """Declare each trainable unit's optimizer states, the step's learning rate and AdamW's
+    step counter."""
     precision = plan.precision if plan.precision.mixed else None
     for unit in units:
         if unit.trainable:
             for spec in optimizer_specs(unit, plan.zero.stage, plan.optimizer, precision):
                 layout.declare(spec)
+    layout.declare(LR_SPEC)
     if plan.optimizer.name == "adamw":
         layout.declare(STEP_SPEC)
 
@@ -349,9 +355,9 @@ def allocate_state(
 ) -> dict[str, torch.Tensor]:
     """Every resident persistent tensor of ``layout`` for ``rank``, keyed as its spec, where its
     spec places it: weights from the model's initial values (one unit materialized at a time),
-    everything else zeros (the step counter on the CPU), and the model's buffers under their
-    FQNs. States placed on NVMe are written to ``store`` (a :class:`zerocc.runtime.nvme.NvmeStore`)
-    instead of being returned.
+    everything else zeros (the step counter and the learning rate on the CPU), and the model's
+    buffers under their FQNs. States placed on NVMe are written to ``store`` (a
+    :class:`zerocc.runtime.nvme.NvmeStore`) instead of being returned.
 
     Every rank starts from rank 0's weights and buffers, as DDP does: ``from_rank_0(t)``
     (a broadcast) overwrites a unit's full flat, before it is sharded, and each buffer, with
@@ -391,7 +397,7 @@ def allocate_state(
     for spec in specs:
         if spec.key in state or spec.role in weights:
             continue
-        if spec.role == STEP:
+        if spec.role in (STEP, LR):  # scalars the runtime sets: on the CPU
             state[spec.key] = torch.zeros(spec.shape, dtype=spec.dtype)
         else:
             place(spec, None)

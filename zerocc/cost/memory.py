@@ -29,6 +29,7 @@ from zerocc.ir.nodes import (
     GATHERED,
     GRAD,
     LOSS_SCALE,
+    LR,
     MASTER,
     OPTIM_STATE,
     PARAM_FULL,
@@ -48,6 +49,7 @@ STATE_CATEGORY = {
     MASTER: "optimizer",
     OPTIM_STATE: "optimizer",
     STEP: "optimizer",
+    LR: "optimizer",
     LOSS_SCALE: "optimizer",
 }
 

@@ -21,6 +21,7 @@ class Role(StrEnum):
     BUFFER = "buffer"  # a module buffer, replicated
     BATCH = "batch"  # one tensor of the micro-batch
     STEP = "step"  # the optimizer step counter (int64 scalar)
+    LR = "lr"  # the learning rate of the step (fp64 scalar), set from the plan's schedule
     MASTER = "master"  # the weights the optimizer updates, when their dtype differs from param
     LOSS_SCALE = "loss_scale"  # the loss scale (fp32 scalar) backward is seeded with
     # Roles of computed nodes that later passes act on.

@@ -24,10 +24,10 @@ Phase = Literal["forward", "backward", "optimizer"]
 # The role names the passes use (members of Role).
 PARAM_FULL, PARAM_SHARD, PARAM = Role.PARAM_FULL, Role.PARAM_SHARD, Role.PARAM
 GRAD, OPTIM_STATE, BUFFER, BATCH = Role.GRAD, Role.OPTIM_STATE, Role.BUFFER, Role.BATCH
-STEP, MASTER, LOSS_SCALE = Role.STEP, Role.MASTER, Role.LOSS_SCALE
+STEP, LR, MASTER, LOSS_SCALE = Role.STEP, Role.LR, Role.MASTER, Role.LOSS_SCALE
 GATHERED, GRAD_SHARD, FOUND_INF = Role.GATHERED, Role.GRAD_SHARD, Role.FOUND_INF
 # The roles of placeholders bound to persistent state (the state layout's specs).
-STATE_ROLES = frozenset({PARAM_FULL, PARAM_SHARD, MASTER, GRAD, OPTIM_STATE, STEP, LOSS_SCALE})
+STATE_ROLES = frozenset({PARAM_FULL, PARAM_SHARD, MASTER, GRAD, OPTIM_STATE, STEP, LR, LOSS_SCALE})
 LOSS_SCALE_KEY = "amp.loss_scale"  # the loss scale's state key (there is one per step)
 
 

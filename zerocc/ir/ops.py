@@ -40,12 +40,12 @@ SCHEMAS = {
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
         " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
-        " float grad_scale, float lr, float beta1, float beta2, float eps, float weight_decay,"
+        " float grad_scale, Tensor lr, float beta1, float beta2, float eps, float weight_decay,"
         " int[] skip, bool sharded) -> ()"
     ),
     "sgd_": (
         "sgd_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, Tensor? grad_coef,"
-        " Tensor? found_inf, Tensor(d!)? param_copy, float grad_scale, float lr,"
+        " Tensor? found_inf, Tensor(d!)? param_copy, float grad_scale, Tensor lr,"
         " float momentum, float weight_decay, int[] skip, bool sharded) -> ()"
     ),
 }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,9 +28,11 @@ from zerocc.compiler.materialize import is_meta, release_to_meta
 from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.program import CompiledProgram, compile_program
+from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import (
     DEVICE,
     LOSS_SCALE_SPEC,
+    LR_SPEC,
     NVME,
     STEP_SPEC,
     StateSpec,
@@ -64,7 +66,7 @@ from zerocc.runtime.agreement import (
     first_difference,
     views_if_they_differ,
 )
-from zerocc.runtime.comm import Comm
+from zerocc.runtime.comm import Comm, CommStats
 from zerocc.runtime.context import RuntimeContext
 from zerocc.runtime.failures import (
     describe_node,
@@ -80,7 +82,7 @@ from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.nvme import NvmeStore
 from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_memory import state_bytes_by_location
-from zerocc.runtime.transfers import Transfers
+from zerocc.runtime.transfers import Transfers, TransferStats
 
 
 @dataclass
@@ -211,8 +213,8 @@ class StepRunner:
             program = self._build(batch, boundary)
         elif not program.agrees_at_first_collective:
             self._settle(agreement)
-        if boundary and STEP_SPEC.key in self.state:
-            self.state[STEP_SPEC.key].fill_(self.steps + 1)
+        if boundary:
+            self._set_step_inputs()
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         recorder = recorded(program) if recorded is not None else None
         executable = recorder.executable if recorder is not None else program.run
@@ -256,6 +258,42 @@ class StepRunner:
         if boundary:
             self._set_status(f"after step {self.micro_batches // self.plan.grad_accumulation}")
         return loss
+
+    def evaluate(self, *batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch of this rank under the current weights, forward only:
+        a program of its own (compiled on the first call of each batch signature, with the
+        model in eval mode) gathers what forward needs and changes no state; training goes
+        on as if it had not run. Collective under stage 3: every rank calls it together."""
+        self._check_usable()
+        batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        signature = batch_signature(batch)
+        key = (signature, "evaluate")
+        self._set_status(f"evaluating after step {self._step_number() - 1}")
+        agreement = self._propose(("evaluation batch", signature))
+        self._settle(agreement)
+        program = self.programs.get(key) or self._build(batch, boundary=False, training=False)
+        args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
+        try:
+            with traced_grad_mode(), self._stats_kept():
+                loss = program.run(*detach_inputs(args))
+        except BaseException as exc:
+            program.run.reset()
+            if self.comm.failure is not None:
+                node = failing_node(program.run.gm, exc.__traceback__)
+                raise self._peer_failure(exc, describe_node(node)) from exc
+            raise
+        self.programs[key] = program
+        return loss
+
+    @contextlib.contextmanager
+    def _stats_kept(self) -> Iterator[None]:
+        """What the body communicates and copies is not counted in the last step's stats."""
+        kept = self.comm.stats, self.transfers.stats
+        self.comm.stats, self.transfers.stats = CommStats(), TransferStats()
+        try:
+            yield
+        finally:
+            self.comm.stats, self.transfers.stats = kept
 
     def _run_failure(
         self, exc: BaseException, program: Program, new_signature: tuple | None
@@ -392,6 +430,19 @@ class StepRunner:
         boundaries less steps applied (a checkpoint, which saves both counters, keeps it)."""
         return self.micro_batches // self.plan.grad_accumulation - self.steps
 
+    def _set_step_inputs(self) -> None:
+        """The learning rate of the step about to run (the schedule's at the applied-step count)
+        and AdamW's 1-based step counter: program inputs, set before each step's program runs."""
+        self.state[LR_SPEC.key].fill_(self.lr)
+        if STEP_SPEC.key in self.state:
+            self.state[STEP_SPEC.key].fill_(self.steps + 1)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step runs with (``optimizer.schedule`` at the
+        count of applied steps: a step skipped for an overflow does not advance it)."""
+        return lr_at(self.plan.optimizer, self.steps)
+
     def _steps_next(self) -> bool:
         return (self.micro_batches + 1) % self.plan.grad_accumulation == 0
 
@@ -407,10 +458,16 @@ class StepRunner:
         each pass did. The runtime alone has nothing to do with it."""
 
     def _compile(
-        self, batch: tuple, boundary: bool, plan: Plan | None = None, keep_graphs: bool = False
+        self,
+        batch: tuple,
+        boundary: bool,
+        plan: Plan | None = None,
+        keep_graphs: bool = False,
+        training: bool = True,
     ) -> CompiledProgram:
         """Capture the step on ``batch`` and run the pipeline of ``plan`` (default: this step's;
-        another one to predict what a plan change would need)."""
+        another one to predict what a plan change would need); ``training=False``: the
+        forward-only program of :meth:`evaluate`."""
         plan = plan or self.plan
         return compile_program(
             self.model,
@@ -424,13 +481,16 @@ class StepRunner:
             boundary=boundary,
             units=self.units if plan is self.plan else None,
             keep_graphs=keep_graphs,
+            training=training,
         )
 
-    def _build(self, batch: tuple, boundary: bool) -> Program:
+    def _build(self, batch: tuple, boundary: bool, training: bool = True) -> Program:
         self._set_status(f"compiling a program for step {self._step_number()}")
-        compiled = self._compile(batch, boundary, keep_graphs=self._keeps_pass_graphs())
+        keep = self._keeps_pass_graphs()
+        compiled = self._compile(batch, boundary, keep_graphs=keep, training=training)
         gm, records = compiled.gm, compiled.records
-        self._program_built(f"{'step' if boundary else 'accumulate'}-{len(self.programs)}", records)
+        kind = "step" if boundary else "accumulate" if training else "evaluate"
+        self._program_built(f"{kind}-{len(self.programs)}", records)
         if compiled.layout != self.layout:  # the passes declare the same state on every compile
             raise InvariantError(
                 "a program's passes laid out other state than the TrainStep allocated: "
@@ -459,7 +519,7 @@ class StepRunner:
                 self.plan,
                 self.comm,
                 self.device,
-                lambda plan: self._compile(batch, boundary, plan).gm,  # for the error's changes
+                lambda plan: self._compile(batch, boundary, plan, training=training).gm,
             )
         example_inputs = [val(n) for n in placeholders(gm)]
         return Program(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zerocc.compiler.plan import OptimizerConfig
 from zerocc.compiler.state import optimizer_states
 from zerocc.runtime.checkpoint.agreement import agree, attempt
 from zerocc.runtime.checkpoint.files import (
@@ -148,6 +149,7 @@ def _restore_counters(
     elif scaler is not None:
         notes.append(f"the checkpoint's loss scale ({scaler['scale']:g}) is dropped: this plan "
                      "scales no loss")  # fmt: skip
+    notes.extend(_schedule_notes(runner, meta["plan"]["optimizer"]))
     rank, world = runner.comm.rank, runner.comm.world_size
     if meta["stage"] != runner.plan.zero.stage:
         notes.append(f"saved at ZeRO stage {meta['stage']}, resharded for stage "
@@ -163,3 +165,16 @@ def _restore_counters(
             "did not stop), and each rank's data is what the workload gives this world size"
         )
     return notes
+
+
+def _schedule_notes(runner: StepRunner, saved: dict[str, Any]) -> list[str]:
+    """The schedule goes on from the applied-step count; a note when this plan's rates
+    differ from the saving run's (another schedule, or another peak rate)."""
+    ours, theirs = runner.plan.optimizer, OptimizerConfig.model_validate(saved)
+    if (ours.lr, ours.schedule) == (theirs.lr, theirs.schedule):
+        return []
+    return [
+        f"the learning rate differs from the saving run's (lr {theirs.lr:g}, schedule "
+        f"{theirs.schedule.name} -> lr {ours.lr:g}, schedule {ours.schedule.name}): step "
+        f"{runner.steps + 1} runs at {runner.lr:g}, this plan's rate at that step"
+    ]

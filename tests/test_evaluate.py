@@ -1,0 +1,88 @@
+"""TrainStep.evaluate: the loss of a batch under the current weights, forward only.
+
+The oracle is the step itself: the models here have no dropout, so the training program's
+forward and the evaluation program compute the same loss from the same weights, and
+``evaluate(batch)`` must equal, to the bit, the loss the next training micro-batch reports on
+that batch (every stage, mixed precision and loss scaling, offload, recompute, in the middle of
+an accumulation window). And evaluating changes nothing: a run that evaluates between its
+steps trains exactly as one that does not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from models import build, loss_of
+from multirank import run_ranks
+from parity import batch_of, case_id, plan_of
+
+import zerocc
+
+CASES = [
+    *({"model": "gpt", "stage": s, "world": 2} for s in range(4)),
+    {"model": "gpt", "stage": 3, "world": 2, "precision": {"param": "bf16"}},
+    {
+        "model": "gpt",
+        "stage": 2,
+        "world": 2,
+        "precision": {"param": "fp16"},  # dynamic loss scaling
+    },
+    {"model": "gpt", "stage": 3, "world": 2, "offload": {"optimizer": "cpu", "params": "cpu"}},
+    {"model": "gpt", "stage": 3, "world": 2, "checkpointing": {"units": "all"}},
+    {"model": "buffers", "stage": 1, "world": 2, "accum": 2},
+]
+STEPS = 4
+
+
+def _train(rank: int, world: int, cases: list[dict]) -> dict:
+    out = {}
+    for case in cases:
+        runs = {}
+        for evaluating in (True, False):
+            step = zerocc.compile(build(case["model"]), plan_of(case))
+            losses, evaluated = [], []
+            for i in range(STEPS * case.get("accum", 1)):
+                batch = batch_of(case, i, rank)
+                if evaluating and i % 2:  # (mid-window too, at accumulation 2)
+                    evaluated.append(float(step.evaluate(*batch)))
+                losses.append(float(step(*batch)))
+            runs[evaluating] = {"losses": losses, "evaluated": evaluated}
+        out[case_id(case)] = runs
+    return out
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return run_ranks(2, _train, CASES, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_evaluate_is_the_next_steps_forward_and_changes_nothing(case):
+    for rank, result in enumerate(_results()):
+        runs = result[case_id(case)]
+        odd = runs[True]["losses"][1::2]
+        assert runs[True]["evaluated"] == odd, f"rank {rank}"
+        assert runs[True]["losses"] == runs[False]["losses"], f"rank {rank}"
+
+
+def test_evaluate_runs_the_model_in_eval_mode():
+    """Dropout off while evaluating (and back on for training): the loss is the eval-mode
+    model's, the same batch evaluated twice gives the same loss."""
+    from models import RANDOM_MODELS
+
+    build_dropout, make_batch, units = RANDOM_MODELS["gpt_dropout"]
+    torch.manual_seed(0)
+    model = build_dropout()
+    reference = build_dropout()
+    reference.load_state_dict(model.state_dict())
+    reference.eval()
+    plan = {"zero": {"stage": 3}, "units": units, "backend": {"kernels": "torch"}}
+    step = zerocc.compile(model, plan, comm=zerocc.FakeComm(world_size=1))
+    batch = make_batch(0, 0)
+    first, second = float(step.evaluate(*batch)), float(step.evaluate(*batch))
+    with torch.no_grad():
+        expected = float(loss_of(reference(*batch)))
+    assert first == second == pytest.approx(expected, rel=1e-6)
+    assert model.training  # the user's model keeps its mode
