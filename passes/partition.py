@@ -9,11 +9,10 @@ own (``<name>[frozen]``): no gradient communication and no optimizer state.
 
 from __future__ import annotations
 
-import fnmatch
-
 from torch import fx
 
 from zerocc.compiler.capture import ModelInfo, ParamInfo
+from zerocc.compiler.names import glob_matches
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
@@ -52,7 +51,7 @@ def _match_roots(model: ModelInfo, classes: list[str], modules: list[str]) -> se
             )
         roots |= {fqn for fqn, c in model.modules if c == cls}
     for pattern in modules:
-        hits = {fqn for fqn, _ in model.modules if fqn and fnmatch.fnmatchcase(fqn, pattern)}
+        hits = {fqn for fqn, _ in model.modules if fqn and glob_matches(fqn, pattern)}
         if not hits:
             examples = ", ".join(fqn for fqn, _ in model.modules[1:6])
             raise PlanError(

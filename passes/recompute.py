@@ -26,7 +26,6 @@ for its recompute through the unit's backward use window, with no special case.
 
 from __future__ import annotations
 
-import fnmatch
 import operator
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ import torch
 from torch import fx
 
 import zerocc.ir.rng  # noqa: F401  (registers the RNG ops the copies use)
+from zerocc.compiler.names import glob_matches
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
@@ -55,7 +55,7 @@ def chosen_units(units: list[Unit], spec: str | list[str]) -> list[Unit]:
         return [u for u in units if u.key.removesuffix("[frozen]") != ROOT_NAME]
     chosen = []
     for pattern in spec:
-        hits = [u for u in units if fnmatch.fnmatchcase(u.key, pattern)]
+        hits = [u for u in units if glob_matches(u.key, pattern)]
         if not hits:
             names = ", ".join(u.key for u in units[:8])
             raise PlanError(

@@ -33,11 +33,10 @@ update.
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import fx
 
+from zerocc.compiler.names import glob_matches
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import DEVICE, declare_params, placements
@@ -231,7 +230,7 @@ def kept_gathered(
     root unit) matches a pattern, and those smaller than ``below_mb`` when gathered."""
     kept = set()
     for pattern in patterns:
-        hits = {u.name for u in units if fnmatch.fnmatchcase(u.key, pattern)}
+        hits = {u.name for u in units if glob_matches(u.key, pattern)}
         if not hits:
             names = ", ".join(u.key for u in units[:6])
             raise PlanError(

@@ -232,6 +232,20 @@ def test_default_loss_says_why_an_output_holds_no_loss(make, match):
         capture(model, describe_model(model), None, (torch.randn(2, 4),), torch.device("cpu"))
 
 
+def test_a_loss_fn_returning_none_names_the_missing_labels():
+    """A user's loss_fn of `lambda model, *batch: model(*batch).loss` on a batch without
+    labels returns None: the error says that and how to pass them."""
+    model = _Returns(lambda loss, logits: _ModelOutputLike(logits))
+    with pytest.raises(CaptureError, match=r"returned None.*\.loss.*labels=input_ids"):
+        capture(
+            model,
+            describe_model(model),
+            lambda m, *batch: m(*batch).loss,
+            (torch.randn(2, 4),),
+            torch.device("cpu"),
+        )
+
+
 # -- the grad mode a step is traced and run in ----------------------------------------------------
 
 

@@ -128,6 +128,14 @@ def test_estimate_predicts_the_step_time_with_the_flags_rates(capsys, tmp_path):
     assert step and float(step[1]) * (1e3 if step[2] == "s" else 1) > fast["timing"]["step_ms"]
     assert re.search(r"exposed communication +[\d.]+ m?s +\(\d+% of the step\)", out)
     assert "peak memory" in out and "rates (cuda calibration)" in out
+    assert "warning: predicted times" not in out  # calibrated
+
+
+def test_estimate_warns_when_its_rates_are_defaults(capsys):
+    out = run(capsys, "estimate", ZERO3, "--world-size", "2")
+    assert "warning: predicted times use the built-in" in out and "zerocc profile" in out
+    table = run(capsys, "estimate", ZERO3, "--world-size", "2", "--table")
+    assert "warning: predicted times use the built-in" in table
 
 
 def test_estimate_table_has_a_step_time_row(capsys):

@@ -124,6 +124,16 @@ def test_rates_come_from_the_plan_over_the_calibration_over_the_defaults(tmp_pat
     assert cuda.latency_s == 0 and cuda.sources["memory_bytes_per_s"] == "default"
 
 
+def test_default_rates_are_said_with_how_to_calibrate(tmp_path):
+    defaults = rates_for(load_plan({}), "cpu")
+    warning = defaults.uncalibrated()
+    assert "compute, memory, per-op overhead" in warning and "zerocc profile" in warning
+    some = rates_for(load_plan({"cost": {"compute_tflops": 1, "memory_gb_per_s": 10}}), "cpu")
+    assert "per-op overhead" in some.uncalibrated() and "compute," not in some.uncalibrated()
+    DeviceRates.defaults("cpu").save(tmp_path / "cal.json", {})
+    assert rates_for(load_plan({}), calibration=tmp_path / "cal.json").uncalibrated() is None
+
+
 def test_bad_rates_are_clear_errors(tmp_path):
     with pytest.raises(PlanError, match="no default rates for device 'tpu'"):
         DeviceRates.defaults("tpu")

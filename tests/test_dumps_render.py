@@ -234,6 +234,30 @@ def test_plot_memory_with_measured_of_other_length(tmp_path):
     _check_png(path)
 
 
+def test_phase_names_stay_apart_and_inside_the_axes(tmp_path):
+    """Alternating runs (a recomputed forward inside backward) and a short optimizer phase at
+    the right edge: each phase is named once, where its name fits inside its run, so no two
+    names overlap and none is cut at the edge; the legend names every phase."""
+    timeline = MemoryTimeline()
+    runs = [("forward", 40), ("backward", 4), ("forward", 3), ("backward", 50), ("optimizer", 2)]
+    for phase, length in runs:
+        for i in range(length):
+            timeline.append(f"op{i}", phase, {"params": 1024**2, "activations": i * 1024})
+    figure = plot_memory(tmp_path / "memory.png", timeline)
+    ax = figure.axes[0]
+    renderer = figure.canvas.get_renderer()
+    names = [t for t in ax.texts if t.get_text() in ("forward", "backward", "optimizer")]
+    boxes = [t.get_window_extent(renderer) for t in names]
+    assert sorted(t.get_text() for t in names) == ["backward", "forward"]  # optimizer: too narrow
+    axes_box = ax.get_window_extent(renderer)
+    for box in boxes:
+        assert axes_box.x0 <= box.x0 and box.x1 <= axes_box.x1
+    for i, a in enumerate(boxes):
+        assert not any(a.overlaps(b) for b in boxes[i + 1 :])
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"forward phase", "backward phase", "optimizer phase"} <= set(legend)
+
+
 def test_plot_memory_of_empty_timeline(tmp_path):
     path = tmp_path / "empty.png"
     plot_memory(path, MemoryTimeline())

@@ -86,3 +86,31 @@ def test_evaluate_runs_the_model_in_eval_mode():
         expected = float(loss_of(reference(*batch)))
     assert first == second == pytest.approx(expected, rel=1e-6)
     assert model.training  # the user's model keeps its mode
+
+
+def _materialized(rank: int, world: int, case: dict) -> dict:
+    out = {}
+    for materializing in (True, False):
+        step = zerocc.compile(build(case["model"]), plan_of(case))
+        losses = [float(step(*batch_of(case, i, rank))) for i in range(2)]
+        if materializing:
+            model = step.materialize_model()
+            batch = batch_of(case, 9, rank)
+            with torch.no_grad():
+                out["model_loss"] = float(loss_of(model(*batch)))
+            out["step_loss"] = float(step.evaluate(*batch))
+            out["mask"] = model.mask.clone()
+        losses += [float(step(*batch_of(case, i, rank))) for i in range(2, 4)]
+        out[materializing] = losses
+    return out
+
+
+def test_materialize_model_gives_the_steps_weights_back():
+    """At stage 3 on 2 ranks, with a non-persistent buffer: the user's model, materialized,
+    computes the step's loss (a different reduction order than the evaluation program: 1e-6),
+    and training goes on as if it had not been called."""
+    case = {"model": "buffers", "stage": 3, "world": 2}
+    for rank, result in enumerate(run_ranks(2, _materialized, case)):
+        assert result["model_loss"] == pytest.approx(result["step_loss"], rel=1e-6), rank
+        assert torch.equal(result["mask"], build("buffers").mask), (result["mask"], build("buffers").mask)
+        assert result[True] == result[False], rank

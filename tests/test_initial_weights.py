@@ -38,12 +38,16 @@ def test_ranks_seeded_differently_train_rank_0s_model(case):
 
 
 class _RandomBuffer(nn.Module):
-    """A buffer drawn at random when the model is built (a fixed random projection)."""
+    """Buffers drawn at random when the model is built (a fixed random projection), several of
+    one shape: rank 0 broadcasts them in turn, and each rank must receive them in the order
+    they were sent (a set's order, which follows each process's string hashes, once swapped
+    two of them on rank 1)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(4, 4)
-        self.register_buffer("noise", torch.randn(4))
+        for name in ("noise", "alpha", "beta", "gamma", "delta", "epsilon"):
+            self.register_buffer(name, torch.randn(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.proj(x) * self.noise).pow(2).mean()

@@ -283,6 +283,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
             "",
             f"rates ({_sources(e.rates)}):",
             f"  {e.rates.describe()}",
+            *_uncalibrated(e.rates),
         ]
     return "\n".join(lines)
 
@@ -315,6 +316,11 @@ def _sources(rates: DeviceRates) -> str:
     return "; ".join(parts)
 
 
+def _uncalibrated(rates: DeviceRates) -> list[str]:
+    warning = rates.uncalibrated()
+    return ["", f"warning: {warning}"] if warning else []
+
+
 def _estimate_table(plan: Plan, estimates: list[Estimate]) -> str:
     kinds = sorted({k for e in estimates for k in e.comm})
     header = f"{'per rank':<26}" + "".join(f"{'stage ' + str(e.stage):>12}" for e in estimates)
@@ -343,6 +349,7 @@ def _estimate_table(plan: Plan, estimates: list[Estimate]) -> str:
         for name, get in TIME_ROWS:
             lines.append(f"{name:<26}" + "".join(f"{human_seconds(get(e)):>12}" for e in estimates))
         lines.append(f"(time: simulated with {_sources(estimates[0].rates)})")
+        lines += _uncalibrated(estimates[0].rates)
     return "\n".join(lines)
 
 

@@ -137,7 +137,10 @@ def default_loss_fn(model: nn.Module, *batch: Any) -> torch.Tensor:
 
 
 _PASS_LOSS_FN = "pass loss_fn=(lambda model, *batch: <scalar loss>) to zerocc.compile"
-_NO_LABELS = "a Hugging Face model computes its loss only when the batch holds its labels"
+_NO_LABELS = (
+    "a Hugging Face model computes its loss only when the batch holds its labels, e.g. "
+    "model(input_ids, labels=input_ids) for a causal LM (it shifts them)"
+)
 
 
 def _loss_in(output: Any) -> torch.Tensor:
@@ -383,6 +386,11 @@ def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
 def _check_loss(loss: Any) -> torch.Tensor:
     """The loss a user's loss_fn returned, as shape ``()``; CaptureError unless it is a
     floating scalar tensor (the default's loss is checked where it is found)."""
+    if loss is None:
+        raise CaptureError(
+            f"loss_fn returned None, not a floating scalar tensor: if it returns a model "
+            f"output's .loss, that is None because {_NO_LABELS}"
+        )
     if not isinstance(loss, torch.Tensor):
         raise CaptureError(
             f"loss_fn must return a floating scalar tensor, got {type(loss).__name__}"

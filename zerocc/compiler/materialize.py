@@ -83,9 +83,12 @@ def initial_values(
     """Full values of the named parameters/buffers (canonical FQNs) on ``device``.
 
     Real tensors are read as they are. Meta ones are initialized by their owning modules, which
-    go back to ``meta`` afterwards, so only the requested tensors are ever materialized.
+    go back to ``meta`` afterwards, so only the requested tensors are ever materialized. The
+    result is in the order of ``fqns`` on every rank (callers broadcast its values in turn; a
+    set's order follows the process's string hashes, which differ between ranks).
     """
-    wanted = set(fqns)
+    wanted = list(dict.fromkeys(fqns))
+    wanted_set = set(wanted)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     values = {f: tensors[f].detach().to(device) for f in wanted if not tensors[f].is_meta}
     owners = {f.rpartition(".")[0] for f in wanted if f not in values}
@@ -101,11 +104,11 @@ def initial_values(
             *module.named_buffers(recurse=False),
         ]:
             full = f"{fqn}.{name}" if fqn else name
-            if full in wanted:
+            if full in wanted_set:
                 values[full] = t.detach().clone()
         module._parameters.update(originals[0])
         module._buffers.update(originals[1])
-    return values
+    return {f: values[f] for f in wanted}
 
 
 def release_to_meta(model: nn.Module) -> None:

@@ -115,7 +115,8 @@ class UnitsConfig(_Section):
     )
     modules: list[str] = Field(
         default_factory=list,
-        description="fnmatch globs over module FQNs, e.g. 'h.*' or 'transformer.h.[0-3]'",
+        description="globs over module FQNs, e.g. 'transformer.h.*' (every block) or "
+        "'transformer.h.[0-3]'; '*' stops at dots, '**' crosses them",
     )
     min_mb: float | None = Field(
         None,
@@ -125,7 +126,8 @@ class UnitsConfig(_Section):
     )
     keep_gathered: list[str] = Field(
         default_factory=list,
-        description="stage 3: fnmatch globs over unit names ('root' is the root unit) of units "
+        description="stage 3: globs over unit names ('root' is the root unit; '*' stops at "
+        "dots, '**' crosses them) of units "
         "gathered once per step and kept until their last use in backward (no re-gather in "
         "backward), like FSDP2's reshard_after_forward=False",
     )
@@ -679,7 +681,8 @@ class CheckpointingConfig(_Section):
     units: Literal["none", "all"] | list[str] = Field(
         "none",
         description="'all': every unit but the root (whose forward ends where backward "
-        "begins); or fnmatch globs over unit names, e.g. ['transformer.h.*']; 'none': keep "
+        "begins); or globs over unit names, e.g. ['transformer.h.*'] ('*' stops at dots, "
+        "'**' crosses them); 'none': keep "
         "every activation",
     )
 

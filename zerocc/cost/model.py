@@ -131,6 +131,30 @@ class DeviceRates:
         rates["compute_flops"] = dict(rates["compute_flops"])
         return cls(device, **rates, sources=dict.fromkeys(RATE_FIELDS, "default"))
 
+    def uncalibrated(self) -> str | None:
+        """A warning when the rates that set compute time (compute, memory, per-op overhead)
+        are built-in defaults rather than measured here or given by the plan, else None.
+        Defaults describe a typical device, not this one: on a CPU they are ~10x off a
+        measured step."""
+        defaults = [
+            name
+            for field, name in (
+                ("compute_flops", "compute"),
+                ("memory_bytes_per_s", "memory"),
+                ("overhead_s", "per-op overhead"),
+            )
+            if self.sources.get(field, "default") == "default"
+        ]
+        if not defaults:
+            return None
+        return (
+            f"predicted times use the built-in {self.device} rates for {', '.join(defaults)}, "
+            "not rates measured on this machine: they can be several times off (~10x on a "
+            "CPU). Calibrate: `zerocc profile PLAN` measures them and writes "
+            "PLAN.calibration.json; name it in the plan's cost.calibration (or pass "
+            "--calibration), or set cost.compute_tflops / memory_gb_per_s"
+        )
+
     def flops_per_s(self, dtype: str | None) -> float:
         """Compute rate of ``dtype`` (fp32, bf16, ...); the slowest known for any other."""
         rate = self.compute_flops.get(dtype or "fp32")

@@ -148,7 +148,8 @@ def _time_section(simulated: Simulation, rates: DeviceRates, measured: list[Trac
         "Time",
         "table",
         rows,
-        "the program simulated by the cost model (rates: "
+        ("Warning: " + rates.uncalibrated() + ". " if rates.uncalibrated() else "")
+        + "the program simulated by the cost model (rates: "
         f"{rates.describe()}; `zerocc profile` fits them to this machine), next to this run. "
         "The measured step ran op by op under the profiler, which adds its own overhead "
         "between ops; communication is the comm track's busy time, from each collective's "

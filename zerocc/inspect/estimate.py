@@ -125,6 +125,7 @@ class Estimate:
                 **timing,
                 "rates": self.rates.as_dict(),
                 "rate_sources": dict(self.rates.sources),
+                "uncalibrated": self.rates.uncalibrated(),  # a warning, or None
             }
         return out
 

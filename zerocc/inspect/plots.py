@@ -12,6 +12,8 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.text import Text
 
 from zerocc.cost.timeline import CATEGORIES, MemoryTimeline
 from zerocc.ir.printing import human_bytes
@@ -44,21 +46,42 @@ def _phase_runs(phases: list[str]) -> list[tuple[str, int, int]]:
     return runs
 
 
-def _shade_phases(ax: Axes, phases: list[str]) -> None:
+def _shade_phases(ax: Axes, phases: list[str]) -> list[Patch]:
+    """Shade each run of a phase; returns a legend entry per phase present."""
+    present = []
     for phase, first, last in _phase_runs(phases):
         if phase not in PHASE_COLORS:
             continue
         ax.axvspan(first - 0.5, last + 0.5, color=PHASE_COLORS[phase], alpha=0.6, zorder=0)
-        ax.text(
-            (first + last) / 2,
-            0.98,
-            phase,
-            transform=ax.get_xaxis_transform(),
-            ha="center",
-            va="top",
-            fontsize=8,
-            color="#566573",
-        )
+        present += [phase] if phase not in present else []
+    return [Patch(color=PHASE_COLORS[p], alpha=0.6, label=f"{p} phase") for p in present]
+
+
+def _name_phases(ax: Axes, phases: list[str]) -> list[Text]:
+    """Name each phase once, inside the top of its widest run, where the name fits in the run
+    (the legend names them all): names of narrow or alternating runs (recomputed forwards in
+    backward, a short optimizer phase) would overlap each other or run past the axes. Call
+    once the figure's layout is final."""
+    renderer = ax.figure.canvas.get_renderer()
+    widest: dict[str, tuple[int, int]] = {}
+    for phase, first, last in _phase_runs(phases):
+        if phase in PHASE_COLORS and last - first >= _width(widest.get(phase)):
+            widest[phase] = (first, last)
+    names = []
+    for phase, (first, last) in widest.items():
+        at = ((first + last) / 2, 0.98)
+        name = ax.text(*at, phase, transform=ax.get_xaxis_transform(), ha="center", va="top",
+                       fontsize=8, color="#566573", clip_on=True)  # fmt: skip
+        left, right = ax.transData.transform([(first - 0.5, 0), (last + 0.5, 0)])[:, 0]
+        if name.get_window_extent(renderer).width > right - left:
+            name.remove()
+        else:
+            names.append(name)
+    return names
+
+
+def _width(run: tuple[int, int] | None) -> int:
+    return -1 if run is None else run[1] - run[0]
 
 
 def _mark_peak(
@@ -86,7 +109,7 @@ def plot_memory(
     predicted: MemoryTimeline,
     measured: MemoryTimeline | None = None,
     title: str = "",
-) -> None:
+) -> Figure:
     """Write a PNG of the predicted timeline: a stacked area per category (params at the
     bottom), the forward/backward/optimizer regions shaded, the peak marked and labelled.
 
@@ -94,6 +117,7 @@ def plot_memory(
     have a different number of points than ``predicted``: point ``i`` of ``m`` is placed at
     ``i * (n - 1) / (m - 1)`` of the predicted ``n`` op positions, so both span the same
     program. Its peak is marked too. The y unit (B/KiB/MiB/GiB) follows the larger peak.
+    Returns the figure written.
     """
     figure = Figure(figsize=(10, 5), dpi=120)
     FigureCanvasAgg(figure)
@@ -104,7 +128,7 @@ def plot_memory(
     measured_peak = measured.peak() if measured is not None and measured.labels else None
     unit, scale = _unit_for(max(peak, measured_peak[1] if measured_peak else 0))
 
-    _shade_phases(ax, predicted.phases)
+    phase_patches = _shade_phases(ax, predicted.phases)
     if n:
         ax.stackplot(
             x,
@@ -144,11 +168,13 @@ def plot_memory(
     ax.grid(axis="y", alpha=0.3)
     if n:
         handles, labels = ax.get_legend_handles_labels()
+        handles = [*handles[::-1], *phase_patches]
+        labels = [*labels[::-1], *(patch.get_label() for patch in phase_patches)]
         # Outside the axes, on the right, so it never hides the phases' names or the peaks.
-        ax.legend(
-            handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8
-        )
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     figure.tight_layout()
+    _name_phases(ax, predicted.phases)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, format="png")
+    return figure

@@ -660,6 +660,22 @@ class StepRunner:
                 full.update(dict.fromkeys(b.aliases, self.state[b.fqn].detach().cpu().clone()))
         return {k: full[k] for k in self.state_dict_keys if k in full}
 
+    def materialize_model(self, device: str | torch.device = "cpu") -> nn.Module:
+        """The model given to ``compile`` (which sits on ``meta`` once the step owns its
+        weights) with the step's current weights and buffers, on ``device``: to evaluate it,
+        generate with it or save it as usual. A copy: the step trains its own weights, so call
+        again for newer ones. Every rank holds the whole model afterwards; a collective where
+        the weights are sharded (see :meth:`full_state_dict`): call it on every rank."""
+        full = self.full_state_dict()
+        buffers = {b.fqn: self.state[b.fqn] for b in self.model_info.buffers if b.fqn in self.state}
+        self.model.to_empty(device=device)
+        self.model.load_state_dict(full)
+        held = dict(self.model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for fqn, value in buffers.items():  # non-persistent ones too (not in state_dict)
+                held[fqn].copy_(value)
+        return self.model
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards, optimizer state and counters, ready for
         ``torch.distributed.checkpoint.save`` (or ``torch.save``). Tensor keys carry the rank
