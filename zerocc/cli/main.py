@@ -53,6 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_plan_check)
     schema = plan_commands.add_parser("schema", help="print the JSON Schema of plan files")
     schema.set_defaults(run=_plan_schema)
+    imported = plan_commands.add_parser(
+        "import", help="convert a DeepSpeed config (ds_config.json) into a plan"
+    )
+    imported.add_argument("config", metavar="DS_CONFIG", help="path of a DeepSpeed JSON config")
+    imported.add_argument("-o", "--output", metavar="PLAN", help="write the plan YAML here")
+    imported.add_argument(
+        "--workload", metavar="MODULE:FUNCTION", help="the plan's workload (DeepSpeed has none)"
+    )
+    imported.set_defaults(run=_plan_import)
 
     train = commands.add_parser("train", help="train the plan's workload on local ranks")
     train.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
@@ -170,6 +179,43 @@ def _checked_plan(path: str) -> Plan:
 
         check_folder(Path(plan.offload.nvme_path))
     return plan
+
+
+def _plan_import(args: argparse.Namespace) -> int:
+    """Print what every key of a DeepSpeed config became; write the plan when every key
+    converts (exit 1, listing them, when some are not supported)."""
+    import yaml
+
+    from zerocc.compiler.deepspeed_config import convert, read_json
+    from zerocc.compiler.plan_messages import plan_origin
+
+    config = read_json(Path(args.config), plan_origin(args.config))
+    if not isinstance(config, dict):
+        raise ZeroccError(f"{args.config}: a DeepSpeed config is a JSON object")
+    plan, outcomes = convert(config)
+    for outcome in outcomes:
+        print(outcome.line())
+    unsupported = [o for o in outcomes if o.kind == "unsupported"]
+    if unsupported:
+        print(f"\n{args.config}: {len(unsupported)} option(s) zerocc does not support "
+              "(above); no plan written", file=sys.stderr)  # fmt: skip
+        return 1
+    if args.workload:
+        plan["workload"] = args.workload
+    checked = load_plan(plan)  # what zerocc makes of it, checked as any plan
+    mapped = sum(o.kind == "mapped" for o in outcomes)
+    print(f"\n{len(outcomes)} option(s): {mapped} mapped, {len(outcomes) - mapped} without "
+          f"meaning for zerocc; plan: {describe_plan(checked)}")  # fmt: skip
+    if args.output:
+        header = (
+            f"# Converted from the DeepSpeed config {args.config} by `zerocc plan import`.\n"
+            "# Options without meaning for zerocc are listed by that command, not here.\n"
+        )
+        if not args.workload:
+            header += "# workload: 'module:function'  (set yours: the model, loss and data)\n"
+        Path(args.output).write_text(header + yaml.safe_dump(plan, sort_keys=False))
+        print(f"wrote {args.output}")
+    return 0
 
 
 def _plan_schema(args: argparse.Namespace) -> int:

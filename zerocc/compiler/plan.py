@@ -30,6 +30,11 @@ from pydantic import (
     model_validator,
 )
 
+from zerocc.compiler.deepspeed_config import (
+    is_deepspeed_config,
+    plan_from_deepspeed,
+    read_json,
+)
 from zerocc.compiler.plan_messages import describe_error, invalid_plan, plan_origin, show
 from zerocc.compiler.plan_yaml import PlanDataError, check_shape, load_yaml
 from zerocc.errors import PlanError, PlanWarning
@@ -887,6 +892,8 @@ class Plan(_Section):
 
 def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
     """Load and validate a plan from a YAML file path, a dict, or a Plan (returned as is).
+    A DeepSpeed config (a ``.json`` file or a dict with DeepSpeed's keys) is converted
+    (:mod:`zerocc.compiler.deepspeed_config`; an option zerocc does not support is an error).
 
     Raises PlanError, naming the file, the YAML path of each bad field, the value and what is
     allowed, for a missing file, bad YAML (a key given twice included), a non-mapping document,
@@ -903,7 +910,8 @@ def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
         where = plan_origin(source)
         if "\0" in source:
             raise PlanError(f"{where}: a path cannot contain a NUL byte")
-        data = _read_yaml(Path(source), where)
+        path = Path(source)
+        data = read_json(path, where) if path.suffix == ".json" else _read_yaml(path, where)
     else:
         raise PlanError(f"a plan is a YAML path, a dict or a zerocc.Plan, not {type(src).__name__}")
     try:
@@ -913,6 +921,8 @@ def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
     if not isinstance(data, dict):
         got = f"{type(data).__name__} {show(data)}"
         raise PlanError(f"{where}: expected a mapping of fields at the top, got {got}")
+    if is_deepspeed_config(data):  # a ds_config.json: converted, every key accounted for
+        data, _ = plan_from_deepspeed(data, where)
     try:
         plan = Plan.model_validate(data)
     except ValidationError as exc:
