@@ -30,6 +30,7 @@ LAYER_OF_PREFIX = {  # longest prefix wins
     "zerocc.inspect": "inspect",
     "zerocc": "api",
     "zerocc.train_step": "api",
+    "zerocc.workloads": "api",
     "zerocc.cli": "cli",
     "zerocc.__main__": "cli",
 }

@@ -77,6 +77,7 @@ class Metrics:
         self._since = time.perf_counter()
         self._eval: list[tuple] | None = None
         self.last: dict[str, Any] | None = None  # the newest record with a loss
+        self.last_eval: tuple[int, float] | None = None  # (step, loss) of the newest eval
         self._file = self._tensorboard = None
         if rank == 0:
             self._open_outputs()
@@ -204,6 +205,8 @@ class Metrics:
     def _write(self, record: dict[str, Any]) -> None:
         if "loss" in record:
             self.last = record
+        if record.get("eval_loss") is not None:
+            self.last_eval = record["step"], record["eval_loss"]
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()

@@ -122,7 +122,7 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
             ran += 1
             progress.update()
             stopped = after_micro_batch()
-    final = metrics.finish(lr)
+    metrics.finish(lr)
     metrics.close()
     if not stopped:
         saver.final()
@@ -133,8 +133,9 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
         elif ran < total:
             print(f"the data ran out on every rank after {ran} step(s)")
         _print_summary(step.summary(), ran, metrics.last, started, first_done, world_size)
-        if final is not None and final.get("eval_loss") is not None:
-            print(f"eval loss (mean over every rank's held-back batches): {final['eval_loss']:.4f}")
+        if metrics.last_eval is not None:
+            at, value = metrics.last_eval
+            print(f"eval loss after step {at} (mean over the held-back batches): {value:.4f}")
         if saver.last is not None and not stopped:
             print(f"checkpoint: {saver.last}")
         if step.dump_dir is not None:

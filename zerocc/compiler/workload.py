@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import inspect
 import os
@@ -16,7 +17,20 @@ from torch import nn
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError
 
-__all__ = ["Workload", "load_workload"]
+__all__ = ["Workload", "load_workload", "plan_relative"]
+
+# The folder of the plan whose workload function is running (None outside one, or for a plan
+# given as a dict): the workload's relative paths are read from there.
+_PLAN_DIR: contextvars.ContextVar[Path | None] = contextvars.ContextVar("plan_dir", default=None)
+
+
+def plan_relative(path: str | os.PathLike) -> Path:
+    """``path`` as a workload reads it: relative to the folder of the plan that names the
+    workload (while its function runs under `load_workload`), else to the current directory;
+    ``~`` expanded. So `workload_args: {data: data.jsonl}` means the file beside the plan."""
+    path = Path(path).expanduser()
+    base = _PLAN_DIR.get()
+    return path if path.is_absolute() or base is None else base / path
 
 
 @dataclass
@@ -80,7 +94,11 @@ def load_workload(plan: Plan) -> Workload:
             raise PlanError(f"workload_args: cannot call {plan.workload}: {exc}") from None
         except ValueError:  # no signature to check (a builtin): let the call itself tell
             pass
-        workload = function(**plan.workload_args)
+        token = _PLAN_DIR.set(plan_dir)
+        try:
+            workload = function(**plan.workload_args)
+        finally:
+            _PLAN_DIR.reset(token)
     if not isinstance(workload, Workload):
         raise PlanError(
             f"workload: {plan.workload} returned {type(workload).__name__}, not a zerocc.Workload"
@@ -135,6 +153,8 @@ def _module_file(folder: Path, top: str) -> Path | None:
 
 
 def _forget(top: str) -> None:
+    if top == __name__.split(".")[0]:  # zerocc's own workloads: zerocc is imported once
+        return  # (its modules register torch ops, which cannot be registered twice)
     for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
         del sys.modules[name]
 

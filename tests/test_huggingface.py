@@ -1,0 +1,170 @@
+"""Hugging Face models through zerocc.workloads.huggingface, and in zerocc's parity oracle.
+
+Parity: 2 gloo ranks at ZeRO-3 train the example's Llama-style model as one process does
+with torch.optim.AdamW on both ranks' batches (each rank's loss scaled by 1/2), to 1e-5
+relative as the other fp32 parity tests (the ranks sum gradients in another order: ulps per
+step). transformers is a test dependency (the `dev` extra); without it these tests skip,
+saying how to install it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason='the Hugging Face workloads need transformers: pip install "zerocc[hf]"'
+)
+
+from multirank import run_ranks  # noqa: E402
+from parity import relative_difference  # noqa: E402
+
+import zerocc  # noqa: E402
+from zerocc.compiler.workload import load_workload  # noqa: E402
+from zerocc.workloads import huggingface as hf  # noqa: E402
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "huggingface"
+PLAN = EXAMPLE / "llama-tiny.yaml"
+TINY = zerocc.load_plan(PLAN).workload_args["model"]
+
+
+def _workload(**changes):
+    plan = zerocc.load_plan(PLAN)
+    args = {**plan.workload_args, **changes}
+    return load_workload(plan.model_copy(update={"workload_args": args}))
+
+
+# -- data --------------------------------------------------------------------------------------
+
+
+def test_documents_are_packed_with_end_of_text_between_them():
+    tokenizer = transformers.AutoTokenizer.from_pretrained(EXAMPLE / "tokenizer")
+    stream = hf._tokenized(tokenizer, ["ab", "c"])
+    eos = tokenizer.eos_token_id
+    assert stream == [*tokenizer("ab")["input_ids"], eos, *tokenizer("c")["input_ids"], eos]
+    packed = hf._pack(list(range(10)), 4, "data")
+    assert packed.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the tail is dropped
+
+
+def test_ranks_get_different_rows_and_the_same_number_of_steps():
+    rows = torch.arange(22).view(22, 1)
+    deal = hf._dealer((rows,), batch_size=2, epochs=2, seed=0, data="d")
+    ranks = [list(deal(r, 3)) for r in range(3)]
+    assert [len(r) for r in ranks] == [6, 6, 6]  # 3 full steps of 6 rows per epoch
+    for step in range(3):  # within a step, the ranks' rows are disjoint
+        seen = [set(ranks[r][step][0].flatten().tolist()) for r in range(3)]
+        assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
+    first_epoch = {x for r in ranks for b in r[:3] for x in b[0].flatten().tolist()}
+    assert len(first_epoch) == 18  # no row twice in an epoch
+    evaluation = hf._evaluation((rows[:7],), batch_size=2)
+    shapes = [[tuple(b[0].shape) for b in evaluation(r, 3)] for r in range(3)]
+    assert shapes == [[(2, 1)], [(2, 1)], [(2, 1)]]  # 6 of 7 dealt: the same shapes on each
+
+
+def test_example_workload_holds_back_its_eval_data():
+    work = _workload()
+    batch = next(work.batches(0, 2))
+    assert tuple(batch[0].shape) == (4, 64) and work.tokens_per_batch(batch) == 256
+    held = [b for r in range(2) for b in work.eval_batches(r, 2)]
+    train = {tuple(row) for b in _workload(epochs=1).batches(0, 1) for row in b[0].tolist()}
+    assert held and not any(tuple(row) in train for b in held for row in b[0].tolist())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"data": "missing.jsonl"}, "not found"),
+        ({"seq_len": 100_000}, "fewer than one sequence"),
+        ({"tokenizer": "nowhere"}, "is not a folder"),
+        ({"text_field": "body"}, "has no 'body' field"),
+        ({"model": {**TINY, "vocab_size": 100}}, "vocab_size >= 257"),
+        ({"model": {"model_type": "llama", "num_hidden_layers": 4000}}, "GiB of fp32 weights"),
+        ({"model": {"vocab_size": 300}}, "needs model_type"),
+        ({"eval_fraction": 1.5}, "eval_fraction"),
+    ],
+)
+def test_bad_workload_args_are_plan_errors(changes, message):
+    with pytest.raises(zerocc.PlanError, match=message):
+        _workload(**changes)
+
+
+def test_a_model_folder_with_weights_loads_them(tmp_path):
+    work = _workload()
+    work.model.save_pretrained(tmp_path / "model")
+    loaded = _workload(model=str(tmp_path / "model"))
+    ours, theirs = work.model.state_dict(), loaded.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), name
+
+
+def test_sequence_classification(tmp_path):
+    rows = [
+        {"text": f"review {i} " * (i % 5 + 1), "label": ["bad", "good"][i % 2]} for i in range(24)
+    ]
+    (tmp_path / "reviews.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"model_type": "llama", "vocab_size": 257, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1}  # fmt: skip
+    work = hf.sequence_classification(config, str(tmp_path / "reviews.jsonl"),
+                                      tokenizer=str(EXAMPLE / "tokenizer"), seq_len=16,
+                                      batch_size=4, eval_fraction=0.25)  # fmt: skip
+    ids, mask, labels = next(work.batches(0, 2))
+    assert ids.shape == mask.shape == (4, 16) and set(labels.tolist()) <= {0, 1}
+    assert work.model.config.num_labels == 2
+    step = zerocc.compile(work.model, {"zero": {"stage": 3}}, loss_fn=work.loss_fn,
+                          comm=zerocc.FakeComm(world_size=2))  # fmt: skip
+    assert torch.isfinite(step(ids, mask, labels))
+    assert torch.isfinite(step.evaluate(*next(work.eval_batches(0, 2))))
+
+
+# -- training --------------------------------------------------------------------------------
+
+
+def _train(rank: int, world: int, steps: int) -> dict:
+    work = _workload()
+    plan = zerocc.load_plan(PLAN).model_copy(update={"optimizer": zerocc.load_plan({
+        "optimizer": {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.01}}).optimizer})  # fmt: skip
+    step = zerocc.compile(work.model, plan, loss_fn=work.loss_fn)
+    batches = work.batches(rank, world)
+    losses = [float(step(*next(batches))) for _ in range(steps)]
+    return {"losses": losses, "params": step.full_state_dict()}
+
+
+def test_two_ranks_match_one_process():
+    steps = 4
+    ranks = run_ranks(2, _train, steps, timeout=600)
+    work = _workload()
+    model, loss_fn = work.model, work.loss_fn
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
+    streams = [work.batches(r, 2) for r in range(2)]
+    torch.set_num_threads(1)
+    for s in range(steps):
+        opt.zero_grad()
+        for r in range(2):
+            loss = loss_fn(model, *next(streams[r]))
+            assert ranks[r]["losses"][s] == pytest.approx(loss.item(), rel=1e-5), (r, s)
+            (loss / 2).backward()
+        opt.step()
+    params = ranks[0]["params"]
+    for name, value in model.state_dict().items():
+        assert relative_difference(params[name], value) <= 1e-5, name
+
+
+def test_zerocc_train_fine_tunes_the_example():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "zerocc", "train", str(PLAN), "--nproc", "2"]
+    run = subprocess.run([*command, "--steps", "12", "--eval-every", "6"], capture_output=True,
+                         text=True, timeout=600, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    assert "12 step(s) on 2 rank(s)" in out and "eval loss after step 12" in out
+    first = float(out.split("loss=")[1].split(",")[0])
+    final = float(out.split("final loss: ")[1].split()[0])
+    assert final < first - 0.5  # a byte-level LM learns the text's characters fast
