@@ -114,3 +114,22 @@ def test_materialize_model_gives_the_steps_weights_back():
         assert result["model_loss"] == pytest.approx(result["step_loss"], rel=1e-6), rank
         assert torch.equal(result["mask"], build("buffers").mask), rank
         assert result[True] == result[False], rank
+
+
+def test_training_is_traced_in_the_mode_the_user_left():
+    """Evaluation traces in eval mode; a training program keeps the user's mode (a model put
+    in eval mode trains without dropout: its first loss is the eval-mode model's)."""
+    from models import RANDOM_MODELS
+
+    build_dropout, make_batch, units = RANDOM_MODELS["gpt_dropout"]
+    torch.manual_seed(0)
+    model = build_dropout().eval()
+    reference = build_dropout()
+    reference.load_state_dict(model.state_dict())
+    reference.eval()
+    plan = {"zero": {"stage": 3}, "units": units, "backend": {"kernels": "torch"}}
+    step = zerocc.compile(model, plan, comm=zerocc.FakeComm(world_size=1))
+    batch = make_batch(0, 0)
+    with torch.no_grad():
+        expected = float(loss_of(reference(*batch)))
+    assert float(step(*batch)) == pytest.approx(expected, rel=1e-6)

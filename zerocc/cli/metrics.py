@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +127,8 @@ class Metrics:
         """At the end: a record of what is left since the last one, with a final evaluation
         when evaluations are on and the last record had none (a collective)."""
         steps = self.step.micro_batches // self.accum
-        pending = any(self.step.comm.all_gather_object(bool(self._losses)))
-        record = self._pooled(steps, lr) if pending else None
+        # Every rank ran the same micro-batches (the step agrees on each): the same on all.
+        record = self._pooled(steps, lr) if self._losses else None
         evaluated = (
             self.last is not None and self.last["step"] == steps and "eval_loss" in self.last
         )
@@ -191,11 +191,9 @@ class Metrics:
         if self._eval is None:
             made = self.workload.eval_batches
             comm = self.step.comm
-            mine = (
-                list(_first(made(comm.rank, comm.world_size), self.config.eval_batches))
-                if made
-                else []
-            )
+            mine = []
+            if made is not None:
+                mine = list(islice(made(comm.rank, comm.world_size), self.config.eval_batches))
             counts = comm.all_gather_object(len(mine))
             if len(set(counts)) > 1 and self.rank == 0:
                 print(f"eval: the ranks hold {counts} eval batches; each evaluates {min(counts)}")
@@ -239,10 +237,3 @@ def progress_text(record: dict[str, Any]) -> dict[str, str]:
     if record.get("eval_loss") is not None:
         shown["eval"] = f"{record['eval_loss']:.4f}"
     return shown
-
-
-def _first(batches: Iterator[tuple], limit: int | None) -> Iterator[tuple]:
-    for index, batch in enumerate(batches):
-        if limit is not None and index >= limit:
-            return
-        yield batch

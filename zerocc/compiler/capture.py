@@ -349,7 +349,7 @@ def capture(
             traced_grad_mode(),
             fx_traceback.preserve_node_meta(),
             fake_mode,
-            _in_mode(model, training=gradients),
+            contextlib.nullcontext() if gradients else _in_eval_mode(model),
         ):
             gm = make_fx(step, tracing_mode="real")(*flat)
     except CaptureError:
@@ -372,10 +372,11 @@ def capture(
 
 
 @contextlib.contextmanager
-def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """``model`` (every submodule) in train or eval mode while tracing, as it was after."""
+def _in_eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` (every submodule) in eval mode while tracing, as it was after. (A training
+    program is traced in the mode the user left the model in.)"""
     modes = {m: m.training for m in model.modules()}
-    model.train(training)
+    model.eval()
     try:
         yield
     finally:
