@@ -51,15 +51,20 @@ class Executable(Protocol):
 
 
 Backend = Callable[[fx.GraphModule, Sequence[Any], RuntimeContext], Executable]
-BACKENDS: dict[str, Backend] = {"eager": eager.compile, "inductor": inductor.compile}
+BACKENDS: dict[str, Backend] = {
+    "eager": eager.compile,
+    "inductor": inductor.compile,
+    "inductor-regions": inductor.compile_regions,
+}
 AUTO = "auto"
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """The backend ``backend.name: name`` runs on ``device``. ``auto``: ``inductor`` on a GPU,
-    where its Triton kernels took 0.93× the eager backend's step (355M GPT, one H100), and
-    ``eager`` on a CPU, where Inductor's C++ took 0.96-0.99× of it, within the noise, for a
-    first compile of minutes; any other name is itself."""
+    where its Triton kernels took 0.93× the eager backend's step (355M GPT, one H100, region
+    by region), and ``eager`` on a CPU, where Inductor's C++ took 0.96-1.02× of it, whole or
+    by region, within the noise, for a first compile of half a minute; any other name is
+    itself."""
     if name != AUTO:
         return name
     return "inductor" if device.type == "cuda" else "eager"

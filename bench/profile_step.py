@@ -2,7 +2,8 @@
 "where zerocc is behind". Runs a system of bench/compare.py on its ranks (same model, data and
 threads), takes a few steps, then profiles one step with ``torch.profiler`` and prints rank 0's
 busiest ops; for zerocc also its own op-by-op run (``step.profile``): time per op kind on the
-compute track, and per collective from issue to the end of its wait on the comm track. Usage::
+compute track, and per collective from issue to the end of its wait on the comm track. On a
+CPU it prints the step's time in matmul kernels and outside them. Usage::
 
     python bench/profile_step.py zerocc-z3
     python bench/profile_step.py fsdp2-z3 --layers 4 --rows 30
@@ -29,6 +30,10 @@ import torch.multiprocessing as mp
 from config import GPU, BenchConfig, batches, build_model
 from ranks import free_port
 from systems import all_systems
+
+# The matmul kernels no compiler shortens: the step's time outside them is what Inductor can
+# win (issue 18's CPU goal: at most half of the eager backend's).
+MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 
 
 def profile_rank(rank: int, name: str, cfg: BenchConfig, port: int, rows: int,
@@ -71,6 +76,14 @@ def profile_rank(rank: int, name: str, cfg: BenchConfig, port: int, rows: int,
         sort_by = "self_cuda_time_total" if gpu else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=rows)
         print(f"{name}: one step under torch.profiler, rank 0\n{table}")
+        if not gpu:
+            matmuls_ms = (
+                sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMULS) / 1e3
+            )
+            print(
+                f"step {wall_ms:.1f} ms wall (profiled): matmuls {matmuls_ms:.1f} ms, "
+                f"outside matmuls {wall_ms - matmuls_ms:.1f} ms"
+            )
         if gpu:
             kernels = [
                 e for e in prof.key_averages()

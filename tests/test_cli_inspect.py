@@ -145,20 +145,25 @@ def test_estimate_table_has_a_step_time_row(capsys):
     assert "link from the flags" in out
 
 
-def test_lowered_shows_each_inductor_region_and_writes_its_code(capsys, tmp_path):
+@pytest.mark.parametrize(
+    ("backend", "compiled"), [("inductor", "whole"), ("inductor-regions", "region_")]
+)
+def test_lowered_shows_what_inductor_compiled_and_writes_its_code(
+    capsys, tmp_path, backend, compiled
+):
     plan = tmp_path / "inductor.yaml"
     plan.write_text(
         'workload: "workload:workload"\n'
         "workload_args: {n_layer: 2, n_embd: 32, n_head: 2, block_size: 16, batch_size: 2}\n"
-        "zero: {stage: 3}\nunits: {classes: [Block]}\nbackend: {name: inductor}\n"
+        f"zero: {{stage: 3}}\nunits: {{classes: [Block]}}\nbackend: {{name: {backend}}}\n"
     )
     out = run(capsys, "inspect", str(plan), "--world-size", "2", "--lowered", str(tmp_path / "out"))
-    assert out.startswith("backend inductor:")
+    assert out.startswith(f"backend {backend}:")
     table = out[out.index("region ") :].splitlines()
-    regions = [row.split()[0] for row in table[1:] if row.startswith("region_")]
-    assert regions and all(row.endswith("compiled") for row in table[1 : 1 + len(regions)])
+    names = [row.split()[0] for row in table[1:] if row.startswith(compiled)]
+    assert names and all(row.endswith("compiled") for row in table[1 : 1 + len(names)])
     written = {p.name for p in (tmp_path / "out").iterdir()}
-    assert written == {"regions.txt", *(f"{r}.py" for r in regions)}
+    assert written == {"regions.txt", *(f"{name}.py" for name in names)}
 
 
 def test_lowered_on_the_eager_backend_says_nothing_is_generated(capsys):

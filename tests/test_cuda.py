@@ -38,6 +38,7 @@ def _cases(world: int) -> list[dict]:
     cases.append({**on_gpu, "stage": 2, "kernels": "triton"})  # launched, not interpreted
     cases += [{**on_gpu, "stage": s, "precision": {"param": "bf16"}} for s in (0, 3)]
     cases += [{**on_gpu, "stage": s, "backend": "inductor"} for s in (1, 3)]  # Triton kernels
+    cases.append({**on_gpu, "stage": 3, "backend": "inductor-regions"})
     # The update on the host (torch's fused CPU kernels), its gradient copied out of the GPU
     cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu"}})
     return cases
@@ -71,9 +72,11 @@ def test_one_gpu_matches_unsharded_training(case):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", [c for c in _cases(1) if c.get("backend")], ids=case_id)
-def test_inductor_compiles_every_region_on_the_gpu(case):
+def test_inductor_compiles_the_whole_program_or_every_region_on_the_gpu(case):
     notes = _results(1)[0][case_id(case)]["backend_notes"]
     assert notes and not [n for n in notes if "run eagerly" in n], notes
+    if case["backend"] == "inductor":
+        assert notes[0].startswith("inductor: the whole program compiled as one graph"), notes
 
 
 @pytest.mark.two_gpus

@@ -59,7 +59,7 @@ def bind(program: fx.GraphModule, ops: EagerOps) -> fx.GraphModule:
     graph = fx.Graph()
     graph._codegen = program.graph._codegen
     graph.output(graph.graph_copy(program.graph, {}))
-    ops_of = {node: _zerocc_op(node) for node in graph.nodes}  # before any node is rebound
+    ops_of = {node: zerocc_op(node) for node in graph.nodes}  # before any node is rebound
     # The graph module and its graph reference each other: only the cycle collector frees
     # them. Held strongly, the ops (and the comm of their context) would live as long, and a
     # dropped step would keep its process group past the default group's destruction.
@@ -80,7 +80,8 @@ def bind(program: fx.GraphModule, ops: EagerOps) -> fx.GraphModule:
     return fx.GraphModule(program, graph)
 
 
-def _zerocc_op(node: fx.Node) -> str | None:
+def zerocc_op(node: fx.Node) -> str | None:
+    """The name of the zerocc op ``node`` calls (``wait``, ...), None for any other node."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return None

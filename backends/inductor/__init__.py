@@ -1,8 +1,11 @@
 """The Inductor backend: compute lowered by TorchInductor, zerocc's ops as scheduled.
 
-``backend.name: inductor``. :func:`compile` binds the program as the eager backend does and
-compiles each compute region between zerocc's ops with Inductor (Triton kernels on a GPU, C++
-on a CPU); see :mod:`zerocc.backends.inductor.executable`.
+``backend.name: inductor`` compiles the whole program as one graph, zerocc's ops in it as
+kernels Inductor keeps in place (:mod:`zerocc.backends.inductor.whole`), so it fuses across
+units; a program it cannot take whole, it compiles region by region (the compute between
+zerocc's ops, each region compiled, zerocc's ops run as the eager backend runs them), and says
+why. ``backend.name: inductor-regions`` always compiles region by region. Triton kernels on a
+GPU, C++ on a CPU; see :mod:`zerocc.backends.inductor.executable`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ from zerocc.runtime.context import RuntimeContext
 def compile(
     program: fx.GraphModule, example_inputs: Sequence[Any], ctx: RuntimeContext
 ) -> InductorExecutable:
-    """An executable of ``program`` on ``ctx`` with its compute regions compiled by Inductor
-    (on the regions' fake input values: nothing runs before the first call)."""
-    return InductorExecutable(program, ctx)
+    """An executable of ``program`` on ``ctx`` compiled by Inductor, whole where it can be
+    (on fake inputs: nothing runs before the first call)."""
+    return InductorExecutable(program, ctx, whole=True)
+
+
+def compile_regions(
+    program: fx.GraphModule, example_inputs: Sequence[Any], ctx: RuntimeContext
+) -> InductorExecutable:
+    """An executable of ``program`` on ``ctx`` with each compute region between zerocc's ops
+    compiled by Inductor."""
+    return InductorExecutable(program, ctx, whole=False)

@@ -1,19 +1,24 @@
-"""The Inductor executable: the eager binding of a program, its compute regions compiled.
+"""The Inductor executable: the eager binding of a program, compiled whole or by region.
 
 The program is bound as the eager backend binds it (zerocc's ops on the context's comm, copy
-engine and kernels, handles keyed by node), then every compute region between zerocc's ops
-(:mod:`zerocc.backends.inductor.regions`) is compiled by TorchInductor when the executable is
-made, before the first run, on the region's fake input values: Triton kernels on a GPU, C++ on
-a CPU. Collectives, copies, frees and the update stay where the passes scheduled them, and
-each region runs between them as one call. A region Inductor cannot compile runs eagerly, and
-the executable says so (:meth:`InductorExecutable.notes`). Inductor's caches (its FX graph
-cache, on disk) make a region that was compiled before, in this process or an earlier launch,
-cost a lookup.
+engine and kernels, handles keyed by node). Then, when the executable is made, before the
+first run, on fake input values, TorchInductor compiles (Triton kernels on a GPU, C++ on a
+CPU) either the whole program as one graph, zerocc's ops in it as kernels that keep their
+place (:mod:`zerocc.backends.inductor.whole`), or, where it cannot be whole or is not asked
+to be, every compute region between zerocc's ops (:mod:`zerocc.backends.inductor.regions`),
+each run as one call between the collectives, copies, frees and updates the passes
+scheduled. A region Inductor cannot compile runs eagerly. The executable says what it did
+(:meth:`InductorExecutable.notes`). Inductor's caches (its FX graph cache, on disk) make a
+graph or region compiled before, in this process or an earlier launch, cost a lookup.
 
-Numerics: random ops run outside the regions, by ATen, so dropout masks, and recomputation's
-replay of them, are those of the eager backend; :data:`EAGER_NUMERICS` keeps the rest close.
-Inductor fuses and reorders reductions, so results match eager within rounding, not to the
-bit.
+``gm`` is the program as run op by op (the eager binding, its regions outlined): what
+profiling and calibration interpret. Of a whole-compiled program that is the eager binding,
+so they time zerocc's ops and ATen's one by one, not Inductor's code.
+
+Numerics: random ops run by ATen (a program that draws them is compiled by region, its
+random ops outside the regions), so dropout masks, and recomputation's replay of them, are
+those of the eager backend; :data:`EAGER_NUMERICS` keeps the rest close. Inductor fuses and
+reorders reductions, so results match eager within rounding, not to the bit.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends.eager.executable import EagerExecutable
+from zerocc.backends.inductor.lowered_ops import running
 from zerocc.backends.inductor.regions import Region, find_regions, outline
-from zerocc.ir.nodes import info
+from zerocc.backends.inductor.whole import compile_whole, unsupported
+from zerocc.ir.nodes import info, placeholders, val
 from zerocc.runtime.context import RuntimeContext
 from zerocc.runtime.failures import first_line
 
@@ -75,6 +82,8 @@ def example_inputs(values: list[Any]) -> list[Any]:
     return examples
 
 
+WHOLE = "whole"  # the report's name for the whole program compiled as one graph
+
 # Inductor options that keep eager's numerics: random ops on ATen's generator (dropout masks,
 # and recomputation's replay of them, are eager's), low-precision results rounded where eager
 # rounds them.
@@ -101,6 +110,13 @@ def _loaded_modules() -> Iterator[list[str]]:
         yield loaded
 
 
+def _numerics() -> dict[str, bool]:
+    """:data:`EAGER_NUMERICS`, where this torch has the option (older releases lack some)."""
+    from torch._inductor import config
+
+    return {k: True for k in EAGER_NUMERICS if hasattr(config, k)}
+
+
 class CompiledRegion(nn.Module):
     """A region's module, run as Inductor compiled it (or eagerly, when it could not)."""
 
@@ -116,15 +132,45 @@ class CompiledRegion(nn.Module):
 
 
 class InductorExecutable(EagerExecutable):
-    """A program bound to a runtime context, its compute regions compiled by Inductor; runs,
-    and tracks what is in flight, as the eager executable does."""
+    """A program bound to a runtime context and compiled by Inductor: whole (one graph, zerocc's
+    ops in it, :mod:`zerocc.backends.inductor.whole`) where it can be and ``whole`` is asked
+    for, else region by region; runs, and tracks what is in flight, as the eager executable
+    does."""
 
-    def __init__(self, program: fx.GraphModule, ctx: RuntimeContext) -> None:
+    def __init__(self, program: fx.GraphModule, ctx: RuntimeContext, whole: bool = True) -> None:
         super().__init__(program, ctx)
-        regions = find_regions(self.gm)
         self.reports: list[RegionReport] = []
-        modules = [self._compile(self.gm, region) for region in regions]
-        self.gm = outline(self.gm, regions, modules)
+        self.whole: Any | None = None  # the whole program compiled, when it was
+        self.whole_note: str | None = None  # why it was not, when it was asked for
+        if whole:
+            self.whole_note = unsupported(program)
+            if self.whole_note is None:
+                self._compile_whole(program)
+        if self.whole is None:
+            regions = find_regions(self.gm)
+            modules = [self._compile(self.gm, region) for region in regions]
+            self.gm = outline(self.gm, regions, modules)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.whole is None:
+            return self.gm(*args)
+        # No autograd: the program holds its backward.
+        with running(self.ops), torch.no_grad():
+            return self.whole(*args)
+
+    def _compile_whole(self, program: fx.GraphModule) -> None:
+        example = example_inputs([val(n) for n in placeholders(program)])
+        start = time.perf_counter()
+        try:
+            with _loaded_modules() as loaded:
+                self.whole = compile_whole(program, example, _numerics())
+        except Exception as exc:  # Inductor rejected it: compiled region by region instead
+            self.whole_note = f"{type(exc).__name__}: {first_line(exc)[:200]}"
+            return
+        code = Path(loaded[-1]).read_text() if loaded else None
+        ops = sum(n.op == "call_function" for n in program.graph.nodes)
+        seconds = time.perf_counter() - start
+        self.reports.append(RegionReport(WHOLE, None, ops, seconds, None, code))
 
     def _compile(self, root: fx.GraphModule, region: Region) -> CompiledRegion:
         from torch._inductor import config
@@ -132,12 +178,10 @@ class InductorExecutable(EagerExecutable):
 
         module = region.graph_module(root)
         example = example_inputs([node.meta["val"] for node in region.inputs])
-        # Eager's numerics where this torch has the option (older releases lack some).
-        numerics = {k: True for k in EAGER_NUMERICS if hasattr(config, k)}
         start = time.perf_counter()
         compiled, fallback = None, None
         try:
-            with config.patch(numerics), _loaded_modules() as loaded:
+            with config.patch(_numerics()), _loaded_modules() as loaded:
                 compiled = compile_fx(module, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
             fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
@@ -150,18 +194,28 @@ class InductorExecutable(EagerExecutable):
         return CompiledRegion(module, compiled)
 
     def notes(self) -> list[str]:
-        """What the backend made of the program: regions compiled and the time it took, then
-        one line per reason regions run eagerly, naming them."""
+        """What the backend made of the program: compiled whole, or region by region (and why
+        not whole, when it was asked for), with the time it took; then one line per reason
+        regions run eagerly, naming them."""
+        if self.whole is not None:
+            (report,) = self.reports
+            return [
+                f"inductor: the whole program compiled as one graph ({report.ops} ops, "
+                f"{report.seconds:.1f} s, from the cache included)"
+            ]
         by_reason: dict[str, list[str]] = {}
         for report in self.reports:
             if report.fallback is not None:
                 by_reason.setdefault(report.fallback, []).append(report.name)
         compiled = sum(r.fallback is None for r in self.reports)
         seconds = sum(r.seconds for r in self.reports)
-        lines = [
+        lines = []
+        if self.whole_note is not None:
+            lines.append(f"inductor: compiled region by region, not whole: {self.whole_note}")
+        lines.append(
             f"inductor: {compiled} of {len(self.reports)} compute regions compiled "
             f"({seconds:.1f} s, cached ones included)"
-        ]
+        )
         lines += [
             f"inductor: {len(names)} of {len(self.reports)} compute regions run eagerly "
             f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): {reason}"
@@ -170,8 +224,9 @@ class InductorExecutable(EagerExecutable):
         return lines
 
     def artifacts(self) -> dict[str, str]:
-        """Files for the dumps: ``regions.txt`` (each region: phase, ops, compile time, how it
-        runs) and the code Inductor generated for each compiled region (``region_<i>.py``)."""
+        """Files for the dumps: ``regions.txt`` (each region, or the whole program: phase, ops,
+        compile time, how it runs) and the code Inductor generated for each (``region_<i>.py``,
+        ``whole.py``)."""
         rows = [f"{'region':<12}{'phase':<10}{'ops':>5}{'compile s':>11}  runs"]
         rows += [
             f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{r.seconds:>11.2f}  "

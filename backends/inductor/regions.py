@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from zerocc.ir.kinds import OpKind
 from zerocc.ir.nodes import info, op_kind, tag
+from zerocc.ir.rng import is_random
 
 REGION_PREFIX = "region_"
 
@@ -53,7 +54,7 @@ def _compute(node: fx.Node) -> bool:
     random."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if torch.Tag.nondeterministic_seeded in node.target.tags:
+    if is_random(node):
         return False
     return node.target.namespace == "aten" and op_kind(node) is not OpKind.PLUMBING
 

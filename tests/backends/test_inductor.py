@@ -1,6 +1,10 @@
-"""The Inductor backend (backends/inductor/): the program's compute regions compiled by
-TorchInductor (C++ on this CPU), zerocc's ops left where the passes scheduled them; a region
-Inductor cannot compile runs eagerly and explain() says so.
+"""The Inductor backend (backends/inductor/): the whole program compiled by TorchInductor as
+one graph (C++ on this CPU), zerocc's ops in it where the passes scheduled them; a program it
+cannot take whole compiled region by region (``inductor-regions`` always), and a region
+Inductor cannot compile runs eagerly; explain() says which.
+
+Most cases run on a simulated world of two ranks (``FakeComm``: every collective runs, as if
+each rank held this one's data), so the program holds gathers, reduce-scatters and waits.
 
 Tolerance against the eager backend, fp32: 1e-5 relative on each loss. Inductor fuses
 elementwise ops and reorders reductions (a layer norm's mean and variance, a softmax's sum), so
@@ -11,6 +15,8 @@ missed update or a wrong gradient moves the loss by 1e-2 or more after the first
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from models import _gpt_batch, tiny_gpt, tiny_gpt_dropout
@@ -18,6 +24,7 @@ from models import _gpt_batch, tiny_gpt, tiny_gpt_dropout
 import zerocc
 from zerocc.backends.inductor.regions import REGION_PREFIX
 from zerocc.ir.nodes import op_name
+from zerocc.ir.rng import is_random
 
 TOL = 1e-5
 
@@ -32,9 +39,12 @@ def _plan(backend: str, stage: int = 3, **sections) -> dict:
     }
 
 
-def _run(backend: str, build=tiny_gpt, steps: int = 3, **plan) -> tuple[list[float], object]:
+def _run(
+    backend: str, build=tiny_gpt, steps: int = 3, world: int = 2, **plan
+) -> tuple[list[float], object]:
     torch.manual_seed(0)  # the same initial weights for every backend
-    step = zerocc.compile(build(), _plan(backend, **plan))
+    comm = zerocc.FakeComm(world_size=world)
+    step = zerocc.compile(build(), _plan(backend, **plan), comm=comm)
     losses = [float(step(*_gpt_batch(i, 0))) for i in range(steps)]
     return losses, step
 
@@ -44,18 +54,82 @@ def _assert_close(ours: list[float], theirs: list[float]) -> None:
         assert abs(a - b) <= TOL * abs(b), f"step {i}: {a} vs {b}"
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_inductor_trains_as_eager_does(stage):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_whole_program_compiles_and_trains_as_eager_does(stage):
     eager, _ = _run("eager", stage=stage)
     ours, step = _run("inductor", stage=stage)
     _assert_close(ours, eager)
     executable = step._last_program.run
+    assert executable.whole is not None, executable.notes()
+    assert executable.notes()[0].startswith("inductor: the whole program compiled as one graph")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_regions_compile_and_train_as_eager_does(stage):
+    eager, _ = _run("eager", stage=stage)
+    ours, step = _run("inductor-regions", stage=stage)
+    _assert_close(ours, eager)
+    executable = step._last_program.run
+    assert executable.whole is None and executable.whole_note is None
     assert executable.reports and all(r.fallback is None for r in executable.reports)
     assert not any("run eagerly" in n for n in executable.notes())
 
 
-def test_zerocc_ops_keep_their_scheduled_order_and_regions_hold_none():
+def _generated_order(code: str) -> list[tuple[str, str]]:
+    """The zerocc ops of Inductor's generated code in the order it calls them: (op, the start
+    a start or wait names; '' for the others)."""
+    calls = re.findall(r"torch\.ops\.zerocc_lowered\.(\w+)\.default\(([^\n]*)", code)
+    return [(op, _last_string(args) if op == "wait" or op.endswith("_start") else "")
+            for op, args in calls]  # fmt: skip
+
+
+def _last_string(args: str) -> str:
+    return re.findall(r"'([^']*)'", args)[-1]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_whole_graph_keeps_the_passes_schedule(stage):
+    """Inductor calls zerocc's ops in the program's order (its reordering for peak memory
+    moved every gather of a ZeRO-3 step to the start), each wait naming its own start."""
+    _, step = _run("inductor", steps=1, stage=stage)
+    program, executable = step._last_program.gm, step._last_program.run
+    scheduled = []
+    for node in program.graph.nodes:
+        name = op_name(node.target) if node.op == "call_function" else ""
+        if not name.startswith("zerocc.") or name == "zerocc.free":
+            continue
+        op = name.removeprefix("zerocc.")
+        key = node.args[0].name if op == "wait" else node.name if op.endswith("_start") else ""
+        scheduled.append((op, key))
+    assert _generated_order(executable.reports[0].code) == scheduled
+
+
+def test_the_whole_graph_holds_no_more_gathered_units_than_the_program():
+    """ZeRO-3's memory: Inductor frees each gathered unit after its last read, as the
+    program's frees do, so no more units are gathered at once than the passes planned."""
     _, step = _run("inductor", steps=1)
+    program, executable = step._last_program.gm, step._last_program.run
+    planned, live = 0, set()
+    for node in program.graph.nodes:
+        name = op_name(node.target) if node.op == "call_function" else ""
+        if name == "zerocc.all_gather_start":
+            live.add(node.name)
+            planned = max(planned, len(live))
+        elif name == "zerocc.free":
+            live.discard(node.args[0].args[0].name)  # free(wait(start))
+    assert planned >= 2  # the overlap pass prefetches: two units at once
+    code, most, gathered = executable.reports[0].code, 0, set()
+    for line in code.splitlines():
+        if made := re.match(r"\s*(buf\d+) = torch\.ops\.zerocc_lowered\.all_gather_start", line):
+            gathered.add(made.group(1))
+            most = max(most, len(gathered))
+        elif dropped := re.match(r"\s*del ([\w, ]+)", line):
+            gathered -= {b.strip() for b in dropped.group(1).split(",")}
+    assert 0 < most <= planned
+
+
+def test_regions_keep_zerocc_ops_in_their_scheduled_order_and_hold_none():
+    _, step = _run("inductor-regions", steps=1)
     program, executable = step._last_program.gm, step._last_program.run
     scheduled = [op_name(n.target) for n in program.graph.nodes if _is_zerocc(n)]
     ran = [op_name(n.target) for n in executable.gm.graph.nodes if _is_zerocc(n)]
@@ -72,26 +146,27 @@ def _is_zerocc(node) -> bool:
 
 
 def test_random_ops_draw_what_eager_draws():
-    """Random ops run outside the regions, by ATen: dropout masks are eager's on every torch
+    """A program that draws random numbers is compiled region by region (said in explain()),
+    its random ops outside the regions, by ATen: dropout masks are eager's on every torch
     (torch 2.11's Inductor drew others under fallback_random)."""
     eager, _ = _run("eager", build=tiny_gpt_dropout)
     ours, step = _run("inductor", build=tiny_gpt_dropout)
     _assert_close(ours, eager)
     executable = step._last_program.run
+    assert executable.whole is None
+    assert executable.notes()[0] == (
+        "inductor: compiled region by region, not whole: it draws random numbers (aten.bernoulli_)"
+    )
     regions = [n for n in executable.gm.graph.nodes if n.op == "call_module"]
     inner = [n for r in regions for n in getattr(executable.gm, r.target).region.graph.nodes]
-    assert not [n for n in inner if _is_random(n)]
-    assert [n for n in executable.gm.graph.nodes if _is_random(n)]  # run in the top graph
+    assert not [n for n in inner if is_random(n)]
+    assert [n for n in executable.gm.graph.nodes if is_random(n)]  # run in the top graph
 
 
-def _is_random(node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in (
-        target.tags
-    )
+def test_a_program_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch):
+    """Rejected whole, then region by region: every region runs eagerly, and explain() says
+    both, each reason on one line."""
 
-
-def test_a_region_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch):
     def rejects(module, example_inputs):
         raise RuntimeError("no C++ compiler found\nsecond line")
 
@@ -102,25 +177,29 @@ def test_a_region_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch)
     eager_lines = [n for n in step._last_program.run.notes() if "run eagerly" in n]
     assert len(eager_lines) == 1 and "RuntimeError: no C++ compiler found" in eager_lines[0]
     assert "second line" not in eager_lines[0] and eager_lines[0] in step.explain()
+    assert "not whole: RuntimeError: no C++ compiler found" in step.explain()
 
 
-def test_a_second_launch_finds_every_region_in_inductors_caches():
-    """Regions are compiled with a shape environment, so Inductor's caches (on disk) serve a
-    region compiled before: a second step of the same plan, as a second launch would, compiles
-    nothing (the first run may hit already: the cache outlives the process)."""
+@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+def test_a_second_launch_finds_what_it_compiles_in_inductors_caches(backend):
+    """The whole graph, or each region, is compiled with a shape environment, so Inductor's
+    caches (on disk) serve one compiled before: a second step of the same plan, as a second
+    launch would, compiles nothing (the first run may hit already: the cache outlives the
+    process)."""
     from torch._dynamo.utils import counters
 
-    _run("inductor", steps=1, overlap={"bucket_mb": 0})
+    _run(backend, steps=1, overlap={"bucket_mb": 0})
     counters.clear()
-    _, step = _run("inductor", steps=1, overlap={"bucket_mb": 0})
+    _, step = _run(backend, steps=1, overlap={"bucket_mb": 0})
     regions = len(step._last_program.run.reports)
     cache = counters["aot_autograd"]
     assert cache["autograd_cache_hit"] == regions, dict(cache)
     assert not cache["autograd_cache_miss"] and not cache["autograd_cache_bypass"], dict(cache)
 
 
-def test_the_dumps_hold_each_regions_generated_code():
-    _, step = _run("inductor", steps=1)
+@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+def test_the_dumps_hold_the_generated_code(backend):
+    _, step = _run(backend, steps=1)
     files = step.record().backend_artifacts
     table = files["regions.txt"].splitlines()
     regions = step._last_program.run.reports

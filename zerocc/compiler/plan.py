@@ -555,9 +555,11 @@ class BackendConfig(_Section):
     name: str = Field(
         "eager",
         description="the backend that runs the scheduled graph: eager (the reference, op by op), "
-        "inductor (each compute region between zerocc's ops compiled by TorchInductor: Triton "
-        "on a GPU, C++ on a CPU), auto (inductor on a GPU, eager on a CPU) or one registered "
-        "with zerocc.backends.register_backend",
+        "inductor (the whole program compiled by TorchInductor as one graph, zerocc's ops in "
+        "it as scheduled: Triton on a GPU, C++ on a CPU; region by region where it cannot be "
+        "whole), inductor-regions (each compute region between zerocc's ops compiled), auto "
+        "(inductor on a GPU, eager on a CPU) or one registered with "
+        "zerocc.backends.register_backend",
     )
     kernels: Literal["auto", "torch", "fused", "triton"] = Field(
         "auto",

@@ -1,0 +1,191 @@
+"""zerocc's ops in the form one Inductor graph can hold: the ``zerocc_lowered`` namespace.
+
+The whole-graph lowering (:mod:`zerocc.backends.inductor.whole`) hands Inductor the entire
+program, zerocc's ops included. Inductor functionalizes what it is given, and it accepts a
+custom op that mutates arguments but not one that returns an alias of one (zerocc's ``wait``,
+``all_reduce_start``, ``all_gather_into_start``, ``copy_into_start`` do). So each zerocc op
+has a twin here:
+
+- the compute ops (``pack``, the update, the flags, the clip) keep their schemas;
+- a start names its start node (``started``, the eager backend's handle key); one that fills
+  an existing tensor returns nothing and mutates it; one that makes its result returns it;
+- ``wait(tensor, reads, started)`` returns nothing (an op returning its input is what
+  AOTAutograd's aliasing check rejects, torch's own ``wait_tensor`` excepted): what read the
+  wait's result reads ``tensor``, and the wait is lowered as torch's is, a kernel that
+  *mutates* ``tensor`` (Inductor's ``_WaitKernel``), so every later read of it comes after the
+  wait, and Inductor never reuses its memory while the collective or copy may still write it
+  (Inductor's own model of a collective). ``reads`` are the tensors a filling start reads (an
+  all-gather's shard, a copy's source): read by the wait too, Inductor keeps them, unchanged,
+  until it. A making start's are kept so by Inductor's collective kernel itself.
+
+At run time every twin calls the implementation of the executable running it: its
+:class:`~zerocc.backends.eager.ops.EagerOps`, made current by :func:`running` for the length
+of a call (the generated code calls ops by name and holds no reference to an executable).
+``free`` has no twin: Inductor frees each buffer after its last read, which is where the
+passes put the frees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.library import Library
+
+from zerocc.backends.eager.ops import EagerOps
+from zerocc.ir.ops import SCHEMAS
+
+NAMESPACE = "zerocc_lowered"
+_lib = Library(NAMESPACE, "DEF")
+
+# Starts that make their result; starts that fill an existing tensor (mutated, nothing
+# returned); the ops whose schema is zerocc's own.
+MAKING_STARTS = {
+    "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group, str started)"
+    " -> Tensor",
+    "reduce_scatter_start": (
+        "reduce_scatter_start(Tensor full, int world_size, str group, str started) -> Tensor"
+    ),
+    "copy_start": "copy_start(Tensor src, Device device, str direction, str started) -> Tensor",
+}
+FILLING_STARTS = {
+    "all_gather_into_start": (
+        "all_gather_into_start(Tensor(a!) out, Tensor shard, str group, str started) -> ()"
+    ),
+    "all_reduce_start": "all_reduce_start(Tensor(a!) tensor, str group, str started) -> ()",
+    "copy_into_start": (
+        "copy_into_start(Tensor(a!) dst, Tensor src, str direction, str started) -> ()"
+    ),
+}
+COMPUTE = (
+    "pack",
+    "unscale_check_",
+    "sum_squares",
+    "nonfinite_flags",
+    "clip_coef",
+    "adamw_",
+    "sgd_",
+)
+WAIT = "wait(Tensor tensor, Tensor[] reads, str started) -> ()"
+
+# Every zerocc op the whole graph can hold: the twins, and ``free``, which it drops.
+LOWERED = frozenset({*MAKING_STARTS, *FILLING_STARTS, *COMPUTE, "wait"})
+DROPPED = frozenset({"free"})
+
+_running: contextvars.ContextVar[EagerOps] = contextvars.ContextVar("zerocc_lowered_ops")
+
+
+@contextlib.contextmanager
+def running(ops: EagerOps) -> Iterator[None]:
+    """The twins called in the body run ``ops``' implementations."""
+    token = _running.set(ops)
+    try:
+        yield
+    finally:
+        _running.reset(token)
+
+
+def _current() -> EagerOps:
+    ops = _running.get(None)
+    if ops is None:
+        raise RuntimeError(f"{NAMESPACE} ops run only inside a zerocc executable's call")
+    return ops
+
+
+def _start(name: str, returns: bool):
+    def impl(*args: Any) -> torch.Tensor | None:
+        *args, started = args
+        out = getattr(_current(), name)(*args, started=started)
+        return out if returns else None
+
+    def fake(*args: Any) -> torch.Tensor | None:
+        return getattr(torch.ops.zerocc, name)(*args[:-1]) if returns else None
+
+    return impl, fake
+
+
+def _compute(name: str):
+    def impl(*args: Any) -> Any:
+        return getattr(_current(), name)(*args)
+
+    def fake(*args: Any) -> Any:
+        return getattr(torch.ops.zerocc, name)(*args)
+
+    return impl, fake
+
+
+def _wait_impl(tensor: torch.Tensor, reads: list[torch.Tensor], started: str) -> None:
+    _current().wait(tensor, started=started)
+
+
+def _wait_fake(tensor: torch.Tensor, reads: list[torch.Tensor], started: str) -> None:
+    return None
+
+
+def _define(name: str, schema: str, impl: Any, fake: Any) -> None:
+    _lib.define(schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", lib=_lib)(fake)
+
+
+for _name, _schema in MAKING_STARTS.items():
+    _define(_name, _schema, *_start(_name, returns=True))
+for _name, _schema in FILLING_STARTS.items():
+    _define(_name, _schema, *_start(_name, returns=False))
+for _name in COMPUTE:
+    _define(_name, SCHEMAS[_name], *_compute(_name))
+_define("wait", WAIT, _wait_impl, _wait_fake)
+# A wait returns nothing: kept from fx's dead-code elimination, as torch's collectives are.
+torch.fx.node.has_side_effect(getattr(torch.ops, NAMESPACE).wait.default)
+
+
+def lowered(name: str) -> torch._ops.OpOverload:
+    """The twin of ``zerocc.<name>``."""
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+@functools.cache
+def register_lowerings() -> None:
+    """Teach Inductor the twins that communicate or copy (once per process): a making start
+    is an out-of-place collective kernel, ``wait`` a kernel that mutates what it waits for.
+    The rest are fallback kernels, which Inductor makes of any op it has no lowering for."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import (
+        add_layout_constraint,
+        constrain_to_fx_strides,
+        register_lowering,
+    )
+    from torch._inductor.virtualized import V
+
+    class Wait(ir._WaitKernel):
+        """Inductor's wait kernel, for a wait that names its start."""
+
+        @classmethod
+        def create_named(cls, kernel: Any, inp: Any, reads: list, started: str) -> None:
+            with V.graph.fake_mode:
+                made = cls.process_kernel(kernel, inp, reads, started)
+            _, tensors, non_tensors, unflatten, _ = made
+            device = inp.get_device()
+            packed = cls(ir.NoneLayout(device=device), kernel, tensors, non_tensors, unflatten)
+            packed.mutation_outputs.append(
+                ir.MutationOutput(ir.NoneLayout(device=device), inp, packed)
+            )
+
+    for name in MAKING_STARTS:
+        op = getattr(getattr(torch.ops, NAMESPACE), name)
+        add_layout_constraint(op, constrain_to_fx_strides)
+
+        def lower_start(inp: Any, *args: Any, _op: Any = op.default) -> Any:
+            return ir.TensorBox.create(ir._CollectiveKernel.create_out_of_place(_op, inp, *args))
+
+        register_lowering(op)(lower_start)
+
+    wait = getattr(torch.ops, NAMESPACE).wait
+
+    @register_lowering(wait)
+    def lower_wait(inp: Any, reads: list, started: str) -> None:
+        Wait.create_named(wait.default, inp, reads, started)

@@ -1,0 +1,98 @@
+"""The whole program as one Inductor graph: compute fused across units, zerocc's ops in place.
+
+:func:`rewrite` turns a scheduled program into a graph Inductor accepts whole: every zerocc op
+becomes its twin of :mod:`zerocc.backends.inductor.lowered_ops` (a start names its node, a wait
+its start; a start that filled a tensor returns nothing, and what read its result reads that
+tensor), and the frees go (Inductor frees each buffer after its last read). :func:`compile_whole`
+compiles it with the options that keep the passes' schedule: Inductor's reordering for peak
+memory and for locality moved every gather of a ZeRO-3 step to its start (all parameters
+gathered at once), so both are off, and the kernels run in the program's order, fused.
+
+Programs it does not take (:func:`unsupported`): one that draws random numbers (dropout, and
+recomputation's replay of the generator's state, ordered only by the generator, which Inductor
+does not see), reads and writes NVMe, or frees an input; those are compiled region by region.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import fx
+
+from zerocc.backends.eager.executable import zerocc_op
+from zerocc.backends.inductor.lowered_ops import (
+    DROPPED,
+    FILLING_STARTS,
+    LOWERED,
+    lowered,
+    register_lowerings,
+)
+from zerocc.ir.nodes import op_name
+from zerocc.ir.rng import is_random
+
+# Filling starts that read a source tensor (their second argument) while in flight.
+SOURCED = frozenset({"all_gather_into_start", "copy_into_start"})
+
+# Inductor options for the whole graph: the program's order kept (see the module's docstring).
+KEEP_ORDER = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
+
+
+def unsupported(program: fx.GraphModule) -> str | None:
+    """Why ``program`` cannot be lowered whole (None when it can)."""
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if is_random(node):
+            return f"it draws random numbers ({op_name(node.target)})"
+        name = zerocc_op(node)
+        if name is not None and name not in LOWERED | DROPPED:
+            return f"it holds zerocc.{name}"
+        if name in DROPPED and node.args[0].op == "placeholder":
+            # Inductor frees what the program made, never what it was given.
+            return f"it frees its input {node.args[0].name}"
+    return None
+
+
+def rewrite(program: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``program`` whose zerocc ops are their lowered twins, without frees."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    # The wait's start, and what the start reads that must outlive it (a filling start's
+    # source), before any start is rewritten (a filling start's uses move to what it fills).
+    started = {n: n.args[0] for n in graph.nodes if zerocc_op(n) == "wait"}
+    reads = {s: list(s.args[1:2]) if zerocc_op(s) in SOURCED else [] for s in started.values()}
+    for node in list(graph.nodes):
+        name = zerocc_op(node)
+        if name is None:
+            continue
+        if name in DROPPED:
+            graph.erase_node(node)
+        elif name == "wait":
+            start = started[node]
+            node.target, node.args = lowered(name), (node.args[0], reads[start], start.name)
+            node.replace_all_uses_with(node.args[0])
+        elif name in FILLING_STARTS:
+            filled = node.args[0]
+            with graph.inserting_before(node):
+                twin = graph.call_function(lowered(name), (*node.args, node.name), node.kwargs)
+            twin.meta = dict(node.meta)
+            node.replace_all_uses_with(filled)
+            graph.erase_node(node)
+        elif name.endswith("_start"):
+            node.target, node.args = lowered(name), (*node.args, node.name)
+        else:
+            node.target = lowered(name)
+    return fx.GraphModule(program, graph)
+
+
+def compile_whole(program: fx.GraphModule, example_inputs: list[Any], options: dict) -> Any:
+    """``program`` rewritten and compiled by Inductor as one graph (``options``: Inductor
+    config on top of :data:`KEEP_ORDER`); called with the program's inputs, it returns what
+    the program returns, the twins running the implementations made current by
+    :func:`~zerocc.backends.inductor.lowered_ops.running`."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    register_lowerings()
+    with config.patch({**options, **KEEP_ORDER}):
+        return compile_fx(rewrite(program), example_inputs)
