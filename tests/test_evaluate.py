@@ -67,23 +67,30 @@ def test_evaluate_is_the_next_steps_forward_and_changes_nothing(case):
         assert runs[True]["losses"] == runs[False]["losses"], f"rank {rank}"
 
 
-def test_evaluate_runs_the_model_in_eval_mode():
-    """Dropout off while evaluating (and back on for training): the loss is the eval-mode
-    model's, the same batch evaluated twice gives the same loss."""
+def _dropout_step(train: bool) -> tuple:
+    """The dropout GPT (in train mode or not), its step on one rank, the eval-mode model's
+    loss on the first batch, and that batch."""
     from models import RANDOM_MODELS
 
     build_dropout, make_batch, units = RANDOM_MODELS["gpt_dropout"]
     torch.manual_seed(0)
-    model = build_dropout()
+    model = build_dropout().train(train)
     reference = build_dropout()
     reference.load_state_dict(model.state_dict())
     reference.eval()
     plan = {"zero": {"stage": 3}, "units": units, "backend": {"kernels": "torch"}}
     step = zerocc.compile(model, plan, comm=zerocc.FakeComm(world_size=1))
     batch = make_batch(0, 0)
-    first, second = float(step.evaluate(*batch)), float(step.evaluate(*batch))
     with torch.no_grad():
         expected = float(loss_of(reference(*batch)))
+    return model, step, expected, batch
+
+
+def test_evaluate_runs_the_model_in_eval_mode():
+    """Dropout off while evaluating (and back on for training): the loss is the eval-mode
+    model's, the same batch evaluated twice gives the same loss."""
+    model, step, expected, batch = _dropout_step(train=True)
+    first, second = float(step.evaluate(*batch)), float(step.evaluate(*batch))
     assert first == second == pytest.approx(expected, rel=1e-6)
     assert model.training  # the user's model keeps its mode
 
@@ -119,17 +126,5 @@ def test_materialize_model_gives_the_steps_weights_back():
 def test_training_is_traced_in_the_mode_the_user_left():
     """Evaluation traces in eval mode; a training program keeps the user's mode (a model put
     in eval mode trains without dropout: its first loss is the eval-mode model's)."""
-    from models import RANDOM_MODELS
-
-    build_dropout, make_batch, units = RANDOM_MODELS["gpt_dropout"]
-    torch.manual_seed(0)
-    model = build_dropout().eval()
-    reference = build_dropout()
-    reference.load_state_dict(model.state_dict())
-    reference.eval()
-    plan = {"zero": {"stage": 3}, "units": units, "backend": {"kernels": "torch"}}
-    step = zerocc.compile(model, plan, comm=zerocc.FakeComm(world_size=1))
-    batch = make_batch(0, 0)
-    with torch.no_grad():
-        expected = float(loss_of(reference(*batch)))
+    _, step, expected, batch = _dropout_step(train=False)
     assert float(step(*batch)) == pytest.approx(expected, rel=1e-6)
