@@ -6,7 +6,8 @@ custom op that mutates arguments but not one that returns an alias of one (zeroc
 ``all_reduce_start``, ``all_gather_into_start``, ``copy_into_start`` do). So each zerocc op
 has a twin here:
 
-- the compute ops (``pack``, the update, the flags, the clip) keep their schemas;
+- the compute ops (``pack``, the update, the flags, the clip) keep their schemas; the
+  non-finite checks are made of torch ops, which Inductor compiles (:data:`COMPOSITE`);
 - a start names its start node (``started``, the eager backend's handle key); one that fills
   an existing tensor returns nothing and mutates it; one that makes its result returns it;
 - ``wait(tensor, reads, started)`` returns nothing (an op returning its input is what
@@ -23,6 +24,9 @@ At run time every twin calls the implementation of the executable running it: it
 of a call (the generated code calls ops by name and holds no reference to an executable).
 ``free`` has no twin: Inductor frees each buffer after its last read, which is where the
 passes put the frees.
+
+Inductor's on-disk caches know a twin by its name and schema, not by what it does: a change to
+what one computes must come with a new name, or a second launch would run the old one.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from torch.library import Library
 
 from zerocc.backends.eager.ops import EagerOps
+from zerocc.backends.kernels import reference
 from zerocc.ir.ops import SCHEMAS
 
 NAMESPACE = "zerocc_lowered"
@@ -61,19 +66,17 @@ FILLING_STARTS = {
         "copy_into_start(Tensor(a!) dst, Tensor src, str direction, str started) -> ()"
     ),
 }
-COMPUTE = (
-    "pack",
-    "unscale_check_",
-    "sum_squares",
-    "nonfinite_flags",
-    "clip_coef",
-    "adamw_",
-    "sgd_",
-)
+COMPUTE = ("pack", "unscale_check_", "sum_squares", "clip_coef", "adamw_", "sgd_")
+# Twins made of torch ops (the torch reference's), which Inductor traces and compiles: the
+# non-finite checks (and the clip's sum of squares), one fused pass over the gradients, 7 ms
+# against the reference's 71 for 11 shards of 1.6M elements on one core of this CPU. The
+# others run as their kernel set does: the packing among them, a memcpy per gradient, where
+# Inductor's concatenation took 3x as long.
+COMPOSITE = {"nonfinite_flags": reference.nonfinite_flags}
 WAIT = "wait(Tensor tensor, Tensor[] reads, str started) -> ()"
 
 # Every zerocc op the whole graph can hold: the twins, and ``free``, which it drops.
-LOWERED = frozenset({*MAKING_STARTS, *FILLING_STARTS, *COMPUTE, "wait"})
+LOWERED = frozenset({*MAKING_STARTS, *FILLING_STARTS, *COMPUTE, *COMPOSITE, "wait"})
 DROPPED = frozenset({"free"})
 
 _running: contextvars.ContextVar[EagerOps] = contextvars.ContextVar("zerocc_lowered_ops")
@@ -138,6 +141,9 @@ for _name, _schema in FILLING_STARTS.items():
     _define(_name, _schema, *_start(_name, returns=False))
 for _name in COMPUTE:
     _define(_name, SCHEMAS[_name], *_compute(_name))
+for _name, _composite in COMPOSITE.items():
+    _lib.define(SCHEMAS[_name])
+    _lib.impl(_name, _composite, "CompositeImplicitAutograd")
 _define("wait", WAIT, _wait_impl, _wait_fake)
 # A wait returns nothing: kept from fx's dead-code elimination, as torch's collectives are.
 torch.fx.node.has_side_effect(getattr(torch.ops, NAMESPACE).wait.default)
@@ -162,7 +168,12 @@ def register_lowerings() -> None:
     from torch._inductor.virtualized import V
 
     class Wait(ir._WaitKernel):
-        """Inductor's wait kernel, for a wait that names its start."""
+        """Inductor's wait kernel, for a wait that names its start (and calls zerocc's wait,
+        not the C++ kernel of torch's, which Inductor's names for a C++ wrapper)."""
+
+        def __init__(self, layout: Any, kernel: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(layout, kernel, *args, **kwargs)
+            self.set_cpp_kernel_name()  # its own schema name
 
         @classmethod
         def create_named(cls, kernel: Any, inp: Any, reads: list, started: str) -> None:
