@@ -27,3 +27,17 @@ def test_train_launches_two_ranks_and_summarizes():
     assert "world size 2" in out and "all_gather" in out and "reduce_scatter" in out
     assert "3 step(s) on 2 rank(s)" in out
     assert "model state per rank" in out and "(mean over 2 rank(s), up to step 3)" in out
+
+
+def test_train_in_process_leaves_no_dump_folder_behind(tmp_path, monkeypatch):
+    """`--dump` is set for the command only: a later step of the same process (a script that
+    calls the CLI, then compiles) does not dump."""
+    from zerocc.cli.main import main
+    from zerocc.inspect.dumps import DUMP_DIR_ENV
+
+    monkeypatch.delenv(DUMP_DIR_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    dump = tmp_path / "dump"
+    assert main(["train", str(PLAN), "--nproc", "1", "--steps", "1", "--dump", str(dump)]) == 0
+    assert dump.is_dir()
+    assert DUMP_DIR_ENV not in os.environ

@@ -140,30 +140,30 @@ class InductorExecutable(EagerExecutable):
     def __init__(self, program: fx.GraphModule, ctx: RuntimeContext, whole: bool = True) -> None:
         super().__init__(program, ctx)
         self.reports: list[RegionReport] = []
-        self.whole: Any | None = None  # the whole program compiled, when it was
+        self.compiled_whole: Any | None = None  # the whole program compiled, when it was
         self.whole_note: str | None = None  # why it was not, when it was asked for
         if whole:
             self.whole_note = unsupported(program)
             if self.whole_note is None:
                 self._compile_whole(program)
-        if self.whole is None:
+        if self.compiled_whole is None:
             regions = find_regions(self.gm)
             modules = [self._compile(self.gm, region) for region in regions]
             self.gm = outline(self.gm, regions, modules)
 
     def __call__(self, *args: Any) -> Any:
-        if self.whole is None:
+        if self.compiled_whole is None:
             return self.gm(*args)
         # No autograd: the program holds its backward.
         with running(self.ops), torch.no_grad():
-            return self.whole(*args)
+            return self.compiled_whole(*args)
 
     def _compile_whole(self, program: fx.GraphModule) -> None:
         example = example_inputs([val(n) for n in placeholders(program)])
         start = time.perf_counter()
         try:
             with _loaded_modules() as loaded:
-                self.whole = compile_whole(program, example, _numerics())
+                self.compiled_whole = compile_whole(program, example, _numerics())
         except Exception as exc:  # Inductor rejected it: compiled region by region instead
             self.whole_note = f"{type(exc).__name__}: {first_line(exc)[:200]}"
             return
@@ -197,7 +197,7 @@ class InductorExecutable(EagerExecutable):
         """What the backend made of the program: compiled whole, or region by region (and why
         not whole, when it was asked for), with the time it took; then one line per reason
         regions run eagerly, naming them."""
-        if self.whole is not None:
+        if self.compiled_whole is not None:
             (report,) = self.reports
             return [
                 f"inductor: the whole program compiled as one graph ({report.ops} ops, "

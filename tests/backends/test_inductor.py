@@ -61,7 +61,7 @@ def test_the_whole_program_compiles_and_trains_as_eager_does(stage):
     ours, step = _run("inductor", stage=stage)
     _assert_close(ours, eager)
     executable = step._last_program.run
-    assert executable.whole is not None, executable.notes()
+    assert executable.compiled_whole is not None, executable.notes()
     assert executable.notes()[0].startswith("inductor: the whole program compiled as one graph")
 
 
@@ -71,7 +71,7 @@ def test_regions_compile_and_train_as_eager_does(stage):
     ours, step = _run("inductor-regions", stage=stage)
     _assert_close(ours, eager)
     executable = step._last_program.run
-    assert executable.whole is None and executable.whole_note is None
+    assert executable.compiled_whole is None and executable.whole_note is None
     assert executable.reports and all(r.fallback is None for r in executable.reports)
     assert not any("run eagerly" in n for n in executable.notes())
 
@@ -157,7 +157,7 @@ def test_random_ops_draw_what_eager_draws():
     ours, step = _run("inductor", build=tiny_gpt_dropout)
     _assert_close(ours, eager)
     executable = step._last_program.run
-    assert executable.whole is None
+    assert executable.compiled_whole is None
     assert executable.notes()[0] == (
         "inductor: compiled region by region, not whole: it draws random numbers (aten.bernoulli_)"
     )

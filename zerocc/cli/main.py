@@ -21,7 +21,7 @@ from zerocc.cli.inspect import add_commands as add_inspect_commands
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
-from zerocc.runtime.launch import RANK_WORKER_ENV
+from zerocc.runtime.launch import RANK_WORKER_ENV, environment
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,22 +271,23 @@ SECTION_FLAGS = {
 
 def _train(args: argparse.Namespace) -> int:
     from zerocc.cli.train import train_rank
+    from zerocc.inspect.dumps import DUMP_DIR_ENV
 
     plan = _with_section_flags(_checked_plan(args.plan), args)  # checked once, here
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
-    if args.dump:  # every rank reads it (inherited by the launched ranks)
-        from zerocc.inspect.dumps import DUMP_DIR_ENV
-
-        os.environ[DUMP_DIR_ENV] = str(Path(args.dump).resolve())
-    if _launched() or args.nproc == 1:
-        return train_rank(plan, args.steps)
-    command = ["train", str(args.plan), "--steps", str(args.steps)]
-    for flags in SECTION_FLAGS.values():
-        for flag in flags:
-            if getattr(args, flag) is not None:
-                command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return _launch(plan, args, command)
+    # Every rank reads the dump folder (the launched ranks inherit it); set for this command
+    # only, so a later step of the same process does not dump.
+    dumps = {DUMP_DIR_ENV: str(Path(args.dump).resolve())} if args.dump else {}
+    with environment(dumps):
+        if _launched() or args.nproc == 1:
+            return train_rank(plan, args.steps)
+        command = ["train", str(args.plan), "--steps", str(args.steps)]
+        for flags in SECTION_FLAGS.values():
+            for flag in flags:
+                if getattr(args, flag) is not None:
+                    command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        return _launch(plan, args, command)
 
 
 def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
