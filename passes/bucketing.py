@@ -14,7 +14,8 @@ are each smaller than the bucket size, up to that size in total:
 - **Gradient all-reduces** (stage 0, DDP's buckets): the units' gradients are concatenated,
   all-reduced at the last unit's place, and copied back into each unit's gradient.
 
-Stages 1-2's all-gathers of updated shards are not bucketed.
+Stages 1-2's all-gathers of updated shards are not bucketed, nor hybrid sharding's all-reduces
+across replicas.
 
 Both move each element through the same reduction as before (a sum over ranks), only in a
 larger message: on two ranks the sums are bit-identical; on more, the collective library may
@@ -133,13 +134,20 @@ def bucket_gathers(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> No
 
 
 def _hand_over(wait: fx.Node, value: fx.Node, last: fx.Node, earlier: set[fx.Node]) -> None:
-    """``value`` replaces a unit's old wait: it takes the wait's role, and the wait's users that
-    ran before the bucket (a unit's accumulation into its gradient shard) now follow it."""
+    """``value`` replaces a unit's old wait: it takes the wait's role, and what read the wait
+    before the bucket (a unit's accumulation into its gradient shard, hybrid sharding's
+    all-reduce across replicas), and what read those before it, now follow it, in order."""
     tag(value, role=info(wait).role, no_grad=info(wait).no_grad)
     wait.replace_all_uses_with(value)
-    for user in list(value.users):
-        if user in earlier:
-            last.prepend(user)
+    moved, frontier = [], [value]
+    while frontier:
+        for user in frontier.pop().users:
+            if user in earlier and user not in moved:
+                moved.append(user)
+                frontier.append(user)
+    order = {n: i for i, n in enumerate(_before(value.graph, last))}
+    for user in sorted(moved, key=order.__getitem__):
+        last.prepend(user)
 
 
 def bucket_reduce_scatters(gm: fx.GraphModule, run: list[tuple[fx.Node, fx.Node]]) -> None:
@@ -208,8 +216,13 @@ def bucket_collectives(gm: fx.GraphModule, bucket_bytes: float) -> None:
     ]
     for run in _runs(gathers, bucket_bytes):
         bucket_gathers(gm, run)
+    # (hybrid sharding's all-reduces across replicas stay as they are: another group)
     backward = {
-        name: [(s, w) for s, w in _pairs(gm, name) if info(s).phase == "backward"]
+        name: [
+            (s, w)
+            for s, w in _pairs(gm, name)
+            if info(s).phase == "backward" and s.args[-1] == DP_GROUP
+        ]
         for name in ("reduce_scatter_start", "all_reduce_start")
     }
     for run in _runs(backward["reduce_scatter_start"], bucket_bytes):

@@ -29,7 +29,7 @@ from torch import fx
 from zerocc.compiler.pass_spec import PassContext
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
-from zerocc.ir.ops import DP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, op
 from zerocc.passes.param_uses import ParamUses
 
 aten = torch.ops.aten
@@ -86,6 +86,7 @@ class Gradients:
         self.stage = stage
         self.accumulate = grad_accumulation > 1
         self.solo = ctx.world_size == 1
+        self.replicas = ctx.mesh.replicate  # > 1: shards replicated (HSDP)
         self.accumulators = accumulators  # unit -> its `grad` placeholder (with accumulation)
         self.offloaded = offloaded  # units whose states offload keeps off the device
         self.fqns_of: dict[fx.Node, list[str]] = {}
@@ -160,6 +161,19 @@ class Gradients:
             GRAD_SHARD,
         )  # fmt: skip
 
+    def across_replicas(self, shard: fx.Node, unit: Unit) -> None:
+        """Hybrid sharding: all-reduce the reduced gradient ``shard`` (in place) across the
+        ranks that hold the same shard; the update reads the all-reduce's result instead."""
+        if self.replicas == 1:
+            return
+        tag(shard, role=None)
+        nbytes = 2 * unit.shard_numel * unit.dtype.itemsize
+        note = f"all-reduce {unit.name}'s gradient shard across its {self.replicas} replicas"
+        args = (shard, REPLICATE_GROUP)
+        unit_collective(
+            self.graph, "all_reduce_start", args, unit, "backward", nbytes, note, GRAD_SHARD
+        )
+
     def reduce_into_shard(self, unit: Unit) -> None:
         """Stages 2-3 with accumulation: pack, reduce-scatter, add into the gradient shard."""
         packed = self.pack(unit, f"{unit.name}'s gradients, for their reduce-scatter")
@@ -167,7 +181,9 @@ class Gradients:
         reduced = self.reduce_scatter(packed, unit, note, None)
         role = GRAD_SHARD if self.ctx.boundary else None
         args = (self.accumulators[unit.name], reduced)
-        emit(self.graph, aten.add_.Tensor, args, role=role, **self._at(unit))
+        added = emit(self.graph, aten.add_.Tensor, args, role=role, **self._at(unit))
+        if self.ctx.boundary:
+            self.across_replicas(added, unit)
 
     def reduce_accumulated(self, unit: Unit) -> None:
         """Stages 0-1 with accumulation, stepping micro-batch: reduce the full accumulator."""
@@ -176,7 +192,7 @@ class Gradients:
             self.all_reduce(grad, unit)
         else:
             note = f"reduce-scatter {unit.name}'s accumulated gradient"
-            self.reduce_scatter(grad, unit, note, GRAD_SHARD)
+            self.across_replicas(self.reduce_scatter(grad, unit, note, GRAD_SHARD), unit)
 
     def reduce_for_update(self, unit: Unit) -> None:
         """Without accumulation: pack once complete, reduce for the update (all-reduce in place
@@ -186,7 +202,7 @@ class Gradients:
             self.all_reduce(packed, unit)
         else:
             note = f"reduce-scatter {unit.name}'s gradient after its last contribution"
-            self.reduce_scatter(packed, unit, note, GRAD_SHARD)
+            self.across_replicas(self.reduce_scatter(packed, unit, note, GRAD_SHARD), unit)
 
     def keep_for_update(self, unit: Unit) -> None:
         """One rank without accumulation: each parameter's gradient where backward left it,

@@ -119,7 +119,7 @@ def partition(
     it before the first call), so it hands the units it allocated for in ``ctx.units``: they are
     built once, here or there, never twice. A compile-only run (inspect, estimate) has none."""
     if not ctx.units:
-        ctx.units = assign_units(ctx.model, ctx.world_size, classes, modules, min_mb)
+        ctx.units = assign_units(ctx.model, ctx.mesh.shard_size, classes, modules, min_mb)
     unit_of = {p.fqn: u.name for u in ctx.units for p in u.params}
     for node in placeholders(gm, PARAM):
         tag(node, unit=unit_of[info(node).key])

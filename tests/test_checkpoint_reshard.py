@@ -79,6 +79,9 @@ RESHARDS = {  # (ranks, stage) saved -> (ranks, stage) loaded, extra plan of eac
     "2xZ3 offload->2xZ2": ((2, 3), (2, 2), {"offload": {"optimizer": "cpu"}}, {}),
     # The schedule goes on where it was: at step 3 the peak rate, where a restart would be at 0.
     "2xZ3 cosine->3xZ1": ((2, 3), (3, 1), {"optimizer": SCHEDULED}, {"optimizer": SCHEDULED}),
+    # Hybrid sharding: the first replica's ranks save the shards; every replica loads them.
+    "4xZ3 2 replicas->2xZ3": ((4, 3), (2, 3), {"zero": {"stage": 3, "replicate": 2}}, {}),
+    "2xZ2->4xZ2 2 replicas": ((2, 2), (4, 2), {}, {"zero": {"stage": 2, "replicate": 2}}),
 }
 
 

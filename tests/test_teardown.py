@@ -19,6 +19,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 REPEAT = int(os.environ.get("ZEROCC_TEST_REPEAT", "5"))
 
 WORKLOAD = """
@@ -69,7 +71,7 @@ def _gloo_threads() -> int:
     return sum(open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo") for t in tasks)
 
 
-def _compile_and_drop(rank: int, world: int) -> tuple[int, int]:
+def _compile_and_drop(rank: int, world: int, replicate: int = 1) -> tuple[int, int]:
     import gc
 
     import torch
@@ -80,7 +82,7 @@ def _compile_and_drop(rank: int, world: int) -> tuple[int, int]:
     before = _gloo_threads()
     after_del = []
     for _ in range(3):
-        plan = {"backend": {"device": "cpu"}}
+        plan = {"zero": {"replicate": replicate}, "backend": {"device": "cpu"}}
         step = zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=lambda m, x: m(x).sum())
         step(torch.ones(2, 4))
         del step
@@ -89,12 +91,14 @@ def _compile_and_drop(rank: int, world: int) -> tuple[int, int]:
     return before, after_del, _gloo_threads()
 
 
-def test_a_dropped_step_releases_its_process_group():
+@pytest.mark.parametrize(("world", "replicate"), [(2, 1), (4, 2)])
+def test_a_dropped_step_releases_its_process_group(world, replicate):
     """As soon as the last reference goes, not at the next cycle collection: a script that
     drops its step and then destroys the default group (as `zerocc train` does) must leave no
     group of zerocc's to be torn down while the interpreter exits (that aborted: the group's
-    threads met a finalizing interpreter)."""
+    threads met a finalizing interpreter); under hybrid sharding, its shard and replica
+    groups too."""
     from multirank import run_ranks
 
-    for before, after_del, after in run_ranks(2, _compile_and_drop):
+    for before, after_del, after in run_ranks(world, _compile_and_drop, replicate):
         assert after_del == [before] * 3 and after == before

@@ -1,12 +1,12 @@
 """What zerocc's ops do when a program runs op by op: the eager backend's implementations.
 
 One :class:`EagerOps` per executable, bound to its runtime context: collectives run on the
-context's comm, offload copies on its copy engine, the compute ops (``adamw_``, ``sgd_``,
-``unscale_check_``, ``nonfinite_flags``, ``pack``) with its kernel set (``backend.kernels``:
-the torch reference or fused Triton kernels, see :mod:`zerocc.backends.kernels`). What is in
-flight is the executable's: each start's handle, keyed by the start node's name, until the
-wait that names it. The skip ranges of parameters the loss does not reach are handled here,
-the same for every kernel set.
+context's comm (on the group of the mesh each names), offload copies on its copy engine, the
+compute ops (``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags``, ``pack``) with its
+kernel set (``backend.kernels``: the torch reference or fused Triton kernels, see
+:mod:`zerocc.backends.kernels`). What is in flight is the executable's: each start's handle,
+keyed by the start node's name, until the wait that names it. The skip ranges of parameters
+the loss does not reach are handled here, the same for every kernel set.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from zerocc.backends.kernels import fused, kernel_set, reference
+from zerocc.ir.ops import DP_GROUP
 from zerocc.runtime.comm import Work
 from zerocc.runtime.context import RuntimeContext
 
@@ -44,21 +45,21 @@ class EagerOps:
         self, shard: torch.Tensor, world_size: int, group: str, *, started: str
     ) -> torch.Tensor:
         out = shard.new_empty(shard.numel() * world_size)
-        return self._issue(started, out, self.ctx.comm.all_gather(out, shard))
+        return self._issue(started, out, self.ctx.comm.on(group).all_gather(out, shard))
 
     def all_gather_into_start(
         self, out: torch.Tensor, shard: torch.Tensor, group: str, *, started: str
     ) -> torch.Tensor:
-        return self._issue(started, out, self.ctx.comm.all_gather(out, shard))
+        return self._issue(started, out, self.ctx.comm.on(group).all_gather(out, shard))
 
     def reduce_scatter_start(
         self, full: torch.Tensor, world_size: int, group: str, *, started: str
     ) -> torch.Tensor:
         out = full.new_empty(full.numel() // world_size)
-        return self._issue(started, out, self.ctx.comm.reduce_scatter(out, full))
+        return self._issue(started, out, self.ctx.comm.on(group).reduce_scatter(out, full))
 
     def all_reduce_start(self, tensor: torch.Tensor, group: str, *, started: str) -> torch.Tensor:
-        return self._issue(started, tensor, self.ctx.comm.all_reduce(tensor))
+        return self._issue(started, tensor, self.ctx.comm.on(group).all_reduce(tensor))
 
     def wait(self, tensor: torch.Tensor, *, started: str) -> torch.Tensor:
         work = self.in_flight.pop(started, None)
@@ -192,7 +193,7 @@ class EagerOps:
         updated, as torch.optim skips a parameter whose ``grad`` is None."""
         tensors = [t for t in tensors if t is not None]
         size = tensors[0].numel()
-        base = self.ctx.comm.rank * size if sharded else 0
+        base = self.ctx.comm.on(DP_GROUP).rank * size if sharded else 0
         kept = []
         for offset, numel in zip(skip[::2], skip[1::2], strict=True):
             lo, hi = max(offset, base) - base, min(offset + numel, base + size) - base

@@ -45,7 +45,7 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         "optimizer", {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
     )
     return {
-        "zero": {"stage": case["stage"]},
+        "zero": {"stage": case["stage"], "replicate": case.get("replicate", 1)},
         "units": {**entry(case["model"])[2], **case.get("units", {})},
         "optimizer": optimizer,
         "grad_accumulation": case.get("accum", 1),

@@ -438,7 +438,12 @@ def _zero(conv: _Conversion, key: str, block: Any) -> None:
             if value in (None, -1, 0):
                 conv.ignored(sub, value, "off")
             else:
-                conv.unsupported(sub, value, "MiCS sharding is not in zerocc")
+                conv.unsupported(
+                    sub,
+                    value,
+                    "MiCS is not converted (the replica count needs the world size): zerocc's "
+                    f"hybrid sharding is zero.replicate: <world size / {value}>, in a plan",
+                )
         elif name in _ZERO_IGNORED:
             conv.ignored(sub, value, _ZERO_IGNORED[name])
         else:

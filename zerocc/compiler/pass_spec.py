@@ -18,6 +18,7 @@ from torch import fx
 
 from zerocc.compiler.capabilities import Capability, capability
 from zerocc.compiler.capture import ModelInfo
+from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
@@ -116,3 +117,8 @@ class PassContext:
     units: list[Unit] = field(default_factory=list)  # filled by the partition pass
     # The state the passes so far declared (each pass's ``declares``, run before it).
     layout: StateLayout = field(default_factory=StateLayout)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The ranks' layout: the groups units are sharded over and replicated across."""
+        return Mesh.of(self.world_size, self.plan.zero.replicate)

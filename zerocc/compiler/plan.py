@@ -100,6 +100,26 @@ class ZeroConfig(_Section):
     world_size: int | None = Field(
         None, ge=1, description="expected world size; compile fails clearly under any other"
     )
+    replicate: int = Field(
+        1,
+        ge=1,
+        description="hybrid sharding (HSDP): shard each unit over groups of world_size / "
+        "replicate consecutive ranks and keep this many replicas, gradients all-reduced across "
+        "them (stages 1-3; 1: shard over every rank)",
+    )
+
+    @model_validator(mode="after")
+    def _replicas_are_sharded(self) -> ZeroConfig:
+        if self.replicate > 1 and self.stage == 0:
+            raise ValueError(
+                f"replicate: {self.replicate} replicates shard groups, but stage 0 shards "
+                "nothing (every rank is a replica already); set zero.stage: 1, 2 or 3"
+            )
+        if self.world_size is not None and self.replicate > 1:
+            from zerocc.compiler.mesh import Mesh
+
+            Mesh.of(self.world_size, self.replicate)  # a PlanError for a layout that cannot be
+        return self
 
     @field_validator("stage", mode="before")
     @classmethod

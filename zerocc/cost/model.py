@@ -55,6 +55,7 @@ from zerocc.cost.memory import tensors_in
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind
 from zerocc.ir.nodes import info, op_kind, op_name, val
+from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
@@ -283,7 +284,8 @@ class NodeWork:
     flops: float = 0.0
     bytes: int = 0  # compute: read + written; collective: logical bytes per rank; transfer: moved
     dtype: str | None = None  # dtype of the FLOPs (fp32, bf16, ...)
-    ranks: int = 0  # collective: ranks taking part, when the op says (0: the world size)
+    ranks: int = 0  # collective: ranks taking part, when the op says (0: its group's size)
+    group: str = DP_GROUP  # collective: the group of the mesh it runs on
     collective: str = ""  # collective: all_gather | ...; transfer: to_host | nvme_read | ...
     host: bool = field(default=False, compare=False)  # compute on host tensors only
 
@@ -307,7 +309,11 @@ def _work_of(node: fx.Node) -> NodeWork:
     if kind is OpKind.COLLECTIVE:
         ranks = _ranks(node, op_name(node.target))
         return NodeWork(
-            COLLECTIVE, bytes=info(node).bytes, ranks=ranks, collective=collective_kind(node)
+            COLLECTIVE,
+            bytes=info(node).bytes,
+            ranks=ranks,
+            collective=collective_kind(node),
+            group=node.args[-1],
         )
     if kind is OpKind.TRANSFER:
         return NodeWork(TRANSFER, bytes=info(node).bytes, collective=node.args[-1])
@@ -427,13 +433,19 @@ def _bytes_moved(node: fx.Node, args: tuple, kwargs: dict) -> int:
 
 
 class CostModel:
-    """Seconds each node of a program takes under ``rates`` with ``world_size`` ranks: a compute
-    node on the compute stream, a collective (its start node) on the comm stream; waits cost
-    nothing of their own (the simulator makes them block). Cached per node."""
+    """Seconds each node of a program takes under ``rates`` with ``world_size`` ranks (in
+    ``replicate`` replicas of shard groups, see :mod:`zerocc.compiler.mesh`): a compute node on
+    the compute stream, a collective (its start node) on the comm stream; waits cost nothing of
+    their own (the simulator makes them block). Cached per node."""
 
-    def __init__(self, rates: DeviceRates, world_size: int) -> None:
+    def __init__(self, rates: DeviceRates, world_size: int, replicate: int = 1) -> None:
         self.rates, self.world_size = rates, world_size
+        self.group_ranks = {DP_GROUP: world_size // replicate, REPLICATE_GROUP: replicate}
         self._cache: dict[fx.Node, float] = {}
+
+    def ranks(self, work: NodeWork) -> int:
+        """Ranks taking part in a collective: what the op says, else its group's size."""
+        return work.ranks or self.group_ranks.get(work.group, self.world_size)
 
     @property
     def issue_s(self) -> float:
@@ -452,7 +464,7 @@ class CostModel:
         if work.kind == COMPUTE:
             return self.compute_time(work.flops, work.bytes, work.dtype)
         if work.kind == COLLECTIVE:
-            return self.collective_time(work.collective, work.bytes, work.ranks or self.world_size)
+            return self.collective_time(work.collective, work.bytes, self.ranks(work))
         if work.kind == TRANSFER:
             return self.transfer_time(work.collective, work.bytes)
         return 0.0
@@ -484,7 +496,7 @@ class CostModel:
         if work.kind == TRANSFER:  # on a CPU-only machine a copy is an inline memcpy
             inline = self.rates.device == "cpu" and not work.collective.startswith("nvme")
             return self(node) if inline else 0.0
-        ranks = work.ranks or self.world_size
+        ranks = self.ranks(work)
         if work.kind != COLLECTIVE or ranks <= 1 or self.rates.comm_overlap >= 1:
             return 0.0
         _, link = self.rates.link(work.collective)

@@ -280,8 +280,10 @@ def predict_step(
     *,
     model_states: dict[str, int] | None = None,
     rank: int = 0,
+    replicate: int = 1,
 ) -> Simulation:
-    """:func:`simulate_step` with the cost model of ``rates`` for ``world_size`` ranks."""
-    model = CostModel(rates, world_size)
+    """:func:`simulate_step` with the cost model of ``rates`` for ``world_size`` ranks
+    (``replicate`` replicas of shard groups under hybrid sharding)."""
+    model = CostModel(rates, world_size, replicate)
     return simulate_step(programs, grad_accumulation, model, issue_s=model.issue_s,
                          stolen=model.stolen, model_states=model_states, rank=rank)  # fmt: skip

@@ -531,7 +531,9 @@ def calibrate(
     rates = _agree(comm, rates)
     programs = step.record().programs
     states = model_state_bytes_of(step.layout)
-    predicted = predict_step(programs, k, rates, comm.world_size, model_states=states)
+    predicted = predict_step(
+        programs, k, rates, comm.world_size, model_states=states, replicate=plan.zero.replicate
+    )
     measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3
     measured = {
         "device": _device_name(device),

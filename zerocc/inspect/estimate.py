@@ -151,7 +151,13 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
     transfers = transfer_bytes(programs, plan.grad_accumulation)
     offloaded = {where: states.get(where, 0) for where in (HOST, NVME)}
     rates = rates or rates_for(plan)
-    timing = predict_step(programs, plan.grad_accumulation, rates, inspection.world_size)
+    timing = predict_step(
+        programs,
+        plan.grad_accumulation,
+        rates,
+        inspection.world_size,
+        replicate=plan.zero.replicate,
+    )
     timing.peak_bytes, timing.memory = total, timeline
     return Estimate(
         plan.zero.stage,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
+from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.state import (
     DEVICE,
     LOCATIONS,
@@ -17,6 +18,7 @@ from zerocc.compiler.state import (
 )
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, info, nodes_with_role, op_name, val
+from zerocc.ir.ops import reported_kind
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.record import StepRecord
 
@@ -38,6 +40,7 @@ def formula_bytes(step: StepRecord, location: str = DEVICE) -> dict[str, float]:
 def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) -> dict[str, float]:
     """:func:`formula_bytes` of ``plan`` for ``units`` on ``n`` ranks."""
     stage = plan.zero.stage
+    n //= plan.zero.replicate  # the ranks a unit is sharded over
     states = len(optimizer_states(plan.optimizer))
     where = placements(units, plan.offload)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
@@ -138,7 +141,7 @@ def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> 
 
     def kind(node: fx.Node) -> str:
         name = op_name(node.target).removeprefix("zerocc.")
-        return name.removesuffix("_start").removesuffix("_into")
+        return reported_kind(name.removesuffix("_start").removesuffix("_into"), node.args[-1])
 
     return _bytes_per_step(programs, grad_accumulation, "comm", kind)
 
@@ -181,6 +184,7 @@ def explain_step(step: StepRecord) -> str:
         f"{plan.optimizer.name}, grad_accumulation {plan.grad_accumulation}",
         f"trainable Ψ = {psi:,} elements with padding "
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
+        *([Mesh.of(n, plan.zero.replicate).describe()] if plan.zero.replicate > 1 else []),
         precision_line(step),
         backend_line(step),
         *step.backend_notes,
@@ -192,9 +196,10 @@ def explain_step(step: StepRecord) -> str:
     if not step.programs:
         lines.append("  (known once the step is compiled, at its first call)")
     comm = comm_bytes_per_step(step)
+    width = max([16, *(len(kind) + 2 for kind in comm)])
     for kind, nbytes in sorted(comm.items()):
         lines.append(
-            f"  {kind:<16}{human_bytes(nbytes):>12}  ({nbytes / max(psi, 1):.2f} bytes per Ψ)"
+            f"  {kind:<{width}}{human_bytes(nbytes):>12}  ({nbytes / max(psi, 1):.2f} bytes per Ψ)"
         )
     if step.programs and not comm:
         lines.append(f"  {'none':<16}{human_bytes(0):>12}{no_communication(n)}")
@@ -270,7 +275,13 @@ def predicted_time_line(step: StepRecord) -> str:
     if len(programs) < (1 if step.plan.grad_accumulation == 1 else 2):
         return "predicted step time: known once every program of a step is compiled"
     rates = rates_for(step.plan, step.device_type)
-    t = predict_step(programs, step.plan.grad_accumulation, rates, step.world_size)
+    t = predict_step(
+        programs,
+        step.plan.grad_accumulation,
+        rates,
+        step.world_size,
+        replicate=step.plan.zero.replicate,
+    )
     source = "calibrated" if "calibration" in rates.sources.values() else "default"
     return (
         f"predicted step time: {t.step_s * 1e3:.1f} ms (compute {t.compute_s * 1e3:.1f} ms, "

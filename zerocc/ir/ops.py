@@ -17,7 +17,16 @@ from __future__ import annotations
 import torch
 from torch.library import Library
 
-DP_GROUP = "dp"  # name of the data-parallel group the collectives run on
+DP_GROUP = "dp"  # the group a unit is sharded over (every rank, unless sharding is hybrid)
+REPLICATE_GROUP = "replicate"  # the ranks that hold the same shard (hybrid sharding)
+
+
+def reported_kind(kind: str, group: str) -> str:
+    """How a collective of ``kind`` (``all_gather``, ...) on ``group`` is counted and reported:
+    by its kind on the ``dp`` group, else with its group (``all_reduce (replicate)``)."""
+    return kind if group == DP_GROUP else f"{kind} ({group})"
+
+
 CPU = torch.device("cpu")
 _lib = Library("zerocc", "DEF")
 

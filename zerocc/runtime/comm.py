@@ -13,6 +13,11 @@ on the :class:`Comm` of the runtime context an executable was compiled with
 - :class:`FakeComm`: a null group of any size for graph-level tests and estimates; its
   collectives produce correctly shaped results without any peer.
 
+A program's collectives name their group of the ranks' mesh (:mod:`zerocc.compiler.mesh`):
+``dp``, the ranks a unit is sharded over, and under hybrid sharding ``replicate``, the ranks
+holding the same shard. :meth:`Comm.use_mesh` splits a comm into them, and :meth:`Comm.on`
+gives the comm of one; without hybrid sharding ``dp`` is the comm itself.
+
 Every collective is counted at its call site in :class:`CommStats` (logical elements: an
 all-gather counts its output, a reduce-scatter its input, an all-reduce twice its size, as in
 the ZeRO paper's 2Ψ/3Ψ accounting), and the time waits blocked the caller in ``blocked_s``:
@@ -34,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from zerocc.compat import all_gather_single, let_gloo_workers_finish, reduce_scatter_single
+from zerocc.compiler.mesh import Mesh
+from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, reported_kind
 from zerocc.runtime.watchdog import Heartbeat
 
 
@@ -88,7 +95,7 @@ class Work:
                 self._handle.wait()
             except Exception as exc:
                 if self._comm is not None:
-                    self._comm.failure = exc
+                    self._comm.root.failure = exc
                 raise
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
@@ -109,23 +116,82 @@ class Comm(abc.ABC):
     def __init__(self) -> None:
         self.stats = CommStats()
         self._before_next_collective: Callable[[], None] | None = None
+        self.mesh: Mesh | None = None  # set by use_mesh: the groups below
+        self._groups: dict[str, Comm] = {}
+        self._parent: weakref.ref[Comm] | None = None  # a group's: the comm it was split from
+        self.group_name = DP_GROUP  # what its collectives count as (see reported_kind)
+
+    @property
+    def root(self) -> Comm:
+        """The comm of every rank: this one, or the one a group's comm was split from (a weak
+        reference: a cycle would keep a dropped step's process groups alive until the cycle
+        collector ran)."""
+        parent = self._parent() if self._parent is not None else None
+        return self if parent is None else parent
+
+    def on(self, name: str) -> Comm:
+        """The comm of this rank's group ``name`` of the mesh (``dp``: the ranks a unit is
+        sharded over; ``replicate``: the ranks holding the same shard): this comm itself,
+        every rank, until :meth:`use_mesh` split it."""
+        if name == DP_GROUP:
+            return self._groups.get(name, self)
+        found = self._groups.get(name)
+        if found is None:
+            raise RuntimeError(f"zerocc: no {name!r} group: the ranks were not split into a mesh")
+        return found
+
+    def use_mesh(self, mesh: Mesh) -> None:
+        """Split the ranks into ``mesh``'s groups (a collective: every rank calls it, with the
+        same mesh). Collectives on a group count in this comm's stats; a group's failure is
+        this comm's. Once only: another mesh afterwards is an error."""
+        if self.mesh is not None:
+            if self.mesh != mesh:
+                raise RuntimeError(
+                    f"zerocc: this comm's ranks are split for zero.replicate "
+                    f"{self.mesh.replicate} already (another step compiled on it); a plan with "
+                    f"zero.replicate {mesh.replicate} needs a comm of its own"
+                )
+            return
+        if mesh.world_size != self.world_size:
+            raise RuntimeError(f"zerocc: a mesh of {mesh.world_size} ranks for {self.world_size}")
+        self.mesh = mesh
+        if not mesh.hybrid:
+            return
+        for name in (DP_GROUP, REPLICATE_GROUP):
+            for ranks in mesh.groups(name):  # every rank makes every group, in one order
+                made = self._make_group(ranks)
+                if made is not None:
+                    made.stats, made.heartbeat = self.stats, self.heartbeat
+                    made._parent = weakref.ref(self)
+                    made.group_name = name
+                    self._groups[name] = made
+
+    def _make_group(self, ranks: list[int]) -> Comm | None:
+        """A comm over ``ranks`` of this one's ranks; None where this rank is not one of them
+        (every rank takes part in making every group)."""
+        raise RuntimeError(f"zerocc: a {type(self).__name__} cannot split its ranks into groups")
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
         """``out`` (world_size × shard) receives every rank's ``shard``."""
         self._run_check()
-        self.stats.record("all_gather", out.numel(), out.element_size())
+        self.stats.record(
+            reported_kind("all_gather", self.group_name), out.numel(), out.element_size()
+        )
         return self._all_gather(out, shard)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
         """``out`` receives this rank's chunk of the sum of every rank's ``full``."""
         self._run_check()
-        self.stats.record("reduce_scatter", full.numel(), full.element_size())
+        self.stats.record(
+            reported_kind("reduce_scatter", self.group_name), full.numel(), full.element_size()
+        )
         return self._reduce_scatter(out, full)
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         """``tensor`` becomes the sum over ranks, in place."""
         self._run_check()
-        self.stats.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
+        kind = reported_kind("all_reduce", self.group_name)
+        self.stats.record(kind, 2 * tensor.numel(), tensor.element_size())
         return self._all_reduce(tensor)
 
     @contextlib.contextmanager
@@ -191,6 +257,8 @@ class TorchComm(Comm):
         self.world_size = dist.get_world_size(group)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._release: weakref.finalize | None = None  # set when zerocc made the group
+        self._owned: list[dist.ProcessGroup] = []  # the groups the release destroys
+        self._timeout: timedelta | None = None  # of zerocc's own groups
         self._closed = False
 
     @classmethod
@@ -218,8 +286,22 @@ class TorchComm(Comm):
         comm = cls(group, control)
         store = dist.distributed_c10d._get_default_store()
         comm.heartbeat = Heartbeat(store, f"zerocc/{group.group_name}", comm.rank, comm.world_size)
-        comm._release = weakref.finalize(comm, _release_groups, [group, control], comm.heartbeat)
+        comm._owned, comm._timeout = [group, control], timeout
+        comm._release = weakref.finalize(comm, _release_groups, comm._owned, comm.heartbeat)
         return comm
+
+    def _make_group(self, ranks: list[int]) -> Comm | None:
+        """A group of ``ranks`` (global ranks of this comm's group) on its backend and with its
+        timeout, destroyed with it; its own control group is this comm's."""
+        if self.group is None:  # the default group: its ranks are the global ones
+            members = ranks
+        else:
+            members = [dist.get_global_rank(self.group, r) for r in ranks]
+        made = dist.new_group(members, backend=dist.get_backend(self.group), timeout=self._timeout)
+        if made is None or made == dist.GroupMember.NON_GROUP_MEMBER:
+            return None
+        self._owned.append(made)
+        return TorchComm(made, self.control_group)
 
     def close(self) -> None:
         """Stop the heartbeat and destroy the group zerocc made, joining its threads (a group
@@ -228,8 +310,9 @@ class TorchComm(Comm):
         if self._closed:
             return
         self._closed = True
-        groups = [self.group, self.control_group]
+        groups = [self.group, self.control_group, *(c.group for c in self._groups.values())]
         self.group = self.control_group = None
+        self._groups.clear()
         if self.failure is not None and self._release is not None:
             for group in groups:
                 if hasattr(group, "abort"):
@@ -269,7 +352,7 @@ class TorchComm(Comm):
             try:
                 return Work(collective(True), comm=self)
             except Exception as exc:
-                self.failure = exc
+                self.root.failure = exc
                 raise
         device = tensors[0].device
         stream = self._streams.get(device)
@@ -327,6 +410,9 @@ class FakeComm(Comm):
     def __init__(self, world_size: int, rank: int = 0) -> None:
         super().__init__()
         self.world_size, self.rank = world_size, rank
+
+    def _make_group(self, ranks: list[int]) -> Comm | None:
+        return FakeComm(len(ranks), ranks.index(self.rank)) if self.rank in ranks else None
 
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
         out.view(self.world_size, -1).copy_(shard.reshape(1, -1).clone())

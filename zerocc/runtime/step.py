@@ -25,6 +25,7 @@ from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.backends.kernels import check_kernels, kernel_set, resolve_kernels
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
 from zerocc.compiler.materialize import is_meta, release_to_meta
+from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.program import CompiledProgram, compile_program
@@ -55,6 +56,7 @@ from zerocc.ir.nodes import (
     placeholders,
     val,
 )
+from zerocc.ir.ops import DP_GROUP
 from zerocc.ir.printing import format_program
 from zerocc.passes.partition import assign_units
 from zerocc.runtime.agreement import (
@@ -127,9 +129,13 @@ class StepRunner:
         # before the first call); every program is compiled for these units (the partition pass
         # tags, it does not build them again), and a plan that cannot partition this model (a
         # pattern that matches nothing) is an error at compile.
+        # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
+        # group under hybrid sharding, made here: a collective).
+        self.mesh = Mesh.of(comm.world_size, plan.zero.replicate)
+        comm.use_mesh(self.mesh)
         units = plan.units
         self.units: list[Unit] = assign_units(
-            self.model_info, comm.world_size, units.classes, units.modules, units.min_mb
+            self.model_info, self.mesh.shard_size, units.classes, units.modules, units.min_mb
         )
         # What the pipeline's passes declare (every program binds it); states placed on NVMe
         # live in files of this rank's store, checked for room before anything is written,
@@ -152,7 +158,7 @@ class StepRunner:
             self.units,
             self.layout,
             plan.seed,
-            comm.rank,
+            self.mesh.shard_rank(comm.rank),
             device,
             self.store,
             from_rank_0=comm.broadcast if comm.world_size > 1 else None,
@@ -650,7 +656,7 @@ class StepRunner:
             flat = state.get(f"{unit.key}.master", state[f"{unit.key}.param"])
             if flat.numel() != unit.padded_numel:
                 gathered = flat.new_empty(unit.padded_numel)
-                self.comm.all_gather(gathered, flat).wait()
+                self.comm.on(DP_GROUP).all_gather(gathered, flat).wait()
                 flat = gathered
             for p in unit.params:
                 value = unit.unflatten(flat)[p.fqn].detach().to("cpu", p.param.dtype, copy=True)
@@ -692,6 +698,7 @@ class StepRunner:
             "micro_batches": self.micro_batches,
             "world_size": self.comm.world_size,
             "stage": self.plan.zero.stage,
+            "replicate": self.plan.zero.replicate,
         }
         if self.loss_scaler is not None:
             sd["zerocc"]["loss_scaler"] = self.loss_scaler.state_dict()
@@ -700,8 +707,13 @@ class StepRunner:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
         saved = sd["zerocc"]
-        for field, mine in (("world_size", self.comm.world_size), ("stage", self.plan.zero.stage)):
-            if saved[field] != mine:
+        mine_by_field = {
+            "world_size": self.comm.world_size,
+            "stage": self.plan.zero.stage,
+            "replicate": self.plan.zero.replicate,
+        }
+        for field, mine in mine_by_field.items():
+            if saved.get(field, 1) != mine:
                 raise RankMismatchError(
                     f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
                 )

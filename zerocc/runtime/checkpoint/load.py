@@ -118,7 +118,7 @@ def _fill(runner: StepRunner, flat: FlatState, read: Read) -> None:
     flat's dtype, padding zero."""
     spec = flat.spec
     values = torch.zeros(spec.shape, dtype=spec.dtype)
-    for piece in flat.pieces(runner.comm.rank, whole=True):
+    for piece in flat.pieces(runner.mesh.shard_rank(runner.comm.rank), whole=True):
         name = flat.name(piece.param)
         part = read(name, piece.start, piece.stop)
         values[piece.at : piece.at + piece.stop - piece.start].copy_(part)

@@ -101,19 +101,21 @@ def _fresh_folder(staging: Path) -> None:
 
 
 def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> None:
-    """Write this rank's slices: its range of each unit's weights and optimizer states, its
-    RNG states, and on rank 0 the buffers and the step counter (the loss scaler's state is
-    in the manifest)."""
-    rank = runner.comm.rank
+    """Write this rank's slices: its range of each unit's weights and optimizer states (under
+    hybrid sharding, the first replica's ranks only: the others hold the same shards), its RNG
+    states, and on rank 0 the buffers and the step counter (the loss scaler's state is in the
+    manifest)."""
+    rank, mesh = runner.comm.rank, runner.mesh
 
     def add(name: str, shape: list[int], values: torch.Tensor, start: int = 0) -> None:
         chunk = writer.add(values, start)
         entry = written.setdefault(name, (shape, dtype_name(values.dtype), []))
         entry[2].append(asdict(chunk))
 
-    for flat in saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer)):
+    states = saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer))
+    for flat in states if mesh.replica(rank) == 0 else []:
         values = read_state(runner, flat.spec.key)
-        for piece in flat.pieces(rank):
+        for piece in flat.pieces(mesh.shard_rank(rank)):
             part = values[piece.at : piece.at + piece.stop - piece.start]
             add(flat.name(piece.param), list(piece.param.param.shape), part, piece.start)
     rng = {"cpu": torch.get_rng_state()}
