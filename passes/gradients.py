@@ -16,6 +16,9 @@ follows depends on the stage, on ``grad_accumulation`` and on the world size:
   gradient where backward left it (one ``grad_shard`` per parameter, with its ``span`` in the
   flat). A unit whose optimizer states live off the device gets one packed gradient instead,
   which offload copies to the host in one piece.
+- **Hybrid sharding** (``zero.replicate``): the reduced shard an update reads (or, with
+  accumulation, the shard accumulator on the stepping micro-batch) is all-reduced in place
+  across the ranks holding the same shard (group ``replicate``), and the update reads that.
 
 The gradient each update reads is tagged ``grad_shard`` (the optimizer pass acts on the tags),
 with the flat ranges of parameters the loss does not reach (``no_grad``).

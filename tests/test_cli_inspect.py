@@ -107,6 +107,21 @@ def test_estimate_table_shows_the_four_stages(capsys):
     assert states == sorted(states, reverse=True) and states[0] > 4 * states[3]
 
 
+def test_estimate_of_hybrid_sharding_draws_the_mesh_and_bytes_per_group(capsys):
+    hsdp = str(EXAMPLES / "zero3-hsdp.yaml")
+    out = run(capsys, "estimate", hsdp, "--world-size", "8")
+    assert "mesh: 8 ranks = 2 replicas × 4 shards" in out
+    assert re.search(r"^  all_reduce \(replicate\) +[\d.]+[KM]iB$", out, re.M), out
+    figures = json.loads(run(capsys, "estimate", hsdp, "--world-size", "8", "--table", "--json"))
+    # stage 0 replicates everything (no replica groups); stages 1-3 shard over 4 ranks, not 8
+    plain = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "4", "--table", "--json"))
+    assert [f["model_states"]["total"] for f in figures[1:]] == [
+        f["model_states"]["total"] for f in plain[1:]
+    ]
+    assert main(["estimate", hsdp, "--world-size", "5"]) == 2
+    assert "zero.replicate: 2 does not divide the world size 5" in capsys.readouterr().err
+
+
 def test_estimate_predicts_the_step_time_with_the_flags_rates(capsys, tmp_path):
     from zerocc.cost.model import DeviceRates
 

@@ -11,6 +11,7 @@ import difflib
 import json
 from pathlib import Path
 
+from zerocc.compiler.mesh import mesh_lines
 from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.cost.model import RATE_FIELDS, DeviceRates, rates_for
@@ -224,7 +225,9 @@ def _stages_for(plan: Plan) -> list[int]:
 
 
 def _with_stage(plan: Plan, stage: int) -> Plan:
-    copy = plan.model_copy(update={"zero": plan.zero.model_copy(update={"stage": stage})})
+    """``plan`` at ``stage`` (stage 0 without replicas: it shards nothing to replicate)."""
+    zero = {"stage": stage} | ({"replicate": 1} if stage == 0 else {})
+    copy = plan.model_copy(update={"zero": plan.zero.model_copy(update=zero)})
     copy._source = plan.source
     return copy
 
@@ -249,6 +252,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     lines = [
         f"{plan.source or 'plan'}: ZeRO stage {e.stage}, {e.world_size} ranks, "
         f"compute {p.param}, reduce {p.reduce}, master {p.master}, grads {grads}",
+        *mesh_lines(e.world_size, plan.zero.replicate),
         "",
         "memory per rank (predicted from the scheduled program):",
     ]

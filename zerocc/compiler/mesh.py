@@ -90,3 +90,8 @@ class Mesh:
             f" gradients all-reduced across the replicate groups"
             f" {', '.join(str(g) for g in self.groups(REPLICATE))}"
         )
+
+
+def mesh_lines(world_size: int, replicate: int) -> list[str]:
+    """The layout line of a report (explain, estimate): one under hybrid sharding, else none."""
+    return [Mesh.of(world_size, replicate).describe()] if replicate > 1 else []

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.mesh import mesh_lines
 from zerocc.compiler.state import (
     DEVICE,
     LOCATIONS,
@@ -184,7 +184,7 @@ def explain_step(step: StepRecord) -> str:
         f"{plan.optimizer.name}, grad_accumulation {plan.grad_accumulation}",
         f"trainable Ψ = {psi:,} elements with padding "
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
-        *([Mesh.of(n, plan.zero.replicate).describe()] if plan.zero.replicate > 1 else []),
+        *mesh_lines(n, plan.zero.replicate),
         precision_line(step),
         backend_line(step),
         *step.backend_notes,

@@ -125,14 +125,14 @@ class StepRunner:
         self.backend = get_backend(self.backend_name)
         self.kernels = resolve_kernels(plan.backend.kernels, device, plan.precision.master)
         check_kernels(self.kernels, device)
-        # The state is laid out in units before any program exists (a checkpoint loads into it
-        # before the first call); every program is compiled for these units (the partition pass
-        # tags, it does not build them again), and a plan that cannot partition this model (a
-        # pattern that matches nothing) is an error at compile.
         # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
         # group under hybrid sharding, made here: a collective).
         self.mesh = Mesh.of(comm.world_size, plan.zero.replicate)
         comm.use_mesh(self.mesh)
+        # The state is laid out in units before any program exists (a checkpoint loads into it
+        # before the first call); every program is compiled for these units (the partition pass
+        # tags, it does not build them again), and a plan that cannot partition this model (a
+        # pattern that matches nothing) is an error at compile.
         units = plan.units
         self.units: list[Unit] = assign_units(
             self.model_info, self.mesh.shard_size, units.classes, units.modules, units.min_mb
