@@ -75,10 +75,6 @@ class Mesh:
             return [list(range(i, self.world_size, s)) for i in range(s)]
         raise ValueError(f"unknown group {name!r}; known: {DP}, {REPLICATE}")
 
-    def group_of(self, name: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s group of kind ``name``."""
-        return next(g for g in self.groups(name) if rank in g)
-
     def describe(self) -> str:
         """One line for explain() and the dumps: the layout and its groups."""
         if not self.hybrid:

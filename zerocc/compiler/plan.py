@@ -35,6 +35,7 @@ from zerocc.compiler.deepspeed_config import (
     plan_from_deepspeed,
     read_json,
 )
+from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.plan_messages import describe_error, invalid_plan, plan_origin, show
 from zerocc.compiler.plan_yaml import PlanDataError, check_shape, load_yaml
 from zerocc.errors import PlanError, PlanWarning
@@ -115,10 +116,8 @@ class ZeroConfig(_Section):
                 f"replicate: {self.replicate} replicates shard groups, but stage 0 shards "
                 "nothing (every rank is a replica already); set zero.stage: 1, 2 or 3"
             )
-        if self.world_size is not None and self.replicate > 1:
-            from zerocc.compiler.mesh import Mesh
-
-            Mesh.of(self.world_size, self.replicate)  # a PlanError for a layout that cannot be
+        if self.world_size is not None:  # a layout the ranks cannot take is an error now
+            Mesh.of(self.world_size, self.replicate)
         return self
 
     @field_validator("stage", mode="before")
