@@ -6,7 +6,10 @@ where there are fewer.
 Markers (the only place they are declared):
 - ``cuda``: needs a CUDA GPU (NCCL on one rank, Triton kernels launched for real, the comm
   stream and its events, a plan on ``cuda``);
-- ``two_gpus``: needs two CUDA GPUs on this machine (two NCCL ranks, one GPU each).
+- ``two_gpus``: needs two CUDA GPUs on this machine (two NCCL ranks, one GPU each);
+- ``slow``: a case of a long multi-rank sweep whose other cases cover the same code; run only
+  with ``pytest --slow`` (or ``ZEROCC_SLOW=1``), and the default run says how many it left out.
+  Keeps the default suite, what CI runs, under 20 minutes on a 2-core machine.
 """
 
 import os
@@ -26,15 +29,43 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "examples" / "gpt"))
 GPU_MARKERS = {"cuda": 1, "two_gpus": 2}  # marker: GPUs the test needs
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow", action="store_true", help="also run the cases marked slow (long sweeps)"
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "two_gpus: needs two CUDA GPUs (skipped with fewer)")
+    config.addinivalue_line("markers", "slow: a long sweep's extra case (run with --slow)")
+
+
+def _runs_slow(config: pytest.Config) -> bool:
+    return bool(config.getoption("--slow") or os.environ.get("ZEROCC_SLOW"))
+
+
+_SLOW_LEFT_OUT: list[str] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not _runs_slow(config):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+            _SLOW_LEFT_OUT[:] = [item.nodeid for item in slow]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         for marker, needed in GPU_MARKERS.items():
             if item.get_closest_marker(marker) is not None and gpus < needed:
                 reason = f"needs {needed} CUDA GPU(s); this machine has {gpus}"
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _SLOW_LEFT_OUT:
+        terminalreporter.write_line(
+            f"{len(_SLOW_LEFT_OUT)} slow sweep cases not run (covered by the others); "
+            "`pytest --slow` runs them too"
+        )
