@@ -23,6 +23,9 @@ def test_shard_groups_are_consecutive_ranks_and_replicas_stride_across_them():
     assert [mesh.shard_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [mesh.replica(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert "2 replicas × 4 shards" in mesh.describe()
+    assert "dp groups [0-3], [4-7];" in mesh.describe()
+    big = Mesh.of(1024, 128).describe()  # a line, not a thousand ranks
+    assert "[0-7], [8-15], … (128 groups)" in big and "[0, 8, …, 1016]" in big and len(big) < 250
 
 
 @pytest.mark.parametrize(

@@ -76,16 +76,30 @@ class Mesh:
         raise ValueError(f"unknown group {name!r}; known: {DP}, {REPLICATE}")
 
     def describe(self) -> str:
-        """One line for explain() and the dumps: the layout and its groups."""
+        """One line for explain() and the estimate: the layout and its groups (the first two
+        of each kind, and how many there are)."""
         if not self.hybrid:
             return f"mesh: {self.world_size} ranks, each unit sharded over all of them (dp)"
-        shards = ", ".join(str(g) for g in self.groups(DP))
         return (
             f"mesh: {self.world_size} ranks = {self.replicate} replicas × {self.shard_size}"
-            f" shards (rank = replica × {self.shard_size} + shard); dp groups {shards};"
-            f" gradients all-reduced across the replicate groups"
-            f" {', '.join(str(g) for g in self.groups(REPLICATE))}"
+            f" shards (rank = replica × {self.shard_size} + shard); dp groups"
+            f" {_some(self.groups(DP))}; gradients all-reduced across the replicate groups"
+            f" {_some(self.groups(REPLICATE))}"
         )
+
+
+def _some(groups: list[list[int]]) -> str:
+    """``[0-3], [4-7], … (16 groups)``: a few groups of ranks, short."""
+
+    def short(ranks: list[int]) -> str:
+        if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+            return f"[{ranks[0]}-{ranks[-1]}]"
+        if len(ranks) > 4:
+            return f"[{ranks[0]}, {ranks[1]}, …, {ranks[-1]}]"
+        return str(ranks)
+
+    shown = ", ".join(short(g) for g in groups[:2])
+    return shown if len(groups) <= 2 else f"{shown}, … ({len(groups)} groups)"
 
 
 def mesh_lines(world_size: int, replicate: int) -> list[str]:
