@@ -78,8 +78,6 @@ class Mesh:
     def describe(self) -> str:
         """One line for explain() and the estimate: the layout and its groups (the first two
         of each kind, and how many there are)."""
-        if not self.hybrid:
-            return f"mesh: {self.world_size} ranks, each unit sharded over all of them (dp)"
         return (
             f"mesh: {self.world_size} ranks = {self.replicate} replicas × {self.shard_size}"
             f" shards (rank = replica × {self.shard_size} + shard); dp groups"

@@ -174,25 +174,23 @@ class Comm(abc.ABC):
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work:
         """``out`` (world_size × shard) receives every rank's ``shard``."""
         self._run_check()
-        self.stats.record(
-            reported_kind("all_gather", self.group_name), out.numel(), out.element_size()
-        )
+        self._count("all_gather", out.numel(), out.element_size())
         return self._all_gather(out, shard)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Work:
         """``out`` receives this rank's chunk of the sum of every rank's ``full``."""
         self._run_check()
-        self.stats.record(
-            reported_kind("reduce_scatter", self.group_name), full.numel(), full.element_size()
-        )
+        self._count("reduce_scatter", full.numel(), full.element_size())
         return self._reduce_scatter(out, full)
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         """``tensor`` becomes the sum over ranks, in place."""
         self._run_check()
-        kind = reported_kind("all_reduce", self.group_name)
-        self.stats.record(kind, 2 * tensor.numel(), tensor.element_size())
+        self._count("all_reduce", 2 * tensor.numel(), tensor.element_size())
         return self._all_reduce(tensor)
+
+    def _count(self, kind: str, elements: int, itemsize: int) -> None:
+        self.stats.record(reported_kind(kind, self.group_name), elements, itemsize)
 
     @contextlib.contextmanager
     def checked_before_first_collective(self, check: Callable[[], None] | None) -> Iterator[None]:

@@ -706,14 +706,14 @@ class StepRunner:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
-        saved = sd["zerocc"]
+        saved = {"replicate": 1, **sd["zerocc"]}  # (saved before hybrid sharding: no replicas)
         mine_by_field = {
             "world_size": self.comm.world_size,
             "stage": self.plan.zero.stage,
             "replicate": self.plan.zero.replicate,
         }
         for field, mine in mine_by_field.items():
-            if saved.get(field, 1) != mine:
+            if saved[field] != mine:
                 raise RankMismatchError(
                     f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
                 )
