@@ -212,11 +212,13 @@ def bucket_collectives(gm: fx.GraphModule, bucket_bytes: float) -> None:
     gathers = [
         (s, w)
         for s, w in _pairs(gm, "all_gather_start")
-        if info(s).phase in ("forward", "backward") and s.args[0].op == "placeholder"
+        if info(s).phase in ("forward", "backward")
+        and s.args[0].op == "placeholder"
+        and s.args[-1] == DP_GROUP
     ]
     for run in _runs(gathers, bucket_bytes):
         bucket_gathers(gm, run)
-    # (hybrid sharding's all-reduces across replicas stay as they are: another group)
+    # (all-reduces across replicas and tensor parallelism's stay as they are: other groups)
     backward = {
         name: [
             (s, w)

@@ -88,7 +88,7 @@ class Gradients:
         self.graph, self.ctx, self.uses, self.env = graph, ctx, uses, env
         self.stage = stage
         self.accumulate = grad_accumulation > 1
-        self.solo = ctx.world_size == 1
+        self.solo = ctx.mesh.data_parallel == 1
         self.replicas = ctx.mesh.replicate  # > 1: shards replicated (HSDP)
         self.accumulators = accumulators  # unit -> its `grad` placeholder (with accumulation)
         self.offloaded = offloaded  # units whose states offload keeps off the device

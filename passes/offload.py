@@ -62,7 +62,7 @@ class _Offloader:
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext, where: dict[str, Placement]) -> None:
         self.gm, self.graph, self.where = gm, gm.graph, where
-        self.solo = ctx.world_size == 1
+        self.solo = ctx.mesh.data_parallel == 1
         self.specs = {s.key: s for s in ctx.layout}  # as placed (`declare_placements`)
         self.unit_key = {u.name: u.key for u in ctx.units}
         self.bound = {info(n).key: n for n in placeholders(gm) if info(n).key in self.specs}

@@ -29,6 +29,8 @@ from torch import fx
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OptimizerConfig
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
+from zerocc.compiler.tensor_parallel import TensorParallel
+from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import (
     FOUND_INF,
     GRAD,
@@ -45,7 +47,7 @@ from zerocc.ir.nodes import (
     state_placeholder,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, TP_GROUP, op
 
 aten = torch.ops.aten
 
@@ -98,21 +100,26 @@ def optimizer(
     step_spec = layout.get(STEP_SPEC.key)  # AdamW's step counter
     step = state_placeholder(graph, step_spec, like) if step_spec is not None else None
     lr = state_placeholder(graph, layout.get(LR_SPEC.key), like)  # the schedule's, per step
-    scale = 1.0 / (ctx.world_size * grad_accumulation)
+    scale = 1.0 / (ctx.mesh.data_parallel * grad_accumulation)
     # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
-    sliced = stage > 0 and ctx.world_size > 1
+    sliced = stage > 0 and ctx.mesh.data_parallel > 1
     where = {"phase": "optimizer"}
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
         coef, grads = None, [g for u in units for g in grad_shards[u.name]]
         total = None
-        if check_nonfinite:
-            found_inf, total = _check_nonfinite(graph, output, grads, scale, config, sliced)
-        elif config.grad_clip is not None:
+        clip, tp = config.grad_clip is not None, ctx.tensor_parallel
+        if check_nonfinite:  # (the norm from the same read, unless tp ranks hold parts of it)
+            found_inf, total = _check_nonfinite(
+                graph, output, grads, scale, clip and tp is None, sliced, tp is not None
+            )
+        if clip and tp is not None:
+            total = _split_norm(graph, units, grad_shards, scale, tp, stage, sliced)
+        elif clip and total is None:
             total = emit(graph, op("sum_squares"), (grads, scale), **where)
             if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
                 total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
-        if config.grad_clip is not None:
+        if clip:
             coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
         for u in units:
             param = by_role[PARAM_SHARD].get(u.name, by_role[PARAM_FULL].get(u.name))
@@ -126,7 +133,7 @@ def optimizer(
                     tensors = [_slice(graph, t, span, u.name) for t in tensors]
                 update = _Update(tensors[0], grad, tensors[1:-1], tensors[-1])
                 _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, stage)
-            if stage in (1, 2) and ctx.world_size > 1:
+            if stage in (1, 2) and ctx.mesh.data_parallel > 1:
                 full = by_role[PARAM_FULL][u.name]
                 emit_collective(
                     graph,
@@ -225,16 +232,51 @@ def _emit_update(
         emit(graph, op("sgd_"), args, **where)
 
 
-def _all_reduce(graph: fx.Graph, tensor: fx.Node, numel: int, note: str) -> fx.Node:
+def _all_reduce(
+    graph: fx.Graph, tensor: fx.Node, numel: int, note: str, group: str = DP_GROUP
+) -> fx.Node:
     return emit_collective(
         graph,
         op("all_reduce_start"),
         op("wait"),
-        (tensor, DP_GROUP),
+        (tensor, group),
         nbytes=2 * 4 * numel,
         note=note,
         phase="optimizer",
     )
+
+
+def _split_norm(
+    graph: fx.Graph,
+    units: list[Unit],
+    grad_shards: dict[str, list[fx.Node]],
+    scale: float,
+    tp: TensorParallel,
+    stage: int,
+    sliced: bool,
+) -> fx.Node:
+    """The squared gradient norm under tensor parallelism: each rank's part, in which the
+    parameters every tp rank holds alike count 1/tp, summed over the ranks of ``dp`` (when
+    they hold slices of the gradient) and ``tp``, so that every element counts once."""
+    where = {"phase": "optimizer"}
+    parts = []
+    for u in units:
+        for grad in grad_shards[u.name]:
+            span = info(grad).span
+            if span is None:  # the unit's flat gradient (or this rank's shard of it)
+                shared = tp.shared_ranges(u)
+            else:  # one parameter's gradient
+                param = next(p for p in u.params if p.offset == span[0])
+                shared = [] if param.fqn in tp.splits else [0, span[1]]
+            args = (grad, scale, shared, tp.parts, stage > 0)
+            parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
+    total = parts[0]
+    for part in parts[1:]:
+        total = emit(graph, aten.add.Tensor, (total, part), **where)
+    if sliced:
+        total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm (dp)")
+    note = "all-reduce the squared grad norm over the tp ranks' slices"
+    return _all_reduce(graph, total, 1, note, TP_GROUP)
 
 
 def _check_nonfinite(
@@ -242,13 +284,14 @@ def _check_nonfinite(
     output: fx.Node,
     grads: list[fx.Node],
     scale: float,
-    config: OptimizerConfig,
+    clip: bool,
     sliced: bool,
+    split: bool,
 ) -> tuple[fx.Node, fx.Node | None]:
     """Flag every unit whose reduced gradient holds an inf or NaN, on every rank; returns the
-    flag that gates the updates (returned by the program after the flags) and, when clipping,
-    the squared norm from the same read."""
-    clip = config.grad_clip is not None
+    flag that gates the updates (returned by the program after the flags) and, when ``clip``,
+    the squared norm from the same read. ``split``: tensor parallelism, whose ranks each
+    check their slices: the flags are summed over the ``tp`` group too."""
     where = {"phase": "optimizer"}
     flags = emit(
         graph,
@@ -267,6 +310,9 @@ def _check_nonfinite(
             + (" and the squared norm" if clip else "")
             + ": every rank skips or stops at the same step",
         )
+    if split:
+        note = "all-reduce the non-finite flags over the tp ranks' slices"
+        flags = _all_reduce(graph, flags, len(grads) + clip, note, TP_GROUP)
     units = emit(graph, aten.slice.Tensor, (flags, 0, 0, len(grads)), **where)
     found_inf = emit(
         graph,

@@ -37,7 +37,7 @@ from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import GRAD, info, op_name, val
-from zerocc.ir.ops import op
+from zerocc.ir.ops import DP_GROUP, op
 from zerocc.passes.bucketing import bucket_collectives
 
 aten = torch.ops.aten
@@ -57,8 +57,10 @@ class Collective:
     @property
     def is_prefetch(self) -> bool:
         """A parameter all-gather into a new buffer (stage 3, forward or backward)."""
-        return op_name(self.start.target) == "zerocc.all_gather_start" and (
-            info(self.start).phase in ("forward", "backward")
+        return (
+            op_name(self.start.target) == "zerocc.all_gather_start"
+            and info(self.start).phase in ("forward", "backward")
+            and self.start.args[-1] == DP_GROUP  # (tensor parallelism's gathers its logits)
         )
 
 

@@ -53,7 +53,7 @@ from zerocc.ir.nodes import (
     state_placeholder,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, TP_GROUP, op
 
 aten = torch.ops.aten
 
@@ -211,7 +211,7 @@ class _PrecisionRewriter:
                 note="unscale the reduced gradients by 1/loss_scale; 1.0 if any is inf/NaN",
                 **where,
             )
-            if self.stage > 0 and self.ctx.world_size > 1:  # each rank checked its own slice
+            if self.stage > 0 and self.ctx.mesh.data_parallel > 1:  # each rank checked its slice
                 found = emit_collective(
                     self.graph,
                     op("all_reduce_start"),
@@ -219,6 +219,16 @@ class _PrecisionRewriter:
                     (found, DP_GROUP),
                     nbytes=2 * 4,
                     note="all-reduce the overflow flag: every rank skips the same steps",
+                    **where,
+                )
+            if self.ctx.tensor_parallel is not None:  # each tp rank checked its slices
+                found = emit_collective(
+                    self.graph,
+                    op("all_reduce_start"),
+                    op("wait"),
+                    (found, TP_GROUP),
+                    nbytes=2 * 4,
+                    note="all-reduce the overflow flag over the tp ranks' slices",
                     **where,
                 )
         info(found).role = FOUND_INF

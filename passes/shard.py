@@ -72,7 +72,7 @@ class _ShardRewriter:
     ) -> None:
         self.old, self.ctx, self.stage, self.kept = gm, ctx, stage, kept
         self.grad_accumulation = grad_accumulation
-        self.solo = ctx.world_size == 1  # nothing to gather, pack or reduce
+        self.solo = ctx.mesh.data_parallel == 1  # nothing to gather, pack or reduce
         self.gathers = stage == 3 and not self.solo
         where = placements(ctx.units, offload)
         self.offloaded = {name for name, place in where.items() if place.offloaded}
@@ -274,7 +274,7 @@ def shard(
     """Flatten each unit's parameters and insert ZeRO-``stage`` gathers, frees and reductions
     (none on one rank)."""
     kept = kept_gathered(ctx.units, list(keep_gathered), keep_gathered_below_mb, itemsize)
-    gathering = stage == 3 and ctx.world_size > 1
+    gathering = stage == 3 and ctx.mesh.data_parallel > 1
     rewriter = _ShardRewriter(
         gm,
         ctx,

@@ -93,6 +93,25 @@ def tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
 
 
+# The example GPT split as Megatron splits it (tensor parallelism, ``parallel.tp_layers``): the
+# fused q/k/v projection and the MLP's up-projection colwise (whole heads per rank), the
+# attention's and MLP's output projections rowwise, the embedding and the output head tied to it
+# by vocabulary.
+GPT_TP_LAYERS = {
+    "transformer.h.*.attn.c_attn": {"style": "colwise", "fused": 3},
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+    "transformer.wte": "vocab",
+    "lm_head": "vocab",
+}
+
+
+def tiny_gpt_4_heads() -> GPT:
+    """The tiny GPT with 4 heads of 4 features, so that 4 tensor-parallel ranks split it."""
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16))
+
+
 def tiny_gpt_dropout() -> GPT:
     """The tiny GPT with dropout after the embeddings, in attention and on both residuals."""
     return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1))
@@ -115,6 +134,7 @@ def _features(n_in: int, target: Callable[[torch.Generator, int], torch.Tensor])
 # name -> (build, batch(step, rank), units section)
 MODELS = {
     "gpt": (tiny_gpt, _gpt_batch, {"classes": ["Block"]}),
+    "gpt4h": (tiny_gpt_4_heads, _gpt_batch, {"classes": ["Block"]}),
     "frozen": (
         FrozenBackbone,
         _features(12, lambda g, n: torch.randint(0, 5, (n,), generator=g)),

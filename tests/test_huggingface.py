@@ -127,30 +127,50 @@ def test_sequence_classification(tmp_path):
 # -- training --------------------------------------------------------------------------------
 
 
-def _train(rank: int, world: int, steps: int) -> dict:
+# Megatron's split of a Llama decoder layer (tensor parallelism): q, k, v and the MLP's gate and
+# up projections colwise (whole heads of q and of k/v per rank), the output projections rowwise.
+LLAMA_TP_LAYERS = {
+    "model.layers.*.self_attn.[qkv]_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.[gu][ap]*_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def _train(rank: int, world: int, steps: int, parallel: dict | None = None) -> dict:
     work = _workload()
     plan = zerocc.load_plan(PLAN).model_copy(update={"optimizer": zerocc.load_plan({
         "optimizer": {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.01}}).optimizer})  # fmt: skip
+    if parallel:
+        plan = plan.model_copy(update={"parallel": zerocc.load_plan(parallel).parallel})
     step = zerocc.compile(work.model, plan, loss_fn=work.loss_fn)
-    batches = work.batches(rank, world)
+    batches = work.batches(step.data_rank, step.data_parallel)
     losses = [float(step(*next(batches))) for _ in range(steps)]
     return {"losses": losses, "params": step.full_state_dict()}
 
 
-def test_two_ranks_match_one_process():
-    steps = 4
-    ranks = run_ranks(2, _train, steps, timeout=600)
+@pytest.mark.parametrize(
+    ("world", "parallel"),
+    [(2, None), (4, {"parallel": {"tp": 2, "tp_layers": LLAMA_TP_LAYERS}})],
+    ids=["zero3-ws2", "zero3-dp2xtp2"],
+)
+def test_ranks_match_one_process(world, parallel):
+    """ZeRO-3 over 2 ranks, and over 2 data-parallel ranks of 2 tensor-parallel ranks each
+    (the decoder layers split, the tp ranks of a group given one batch)."""
+    steps, data = 4, 2
+    ranks = run_ranks(world, _train, steps, parallel, timeout=600)
     work = _workload()
     model, loss_fn = work.model, work.loss_fn
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
-    streams = [work.batches(r, 2) for r in range(2)]
+    streams = [work.batches(r, data) for r in range(data)]
     torch.set_num_threads(1)
     for s in range(steps):
         opt.zero_grad()
-        for r in range(2):
+        for r in range(data):
             loss = loss_fn(model, *next(streams[r]))
-            assert ranks[r]["losses"][s] == pytest.approx(loss.item(), rel=1e-5), (r, s)
-            (loss / 2).backward()
+            for rank in range(r * world // data, (r + 1) * world // data):
+                assert ranks[rank]["losses"][s] == pytest.approx(loss.item(), rel=1e-5), (r, s)
+            (loss / data).backward()
         opt.step()
     params = ranks[0]["params"]
     for name, value in model.state_dict().items():

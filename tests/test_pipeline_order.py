@@ -31,6 +31,8 @@ OLD_EXAMPLE_PIPELINES = {
     ],
     "zero3.yaml": ["partition", "shard", "optimizer", "overlap"],
     "zero3-hsdp.yaml": ["partition", "shard", "optimizer", "overlap"],  # (added later)
+    "zero3-tp.yaml": ["partition", "shard", "optimizer", "overlap"],  # (added later)
+    "70b-tp.yaml": ["partition", "shard", "precision", "optimizer", "overlap"],  # (added later)
 }
 
 

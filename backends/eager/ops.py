@@ -132,6 +132,31 @@ class EagerOps:
             total += (t.float() * scale).pow(2).sum()
         return total
 
+    def sum_squares_tp(
+        self, grad: torch.Tensor, scale: float, shared: list[int], parts: int, sharded: bool
+    ) -> torch.Tensor:
+        """The squared norm of ``grad * scale``, the ``shared`` ranges counting 1/parts (see
+        the op's schema in :mod:`zerocc.ir.ops`)."""
+        size = grad.numel()
+        base = self.ctx.comm.on(DP_GROUP).rank * size if sharded else 0
+        cuts, lo = [], 0  # (start, end, weight) pieces covering the tensor, in order
+        for offset, numel in sorted(zip(shared[::2], shared[1::2], strict=True)):
+            start, end = max(offset - base, lo), min(offset + numel - base, size)
+            if start < end:
+                cuts += [(lo, start, 1.0), (start, end, 1.0 / parts)]
+                lo = end
+        cuts.append((lo, size, 1.0))
+        total = torch.zeros((), dtype=torch.float32, device=grad.device)
+        flat = grad.reshape(-1)
+        for start, end, weight in cuts:
+            if start < end:
+                total += (flat[start:end].float() * scale).pow(2).sum() * weight
+        return total
+
+    def group_rank(self, like: torch.Tensor, group: str) -> torch.Tensor:
+        """This rank's index in ``group``, as a tensor on ``like``'s device."""
+        return torch.tensor(self.ctx.comm.on(group).rank, dtype=torch.int64, device=like.device)
+
     def clip_coef(self, total_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
         # Same formula as torch.nn.utils.clip_grad_norm_.
         return (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)

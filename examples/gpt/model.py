@@ -39,18 +39,20 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
+        self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()  # batch, sequence length, n_embd
-        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        # Head counts come from the shapes (-1), not the config: under tensor parallelism
+        # c_attn computes only this rank's heads, and the same code runs on them.
+        B, T, _ = x.size()  # batch, sequence length, n_embd
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # each (B, T, nh * hs)
+        q = q.view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
 

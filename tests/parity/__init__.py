@@ -19,7 +19,7 @@ import copy
 from typing import Any
 
 import torch
-from models import build, entry, loss_of
+from models import GPT_TP_LAYERS, build, entry, loss_of
 
 import zerocc
 from zerocc.inspect.explain import describe
@@ -46,6 +46,7 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
     )
     return {
         "zero": {"stage": case["stage"], "replicate": case.get("replicate", 1)},
+        "parallel": {"tp": case["tp"], "tp_layers": GPT_TP_LAYERS} if "tp" in case else {},
         "units": {**entry(case["model"])[2], **case.get("units", {})},
         "optimizer": optimizer,
         "grad_accumulation": case.get("accum", 1),
@@ -60,6 +61,16 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         "checkpointing": case.get("checkpointing", {}),
         "seed": 7,
     }
+
+
+def tp_of(case: dict[str, Any]) -> int:
+    """Tensor-parallel ranks of the case (1 without)."""
+    return case.get("tp", 1)
+
+
+def data_ranks(case: dict[str, Any]) -> int:
+    """Batches per step: one per data-parallel rank (a tp group's ranks share theirs)."""
+    return case["world"] // tp_of(case)
 
 
 def batch_of(case: dict[str, Any], index: int, rank: int):
@@ -88,7 +99,7 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
         step = zerocc.compile(_model(case, rank), plan_of(case))
         k, losses = case.get("accum", 1), []
         for i in range(case.get("steps", 5) * k):
-            losses.append(float(step(*batch_of(case, i, rank))))
+            losses.append(float(step(*batch_of(case, i, step.data_rank))))
         elements = dict(step.comm.stats.elements)  # of the last step's program alone
         params = step.full_state_dict()  # collective: every rank calls it
         out[case_id(case)] = {
@@ -168,7 +179,7 @@ def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(case, params)
     scheduler = _scheduler(case, opt)
-    world, k = case["world"], case.get("accum", 1)
+    world, k = data_ranks(case), case.get("accum", 1)
     losses: list[list[float]] = [[] for _ in range(world)]
     for s in range(case.get("steps", 5)):
         opt.zero_grad()
@@ -203,7 +214,7 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
             backoff_factor=knobs.backoff_factor,
             growth_interval=knobs.growth_interval,
         )
-    world, k = case["world"], case.get("accum", 1)
+    world, k = data_ranks(case), case.get("accum", 1)
     # Gradient shards kept in a 16-bit dtype (precision.grad, stages 2-3): each micro-batch's
     # reduced gradient is rounded to it, and accumulated in it.
     kept = precision.dtype("grad") if precision.grad and case["stage"] >= 2 else None
@@ -271,9 +282,9 @@ def assert_matches_reference(ranks: list[dict[str, Any]], case: dict[str, Any], 
     ref_losses, ref_state = reference(case)
     key = case_id(case)
     for rank, result in enumerate(ranks):
-        ours = result[key]["losses"]
-        assert len(ours) == len(ref_losses[rank])
-        for i, (a, b) in enumerate(zip(ours, ref_losses[rank], strict=True)):
+        ours, theirs = result[key]["losses"], ref_losses[rank // tp_of(case)]
+        assert len(ours) == len(theirs)
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             assert abs(a - b) <= tol * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
     params = ranks[0][key]["params"]
     assert set(params) == set(ref_state), "full_state_dict keys differ from model.state_dict()"

@@ -252,7 +252,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     lines = [
         f"{plan.source or 'plan'}: ZeRO stage {e.stage}, {e.world_size} ranks, "
         f"compute {p.param}, reduce {p.reduce}, master {p.master}, grads {grads}",
-        *mesh_lines(e.world_size, plan.zero.replicate),
+        *mesh_lines(plan.mesh(e.world_size)),
         "",
         "memory per rank (predicted from the scheduled program):",
     ]

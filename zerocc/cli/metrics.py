@@ -193,7 +193,8 @@ class Metrics:
             comm = self.step.comm
             mine = []
             if made is not None:
-                mine = list(islice(made(comm.rank, comm.world_size), self.config.eval_batches))
+                dealt = made(self.step.data_rank, self.step.data_parallel)  # one per tp group
+                mine = list(islice(dealt, self.config.eval_batches))
             counts = comm.all_gather_object(len(mine))
             if len(set(counts)) > 1 and self.rank == 0:
                 print(f"eval: the ranks hold {counts} eval batches; each evaluates {min(counts)}")

@@ -19,10 +19,12 @@ def profile_rank(plan: Plan, output: Path, steps: int) -> int:
     with joined_group(plan) as (rank, world_size):
         workload = load_workload(plan)
         step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
-        batches = workload.batches(rank, world_size)
-        first = first_batch(batches, plan, rank, world_size)
+        data_rank, data_ranks = step.data_rank, step.data_parallel  # one batch per tp group
+        batches = workload.batches(data_rank, data_ranks)
+        first = first_batch(batches, plan, data_rank, data_ranks)
         step(*to_device(first, step.device))  # captures and compiles
-        result = calibrate(step, _endless(batches, workload, rank, world_size), steps=steps)
+        endless = _endless(batches, workload, data_rank, data_ranks)
+        result = calibrate(step, endless, steps=steps)
         if rank == 0:
             output.parent.mkdir(parents=True, exist_ok=True)
             result.save(output)

@@ -73,7 +73,9 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
         if rank == 0:
             print(f"the checkpoint is at micro-batch {done}, --steps is {steps}: nothing to train")
         return 0
-    batches = _batches_from(workload.batches(rank, world_size), done, rank, world_size)
+    # The ranks of a tensor-parallel group train on one batch: batches go by data-parallel rank.
+    data_rank, data_ranks = step.data_rank, step.data_parallel
+    batches = _batches_from(workload.batches(data_rank, data_ranks), done, data_rank, data_ranks)
 
     def next_batch() -> tuple | None:
         """This rank's next batch; None once every rank has run out at this step (a rank
@@ -85,7 +87,7 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
 
     first = next_batch()
     if first is None:
-        raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
+        raise ZeroccError(f"{plan.workload}: batches({data_rank}, {data_ranks}) yielded no batch")
     stop = _StopRequest(enabled=checkpoint.dir is not None)
     saver = _Saver(step, plan)
     metrics = Metrics(step, plan, workload, rank)

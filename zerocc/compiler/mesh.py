@@ -1,17 +1,23 @@
-"""The ranks' layout: which ranks shard a unit together and which hold replicas of a shard.
+"""The ranks' layout: which ranks shard a unit together, which hold replicas of a shard, and
+which split a layer by tensor parallelism.
 
-ZeRO shards each unit over every rank; hybrid sharding (HSDP, ``zero.replicate: R``) shards it
-over groups of ``N / R`` ranks and keeps ``R`` replicas of every shard, whose gradients are
-all-reduced across the replicas after their reduce-scatter within the group. The usual
-placement puts a shard group inside a node (its all-gathers and reduce-scatters on the fast
-links) and the replicas across nodes, so a shard group is ``N / R`` consecutive ranks:
+ZeRO shards each unit over the data-parallel ranks; hybrid sharding (HSDP,
+``zero.replicate: R``) shards it over groups of ``D / R`` of them and keeps ``R`` replicas of
+every shard, whose gradients are all-reduced across the replicas after their reduce-scatter
+within the group. Tensor parallelism (``parallel.tp: T``) splits the layers the plan names over
+``T`` ranks, each of which holds its own slice of those weights, so the ``N`` ranks are
+``D = N / T`` data-parallel ranks of ``T`` tensor-parallel ranks each. The usual placement puts
+the tensor-parallel ranks (collectives on every layer, in forward and backward) closest
+together, then a shard group (all-gathers and reduce-scatters) inside a node, and the replicas
+across nodes:
 
-    rank = replica * shard_size + shard_rank
+    rank = (replica * shard_size + shard_rank) * tp + tp_rank
 
-Two named groups carry the program's collectives: ``dp`` (the shard group: all-gathers,
+Three named groups carry the program's collectives: ``dp`` (the shard group: all-gathers,
 reduce-scatters, and the all-reduces of what every shard group computes alike, the clip's norm
-and the overflow flag) and ``replicate`` (the ranks holding the same shard: the gradient
-all-reduce). Without hybrid sharding ``dp`` is every rank and ``replicate`` is not used.
+and the overflow flag), ``replicate`` (the ranks holding the same shard: the gradient all-reduce)
+and ``tp`` (the ranks splitting a layer: its activations' all-reduces and gathers). Without
+hybrid sharding or tensor parallelism, ``dp`` is every rank and the others are not used.
 """
 
 from __future__ import annotations
@@ -21,69 +27,122 @@ from dataclasses import dataclass
 from zerocc.errors import PlanError
 from zerocc.ir.ops import DP_GROUP as DP
 from zerocc.ir.ops import REPLICATE_GROUP as REPLICATE
+from zerocc.ir.ops import TP_GROUP as TP
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """``world_size`` ranks as ``replicate`` replicas of shard groups of ``shard_size``."""
+    """``world_size`` ranks as ``replicate`` replicas of shard groups of ``shard_size``
+    data-parallel ranks, each of them ``tp`` tensor-parallel ranks."""
 
     world_size: int
     replicate: int = 1
+    tp: int = 1
 
     @staticmethod
-    def of(world_size: int, replicate: int) -> Mesh:
-        """The layout of ``world_size`` ranks for a plan's ``zero.replicate``; a PlanError when
-        the ranks cannot be split so."""
-        if replicate > 1 and world_size % replicate:
+    def of(world_size: int, replicate: int = 1, tp: int = 1) -> Mesh:
+        """The layout of ``world_size`` ranks for a plan's ``zero.replicate`` and
+        ``parallel.tp``; a PlanError when the ranks cannot be split so."""
+        if world_size % tp:
             raise PlanError(
-                f"zero.replicate: {replicate} does not divide the world size {world_size}; "
-                f"allowed: a divisor of {world_size}"
+                f"parallel.tp: {tp} does not divide the world size {world_size}; allowed: a "
+                f"divisor of {world_size}"
             )
-        if replicate > 1 and world_size == replicate:
+        data = world_size // tp
+        if replicate > 1 and data % replicate:
+            ranks = "world size" if tp == 1 else "data-parallel ranks"
             raise PlanError(
-                f"zero.replicate: {replicate} leaves shard groups of one rank ({world_size} ranks):"
-                " nothing would be sharded; use zero.stage: 0 (DDP) for full replicas, or a"
-                f" smaller replicate (a divisor of {world_size} below it)"
+                f"zero.replicate: {replicate} does not divide the {ranks} {data}"
+                f"{_of_tp(world_size, tp)}; allowed: a divisor of {data}"
             )
-        return Mesh(world_size, replicate)
+        if replicate > 1 and data == replicate:
+            raise PlanError(
+                f"zero.replicate: {replicate} leaves shard groups of one rank ({data} "
+                f"data-parallel ranks{_of_tp(world_size, tp)}): nothing would be sharded; use "
+                "zero.stage: 0 (DDP) for full replicas, or a smaller replicate (a divisor of "
+                f"{data} below it)"
+            )
+        return Mesh(world_size, replicate, tp)
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: how many distinct batches one step trains on."""
+        return self.world_size // self.tp
 
     @property
     def shard_size(self) -> int:
         """Ranks a unit is sharded over."""
-        return self.world_size // self.replicate
+        return self.data_parallel // self.replicate
 
     @property
     def hybrid(self) -> bool:
         """Whether shards are replicated (HSDP)."""
         return self.replicate > 1
 
+    @property
+    def split(self) -> bool:
+        """Whether the ranks are split into groups at all (HSDP or tensor parallelism)."""
+        return self.hybrid or self.tp > 1
+
+    def data_rank(self, rank: int) -> int:
+        """Which data-parallel rank ``rank`` is (whose batch it trains on)."""
+        return rank // self.tp
+
     def shard_rank(self, rank: int) -> int:
         """Which shard of each unit ``rank`` holds."""
-        return rank % self.shard_size
+        return self.data_rank(rank) % self.shard_size
 
     def replica(self, rank: int) -> int:
         """Which replica ``rank`` belongs to."""
-        return rank // self.shard_size
+        return self.data_rank(rank) // self.shard_size
+
+    def tp_rank(self, rank: int) -> int:
+        """Which slice of each tensor-parallel layer ``rank`` holds."""
+        return rank % self.tp
 
     def groups(self, name: str) -> list[list[int]]:
-        """The ranks of every group of kind ``name`` (``dp`` or ``replicate``), each in rank
-        order: what every rank creates, in this order."""
-        s = self.shard_size
+        """The ranks of every group of kind ``name`` (``dp``, ``replicate`` or ``tp``), each in
+        rank order: what every rank creates, in this order."""
+        s, t, n = self.shard_size, self.tp, self.world_size
         if name == DP:
-            return [list(range(r * s, (r + 1) * s)) for r in range(self.replicate)]
+            return [
+                [(r * s + i) * t + j for i in range(s)]
+                for r in range(self.replicate)
+                for j in range(t)
+            ]
         if name == REPLICATE:
-            return [list(range(i, self.world_size, s)) for i in range(s)]
-        raise ValueError(f"unknown group {name!r}; known: {DP}, {REPLICATE}")
+            return [list(range(i * t + j, n, s * t)) for i in range(s) for j in range(t)]
+        if name == TP:
+            return [list(range(d * t, (d + 1) * t)) for d in range(self.data_parallel)]
+        raise ValueError(f"unknown group {name!r}; known: {DP}, {REPLICATE}, {TP}")
+
+    def named_groups(self) -> list[str]:
+        """The kinds of group this layout splits the ranks into, in the order they are made."""
+        return [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1)
 
     def describe(self) -> str:
         """One line for explain() and the estimate: the layout and its groups (the first two
         of each kind, and how many there are)."""
+        sizes = [f"{self.replicate} replicas"] * self.hybrid + [f"{self.shard_size} shards"]
+        index = f"replica × {self.shard_size} + shard" if self.hybrid else "shard"
+        if self.tp > 1:
+            sizes.append(f"{self.tp} tensor-parallel")
+            index = f"({index}) × {self.tp} + tp" if self.hybrid else f"shard × {self.tp} + tp"
+        groups = [f"dp groups {_some(self.groups(DP))}"]
+        if self.hybrid:
+            groups.append(
+                f"gradients all-reduced across the replicate groups {_some(self.groups(REPLICATE))}"
+            )
+        if self.tp > 1:
+            groups.append(f"layers split over the tp groups {_some(self.groups(TP))}")
         return (
-            f"mesh: {self.world_size} ranks = {self.replicate} replicas × {self.shard_size}"
-            f" shards (rank = replica × {self.shard_size} + shard); dp groups"
-            f" {_some(self.groups(DP))}; gradients all-reduced across the replicate groups"
-            f" {_some(self.groups(REPLICATE))}"
+            f"mesh: {self.world_size} ranks = {' × '.join(sizes)} (rank = {index});"
+            f" {'; '.join(groups)}"
         )
+
+
+def _of_tp(world_size: int, tp: int) -> str:
+    return f" ({world_size} ranks / parallel.tp {tp})" if tp > 1 else ""
 
 
 def _some(groups: list[list[int]]) -> str:
@@ -100,6 +159,7 @@ def _some(groups: list[list[int]]) -> str:
     return shown if len(groups) <= 2 else f"{shown}, … ({len(groups)} groups)"
 
 
-def mesh_lines(world_size: int, replicate: int) -> list[str]:
-    """The layout line of a report (explain, estimate): one under hybrid sharding, else none."""
-    return [Mesh.of(world_size, replicate).describe()] if replicate > 1 else []
+def mesh_lines(mesh: Mesh) -> list[str]:
+    """The layout line of a report (explain, estimate): one when the ranks are split into
+    groups (hybrid sharding, tensor parallelism), else none."""
+    return [mesh.describe()] if mesh.split else []

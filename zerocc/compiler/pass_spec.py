@@ -21,6 +21,7 @@ from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
+from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 
 Declares = Callable[[StateLayout, list[Unit], Plan], None]
@@ -117,8 +118,11 @@ class PassContext:
     units: list[Unit] = field(default_factory=list)  # filled by the partition pass
     # The state the passes so far declared (each pass's ``declares``, run before it).
     layout: StateLayout = field(default_factory=StateLayout)
+    # The layers the plan splits over the tp ranks (``model`` gives their slices' shapes).
+    tensor_parallel: TensorParallel | None = None
 
     @property
     def mesh(self) -> Mesh:
-        """The ranks' layout: the groups units are sharded over and replicated across."""
-        return Mesh.of(self.world_size, self.plan.zero.replicate)
+        """The ranks' layout: the groups units are sharded over, replicated across and
+        splitting layers."""
+        return self.plan.mesh(self.world_size)

@@ -116,8 +116,6 @@ class ZeroConfig(_Section):
                 f"replicate: {self.replicate} replicates shard groups, but stage 0 shards "
                 "nothing (every rank is a replica already); set zero.stage: 1, 2 or 3"
             )
-        if self.world_size is not None:  # a layout the ranks cannot take is an error now
-            Mesh.of(self.world_size, self.replicate)
         return self
 
     @field_validator("stage", mode="before")
@@ -127,6 +125,64 @@ class ZeroConfig(_Section):
         if isinstance(stage, bool | float):
             raise ValueError(f"{stage!r} is not allowed; allowed values: 0, 1, 2, 3")
         return stage
+
+
+TpStyle = Literal["colwise", "rowwise", "vocab"]
+
+
+class TpLayer(_Section):
+    """How one layer (or every layer a glob matches) is split over the tensor-parallel ranks."""
+
+    style: TpStyle = Field(
+        description="colwise: a Linear's output features split (its input all-reduced in "
+        "backward); rowwise: its input features split, its output all-reduced; vocab: an "
+        "Embedding's or output head's vocabulary split (lookups all-reduced; logits gathered)"
+    )
+    fused: int = Field(
+        1,
+        ge=1,
+        description="colwise: the output features are this many blocks side by side (q, k and "
+        "v in one Linear: 3), each split alike, so every rank holds whole heads of each",
+    )
+
+    @model_validator(mode="after")
+    def _fused_is_colwise(self) -> TpLayer:
+        if self.fused > 1 and self.style != "colwise":
+            raise ValueError(f"fused: {self.fused} splits blocks of output features: colwise only")
+        return self
+
+
+class ParallelConfig(_Section):
+    """The ranks' mesh beyond ZeRO: tensor parallelism over ``tp`` ranks (Megatron-style)."""
+
+    dp: int | None = Field(
+        None, ge=1, description="data-parallel ranks (world size / tp); checked when given"
+    )
+    tp: int = Field(
+        1, ge=1, description="tensor-parallel ranks: each layer of tp_layers is split over them"
+    )
+    tp_layers: dict[str, TpStyle | TpLayer] = Field(
+        default_factory=dict,
+        description="module FQN globs (fnmatch, e.g. 'transformer.h.*.mlp.c_fc') -> style "
+        "(colwise, rowwise, vocab) or {style, fused}; every glob must match a module",
+    )
+
+    @model_validator(mode="after")
+    def _tp_names_layers(self) -> ParallelConfig:
+        if self.tp > 1 and not self.tp_layers:
+            raise ValueError(
+                f"tp: {self.tp} splits the layers named in tp_layers, and it names none; e.g. "
+                "tp_layers: {'*.attn.c_attn': {style: colwise, fused: 3}, '*.attn.c_proj': "
+                "rowwise, '*.mlp.c_fc': colwise, '*.mlp.c_proj': rowwise}"
+            )
+        return self
+
+    def layers(self) -> dict[str, TpLayer]:
+        """``tp_layers`` with every style spelled out as a TpLayer."""
+        return {
+            glob: TpLayer(style=layer) if isinstance(layer, str) else layer
+            for glob, layer in self.tp_layers.items()
+        }
 
 
 class UnitsConfig(_Section):
@@ -790,6 +846,10 @@ class Plan(_Section):
     """A zerocc plan: how to shard, optimize and run one training step."""
 
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and world size")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig,
+        description="tensor parallelism beside ZeRO: the mesh's dp × tp and the layers split",
+    )
     units: UnitsConfig = Field(
         default_factory=UnitsConfig, description="how parameters are grouped into FSDP units"
     )
@@ -864,6 +924,34 @@ class Plan(_Section):
         """The path the plan was loaded from (None for a dict or Plan); the workload module is
         looked up in its folder first (see zerocc.compiler.workload.load_workload)."""
         return self._source
+
+    def mesh(self, world_size: int) -> Mesh:
+        """The layout of ``world_size`` ranks under this plan (``zero.replicate``,
+        ``parallel``); a PlanError when the ranks cannot take it."""
+        dp, tp = self.parallel.dp, self.parallel.tp
+        if dp is not None and dp * tp != world_size:
+            raise PlanError(
+                f"parallel: dp {dp} × tp {tp} is {dp * tp} ranks, but the world size is "
+                f"{world_size}; allowed: dp × tp = {world_size} (or leave dp out)"
+            )
+        return Mesh.of(world_size, self.zero.replicate, tp)
+
+    @model_validator(mode="after")
+    def _mesh_takes_the_world(self) -> Plan:
+        if self.zero.world_size is not None:  # a layout the ranks cannot take is an error now
+            self.mesh(self.zero.world_size)
+        return self
+
+    @model_validator(mode="after")
+    def _checkpoints_are_unsplit(self) -> Plan:
+        checkpoint = self.checkpoint
+        if self.parallel.tp > 1 and (checkpoint.dir or checkpoint.resume):
+            raise ValueError(
+                f"checkpoint: saving and resuming a tensor-parallel run (parallel.tp: "
+                f"{self.parallel.tp}) is not supported yet; drop checkpoint.dir and "
+                "checkpoint.resume (TrainStep.full_state_dict() gathers the whole model)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _kernels_update_fp32_masters(self) -> Plan:

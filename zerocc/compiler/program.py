@@ -22,6 +22,7 @@ from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.pass_manager import PassContext, PassRecord, Pipeline, run_pipeline
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
+from zerocc.compiler.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.units import Unit
 from zerocc.errors import InvariantError
 from zerocc.ir.nodes import STATE_ROLES, count_ops, info, val
@@ -68,22 +69,29 @@ def compile_program(
     units: list[Unit] | None = None,
     keep_graphs: bool = False,
     training: bool = True,
+    tensor_parallel: TensorParallel | None = None,
 ) -> CompiledProgram:
     """Capture ``model``'s step on ``batch`` and run ``pipeline`` for ``world_size`` ranks;
     ``boundary``: the program ends with the optimizer step. ``units``: the FSDP units the
     caller's state is laid out in (the partition pass assigns them when there are none).
     ``keep_graphs`` keeps a copy of the graph after every pass in its record (for
     inspection). ``training=False``: a forward-only program that returns the loss (evaluation;
-    the passes find no gradient, so it gathers what forward needs and updates nothing)."""
+    the passes find no gradient, so it gathers what forward needs and updates nothing).
+    ``tensor_parallel``: the layers the plan splits (``model_info`` then gives each split
+    parameter's slice), captured in their tensor-parallel form."""
     start = time.perf_counter()
     casts = Casts.of(plan.precision)
-    gm = capture(model, model_info, loss_fn, batch, device, casts, gradients=training)
+    tp = tensor_parallel
+    with tp.applied(model) if tp is not None else contextlib.nullcontext():
+        gm = capture(model, model_info, loss_fn, batch, device, casts, gradients=training)
+    if tp is not None:
+        tag_collectives(gm, tp)
     seconds = time.perf_counter() - start
     n = len(gm.graph.nodes)
     captured = PassRecord(
         "capture",
         seconds,
-        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)",
+        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)" + (tp.describe() if tp else ""),
         0,
         n,
         count_ops(gm.graph.nodes),
@@ -92,7 +100,12 @@ def compile_program(
     if keep_graphs:
         captured.gm = snapshot(gm)
     ctx = PassContext(
-        plan, world_size, model_info, boundary=boundary and training, units=list(units or [])
+        plan,
+        world_size,
+        model_info,
+        boundary=boundary and training,
+        units=list(units or []),
+        tensor_parallel=tp,
     )
     gm, records = run_pipeline(gm, ctx, pipeline, snapshot if keep_graphs else None)
     check_bindings(gm, ctx.layout)

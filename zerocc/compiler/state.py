@@ -352,6 +352,7 @@ def allocate_state(
     device: torch.device,
     store: Any = None,
     from_rank_0: Callable[[torch.Tensor], None] | None = None,
+    split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every resident persistent tensor of ``layout`` for ``rank``, keyed as its spec, where its
     spec places it: weights from the model's initial values (one unit materialized at a time),
@@ -364,7 +365,8 @@ def allocate_state(
     rank 0's values whenever the model holds real values for them (ranks seeded differently
     would otherwise train a mix of their starting points). Tensors on the ``meta`` device are
     initialized from ``seed`` (the plan's) and their own name, the same on every rank, so they need
-    no broadcast."""
+    no broadcast. ``split`` (tensor parallelism) gives this rank's slices of full values:
+    rank 0's full values are broadcast before they are split."""
     specs = list(layout)
     weights = (PARAM_FULL, PARAM_SHARD, MASTER)
     state: dict[str, torch.Tensor] = {}
@@ -384,9 +386,17 @@ def allocate_state(
 
     for unit in units:
         fqns = [p.fqn for p in unit.params]
-        flat = unit.flatten(initial_values(model, fqns, seed, device))
-        if from_rank_0 is not None and holds_values(model, fqns):
-            from_rank_0(flat)
+        values = initial_values(model, fqns, seed, device)
+        if split is None:
+            flat = unit.flatten(values)
+            if from_rank_0 is not None and holds_values(model, fqns):
+                from_rank_0(flat)
+        else:
+            if from_rank_0 is not None and holds_values(model, fqns):
+                values = {f: v.contiguous().clone() for f, v in values.items()}  # not the model's
+                for value in values.values():
+                    from_rank_0(value)
+            flat = unit.flatten(split(values))
         for spec in specs:
             if spec.unit != unit.name or spec.role not in weights:
                 continue

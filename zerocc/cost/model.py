@@ -51,11 +51,12 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from zerocc.compiler.mesh import Mesh
 from zerocc.cost.memory import tensors_in
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind
 from zerocc.ir.nodes import info, op_kind, op_name, val
-from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP
+from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, TP_GROUP
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
@@ -433,14 +434,19 @@ def _bytes_moved(node: fx.Node, args: tuple, kwargs: dict) -> int:
 
 
 class CostModel:
-    """Seconds each node of a program takes under ``rates`` with ``world_size`` ranks (in
-    ``replicate`` replicas of shard groups, see :mod:`zerocc.compiler.mesh`): a compute node on
+    """Seconds each node of a program takes under ``rates`` with ``world_size`` ranks (laid
+    out as ``mesh`` says, see :mod:`zerocc.compiler.mesh`): a compute node on
     the compute stream, a collective (its start node) on the comm stream; waits cost nothing of
     their own (the simulator makes them block). Cached per node."""
 
-    def __init__(self, rates: DeviceRates, world_size: int, replicate: int = 1) -> None:
+    def __init__(self, rates: DeviceRates, world_size: int, mesh: Mesh | None = None) -> None:
         self.rates, self.world_size = rates, world_size
-        self.group_ranks = {DP_GROUP: world_size // replicate, REPLICATE_GROUP: replicate}
+        mesh = mesh or Mesh(world_size)
+        self.group_ranks = {
+            DP_GROUP: mesh.shard_size,
+            REPLICATE_GROUP: mesh.replicate,
+            TP_GROUP: mesh.tp,
+        }
         self._cache: dict[fx.Node, float] = {}
 
     def ranks(self, work: NodeWork) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 
 from torch import fx
 
+from zerocc.compiler.mesh import Mesh
 from zerocc.cost.memory import predict_memory
 from zerocc.cost.model import TRANSFER, CostModel, DeviceRates, collective_kind, node_work
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
@@ -280,10 +281,10 @@ def predict_step(
     *,
     model_states: dict[str, int] | None = None,
     rank: int = 0,
-    replicate: int = 1,
+    mesh: Mesh | None = None,
 ) -> Simulation:
-    """:func:`simulate_step` with the cost model of ``rates`` for ``world_size`` ranks
-    (``replicate`` replicas of shard groups under hybrid sharding)."""
-    model = CostModel(rates, world_size, replicate)
+    """:func:`simulate_step` with the cost model of ``rates`` for ``world_size`` ranks (laid
+    out as ``mesh`` says: hybrid sharding, tensor parallelism)."""
+    model = CostModel(rates, world_size, mesh)
     return simulate_step(programs, grad_accumulation, model, issue_s=model.issue_s,
                          stolen=model.stolen, model_states=model_states, rank=rank)  # fmt: skip

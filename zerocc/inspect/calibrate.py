@@ -532,7 +532,7 @@ def calibrate(
     programs = step.record().programs
     states = model_state_bytes_of(step.layout)
     predicted = predict_step(
-        programs, k, rates, comm.world_size, model_states=states, replicate=plan.zero.replicate
+        programs, k, rates, comm.world_size, model_states=states, mesh=plan.mesh(comm.world_size)
     )
     measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3
     measured = {

@@ -83,9 +83,7 @@ def write_run_dumps(root: Path, step: StepRecord, recorder: ProfiledRun, comm: C
     program = step.program
     states = model_state_bytes_of(step.layout)
     rates = rates_for(step.plan, step.device_type)
-    simulated = predict_step(
-        {True: program}, 1, rates, step.world_size, replicate=step.plan.zero.replicate
-    )
+    simulated = predict_step({True: program}, 1, rates, step.world_size, mesh=step.mesh)
     ranks = sorted({e.rank for e in events})
     write_trace(events, simulated.events, ranks, root / "trace.json")
     predicted = predict_memory(program, states)

@@ -18,6 +18,7 @@ from zerocc.compiler.pass_manager import PassRecord, build_pipeline
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.program import CompiledProgram, compile_program
 from zerocc.compiler.state import HOST, NVME
+from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.memory import model_state_bytes_of, predict_memory
@@ -56,8 +57,10 @@ def inspect_plan(
     tensors. ``keep_graphs`` keeps the graph after every pass (for printing one unit, DOT)."""
     plan = load_plan(plan)
     workload = workload or load_workload(plan)
-    batch = _first_batch(workload, world_size)
-    model_info = describe_model(workload.model)
+    batch = _first_batch(workload, plan.mesh(world_size).data_parallel)
+    described = describe_model(workload.model)
+    tp = TensorParallel.of(workload.model, described, plan)
+    model_info = tp.local_info(described) if tp is not None else described
     pipeline = build_pipeline(plan)
     boundaries = [True] if plan.grad_accumulation == 1 else [True, False]
     programs = {
@@ -72,16 +75,17 @@ def inspect_plan(
             world_size=world_size,
             boundary=boundary,
             keep_graphs=keep_graphs,
+            tensor_parallel=tp,
         )
         for boundary in boundaries
     }
     return Inspection(plan, world_size, programs)
 
 
-def _first_batch(workload: Workload, world_size: int) -> tuple[Any, ...]:
-    batch = next(iter(workload.batches(0, world_size)), None)
+def _first_batch(workload: Workload, data_ranks: int) -> tuple[Any, ...]:
+    batch = next(iter(workload.batches(0, data_ranks)), None)
     if batch is None:
-        raise ValueError("the workload's batches(0, world_size) yielded no batch")
+        raise ValueError(f"the workload's batches(0, {data_ranks}) yielded no batch")
     return tuple(batch)
 
 
@@ -156,7 +160,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         plan.grad_accumulation,
         rates,
         inspection.world_size,
-        replicate=plan.zero.replicate,
+        mesh=plan.mesh(inspection.world_size),
     )
     timing.peak_bytes, timing.memory = total, timeline
     return Estimate(

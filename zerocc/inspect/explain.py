@@ -40,7 +40,7 @@ def formula_bytes(step: StepRecord, location: str = DEVICE) -> dict[str, float]:
 def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) -> dict[str, float]:
     """:func:`formula_bytes` of ``plan`` for ``units`` on ``n`` ranks."""
     stage = plan.zero.stage
-    n //= plan.zero.replicate  # the ranks a unit is sharded over
+    n = plan.mesh(n).shard_size  # the ranks a unit is sharded over
     states = len(optimizer_states(plan.optimizer))
     where = placements(units, plan.offload)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
@@ -184,7 +184,7 @@ def explain_step(step: StepRecord) -> str:
         f"{plan.optimizer.name}, grad_accumulation {plan.grad_accumulation}",
         f"trainable Ψ = {psi:,} elements with padding "
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
-        *mesh_lines(n, plan.zero.replicate),
+        *mesh_lines(step.mesh),
         precision_line(step),
         backend_line(step),
         *step.backend_notes,
@@ -280,7 +280,7 @@ def predicted_time_line(step: StepRecord) -> str:
         step.plan.grad_accumulation,
         rates,
         step.world_size,
-        replicate=step.plan.zero.replicate,
+        mesh=step.mesh,
     )
     source = "calibrated" if "calibration" in rates.sources.values() else "default"
     return (

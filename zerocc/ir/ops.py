@@ -19,6 +19,7 @@ from torch.library import Library
 
 DP_GROUP = "dp"  # the group a unit is sharded over (every rank, unless sharding is hybrid)
 REPLICATE_GROUP = "replicate"  # the ranks that hold the same shard (hybrid sharding)
+TP_GROUP = "tp"  # the ranks that split a layer (tensor parallelism)
 
 
 def reported_kind(kind: str, group: str) -> str:
@@ -46,6 +47,16 @@ SCHEMAS = {
     "sum_squares": "sum_squares(Tensor[] tensors, float scale) -> Tensor",
     "nonfinite_flags": "nonfinite_flags(Tensor[] grads, float scale, bool sum_squares) -> Tensor",
     "clip_coef": "clip_coef(Tensor total_sq, float max_norm) -> Tensor",
+    # Tensor parallelism: this rank's index in ``group`` (a 0-dim int64 tensor on ``like``'s
+    # device), for the slice of a split layer it holds; and a gradient's squared norm in which
+    # the elements of the ``shared`` (offset, numel) ranges, which every one of the ``parts``
+    # tensor-parallel ranks holds alike, count 1/parts (``sharded``: ranges over the unit's
+    # whole flat, ``grad`` this rank's shard of it), so that the sum over the ranks counts
+    # each element once.
+    "group_rank": "group_rank(Tensor like, str group) -> Tensor",
+    "sum_squares_tp": (
+        "sum_squares_tp(Tensor grad, float scale, int[] shared, int parts, bool sharded) -> Tensor"
+    ),
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
         " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
@@ -146,6 +157,16 @@ def _(grads, scale, sum_squares):
 @fake("sum_squares")
 def _(tensors, scale):
     return tensors[0].new_empty((), dtype=torch.float32)
+
+
+@fake("group_rank")
+def _(like, group):
+    return like.new_empty((), dtype=torch.int64)
+
+
+@fake("sum_squares_tp")
+def _(grad, scale, shared, parts, sharded):
+    return grad.new_empty((), dtype=torch.float32)
 
 
 @fake("clip_coef")

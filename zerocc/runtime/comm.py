@@ -14,9 +14,10 @@ on the :class:`Comm` of the runtime context an executable was compiled with
   collectives produce correctly shaped results without any peer.
 
 A program's collectives name their group of the ranks' mesh (:mod:`zerocc.compiler.mesh`):
-``dp``, the ranks a unit is sharded over, and under hybrid sharding ``replicate``, the ranks
-holding the same shard. :meth:`Comm.use_mesh` splits a comm into them, and :meth:`Comm.on`
-gives the comm of one; without hybrid sharding ``dp`` is the comm itself.
+``dp``, the ranks a unit is sharded over, under hybrid sharding ``replicate``, the ranks
+holding the same shard, and under tensor parallelism ``tp``, the ranks splitting a layer.
+:meth:`Comm.use_mesh` splits a comm into them, and :meth:`Comm.on` gives the comm of one;
+without either ``dp`` is the comm itself.
 
 Every collective is counted at its call site in :class:`CommStats` (logical elements: an
 all-gather counts its output, a reduce-scatter its input, an all-reduce twice its size, as in
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 from zerocc.compat import all_gather_single, let_gloo_workers_finish, reduce_scatter_single
 from zerocc.compiler.mesh import Mesh
-from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, reported_kind
+from zerocc.ir.ops import DP_GROUP, reported_kind
 from zerocc.runtime.watchdog import Heartbeat
 
 
@@ -131,8 +132,8 @@ class Comm(abc.ABC):
 
     def on(self, name: str) -> Comm:
         """The comm of this rank's group ``name`` of the mesh (``dp``: the ranks a unit is
-        sharded over; ``replicate``: the ranks holding the same shard): this comm itself,
-        every rank, until :meth:`use_mesh` split it."""
+        sharded over; ``replicate``: the ranks holding the same shard; ``tp``: the ranks
+        splitting a layer): this comm itself, every rank, until :meth:`use_mesh` split it."""
         if name == DP_GROUP:
             return self._groups.get(name, self)
         found = self._groups.get(name)
@@ -147,17 +148,16 @@ class Comm(abc.ABC):
         if self.mesh is not None:
             if self.mesh != mesh:
                 raise RuntimeError(
-                    f"zerocc: this comm's ranks are split for zero.replicate "
-                    f"{self.mesh.replicate} already (another step compiled on it); a plan with "
-                    f"zero.replicate {mesh.replicate} needs a comm of its own"
+                    f"zerocc: this comm's ranks are split as {self.mesh} already (another step "
+                    f"compiled on it); a plan laid out as {mesh} needs a comm of its own"
                 )
             return
         if mesh.world_size != self.world_size:
             raise RuntimeError(f"zerocc: a mesh of {mesh.world_size} ranks for {self.world_size}")
         self.mesh = mesh
-        if not mesh.hybrid:
+        if not mesh.split:
             return
-        for name in (DP_GROUP, REPLICATE_GROUP):
+        for name in mesh.named_groups():
             for ranks in mesh.groups(name):  # every rank makes every group, in one order
                 made = self._make_group(ranks)
                 if made is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import DEVICE, StateLayout
@@ -41,6 +42,11 @@ class StepRecord:
     backend_artifacts: dict[str, str]  # what it generated for the last program (the dumps)
     steps: int  # optimizer steps applied
     skipped_steps: int  # optimizer steps skipped for a non-finite gradient
+
+    @property
+    def mesh(self) -> Mesh:
+        """The ranks' layout (hybrid sharding, tensor parallelism)."""
+        return self.plan.mesh(self.world_size)
 
     @property
     def model_state_bytes(self) -> dict[str, int]:

@@ -25,7 +25,6 @@ from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.backends.kernels import check_kernels, kernel_set, resolve_kernels
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
 from zerocc.compiler.materialize import is_meta, release_to_meta
-from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.program import CompiledProgram, compile_program
@@ -39,6 +38,7 @@ from zerocc.compiler.state import (
     StateSpec,
     allocate_state,
 )
+from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 from zerocc.errors import (
     BatchError,
@@ -56,7 +56,7 @@ from zerocc.ir.nodes import (
     placeholders,
     val,
 )
-from zerocc.ir.ops import DP_GROUP
+from zerocc.ir.ops import DP_GROUP, TP_GROUP
 from zerocc.ir.printing import format_program
 from zerocc.passes.partition import assign_units
 from zerocc.runtime.agreement import (
@@ -118,17 +118,22 @@ class StepRunner:
     ) -> None:
         self.plan, self.loss_fn, self.comm, self.device = plan, loss_fn, comm, device
         self.model = model
-        self.model_info = describe_model(model)
+        # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
+        # group under hybrid sharding or tensor parallelism, made here: a collective).
+        self.mesh = plan.mesh(comm.world_size)
+        comm.use_mesh(self.mesh)
+        # Under tensor parallelism this rank holds a slice of each split parameter: the state,
+        # the units and every program are laid out for the slices.
+        described = describe_model(model)
+        self.tensor_parallel = TensorParallel.of(model, described, plan)
+        tp = self.tensor_parallel
+        self.model_info = tp.local_info(described) if tp is not None else described
         self.state_dict_keys = list(model.state_dict(keep_vars=True))
         self.pipeline = build_pipeline(plan)
         self.backend_name = resolve_backend(plan.backend.name, device)
         self.backend = get_backend(self.backend_name)
         self.kernels = resolve_kernels(plan.backend.kernels, device, plan.precision.master)
         check_kernels(self.kernels, device)
-        # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
-        # group under hybrid sharding, made here: a collective).
-        self.mesh = Mesh.of(comm.world_size, plan.zero.replicate)
-        comm.use_mesh(self.mesh)
         # The state is laid out in units before any program exists (a checkpoint loads into it
         # before the first call); every program is compiled for these units (the partition pass
         # tags, it does not build them again), and a plan that cannot partition this model (a
@@ -162,6 +167,7 @@ class StepRunner:
             device,
             self.store,
             from_rank_0=comm.broadcast if comm.world_size > 1 else None,
+            split=None if tp is None else self._my_slices,
         )
         if not is_meta(model):
             release_to_meta(model)
@@ -173,6 +179,18 @@ class StepRunner:
         self.micro_batches = 0
         self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         self._last_program: Program | None = None
+
+    @property
+    def data_rank(self) -> int:
+        """Which batch of each step this rank trains on: its rank, unless tensor parallelism
+        groups ranks (the ranks of a tp group must be given the same batch)."""
+        return self.mesh.data_rank(self.comm.rank)
+
+    @property
+    def data_parallel(self) -> int:
+        """How many batches one step trains on: the world size, unless tensor parallelism
+        groups ranks."""
+        return self.mesh.data_parallel
 
     # -- running ----------------------------------------------------------------------------
 
@@ -488,6 +506,7 @@ class StepRunner:
             units=self.units if plan is self.plan else None,
             keep_graphs=keep_graphs,
             training=training,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def _build(self, batch: tuple, boundary: bool, training: bool = True) -> Program:
@@ -659,12 +678,28 @@ class StepRunner:
                 self.comm.on(DP_GROUP).all_gather(gathered, flat).wait()
                 flat = gathered
             for p in unit.params:
-                value = unit.unflatten(flat)[p.fqn].detach().to("cpu", p.param.dtype, copy=True)
+                value = self._joined(p.fqn, unit.unflatten(flat)[p.fqn])
+                value = value.detach().to("cpu", p.param.dtype, copy=True)
                 full.update(dict.fromkeys(p.param.aliases, value))
         for b in self.model_info.buffers:
             if b.fqn in self.state:
                 full.update(dict.fromkeys(b.aliases, self.state[b.fqn].detach().cpu().clone()))
         return {k: full[k] for k in self.state_dict_keys if k in full}
+
+    def _my_slices(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's slices of full parameter values (tensor parallelism)."""
+        assert self.tensor_parallel is not None
+        return self.tensor_parallel.local_values(values, self.mesh.tp_rank(self.comm.rank))
+
+    def _joined(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
+        """The full value of a parameter of which this rank holds ``value``: gathered from
+        the tp ranks when tensor parallelism splits it (a collective on the ``tp`` group)."""
+        split = self.tensor_parallel.splits.get(fqn) if self.tensor_parallel else None
+        if split is None:
+            return value
+        parts = value.new_empty((split.parts, *value.shape))
+        self.comm.on(TP_GROUP).all_gather(parts.view(-1), value.contiguous().view(-1)).wait()
+        return split.join(list(parts))
 
     def materialize_model(self, device: str | torch.device = "cpu") -> nn.Module:
         """The model given to ``compile`` (which sits on ``meta`` once the step owns its
@@ -699,6 +734,7 @@ class StepRunner:
             "world_size": self.comm.world_size,
             "stage": self.plan.zero.stage,
             "replicate": self.plan.zero.replicate,
+            "tp": self.mesh.tp,
         }
         if self.loss_scaler is not None:
             sd["zerocc"]["loss_scaler"] = self.loss_scaler.state_dict()
@@ -706,11 +742,13 @@ class StepRunner:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
-        saved = {"replicate": 1, **sd["zerocc"]}  # (saved before hybrid sharding: no replicas)
+        # (saved before hybrid sharding and tensor parallelism: no replicas, no split)
+        saved = {"replicate": 1, "tp": 1, **sd["zerocc"]}
         mine_by_field = {
             "world_size": self.comm.world_size,
             "stage": self.plan.zero.stage,
             "replicate": self.plan.zero.replicate,
+            "tp": self.mesh.tp,
         }
         for field, mine in mine_by_field.items():
             if saved[field] != mine:

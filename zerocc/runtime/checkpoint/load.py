@@ -32,6 +32,7 @@ from zerocc.runtime.checkpoint.layout import (
     FlatState,
     loaded_states,
     rng_name,
+    unsupported_split,
     weight_name,
 )
 
@@ -46,6 +47,9 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
     """Load the checkpoint ``path`` names (a checkpoint, or a folder of them: its newest)
     into ``runner``; returns the checkpoint's folder and notes on what differs from the run
     that saved it. Call on every rank, before the first step or between steps."""
+    refused = unsupported_split(runner.mesh.tp, "loading")
+    if refused is not None:
+        raise refused
     folder = Path(path)
     notes: list[str] = []
 

@@ -37,6 +37,7 @@ from zerocc.runtime.checkpoint.layout import (
     STEP_TENSOR,
     rng_name,
     saved_states,
+    unsupported_split,
     weight_name,
 )
 
@@ -53,6 +54,9 @@ def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = Non
     return its folder; keep the newest ``keep`` checkpoints there (None: all). Call on every
     rank, between steps (not inside an accumulation window: the partial gradient sums are not
     saved)."""
+    refused = unsupported_split(runner.mesh.tp, "saving")
+    if refused is not None:
+        raise refused
     accum = runner.plan.grad_accumulation
     if runner.micro_batches % accum:
         raise CheckpointError(

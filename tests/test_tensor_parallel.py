@@ -1,0 +1,181 @@
+"""Tensor parallelism (``parallel.tp``): the ranks' layout, how parameters are split, the
+plan's checks, and the program and reports of a simulated 4-rank world (``FakeComm``) as 2
+data-parallel × 2 tensor-parallel ranks. Training parity on real gloo ranks:
+tests/parity/test_tp_parity.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from models import GPT_TP_LAYERS, _gpt_batch, tiny_gpt
+from torch import nn
+
+import zerocc
+from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.tensor_parallel import Split
+from zerocc.errors import NotSupportedError, PlanError
+from zerocc.inspect.estimate import estimate, inspect_plan
+from zerocc.ir.nodes import info, op_name
+
+EXAMPLES = Path(__file__).parents[1] / "examples" / "gpt"
+
+
+def test_a_tp_group_is_neighbouring_ranks_and_zero_shards_across_groups():
+    mesh = Mesh.of(8, 1, 2)
+    assert (mesh.data_parallel, mesh.shard_size) == (4, 4)
+    assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [mesh.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [mesh.tp_rank(r) for r in range(8)] == [0, 1] * 4
+    hybrid = Mesh.of(8, 2, 2)  # 2 replicas × 2 shards × 2 tp
+    assert hybrid.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert hybrid.groups("replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert "(rank = (replica × 2 + shard) × 2 + tp)" in hybrid.describe()
+    big = Mesh.of(1024, 1, 8).describe()
+    assert "layers split over the tp groups [0-7], [8-15], … (128 groups)" in big
+    assert len(big) < 300
+
+
+@pytest.mark.parametrize(("split", "shape"), [(Split(0, 2), (6, 4)), (Split(1, 4), (3, 8))])
+def test_every_rank_takes_its_slice_and_the_slices_join_back(split, shape):
+    full = torch.arange(24.0).reshape(shape)
+    slices = [split.take(full, r) for r in range(split.parts)]
+    assert all(s.shape == split.local_shape(shape) for s in slices)
+    assert torch.equal(split.join(slices), full)
+
+
+def test_a_fused_weight_splits_each_block_alike():
+    """q, k and v stacked in one weight: each rank holds the same rows of each."""
+    q, k, v = (torch.full((4, 2), float(i)) for i in range(3))
+    split = Split(0, 2, blocks=3)
+    mine = split.take(torch.cat([q, k, v]), 1)
+    assert torch.equal(mine, torch.cat([q[2:], k[2:], v[2:]]))
+
+
+def _plan(**parallel) -> dict:
+    return {
+        "zero": {"stage": 3},
+        "units": {"classes": ["Block"]},
+        "optimizer": {"name": "adamw", "lr": 1e-2, "grad_clip": 1.0},
+        "parallel": {"tp": 2, "tp_layers": GPT_TP_LAYERS, **parallel},
+        "backend": {"device": "cpu"},
+    }
+
+
+def _compile(plan: dict, world: int = 4, model: nn.Module | None = None) -> zerocc.TrainStep:
+    torch.manual_seed(0)
+    return zerocc.compile(model or tiny_gpt(), plan, comm=zerocc.FakeComm(world))
+
+
+@pytest.mark.parametrize(
+    ("layers", "says"),
+    [
+        ({"transformer.h.*.attn.q_proj": "colwise"}, "matches no module of the model; its Linear"),
+        ({"transformer.h.*.ln_1": "colwise"}, "cannot be split colwise; allowed"),
+        ({"transformer.wpe": "rowwise"}, "cannot be split rowwise"),
+        # 3 × 16 outputs in 3 blocks over 4 ranks: 16 is no multiple of 4 × ... (tp 2: fine)
+        ({"transformer.h.*.attn.c_attn": {"style": "colwise", "fused": 5}}, "in 5 fused blocks"),
+        # the output head is tied to the embedding: split one, split both alike
+        ({"lm_head": "vocab"}, "is tied .* split differently"),
+    ],
+)
+def test_a_layer_that_cannot_be_split_is_a_plan_error_naming_it(layers, says):
+    with pytest.raises(PlanError, match=says):
+        _compile(_plan(tp_layers=layers))
+
+
+def test_attention_heads_stay_whole():
+    with pytest.raises(PlanError, match="does not divide the model's n_head"):
+        _compile(_plan(tp=4))  # the tiny GPT has 2 heads
+
+
+def test_a_linear_with_its_own_forward_is_refused():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = tiny_gpt()
+    model.transformer.h[0].mlp.c_fc = Scaled(16, 64)
+    with pytest.raises(PlanError, match="overrides Linear.forward"):
+        _compile(_plan(), model=model)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "world", "says"),
+    [
+        ({"tp": 2, "tp_layers": {}}, 4, "names none"),
+        ({"dp": 4}, 4, "dp 4 × tp 2 is 8 ranks, but the world size is 4"),
+        ({"tp": 3}, 4, "parallel.tp: 3 does not divide the world size 4"),
+    ],
+)
+def test_a_mesh_the_ranks_cannot_take_is_a_plan_error(parallel, world, says):
+    with pytest.raises(PlanError, match=says):
+        _compile(_plan(**parallel), world)
+
+
+def test_checkpoints_of_a_tensor_parallel_run_are_refused_clearly(tmp_path):
+    with pytest.raises(PlanError, match="not supported yet"):
+        zerocc.load_plan({**_plan(), "checkpoint": {"dir": str(tmp_path)}})
+    step = _compile(_plan())
+    with pytest.raises(NotSupportedError, match="tensor-parallel run"):
+        step.save(tmp_path)
+
+
+def _tp_collectives(step: zerocc.TrainStep) -> list[tuple[str, str, str]]:
+    return [
+        (op_name(n.target).removeprefix("zerocc."), info(n).phase, info(n).note or "")
+        for n in step.program.graph.nodes
+        if op_name(n.target).endswith("_start") and n.args[-1] == "tp"
+    ]
+
+
+def test_the_program_holds_each_rank_s_slices_and_the_tp_collectives():
+    step = _compile(_plan())
+    step(*_gpt_batch(0, 0))
+    block = next(u for u in step.units if u.name == "transformer.h.0")
+    plain = _compile({**_plan(), "parallel": {}}, world=2)
+    plain_block = next(u for u in plain.units if u.name == "transformer.h.0")
+    # the block's linear weights are halved, its norms and rowwise biases kept whole
+    halved = sum(p.numel for p in plain_block.params if p.param.shape != (16,) or "c_fc" in p.fqn)
+    assert block.numel == plain_block.numel - halved // 2
+    found = _tp_collectives(step)
+    forward = [note for kind, phase, note in found if phase == "forward"]
+    backward = [note for kind, phase, note in found if phase == "backward"]
+    # per block: attention's and MLP's partial outputs; then the embedding's lookup; the logits
+    assert sum("partial outputs of rowwise" in n for n in forward) == 4
+    assert sum("partial outputs of vocab transformer.wte" in n for n in forward) == 1
+    assert sum("all-gather the logits" in n for n in forward) == 1
+    # per block: attention's and MLP's input gradient; the head's input gradient
+    assert sum("input gradient" in n for n in backward) == 5
+    notes = [note for kind, phase, note in found if phase == "optimizer"]
+    assert any("non-finite flags over the tp" in n for n in notes)
+    assert any("squared grad norm over the tp" in n for n in notes)
+
+
+def test_explain_draws_the_mesh_and_counts_bytes_per_group():
+    step = _compile(_plan())
+    step(*_gpt_batch(0, 0))
+    text = step.explain()
+    assert "mesh: 4 ranks = 2 shards × 2 tensor-parallel (rank = shard × 2 + tp)" in text
+    assert "all_reduce (tp)" in text and "all_gather (tp)" in text
+
+
+def test_a_70b_model_as_dp_128_by_tp_8_estimates_per_rank_and_per_dimension():
+    """The 70B example's layers (two of its 80 blocks: the figures scale by block) on 1024
+    meta-device ranks: each rank's parameters are its tp slice sharded over 128 dp ranks."""
+    plan = zerocc.load_plan(EXAMPLES / "70b-tp.yaml")
+    plan.workload_args["n_layer"] = 2
+    inspection = inspect_plan(plan, 1024)
+    figures = estimate(inspection)
+    psi = sum(u.padded_numel for u in inspection.units)  # one tp rank's slice
+    width, vocab = 8192, 32000
+    block = 12 * width * width // 8 + 9 * width + 4 * width * 3 // 8 + width  # slices + whole
+    assert psi == pytest.approx(2 * block + vocab * width // 8 + 2048 * width + 2 * width, 1e-3)
+    assert figures.model_states["params"] == psi * 2 // 128  # bf16, over the dp group
+    assert figures.comm["all_gather"] == 2 * 2 * psi and figures.comm["reduce_scatter"] == 4 * psi
+    activations = 2048 * width * 2  # one bf16 (T, C) activation
+    # forward: two all-reduces per block and the embedding's; backward: the same and the head's
+    assert figures.comm["all_reduce (tp)"] >= 2 * activations * (2 * 2 + 1) * 2
+    assert figures.comm["all_gather (tp)"] == 2048 * vocab * 2

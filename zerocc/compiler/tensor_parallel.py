@@ -1,0 +1,381 @@
+"""Tensor parallelism (Megatron-style): the layers a plan splits over the ``tp`` ranks, how each
+parameter is split, and the step those layers run.
+
+A ``colwise`` Linear holds a slice of its output features: its input enters the tensor-parallel
+region unchanged and its input gradient is all-reduced in backward. A ``rowwise`` Linear holds
+a slice of its input features (the output of a colwise layer, already split): its partial
+outputs are all-reduced in forward, then its bias added once. A ``vocab`` Embedding holds a
+slice of the vocabulary: each rank looks up the tokens it holds, zeros the others, and the
+lookups are all-reduced; a ``vocab`` output head (a Linear over the vocabulary) computes its
+slice of the logits, gathered along the vocabulary for the loss. The pairs (q/k/v and the MLP's
+up-projection colwise, the attention's and MLP's output projections rowwise) need one
+all-reduce each way per block.
+
+The split is applied where the step is captured: for the capture only, each named layer's
+forward is its tensor-parallel form, and the captured graph computes with each rank's slice of
+the weights and holds the collectives (on the ``tp`` group) as zerocc's start/wait ops; the rest
+of the model (views that split heads, attention, norms, the loss) traces as written, with the
+shapes the slices give. Rewriting an already captured graph instead would mean re-deriving the
+shape of every op downstream of a split output (the head views above all), a sharding rule per
+op; re-tracing gets them right for any model whose code derives head counts from its inputs'
+shapes (``view(B, T, -1, head_dim)``, as Hugging Face's Llama does).
+
+Every other parameter is replicated over the ``tp`` ranks, and its gradient is the same on each
+(every tp rank computes it from the same activations), so ZeRO shards each rank's parameters
+over the ``dp`` group of ranks holding the same slice, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from zerocc.compiler.capture import ModelInfo
+from zerocc.compiler.plan import Plan, TpLayer
+from zerocc.compiler.units import Unit
+from zerocc.errors import PlanError
+from zerocc.ir.kinds import OpKind, Stream
+from zerocc.ir.nodes import info, op_kind, op_name, tag, val
+from zerocc.ir.ops import TP_GROUP, op
+
+TP = TP_GROUP
+# The model config attributes that count attention heads: a colwise split must keep heads whole.
+HEAD_COUNTS = ("n_head", "num_attention_heads", "num_key_value_heads", "num_heads")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one parameter is split over ``parts`` ranks: along ``dim``, in ``blocks`` equal
+    blocks side by side (a fused q/k/v weight: 3), each block split alike."""
+
+    dim: int
+    parts: int
+    blocks: int = 1
+
+    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        local = list(shape)
+        local[self.dim] //= self.parts
+        return tuple(local)
+
+    def take(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s slice of the full value (a copy, contiguous)."""
+        blocks = full.unflatten(self.dim, (self.blocks, self.parts, -1))
+        return blocks.select(self.dim + 1, rank).flatten(self.dim, self.dim + 1).contiguous()
+
+    def join(self, slices: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full value from every rank's slice, in rank order."""
+        blocks = [s.unflatten(self.dim, (self.blocks, -1)) for s in slices]
+        return torch.stack(blocks, self.dim + 1).flatten(self.dim, self.dim + 2)
+
+
+@dataclass(frozen=True)
+class SplitLayer:
+    """One module the plan splits: its FQN, style and (colwise) fused blocks."""
+
+    fqn: str
+    style: str
+    fused: int = 1
+
+    def splits(self, module: nn.Module, parts: int) -> dict[str, Split]:
+        """The split of each of the module's own parameters (by local name)."""
+        if isinstance(module, nn.Embedding):
+            return {"weight": Split(0, parts)}
+        if self.style == "rowwise":
+            return {"weight": Split(1, parts)}
+        splits = {"weight": Split(0, parts, self.fused)}  # colwise, or a vocab-parallel head
+        return splits | ({"bias": Split(0, parts, self.fused)} if module.bias is not None else {})
+
+
+class TensorParallel:
+    """The plan's tensor-parallel layers, resolved against one model (:meth:`of`)."""
+
+    def __init__(self, parts: int, layers: dict[str, SplitLayer], splits: dict[str, Split]):
+        self.parts = parts
+        self.layers = layers  # module FQN -> layer
+        self.splits = splits  # parameter FQN (every alias) -> split
+
+    @staticmethod
+    def of(model: nn.Module, info: ModelInfo, plan: Plan) -> TensorParallel | None:
+        """The layers ``plan.parallel`` splits in ``model``, checked (None without tensor
+        parallelism). PlanError for a glob that matches nothing, a module of another kind, a
+        shape ``tp`` does not divide, attention heads it would split, and a tied parameter
+        split in one of its modules but not in another."""
+        parallel = plan.parallel
+        if parallel.tp == 1:
+            return None
+        modules = dict(model.named_modules())
+        layers: dict[str, SplitLayer] = {}
+        for glob, layer in parallel.layers().items():
+            matched = [fqn for fqn in modules if fqn and fnmatch.fnmatchcase(fqn, glob)]
+            if not matched:
+                raise PlanError(_matches_nothing(glob, modules))
+            for fqn in matched:
+                layers[fqn] = _checked(fqn, modules[fqn], layer, parallel.tp)
+        _check_heads(model, parallel.tp)
+        splits: dict[str, Split] = {}
+        for fqn, layer in layers.items():
+            for name, split in layer.splits(modules[fqn], parallel.tp).items():
+                splits[f"{fqn}.{name}" if fqn else name] = split
+        _check_ties(info, splits, layers)
+        return TensorParallel(parallel.tp, layers, splits)
+
+    def describe(self) -> str:
+        """What the capture split, for its pass record: ``; 6 layers split over tp 2 (…)``."""
+        styles: dict[str, int] = {}
+        for layer in self.layers.values():
+            styles[layer.style] = styles.get(layer.style, 0) + 1
+        counts = ", ".join(f"{n} {style}" for style, n in styles.items())
+        return f"; {len(self.layers)} layers split over tp {self.parts} ({counts})"
+
+    def local_info(self, info: ModelInfo) -> ModelInfo:
+        """``info`` with each split parameter's shape that of one rank's slice."""
+        params = tuple(
+            dataclasses.replace(p, shape=self.splits[p.fqn].local_shape(p.shape))
+            if p.fqn in self.splits
+            else p
+            for p in info.params
+        )
+        return dataclasses.replace(info, params=params)
+
+    def local_values(self, values: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        """Rank ``rank``'s slice of each full value that is split; the others as they are."""
+        return {
+            fqn: self.splits[fqn].take(v, rank) if fqn in self.splits else v
+            for fqn, v in values.items()
+        }
+
+    def shared_ranges(self, unit: Unit) -> list[int]:
+        """(offset, numel) pairs of ``unit``'s flat buffer that every tp rank holds alike (the
+        parameters no layer splits), flattened as the ``sum_squares_tp`` op reads them."""
+        return [x for p in unit.params if p.fqn not in self.splits for x in (p.offset, p.numel)]
+
+    @contextlib.contextmanager
+    def applied(self, model: nn.Module) -> Iterator[None]:
+        """Every split layer of ``model`` runs its tensor-parallel forward in the body (the
+        capture), as written after."""
+        region = _Region(self.parts)
+        modules = dict(model.named_modules())
+        for fqn, layer in self.layers.items():
+            module = modules[fqn]
+            forward = _FORWARDS[(_kind(module), layer.style)]
+            module.forward = types.MethodType(
+                lambda self, x, _f=forward: _f(self, x, region), module
+            )
+        try:
+            yield
+        finally:
+            for fqn in self.layers:
+                del modules[fqn].forward
+
+
+# -- the collectives, as autograd sees them ------------------------------------------------------
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the tp ranks (a new tensor)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    return op("wait")(op("all_reduce_start")(out, TP))
+
+
+class _EnterRegion(torch.autograd.Function):
+    """Forward: the input as it is (every tp rank holds it); backward: the gradient summed over
+    the tp ranks (each computed the part its slice of the weights gives)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad)
+
+
+class _LeaveRegion(torch.autograd.Function):
+    """Forward: the partial results summed over the tp ranks; backward: the gradient as it is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: every tp rank's slice, concatenated along ``dim`` in rank order; backward: this
+    rank's slice of the gradient (every rank computed the whole gradient alike)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+        dim %= x.dim()
+        ctx.dim, ctx.size = dim, x.shape[dim]
+        flat = op("wait")(op("all_gather_start")(x.contiguous().view(-1), parts, TP))
+        return flat.view(parts, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        first = op("group_rank")(grad, TP) * ctx.size
+        index = first + torch.arange(ctx.size, device=grad.device)
+        return grad.index_select(ctx.dim, index), None, None
+
+
+class _Region:
+    """The inputs that entered the tensor-parallel region during one capture: the layers that
+    read the same tensor (q, k and v; an MLP's gate and up projections) share one entry, so
+    backward all-reduces their summed input gradient once."""
+
+    def __init__(self, parts: int) -> None:
+        self.parts = parts
+        self._entered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        held = self._entered.get(id(x))
+        if held is None or held[0] is not x:
+            held = self._entered[id(x)] = (x, _EnterRegion.apply(x))
+        return held[1]
+
+
+# -- the tensor-parallel forwards ----------------------------------------------------------------
+
+
+def _colwise(self: nn.Linear, x: torch.Tensor, region: _Region) -> torch.Tensor:
+    return F.linear(region.enter(x), self.weight, self.bias)
+
+
+def _rowwise(self: nn.Linear, x: torch.Tensor, region: _Region) -> torch.Tensor:
+    out = _LeaveRegion.apply(F.linear(x, self.weight))
+    return out if self.bias is None else out + self.bias
+
+
+def _vocab_head(self: nn.Linear, x: torch.Tensor, region: _Region) -> torch.Tensor:
+    logits = F.linear(region.enter(x), self.weight, self.bias)
+    return _Gather.apply(logits, -1, region.parts)
+
+
+def _vocab_embedding(self: nn.Embedding, ids: torch.Tensor, region: _Region) -> torch.Tensor:
+    held = self.weight.shape[0]  # this rank's tokens: [rank × held, (rank + 1) × held)
+    local = ids - op("group_rank")(ids, TP) * held
+    outside = (local < 0) | (local >= held)
+    looked = F.embedding(local.masked_fill(outside, 0), self.weight)
+    if self.padding_idx is not None:  # the padding token's row gets no gradient
+        looked = torch.where((ids == self.padding_idx).unsqueeze(-1), looked.detach(), looked)
+    return _LeaveRegion.apply(looked.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+_FORWARDS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {
+    ("linear", "colwise"): _colwise,
+    ("linear", "rowwise"): _rowwise,
+    ("linear", "vocab"): _vocab_head,
+    ("embedding", "vocab"): _vocab_embedding,
+}
+
+
+# -- checks --------------------------------------------------------------------------------------
+
+
+def _kind(module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    return "embedding" if isinstance(module, nn.Embedding) else type(module).__name__
+
+
+def _checked(fqn: str, module: nn.Module, layer: TpLayer, parts: int) -> SplitLayer:
+    """The layer ``fqn`` as the plan splits it; PlanError when it cannot be split so."""
+    kind, style = _kind(module), layer.style
+    where = f"parallel.tp_layers: {fqn} ({type(module).__name__})"
+    if (kind, style) not in _FORWARDS:
+        allowed = "colwise, rowwise or vocab for a Linear; vocab for an Embedding"
+        raise PlanError(f"{where}: cannot be split {style}; allowed: {allowed}")
+    base = nn.Linear if kind == "linear" else nn.Embedding
+    if type(module).forward is not base.forward:
+        raise PlanError(
+            f"{where}: its class overrides {base.__name__}.forward, and a tensor-parallel "
+            f"style replaces {base.__name__}'s own; split the layers inside it instead"
+        )
+    if kind == "embedding" and (module.max_norm is not None or module.sparse):
+        raise PlanError(f"{where}: max_norm and sparse embeddings cannot be split")
+    if kind == "embedding":
+        size, what = module.num_embeddings, "vocabulary (num_embeddings)"
+    elif style == "rowwise":
+        size, what = module.in_features, "input features"
+    else:
+        size, what = module.out_features, "output features"
+    if size % (parts * layer.fused):
+        blocks = f" in {layer.fused} fused blocks" if layer.fused > 1 else ""
+        raise PlanError(
+            f"{where}: {size} {what}{blocks} cannot be split over tp {parts} ranks; allowed: "
+            f"a tp dividing {size // layer.fused}, or another style for this layer"
+        )
+    return SplitLayer(fqn, style, layer.fused)
+
+
+def _check_heads(model: nn.Module, parts: int) -> None:
+    """Attention heads stay whole: every head count the model's config gives is a multiple of
+    ``parts``."""
+    config = getattr(model, "config", None)
+    for name in HEAD_COUNTS:
+        count = getattr(config, name, None)
+        if isinstance(count, int) and count % parts:
+            raise PlanError(
+                f"parallel.tp: {parts} does not divide the model's {name} ({count}): every "
+                f"tp rank must hold whole attention heads; allowed: a divisor of {count}"
+            )
+
+
+def _check_ties(info: ModelInfo, splits: dict[str, Split], layers: dict[str, SplitLayer]) -> None:
+    """A tied parameter is split alike in every module that holds it (an embedding and the
+    output head sharing one weight: both vocab)."""
+    for p in info.params:
+        held = {alias: splits.get(alias) for alias in p.aliases}
+        if len(set(held.values())) > 1:
+            plain = [a.rpartition(".")[0] for a, s in held.items() if s is None]
+            raise PlanError(
+                f"parallel.tp_layers: {p.fqn} is tied ({', '.join(p.aliases)}) and split "
+                f"differently in its modules ({', '.join(plain) or 'another style'} "
+                "unlike the others); name every module that holds it, with matching styles"
+            )
+
+
+def _matches_nothing(glob: str, modules: dict[str, nn.Module]) -> str:
+    linear = [f for f, m in modules.items() if isinstance(m, nn.Linear | nn.Embedding)]
+    shown = ", ".join(linear[:6]) + (f", … ({len(linear)} in all)" if len(linear) > 6 else "")
+    return (
+        f"parallel.tp_layers: {glob!r} matches no module of the model; its Linear and "
+        f"Embedding modules are: {shown or 'none'}"
+    )
+
+
+# -- the captured graph --------------------------------------------------------------------------
+
+
+def tag_collectives(gm: fx.GraphModule, tp: TensorParallel) -> None:
+    """Give the tp collectives capture recorded what the passes and the cost model read of a
+    collective: the comm stream, the bytes it moves and why it is there."""
+    for node in gm.graph.nodes:
+        if op_kind(node) is not OpKind.COLLECTIVE or node.args[-1] != TP:
+            continue
+        record = info(node)
+        layer = tp.layers.get(record.module or "")
+        what = f"{layer.style} {layer.fqn}" if layer else record.module or "the model"
+        gather = op_name(node.target).endswith("all_gather_start")
+        moved = val(node)
+        nbytes = moved.numel() * moved.element_size() * (1 if gather else 2)
+        if gather:
+            why = f"all-gather the logits of {what} over the vocabulary (tp)"
+        elif record.phase == "forward":
+            why = f"all-reduce the partial outputs of {what} (tp)"
+        else:
+            why = f"all-reduce the input gradient of {what} (tp)"
+        tag(node, stream=Stream.COMM, bytes=nbytes, note=why)
+        for user in node.users:
+            if op_name(user.target) == "zerocc.wait":
+                tag(user, stream=Stream.COMM)
