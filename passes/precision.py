@@ -211,24 +211,19 @@ class _PrecisionRewriter:
                 note="unscale the reduced gradients by 1/loss_scale; 1.0 if any is inf/NaN",
                 **where,
             )
-            if self.stage > 0 and self.ctx.mesh.data_parallel > 1:  # each rank checked its slice
+            groups = {
+                # each rank checked its slice of the gradient; each tp rank its slices
+                DP_GROUP: self.stage > 0 and self.ctx.mesh.data_parallel > 1,
+                TP_GROUP: self.ctx.tensor_parallel is not None,
+            }
+            for group in (g for g, sliced in groups.items() if sliced):
                 found = emit_collective(
                     self.graph,
                     op("all_reduce_start"),
                     op("wait"),
-                    (found, DP_GROUP),
+                    (found, group),
                     nbytes=2 * 4,
-                    note="all-reduce the overflow flag: every rank skips the same steps",
-                    **where,
-                )
-            if self.ctx.tensor_parallel is not None:  # each tp rank checked its slices
-                found = emit_collective(
-                    self.graph,
-                    op("all_reduce_start"),
-                    op("wait"),
-                    (found, TP_GROUP),
-                    nbytes=2 * 4,
-                    note="all-reduce the overflow flag over the tp ranks' slices",
+                    note=f"all-reduce the overflow flag ({group}): every rank skips the same steps",
                     **where,
                 )
         info(found).role = FOUND_INF

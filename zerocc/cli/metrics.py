@@ -157,7 +157,9 @@ class Metrics:
         if timed:  # throughput of the micro-batches timed (the first one is not)
             record["steps_per_s"] = timed / len(pooled) / self.accum / seconds
             if self.workload.tokens_per_batch is not None:
-                record["tokens_per_s"] = sum(p[3] for p in pooled) / seconds
+                # (the ranks of a tensor-parallel group train on one batch: counted once)
+                tokens = sum(p[3] for p in pooled) * self.step.data_parallel / len(pooled)
+                record["tokens_per_s"] = tokens / seconds
             if self.peak is not None:
                 flops = self._model_flops() * timed  # every rank's micro-batches
                 record["mfu"] = flops / seconds / (self.peak * len(pooled))
