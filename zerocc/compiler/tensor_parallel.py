@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import types
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -124,14 +125,12 @@ class TensorParallel:
         for fqn, layer in layers.items():
             for name, split in layer.splits(modules[fqn], parallel.tp).items():
                 splits[f"{fqn}.{name}" if fqn else name] = split
-        _check_ties(info, splits, layers)
+        _check_ties(info, splits)
         return TensorParallel(parallel.tp, layers, splits)
 
     def describe(self) -> str:
         """What the capture split, for its pass record: ``; 6 layers split over tp 2 (…)``."""
-        styles: dict[str, int] = {}
-        for layer in self.layers.values():
-            styles[layer.style] = styles.get(layer.style, 0) + 1
+        styles = Counter(layer.style for layer in self.layers.values())
         counts = ", ".join(f"{n} {style}" for style, n in styles.items())
         return f"; {len(self.layers)} layers split over tp {self.parts} ({counts})"
 
@@ -331,7 +330,7 @@ def _check_heads(model: nn.Module, parts: int) -> None:
             )
 
 
-def _check_ties(info: ModelInfo, splits: dict[str, Split], layers: dict[str, SplitLayer]) -> None:
+def _check_ties(info: ModelInfo, splits: dict[str, Split]) -> None:
     """A tied parameter is split alike in every module that holds it (an embedding and the
     output head sharing one weight: both vocab)."""
     for p in info.params:
