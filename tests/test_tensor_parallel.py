@@ -75,7 +75,7 @@ def _compile(plan: dict, world: int = 4, model: nn.Module | None = None) -> zero
         ({"transformer.h.*.attn.q_proj": "colwise"}, "matches no module of the model; its Linear"),
         ({"transformer.h.*.ln_1": "colwise"}, "cannot be split colwise; allowed"),
         ({"transformer.wpe": "rowwise"}, "cannot be split rowwise"),
-        # 3 × 16 outputs in 3 blocks over 4 ranks: 16 is no multiple of 4 × ... (tp 2: fine)
+        # 48 outputs in 5 blocks over 2 ranks: 48 is no multiple of 10
         ({"transformer.h.*.attn.c_attn": {"style": "colwise", "fused": 5}}, "in 5 fused blocks"),
         # the output head is tied to the embedding: split one, split both alike
         ({"lm_head": "vocab"}, "is tied .* split differently"),

@@ -138,13 +138,10 @@ class EagerOps:
         """The squared norm of ``grad * scale``, the ``shared`` ranges counting 1/parts (see
         the op's schema in :mod:`zerocc.ir.ops`)."""
         size = grad.numel()
-        base = self.ctx.comm.on(DP_GROUP).rank * size if sharded else 0
         cuts, lo = [], 0  # (start, end, weight) pieces covering the tensor, in order
-        for offset, numel in sorted(zip(shared[::2], shared[1::2], strict=True)):
-            start, end = max(offset - base, lo), min(offset + numel - base, size)
-            if start < end:
-                cuts += [(lo, start, 1.0), (start, end, 1.0 / parts)]
-                lo = end
+        for start, end in sorted(self._in_this_tensor(shared, size, sharded)):
+            cuts += [(lo, start, 1.0), (start, end, 1.0 / parts)]
+            lo = end
         cuts.append((lo, size, 1.0))
         total = torch.zeros((), dtype=torch.float32, device=grad.device)
         flat = grad.reshape(-1)
@@ -217,14 +214,23 @@ class EagerOps:
         buffer) of these tensors as they were: parameters the loss does not reach are not
         updated, as torch.optim skips a parameter whose ``grad`` is None."""
         tensors = [t for t in tensors if t is not None]
-        size = tensors[0].numel()
-        base = self.ctx.comm.on(DP_GROUP).rank * size if sharded else 0
-        kept = []
-        for offset, numel in zip(skip[::2], skip[1::2], strict=True):
-            lo, hi = max(offset, base) - base, min(offset + numel, base + size) - base
-            if lo < hi:
-                kept.append((lo, hi, [t[lo:hi].clone() for t in tensors]))
+        kept = [
+            (lo, hi, [t[lo:hi].clone() for t in tensors])
+            for lo, hi in self._in_this_tensor(skip, tensors[0].numel(), sharded)
+        ]
         yield
         for lo, hi, copies in kept:
             for t, c in zip(tensors, copies, strict=True):
                 t[lo:hi].copy_(c)
+
+    def _in_this_tensor(self, ranges: list[int], size: int, sharded: bool) -> list[tuple[int, int]]:
+        """``ranges`` ((offset, numel) pairs over a unit's whole flat buffer) as (start, end)
+        in a tensor of ``size`` elements: the whole flat, or (``sharded``) this rank's shard of
+        it; the parts outside the shard are left out."""
+        base = self.ctx.comm.on(DP_GROUP).rank * size if sharded else 0
+        within = []
+        for offset, numel in zip(ranges[::2], ranges[1::2], strict=True):
+            start, end = max(offset, base) - base, min(offset + numel, base + size) - base
+            if start < end:
+                within.append((start, end))
+        return within

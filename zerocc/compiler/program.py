@@ -91,7 +91,7 @@ def compile_program(
     captured = PassRecord(
         "capture",
         seconds,
-        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)" + (tp.describe() if tp else ""),
+        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)" + (f"; {tp.describe()}" if tp else ""),
         0,
         n,
         count_ops(gm.graph.nodes),

@@ -129,10 +129,10 @@ class TensorParallel:
         return TensorParallel(parallel.tp, layers, splits)
 
     def describe(self) -> str:
-        """What the capture split, for its pass record: ``; 6 layers split over tp 2 (…)``."""
+        """What the capture split, for its pass record: ``6 layers split over tp 2 (…)``."""
         styles = Counter(layer.style for layer in self.layers.values())
         counts = ", ".join(f"{n} {style}" for style, n in styles.items())
-        return f"; {len(self.layers)} layers split over tp {self.parts} ({counts})"
+        return f"{len(self.layers)} layers split over tp {self.parts} ({counts})"
 
     def local_info(self, info: ModelInfo) -> ModelInfo:
         """``info`` with each split parameter's shape that of one rank's slice."""
@@ -237,8 +237,8 @@ class _Region:
         self._entered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        held = self._entered.get(id(x))
-        if held is None or held[0] is not x:
+        held = self._entered.get(id(x))  # (x is held too: its id is not reused meanwhile)
+        if held is None:
             held = self._entered[id(x)] = (x, _EnterRegion.apply(x))
         return held[1]
 
