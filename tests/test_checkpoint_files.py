@@ -109,11 +109,11 @@ def test_a_save_that_fails_leaves_the_last_checkpoint_intact(tmp_path, monkeypat
     step(*batch_of(CASE, 1, 0))
     calls = []
 
-    def failing(self, values, start):
+    def failing(self, values, start, *runs):
         calls.append(1)
         if len(calls) > 3:
             raise OSError(28, "No space left on device")
-        return real(self, values, start)
+        return real(self, values, start, *runs)
 
     real = ckpt_files.DataWriter.add
     monkeypatch.setattr(ckpt_files.DataWriter, "add", failing)

@@ -5,6 +5,7 @@ tests/parity/test_tp_parity.py."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 import zerocc
 from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.tensor_parallel import Split
-from zerocc.errors import NotSupportedError, PlanError
+from zerocc.errors import PlanError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import info, op_name
 
@@ -115,12 +116,28 @@ def test_a_mesh_the_ranks_cannot_take_is_a_plan_error(parallel, world, says):
         _compile(_plan(**parallel), world)
 
 
-def test_checkpoints_of_a_tensor_parallel_run_are_refused_clearly(tmp_path):
-    with pytest.raises(PlanError, match="not supported yet"):
-        zerocc.load_plan({**_plan(), "checkpoint": {"dir": str(tmp_path)}})
-    step = _compile(_plan())
-    with pytest.raises(NotSupportedError, match="tensor-parallel run"):
-        step.save(tmp_path)
+@pytest.mark.parametrize(
+    ("split", "shape"),
+    [(Split(1, 4), (3, 8)), (Split(0, 2, blocks=3), (12, 5)), (Split(0, 2, blocks=3), (12,))],
+)
+def test_a_slice_s_elements_are_strided_runs_of_the_whole_tensor(split, shape):
+    """What a checkpoint records of a tp rank's slice: every range of its flattened elements,
+    as at most three strided runs of the whole tensor's."""
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    row = split.row(split.local_shape(shape))
+    for rank in range(split.parts):
+        mine = split.take(full, rank).reshape(-1)
+        assert torch.equal(split.to_whole(torch.arange(mine.numel()), rank, row), mine)
+        for start in range(mine.numel()):
+            for stop in range(start + 1, mine.numel() + 1):
+                runs = split.runs(start, stop, rank, row)
+                got = [
+                    first + k * split.parts * row + i
+                    for _, first, length, count in runs
+                    for k in range(count)
+                    for i in range(length)
+                ]
+                assert got == mine[start:stop].tolist() and len(runs) <= 3
 
 
 def _tp_collectives(step: zerocc.TrainStep) -> list[tuple[str, str, str]]:

@@ -943,17 +943,6 @@ class Plan(_Section):
         return self
 
     @model_validator(mode="after")
-    def _checkpoints_are_unsplit(self) -> Plan:
-        checkpoint = self.checkpoint
-        if self.parallel.tp > 1 and (checkpoint.dir or checkpoint.resume):
-            raise ValueError(
-                f"checkpoint: saving and resuming a tensor-parallel run (parallel.tp: "
-                f"{self.parallel.tp}) is not supported yet; drop checkpoint.dir and "
-                "checkpoint.resume (TrainStep.full_state_dict() gathers the whole model)"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _kernels_update_fp32_masters(self) -> Plan:
         if self.backend.kernels == "triton" and self.precision.master != "fp32":
             raise ValueError(

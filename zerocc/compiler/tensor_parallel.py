@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import math
 import types
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -70,6 +71,36 @@ class Split:
         """Rank ``rank``'s slice of the full value (a copy, contiguous)."""
         blocks = full.unflatten(self.dim, (self.blocks, self.parts, -1))
         return blocks.select(self.dim + 1, rank).flatten(self.dim, self.dim + 1).contiguous()
+
+    def full_shape(self, local: Sequence[int]) -> tuple[int, ...]:
+        full = list(local)
+        full[self.dim] *= self.parts
+        return tuple(full)
+
+    def row(self, local: Sequence[int]) -> int:
+        """Elements of one row of a rank's slice (of shape ``local``): its flattened elements
+        are rows of this many, each contiguous in the whole tensor too, and consecutive rows
+        lie ``parts`` rows apart there (the other ranks' rows between them)."""
+        return local[self.dim] // self.blocks * math.prod(local[self.dim + 1 :])
+
+    def to_whole(self, index, rank: int, row: int):
+        """Where elements ``index`` (an int, or a tensor of them) of rank ``rank``'s
+        flattened slice lie in the whole tensor's flattened elements (``row``: :meth:`row`)."""
+        return (index // row * self.parts + rank) * row + index % row
+
+    def runs(self, start: int, stop: int, rank: int, row: int) -> list[tuple[int, int, int, int]]:
+        """Elements ``[start, stop)`` of rank ``rank``'s flattened slice as runs of the whole
+        tensor, ``parts × row`` apart: (first element in the slice, first in the whole
+        tensor, run length, runs) for a partial first row, the whole rows, a partial last."""
+        whole_from = min(stop, -(-start // row) * row)  # the first whole row
+        whole_to = max(whole_from, stop // row * row)  # the end of the last whole row
+        out = []
+        for lo, hi, whole in ((start, whole_from, False), (whole_from, whole_to, True),
+                              (whole_to, stop, False)):  # fmt: skip
+            if lo < hi:
+                length, count = (row, (hi - lo) // row) if whole else (hi - lo, 1)
+                out.append((lo, self.to_whole(lo, rank, row), length, count))
+        return out
 
     def join(self, slices: Sequence[torch.Tensor]) -> torch.Tensor:
         """The full value from every rank's slice, in rank order."""

@@ -124,10 +124,10 @@ class StepRunner:
         comm.use_mesh(self.mesh)
         # Under tensor parallelism this rank holds a slice of each split parameter: the state,
         # the units and every program are laid out for the slices.
-        described = describe_model(model)
-        self.tensor_parallel = TensorParallel.of(model, described, plan)
+        self.full_model_info = describe_model(model)  # every parameter whole (checkpoints)
+        self.tensor_parallel = TensorParallel.of(model, self.full_model_info, plan)
         tp = self.tensor_parallel
-        self.model_info = tp.local_info(described) if tp is not None else described
+        self.model_info = tp.local_info(self.full_model_info) if tp else self.full_model_info
         self.state_dict_keys = list(model.state_dict(keep_vars=True))
         self.pipeline = build_pipeline(plan)
         self.backend_name = resolve_backend(plan.backend.name, device)

@@ -36,13 +36,36 @@ PREFIX = "step-"
 
 @dataclass(frozen=True)
 class Chunk:
-    """A run of one tensor's flattened elements, ``[start, stop)``, at ``offset`` in ``file``."""
+    """Runs of one tensor's flattened elements, stored one after another at ``offset`` in
+    ``file``: run ``k`` of ``runs`` is ``[start + k × stride, stop + k × stride)`` (one run,
+    ``[start, stop)``, unless a tensor-parallel slice's rows are saved: they lie ``stride``
+    apart in the whole tensor)."""
 
     file: str
     offset: int
     start: int
     stop: int
     sha256: str
+    stride: int = 0
+    runs: int = 1
+
+    @property
+    def numel(self) -> int:
+        return (self.stop - self.start) * self.runs
+
+    def overlapping(self, start: int, stop: int) -> range:
+        """The runs that hold elements of ``[start, stop)``."""
+        if self.runs == 1:
+            return range(int(self.start < stop and start < self.stop))
+        first = max(0, (start - self.stop) // self.stride + 1)
+        return range(first, min(self.runs, -(-(stop - self.start) // self.stride)))
+
+    def as_json(self) -> dict[str, Any]:
+        """The manifest's record (a single run's without stride and runs, as before they were)."""
+        record = asdict(self)
+        if self.runs == 1:
+            del record["stride"], record["runs"]
+        return record
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -70,14 +93,16 @@ class DataWriter:
         self._file: BinaryIO = path.open("wb")
         self.bytes = 0
 
-    def add(self, values: torch.Tensor, start: int) -> Chunk:
-        """Write ``values`` (elements ``start``.. of their tensor's flattened elements)."""
+    def add(self, values: torch.Tensor, start: int, stride: int = 0, runs: int = 1) -> Chunk:
+        """Write ``values``: elements ``start``.. of their tensor's flattened elements, or
+        ``runs`` equal runs of them, ``stride`` apart in the tensor (see :class:`Chunk`)."""
         data = as_bytes(values.detach().to("cpu").contiguous())
         offset = self.bytes
         self._file.write(data)
         self.bytes += data.nbytes
         digest = hashlib.sha256(data).hexdigest()
-        return Chunk(self.path.name, offset, start, start + values.numel(), digest)
+        stop = start + values.numel() // runs
+        return Chunk(self.path.name, offset, start, stop, digest, stride, runs)
 
     def close(self) -> None:
         """Flush and fsync: the bytes are on disk before the manifest names them."""
@@ -96,7 +121,7 @@ class DataReader:
     def read(self, chunk: Chunk, dtype: torch.dtype, name: str) -> torch.Tensor:
         """The chunk's elements (1-D, CPU). Raises CheckpointError naming the file and tensor
         when its bytes are missing or do not match the manifest's checksum."""
-        out = torch.empty(chunk.stop - chunk.start, dtype=dtype)
+        out = torch.empty(chunk.numel, dtype=dtype)
         view = as_bytes(out)
         handle = self._open(chunk.file)
         handle.seek(chunk.offset)
@@ -156,7 +181,7 @@ class Manifest:
 
     def to_json(self) -> str:
         tensors = {
-            name: {"shape": e.shape, "dtype": e.dtype, "chunks": [asdict(c) for c in e.chunks]}
+            name: {"shape": e.shape, "dtype": e.dtype, "chunks": [c.as_json() for c in e.chunks]}
             for name, e in self.tensors.items()
         }
         body = {"format": FORMAT, "version": VERSION, "meta": self.meta, "files": self.files}
@@ -210,12 +235,15 @@ def read_elements(
     out = torch.empty(stop - start, dtype=dtype_of(entry.dtype))
     covered = 0
     for chunk in entry.chunks:
-        lo, hi = max(start, chunk.start), min(stop, chunk.stop)
-        if lo >= hi:
-            continue
-        values = reader.read(chunk, out.dtype, name)
-        out[lo - start : hi - start].copy_(values[lo - chunk.start : hi - chunk.start])
-        covered += hi - lo
+        runs = chunk.overlapping(start, stop)
+        values = reader.read(chunk, out.dtype, name) if runs else None
+        length = chunk.stop - chunk.start
+        for k in runs:
+            first = chunk.start + k * chunk.stride  # where run k begins in the tensor
+            lo, hi = max(start, first), min(stop, first + length)
+            at = k * length + lo - first
+            out[lo - start : hi - start].copy_(values[at : at + hi - lo])
+            covered += hi - lo
     if covered != stop - start:
         raise CheckpointError(
             f"{name}: the checkpoint's chunks cover {covered} of elements [{start}:{stop}] "

@@ -17,21 +17,8 @@ from dataclasses import dataclass
 
 from zerocc.compiler.state import StateLayout, StateSpec
 from zerocc.compiler.units import Unit, UnitParam
-from zerocc.errors import NotSupportedError
 
 STEP_TENSOR = "optim/step"
-
-
-def unsupported_split(tp: int, what: str) -> NotSupportedError | None:
-    """The error for saving or loading a checkpoint of a tensor-parallel run (None without
-    tensor parallelism): a piece is a flat range of a whole tensor's elements, and a tp rank's
-    slice of a rowwise or fused weight is no such range."""
-    if tp == 1:
-        return None
-    return NotSupportedError(
-        f"{what} a checkpoint of a tensor-parallel run (parallel.tp: {tp}) is not supported "
-        "yet; TrainStep.full_state_dict() gathers the whole model (call it on every rank)"
-    )
 
 
 def weight_name(fqn: str) -> str:

@@ -32,7 +32,6 @@ from zerocc.runtime.checkpoint.layout import (
     FlatState,
     loaded_states,
     rng_name,
-    unsupported_split,
     weight_name,
 )
 
@@ -47,9 +46,6 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
     """Load the checkpoint ``path`` names (a checkpoint, or a folder of them: its newest)
     into ``runner``; returns the checkpoint's folder and notes on what differs from the run
     that saved it. Call on every rank, before the first step or between steps."""
-    refused = unsupported_split(runner.mesh.tp, "loading")
-    if refused is not None:
-        raise refused
     folder = Path(path)
     notes: list[str] = []
 
@@ -67,7 +63,7 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
 def check_compatible(runner: StepRunner, manifest: Manifest) -> None:
     """The checkpoint is of this model and optimizer: CheckpointError naming what differs."""
     meta = manifest.meta
-    mine = {p.fqn: p for p in (*runner.model_info.params, *runner.model_info.buffers)}
+    mine = {p.fqn: p for p in (*runner.full_model_info.params, *runner.model_info.buffers)}
     saved = {**meta["params"], **meta["buffers"]}
     problems = []
     if missing := sorted(set(mine) - set(saved)):
@@ -120,11 +116,19 @@ def _load(runner: StepRunner, folder: Path, manifest: Manifest) -> list[str]:
 def _fill(runner: StepRunner, flat: FlatState, read: Read) -> None:
     """Fill one flat state from the saved tensors: the pieces this rank holds, cast to the
     flat's dtype, padding zero."""
-    spec = flat.spec
+    spec, tp = flat.spec, runner.tensor_parallel
     values = torch.zeros(spec.shape, dtype=spec.dtype)
     for piece in flat.pieces(runner.mesh.shard_rank(runner.comm.rank), whole=True):
         name = flat.name(piece.param)
-        part = read(name, piece.start, piece.stop)
+        split = tp.splits.get(piece.param.fqn) if tp is not None else None
+        if split is None:
+            part = read(name, piece.start, piece.stop)
+        else:  # this tp rank's rows of the whole tensor: read their span, keep them
+            row = split.row(piece.param.param.shape)
+            rank = runner.mesh.tp_rank(runner.comm.rank)
+            where = split.to_whole(torch.arange(piece.start, piece.stop), rank, row)
+            first, last = int(where[0]), int(where[-1])
+            part = read(name, first, last + 1)[where - first]
         values[piece.at : piece.at + piece.stop - piece.start].copy_(part)
     if spec.key in runner.state:
         runner.state[spec.key].copy_(values)

@@ -37,7 +37,6 @@ from zerocc.runtime.checkpoint.layout import (
     STEP_TENSOR,
     rng_name,
     saved_states,
-    unsupported_split,
     weight_name,
 )
 
@@ -54,9 +53,6 @@ def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = Non
     return its folder; keep the newest ``keep`` checkpoints there (None: all). Call on every
     rank, between steps (not inside an accumulation window: the partial gradient sums are not
     saved)."""
-    refused = unsupported_split(runner.mesh.tp, "saving")
-    if refused is not None:
-        raise refused
     accum = runner.plan.grad_accumulation
     if runner.micro_batches % accum:
         raise CheckpointError(
@@ -111,17 +107,30 @@ def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> Non
     manifest)."""
     rank, mesh = runner.comm.rank, runner.mesh
 
-    def add(name: str, shape: list[int], values: torch.Tensor, start: int = 0) -> None:
-        chunk = writer.add(values, start)
+    def add(
+        name: str, shape: list[int], values: torch.Tensor, start: int = 0, stride: int = 0,
+        runs: int = 1,
+    ) -> None:  # fmt: skip
+        chunk = writer.add(values, start, stride, runs)
         entry = written.setdefault(name, (shape, dtype_name(values.dtype), []))
         entry[2].append(asdict(chunk))
 
     states = saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer))
+    tp, tp_rank = runner.tensor_parallel, mesh.tp_rank(rank)
+    whole = {p.fqn: list(p.shape) for p in runner.full_model_info.params}
     for flat in states if mesh.replica(rank) == 0 else []:
         values = read_state(runner, flat.spec.key)
         for piece in flat.pieces(mesh.shard_rank(rank)):
+            name, fqn = flat.name(piece.param), piece.param.fqn
+            split = tp.splits.get(fqn) if tp is not None else None
             part = values[piece.at : piece.at + piece.stop - piece.start]
-            add(flat.name(piece.param), list(piece.param.param.shape), part, piece.start)
+            if split is None and tp_rank == 0:  # (every tp rank holds it alike)
+                add(name, whole[fqn], part, piece.start)
+            elif split is not None:  # this tp rank's rows of it
+                row = split.row(piece.param.param.shape)
+                for lo, first, length, runs in split.runs(piece.start, piece.stop, tp_rank, row):
+                    rows = part[lo - piece.start : lo - piece.start + length * runs]
+                    add(name, whole[fqn], rows, first, split.parts * row, runs)
     rng = {"cpu": torch.get_rng_state()}
     if runner.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(runner.device)
@@ -166,8 +175,9 @@ def _zerocc_version() -> str:
 
 
 def run_metadata(runner: StepRunner) -> dict[str, Any]:
-    """What a checkpoint says of the run besides its tensors: counters, world, plan, model."""
-    info = runner.model_info
+    """What a checkpoint says of the run besides its tensors: counters, world, plan, model
+    (every parameter whole, under tensor parallelism too)."""
+    info = runner.full_model_info
 
     def described(p) -> dict[str, Any]:
         return {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "aliases": list(p.aliases)}
