@@ -134,7 +134,6 @@ def _features(n_in: int, target: Callable[[torch.Generator, int], torch.Tensor])
 # name -> (build, batch(step, rank), units section)
 MODELS = {
     "gpt": (tiny_gpt, _gpt_batch, {"classes": ["Block"]}),
-    "gpt4h": (tiny_gpt_4_heads, _gpt_batch, {"classes": ["Block"]}),
     "frozen": (
         FrozenBackbone,
         _features(12, lambda g, n: torch.randint(0, 5, (n,), generator=g)),
@@ -321,9 +320,37 @@ RANDOM_KINDS = {
 }
 
 
+class SmoothedLM(nn.Module):
+    """Token embedding, a hidden layer and an untied output head, trained with label smoothing:
+    a cross-entropy tensor parallelism's vocabulary-parallel loss does not compute, so the
+    head's gathered logits feed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.mix(self.embed(x))))
+        return F.cross_entropy(logits.view(-1, 32), y.view(-1), label_smoothing=0.1)
+
+
+# Models of the tensor-parallel tests, and the layers they split (``parallel.tp_layers``).
+TP_MODELS = {
+    "gpt4h": (tiny_gpt_4_heads, _gpt_batch, {"classes": ["Block"]}),
+    "smoothed": (SmoothedLM, _gpt_batch, {"modules": ["embed", "mix", "head"]}),
+}
+TP_LAYERS = {
+    "gpt": GPT_TP_LAYERS,
+    "gpt4h": GPT_TP_LAYERS,
+    "smoothed": {"embed": "vocab", "head": "vocab"},
+}
+
+
 def entry(name: str) -> tuple[Callable[[], nn.Module], Callable[..., Any], dict[str, Any]]:
     """The (build, batch, units) of a model of any registry here, by name."""
-    for registry in (MODELS, MODEL_KINDS, RANDOM_MODELS, RANDOM_KINDS):
+    for registry in (MODELS, MODEL_KINDS, RANDOM_MODELS, RANDOM_KINDS, TP_MODELS):
         if name in registry:
             return registry[name]
     raise KeyError(name)

@@ -137,8 +137,15 @@ LLAMA_TP_LAYERS = {
 }
 
 
-def _train(rank: int, world: int, steps: int, parallel: dict | None = None) -> dict:
-    work = _workload()
+# and the embedding and output head by vocabulary (a model of 258 tokens: 257 does not split)
+LLAMA_VOCAB_LAYERS = {**LLAMA_TP_LAYERS, "model.embed_tokens": "vocab", "lm_head": "vocab"}
+EVEN_VOCAB = {"model": {**TINY, "vocab_size": 258}}
+
+
+def _train(
+    rank: int, world: int, steps: int, parallel: dict | None = None, changes: dict | None = None
+) -> dict:
+    work = _workload(**(changes or {}))
     plan = zerocc.load_plan(PLAN).model_copy(update={"optimizer": zerocc.load_plan({
         "optimizer": {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.01}}).optimizer})  # fmt: skip
     if parallel:
@@ -150,16 +157,21 @@ def _train(rank: int, world: int, steps: int, parallel: dict | None = None) -> d
 
 
 @pytest.mark.parametrize(
-    ("world", "parallel"),
-    [(2, None), (4, {"parallel": {"tp": 2, "tp_layers": LLAMA_TP_LAYERS}})],
-    ids=["zero3-ws2", "zero3-dp2xtp2"],
+    ("world", "parallel", "changes"),
+    [
+        (2, None, {}),
+        (4, {"parallel": {"tp": 2, "tp_layers": LLAMA_TP_LAYERS}}, {}),
+        (4, {"parallel": {"tp": 2, "tp_layers": LLAMA_VOCAB_LAYERS}}, EVEN_VOCAB),
+    ],
+    ids=["zero3-ws2", "zero3-dp2xtp2", "zero3-dp2xtp2-vocab"],
 )
-def test_ranks_match_one_process(world, parallel):
+def test_ranks_match_one_process(world, parallel, changes):
     """ZeRO-3 over 2 ranks, and over 2 data-parallel ranks of 2 tensor-parallel ranks each
-    (the decoder layers split, the tp ranks of a group given one batch)."""
+    (the decoder layers split, then the vocabulary too, with Hugging Face's loss on each
+    rank's slice of the logits; the tp ranks of a group given one batch)."""
     steps, data = 4, 2
-    ranks = run_ranks(world, _train, steps, parallel, timeout=600)
-    work = _workload()
+    ranks = run_ranks(world, _train, steps, parallel, changes, timeout=600)
+    work = _workload(**changes)
     model, loss_fn = work.model, work.loss_fn
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
     streams = [work.batches(r, data) for r in range(data)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import GPT_TP_LAYERS, _gpt_batch, tiny_gpt
+from models import GPT_TP_LAYERS, TP_LAYERS, SmoothedLM, _gpt_batch, tiny_gpt
 from torch import nn
 
 import zerocc
@@ -160,15 +160,28 @@ def test_the_program_holds_each_rank_s_slices_and_the_tp_collectives():
     found = _tp_collectives(step)
     forward = [note for kind, phase, note in found if phase == "forward"]
     backward = [note for kind, phase, note in found if phase == "backward"]
-    # per block: attention's and MLP's partial outputs; then the embedding's lookup; the logits
+    # per block: attention's and MLP's partial outputs; the embedding's lookups
     assert sum("partial outputs of rowwise" in n for n in forward) == 4
-    assert sum("partial outputs of vocab transformer.wte" in n for n in forward) == 1
-    assert sum("all-gather the logits" in n for n in forward) == 1
+    assert sum("lookups of vocab transformer.wte" in n for n in forward) == 1
+    # the loss on each rank's slice of the logits: no rank gathers them whole
+    assert not any("all-gather the logits" in n for n in forward)
+    for what in ("row maxima", "sums of exp", "target logits"):
+        assert sum(f"{what} of the vocabulary-parallel cross-entropy" in n for n in forward) == 1
     # per block: attention's and MLP's input gradient; the head's input gradient
     assert sum("input gradient" in n for n in backward) == 5
     notes = [note for kind, phase, note in found if phase == "optimizer"]
     assert any("non-finite flags over the tp" in n for n in notes)
     assert any("squared grad norm over the tp" in n for n in notes)
+
+
+def test_a_cross_entropy_it_does_not_compute_reads_the_gathered_logits():
+    model = SmoothedLM()
+    plan = {**_plan(), "units": {}, "parallel": {"tp": 2, "tp_layers": TP_LAYERS["smoothed"]}}
+    step = _compile(plan, model=model)
+    step(*_gpt_batch(0, 0))
+    forward = [note for kind, phase, note in _tp_collectives(step) if phase == "forward"]
+    assert sum("all-gather the logits of vocab head" in n for n in forward) == 1
+    assert not any("cross-entropy" in n for n in forward)
 
 
 def test_explain_draws_the_mesh_and_counts_bytes_per_group():
@@ -195,4 +208,5 @@ def test_a_70b_model_as_dp_128_by_tp_8_estimates_per_rank_and_per_dimension():
     activations = 2048 * width * 2  # one bf16 (T, C) activation
     # forward: two all-reduces per block and the embedding's; backward: the same and the head's
     assert figures.comm["all_reduce (tp)"] >= 2 * activations * (2 * 2 + 1) * 2
-    assert figures.comm["all_gather (tp)"] == 2048 * vocab * 2
+    # the cross-entropy's row maxima (fp32, 8 ranks'), not the logits (2048 × 32000 × 2 bytes)
+    assert figures.comm["all_gather (tp)"] == 2048 * 8 * 4

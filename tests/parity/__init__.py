@@ -19,7 +19,7 @@ import copy
 from typing import Any
 
 import torch
-from models import GPT_TP_LAYERS, build, entry, loss_of
+from models import TP_LAYERS, build, entry, loss_of
 
 import zerocc
 from zerocc.inspect.explain import describe
@@ -46,7 +46,9 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
     )
     return {
         "zero": {"stage": case["stage"], "replicate": case.get("replicate", 1)},
-        "parallel": {"tp": case["tp"], "tp_layers": GPT_TP_LAYERS} if "tp" in case else {},
+        "parallel": {"tp": case["tp"], "tp_layers": TP_LAYERS[case["model"]]}
+        if "tp" in case
+        else {},
         "units": {**entry(case["model"])[2], **case.get("units", {})},
         "optimizer": optimizer,
         "grad_accumulation": case.get("accum", 1),

@@ -5,7 +5,8 @@ example GPT is split as Megatron splits it (``models.GPT_TP_LAYERS``).
 
 Tolerance 1e-5 relative, as tests/parity/test_parity.py: a rowwise layer's output is the sum of
 the tp ranks' partial matmuls, and an input gradient the sum of theirs, another association of
-the same float32 sums, a few ulps per step. A wrong split (a missing all-reduce, a rank holding
+the same float32 sums, a few ulps per step, and the vocabulary-parallel cross-entropy sums its
+exponentials per rank. A wrong split (a missing all-reduce, a rank holding
 the wrong slice, a replicated weight counted twice in the clip's norm) differs by 1e-3 or more.
 
 Not here: bf16 compute. Its tp all-reduces sum bf16 partial results, rounded per rank, where
@@ -37,6 +38,8 @@ CASES = [
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "checkpointing": {"units": "all"}},
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "overlap": {"bucket_mb": 64}},
     {"model": "gpt", "stage": 2, "world": 4, "tp": 2, "offload": {"optimizer": "cpu"}},
+    # a cross-entropy with label smoothing reads the head's gathered logits
+    {"model": "smoothed", "stage": 3, "world": 4, "tp": 2},
 ]
 
 

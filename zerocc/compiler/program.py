@@ -85,7 +85,7 @@ def compile_program(
     with tp.applied(model) if tp is not None else contextlib.nullcontext():
         gm = capture(model, model_info, loss_fn, batch, device, casts, gradients=training)
     if tp is not None:
-        tag_collectives(gm, tp)
+        tag_collectives(gm)
     seconds = time.perf_counter() - start
     n = len(gm.graph.nodes)
     captured = PassRecord(

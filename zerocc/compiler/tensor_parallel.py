@@ -33,20 +33,20 @@ import fnmatch
 import math
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.plan import Plan, TpLayer
+from zerocc.compiler.tp_capture import FORWARDS, NOTE, Region, VocabParallelLoss
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind, Stream
-from zerocc.ir.nodes import info, op_kind, op_name, tag, val
-from zerocc.ir.ops import TP_GROUP, op
+from zerocc.ir.nodes import op_kind, op_name, tag, val
+from zerocc.ir.ops import TP_GROUP
 
 TP = TP_GROUP
 # The model config attributes that count attention heads: a colwise split must keep heads whole.
@@ -191,122 +191,25 @@ class TensorParallel:
     def applied(self, model: nn.Module) -> Iterator[None]:
         """Every split layer of ``model`` runs its tensor-parallel forward in the body (the
         capture), as written after."""
-        region = _Region(self.parts)
+        region = Region(self.parts)
         modules = dict(model.named_modules())
         for fqn, layer in self.layers.items():
             module = modules[fqn]
-            forward = _FORWARDS[(_kind(module), layer.style)]
+            forward = FORWARDS[(_kind(module), layer.style)]
+            name = f"{layer.style} {fqn}"
             module.forward = types.MethodType(
-                lambda self, x, _f=forward: _f(self, x, region), module
+                lambda self, x, _f=forward, _n=name: _f(self, x, region, _n), module
             )
+        heads = any(
+            isinstance(modules[fqn], nn.Linear) and layer.style == "vocab"
+            for fqn, layer in self.layers.items()
+        )
         try:
-            yield
+            with VocabParallelLoss(region) if heads else contextlib.nullcontext():
+                yield
         finally:
             for fqn in self.layers:
                 del modules[fqn].forward
-
-
-# -- the collectives, as autograd sees them ------------------------------------------------------
-
-
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the tp ranks (a new tensor)."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    return op("wait")(op("all_reduce_start")(out, TP))
-
-
-class _EnterRegion(torch.autograd.Function):
-    """Forward: the input as it is (every tp rank holds it); backward: the gradient summed over
-    the tp ranks (each computed the part its slice of the weights gives)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(grad)
-
-
-class _LeaveRegion(torch.autograd.Function):
-    """Forward: the partial results summed over the tp ranks; backward: the gradient as it is."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: every tp rank's slice, concatenated along ``dim`` in rank order; backward: this
-    rank's slice of the gradient (every rank computed the whole gradient alike)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
-        dim %= x.dim()
-        ctx.dim, ctx.size = dim, x.shape[dim]
-        flat = op("wait")(op("all_gather_start")(x.contiguous().view(-1), parts, TP))
-        return flat.view(parts, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        first = op("group_rank")(grad, TP) * ctx.size
-        index = first + torch.arange(ctx.size, device=grad.device)
-        return grad.index_select(ctx.dim, index), None, None
-
-
-class _Region:
-    """The inputs that entered the tensor-parallel region during one capture: the layers that
-    read the same tensor (q, k and v; an MLP's gate and up projections) share one entry, so
-    backward all-reduces their summed input gradient once."""
-
-    def __init__(self, parts: int) -> None:
-        self.parts = parts
-        self._entered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        held = self._entered.get(id(x))  # (x is held too: its id is not reused meanwhile)
-        if held is None:
-            held = self._entered[id(x)] = (x, _EnterRegion.apply(x))
-        return held[1]
-
-
-# -- the tensor-parallel forwards ----------------------------------------------------------------
-
-
-def _colwise(self: nn.Linear, x: torch.Tensor, region: _Region) -> torch.Tensor:
-    return F.linear(region.enter(x), self.weight, self.bias)
-
-
-def _rowwise(self: nn.Linear, x: torch.Tensor, region: _Region) -> torch.Tensor:
-    out = _LeaveRegion.apply(F.linear(x, self.weight))
-    return out if self.bias is None else out + self.bias
-
-
-def _vocab_head(self: nn.Linear, x: torch.Tensor, region: _Region) -> torch.Tensor:
-    logits = F.linear(region.enter(x), self.weight, self.bias)
-    return _Gather.apply(logits, -1, region.parts)
-
-
-def _vocab_embedding(self: nn.Embedding, ids: torch.Tensor, region: _Region) -> torch.Tensor:
-    held = self.weight.shape[0]  # this rank's tokens: [rank × held, (rank + 1) × held)
-    local = ids - op("group_rank")(ids, TP) * held
-    outside = (local < 0) | (local >= held)
-    looked = F.embedding(local.masked_fill(outside, 0), self.weight)
-    if self.padding_idx is not None:  # the padding token's row gets no gradient
-        looked = torch.where((ids == self.padding_idx).unsqueeze(-1), looked.detach(), looked)
-    return _LeaveRegion.apply(looked.masked_fill(outside.unsqueeze(-1), 0.0))
-
-
-_FORWARDS: dict[tuple[str, str], Callable[..., torch.Tensor]] = {
-    ("linear", "colwise"): _colwise,
-    ("linear", "rowwise"): _rowwise,
-    ("linear", "vocab"): _vocab_head,
-    ("embedding", "vocab"): _vocab_embedding,
-}
 
 
 # -- checks --------------------------------------------------------------------------------------
@@ -322,7 +225,7 @@ def _checked(fqn: str, module: nn.Module, layer: TpLayer, parts: int) -> SplitLa
     """The layer ``fqn`` as the plan splits it; PlanError when it cannot be split so."""
     kind, style = _kind(module), layer.style
     where = f"parallel.tp_layers: {fqn} ({type(module).__name__})"
-    if (kind, style) not in _FORWARDS:
+    if (kind, style) not in FORWARDS:
         allowed = "colwise, rowwise or vocab for a Linear; vocab for an Embedding"
         raise PlanError(f"{where}: cannot be split {style}; allowed: {allowed}")
     base = nn.Linear if kind == "linear" else nn.Embedding
@@ -387,25 +290,18 @@ def _matches_nothing(glob: str, modules: dict[str, nn.Module]) -> str:
 # -- the captured graph --------------------------------------------------------------------------
 
 
-def tag_collectives(gm: fx.GraphModule, tp: TensorParallel) -> None:
+def tag_collectives(gm: fx.GraphModule) -> None:
     """Give the tp collectives capture recorded what the passes and the cost model read of a
-    collective: the comm stream, the bytes it moves and why it is there."""
+    collective: the comm stream, the bytes it moves and why it is there (the note its
+    forward gave it)."""
     for node in gm.graph.nodes:
         if op_kind(node) is not OpKind.COLLECTIVE or node.args[-1] != TP:
             continue
-        record = info(node)
-        layer = tp.layers.get(record.module or "")
-        what = f"{layer.style} {layer.fqn}" if layer else record.module or "the model"
-        gather = op_name(node.target).endswith("all_gather_start")
         moved = val(node)
+        gather = op_name(node.target).endswith("all_gather_start")
         nbytes = moved.numel() * moved.element_size() * (1 if gather else 2)
-        if gather:
-            why = f"all-gather the logits of {what} over the vocabulary (tp)"
-        elif record.phase == "forward":
-            why = f"all-reduce the partial outputs of {what} (tp)"
-        else:
-            why = f"all-reduce the input gradient of {what} (tp)"
-        tag(node, stream=Stream.COMM, bytes=nbytes, note=why)
+        note = node.meta.get("custom", {}).get(NOTE, "a collective of tensor parallelism (tp)")
+        tag(node, stream=Stream.COMM, bytes=nbytes, note=note)
         for user in node.users:
             if op_name(user.target) == "zerocc.wait":
                 tag(user, stream=Stream.COMM)
