@@ -10,7 +10,10 @@ to the unoverlapped program:
    (a) its inputs allow: never above a node that writes the shard it reads, (b) ``prefetch``
    allows: no earlier than the wait of the gather ``prefetch`` units before it, so at most that
    many units are gathered ahead of the one being computed, and (c) the budget allows.
-3. **Late waits**: every wait moves down to just before the first node that needs what the
+3. **Early tensor-parallel collectives**: each is issued as soon as what it reads is computed
+   (with the copy it sums in place and the views of a matmul's output it copies): backward's
+   all-reduce of a colwise layer's input gradient then runs behind the weight gradient.
+4. **Late waits**: every wait moves down to just before the first node that needs what the
    collective produced or touches what it reads or writes; a reduced gradient's accumulation
    into the gradient shard (an in-place add, independent of all compute) moves with its wait.
    A collective that holds memory in flight (a reduce-scatter holds its gradient bucket) is
@@ -35,9 +38,9 @@ from torch import fx
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
-from zerocc.ir.kinds import Stream
-from zerocc.ir.nodes import GRAD, info, op_name, val
-from zerocc.ir.ops import DP_GROUP, op
+from zerocc.ir.kinds import OpKind, Stream
+from zerocc.ir.nodes import GRAD, info, op_kind, op_name, val
+from zerocc.ir.ops import DP_GROUP, TP_GROUP, op
 from zerocc.passes.bucketing import bucket_collectives
 
 aten = torch.ops.aten
@@ -97,15 +100,24 @@ def _followers(wait: fx.Node, roots: StorageRoots) -> list[fx.Node]:
 
 
 def _leaders(start: fx.Node) -> list[fx.Node]:
-    """A bucket's copy-in of persistent shards, which can be issued wherever its start is."""
+    """What is issued with a start wherever it goes: a bucket's copy-in of persistent shards,
+    or the copy a tensor-parallel all-reduce sums in place."""
     source = start.args[0]
-    if (
-        isinstance(source, fx.Node)
-        and source.target is aten.cat.default
-        and len(source.users) == 1
-        and all(a.op == "placeholder" for a in source.all_input_nodes)
+    if not isinstance(source, fx.Node) or len(source.users) != 1:
+        return []
+    if source.target is aten.cat.default and all(
+        a.op == "placeholder" for a in source.all_input_nodes
     ):
         return [source]
+    if source.target is aten.clone.default and start.args[-1] == TP_GROUP:
+        leaders = [source]  # and the views it copies (of a matmul's output), if only it reads
+        while (
+            (view := leaders[0].args[0]) is not None
+            and isinstance(view, fx.Node)
+            and (op_kind(view) is OpKind.VIEW and len(view.users) == 1)
+        ):
+            leaders.insert(0, view)
+        return leaders
     return []
 
 
@@ -168,29 +180,56 @@ def hoist_gathers(
     schedule = _Schedule(gm, collectives)
     gathers = [c for c in collectives if c.is_prefetch]
     for k, c in enumerate(gathers):
-        moving = [*c.leaders, c.start]
-        here = schedule.position[moving[0]]
-        flight = roots.collective_access(c.start, c.wait)
-        for node in c.leaders:
-            flight = flight | roots.access(node)
-        earliest = here
-        while earliest > 0:
-            before = schedule.nodes[earliest - 1]
-            if before.op == "placeholder" or roots.access(before).conflicts(flight):
-                break
-            earliest -= 1
+        earliest = _earliest(schedule, c, roots)
         if k >= prefetch:
             earliest = max(earliest, schedule.position[gathers[k - prefetch].wait] + 1)
-        for i in range(here - 1, earliest - 1, -1):
-            if schedule.over_budget(i, c.inflight_bytes, budget):
-                earliest = i + 1
-                break
-        if earliest < here:
-            after = schedule.nodes[earliest - 1]
-            for node in moving:
-                schedule.nodes[earliest].prepend(node)
-            info(c.start).note = f"{info(c.start).note}; prefetched: issued right after {after}"
-            schedule.refresh()
+        _issue_at(schedule, c, earliest, budget, "prefetched")
+
+
+def issue_tp_early(
+    gm: fx.GraphModule, collectives: list[Collective], roots: StorageRoots, budget: float
+) -> None:
+    """Issue each tensor-parallel collective right after what it reads is computed: backward's
+    all-reduce of a colwise layer's input gradient then runs behind the layer's weight
+    gradient, as Megatron overlaps them."""
+    schedule = _Schedule(gm, collectives)
+    for c in collectives:
+        if c.start.args[-1] == TP_GROUP:
+            _issue_at(schedule, c, _earliest(schedule, c, roots), budget, "early")
+
+
+def _earliest(schedule: _Schedule, c: Collective, roots: StorageRoots) -> int:
+    """The earliest position a collective (and its leaders) can be issued at: right after the
+    last node it reads or whose access conflicts with its own."""
+    flight = roots.collective_access(c.start, c.wait)
+    inputs = set(c.start.all_input_nodes)
+    for node in c.leaders:
+        flight = flight | roots.access(node)
+        inputs.update(node.all_input_nodes)
+    earliest = schedule.position[(c.leaders or [c.start])[0]]
+    while earliest > 0:
+        before = schedule.nodes[earliest - 1]
+        if before.op == "placeholder" or before in inputs or roots.access(before).conflicts(flight):
+            break
+        earliest -= 1
+    return earliest
+
+
+def _issue_at(schedule: _Schedule, c: Collective, earliest: int, budget: float, how: str) -> None:
+    """Move the collective's start (and leaders) up to ``earliest``, or as far as the budget
+    allows, and say so in its note."""
+    moving = [*c.leaders, c.start]
+    here = schedule.position[moving[0]]
+    for i in range(here - 1, earliest - 1, -1):
+        if schedule.over_budget(i, c.inflight_bytes, budget):
+            earliest = i + 1
+            break
+    if earliest < here:
+        after = schedule.nodes[earliest - 1]
+        for node in moving:
+            schedule.nodes[earliest].prepend(node)
+        info(c.start).note = f"{info(c.start).note}; {how}: issued right after {after}"
+        schedule.refresh()
 
 
 def sink_waits(
@@ -272,6 +311,7 @@ def overlap(
     roots = StorageRoots(gm)
     collectives = find_collectives(gm, roots)
     hoist_gathers(gm, collectives, roots, prefetch, budget)
+    issue_tp_early(gm, collectives, roots, budget)
     sink_waits(gm, collectives, roots, budget)
     gm.graph.lint()
     return gm

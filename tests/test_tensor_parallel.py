@@ -184,6 +184,26 @@ def test_a_cross_entropy_it_does_not_compute_reads_the_gathered_logits():
     assert not any("cross-entropy" in n for n in forward)
 
 
+def test_backward_s_all_reduce_of_an_input_gradient_runs_behind_the_weight_gradient():
+    """The overlap pass issues it right after the input gradient's matmul, and its wait comes
+    after the weight gradient's matmul: the collective overlaps it, as Megatron does."""
+    step = _compile(_plan())
+    step(*_gpt_batch(0, 0))
+    nodes = list(step.program.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    colwise = [
+        n
+        for n in nodes
+        if op_name(n.target) == "zerocc.all_reduce_start"
+        and "input gradient of colwise" in (info(n).note or "")
+    ]
+    assert len(colwise) == 4
+    for start in colwise:
+        wait = next(iter(start.users))
+        behind = [op_name(n.target) for n in nodes[at[start] + 1 : at[wait]]]
+        assert "aten.mm" in behind, info(start).note
+
+
 def test_explain_draws_the_mesh_and_counts_bytes_per_group():
     step = _compile(_plan())
     step(*_gpt_batch(0, 0))
