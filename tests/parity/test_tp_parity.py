@@ -60,3 +60,11 @@ def test_the_ranks_of_a_tp_group_hold_slices_and_move_bytes_on_their_group():
     elements = result["elements"]
     assert elements["all_gather (tp)"] > 0 and elements["all_reduce (tp)"] > 0, elements
     assert elements["reduce_scatter"] == result["psi"], elements  # the slices' Ψ, over dp
+
+
+HYBRID = {"model": "gpt", "stage": 3, "world": 8, "tp": 2, "replicate": 2, "optimizer": CLIPPED}
+
+
+def test_hybrid_sharding_beside_tensor_parallelism_matches_unsharded_training():
+    """8 ranks as 2 replicas × 2 shards × 2 tensor-parallel: every mesh dimension at once."""
+    assert_matches_reference(run_ranks(8, train, [HYBRID]), HYBRID, TOL)
