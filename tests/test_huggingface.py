@@ -162,13 +162,19 @@ def _train(
         (2, None, {}),
         (4, {"parallel": {"tp": 2, "tp_layers": LLAMA_TP_LAYERS}}, {}),
         (4, {"parallel": {"tp": 2, "tp_layers": LLAMA_VOCAB_LAYERS}}, EVEN_VOCAB),
+        (
+            4,
+            {"parallel": {"tp": 2, "tp_layers": LLAMA_VOCAB_LAYERS, "sequence_parallel": True}},
+            EVEN_VOCAB,
+        ),  # fmt: skip
     ],
-    ids=["zero3-ws2", "zero3-dp2xtp2", "zero3-dp2xtp2-vocab"],
+    ids=["zero3-ws2", "zero3-dp2xtp2", "zero3-dp2xtp2-vocab", "zero3-dp2xtp2-vocab-sp"],
 )
 def test_ranks_match_one_process(world, parallel, changes):
     """ZeRO-3 over 2 ranks, and over 2 data-parallel ranks of 2 tensor-parallel ranks each
     (the decoder layers split, then the vocabulary too, with Hugging Face's loss on each
-    rank's slice of the logits; the tp ranks of a group given one batch)."""
+    rank's slice of the logits, then the sequence between the layers; the tp ranks of a
+    group given one batch)."""
     steps, data = 4, 2
     ranks = run_ranks(world, _train, steps, parallel, changes, timeout=600)
     work = _workload(**changes)

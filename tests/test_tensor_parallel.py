@@ -204,6 +204,29 @@ def test_backward_s_all_reduce_of_an_input_gradient_runs_behind_the_weight_gradi
         assert "aten.mm" in behind, info(start).note
 
 
+def test_sequence_parallelism_splits_the_partial_sums_along_the_sequence():
+    step = _compile(_plan(sequence_parallel=True))
+    step(*_gpt_batch(0, 0))
+    found = _tp_collectives(step)
+    forward = [(kind, note) for kind, phase, note in found if phase == "forward"]
+    # each rowwise layer's partial outputs reduce-scattered (not all-reduced) along the sequence
+    scattered = [n for k, n in forward if k == "reduce_scatter_start" and "rowwise" in n]
+    assert len(scattered) == 4 and not any("partial outputs" in n for k, n in forward if
+                                           k == "all_reduce_start")  # fmt: skip
+    # the sequence is gathered where attention and the MLP begin (block 0's attention reads the
+    # embedding's whole sequence), and into the head
+    gathered = [n for k, n in forward if k == "all_gather_start" and "sequence into" in n]
+    assert len(gathered) == 3 + 1, gathered
+    # the norms' weights and the rowwise biases see this rank's tokens: gradients summed
+    backward = [n for k, p, n in found if p == "backward"]
+    assert any("used on every rank's tokens" in n for n in backward)
+
+
+def test_sequence_parallelism_needs_tensor_parallelism():
+    with pytest.raises(PlanError, match="sequence_parallel splits the sequence over the tp"):
+        zerocc.load_plan({"parallel": {"sequence_parallel": True}})
+
+
 def test_explain_draws_the_mesh_and_counts_bytes_per_group():
     step = _compile(_plan())
     step(*_gpt_batch(0, 0))
@@ -212,21 +235,40 @@ def test_explain_draws_the_mesh_and_counts_bytes_per_group():
     assert "all_reduce (tp)" in text and "all_gather (tp)" in text
 
 
-def test_a_70b_model_as_dp_128_by_tp_8_estimates_per_rank_and_per_dimension():
+def _figures_70b(**parallel) -> tuple:
     """The 70B example's layers (two of its 80 blocks: the figures scale by block) on 1024
-    meta-device ranks: each rank's parameters are its tp slice sharded over 128 dp ranks."""
+    meta-device ranks, its plan's parallel section changed as given."""
     plan = zerocc.load_plan(EXAMPLES / "70b-tp.yaml")
     plan.workload_args["n_layer"] = 2
+    plan.parallel = plan.parallel.model_copy(update=parallel)
     inspection = inspect_plan(plan, 1024)
-    figures = estimate(inspection)
+    return inspection, estimate(inspection)
+
+
+def test_a_70b_model_as_dp_128_by_tp_8_estimates_per_rank_and_per_dimension():
+    """Each rank's parameters are its tp slice sharded over 128 dp ranks; the tp group carries
+    one all-reduce of a (T, C) activation per split layer pair, each way."""
+    inspection, figures = _figures_70b(sequence_parallel=False)
     psi = sum(u.padded_numel for u in inspection.units)  # one tp rank's slice
-    width, vocab = 8192, 32000
+    width, vocab, tokens = 8192, 32000, 2048
     block = 12 * width * width // 8 + 9 * width + 4 * width * 3 // 8 + width  # slices + whole
-    assert psi == pytest.approx(2 * block + vocab * width // 8 + 2048 * width + 2 * width, 1e-3)
+    assert psi == pytest.approx(2 * block + vocab * width // 8 + tokens * width + 2 * width, 1e-3)
     assert figures.model_states["params"] == psi * 2 // 128  # bf16, over the dp group
     assert figures.comm["all_gather"] == 2 * 2 * psi and figures.comm["reduce_scatter"] == 4 * psi
-    activations = 2048 * width * 2  # one bf16 (T, C) activation
-    # forward: two all-reduces per block and the embedding's; backward: the same and the head's
-    assert figures.comm["all_reduce (tp)"] >= 2 * activations * (2 * 2 + 1) * 2
-    # the cross-entropy's row maxima (fp32, 8 ranks'), not the logits (2048 × 32000 × 2 bytes)
-    assert figures.comm["all_gather (tp)"] == 2048 * 8 * 4
+    activation = tokens * width * 2  # one bf16 (T, C) activation, all-reduced as 2 × its bytes
+    # forward: two per block and the embedding's; backward: two per block and the head's
+    assert figures.comm["all_reduce (tp)"] == pytest.approx(2 * activation * 10, rel=1e-3)
+    # the cross-entropy's row maxima (fp32, 8 ranks'), not the logits (T × 32000 × 2 bytes)
+    assert figures.comm["all_gather (tp)"] == tokens * 8 * 4
+
+
+def test_sequence_parallelism_moves_the_same_bytes_in_halves():
+    """Megatron's sequence parallelism: each all-reduce becomes a reduce-scatter and an
+    all-gather of the same (T, C) activation; the embedding's and the first attention's stay
+    all-reduces here (they read the whole sequence), a few percent more in all."""
+    _, plain = _figures_70b(sequence_parallel=False)
+    _, split = _figures_70b(sequence_parallel=True)
+    tp_bytes = [sum(v for k, v in f.comm.items() if "(tp)" in k) for f in (plain, split)]
+    assert tp_bytes[1] == pytest.approx(tp_bytes[0], rel=0.1)
+    activation = 2048 * 8192 * 2
+    assert split.comm["reduce_scatter (tp)"] == 8 * activation  # 2 per block, each way

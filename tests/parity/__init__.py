@@ -46,7 +46,11 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
     )
     return {
         "zero": {"stage": case["stage"], "replicate": case.get("replicate", 1)},
-        "parallel": {"tp": case["tp"], "tp_layers": TP_LAYERS[case["model"]]}
+        "parallel": {
+            "tp": case["tp"],
+            "tp_layers": TP_LAYERS[case["model"]],
+            "sequence_parallel": case.get("sp", False),
+        }
         if "tp" in case
         else {},
         "units": {**entry(case["model"])[2], **case.get("units", {})},

@@ -38,6 +38,10 @@ CASES = [
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "checkpointing": {"units": "all"}},
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "overlap": {"bucket_mb": 64}},
     {"model": "gpt", "stage": 2, "world": 4, "tp": 2, "offload": {"optimizer": "cpu"}},
+    # sequence parallelism: between the split layers each rank holds its chunk of the tokens
+    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "optimizer": CLIPPED},
+    {"model": "gpt", "stage": 1, "world": 4, "tp": 2, "sp": True, "accum": 2},
+    {"model": "gpt4h", "stage": 2, "world": 4, "tp": 4, "sp": True},
     # a cross-entropy with label smoothing reads the head's gathered logits
     {"model": "smoothed", "stage": 3, "world": 4, "tp": 2},
 ]

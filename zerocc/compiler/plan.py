@@ -167,6 +167,25 @@ class ParallelConfig(_Section):
         "(colwise, rowwise, vocab) or {style, fused}; every glob must match a module",
     )
 
+    sequence_parallel: bool = Field(
+        False,
+        description="between the tp layers (norms, dropout, residual adds) each tp rank holds "
+        "its chunk of the sequence: rowwise outputs reduce-scattered and colwise inputs "
+        "all-gathered along it (Megatron's sequence parallelism); activations there 1/tp",
+    )
+    sequence_dim: int = Field(
+        -2,
+        le=-1,
+        description="the activations' sequence dimension, counted from the end: -2 for "
+        "[batch, sequence, hidden], -3 for [sequence, batch, hidden]",
+    )
+
+    @model_validator(mode="after")
+    def _sequence_is_split_by_tp(self) -> ParallelConfig:
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel splits the sequence over the tp ranks: set tp > 1")
+        return self
+
     @model_validator(mode="after")
     def _tp_names_layers(self) -> ParallelConfig:
         if self.tp > 1 and not self.tp_layers:

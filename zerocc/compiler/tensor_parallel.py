@@ -41,7 +41,9 @@ from torch import fx, nn
 
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.plan import Plan, TpLayer
-from zerocc.compiler.tp_capture import FORWARDS, NOTE, Region, VocabParallelLoss
+from zerocc.compiler.tp_capture import FORWARDS, CaptureMode, Region
+from zerocc.compiler.tp_collectives import NOTE
+from zerocc.compiler.tp_sequence import SequenceSplit
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind, Stream
@@ -129,10 +131,17 @@ class SplitLayer:
 class TensorParallel:
     """The plan's tensor-parallel layers, resolved against one model (:meth:`of`)."""
 
-    def __init__(self, parts: int, layers: dict[str, SplitLayer], splits: dict[str, Split]):
+    def __init__(
+        self,
+        parts: int,
+        layers: dict[str, SplitLayer],
+        splits: dict[str, Split],
+        sequence_dim: int | None = None,
+    ) -> None:
         self.parts = parts
         self.layers = layers  # module FQN -> layer
         self.splits = splits  # parameter FQN (every alias) -> split
+        self.sequence_dim = sequence_dim  # sequence parallelism's (from the end), or None
 
     @staticmethod
     def of(model: nn.Module, info: ModelInfo, plan: Plan) -> TensorParallel | None:
@@ -157,7 +166,8 @@ class TensorParallel:
             for name, split in layer.splits(modules[fqn], parallel.tp).items():
                 splits[f"{fqn}.{name}" if fqn else name] = split
         _check_ties(info, splits)
-        return TensorParallel(parallel.tp, layers, splits)
+        sequence = parallel.sequence_dim if parallel.sequence_parallel else None
+        return TensorParallel(parallel.tp, layers, splits, sequence)
 
     def describe(self) -> str:
         """What the capture split, for its pass record: ``6 layers split over tp 2 (…)``."""
@@ -191,7 +201,8 @@ class TensorParallel:
     def applied(self, model: nn.Module) -> Iterator[None]:
         """Every split layer of ``model`` runs its tensor-parallel forward in the body (the
         capture), as written after."""
-        region = Region(self.parts)
+        sequence = SequenceSplit(self.sequence_dim, self.parts) if self.sequence_dim else None
+        region = Region(self.parts, sequence)
         modules = dict(model.named_modules())
         for fqn, layer in self.layers.items():
             module = modules[fqn]
@@ -200,16 +211,26 @@ class TensorParallel:
             module.forward = types.MethodType(
                 lambda self, x, _f=forward, _n=name: _f(self, x, region, _n), module
             )
+        hooks = []
+        if sequence is not None:  # the sequence is gathered where the colwise layers' module
+            # begins (attention and MLP modules read its length)
+            parents = {f.rpartition(".")[0] for f, x in self.layers.items() if x.style == "colwise"}
+            hooks = [
+                modules[p].register_forward_pre_hook(region.gather_inputs(p), with_kwargs=True)
+                for p in sorted(parents)
+            ]
         heads = any(
             isinstance(modules[fqn], nn.Linear) and layer.style == "vocab"
             for fqn, layer in self.layers.items()
         )
         try:
-            with VocabParallelLoss(region) if heads else contextlib.nullcontext():
+            with CaptureMode(region) if heads or sequence else contextlib.nullcontext():
                 yield
         finally:
             for fqn in self.layers:
                 del modules[fqn].forward
+            for hook in hooks:
+                hook.remove()
 
 
 # -- checks --------------------------------------------------------------------------------------
@@ -297,9 +318,11 @@ def tag_collectives(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if op_kind(node) is not OpKind.COLLECTIVE or node.args[-1] != TP:
             continue
-        moved = val(node)
-        gather = op_name(node.target).endswith("all_gather_start")
-        nbytes = moved.numel() * moved.element_size() * (1 if gather else 2)
+        # Logical bytes, as the comm counts them: a gather's output, a reduce-scatter's input,
+        # an all-reduce's size twice.
+        kind = op_name(node.target).removeprefix("zerocc.")
+        moved = val(node.args[0]) if kind == "reduce_scatter_start" else val(node)
+        nbytes = moved.numel() * moved.element_size() * (2 if kind == "all_reduce_start" else 1)
         note = node.meta.get("custom", {}).get(NOTE, "a collective of tensor parallelism (tp)")
         tag(node, stream=Stream.COMM, bytes=nbytes, note=note)
         for user in node.users:

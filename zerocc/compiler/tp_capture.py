@@ -24,33 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from zerocc.ir.ops import TP_GROUP, op
-
-TP = TP_GROUP
-
-
-NOTE = "zerocc_note"  # the key of a collective's note in its node's custom meta
-
-
-def all_reduce(x: torch.Tensor, why: str) -> torch.Tensor:
-    """The sum of ``x`` over the tp ranks (a new tensor); ``why`` becomes the note of the
-    collective's node (:func:`zerocc.compiler.tensor_parallel.tag_collectives` reads it)."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    with fx_traceback.annotate({NOTE: why}):
-        return op("wait")(op("all_reduce_start")(out, TP))
-
-
-def all_gather(x: torch.Tensor, dim: int, parts: int, why: str) -> torch.Tensor:
-    """Every tp rank's ``x``, concatenated along ``dim`` in rank order (``why``: as above)."""
-    dim %= x.dim()
-    with fx_traceback.annotate({NOTE: why}):
-        flat = op("wait")(op("all_gather_start")(x.contiguous().view(-1), parts, TP))
-    return flat.view(parts, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+from zerocc.compiler.tp_collectives import TP, all_gather, all_reduce, chunk
+from zerocc.compiler.tp_sequence import SequenceSplit
+from zerocc.ir.ops import op
 
 
 class _EnterRegion(torch.autograd.Function):
@@ -91,9 +71,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        first = op("group_rank")(grad, TP) * ctx.size
-        index = first + torch.arange(ctx.size, device=grad.device)
-        return grad.index_select(ctx.dim, index), None, None, None
+        return chunk(grad, ctx.dim, ctx.size), None, None, None
 
 
 class Region:
@@ -102,19 +80,44 @@ class Region:
     and up projections, share one entry, so backward all-reduces their summed input gradient
     once) and the whole logits of vocab heads, by the slice each rank holds."""
 
-    def __init__(self, parts: int) -> None:
+    def __init__(self, parts: int, sequence: SequenceSplit | None = None) -> None:
         self.parts = parts
+        self.sequence = sequence  # sequence parallelism's split, when the plan asks for it
         self._entered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gathered: dict[int, torch.Tensor] = {}  # sequences gathered at a module's input
         # id(whole logits, or a reshape of them) -> (them, this rank's slice alike reshaped)
         self.logits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def enter(self, x: torch.Tensor, layer: str) -> torch.Tensor:
         """``x`` as the tp ranks read it in ``layer`` (its style and name), the first of the
         layers reading it."""
+        if self._gathered.get(id(x)) is x:  # its gradient is reduce-scattered already
+            return x
         held = self._entered.get(id(x))  # (x is held too: its id is not reused meanwhile)
         if held is None:
-            held = self._entered[id(x)] = (x, _EnterRegion.apply(x, layer))
+            if self.sequence is not None and self.sequence.is_chunk(x):
+                entered = self.sequence.gather(x, layer)
+            else:
+                entered = _EnterRegion.apply(x, layer)
+            held = self._entered[id(x)] = (x, entered)
         return held[1]
+
+    def gather_inputs(self, module: str):
+        """A forward pre-hook (with kwargs) for the module holding colwise layers: the chunks
+        it is given become the whole sequence (the module reads its length, as attention's
+        head views do), and its colwise layers read that as it is."""
+
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            def whole(a: Any) -> Any:
+                if self.sequence is None or not self.sequence.is_chunk(a):
+                    return a
+                gathered = self.sequence.gather(a, f"{module or 'the model'}'s input")
+                self._gathered[id(gathered)] = gathered
+                return gathered
+
+            return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+
+        return hook
 
     def slice_of(self, logits: Any) -> torch.Tensor | None:
         """This rank's slice of ``logits`` when they are a vocab head's whole logits."""
@@ -134,9 +137,12 @@ def colwise(self: nn.Linear, x: torch.Tensor, region: Region, layer: str) -> tor
 
 
 def rowwise(self: nn.Linear, x: torch.Tensor, region: Region, layer: str) -> torch.Tensor:
-    why = f"all-reduce the partial outputs of {layer} (tp)"
-    out = _LeaveRegion.apply(F.linear(x, self.weight), why)
-    return out if self.bias is None else out + self.bias
+    partial = F.linear(x, self.weight)
+    if region.sequence is not None:
+        out = region.sequence.scatter(partial, layer)
+    else:
+        out = _LeaveRegion.apply(partial, f"all-reduce the partial outputs of {layer} (tp)")
+    return out if self.bias is None else out + self.bias  # (the bias once, after the sum)
 
 
 def vocab_head(self: nn.Linear, x: torch.Tensor, region: Region, layer: str) -> torch.Tensor:
@@ -177,9 +183,10 @@ _KEEPS_LOGITS = {
 }  # fmt: skip
 
 
-class VocabParallelLoss(TorchFunctionMode):
+class CaptureMode(TorchFunctionMode):
     """Active while the step is captured: a cross-entropy of a vocab head's whole logits runs
-    on each rank's slice of them (see the module's docstring)."""
+    on each rank's slice of them (see the module's docstring), and under sequence parallelism
+    every op's operands are fitted to the chunks (:meth:`SequenceSplit.operands`)."""
 
     def __init__(self, region: Region) -> None:
         super().__init__()
@@ -187,12 +194,16 @@ class VocabParallelLoss(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.region.sequence is not None:
+            args, kwargs = self.region.sequence.operands(args, kwargs)
         mine = self.region.slice_of(args[0]) if args else None
         if mine is not None and func is F.cross_entropy:
             taken = _cross_entropy_args(*args[1:], **kwargs)
             if taken is not None:
                 return vocab_parallel_cross_entropy(mine, *taken, self.region.parts)
         out = func(*args, **kwargs)
+        if self.region.sequence is not None:
+            self.region.sequence.follow(args, kwargs, out)
         if mine is not None and func in _KEEPS_LOGITS and _same_rows(args[0], out):
             shape = (*out.shape[:-1], mine.shape[-1])
             self.region.logits[id(out)] = (out, mine.reshape(shape).to(out.dtype))

@@ -40,6 +40,7 @@ from zerocc.ir.nodes import (
     op_name,
     val,
 )
+from zerocc.ir.ops import DP_GROUP
 
 # As ZeRO counts them: fp32 master weights are optimizer state (2 + 2 + 12 bytes per parameter).
 STATE_CATEGORY = {
@@ -76,10 +77,11 @@ def node_label(node: fx.Node) -> str:
 
 
 def transient_category(node: fx.Node) -> str:
-    """Where a storage a node makes is counted: an all-gather's result, or a unit's copy out of
-    a gather bucket, is a gathered unit."""
-    gathered = op_name(node.target) == "zerocc.all_gather_start" or info(node).role == GATHERED
-    return "gathered" if gathered else "activations"
+    """Where a storage a node makes is counted: an all-gather of a unit's shards (on ``dp``),
+    or a unit's copy out of a gather bucket, is a gathered unit; tensor parallelism's gathers
+    (of activations, on ``tp``) are activations."""
+    unit_gather = op_name(node.target) == "zerocc.all_gather_start" and node.args[-1] == DP_GROUP
+    return "gathered" if unit_gather or info(node).role == GATHERED else "activations"
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
