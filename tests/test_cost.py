@@ -103,6 +103,19 @@ def test_collectives_follow_the_ring_model():
     assert CostModel(rates, 1).collective_time("all_reduce", size) == 0.0
 
 
+def test_a_mesh_group_can_have_a_link_of_its_own():
+    """cost.group_link_gbps: tp's all-reduces on NVLink, the dp group's on the network."""
+    plan = load_plan({"cost": {"group_link_gbps": {"tp": 7200}, "link_gbps": 400}})
+    model = CostModel(rates_for(plan, device="cuda"), 8)
+    size = 1 << 30
+    on_dp = model.collective_time("all_reduce", size, 8, "dp")
+    assert on_dp == pytest.approx(14 * 5e-6 + 7 / 8 * size / 50e9, rel=1e-6)
+    assert model.collective_time("all_reduce", size, 8, "tp") == pytest.approx(
+        14 * 5e-6 + 7 / 8 * size / 900e9, rel=1e-6
+    )
+    assert "tp group link 7.2e+03 Gbit/s" in model.rates.describe()
+
+
 def test_rates_come_from_the_plan_over_the_calibration_over_the_defaults(tmp_path):
     calibrated = DeviceRates.defaults("cpu").replace("x", overhead_s=3e-6, link_bytes_per_s=1e8,
                                                      collectives={"all_gather": {

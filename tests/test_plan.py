@@ -3,6 +3,7 @@ zerocc/compiler/workload.py)."""
 
 import math
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,9 @@ def _float_fields(model: type[BaseModel] = Plan, prefix: tuple[str, ...] = ()):
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             yield from _float_fields(field.annotation, (*prefix, name))
+        elif typing.get_origin(field.annotation) is dict and "float" in str(field.annotation):
+            key = typing.get_args(typing.get_args(field.annotation)[0])[0]  # an allowed key
+            yield (*prefix, name, key)  # a mapping of floats: one of its values
         elif "float" in str(field.annotation):
             yield (*prefix, name)
 

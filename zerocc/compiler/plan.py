@@ -728,6 +728,12 @@ class CostConfig(_Section):
     latency_us: float | None = Field(
         None, ge=0, description="per-hop latency of a collective, microseconds (the alpha term)"
     )
+    group_link_gbps: dict[Literal["dp", "replicate", "tp"], Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="per mesh group, the link bandwidth of its collectives, Gbit/s (e.g. "
+        "{tp: 7200} for NVLink within a node, {replicate: 400} across nodes); the other "
+        "groups use link_gbps",
+    )
 
 
 Location = Literal["none", "cpu", "nvme"]

@@ -122,6 +122,9 @@ class DeviceRates:
     # moves a byte about half as fast as its all-reduce): kind -> latency_s, link_bytes_per_s.
     # Setting the link or latency (plan, flags) drops them.
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Link bytes/s of the collectives of one mesh group (``tp`` within a node's NVLink,
+    # ``replicate`` across nodes), over the rest's; from the plan's cost.group_link_gbps.
+    group_links: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # rate -> default | calibration | plan
 
     @classmethod
@@ -172,12 +175,15 @@ class DeviceRates:
         sources = {**self.sources, **dict.fromkeys(given, source)}
         return dataclasses.replace(self, **given, sources=sources)
 
-    def link(self, kind: str) -> tuple[float, float]:
-        """(latency per hop, link bytes/s) of a collective kind."""
+    def link(self, kind: str, group: str = DP_GROUP) -> tuple[float, float]:
+        """(latency per hop, link bytes/s) of a collective kind on a mesh group."""
         fitted = self.collectives.get(kind)
-        if fitted:
-            return fitted["latency_s"], fitted["link_bytes_per_s"]
-        return self.latency_s, self.link_bytes_per_s
+        latency, link = (
+            (fitted["latency_s"], fitted["link_bytes_per_s"])
+            if fitted
+            else (self.latency_s, self.link_bytes_per_s)
+        )
+        return latency, self.group_links.get(group, link)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -208,6 +214,8 @@ class DeviceRates:
         for kind, fitted in sorted(self.collectives.items()):
             line += (f"; {kind} {fitted['link_bytes_per_s'] * 8 / 1e9:.3g} Gbit/s, "
                      f"{fitted['latency_s'] * 1e6:.3g} us")  # fmt: skip
+        for group, link in sorted(self.group_links.items()):
+            line += f"; {group} group link {link * 8 / 1e9:.3g} Gbit/s"
         return line
 
     def save(self, path: str | os.PathLike[str], measured: dict[str, Any] | None = None) -> None:
@@ -262,6 +270,7 @@ def rates_for(
         memory_bytes_per_s=cost.memory_gb_per_s * 1e9 if cost.memory_gb_per_s else None,
         link_bytes_per_s=cost.link_gbps * 1e9 / 8 if cost.link_gbps else None,
         latency_s=cost.latency_us * 1e-6 if cost.latency_us is not None else None,
+        group_links={g: gbps * 1e9 / 8 for g, gbps in cost.group_link_gbps.items()} or None,
     )
 
 
@@ -470,7 +479,7 @@ class CostModel:
         if work.kind == COMPUTE:
             return self.compute_time(work.flops, work.bytes, work.dtype)
         if work.kind == COLLECTIVE:
-            return self.collective_time(work.collective, work.bytes, self.ranks(work))
+            return self.collective_time(work.collective, work.bytes, self.ranks(work), work.group)
         if work.kind == TRANSFER:
             return self.transfer_time(work.collective, work.bytes)
         return 0.0
@@ -487,12 +496,15 @@ class CostModel:
         r = self.rates
         return r.overhead_s + max(flops / r.flops_per_s(dtype), nbytes / r.memory_bytes_per_s)
 
-    def collective_time(self, kind: str, nbytes: float, ranks: int | None = None) -> float:
-        """Ring alpha-beta time of a collective of ``nbytes`` logical bytes (module docs)."""
+    def collective_time(
+        self, kind: str, nbytes: float, ranks: int | None = None, group: str = DP_GROUP
+    ) -> float:
+        """Ring alpha-beta time of a collective of ``nbytes`` logical bytes on ``group``
+        (module docs)."""
         ranks = ranks or self.world_size
         if ranks <= 1:
             return 0.0
-        latency, link = self.rates.link(kind)
+        latency, link = self.rates.link(kind, group)
         return ring_hops(kind, ranks) * latency + (ranks - 1) / ranks * nbytes / link
 
     def stolen(self, node: fx.Node) -> float:
@@ -505,7 +517,7 @@ class CostModel:
         ranks = self.ranks(work)
         if work.kind != COLLECTIVE or ranks <= 1 or self.rates.comm_overlap >= 1:
             return 0.0
-        _, link = self.rates.link(work.collective)
+        _, link = self.rates.link(work.collective, work.group)
         transfer = (ranks - 1) / ranks * work.bytes / link
         return (1 - self.rates.comm_overlap) * transfer
 
