@@ -66,7 +66,10 @@ FILLING_STARTS = {
         "copy_into_start(Tensor(a!) dst, Tensor src, str direction, str started) -> ()"
     ),
 }
-COMPUTE = ("pack", "unscale_check_", "sum_squares", "clip_coef", "adamw_", "sgd_")
+COMPUTE = (
+    "pack", "unscale_check_", "sum_squares", "clip_coef", "adamw_", "sgd_",
+    "group_rank", "sum_squares_tp",  # (tensor parallelism's)
+)  # fmt: skip
 # Twins made of torch ops (the torch reference's), which Inductor traces and compiles: the
 # non-finite checks (and the clip's sum of squares), one fused pass over the gradients, 7 ms
 # against the reference's 71 for 11 shards of 1.6M elements on one core of this CPU. The

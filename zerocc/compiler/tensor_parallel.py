@@ -7,7 +7,7 @@ a slice of its input features (the output of a colwise layer, already split): it
 outputs are all-reduced in forward, then its bias added once. A ``vocab`` Embedding holds a
 slice of the vocabulary: each rank looks up the tokens it holds, zeros the others, and the
 lookups are all-reduced; a ``vocab`` output head (a Linear over the vocabulary) computes its
-slice of the logits, gathered along the vocabulary for the loss. The pairs (q/k/v and the MLP's
+slice of the logits, and its cross-entropy runs on the slices (:mod:`.tp_capture`). The pairs (q/k/v and the MLP's
 up-projection colwise, the attention's and MLP's output projections rowwise) need one
 all-reduce each way per block.
 
@@ -18,11 +18,13 @@ of the model (views that split heads, attention, norms, the loss) traces as writ
 shapes the slices give. Rewriting an already captured graph instead would mean re-deriving the
 shape of every op downstream of a split output (the head views above all), a sharding rule per
 op; re-tracing gets them right for any model whose code derives head counts from its inputs'
-shapes (``view(B, T, -1, head_dim)``, as Hugging Face's Llama does).
+shapes (``view(B, T, -1, head_dim)``, as Hugging Face's Llama does). The forwards and the
+collectives they issue are :mod:`.tp_capture`'s; sequence parallelism, :mod:`.tp_sequence`.
 
 Every other parameter is replicated over the ``tp`` ranks, and its gradient is the same on each
-(every tp rank computes it from the same activations), so ZeRO shards each rank's parameters
-over the ``dp`` group of ranks holding the same slice, unchanged.
+(every tp rank computes it from the same activations; under sequence parallelism, summed over
+them where it was computed from a rank's tokens), so ZeRO shards each rank's parameters over
+the ``dp`` group of ranks holding the same slice, unchanged.
 """
 
 from __future__ import annotations
