@@ -42,6 +42,8 @@ CASES = [
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "optimizer": CLIPPED},
     {"model": "gpt", "stage": 1, "world": 4, "tp": 2, "sp": True, "accum": 2},
     {"model": "gpt4h", "stage": 2, "world": 4, "tp": 4, "sp": True},
+    # Inductor's whole graph (its fp32 tolerance is the same, see test_inductor_parity.py)
+    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "backend": "inductor"},
     # a cross-entropy with label smoothing reads the head's gathered logits
     {"model": "smoothed", "stage": 3, "world": 4, "tp": 2},
 ]
@@ -55,6 +57,12 @@ def _results() -> list[dict]:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_tensor_parallelism_matches_unsharded_training(case):
     assert_matches_reference(_results(), case, TOL)
+
+
+def test_inductor_compiles_a_tensor_parallel_step_as_one_graph():
+    case = next(c for c in CASES if c.get("backend") == "inductor")
+    notes = _results()[0][case_id(case)]["backend_notes"]
+    assert any("whole program compiled as one graph" in n for n in notes), notes
 
 
 def test_the_ranks_of_a_tp_group_hold_slices_and_move_bytes_on_their_group():

@@ -7,9 +7,9 @@ a slice of its input features (the output of a colwise layer, already split): it
 outputs are all-reduced in forward, then its bias added once. A ``vocab`` Embedding holds a
 slice of the vocabulary: each rank looks up the tokens it holds, zeros the others, and the
 lookups are all-reduced; a ``vocab`` output head (a Linear over the vocabulary) computes its
-slice of the logits, and its cross-entropy runs on the slices (:mod:`.tp_capture`). The pairs (q/k/v and the MLP's
-up-projection colwise, the attention's and MLP's output projections rowwise) need one
-all-reduce each way per block.
+slice of the logits, and its cross-entropy runs on the slices (:mod:`.tp_capture`). The
+pairs (q/k/v and the MLP's up-projection colwise, the attention's and MLP's output
+projections rowwise) need one all-reduce each way per block.
 
 The split is applied where the step is captured: for the capture only, each named layer's
 forward is its tensor-parallel form, and the captured graph computes with each rank's slice of
