@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from models import GPT_TP_LAYERS, TP_LAYERS, SmoothedLM, _gpt_batch, tiny_gpt
+from multirank import run_ranks
 from torch import nn
 
 import zerocc
 from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.tensor_parallel import Split
-from zerocc.errors import PlanError
+from zerocc.errors import PlanError, RankMismatchError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import info, op_name
 
@@ -225,6 +226,22 @@ def test_sequence_parallelism_splits_the_partial_sums_along_the_sequence():
 def test_sequence_parallelism_needs_tensor_parallelism():
     with pytest.raises(PlanError, match="sequence_parallel splits the sequence over the tp"):
         zerocc.load_plan({"parallel": {"sequence_parallel": True}})
+
+
+def _given_own_batches(rank: int, world: int) -> str:
+    """A training loop that gives each rank its own batch, not its data-parallel rank's."""
+    step = zerocc.compile(tiny_gpt(), _plan())
+    try:
+        step(*_gpt_batch(0, rank))
+    except RankMismatchError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_the_ranks_of_a_tp_group_given_different_batches_stop_with_an_error():
+    said = run_ranks(2, _given_own_batches, timeout=300)
+    assert all("tensor-parallel group were given different batches (ranks 0 vs 1)" in s
+               for s in said), said  # fmt: skip
 
 
 def test_explain_draws_the_mesh_and_counts_bytes_per_group():

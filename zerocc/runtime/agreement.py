@@ -41,14 +41,22 @@ class Agreement:
     on. A collective that fails (a peer that stopped answering, or left) is recorded on
     ``comm.failure`` and raised."""
 
-    def __init__(self, comm: Comm, what: tuple, detail: str) -> None:
+    def __init__(
+        self, comm: Comm, what: tuple, detail: str, within: tuple[int, str] | None = None
+    ) -> None:
         self.comm, self.what, self.detail = comm, what, detail
         self.error: BaseException | None = None  # what settling it raised, set by its settler
         self._views: list[Any] | None = None
         self._work: dist.Work | None = None
+        self._split: list[list[int]] = []
         if not isinstance(comm, TorchComm) or comm.world_size == 1:
             return
-        self._mine = torch.tensor([int(digest(repr(what))[:15], 16)], dtype=torch.int64)
+        # ``within``: (group, content) that the ranks of one group must agree on as well (the
+        # batch of a tensor-parallel group's ranks), every rank giving one or none.
+        hashes = [_hash(repr(what))]
+        if within is not None:
+            hashes += [within[0], _hash(within[1])]
+        self._mine = torch.tensor(hashes, dtype=torch.int64)
         self._everyone = [torch.zeros_like(self._mine) for _ in range(comm.world_size)]
         try:
             self._work = dist.all_gather(
@@ -71,12 +79,42 @@ class Agreement:
             return self._views
         try:
             work.wait()
-            if not all(torch.equal(t, self._mine) for t in self._everyone):
+            if not all(torch.equal(t[:1], self._mine[:1]) for t in self._everyone):
                 self._views = self.comm.all_gather_object(self.detail)
         except Exception as exc:
             self.comm.failure = exc
             raise
+        if self._views is None and len(self._mine) > 1:
+            groups: dict[int, dict[int, list[int]]] = {}  # group -> content -> ranks
+            for rank, (_, group, content) in enumerate(t.tolist() for t in self._everyone):
+                groups.setdefault(group, {}).setdefault(content, []).append(rank)
+            self._split = [
+                [ranks for ranks in by_content.values()]
+                for by_content in groups.values()
+                if len(by_content) > 1
+            ]
         return self._views
+
+    def split_groups(self) -> list[list[list[int]]]:
+        """After :meth:`views_if_they_differ`: the groups whose ranks disagree on ``within``'s
+        content, each as its ranks by content (empty when every group agrees)."""
+        return self._split
+
+
+def _hash(text: str) -> int:
+    return int(digest(text)[:15], 16)
+
+
+def batch_digest(batch: tuple) -> str:
+    """A hash of a batch's contents (its tensors' bytes, read on the host, and other values)."""
+    h = hashlib.sha256()
+    for b in batch:
+        if isinstance(b, torch.Tensor):
+            h.update(str((b.dtype, tuple(b.shape))).encode())
+            h.update(b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        else:
+            h.update(repr(b).encode())
+    return h.hexdigest()
 
 
 def views_if_they_differ(comm: Comm, what: tuple, detail: str) -> list[Any] | None:

@@ -63,6 +63,7 @@ from zerocc.runtime.agreement import (
     END_OF_DATA,
     Agreement,
     agrees_at_first_collective,
+    batch_digest,
     batch_disagreement,
     digest,
     first_difference,
@@ -229,7 +230,7 @@ class StepRunner:
         signature = batch_signature(batch)
         self._set_status(f"in step {self._step_number()}")
         key = (signature, boundary)
-        agreement = self._propose(("next batch", signature, boundary))
+        agreement = self._propose(("next batch", signature, boundary), batch)
         program = self.programs.get(key)
         first_run = program is None
         if program is None:  # kept once it has run: a program that fails is not
@@ -293,7 +294,7 @@ class StepRunner:
         signature = batch_signature(batch)
         key = (signature, "evaluate")
         self._set_status(f"evaluating after step {self._step_number() - 1}")
-        agreement = self._propose(("evaluation batch", signature))
+        agreement = self._propose(("evaluation batch", signature), batch)
         self._settle(agreement)
         program = self.programs.get(key) or self._build(batch, boundary=False, training=False)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
@@ -401,11 +402,17 @@ class StepRunner:
     def _peer_failure(self, exc: BaseException, where: str) -> RankStoppedError:
         return peer_failure(self.comm, exc, where, self._step_number(), self.plan.backend.timeout_s)
 
-    def _propose(self, what: tuple) -> Agreement:
+    def _propose(self, what: tuple, batch: tuple | None = None) -> Agreement:
         """Issue the ranks' agreement on the next micro-batch (its signature, or that there is
-        none) without waiting for it; :meth:`_settle` waits."""
+        none) without waiting for it; :meth:`_settle` waits. Under tensor parallelism the
+        ranks of a tp group agree on ``batch``'s contents too: they train on one batch, and
+        different ones would train a wrong model without any other error."""
+        within = None
+        if self.mesh.tp > 1:
+            content = batch_digest(batch) if batch is not None else ""
+            within = (self.mesh.data_rank(self.comm.rank), content)
         try:
-            return Agreement(self.comm, what, repr(what))
+            return Agreement(self.comm, what, repr(what), within)
         except Exception as exc:  # the group failed already
             raise self._peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
 
@@ -421,6 +428,17 @@ class StepRunner:
             raise failure from exc
         if views is not None:
             agreement.error = batch_disagreement(views, self.comm.rank, self._step_number())
+            raise agreement.error
+        if split := agreement.split_groups():
+            groups = "; ".join(
+                " vs ".join(", ".join(map(str, ranks)) for ranks in group) for group in split
+            )
+            agreement.error = RankMismatchError(
+                f"rank {self.comm.rank}, step {self._step_number()}: the ranks of a "
+                f"tensor-parallel group were given different batches (ranks {groups}); the "
+                "ranks of a tp group train on one batch: give each rank the batch of its "
+                "data-parallel rank, step.data_rank of step.data_parallel"
+            )
             raise agreement.error
 
     def _account_step(self, overflow: bool, flags: torch.Tensor | None = None) -> None:
