@@ -15,11 +15,13 @@ summed over ranks, rounded to that dtype and added into an accumulator of it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
 import torch
 from models import TP_LAYERS, build, entry, loss_of
+from tp_emulation import emulated
 
 import zerocc
 from zerocc.inspect.explain import describe
@@ -241,7 +243,8 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
                     b.to(compute) if b.is_floating_point() else b
                     for b in _on_device(case, batch_of(case, s * k + micro, r))
                 ]
-                loss = loss_of(cast(*batch)).float()
+                with _tp_arithmetic(case, cast):
+                    loss = loss_of(cast(*batch)).float()
                 losses[r].append(float(loss.detach()))
                 seed = scaler.scale(loss) if scaler else loss
                 grads = torch.autograd.grad(seed, cast_params, allow_unused=True)
@@ -267,6 +270,14 @@ def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):
         if scheduler and not (scaler and scaler.get_scale() < scale):
             scheduler.step()
     return losses, model.state_dict()
+
+
+def _tp_arithmetic(case: dict[str, Any], model: torch.nn.Module):
+    """Under tensor parallelism, the model computing as the tp ranks round (see
+    tests/tp_emulation.py); else as it is."""
+    if "tp" not in case:
+        return contextlib.nullcontext()
+    return emulated(model, TP_LAYERS[case["model"]], case["tp"])
 
 
 def _device(case: dict[str, Any]) -> torch.device:
