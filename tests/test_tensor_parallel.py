@@ -244,6 +244,16 @@ def test_the_ranks_of_a_tp_group_given_different_batches_stop_with_an_error():
                for s in said), said  # fmt: skip
 
 
+def test_the_report_draws_the_mesh(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path))
+    step = _compile(_plan())
+    step(*_gpt_batch(0, 0))
+    report = (tmp_path / "report.html").read_text()
+    assert ">Mesh</h2>" in report
+    assert "<td>tp</td><td>2</td><td>2</td><td>[0, 1], [2, 3]</td>" in report
+    assert "<td>dp</td><td>2</td><td>2</td><td>[0, 2], [1, 3]</td>" in report
+
+
 def test_explain_draws_the_mesh_and_counts_bytes_per_group():
     step = _compile(_plan())
     step(*_gpt_batch(0, 0))

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
 from zerocc.cost.memory import model_state_bytes_of, predict_memory
@@ -177,6 +178,26 @@ def _gather(comm: Comm, events: list[Any]) -> list[Any]:
     return [e for rank_events in comm.all_gather_object(events) for e in rank_events]
 
 
+# What the collectives on each kind of group carry, for the report's mesh table.
+_CARRIES = {
+    "dp": "ZeRO: gathers of unit shards, gradient reduce-scatters, the global checks",
+    "replicate": "hybrid sharding: gradient shards all-reduced across replicas",
+    "tp": "tensor parallelism: the split layers' activations and gradients",
+}
+
+
+def _mesh_section(mesh: Mesh) -> list[ReportSection]:
+    """The ranks' layout, one row per kind of group (none unless the ranks are split)."""
+    if not mesh.split:
+        return []
+    rows = [["group", "ranks each", "groups", "first ones", "carries"]]
+    for name in mesh.named_groups():
+        groups = mesh.groups(name)
+        shown = ", ".join(str(g) for g in groups[:2]) + (", …" if len(groups) > 2 else "")
+        rows.append([name, str(len(groups[0])), str(len(groups)), shown, _CARRIES[name]])
+    return [ReportSection("Mesh", "table", rows, mesh.describe())]
+
+
 def _sections(
     root: Path, step: StepRecord, predicted: MemoryTimeline, measured: MemoryTimeline
 ) -> list[ReportSection]:
@@ -194,6 +215,7 @@ def _sections(
             pass_table(records),
             "what each pass did to the program that runs the optimizer (zerocc inspect)",
         ),
+        *_mesh_section(step.mesh),
         ReportSection("Units", "table", units, precision_line(step)),
         ReportSection(
             "Memory",
