@@ -244,6 +244,20 @@ def test_the_ranks_of_a_tp_group_given_different_batches_stop_with_an_error():
                for s in said), said  # fmt: skip
 
 
+def _random_states(rank: int, world: int) -> list:
+    torch.manual_seed(1000 + rank)  # a training script seeding each rank its own way
+    step = zerocc.compile(
+        tiny_gpt(), {**_plan(), "parallel": {"tp": 2, "tp_layers": GPT_TP_LAYERS}}
+    )
+    return [torch.get_rng_state(), step.data_rank]
+
+
+def test_the_ranks_of_a_tp_group_draw_the_same_random_numbers():
+    """Dropout where every tp rank holds the whole tensor must draw one mask on all of them."""
+    (first, _), (second, _) = run_ranks(2, _random_states, timeout=300)
+    assert torch.equal(first, second)
+
+
 def test_the_report_draws_the_mesh(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path))
     step = _compile(_plan())

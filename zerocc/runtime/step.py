@@ -172,6 +172,8 @@ class StepRunner:
         )
         if not is_meta(model):
             release_to_meta(model)
+        if self.mesh.tp > 1:
+            self._align_random_state()
         self.loss_scaler: LossScaler | None = None
         if LOSS_SCALE_SPEC.key in self.state:
             self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
@@ -703,6 +705,21 @@ class StepRunner:
             if b.fqn in self.state:
                 full.update(dict.fromkeys(b.aliases, self.state[b.fqn].detach().cpu().clone()))
         return {k: full[k] for k in self.state_dict_keys if k in full}
+
+    def _align_random_state(self) -> None:
+        """Give the ranks of this rank's tp group its first rank's random number generators
+        (a collective on ``tp``). They run one program on tensors of one shape, so they stay
+        in step from here: dropout where they all hold the whole tensor draws one mask, as it
+        must (ranks seeded by their rank would otherwise drift apart without an error)."""
+        group = self.comm.on(TP_GROUP)
+        first = self.comm.rank - self.mesh.tp_rank(self.comm.rank)  # (its global rank)
+        state = torch.get_rng_state().to(self.device)
+        group.broadcast(state, first)
+        torch.set_rng_state(state.cpu())
+        if self.device.type == "cuda":
+            state = torch.cuda.get_rng_state(self.device).to(self.device)
+            group.broadcast(state, first)
+            torch.cuda.set_rng_state(state.cpu(), self.device)
 
     def _my_slices(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slices of full parameter values (tensor parallelism)."""
