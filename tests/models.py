@@ -336,15 +336,51 @@ class SmoothedLM(nn.Module):
         return F.cross_entropy(logits.view(-1, 32), y.view(-1), label_smoothing=0.1)
 
 
+class CausalLM(nn.Module):
+    """A tiny Hugging Face Llama trained on next-token prediction of its batch (the tokens are
+    their own labels, shifted by the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=32)  # fmt: skip
+        self.lm = LlamaForCausalLM(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+def _token_batch(step: int, rank: int, batch: int = 2) -> tuple[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return (torch.randint(0, 64, (batch, 16), generator=g),)
+
+
+# Megatron's split of a Llama decoder layer: q, k, v and the MLP's gate and up projections
+# colwise (whole heads of q and of k/v per rank), the output projections rowwise, the
+# embedding and output head by vocabulary.
+LLAMA_TP_LAYERS = {
+    "lm.model.layers.*.self_attn.[qkv]_proj": "colwise",
+    "lm.model.layers.*.self_attn.o_proj": "rowwise",
+    "lm.model.layers.*.mlp.[gu][ap]*_proj": "colwise",
+    "lm.model.layers.*.mlp.down_proj": "rowwise",
+    "lm.model.embed_tokens": "vocab",
+    "lm.lm_head": "vocab",
+}
+
 # Models of the tensor-parallel tests, and the layers they split (``parallel.tp_layers``).
 TP_MODELS = {
     "gpt4h": (tiny_gpt_4_heads, _gpt_batch, {"classes": ["Block"]}),
     "smoothed": (SmoothedLM, _gpt_batch, {"modules": ["embed", "mix", "head"]}),
+    "llama": (CausalLM, _token_batch, {"classes": ["LlamaDecoderLayer"]}),
 }
 TP_LAYERS = {
     "gpt": GPT_TP_LAYERS,
     "gpt4h": GPT_TP_LAYERS,
     "smoothed": {"embed": "vocab", "head": "vocab"},
+    "llama": LLAMA_TP_LAYERS,
 }
 
 

@@ -1,21 +1,22 @@
 """Parity of tensor parallelism beside ZeRO (``parallel.tp``): 4 gloo ranks as 2 data-parallel
 × 2 tensor-parallel and 1 × 4 match one process training on the data-parallel ranks' batches,
-step by step, for every ZeRO stage (4 × 1 is ZeRO alone: tests/parity/test_parity.py). The
-example GPT is split as Megatron splits it (``models.GPT_TP_LAYERS``).
+step by step, for every ZeRO stage (4 × 1 is ZeRO alone: tests/parity/test_parity.py), and
+8 ranks as 2 replicas × 2 shards × 2 tensor-parallel. The example GPT and a Hugging Face Llama
+are split as Megatron splits them (``models.TP_LAYERS``).
 
 Tolerance 1e-5 relative, as tests/parity/test_parity.py: a rowwise layer's output is the sum of
 the tp ranks' partial matmuls, and an input gradient the sum of theirs, another association of
 the same float32 sums, a few ulps per step, and the vocabulary-parallel cross-entropy sums its
-exponentials per rank. A wrong split (a missing all-reduce, a rank holding
-the wrong slice, a replicated weight counted twice in the clip's norm) differs by 1e-3 or more.
+exponentials per rank. A wrong split (a missing all-reduce, a rank holding the wrong slice, a
+replicated weight counted twice in the clip's norm) differs by 1e-3 or more.
 
 bf16 compute: the tp all-reduces sum bf16 partial results, each rounded on its rank, where the
 unsplit recipe rounds one fp32-accumulated matmul once, and the vocabulary-parallel loss
 computes in fp32 where torch's cross-entropy of bf16 logits rounds: against the plain bf16
 recipe the weights differed by 0.6-1.5% after 5 AdamW steps. The reference here computes as the
 ranks round (tests/tp_emulation.py: partial matmuls summed in bf16, slices of colwise outputs
-apart, the loss in fp32) and matched to the bit on this CPU; held to the fp32 tolerance, which
-leaves room for a matmul kernel that blocks a sliced product otherwise. Not covered: bf16 with
+apart, the loss in fp32): the GPT matched to the bit on this CPU, the Llama within 4.5e-6
+(fp32 sums of its update in another order); held to the fp32 tolerance. Not covered: bf16 with
 sequence parallelism, whose norm gradients are sums of the ranks' rounded partial sums, which
 the emulation does not round alike.
 """
@@ -49,6 +50,11 @@ CASES = [
     {"model": "gpt4h", "stage": 2, "world": 4, "tp": 4, "sp": True},
     # bf16 compute, against a reference that rounds the tp ranks' partial sums as they do
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "precision": {"param": "bf16"}},
+    # a Hugging Face Llama (transformers' code as it is), every stage, bf16 too
+    {"model": "llama", "stage": 0, "world": 4, "tp": 2, "optimizer": CLIPPED},
+    {"model": "llama", "stage": 1, "world": 4, "tp": 2, "sp": True},
+    {"model": "llama", "stage": 2, "world": 4, "tp": 2, "accum": 2},
+    {"model": "llama", "stage": 3, "world": 4, "tp": 2, "precision": {"param": "bf16"}},
     # Inductor's whole graph (its fp32 tolerance is the same, see test_inductor_parity.py)
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "backend": "inductor"},
     # a cross-entropy with label smoothing reads the head's gathered logits
