@@ -13,7 +13,6 @@ values, in either order).
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import types
 from collections.abc import Iterator
 
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from zerocc.compiler.names import glob_matches
 from zerocc.compiler.tensor_parallel import Split
 
 
@@ -87,7 +87,7 @@ def emulated(model: nn.Module, layers: dict, parts: int) -> Iterator[None]:
     patched, entries = [], _Entries(parts)
     for fqn, module in model.named_modules():
         for glob, layer in layers.items():
-            if not fqn or not fnmatch.fnmatchcase(fqn, glob) or not isinstance(module, nn.Linear):
+            if not fqn or not glob_matches(fqn, glob) or not isinstance(module, nn.Linear):
                 continue
             style, blocks = _style(layer)
             if style == "rowwise":

@@ -163,7 +163,8 @@ class ParallelConfig(_Section):
     )
     tp_layers: dict[str, TpStyle | TpLayer] = Field(
         default_factory=dict,
-        description="module FQN globs (fnmatch, e.g. 'transformer.h.*.mlp.c_fc') -> style "
+        description="module FQN globs ('*' within a dotted name's component, '**' across "
+        "dots, e.g. 'transformer.h.*.mlp.c_fc') -> style "
         "(colwise, rowwise, vocab) or {style, fused}; every glob must match a module",
     )
 

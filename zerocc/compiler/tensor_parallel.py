@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import math
 import types
 from collections import Counter
@@ -42,6 +41,7 @@ import torch
 from torch import fx, nn
 
 from zerocc.compiler.capture import ModelInfo
+from zerocc.compiler.names import GLOB_RULE, glob_matches
 from zerocc.compiler.plan import Plan, TpLayer
 from zerocc.compiler.tp_capture import FORWARDS, CaptureMode, Region
 from zerocc.compiler.tp_collectives import NOTE
@@ -157,7 +157,7 @@ class TensorParallel:
         modules = dict(model.named_modules())
         layers: dict[str, SplitLayer] = {}
         for glob, layer in parallel.layers().items():
-            matched = [fqn for fqn in modules if fqn and fnmatch.fnmatchcase(fqn, glob)]
+            matched = [fqn for fqn in modules if fqn and glob_matches(fqn, glob)]
             if not matched:
                 raise PlanError(_matches_nothing(glob, modules))
             for fqn in matched:
@@ -305,8 +305,8 @@ def _matches_nothing(glob: str, modules: dict[str, nn.Module]) -> str:
     linear = [f for f, m in modules.items() if isinstance(m, nn.Linear | nn.Embedding)]
     shown = ", ".join(linear[:6]) + (f", … ({len(linear)} in all)" if len(linear) > 6 else "")
     return (
-        f"parallel.tp_layers: {glob!r} matches no module of the model; its Linear and "
-        f"Embedding modules are: {shown or 'none'}"
+        f"parallel.tp_layers: {glob!r} matches no module of the model ({GLOB_RULE}); its "
+        f"Linear and Embedding modules are: {shown or 'none'}"
     )
 
 

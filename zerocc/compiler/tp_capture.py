@@ -8,7 +8,7 @@ backward. One :class:`Region` per capture holds what the layers share.
 
 **The loss over a split vocabulary.** A ``vocab`` output head gives its callers the whole logits
 (every rank's slice, gathered): whatever the model computes from them runs as written. While
-the step is captured, :class:`VocabParallelLoss` follows those logits through reshapes and
+the step is captured, :class:`CaptureMode` follows those logits through reshapes and
 casts that keep the vocabulary as the last dimension (``logits.view(B * T, -1)``,
 ``logits.float()``), and a ``F.cross_entropy`` of them runs on each rank's slice instead
 (Megatron's vocabulary-parallel cross-entropy): the row maxima gathered, the sums of
