@@ -214,6 +214,8 @@ class _Offloader:
                             host_scalars[scalar] = self._wait(start)
                     args[index] = host_scalars[scalar]
         update.args = tuple(args)
+        if placement.optimizer != DEVICE:
+            info(update).pool = HOST  # the update runs on the host (the cost model's host rates)
         return param
 
     def _gradient_to_host(self, update: fx.Node, grad: fx.Node) -> fx.Node:

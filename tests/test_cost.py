@@ -180,3 +180,20 @@ def test_fits_recover_the_rates_that_made_the_samples():
     assert fitted.latency_s == pytest.approx(1e-4, rel=1e-6)
     assert fitted.link_bytes_per_s == pytest.approx(1e9, rel=1e-6)
     assert stats["median_error_pct"] == pytest.approx(0, abs=1e-6)
+
+
+def test_an_estimate_traced_on_the_cpu_times_its_ops_at_the_device_s_rates():
+    """A program compiled for an estimate computes on the CPU on behalf of the device the rates
+    are for: only what the offload pass put on the host (``pool: host``) is host work."""
+
+    def build(g: fx.Graph, x: fx.Node, w: fx.Node) -> None:
+        g.create_node("call_function", aten.mm.default, (x, w), name="mm")
+        update = g.create_node("call_function", aten.mul.Tensor, (x, 2.0), name="update")
+        tag(update, pool="host")
+
+    nodes = _graph(build)
+    model = CostModel(DeviceRates.defaults("cuda"), 1)
+    assert not node_work(nodes["mm"]).host and node_work(nodes["update"]).host
+    moved = node_work(nodes["update"]).bytes
+    assert model(nodes["update"]) == pytest.approx(5e-6 + moved / 40e9)
+    assert model(nodes["mm"]) < model(nodes["update"])  # at the device's 3 TB/s, not 40 GB/s

@@ -52,10 +52,11 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.state import HOST
 from zerocc.cost.memory import tensors_in
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind
-from zerocc.ir.nodes import info, op_kind, op_name, val
+from zerocc.ir.nodes import BATCH, info, op_kind, op_name, val
 from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, TP_GROUP
 
 if TYPE_CHECKING:
@@ -312,6 +313,16 @@ def node_work(node: fx.Node) -> NodeWork:
     return work
 
 
+def _device_of(graph: fx.Graph) -> str:
+    """The device a program computes on: its batch's (cpu where it has none)."""
+    device = getattr(graph, "_zerocc_device", None)
+    if device is None:
+        batch = [val(n) for n in graph.nodes if n.op == "placeholder" and info(n).role == BATCH]
+        tensors = [t for t in batch if isinstance(t, torch.Tensor)]
+        device = graph._zerocc_device = tensors[0].device.type if tensors else "cpu"
+    return device
+
+
 def _work_of(node: fx.Node) -> NodeWork:
     kind = op_kind(node)
     if kind is OpKind.PLUMBING:
@@ -334,7 +345,11 @@ def _work_of(node: fx.Node) -> NodeWork:
     args, kwargs = _values(node.args), _values(node.kwargs)
     flops, dtype = _flops(node, args, kwargs)
     inputs = tensors_in([*args, *kwargs.values()])
-    host = bool(inputs) and all(t.device.type == "cpu" for t in inputs)
+    # Host work: what the offload pass placed on the host, and, in a program on a GPU, any op
+    # whose inputs are all in host memory. (A program traced on the CPU for an estimate has
+    # every tensor there: its device is the one the rates are for.)
+    on_cpu = bool(inputs) and all(t.device.type == "cpu" for t in inputs)
+    host = info(node).pool == HOST or (on_cpu and _device_of(node.graph) != "cpu")
     moved = _bytes_moved(node, args, kwargs)
     return NodeWork(COMPUTE, flops=flops, bytes=moved, dtype=dtype, host=host)
 
