@@ -76,11 +76,6 @@ class Split:
         blocks = full.unflatten(self.dim, (self.blocks, self.parts, -1))
         return blocks.select(self.dim + 1, rank).flatten(self.dim, self.dim + 1).contiguous()
 
-    def full_shape(self, local: Sequence[int]) -> tuple[int, ...]:
-        full = list(local)
-        full[self.dim] *= self.parts
-        return tuple(full)
-
     def row(self, local: Sequence[int]) -> int:
         """Elements of one row of a rank's slice (of shape ``local``): its flattened elements
         are rows of this many, each contiguous in the whole tensor too, and consecutive rows
