@@ -15,10 +15,11 @@ graph or region compiled before, in this process or an earlier launch, cost a lo
 profiling and calibration interpret. Of a whole-compiled program that is the eager binding,
 so they time zerocc's ops and ATen's one by one, not Inductor's code.
 
-Numerics: random ops run by ATen (a program that draws them is compiled by region, its
-random ops outside the regions), so dropout masks, and recomputation's replay of them, are
-those of the eager backend; :data:`EAGER_NUMERICS` keeps the rest close. Inductor fuses and
-reorders reductions, so results match eager within rounding, not to the bit.
+Numerics: random ops run by ATen, in the program's order (in the whole graph, chained by a
+token, :mod:`zerocc.backends.inductor.random_ops`; by region, outside the regions), so dropout
+masks, and recomputation's replay of them, are those of the eager backend;
+:data:`EAGER_NUMERICS` keeps the rest close. Inductor fuses and reorders reductions, so
+results match eager within rounding, not to the bit.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ compiles it with the options that keep the passes' schedule: Inductor's reorderi
 memory and for locality moved every gather of a ZeRO-3 step to its start (all parameters
 gathered at once), so both are off, and the kernels run in the program's order, fused.
 
-Programs it does not take (:func:`unsupported`): one that draws random numbers (dropout, and
-recomputation's replay of the generator's state, ordered only by the generator, which Inductor
-does not see), reads and writes NVMe, or frees an input; those are compiled region by region.
+Random ops and the generator-state ops of recomputation's replay are chained by a token
+(:mod:`zerocc.backends.inductor.random_ops`), so they draw in the program's order, as eager
+does. Programs it does not take (:func:`unsupported`): one that reads and writes NVMe, frees an
+input, or draws with an op a ``draw`` cannot describe; those are compiled region by region.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from zerocc.backends.inductor.lowered_ops import (
     lowered,
     register_lowerings,
 )
-from zerocc.ir.nodes import op_name
-from zerocc.ir.rng import is_random
+from zerocc.backends.inductor.random_ops import thread_generator
+from zerocc.backends.inductor.random_ops import unsupported as undrawable
 
 # Filling starts that read a source tensor (their second argument) while in flight.
 SOURCED = frozenset({"all_gather_into_start", "copy_into_start"})
+
+# zerocc's generator-state ops, which the token chain takes.
+GENERATOR = frozenset({"rng_state", "set_rng_state"})
 
 # Inductor options for the whole graph: the program's order kept (see the module's docstring).
 KEEP_ORDER = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
@@ -42,21 +46,21 @@ def unsupported(program: fx.GraphModule) -> str | None:
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
-        if is_random(node):
-            return f"it draws random numbers ({op_name(node.target)})"
         name = zerocc_op(node)
-        if name is not None and name not in LOWERED | DROPPED:
+        if name is not None and name not in LOWERED | DROPPED | GENERATOR:
             return f"it holds zerocc.{name}"
         if name in DROPPED and node.args[0].op == "placeholder":
             # Inductor frees what the program made, never what it was given.
             return f"it frees its input {node.args[0].name}"
-    return None
+    return undrawable(program.graph)
 
 
 def rewrite(program: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``program`` whose zerocc ops are their lowered twins, without frees."""
+    """A copy of ``program`` whose zerocc ops are their lowered twins, without frees, and
+    whose random and generator-state ops are chained twins."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
+    thread_generator(graph)
     # The wait's start, and what the start reads that must outlive it (a filling start's
     # source), before any start is rewritten (a filling start's uses move to what it fills).
     started = {n: n.args[0] for n in graph.nodes if zerocc_op(n) == "wait"}

@@ -149,18 +149,32 @@ def _is_zerocc(node) -> bool:
     return node.op == "call_function" and op_name(node.target).startswith("zerocc.")
 
 
-def test_random_ops_draw_what_eager_draws():
-    """A program that draws random numbers is compiled region by region (said in explain()),
-    its random ops outside the regions, by ATen: dropout masks are eager's on every torch
-    (torch 2.11's Inductor drew others under fallback_random)."""
-    eager, _ = _run("eager", build=tiny_gpt_dropout)
-    ours, step = _run("inductor", build=tiny_gpt_dropout)
+def test_random_ops_draw_what_eager_draws_in_the_whole_graph():
+    """Dropout, recomputed: the whole graph draws the masks eager draws, and recomputation
+    replays them (the generator's ops chained by a token, backends/inductor/random_ops.py;
+    without the chain the replay drew other masks and step 2's loss moved by 2e-4)."""
+    checkpointing = {"units": "all"}
+    eager, _ = _run("eager", build=tiny_gpt_dropout, checkpointing=checkpointing)
+    ours, step = _run("inductor", build=tiny_gpt_dropout, checkpointing=checkpointing)
     _assert_close(ours, eager)
     executable = step._last_program.run
-    assert executable.compiled_whole is None
-    assert executable.notes()[0] == (
-        "inductor: compiled region by region, not whole: it draws random numbers (aten.bernoulli_)"
+    assert executable.compiled_whole is not None, executable.notes()
+    ops = [n for n in executable.gm.graph.nodes if n.op == "call_function"]
+    drawn = [n for n in ops if is_random(n) or op_name(n.target).endswith("rng_state")]
+    expected = ["draw" if is_random(n) else op_name(n.target).split(".")[1] for n in drawn]
+    code = executable.reports[0].code
+    called = re.findall(
+        r"= torch\.ops\.zerocc_lowered\.(draw|rng_state|set_rng_state)\.default\(", code
     )
+    assert called == expected
+
+
+def test_regions_leave_random_ops_to_aten_between_them():
+    """By region, random ops run outside the regions, by ATen: the masks are eager's."""
+    eager, _ = _run("eager", build=tiny_gpt_dropout)
+    ours, step = _run("inductor-regions", build=tiny_gpt_dropout)
+    _assert_close(ours, eager)
+    executable = step._last_program.run
     regions = [n for n in executable.gm.graph.nodes if n.op == "call_module"]
     inner = [n for r in regions for n in getattr(executable.gm, r.target).region.graph.nodes]
     assert not [n for n in inner if is_random(n)]
@@ -184,17 +198,21 @@ def test_a_program_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch
     assert "not whole: RuntimeError: no C++ compiler found" in step.explain()
 
 
-@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
-def test_a_second_launch_finds_what_it_compiles_in_inductors_caches(backend):
+@pytest.mark.parametrize(
+    "backend, build",
+    [("inductor", tiny_gpt), ("inductor-regions", tiny_gpt), ("inductor", tiny_gpt_dropout)],
+)
+def test_a_second_launch_finds_what_it_compiles_in_inductors_caches(backend, build):
     """The whole graph, or each region, is compiled with a shape environment, so Inductor's
     caches (on disk) serve one compiled before: a second step of the same plan, as a second
     launch would, compiles nothing (the first run may hit already: the cache outlives the
-    process)."""
+    process). A graph that draws random numbers too (torch's own ordering of such ops,
+    ``with_effects``, would bypass the cache)."""
     from torch._dynamo.utils import counters
 
-    _run(backend, steps=1, overlap={"bucket_mb": 0})
+    _run(backend, build=build, steps=1, overlap={"bucket_mb": 0})
     counters.clear()
-    _, step = _run(backend, steps=1, overlap={"bucket_mb": 0})
+    _, step = _run(backend, build=build, steps=1, overlap={"bucket_mb": 0})
     regions = len(step._last_program.run.reports)
     cache = counters["aot_autograd"]
     assert cache["autograd_cache_hit"] == regions, dict(cache)

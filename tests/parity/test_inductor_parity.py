@@ -1,6 +1,5 @@
 """The Inductor backend on gloo ranks: each stage trains as one process training on all
-ranks' batches does, and as the eager backend does, compiled as one graph (region by region
-where the program draws random numbers).
+ranks' batches does, and as the eager backend does, compiled as one graph.
 
 Tolerance, fp32: 1e-5 relative, the fp32 parity tests' (test_parity.py), against both the
 reference and the eager backend. Inductor fuses elementwise ops and reorders reductions (layer
@@ -32,8 +31,9 @@ FP32 = [
     {"model": "gpt", "stage": 2, "accum": 2},
     {"model": "gpt", "stage": 3},
     {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu"}},  # the update on the host
-    # Dropout, recomputed: the masks of ATen's generator, replayed for the recomputation. Held
-    # to the eager backend only: the one-process reference draws its masks in another order.
+    # Dropout, recomputed, in the whole graph: the masks of ATen's generator, replayed for the
+    # recomputation. Held to the eager backend only: the one-process reference draws its masks
+    # in another order.
     {"model": "gpt_dropout", "stage": 3, "checkpointing": {"units": "all"}},
 ]
 BF16 = {
@@ -73,18 +73,12 @@ def test_fp32_matches_the_eager_backend_and_the_reference(case):
 
 
 @pytest.mark.parametrize("case", [*FP32, BF16], ids=lambda c: case_id({"world": 2, **c}))
-def test_each_program_is_compiled_whole_or_else_every_region_is(case):
-    """Whole, one graph, but for the program that draws random numbers (dropout), compiled
-    region by region, and no region falls back to eager (a region that returned a tuple with
-    holes, a layer norm backward's, once did: Inductor rejects it)."""
-    random = case["model"] == "gpt_dropout"
-    for rank, result in enumerate(_results()):
+def test_each_program_is_compiled_whole(case):
+    """Every program compiled as one graph, the dropout GPT's included (its random ops chained
+    in the program's order)."""
+    for result in _results():
         notes = result[case_id(_pair(case)[0])]["backend_notes"]
-        if random:
-            assert "not whole: it draws random numbers" in notes[0], (rank, notes)
-            assert not [n for n in notes if "run eagerly" in n], (rank, notes)
-        else:
-            assert notes[0].startswith("inductor: the whole program compiled as one"), notes
+        assert notes[0].startswith("inductor: the whole program compiled as one"), notes
 
 
 def test_bf16_matches_the_reference_within_its_rounding():
