@@ -9,17 +9,19 @@ compare as speed) and against a plain copy's bandwidth measured in the same run:
 - copy:            ``dst.copy_(src)``, fp32: what the memory system gives one stream (8n bytes).
 - torch-fused:     ``torch._fused_adamw_`` (what ``torch.optim.AdamW(fused=True)`` runs: one
                    vectorized, multi-threaded loop), then the bf16 copy of the parameter.
-- zerocc:          ``backends.kernels.fused.adamw_`` as offload calls it today: the gradient
-                   scaled by 1/ranks and the clip's coefficient first (a pass of its own), then
-                   torch's fused loop, then the bf16 copy: three passes.
-- inductor-1pass:  the same arithmetic written in torch ops and compiled by Inductor into one
-                   C++ loop (OpenMP over the shard): the candidate for one pass at memory speed.
+- zerocc-fused:    the ``fused`` kernel set's ``adamw_`` (a step on the CPU under
+                   ``backend.kernels: auto``): the gradient scaled by 1/ranks and the clip's
+                   coefficient first (a pass of its own), then torch's fused loop, then the
+                   bf16 copy: three passes.
+- zerocc-one-pass: the ``one-pass`` kernel set's (the host updates of offloaded units on a GPU
+                   machine): the same arithmetic compiled by Inductor into one C++ loop
+                   (OpenMP over the shard), the scaling and the copy in it.
 - deepspeed-cpu-adam: DeepSpeed's ``DeepSpeedCPUAdam`` on one parameter (then the bf16 copy),
                    where DeepSpeed is installed and its op builds.
 
 Every variant runs on the process's torch threads (``--threads``, default all cores). Times are
 the median of ``--reps`` calls after warm-up; CPU time per call beside them (the machine is
-shared). The inductor variant's result is compared with torch's fused kernel after one step
+shared). The one-pass variant's result is compared with torch's fused kernel after one step
 (largest difference of the parameter, in units of the largest update, printed). Usage::
 
     python bench/host_update.py                  # n = 2^20, 2^22, 2^24
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from zerocc.backends.kernels import fused
+from zerocc.backends.kernels import fused, one_pass
 
 RESULTS = Path(__file__).parent / "results"
 LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.1
@@ -69,39 +71,14 @@ def torch_fused(s: Shard) -> None:
     s.copy.copy_(s.param)
 
 
-def zerocc_today(s: Shard) -> None:
+def zerocc_fused(s: Shard) -> None:
     fused.adamw_(s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.step, s.coef, None, s.copy,
                  1.0 / RANKS, LR, BETA1, BETA2, EPS, WD)  # fmt: skip
 
 
-def _one_pass(param, grad, exp_avg, exp_avg_sq, copy, g_coef, decay, beta1c, beta2, beta2c,
-              bias2_sqrt, eps, step_size):  # fmt: skip
-    """AdamW as torch's fused kernel computes it, the gradient scaled first, and the bf16 copy:
-    written in torch ops for Inductor to fuse into one loop. The step's scalars (bias
-    corrections in double, as torch's kernel) come precomputed as 0-d tensors: computed inside,
-    Inductor evaluated them (two ``pow``) once per vector of the loop, 7 GB/s."""
-    g = grad * g_coef
-    exp_avg.lerp_(g, beta1c)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=beta2c)
-    param.mul_(decay)
-    denom = exp_avg_sq.sqrt() / bias2_sqrt + eps
-    param.sub_(exp_avg / denom * step_size)
-    copy.copy_(param)
-
-
-_compiled = None
-
-
-def inductor_one_pass(s: Shard) -> None:
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(_one_pass, fullgraph=True, dynamic=False)
-    step = float(s.step)
-    bias1, bias2 = 1 - BETA1**step, 1 - BETA2**step
-    scalars = (float(s.coef) / RANKS, 1 - LR * WD, 1 - BETA1, BETA2, 1 - BETA2, bias2**0.5,
-               EPS, LR / bias1)  # fmt: skip
-    tensors = [torch.tensor(x, dtype=torch.float32) for x in scalars]
-    _compiled(s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.copy, *tensors)
+def zerocc_one_pass(s: Shard) -> None:
+    one_pass.adamw_(s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.step, s.coef, None, s.copy,
+                    1.0 / RANKS, LR, BETA1, BETA2, EPS, WD)  # fmt: skip
 
 
 def deepspeed_cpu_adam() -> Callable[[Shard], None] | str:
@@ -140,12 +117,12 @@ def timed(fn: Callable[[], None], reps: int) -> tuple[float, float]:
 
 
 def agreement(n: int) -> float:
-    """Largest difference of the parameter after one inductor-1pass step from torch's fused
+    """Largest difference of the parameter after one zerocc-one-pass step from torch's fused
     kernel's (given the same scaled gradient), in units of the update's largest change."""
     a, b = Shard(n), Shard(n)
     before = b.param.clone()
     b.grad.mul_(CLIP / RANKS)
-    inductor_one_pass(a)
+    zerocc_one_pass(a)
     torch_fused(b)
     return float((a.param - b.param).abs().max() / (b.param - before).abs().max())
 
@@ -166,8 +143,8 @@ def measure(n: int, variants: dict[str, Callable[[Shard], None] | str], reps: in
         gbs = BYTES_PER_ELEMENT * n / wall / 1e9
         row = {"n": n, "variant": name, "ms": wall * 1e3, "cpu_ms": cpu * 1e3, "gb_s": gbs,
                "of_copy": gbs / copy_gbs}  # fmt: skip
-        if name == "inductor-1pass":
-            row["inductor_vs_torch"] = agreement(n)
+        if name == "zerocc-one-pass":
+            row["one_pass_vs_torch"] = agreement(n)
         rows.append(row)
     return rows
 
@@ -182,8 +159,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     variants: dict[str, Callable[[Shard], None] | str] = {
         "torch-fused": torch_fused,
-        "zerocc": zerocc_today,
-        "inductor-1pass": inductor_one_pass,
+        "zerocc-fused": zerocc_fused,
+        "zerocc-one-pass": zerocc_one_pass if one_pass.runs_on("cpu") else one_pass.problem(),
         "deepspeed-cpu-adam": deepspeed_cpu_adam(),
     }
     rows = [row for log2 in args.sizes for row in measure(2**log2, variants, args.reps)]
@@ -196,9 +173,9 @@ def main() -> None:
         print(f"{r['n']:>10} {r['variant']:<20} {r['ms']:>9.2f} {r['cpu_ms']:>9.2f} "
               f"{r['gb_s']:>7.2f} {r['of_copy']:>8.2f}")  # fmt: skip
     for r in rows:
-        if "inductor_vs_torch" in r:
-            print(f"inductor-1pass vs torch-fused, n={r['n']}: largest difference "
-                  f"{r['inductor_vs_torch']:.2e} of the largest update")  # fmt: skip
+        if "one_pass_vs_torch" in r:
+            print(f"zerocc-one-pass vs torch-fused, n={r['n']}: largest difference "
+                  f"{r['one_pass_vs_torch']:.2e} of the largest update")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out / f"host-update-cpu-{stamp}.json"

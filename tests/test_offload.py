@@ -282,22 +282,35 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
 
 
 def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
-    from zerocc.runtime.step import host_update_threads
+    """Each rank of a machine its own slice of the cores, pinned when the process may run on
+    all of them; a set a launcher restricted is kept, and shared in threads."""
+    from zerocc.runtime.step import host_update_cores
 
-    cores = len(os.sched_getaffinity(0))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert host_update_threads() == cores
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
-    assert host_update_threads() == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    slices = []
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        cores, pin = host_update_cores()
+        assert pin and len(cores) == 4
+        slices.append(cores)
+    assert sorted(c for cores in slices for c in cores) == list(range(16))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3, 5, 7}, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert host_update_cores() == ([5, 7], False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert len(host_update_cores()[0]) == 1
 
 
 @needs_triton
 def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypatch):
-    """Only a step that computes on a GPU moves host updates to torch's fused CPU kernels and
+    """Only a step that computes on a GPU moves host updates to the one-pass CPU kernels and
     pins host buffers; a CPU rank on a machine with a GPU does neither (pinning would give it a
     CUDA context, and its `kernels: triton` would silently run the fused ones)."""
     from zerocc.backends.eager.ops import EagerOps
-    from zerocc.backends.kernels import fused, kernel_set
+    from zerocc.backends.kernels import host_kernels, kernel_set
     from zerocc.runtime.comm import SoloComm
     from zerocc.runtime.context import RuntimeContext
     from zerocc.runtime.transfers import Transfers
@@ -310,7 +323,6 @@ def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypa
         return EagerOps(RuntimeContext(SoloComm(), engine, kernel_set("triton"), device))
 
     assert ops_on(torch.device("cpu")).kernels_for(host) is kernel_set("triton")
-    host_kernels = kernel_set("fused" if fused.runs_on("cpu") else "torch")
-    assert ops_on(torch.device("cuda", 0)).kernels_for(host) is host_kernels
+    assert ops_on(torch.device("cuda", 0)).kernels_for(host) is kernel_set(host_kernels())
     cpu_engine = ops_on(torch.device("cpu")).ctx.transfers
     assert not cpu_engine.empty(torch.device("cpu"), (4,), torch.float32, host).is_pinned()

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from zerocc.backends.kernels import fused, kernel_set, reference
+from zerocc.backends.kernels import host_kernels, kernel_set, reference
 from zerocc.ir.ops import DP_GROUP
 from zerocc.runtime.comm import Work
 from zerocc.runtime.context import RuntimeContext
@@ -180,11 +180,12 @@ class EagerOps:
 
     def kernels_for(self, param: torch.Tensor) -> ModuleType:
         """The update's kernels: an offloaded unit's update runs on the host while the step
-        computes on a GPU, where the plan's Triton kernels do not run: torch's fused kernels do
-        there (vectorized and multi-threaded), or the reference where this torch has none. A
-        step on the CPU keeps its plan's kernels, on a machine with a GPU too."""
+        computes on a GPU, where the plan's Triton kernels do not run: the one-pass loop does
+        there (the update, its scaling and its copy compiled into one multi-threaded pass),
+        or torch's fused kernels where it does not compile, or the reference where this torch
+        has neither. A step on the CPU keeps its plan's kernels, on a machine with a GPU too."""
         if param.device.type == "cpu" and self.ctx.device.type == "cuda":
-            return kernel_set("fused" if fused.runs_on("cpu") else "torch")
+            return kernel_set(host_kernels())
         return self.ctx.kernels
 
     def _flag_for(

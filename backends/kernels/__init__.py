@@ -2,8 +2,11 @@
 
 ``torch`` (:mod:`.reference`) runs everywhere and is the oracle; ``fused`` (:mod:`.fused`)
 runs the updates on torch's fused optimizer kernels (C++ on a CPU, multi-tensor on a GPU);
-``triton`` (:mod:`.triton_kernels`) fuses each update, with its unscale, clip and cast, into one
-pass over memory. The fused sets read the non-finite flag on the device, with no host sync.
+``one-pass`` (:mod:`.one_pass`) compiles a CPU update, its gradient's scaling and its compute
+copy with Inductor into one loop (the host updates of offloaded units on a GPU machine run it
+wherever it compiles); ``triton`` (:mod:`.triton_kernels`) fuses each update, with its
+unscale, clip and cast, into one pass over memory. The fused sets read the non-finite flag on
+the device, with no host sync.
 Every set provides ``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags`` and ``pack``
 with the signatures of the reference. ``auto`` (the default, :func:`resolve_kernels`) is
 ``triton`` where it runs compiled (a GPU, a Triton it supports, fp32 master weights), else
@@ -21,7 +24,12 @@ import torch
 
 from zerocc.errors import NotSupportedError
 
-KERNEL_SETS = {"torch": "reference", "fused": "fused", "triton": "triton_kernels"}
+KERNEL_SETS = {
+    "torch": "reference",
+    "fused": "fused",
+    "one-pass": "one_pass",
+    "triton": "triton_kernels",
+}
 
 # The oldest Triton the kernels are verified with: their tests pass interpreted (TRITON_INTERPRET=1)
 # with 3.3 and later; under 3.0-3.2 (torch 2.4-2.6 bring them) most fail (wrong results, or the
@@ -50,6 +58,15 @@ def resolve_kernels(name: str, device: torch.device, master: str) -> str:
     return "fused" if kernel_set("fused").runs_on(device.type) else "torch"
 
 
+def host_kernels() -> str:
+    """The kernel set of the host updates of offloaded units on a GPU machine: ``one-pass``
+    where it compiles, else ``fused`` where this torch has CPU fused kernels, else ``torch``."""
+    for name in ("one-pass", "fused"):
+        if kernel_set(name).runs_on("cpu"):
+            return name
+    return "torch"
+
+
 def kernel_set(name: str) -> ModuleType:
     """The module implementing kernel set ``name`` (imported on first use)."""
     return importlib.import_module(f"{__name__}.{KERNEL_SETS[name]}")
@@ -73,6 +90,11 @@ def triton_problem() -> str | None:
 
 def check_kernels(name: str, device: torch.device) -> None:
     """Fail at compile time, not mid-step, when kernel set ``name`` cannot run on ``device``."""
+    if name == "one-pass" and device.type != "cpu":
+        raise NotSupportedError(
+            f"backend.kernels: one-pass updates on the CPU, and this step runs on {device}; "
+            "the host updates of offloaded units use it already: use backend.kernels: auto"
+        )
     if name != "triton":
         return
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

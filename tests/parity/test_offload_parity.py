@@ -52,6 +52,12 @@ CASES = [
      "checkpointing": {"units": "all"}},
     {"model": "gpt", "stage": 3, "precision": BF16, "checkpointing": {"units": "all"},
      "offload": {**ON_NVME, "params": "nvme"}},
+    # The one-pass update (the host's on a GPU machine), clipped, accumulated; SGD with a bf16
+    # copy written in the same loop.
+    {"model": "gpt", "stage": 3, "accum": 2, "optimizer": CLIPPED, "kernels": "one-pass",
+     "offload": {**CPU, "ratio": 0.5}},
+    {"model": "gpt", "stage": 2, "precision": BF16, "kernels": "one-pass",
+     "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "offload": CPU},
 ]  # fmt: skip
 
 

@@ -656,12 +656,15 @@ class BackendConfig(_Section):
         "(inductor on a GPU, eager on a CPU) or one registered with "
         "zerocc.backends.register_backend",
     )
-    kernels: Literal["auto", "torch", "fused", "triton"] = Field(
+    kernels: Literal["auto", "torch", "fused", "one-pass", "triton"] = Field(
         "auto",
         description="zerocc's own kernels (optimizer update, unscale, pack): torch ops (the "
-        "reference), torch's fused optimizer kernels (fused), or zerocc's Triton kernels (on "
-        "CPU only interpreted, with TRITON_INTERPRET=1); auto: triton on a GPU when triton can "
-        "run them, else fused, with fp32 masters; torch with lower-precision masters",
+        "reference), torch's fused optimizer kernels (fused), a CPU update compiled by "
+        "Inductor into one loop with its scaling and copy (one-pass: a step on the CPU; the "
+        "host updates of offloaded units take it on a GPU machine anyway), or zerocc's Triton "
+        "kernels (on CPU only interpreted, with TRITON_INTERPRET=1); auto: triton on a GPU "
+        "when triton can run them, else fused, with fp32 masters; torch with lower-precision "
+        "masters",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",

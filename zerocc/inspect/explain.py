@@ -171,6 +171,8 @@ def backend_line(step: StepRecord) -> str:
     line = f"backend {name} on {step.device_type}, kernels {step.kernels}"
     if backend.kernels == "auto":
         line += f" (auto: {AUTO_KERNELS[step.kernels]})"
+    if step.host_kernels is not None:
+        line += f"; host updates of offloaded units: {step.host_kernels}"
     return line
 
 

@@ -38,6 +38,7 @@ class StepRecord:
     dynamic_loss_scale: bool  # whether the scale adapts to overflows
     backend: str  # the backend that runs the programs (backend.name, auto resolved)
     kernels: str  # the kernel set zerocc's ops run (backend.kernels, auto resolved)
+    host_kernels: str | None  # the host updates' on a GPU machine (None: there are none)
     backend_notes: list[str]  # what the backend made of the programs (explain prints them)
     backend_artifacts: dict[str, str]  # what it generated for the last program (the dumps)
     steps: int  # optimizer steps applied

@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends import Executable, get_backend, resolve_backend
-from zerocc.backends.kernels import check_kernels, kernel_set, resolve_kernels
+from zerocc.backends.kernels import check_kernels, host_kernels, kernel_set, resolve_kernels
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
 from zerocc.compiler.materialize import is_meta, release_to_meta
 from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
@@ -151,8 +151,10 @@ class StepRunner:
         self.store = open_store(plan, comm.rank, self.nvme_specs)
         self.transfers = Transfers(self.store, device)
         self.context = RuntimeContext(comm, self.transfers, kernel_set(self.kernels), device)
+        self.host_kernels: str | None = None  # the kernel set of host updates on a GPU machine
         if plan.offload.optimizer != "none" and device.type == "cuda":
-            torch.set_num_threads(host_update_threads())
+            pin_host_update_threads()
+            self.host_kernels = host_kernels()  # compiled here (one-pass), not in a step
         if plan.backend.check_memory:  # before anything is allocated: the states fit
             check_model_states(self.model_info, self.units, self.layout, plan, comm, device)
         # Parameters are built one unit at a time, so a meta-device model never has more than
@@ -650,6 +652,7 @@ class StepRunner:
             dynamic_loss_scale=bool(self.loss_scaler and self.loss_scaler.dynamic),
             backend=self.backend_name,
             kernels=self.kernels,
+            host_kernels=self.host_kernels,
             backend_notes=list(
                 dict.fromkeys(note for p in self.programs.values() for note in p.run.notes())
             ),
@@ -807,12 +810,31 @@ class StepRunner:
             self.loss_scaler.load_state_dict(saved["loss_scaler"])
 
 
-def host_update_threads() -> int:
-    """Threads for the host updates of offloaded units on a GPU machine: this rank's share of
-    the cores it may run on. Launchers set OMP_NUM_THREADS=1 for GPU ranks (torchrun does), which
-    would leave the update, the one large CPU computation of the step, on a single core."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+def host_update_cores() -> tuple[list[int], bool]:
+    """The cores for the host updates of offloaded units on a GPU machine, and whether to pin
+    this rank to them: its share of the cores it may run on, the ``LOCAL_RANK``-th slice, so
+    the ranks of a machine (``LOCAL_WORLD_SIZE``) update on cores of their own. Pinned only when
+    nothing restricted the process before (it may run on every core of the machine); a launcher
+    or container that did keeps its set, and the rank takes its share of it in threads.
+    Launchers set OMP_NUM_THREADS=1 for GPU ranks (torchrun does), which would leave the
+    update, the one large CPU computation of the step, on a single core."""
+    count = os.cpu_count() or 1
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = cores or list(range(count))
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    share = max(1, len(cores) // local_world)
+    first = (int(os.environ.get("LOCAL_RANK", "0")) * share) % len(cores)
+    return cores[first : first + share], len(cores) == count and hasattr(os, "sched_setaffinity")
+
+
+def pin_host_update_threads() -> list[int]:
+    """Give the host updates this rank's cores (:func:`host_update_cores`): torch's threads,
+    one per core, and the process pinned to them where nothing restricted it before."""
+    cores, pin = host_update_cores()
+    if pin:
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return cores
 
 
 def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | None:

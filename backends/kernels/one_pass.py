@@ -1,0 +1,172 @@
+"""The update of a CPU shard in one pass over memory: AdamW and SGD compiled by Inductor.
+
+An offloaded optimizer's update is the one large computation a GPU machine's host does each
+step, and it is bound by memory: AdamW on an fp32 shard must read the weights, the gradient
+and both moments and write three of them back and the compute copy for the device (30 bytes an
+element with a bf16 copy). Run as torch's fused kernel with the gradient's scaling (1/ranks,
+the clip coefficient) a pass before it, into a new tensor, and the copy a pass after, it moved
+the shard three times, at 0.4× the host's copy bandwidth (BENCHMARKS.md, "The offloaded
+optimizer's host update"). Here the whole update, the gradient's scaling and the copy included,
+is written in torch ops and compiled by Inductor (``torch.compile``, C++ with OpenMP on the
+rank's threads) into one vectorized loop: 1.3× the copy's bandwidth on this machine's two
+cores, faster than torch's fused kernel and than DeepSpeed's CPU Adam.
+
+Same signatures and semantics as :mod:`zerocc.backends.kernels.reference`: the arithmetic of
+``torch.optim`` element by element (the step's bias corrections computed once, in double, and
+passed as 0-dim fp32 tensors, as the reference's Python floats are used), so results are
+those of the reference within rounding (Inductor may contract a multiply and an add).
+``found_inf`` lives on the host here: a nonzero flag skips the update and writes nothing.
+
+Compiled once per process for any shard size (``dynamic=True``), per gradient and copy dtype,
+and served by Inductor's on-disk cache on the next launch (about 4 s of a process's start here,
+warm; the reason ``backend.kernels: auto`` keeps torch's fused kernels for a step on the CPU).
+The host updates of offloaded units on a GPU machine run here wherever it compiles
+(:func:`runs_on`); a step on the CPU asks for it with ``backend.kernels: one-pass``. An update
+it does not take (masters below fp32, a tensor off the CPU) runs the ``fused`` set's kernels.
+The other ops of the set are the reference's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+from zerocc.backends.kernels import fused
+from zerocc.backends.kernels.reference import _skipped, nonfinite_flags, pack, unscale_check_
+
+__all__ = ["adamw_", "sgd_", "nonfinite_flags", "pack", "runs_on", "unscale_check_"]
+
+
+def _scaled(grad, grad_scale, grad_coef):
+    # As the reference: the gradient times 1/ranks, then times the clip coefficient.
+    return grad.float() * grad_scale * grad_coef
+
+
+def _adamw(param, grad, exp_avg, exp_avg_sq, copy, grad_scale, grad_coef, decay, beta1c, beta2,
+           beta2c, bias2_sqrt, eps, neg_step_size):  # fmt: skip
+    g = _scaled(grad, grad_scale, grad_coef)
+    param.mul_(decay)
+    exp_avg.lerp_(g, beta1c)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=beta2c)
+    denom = exp_avg_sq.sqrt() / bias2_sqrt + eps
+    param.add_(exp_avg / denom * neg_step_size)
+    if copy is not None:
+        copy.copy_(param)
+
+
+def _sgd(param, grad, momentum_buffer, copy, grad_scale, grad_coef, weight_decay, momentum,
+         neg_lr):  # fmt: skip
+    g = _scaled(grad, grad_scale, grad_coef) + param * weight_decay
+    if momentum_buffer is not None:
+        # The buffer starts at zero, so the first step stores g exactly, as torch's clone.
+        g = momentum_buffer.mul_(momentum).add_(g)
+    param.add_(g * neg_lr)
+    if copy is not None:
+        copy.copy_(param)
+
+
+@functools.cache
+def _compiled(name: str) -> Callable[..., None]:
+    fn = {"adamw": _adamw, "sgd": _sgd}[name]
+    return torch.compile(fn, fullgraph=True, dynamic=True)
+
+
+@functools.cache
+def problem() -> str | None:
+    """Why the one-pass update cannot run in this process (None when it can): both loops
+    compiled (or found in the cache) and run once, on a few elements, with a bf16 copy."""
+    try:
+        p, g, m, v = (torch.zeros(8) for _ in range(4))
+        copy = torch.empty(8, dtype=torch.bfloat16)
+        _adamw_pass(p, g, m, v, 1, None, copy, 1.0, 0.0, 0.9, 0.999, 1e-8, 0.0)
+        _sgd_pass(p, g, m, None, copy, 1.0, 0.0, 0.9, 0.0)
+    except Exception as exc:  # no C++ compiler, an Inductor that rejects it
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+    return None
+
+
+def runs_on(device_type: str) -> bool:
+    """Whether the one-pass update runs on ``device_type`` here: the CPU, where it compiles
+    (see :func:`problem`)."""
+    return device_type == "cpu" and problem() is None
+
+
+def _takes(param: torch.Tensor, *states: torch.Tensor | None) -> bool:
+    tensors = [param, *(s for s in states if s is not None)]
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def _scalars(*values: float) -> list[torch.Tensor]:
+    return [torch.tensor(v, dtype=torch.float32) for v in values]
+
+
+def adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    grad_coef: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    param_copy: torch.Tensor | None,
+    grad_scale: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW on one flat fp32 CPU shard, its gradient's scaling and the compute copy in the
+    same loop."""
+    if not _takes(param, exp_avg, exp_avg_sq) or not runs_on("cpu"):
+        args = (param, grad, exp_avg, exp_avg_sq, step, grad_coef, found_inf, param_copy)
+        return fused.adamw_(*args, grad_scale, lr, beta1, beta2, eps, weight_decay)
+    if _skipped(found_inf):
+        return
+    _adamw_pass(param, grad, exp_avg, exp_avg_sq, int(step.item()), grad_coef, param_copy,
+                grad_scale, lr, beta1, beta2, eps, weight_decay)  # fmt: skip
+
+
+def _adamw_pass(param, grad, exp_avg, exp_avg_sq, t: int, grad_coef, param_copy,
+                grad_scale: float, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float) -> None:  # fmt: skip
+    """The compiled AdamW loop at step ``t``, its scalars computed once (in double)."""
+    coef = torch.ones(()) if grad_coef is None else grad_coef.float()
+    scalars = _scalars(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
+                       math.sqrt(1 - beta2**t), eps, -lr / (1 - beta1**t))  # fmt: skip
+    _compiled("adamw")(param, grad, exp_avg, exp_avg_sq, param_copy, *_scalars(grad_scale), coef,
+                       *scalars)  # fmt: skip
+
+
+def sgd_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    grad_coef: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    param_copy: torch.Tensor | None,
+    grad_scale: float,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+) -> None:
+    """SGD on one flat fp32 CPU shard, its gradient's scaling and the compute copy in the same
+    loop."""
+    if not _takes(param, momentum_buffer) or not runs_on("cpu"):
+        args = (param, grad, momentum_buffer, grad_coef, found_inf, param_copy)
+        return fused.sgd_(*args, grad_scale, lr, momentum, weight_decay)
+    if _skipped(found_inf):
+        return
+    _sgd_pass(param, grad, momentum_buffer, grad_coef, param_copy, grad_scale, lr, momentum,
+              weight_decay)  # fmt: skip
+
+
+def _sgd_pass(param, grad, momentum_buffer, grad_coef, param_copy, grad_scale: float, lr: float,
+              momentum: float, weight_decay: float) -> None:  # fmt: skip
+    """The compiled SGD loop."""
+    coef = torch.ones(()) if grad_coef is None else grad_coef.float()
+    scalars = [*_scalars(grad_scale), coef, *_scalars(weight_decay, momentum, -lr)]
+    _compiled("sgd")(param, grad, momentum_buffer, param_copy, *scalars)

@@ -1,0 +1,133 @@
+"""The ``one-pass`` kernel set (backends/kernels/one_pass.py: the CPU update compiled by
+Inductor into one loop, the gradient's scaling and the compute copy in it) against the torch
+reference, on random data, on the CPU.
+
+Tolerance, AdamW: 1e-6 relative (atol 1e-7 for moments near zero) after three steps, as the
+fused set's (test_fused.py): the same arithmetic, element by element, but Inductor's C++ may
+contract a multiply and an add into one rounding, an ulp apart on some elements; a wrong
+moment, step count, scaling or skipped weight decay moves the weights by far more (the lr is
+1e-2, so ~1e-4 and up). SGD: the same (two multiply-adds per element, contracted or not; an
+element the step cancels to near zero keeps the contraction's ulp as an absolute 1e-8).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerocc.backends.kernels import kernel_set, one_pass, reference
+
+ADAMW = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+FP32 = {"rtol": 1e-6, "atol": 1e-7}
+
+pytestmark = pytest.mark.skipif(
+    not one_pass.runs_on("cpu"), reason=f"the one-pass update does not compile here: "
+    f"{one_pass.problem()}"
+)  # fmt: skip
+
+
+def _randn(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _adamw(kernels, state: dict, step: int, **extra) -> None:
+    args = {"grad_coef": None, "found_inf": None, "param_copy": None, "grad_scale": 1.0} | extra
+    kernels.adamw_(
+        state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"],
+        torch.tensor(step), args["grad_coef"], args["found_inf"], args["param_copy"],
+        args["grad_scale"], *ADAMW.values(),
+    )  # fmt: skip
+
+
+def _state(n: int, grad_dtype: torch.dtype = torch.float32, offset: int = 0) -> dict:
+    """A shard of ``n`` elements; at ``offset`` > 0, views into larger flats (a stage-1/2
+    shard of its unit's flat), so the loop starts off any alignment."""
+    state = {
+        "param": _randn(n + offset, 0),
+        "grad": _randn(n + offset, 1, grad_dtype),
+        "exp_avg": torch.zeros(n + offset),
+        "exp_avg_sq": torch.zeros(n + offset),
+    }
+    return {k: v[offset:] for k, v in state.items()}
+
+
+CASES = {  # grad dtype, grad_scale, grad_coef, offset
+    "plain": (torch.float32, 1.0, None, 0),
+    "scaled": (torch.float32, 1 / 3, None, 0),
+    "clipped": (torch.float32, 0.5, 0.7, 0),
+    "bf16 grad": (torch.bfloat16, 0.25, None, 0),
+    "view at an odd offset": (torch.float32, 0.5, 0.7, 3),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adamw_matches_the_reference_and_writes_the_copy(case):
+    grad_dtype, grad_scale, coef, offset = CASES[case]
+    ours, theirs = _state(5003, grad_dtype, offset), _state(5003, grad_dtype, offset)
+    grad = ours["grad"].clone()
+    copies = [torch.empty(5003, dtype=torch.bfloat16) for _ in range(2)]
+    extra = {"grad_scale": grad_scale, "found_inf": torch.zeros(())}
+    if coef is not None:
+        extra["grad_coef"] = torch.tensor(coef)
+    for step in (1, 2, 3):
+        _adamw(one_pass, ours, step, param_copy=copies[0], **extra)
+        _adamw(reference, theirs, step, param_copy=copies[1], **extra)
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(ours[key], theirs[key], **FP32)
+    assert torch.equal(ours["grad"], grad)
+    assert torch.equal(copies[0], ours["param"].to(torch.bfloat16))
+
+
+def test_one_compiled_loop_serves_every_shard_size():
+    from torch._dynamo.utils import counters
+
+    one_pass.problem()  # compiled (or found cached) once
+    counters.clear()
+    for n in (17, 1000, 4099):
+        state = _state(n)
+        _adamw(one_pass, state, 1, param_copy=torch.empty(n, dtype=torch.bfloat16))
+    assert not counters["stats"]["unique_graphs"], dict(counters["stats"])
+
+
+def test_a_found_inf_skips_every_write():
+    state = _state(1000)
+    before = {k: v.clone() for k, v in state.items()}
+    copy = torch.zeros(1000, dtype=torch.bfloat16)
+    flag = torch.full((), 2.0)  # zerocc's flag counts overflows (here on two ranks)
+    _adamw(one_pass, state, 1, found_inf=flag, grad_scale=0.5, param_copy=copy)
+    for key, value in before.items():
+        assert torch.equal(state[key], value), key
+    param, buf = _randn(1000, 3), torch.zeros(1000)
+    kept = param.clone()
+    one_pass.sgd_(param, _randn(1000, 4), buf, None, flag, copy, 0.5, 0.1, 0.9, 0.01)
+    assert torch.equal(param, kept) and not buf.any() and not copy.any()
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_matches_the_reference(momentum):
+    ours, theirs = _randn(1000, 5), _randn(1000, 5)
+    bufs = [torch.zeros(1000) if momentum else None for _ in range(2)]
+    copy = torch.empty(1000, dtype=torch.bfloat16)
+    for seed in range(3):
+        grad = _randn(1000, 10 + seed)
+        coef = torch.tensor(0.7)
+        one_pass.sgd_(ours, grad, bufs[0], coef, None, copy, 1 / 3, 0.1, momentum, 0.01)
+        reference.sgd_(theirs, grad, bufs[1], coef, None, None, 1 / 3, 0.1, momentum, 0.01)
+    torch.testing.assert_close(ours, theirs, **FP32)
+    if momentum:
+        torch.testing.assert_close(bufs[0], bufs[1], **FP32)
+    assert torch.equal(copy, ours.to(torch.bfloat16))
+
+
+def test_masters_below_fp32_run_the_reference():
+    """bf16 masters: the fused set's path, which runs the reference's fp32 arithmetic."""
+    ours = {k: v.to(torch.bfloat16) for k, v in _state(1000).items()}
+    theirs = {k: v.clone() for k, v in ours.items()}
+    _adamw(one_pass, ours, 1)
+    _adamw(reference, theirs, 1)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_it_is_a_kernel_set():
+    assert kernel_set("one-pass") is one_pass
