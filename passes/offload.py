@@ -211,6 +211,7 @@ class _Offloader:
                                 "the step's clip coefficient / overflow flag, for host updates",
                                 phase="optimizer",
                             )
+                            info(start).pool = HOST
                             host_scalars[scalar] = self._wait(start)
                     args[index] = host_scalars[scalar]
         update.args = tuple(args)

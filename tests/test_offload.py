@@ -281,6 +281,31 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     assert predicted.transfers == dict(step.transfers.stats.bytes)  # what the copies moved
 
 
+def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_says():
+    """The reduced gradients' host buffers (and the step's scalars') are made at the first
+    step and reused by every later one; together they are the host buffers' peak that the
+    estimate (and so the memory check) counts."""
+    from workload import workload
+
+    from zerocc.inspect.estimate import estimate, inspect_plan
+
+    small = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4}
+    plan = {**_plan(optimizer="cpu", ratio=0.5), "workload": "workload:workload",
+            "workload_args": small}  # fmt: skip
+    work = workload(**small)
+    step = zerocc.compile(work.model, plan)
+    batches = work.batches(0, 1)
+    step(*next(batches))
+    first = {key: t.data_ptr() for key, t in step.transfers.host_buffers.buffers.items()}
+    step(*next(batches))
+    again = {key: t.data_ptr() for key, t in step.transfers.host_buffers.buffers.items()}
+    assert again == first and len(first) > 1
+    grads = 4 * sum(u.shard_numel for u in offloaded_units(step.units, 0.5))
+    held = step.transfers.host_buffers.nbytes
+    assert grads <= held <= grads + 64  # and the clip coefficient's and the flag's scalars
+    assert estimate(inspect_plan(plan, 1, workload(**small))).peak["host_buffers"] == held
+
+
 def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
     """Each rank of a machine its own slice of the cores, pinned when the process may run on
     all of them; a set a launcher restricted is kept, and shared in threads."""

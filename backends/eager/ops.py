@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 from zerocc.backends.kernels import host_kernels, kernel_set, reference
-from zerocc.ir.ops import DP_GROUP
+from zerocc.ir.ops import DP_GROUP, TO_HOST
 from zerocc.runtime.comm import Work
 from zerocc.runtime.context import RuntimeContext
 
@@ -75,7 +75,8 @@ class EagerOps:
     def copy_start(
         self, src: torch.Tensor, device: torch.device, direction: str, *, started: str
     ) -> torch.Tensor:
-        out = self.ctx.transfers.empty(device, src.shape, src.dtype, src)
+        key = started if direction == TO_HOST else None  # a host buffer, reused every step
+        out = self.ctx.transfers.empty(device, src.shape, src.dtype, src, key)
         return self._issue(started, out, self.ctx.transfers.copy(out, src, direction))
 
     def copy_into_start(

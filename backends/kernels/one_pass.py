@@ -68,10 +68,16 @@ def _sgd(param, grad, momentum_buffer, copy, grad_scale, grad_coef, weight_decay
         copy.copy_(param)
 
 
+# Inductor splits a loop over threads when its size hint (the size it was first compiled for,
+# a few elements in problem()) is large enough; a dynamic-threads loop is always parallel and
+# takes the threads torch has when it runs (the rank's share, set after compiling).
+OPTIONS = {"cpp.dynamic_threads": True}
+
+
 @functools.cache
 def _compiled(name: str) -> Callable[..., None]:
     fn = {"adamw": _adamw, "sgd": _sgd}[name]
-    return torch.compile(fn, fullgraph=True, dynamic=True)
+    return torch.compile(fn, fullgraph=True, dynamic=True, options=OPTIONS)
 
 
 @functools.cache

@@ -60,7 +60,7 @@ class Location(StrEnum):
     """Where a state tensor lives."""
 
     DEVICE = "device"  # the compute device (the GPU; on a CPU-only machine, the compute pool)
-    HOST = "host"  # host memory (pinned when a GPU is present): offload to cpu
+    HOST = "host"  # host memory (pinned where a GPU copies it): offload to cpu
     NVME = "nvme"  # a file under offload.nvme_path, read into host buffers when needed
 
 
@@ -331,17 +331,6 @@ def place_unit(layout: StateLayout, unit: Unit, placement: Placement, stage: int
         layout.declare(StateSpec(key, MASTER, unit.name, shape, dtype, placement.optimizer))
 
 
-def empty_on(
-    location: Location, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """An uninitialized tensor for state at ``location`` of a run on ``device``: on the device,
-    or in host memory (pinned when the device is a GPU, so copies to and from it are
-    asynchronous DMA)."""
-    if location == DEVICE:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
-
-
 def allocate_state(
     model: nn.Module,
     model_info: ModelInfo,
@@ -350,12 +339,14 @@ def allocate_state(
     seed: int,
     rank: int,
     device: torch.device,
+    empty: Callable[[StateSpec], torch.Tensor],
     store: Any = None,
     from_rank_0: Callable[[torch.Tensor], None] | None = None,
     split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every resident persistent tensor of ``layout`` for ``rank``, keyed as its spec, where its
-    spec places it: weights from the model's initial values (one unit materialized at a time),
+    """Every resident persistent tensor of ``layout`` for ``rank``, keyed as its spec, in the
+    memory ``empty`` gives it (where its spec places it; an NVMe state's host tensor is written
+    to its file): weights from the model's initial values (one unit materialized at a time),
     everything else zeros (the step counter and the learning rate on the CPU), and the model's
     buffers under their FQNs. States placed on NVMe are written to ``store`` (a
     :class:`zerocc.runtime.nvme.NvmeStore`) instead of being returned.
@@ -372,9 +363,7 @@ def allocate_state(
     state: dict[str, torch.Tensor] = {}
 
     def place(spec: StateSpec, value: torch.Tensor | None) -> None:
-        tensor = empty_on(
-            HOST if spec.location == NVME else spec.location, spec.shape, spec.dtype, device
-        )
+        tensor = empty(spec)
         if value is None:
             tensor.zero_()
         else:

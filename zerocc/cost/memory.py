@@ -40,7 +40,7 @@ from zerocc.ir.nodes import (
     op_name,
     val,
 )
-from zerocc.ir.ops import DP_GROUP
+from zerocc.ir.ops import DP_GROUP, TO_HOST
 
 # As ZeRO counts them: fp32 master weights are optimizer state (2 + 2 + 12 bytes per parameter).
 STATE_CATEGORY = {
@@ -104,10 +104,16 @@ def _done(user: fx.Node) -> fx.Node:
     return user
 
 
+def _held_for_the_run(node: fx.Node) -> bool:
+    """A copy's host result: the same buffer every step, held from the first step on
+    (:class:`zerocc.runtime.host_memory.HostBuffers`)."""
+    return op_name(node.target) == "zerocc.copy_start" and node.args[2] == TO_HOST
+
+
 def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTimeline:
     """Live bytes per category after each node of ``gm``: the model states throughout, plus
     gathered units and activations by liveness; the peak of offload's host buffers apart
-    (``host_peak``)."""
+    (``host_peak``; a copy's host result is held from its copy to the end)."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     persistent: set[int] = set()  # storages bound from outside (state, batch, buffers)
@@ -127,6 +133,8 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
                 born[key] = (i, t.untyped_storage().nbytes(), category)
             end = max((position[_done(u)] for u in node.users), default=i)
             if node.op == "output" or any(u.op == "output" for u in node.users):
+                end = len(nodes)
+            if node.op == "call_function" and _held_for_the_run(node):
                 end = len(nodes)
             last_use[key] = max(last_use.get(key, i), end)
         if op_kind(node) is OpKind.FREE:

@@ -16,6 +16,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,6 +79,7 @@ from zerocc.runtime.failures import (
     peer_failure,
     signature_difference,
 )
+from zerocc.runtime.host_memory import state_tensor
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states, check_step_memory
@@ -168,6 +170,7 @@ class StepRunner:
             plan.seed,
             self.mesh.shard_rank(comm.rank),
             device,
+            partial(state_tensor, device=device),
             self.store,
             from_rank_0=comm.broadcast if comm.world_size > 1 else None,
             split=None if tp is None else self._my_slices,

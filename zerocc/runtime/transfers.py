@@ -10,6 +10,14 @@ waiting on a copy to the host blocks the host (the CPU reads the result next: th
 optimizer update), waiting on a copy to the device makes the compute stream wait on an event.
 On a CPU-only machine copies are a memcpy done inline (the same cores compute; there is nothing
 to overlap) and only NVMe I/O runs in the background, on the store's threads.
+
+Host memory (:mod:`zerocc.runtime.host_memory`): a copy's host result is the same buffer every
+step (:class:`~zerocc.runtime.host_memory.HostBuffers`), of its exact size, pinned when a GPU
+takes part. A copy to the device that changes the dtype (the fp32 master into the bf16 compute
+copy) is cast on the host into one of two pinned staging buffers, then copied as it is: an
+asynchronous copy of the narrow dtype, where torch would cast into a new pageable tensor and copy
+from it synchronously. A staging buffer is reused once the copy that read it two copies before
+has completed.
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from typing import Any
 import torch
 
 from zerocc.ir.ops import CPU
+from zerocc.runtime.host_memory import HostBuffers, host_empty
+
+STAGING_SLOTS = 2  # staging buffers for casting copies to the device, used in turn
 
 
 @dataclass
@@ -77,7 +88,11 @@ class Transfers:
         self.store = store
         self.device = device
         self.stats = TransferStats()
+        self.host_buffers = HostBuffers(pinned=device.type == "cuda")
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # (staging buffer, the event of the copy that last read it), used in turn.
+        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._next_staging = 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Any:
         """``dst`` receives ``src`` (cast to ``dst``'s dtype)."""
@@ -86,6 +101,9 @@ class Transfers:
         if gpu is None:
             dst.copy_(src)
             return _Done()
+        slot = None
+        if dst.is_cuda and not src.is_cuda and src.dtype != dst.dtype:
+            slot, src = self._staged(src, dst.dtype)
         stream = self._stream(gpu.device)
         stream.wait_stream(torch.cuda.current_stream(gpu.device))
         with torch.cuda.stream(stream):
@@ -95,7 +113,26 @@ class Transfers:
         for t in (dst, src):
             if t.is_cuda:
                 t.record_stream(stream)
+        if slot is not None:  # the staging buffer is free again once this copy is done
+            self._staging[slot] = (self._staging[slot][0], event)
         return _CudaCopy(event, host_reads=not dst.is_cuda)
+
+    def _staged(self, src: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        """``src`` cast to ``dtype`` in the next pinned staging buffer (grown to fit), once
+        the copy that last read that buffer has completed; returns the slot and the cast."""
+        slot = self._next_staging
+        self._next_staging = (slot + 1) % STAGING_SLOTS
+        if len(self._staging) < STAGING_SLOTS:
+            self._staging.append((host_empty((0,), dtype, pinned=True), None))
+        buffer, event = self._staging[slot]
+        if event is not None:
+            event.synchronize()
+        if buffer.dtype != dtype or buffer.numel() < src.numel():
+            buffer = host_empty((src.numel(),), dtype, pinned=True)
+        staged = buffer[: src.numel()].view(src.shape)
+        staged.copy_(src)
+        self._staging[slot] = (buffer, None)
+        return slot, staged
 
     def read(self, key: str, out: torch.Tensor, direction: str) -> Any:
         """``out`` receives the state file of ``key``."""
@@ -117,12 +154,23 @@ class Transfers:
         return self.store
 
     def empty(
-        self, device: torch.device, shape: Any, dtype: torch.dtype, like: torch.Tensor
+        self,
+        device: torch.device,
+        shape: Any,
+        dtype: torch.dtype,
+        like: torch.Tensor,
+        key: str | None = None,
     ) -> torch.Tensor:
-        """An empty tensor for a transfer's result: host memory is pinned when a GPU takes part
-        (not merely when the machine has one: a CPU rank would make a CUDA context for it)."""
+        """An empty tensor for a transfer's result. The host result of copy ``key`` (its start
+        node's name: a copy to the host) is the copy's buffer, the same every step. Host memory
+        is pinned when a GPU takes part (not merely when the machine has one: a CPU rank would
+        make a CUDA context for it)."""
+        if device.type == "cpu" and key is not None:
+            return self.host_buffers.get(key, tuple(shape), dtype)
         pinned = device.type == "cpu" and (like.is_cuda or self.device.type == "cuda")
-        return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pinned)
+        if pinned:
+            return host_empty(tuple(shape), dtype, pinned=True)
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
