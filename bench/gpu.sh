@@ -7,6 +7,8 @@
 #   kernels    bench/kernels.py: the fused AdamW kernel's bandwidth against a copy and torch
 #   compare    bench/compare.py --gpu: zerocc (eager and Inductor backends) beside FSDP2 and
 #              unsharded torch, eager and compiled (SYSTEMS overrides the list)
+#   host       bench/host_update.py (the host's update loop against torch and a copy) and
+#              bench/host_memory.py --device cuda (host memory of offloaded steps, pinned)
 #
 # Usage: bench/gpu.sh OUT_DIR [STEP ...]   (default: every step, in the order above)
 set -u
@@ -28,7 +30,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its output, print how it 
 }
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(versions tests kernels compare)
+[ ${#steps[@]} -gt 0 ] || steps=(versions tests kernels compare host)
 for s in "${steps[@]}"; do
     case $s in
     versions)
@@ -44,8 +46,11 @@ for s in "${steps[@]}"; do
         # shellcheck disable=SC2086  # the system names are words
         step compare 540 python3 "$here/compare.py" --gpu --systems $systems \
             --out "$out" ;;
+    host)
+        step host 300 bash -c "python3 '$here/host_update.py' --sizes 24 26 --out '$out' && \
+            python3 '$here/host_memory.py' --device cuda --layers 24 --out '$out'" ;;
     *)
-        echo "unknown step $s (versions, tests, kernels, compare)" >&2
+        echo "unknown step $s (versions, tests, kernels, compare, host)" >&2
         exit 2 ;;
     esac
 done
