@@ -97,6 +97,24 @@ def test_copies_run_on_their_own_stream_beside_collectives():
     assert {"comm", "copy"} <= tracks
 
 
+def test_the_hosts_work_is_on_its_own_track_and_holds_the_compute_stream():
+    """An offloaded unit's update (``pool: host``) drawn on a "host" track, timed into
+    ``host_s``; the compute stream waits for it (the runtime runs it on the issuing thread), so
+    a copy issued before it hides behind it."""
+    p = Program()
+    copy = p.copy(1.5)
+    update = p.compute(2.0)
+    tag(update, pool="host")
+    p.wait(copy)  # the copy ran beside the update: nothing exposed
+    p.compute(1.0)
+    sim = simulate(p.module(), p.costs)
+    assert sim.host_s == pytest.approx(2.0) and sim.compute_s == pytest.approx(3.0)
+    assert sim.exposed_s == 0.0 and sim.step_s == pytest.approx(3.0)
+    (host,) = [e for e in sim.events if e.track == "host"]
+    assert host.start_us == 0.0 and host.duration_us == pytest.approx(2e6)
+    assert sim.as_dict()["host_ms"] == pytest.approx(2000.0)
+
+
 def test_two_collectives_queue_in_issue_order():
     p = Program()
     first, second = p.gather(4.0), p.gather(3.0)

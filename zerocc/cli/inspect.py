@@ -283,6 +283,14 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
             f"  {'exposed communication':<24}{human_seconds(t.exposed_s):>12}"
             f"  ({100 * t.exposed_fraction:.0f}% of the step)",
             *([f"  {'offload copies':<24}{human_seconds(t.copy_s):>12}"] if e.transfers else []),
+            *(
+                [
+                    f"  {'host updates':<24}{human_seconds(t.host_s):>12}  (of compute: the host "
+                    "holds the stream)"
+                ]
+                if t.host_s
+                else []
+            ),  # fmt: skip
             f"  {'peak memory':<24}{human_bytes(e.peak['total']):>12}",
             "",
             f"rates ({_sources(e.rates)}):",

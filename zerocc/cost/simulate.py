@@ -18,7 +18,9 @@ FIFO among themselves, beside the collectives; a wait on one that is not done is
 The step lasts until every stream is done. The events use the tracks of a measured run
 (:mod:`zerocc.runtime.measure`): compute ops, and a blocking wait as an ``exposed`` compute event,
 on "compute"; each collective on "comm", each copy on "copy", from when it starts moving bytes to
-when it ends.
+when it ends; the host's work (an offloaded unit's update, tagged ``pool: host`` by the offload
+pass) on "host". The host's work holds the compute stream as it runs: the runtime does it on
+the thread that issues the device's work, which waits meanwhile.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 from torch import fx
 
 from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.state import HOST
 from zerocc.cost.memory import predict_memory
 from zerocc.cost.model import TRANSFER, CostModel, DeviceRates, collective_kind, node_work
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
@@ -70,6 +73,7 @@ class Simulation:
     memory: MemoryTimeline | None = field(default=None, repr=False)
     stolen_s: float = 0.0  # of exposed_s: compute time collectives took while running
     copy_s: float = 0.0  # copy stream busy (offload's copies and NVMe I/O)
+    host_s: float = 0.0  # of compute_s: the host's work (offloaded units' updates)
 
     @property
     def exposed_fraction(self) -> float:
@@ -86,6 +90,7 @@ class Simulation:
             "exposed_comm_pct": 100 * self.exposed_fraction,
             "stolen_ms": self.stolen_s * 1e3,
             "copy_ms": self.copy_s * 1e3,
+            "host_ms": self.host_s * 1e3,
             "peak_bytes": self.peak_bytes,
         }
 
@@ -127,6 +132,7 @@ def simulate(
         memory=memory,
         stolen_s=replay.stolen,
         copy_s=replay.stream_busy["copy"],
+        host_s=replay.host,
     )
 
 
@@ -145,17 +151,20 @@ class _Replay:
         self.compute = 0.0  # when the compute stream is next free
         self.free = {"comm": 0.0, "copy": 0.0}  # when each other stream is
         self.stream_busy = {"comm": 0.0, "copy": 0.0}
-        self.busy = self.exposed = self.stolen = 0.0
+        self.busy = self.exposed = self.stolen = self.host = 0.0
         self.events: list[TraceEvent] = []
         self.records: list[CollectiveRecord] = []
         self.pending: dict[fx.Node, CollectiveRecord] = {}
 
     def run(self, node: fx.Node) -> None:
         duration = self.cost(node)
+        on_host = info(node).pool == HOST
         if duration:
-            self.events.append(_event(self.rank, node, self.compute, duration))
+            track = "host" if on_host else "compute"
+            self.events.append(_event(self.rank, node, self.compute, duration, track))
         self.compute += duration
         self.busy += duration
+        self.host += duration if on_host else 0.0
 
     def issue(self, node: fx.Node) -> None:
         issued, duration = self.compute, self.cost(node)
@@ -218,9 +227,11 @@ def _title(node: fx.Node) -> str:
     return f"{name} {unit}" if unit else name
 
 
-def _event(rank: int, node: fx.Node, start_s: float, seconds: float) -> TraceEvent:
+def _event(
+    rank: int, node: fx.Node, start_s: float, seconds: float, track: str = "compute"
+) -> TraceEvent:
     args = {"phase": info(node).phase or "", "node": node.name}
-    return TraceEvent(rank, "compute", _title(node), start_s * 1e6, seconds * 1e6, args)
+    return TraceEvent(rank, track, _title(node), start_s * 1e6, seconds * 1e6, args)
 
 
 def _comm_event(rank: int, r: CollectiveRecord, track: str = "comm") -> TraceEvent:
@@ -253,6 +264,7 @@ def simulate_step(
         total.exposed_s += run.exposed_s
         total.stolen_s += run.stolen_s
         total.copy_s += run.copy_s
+        total.host_s += run.host_s
     peaks = [s for s in once.values() if s.peak_bytes is not None]
     if peaks:
         highest = max(peaks, key=lambda s: s.peak_bytes or 0)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
+from zerocc.compiler.state import HOST
 from zerocc.cost.memory import node_label, tensors_in, transient_category
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
 from zerocc.ir.kinds import Stream
@@ -86,7 +87,8 @@ class ProfiledRun(fx.Interpreter):
         title = f"{name} {record.unit}" if record.unit else name
         args = {"phase": record.phase or "", "node": n.name}
         if record.stream != Stream.COMM:
-            self.events.append(TraceEvent(self.rank, "compute", title, start, end - start, args))
+            track = "host" if record.pool == HOST else "compute"  # as the simulator's
+            self.events.append(TraceEvent(self.rank, track, title, start, end - start, args))
         elif record.bytes:  # a collective's start: its slice ends when its wait returns
             self._comm_start[n] = start
         else:
