@@ -90,11 +90,18 @@ def triton_problem() -> str | None:
 
 def check_kernels(name: str, device: torch.device) -> None:
     """Fail at compile time, not mid-step, when kernel set ``name`` cannot run on ``device``."""
-    if name == "one-pass" and device.type != "cpu":
-        raise NotSupportedError(
-            f"backend.kernels: one-pass updates on the CPU, and this step runs on {device}; "
-            "the host updates of offloaded units use it already: use backend.kernels: auto"
-        )
+    if name == "one-pass":
+        if device.type != "cpu":
+            raise NotSupportedError(
+                f"backend.kernels: one-pass updates on the CPU, and this step runs on {device}; "
+                "the host updates of offloaded units use it already: use backend.kernels: auto"
+            )
+        problem = kernel_set(name).problem()  # compiled here, not in the first step
+        if problem is not None:
+            raise NotSupportedError(
+                f"backend.kernels: one-pass cannot compile here ({problem}); "
+                "use backend.kernels: fused"
+            )
     if name != "triton":
         return
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -8,8 +8,9 @@ the clip coefficient) a pass before it, into a new tensor, and the copy a pass a
 the shard three times, at 0.4× the host's copy bandwidth (BENCHMARKS.md, "The offloaded
 optimizer's host update"). Here the whole update, the gradient's scaling and the copy included,
 is written in torch ops and compiled by Inductor (``torch.compile``, C++ with OpenMP on the
-rank's threads) into one vectorized loop: 1.3× the copy's bandwidth on this machine's two
-cores, faster than torch's fused kernel and than DeepSpeed's CPU Adam.
+rank's threads) into one vectorized loop: on a shard larger than the caches, 1.3-1.5× the
+copy's bandwidth on this machine, 1.1-1.3× faster than torch's fused kernel and than
+DeepSpeed's CPU Adam (on a shard the caches hold, torch's kernel is faster: BENCHMARKS.md).
 
 Same signatures and semantics as :mod:`zerocc.backends.kernels.reference`: the arithmetic of
 ``torch.optim`` element by element (the step's bias corrections computed once, in double, and
@@ -21,8 +22,9 @@ Compiled once per process for any shard size (``dynamic=True``), per gradient an
 and served by Inductor's on-disk cache on the next launch (about 4 s of a process's start here,
 warm; the reason ``backend.kernels: auto`` keeps torch's fused kernels for a step on the CPU).
 The host updates of offloaded units on a GPU machine run here wherever it compiles
-(:func:`runs_on`); a step on the CPU asks for it with ``backend.kernels: one-pass``. An update
-it does not take (masters below fp32, a tensor off the CPU) runs the ``fused`` set's kernels.
+(:func:`runs_on`); a step on the CPU asks for it with ``backend.kernels: one-pass``, which
+fails at compile, with the reason, where it cannot compile. An update it does not take
+(masters below fp32, a tensor off the CPU) runs the ``fused`` set's kernels.
 The other ops of the set are the reference's.
 """
 

@@ -79,3 +79,13 @@ def test_a_default_plan_on_cpu_says_it_runs_torchs_fused_kernels():
     step(torch.ones(2, 4))
     assert step.record().kernels == "fused"
     assert "kernels fused (auto: torch's fused optimizer kernels" in step.explain()
+
+
+def test_one_pass_off_the_cpu_or_where_it_cannot_compile_is_refused(monkeypatch):
+    from zerocc.backends.kernels import check_kernels, one_pass
+
+    with pytest.raises(NotSupportedError, match="one-pass updates on the CPU.*use it already"):
+        check_kernels("one-pass", torch.device("cuda", 0))
+    monkeypatch.setattr(one_pass, "problem", lambda: "CppCompileError: no C++ compiler")
+    with pytest.raises(NotSupportedError, match="cannot compile here .CppCompileError.*fused"):
+        check_kernels("one-pass", torch.device("cpu"))
