@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 PLAN = Path(__file__).parent.parent / "examples" / "gpt" / "zero3.yaml"
 # The example's `backend.device: auto` is this machine's: with its GPUs hidden, the ranks run on
@@ -41,3 +44,18 @@ def test_train_in_process_leaves_no_dump_folder_behind(tmp_path, monkeypatch):
     assert main(["train", str(PLAN), "--nproc", "1", "--steps", "1", "--dump", str(dump)]) == 0
     assert dump.is_dir()
     assert DUMP_DIR_ENV not in os.environ
+
+
+def test_steps_are_optimizer_steps_under_accumulation(tmp_path):
+    """`--steps 3` with `grad_accumulation: 2`: three optimizer steps, six micro-batches."""
+    folder = tmp_path / "gpt"
+    shutil.copytree(PLAN.parent, folder)
+    plan = yaml.safe_load(PLAN.read_text()) | {"grad_accumulation": 2}
+    (folder / "accum.yaml").write_text(yaml.safe_dump(plan))
+    command = [sys.executable, "-m", "zerocc", "train", str(folder / "accum.yaml"), "--nproc", "1"]
+    run = subprocess.run([*command, "--steps", "3"], capture_output=True, text=True, timeout=600,
+                         env=CPU_ONLY)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    assert "3 step(s) (6 micro-batches) on 1 rank(s)" in out
+    assert "up to step 3)" in out

@@ -66,7 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train the plan's workload on local ranks")
     train.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
     train.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
-    train.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    train.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="optimizer steps, each of grad_accumulation micro-batches (default 20)",
+    )
     train.add_argument(
         "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
     )

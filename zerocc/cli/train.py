@@ -68,10 +68,13 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
     checkpoint = plan.checkpoint
     if checkpoint.resume:
         _resume(step, checkpoint.resume, rank)
+    accum = plan.grad_accumulation
     done = step.micro_batches  # micro-batches before this run (those of a resumed checkpoint)
-    if done >= steps:
+    wanted = steps * accum  # --steps counts optimizer steps, each of `accum` micro-batches
+    if done >= wanted:
         if rank == 0:
-            print(f"the checkpoint is at micro-batch {done}, --steps is {steps}: nothing to train")
+            print(f"the checkpoint is at optimizer step {done // accum}, --steps is {steps}: "
+                  "nothing to train")  # fmt: skip
         return 0
     # The ranks of a tensor-parallel group train on one batch: batches go by data-parallel rank.
     data_rank, data_ranks = step.data_rank, step.data_parallel
@@ -91,7 +94,6 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
     stop = _StopRequest(enabled=checkpoint.dir is not None)
     saver = _Saver(step, plan)
     metrics = Metrics(step, plan, workload, rank)
-    accum = plan.grad_accumulation
     started = time.perf_counter()
     lr = step.lr  # the rate of the optimizer step the next micro-batches make
     loss = float(step(*to_device(first, device)))  # captures and compiles
@@ -103,14 +105,16 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
     report(predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks)
     if rank == 0:
         print(step.explain(), flush=True)  # explains the program the first step built
-    total, ran = steps - done, 1
-    with tqdm(total=total, initial=1, desc="train", unit="step", disable=rank != 0) as progress:
+    total, ran = wanted - done, 1  # micro-batches
+    bar = {"desc": "train", "unit": "step", "disable": rank != 0}
+    with tqdm(total=steps, initial=done // accum, **bar) as progress:
 
         def after_micro_batch() -> bool:
             """Records and saves where a step ended; whether the run must stop (SIGTERM)."""
             nonlocal lr
             if step.micro_batches % accum:
                 return False
+            progress.update()
             record = metrics.after_step(lr)
             if record is not None:
                 progress.set_postfix(progress_text(record), refresh=False)
@@ -122,7 +126,6 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
             loss = float(step(*to_device(batch, device)))
             metrics.micro_batch(loss, batch)
             ran += 1
-            progress.update()
             stopped = after_micro_batch()
     metrics.finish(lr)
     metrics.close()
@@ -133,8 +136,8 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
             print(f"stopped by SIGTERM after micro-batch {step.micro_batches}: {saver.last}; "
                   f"go on with --resume {checkpoint.dir}")  # fmt: skip
         elif ran < total:
-            print(f"the data ran out on every rank after {ran} step(s)")
-        _print_summary(step.summary(), ran, metrics.last, started, first_done, world_size)
+            print(f"the data ran out on every rank after {_counted(ran, accum)}")
+        _print_summary(step.summary(), ran, accum, metrics.last, started, first_done, world_size)
         if metrics.last_eval is not None:
             at, value = metrics.last_eval
             print(f"eval loss after step {at} (mean over the held-back batches): {value:.4f}")
@@ -201,25 +204,36 @@ class _Saver:
             self._saved_at = self.step.micro_batches
 
 
+def _counted(micro_batches: int, accum: int) -> str:
+    """``12 step(s)``; with accumulation ``3 step(s) (12 micro-batches)``."""
+    if accum == 1:
+        return f"{micro_batches} step(s)"
+    return f"{micro_batches // accum} step(s) ({micro_batches} micro-batches)"
+
+
 def _print_summary(
     summary: dict[str, Any],
     ran: int,
+    accum: int,
     last: dict[str, Any] | None,
     started: float,
     first_done: float,
     world: int,
 ) -> None:
-    later = ran - 1  # the first step also captured and compiled: timed apart
-    first = f"the first step took {first_done - started:.2f} s, capture included"
+    """``ran``: micro-batches run, ``accum`` to an optimizer step."""
+    later = ran - 1  # the first micro-batch also captured and compiled: timed apart
+    what = "step" if accum == 1 else "micro-batch"
+    first = f"the first {what} took {first_done - started:.2f} s, capture included"
     if later:
-        first = f"{later / (time.perf_counter() - first_done):.2f} steps/s after it; " + first
+        rate = later / accum / (time.perf_counter() - first_done)
+        first = f"{rate:.2f} steps/s after it; " + first
     comm = summary.get("comm_bytes_per_step", {})
     comm_text = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in comm.items()) or "none"
     loss = "none (no optimizer step completed)"
     if last is not None and last.get("loss") is not None:
         loss = f"{last['loss']:.4f} (mean over {world} rank(s), up to step {last['step']})"
     print(
-        f"\n{ran} step(s) on {world} rank(s): {first}\n"
+        f"\n{_counted(ran, accum)} on {world} rank(s): {first}\n"
         f"final loss: {loss}\n"
         f"communication per step: {comm_text}\n"
         f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
