@@ -252,3 +252,21 @@ def test_the_plans_checkpoint_section_is_validated():
         zerocc.load_plan({"checkpoint": {"keep": 0}})
     with pytest.raises(PlanError, match=r"checkpoint\.folder"):
         zerocc.load_plan({"checkpoint": {"folder": "x"}})
+
+
+def test_the_format_version_says_whether_chunks_hold_strided_runs(tmp_path):
+    """A manifest with a tensor-parallel rank's strided rows is version 2 (a reader of version
+    1 could not place them); one without is version 1, which every zerocc reads; a version this
+    zerocc does not know is refused, naming the versions it reads."""
+    from zerocc.runtime.checkpoint.files import Chunk, Manifest, TensorEntry
+
+    def manifest(chunk: Chunk) -> dict:
+        entry = TensorEntry([4, 2], "float32", [chunk])
+        return json.loads(Manifest({}, {"w": entry}, {"rank-0.bin": 32}).to_json())
+
+    plain = Chunk("rank-0.bin", 0, 0, 8, "0" * 64)
+    strided = Chunk("rank-0.bin", 0, 0, 1, "0" * 64, stride=2, runs=4)
+    assert manifest(plain)["version"] == 1 and manifest(strided)["version"] == 2
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(plain) | {"version": 3}))
+    with pytest.raises(CheckpointError, match="format version 3, this zerocc reads 1 and 2"):
+        Manifest.read(tmp_path)

@@ -28,7 +28,11 @@ import torch
 
 from zerocc.errors import CheckpointError
 
-FORMAT, VERSION = "zerocc-checkpoint", 1
+# Version 2: a chunk may hold strided runs (a tensor-parallel rank's rows), which a reader of
+# version 1 cannot place; a manifest without them is written as version 1, which any zerocc
+# that reads checkpoints reads.
+FORMAT, VERSION, STRIDED_VERSION = "zerocc-checkpoint", 1, 2
+READS = (VERSION, STRIDED_VERSION)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "step-"
@@ -184,7 +188,9 @@ class Manifest:
             name: {"shape": e.shape, "dtype": e.dtype, "chunks": [c.as_json() for c in e.chunks]}
             for name, e in self.tensors.items()
         }
-        body = {"format": FORMAT, "version": VERSION, "meta": self.meta, "files": self.files}
+        strided = any(c.runs > 1 for e in self.tensors.values() for c in e.chunks)
+        version = STRIDED_VERSION if strided else VERSION
+        body = {"format": FORMAT, "version": version, "meta": self.meta, "files": self.files}
         return json.dumps(body | {"tensors": tensors}, indent=1)
 
     @classmethod
@@ -202,9 +208,10 @@ class Manifest:
             raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not a zerocc checkpoint manifest")
-        if body.get("version") != VERSION:
+        if body.get("version") not in READS:
             raise CheckpointError(
-                f"{path}: format version {body.get('version')}, this zerocc reads {VERSION}"
+                f"{path}: format version {body.get('version')}, this zerocc reads "
+                f"{' and '.join(map(str, READS))} (a newer zerocc wrote it: upgrade zerocc)"
             )
         tensors = {
             name: TensorEntry(e["shape"], e["dtype"], [Chunk(**c) for c in e["chunks"]])
