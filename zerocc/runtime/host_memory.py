@@ -3,11 +3,12 @@
 torch's pinned allocator (``pin_memory=True``) rounds every block up to a power of two and
 keeps it cached: a 20 GiB state takes 32, and a host holding offloaded states pinned that way
 peaked at twice their size (issue 22: 16.6 GiB of states, 32.8 GB resident; a 7B run killed by
-the out-of-memory killer though its states fit). Here a pinned tensor is ordinary host memory
-of its exact size, registered with CUDA as it is (``cudaHostRegister``, what torch's own
-checkpoint stager does) and unregistered when its storage is freed. Small tensors (below
-:data:`REGISTER_BYTES`) keep torch's allocator, whose rounding costs little there and whose
-registration is cheaper.
+the out-of-memory killer though its states fit). Here a pinned tensor is a mapping of its own
+(anonymous ``mmap``: whole pages, its size rounded up to one), registered with CUDA as it is
+(``cudaHostRegister``, as torch's checkpoint stager and SGLang's host caches do) and
+unregistered when its storage is freed. A mapping of its own, not the CPU allocator's memory:
+two allocations that share a page could not both be registered. Small tensors (below
+:data:`REGISTER_BYTES`) keep torch's pinned allocator, whose rounding costs little there.
 
 What is pinned: only what a GPU copies to or from (a transfer's host result, the master
 weights the compute copy is written from, parameters kept on the host), never the optimizer
@@ -21,6 +22,7 @@ memory is steady from the first step on and the memory check's figure is what st
 from __future__ import annotations
 
 import math
+import mmap
 import weakref
 
 import torch
@@ -49,9 +51,11 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torc
     nbytes = math.prod(shape) * dtype.itemsize
     if not pinned or nbytes < REGISTER_BYTES:
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
-    storage = torch.UntypedStorage(nbytes)
+    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    # The tensor keeps the mapping alive; it is unmapped when the storage goes.
+    storage = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8).untyped_storage()
     ptr = storage.data_ptr()
-    _register(ptr, nbytes)
+    _register(ptr, size)
     # Unregistered when the storage goes (torch keeps its Python object as long as any tensor
     # holds the storage), not at interpreter exit, when CUDA may be gone already.
     weakref.finalize(storage, _unregister, ptr).atexit = False
