@@ -24,8 +24,8 @@ So a whole graph draws what the eager backend draws, replays included, bit for b
 kernels draw; Inductor does not see them). The FX graph cache keeps such a graph as any other
 (torch's own ordering of effectful ops, ``with_effects``, bypasses that cache). An op this form
 cannot describe (an argument that is not a tensor, a number, a string, a dtype, a device, a
-layout or a memory format, or a result that is not tensors) is named by :func:`unsupported`,
-and the program is compiled by region.
+layout or a memory format, a result that is not tensors, or a fill of the program's input) is
+named by :func:`unsupported`, and the program is compiled by region.
 """
 
 from __future__ import annotations
@@ -107,9 +107,12 @@ def describe(node: fx.Node) -> tuple[str, list[fx.Node]]:
     if any(a.alias_info and a.alias_info.is_write for a in op._schema.arguments) and not (
         _in_place(op)
     ):
-        raise Undescribable("it writes an argument other than its first")
+        raise Undescribable("writing an argument other than its first")
     tensors: list[fx.Node] = []
     filled = node.args[0] if _in_place(op) else None
+    if isinstance(filled, fx.Node) and filled.op == "placeholder":
+        # The twin fills a new tensor: the program's input would no longer change.
+        raise Undescribable(f"filling the program's input {filled.name} in place")
     record = {
         "op": f"{op.namespace}::{op._schema.name.split('::')[-1]}.{op._overloadname}",
         "args": _encode(list(node.args), tensors),
@@ -171,7 +174,7 @@ def unsupported(graph: fx.Graph) -> str | None:
             try:
                 describe(node)
             except Undescribable as exc:
-                return f"it draws random numbers with {op_name(node.target)}, which has {exc}"
+                return f"it draws random numbers with {op_name(node.target)} ({exc})"
     return None
 
 

@@ -124,5 +124,14 @@ def test_a_draw_it_cannot_describe_is_named():
     drawn = graph.call_function(torch.ops.aten.bernoulli.p, (x, 0.5), {"generator": generator})
     graph.output(drawn)
     assert unsupported(graph) == (
-        "it draws random numbers with aten.bernoulli, which has an argument of type Generator"
+        "it draws random numbers with aten.bernoulli (an argument of type Generator)"
+    )
+
+
+def test_a_fill_of_the_programs_input_is_named():
+    """The twin fills a new tensor, so an input filled in place would no longer change: such a
+    program is compiled by region."""
+    graph = make_fx(lambda x: x.uniform_())(torch.randn(4)).graph
+    assert unsupported(graph) == (
+        "it draws random numbers with aten.uniform_ (filling the program's input x_1 in place)"
     )
