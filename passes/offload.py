@@ -9,10 +9,13 @@ program, so its copies are placed against the final order of compute and communi
   The reduced gradient shard is copied to the host right after its last write (the accumulation
   of the reduce-scatter's result: the copy hides behind the rest of backward); the clip
   coefficient and overflow flag follow. The updated master is then copied into the
-  compute-dtype parameter wherever that lives (what the fused update's ``param_copy`` does, as
-  a copy), and stages 1-2 gather it as before. NVMe: a unit's files are read while the previous
-  unit updates (double buffering) and written back while the next one does, so at most two
-  units' states are in host memory at once.
+  compute-dtype parameter wherever that lives, and stages 1-2 gather it as before. Where the
+  parameter is on the device in a narrower dtype than the master, the host update writes it
+  (its ``param_copy``) into one of two host buffers (``host_buffer``, used in turn: a copy's
+  wait comes before the update two units on writes its buffer again), and that is copied to
+  the device as it is: the cast in the update's own pass, half the bytes on the link. NVMe: a
+  unit's files are read while the previous unit updates (double buffering) and written back
+  while the next one does, so at most two units' states are in host memory at once.
 - **Parameters** (stage 3, host or NVMe): the unit's shard lives off the device; before each of
   its all-gathers a device copy is made, issued when the previous offloaded shard's copy is
   consumed (a prefetch of one), and it goes when the gather is done.
@@ -46,6 +49,7 @@ from zerocc.ir.ops import NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
+STAGING_SLOTS = 2  # host buffers the host updates write compute copies into, in turn
 # Positions of (weights, gradient, states..., clip coefficient, overflow flag, compute copy).
 UPDATE_ARGS = {
     "zerocc.adamw_": {"states": (2, 3), "scalars": (5, 6), "copy": 7},
@@ -73,6 +77,12 @@ class _Offloader:
             for n in self.graph.nodes
             if op_name(n.target) in UPDATE_ARGS and where[info(n).unit].offloaded
         ]
+        copies = [u.args[UPDATE_ARGS[op_name(u.target)]["copy"]] for u in self.updates]
+        # Host buffers the host updates write compute copies into (made at the first), in turn.
+        self.staging: list[fx.Node] = []
+        self.staged = 0
+        self.staging_waits: dict[fx.Node, fx.Node] = {}  # buffer -> the wait of its last copy
+        self.largest_copy = max((val(c).numel() for c in copies if c is not None), default=0)
 
     # -- emitting -------------------------------------------------------------------------
 
@@ -249,9 +259,16 @@ class _Offloader:
         param_spec = self._spec(unit, "param")
         where = {"unit": unit, "phase": "optimizer"}
         writes: list[fx.Node] = []
+        copied = self._weights(unit) is not param_spec  # else the update wrote them itself
+        # The staging buffer first: reusing one may move a wait to before the update.
+        staged = (
+            self._stage(update, param)
+            if copied and self._stages(update, param, param_spec)
+            else None
+        )
         with self.graph.inserting_before(update.next):
-            if self._weights(unit) is not param_spec:  # else the update wrote them itself
-                writes += self._update_compute_copy(update.args[0], param, param_spec, where)
+            if copied:
+                writes += self._update_compute_copy(update, param, param_spec, where, staged)
             if placement.optimizer == NVME:
                 for arg in update.args:
                     if isinstance(arg, fx.Node) and op_name(arg.target) == "zerocc.wait":
@@ -261,25 +278,71 @@ class _Offloader:
         return writes
 
     def _update_compute_copy(
-        self, master: fx.Node, param: fx.Node, spec: StateSpec, where: dict
+        self, update: fx.Node, param: fx.Node, spec: StateSpec, where: dict, staged: fx.Node | None
     ) -> list[fx.Node]:
-        """The compute copy (``param``, at ``spec.location``) receives the updated master, cast
-        to its dtype; returns the wait of an NVMe write, for the caller to place."""
-        unit = where["unit"]
+        """The compute copy (``param``, at ``spec.location``) receives what ``update`` wrote:
+        its master, cast to its dtype, or ``staged``, the copy the update wrote in a host
+        buffer; returns the wait of an NVMe write, for the caller to place."""
+        unit, master = where["unit"], update.args[0]
         if spec.location == NVME:
             cast = emit(self.graph, aten._to_copy.default, (master,), pool=HOST, **where)
             cast.kwargs = {"dtype": spec.dtype, "device": CPU}
             return [self._write(cast, spec, f"write {unit}'s parameters", where)]
         direction = TO_DEVICE if spec.location == DEVICE else TO_HOST
+        source, what = master, "updated master weights"
+        if staged is not None:
+            source, what = staged, "updated weights (cast by the update)"
         start = self._start(
             "copy_into_start",
-            (param, master, direction),
+            (param, source, direction),
             spec.nbytes,
-            f"copy {unit}'s updated master weights into its compute copy",
+            f"copy {unit}'s {what} into its compute copy",
             **where,
         )
-        self._sink(start, self._wait(start))
+        wait = self._wait(start)
+        self._sink(start, wait)
+        if source is not master:
+            self.staging_waits[source.args[0]] = wait
         return []
+
+    def _stages(self, update: fx.Node, param: fx.Node, spec: StateSpec) -> bool:
+        """Whether ``update``, on the host, writes the compute copy into a host buffer: the
+        copy lives on the device, in another dtype than the master the update writes."""
+        master = self._weights(info(update).unit)
+        return (
+            info(update).pool == HOST
+            and spec.location == DEVICE
+            and master.dtype != val(param).dtype
+        )
+
+    def _stage(self, update: fx.Node, param: fx.Node) -> fx.Node:
+        """The next host buffer's first elements, as many as ``param`` has, made the
+        update's ``param_copy``: what the compute copy is copied from."""
+        dtype = val(param).dtype
+        if not self.staging:
+            with self.graph.inserting_before(update):
+                self.staging = [
+                    emit(
+                        self.graph,
+                        torch.ops.zerocc.host_buffer.default,
+                        (self.largest_copy, dtype, f"offload.staging.{i}"),
+                        pool=HOST,
+                        phase="optimizer",
+                    )  # fmt: skip
+                    for i in range(STAGING_SLOTS)
+                ]
+        slot = self.staging[self.staged % STAGING_SLOTS]
+        self.staged += 1
+        last = self.staging_waits.get(slot)
+        if last is not None and _after(last, update):
+            update.prepend(last)  # the copy that read this buffer ends before it is written
+        with self.graph.inserting_before(update):
+            view = emit(self.graph, aten.slice.Tensor, (slot, 0, 0, val(param).numel()),
+                        pool=HOST, unit=info(update).unit, phase="optimizer")  # fmt: skip
+        args = list(update.args)
+        args[UPDATE_ARGS[op_name(update.target)]["copy"]] = view
+        update.args = tuple(args)
+        return view
 
     def _write(self, value: fx.Node, spec: StateSpec, what: str, where: dict) -> fx.Node:
         start = self._start(
@@ -337,6 +400,16 @@ class _Offloader:
     def _off_device_param(self, node: fx.Node) -> bool:
         spec = self.specs.get(info(node).key) if node.op == "placeholder" else None
         return spec is not None and spec.role == PARAM_SHARD and spec.location != DEVICE
+
+
+def _after(node: fx.Node, than: fx.Node) -> bool:
+    """Whether ``node`` comes after ``than`` in their graph."""
+    cursor = than.next
+    while cursor.op != "root":
+        if cursor is node:
+            return True
+        cursor = cursor.next
+    return False
 
 
 @register_pass(

@@ -104,6 +104,10 @@ class EagerOps:
 
     # -- memory -----------------------------------------------------------------------------
 
+    def host_buffer(self, numel: int, dtype: torch.dtype, key: str) -> torch.Tensor:
+        """The host buffer of ``key``: the same every step (the copy engine's host buffers)."""
+        return self.ctx.transfers.host_buffers.get(key, (numel,), dtype)
+
     def free(self, tensor: torch.Tensor) -> None:
         # Release the storage now, even if a stray reference would keep the tensor alive.
         tensor.untyped_storage().resize_(0)

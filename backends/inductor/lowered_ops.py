@@ -69,6 +69,7 @@ FILLING_STARTS = {
 COMPUTE = (
     "pack", "unscale_check_", "sum_squares", "clip_coef", "adamw_", "sgd_",
     "group_rank", "sum_squares_tp",  # (tensor parallelism's)
+    "host_buffer",  # (offload's staging)
 )  # fmt: skip
 # Twins made of torch ops (the torch reference's), which Inductor traces and compiles: the
 # non-finite checks (and the clip's sum of squares), one fused pass over the gradients, 7 ms

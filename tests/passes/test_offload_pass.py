@@ -41,3 +41,36 @@ def test_nvme_states_are_read_and_written_for_the_offloaded_units_only(tmp_path,
                 and info(n).unit == info(update).unit
             ]
             assert all(order[r] < order[update] for r in reads)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_updates_write_compute_copies_into_two_host_buffers_in_turn(stage):
+    """bf16 parameters on the device, fp32 masters on the host: each host update writes its
+    compute copy into a view of one of two host buffers, in turn; the device copy is copied
+    from that view (same dtype); and the copy that read a buffer is waited on before the update
+    after next writes it again."""
+    plan = zerocc.load_plan(
+        {
+            "workload": "workload:workload",
+            "zero": {"stage": stage},
+            "units": {"classes": ["Block"]},
+            "precision": {"param": "bf16"},
+            "offload": {"optimizer": "cpu"},
+        }
+    )
+    gm = inspect_plan(plan, 2).stepping.gm
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    buffers = [n for n in nodes if op_name(n.target) == "zerocc.host_buffer"]
+    assert len(buffers) == 2 and all(str(b.meta["val"].dtype) == "torch.bfloat16" for b in buffers)
+    updates = [n for n in nodes if op_name(n.target) == "zerocc.adamw_"]
+    assert len(updates) >= 3
+    copies = [n for n in nodes if op_name(n.target) == "zerocc.copy_into_start"]
+    for i, update in enumerate(updates):
+        staged = update.args[7]  # param_copy: a view of buffer i % 2
+        assert staged.args[0] is buffers[i % 2], update.name
+        (copy,) = [c for c in copies if c.args[1] is staged]
+        assert copy.args[0].meta["val"].dtype == staged.meta["val"].dtype  # no cast on the way
+        (wait,) = copy.users
+        if i + 2 < len(updates):
+            assert order[wait] < order[updates[i + 2]], (wait.name, updates[i + 2].name)

@@ -107,6 +107,7 @@ _ZEROCC_KINDS = {
     **dict.fromkeys(TRANSFER_STARTS, OpKind.TRANSFER),
     "wait": OpKind.WAIT,
     "free": OpKind.FREE,
+    "host_buffer": OpKind.PLUMBING,  # an allocation (once per run), no work
     "rng_state": OpKind.RNG,
     "set_rng_state": OpKind.RNG,
 }

@@ -57,6 +57,10 @@ SCHEMAS = {
     "sum_squares_tp": (
         "sum_squares_tp(Tensor grad, float scale, int[] shared, int parts, bool sharded) -> Tensor"
     ),
+    # Offload: a host buffer of ``numel`` elements, the same one every step for ``key`` (the
+    # runtime's HostBuffers; pinned where a GPU copies it): the staging the host update writes
+    # the compute copy into, for a copy of that dtype to the device.
+    "host_buffer": "host_buffer(SymInt numel, ScalarType dtype, str key) -> Tensor",
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
         " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
@@ -136,6 +140,11 @@ def _(tensor):
 @fake("free")
 def _(tensor):
     return None
+
+
+@fake("host_buffer")
+def _(numel, dtype, key):
+    return torch.empty(numel, dtype=dtype, device=CPU)
 
 
 @fake("pack")

@@ -13,11 +13,9 @@ to overlap) and only NVMe I/O runs in the background, on the store's threads.
 
 Host memory (:mod:`zerocc.runtime.host_memory`): a copy's host result is the same buffer every
 step (:class:`~zerocc.runtime.host_memory.HostBuffers`), of its exact size, pinned when a GPU
-takes part. A copy to the device that changes the dtype (the fp32 master into the bf16 compute
-copy) is cast on the host into one of two pinned staging buffers, then copied as it is: an
-asynchronous copy of the narrow dtype, where torch would cast into a new pageable tensor and copy
-from it synchronously. A staging buffer is reused once the copy that read it two copies before
-has completed.
+takes part, as is each ``host_buffer`` of a program (the offload pass's staging of compute copies,
+which host updates write so that no copy to the device changes the dtype: torch would cast such
+a copy into a new pageable tensor and copy from it synchronously).
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ import torch
 
 from zerocc.ir.ops import CPU
 from zerocc.runtime.host_memory import HostBuffers, host_empty
-
-STAGING_SLOTS = 2  # staging buffers for casting copies to the device, used in turn
 
 
 @dataclass
@@ -90,9 +86,6 @@ class Transfers:
         self.stats = TransferStats()
         self.host_buffers = HostBuffers(pinned=device.type == "cuda")
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        # (staging buffer, the event of the copy that last read it), used in turn.
-        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self._next_staging = 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Any:
         """``dst`` receives ``src`` (cast to ``dst``'s dtype)."""
@@ -101,9 +94,6 @@ class Transfers:
         if gpu is None:
             dst.copy_(src)
             return _Done()
-        slot = None
-        if dst.is_cuda and not src.is_cuda and src.dtype != dst.dtype:
-            slot, src = self._staged(src, dst.dtype)
         stream = self._stream(gpu.device)
         stream.wait_stream(torch.cuda.current_stream(gpu.device))
         with torch.cuda.stream(stream):
@@ -113,26 +103,7 @@ class Transfers:
         for t in (dst, src):
             if t.is_cuda:
                 t.record_stream(stream)
-        if slot is not None:  # the staging buffer is free again once this copy is done
-            self._staging[slot] = (self._staging[slot][0], event)
         return _CudaCopy(event, host_reads=not dst.is_cuda)
-
-    def _staged(self, src: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-        """``src`` cast to ``dtype`` in the next pinned staging buffer (grown to fit), once
-        the copy that last read that buffer has completed; returns the slot and the cast."""
-        slot = self._next_staging
-        self._next_staging = (slot + 1) % STAGING_SLOTS
-        if len(self._staging) < STAGING_SLOTS:
-            self._staging.append((host_empty((0,), dtype, pinned=True), None))
-        buffer, event = self._staging[slot]
-        if event is not None:
-            event.synchronize()
-        if buffer.dtype != dtype or buffer.numel() < src.numel():
-            buffer = host_empty((src.numel(),), dtype, pinned=True)
-        staged = buffer[: src.numel()].view(src.shape)
-        staged.copy_(src)
-        self._staging[slot] = (buffer, None)
-        return slot, staged
 
     def read(self, key: str, out: torch.Tensor, direction: str) -> Any:
         """``out`` receives the state file of ``key``."""
