@@ -328,7 +328,9 @@ class _Offloader:
                         (self.largest_copy, dtype, f"offload.staging.{i}"),
                         pool=HOST,
                         phase="optimizer",
-                    )  # fmt: skip
+                        note=f"host buffer {i} of {STAGING_SLOTS} that host updates write "
+                        "compute copies into, in turn",
+                    )
                     for i in range(STAGING_SLOTS)
                 ]
         slot = self.staging[self.staged % STAGING_SLOTS]
@@ -337,8 +339,14 @@ class _Offloader:
         if last is not None and _after(last, update):
             update.prepend(last)  # the copy that read this buffer ends before it is written
         with self.graph.inserting_before(update):
-            view = emit(self.graph, aten.slice.Tensor, (slot, 0, 0, val(param).numel()),
-                        pool=HOST, unit=info(update).unit, phase="optimizer")  # fmt: skip
+            view = emit(
+                self.graph,
+                aten.slice.Tensor,
+                (slot, 0, 0, val(param).numel()),
+                pool=HOST,
+                unit=info(update).unit,
+                phase="optimizer",
+            )
         args = list(update.args)
         args[UPDATE_ARGS[op_name(update.target)]["copy"]] = view
         update.args = tuple(args)
