@@ -131,6 +131,14 @@ def test_host_memory_is_pinned_at_its_size():
 
 
 @pytest.mark.cuda
+def test_the_host_link_rate_is_measured_from_pinned_memory():
+    from zerocc.inspect.host_rates import host_link_rate
+
+    rate = host_link_rate(torch.device("cuda", 0), nbytes=64 << 20, reps=3)
+    assert 1e9 < rate < 1e12  # PCIe or NVLink-C2C: GB/s to hundreds of GB/s
+
+
+@pytest.mark.cuda
 def test_collectives_run_on_a_communication_stream_ordered_by_events():
     (result,) = run_ranks(1, _stream_and_events, backend="nccl")
     assert result["backends"] == ["nccl", "gloo"]

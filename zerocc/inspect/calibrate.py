@@ -22,7 +22,9 @@ compiled and warmed up, then:
    :mod:`zerocc.cost.model` (latency per hop, link bandwidth; relative errors, so that small and
    large messages count alike), over all kinds and per kind;
 4. **overlap**: a transfer and matmuls timed alone and together give the share of a transfer
-   that runs alongside compute (:func:`measure_overlap`).
+   that runs alongside compute (:func:`measure_overlap`);
+5. **offload** (a plan that offloads its optimizer, on a GPU): the host's update and the copies
+   between host and device (:mod:`zerocc.inspect.host_rates`).
 
 Rank 0's rates are every rank's; rank 0 writes them and what was measured (device, world size,
 the median step and the simulator's prediction of it with the fitted rates) with
@@ -55,6 +57,7 @@ from zerocc.cost.model import (
     node_work,
     ring_hops,
 )
+from zerocc.inspect.host_rates import host_link_rate, host_update_rate
 from zerocc.runtime.comm import Comm, Work
 from zerocc.runtime.measure import ProfiledRun
 from zerocc.runtime.rank import to_device
@@ -115,6 +118,13 @@ class Calibration:
             f"  step           measured {step['measured']:.1f} ms (median of {step['steps']}), "
             f"predicted {step['predicted']:.1f} ms ({step['error_pct']:+.0f}%)",
         ]
+        if "offload" in m:
+            update = m["offload"]["host_update"]
+            lines.insert(-1, (
+                f"  host           update {r.host_memory_bytes_per_s / 1e9:.1f} GB/s "
+                f"({update['kernels']}: {update['seconds'] * 1e3:.1f} ms for "
+                f"{update['numel']:,} elements), link {r.host_link_bytes_per_s / 1e9:.1f} GB/s"
+            ))  # fmt: skip
         return "\n".join(lines)
 
 
@@ -528,6 +538,17 @@ def calibrate(
     if comm.world_size > 1:
         links["overlap"] = measure_overlap(comm, plan, device)
         rates = rates.replace("calibration", comm_overlap=links["overlap"]["overlap"])
+    offload = None
+    if plan.offload.optimizer != "none" and device.type == "cuda":
+        offload = {
+            "host_update": host_update_rate(),
+            "host_link_bytes_per_s": host_link_rate(device),
+        }
+        rates = rates.replace(
+            "calibration",
+            host_memory_bytes_per_s=offload["host_update"]["bytes_per_s"],
+            host_link_bytes_per_s=offload["host_link_bytes_per_s"],
+        )
     rates = _agree(comm, rates)
     programs = step.record().programs
     states = model_state_bytes_of(step.layout)
@@ -552,6 +573,8 @@ def calibrate(
         "ops": ops,
         "collectives": links,
     }
+    if offload is not None:
+        measured["offload"] = offload
     return Calibration(rates, measured)
 
 
