@@ -99,22 +99,20 @@ def describe(node: fx.Node) -> tuple[str, list[fx.Node]]:
     """The ``call`` of a ``draw`` standing for random op ``node``, and the tensors it reads
     (raises :class:`Undescribable` naming what it cannot carry)."""
     op = node.target
-    returns = op._schema.returns
-    if not _in_place(op) and (
-        not returns or not all(isinstance(r.type, torch.TensorType) for r in returns)
-    ):
-        raise Undescribable("a result that is not a tensor")
-    if any(a.alias_info and a.alias_info.is_write for a in op._schema.arguments) and not (
-        _in_place(op)
-    ):
-        raise Undescribable("writing an argument other than its first")
+    schema, in_place = op._schema, _in_place(op)
+    if not in_place:
+        if any(a.alias_info and a.alias_info.is_write for a in schema.arguments):
+            raise Undescribable("writing an argument other than its first")
+        results = [r.type for r in schema.returns]
+        if not results or not all(isinstance(t, torch.TensorType) for t in results):
+            raise Undescribable("a result that is not a tensor")
     tensors: list[fx.Node] = []
-    filled = node.args[0] if _in_place(op) else None
+    filled = node.args[0] if in_place else None
     if isinstance(filled, fx.Node) and filled.op == "placeholder":
         # The twin fills a new tensor: the program's input would no longer change.
         raise Undescribable(f"filling the program's input {filled.name} in place")
     record = {
-        "op": f"{op.namespace}::{op._schema.name.split('::')[-1]}.{op._overloadname}",
+        "op": f"{op.namespace}::{schema.name.split('::')[-1]}.{op._overloadname}",
         "args": _encode(list(node.args), tensors),
         "kwargs": {k: _encode(v, tensors) for k, v in node.kwargs.items()},
         "fresh": filled is not None and op_name(filled.target) in _EMPTY,
