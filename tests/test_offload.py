@@ -309,6 +309,81 @@ def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_say
     assert estimate(inspect_plan(plan, 1, workload(**small))).peak["host_buffers"] == held
 
 
+@pytest.mark.parametrize("kernels", ["torch", "one-pass"])
+def test_a_skipped_step_keeps_the_compute_copies_of_offloaded_units(kernels):
+    """bf16 parameters on the device, the update on the host writing their copies into two
+    host buffers used in turn: a step skipped for a non-finite loss writes no weight, yet
+    every unit's compute copy must still come out of the buffer as its own weights (a buffer
+    left as the unit before last wrote it gave units each other's weights). Bit-identical to
+    the same plan without offload, two ranks simulated."""
+    from models import _gpt_batch, tiny_gpt
+
+    def trained(offload: dict) -> dict:
+        torch.manual_seed(0)
+        plan = {
+            "zero": {"stage": 3},
+            "units": {"classes": ["Block"]},
+            "optimizer": {"name": "adamw", "lr": 1e-2},
+            "precision": {"param": "bf16", "on_nonfinite": "skip"},
+            "backend": {"device": "cpu", "kernels": kernels},
+            "offload": offload,
+        }
+        step = zerocc.compile(tiny_gpt(), plan, comm=zerocc.FakeComm(world_size=2),
+                              loss_fn=lambda m, x, y, scale: m(x, y) * scale)  # fmt: skip
+        for i, scale in enumerate([1.0, 1.0, float("inf"), 1.0, 1.0]):
+            step(*_gpt_batch(i, 0), torch.tensor(scale))
+        assert step.summary()["skipped_steps"] == 1
+        return step.full_state_dict()
+
+    resident, offloaded = trained({}), trained({"optimizer": "cpu"})
+    for name, value in resident.items():
+        assert torch.equal(offloaded[name], value), name
+
+
+class _Gated(torch.nn.Module):
+    """Four units; the loss reaches ``body.b`` only in batches of more than two rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.post, self.head = (torch.nn.Linear(8, n) for n in (8, 8, 1))
+        # b first: in this rank's shard of the unit's flat (FakeComm runs rank 0)
+        self.body = torch.nn.ModuleDict({"b": torch.nn.Linear(8, 8), "a": torch.nn.Linear(8, 8)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body["a"](torch.relu(self.pre(x))))
+        if x.shape[0] > 2:
+            h = torch.relu(self.body["b"](h))
+        return self.head(torch.relu(self.post(h))).pow(2).mean()
+
+
+def test_a_parameter_the_loss_skipped_keeps_its_compute_copy():
+    """Batches of two rows do not reach ``body.b``: its weights are not updated, and its
+    compute copy must come out of the shared host buffer as those weights, not as what the
+    unit before last left there; batches of four then read it. Bit-identical to the plan
+    without offload (the buffer's old values restored gave 3e-2)."""
+
+    def trained(offload: dict) -> dict:
+        torch.manual_seed(0)
+        plan = {
+            "zero": {"stage": 3},
+            "units": {"modules": ["pre", "body", "post", "head"]},
+            "optimizer": {"name": "adamw", "lr": 1e-2},
+            "precision": {"param": "bf16"},
+            "backend": {"device": "cpu", "kernels": "torch"},
+            "offload": offload,
+        }
+        step = zerocc.compile(_Gated(), plan, comm=zerocc.FakeComm(world_size=2),
+                              loss_fn=lambda m, x: m(x))  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        for rows in (2, 2, 2, 4, 4):
+            step(torch.randn(rows, 8, generator=g))
+        return step.full_state_dict()
+
+    resident, offloaded = trained({}), trained({"optimizer": "cpu"})
+    for name, value in resident.items():
+        assert torch.equal(offloaded[name], value), name
+
+
 def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
     """Each rank of a machine its own slice of the cores, pinned when the process may run on
     all of them; a set a launcher restricted is kept, and shared in threads."""

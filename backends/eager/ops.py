@@ -170,7 +170,7 @@ class EagerOps:
         kernels = self.kernels_for(param)
         update[6] = self._flag_for(kernels, found_inf, param)
         update[9] = float(lr)  # the schedule's rate: a 0-dim tensor on the CPU, no sync
-        with self._untouched([param, exp_avg, exp_avg_sq, param_copy], skip, sharded):
+        with self._untouched([param, exp_avg, exp_avg_sq], param_copy, skip, sharded):
             kernels.adamw_(*update)
 
     def sgd_(self, *args) -> None:
@@ -180,7 +180,7 @@ class EagerOps:
         kernels = self.kernels_for(param)
         update[4] = self._flag_for(kernels, found_inf, param)
         update[7] = float(lr)
-        with self._untouched([param, momentum_buffer, param_copy], skip, sharded):
+        with self._untouched([param, momentum_buffer], param_copy, skip, sharded):
             kernels.sgd_(*update)
 
     def kernels_for(self, param: torch.Tensor) -> ModuleType:
@@ -214,11 +214,17 @@ class EagerOps:
 
     @contextlib.contextmanager
     def _untouched(
-        self, tensors: list[torch.Tensor | None], skip: list[int], sharded: bool
+        self,
+        tensors: list[torch.Tensor | None],
+        param_copy: torch.Tensor | None,
+        skip: list[int],
+        sharded: bool,
     ) -> Iterator[None]:
         """Keep the ``skip`` ranges (flat offset, numel pairs, over the unit's whole flat
-        buffer) of these tensors as they were: parameters the loss does not reach are not
-        updated, as torch.optim skips a parameter whose ``grad`` is None."""
+        buffer) of these tensors (the weights first) as they were: parameters the loss does
+        not reach are not updated, as torch.optim skips a parameter whose ``grad`` is None.
+        ``param_copy`` gets those ranges of the weights as kept: it may be a host buffer other
+        units' copies went through, whose old values are none of this unit's."""
         tensors = [t for t in tensors if t is not None]
         kept = [
             (lo, hi, [t[lo:hi].clone() for t in tensors])
@@ -228,6 +234,8 @@ class EagerOps:
         for lo, hi, copies in kept:
             for t, c in zip(tensors, copies, strict=True):
                 t[lo:hi].copy_(c)
+            if param_copy is not None:
+                param_copy[lo:hi].copy_(tensors[0][lo:hi])
 
     def _in_this_tensor(self, ranges: list[int], size: int, sharded: bool) -> list[tuple[int, int]]:
         """``ranges`` ((offset, numel) pairs over a unit's whole flat buffer) as (start, end)

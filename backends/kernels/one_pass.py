@@ -16,7 +16,8 @@ Same signatures and semantics as :mod:`zerocc.backends.kernels.reference`: the a
 ``torch.optim`` element by element (the step's bias corrections computed once, in double, and
 passed as 0-dim fp32 tensors, as the reference's Python floats are used), so results are
 those of the reference within rounding (Inductor may contract a multiply and an add).
-``found_inf`` lives on the host here: a nonzero flag skips the update and writes nothing.
+``found_inf`` lives on the host here: a nonzero flag skips the update, and the compute copy
+receives ``param`` as it is.
 
 Compiled once per process for any shard size (``dynamic=True``), per gradient and copy dtype,
 and served by Inductor's on-disk cache on the next launch (about 4 s of a process's start here,
@@ -37,7 +38,13 @@ from collections.abc import Callable
 import torch
 
 from zerocc.backends.kernels import fused
-from zerocc.backends.kernels.reference import _skipped, nonfinite_flags, pack, unscale_check_
+from zerocc.backends.kernels.reference import (
+    _copied,
+    _skipped,
+    nonfinite_flags,
+    pack,
+    unscale_check_,
+)
 
 __all__ = ["adamw_", "sgd_", "nonfinite_flags", "pack", "runs_on", "unscale_check_"]
 
@@ -133,7 +140,7 @@ def adamw_(
         args = (param, grad, exp_avg, exp_avg_sq, step, grad_coef, found_inf, param_copy)
         return fused.adamw_(*args, grad_scale, lr, beta1, beta2, eps, weight_decay)
     if _skipped(found_inf):
-        return
+        return _copied(param, param_copy)
     _adamw_pass(param, grad, exp_avg, exp_avg_sq, int(step.item()), grad_coef, param_copy,
                 grad_scale, lr, beta1, beta2, eps, weight_decay)  # fmt: skip
 
@@ -167,7 +174,7 @@ def sgd_(
         args = (param, grad, momentum_buffer, grad_coef, found_inf, param_copy)
         return fused.sgd_(*args, grad_scale, lr, momentum, weight_decay)
     if _skipped(found_inf):
-        return
+        return _copied(param, param_copy)
     _sgd_pass(param, grad, momentum_buffer, grad_coef, param_copy, grad_scale, lr, momentum,
               weight_decay)  # fmt: skip
 

@@ -10,9 +10,12 @@ Conventions shared by every kernel set:
 - The gradient the update uses is ``grad * grad_scale`` (1/(ranks × micro-batches): the
   collectives sum), times ``grad_coef`` (a 0-dim fp32 tensor: the clip coefficient) when given.
 - ``found_inf`` (a 0-dim fp32 tensor, nonzero when a gradient overflowed) skips the update:
-  nothing is written, as ``GradScaler.step`` skips ``optimizer.step()``.
-- ``param_copy`` (same numel as ``param``, usually bf16/fp16) receives the updated ``param``
-  cast to its dtype: the compute copy the next all-gather sends.
+  ``param`` and the states are not written, as ``GradScaler.step`` skips ``optimizer.step()``.
+- ``param_copy`` (same numel as ``param``, usually bf16/fp16) receives ``param`` cast to its
+  dtype, updated or (skipped) not: the compute copy the next all-gather sends, or a host buffer
+  the offload pass copies it from, which other units' copies went through before. (The Triton
+  kernels, which update only on the device, where ``param_copy`` is the compute copy and holds
+  ``param`` already, leave it on a skipped update.)
 - ``step`` is the 1-based count of applied updates (an int64 0-dim tensor, on the CPU).
 """
 
@@ -27,6 +30,12 @@ import torch
 
 def _skipped(found_inf: torch.Tensor | None) -> bool:
     return found_inf is not None and bool(found_inf.item() != 0)
+
+
+def _copied(param: torch.Tensor, param_copy: torch.Tensor | None) -> None:
+    """A skipped update's compute copy: ``param`` as it is (see the conventions)."""
+    if param_copy is not None:
+        param_copy.copy_(param)
 
 
 @contextlib.contextmanager
@@ -69,7 +78,7 @@ def adamw_(
     (on a shard stored in bf16/fp16, ``precision.master: bf16``, the same arithmetic in fp32,
     rounded once when stored)."""
     if _skipped(found_inf):
-        return
+        return _copied(param, param_copy)
     g = _effective_grad(grad, grad_scale, grad_coef)
     t = int(step.item())
     with _in_fp32(param, exp_avg, exp_avg_sq) as (p, m, v):
@@ -99,7 +108,7 @@ def sgd_(
     """SGD on one flat fp32 shard, as ``torch.optim.SGD`` (no dampening, no Nesterov); on a
     shard stored in bf16/fp16, the same arithmetic in fp32, rounded once when stored."""
     if _skipped(found_inf):
-        return
+        return _copied(param, param_copy)
     g = _effective_grad(grad, grad_scale, grad_coef)
     with _in_fp32(param, momentum_buffer) as (p, buf):
         if weight_decay:

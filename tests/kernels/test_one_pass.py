@@ -89,18 +89,25 @@ def test_one_compiled_loop_serves_every_shard_size():
     assert not counters["stats"]["unique_graphs"], dict(counters["stats"])
 
 
-def test_a_found_inf_skips_every_write():
+def test_a_found_inf_skips_the_update_and_writes_the_copy_of_the_weights_as_they_are():
+    """The weights and states stay; the compute copy receives the weights (it may be a host
+    buffer that held another unit's copy), as the reference's does."""
     state = _state(1000)
     before = {k: v.clone() for k, v in state.items()}
-    copy = torch.zeros(1000, dtype=torch.bfloat16)
+    copies = [torch.zeros(1000, dtype=torch.bfloat16) for _ in range(2)]
     flag = torch.full((), 2.0)  # zerocc's flag counts overflows (here on two ranks)
-    _adamw(one_pass, state, 1, found_inf=flag, grad_scale=0.5, param_copy=copy)
+    _adamw(one_pass, state, 1, found_inf=flag, grad_scale=0.5, param_copy=copies[0])
+    _adamw(reference, {k: v.clone() for k, v in before.items()}, 1, found_inf=flag,
+           grad_scale=0.5, param_copy=copies[1])  # fmt: skip
     for key, value in before.items():
         assert torch.equal(state[key], value), key
+    assert torch.equal(copies[0], state["param"].to(torch.bfloat16))
+    assert torch.equal(copies[0], copies[1])
     param, buf = _randn(1000, 3), torch.zeros(1000)
-    kept = param.clone()
+    kept, copy = param.clone(), torch.zeros(1000, dtype=torch.bfloat16)
     one_pass.sgd_(param, _randn(1000, 4), buf, None, flag, copy, 0.5, 0.1, 0.9, 0.01)
-    assert torch.equal(param, kept) and not buf.any() and not copy.any()
+    assert torch.equal(param, kept) and not buf.any()
+    assert torch.equal(copy, kept.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

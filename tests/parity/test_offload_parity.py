@@ -58,6 +58,8 @@ CASES = [
      "offload": {**CPU, "ratio": 0.5}},
     {"model": "gpt", "stage": 2, "precision": BF16, "kernels": "one-pass",
      "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "offload": CPU},
+    # A parameter the loss never reaches, its compute copy written from a shared host buffer.
+    {"model": "unused", "stage": 3, "precision": BF16, "offload": CPU},
 ]  # fmt: skip
 
 
