@@ -274,6 +274,9 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
         lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.transfers.items())]
     if e.timing is not None and e.rates is not None:
         t = e.timing
+        host = f"  {'host updates':<24}{human_seconds(t.host_s):>12}"
+        host += "  (part of compute: the host holds the stream)"
+        host_line = [host] if t.host_s else []
         lines += [
             "",
             "time per optimizer step (the program simulated on a compute and a comm stream):",
@@ -283,14 +286,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
             f"  {'exposed communication':<24}{human_seconds(t.exposed_s):>12}"
             f"  ({100 * t.exposed_fraction:.0f}% of the step)",
             *([f"  {'offload copies':<24}{human_seconds(t.copy_s):>12}"] if e.transfers else []),
-            *(
-                [
-                    f"  {'host updates':<24}{human_seconds(t.host_s):>12}  (of compute: the host "
-                    "holds the stream)"
-                ]
-                if t.host_s
-                else []
-            ),  # fmt: skip
+            *host_line,
             f"  {'peak memory':<24}{human_bytes(e.peak['total']):>12}",
             "",
             f"rates ({_sources(e.rates)}):",

@@ -114,7 +114,7 @@ def _held_for_the_run(node: fx.Node) -> bool:
 def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTimeline:
     """Live bytes per category after each node of ``gm``: the model states throughout, plus
     gathered units and activations by liveness; the peak of offload's host buffers apart
-    (``host_peak``; a copy's host result is held from its copy to the end)."""
+    (``host_peak``; a copy's host result and a ``host_buffer`` are held to the end)."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     persistent: set[int] = set()  # storages bound from outside (state, batch, buffers)
