@@ -46,14 +46,16 @@ from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
 from zerocc.ir.nodes import state_placeholder as new_placeholder
 from zerocc.ir.ops import NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
+from zerocc.passes.offload_pipeline import carry_updates
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
 STAGING_SLOTS = 2  # host buffers the host updates write compute copies into, in turn
-# Positions of (weights, gradient, states..., clip coefficient, overflow flag, compute copy).
+# Positions of an update's states, (clip coefficient, overflow flag), compute copy, step count
+# and learning rate (weights first, gradient second).
 UPDATE_ARGS = {
-    "zerocc.adamw_": {"states": (2, 3), "scalars": (5, 6), "copy": 7},
-    "zerocc.sgd_": {"states": (2,), "scalars": (3, 4), "copy": 5},
+    "zerocc.adamw_": {"states": (2, 3), "scalars": (5, 6), "copy": 7, "step": 4, "lr": 9},
+    "zerocc.sgd_": {"states": (2,), "scalars": (3, 4), "copy": 5, "step": None, "lr": 7},
 }
 
 
@@ -441,4 +443,6 @@ def offload(gm: fx.GraphModule, ctx: PassContext, *, config: OffloadConfig) -> f
     offloader.offload_updates()
     offloader.copy_params_in()
     offloader.drop_nvme_placeholders()
+    if config.pipeline != "none":
+        carry_updates(gm, config.pipeline, UPDATE_ARGS)
     return gm

@@ -281,18 +281,19 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     assert predicted.transfers == dict(step.transfers.stats.bytes)  # what the copies moved
 
 
-def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_says():
+@pytest.mark.parametrize("pipeline", ["none", "next_forward", "delayed"])
+def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_says(pipeline):
     """The reduced gradients' host buffers (and the step's scalars', and the two buffers the
-    host updates write compute copies into) are made at the first step and reused by every
-    later one; together they are the host buffers' peak that the estimate (and so the memory
-    check) counts."""
+    host updates write compute copies into; delayed: one per unit) are made at the first step
+    and reused by every later one; together they are the host buffers' peak that the estimate
+    (and so the memory check) counts."""
     from workload import workload
 
     from zerocc.inspect.estimate import estimate, inspect_plan
 
     small = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4}
-    plan = {**_plan(optimizer="cpu", ratio=0.5), "workload": "workload:workload",
-            "workload_args": small}  # fmt: skip
+    plan = {**_plan(optimizer="cpu", ratio=0.5, pipeline=pipeline),
+            "workload": "workload:workload", "workload_args": small}  # fmt: skip
     work = workload(**small)
     step = zerocc.compile(work.model, plan)
     batches = work.batches(0, 1)
@@ -304,6 +305,8 @@ def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_say
     offloaded = offloaded_units(step.units, 0.5)
     grads = 4 * sum(u.shard_numel for u in offloaded)
     staging = 2 * 2 * max(u.shard_numel for u in offloaded)  # two bf16 compute-copy buffers
+    if pipeline == "delayed":
+        staging = 2 * sum(u.shard_numel for u in offloaded)  # one per unit
     held = step.transfers.host_buffers.nbytes
     assert grads + staging <= held <= grads + staging + 64  # and the step's scalars
     assert estimate(inspect_plan(plan, 1, workload(**small))).peak["host_buffers"] == held

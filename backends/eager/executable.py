@@ -18,6 +18,8 @@ import torch
 from torch import fx
 
 from zerocc.backends.eager.ops import EagerOps
+from zerocc.ir.kinds import Stream
+from zerocc.ir.nodes import info
 from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
 from zerocc.runtime.context import RuntimeContext
 
@@ -42,7 +44,9 @@ class EagerExecutable:
         return len(self.ops.in_flight)
 
     def reset(self) -> None:
-        """Drop the handles a failed run left in flight, so the next run starts clean."""
+        """Drop the handles a failed run left in flight, so the next run starts clean (host
+        updates still running are waited out first: they write the states)."""
+        self.ops.ctx.host.settle()
         self.ops.in_flight.clear()
 
     def notes(self) -> list[str]:
@@ -69,7 +73,7 @@ def bind(program: fx.GraphModule, ops: EagerOps) -> fx.GraphModule:
             continue
         if getattr(ops, name, None) is None:
             raise NotImplementedError(f"the eager backend has no implementation of zerocc.{name}")
-        if name in STARTS:
+        if name in STARTS or info(node).stream == Stream.HOST and name != "host_wait":
             node.kwargs = {**node.kwargs, "started": node.name}
         elif name == "wait":
             start = node.args[0]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -163,8 +163,31 @@ class EagerOps:
         # Same formula as torch.nn.utils.clip_grad_norm_.
         return (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)
 
-    def adamw_(self, *args) -> None:
-        """AdamW on one flat shard (see :func:`zerocc.backends.kernels.reference.adamw_`)."""
+    def adamw_(self, *args, started: str | None = None) -> None:
+        """AdamW on one flat shard (see :func:`zerocc.backends.kernels.reference.adamw_`);
+        ``started``: an update on the host stream, issued to the host's worker (the
+        ``host_wait`` naming it completes it)."""
+        self._update(self._adamw, args, started)
+
+    def sgd_(self, *args, started: str | None = None) -> None:
+        """SGD on one flat shard (see :func:`zerocc.backends.kernels.reference.sgd_`)."""
+        self._update(self._sgd, args, started)
+
+    def _update(self, run: Callable[[tuple], None], args: tuple, started: str | None) -> None:
+        if started is None:
+            run(args)
+        else:
+            self.in_flight[started] = self.ctx.host.submit(lambda: run(args))
+
+    def host_wait(self, tensor: torch.Tensor, update: str) -> torch.Tensor:
+        """``tensor`` once the host update issued as ``update`` is done."""
+        work = self.in_flight.pop(update, None)
+        if work is None:
+            raise RuntimeError(f"zerocc.host_wait on {update!r}, which has nothing in flight")
+        work.wait()
+        return tensor
+
+    def _adamw(self, args: tuple) -> None:
         *update, skip, sharded = args
         param, _, exp_avg, exp_avg_sq, _, _, found_inf, param_copy, _, lr = update[:10]
         kernels = self.kernels_for(param)
@@ -173,8 +196,7 @@ class EagerOps:
         with self._untouched([param, exp_avg, exp_avg_sq], param_copy, skip, sharded):
             kernels.adamw_(*update)
 
-    def sgd_(self, *args) -> None:
-        """SGD on one flat shard (see :func:`zerocc.backends.kernels.reference.sgd_`)."""
+    def _sgd(self, args: tuple) -> None:
         *update, skip, sharded = args
         param, _, momentum_buffer, _, found_inf, param_copy, _, lr = update[:8]
         kernels = self.kernels_for(param)

@@ -11,7 +11,8 @@ gathered at once), so both are off, and the kernels run in the program's order, 
 Random ops and the generator-state ops of recomputation's replay are chained by a token
 (:mod:`zerocc.backends.inductor.random_ops`), so they draw in the program's order, as eager
 does. Programs it does not take (:func:`unsupported`): one that reads and writes NVMe, frees an
-input, or draws with an op a ``draw`` cannot describe; those are compiled region by region.
+input, draws with an op a ``draw`` cannot describe, or runs host updates on the host's worker
+(a pipelined offload); those are compiled region by region.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from zerocc.backends.inductor.lowered_ops import (
 )
 from zerocc.backends.inductor.random_ops import thread_generator
 from zerocc.backends.inductor.random_ops import unsupported as undrawable
+from zerocc.ir.kinds import Stream
+from zerocc.ir.nodes import info
 
 # Filling starts that read a source tensor (their second argument) while in flight.
 SOURCED = frozenset({"all_gather_into_start", "copy_into_start"})
@@ -47,6 +50,8 @@ def unsupported(program: fx.GraphModule) -> str | None:
         if node.op != "call_function":
             continue
         name = zerocc_op(node)
+        if info(node).stream == Stream.HOST:
+            return "it runs host updates on the host's worker (offload.pipeline)"
         if name is not None and name not in LOWERED | DROPPED | GENERATOR:
             return f"it holds zerocc.{name}"
         if name in DROPPED and node.args[0].op == "placeholder":

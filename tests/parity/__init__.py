@@ -183,6 +183,8 @@ def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.
 
 
 def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
+    if case.get("offload", {}).get("pipeline") == "delayed":
+        return _delayed_reference(case, model)
     cfg = plan_of(case)["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(case, params)
@@ -202,6 +204,40 @@ def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
         if scheduler:
             scheduler.step()
     return losses, model.state_dict()
+
+
+def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
+    """ZeRO-Offload's delayed parameter update, fp32, one micro-batch per step: step s computes
+    its gradient on the weights the model had before step s-1's update, while that update
+    (step s-1's gradient, clipped by its own norm) is applied to the master weights, which the
+    model gets after step s's backward. The last step's update is applied at the end."""
+    cfg = plan_of(case)["optimizer"]
+    master = copy.deepcopy(model)
+    params = [p for p in master.parameters() if p.requires_grad]
+    opt = _optimizer(case, params)
+    world, losses = data_ranks(case), [[] for _ in range(data_ranks(case))]
+    pending: list[torch.Tensor | None] | None = None
+
+    def apply(grads: list[torch.Tensor | None]) -> None:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        if cfg.get("grad_clip"):
+            torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        opt.step()
+
+    for s in range(case.get("steps", 5)):
+        model.zero_grad()
+        for r in range(world):
+            loss = loss_of(model(*_on_device(case, batch_of(case, s, r))))
+            losses[r].append(float(loss.detach()))
+            (loss / world).backward()
+        grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+        if pending is not None:
+            apply(pending)
+            model.load_state_dict(master.state_dict())
+        pending = [g for g, p in zip(grads, model.parameters(), strict=True) if p.requires_grad]
+    apply(pending)
+    return losses, master.state_dict()
 
 
 def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):

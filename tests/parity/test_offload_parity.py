@@ -60,6 +60,15 @@ CASES = [
      "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "offload": CPU},
     # A parameter the loss never reaches, its compute copy written from a shared host buffer.
     {"model": "unused", "stage": 3, "precision": BF16, "offload": CPU},
+    # Host updates carried into the next step, waited for before each unit's first gather.
+    {"model": "gpt", "stage": 3, "offload": {**CPU, "pipeline": "next_forward"}},
+    {"model": "gpt", "stage": 3, "precision": BF16, "optimizer": CLIPPED,
+     "offload": {**CPU, "params": "cpu", "ratio": 0.5, "pipeline": "next_forward"}},
+]  # fmt: skip
+# The delayed parameter update: its own numerics, held to a delayed-update reference.
+DELAYED = [
+    {"model": "gpt", "stage": 3, "world": 2, "steps": 4, "optimizer": CLIPPED,
+     "offload": {**CPU, "pipeline": "delayed"}},
 ]  # fmt: skip
 
 
@@ -70,7 +79,7 @@ def _pair(case: dict) -> tuple[dict, dict]:
 
 @functools.cache
 def _results() -> list[dict]:
-    return run_ranks(2, train, [c for case in CASES for c in _pair(case)])
+    return run_ranks(2, train, [c for case in CASES for c in _pair(case)] + DELAYED)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: case_id({"world": 2, **c}))
@@ -78,6 +87,13 @@ def test_offload_matches_unsharded_training_and_the_plan_without_it(case):
     offloaded, resident = _pair(case)
     assert_bit_identical(_results(), offloaded, resident)
     assert_matches_reference(_results(), offloaded, 1e-2 if "precision" in case else 1e-5)
+
+
+@pytest.mark.parametrize("case", DELAYED, ids=case_id)
+def test_delayed_updates_match_a_delayed_update_reference(case):
+    """fp32 at the other parity tests' tolerance (1e-5): the delayed reference applies step
+    s-1's update while step s computes on the weights before it (tests/parity)."""
+    assert_matches_reference(_results(), case, 1e-5)
 
 
 def test_state_files_are_removed_at_exit():

@@ -275,7 +275,13 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     if e.timing is not None and e.rates is not None:
         t = e.timing
         host = f"  {'host updates':<24}{human_seconds(t.host_s):>12}"
-        host += "  (part of compute: the host holds the stream)"
+        pipelined = plan.offload.pipeline != "none"
+        host += (
+            f"  (beside compute, offload.pipeline: the step waits {human_seconds(t.host_waited_s)}"
+            " for them)"
+            if pipelined
+            else "  (part of compute: the host holds the stream)"
+        )
         host_line = [host] if t.host_s else []
         lines += [
             "",

@@ -767,6 +767,17 @@ class OffloadConfig(_Section):
         description="the share of the model's parameters (whole units, those whose gradients "
         "are complete first) that are offloaded; 1: every unit",
     )
+    pipeline: Literal["none", "next_forward", "delayed"] = Field(
+        "none",
+        description="when the host updates of offload.optimizer: cpu run. 'none': at the end "
+        "of the step, which waits for them. 'next_forward': each unit's update runs on a host "
+        "thread beside the next step's forward, which waits for it only right before the "
+        "unit's first gather: the same numbers as 'none'. 'delayed' (ZeRO-Offload's delayed "
+        "parameter update): beside the next step's forward and backward, its weights first "
+        "used a step later: the gradients are one step stale (numerics change). A save, "
+        "state_dict or evaluate applies the update in flight first. Stage 3, one micro-batch "
+        "per step",
+    )
     nvme_path: PathStr | None = Field(
         None,
         description="folder for the state files of nvme offload (a fast local disk; a relative "
@@ -1005,6 +1016,23 @@ class Plan(_Section):
             )
         if offload.uses_nvme and not offload.nvme_path:
             raise ValueError("offload to nvme needs offload.nvme_path: a folder on a local disk")
+        if offload.pipeline != "none":
+            needs = {
+                "offload.optimizer: cpu (the update it carries runs in host memory)": (
+                    offload.optimizer == "cpu"
+                ),
+                "zero.stage: 3 (stages 1-2 all-gather the updated weights at the end of the "
+                "step, a collective a carried update cannot hold)": stage == 3,
+                "grad_accumulation: 1 (with more micro-batches the update is a small share "
+                "of the step already)": self.grad_accumulation == 1,
+            }
+            missing = [need for need, met in needs.items() if not met]
+            if missing:
+                raise ValueError(
+                    f"offload.pipeline: {offload.pipeline} needs "
+                    + "; and ".join(missing)
+                    + "; or set offload.pipeline: none"
+                )
         return self
 
     @field_validator("workload")

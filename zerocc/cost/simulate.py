@@ -20,7 +20,11 @@ The step lasts until every stream is done. The events use the tracks of a measur
 on "compute"; each collective on "comm", each copy on "copy", from when it starts moving bytes to
 when it ends; the host's work (an offloaded unit's update, tagged ``pool: host`` by the offload
 pass) on "host". The host's work holds the compute stream as it runs: the runtime does it on
-the thread that issues the device's work, which waits meanwhile.
+the thread that issues the device's work, which waits meanwhile. An update on the **host
+stream** (a pipelined offload carries it into the next step: it runs on the host's worker) is
+issued instead: it runs on "host" from ``max(issue time, host free)``, in the order issued, and
+its ``host_wait`` advances the compute stream to its end, the difference exposed. A pipelined
+program begins with the last step's updates, so one run of it is the steady state.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from zerocc.compiler.state import HOST
 from zerocc.cost.memory import predict_memory
 from zerocc.cost.model import TRANSFER, CostModel, DeviceRates, collective_kind, node_work
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
-from zerocc.ir.kinds import OpKind
+from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import info, op_kind, op_name
 
 STARTS = (OpKind.COLLECTIVE, OpKind.TRANSFER)  # what the comm and copy streams run
@@ -73,7 +77,10 @@ class Simulation:
     memory: MemoryTimeline | None = field(default=None, repr=False)
     stolen_s: float = 0.0  # of exposed_s: compute time collectives took while running
     copy_s: float = 0.0  # copy stream busy (offload's copies and NVMe I/O)
-    host_s: float = 0.0  # of compute_s: the host's work (offloaded units' updates)
+    # The host's work (offloaded units' updates): of compute_s, but for host-stream updates,
+    # which run beside it; and how long the compute stream waited for those.
+    host_s: float = 0.0
+    host_waited_s: float = 0.0
 
     @property
     def exposed_fraction(self) -> float:
@@ -91,6 +98,7 @@ class Simulation:
             "stolen_ms": self.stolen_s * 1e3,
             "copy_ms": self.copy_s * 1e3,
             "host_ms": self.host_s * 1e3,
+            "host_waited_ms": self.host_waited_s * 1e3,
             "peak_bytes": self.peak_bytes,
         }
 
@@ -116,8 +124,12 @@ def simulate(
         kind = op_kind(node)
         if kind in STARTS:
             replay.issue(node)
+        elif kind is OpKind.WAIT and op_name(node.target) == "zerocc.host_wait":
+            replay.host_wait(node)
         elif kind is OpKind.WAIT:
             replay.wait(node)
+        elif info(node).stream == Stream.HOST:
+            replay.run_on_host(node)
         else:
             replay.run(node)
     memory = predict_memory(gm, model_states) if model_states is not None else None
@@ -133,6 +145,7 @@ def simulate(
         stolen_s=replay.stolen,
         copy_s=replay.stream_busy["copy"],
         host_s=replay.host,
+        host_waited_s=replay.host_waited,
     )
 
 
@@ -149,9 +162,10 @@ class _Replay:
     def __init__(self, cost: Callable, steal: Callable, issue_s: float, rank: int) -> None:
         self.cost, self.steal, self.issue_s, self.rank = cost, steal, issue_s, rank
         self.compute = 0.0  # when the compute stream is next free
-        self.free = {"comm": 0.0, "copy": 0.0}  # when each other stream is
-        self.stream_busy = {"comm": 0.0, "copy": 0.0}
-        self.busy = self.exposed = self.stolen = self.host = 0.0
+        self.free = {"comm": 0.0, "copy": 0.0, "host": 0.0}  # when each other stream is
+        self.stream_busy = {"comm": 0.0, "copy": 0.0, "host": 0.0}
+        self.host_done: dict[str, float] = {}  # a host-stream update (its name) -> its end
+        self.busy = self.exposed = self.stolen = self.host = self.host_waited = 0.0
         self.events: list[TraceEvent] = []
         self.records: list[CollectiveRecord] = []
         self.pending: dict[fx.Node, CollectiveRecord] = {}
@@ -165,6 +179,26 @@ class _Replay:
         self.compute += duration
         self.busy += duration
         self.host += duration if on_host else 0.0
+
+    def run_on_host(self, node: fx.Node) -> None:
+        """A host-stream update: issued now, run by the host's worker in the order issued."""
+        duration = self.cost(node)
+        begin = max(self.compute, self.free["host"])
+        self.free["host"] = self.host_done[node.name] = begin + duration
+        self.stream_busy["host"] += duration
+        self.host += duration
+        if duration:
+            self.events.append(_event(self.rank, node, begin, duration, "host"))
+
+    def host_wait(self, node: fx.Node) -> None:
+        end = self.host_done.pop(node.args[1], None)
+        if end is not None and end > self.compute:
+            title, seconds = f"wait host update {info(node).unit}", end - self.compute
+            args = {**EXPOSED, "node": node.name}
+            event = TraceEvent(self.rank, "compute", title, self.compute * 1e6, seconds * 1e6, args)
+            self.events.append(event)
+            self.compute += seconds
+            self.host_waited += seconds
 
     def issue(self, node: fx.Node) -> None:
         issued, duration = self.compute, self.cost(node)
@@ -265,6 +299,7 @@ def simulate_step(
         total.stolen_s += run.stolen_s
         total.copy_s += run.copy_s
         total.host_s += run.host_s
+        total.host_waited_s += run.host_waited_s
     peaks = [s for s in once.values() if s.peak_bytes is not None]
     if peaks:
         highest = max(peaks, key=lambda s: s.peak_bytes or 0)

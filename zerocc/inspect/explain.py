@@ -246,6 +246,20 @@ def held_gradients_line(held: int, psi: int, world_size: int, width: int = 26) -
     )
 
 
+# What ``offload.pipeline`` does to a step, as explain() says it.
+PIPELINE_LINES = {
+    "next_forward": [
+        "  host updates carried into the next step (offload.pipeline: next_forward): each runs "
+        "beside the next forward, waited for before its unit's first gather; same numbers"
+    ],
+    "delayed": [
+        "  host updates carried into the next step (offload.pipeline: delayed): each runs "
+        "beside the next forward and backward, its weights used a step later (gradients one "
+        "step stale); a save, evaluate or state_dict applies the one in flight"
+    ],
+}
+
+
 def offload_lines(step: StepRecord) -> list[str]:
     """Where every byte of the model states lives (device, host, NVMe; measured), and the
     traffic offload adds per optimizer step."""
@@ -254,6 +268,7 @@ def offload_lines(step: StepRecord) -> list[str]:
     lines = [
         f"offload: optimizer {step.plan.offload.optimizer}, params {step.plan.offload.params}, "
         f"{len(offloaded)} of {len(step.units)} units (ratio {step.plan.offload.ratio:g})",
+        *PIPELINE_LINES.get(step.plan.offload.pipeline, []),
         f"where the model states live{'':<2}" + "".join(f"{w:>12}" for w in LOCATIONS),
     ]
     for cat in ("params", "grads", "optimizer", "total"):

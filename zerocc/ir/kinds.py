@@ -31,11 +31,13 @@ class Role(StrEnum):
 
 
 class Stream(StrEnum):
-    """Where an op runs: compute, collectives, or the copy engine's copies (offload)."""
+    """Where an op runs: compute, collectives, the copy engine's copies (offload), or the
+    host's worker thread (offloaded updates a pipelined plan carries into the next step)."""
 
     COMPUTE = "compute"
     COMM = "comm"
     COPY = "copy"
+    HOST = "host"
 
 
 class OpKind(StrEnum):

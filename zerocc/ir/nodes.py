@@ -48,6 +48,9 @@ class NodeInfo:
     span: tuple[int, int] | None = None
     note: str | None = None  # why the node is here, in words, for the printed program
     pool: str | None = None  # "host": the result lives in host memory, not on the device
+    # Pipelined offload: the node applies the previous step's update (the update, its inputs'
+    # host buffers, the copy of its result), which a program may run on its own (a drain).
+    carried: bool = False
 
 
 def info(node: fx.Node) -> NodeInfo:
@@ -106,6 +109,7 @@ _ZEROCC_KINDS = {
     **dict.fromkeys(COLLECTIVE_STARTS, OpKind.COLLECTIVE),
     **dict.fromkeys(TRANSFER_STARTS, OpKind.TRANSFER),
     "wait": OpKind.WAIT,
+    "host_wait": OpKind.WAIT,
     "free": OpKind.FREE,
     "host_buffer": OpKind.PLUMBING,  # an allocation (once per run), no work
     "rng_state": OpKind.RNG,

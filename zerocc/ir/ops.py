@@ -61,6 +61,11 @@ SCHEMAS = {
     # runtime's HostBuffers; pinned where a GPU copies it): the staging the host update writes
     # the compute copy into, for a copy of that dtype to the device.
     "host_buffer": "host_buffer(SymInt numel, ScalarType dtype, str key) -> Tensor",
+    # Offload, pipelined (``offload.pipeline``): an update on the host stream runs on the
+    # host's worker thread, beside what the program issues next; ``host_wait`` returns
+    # ``tensor`` (what the update wrote that is read next) once the update named ``update``
+    # (its node) is done.
+    "host_wait": "host_wait(Tensor(a) tensor, str update) -> Tensor(a)",
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
         " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
@@ -134,6 +139,11 @@ def _(tensor, group):
 
 @fake("wait")
 def _(tensor):
+    return tensor
+
+
+@fake("host_wait")
+def _(tensor, update):
     return tensor
 
 

@@ -65,6 +65,8 @@ def _comment(node: fx.Node) -> str:
         parts.append(f"unit={record.unit}")
     if record.phase:
         parts.append(record.phase)
+    if record.carried:
+        parts.append("carried")
     if record.stream != Stream.COMPUTE:
         parts.append(f"stream={record.stream}")
     if record.bytes:
@@ -135,6 +137,7 @@ def program_to_json(
                 "role": record.role,
                 "key": record.key,
                 "stream": record.stream,
+                "carried": record.carried,
                 "bytes": record.bytes,
                 "note": record.note,
             }

@@ -59,6 +59,13 @@ from zerocc.ir.nodes import (
 )
 from zerocc.ir.ops import DP_GROUP, TP_GROUP
 from zerocc.ir.printing import format_program
+from zerocc.passes.offload_pipeline import (
+    CARRIED_LR,
+    CARRIED_SCALARS,
+    CARRIED_SKIP,
+    CARRIED_STEP,
+    carried_program,
+)
 from zerocc.passes.partition import assign_units
 from zerocc.runtime.agreement import (
     END_OF_DATA,
@@ -80,6 +87,7 @@ from zerocc.runtime.failures import (
     signature_difference,
 )
 from zerocc.runtime.host_memory import state_tensor
+from zerocc.runtime.host_worker import HostWorker
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states, check_step_memory
@@ -102,6 +110,7 @@ class Program:
     digest: str
     returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
     agrees_at_first_collective: bool  # the batch agreement may be settled that late
+    carries: bool = False  # begins with the last step's host updates (offload.pipeline)
 
 
 def batch_signature(batch: Sequence[Any]) -> tuple:
@@ -152,7 +161,13 @@ class StepRunner:
         self.nvme_specs = self.layout.at(NVME)
         self.store = open_store(plan, comm.rank, self.nvme_specs)
         self.transfers = Transfers(self.store, device)
-        self.context = RuntimeContext(comm, self.transfers, kernel_set(self.kernels), device)
+        self.context = RuntimeContext(
+            comm,
+            self.transfers,
+            kernel_set(self.kernels),
+            device,
+            HostWorker(threaded=device.type == "cuda"),
+        )
         self.host_kernels: str | None = None  # the kernel set of host updates on a GPU machine
         if plan.offload.optimizer != "none" and device.type == "cuda":
             pin_host_update_threads()
@@ -187,6 +202,10 @@ class StepRunner:
         self.micro_batches = 0
         self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         self._last_program: Program | None = None
+        # offload.pipeline: the (step count, rate) of the update the last step carried into
+        # the next, None when none is pending; and the program that applies it on its own.
+        self._carried: tuple[int, float] | None = None
+        self._drain: Program | None = None
 
     @property
     def data_rank(self) -> int:
@@ -243,10 +262,12 @@ class StepRunner:
         if program is None:  # kept once it has run: a program that fails is not
             self._settle(agreement)  # every rank compiles it, or none does
             program = self._build(batch, boundary)
-        elif not program.agrees_at_first_collective:
-            self._settle(agreement)
+        elif not program.agrees_at_first_collective or program.carries:
+            self._settle(agreement)  # (a carried update runs before the first collective)
         if boundary:
             self._set_step_inputs()
+        if program.carries:
+            self._set_carried_inputs()
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         recorder = recorded(program) if recorded is not None else None
         executable = recorder.executable if recorder is not None else program.run
@@ -262,6 +283,8 @@ class StepRunner:
                 loss = recorder.run(*args) if recorder is not None else executable(*args)
         except BaseException as exc:
             executable.reset()
+            if program.carries:  # applied in part, perhaps: never again
+                self._carried = None
             if exc is agreement.error:  # the ranks disagree: stopped before anything was written
                 if boundary and STEP_SPEC.key in self.state:
                     self.state[STEP_SPEC.key].fill_(self.steps)
@@ -281,12 +304,15 @@ class StepRunner:
             raise RuntimeError("a program finished with collectives still in flight")
         self.micro_batches += 1
         self._last_program = program
+        overflow, flags = False, None
         if program.returns_found_inf:
             # (loss, found_inf) under loss scaling; (loss, per-unit flags, found_inf) without.
             loss, *flags, found_inf = loss
-            self._account_step(overflow=bool(found_inf), flags=flags[0] if flags else None)
-        elif boundary:
-            self._account_step(overflow=False)
+            overflow, flags = bool(found_inf), flags[0] if flags else None
+        if program.carries:  # this step's update runs at the start of the next program
+            self._carried = None if overflow else (self.steps + 1, self.lr)
+        if boundary:
+            self._account_step(overflow, flags)
         if boundary:
             self._set_status(f"after step {self.micro_batches // self.plan.grad_accumulation}")
         return loss
@@ -297,6 +323,7 @@ class StepRunner:
         model in eval mode) gathers what forward needs and changes no state; training goes
         on as if it had not run. Collective under stage 3: every rank calls it together."""
         self._check_usable()
+        self.apply_carried_update()
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
         signature = batch_signature(batch)
         key = (signature, "evaluate")
@@ -316,6 +343,38 @@ class StepRunner:
             raise
         self.programs[key] = program
         return loss
+
+    @contextlib.contextmanager
+    def _set_carried_inputs(self) -> None:
+        """What a pipelined program's carried updates read that no step copies: the step count
+        and rate of the update pending, or a skip when none is (or that step overflowed)."""
+        step, lr = self._carried or (1, 0.0)
+        values = {CARRIED_SKIP: float(self._carried is None), CARRIED_STEP: step, CARRIED_LR: lr}
+        for key, dtype in CARRIED_SCALARS.items():
+            self.transfers.host_buffers.get(key, (1,), dtype).fill_(values[key])
+
+    def apply_carried_update(self) -> None:
+        """Apply the update a pipelined offload carried out of the last step now, with what
+        the step left in host buffers (nothing to do when none is pending): before anything
+        reads the weights or the optimizer states. Local to the rank: no collective."""
+        if self._carried is None:
+            return
+        if self._drain is None:
+            stepping = next(p for p in self.programs.values() if p.carries)
+            gm = carried_program(stepping.gm)
+            inputs = [val(n) for n in placeholders(gm)]
+            bindings = [(info(n).role, info(n).key) for n in placeholders(gm)]
+            run = self.backend(gm, inputs, self.context)
+            self._drain = Program(gm, [], bindings, inputs, run, "", False, False, carries=True)
+        self._set_carried_inputs()
+        drain = self._drain
+        try:
+            with traced_grad_mode():
+                drain.run(*detach_inputs([self.state[k] for _, k in drain.bindings]))
+        except BaseException:
+            drain.run.reset()
+            raise
+        self._carried = None
 
     @contextlib.contextmanager
     def _stats_kept(self) -> Iterator[None]:
@@ -561,6 +620,7 @@ class StepRunner:
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         found_inf = isinstance(outputs, tuple) and info(outputs[-1]).role == FOUND_INF
         late_agreement = agrees_at_first_collective(gm)
+        carries = any(info(n).carried for n in gm.graph.nodes)
         if self.plan.backend.check_memory:  # before its first run: the step's memory fits
             check_step_memory(
                 gm,
@@ -581,6 +641,7 @@ class StepRunner:
             program_digest,
             found_inf,
             late_agreement,
+            carries,
         )
 
     # -- state ------------------------------------------------------------------------------
@@ -696,6 +757,7 @@ class StepRunner:
         whose masters are sharded): call it on every rank.
         """
         full: dict[str, torch.Tensor] = {}
+        self.apply_carried_update()
         state = self._resident_and_nvme_state()
         for unit in self.units:
             flat = state.get(f"{unit.key}.master", state[f"{unit.key}.param"])
@@ -764,6 +826,7 @@ class StepRunner:
         (``rank1/transformer.h.0.param``) since every rank holds different shards; reload
         with the same plan and world size."""
         prefix = f"rank{self.comm.rank}/"
+        self.apply_carried_update()
         sd: dict[str, Any] = {
             prefix + k: t
             for k, t in self._resident_and_nvme_state().items()
@@ -783,6 +846,7 @@ class StepRunner:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
+        self.apply_carried_update()  # (offload.pipeline) none left to apply over what loads
         # (saved before hybrid sharding and tensor parallelism: no replicas, no split)
         saved = {"replicate": 1, "tp": 1, **sd["zerocc"]}
         mine_by_field = {

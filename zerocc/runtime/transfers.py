@@ -6,8 +6,9 @@ names the traffic for :class:`TransferStats`.
 
 A :class:`Transfers` engine runs them, one per rank's step (a backend's executable calls it). On a
 GPU, copies run on one copy stream per device, ordered after the compute stream's work so far;
-waiting on a copy to the host blocks the host (the CPU reads the result next: the host
-optimizer update), waiting on a copy to the device makes the compute stream wait on an event.
+waiting on a copy that reads or writes host memory blocks the host (the CPU reads the result
+next, the host optimizer update, or writes the source next, a host buffer used in turn),
+waiting on a copy between devices makes the compute stream wait on an event.
 On a CPU-only machine copies are a memcpy done inline (the same cores compute; there is nothing
 to overlap) and only NVMe I/O runs in the background, on the store's threads.
 
@@ -51,14 +52,16 @@ class _Done:
 
 
 class _CudaCopy:
-    """A copy on the copy stream: a copy to the host is waited on by the host, a copy to the
-    device by the compute stream."""
+    """A copy on the copy stream: one that reads or writes host memory is waited on by the
+    host (which reads what came, or writes the source next: a host update writing a staging
+    buffer that a copy to the device still reads would change what arrives), a copy between
+    devices by the compute stream."""
 
-    def __init__(self, event: torch.cuda.Event, host_reads: bool) -> None:
-        self._event, self._host_reads = event, host_reads
+    def __init__(self, event: torch.cuda.Event, host_waits: bool) -> None:
+        self._event, self._host_waits = event, host_waits
 
     def wait(self) -> None:
-        if self._host_reads:
+        if self._host_waits:
             self._event.synchronize()
         else:
             torch.cuda.current_stream().wait_event(self._event)
@@ -103,7 +106,7 @@ class Transfers:
         for t in (dst, src):
             if t.is_cuda:
                 t.record_stream(stream)
-        return _CudaCopy(event, host_reads=not dst.is_cuda)
+        return _CudaCopy(event, host_waits=not (dst.is_cuda and src.is_cuda))
 
     def read(self, key: str, out: torch.Tensor, direction: str) -> Any:
         """``out`` receives the state file of ``key``."""

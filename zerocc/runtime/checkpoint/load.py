@@ -48,6 +48,7 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
     that saved it. Call on every rank, before the first step or between steps."""
     folder = Path(path)
     notes: list[str] = []
+    runner.apply_carried_update()  # (offload.pipeline) none left to apply over what loads
 
     def load() -> None:  # (on every rank: one that cannot see the folder fails with the rest)
         nonlocal folder

@@ -1,0 +1,321 @@
+"""offload's pipeline: each step's host updates carried into the next step (``offload.pipeline``).
+
+Without it, a program ends with its offloaded units' host updates, and the next step waits for
+all of them: the host's update and the device's compute add up. A pipelined program instead
+*begins* with the update of the step before (the update a step computes is *carried* into the
+next), run on the host's worker thread (``stream=host``) while the device computes:
+
+- the previous step's reduced gradients, clip coefficient, learning rate, step count and skip
+  flag are read from host buffers (``host_buffer``, the same every step): the step copies its
+  gradients and clip coefficient into them; the runtime sets the others before each run (the
+  skip flag is 1 when no update is pending, or when that step overflowed);
+- ``next_forward``: each unit's update is waited for (``host_wait``) and its compute copy
+  written right before the unit's first use in forward (its all-gather): the numbers are those
+  of ``none``, the update hidden behind the forward of the units before it. Updates write their
+  compute copy into two host buffers in turn, so one is issued once the copy that last read its
+  buffer is done; they are issued in the order forward uses the units;
+- ``delayed`` (ZeRO-Offload's delayed parameter update): every update is issued at the start,
+  each writing the compute copy into a host buffer of its unit's own, waited for right before
+  the step copies the unit's new gradient over the one it reads; the compute copy is written
+  after the unit's last gather, so the step computes on the weights before the update, which the
+  next step first uses: gradients one step stale.
+
+The carried nodes (``info.carried``) alone make a program of their own
+(:func:`carried_program`): what applies a pending update before a save, an evaluation or a
+state_dict reads the state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from zerocc.compiler.state import HOST, LR_SPEC, STEP_SPEC
+from zerocc.errors import InvariantError
+from zerocc.ir.kinds import OpKind, Stream
+from zerocc.ir.nodes import copy_node, emit, info, op_kind, op_name, val
+from zerocc.ir.ops import TO_HOST
+
+aten = torch.ops.aten
+
+# The carried scalars the runtime sets before each run of a pipelined program, with dtypes.
+CARRIED_SKIP = "offload.carried.skip"  # 1.0: apply nothing
+CARRIED_STEP = "offload.carried.step"  # the carried update's AdamW step count
+CARRIED_LR = "offload.carried.lr"  # its learning rate
+CARRIED_SCALARS = {
+    CARRIED_SKIP: torch.float32,
+    CARRIED_STEP: STEP_SPEC.dtype,
+    CARRIED_LR: LR_SPEC.dtype,
+}
+
+
+def carry_updates(gm: fx.GraphModule, mode: str, update_args: dict[str, dict]) -> None:
+    """Carry ``gm``'s host updates into the next step, as ``mode`` (``next_forward`` or
+    ``delayed``) places them; ``update_args``: the updates' argument positions (offload's)."""
+    updates = [
+        n for n in gm.graph.nodes if op_name(n.target) in update_args and info(n).pool == HOST
+    ]
+    if updates:
+        _Carrier(gm, mode, update_args).carry(updates)
+
+
+def carried_program(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """The carried nodes of ``gm`` and the placeholders they read, as a program returning
+    nothing: it applies the update pending from the last step (None: ``gm`` carries none)."""
+    if not any(info(n).carried for n in gm.graph.nodes):
+        return None
+    graph, copied = fx.Graph(), {}
+    for node in gm.graph.nodes:
+        needed = info(node).carried or (
+            node.op == "placeholder" and any(info(u).carried for u in node.users)
+        )
+        if needed:
+            copied[node] = copy_node(graph, node, lambda n: copied[n])
+    graph.output(None)
+    return fx.GraphModule(gm, graph)
+
+
+@dataclass(eq=False)
+class _Carried:
+    """One unit's carried update and what follows it: the ``source`` its compute copy is
+    copied from (a view of a host buffer the update writes, or its master), that copy
+    (``back``, completed by ``back_wait``) into ``param``, the wait for the update."""
+
+    update: fx.Node
+    view: fx.Node | None
+    source: fx.Node
+    back: fx.Node
+    back_wait: fx.Node
+    fills: list[fx.Node]  # this step's copies into the buffers the update reads
+    host_wait: fx.Node | None = None
+
+    @property
+    def unit(self) -> str:
+        return info(self.update).unit
+
+    @property
+    def param(self) -> fx.Node:
+        return self.back.args[0]
+
+
+class _Carrier:
+    def __init__(self, gm: fx.GraphModule, mode: str, update_args: dict[str, dict]) -> None:
+        self.graph, self.mode, self.update_args = gm.graph, mode, update_args
+        self.top = next(n for n in self.graph.nodes if n.op != "placeholder")  # the body's first
+        self.output = next(n for n in self.graph.nodes if n.op == "output")
+        self.scalars: dict[str, fx.Node] = {}
+        self.buffer_of: dict[fx.Node, fx.Node] = {}  # this step's host copy (wait) -> buffer
+        self.fill_of: dict[fx.Node, fx.Node] = {}  # buffer -> the copy that fills it this step
+
+    def _order(self) -> dict[fx.Node, int]:
+        return {n: i for i, n in enumerate(self.graph.nodes)}
+
+    # -- carried inputs -------------------------------------------------------------------
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype, key: str, note: str) -> fx.Node:
+        """A host buffer of ``key`` made at the program's start (viewed as ``shape``)."""
+        numel = math.prod(shape)
+        where = {"phase": "optimizer", "carried": True}
+        with self.graph.inserting_before(self.top):
+            node = emit(
+                self.graph,
+                torch.ops.zerocc.host_buffer.default,
+                (numel, dtype, key),
+                pool=HOST,
+                note=note,
+                **where,
+            )
+            if not shape:  # a scalar: the buffer's one element
+                node = emit(self.graph, aten.select.int, (node, 0, 0), **where)
+            elif len(shape) > 1:
+                node = emit(self.graph, aten.view.default, (node, list(shape)), **where)
+        return node
+
+    def _scalar(self, key: str) -> fx.Node:
+        """The carried scalar ``key``, which the runtime sets before each run."""
+        if key not in self.scalars:
+            what = key.rpartition(".")[2]
+            note = f"the carried update's {what}, set by the runtime"
+            self.scalars[key] = self._buffer((), CARRIED_SCALARS[key], key, note)
+        return self.scalars[key]
+
+    def _carried_input(self, wait: fx.Node, key: str, note: str) -> fx.Node:
+        """The buffer of ``key`` that this step's host copy (``wait``, shared by updates)
+        fills now, for the next step: a ``copy_into_start`` in place of its ``copy_start``."""
+        if wait in self.buffer_of:
+            return self.buffer_of[wait]
+        start = wait.args[0]
+        if op_name(start.target) != "zerocc.copy_start" or start.args[2] != TO_HOST:
+            raise InvariantError(f"{wait.name} does not complete a copy to the host")
+        copied = val(start.args[0])  # (the copy is new: it has no value yet)
+        buffer = self._buffer(tuple(copied.shape), copied.dtype, key, note)
+        with self.graph.inserting_before(start):
+            into = emit(
+                self.graph,
+                torch.ops.zerocc.copy_into_start.default,
+                (buffer, start.args[0], TO_HOST),
+            )
+        into.meta["zerocc"] = info(start)
+        wait.args = (into,)
+        self.graph.erase_node(start)
+        self.buffer_of[wait], self.fill_of[buffer] = buffer, into
+        return buffer
+
+    # -- the rewrite ----------------------------------------------------------------------
+
+    def carry(self, updates: list[fx.Node]) -> None:
+        flags: set[fx.Node] = set()  # this step's found_inf copied to the host
+        carried = [self._read_carried_inputs(u, flags) for u in updates]
+        for wait in flags:  # no update reads it now: the runtime's skip flag replaces it
+            if not wait.users:
+                start = wait.args[0]
+                self.graph.erase_node(wait)
+                if not start.users:
+                    self.graph.erase_node(start)
+        if self.mode == "delayed":
+            self._place_delayed(carried)
+        else:
+            self._place_next_forward(carried)
+        self._check(carried)
+
+    def _read_carried_inputs(self, update: fx.Node, flags: set[fx.Node]) -> _Carried:
+        """Point ``update`` at last step's values in host buffers, make it a host-stream
+        update, and find the copy of its result."""
+        layout, unit = self.update_args[op_name(update.target)], info(update).unit
+        args = list(update.args)
+        note = f"{unit}'s reduced gradient, for its update in the next step"
+        args[1] = self._carried_input(args[1], f"offload.carried.grad.{unit}", note)
+        fills = [self.fill_of[args[1]]]
+        clip, found = layout["scalars"]
+        if isinstance(args[clip], fx.Node):
+            note = "the step's clip coefficient, for the next step's updates"
+            args[clip] = self._carried_input(args[clip], "offload.carried.clip", note)
+            fills.append(self.fill_of[args[clip]])
+        if isinstance(args[found], fx.Node):
+            flags.add(args[found])
+        args[found] = self._scalar(CARRIED_SKIP)
+        if layout["step"] is not None:
+            args[layout["step"]] = self._scalar(CARRIED_STEP)
+        args[layout["lr"]] = self._scalar(CARRIED_LR)
+        update.args = tuple(args)
+        view = args[layout["copy"]]
+        source = view if view is not None else args[0]
+        back = next(
+            u
+            for u in source.users
+            if op_name(u.target) == "zerocc.copy_into_start" and u.args[1] is source
+        )
+        (back_wait,) = back.users
+        for node in (update, back, back_wait, *([view] if view is not None else [])):
+            info(node).carried = True
+        info(update).stream = Stream.HOST
+        return _Carried(update, view, source, back, back_wait, fills)
+
+    def _wait_for(self, carried: _Carried) -> None:
+        """Wait for the update at the insertion point; its compute copy reads what the wait
+        returns."""
+        carried.host_wait = emit(
+            self.graph,
+            torch.ops.zerocc.host_wait.default,
+            (carried.source, carried.update.name),
+            stream=Stream.HOST,
+            unit=carried.unit,
+            phase="optimizer",
+            pool=HOST,
+            carried=True,
+            note=f"{carried.unit}'s update of the step before is done",
+        )
+        back = carried.back
+        back.args = (back.args[0], carried.host_wait, *back.args[2:])
+
+    def _body_users(self, node: fx.Node) -> list[fx.Node]:
+        """The nodes of this step (not carried) that read ``node``, in program order."""
+        order = self._order()
+        return sorted((u for u in node.users if not info(u).carried), key=order.__getitem__)
+
+    def _place_next_forward(self, updates: list[_Carried]) -> None:
+        """Each update issued in the order forward first uses the units, once the copy that
+        last read its host buffer is done; waited for, and its compute copy written, right
+        before its unit's first use."""
+        first_use = {}
+        for carried in updates:
+            users = self._body_users(carried.param)
+            first_use[carried] = users[0] if users else self.output
+        order = self._order()
+        updates.sort(key=lambda c: order[first_use[c]])
+        slots = list(dict.fromkeys(c.view.args[0] for c in updates if c.view is not None))
+        for slot in slots:
+            self.top.prepend(slot)
+            info(slot).carried = True
+        last_read: dict[fx.Node, fx.Node] = {}  # slot -> the wait of the copy that read it last
+        previous: fx.Node | None = None
+        staged = 0
+        for carried in updates:
+            after, view = [previous] if previous is not None else [], carried.view
+            if view is not None:
+                slot = slots[staged % len(slots)]
+                staged += 1
+                view.args = (slot, *view.args[1:])
+                after += [last_read[slot]] if slot in last_read else []
+                last_read[slot] = carried.back_wait
+            anchor = self._after_all(after)
+            if view is not None:
+                anchor.prepend(view)
+            anchor.prepend(carried.update)
+            previous = carried.update
+            use = first_use[carried]
+            with self.graph.inserting_before(use):
+                self._wait_for(carried)
+            use.prepend(carried.back)
+            use.prepend(carried.back_wait)
+
+    def _after_all(self, nodes: list[fx.Node]) -> fx.Node:
+        """The node right after the last of ``nodes`` (the body's first when there are none)."""
+        if not nodes:
+            return self.top
+        order = self._order()
+        return max(nodes, key=order.__getitem__).next
+
+    def _place_delayed(self, updates: list[_Carried]) -> None:
+        """Every update issued at the start, each writing a compute copy of its own, in the
+        order backward refills the units' gradient buffers; each waited for right before that
+        refill, its compute copy written after the step's last read of the weights."""
+        slots = {c.view.args[0] for c in updates if c.view is not None}
+        order = self._order()
+        updates.sort(key=lambda c: order[c.fills[0]])
+        for carried in updates:
+            view = carried.view
+            if view is not None:
+                numel, dtype = view.args[3], view.args[0].args[1]  # slice(host_buffer(n, dtype))
+                key = f"offload.carried.copy.{carried.unit}"
+                note = f"{carried.unit}'s compute copy, written by its carried update"
+                view.args = (self._buffer((numel,), dtype, key, note), 0, 0, numel)
+                self.top.prepend(view)
+            self.top.prepend(carried.update)
+        for slot in slots:
+            if not slot.users:
+                self.graph.erase_node(slot)
+        for carried in updates:
+            with self.graph.inserting_before(carried.fills[0]):
+                self._wait_for(carried)
+            # The compute copy is written after the step's last read of the weights (a gather
+            # reads them until its wait), so this step computes on the weights before.
+            reads = [carried.host_wait]
+            for user in self._body_users(carried.param):
+                reads += [user, *(u for u in user.users if op_kind(u) is OpKind.WAIT)]
+            self._after_all(reads).prepend(carried.back)
+            self.output.prepend(carried.back_wait)
+
+    def _check(self, updates: list[_Carried]) -> None:
+        """Every update is waited for before this step's copies overwrite what it reads."""
+        order = self._order()
+        for carried in updates:
+            for fill in carried.fills:
+                if not order[carried.update] < order[carried.host_wait] < order[fill]:
+                    raise InvariantError(
+                        f"{carried.update.name}, carried, is not done before {fill.name} "
+                        "overwrites what it reads"
+                    )

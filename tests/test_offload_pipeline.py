@@ -1,0 +1,163 @@
+"""offload.pipeline in one process: host updates carried into the next step.
+
+``next_forward`` must train bit-identically to the plan without it, whatever reads the state
+between steps (a state_dict, an evaluation, a save and a resume), and whether the host's worker
+runs the updates on a thread (a GPU machine) or where they are issued (a CPU one). ``delayed``
+is checked against a delayed-update reference on two gloo ranks (tests/parity).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import _gpt_batch, tiny_gpt
+
+import zerocc
+from zerocc.errors import PlanError
+from zerocc.runtime.host_worker import HostWorker
+
+SCALES = [1.0, 1.0, float("inf"), 1.0, 1.0]  # the loss's scale: inf skips step 2
+
+
+ADAMW = {"name": "adamw", "lr": 1e-2, "grad_clip": 0.5}
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+def _plan(pipeline: str, optimizer: dict = ADAMW, **offload) -> dict:
+    return {
+        "zero": {"stage": 3},
+        "units": {"classes": ["Block"]},
+        "optimizer": optimizer,
+        "precision": {"param": "bf16", "on_nonfinite": "skip"},
+        "offload": {"optimizer": "cpu", "pipeline": pipeline, **offload},
+    }
+
+
+def _step(plan: dict) -> zerocc.TrainStep:
+    torch.manual_seed(0)
+    return zerocc.compile(
+        tiny_gpt(), plan, comm=zerocc.FakeComm(world_size=2), loss_fn=lambda m, x, y, s: m(x, y) * s
+    )
+
+
+def _train(step: zerocc.TrainStep, first: int, last: int) -> list[float]:
+    return [float(step(*_gpt_batch(i, 0), torch.tensor(SCALES[i]))) for i in range(first, last)]
+
+
+@pytest.fixture(params=[False, True], ids=["inline", "threaded"])
+def threaded(request, monkeypatch) -> bool:
+    """Host updates where they are issued (a CPU machine), or on the worker's thread."""
+    if request.param:
+        monkeypatch.setattr(
+            "zerocc.runtime.step.HostWorker", lambda threaded: HostWorker(threaded=True)
+        )
+    return request.param
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [{}, {"params": "cpu", "ratio": 0.5}, {"optimizer": SGD}],
+    ids=["all", "half-params-on-host", "sgd"],
+)
+def test_next_forward_trains_bit_identically_to_the_plan_without_it(offload, threaded):
+    """bf16 compute copies written by the carried updates through two host buffers, a clip,
+    and a step skipped for a non-finite loss (its carried update must write nothing)."""
+    steps = {mode: _step(_plan(mode, **offload)) for mode in ("none", "next_forward")}
+    losses = {mode: _train(step, 0, len(SCALES)) for mode, step in steps.items()}
+    assert losses["next_forward"] == losses["none"]
+    pipelined, plain = steps["next_forward"], steps["none"]
+    assert pipelined.summary()["skipped_steps"] == plain.summary()["skipped_steps"] == 1
+    assert pipelined.context.host.threaded is threaded
+    ours, theirs = pipelined.state_dict(), plain.state_dict()  # optimizer states too
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), key
+    # Still bit-identical after the state_dict applied the update early: the next step skips it.
+    assert _train(pipelined, 3, 5) == _train(plain, 3, 5)
+
+
+@pytest.mark.parametrize("pipeline", ["next_forward", "delayed"])
+def test_an_evaluation_sees_the_carried_update_applied(pipeline):
+    """fp32 (losses to the last bit): what evaluate computes on is the model as trained so far,
+    the last step's carried update included (the materialized model applies it too)."""
+    plan = {**_plan(pipeline), "precision": {"on_nonfinite": "skip"}}
+    step = _step(plan)
+    _train(step, 0, 2)
+    x, y = _gpt_batch(9, 0)
+    evaluated = float(step.evaluate(x, y, torch.tensor(1.0)))
+    model = step.materialize_model().eval()
+    with torch.no_grad():
+        assert evaluated == pytest.approx(float(model(x, y)), rel=1e-6)
+
+
+@pytest.mark.parametrize("pipeline", ["next_forward", "delayed"])
+def test_a_resumed_run_trains_as_the_run_that_saved(pipeline, tmp_path):
+    """A save applies the update in flight; a run loading that checkpoint goes on exactly as
+    the one that saved it."""
+    saving = _step(_plan(pipeline))
+    _train(saving, 0, 2)
+    saving.save(tmp_path)
+    resumed = _step(_plan(pipeline))
+    resumed.load(tmp_path)
+    assert _train(resumed, 3, 5) == _train(saving, 3, 5)
+    ours, theirs = resumed.full_state_dict(), saving.full_state_dict()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+
+
+def test_delayed_updates_lag_a_step():
+    """The second step computes on the initial weights (its loss differs from the plain
+    run's), and the carried update still reaches the weights in the end."""
+    plain, delayed = _step(_plan("none")), _step(_plan("delayed"))
+    first = _step(_plan("none"))
+    assert _train(delayed, 0, 2)[1] == float(
+        first(*_gpt_batch(1, 0), torch.tensor(1.0))  # step 1's batch on the initial weights
+    )
+    _train(plain, 0, 2)
+    plain_weights, delayed_weights = plain.full_state_dict(), delayed.full_state_dict()
+    differ = [k for k in plain_weights if not torch.equal(plain_weights[k], delayed_weights[k])]
+    assert differ  # another trajectory, yet every weight moved
+    initial = _step(_plan("none")).full_state_dict()
+    assert all(not torch.equal(initial[k], delayed_weights[k]) for k in differ)
+
+
+PIPELINED = {"optimizer": "cpu", "pipeline": "next_forward"}
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({"zero": {"stage": 2}, "offload": PIPELINED}, "zero.stage: 3"),
+        ({"grad_accumulation": 2, "offload": PIPELINED}, "grad_accumulation: 1"),
+        (
+            {"offload": {**PIPELINED, "optimizer": "nvme", "nvme_path": "/tmp"}},
+            "offload.optimizer: cpu",
+        ),
+        ({"offload": {"params": "cpu", "pipeline": "delayed"}}, "offload.optimizer: cpu"),
+    ],
+)
+def test_a_pipeline_the_plan_cannot_hold_is_a_plan_error(plan, message):
+    with pytest.raises(PlanError, match=message):
+        zerocc.load_plan({"zero": {"stage": 3}, **plan})
+
+
+def test_yaml_off_names_the_allowed_values():
+    with pytest.raises(PlanError, match="'none', 'next_forward', 'delayed'"):
+        zerocc.load_plan({"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "pipeline": False}})
+
+
+def test_a_failing_host_update_raises_at_its_wait_and_nothing_runs_on():
+    worker = HostWorker(threaded=True)
+    ran: list[int] = []
+
+    def fails() -> None:
+        raise ValueError("no room")
+
+    work = worker.submit(fails)
+    later = worker.submit(lambda: ran.append(1))
+    with pytest.raises(ValueError, match="no room"):
+        work.wait()
+    worker.settle()
+    later.wait()
+    assert ran == [1]  # issued before the failure was seen: it ran, and settle waited for it
