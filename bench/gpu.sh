@@ -9,6 +9,8 @@
 #              unsharded torch, eager and compiled (SYSTEMS overrides the list)
 #   host       bench/host_update.py (the host's update loop against torch and a copy) and
 #              bench/host_memory.py --device cuda (host memory of offloaded steps, pinned)
+#   offload    bench/offload.py --gpu: a 1.3B GPT offloaded (issue 22's run), plain and with
+#              offload.pipeline, measured and predicted (OFFLOAD_SYSTEMS overrides the list)
 #
 # Usage: bench/gpu.sh OUT_DIR [STEP ...]   (default: every step, in the order above)
 set -u
@@ -19,6 +21,7 @@ export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 here=$(cd "$(dirname "$0")" && pwd)
 systems=${SYSTEMS:-zerocc-z3 zerocc-z3-inductor fsdp2-z3 fsdp2-z3-compiled torch torch-compiled}
+offload=${OFFLOAD_SYSTEMS:-zerocc-z3-opt-par-cpu-rc zerocc-z3-opt-par-cpu-rc-next zerocc-z3-opt-cpu-delayed}
 
 step() {  # step NAME SECONDS COMMAND...: run it, keep its output, print how it ended
     local name=$1 limit=$2
@@ -30,7 +33,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its output, print how it 
 }
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(versions tests kernels compare host)
+[ ${#steps[@]} -gt 0 ] || steps=(versions tests kernels compare host offload)
 for s in "${steps[@]}"; do
     case $s in
     versions)
@@ -49,8 +52,11 @@ for s in "${steps[@]}"; do
     host)
         step host 300 bash -c "python3 '$here/host_update.py' --sizes 24 26 --out '$out' && \
             python3 '$here/host_memory.py' --device cuda --layers 24 --out '$out'" ;;
+    offload)
+        # shellcheck disable=SC2086  # the system names are words
+        step offload 540 python3 "$here/offload.py" --gpu --systems $offload --out "$out" ;;
     *)
-        echo "unknown step $s (versions, tests, kernels, compare, host)" >&2
+        echo "unknown step $s (versions, tests, kernels, compare, host, offload)" >&2
         exit 2 ;;
     esac
 done

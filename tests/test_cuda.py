@@ -44,6 +44,12 @@ def _cases(world: int) -> list[dict]:
     cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu"}})
     cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu", "params": "cpu"},
                   "precision": {"param": "bf16"}})  # fmt: skip
+    # Host updates carried into the next step, on the host's worker thread beside the GPU's
+    # work; the delayed update against its own reference.
+    bf16 = {"param": "bf16"}
+    cases.append({**on_gpu, "stage": 3, "precision": bf16,
+                  "offload": {"optimizer": "cpu", "pipeline": "next_forward"}})  # fmt: skip
+    cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "delayed"}})
     return cases
 
 

@@ -313,7 +313,6 @@ class StepRunner:
             self._carried = None if overflow else (self.steps + 1, self.lr)
         if boundary:
             self._account_step(overflow, flags)
-        if boundary:
             self._set_status(f"after step {self.micro_batches // self.plan.grad_accumulation}")
         return loss
 
@@ -344,7 +343,6 @@ class StepRunner:
         self.programs[key] = program
         return loss
 
-    @contextlib.contextmanager
     def _set_carried_inputs(self) -> None:
         """What a pipelined program's carried updates read that no step copies: the step count
         and rate of the update pending, or a skip when none is (or that step overflowed)."""
