@@ -161,3 +161,21 @@ def test_a_failing_host_update_raises_at_its_wait_and_nothing_runs_on():
     worker.settle()
     later.wait()
     assert ran == [1]  # issued before the failure was seen: it ran, and settle waited for it
+
+
+def test_inductor_issues_the_carried_updates_from_its_one_graph(threaded):
+    """The whole program compiled by Inductor, its carried updates issued to the host's worker
+    from the generated code: fp32 losses and weights within 1e-5 of the eager backend's (the
+    Inductor parity tests' tolerance: it fuses and reorders reductions)."""
+    # AdamW's eps of 1e-3, as in tests/parity: with 1e-8 an element whose tiny gradient
+    # Inductor rounds to another sign moves by ±lr, whatever the rounding's size.
+    optimizer = {**ADAMW, "eps": 1e-3}
+    plan = {**_plan("next_forward", optimizer), "precision": {"on_nonfinite": "skip"}}
+    runs = {b: _step({**plan, "backend": {"name": b}}) for b in ("eager", "inductor")}
+    losses = {b: _train(step, 0, 4) for b, step in runs.items()}
+    assert losses["inductor"] == pytest.approx(losses["eager"], rel=1e-5)
+    notes = runs["inductor"].record().backend_notes
+    assert notes[0].startswith("inductor: the whole program compiled as one graph"), notes
+    ours, theirs = (runs[b].full_state_dict() for b in ("inductor", "eager"))
+    for name, value in theirs.items():  # ‖a − b‖ / ‖b‖, as tests/parity measures weights
+        assert float((ours[name] - value).norm() / value.norm()) <= 1e-5, name

@@ -10,6 +10,8 @@ has a twin here:
   non-finite checks are made of torch ops, which Inductor compiles (:data:`COMPOSITE`);
 - a start names its start node (``started``, the eager backend's handle key); one that fills
   an existing tensor returns nothing and mutates it; one that makes its result returns it;
+- an update on the host stream (a pipelined offload) names its node, as a start does, and is
+  issued to the host's worker; ``host_wait`` is lowered as ``wait`` is;
 - ``wait(tensor, reads, started)`` returns nothing (an op returning its input is what
   AOTAutograd's aliasing check rejects, torch's own ``wait_tensor`` excepted): what read the
   wait's result reads ``tensor``, and the wait is lowered as torch's is, a kernel that
@@ -78,9 +80,18 @@ COMPUTE = (
 # Inductor's concatenation took 3x as long.
 COMPOSITE = {"nonfinite_flags": reference.nonfinite_flags}
 WAIT = "wait(Tensor tensor, Tensor[] reads, str started) -> ()"
+# A host-stream update (offload.pipeline) is issued to the host's worker: the update's twin
+# names its node, as a start does; ``host_wait`` is lowered as ``wait`` is.
+HOST_UPDATES = {
+    f"host_{name}": SCHEMAS[name]
+    .replace(name, f"host_{name}", 1)
+    .replace(") -> ()", ", str started) -> ()")
+    for name in ("adamw_", "sgd_")
+}
+HOST_WAIT = "host_wait(Tensor tensor, Tensor[] reads, str started) -> ()"
 
 # Every zerocc op the whole graph can hold: the twins, and ``free``, which it drops.
-LOWERED = frozenset({*MAKING_STARTS, *FILLING_STARTS, *COMPUTE, *COMPOSITE, "wait"})
+LOWERED = frozenset({*MAKING_STARTS, *FILLING_STARTS, *COMPUTE, *COMPOSITE, "wait", "host_wait"})
 DROPPED = frozenset({"free"})
 
 _running: contextvars.ContextVar[EagerOps] = contextvars.ContextVar("zerocc_lowered_ops")
@@ -129,8 +140,23 @@ def _wait_impl(tensor: torch.Tensor, reads: list[torch.Tensor], started: str) ->
     _current().wait(tensor, started=started)
 
 
+def _host_wait_impl(tensor: torch.Tensor, reads: list[torch.Tensor], started: str) -> None:
+    _current().host_wait(tensor, started)
+
+
 def _wait_fake(tensor: torch.Tensor, reads: list[torch.Tensor], started: str) -> None:
     return None
+
+
+def _host_update(name: str):
+    def impl(*args: Any) -> None:
+        *args, started = args
+        getattr(_current(), name)(*args, started=started)
+
+    def fake(*args: Any) -> None:
+        return None
+
+    return impl, fake
 
 
 def _define(name: str, schema: str, impl: Any, fake: Any) -> None:
@@ -148,9 +174,13 @@ for _name in COMPUTE:
 for _name, _composite in COMPOSITE.items():
     _lib.define(SCHEMAS[_name])
     _lib.impl(_name, _composite, "CompositeImplicitAutograd")
+for _name, _schema in HOST_UPDATES.items():
+    _define(_name, _schema, *_host_update(_name.removeprefix("host_")))
 _define("wait", WAIT, _wait_impl, _wait_fake)
+_define("host_wait", HOST_WAIT, _host_wait_impl, _wait_fake)
 # A wait returns nothing: kept from fx's dead-code elimination, as torch's collectives are.
 torch.fx.node.has_side_effect(getattr(torch.ops, NAMESPACE).wait.default)
+torch.fx.node.has_side_effect(getattr(torch.ops, NAMESPACE).host_wait.default)
 
 
 def lowered(name: str) -> torch._ops.OpOverload:
@@ -199,8 +229,10 @@ def register_lowerings() -> None:
 
         register_lowering(op)(lower_start)
 
-    wait = getattr(torch.ops, NAMESPACE).wait
+    for name in ("wait", "host_wait"):
+        op = getattr(getattr(torch.ops, NAMESPACE), name)
 
-    @register_lowering(wait)
-    def lower_wait(inp: Any, reads: list, started: str) -> None:
-        Wait.create_named(wait.default, inp, reads, started)
+        def lower_wait(inp: Any, reads: list, started: str, _op: Any = op.default) -> None:
+            Wait.create_named(_op, inp, reads, started)
+
+        register_lowering(op)(lower_wait)

@@ -11,8 +11,7 @@ gathered at once), so both are off, and the kernels run in the program's order, 
 Random ops and the generator-state ops of recomputation's replay are chained by a token
 (:mod:`zerocc.backends.inductor.random_ops`), so they draw in the program's order, as eager
 does. Programs it does not take (:func:`unsupported`): one that reads and writes NVMe, frees an
-input, draws with an op a ``draw`` cannot describe, or runs host updates on the host's worker
-(a pipelined offload); those are compiled region by region.
+input, or draws with an op a ``draw`` cannot describe; those are compiled region by region.
 """
 
 from __future__ import annotations
@@ -50,8 +49,6 @@ def unsupported(program: fx.GraphModule) -> str | None:
         if node.op != "call_function":
             continue
         name = zerocc_op(node)
-        if info(node).stream == Stream.HOST:
-            return "it runs host updates on the host's worker (offload.pipeline)"
         if name is not None and name not in LOWERED | DROPPED | GENERATOR:
             return f"it holds zerocc.{name}"
         if name in DROPPED and node.args[0].op == "placeholder":
@@ -70,6 +67,8 @@ def rewrite(program: fx.GraphModule) -> fx.GraphModule:
     # source), before any start is rewritten (a filling start's uses move to what it fills).
     started = {n: n.args[0] for n in graph.nodes if zerocc_op(n) == "wait"}
     reads = {s: list(s.args[1:2]) if zerocc_op(s) in SOURCED else [] for s in started.values()}
+    by_name = {n.name: n for n in graph.nodes}
+    became: dict[fx.Node, fx.Node] = {}  # a rewritten wait -> what its readers read now
     for node in list(graph.nodes):
         name = zerocc_op(node)
         if name is None:
@@ -78,8 +77,18 @@ def rewrite(program: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(node)
         elif name == "wait":
             start = started[node]
-            node.target, node.args = lowered(name), (node.args[0], reads[start], start.name)
+            kept = [became.get(r, r) for r in reads[start]]
+            node.target, node.args = lowered(name), (node.args[0], kept, start.name)
+            became[node] = node.args[0]
             node.replace_all_uses_with(node.args[0])
+        elif name == "host_wait":  # what the update reads stays, unchanged, until it is done
+            tensor, update = node.args
+            read = [a for a in by_name[update].args if isinstance(a, fx.Node) and a is not tensor]
+            node.target, node.args = lowered(name), (tensor, read, update)
+            became[node] = tensor
+            node.replace_all_uses_with(tensor)
+        elif info(node).stream == Stream.HOST:  # an update issued to the host's worker
+            node.target, node.args = lowered(f"host_{name}"), (*node.args, node.name)
         elif name in FILLING_STARTS:
             filled = node.args[0]
             with graph.inserting_before(node):

@@ -31,6 +31,9 @@ FP32 = [
     {"model": "gpt", "stage": 2, "accum": 2},
     {"model": "gpt", "stage": 3},
     {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu"}},  # the update on the host
+    # Host updates carried into the next step, issued to the host's worker from the graph.
+    {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "next_forward"}},
+    {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "delayed"}},
     # Dropout, recomputed, in the whole graph: the masks of ATen's generator, replayed for the
     # recomputation. Held to the eager backend only: the one-process reference draws its masks
     # in another order.
