@@ -56,13 +56,19 @@ def threaded(request, monkeypatch) -> bool:
 
 @pytest.mark.parametrize(
     "offload",
-    [{}, {"params": "cpu", "ratio": 0.5}, {"optimizer": SGD}],
-    ids=["all", "half-params-on-host", "sgd"],
+    [{}, {"params": "cpu", "ratio": 0.5}, {"optimizer": SGD}, {"kernels": "one-pass"}],
+    ids=["all", "half-params-on-host", "sgd", "one-pass"],
 )
 def test_next_forward_trains_bit_identically_to_the_plan_without_it(offload, threaded):
     """bf16 compute copies written by the carried updates through two host buffers, a clip,
-    and a step skipped for a non-finite loss (its carried update must write nothing)."""
-    steps = {mode: _step(_plan(mode, **offload)) for mode in ("none", "next_forward")}
+    and a step skipped for a non-finite loss (its carried update must write nothing); the
+    one-pass loop (a GPU machine's host update, compiled) called from the worker's thread."""
+    offload = dict(offload)
+    backend = {"kernels": offload.pop("kernels")} if "kernels" in offload else {}
+    steps = {
+        mode: _step({**_plan(mode, **offload), "backend": backend})
+        for mode in ("none", "next_forward")
+    }
     losses = {mode: _train(step, 0, len(SCALES)) for mode, step in steps.items()}
     assert losses["next_forward"] == losses["none"]
     pipelined, plain = steps["next_forward"], steps["none"]

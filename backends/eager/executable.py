@@ -1,11 +1,12 @@
 """The eager executable: a program bound to one runtime context, run as fx's generated Python.
 
 Binding copies the program's graph and points every zerocc op node at the implementation of
-this executable's :class:`~zerocc.backends.eager.ops.EagerOps`: a start op is told its node's
-name, and a ``wait`` the name of the start it completes, so handles in flight are keyed by
-node, never by a tensor's address. The generated code drops each intermediate after its last
-use, as the program's own would. Nodes keep the program's names and ``meta``, so interpreting
-:attr:`EagerExecutable.gm` node by node (profiling, calibration) reads as the program does.
+this executable's :class:`~zerocc.backends.eager.ops.EagerOps`: a start op (and an update on
+the host stream) is told its node's name, and a ``wait`` the name of the start it completes,
+so handles in flight are keyed by node, never by a tensor's address. The generated code drops
+each intermediate after its last use, as the program's own would. Nodes keep the program's
+names and ``meta``, so interpreting :attr:`EagerExecutable.gm` node by node (profiling,
+calibration) reads as the program does.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def bind(program: fx.GraphModule, ops: EagerOps) -> fx.GraphModule:
             continue
         if getattr(ops, name, None) is None:
             raise NotImplementedError(f"the eager backend has no implementation of zerocc.{name}")
-        if name in STARTS or info(node).stream == Stream.HOST and name != "host_wait":
+        host_update = info(node).stream == Stream.HOST and name != "host_wait"
+        if name in STARTS or host_update:  # (a host update is issued to the host's worker)
             node.kwargs = {**node.kwargs, "started": node.name}
         elif name == "wait":
             start = node.args[0]

@@ -23,8 +23,9 @@ pass) on "host". The host's work holds the compute stream as it runs: the runtim
 the thread that issues the device's work, which waits meanwhile. An update on the **host
 stream** (a pipelined offload carries it into the next step: it runs on the host's worker) is
 issued instead: it runs on "host" from ``max(issue time, host free)``, in the order issued, and
-its ``host_wait`` advances the compute stream to its end, the difference exposed. A pipelined
-program begins with the last step's updates, so one run of it is the steady state.
+its ``host_wait`` advances the compute stream to its end (the difference counted as
+``host_waited_s``, not as exposed communication). A pipelined program begins with the last
+step's updates, so one run of it is the steady state.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class _Replay:
         self.cost, self.steal, self.issue_s, self.rank = cost, steal, issue_s, rank
         self.compute = 0.0  # when the compute stream is next free
         self.free = {"comm": 0.0, "copy": 0.0, "host": 0.0}  # when each other stream is
-        self.stream_busy = {"comm": 0.0, "copy": 0.0, "host": 0.0}
+        self.stream_busy = {"comm": 0.0, "copy": 0.0}
         self.host_done: dict[str, float] = {}  # a host-stream update (its name) -> its end
         self.busy = self.exposed = self.stolen = self.host = self.host_waited = 0.0
         self.events: list[TraceEvent] = []
@@ -185,7 +186,6 @@ class _Replay:
         duration = self.cost(node)
         begin = max(self.compute, self.free["host"])
         self.free["host"] = self.host_done[node.name] = begin + duration
-        self.stream_busy["host"] += duration
         self.host += duration
         if duration:
             self.events.append(_event(self.rank, node, begin, duration, "host"))
