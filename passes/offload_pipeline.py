@@ -82,13 +82,15 @@ def carried_program(gm: fx.GraphModule) -> fx.GraphModule | None:
 class _Carried:
     """One unit's carried update and what follows it: the ``source`` its compute copy is
     copied from (a view of a host buffer the update writes, or its master), that copy
-    (``back``, completed by ``back_wait``) into ``param``, the wait for the update."""
+    (``back``, completed by ``back_wait``) into ``param``, the wait for the update. An update
+    that writes the compute weights themselves (fp32 states and parameters together on the
+    host) has no copy: ``back`` is None, ``param`` its weights."""
 
     update: fx.Node
     view: fx.Node | None
     source: fx.Node
-    back: fx.Node
-    back_wait: fx.Node
+    back: fx.Node | None
+    back_wait: fx.Node | None
     fills: list[fx.Node]  # this step's copies into the buffers the update reads
     host_wait: fx.Node | None = None
 
@@ -98,7 +100,12 @@ class _Carried:
 
     @property
     def param(self) -> fx.Node:
-        return self.back.args[0]
+        return self.back.args[0] if self.back is not None else self.source
+
+    @property
+    def after_wait(self) -> list[fx.Node]:
+        """What follows the wait for the update: the copy of its result, when there is one."""
+        return [self.back, self.back_wait] if self.back is not None else []
 
 
 class _Carrier:
@@ -204,15 +211,19 @@ class _Carrier:
         view = args[layout["copy"]]
         source = view if view is not None else args[0]
         back = next(
-            u
-            for u in source.users
-            if op_name(u.target) == "zerocc.copy_into_start" and u.args[1] is source
+            (
+                u
+                for u in source.users
+                if op_name(u.target) == "zerocc.copy_into_start" and u.args[1] is source
+            ),
+            None,
         )
-        (back_wait,) = back.users
-        for node in (update, back, back_wait, *([view] if view is not None else [])):
+        back_wait = next(iter(back.users)) if back is not None else None
+        carried = _Carried(update, view, source, back, back_wait, fills)
+        for node in (update, *carried.after_wait, *([view] if view is not None else [])):
             info(node).carried = True
         info(update).stream = Stream.HOST
-        return _Carried(update, view, source, back, back_wait, fills)
+        return carried
 
     def _wait_for(self, carried: _Carried) -> None:
         """Wait for the update at the insertion point; its compute copy reads what the wait
@@ -229,7 +240,8 @@ class _Carrier:
             note=f"{carried.unit}'s update of the step before is done",
         )
         back = carried.back
-        back.args = (back.args[0], carried.host_wait, *back.args[2:])
+        if back is not None:
+            back.args = (back.args[0], carried.host_wait, *back.args[2:])
 
     def _body_users(self, node: fx.Node) -> list[fx.Node]:
         """The nodes of this step (not carried) that read ``node``, in program order."""
@@ -269,8 +281,8 @@ class _Carrier:
             use = first_use[carried]
             with self.graph.inserting_before(use):
                 self._wait_for(carried)
-            use.prepend(carried.back)
-            use.prepend(carried.back_wait)
+            for node in carried.after_wait:
+                use.prepend(node)
 
     def _after_all(self, nodes: list[fx.Node]) -> fx.Node:
         """The node right after the last of ``nodes`` (the body's first when there are none)."""
@@ -299,6 +311,8 @@ class _Carrier:
             if not slot.users:
                 self.graph.erase_node(slot)
         for carried in updates:
+            if carried.back is None:  # (the plan refuses it: the step reads those weights)
+                raise InvariantError(f"{carried.update.name}: a delayed update needs a copy")
             with self.graph.inserting_before(carried.fills[0]):
                 self._wait_for(carried)
             # The compute copy is written after the step's last read of the weights (a gather

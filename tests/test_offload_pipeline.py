@@ -54,21 +54,31 @@ def threaded(request, monkeypatch) -> bool:
     return request.param
 
 
+FP32 = {"on_nonfinite": "skip"}
+
+
 @pytest.mark.parametrize(
-    "offload",
-    [{}, {"params": "cpu", "ratio": 0.5}, {"optimizer": SGD}, {"kernels": "one-pass"}],
-    ids=["all", "half-params-on-host", "sgd", "one-pass"],
+    "change",
+    [
+        {},
+        {"offload": {"params": "cpu", "ratio": 0.5}},
+        {"optimizer": SGD},
+        {"backend": {"kernels": "one-pass"}},
+        # No compute copy: the update writes the fp32 weights, on the host with its states.
+        {"offload": {"params": "cpu"}, "precision": FP32},
+    ],
+    ids=["all", "half-params-on-host", "sgd", "one-pass", "fp32-params-on-host"],
 )
-def test_next_forward_trains_bit_identically_to_the_plan_without_it(offload, threaded):
+def test_next_forward_trains_bit_identically_to_the_plan_without_it(change, threaded):
     """bf16 compute copies written by the carried updates through two host buffers, a clip,
     and a step skipped for a non-finite loss (its carried update must write nothing); the
     one-pass loop (a GPU machine's host update, compiled) called from the worker's thread."""
-    offload = dict(offload)
-    backend = {"kernels": offload.pop("kernels")} if "kernels" in offload else {}
-    steps = {
-        mode: _step({**_plan(mode, **offload), "backend": backend})
-        for mode in ("none", "next_forward")
-    }
+
+    def plan(mode: str) -> dict:
+        base = _plan(mode, change.get("optimizer", ADAMW), **change.get("offload", {}))
+        return {**base, **{k: v for k, v in change.items() if k not in ("optimizer", "offload")}}
+
+    steps = {mode: _step(plan(mode)) for mode in ("none", "next_forward")}
     losses = {mode: _train(step, 0, len(SCALES)) for mode, step in steps.items()}
     assert losses["next_forward"] == losses["none"]
     pipelined, plain = steps["next_forward"], steps["none"]
@@ -141,6 +151,10 @@ PIPELINED = {"optimizer": "cpu", "pipeline": "next_forward"}
             "offload.optimizer: cpu",
         ),
         ({"offload": {"params": "cpu", "pipeline": "delayed"}}, "offload.optimizer: cpu"),
+        (
+            {"offload": {"optimizer": "cpu", "params": "cpu", "pipeline": "delayed"}},
+            "a compute copy apart from the weights the update writes",
+        ),
     ],
 )
 def test_a_pipeline_the_plan_cannot_hold_is_a_plan_error(plan, message):

@@ -1026,6 +1026,14 @@ class Plan(_Section):
                 "grad_accumulation: 1 (with more micro-batches the update is a small share "
                 "of the step already)": self.grad_accumulation == 1,
             }
+            precision = self.precision
+            if offload.pipeline == "delayed" and offload.params == offload.optimizer:
+                # No compute copy apart from the weights the update writes (fp32 states and
+                # parameters together): the step would read them while the update writes.
+                needs["a compute copy apart from the weights the update writes (precision.param "
+                      "below precision.master, or offload.params: none)"] = (
+                    precision.dtype("param") != precision.dtype("master")
+                )  # fmt: skip
             missing = [need for need, met in needs.items() if not met]
             if missing:
                 raise ValueError(
