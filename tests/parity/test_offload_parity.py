@@ -62,6 +62,8 @@ CASES = [
     {"model": "unused", "stage": 3, "precision": BF16, "offload": CPU},
     # Host updates carried into the next step, waited for before each unit's first gather.
     {"model": "gpt", "stage": 3, "offload": {**CPU, "pipeline": "next_forward"}},
+    {"model": "unused", "stage": 3, "precision": BF16,
+     "offload": {**CPU, "pipeline": "next_forward"}},
     # fp32 states and parameters together: the carried update writes the weights themselves.
     {"model": "gpt", "stage": 3, "offload": {**CPU, "params": "cpu", "pipeline": "next_forward"}},
     {"model": "gpt", "stage": 3, "precision": BF16, "optimizer": CLIPPED,
