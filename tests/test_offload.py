@@ -312,7 +312,9 @@ def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_say
     assert estimate(inspect_plan(plan, 1, workload(**small))).peak["host_buffers"] == held
 
 
-@pytest.mark.parametrize("kernels", ["torch", "one-pass"])
+@pytest.mark.parametrize(
+    "kernels", ["torch", "one-pass", pytest.param("triton", marks=needs_triton)]
+)
 def test_a_skipped_step_keeps_the_compute_copies_of_offloaded_units(kernels):
     """bf16 parameters on the device, the update on the host writing their copies into two
     host buffers used in turn: a step skipped for a non-finite loss writes no weight, yet

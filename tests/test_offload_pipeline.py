@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from models import _gpt_batch, tiny_gpt
+from optional_deps import needs_triton
 
 import zerocc
 from zerocc.errors import PlanError
@@ -64,10 +65,12 @@ FP32 = {"on_nonfinite": "skip"}
         {"offload": {"params": "cpu", "ratio": 0.5}},
         {"optimizer": SGD},
         {"backend": {"kernels": "one-pass"}},
+        # Triton's (interpreted): its first carried update, skipped, writes the copy too.
+        pytest.param({"backend": {"kernels": "triton"}}, marks=needs_triton),
         # No compute copy: the update writes the fp32 weights, on the host with its states.
         {"offload": {"params": "cpu"}, "precision": FP32},
     ],
-    ids=["all", "half-params-on-host", "sgd", "one-pass", "fp32-params-on-host"],
+    ids=["all", "half-params-on-host", "sgd", "one-pass", "triton", "fp32-params-on-host"],
 )
 def test_next_forward_trains_bit_identically_to_the_plan_without_it(change, threaded):
     """bf16 compute copies written by the carried updates through two host buffers, a clip,

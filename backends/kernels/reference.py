@@ -13,9 +13,7 @@ Conventions shared by every kernel set:
   ``param`` and the states are not written, as ``GradScaler.step`` skips ``optimizer.step()``.
 - ``param_copy`` (same numel as ``param``, usually bf16/fp16) receives ``param`` cast to its
   dtype, updated or (skipped) not: the compute copy the next all-gather sends, or a host buffer
-  the offload pass copies it from, which other units' copies went through before. (The Triton
-  kernels, which update only on the device, where ``param_copy`` is the compute copy and holds
-  ``param`` already, leave it on a skipped update.)
+  the offload pass copies it from, which other units' copies went through before.
 - ``step`` is the 1-based count of applied updates (an int64 0-dim tensor, on the CPU).
 """
 

@@ -13,8 +13,9 @@ What else is fused:
 - ``grad_scale`` and ``grad_coef`` (the clip coefficient) are applied in registers. The scalars
   that depend on the step (bias corrections) are computed on the host from the CPU ``step``.
 - ``grad_coef`` and ``found_inf`` stay on the device: the kernel loads them, so nothing waits
-  for the GPU. When ``found_inf`` is nonzero every load and store is masked off: the step is
-  skipped without a host sync (the reference's ``.item()`` is one).
+  for the GPU. When ``found_inf`` is nonzero every load and store is masked off but the
+  weights' and ``param_copy``'s (written from the weights as they are, the kernel-set
+  convention): the step is skipped without a host sync (the reference's ``.item()`` is one).
 - ``unscale_check_`` multiplies and tests for inf/NaN in the same pass; ``nonfinite_flags``
   tests for inf/NaN and sums the squares for the clip in one read; ``pack`` casts while it
   copies, and zeroes only the holes and the tail instead of the whole buffer.
@@ -84,16 +85,18 @@ def _adamw_kernel(
     LERP_FROM_END: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    if HAS_FOUND_INF:
-        # A skipped step masks every load and store off. (Not `mask & (found == 0)`: Triton's
-        # interpreter splats a scalar comparison back to float and rejects the `&`.)
-        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    whole = offs < n  # the copy's elements: written whether the step is skipped or not
+    if HAS_FOUND_INF:
+        # A skipped step masks every other load and store off. (Not `whole & (found == 0)`:
+        # Triton's interpreter splats a scalar comparison back to float and rejects the `&`.)
+        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
     mask = offs < n
-    p = tl.load(param_ptr + offs, mask=mask)
+    p0 = tl.load(param_ptr + offs, mask=whole if HAS_COPY else mask)
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32) * grad_scale
     if HAS_COEF:
         g = g * tl.load(coef_ptr)
+    p = p0
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
 
@@ -111,8 +114,8 @@ def _adamw_kernel(
     tl.store(param_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if HAS_COPY:
-        tl.store(copy_ptr + offs, _cast(p, copy_ptr.dtype.element_ty), mask=mask)
+    if HAS_COPY:  # the update's weights, or (skipped) the weights as they are
+        tl.store(copy_ptr + offs, _cast(tl.where(mask, p, p0), copy_ptr.dtype.element_ty), whole)
 
 
 @triton.jit
@@ -135,11 +138,13 @@ def _sgd_kernel(
     HAS_DECAY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    if HAS_FOUND_INF:
-        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)  # skipped: nothing loaded or stored
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    whole = offs < n  # the copy's elements, as in the AdamW kernel
+    if HAS_FOUND_INF:
+        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)  # skipped: only the copy is written
     mask = offs < n
-    p = tl.load(param_ptr + offs, mask=mask)
+    p0 = tl.load(param_ptr + offs, mask=whole if HAS_COPY else mask)
+    p = p0
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32) * grad_scale
     if HAS_COEF:
         g = g * tl.load(coef_ptr)
@@ -154,7 +159,7 @@ def _sgd_kernel(
 
     tl.store(param_ptr + offs, p, mask=mask)
     if HAS_COPY:
-        tl.store(copy_ptr + offs, _cast(p, copy_ptr.dtype.element_ty), mask=mask)
+        tl.store(copy_ptr + offs, _cast(tl.where(mask, p, p0), copy_ptr.dtype.element_ty), whole)
 
 
 @triton.jit

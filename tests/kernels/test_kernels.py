@@ -121,11 +121,12 @@ def test_adamw_small_beta1_lerps_from_the_other_end():
 
 
 @pytest.mark.parametrize("n", [1, 5003])
-def test_adamw_skips_on_found_inf(n):
+def test_adamw_skips_on_found_inf_and_writes_the_copy_of_the_weights_as_they_are(n):
+    """Nothing but the copy is written: it may be a host buffer other units' copies went
+    through (the kernel-set convention, see reference.py)."""
     state = _adamw_state(n, torch.bfloat16, seed=n)
     ours = _clone(state)
     copy = _randn(n, seed=99, dtype=torch.bfloat16)
-    copy_before = copy.clone()
     triton_kernels.adamw_(
         **ours,
         step=torch.tensor(1),
@@ -141,7 +142,7 @@ def test_adamw_skips_on_found_inf(n):
     )
     for name, tensor in state.items():
         _assert_bit_identical(ours[name], tensor)
-    _assert_bit_identical(copy, copy_before)
+    _assert_bit_identical(copy, state["param"].to(torch.bfloat16))
 
 
 SGD_OPTIONS = {  # momentum (None: no buffer), first step (zero buffer), grad_coef, decay, copy
@@ -183,7 +184,7 @@ def test_sgd_matches_reference(n, grad_dtype, options):
         _assert_bit_identical(copies["ours"], ours["param"].to(copy_dtype))
 
 
-def test_sgd_skips_on_found_inf():
+def test_sgd_skips_on_found_inf_and_writes_the_copy_of_the_weights_as_they_are():
     n = 3000
     state = {"param": _randn(n, 0), "grad": _randn(n, 1), "momentum_buffer": _randn(n, 2)}
     ours = _clone(state)
@@ -200,7 +201,7 @@ def test_sgd_skips_on_found_inf():
     )
     for name, tensor in state.items():
         _assert_bit_identical(ours[name], tensor)
-    assert not copy.any()
+    _assert_bit_identical(copy, state["param"].to(torch.bfloat16))
 
 
 def test_optimizers_reject_non_contiguous_tensors():
