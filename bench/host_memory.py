@@ -31,6 +31,8 @@ PLANS = {
     "opt-cpu one-pass": {"offload": {"optimizer": "cpu"}, "kernels": "one-pass"},
     "opt-par-cpu": {"offload": {"optimizer": "cpu", "params": "cpu"}},
     "opt-cpu r0.5": {"offload": {"optimizer": "cpu", "ratio": 0.5}},
+    # A compute-copy host buffer per unit (2 bytes per element) beside the gradients' buffers.
+    "opt-cpu delayed": {"offload": {"optimizer": "cpu", "pipeline": "delayed"}},
 }
 MB = 2**20
 
