@@ -207,15 +207,16 @@ def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
 
 
 def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
-    """ZeRO-Offload's delayed parameter update, fp32, one micro-batch per step: step s computes
-    its gradient on the weights the model had before step s-1's update, while that update
+    """ZeRO-Offload's delayed parameter update, fp32: step s computes its gradient (over its
+    micro-batches) on the weights the model had before step s-1's update, while that update
     (step s-1's gradient, clipped by its own norm) is applied to the master weights, which the
-    model gets after step s's backward. The last step's update is applied at the end."""
+    model gets after step s's last backward. The last step's update is applied at the end."""
     cfg = plan_of(case)["optimizer"]
     master = copy.deepcopy(model)
     params = [p for p in master.parameters() if p.requires_grad]
     opt = _optimizer(case, params)
-    world, losses = data_ranks(case), [[] for _ in range(data_ranks(case))]
+    world, k = data_ranks(case), case.get("accum", 1)
+    losses: list[list[float]] = [[] for _ in range(world)]
     pending: list[torch.Tensor | None] | None = None
 
     def apply(grads: list[torch.Tensor | None]) -> None:
@@ -227,10 +228,11 @@ def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
 
     for s in range(case.get("steps", 5)):
         model.zero_grad()
-        for r in range(world):
-            loss = loss_of(model(*_on_device(case, batch_of(case, s, r))))
-            losses[r].append(float(loss.detach()))
-            (loss / world).backward()
+        for micro in range(k):
+            for r in range(world):
+                loss = loss_of(model(*_on_device(case, batch_of(case, s * k + micro, r))))
+                losses[r].append(float(loss.detach()))
+                (loss / (world * k)).backward()
         grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
         if pending is not None:
             apply(pending)

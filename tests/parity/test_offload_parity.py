@@ -73,6 +73,9 @@ CASES = [
 DELAYED = [
     {"model": "gpt", "stage": 3, "world": 2, "steps": 4, "optimizer": CLIPPED,
      "offload": {**CPU, "pipeline": "delayed"}},
+    # Two micro-batches a step: the step's gradient on the weights before the last update.
+    {"model": "gpt", "stage": 3, "world": 2, "steps": 3, "accum": 2, "precision": {},
+     "offload": {**CPU, "pipeline": "delayed"}},
 ]  # fmt: skip
 
 

@@ -775,8 +775,8 @@ class OffloadConfig(_Section):
         "unit's first gather: the same numbers as 'none'. 'delayed' (ZeRO-Offload's delayed "
         "parameter update): beside the next step's forward and backward, its weights first "
         "used a step later: the gradients are one step stale (numerics change). A save, "
-        "state_dict or evaluate applies the update in flight first. Stage 3, one micro-batch "
-        "per step",
+        "state_dict or evaluate applies the update in flight first. Stage 3; next_forward "
+        "with one micro-batch per step",
     )
     nvme_path: PathStr | None = Field(
         None,
@@ -1023,8 +1023,10 @@ class Plan(_Section):
                 ),
                 "zero.stage: 3 (stages 1-2 all-gather the updated weights at the end of the "
                 "step, a collective a carried update cannot hold)": stage == 3,
-                "grad_accumulation: 1 (with more micro-batches the update is a small share "
-                "of the step already)": self.grad_accumulation == 1,
+                "grad_accumulation: 1 (a step's first micro-batches would compute on the "
+                "weights before the update its last one waits for; 'delayed' takes more)": (
+                    self.grad_accumulation == 1 or offload.pipeline == "delayed"
+                ),
             }
             precision = self.precision
             if offload.pipeline == "delayed" and offload.params == offload.optimizer:
