@@ -5,6 +5,7 @@ to stop, as schedulers do before preemption), and print the summary on rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -26,9 +27,12 @@ def train_rank(plan: Plan, steps: int) -> int:
     peers it found silent) goes to the rank's report (`zerocc.runtime.launch.report`)."""
     from zerocc.runtime.rank import joined_group
 
-    with joined_group(plan) as (rank, world_size):
+    # The step's groups close before the default group goes, on an error too (the error's
+    # traceback would keep them alive into the interpreter's exit, where gloo's threads can
+    # abort the process: a failed rank then dies of SIGABRT, not of its error).
+    with joined_group(plan) as (rank, world_size), contextlib.ExitStack() as closing:
         try:
-            return _train_steps(plan, steps, rank, world_size)
+            return _train_steps(plan, steps, rank, world_size, closing)
         except BaseException as exc:
             silent = [vars(p) for p in getattr(exc, "silent", [])]
             report(error=f"{type(exc).__name__}: {exc}".splitlines()[0], silent=silent)
@@ -54,7 +58,9 @@ class _StopRequest:
         return self.enabled and any(step.comm.all_gather_object(self.signalled))
 
 
-def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
+def _train_steps(
+    plan: Plan, steps: int, rank: int, world_size: int, closing: contextlib.ExitStack
+) -> int:
     from tqdm import tqdm
 
     import zerocc
@@ -64,6 +70,7 @@ def _train_steps(plan: Plan, steps: int, rank: int, world_size: int) -> int:
 
     workload = load_workload(plan)
     step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
+    closing.callback(step.comm.close)
     device = step.device  # this rank's: cuda:LOCAL_RANK or cpu
     checkpoint = plan.checkpoint
     if checkpoint.resume:
