@@ -189,21 +189,29 @@ def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(case, params)
     scheduler = _scheduler(case, opt)
-    world, k = data_ranks(case), case.get("accum", 1)
-    losses: list[list[float]] = [[] for _ in range(world)]
+    losses: list[list[float]] = [[] for _ in range(data_ranks(case))]
     for s in range(case.get("steps", 5)):
         opt.zero_grad()
-        for micro in range(k):
-            for r in range(world):
-                loss = loss_of(model(*_on_device(case, batch_of(case, s * k + micro, r))))
-                losses[r].append(float(loss.detach()))
-                (loss / (world * k)).backward()
+        _backward_step(case, model, s, losses)
         if cfg.get("grad_clip"):
             torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
         opt.step()
         if scheduler:
             scheduler.step()
     return losses, model.state_dict()
+
+
+def _backward_step(
+    case: dict[str, Any], model: torch.nn.Module, s: int, losses: list[list[float]]
+) -> None:
+    """Forward and backward of step ``s``'s micro-batches of every rank, each loss scaled by
+    1/(ranks × micro-batches) into ``model``'s gradients and recorded in ``losses[rank]``."""
+    world, k = data_ranks(case), case.get("accum", 1)
+    for micro in range(k):
+        for r in range(world):
+            loss = loss_of(model(*_on_device(case, batch_of(case, s * k + micro, r))))
+            losses[r].append(float(loss.detach()))
+            (loss / (world * k)).backward()
 
 
 def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
@@ -215,8 +223,7 @@ def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
     master = copy.deepcopy(model)
     params = [p for p in master.parameters() if p.requires_grad]
     opt = _optimizer(case, params)
-    world, k = data_ranks(case), case.get("accum", 1)
-    losses: list[list[float]] = [[] for _ in range(world)]
+    losses: list[list[float]] = [[] for _ in range(data_ranks(case))]
     pending: list[torch.Tensor | None] | None = None
 
     def apply(grads: list[torch.Tensor | None]) -> None:
@@ -228,11 +235,7 @@ def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
 
     for s in range(case.get("steps", 5)):
         model.zero_grad()
-        for micro in range(k):
-            for r in range(world):
-                loss = loss_of(model(*_on_device(case, batch_of(case, s * k + micro, r))))
-                losses[r].append(float(loss.detach()))
-                (loss / (world * k)).backward()
+        _backward_step(case, model, s, losses)
         grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
         if pending is not None:
             apply(pending)
