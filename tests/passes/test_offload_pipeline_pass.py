@@ -7,11 +7,11 @@ import pytest
 from torch import fx
 
 import zerocc
-from passes.offload_pipeline import carried_program
 from zerocc.cost.simulate import simulate
 from zerocc.inspect.estimate import inspect_plan
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import info, op_kind, op_name
+from zerocc.passes.offload_pipeline import carried_program
 
 
 def _program(pipeline: str) -> fx.GraphModule:
