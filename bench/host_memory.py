@@ -6,8 +6,10 @@ For each plan it prints the model states by pool (what ``step.state_bytes_by_loc
 measures), the copies' host buffers (``step.transfers.host_buffers``), the predicted peak of
 the step (states + the memory check's ``step_need``: activations, gathered units, host
 buffers) and the measured peak: ``VmHWM`` over steps 2-4 above the resident set before
-``zerocc.compile``, and ``measured / predicted``. On a GPU machine (``--device cuda``) the
-device's states are not host memory: the prediction counts host memory only.
+``zerocc.compile``, ``measured / predicted`` and ``measured / states`` (the issue's goal:
+at most 1.1 plus a constant on a GPU machine). On a GPU machine (``--device cuda``) the
+device's states are not host memory: the prediction and the states count host memory only (on
+the CPU they count the device's too, and the activations are host memory as well).
 
     python bench/host_memory.py                       # the plans below, CPU
     python bench/host_memory.py --layers 24 --device cuda
@@ -33,6 +35,8 @@ PLANS = {
     "opt-cpu r0.5": {"offload": {"optimizer": "cpu", "ratio": 0.5}},
     # A compute-copy host buffer per unit (2 bytes per element) beside the gradients' buffers.
     "opt-cpu delayed": {"offload": {"optimizer": "cpu", "pipeline": "delayed"}},
+    # Gradients kept on the device until their updates: two units' host buffers, not all.
+    "opt-cpu grads-dev": {"offload": {"optimizer": "cpu", "grads": "device"}},
 }
 MB = 2**20
 
@@ -76,7 +80,7 @@ predicted = host_states + sum(need.get("host", {{}}).values())
 print(json.dumps({{
     "params": params, "device_states": states["device"]["total"],
     "host_states": states["host"]["total"], "host_buffers": step.transfers.host_buffers.nbytes,
-    "predicted": predicted, "measured": status("VmHWM") - base,
+    "predicted": predicted, "states": host_states, "measured": status("VmHWM") - base,
 }}))
 """
 
@@ -100,14 +104,15 @@ def main() -> None:
     rows = [run(name, PLANS[name], args.layers, args.device) for name in args.plans]
     print(f"\nhost memory of an offloaded step, GPT {args.layers} x 768, {args.device}")
     print(f"{'plan':<18}{'dev MiB':>9}{'host MiB':>10}{'buffers':>9}{'predicted':>11}"
-          f"{'measured':>10}{'meas/pred':>10}")  # fmt: skip
+          f"{'measured':>10}{'meas/pred':>10}{'meas/states':>12}")  # fmt: skip
     for r in rows:
         if "error" in r:
             print(f"{r['plan']:<18} {r['error']}")
             continue
         print(f"{r['plan']:<18}{r['device_states'] / MB:>9.1f}{r['host_states'] / MB:>10.1f}"
               f"{r['host_buffers'] / MB:>9.1f}{r['predicted'] / MB:>11.1f}"
-              f"{r['measured'] / MB:>10.1f}{r['measured'] / r['predicted']:>10.3f}")  # fmt: skip
+              f"{r['measured'] / MB:>10.1f}{r['measured'] / r['predicted']:>10.3f}"
+              f"{r['measured'] / r['states']:>12.3f}")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out / f"host-memory-{args.device}-{stamp}.json"

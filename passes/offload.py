@@ -8,14 +8,17 @@ program, so its copies are placed against the final order of compute and communi
   host memory (or read from their files into host buffers) and its update runs on the host.
   The reduced gradient shard is copied to the host right after its last write (the accumulation
   of the reduce-scatter's result: the copy hides behind the rest of backward); the clip
-  coefficient and overflow flag follow. The updated master is then copied into the
-  compute-dtype parameter wherever that lives, and stages 1-2 gather it as before. Where the
-  parameter is on the device in a narrower dtype than the master, the host update writes it
-  (its ``param_copy``) into one of two host buffers (``host_buffer``, used in turn: a copy's
-  wait comes before the update two units on writes its buffer again), and that is copied to
-  the device as it is: the cast in the update's own pass, half the bytes on the link. NVMe: a
-  unit's files are read while the previous unit updates (double buffering) and written back
-  while the next one does, so at most two units' states are in host memory at once.
+  coefficient and overflow flag follow. With ``offload.grads: device`` the shard stays on the
+  device instead, and is copied through one of two host buffers (used in turn) right before
+  the update, its copy issued before the previous unit's update so that the two overlap. The
+  updated master is then copied into the compute-dtype parameter wherever that lives, and
+  stages 1-2 gather it as before. Where the parameter is on the device in a narrower dtype
+  than the master, the host update writes it (its ``param_copy``) into one of two host buffers
+  (``host_buffer``, used in turn: a copy's wait comes before the update two units on writes its
+  buffer again), and that is copied to the device as it is: the cast in the update's own pass,
+  half the bytes on the link. NVMe: a unit's files are read while the previous unit updates
+  (double buffering) and written back while the next one does, so at most two units' states
+  are in host memory at once.
 - **Parameters** (stage 3, host or NVMe): the unit's shard lives off the device; before each of
   its all-gathers a device copy is made, issued when the previous offloaded shard's copy is
   consumed (a prefetch of one), and it goes when the gather is done.
@@ -66,7 +69,13 @@ def _transfer(name: str) -> torch._ops.OpOverload:
 class _Offloader:
     """Rewrites one program for the units' placements."""
 
-    def __init__(self, gm: fx.GraphModule, ctx: PassContext, where: dict[str, Placement]) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        ctx: PassContext,
+        where: dict[str, Placement],
+        config: OffloadConfig,
+    ) -> None:
         self.gm, self.graph, self.where = gm, gm.graph, where
         self.solo = ctx.mesh.data_parallel == 1
         self.specs = {s.key: s for s in ctx.layout}  # as placed (`declare_placements`)
@@ -79,12 +88,20 @@ class _Offloader:
             for n in self.graph.nodes
             if op_name(n.target) in UPDATE_ARGS and where[info(n).unit].offloaded
         ]
+        self.grads_on_device = config.grads == "device"
         copies = [u.args[UPDATE_ARGS[op_name(u.target)]["copy"]] for u in self.updates]
-        # Host buffers the host updates write compute copies into (made at the first), in turn.
-        self.staging: list[fx.Node] = []
-        self.staged = 0
-        self.staging_waits: dict[fx.Node, fx.Node] = {}  # buffer -> the wait of its last copy
-        self.largest_copy = max((val(c).numel() for c in copies if c is not None), default=0)
+        self.staging = _HostSlots(
+            self.graph,
+            "offload.staging",
+            max((val(c).numel() for c in copies if c is not None), default=0),
+            "that host updates write compute copies into",
+        )
+        self.grad_slots = _HostSlots(
+            self.graph,
+            "offload.grads",
+            max((val(u.args[1]).numel() for u in self.updates), default=0),
+            "that gradients kept on the device are copied through for their host updates",
+        )
 
     # -- emitting -------------------------------------------------------------------------
 
@@ -210,7 +227,10 @@ class _Offloader:
         for index, node in reads.items():
             args[index] = node
         if placement.optimizer != DEVICE:
-            args[1] = self._gradient_to_host(update, args[1])
+            if self.grads_on_device:
+                args[1] = self._gradient_through_buffer(update, args[1])
+            else:
+                args[1] = self._gradient_to_host(update, args[1])
             for index in layout["scalars"]:
                 scalar = args[index]
                 if isinstance(scalar, fx.Node):
@@ -233,12 +253,7 @@ class _Offloader:
 
     def _gradient_to_host(self, update: fx.Node, grad: fx.Node) -> fx.Node:
         """Copy the reduced gradient to the host right after its last write."""
-        roots = StorageRoots(self.gm)
-        nodes = list(self.graph.nodes)
-        root, last = roots.root[grad], grad
-        for node in nodes[nodes.index(grad) + 1 : nodes.index(update)]:
-            if root in roots.access(node).writes:
-                last = node
+        last = _last_write(self.gm, grad, update)
         unit = info(update).unit
         with self.graph.inserting_before(last.next):
             start = self._start(
@@ -248,6 +263,35 @@ class _Offloader:
                 f"copy {unit}'s reduced gradient to the host once it is complete",
                 unit=unit,
                 phase=info(last).phase or "backward",
+            )
+        info(start).pool = HOST
+        with self.graph.inserting_before(update):
+            return self._wait(start, "optimizer")
+
+    def _gradient_through_buffer(self, update: fx.Node, grad: fx.Node) -> fx.Node:
+        """``offload.grads: device``: copy the reduced gradient, kept on the device, into the
+        next of the two gradient host buffers, issued before the update before this one (which
+        read the buffer two updates ago has finished: host updates without a pipeline run in
+        order on the thread that issues the copies), so the copy runs beside that update."""
+        unit, numel = info(update).unit, val(grad).numel()
+        previous = self.updates.index(update) - 1
+        issue_before = self.updates[previous] if previous >= 0 else update
+        if not _after(issue_before, _last_write(self.gm, grad, update)):
+            issue_before = update
+        buffer, _ = self.grad_slots.take(val(grad).dtype, issue_before)
+        with self.graph.inserting_before(issue_before):
+            where = {"unit": unit, "phase": "optimizer", "pool": HOST}
+            into = emit(self.graph, aten.slice.Tensor, (buffer, 0, 0, numel), **where)
+            if val(grad).dim() != 1:
+                into = emit(self.graph, aten.view.default, (into, list(val(grad).shape)), **where)
+            start = self._start(
+                "copy_into_start",
+                (into, grad, TO_HOST),
+                numel * val(grad).element_size(),
+                f"copy {unit}'s reduced gradient, kept on the device, to a host buffer for "
+                "its update",
+                unit=unit,
+                phase="optimizer",
             )
         info(start).pool = HOST
         with self.graph.inserting_before(update):
@@ -304,7 +348,7 @@ class _Offloader:
         wait = self._wait(start)
         self._sink(start, wait)
         if source is not master:
-            self.staging_waits[source.args[0]] = wait
+            self.staging.last_reader[source.args[0]] = wait
         return []
 
     def _stages(self, update: fx.Node, param: fx.Node, spec: StateSpec) -> bool:
@@ -320,24 +364,7 @@ class _Offloader:
     def _stage(self, update: fx.Node, param: fx.Node) -> fx.Node:
         """The next host buffer's first elements, as many as ``param`` has, made the
         update's ``param_copy``: what the compute copy is copied from."""
-        dtype = val(param).dtype
-        if not self.staging:
-            with self.graph.inserting_before(update):
-                self.staging = [
-                    emit(
-                        self.graph,
-                        torch.ops.zerocc.host_buffer.default,
-                        (self.largest_copy, dtype, f"offload.staging.{i}"),
-                        pool=HOST,
-                        phase="optimizer",
-                        note=f"host buffer {i} of {STAGING_SLOTS} that host updates write "
-                        "compute copies into, in turn",
-                    )
-                    for i in range(STAGING_SLOTS)
-                ]
-        slot = self.staging[self.staged % STAGING_SLOTS]
-        self.staged += 1
-        last = self.staging_waits.get(slot)
+        slot, last = self.staging.take(val(param).dtype, update)
         if last is not None and _after(last, update):
             update.prepend(last)  # the copy that read this buffer ends before it is written
         with self.graph.inserting_before(update):
@@ -412,6 +439,49 @@ class _Offloader:
         return spec is not None and spec.role == PARAM_SHARD and spec.location != DEVICE
 
 
+class _HostSlots:
+    """Host buffers (``host_buffer``, :data:`STAGING_SLOTS` of them, each as large as the
+    largest use, made before the first) that successive units' copies go through in turn."""
+
+    def __init__(self, graph: fx.Graph, name: str, numel: int, purpose: str) -> None:
+        self.graph, self.name, self.numel, self.purpose = graph, name, numel, purpose
+        self.buffers: list[fx.Node] = []
+        self.taken = 0
+        self.last_reader: dict[fx.Node, fx.Node] = {}  # buffer -> what last read it, if kept
+
+    def take(self, dtype: torch.dtype, before: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+        """The next buffer in turn (made before ``before`` at the first call) and what last
+        read it, if the caller recorded that."""
+        if not self.buffers:
+            with self.graph.inserting_before(before):
+                self.buffers = [
+                    emit(
+                        self.graph,
+                        torch.ops.zerocc.host_buffer.default,
+                        (self.numel, dtype, f"{self.name}.{i}"),
+                        pool=HOST,
+                        phase="optimizer",
+                        note=f"host buffer {i} of {STAGING_SLOTS} {self.purpose}, in turn",
+                    )
+                    for i in range(STAGING_SLOTS)
+                ]
+        buffer = self.buffers[self.taken % STAGING_SLOTS]
+        self.taken += 1
+        return buffer, self.last_reader.get(buffer)
+
+
+def _last_write(gm: fx.GraphModule, tensor: fx.Node, before: fx.Node) -> fx.Node:
+    """The last node before ``before`` that writes ``tensor``'s storage (``tensor`` itself if
+    none does)."""
+    roots = StorageRoots(gm)
+    nodes = list(gm.graph.nodes)
+    root, last = roots.root[tensor], tensor
+    for node in nodes[nodes.index(tensor) + 1 : nodes.index(before)]:
+        if root in roots.access(node).writes:
+            last = node
+    return last
+
+
 def _after(node: fx.Node, than: fx.Node) -> bool:
     """Whether ``node`` comes after ``than`` in their graph."""
     cursor = than.next
@@ -438,7 +508,7 @@ def offload(gm: fx.GraphModule, ctx: PassContext, *, config: OffloadConfig) -> f
     where = placements(ctx.units, config)
     if not any(p.offloaded for p in where.values()):
         return gm
-    offloader = _Offloader(gm, ctx, where)
+    offloader = _Offloader(gm, ctx, where, config)
     offloader.place_states()
     offloader.offload_updates()
     offloader.copy_params_in()

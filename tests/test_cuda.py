@@ -44,6 +44,10 @@ def _cases(world: int) -> list[dict]:
     cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu"}})
     cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu", "params": "cpu"},
                   "precision": {"param": "bf16"}})  # fmt: skip
+    # Gradients kept on the GPU until their updates, copied through two pinned host buffers
+    # (the copy of one beside the update of the one before).
+    cases.append({**on_gpu, "stage": 3, "precision": {"param": "bf16"},
+                  "offload": {"optimizer": "cpu", "grads": "device"}})  # fmt: skip
     # Host updates carried into the next step, on the host's worker thread beside the GPU's
     # work; the delayed update against its own reference.
     bf16 = {"param": "bf16"}

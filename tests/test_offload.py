@@ -124,6 +124,11 @@ def test_offloaded_program_says_why_each_copy_is_there():
         ({"zero": {"stage": 2}, "offload": {"params": "cpu"}}, "needs zero.stage: 3"),
         ({"offload": {"optimizer": "nvme"}}, "needs offload.nvme_path"),
         ({"offload": {"ratio": 0}}, "ratio"),
+        ({"offload": {"grads": "device"}}, "offload.optimizer is none"),
+        ({"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "grads": "device",
+                                            "pipeline": "next_forward"}},
+         "offload.grads: device needs offload.pipeline: none"),
+        ({"offload": {"grads": "gpu"}}, "allowed values: 'cpu', 'device'"),
         ({"offload": {"optimizer": "cpu"}, "passes": ["partition", "shard", "optimizer"]},
          "does not list 'offload'"),
     ],
@@ -281,18 +286,22 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     assert predicted.transfers == dict(step.transfers.stats.bytes)  # what the copies moved
 
 
-@pytest.mark.parametrize("pipeline", ["none", "next_forward", "delayed"])
-def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_says(pipeline):
-    """The reduced gradients' host buffers (and the step's scalars', and the two buffers the
-    host updates write compute copies into; delayed: one per unit) are made at the first step
-    and reused by every later one; together they are the host buffers' peak that the estimate
-    (and so the memory check) counts."""
+@pytest.mark.parametrize(
+    "pipeline, grads",
+    [("none", "cpu"), ("next_forward", "cpu"), ("delayed", "cpu"), ("none", "device")],
+)
+def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_says(pipeline, grads):
+    """The reduced gradients' host buffers (grads: device: two, each a unit's, used in turn;
+    and the step's scalars', and the two buffers the host updates write compute copies into;
+    delayed: one per unit) are made at the first step and reused by every later one; together
+    they are the host buffers' peak that the estimate (and so the memory check) counts."""
     from workload import workload
 
     from zerocc.inspect.estimate import estimate, inspect_plan
 
     small = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4}
-    plan = {**_plan(optimizer="cpu", ratio=0.5, pipeline=pipeline),
+    ratio = 1.0 if grads == "device" else 0.5  # device: more units than gradient buffers
+    plan = {**_plan(optimizer="cpu", ratio=ratio, pipeline=pipeline, grads=grads),
             "workload": "workload:workload", "workload_args": small}  # fmt: skip
     work = workload(**small)
     step = zerocc.compile(work.model, plan)
@@ -302,13 +311,16 @@ def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_say
     step(*next(batches))
     again = {key: t.data_ptr() for key, t in step.transfers.host_buffers.buffers.items()}
     assert again == first and len(first) > 1
-    offloaded = offloaded_units(step.units, 0.5)
-    grads = 4 * sum(u.shard_numel for u in offloaded)
-    staging = 2 * 2 * max(u.shard_numel for u in offloaded)  # two bf16 compute-copy buffers
+    offloaded = offloaded_units(step.units, ratio)
+    largest = max(u.shard_numel for u in offloaded)
+    gradients = 4 * sum(u.shard_numel for u in offloaded)  # fp32
+    if grads == "device":
+        gradients = 2 * 4 * largest
+    staging = 2 * 2 * largest  # two bf16 compute-copy buffers
     if pipeline == "delayed":
         staging = 2 * sum(u.shard_numel for u in offloaded)  # one per unit
     held = step.transfers.host_buffers.nbytes
-    assert grads + staging <= held <= grads + staging + 64  # and the step's scalars
+    assert gradients + staging <= held <= gradients + staging + 64  # and the step's scalars
     assert estimate(inspect_plan(plan, 1, workload(**small))).peak["host_buffers"] == held
 
 

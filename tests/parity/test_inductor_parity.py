@@ -31,6 +31,8 @@ FP32 = [
     {"model": "gpt", "stage": 2, "accum": 2},
     {"model": "gpt", "stage": 3},
     {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu"}},  # the update on the host
+    # Its gradients kept on the device, copied through the program's two host buffers.
+    {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "grads": "device"}},
     # Host updates carried into the next step, issued to the host's worker from the graph.
     {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "next_forward"}},
     {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "delayed"}},

@@ -60,6 +60,11 @@ CASES = [
      "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "offload": CPU},
     # A parameter the loss never reaches, its compute copy written from a shared host buffer.
     {"model": "unused", "stage": 3, "precision": BF16, "offload": CPU},
+    # Gradients kept on the device until their updates, copied through two host buffers.
+    {"model": "gpt", "stage": 3, "precision": BF16, "optimizer": CLIPPED,
+     "offload": {**CPU, "grads": "device"}},
+    {"model": "gpt", "stage": 2, "accum": 2,
+     "offload": {**ON_NVME, "ratio": 0.5, "grads": "device"}},
     # Host updates carried into the next step, waited for before each unit's first gather.
     {"model": "gpt", "stage": 3, "offload": {**CPU, "pipeline": "next_forward"}},
     {"model": "unused", "stage": 3, "precision": BF16,

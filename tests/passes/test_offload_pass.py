@@ -74,3 +74,44 @@ def test_host_updates_write_compute_copies_into_two_host_buffers_in_turn(stage):
         (wait,) = copy.users
         if i + 2 < len(updates):
             assert order[wait] < order[updates[i + 2]], (wait.name, updates[i + 2].name)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_kept_on_the_device_go_through_two_host_buffers_one_update_ahead(stage):
+    """offload.grads: device: no gradient is copied during backward; each offloaded update
+    reads its gradient from a view of one of two fp32 host buffers, in turn, copied in on the
+    copy stream after the update two before it (the last one to read that buffer) and issued
+    before the update before it, so that copy and update overlap; waited for right before."""
+    plan = zerocc.load_plan(
+        {
+            "workload": "workload:workload",
+            "zero": {"stage": stage},
+            "units": {"classes": ["Block"]},
+            "precision": {"param": "bf16"},
+            "optimizer": {"grad_clip": 1.0},
+            "offload": {"optimizer": "cpu", "grads": "device"},
+        }
+    )
+    gm = inspect_plan(plan, 2).stepping.gm
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    buffers = [n for n in nodes if op_name(n.target) == "zerocc.host_buffer"]
+    grad_buffers = [b for b in buffers if b.args[2].startswith("offload.grads.")]
+    assert len(grad_buffers) == 2
+    assert all(str(b.meta["val"].dtype) == "torch.float32" for b in grad_buffers)
+    copies = ("zerocc.copy_start", "zerocc.copy_into_start")
+    in_backward = [n for n in nodes if op_name(n.target) in copies and info(n).phase == "backward"]
+    assert not in_backward  # nothing leaves the device during backward
+    updates = [n for n in nodes if op_name(n.target) == "zerocc.adamw_"]
+    assert len(updates) >= 3
+    for i, update in enumerate(updates):
+        wait = update.args[1]
+        copy = wait.args[0]
+        assert op_name(wait.target) == "zerocc.wait" and order[wait] < order[update]
+        assert op_name(copy.target) == "zerocc.copy_into_start"
+        assert copy.args[0].args[0] is grad_buffers[i % 2], update.name
+        assert copy.args[1].meta["val"].device.type == "cpu"  # (the inspection's device)
+        if i >= 1:
+            assert order[copy] < order[updates[i - 1]], (copy.name, updates[i - 1].name)
+        if i >= 2:
+            assert order[updates[i - 2]] < order[copy], (updates[i - 2].name, copy.name)

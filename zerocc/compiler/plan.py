@@ -778,6 +778,18 @@ class OffloadConfig(_Section):
         "state_dict or evaluate applies the update in flight first. Stage 3; next_forward "
         "with one micro-batch per step",
     )
+    grads: Literal["cpu", "device"] = Field(
+        "cpu",
+        description="where the reduced gradient shards of units whose optimizer is offloaded "
+        "wait for their update, which runs after the step's last one is reduced (the overflow "
+        "check and clipping read them all). 'cpu': copied to host buffers as backward reduces "
+        "them, the copies hidden behind backward: host memory of every shard (4 bytes per "
+        "element in fp32), as DeepSpeed's and FSDP2's offload hold. 'device': they stay on the "
+        "device (its memory, as without offload) and each is copied, right before its update, "
+        "through one of two host buffers, the next one's copy running beside the update: host "
+        "memory of two units' shards, for host memory equal to the states. offload.pipeline: "
+        "none",
+    )
     nvme_path: PathStr | None = Field(
         None,
         description="folder for the state files of nvme offload (a fast local disk; a relative "
@@ -1016,6 +1028,19 @@ class Plan(_Section):
             )
         if offload.uses_nvme and not offload.nvme_path:
             raise ValueError("offload to nvme needs offload.nvme_path: a folder on a local disk")
+        if offload.grads == "device":
+            if offload.optimizer == "none":
+                raise ValueError(
+                    "offload.grads: device places the gradients of an offloaded optimizer's "
+                    "update, but offload.optimizer is none; set offload.optimizer: cpu or nvme, "
+                    "or drop offload.grads"
+                )
+            if offload.pipeline != "none":
+                raise ValueError(
+                    "offload.grads: device needs offload.pipeline: none (a pipelined update "
+                    "reads its gradients in the next step, from host buffers kept for it); "
+                    "or set offload.grads: cpu"
+                )
         if offload.pipeline != "none":
             needs = {
                 "offload.optimizer: cpu (the update it carries runs in host memory)": (

@@ -258,6 +258,12 @@ PIPELINE_LINES = {
         "step stale); a save, evaluate or state_dict applies the one in flight"
     ],
 }
+GRADS_LINES = {
+    "cpu": "  reduced gradients copied to host buffers as backward reduces them "
+    "(offload.grads: cpu): host memory of every offloaded shard",
+    "device": "  reduced gradients kept on the device until their updates, each copied through "
+    "one of two host buffers (offload.grads: device)",
+}
 
 
 def offload_lines(step: StepRecord) -> list[str]:
@@ -269,6 +275,7 @@ def offload_lines(step: StepRecord) -> list[str]:
         f"offload: optimizer {step.plan.offload.optimizer}, params {step.plan.offload.params}, "
         f"{len(offloaded)} of {len(step.units)} units (ratio {step.plan.offload.ratio:g})",
         *PIPELINE_LINES.get(step.plan.offload.pipeline, []),
+        *([GRADS_LINES[step.plan.offload.grads]] if step.plan.offload.optimizer != "none" else []),
         f"where the model states live{'':<2}" + "".join(f"{w:>12}" for w in LOCATIONS),
     ]
     for cat in ("params", "grads", "optimizer", "total"):
