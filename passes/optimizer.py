@@ -75,7 +75,7 @@ def optimizer(
 ) -> fx.GraphModule:
     """Insert the non-finite check, clipping, the sharded optimizer update and (stages 1-2) the
     updated-param gather."""
-    grad_shards: dict[str, list[fx.Node]] = {}
+    grad_shards: dict[str, list[fx.Node]] = {}  # in the order backward completes them
     for node in nodes_with_role(gm, GRAD_SHARD):
         grad_shards.setdefault(info(node).unit, []).append(node)
     if not ctx.boundary or not grad_shards:
@@ -87,7 +87,10 @@ def optimizer(
     }
     found_inf = next(iter(nodes_with_role(gm, FOUND_INF)), None)
     like = next(iter(grad_shards.values()))[0].meta["val"]
-    units = [u for u in ctx.units if u.name in grad_shards]
+    # Updated in the order their gradients are complete: a host update's gradient is copied
+    # out in that order, so the first update waits for the first copy, not for all of them.
+    by_name = {u.name: u for u in ctx.units}
+    units = [by_name[name] for name in grad_shards]
     layout = ctx.layout  # as the pass declared it (`declare_optimizer_state`)
     states = {
         u.name: [

@@ -39,12 +39,12 @@ class Program:
         self.costs[start] = seconds
         return tag(start, stream="comm", bytes=nbytes, unit="u")
 
-    def copy(self, seconds: float, direction: str = "to_host") -> fx.Node:
+    def copy(self, seconds: float, direction: str = "to_host", nbytes: int = 2**20) -> fx.Node:
         start = self.graph.call_function(
             zerocc_ops.copy_start.default, (self.x, torch.device("cpu"), direction)
         )
         self.costs[start] = seconds
-        return tag(start, stream="copy", bytes=1000, unit="u")
+        return tag(start, stream="copy", bytes=nbytes, unit="u")
 
     def wait(self, start: fx.Node) -> fx.Node:
         self.last = self.graph.call_function(zerocc_ops.wait.default, (start,))
@@ -95,6 +95,22 @@ def test_copies_run_on_their_own_stream_beside_collectives():
     assert len(sim.collectives) == 1  # copies are not collectives
     tracks = {e.track for e in sim.events}
     assert {"comm", "copy"} <= tracks
+
+
+def test_a_small_copy_runs_as_issued_not_behind_the_bulk_copies():
+    """The step's scalars a host update reads (``INLINE_COPY_BYTES`` at most) are copied on
+    the compute stream, as the runtime does: not queued behind the gradients' copies."""
+    p = Program()
+    bulk = p.copy(5.0)
+    p.compute(1.0)
+    scalars = p.copy(0.001, nbytes=4)
+    p.wait(scalars)  # exposed 0.001: the copy itself, from 1 (behind the bulk: from 5)
+    p.compute(1.0)
+    p.wait(bulk)  # exposed 5 - 2.001
+    sim = simulate(p.module(), p.costs)
+    assert sim.step_s == pytest.approx(5.0) and sim.exposed_s == pytest.approx(3.0)
+    small = next(e for e in sim.events if e.track == "copy" and e.duration_us < 1e4)
+    assert small.start_us == pytest.approx(1e6)
 
 
 def test_the_hosts_work_is_on_its_own_track_and_holds_the_compute_stream():

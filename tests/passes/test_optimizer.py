@@ -60,6 +60,17 @@ def test_one_gradient_reduction_per_unit_of_its_stage(stage, reduction):
     assert sorted(info(n).unit for n in reduced) == sorted(trainable)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_units_are_updated_in_the_order_backward_reduces_their_gradients(stage):
+    """So that a host update (offload), whose gradient is copied out as soon as it is reduced,
+    waits for its own copy only, not for the copies queued before it."""
+    programs, _ = _programs(stage, overlap={"bucket_mb": 0})
+    reduced = [n for n in _ops(programs[True], "reduce_scatter_start")]
+    updates = _ops(programs[True], "adamw_")
+    assert [info(n).unit for n in updates] == [info(n).unit for n in reduced]
+    assert info(updates[0]).unit != "root"  # forward's first unit completes last
+
+
 def test_clipping_and_the_nonfinite_check_read_every_gradient_once():
     programs, _ = _programs(3, optimizer={"grad_clip": 1.0})
     step = programs[True]

@@ -43,6 +43,7 @@ from zerocc.cost.model import TRANSFER, CostModel, DeviceRates, collective_kind,
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import info, op_kind, op_name
+from zerocc.ir.ops import INLINE_COPY_BYTES
 
 STARTS = (OpKind.COLLECTIVE, OpKind.TRANSFER)  # what the comm and copy streams run
 
@@ -208,8 +209,12 @@ class _Replay:
             self.busy += self.issue_s
         copy = node_work(node).kind == TRANSFER
         stream = "copy" if copy else "comm"
-        begin = max(issued, self.free[stream])  # FIFO behind what the stream already has
-        self.free[stream] = end = begin + duration
+        begin = issued
+        if copy and info(node).bytes <= INLINE_COPY_BYTES:  # on the compute stream, as issued
+            end = issued + duration
+        else:
+            begin = max(issued, self.free[stream])  # FIFO behind what the stream already has
+            self.free[stream] = end = begin + duration
         self.stream_busy[stream] += duration
         kind = node.args[-1] if copy else collective_kind(node)
         record = CollectiveRecord(node.name, kind, info(node).unit, info(node).bytes, issued,

@@ -96,6 +96,10 @@ TRANSFER_SCHEMAS = {
 }
 TRANSFER_STARTS = tuple(TRANSFER_SCHEMAS)
 TO_HOST, TO_DEVICE, NVME_READ, NVME_WRITE = "to_host", "to_device", "nvme_read", "nvme_write"
+# A copy of at most this many bytes (the step's clip coefficient and overflow flag, which host
+# updates read) runs in the compute stream's order, not queued behind the copy stream's bulk
+# transfers (every gradient's, issued in backward): the first host update would wait for all.
+INLINE_COPY_BYTES = 64 * 1024
 
 for _schema in (*SCHEMAS.values(), *TRANSFER_SCHEMAS.values()):
     _lib.define(_schema)

@@ -5,10 +5,12 @@ The offload pass moves state with four start/wait ops (``copy_start``, ``copy_in
 names the traffic for :class:`TransferStats`.
 
 A :class:`Transfers` engine runs them, one per rank's step (a backend's executable calls it). On a
-GPU, copies run on one copy stream per device, ordered after the compute stream's work so far;
-waiting on a copy that reads or writes host memory blocks the host (the CPU reads the result
-next, the host optimizer update, or writes the source next, a host buffer used in turn),
-waiting on a copy between devices makes the compute stream wait on an event.
+GPU, copies run on one copy stream per device, ordered after the compute stream's work so far (a
+copy of a few bytes, such as the step's scalars, on the compute stream itself, so that it does
+not queue behind the bulk copies); waiting on a copy that reads or writes host memory blocks
+the host (the CPU reads the result next, the host optimizer update, or writes the source next,
+a host buffer used in turn), waiting on a copy between devices makes the compute stream wait
+on an event.
 On a CPU-only machine copies are a memcpy done inline (the same cores compute; there is nothing
 to overlap) and only NVMe I/O runs in the background, on the store's threads.
 
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from zerocc.ir.ops import CPU
+from zerocc.ir.ops import CPU, INLINE_COPY_BYTES
 from zerocc.runtime.host_memory import HostBuffers, host_empty
 
 
@@ -91,14 +93,18 @@ class Transfers:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Any:
-        """``dst`` receives ``src`` (cast to ``dst``'s dtype)."""
+        """``dst`` receives ``src`` (cast to ``dst``'s dtype); on the copy stream, or a small
+        one (:data:`~zerocc.ir.ops.INLINE_COPY_BYTES`) on the compute stream."""
         self.stats.record(direction, dst)
         gpu = dst if dst.is_cuda else src if src.is_cuda else None
         if gpu is None:
             dst.copy_(src)
             return _Done()
-        stream = self._stream(gpu.device)
-        stream.wait_stream(torch.cuda.current_stream(gpu.device))
+        compute = torch.cuda.current_stream(gpu.device)
+        stream = compute
+        if dst.numel() * dst.element_size() > INLINE_COPY_BYTES:
+            stream = self._stream(gpu.device)
+            stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
