@@ -86,10 +86,11 @@ def _states_need(model: torch.nn.Module, plan: dict, world: int, device=CPU) -> 
     return {pool: sum(parts.values()) for pool, parts in need.items()}
 
 
-def _step_need(plan: dict, world: int) -> int:
-    """What check 2 predicts per rank for the stepping program of ``plan`` (host pool, CPU)."""
-    plan, model = load_plan(plan), build("gpt")
-    gm = compile_program(
+def _step_program(plan, world: int):
+    """The stepping program of ``plan`` (compiled on the CPU, as the estimate does for any
+    device)."""
+    plan, model = load_plan(plan) if isinstance(plan, dict) else plan, build("gpt")
+    return compile_program(
         model,
         describe_model(model),
         plan,
@@ -100,7 +101,11 @@ def _step_need(plan: dict, world: int) -> int:
         world_size=world,
         boundary=True,
     ).gm
-    return sum(memory_check.step_need(gm, CPU)[HOST_POOL].values())
+
+
+def _step_need(plan: dict, world: int) -> int:
+    """What check 2 predicts per rank for the stepping program of ``plan`` (host pool, CPU)."""
+    return sum(memory_check.step_need(_step_program(plan, world), CPU)[HOST_POOL].values())
 
 
 def _fitting_changes(message: str) -> list[str]:
@@ -231,6 +236,34 @@ def test_on_a_gpu_device_states_may_move_to_host_memory(machine):
         changed, ranks = _apply(plan, change, "/unused")
         fitted = _states_need(model, changed, ranks or 2, gpu)
         assert fitted[DEVICE_POOL] <= need[DEVICE_POOL] * 2 // 3
+
+
+def test_host_buffers_that_do_not_fit_may_keep_the_gradients_on_the_gpu(machine):
+    """An offloaded optimizer's step on a GPU whose gradients' host buffers do not fit in host
+    memory: the check proposes offload.grads: device, which fits (the device has room)."""
+    gpu = torch.device("cuda", 0)
+    plan = {**GPT_PLAN, "zero": {"stage": 3}, "offload": {"optimizer": "cpu"}}
+    kept = {**plan, "offload": {"optimizer": "cpu", "grads": "device"}}
+    host = {
+        name: memory_check.step_need(_step_program(p, 2), gpu)[HOST_POOL]["host buffers"]
+        for name, p in (("cpu", plan), ("device", kept))
+    }
+    assert host["device"] < host["cpu"]
+    machine({DEVICE_POOL: 2**40, HOST_POOL: (host["cpu"] + host["device"]) // 2})
+    info, plan_model = describe_model(build("gpt")), load_plan(plan)
+    units = assign_units(info, 2, ["Block"], [], None)
+    layout = plan_layout(plan_model, units)
+    with pytest.raises(InsufficientMemoryError) as raised:
+        memory_check.check_step_memory(
+            _step_program(plan_model, 2),
+            units,
+            layout,
+            plan_model,
+            zerocc.FakeComm(2),
+            gpu,
+            lambda changed: _step_program(changed, 2),
+        )
+    assert "offload.grads: device" in _fitting_changes(str(raised.value))
 
 
 def _too_much_for_two_ranks(rank: int, world: int, per_rank: int) -> None:

@@ -20,6 +20,16 @@ def test_plan_changes_are_valid_plans_one_change_away():
     assert not any("offload" in t for t in _texts(listed, CPU))  # `passes` lacks it: invalid
 
 
+def test_an_offloaded_optimizer_may_keep_its_gradients_on_the_gpu():
+    offloaded = load_plan({"zero": {"stage": 3}, "offload": {"optimizer": "cpu"}})
+    assert "offload.grads: device" in _texts(offloaded, torch.device("cuda", 0))
+    assert "offload.grads: device" not in _texts(offloaded, CPU)  # the same memory
+    pipelined = load_plan(
+        {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "pipeline": "next_forward"}}
+    )
+    assert "offload.grads: device" not in _texts(pipelined, torch.device("cuda", 0))  # invalid
+
+
 def _texts(plan, device) -> list[str]:
     return [c.text for c in plan_changes(plan, device, recompute=True)]
 

@@ -36,11 +36,13 @@ def plan_changes(plan: Plan, device: torch.device, *, recompute: bool) -> list[P
     """Valid plans that need less memory than ``plan``, each one change away: recomputation
     (``recompute``), a higher stage, optimizer offload, and optimizer and parameter offload at
     stage 3, to host memory (on a GPU only: on a CPU-only machine it is the same memory) or to
-    NVMe."""
+    NVMe; and an offloaded optimizer's gradients kept on the GPU (less host memory)."""
     stage, offload = plan.zero.stage, plan.offload
     options: list[dict[str, Any]] = []
     if recompute:
         options.append({"checkpointing.units": "all"})
+    if offload.optimizer != "none" and device.type == "cuda":
+        options.append({"offload.grads": "device"})
     options += [{"zero.stage": s} for s in range(stage + 1, 4)]
     for where in ("cpu", "nvme") if device.type == "cuda" else ("nvme",):
         ratio = {"offload.ratio": 1.0} if offload.enabled else {}
