@@ -270,9 +270,10 @@ class _Offloader:
 
     def _gradient_through_buffer(self, update: fx.Node, grad: fx.Node) -> fx.Node:
         """``offload.grads: device``: copy the reduced gradient, kept on the device, into the
-        next of the two gradient host buffers, issued before the update before this one (which
-        read the buffer two updates ago has finished: host updates without a pipeline run in
-        order on the thread that issues the copies), so the copy runs beside that update."""
+        next of the two gradient host buffers, issued right before the previous unit's update
+        so that the copy runs beside it. The update two back, the last to read that buffer, has
+        finished by then: host updates without a pipeline run in order on the thread that
+        issues the copies."""
         unit, numel = info(update).unit, val(grad).numel()
         previous = self.updates.index(update) - 1
         issue_before = self.updates[previous] if previous >= 0 else update
