@@ -9,8 +9,9 @@
 #              unsharded torch, eager and compiled (SYSTEMS overrides the list)
 #   host       bench/host_update.py (the host's update loop against torch and a copy) and
 #              bench/host_memory.py --device cuda (host memory of offloaded steps, pinned)
-#   offload    bench/offload.py --gpu: a 1.3B GPT offloaded (issue 22's run), plain and with
-#              offload.pipeline, measured and predicted (OFFLOAD_SYSTEMS overrides the list)
+#   offload    bench/offload.py --gpu: a 1.3B GPT offloaded (issue 22's run), plain, with
+#              offload.pipeline and offload.grads: device, measured and predicted
+#              (OFFLOAD_SYSTEMS overrides the list)
 #
 # Usage: bench/gpu.sh OUT_DIR [STEP ...]   (default: every step, in the order above)
 set -u
@@ -21,7 +22,7 @@ export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 here=$(cd "$(dirname "$0")" && pwd)
 systems=${SYSTEMS:-zerocc-z3 zerocc-z3-inductor fsdp2-z3 fsdp2-z3-compiled torch torch-compiled}
-offload=${OFFLOAD_SYSTEMS:-zerocc-z3-opt-par-cpu-rc zerocc-z3-opt-par-cpu-rc-next zerocc-z3-opt-cpu-delayed}
+offload=${OFFLOAD_SYSTEMS:-zerocc-z3-opt-par-cpu-rc zerocc-z3-opt-par-cpu-rc-next zerocc-z3-opt-cpu-delayed zerocc-z3-opt-par-cpu-rc-gdev}
 
 step() {  # step NAME SECONDS COMMAND...: run it, keep its output, print how it ended
     local name=$1 limit=$2

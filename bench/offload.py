@@ -210,7 +210,8 @@ def legend(rows: list[dict[str, Any]]) -> str:
         f"  {REFERENCE}'s.",
         "Systems:",
     ]
-    return "\n".join(lines + [f"  {r['name']:<29}{r['what']}" for r in rows])
+    width = max(len(r["name"]) for r in rows) + 2
+    return "\n".join(lines + [f"  {r['name']:<{width}}{r['what']}" for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

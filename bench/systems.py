@@ -294,6 +294,9 @@ ZEROCC_SAVINGS = (
      "offload.pipeline: next_forward"),
     ("opt-cpu-delayed", {"optimizer": "cpu", "pipeline": "delayed"}, None,
      "offload.optimizer: cpu, offload.pipeline: delayed (gradients a step stale: other losses)"),
+    ("opt-par-cpu-rc-gdev", {"optimizer": "cpu", "params": "cpu", "grads": "device"},
+     {"units": "all"}, "offload optimizer and params: cpu, checkpointing.units: all, "
+     "offload.grads: device (two units' gradient host buffers)"),
 )  # fmt: skip
 # Variants whose numbers differ from zerocc-z3's by design (offload.pipeline: delayed).
 OWN_NUMERICS = frozenset({"zerocc-z3-opt-cpu-delayed"})
