@@ -124,7 +124,7 @@ def unscale_check_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.
     any element of any gradient is inf or NaN (else 0.0)."""
     found = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     for g in grads:
-        found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        found = torch.maximum(found, _nonfinite(g).float())
         g.mul_(inv_scale)
     return found
 
@@ -134,15 +134,25 @@ def nonfinite_flags(grads: list[torch.Tensor], scale: float, sum_squares: bool) 
     with ``sum_squares``, one more entry, the sum over every gradient of ``(g * scale)**2`` in
     fp32 (the clip's squared norm). Exact: a huge but finite gradient whose squares overflow
     makes that sum inf, never its flag."""
-    flags = [(~torch.isfinite(g)).any() for g in grads]
-    out = torch.stack(flags).float()
+    out = torch.stack([_nonfinite(g) for g in grads]).float()
     if sum_squares:
-        # The sum_squares op's arithmetic, so clipped plans round as they did before the check.
+        # The sum_squares op's arithmetic, so clipped plans round as they did before the check
+        # (squared in place: the same values, one large allocation fewer).
         total = torch.zeros((), dtype=torch.float32, device=out.device)
         for g in grads:
-            total += (g.float() * scale).pow(2).sum()
+            total += (g.float() * scale).square_().sum()
         out = torch.cat([out, total.reshape(1)])
     return out
+
+
+def _nonfinite(g: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool: whether any element of ``g`` is inf or NaN. Exact, from one pass that
+    allocates nothing of ``g``'s size: a NaN propagates to the min and the max, an inf is one
+    of them (``isfinite`` would write a mask of every element: ~20x slower on a CPU)."""
+    if g.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=g.device)
+    low, high = torch.aminmax(g)
+    return ~(torch.isfinite(low) & torch.isfinite(high))
 
 
 def pack(

@@ -246,6 +246,13 @@ def test_unscale_check_matches_reference(bad):
 HUGE = (3, 5, 1e30)  # finite, but its square overflows fp32: the sum is inf, the flag is not set
 
 
+def test_an_empty_gradient_shard_is_finite_and_adds_nothing():
+    """A rank's shard of a unit may hold no element (the reference's min/max has no identity)."""
+    grads = [torch.empty(0, device=DEVICE), torch.ones(4, device=DEVICE)]
+    flags = reference.nonfinite_flags(grads, 0.5, True)
+    _assert_bit_identical(flags, torch.tensor([0.0, 0.0, 1.0], device=DEVICE))
+
+
 @pytest.mark.parametrize("sum_squares", [False, True], ids=["flags", "flags+sum_squares"])
 @pytest.mark.parametrize(
     "bad", [None, *NON_FINITE.values(), HUGE], ids=["finite", *NON_FINITE, "huge_but_finite"]
