@@ -146,6 +146,24 @@ def test_estimate_predicts_the_step_time_with_the_flags_rates(capsys, tmp_path):
     assert "warning: predicted times" not in out  # calibrated
 
 
+def test_estimate_of_an_offload_plan_weighs_host_memory_against_its_states(capsys, tmp_path):
+    """The host memory offload holds at its peak, states and buffers, over the states; with
+    every gradient shard in host buffers, the way to two units' of them."""
+    offload = EXAMPLES / "zero3-offload.yaml"
+    kept = tmp_path / "kept.yaml"
+    kept.write_text(offload.read_text().replace("ratio: 0.5", "ratio: 1.0\n  grads: device"))
+    pattern = r"= host memory \(peak\)\s+(\S+)\s+\((\d\.\d\d)× the states there(.*)\)"
+    figures = {}
+    for plan in (offload, kept):
+        out = run(capsys, "estimate", "--device", "cuda", str(plan))
+        held, ratio, hint = re.search(pattern, out).groups()
+        figures[plan.stem] = float(ratio), hint
+    ratio, hint = figures["zero3-offload"]
+    assert ratio > 1.1 and "offload.grads: device keeps two units' gradients there" in hint
+    ratio, hint = figures["kept"]
+    assert ratio < figures["zero3-offload"][0] and hint == ""
+
+
 def test_estimate_warns_when_its_rates_are_defaults(capsys):
     out = run(capsys, "estimate", ZERO3, "--world-size", "2")
     assert "warning: predicted times use the built-in" in out and "zerocc profile" in out

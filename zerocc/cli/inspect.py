@@ -246,6 +246,15 @@ ROWS = (
 )
 
 
+def _host_memory_line(plan: Plan, e: Estimate) -> str:
+    """The host memory offload holds at its peak, over its states (issue 22's measure)."""
+    held = e.offloaded["host"] + e.peak["host_buffers"]
+    note = f"{held / e.offloaded['host']:.2f}× the states there"
+    if plan.offload.optimizer != "none" and plan.offload.grads == "cpu":
+        note += "; offload.grads: device keeps two units' gradients there, not every one"
+    return f"  {'  = host memory (peak)':<24}{human_bytes(held):>12}  ({note})"
+
+
 def _estimate_text(plan: Plan, e: Estimate) -> str:
     p = plan.precision
     grads = p.reduce if e.stage <= 1 else (p.grad or p.master)
@@ -261,6 +270,8 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
         for name, get in ROWS
         if plan.offload.enabled or not name.startswith("  +")
     ]
+    if e.offloaded["host"]:
+        lines.append(_host_memory_line(plan, e))
     if plan.grad_accumulation == 1:
         lines.append(held_gradients_line(e.held_grads, e.psi, e.world_size, width=24))
     lines += ["", "communication per optimizer step, per rank:"]
