@@ -138,6 +138,11 @@ def finish_rows(rows: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> 
         r["copy_bytes_as_compiled"] = reported[0]["transfer_bytes_program"]
         r["predicted_step_s"] = max(x["predicted_step_s"] for x in reported)
         r["predicted_rates"] = reported[0]["predicted_rates"]
+        if all("predicted_step_s_host_rates" in x for x in reported):
+            r["predicted_step_s_host_rates"] = max(
+                x["predicted_step_s_host_rates"] for x in reported
+            )
+            r["host_rates"] = reported[0]["host_rates"]
         r["losses_identical"] = (
             rank_losses(runs[r["name"]]) == rank_losses(runs[REFERENCE])
             if ref and r["name"] not in OWN_NUMERICS
@@ -166,7 +171,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             verdict = "-" if same is None else "identical" if same else "DIFFER"
             if r["name"] in OWN_NUMERICS:
                 verdict = f"own numerics by design: rel Δ {r['loss_rel_diff']:.1e}"
-            predicted = r["predicted_step_s"] / r["median_step_s"]
+            predicted = r.get("predicted_step_s_host_rates", r["predicted_step_s"])
+            predicted /= r["median_step_s"]
         else:
             verdict = f"rel Δ {r['loss_rel_diff']:.1e}"
         lines.append(
@@ -204,7 +210,9 @@ def legend(rows: list[dict[str, Any]]) -> str:
         "  one rank in each pool; copy: bytes offload copied in the last step (to and from the",
         "  host and the NVMe files), max over ranks.",
         "pred ×: zerocc estimate's predicted step (the compiled programs simulated with the",
-        "  plan's rates: a calibration, else the device's defaults) over the measured one.",
+        "  plan's rates: a calibration, else the device's defaults) over the measured one; on a",
+        "  GPU with the optimizer offloaded, the host's update and link rates measured in the run",
+        "  (as `zerocc profile` measures them; the JSON keeps the defaults' prediction too).",
         f"losses: zerocc's must equal {REFERENCE}'s at every step on every rank (but a delayed",
         "  update's, which computes on weights a step old); the peers' final loss relative to",
         f"  {REFERENCE}'s.",
