@@ -3,7 +3,12 @@
 threads), takes a few steps, then profiles one step with ``torch.profiler`` and prints rank 0's
 busiest ops; for zerocc also its own op-by-op run (``step.profile``): time per op kind on the
 compute track, and per collective from issue to the end of its wait on the comm track. On a
-CPU it prints the step's time in matmul kernels and outside them. Usage::
+CPU it prints the step's time in matmul kernels and outside them: the CPU time of unprofiled
+steps (the median of ``UNPROFILED``) less the profiled step's matmul kernels. Not the profiled
+step's own time, which holds the profiler's overhead; and the steps after it are not like those
+before: in one process on the benchmark GPT, 99 minor page faults a step before it and 25-46k
+after, glibc serving the large buffers from fresh pages, where the packing took 15-31 ms a step
+against 7. Usage::
 
     python bench/profile_step.py zerocc-z3
     python bench/profile_step.py fsdp2-z3 --layers 4 --rows 30
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -34,6 +40,7 @@ from systems import all_systems
 # The matmul kernels no compiler shortens: the step's time outside them is what Inductor can
 # win (issue 18's CPU goal: at most half of the eager backend's).
 MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+UNPROFILED = 5  # steps timed before the profiled one
 
 
 def profile_rank(rank: int, name: str, cfg: BenchConfig, port: int, rows: int,
@@ -64,6 +71,11 @@ def profile_rank(rank: int, name: str, cfg: BenchConfig, port: int, rows: int,
     data = batches(cfg, rank)
     for _ in range(3):
         runner.train_step(*next(data))
+    cpu_ms = []  # this rank's CPU time per unprofiled step, all its threads
+    for _ in range(UNPROFILED):
+        start = time.process_time()
+        runner.train_step(*next(data))
+        cpu_ms.append((time.process_time() - start) * 1e3)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     synchronize = torch.cuda.synchronize if gpu else (lambda: None)
     synchronize()
@@ -80,9 +92,11 @@ def profile_rank(rank: int, name: str, cfg: BenchConfig, port: int, rows: int,
             matmuls_ms = (
                 sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMULS) / 1e3
             )
+            step_ms = statistics.median(cpu_ms)
             print(
-                f"step {wall_ms:.1f} ms wall (profiled): matmuls {matmuls_ms:.1f} ms, "
-                f"outside matmuls {wall_ms - matmuls_ms:.1f} ms"
+                f"step {step_ms:.1f} ms CPU (median of {UNPROFILED} unprofiled; profiled "
+                f"{wall_ms:.1f} ms wall): matmuls {matmuls_ms:.1f} ms, outside matmuls "
+                f"{step_ms - matmuls_ms:.1f} ms"
             )
         if gpu:
             kernels = [
