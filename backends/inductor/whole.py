@@ -6,7 +6,9 @@ its start; a start that filled a tensor returns nothing, and what read its resul
 tensor), and the frees go (Inductor frees each buffer after its last read). :func:`compile_whole`
 compiles it with the options that keep the passes' schedule: Inductor's reordering for peak
 memory and for locality moved every gather of a ZeRO-3 step to its start (all parameters
-gathered at once), so both are off, and the kernels run in the program's order, fused.
+gathered at once), and so did its reordering for compute/communication overlap (off by
+default; said off here so that a release turning it on changes nothing), so all three are
+off, and the kernels run in the program's order, fused.
 
 Random ops and the generator-state ops of recomputation's replay are chained by a token
 (:mod:`zerocc.backends.inductor.random_ops`), so they draw in the program's order, as eager
@@ -40,7 +42,11 @@ SOURCED = frozenset({"all_gather_into_start", "copy_into_start"})
 GENERATOR = frozenset({"rng_state", "set_rng_state"})
 
 # Inductor options for the whole graph: the program's order kept (see the module's docstring).
-KEEP_ORDER = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
+KEEP_ORDER = {
+    "reorder_for_peak_memory": False,
+    "reorder_for_locality": False,
+    "reorder_for_compute_comm_overlap": False,
+}
 
 
 def unsupported(program: fx.GraphModule) -> str | None:

@@ -112,6 +112,23 @@ def test_the_whole_graph_holds_no_more_gathered_units_than_the_program():
     """ZeRO-3's memory: Inductor frees each gathered unit after its last read, as the
     program's frees do, so no more units are gathered at once than the passes planned."""
     _, step = _run("inductor", steps=1)
+    _assert_no_more_gathered_units_than_planned(step)
+
+
+def test_inductors_own_overlap_reordering_stays_off_for_zerocc(monkeypatch):
+    """A process that turns on Inductor's compute/communication reordering for its own
+    graphs (on zerocc's it issued every gather of a ZeRO-3 step, backward's too, at the start:
+    all units gathered at once) still gets the passes' schedule in zerocc's."""
+    from torch._inductor import config
+
+    monkeypatch.setattr(config, "reorder_for_compute_comm_overlap", True)
+    passes = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
+    monkeypatch.setattr(config, "reorder_for_compute_comm_overlap_passes", passes)
+    _, step = _run("inductor", steps=1)
+    _assert_no_more_gathered_units_than_planned(step)
+
+
+def _assert_no_more_gathered_units_than_planned(step) -> None:
     program, executable = step._last_program.gm, step._last_program.run
     planned, live = 0, set()
     for node in program.graph.nodes:
