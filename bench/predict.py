@@ -1,8 +1,9 @@
 """How well the cost model predicts a real step: calibrate, measure, simulate, compare.
 
-For each ZeRO stage asked for (2 and 3 by default), fresh ranks train the benchmark's GPT
-(bench/config.py: 10 layers × 512, 2 gloo ranks with 1 thread each) under zerocc's default
-pipeline (overlap on), and:
+For each ZeRO stage asked for (2 and 3 by default), and each offload variant of bench/offload.py
+asked for (``--offload``, on stage 3), fresh ranks train the benchmark's GPT (bench/config.py:
+10 layers × 512, 2 gloo ranks with 1 thread each) under zerocc's default pipeline (overlap on),
+and:
 
 1. calibrate with ``zerocc.inspect.calibrate.calibrate``, the code behind ``zerocc profile``: timed
    steps, every op timed (fitted to overhead + FLOPs + bytes), the collectives timed on the
@@ -11,12 +12,13 @@ pipeline (overlap on), and:
    rank), and one more profiled op by op for its exposed communication;
 3. predict: the simulator replays the stepping program with the fitted rates.
 
-The target is the prediction within 25% of the measured median step. Also shown: the stage's
-step predicted with the *other* stage's rates (how well a calibration carries to another
+The target is the prediction within 25% of the measured median step. Also shown: the case's
+step predicted with another case's rates (how well a calibration carries to another
 program). Prints a table; writes ``bench/results/predict-<device>-<date>.json``. Usage::
 
     python bench/predict.py                 # stages 2 and 3, ~3 minutes here
     python bench/predict.py --stages 3 --steps 10
+    python bench/predict.py --stages 3 --offload opt-cpu opt-par-cpu-rc opt-nvme
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +40,26 @@ from compare import machine
 from config import BenchConfig, batches, build_model, num_params
 from ranks import free_port
 from report import write_json
-from systems import zerocc_runner
+from systems import ZEROCC_SAVINGS, zerocc_runner
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.25  # |predicted / measured - 1|
+# bench/offload.py's zerocc variants by suffix: (offload, checkpointing) sections, on stage 3.
+VARIANTS = {
+    suffix: (offload, checkpointing) for suffix, offload, checkpointing, _ in ZEROCC_SAVINGS
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """What one row measures: a ZeRO stage, with an offload variant's sections or none."""
+
+    stage: int
+    variant: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"zero-{self.stage}" + (f" {self.variant}" if self.variant else "")
 
 
 def _endless(cfg: BenchConfig, rank: int):
@@ -49,8 +67,8 @@ def _endless(cfg: BenchConfig, rank: int):
         yield from batches(cfg, rank)
 
 
-def stage_rank(rank: int, cfg: BenchConfig, stage: int, port: int, steps: int, out: Any) -> None:
-    """One rank of one stage: calibrate, measure, and (rank 0) report through ``out``."""
+def case_rank(rank: int, cfg: BenchConfig, case: Case, port: int, steps: int, out: Any) -> None:
+    """One rank of one case: calibrate, measure, and (rank 0) report through ``out``."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.world_size))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -61,7 +79,9 @@ def stage_rank(rank: int, cfg: BenchConfig, stage: int, port: int, steps: int, o
     from zerocc.inspect.calibrate import calibrate, slowest
 
     dist.init_process_group("gloo")
-    step = zerocc_runner(build_model(cfg), cfg, torch.device("cpu"), stage=stage).train_step
+    offload, checkpointing = VARIANTS[case.variant] if case.variant else (None, None)
+    step = zerocc_runner(build_model(cfg), cfg, torch.device("cpu"), stage=case.stage,
+                         offload=offload, checkpointing=checkpointing).train_step  # fmt: skip
     data = _endless(cfg, rank)
     step(*next(data))  # captures and compiles
     calibration = calibrate(step, data, steps=steps, warmup=cfg.warmup)
@@ -74,7 +94,7 @@ def stage_rank(rank: int, cfg: BenchConfig, stage: int, port: int, steps: int, o
     _, recorder = step.profile(*next(data))
     if rank == 0:
         out.put({
-            "stage": stage,
+            "case": case.label,
             "plan": step.plan,
             "measured_ms": [1e3 * t for t in times],
             "measured_exposed_ms": exposed_us(recorder.events) / 1e3,
@@ -84,7 +104,7 @@ def stage_rank(rank: int, cfg: BenchConfig, stage: int, port: int, steps: int, o
 
 
 def program_of(plan: Any, cfg: BenchConfig) -> Any:
-    """The stage's stepping program, compiled again here on fake tensors (as `zerocc
+    """The case's stepping program, compiled again here on fake tensors (as `zerocc
     estimate` does): the same pipeline for the same world size builds the same program."""
     from zerocc.compiler.workload import Workload
     from zerocc.inspect.estimate import inspect_plan
@@ -101,10 +121,10 @@ def _predict(program: Any, rates: dict[str, Any], world_size: int) -> dict[str, 
     return predict_step({True: program}, 1, fitted, world_size).as_dict()
 
 
-def run_stage(cfg: BenchConfig, stage: int, steps: int) -> dict[str, Any]:
+def run_case(cfg: BenchConfig, case: Case, steps: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.spawn(stage_rank, args=(cfg, stage, free_port(), steps, out), nprocs=cfg.world_size)
+    mp.spawn(case_rank, args=(cfg, case, free_port(), steps, out), nprocs=cfg.world_size)
     return out.get()
 
 
@@ -115,7 +135,7 @@ def summarize(result: dict[str, Any], other: dict[str, Any] | None, cfg: BenchCo
     program = program_of(result["plan"], cfg)
     predicted = _predict(program, result["calibration"]["rates"], cfg.world_size)
     row = {
-        "stage": result["stage"],
+        "case": result["case"],
         "measured_ms": measured,
         "iqr_ms": quartiles[2] - quartiles[0],
         "predicted_ms": predicted["step_ms"],
@@ -136,7 +156,8 @@ def summarize(result: dict[str, Any], other: dict[str, Any] | None, cfg: BenchCo
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = (f"{'stage':<7}{'measured ms':>12}{'IQR':>6}{'predicted ms':>14}{'error':>8}"
+    width = max(7, *(len(r["case"]) + 2 for r in rows))
+    header = (f"{'case':<{width}}{'measured ms':>12}{'IQR':>6}{'predicted ms':>14}{'error':>8}"
               f"{'other cal.':>12}{'compute':>9}{'comm':>8}{'exposed pred/meas':>19}"
               f"{'  target'}")  # fmt: skip
     lines = [header, "-" * len(header)]
@@ -144,7 +165,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         other = r.get("error_with_other")
         met = "met" if abs(r["error"]) <= TARGET else "MISSED"
         lines.append(
-            f"{'zero-' + str(r['stage']):<7}{r['measured_ms']:>12.1f}{r['iqr_ms']:>6.0f}"
+            f"{r['case']:<{width}}{r['measured_ms']:>12.1f}{r['iqr_ms']:>6.0f}"
             f"{r['predicted_ms']:>14.1f}{100 * r['error']:>+7.0f}%"
             f"{'-' if other is None else f'{100 * other:+.0f}%':>12}"
             f"{r['predicted_compute_ms']:>9.0f}{r['predicted_comm_ms']:>8.0f}"
@@ -156,6 +177,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[0, 1, 2, 3])
+    p.add_argument(
+        "--offload",
+        nargs="+",
+        default=[],
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+        help="bench/offload.py's zerocc variants (by suffix) to run on stage 3 too",
+    )
     p.add_argument("--steps", type=int, default=7, help="timed steps (calibration and check)")
     p.add_argument("--layers", type=int, default=BenchConfig.n_layer)
     p.add_argument("--embd", type=int, default=BenchConfig.n_embd)
@@ -164,18 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg = replace(BenchConfig(n_layer=args.layers, n_embd=args.embd), threads=1)
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
     info = machine(cfg)
-    results = {s: run_stage(cfg, s, args.steps) for s in args.stages}
+    cases = [Case(s) for s in args.stages] + [Case(3, v) for v in args.offload]
+    results = {c: run_case(cfg, c, args.steps) for c in cases}
     rows = []
-    for s in args.stages:
-        others = [o for o in args.stages if o != s]
-        rows.append(summarize(results[s], results[others[0]] if others else None, cfg))
+    for c in cases:
+        others = [o for o in cases if o != c]
+        rows.append(summarize(results[c], results[others[0]] if others else None, cfg))
     title = (f"GPT {num_params(cfg) / 1e6:.1f}M, {cfg.world_size} gloo ranks × {cfg.threads} "
-             f"thread, {info['date']}; {args.steps} timed steps per stage")  # fmt: skip
+             f"thread, {info['date']}; {args.steps} timed steps per case")  # fmt: skip
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = args.out / f"predict-{cfg.device}-{stamp}.json"
-    write_json(path, {"machine": info, "config": asdict(cfg), "target": TARGET, "stages": rows})
+    write_json(path, {"machine": info, "config": asdict(cfg), "target": TARGET, "cases": rows})
     print(f"\nwrote {path}\n\n{title}\n{table(rows)}")
-    print("other cal.: the error when the stage is predicted with the other stage's calibration")
+    print(
+        "other cal.: the error when the case is predicted with the first other case's calibration"
+    )
     return 0 if all(abs(r["error"]) <= TARGET for r in rows) else 1
 
 
