@@ -62,7 +62,11 @@ def plan_of(case: dict) -> dict:
         "optimizer": {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01, **case.get("optimizer", {})},
         "grad_accumulation": case.get("accum", 1),
         "precision": precision,
-        "backend": {"kernels": case.get("kernels", "torch"), "device": "cpu"},
+        "backend": {
+            "name": case.get("backend", "eager"),
+            "kernels": case.get("kernels", "torch"),
+            "device": "cpu",
+        },
         "seed": 3,
     }
 
@@ -126,9 +130,16 @@ CONFIGS = [  # (config, poison)
         {"stage": 2, "precision": {"param": "bf16"}, "optimizer": CLIPPED, "kernels": "triton"},
         float("inf"),
     ),
+    # The whole program compiled by Inductor, the checks its own kernels (min/max reductions
+    # that must propagate a NaN as ATen's do).
+    ({"stage": 3, "backend": "inductor"}, float("nan")),
+    (
+        {"stage": 2, "precision": {"param": "bf16"}, "optimizer": CLIPPED, "backend": "inductor"},
+        float("-inf"),
+    ),  # fmt: skip
 ]
 # Configs also run without the bad step: the poisoned runs must end exactly where they do.
-WITH_REFERENCE = [c for c, _ in CONFIGS if "accum" in c or "kernels" in c]
+WITH_REFERENCE = [c for c, _ in CONFIGS if {"accum", "kernels", "backend"} & c.keys()]
 
 
 def _cases() -> list[dict]:
