@@ -405,7 +405,7 @@ def test_a_parameter_the_loss_skipped_keeps_its_compute_copy():
 def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
     """Each rank of a machine its own slice of the cores, pinned when the process may run on
     all of them; a set a launcher restricted is kept, and shared in threads."""
-    from zerocc.runtime.step import host_update_cores
+    from zerocc.runtime.host_worker import host_update_cores
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)

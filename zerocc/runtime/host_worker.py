@@ -9,13 +9,18 @@ to overlap: an update runs where it is issued, as the copy engine's copies do.
 
 An update that raises re-raises at its ``host_wait``; :meth:`HostWorker.settle` waits out what
 a failed run left running, so that nothing writes the states after the failure is reported.
+The cores the host updates run on, a rank's share of the machine's, are
+:func:`host_update_cores`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 
 class HostWork:
@@ -56,3 +61,30 @@ class HostWorker:
         issued, self._issued = self._issued, []
         for future in issued:
             future.exception()
+
+
+def host_update_cores() -> tuple[list[int], bool]:
+    """The cores for the host updates of offloaded units on a GPU machine, and whether to pin
+    this rank to them: its share of the cores it may run on, the ``LOCAL_RANK``-th slice, so
+    the ranks of a machine (``LOCAL_WORLD_SIZE``) update on cores of their own. Pinned only when
+    nothing restricted the process before (it may run on every core of the machine); a launcher
+    or container that did keeps its set, and the rank takes its share of it in threads.
+    Launchers set OMP_NUM_THREADS=1 for GPU ranks (torchrun does), which would leave the
+    update, the one large CPU computation of the step, on a single core."""
+    count = os.cpu_count() or 1
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = cores or list(range(count))
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    share = max(1, len(cores) // local_world)
+    first = (int(os.environ.get("LOCAL_RANK", "0")) * share) % len(cores)
+    return cores[first : first + share], len(cores) == count and hasattr(os, "sched_setaffinity")
+
+
+def pin_host_update_threads() -> list[int]:
+    """Give the host updates this rank's cores (:func:`host_update_cores`): torch's threads,
+    one per core, and the process pinned to them where nothing restricted it before."""
+    cores, pin = host_update_cores()
+    if pin:
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return cores

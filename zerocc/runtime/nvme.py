@@ -45,10 +45,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerocc.errors import OffloadError
+
+if TYPE_CHECKING:
+    from zerocc.compiler.plan import Plan
+    from zerocc.compiler.state import StateSpec
 
 MAGIC = b"ZCCNVME\x00"
 FORMAT_VERSION = 1
@@ -395,3 +400,17 @@ def check_folder(root: Path) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise OffloadError(f"{where} is not writable: {exc.strerror or exc}") from exc
+
+
+def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | None:
+    """The NVMe store of this rank when the plan places states there, checked for room for all
+    of them (plus the temporary file of the largest write) before anything is written. Ranks on
+    one machine share its disk: the check counts every local rank's states
+    (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
+    if not specs:
+        return None
+    store = NvmeStore(plan.offload.nvme_path, rank)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    largest = max(s.nbytes for s in specs)
+    store.check_capacity(local_ranks * sum(s.nbytes for s in specs), largest=largest)
+    return store

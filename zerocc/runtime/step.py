@@ -13,7 +13,6 @@ program first runs the ranks compare its hash (a mismatch names the first differ
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -36,7 +35,6 @@ from zerocc.compiler.state import (
     LR_SPEC,
     NVME,
     STEP_SPEC,
-    StateSpec,
     allocate_state,
 )
 from zerocc.compiler.tensor_parallel import TensorParallel
@@ -87,12 +85,12 @@ from zerocc.runtime.failures import (
     signature_difference,
 )
 from zerocc.runtime.host_memory import state_tensor
-from zerocc.runtime.host_worker import HostWorker
+from zerocc.runtime.host_worker import HostWorker, pin_host_update_threads
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states, check_step_memory
 from zerocc.runtime.nonfinite import nonfinite_error
-from zerocc.runtime.nvme import NvmeStore
+from zerocc.runtime.nvme import open_store
 from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_memory import state_bytes_by_location
 from zerocc.runtime.transfers import Transfers, TransferStats
@@ -873,44 +871,3 @@ class StepRunner:
         self.steps, self.micro_batches = saved["steps"], saved["micro_batches"]
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(saved["loss_scaler"])
-
-
-def host_update_cores() -> tuple[list[int], bool]:
-    """The cores for the host updates of offloaded units on a GPU machine, and whether to pin
-    this rank to them: its share of the cores it may run on, the ``LOCAL_RANK``-th slice, so
-    the ranks of a machine (``LOCAL_WORLD_SIZE``) update on cores of their own. Pinned only when
-    nothing restricted the process before (it may run on every core of the machine); a launcher
-    or container that did keeps its set, and the rank takes its share of it in threads.
-    Launchers set OMP_NUM_THREADS=1 for GPU ranks (torchrun does), which would leave the
-    update, the one large CPU computation of the step, on a single core."""
-    count = os.cpu_count() or 1
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    cores = cores or list(range(count))
-    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    share = max(1, len(cores) // local_world)
-    first = (int(os.environ.get("LOCAL_RANK", "0")) * share) % len(cores)
-    return cores[first : first + share], len(cores) == count and hasattr(os, "sched_setaffinity")
-
-
-def pin_host_update_threads() -> list[int]:
-    """Give the host updates this rank's cores (:func:`host_update_cores`): torch's threads,
-    one per core, and the process pinned to them where nothing restricted it before."""
-    cores, pin = host_update_cores()
-    if pin:
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
-    return cores
-
-
-def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | None:
-    """The NVMe store of this rank when the plan places states there, checked for room for all
-    of them (plus the temporary file of the largest write) before anything is written. Ranks on
-    one machine share its disk: the check counts every local rank's states
-    (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
-    if not specs:
-        return None
-    store = NvmeStore(plan.offload.nvme_path, rank)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    largest = max(s.nbytes for s in specs)
-    store.check_capacity(local_ranks * sum(s.nbytes for s in specs), largest=largest)
-    return store
