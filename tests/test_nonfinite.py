@@ -136,7 +136,7 @@ CONFIGS = [  # (config, poison)
     (
         {"stage": 2, "precision": {"param": "bf16"}, "optimizer": CLIPPED, "backend": "inductor"},
         float("-inf"),
-    ),  # fmt: skip
+    ),
 ]
 # Configs also run without the bad step: the poisoned runs must end exactly where they do.
 WITH_REFERENCE = [c for c, _ in CONFIGS if {"accum", "kernels", "backend"} & c.keys()]
