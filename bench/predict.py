@@ -156,7 +156,7 @@ def summarize(result: dict[str, Any], other: dict[str, Any] | None, cfg: BenchCo
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    width = max(7, *(len(r["case"]) + 2 for r in rows))
+    width = max([7, *(len(r["case"]) + 2 for r in rows)])
     header = (f"{'case':<{width}}{'measured ms':>12}{'IQR':>6}{'predicted ms':>14}{'error':>8}"
               f"{'other cal.':>12}{'compute':>9}{'comm':>8}{'exposed pred/meas':>19}"
               f"{'  target'}")  # fmt: skip
