@@ -12,8 +12,10 @@ program, so its copies are placed against the final order of compute and communi
   device instead, and is copied through one of two host buffers (used in turn) right before
   the update, its copy issued before the previous unit's update so that the two overlap. The
   updated master is then copied into the compute-dtype parameter wherever that lives, and
-  stages 1-2 gather it as before. Where the parameter is on the device in a narrower dtype
-  than the master, the host update writes it (its ``param_copy``) into one of two host buffers
+  stages 1-2 gather it as before. A host update writes a parameter in host memory itself
+  (its ``param_copy``: the cast in its own pass), except under ``offload.pipeline: delayed``,
+  whose step reads the parameter while the update runs. Where the parameter is on the device
+  in a narrower dtype than the master, the host update writes it into one of two host buffers
   (``host_buffer``, used in turn: a copy's wait comes before the update two units on writes its
   buffer again), and that is copied to the device as it is: the cast in the update's own pass,
   half the bytes on the link. NVMe: a unit's files are read while the previous unit updates
@@ -89,6 +91,7 @@ class _Offloader:
             if op_name(n.target) in UPDATE_ARGS and where[info(n).unit].offloaded
         ]
         self.grads_on_device = config.grads == "device"
+        self.delayed = config.pipeline == "delayed"
         copies = [u.args[UPDATE_ARGS[op_name(u.target)]["copy"]] for u in self.updates]
         self.staging = _HostSlots(
             self.graph,
@@ -307,6 +310,9 @@ class _Offloader:
         where = {"unit": unit, "phase": "optimizer"}
         writes: list[fx.Node] = []
         copied = self._weights(unit) is not param_spec  # else the update wrote them itself
+        if copied and self._writes_in_place(update, param_spec):
+            self._set_copy(update, param)
+            copied = False
         # The staging buffer first: reusing one may move a wait to before the update.
         staged = (
             self._stage(update, param)
@@ -352,6 +358,18 @@ class _Offloader:
             self.staging.last_reader[source.args[0]] = wait
         return []
 
+    def _writes_in_place(self, update: fx.Node, spec: StateSpec) -> bool:
+        """Whether ``update``, on the host, writes the compute copy (``spec``) itself, as its
+        ``param_copy``: the copy lives in host memory too, so the cast is part of the update's
+        own pass rather than a second pass over the master. Not with ``offload.pipeline:
+        delayed``, whose step reads the compute copy while the update runs."""
+        return info(update).pool == HOST and spec.location == HOST and not self.delayed
+
+    def _set_copy(self, update: fx.Node, copy: fx.Node) -> None:
+        args = list(update.args)
+        args[UPDATE_ARGS[op_name(update.target)]["copy"]] = copy
+        update.args = tuple(args)
+
     def _stages(self, update: fx.Node, param: fx.Node, spec: StateSpec) -> bool:
         """Whether ``update``, on the host, writes the compute copy into a host buffer: the
         copy lives on the device, in another dtype than the master the update writes."""
@@ -377,9 +395,7 @@ class _Offloader:
                 unit=info(update).unit,
                 phase="optimizer",
             )
-        args = list(update.args)
-        args[UPDATE_ARGS[op_name(update.target)]["copy"]] = view
-        update.args = tuple(args)
+        self._set_copy(update, view)
         return view
 
     def _write(self, value: fx.Node, spec: StateSpec, what: str, where: dict) -> fx.Node:

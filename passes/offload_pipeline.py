@@ -84,7 +84,8 @@ class _Carried:
     copied from (a view of a host buffer the update writes, or its master), that copy
     (``back``, completed by ``back_wait``) into ``param``, the wait for the update. An update
     that writes the compute weights themselves (fp32 states and parameters together on the
-    host) has no copy: ``back`` is None, ``param`` its weights."""
+    host, or its compute copy in host memory) has no copy: ``back`` is None, ``param`` those
+    weights."""
 
     update: fx.Node
     view: fx.Node | None
@@ -209,7 +210,10 @@ class _Carrier:
         args[layout["lr"]] = self._scalar(CARRIED_LR)
         update.args = tuple(args)
         view = args[layout["copy"]]
-        source = view if view is not None else args[0]
+        if view is not None and view.op == "placeholder":  # the compute copy, on the host
+            source, view = view, None
+        else:
+            source = view if view is not None else args[0]
         back = next(
             (
                 u

@@ -26,6 +26,8 @@ from zerocc.compiler.pass_manager import check_passes
 from zerocc.compiler.state import offloaded_units
 from zerocc.errors import OffloadError, PlanError
 from zerocc.inspect.explain import describe
+from zerocc.ir.nodes import info, op_name
+from zerocc.passes.offload import UPDATE_ARGS
 from zerocc.runtime import nvme
 
 GPT = {"model": "gpt"}
@@ -98,10 +100,11 @@ def test_explain_shows_where_bytes_live_and_the_traffic(tmp_path):
     assert "(offload.grads: cpu): host memory of every offloaded shard" in text
     traffic = describe(step.record())["transfer_bytes_per_step"]
     shards = sum(u.shard_numel for u in step.units)
-    # Per step: fp32 gradient shards out and the bf16 compute copy into the host parameters,
-    # and the 4-byte non-finite flag the host updates read; each parameter shard in for its
-    # forward and its backward (one rank gathers nothing); three fp32 states read and written.
-    assert traffic["to_host"] == 4 * shards + 2 * shards + 4
+    # Per step: fp32 gradient shards out and the 4-byte non-finite flag the host updates read
+    # (the update writes the bf16 compute copy in host memory itself: no copy); each parameter
+    # shard in for its forward and its backward (one rank gathers nothing); three fp32 states
+    # read and written.
+    assert traffic["to_host"] == 4 * shards + 4
     assert traffic["to_device"] == 2 * 2 * shards
     assert traffic["nvme_read"] == traffic["nvme_write"] == 3 * 4 * shards
 
@@ -112,7 +115,30 @@ def test_offloaded_program_says_why_each_copy_is_there():
     assert any("reduced gradient to the host once it is complete" in n for n in notes)
     # One rank gathers nothing: the shard is copied in once for each phase's reads.
     assert any("parameter shard in for its reads in backward" in n for n in notes)
-    assert any("into its compute copy" in n for n in notes)
+    assert not any("into its compute copy" in n for n in notes)  # the update writes it
+
+
+def _is_param_shard(node: object) -> bool:
+    return isinstance(node, torch.fx.Node) and (info(node).key or "").endswith(".param")
+
+
+def test_host_updates_write_compute_copies_in_host_memory_themselves():
+    """bf16 parameters on the host: each host update casts its master into the parameter
+    shard in its own pass (its ``param_copy``), with no second pass over the master; with
+    ``offload.pipeline: delayed``, whose step still reads the old shard while the update runs,
+    the update writes its master and the copy into the shard follows the step's last read."""
+    for pipeline, in_place in (("none", True), ("next_forward", True), ("delayed", False)):
+        plan = _plan(optimizer="cpu", params="cpu")
+        plan["offload"]["pipeline"] = pipeline
+        program = _trained(plan).program
+        updates = [n for n in program.graph.nodes if op_name(n.target) == "zerocc.adamw_"]
+        copies = [n for n in program.graph.nodes if op_name(n.target) == "zerocc.copy_into_start"
+                  and _is_param_shard(n.args[0])]  # fmt: skip
+        assert updates, pipeline
+        for update in updates:
+            copy = update.args[UPDATE_ARGS["zerocc.adamw_"]["copy"]]
+            assert _is_param_shard(copy) == in_place, pipeline
+        assert len(copies) == (0 if in_place else len(updates)), pipeline
 
 
 # -- bad input, before training starts --------------------------------------------------
