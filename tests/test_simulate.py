@@ -94,7 +94,23 @@ def test_copies_run_on_their_own_stream_beside_collectives():
     assert sim.comm_s == pytest.approx(2.0) and sim.copy_s == pytest.approx(3.0)
     assert len(sim.collectives) == 1  # copies are not collectives
     tracks = {e.track for e in sim.events}
-    assert {"comm", "copy"} <= tracks
+    assert {"comm", "copy to host"} <= tracks
+
+
+def test_copies_each_way_run_at_once_and_each_way_in_order():
+    """Copies to the device and to the host run on a stream each, as the runtime's (PCIe
+    moves both ways at once): a gradient's copy to the host does not queue behind a parameter's
+    copy in, while two copies the same way run one after the other."""
+    p = Program()
+    inward, outward, second_out = p.copy(3.0, "to_device"), p.copy(2.0), p.copy(2.0)
+    p.wait(outward)  # from 0 to 2, beside the copy in: exposed 2
+    p.wait(inward)  # to 3: exposed 1
+    p.wait(second_out)  # behind the first out, from 2 to 4: exposed 1
+    sim = simulate(p.module(), p.costs)
+    assert sim.exposed_s == pytest.approx(4.0) and sim.step_s == pytest.approx(4.0)
+    assert sim.copy_s == pytest.approx(7.0)  # both ways' busy time
+    starts = {(e.track, e.start_us / 1e6) for e in sim.events if e.track.startswith("copy")}
+    assert starts == {("copy to device", 0.0), ("copy to host", 0.0), ("copy to host", 2.0)}
 
 
 def test_a_small_copy_runs_as_issued_not_behind_the_bulk_copies():
@@ -109,7 +125,7 @@ def test_a_small_copy_runs_as_issued_not_behind_the_bulk_copies():
     p.wait(bulk)  # exposed 5 - 2.001
     sim = simulate(p.module(), p.costs)
     assert sim.step_s == pytest.approx(5.0) and sim.exposed_s == pytest.approx(3.0)
-    small = next(e for e in sim.events if e.track == "copy" and e.duration_us < 1e4)
+    small = next(e for e in sim.events if e.track == "copy to host" and e.duration_us < 1e4)
     assert small.start_us == pytest.approx(1e6)
 
 

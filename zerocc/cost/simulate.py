@@ -12,14 +12,16 @@ Every rank runs the same program, so one rank is simulated. In program order:
   copies with the cores that compute, see :mod:`zerocc.cost.model`); that time is exposed too,
   charged when the collective is issued.
 
-Offload's copies (:mod:`zerocc.runtime.transfers`) run the same way on a third stream, **copy**:
-FIFO among themselves, beside the collectives; a wait on one that is not done is exposed too.
+Offload's copies (:mod:`zerocc.runtime.transfers`) run the same way on streams of their own,
+as the runtime's: one per direction across the host link (**copy to device**, **copy to host**:
+PCIe moves both ways at once) and NVMe I/O on the store's threads (**nvme**), each FIFO, beside
+the collectives; a wait on one that is not done is exposed too.
 
 The step lasts until every stream is done. The events use the tracks of a measured run
 (:mod:`zerocc.runtime.measure`): compute ops, and a blocking wait as an ``exposed`` compute event,
-on "compute"; each collective on "comm", each copy on "copy", from when it starts moving bytes to
-when it ends; the host's work (an offloaded unit's update, tagged ``pool: host`` by the offload
-pass) on "host". The host's work holds the compute stream as it runs: the runtime does it on
+on "compute"; each collective on "comm", each copy on its stream's, from when it starts moving
+bytes to when it ends; the host's work (an offloaded unit's update, tagged ``pool: host`` by the
+offload pass) on "host". The host's work holds the compute stream as it runs: the runtime does it on
 the thread that issues the device's work, which waits meanwhile. An update on the **host
 stream** (a pipelined offload carries it into the next step: it runs on the host's worker) is
 issued instead: it runs on "host" from ``max(issue time, host free)``, in the order issued, and
@@ -30,6 +32,7 @@ step's updates, so one run of it is the steady state.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +46,10 @@ from zerocc.cost.model import TRANSFER, CostModel, DeviceRates, collective_kind,
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import info, op_kind, op_name
-from zerocc.ir.ops import INLINE_COPY_BYTES
+from zerocc.ir.ops import INLINE_COPY_BYTES, TO_DEVICE, TO_HOST
 
 STARTS = (OpKind.COLLECTIVE, OpKind.TRANSFER)  # what the comm and copy streams run
+COPY_STREAMS = {TO_DEVICE: "copy to device", TO_HOST: "copy to host"}  # any other: "nvme"
 
 Costs = Callable[[fx.Node], float] | Mapping[fx.Node, float]
 
@@ -78,7 +82,7 @@ class Simulation:
     peak_bytes: int | None = None  # predicted peak memory (predict_memory), when states given
     memory: MemoryTimeline | None = field(default=None, repr=False)
     stolen_s: float = 0.0  # of exposed_s: compute time collectives took while running
-    copy_s: float = 0.0  # copy stream busy (offload's copies and NVMe I/O)
+    copy_s: float = 0.0  # copy streams busy, summed (offload's copies and NVMe I/O)
     # The host's work (offloaded units' updates): of compute_s, but for host-stream updates,
     # which run beside it; and how long the compute stream waited for those.
     host_s: float = 0.0
@@ -145,7 +149,7 @@ def simulate(
         peak_bytes=memory.peak()[1] if memory is not None else None,
         memory=memory,
         stolen_s=replay.stolen,
-        copy_s=replay.stream_busy["copy"],
+        copy_s=sum(t for stream, t in replay.stream_busy.items() if stream != "comm"),
         host_s=replay.host,
         host_waited_s=replay.host_waited,
     )
@@ -164,8 +168,8 @@ class _Replay:
     def __init__(self, cost: Callable, steal: Callable, issue_s: float, rank: int) -> None:
         self.cost, self.steal, self.issue_s, self.rank = cost, steal, issue_s, rank
         self.compute = 0.0  # when the compute stream is next free
-        self.free = {"comm": 0.0, "copy": 0.0, "host": 0.0}  # when each other stream is
-        self.stream_busy = {"comm": 0.0, "copy": 0.0}
+        self.free = defaultdict(float, comm=0.0, host=0.0)  # when each other stream is
+        self.stream_busy = defaultdict(float, comm=0.0)
         self.host_done: dict[str, float] = {}  # a host-stream update (its name) -> its end
         self.busy = self.exposed = self.stolen = self.host = self.host_waited = 0.0
         self.events: list[TraceEvent] = []
@@ -208,7 +212,7 @@ class _Replay:
             self.compute += self.issue_s
             self.busy += self.issue_s
         copy = node_work(node).kind == TRANSFER
-        stream = "copy" if copy else "comm"
+        stream = COPY_STREAMS.get(node.args[-1], "nvme") if copy else "comm"
         begin = issued
         if copy and info(node).bytes <= INLINE_COPY_BYTES:  # on the compute stream, as issued
             end = issued + duration

@@ -44,7 +44,7 @@ class TraceEvent:
     """One op of an executed (or simulated) schedule, for a Chrome/Perfetto trace."""
 
     rank: int
-    track: str  # "compute" | "comm" | "copy" | "host"
+    track: str  # "compute" | "comm" | "host" | a copy stream's (simulate.COPY_STREAMS, "nvme")
     name: str  # op name and unit, e.g. "all_gather transformer.h.0"
     start_us: float
     duration_us: float

@@ -5,7 +5,9 @@ The offload pass moves state with four start/wait ops (``copy_start``, ``copy_in
 names the traffic for :class:`TransferStats`.
 
 A :class:`Transfers` engine runs them, one per rank's step (a backend's executable calls it). On a
-GPU, copies run on one copy stream per device, ordered after the compute stream's work so far (a
+GPU, copies run on two copy streams per device, one per direction (PCIe moves both ways at
+once: a gradient's copy to the host does not queue behind the parameters' copies in), each
+ordered after the compute stream's work so far (a
 copy of a few bytes, such as the step's scalars, on the compute stream itself, so that it does
 not queue behind the bulk copies); waiting on a copy that reads or writes host memory blocks
 the host (the CPU reads the result next, the host optimizer update, or writes the source next,
@@ -90,7 +92,7 @@ class Transfers:
         self.device = device
         self.stats = TransferStats()
         self.host_buffers = HostBuffers(pinned=device.type == "cuda")
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Any:
         """``dst`` receives ``src`` (cast to ``dst``'s dtype); on the copy stream, or a small
@@ -103,7 +105,7 @@ class Transfers:
         compute = torch.cuda.current_stream(gpu.device)
         stream = compute
         if dst.numel() * dst.element_size() > INLINE_COPY_BYTES:
-            stream = self._stream(gpu.device)
+            stream = self._stream(gpu.device, to_device=dst.is_cuda)
             stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
@@ -152,7 +154,9 @@ class Transfers:
             return host_empty(tuple(shape), dtype, pinned=True)
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def _stream(self, device: torch.device, to_device: bool) -> torch.cuda.Stream:
+        """The copy stream of ``device`` for copies into it (``to_device``) or out of it."""
+        key = (device, to_device)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
