@@ -64,6 +64,29 @@ def test_parameters_are_used_in_the_compute_dtype_without_per_use_casts(stage):
     assert all(n.args[0] in masters and n.args[7] is not None for n in updates)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mixed_precision_reduces_each_gradient_where_fp32_does(stage):
+    """Each unit's gradient is reduced as soon as backward completes it, beside the backward
+    of the units before it, in bf16 as in fp32. Autograd casts the gradients up to fp32 last
+    (capture casts every parameter as the step begins); left there, every reduction followed
+    backward and none overlapped it."""
+
+    def backward_matmuls_after_each_reduction(step) -> list[int]:
+        counts, matmuls = [], 0
+        for node in reversed(step.program.graph.nodes):
+            name = op_name(node.target)
+            if name == "aten.mm" and info(node).phase == "backward":
+                matmuls += 1
+            elif name in ("zerocc.reduce_scatter_start", "zerocc.all_reduce_start"):
+                counts += [matmuls] if info(node).unit is not None else []  # not the norm's
+        return counts[::-1]
+
+    fp32 = backward_matmuls_after_each_reduction(compiled(stage, {}))
+    bf16 = backward_matmuls_after_each_reduction(compiled(stage, {"param": "bf16"}))
+    assert len(fp32) == len(compiled(stage, {}).units) and sum(fp32) > 0, fp32
+    assert bf16 == fp32
+
+
 def test_stage3_gathers_move_half_the_bytes_of_fp32():
     fp32, bf16 = compiled(3, {}), compiled(3, {"param": "bf16"})
     assert moved(bf16)["all_gather"] * 2 == moved(fp32)["all_gather"]

@@ -368,7 +368,22 @@ def capture(
         tracker.remove()
     gm.graph.eliminate_dead_code()
     _tag(gm, info, tensor_positions, forward_end[0], tracker, casts.loss_scale and gradients)
+    _cast_gradients_when_complete(gm)
     return gm  # its code is make_fx's: the pipeline recompiles its own result, once
+
+
+def _cast_gradients_when_complete(gm: fx.GraphModule) -> None:
+    """Move each gradient's up-cast (autograd of a parameter's cast to the compute dtype) to
+    right after the compute-dtype gradient it casts. Autograd runs those casts' backward last,
+    as the casts ran first in forward (every parameter is cast as the step begins), so all of
+    them trail backward: the shard pass, which reduces a unit's gradient once the last of them
+    is computed, would then reduce every unit after backward, and no reduction would overlap
+    it."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    for grad in output.args[0][1:]:
+        if isinstance(grad, fx.Node) and grad.target is torch.ops.aten._to_copy.default:
+            (source,) = grad.all_input_nodes
+            source.append(grad)
 
 
 @contextlib.contextmanager
