@@ -147,6 +147,29 @@ def test_the_hosts_work_is_on_its_own_track_and_holds_the_compute_stream():
     assert sim.as_dict()["host_ms"] == pytest.approx(2000.0)
 
 
+def test_a_copy_within_the_host_holds_the_compute_stream_not_a_copy_stream():
+    """A compute copy kept in host memory, cast from the master a host update wrote
+    (``in_host``: under ``offload.pipeline: delayed``), is a pass over host memory on the
+    thread that issues the device's work, as the runtime runs it: on the "host" track, the
+    compute stream held meanwhile, beside what the copy streams move."""
+    p = Program()
+    param, master = p.graph.placeholder("param"), p.graph.placeholder("master")
+    param.meta["val"] = torch.empty(8, dtype=torch.bfloat16)
+    master.meta["val"] = torch.empty(8)
+    bulk = p.copy(3.0)  # a gradient's copy to the host, on its stream
+    start = p.graph.call_function(zerocc_ops.copy_into_start.default, (param, master, "in_host"))
+    p.costs[start] = 2.0
+    tag(start, stream="copy", bytes=16, pool="host")
+    p.wait(start)  # done when issued: the copy ran inline
+    p.compute(1.0)
+    p.wait(bulk)  # done at 3, as compute is: nothing exposed
+    sim = simulate(p.module(), p.costs)
+    assert sim.step_s == pytest.approx(3.0) and sim.exposed_s == 0.0
+    assert sim.host_s == pytest.approx(2.0) and sim.copy_s == pytest.approx(3.0)
+    (host,) = [e for e in sim.events if e.track == "host"]
+    assert host.start_us == 0.0 and host.duration_us == pytest.approx(2e6)
+
+
 def test_two_collectives_queue_in_issue_order():
     p = Program()
     first, second = p.gather(4.0), p.gather(3.0)

@@ -33,9 +33,10 @@ hides its waiting, not its copying.
 
 **Offload**: a copy between device and host takes ``overhead + bytes / host_link`` (PCIe on a
 GPU; on a CPU-only machine an inline memcpy, taken whole from the compute stream), an NVMe read
-or write ``overhead + bytes / nvme`` (on the store's I/O threads); both run on the copy
-stream. An op on host tensors of a GPU plan (the update of an offloaded unit) runs at the
-host's memory rate, ``host_memory``.
+or write ``overhead + bytes / nvme`` (on the store's I/O threads); both run on copy streams.
+An op on host tensors of a GPU plan (the update of an offloaded unit, a copy between two host
+tensors) runs at the host's memory rate, ``host_memory``, on the thread that issues the
+device's work.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from zerocc.cost.memory import tensors_in
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind
 from zerocc.ir.nodes import BATCH, info, op_kind, op_name, val
-from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, TP_GROUP
+from zerocc.ir.ops import DP_GROUP, IN_HOST, REPLICATE_GROUP, TP_GROUP
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
@@ -336,6 +337,10 @@ def _work_of(node: fx.Node) -> NodeWork:
             collective=collective_kind(node),
             group=node.args[-1],
         )
+    if kind is OpKind.TRANSFER and node.args[-1] == IN_HOST:  # a pass over host memory
+        dst, src = val(node.args[0]), val(node.args[1])
+        moved = dst.numel() * (dst.element_size() + src.element_size())
+        return NodeWork(COMPUTE, bytes=moved, host=True)
     if kind is OpKind.TRANSFER:
         return NodeWork(TRANSFER, bytes=info(node).bytes, collective=node.args[-1])
     if kind is OpKind.WAIT:

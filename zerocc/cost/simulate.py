@@ -42,7 +42,14 @@ from torch import fx
 from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.state import HOST
 from zerocc.cost.memory import predict_memory
-from zerocc.cost.model import TRANSFER, CostModel, DeviceRates, collective_kind, node_work
+from zerocc.cost.model import (
+    COMPUTE,
+    TRANSFER,
+    CostModel,
+    DeviceRates,
+    collective_kind,
+    node_work,
+)
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import info, op_kind, op_name
@@ -128,7 +135,7 @@ def simulate(
         if node.op != "call_function":
             continue
         kind = op_kind(node)
-        if kind in STARTS:
+        if kind in STARTS and node_work(node).kind != COMPUTE:  # (a copy within the host: inline)
             replay.issue(node)
         elif kind is OpKind.WAIT and op_name(node.target) == "zerocc.host_wait":
             replay.host_wait(node)
