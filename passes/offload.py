@@ -50,7 +50,7 @@ from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
 from zerocc.ir.nodes import state_placeholder as new_placeholder
-from zerocc.ir.ops import IN_HOST, NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
+from zerocc.ir.ops import HOST_TO_HOST, NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
 from zerocc.passes.offload_pipeline import carry_updates
 
 aten = torch.ops.aten
@@ -343,7 +343,7 @@ class _Offloader:
             return [self._write(cast, spec, f"write {unit}'s parameters", where)]
         direction = TO_DEVICE if spec.location == DEVICE else TO_HOST
         if direction == TO_HOST and info(update).pool == HOST:
-            direction = IN_HOST  # from the master the host update wrote
+            direction = HOST_TO_HOST  # from the master the host update wrote
         source, what = master, "updated master weights"
         if staged is not None:
             source, what = staged, "updated weights (cast by the update)"
@@ -354,7 +354,7 @@ class _Offloader:
             f"copy {unit}'s {what} into its compute copy",
             **where,
         )
-        if direction == IN_HOST:
+        if direction == HOST_TO_HOST:
             info(start).pool = HOST
         wait = self._wait(start)
         self._sink(start, wait)

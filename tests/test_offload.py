@@ -27,7 +27,7 @@ from zerocc.compiler.state import offloaded_units
 from zerocc.errors import OffloadError, PlanError
 from zerocc.inspect.explain import describe
 from zerocc.ir.nodes import info, op_name
-from zerocc.ir.ops import IN_HOST
+from zerocc.ir.ops import HOST_TO_HOST
 from zerocc.passes.offload import UPDATE_ARGS
 from zerocc.runtime import nvme
 
@@ -141,7 +141,7 @@ def test_host_updates_write_compute_copies_in_host_memory_themselves():
             assert _is_param_shard(copy) == in_place, pipeline
         assert len(copies) == (0 if in_place else len(updates)), pipeline
         # A copy between two host tensors: host work, as the cost model times it.
-        assert all(c.args[-1] == IN_HOST and info(c).pool == "host" for c in copies)
+        assert all(c.args[-1] == HOST_TO_HOST and info(c).pool == "host" for c in copies)
 
 
 # -- bad input, before training starts --------------------------------------------------

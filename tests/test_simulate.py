@@ -149,7 +149,7 @@ def test_the_hosts_work_is_on_its_own_track_and_holds_the_compute_stream():
 
 def test_a_copy_within_the_host_holds_the_compute_stream_not_a_copy_stream():
     """A compute copy kept in host memory, cast from the master a host update wrote
-    (``in_host``: under ``offload.pipeline: delayed``), is a pass over host memory on the
+    (``host_to_host``: under ``offload.pipeline: delayed``), is a pass over host memory on the
     thread that issues the device's work, as the runtime runs it: on the "host" track, the
     compute stream held meanwhile, beside what the copy streams move."""
     p = Program()
@@ -157,7 +157,8 @@ def test_a_copy_within_the_host_holds_the_compute_stream_not_a_copy_stream():
     param.meta["val"] = torch.empty(8, dtype=torch.bfloat16)
     master.meta["val"] = torch.empty(8)
     bulk = p.copy(3.0)  # a gradient's copy to the host, on its stream
-    start = p.graph.call_function(zerocc_ops.copy_into_start.default, (param, master, "in_host"))
+    args = (param, master, "host_to_host")
+    start = p.graph.call_function(zerocc_ops.copy_into_start.default, args)
     p.costs[start] = 2.0
     tag(start, stream="copy", bytes=16, pool="host")
     p.wait(start)  # done when issued: the copy ran inline

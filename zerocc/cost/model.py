@@ -58,7 +58,7 @@ from zerocc.cost.memory import tensors_in
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind
 from zerocc.ir.nodes import BATCH, info, op_kind, op_name, val
-from zerocc.ir.ops import DP_GROUP, IN_HOST, REPLICATE_GROUP, TP_GROUP
+from zerocc.ir.ops import DP_GROUP, HOST_TO_HOST, REPLICATE_GROUP, TP_GROUP
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
@@ -337,7 +337,7 @@ def _work_of(node: fx.Node) -> NodeWork:
             collective=collective_kind(node),
             group=node.args[-1],
         )
-    if kind is OpKind.TRANSFER and node.args[-1] == IN_HOST:  # a pass over host memory
+    if kind is OpKind.TRANSFER and node.args[-1] == HOST_TO_HOST:  # a pass over host memory
         dst, src = val(node.args[0]), val(node.args[1])
         moved = dst.numel() * (dst.element_size() + src.element_size())
         return NodeWork(COMPUTE, bytes=moved, host=True)

@@ -62,7 +62,7 @@ def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) 
 
 def transfer_bytes_per_step(step: StepRecord) -> dict[str, int]:
     """Bytes offload moves per optimizer step per rank, by direction (to_host, to_device,
-    in_host, nvme_read, nvme_write), as the compiled programs' copies record them."""
+    host_to_host, nvme_read, nvme_write), as the compiled programs' copies record them."""
     programs = step.programs
     return transfer_bytes(programs, step.plan.grad_accumulation) if programs else {}
 

@@ -98,7 +98,7 @@ TRANSFER_STARTS = tuple(TRANSFER_SCHEMAS)
 TO_HOST, TO_DEVICE, NVME_READ, NVME_WRITE = "to_host", "to_device", "nvme_read", "nvme_write"
 # A copy between two host tensors (a master cast into a compute copy kept in host memory): no
 # link, but a pass over host memory, inline on the thread that issues the device's work.
-IN_HOST = "in_host"
+HOST_TO_HOST = "host_to_host"
 # A copy of at most this many bytes (the step's clip coefficient and overflow flag, which host
 # updates read) runs in the compute stream's order, not queued behind the copy stream's bulk
 # transfers (every gradient's, issued in backward): the first host update would wait for all.
