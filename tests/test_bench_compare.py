@@ -6,25 +6,16 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-COMPARE = Path(__file__).parent.parent / "bench" / "compare.py"
+from bench_runs import run_bench
+
 TINY = ["--layers", "1", "--embd", "32", "--heads", "2", "--block", "16", "--batch", "2"]
 SHORT = ["--warmup", "2", "--rounds", "2", "--steps", "1"]
 EAGER = ["zerocc-z1", "zerocc-z2", "zerocc-z3"]  # the family holds every backend's: eager's
 
 
 def test_compare_quick_zerocc_runs_and_counts_the_zero_formula(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(COMPARE), "--quick", "--systems", *EAGER, *TINY, *SHORT,
-         "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_bench("compare.py", "--quick", "--systems", *EAGER, *TINY, *SHORT, "--out", tmp_path)
     (result,) = tmp_path.glob("compare-cpu-*.json")
     assert result.with_suffix(".png").stat().st_size > 0
     report = json.loads(result.read_text())
@@ -55,14 +46,8 @@ def test_compare_quick_zerocc_runs_and_counts_the_zero_formula(tmp_path):
 
 def test_compare_reports_a_failing_system_with_its_error(tmp_path):
     bad = ["--layers", "1", "--embd", "30", "--heads", "4"]  # 4 heads do not divide 30
-    run = subprocess.run(
-        [sys.executable, str(COMPARE), "--systems", "zerocc-z3", *bad, *SHORT,
-         "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_bench("compare.py", "--systems", "zerocc-z3", *bad, *SHORT, "--out", tmp_path,
+                    exit_code=1)  # fmt: skip
     (result,) = tmp_path.glob("compare-cpu-*.json")
     (system,) = json.loads(result.read_text())["systems"]
     assert system["status"] == "failed" and "n_head must divide n_embd" in system["error"]

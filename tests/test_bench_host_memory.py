@@ -5,18 +5,13 @@ prediction (those states plus the memory check's step need) and the measured pea
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-HOST_MEMORY = Path(__file__).parent.parent / "bench" / "host_memory.py"
+from bench_runs import run_bench
 
 
 def test_host_memory_measures_a_plan_beside_its_prediction(tmp_path):
-    command = [sys.executable, str(HOST_MEMORY), "--layers", "1", "--plans", "opt-cpu",
-               "--out", str(tmp_path)]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_bench("host_memory.py", "--layers", "1", "--plans", "opt-cpu", "--out", tmp_path,
+              timeout=600)  # fmt: skip
     (result,) = tmp_path.glob("host-memory-cpu-*.json")
     (row,) = json.loads(result.read_text())["rows"]
     assert "error" not in row, row

@@ -5,21 +5,12 @@ computes AdamW as torch's fused kernel does."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-HOST_UPDATE = Path(__file__).parent.parent / "bench" / "host_update.py"
+from bench_runs import run_bench
 
 
 def test_host_update_runs_every_variant_and_agrees_with_torch(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(HOST_UPDATE), "--sizes", "14", "--reps", "2", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_bench("host_update.py", "--sizes", "14", "--reps", "2", "--out", tmp_path, timeout=600)
     (result,) = tmp_path.glob("host-update-cpu-*.json")
     rows = {r["variant"]: r for r in json.loads(result.read_text())["rows"]}
     names = {"copy", "torch-fused", "zerocc-fused", "zerocc-one-pass", "deepspeed-cpu-adam"}

@@ -6,22 +6,14 @@ whose losses differ by design, is reported without failing the run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-OFFLOAD = Path(__file__).parent.parent / "bench" / "offload.py"
+from bench_runs import run_bench
 
 
 def test_offload_tiny_runs_and_keeps_the_losses(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(OFFLOAD), "--tiny", "--systems", "zerocc-z3-opt-nvme",
-         "zerocc-z3-opt-cpu-delayed", "--nvme-dir", str(tmp_path), "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    systems = ["zerocc-z3-opt-nvme", "zerocc-z3-opt-cpu-delayed"]
+    run = run_bench("offload.py", "--tiny", "--systems", *systems, "--nvme-dir", tmp_path,
+                    "--out", tmp_path)  # fmt: skip
     (result,) = tmp_path.glob("offload-cpu-*.json")
     report = json.loads(result.read_text())
     systems = {s["name"]: s for s in report["systems"]}

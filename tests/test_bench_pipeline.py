@@ -5,22 +5,13 @@ delayed's differ (its gradients are a step stale), and the table and JSON say so
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-PIPELINE = Path(__file__).parent.parent / "bench" / "pipeline.py"
+from bench_runs import run_bench
 
 
 def test_pipeline_tiny_runs_and_holds_next_forward_to_the_plain_losses(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(PIPELINE), "--layers", "1", "--embd", "64", "--rounds", "2",
-         "--steps", "2", "--kernels", "fused", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_bench("pipeline.py", "--layers", "1", "--embd", "64", "--rounds", "2", "--steps",
+                    "2", "--kernels", "fused", "--out", tmp_path)  # fmt: skip
     (result,) = tmp_path.glob("pipeline-cpu-*.json")
     rows = {r["mode"]: r for r in json.loads(result.read_text())["rows"]}
     assert set(rows) == {"none", "next_forward", "delayed"}

@@ -383,7 +383,8 @@ def _cast_gradients_when_complete(gm: fx.GraphModule) -> None:
     for grad in output.args[0][1:]:
         if isinstance(grad, fx.Node) and grad.target is torch.ops.aten._to_copy.default:
             (source,) = grad.all_input_nodes
-            source.append(grad)
+            if source.op != "placeholder":  # (the placeholders stay first)
+                source.append(grad)
 
 
 @contextlib.contextmanager
