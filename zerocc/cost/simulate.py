@@ -20,14 +20,14 @@ the collectives; a wait on one that is not done is exposed too.
 The step lasts until every stream is done. The events use the tracks of a measured run
 (:mod:`zerocc.runtime.measure`): compute ops, and a blocking wait as an ``exposed`` compute event,
 on "compute"; each collective on "comm", each copy on its stream's, from when it starts moving
-bytes to when it ends; the host's work (an offloaded unit's update, tagged ``pool: host`` by the
-offload pass) on "host". The host's work holds the compute stream as it runs: the runtime does it on
-the thread that issues the device's work, which waits meanwhile. An update on the **host
-stream** (a pipelined offload carries it into the next step: it runs on the host's worker) is
-issued instead: it runs on "host" from ``max(issue time, host free)``, in the order issued, and
-its ``host_wait`` advances the compute stream to its end (the difference counted as
-``host_waited_s``, not as exposed communication). A pipelined program begins with the last
-step's updates, so one run of it is the steady state.
+bytes to when it ends; the host's work (an offloaded unit's update, a copy between two host
+tensors: tagged ``pool: host`` by the offload pass) on "host". The host's work holds the compute
+stream as it runs: the runtime does it on the thread that issues the device's work, which waits
+meanwhile. An update on the **host stream** (a pipelined offload carries it into the next step:
+it runs on the host's worker) is issued instead: it runs on "host" from ``max(issue time, host
+free)``, in the order issued, and its ``host_wait`` advances the compute stream to its end (the
+difference counted as ``host_waited_s``, not as exposed communication). A pipelined program
+begins with the last step's updates, so one run of it is the steady state.
 """
 
 from __future__ import annotations

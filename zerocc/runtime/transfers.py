@@ -7,14 +7,14 @@ names the traffic for :class:`TransferStats`.
 A :class:`Transfers` engine runs them, one per rank's step (a backend's executable calls it). On a
 GPU, copies run on two copy streams per device, one per direction (PCIe moves both ways at
 once: a gradient's copy to the host does not queue behind the parameters' copies in), each
-ordered after the compute stream's work so far (a
-copy of a few bytes, such as the step's scalars, on the compute stream itself, so that it does
-not queue behind the bulk copies); waiting on a copy that reads or writes host memory blocks
-the host (the CPU reads the result next, the host optimizer update, or writes the source next,
-a host buffer used in turn), waiting on a copy between devices makes the compute stream wait
-on an event.
-On a CPU-only machine copies are a memcpy done inline (the same cores compute; there is nothing
-to overlap) and only NVMe I/O runs in the background, on the store's threads.
+ordered after the compute stream's work so far (a copy of a few bytes, such as the step's
+scalars, on the compute stream itself, so that it does not queue behind the bulk copies);
+waiting on a copy that reads or writes host memory blocks the host (the CPU reads the result
+next, the host optimizer update, or writes the source next, a host buffer used in turn),
+waiting on a copy between devices makes the compute stream wait on an event. A copy between
+two host tensors (``host_to_host``) is done inline. On a CPU-only machine every copy is a
+memcpy done inline (the same cores compute; there is nothing to overlap) and only NVMe I/O
+runs in the background, on the store's threads.
 
 Host memory (:mod:`zerocc.runtime.host_memory`): a copy's host result is the same buffer every
 step (:class:`~zerocc.runtime.host_memory.HostBuffers`), of its exact size, pinned when a GPU
