@@ -4,23 +4,25 @@ Acts on the placement :func:`zerocc.compiler.state.placements` gives each unit (
 of the parameters, ``offload.optimizer`` / ``offload.params``). Runs last, on the scheduled
 program, so its copies are placed against the final order of compute and communication:
 
-- **Optimizer** (host or NVMe): the unit's master weights and optimizer states are bound in
-  host memory (or read from their files into host buffers) and its update runs on the host.
-  The reduced gradient shard is copied to the host right after its last write (the accumulation
-  of the reduce-scatter's result: the copy hides behind the rest of backward); the clip
-  coefficient and overflow flag follow. With ``offload.grads: device`` the shard stays on the
-  device instead, and is copied through one of two host buffers (used in turn) right before
-  the update, its copy issued before the previous unit's update so that the two overlap. The
-  updated master is then copied into the compute-dtype parameter wherever that lives, and
-  stages 1-2 gather it as before. A host update writes a parameter in host memory itself
-  (its ``param_copy``: the cast in its own pass), except under ``offload.pipeline: delayed``,
-  whose step reads the parameter while the update runs. Where the parameter is on the device
-  in a narrower dtype than the master, the host update writes it into one of two host buffers
-  (``host_buffer``, used in turn: a copy's wait comes before the update two units on writes its
-  buffer again), and that is copied to the device as it is: the cast in the update's own pass,
-  half the bytes on the link. NVMe: a unit's files are read while the previous unit updates
-  (double buffering) and written back while the next one does, so at most two units' states
-  are in host memory at once.
+- **Optimizer** (host or NVMe): the unit's master weights and optimizer states are bound in host
+  memory (or read from their files into host buffers) and its update runs on the host. The reduced
+  gradient shard is copied to the host right after its last write (the accumulation of the
+  reduce-scatter's result: the copy hides behind the rest of backward); the clip coefficient and
+  overflow flag follow. The step's inf/NaN check (with the clip's squared norm) is split into one
+  check per gradient, right after it is complete, and each copy is waited for before the gradient
+  two on is complete: the device holds at most three offloaded gradients at a time, not all of
+  them to the end of backward. With ``offload.grads: device`` the shard stays on the device
+  instead, and is copied through one of two host buffers (used in turn) right before the update,
+  its copy issued before the previous unit's update so that the two overlap. The updated master is
+  then copied into the compute-dtype parameter wherever that lives, and stages 1-2 gather it as
+  before. A host update writes a parameter in host memory itself (its ``param_copy``: the cast in
+  its own pass), except under ``offload.pipeline: delayed``, whose step reads the parameter while
+  the update runs. Where the parameter is on the device in a narrower dtype than the master, the
+  host update writes it into one of two host buffers (``host_buffer``, used in turn: a copy's wait
+  comes before the update two units on writes its buffer again), and that is copied to the device
+  as it is: the cast in the update's own pass, half the bytes on the link. NVMe: a unit's files
+  are read while the previous unit updates (double buffering) and written back while the next one
+  does, so at most two units' states are in host memory at once.
 - **Parameters** (stage 3, host or NVMe): the unit's shard lives off the device; before each of
   its all-gathers a device copy is made, issued when the previous offloaded shard's copy is
   consumed (a prefetch of one), and it goes when the gather is done.
@@ -50,22 +52,20 @@ from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
 from zerocc.ir.nodes import state_placeholder as new_placeholder
-from zerocc.ir.ops import HOST_TO_HOST, NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST
+from zerocc.ir.ops import HOST_TO_HOST, NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST, op
 from zerocc.passes.offload_pipeline import carry_updates
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
 STAGING_SLOTS = 2  # host buffers the host updates write compute copies into, in turn
+# Reduced gradients whose copy to the host may be in flight while the next one is computed.
+GRADIENTS_IN_FLIGHT = 2
 # Positions of an update's states, (clip coefficient, overflow flag), compute copy, step count
 # and learning rate (weights first, gradient second).
 UPDATE_ARGS = {
     "zerocc.adamw_": {"states": (2, 3), "scalars": (5, 6), "copy": 7, "step": 4, "lr": 9},
     "zerocc.sgd_": {"states": (2,), "scalars": (3, 4), "copy": 5, "step": None, "lr": 7},
 }
-
-
-def _transfer(name: str) -> torch._ops.OpOverload:
-    return getattr(torch.ops.zerocc, name).default
 
 
 class _Offloader:
@@ -92,6 +92,7 @@ class _Offloader:
         ]
         self.grads_on_device = config.grads == "device"
         self.delayed = config.pipeline == "delayed"
+        self.grad_copies: list[tuple[fx.Node, fx.Node]] = []
         copies = [u.args[UPDATE_ARGS[op_name(u.target)]["copy"]] for u in self.updates]
         self.staging = _HostSlots(
             self.graph,
@@ -109,7 +110,7 @@ class _Offloader:
     # -- emitting -------------------------------------------------------------------------
 
     def _start(self, target: str, args: tuple, nbytes: int, note: str, **where) -> fx.Node:
-        start = emit(self.graph, _transfer(target), args, stream=Stream.COPY, note=note, **where)
+        start = emit(self.graph, op(target), args, stream=Stream.COPY, note=note, **where)
         info(start).bytes = nbytes
         return start
 
@@ -187,6 +188,66 @@ class _Offloader:
         output = next(n for n in self.graph.nodes if n.op == "output")
         for wait in writes:
             output.prepend(wait)
+        if self.grad_copies and self._check_gradients_as_they_complete():
+            self._bound_gradients_in_flight()
+
+    def _check_gradients_as_they_complete(self) -> bool:
+        """Split the step's non-finite check (with the clip's squared norm, read in the same
+        pass) into one check per gradient, right after that gradient is complete, and combine
+        their results where the check was; False when there is no such check (loss scaling
+        checks as it unscales, in place, after backward). Then nothing reads an offloaded
+        gradient on the device after its copy to the host has begun. The combination adds the
+        squared norms in the check's order, one after the other as the check does: the same
+        numbers, bit for bit."""
+        check = next(
+            (n for n in self.graph.nodes if op_name(n.target) == "zerocc.nonfinite_flags"), None
+        )
+        if check is None:
+            return False
+        grads, scale, clip = check.args
+        last = _last_writes(self.gm, grads, check)
+        partials: list[fx.Node] = []
+        for grad in grads:
+            after = last[grad]
+            if partials and _after(partials[-1], after):
+                after = partials[-1]  # in the check's order, as nonfinite_units reads them
+            with self.graph.inserting_after(after):
+                partials.append(
+                    emit(
+                        self.graph,
+                        op("nonfinite_flags"),
+                        ([grad], scale, clip),
+                        unit=info(grad).unit,
+                        phase=info(after).phase,
+                        note=f"{info(grad).unit}'s part of the step's non-finite check, once "
+                        "its gradient is complete",
+                    )  # fmt: skip
+                )
+        where = {"phase": info(check).phase}
+        with self.graph.inserting_before(check):
+            parts = [emit(self.graph, aten.slice.Tensor, (p, 0, 0, 1), **where) for p in partials]
+            if clip:
+                squares = [emit(self.graph, aten.slice.Tensor, (p, 0, 1, 2), **where)
+                           for p in partials]  # fmt: skip
+                total = squares[0]
+                for square in squares[1:]:
+                    total = emit(self.graph, aten.add.Tensor, (total, square), **where)
+                parts.append(total)
+            combined = emit(self.graph, aten.cat.default, (parts,), note=info(check).note, **where)
+        check.replace_all_uses_with(combined)
+        self.graph.erase_node(check)
+        return True
+
+    def _bound_gradients_in_flight(self) -> None:
+        """Wait for each gradient's copy to the host before the gradient two on is complete,
+        so that the device holds at most three reduced gradients while they travel: the copies
+        (at the host link's rate) can be slower than backward, and gradients left to their
+        updates held the device memory of all of them at the end of backward."""
+        later = self.grad_copies[GRADIENTS_IN_FLIGHT:]
+        for (_, wait), (last, _) in zip(self.grad_copies, later, strict=False):
+            if _after(last, wait.args[0]):
+                last.prepend(wait)
+                info(wait).phase = info(last).phase
 
     def _read_states(self, update: fx.Node, issue_before: fx.Node) -> dict[int, fx.Node]:
         """Start reading the update's NVMe states (by argument position) before
@@ -269,7 +330,9 @@ class _Offloader:
             )
         info(start).pool = HOST
         with self.graph.inserting_before(update):
-            return self._wait(start, "optimizer")
+            wait = self._wait(start, "optimizer")
+        self.grad_copies.append((last, wait))
+        return wait
 
     def _gradient_through_buffer(self, update: fx.Node, grad: fx.Node) -> fx.Node:
         """``offload.grads: device``: copy the reduced gradient, kept on the device, into the
@@ -489,6 +552,27 @@ class _HostSlots:
         buffer = self.buffers[self.taken % STAGING_SLOTS]
         self.taken += 1
         return buffer, self.last_reader.get(buffer)
+
+
+def _last_writes(
+    gm: fx.GraphModule, tensors: list[fx.Node], before: fx.Node
+) -> dict[fx.Node, fx.Node]:
+    """:func:`_last_write` of each of ``tensors``, from one walk over the graph."""
+    roots = StorageRoots(gm)
+    last = {t: t for t in tensors}
+    of_root: dict[object, list[fx.Node]] = {}
+    for t in tensors:
+        of_root.setdefault(roots.root[t], []).append(t)
+    seen: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node is before:
+            break
+        seen.add(node)
+        for root in roots.access(node).writes:
+            for t in of_root.get(root, []):
+                if t in seen and node is not t:
+                    last[t] = node
+    return last
 
 
 def _last_write(gm: fx.GraphModule, tensor: fx.Node, before: fx.Node) -> fx.Node:

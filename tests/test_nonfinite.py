@@ -248,10 +248,11 @@ PROGRAMS = {
 def test_every_update_waits_for_the_check_of_every_gradient(plan):
     gm = _program({"units": UNITS, **plan})
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    (check,) = [n for n in gm.graph.nodes if op_name(n.target) == "zerocc.nonfinite_flags"]
+    # One check, or (gradients offloaded to the host) one per gradient once it is complete.
+    checks = [n for n in gm.graph.nodes if op_name(n.target) == "zerocc.nonfinite_flags"]
     updates = _updates(gm)
     assert (
-        {info(g).unit for g in check.args[0]}
+        {info(g).unit for check in checks for g in check.args[0]}
         == {info(u).unit for u in updates}
         == {
             "first",
@@ -268,7 +269,8 @@ def test_every_update_waits_for_the_check_of_every_gradient(plan):
     output = next(n for n in gm.graph.nodes if n.op == "output")
     assert output.args[0][-1] is gate
     clipped = "grad_clip" in plan.get("optimizer", {})
-    assert check.args[2] is clipped  # the clip's squared norm comes from the same read
+    # the clip's squared norm comes from the same read
+    assert all(check.args[2] is clipped for check in checks)
     assert not [n for n in gm.graph.nodes if op_name(n.target) == "zerocc.sum_squares"]
 
 
@@ -288,6 +290,23 @@ def test_one_rank_error_leaves_a_usable_step():
     step(*batch(2, 0, 0, None))
     assert (step.steps, step.micro_batches) == (2, 2)
     assert "non-finite gradients: error" in step.explain()
+
+
+def test_offloaded_gradients_checked_one_by_one_still_name_the_unit():
+    """The optimizer on the host: each gradient is checked once complete (one check per
+    gradient, combined where the step's check was, so the device holds none to the end of
+    backward); the error still names the unit whose gradient is not finite and writes
+    nothing."""
+    plan = {**plan_of({"stage": 3, "optimizer": CLIPPED}), "offload": {"optimizer": "cpu"}}
+    step = zerocc.compile(PoisonedBias(), plan)
+    step(*batch(0, 0, 0, None))
+    checks = [n for n in step.program.graph.nodes if op_name(n.target) == "zerocc.nonfinite_flags"]
+    assert [[info(g).unit for g in c.args[0]] for c in checks] == [["second"], ["first"]]
+    before = {k: v.clone() for k, v in step.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(NonFiniteError, match=r"rank 0, step 2: .*unit 'second'"):
+        step(*batch(BAD_STEP, 0, 0, float("nan")))
+    after = step.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_a_huge_but_finite_gradient_is_not_non_finite():

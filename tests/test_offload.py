@@ -316,6 +316,28 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     assert predicted.transfers == dict(step.transfers.stats.bytes)  # what the copies moved
 
 
+def test_gradients_copied_to_the_host_leave_the_device_as_they_go():
+    """``offload.grads: cpu``: each gradient is checked for inf/NaN (and its squared norm
+    taken) once complete, and its copy to the host waited for before the gradient two on is
+    complete, so the device holds at most three while they travel. Before, the step's check
+    read every gradient at the end of backward: the device held all of them, as it does with
+    ``grads: device``. Eight blocks, each recomputed (their gradients are most of what
+    backward holds), one rank, as the estimate predicts it."""
+    from workload import workload
+
+    from zerocc.inspect.estimate import estimate, inspect_plan
+
+    small = {"n_layer": 8, "n_head": 2, "n_embd": 64, "block_size": 16, "batch_size": 2}
+    peaks, blocks = {}, []
+    for grads in ("cpu", "device"):
+        plan = {**_plan(optimizer="cpu", grads=grads), "checkpointing": {"units": "all"}}
+        inspection = inspect_plan(plan, 1, workload(**small))
+        peaks[grads] = estimate(inspection).peak["activations"]
+        blocks = [u for u in inspection.units if u.name != "root"]
+    gradient = 4 * blocks[0].padded_numel  # one block's, fp32
+    assert peaks["device"] - peaks["cpu"] >= (len(blocks) - 3) * gradient, (peaks, gradient)
+
+
 @pytest.mark.parametrize(
     "pipeline, grads",
     [("none", "cpu"), ("next_forward", "cpu"), ("delayed", "cpu"), ("none", "device")],

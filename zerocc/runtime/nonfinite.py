@@ -2,8 +2,9 @@
 
 The optimizer pass checks the stepping program's reduced gradient shards with
 ``zerocc.nonfinite_flags`` (one flag per unit, in update order; all-reduced when ranks hold
-slices) and gates every update on their max, so such a step writes nothing on any rank. The
-program returns the flags and the gate; the TrainStep then counts the step as skipped
+slices; the offload pass splits it into one check per gradient, in the same order) and
+gates every update on their max, so such a step writes nothing on any rank. The program
+returns the flags and the gate; the TrainStep then counts the step as skipped
 (``precision.on_nonfinite: skip``) or raises the :class:`NonFiniteError` built here (``error``).
 Every rank read the same all-reduced flags, so every rank raises at the same step.
 """
@@ -19,13 +20,14 @@ from zerocc.ir.nodes import info, op_name
 
 def nonfinite_units(gm: fx.GraphModule, flags: torch.Tensor) -> list[str]:
     """The units whose flag in ``flags`` (what the program returned) is set, in update order."""
-    check = next(
+    checks = [
         n
         for n in gm.graph.nodes
         if n.op == "call_function" and op_name(n.target) == "zerocc.nonfinite_flags"
-    )
-    # One flag per gradient: per unit, or at world size 1 per parameter (several per unit).
-    units = [info(grad).unit for grad in check.args[0]]
+    ]
+    # One flag per gradient: per unit, or at world size 1 per parameter (several per unit);
+    # from one check, or one per gradient in the same order (offloaded gradients).
+    units = [info(grad).unit for check in checks for grad in check.args[0]]
     set_flags = flags[: len(units)].tolist()
     bad = [unit for unit, flag in zip(units, set_flags, strict=True) if flag != 0]
     return list(dict.fromkeys(bad))
