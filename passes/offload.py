@@ -557,7 +557,8 @@ class _HostSlots:
 def _last_writes(
     gm: fx.GraphModule, tensors: list[fx.Node], before: fx.Node
 ) -> dict[fx.Node, fx.Node]:
-    """:func:`_last_write` of each of ``tensors``, from one walk over the graph."""
+    """For each of ``tensors``, the last node before ``before`` that writes its storage (the
+    tensor itself if none does), from one walk over the graph."""
     roots = StorageRoots(gm)
     last = {t: t for t in tensors}
     of_root: dict[object, list[fx.Node]] = {}
@@ -576,15 +577,8 @@ def _last_writes(
 
 
 def _last_write(gm: fx.GraphModule, tensor: fx.Node, before: fx.Node) -> fx.Node:
-    """The last node before ``before`` that writes ``tensor``'s storage (``tensor`` itself if
-    none does)."""
-    roots = StorageRoots(gm)
-    nodes = list(gm.graph.nodes)
-    root, last = roots.root[tensor], tensor
-    for node in nodes[nodes.index(tensor) + 1 : nodes.index(before)]:
-        if root in roots.access(node).writes:
-            last = node
-    return last
+    """:func:`_last_writes` of one tensor."""
+    return _last_writes(gm, [tensor], before)[tensor]
 
 
 def _after(node: fx.Node, than: fx.Node) -> bool:
