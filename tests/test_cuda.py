@@ -141,6 +141,62 @@ def test_host_memory_is_pinned_at_its_size():
 
 
 @pytest.mark.cuda
+def test_copies_each_way_run_on_a_stream_of_their_own():
+    """A copy to the GPU and one to the host, each larger than the inline limit, run on two
+    copy streams (PCIe moves both ways at once), neither the compute stream."""
+    from zerocc.ir.ops import TO_DEVICE, TO_HOST
+    from zerocc.runtime.host_memory import host_empty
+    from zerocc.runtime.transfers import Transfers
+
+    gpu = torch.device("cuda", 0)
+    transfers = Transfers(device=gpu)
+    host_in, host_out = (host_empty((1 << 20,), torch.float32, pinned=True) for _ in range(2))
+    host_in.copy_(torch.arange(1 << 20, dtype=torch.float32))
+    on_gpu, source = torch.empty(1 << 20, device=gpu), torch.full((1 << 20,), 2.0, device=gpu)
+    copies = [transfers.copy(on_gpu, host_in, TO_DEVICE), transfers.copy(host_out, source, TO_HOST)]
+    for copy in copies:
+        copy.wait()
+    assert torch.equal(on_gpu.cpu(), host_in) and torch.equal(host_out, source.cpu())
+    streams = list(transfers._streams.values())
+    assert len(streams) == 2 and streams[0] != streams[1]
+    assert torch.cuda.current_stream(gpu) not in streams
+
+
+@pytest.mark.cuda
+def test_offloaded_gradients_leave_the_gpu_as_they_go():
+    """``offload.grads: cpu`` on one GPU: each gradient leaves the GPU once copied to the host
+    (checked for inf/NaN once complete, at most three in flight), so a step's peak is below
+    that of ``grads: device``, which keeps every one to the optimizer phase, by the gradients
+    of all but three blocks (as tests/test_offload.py's estimate predicts)."""
+    from workload import workload
+
+    import zerocc
+
+    small = {"n_layer": 8, "n_head": 4, "n_embd": 256, "block_size": 64, "batch_size": 2}
+    peaks, blocks = {}, []
+    for grads in ("cpu", "device"):
+        plan = {"zero": {"stage": 3}, "units": {"classes": ["Block"]},
+                "optimizer": {"lr": 1e-3, "grad_clip": 1.0}, "precision": {"param": "bf16"},
+                "offload": {"optimizer": "cpu", "grads": grads},
+                "checkpointing": {"units": "all"}, "backend": {"device": "cuda"}}  # fmt: skip
+        work = workload(**small, device="cuda")
+        step = zerocc.compile(work.model, plan)
+        batch = [b.cuda() for b in next(iter(work.batches(0, 1)))]
+        for _ in range(2):  # the first step makes the host buffers
+            step(*batch)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(*batch)
+        torch.cuda.synchronize()
+        peaks[grads] = torch.cuda.max_memory_allocated()
+        blocks = [u for u in step.units if u.name != "root"]
+        del step, work
+        torch.cuda.empty_cache()
+    gradient = 4 * blocks[0].padded_numel  # one block's, fp32
+    assert peaks["device"] - peaks["cpu"] >= (len(blocks) - 3) * gradient, (peaks, gradient)
+
+
+@pytest.mark.cuda
 def test_the_host_link_rate_is_measured_from_pinned_memory():
     from zerocc.inspect.host_rates import host_link_rate
 
