@@ -221,7 +221,7 @@ class _Offloader:
                         phase=info(after).phase,
                         note=f"{info(grad).unit}'s part of the step's non-finite check, once "
                         "its gradient is complete",
-                    )  # fmt: skip
+                    )
                 )
         where = {"phase": info(check).phase}
         with self.graph.inserting_before(check):
