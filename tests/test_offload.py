@@ -99,6 +99,7 @@ def test_explain_shows_where_bytes_live_and_the_traffic(tmp_path):
     text = step.explain()
     assert "where the model states live" in text and "nvme" in text
     assert "(offload.grads: cpu): host memory of every offloaded shard" in text
+    assert "an offloaded unit's leave the device as they are copied to the host" in text
     traffic = describe(step.record())["transfer_bytes_per_step"]
     shards = sum(u.shard_numel for u in step.units)
     # Per step: fp32 gradient shards out and the 4-byte non-finite flag the host updates read
@@ -328,14 +329,18 @@ def test_gradients_copied_to_the_host_leave_the_device_as_they_go():
     from zerocc.inspect.estimate import estimate, inspect_plan
 
     small = {"n_layer": 8, "n_head": 2, "n_embd": 64, "block_size": 16, "batch_size": 2}
-    peaks, blocks = {}, []
+    peaks, held, blocks, psi = {}, {}, [], 0
     for grads in ("cpu", "device"):
         plan = {**_plan(optimizer="cpu", grads=grads), "checkpointing": {"units": "all"}}
         inspection = inspect_plan(plan, 1, workload(**small))
-        peaks[grads] = estimate(inspection).peak["activations"]
+        figures = estimate(inspection)
+        peaks[grads], held[grads] = figures.peak["activations"], figures.held_grads
         blocks = [u for u in inspection.units if u.name != "root"]
+        psi = sum(u.padded_numel for u in inspection.units)
     gradient = 4 * blocks[0].padded_numel  # one block's, fp32
     assert peaks["device"] - peaks["cpu"] >= (len(blocks) - 3) * gradient, (peaks, gradient)
+    # The row of gradients held on the device within the step says so too.
+    assert held == {"cpu": 0, "device": 4 * psi}
 
 
 @pytest.mark.parametrize(

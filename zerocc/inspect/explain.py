@@ -18,7 +18,7 @@ from zerocc.compiler.state import (
 )
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, info, nodes_with_role, op_name, val
-from zerocc.ir.ops import reported_kind
+from zerocc.ir.ops import TO_HOST, reported_kind
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.record import StepRecord
 
@@ -215,7 +215,7 @@ def explain_step(step: StepRecord) -> str:
         )
     programs = step.programs
     if plan.grad_accumulation == 1 and True in programs:
-        lines.append(held_gradients_line(held_gradient_bytes(programs[True]), psi, n))
+        lines.append(held_gradients_line(held_gradient_bytes(programs[True]), psi, n, plan=plan))
     if step.plan.checkpointing.enabled:
         lines += ["", recompute_line(step)]
     if step.plan.offload.enabled:
@@ -229,20 +229,41 @@ def no_communication(world_size: int) -> str:
 
 
 def held_gradient_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of the gradients a stepping program's updates read, per rank: the reduced shards
-    (at world size 1, backward's gradients). With ``grad_accumulation: 1`` they are not model
-    state: each lives from its reduction to its update, within the step."""
-    return sum(val(n).numel() * val(n).element_size() for n in nodes_with_role(gm, GRAD_SHARD))
+    """Bytes of the gradients a stepping program's updates read, per rank, held on the device:
+    the reduced shards (at world size 1, backward's gradients), but those copied to the host
+    as they complete (``offload.grads: cpu``), which leave the device as they go. With
+    ``grad_accumulation: 1`` they are not model state: each lives from its reduction to its
+    update, within the step."""
+    return sum(
+        val(n).numel() * val(n).element_size()
+        for n in nodes_with_role(gm, GRAD_SHARD)
+        if not _copied_out_in_backward(n)
+    )
 
 
-def held_gradients_line(held: int, psi: int, world_size: int, width: int = 26) -> str:
+def _copied_out_in_backward(grad: fx.Node) -> bool:
+    return any(
+        op_name(u.target) in ("zerocc.copy_start", "zerocc.copy_into_start")
+        and u.args[-1] == TO_HOST
+        and info(u).phase != "optimizer"
+        for u in grad.users
+    )
+
+
+def held_gradients_line(
+    held: int, psi: int, world_size: int, width: int = 26, plan: Plan | None = None
+) -> str:
     """A row for the gradients when none is kept between steps (``grad_accumulation: 1``):
-    the bytes the update reads, held within the step (counted in its activations)."""
+    the bytes the update reads, held on the device within the step (counted in its
+    activations); ``plan`` says whether offloaded units' gradients leave the device."""
     which, since = ("reduced", "their reduction") if world_size > 1 else ("backward's", "backward")
+    leave = plan is not None and plan.offload.optimizer != "none" and plan.offload.grads == "cpu"
     return (
         f"  {'grads within the step':<{width}}{human_bytes(held):>12}  ({held / max(psi, 1):.2f} "
         f"bytes per Ψ, not kept between steps: the update reads {which} gradients, held from "
-        f"{since} to it)"
+        f"{since} to it"
+        + ("; an offloaded unit's leave the device as they are copied to the host" if leave else "")
+        + ")"
     )
 
 
