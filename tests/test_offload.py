@@ -111,6 +111,14 @@ def test_explain_shows_where_bytes_live_and_the_traffic(tmp_path):
     assert traffic["nvme_read"] == traffic["nvme_write"] == 3 * 4 * shards
 
 
+def test_loss_scaled_gradients_are_not_said_to_leave_the_device():
+    """fp16 with loss scaling unscales every gradient in place after backward, so an
+    offloaded one is copied to the host after that: explain() does not say it leaves the
+    device during backward."""
+    plan = {**_plan(optimizer="cpu"), "precision": {"param": "fp16"}}
+    assert "leave the device" not in _trained(plan).explain()
+
+
 def test_offloaded_program_says_why_each_copy_is_there():
     step = _trained(_plan(optimizer="cpu", params="cpu"))
     notes = [n.meta["zerocc"].note or "" for n in step.program.graph.nodes]

@@ -273,7 +273,8 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     if e.offloaded["host"]:
         lines.append(_host_memory_line(plan, e))
     if plan.grad_accumulation == 1:
-        lines.append(held_gradients_line(e.held_grads, e.psi, e.world_size, width=24, plan=plan))
+        leave = e.grads_copied_out
+        lines.append(held_gradients_line(e.held_grads, e.psi, e.world_size, width=24, leave=leave))
     lines += ["", "communication per optimizer step, per rank:"]
     lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.comm.items())]
     if not e.comm:

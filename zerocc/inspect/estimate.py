@@ -25,7 +25,13 @@ from zerocc.cost.memory import model_state_bytes_of, predict_memory
 from zerocc.cost.model import DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation, predict_step
 from zerocc.cost.timeline import MemoryTimeline
-from zerocc.inspect.explain import comm_bytes, held_gradient_bytes, recompute_cost, transfer_bytes
+from zerocc.inspect.explain import (
+    comm_bytes,
+    gradients_copied_out,
+    held_gradient_bytes,
+    recompute_cost,
+    transfer_bytes,
+)
 
 
 @dataclass
@@ -109,6 +115,7 @@ class Estimate:
     # their reduction to the update within the step; part of the activations' peak)
     held_grads: int = 0
     psi: int = 0  # trainable elements, with padding
+    grads_copied_out: bool = False  # offloaded gradients leave the device during backward
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as plain data (``zerocc estimate --json``)."""
@@ -177,6 +184,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         rates,
         held_gradient_bytes(inspection.stepping.gm),
         sum(u.padded_numel for u in inspection.units if u.trainable),
+        gradients_copied_out(inspection.stepping.gm),
     )
 
 

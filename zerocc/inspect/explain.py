@@ -215,7 +215,9 @@ def explain_step(step: StepRecord) -> str:
         )
     programs = step.programs
     if plan.grad_accumulation == 1 and True in programs:
-        lines.append(held_gradients_line(held_gradient_bytes(programs[True]), psi, n, plan=plan))
+        stepping = programs[True]
+        held, leave = held_gradient_bytes(stepping), gradients_copied_out(stepping)
+        lines.append(held_gradients_line(held, psi, n, leave=leave))
     if step.plan.checkpointing.enabled:
         lines += ["", recompute_line(step)]
     if step.plan.offload.enabled:
@@ -237,11 +239,18 @@ def held_gradient_bytes(gm: fx.GraphModule) -> int:
     return sum(
         val(n).numel() * val(n).element_size()
         for n in nodes_with_role(gm, GRAD_SHARD)
-        if not _copied_out_in_backward(n)
+        if not copied_out_in_backward(n)
     )
 
 
-def _copied_out_in_backward(grad: fx.Node) -> bool:
+def gradients_copied_out(gm: fx.GraphModule) -> bool:
+    """Whether any gradient an update reads leaves the device during backward (copied to the
+    host as it completes: ``offload.grads: cpu``, but under loss scaling)."""
+    return any(copied_out_in_backward(n) for n in nodes_with_role(gm, GRAD_SHARD))
+
+
+def copied_out_in_backward(grad: fx.Node) -> bool:
+    """Whether ``grad`` is copied to the host in backward, not in the optimizer phase."""
     return any(
         op_name(u.target) in ("zerocc.copy_start", "zerocc.copy_into_start")
         and u.args[-1] == TO_HOST
@@ -251,13 +260,13 @@ def _copied_out_in_backward(grad: fx.Node) -> bool:
 
 
 def held_gradients_line(
-    held: int, psi: int, world_size: int, width: int = 26, plan: Plan | None = None
+    held: int, psi: int, world_size: int, width: int = 26, leave: bool = False
 ) -> str:
     """A row for the gradients when none is kept between steps (``grad_accumulation: 1``):
     the bytes the update reads, held on the device within the step (counted in its
-    activations); ``plan`` says whether offloaded units' gradients leave the device."""
+    activations); ``leave``: offloaded units' gradients leave the device during backward
+    (:func:`gradients_copied_out`)."""
     which, since = ("reduced", "their reduction") if world_size > 1 else ("backward's", "backward")
-    leave = plan is not None and plan.offload.optimizer != "none" and plan.offload.grads == "cpu"
     return (
         f"  {'grads within the step':<{width}}{human_bytes(held):>12}  ({held / max(psi, 1):.2f} "
         f"bytes per Ψ, not kept between steps: the update reads {which} gradients, held from "
