@@ -10,19 +10,27 @@ next), run on the host's worker thread (``stream=host``) while the device comput
   gradients and clip coefficient into them; the runtime sets the others before each run (the
   skip flag is 1 when no update is pending, or when that step overflowed);
 - ``next_forward``: each unit's update is waited for (``host_wait``) and its compute copy
-  written right before the unit's first use in forward (its all-gather): the numbers are those
-  of ``none``, the update hidden behind the forward of the units before it. Updates write their
-  compute copy into two host buffers in turn, so one is issued once the copy that last read its
-  buffer is done; they are issued in the order forward uses the units;
+  written right before the unit's weights are first read in forward (stage 3: its first
+  all-gather): the numbers are those of ``none``, the update hidden behind the forward of the
+  units before it. Updates write their compute copy into two host buffers in turn, so one is
+  issued once the copy that last read its buffer is done; they are issued in the order forward
+  uses the units;
 - ``delayed`` (ZeRO-Offload's delayed parameter update): every update is issued at the start,
   each writing the compute copy into a host buffer of its unit's own, waited for right before
   the step copies the unit's new gradient over the one it reads; the compute copy is written
-  after the unit's last gather, so the step computes on the weights before the update, which the
-  next step first uses: gradients one step stale.
+  after the step's last read of the unit's weights, so the step computes on the weights before
+  the update, which the next step first uses: gradients one step stale.
+
+Stages 1-2 keep every unit's weights whole on every rank: the update's compute copy is this
+rank's shard of them, and an all-gather of the updated shards (the end of a step without a
+pipeline) follows the copy, carried with it. ``next_forward`` issues a unit's wait, copy and
+all-gather while the unit before it computes, and waits for the all-gather at the unit's first
+read; ``delayed`` waits for each all-gather at the step's end.
 
 The carried nodes (``info.carried``) alone make a program of their own
 (:func:`carried_program`): what applies a pending update before a save, an evaluation or a
-state_dict reads the state.
+state_dict reads the state. Under stages 1-2 on more than one rank it all-gathers, so every
+rank runs it together.
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ from torch import fx
 
 from zerocc.compiler.state import HOST, LR_SPEC, STEP_SPEC
 from zerocc.errors import InvariantError
+from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
-from zerocc.ir.nodes import copy_node, emit, info, op_kind, op_name, val
+from zerocc.ir.nodes import PARAM_FULL, PARAM_SHARD, copy_node, emit, info, op_kind, op_name, val
 from zerocc.ir.ops import TO_HOST
 
 aten = torch.ops.aten
@@ -82,16 +91,18 @@ def carried_program(gm: fx.GraphModule) -> fx.GraphModule | None:
 class _Carried:
     """One unit's carried update and what follows it: the ``source`` its compute copy is
     copied from (a view of a host buffer the update writes, or its master), that copy
-    (``back``, completed by ``back_wait``) into ``param``, the wait for the update. An update
+    (``back``, completed by ``back_wait``), under stages 1-2 the all-gather of the copied
+    shards (``gather``, completed by ``gather_wait``), the wait for the update. An update
     that writes the compute weights themselves (fp32 states and parameters together on the
-    host, or its compute copy in host memory) has no copy: ``back`` is None, ``param`` those
-    weights."""
+    host, or its compute copy in host memory) has no copy: ``back`` is None."""
 
     update: fx.Node
     view: fx.Node | None
     source: fx.Node
     back: fx.Node | None
     back_wait: fx.Node | None
+    gather: fx.Node | None
+    gather_wait: fx.Node | None
     fills: list[fx.Node]  # this step's copies into the buffers the update reads
     host_wait: fx.Node | None = None
 
@@ -100,18 +111,23 @@ class _Carried:
         return info(self.update).unit
 
     @property
-    def param(self) -> fx.Node:
+    def weights(self) -> fx.Node:
+        """The weights the step computes on, which the update's result ends up in."""
+        if self.gather is not None:
+            return self.gather.args[0]
         return self.back.args[0] if self.back is not None else self.source
 
     @property
     def after_wait(self) -> list[fx.Node]:
-        """What follows the wait for the update: the copy of its result, when there is one."""
-        return [self.back, self.back_wait] if self.back is not None else []
+        """What follows the wait for the update: the copy of its result, when there is one,
+        and the all-gather of the copies."""
+        copy = [self.back, self.back_wait] if self.back is not None else []
+        return copy + ([self.gather, self.gather_wait] if self.gather is not None else [])
 
 
 class _Carrier:
     def __init__(self, gm: fx.GraphModule, mode: str, update_args: dict[str, dict]) -> None:
-        self.graph, self.mode, self.update_args = gm.graph, mode, update_args
+        self.gm, self.graph, self.mode, self.update_args = gm, gm.graph, mode, update_args
         self.top = next(n for n in self.graph.nodes if n.op != "placeholder")  # the body's first
         self.output = next(n for n in self.graph.nodes if n.op == "output")
         self.scalars: dict[str, fx.Node] = {}
@@ -223,11 +239,38 @@ class _Carrier:
             None,
         )
         back_wait = next(iter(back.users)) if back is not None else None
-        carried = _Carried(update, view, source, back, back_wait, fills)
+        gather, gather_wait = self._gather_of(back)
+        carried = _Carried(update, view, source, back, back_wait, gather, gather_wait, fills)
         for node in (update, *carried.after_wait, *([view] if view is not None else [])):
             info(node).carried = True
         info(update).stream = Stream.HOST
         return carried
+
+    def _gather_of(self, back: fx.Node | None) -> tuple[fx.Node | None, fx.Node | None]:
+        """Stages 1-2: the all-gather (start, wait) that fills the unit's whole weights from
+        the shard ``back`` copies into. On one rank the shard is the whole (a view of all of
+        it) and there is none: ``back`` then writes the whole weights, the tensor the step
+        reads, so that the copy is ordered before those reads by data."""
+        if back is None:
+            return None, None
+        shard, unit = back.args[0], info(back).unit
+        whole = next(
+            (
+                n
+                for n in self.graph.nodes
+                if n.op == "placeholder" and info(n).role == PARAM_FULL and info(n).unit == unit
+            ),
+            None,
+        )
+        if whole is None or info(shard).role != PARAM_SHARD:  # stage 3: the step gathers it
+            return None, None
+        for user in shard.users:
+            if op_name(user.target) == "zerocc.all_gather_into_start" and user.args[0] is whole:
+                return user, next(iter(user.users))
+        if val(whole).shape != val(shard).shape:
+            raise InvariantError(f"{back.name} copies a shard of {whole.name}, never gathered")
+        back.args = (whole, *back.args[1:])
+        return None, None
 
     def _wait_for(self, carried: _Carried) -> None:
         """Wait for the update at the insertion point; its compute copy reads what the wait
@@ -247,30 +290,39 @@ class _Carrier:
         if back is not None:
             back.args = (back.args[0], carried.host_wait, *back.args[2:])
 
-    def _body_users(self, node: fx.Node) -> list[fx.Node]:
-        """The nodes of this step (not carried) that read ``node``, in program order."""
+    def _body_reads(self, weights: fx.Node, roots: StorageRoots) -> list[fx.Node]:
+        """The nodes of this step (not carried) that read ``weights``, through any view of
+        them, in program order; a collective's wait with its start (it reads until then)."""
+        root, reads = roots.root[weights], []
+        for node in self.graph.nodes:
+            if info(node).carried or node.op == "output":
+                continue
+            if root in roots.access(node).reads:
+                reads += [node, *(u for u in node.users if op_kind(u) is OpKind.WAIT)]
         order = self._order()
-        return sorted((u for u in node.users if not info(u).carried), key=order.__getitem__)
+        return sorted(dict.fromkeys(reads), key=order.__getitem__)
 
     def _place_next_forward(self, updates: list[_Carried]) -> None:
-        """Each update issued in the order forward first uses the units, once the copy that
-        last read its host buffer is done; waited for, and its compute copy written, right
-        before its unit's first use."""
-        first_use = {}
+        """Each update issued in the order forward first reads the units' weights, once the
+        copy that last read its host buffer is done; waited for, and its compute copy written,
+        right before that read (stages 1-2: while the unit before computes, its all-gather
+        waited for at the read)."""
+        roots = StorageRoots(self.gm)
+        first_read = {}
         for carried in updates:
-            users = self._body_users(carried.param)
-            first_use[carried] = users[0] if users else self.output
+            reads = self._body_reads(carried.weights, roots)
+            first_read[carried] = reads[0] if reads else self.output
         order = self._order()
-        updates.sort(key=lambda c: order[first_use[c]])
+        updates.sort(key=lambda c: order[first_read[c]])
         slots = list(dict.fromkeys(c.view.args[0] for c in updates if c.view is not None))
         for slot in slots:
             self.top.prepend(slot)
             info(slot).carried = True
         last_read: dict[fx.Node, fx.Node] = {}  # slot -> the wait of the copy that read it last
-        previous: fx.Node | None = None
+        previous: _Carried | None = None
         staged = 0
         for carried in updates:
-            after, view = [previous] if previous is not None else [], carried.view
+            after, view = [previous.update] if previous is not None else [], carried.view
             if view is not None:
                 slot = slots[staged % len(slots)]
                 staged += 1
@@ -281,12 +333,17 @@ class _Carrier:
             if view is not None:
                 anchor.prepend(view)
             anchor.prepend(carried.update)
-            previous = carried.update
-            use = first_use[carried]
-            with self.graph.inserting_before(use):
+            read = first_read[carried]
+            # An all-gather is started a unit ahead, beside the compute of the unit before.
+            ahead = first_read[previous] if carried.gather is not None and previous else read
+            with self.graph.inserting_before(ahead):
                 self._wait_for(carried)
             for node in carried.after_wait:
-                use.prepend(node)
+                (read if node is carried.gather_wait else ahead).prepend(node)
+            if carried.gather_wait is not None:
+                note = f"{carried.unit}'s updated weights, before their first read"
+                info(carried.gather_wait).note = note
+            previous = carried
 
     def _after_all(self, nodes: list[fx.Node]) -> fx.Node:
         """The node right after the last of ``nodes`` (the body's first when there are none)."""
@@ -314,6 +371,7 @@ class _Carrier:
         for slot in slots:
             if not slot.users:
                 self.graph.erase_node(slot)
+        roots = StorageRoots(self.gm)
         for carried in updates:
             if carried.back is None:  # (the plan refuses it: the step reads those weights)
                 raise InvariantError(f"{carried.update.name}: a delayed update needs a copy")
@@ -321,11 +379,18 @@ class _Carrier:
                 self._wait_for(carried)
             # The compute copy is written after the step's last read of the weights (a gather
             # reads them until its wait), so this step computes on the weights before.
-            reads = [carried.host_wait]
-            for user in self._body_users(carried.param):
-                reads += [user, *(u for u in user.users if op_kind(u) is OpKind.WAIT)]
+            reads = [carried.host_wait, *self._body_reads(carried.weights, roots)]
             self._after_all(reads).prepend(carried.back)
             self.output.prepend(carried.back_wait)
+        # Stages 1-2: each all-gather follows its copy, started once the next copy is issued.
+        order = self._order()
+        gathered = sorted((c for c in updates if c.gather), key=lambda c: order[c.back])
+        for carried, following in zip(gathered, [*gathered[1:], None], strict=False):
+            start_at = following.back if following is not None else self.output
+            start_at.prepend(carried.back_wait)
+            start_at.prepend(carried.gather)
+            self.output.prepend(carried.gather_wait)
+            info(carried.gather_wait).note = f"{carried.unit}'s updated weights, for the next step"
 
     def _check(self, updates: list[_Carried]) -> None:
         """Every update is waited for before this step's copies overwrite what it reads."""

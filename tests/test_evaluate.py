@@ -30,6 +30,13 @@ CASES = [
         "precision": {"param": "fp16"},  # dynamic loss scaling
     },
     {"model": "gpt", "stage": 3, "world": 2, "offload": {"optimizer": "cpu", "params": "cpu"}},
+    # The update in flight applied first: under stage 2 its drain all-gathers on both ranks.
+    {
+        "model": "gpt",
+        "stage": 2,
+        "world": 2,
+        "offload": {"optimizer": "cpu", "pipeline": "next_forward"},
+    },
     {"model": "gpt", "stage": 3, "world": 2, "checkpointing": {"units": "all"}},
     {"model": "buffers", "stage": 1, "world": 2, "accum": 2},
 ]

@@ -23,9 +23,9 @@ SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
 FP32 = {"on_nonfinite": "skip"}  # (the plans' default precision is bf16 compute)
 
 
-def _plan(pipeline: str, optimizer: dict = ADAMW, **offload) -> dict:
+def _plan(pipeline: str, optimizer: dict = ADAMW, stage: int = 3, **offload) -> dict:
     return {
-        "zero": {"stage": 3},
+        "zero": {"stage": stage},
         "units": {"classes": ["Block"]},
         "optimizer": optimizer,
         "precision": {"param": "bf16", "on_nonfinite": "skip"},
@@ -34,10 +34,11 @@ def _plan(pipeline: str, optimizer: dict = ADAMW, **offload) -> dict:
 
 
 def _step(plan: dict) -> zerocc.TrainStep:
+    """Two simulated ranks under stage 3; one under stages 1-2, whose whole weights a
+    FakeComm's all-gather would fill with this rank's shard alone (every simulated rank's)."""
     torch.manual_seed(0)
-    return zerocc.compile(
-        tiny_gpt(), plan, comm=zerocc.FakeComm(world_size=2), loss_fn=lambda m, x, y, s: m(x, y) * s
-    )
+    comm = zerocc.FakeComm(world_size=2 if plan["zero"]["stage"] == 3 else 1)
+    return zerocc.compile(tiny_gpt(), plan, comm=comm, loss_fn=lambda m, x, y, s: m(x, y) * s)
 
 
 def _train(step: zerocc.TrainStep, first: int, last: int) -> list[float]:
@@ -65,9 +66,13 @@ def threaded(request, monkeypatch) -> bool:
         pytest.param({"backend": {"kernels": "triton"}}, marks=needs_triton),
         # No compute copy: the update writes the fp32 weights, on the host with its states.
         {"offload": {"params": "cpu"}, "precision": FP32},
+        # The whole weights, of which the rank's shard is all (tests/parity: 2 gloo ranks).
+        {"zero": {"stage": 2}},
+        {"zero": {"stage": 1}, "offload": {"ratio": 0.5}},
     ],
-    ids=["all", "half-params-on-host", "sgd", "one-pass", "triton", "fp32-params-on-host"],
-)
+    ids=["all", "half-params-on-host", "sgd", "one-pass", "triton", "fp32-params-on-host",
+         "stage2", "stage1-half"],
+)  # fmt: skip
 def test_next_forward_trains_bit_identically_to_the_plan_without_it(change, threaded):
     """bf16 compute copies written by the carried updates through two host buffers, a clip,
     and a step skipped for a non-finite loss (its carried update must write nothing); the
@@ -92,11 +97,12 @@ def test_next_forward_trains_bit_identically_to_the_plan_without_it(change, thre
     assert _train(pipelined, 3, 5) == _train(plain, 3, 5)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("pipeline", ["next_forward", "delayed"])
-def test_an_evaluation_sees_the_carried_update_applied(pipeline):
+def test_an_evaluation_sees_the_carried_update_applied(pipeline, stage):
     """fp32 (losses to the last bit): what evaluate computes on is the model as trained so far,
     the last step's carried update included (the materialized model applies it too)."""
-    plan = {**_plan(pipeline), "precision": FP32}
+    plan = {**_plan(pipeline, stage=stage), "precision": FP32}
     step = _step(plan)
     _train(step, 0, 2)
     x, y = _gpt_batch(9, 0)
@@ -106,14 +112,16 @@ def test_an_evaluation_sees_the_carried_update_applied(pipeline):
         assert evaluated == pytest.approx(float(model(x, y)), rel=1e-6)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("pipeline", ["next_forward", "delayed"])
-def test_a_resumed_run_trains_as_the_run_that_saved(pipeline, tmp_path):
+def test_a_resumed_run_trains_as_the_run_that_saved(pipeline, stage, tmp_path):
     """A save applies the update in flight; a run loading that checkpoint goes on exactly as
     the one that saved it."""
-    saving = _step(_plan(pipeline))
+    plan = _plan(pipeline, stage=stage)
+    saving = _step(plan)
     _train(saving, 0, 2)
     saving.save(tmp_path)
-    resumed = _step(_plan(pipeline))
+    resumed = _step(plan)
     resumed.load(tmp_path)
     assert _train(resumed, 3, 5) == _train(saving, 3, 5)
     ours, theirs = resumed.full_state_dict(), saving.full_state_dict()
@@ -140,7 +148,6 @@ PIPELINED = {"optimizer": "cpu", "pipeline": "next_forward"}
 @pytest.mark.parametrize(
     ("plan", "message"),
     [
-        ({"zero": {"stage": 2}, "offload": PIPELINED}, "zero.stage: 3"),
         ({"grad_accumulation": 2, "offload": PIPELINED}, "grad_accumulation: 1"),
         (
             {"offload": {**PIPELINED, "optimizer": "nvme", "nvme_path": "/tmp"}},
@@ -179,14 +186,16 @@ def test_a_failing_host_update_raises_at_its_wait_and_settle_waits_out_the_rest(
     assert ran == [1]  # issued before the failure was seen: it ran, and settle waited for it
 
 
-def test_inductor_issues_the_carried_updates_from_its_one_graph(threaded):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_inductor_issues_the_carried_updates_from_its_one_graph(threaded, stage):
     """The whole program compiled by Inductor, its carried updates issued to the host's worker
     from the generated code: fp32 losses and weights within 1e-5 of the eager backend's (the
-    Inductor parity tests' tolerance: it fuses and reorders reductions)."""
+    Inductor parity tests' tolerance: it fuses and reorders reductions). Under stage 2 the
+    copy writes the weights the graph reads, which orders it before their reads."""
     # AdamW's eps of 1e-3, as in tests/parity: with 1e-8 an element whose tiny gradient
     # Inductor rounds to another sign moves by ±lr, whatever the rounding's size.
     optimizer = {**ADAMW, "eps": 1e-3}
-    plan = {**_plan("next_forward", optimizer), "precision": FP32}
+    plan = {**_plan("next_forward", optimizer, stage=stage), "precision": FP32}
     runs = {b: _step({**plan, "backend": {"name": b}}) for b in ("eager", "inductor")}
     losses = {b: _train(step, 0, 4) for b, step in runs.items()}
     assert losses["inductor"] == pytest.approx(losses["eager"], rel=1e-5)

@@ -73,6 +73,11 @@ CASES = [
     {"model": "gpt", "stage": 3, "offload": {**CPU, "params": "cpu", "pipeline": "next_forward"}},
     {"model": "gpt", "stage": 3, "precision": BF16, "optimizer": CLIPPED,
      "offload": {**CPU, "params": "cpu", "ratio": 0.5, "pipeline": "next_forward"}},
+    # Stages 1-2: each carried update's shard all-gathered into the whole weights at their
+    # first read, the units left on the device all-gathered at the step's end.
+    {"model": "gpt", "stage": 2, "offload": {**CPU, "pipeline": "next_forward"}},
+    {"model": "gpt", "stage": 1, "precision": BF16, "optimizer": CLIPPED,
+     "offload": {**CPU, "ratio": 0.5, "pipeline": "next_forward"}},
 ]  # fmt: skip
 # The delayed parameter update: its own numerics, held to a delayed-update reference.
 DELAYED = [
@@ -80,6 +85,11 @@ DELAYED = [
      "offload": {**CPU, "pipeline": "delayed"}},
     # Two micro-batches a step: the step's gradient on the weights before the last update.
     {"model": "gpt", "stage": 3, "world": 2, "steps": 3, "accum": 2, "precision": {},
+     "offload": {**CPU, "pipeline": "delayed"}},
+    # Stages 1-2 (ZeRO-Offload's own setting): the weights all-gathered after their last read.
+    {"model": "gpt", "stage": 2, "world": 2, "steps": 4, "optimizer": CLIPPED,
+     "offload": {**CPU, "pipeline": "delayed"}},
+    {"model": "gpt", "stage": 1, "world": 2, "steps": 3, "accum": 2, "precision": {},
      "offload": {**CPU, "pipeline": "delayed"}},
 ]  # fmt: skip
 

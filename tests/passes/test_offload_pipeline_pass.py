@@ -9,24 +9,25 @@ from torch import fx
 import zerocc
 from zerocc.cost.simulate import simulate
 from zerocc.inspect.estimate import inspect_plan
+from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
-from zerocc.ir.nodes import info, op_kind, op_name
+from zerocc.ir.nodes import PARAM_FULL, PARAM_SHARD, info, op_kind, op_name
 from zerocc.passes.offload_pipeline import carried_program
 
 
-def _program(pipeline: str) -> fx.GraphModule:
+def _program(pipeline: str, stage: int = 3, world_size: int = 2) -> fx.GraphModule:
     plan = zerocc.load_plan(
         {
             "workload": "workload:workload",
             "workload_args": {"n_layer": 3},
-            "zero": {"stage": 3},
+            "zero": {"stage": stage},
             "units": {"classes": ["Block"]},
             "precision": {"param": "bf16"},
             "optimizer": {"name": "adamw", "grad_clip": 1.0},
             "offload": {"optimizer": "cpu", "pipeline": pipeline},
         }
     )
-    return inspect_plan(plan, 2).stepping.gm
+    return inspect_plan(plan, world_size).stepping.gm
 
 
 def _nodes(gm: fx.GraphModule, op: str) -> list[fx.Node]:
@@ -100,17 +101,85 @@ def test_delayed_writes_each_compute_copy_after_the_units_last_gather():
     assert sorted(units.updates, key=lambda u: units.order[units.updates[u]]) == by_fill
 
 
+def _reads(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Per unit, the nodes of the step (not carried) that read its weights (stages 1-2: the
+    whole, of which the shard is a view; stage 3: the shard), through any view of them, in
+    program order."""
+    roots = StorageRoots(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    weights = {}
+    for role in (PARAM_SHARD, PARAM_FULL):
+        weights.update({info(n).unit: n for n in placeholders if info(n).role == role})
+    return {
+        unit: [
+            n
+            for n in gm.graph.nodes
+            if not info(n).carried and n.op != "output" and w in roots.access(n).reads
+        ]
+        for unit, w in weights.items()
+    }
+
+
+def test_stages_1_2_next_forward_gathers_each_update_a_unit_ahead_of_its_first_read():
+    """The whole weights of every rank: each carried update's copy, then the all-gather of the
+    copied shards, started before the unit before it is first read, waited for before the
+    unit's own first read; none left at the step's end."""
+    gm = _program("next_forward", stage=2)
+    units, reads = _Units(gm), _reads(gm)
+    gathers = {info(n).unit: n for n in _nodes(gm, "all_gather_into_start")}
+    first = sorted(units.updates, key=lambda u: units.order[reads[u][0]])
+    for before, unit in zip([None, *first], first, strict=False):
+        gather = gathers[unit]
+        gather_wait = next(iter(gather.users))
+        assert info(gather).carried and info(gather_wait).carried
+        assert units.before(
+            units.host_wait[unit], units.back[unit], units.back_wait[unit], gather, gather_wait
+        )
+        assert units.before(gather_wait, reads[unit][0])
+        if before is not None:
+            assert units.before(gather, reads[before][0])
+
+
+def test_stages_1_2_delayed_copies_each_shard_after_the_last_read_of_the_weights():
+    """The copy writes this rank's part of the weights the step computes on (a view of
+    them): after the step's last read of them, in backward; its all-gather follows."""
+    gm = _program("delayed", stage=2)
+    units, reads = _Units(gm), _reads(gm)
+    gathers = {info(n).unit: n for n in _nodes(gm, "all_gather_into_start")}
+    for unit in units.updates:
+        assert info(reads[unit][-1]).phase == "backward"
+        assert units.before(reads[unit][-1], units.back[unit], units.back_wait[unit])
+        assert units.before(units.back_wait[unit], gathers[unit], next(iter(gathers[unit].users)))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_on_one_rank_the_carried_copy_writes_the_weights_before_their_first_read(stage):
+    """No all-gather: the copy writes the tensor the step reads (stages 1-2: the whole, not
+    the shard that aliases it), so that it is ordered before the reads by data."""
+    gm = _program("next_forward", stage=stage, world_size=1)
+    units, reads = _Units(gm), _reads(gm)
+    assert not _nodes(gm, "all_gather_into_start")
+    for unit in units.updates:
+        assert units.back[unit].args[0] in {n.args[0] for n in reads[unit]} | set(reads[unit])
+        assert units.before(units.back_wait[unit], reads[unit][0])
+
+
 @pytest.mark.parametrize("pipeline", ["next_forward", "delayed"])
-def test_the_carried_nodes_alone_apply_the_pending_update(pipeline):
-    """What a save or an evaluation runs first: the updates, their waits and compute copies,
-    and no collective (a rank may run it alone)."""
-    gm = _program(pipeline)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_carried_nodes_alone_apply_the_pending_update(pipeline, stage):
+    """What a save or an evaluation runs first: the updates, their waits and compute copies;
+    no collective under stage 3 (each rank writes its shard), the all-gathers of the updated
+    shards under stages 1-2 (a collective: every caller of the drain is one)."""
+    gm = _program(pipeline, stage)
     drain = carried_program(gm)
     ops = {op_name(n.target) for n in drain.graph.nodes if n.op == "call_function"}
-    assert not any(op_kind(n) is OpKind.COLLECTIVE for n in drain.graph.nodes)
+    collectives = [n for n in drain.graph.nodes if op_kind(n) is OpKind.COLLECTIVE]
+    updates = _nodes(gm, "adamw_")
+    assert len(collectives) == (len(updates) if stage < 3 else 0)
+    assert all(op_name(n.target) == "zerocc.all_gather_into_start" for n in collectives)
     assert {"zerocc.adamw_", "zerocc.host_wait", "zerocc.copy_into_start", "zerocc.wait"} <= ops
-    assert len(_nodes(drain, "adamw_")) == len(_nodes(gm, "adamw_"))
-    assert carried_program(_program("none")) is None
+    assert len(_nodes(drain, "adamw_")) == len(updates)
+    assert carried_program(_program("none", stage)) is None
 
 
 def test_the_simulation_runs_carried_updates_beside_compute():

@@ -772,11 +772,12 @@ class OffloadConfig(_Section):
         description="when the host updates of offload.optimizer: cpu run. 'none': at the end "
         "of the step, which waits for them. 'next_forward': each unit's update runs on a host "
         "thread beside the next step's forward, which waits for it only right before the "
-        "unit's first gather: the same numbers as 'none'. 'delayed' (ZeRO-Offload's delayed "
-        "parameter update): beside the next step's forward and backward, its weights first "
-        "used a step later: the gradients are one step stale (numerics change). A save, "
-        "state_dict or evaluate applies the update in flight first. Stage 3; next_forward "
-        "with one micro-batch per step",
+        "unit's weights are first read (stages 1-2 all-gather them then): the same numbers as "
+        "'none'. 'delayed' (ZeRO-Offload's delayed parameter update): beside the next step's "
+        "forward and backward, its weights first used a step later: the gradients of offloaded "
+        "units are one step stale (numerics change). A save, state_dict or evaluate applies "
+        "the update in flight first (under stages 1-2, an all-gather: on every rank). "
+        "next_forward with one micro-batch per step",
     )
     grads: Literal["cpu", "device"] = Field(
         "cpu",
@@ -1048,8 +1049,6 @@ class Plan(_Section):
                 "offload.optimizer: cpu (the update it carries runs in host memory)": (
                     offload.optimizer == "cpu"
                 ),
-                "zero.stage: 3 (stages 1-2 all-gather the updated weights at the end of the "
-                "step, a collective a carried update cannot hold)": stage == 3,
                 "grad_accumulation: 1 (a step's first micro-batches would compute on the "
                 "weights before the update its last one waits for; 'delayed' takes more)": (
                     self.grad_accumulation == 1 or offload.pipeline == "delayed"

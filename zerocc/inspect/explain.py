@@ -280,7 +280,8 @@ def held_gradients_line(
 PIPELINE_LINES = {
     "next_forward": [
         "  host updates carried into the next step (offload.pipeline: next_forward): each runs "
-        "beside the next forward, waited for before its unit's first gather; same numbers"
+        "beside the next forward, waited for before its unit's weights are first read; same "
+        "numbers"
     ],
     "delayed": [
         "  host updates carried into the next step (offload.pipeline: delayed): each runs "

@@ -318,15 +318,16 @@ class StepRunner:
         """The loss of one micro-batch of this rank under the current weights, forward only:
         a program of its own (compiled on the first call of each batch signature, with the
         model in eval mode) gathers what forward needs and changes no state; training goes
-        on as if it had not run. Collective under stage 3: every rank calls it together."""
+        on as if it had not run. Collective: every rank calls it together (the ranks agree on
+        the batch first)."""
         self._check_usable()
-        self.apply_carried_update()
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
         signature = batch_signature(batch)
         key = (signature, "evaluate")
         self._set_status(f"evaluating after step {self._step_number() - 1}")
         agreement = self._propose(("evaluation batch", signature), batch)
         self._settle(agreement)
+        self.apply_carried_update()  # (after the agreement: under stages 1-2 it all-gathers)
         program = self.programs.get(key) or self._build(batch, boundary=False, training=False)
         args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         try:
@@ -352,7 +353,10 @@ class StepRunner:
     def apply_carried_update(self) -> None:
         """Apply the update a pipelined offload carried out of the last step now, with what
         the step left in host buffers (nothing to do when none is pending): before anything
-        reads the weights or the optimizer states. Local to the rank: no collective."""
+        reads the weights or the optimizer states. Under stage 3 local to the rank; under
+        stages 1-2 on more than one rank it all-gathers the updated shards, so every rank calls
+        it together (its callers are collective: a save or load, an evaluation,
+        full_state_dict)."""
         if self._carried is None:
             return
         if self._drain is None:
@@ -820,7 +824,8 @@ class StepRunner:
         """This rank's shards, optimizer state and counters, ready for
         ``torch.distributed.checkpoint.save`` (or ``torch.save``). Tensor keys carry the rank
         (``rank1/transformer.h.0.param``) since every rank holds different shards; reload
-        with the same plan and world size."""
+        with the same plan and world size. Applies a pipelined offload's update in flight
+        first, which under stages 1-2 all-gathers: call it on every rank then."""
         prefix = f"rank{self.comm.rank}/"
         self.apply_carried_update()
         sd: dict[str, Any] = {
