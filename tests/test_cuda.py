@@ -54,6 +54,10 @@ def _cases(world: int) -> list[dict]:
     cases.append({**on_gpu, "stage": 3, "precision": bf16,
                   "offload": {"optimizer": "cpu", "pipeline": "next_forward"}})  # fmt: skip
     cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "delayed"}})
+    # Stage 2: the carried copy writes the whole weights (one GPU) or this rank's part of them,
+    # all-gathered in the next step (two).
+    cases.append({**on_gpu, "stage": 2,
+                  "offload": {"optimizer": "cpu", "pipeline": "next_forward"}})  # fmt: skip
     return cases
 
 
