@@ -58,8 +58,6 @@ from zerocc.passes.offload_pipeline import carry_updates
 aten = torch.ops.aten
 CPU = torch.device("cpu")
 STAGING_SLOTS = 2  # host buffers the host updates write compute copies into, in turn
-# Reduced gradients whose copy to the host may be in flight while the next one is computed.
-GRADIENTS_IN_FLIGHT = 2
 # Positions of an update's states, (clip coefficient, overflow flag), compute copy, step count
 # and learning rate (weights first, gradient second).
 UPDATE_ARGS = {
@@ -91,6 +89,7 @@ class _Offloader:
             if op_name(n.target) in UPDATE_ARGS and where[info(n).unit].offloaded
         ]
         self.grads_on_device = config.grads == "device"
+        self.grads_in_flight = config.grads_in_flight
         self.delayed = config.pipeline == "delayed"
         self.grad_copies: list[tuple[fx.Node, fx.Node]] = []
         copies = [u.args[UPDATE_ARGS[op_name(u.target)]["copy"]] for u in self.updates]
@@ -239,11 +238,14 @@ class _Offloader:
         return True
 
     def _bound_gradients_in_flight(self) -> None:
-        """Wait for each gradient's copy to the host before the gradient two on is complete,
-        so that the device holds at most three reduced gradients while they travel: the copies
-        (at the host link's rate) can be slower than backward, and gradients left to their
-        updates held the device memory of all of them at the end of backward."""
-        later = self.grad_copies[GRADIENTS_IN_FLIGHT:]
+        """Wait for each gradient's copy to the host before the gradient ``grads_in_flight``
+        after it is complete (default 2), so that the device holds at most that many reduced
+        gradients plus the one being completed: the copies (at the host link's rate) can be
+        slower than backward, and gradients left to their updates held the device memory of
+        all of them at the end of backward. None: no bound."""
+        if self.grads_in_flight is None:
+            return
+        later = self.grad_copies[self.grads_in_flight :]
         for (_, wait), (last, _) in zip(self.grad_copies, later, strict=False):
             if _after(last, wait.args[0]):
                 last.prepend(wait)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -349,6 +350,50 @@ def test_gradients_copied_to_the_host_leave_the_device_as_they_go():
     assert peaks["device"] - peaks["cpu"] >= (len(blocks) - 3) * gradient, (peaks, gradient)
     # The row of gradients held on the device within the step says so too.
     assert held == {"cpu": 0, "device": 4 * psi}
+
+
+def test_more_gradients_in_flight_hold_more_device_memory_and_wait_less():
+    """``offload.grads_in_flight`` trades device memory for backward's waits on the copies:
+    with the host link slow beside backward, each bound holds at most that many gradients plus
+    one (the peak within a block's gradient of the bound's), waits no longer than a tighter
+    bound, and ``null`` never holds backward for them (as ``zerocc estimate`` shows)."""
+    from workload import workload
+
+    from zerocc.cli.inspect import _estimate_text
+    from zerocc.cost.model import DeviceRates
+    from zerocc.inspect.estimate import estimate, inspect_plan
+    from zerocc.ir.ops import TO_HOST
+
+    small = {"n_layer": 8, "n_head": 2, "n_embd": 64, "block_size": 16, "batch_size": 2}
+    rates = replace(DeviceRates.defaults("cuda"), host_link_bytes_per_s=1e8)  # copies: slow
+    peaks, waits, hinted, block = {}, {}, {}, 0
+    for bound in (1, 2, 5, None):
+        plan = {**_plan(optimizer="cpu"), "checkpointing": {"units": "all"}}
+        plan["offload"]["grads_in_flight"] = bound
+        inspection = inspect_plan(plan, 1, workload(**small))
+        figures = estimate(inspection, rates)
+        peaks[bound], waits[bound] = figures.peak["activations"], figures.timing.copy_waited
+        hinted[bound] = "offload.grads_in_flight: " in _estimate_text(inspection.plan, figures)
+        block = 4 * max(u.padded_numel for u in inspection.units if u.name != "root")
+    assert hinted == {1: True, 2: True, 5: True, None: False}
+    assert peaks[1] < peaks[2] < peaks[5] < peaks[None], peaks
+    assert peaks[5] - peaks[2] >= 3 * block - block // 2, (peaks, block)  # ~three blocks' more
+    backward = {b: w.get((TO_HOST, "backward"), 0.0) for b, w in waits.items()}
+    assert backward[1] >= backward[2] >= backward[5] > backward[None] == 0, backward
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ({"offload": {"grads_in_flight": 4}}, "offload.grads_in_flight bounds the copies"),
+        ({"offload": {"optimizer": "cpu", "grads": "device", "grads_in_flight": None}},
+         "offload.grads_in_flight bounds the copies"),
+        ({"offload": {"optimizer": "cpu", "grads_in_flight": 0}}, "an integer >= 1"),
+    ],
+)  # fmt: skip
+def test_a_bound_on_gradients_in_flight_without_their_copies_is_a_plan_error(plan, message):
+    with pytest.raises(PlanError, match=message):
+        zerocc.load_plan(plan)
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,10 @@ CASES = [
      "offload": {**CPU, "grads": "device"}},
     {"model": "gpt", "stage": 2, "accum": 2,
      "offload": {**ON_NVME, "ratio": 0.5, "grads": "device"}},
+    # Gradient copies to the host waited for one unit on, and not at all before the updates.
+    {"model": "gpt", "stage": 3, "precision": BF16, "optimizer": CLIPPED,
+     "offload": {**CPU, "grads_in_flight": 1}},
+    {"model": "gpt", "stage": 2, "offload": {**CPU, "grads_in_flight": None}},
     # Host updates carried into the next step, waited for before each unit's first gather.
     {"model": "gpt", "stage": 3, "offload": {**CPU, "pipeline": "next_forward"}},
     {"model": "unused", "stage": 3, "precision": BF16,

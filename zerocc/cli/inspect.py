@@ -13,11 +13,13 @@ from pathlib import Path
 
 from zerocc.compiler.mesh import mesh_lines
 from zerocc.compiler.pass_manager import PassRecord
-from zerocc.compiler.plan import Plan, load_plan
+from zerocc.compiler.plan import OffloadConfig, Plan, load_plan
 from zerocc.cost.model import RATE_FIELDS, DeviceRates, rates_for
+from zerocc.cost.simulate import Simulation
 from zerocc.errors import ZeroccError
 from zerocc.inspect.estimate import Estimate, Inspection, estimate, inspect_plan, pass_table
 from zerocc.inspect.explain import describe_recompute, held_gradients_line, no_communication
+from zerocc.ir.ops import TO_HOST
 from zerocc.ir.printing import format_program, human_bytes, program_to_json
 
 
@@ -303,7 +305,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
             f"  {'communication':<24}{human_seconds(t.comm_s):>12}",
             f"  {'exposed communication':<24}{human_seconds(t.exposed_s):>12}"
             f"  ({100 * t.exposed_fraction:.0f}% of the step)",
-            *([f"  {'offload copies':<24}{human_seconds(t.copy_s):>12}"] if e.transfers else []),
+            *(_copy_lines(t, plan.offload) if e.transfers else []),
             *host_line,
             f"  {'peak memory':<24}{human_bytes(e.peak['total']):>12}",
             "",
@@ -312,6 +314,21 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
             *_uncalibrated(e.rates),
         ]
     return "\n".join(lines)
+
+
+def _copy_lines(t: Simulation, offload: OffloadConfig) -> list[str]:
+    """The offload copies' time, how long the step waits for them and, when backward waits for
+    gradients bounded in flight, the plan's field that trades that wait for device memory."""
+    line = f"  {'offload copies':<24}{human_seconds(t.copy_s):>12}"
+    line += f"  (the step waits {human_seconds(t.copy_waited_s)} for them)"
+    bounded = offload.grads == "cpu" and offload.grads_in_flight is not None
+    if bounded and t.copy_waited.get((TO_HOST, "backward"), 0.0) > 0.05 * t.step_s:
+        return [
+            line,
+            f"  {'':<36}  offload.grads_in_flight: {offload.grads_in_flight} bounds the gradients"
+            " backward sends ahead; more (null: no bound) waits less, for their device memory",
+        ]
+    return [line]
 
 
 def human_seconds(seconds: float) -> str:

@@ -784,14 +784,23 @@ class OffloadConfig(_Section):
         description="where the reduced gradient shards of units whose optimizer is offloaded "
         "wait for their update, which runs after the step's last one is reduced (the overflow "
         "check and clipping read them all). 'cpu': copied to host buffers as backward reduces "
-        "them (each checked for inf/NaN then), leaving the device as they go (at most three in "
-        "flight: backward waits for the copies when they are slower): host memory of every "
-        "shard (4 bytes per element in fp32), as DeepSpeed's and FSDP2's offload hold. "
-        "'device': they stay on the "
-        "device (its memory, as without offload) and each is copied, right before its update, "
-        "through one of two host buffers, the next one's copy running beside the update: host "
-        "memory of two units' shards, for host memory equal to the states. offload.pipeline: "
-        "none",
+        "them (each checked for inf/NaN then), leaving the device as they go (see "
+        "grads_in_flight): host memory of every shard (4 bytes per element in fp32), as "
+        "DeepSpeed's and FSDP2's offload hold. 'device': they stay on the device (its memory, "
+        "as without offload) and each is copied, right before its update, through one of two "
+        "host buffers, the next one's copy running beside the update: host memory of two "
+        "units' shards, for host memory equal to the states. offload.pipeline: none",
+    )
+    grads_in_flight: int | None = Field(
+        2,
+        ge=1,
+        description="offload.grads: cpu: how many reduced gradients' copies to the host may be "
+        "in flight at once. Backward waits for a gradient's copy before the gradient this many "
+        "after it is complete (when the copies are slower than backward), so the device holds "
+        "at most this many plus the one being completed; each more costs a unit's gradient of "
+        "device memory and waits less (zerocc estimate shows the peak and the wait). null: no "
+        "bound, backward never waits and the device may hold every offloaded gradient until "
+        "its copy is done",
     )
     nvme_path: PathStr | None = Field(
         None,
@@ -1031,6 +1040,14 @@ class Plan(_Section):
             )
         if offload.uses_nvme and not offload.nvme_path:
             raise ValueError("offload to nvme needs offload.nvme_path: a folder on a local disk")
+        if "grads_in_flight" in offload.model_fields_set and (
+            offload.grads != "cpu" or offload.optimizer == "none"
+        ):
+            raise ValueError(
+                "offload.grads_in_flight bounds the copies of offload.grads: cpu (gradients of "
+                "an offloaded optimizer copied to the host as backward reduces them); set "
+                "offload.optimizer: cpu or nvme with offload.grads: cpu, or drop grads_in_flight"
+            )
         if offload.grads == "device":
             if offload.optimizer == "none":
                 raise ValueError(

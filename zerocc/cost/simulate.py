@@ -90,10 +90,18 @@ class Simulation:
     memory: MemoryTimeline | None = field(default=None, repr=False)
     stolen_s: float = 0.0  # of exposed_s: compute time collectives took while running
     copy_s: float = 0.0  # copy streams busy, summed (offload's copies and NVMe I/O)
+    # Of exposed_s: the compute stream blocked on those copies, by (direction, phase of the
+    # wait): ("to_host", "backward") is backward held by gradients on their way out.
+    copy_waited: dict[tuple[str, str], float] = field(default_factory=dict)
     # The host's work (offloaded units' updates): of compute_s, but for host-stream updates,
     # which run beside it; and how long the compute stream waited for those.
     host_s: float = 0.0
     host_waited_s: float = 0.0
+
+    @property
+    def copy_waited_s(self) -> float:
+        """How long the compute stream waited for offload's copies, every direction."""
+        return sum(self.copy_waited.values())
 
     @property
     def exposed_fraction(self) -> float:
@@ -110,6 +118,9 @@ class Simulation:
             "exposed_comm_pct": 100 * self.exposed_fraction,
             "stolen_ms": self.stolen_s * 1e3,
             "copy_ms": self.copy_s * 1e3,
+            "copy_waited_ms": {
+                f"{way} in {phase}": s * 1e3 for (way, phase), s in self.copy_waited.items()
+            },
             "host_ms": self.host_s * 1e3,
             "host_waited_ms": self.host_waited_s * 1e3,
             "peak_bytes": self.peak_bytes,
@@ -157,6 +168,7 @@ def simulate(
         memory=memory,
         stolen_s=replay.stolen,
         copy_s=sum(t for stream, t in replay.stream_busy.items() if stream != "comm"),
+        copy_waited=dict(replay.copy_waited),
         host_s=replay.host,
         host_waited_s=replay.host_waited,
     )
@@ -179,6 +191,7 @@ class _Replay:
         self.stream_busy = defaultdict(float, comm=0.0)
         self.host_done: dict[str, float] = {}  # a host-stream update (its name) -> its end
         self.busy = self.exposed = self.stolen = self.host = self.host_waited = 0.0
+        self.copy_waited: dict[tuple[str, str], float] = defaultdict(float)
         self.events: list[TraceEvent] = []
         self.records: list[CollectiveRecord] = []
         self.pending: dict[fx.Node, CollectiveRecord] = {}
@@ -240,13 +253,16 @@ class _Replay:
             self.stolen += taken
 
     def wait(self, node: fx.Node) -> None:
-        record = self.pending.pop(_started_by(node), None)
+        start = _started_by(node)
+        record = self.pending.pop(start, None)
         if record is None:
             return
         record.waited_s = self.compute
         record.exposed_s = max(0.0, record.end_s - self.compute)
         if record.exposed_s > 0:
             self._expose(f"wait {_named(record)}", node, record.exposed_s)
+            if node_work(start).kind == TRANSFER:
+                self.copy_waited[record.kind, info(node).phase or ""] += record.exposed_s
 
     def _expose(self, title: str, node: fx.Node, seconds: float, **args: Any) -> None:
         """The compute stream held ``seconds`` by communication, drawn as measure.py does."""
@@ -314,6 +330,8 @@ def simulate_step(
         total.exposed_s += run.exposed_s
         total.stolen_s += run.stolen_s
         total.copy_s += run.copy_s
+        for key, seconds in run.copy_waited.items():
+            total.copy_waited[key] = total.copy_waited.get(key, 0.0) + seconds
         total.host_s += run.host_s
         total.host_waited_s += run.host_waited_s
     peaks = [s for s in once.values() if s.peak_bytes is not None]
