@@ -321,14 +321,16 @@ def _copy_lines(t: Simulation, offload: OffloadConfig) -> list[str]:
     gradients bounded in flight, the plan's field that trades that wait for device memory."""
     line = f"  {'offload copies':<24}{human_seconds(t.copy_s):>12}"
     line += f"  (the step waits {human_seconds(t.copy_waited_s)} for them)"
+    backward = t.copy_waited.get((TO_HOST, "backward"), 0.0)
     bounded = offload.grads == "cpu" and offload.grads_in_flight is not None
-    if bounded and t.copy_waited.get((TO_HOST, "backward"), 0.0) > 0.05 * t.step_s:
-        return [
-            line,
-            f"  {'':<36}  offload.grads_in_flight: {offload.grads_in_flight} bounds the gradients"
-            " backward sends ahead; more (null: no bound) waits less, for their device memory",
-        ]
-    return [line]
+    if not bounded or backward <= 0.05 * t.step_s:
+        return [line]
+    return [
+        line,
+        f"  {'':<38}backward waits {human_seconds(backward)} of it for gradients on their way to "
+        f"the host (offload.grads_in_flight: {offload.grads_in_flight}; more, or null, waits "
+        "less and holds more device memory)",
+    ]
 
 
 def human_seconds(seconds: float) -> str:
