@@ -99,7 +99,7 @@ def test_explain_shows_where_bytes_live_and_the_traffic(tmp_path):
     step = _trained(_plan(tmp_path, optimizer="nvme", params="cpu"))
     text = step.explain()
     assert "where the model states live" in text and "nvme" in text
-    assert "(offload.grads: cpu): host memory of every offloaded shard" in text
+    assert "(offload.grads: cpu, at most 2 on their way at once): host memory of every" in text
     assert "an offloaded unit's leave the device as they are copied to the host" in text
     traffic = describe(step.record())["transfer_bytes_per_step"]
     shards = sum(u.shard_numel for u in step.units)

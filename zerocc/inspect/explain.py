@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from zerocc.compiler.mesh import mesh_lines
+from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
     DEVICE,
     LOCATIONS,
@@ -291,10 +292,17 @@ PIPELINE_LINES = {
 }
 GRADS_LINES = {
     "cpu": "  reduced gradients copied to host buffers as backward reduces them "
-    "(offload.grads: cpu): host memory of every offloaded shard",
+    "(offload.grads: cpu, at most {in_flight} on their way at once): host memory of every "
+    "offloaded shard",
     "device": "  reduced gradients kept on the device until their updates, each copied through "
     "one of two host buffers (offload.grads: device)",
 }
+
+
+def _grads_line(offload: OffloadConfig) -> str:
+    """Where the offloaded optimizer's gradients wait for their updates."""
+    in_flight = offload.grads_in_flight if offload.grads_in_flight is not None else "every one"
+    return GRADS_LINES[offload.grads].format(in_flight=in_flight)
 
 
 def offload_lines(step: StepRecord) -> list[str]:
@@ -306,7 +314,7 @@ def offload_lines(step: StepRecord) -> list[str]:
         f"offload: optimizer {step.plan.offload.optimizer}, params {step.plan.offload.params}, "
         f"{len(offloaded)} of {len(step.units)} units (ratio {step.plan.offload.ratio:g})",
         *PIPELINE_LINES.get(step.plan.offload.pipeline, []),
-        *([GRADS_LINES[step.plan.offload.grads]] if step.plan.offload.optimizer != "none" else []),
+        *([_grads_line(step.plan.offload)] if step.plan.offload.optimizer != "none" else []),
         f"where the model states live{'':<2}" + "".join(f"{w:>12}" for w in LOCATIONS),
     ]
     for cat in ("params", "grads", "optimizer", "total"):
