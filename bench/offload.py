@@ -16,7 +16,7 @@ is shown, not held). The peers' losses are held against
 zerocc-z3's within a tolerance, as in compare.py. A system that fails is reported with its
 error; one that needs a GPU is marked "not runnable on CPU". Usage::
 
-    python bench/offload.py                    # GPT 6 × 384 (10.7M), 2 CPU ranks, 16 systems
+    python bench/offload.py                    # GPT 6 × 384 (10.7M), 2 CPU ranks, 17 systems
     python bench/offload.py --systems zerocc   # families or system names (+ their baselines)
     python bench/offload.py --tiny             # a 1-layer GPT, one timed step: a smoke test
     python bench/offload.py --gpu --systems zerocc   # one GPU: a 1.3B GPT, bf16
@@ -46,7 +46,7 @@ from systems import OWN_NUMERICS, ZEROCC_SAVINGS, System, all_systems, offload_s
 RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = "zerocc-z3"
 BASELINES = {"zerocc": "zerocc-z3", "fsdp2": "fsdp2-z3", "deepspeed": "deepspeed-z3"}
-# Smaller than compare.py's 10 × 512 (same rounds) so that 16 systems run in ~7 minutes on 2
+# Smaller than compare.py's 10 × 512 (same rounds) so that 17 systems run in ~7 minutes on 2
 # idle cores (~8 while other jobs run).
 DEFAULT = dict(n_layer=6, n_embd=384, n_head=6, warmup=2, rounds=5, steps=3)
 TINY = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=2, warmup=1, rounds=1,

@@ -329,6 +329,9 @@ ZEROCC_SAVINGS = (
     ("opt-par-cpu-rc-gdev", {"optimizer": "cpu", "params": "cpu", "grads": "device"},
      {"units": "all"}, "offload optimizer and params: cpu, checkpointing.units: all, "
      "offload.grads: device (two units' gradient host buffers)"),
+    ("opt-par-cpu-rc-gnull", {"optimizer": "cpu", "params": "cpu", "grads_in_flight": None},
+     {"units": "all"}, "offload optimizer and params: cpu, checkpointing.units: all, "
+     "offload.grads_in_flight: null (backward never waits for gradient copies)"),
 )  # fmt: skip
 # Variants whose numbers differ from zerocc-z3's by design (offload.pipeline: delayed).
 OWN_NUMERICS = frozenset({"zerocc-z3-opt-cpu-delayed"})

@@ -1040,9 +1040,9 @@ class Plan(_Section):
             )
         if offload.uses_nvme and not offload.nvme_path:
             raise ValueError("offload to nvme needs offload.nvme_path: a folder on a local disk")
-        if "grads_in_flight" in offload.model_fields_set and (
-            offload.grads != "cpu" or offload.optimizer == "none"
-        ):
+        # (Against the default, not the fields set: a plan dumped and loaded sets them all.)
+        bound_set = offload.grads_in_flight != OffloadConfig.model_fields["grads_in_flight"].default
+        if bound_set and (offload.grads != "cpu" or offload.optimizer == "none"):
             raise ValueError(
                 "offload.grads_in_flight bounds the copies of offload.grads: cpu (gradients of "
                 "an offloaded optimizer copied to the host as backward reduces them); set "
