@@ -396,6 +396,12 @@ def test_a_bound_on_gradients_in_flight_without_their_copies_is_a_plan_error(pla
         zerocc.load_plan(plan)
 
 
+def test_a_plan_dumped_with_the_default_bound_loads_with_gradients_on_the_device():
+    """The memory check's suggestions dump a plan (every field set) and change it."""
+    plan = zerocc.load_plan({"offload": {"optimizer": "cpu", "grads": "device"}})
+    assert zerocc.load_plan(plan.model_dump()).offload.grads_in_flight == 2
+
+
 @pytest.mark.parametrize(
     "pipeline, grads",
     [("none", "cpu"), ("next_forward", "cpu"), ("delayed", "cpu"), ("none", "device")],
