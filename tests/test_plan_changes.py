@@ -30,6 +30,17 @@ def test_an_offloaded_optimizer_may_keep_its_gradients_on_the_gpu():
     assert "offload.grads: device" not in _texts(pipelined, torch.device("cuda", 0))  # invalid
 
 
+def test_gradients_unbounded_on_their_way_to_the_host_may_be_bounded():
+    unbounded = load_plan(
+        {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "grads_in_flight": None}}
+    )
+    assert "offload.grads_in_flight: 1" in _texts(unbounded, torch.device("cuda", 0))
+    tightest = load_plan(
+        {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "grads_in_flight": 1}}
+    )
+    assert not any("grads_in_flight" in t for t in _texts(tightest, CPU))
+
+
 def _texts(plan, device) -> list[str]:
     return [c.text for c in plan_changes(plan, device, recompute=True)]
 

@@ -36,11 +36,14 @@ def plan_changes(plan: Plan, device: torch.device, *, recompute: bool) -> list[P
     """Valid plans that need less memory than ``plan``, each one change away: recomputation
     (``recompute``), a higher stage, optimizer offload, and optimizer and parameter offload at
     stage 3, to host memory (on a GPU only: on a CPU-only machine it is the same memory) or to
-    NVMe; and an offloaded optimizer's gradients kept on the GPU (less host memory)."""
+    NVMe; an offloaded optimizer's gradients kept on the GPU (less host memory), or fewer of
+    them on their way to the host at once (less device memory)."""
     stage, offload = plan.zero.stage, plan.offload
     options: list[dict[str, Any]] = []
     if recompute:
         options.append({"checkpointing.units": "all"})
+    if offload.optimizer != "none" and offload.grads == "cpu" and offload.grads_in_flight != 1:
+        options.append({"offload.grads_in_flight": 1})
     if offload.optimizer != "none" and device.type == "cuda":
         options.append({"offload.grads": "device"})
     options += [{"zero.stage": s} for s in range(stage + 1, 4)]
