@@ -24,7 +24,10 @@ from models import TP_LAYERS, build, entry, loss_of
 from tp_emulation import emulated
 
 import zerocc
+from zerocc.compiler.capture import describe_model
+from zerocc.compiler.state import offloaded_units
 from zerocc.inspect.explain import describe
+from zerocc.passes.partition import assign_units
 
 
 def _show(value: Any) -> str:
@@ -218,31 +221,50 @@ def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
     """ZeRO-Offload's delayed parameter update, fp32: step s computes its gradient (over its
     micro-batches) on the weights the model had before step s-1's update, while that update
     (step s-1's gradient, clipped by its own norm) is applied to the master weights, which the
-    model gets after step s's last backward. The last step's update is applied at the end."""
+    model gets after step s's last backward. The last step's update is applied at the end.
+    Only the units ``offload.ratio`` puts on the host are delayed: the others' update, clipped
+    by the same norm, is applied in its own step."""
     cfg = plan_of(case)["optimizer"]
     master = copy.deepcopy(model)
-    params = [p for p in master.parameters() if p.requires_grad]
-    opt = _optimizer(case, params)
+    late = _offloaded_params(case, model)
+    trainable = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
+    params = [p for _, p in trainable]
+    groups = {delayed: [p for n, p in trainable if (n in late) == delayed] for delayed in (1, 0)}
+    optimizers = {delayed: _optimizer(case, ps) for delayed, ps in groups.items() if ps}
     losses: list[list[float]] = [[] for _ in range(data_ranks(case))]
-    pending: list[torch.Tensor | None] | None = None
+    pending: dict[torch.nn.Parameter, torch.Tensor | None] | None = None
 
-    def apply(grads: list[torch.Tensor | None]) -> None:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        if cfg.get("grad_clip"):
-            torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
-        opt.step()
+    def apply(delayed: int, grads: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
+        if delayed in optimizers:
+            for p in groups[delayed]:
+                p.grad = grads[p]
+            optimizers[delayed].step()
 
     for s in range(case.get("steps", 5)):
         model.zero_grad()
         _backward_step(case, model, s, losses)
-        grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+        trained = [p for p in model.parameters() if p.requires_grad]
+        for p, q in zip(params, trained, strict=True):
+            p.grad = q.grad.clone() if q.grad is not None else None
+        if cfg.get("grad_clip"):
+            torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        clipped = {p: p.grad for p in params}
         if pending is not None:
-            apply(pending)
-            model.load_state_dict(master.state_dict())
-        pending = [g for g, p in zip(grads, model.parameters(), strict=True) if p.requires_grad]
-    apply(pending)
+            apply(1, pending)
+        apply(0, clipped)
+        model.load_state_dict(master.state_dict())
+        pending = clipped
+    apply(1, pending)
     return losses, master.state_dict()
+
+
+def _offloaded_params(case: dict[str, Any], model: torch.nn.Module) -> set[str]:
+    """Names of the parameters in the units the case's ``offload.ratio`` offloads."""
+    plan = zerocc.load_plan(plan_of(case))
+    units = assign_units(
+        describe_model(model), 1, plan.units.classes, plan.units.modules, plan.units.min_mb
+    )
+    return {p.fqn for u in offloaded_units(units, plan.offload.ratio) for p in u.params}
 
 
 def _mixed_reference(case: dict[str, Any], model: torch.nn.Module):

@@ -95,6 +95,11 @@ DELAYED = [
      "offload": {**CPU, "pipeline": "delayed"}},
     {"model": "gpt", "stage": 1, "world": 2, "steps": 3, "accum": 2, "precision": {},
      "offload": {**CPU, "pipeline": "delayed"}},
+    # Half the model offloaded: only its units' updates lag, the others' apply in their step.
+    {"model": "gpt", "stage": 3, "world": 2, "steps": 4, "optimizer": CLIPPED,
+     "offload": {**CPU, "ratio": 0.5, "pipeline": "delayed"}},
+    {"model": "gpt", "stage": 1, "world": 2, "steps": 3, "accum": 2, "precision": {},
+     "offload": {**CPU, "ratio": 0.5, "pipeline": "delayed"}},
 ]  # fmt: skip
 
 
