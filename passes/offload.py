@@ -10,10 +10,11 @@ program, so its copies are placed against the final order of compute and communi
   reduce-scatter's result: the copy hides behind the rest of backward); the clip coefficient and
   overflow flag follow. The step's inf/NaN check (with the clip's squared norm) is split into one
   check per gradient, right after it is complete, and each copy is waited for before the gradient
-  two on is complete: the device holds at most three offloaded gradients at a time, not all of
-  them to the end of backward. With ``offload.grads: device`` the shard stays on the device
-  instead, and is copied through one of two host buffers (used in turn) right before the update,
-  its copy issued before the previous unit's update so that the two overlap. The updated master is
+  ``offload.grads_in_flight`` on (2) is complete: the device holds at most that many offloaded
+  gradients plus one at a time, not all of them to the end of backward. With
+  ``offload.grads: device`` the shard stays on the device instead, and is copied through one of
+  two host buffers (used in turn) right before the update, its copy issued before the previous
+  unit's update so that the two overlap. The updated master is
   then copied into the compute-dtype parameter wherever that lives, and stages 1-2 gather it as
   before. A host update writes a parameter in host memory itself (its ``param_copy``: the cast in
   its own pass), except under ``offload.pipeline: delayed``, whose step reads the parameter while

@@ -133,6 +133,11 @@ class _Carrier:
         self.scalars: dict[str, fx.Node] = {}
         self.buffer_of: dict[fx.Node, fx.Node] = {}  # this step's host copy (wait) -> buffer
         self.fill_of: dict[fx.Node, fx.Node] = {}  # buffer -> the copy that fills it this step
+        self.whole: dict[str, fx.Node] = {  # stages 1-2: each unit's whole weights
+            info(n).unit: n
+            for n in self.graph.nodes
+            if n.op == "placeholder" and info(n).role == PARAM_FULL
+        }
 
     def _order(self) -> dict[fx.Node, int]:
         return {n: i for i, n in enumerate(self.graph.nodes)}
@@ -253,15 +258,7 @@ class _Carrier:
         reads, so that the copy is ordered before those reads by data."""
         if back is None:
             return None, None
-        shard, unit = back.args[0], info(back).unit
-        whole = next(
-            (
-                n
-                for n in self.graph.nodes
-                if n.op == "placeholder" and info(n).role == PARAM_FULL and info(n).unit == unit
-            ),
-            None,
-        )
+        shard, whole = back.args[0], self.whole.get(info(back).unit)
         if whole is None or info(shard).role != PARAM_SHARD:  # stage 3: the step gathers it
             return None, None
         for user in shard.users:

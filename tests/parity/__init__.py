@@ -229,12 +229,14 @@ def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
     late = _offloaded_params(case, model)
     trainable = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
     params = [p for _, p in trainable]
-    groups = {delayed: [p for n, p in trainable if (n in late) == delayed] for delayed in (1, 0)}
+    groups = {
+        delayed: [p for n, p in trainable if (n in late) == delayed] for delayed in (True, False)
+    }
     optimizers = {delayed: _optimizer(case, ps) for delayed, ps in groups.items() if ps}
     losses: list[list[float]] = [[] for _ in range(data_ranks(case))]
     pending: dict[torch.nn.Parameter, torch.Tensor | None] | None = None
 
-    def apply(delayed: int, grads: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
+    def apply(delayed: bool, grads: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
         if delayed in optimizers:
             for p in groups[delayed]:
                 p.grad = grads[p]
@@ -250,11 +252,11 @@ def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):
             torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
         clipped = {p: p.grad for p in params}
         if pending is not None:
-            apply(1, pending)
-        apply(0, clipped)
+            apply(True, pending)
+        apply(False, clipped)
         model.load_state_dict(master.state_dict())
         pending = clipped
-    apply(1, pending)
+    apply(True, pending)
     return losses, master.state_dict()
 
 
