@@ -95,14 +95,94 @@ def test_bad_workload_args_are_plan_errors(changes, message):
         _workload(**changes)
 
 
-def test_a_model_folder_with_weights_loads_them(tmp_path):
-    work = _workload()
-    work.model.save_pretrained(tmp_path / "model")
-    loaded = _workload(model=str(tmp_path / "model"))
-    ours, theirs = work.model.state_dict(), loaded.model.state_dict()
+def _pretrained(folder: Path, auto=None, **kwargs) -> torch.nn.Module:
+    auto = auto or transformers.AutoModelForCausalLM
+    return auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
+
+
+def _assert_same(model: torch.nn.Module, reference: torch.nn.Module, but: tuple = ()) -> None:
+    ours, theirs = model.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys()
     for name, value in ours.items():
-        assert torch.equal(value, theirs[name]), name
+        if name not in but:
+            assert torch.equal(value, theirs[name]), name
+
+
+@pytest.mark.parametrize(
+    "save",
+    [{}, {"max_shard_size": "100KB"}, {"dtype": torch.bfloat16}, {"tied": True}],
+    ids=["safetensors", "sharded", "bf16", "tied"],
+)
+def test_a_model_folder_with_weights_is_read_one_unit_at_a_time(tmp_path, save):
+    """The workload's model is on ``meta``, bound to its files; zerocc reads each unit's
+    weights as it shards them. Materialized, it is what from_pretrained gives, to the bit:
+    the weights (cast to fp32) and the buffers the files do not hold (rotary frequencies)."""
+    save = dict(save)
+    tied, dtype = save.pop("tied", False), save.pop("dtype", torch.float32)
+    changes = {"model": {**TINY, "tie_word_embeddings": True}} if tied else {}
+    work = _workload(**changes)
+    work.model.to(dtype).save_pretrained(tmp_path / "model", **save)
+    loaded = _workload(model=str(tmp_path / "model")).model
+    assert all(t.is_meta for t in loaded.parameters()) and loaded.training
+    zerocc.materialize(loaded)
+    _assert_same(loaded, _pretrained(tmp_path / "model"))
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+
+
+def test_a_base_models_head_is_initialized_as_from_pretrained_does(tmp_path):
+    """A classifier from a causal LM's folder: the files' ``lm_head`` is not read (warned),
+    the ``score`` head they lack is initialized by the model's own ``_init_weights`` from
+    the workload's seed, the same on every rank."""
+    _workload().model.save_pretrained(tmp_path / "model")
+    heads = []
+    for _ in range(2):
+        with pytest.warns(UserWarning, match="not the model's and are not read: lm_head.weight"):
+            net = hf.pretrained(tmp_path / "model", "AutoModelForSequenceClassification",
+                                seed=5, num_labels=2)  # fmt: skip
+        assert net.score.weight.is_meta is False and net.model.norm.weight.is_meta
+        zerocc.materialize(net)
+        heads.append(net.score.weight)
+    auto = transformers.AutoModelForSequenceClassification
+    _assert_same(net, _pretrained(tmp_path / "model", auto, num_labels=2), but=("score.weight",))
+    assert (
+        torch.equal(heads[0], heads[1]) and 0.01 < float(heads[0].detach().std()) < 0.03
+    )  # N(0, 0.02)
+
+
+def test_files_that_transformers_must_convert_are_loaded_whole_with_a_warning(tmp_path):
+    folder = tmp_path / "model"
+    _workload().model.save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    tensors = _workload().model.state_dict()
+    tensors["model.layers.0.mlp.up.weight"] = tensors.pop("model.layers.0.mlp.up_proj.weight")
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.warns(UserWarning, match="up_proj.weight; loading .* from_pretrained, the whole"):
+        net = _workload(model=str(folder)).model
+    assert not any(t.is_meta for t in net.parameters()) and net.training
+    _assert_same(net, _pretrained(folder), but=("model.layers.0.mlp.up_proj.weight",))
+
+
+def test_torch_files_of_the_format_before_zip_are_loaded_whole_with_a_warning(tmp_path):
+    folder = tmp_path / "model"
+    _workload().model.save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    tensors = _workload().model.state_dict()
+    torch.save(tensors, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    with pytest.warns(UserWarning, match="cannot be mapped.*from_pretrained, the whole model"):
+        net = _workload(model=str(folder)).model
+    assert not any(t.is_meta for t in net.parameters())
+    _assert_same(net, _pretrained(folder))
+
+
+def test_files_of_another_shape_are_a_plan_error(tmp_path):
+    folder = tmp_path / "model"
+    _workload().model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 32}))
+    with pytest.raises(
+        zerocc.PlanError, match=r"gate_proj.weight has shape \[176, 64\], the model's"
+    ):
+        _workload(model=str(folder))
 
 
 def test_sequence_classification(tmp_path):
@@ -161,9 +241,28 @@ def test_ranks_match_one_process(world, parallel, changes):
     the workload's own model, loss and data, with the decoder layers and the vocabulary split
     and the sequence between the layers (each part alone, every stage and bf16:
     tests/parity/test_tp_parity.py)."""
-    steps, data = 4, 2
+    steps = 4
     ranks = run_ranks(world, _train, steps, parallel, changes, timeout=600)
-    work = _workload(**changes)
+    _assert_match_one_process(ranks, _workload(**changes), data=2, steps=steps)
+
+
+def test_ranks_train_a_pretrained_folder_as_one_process(tmp_path):
+    """The folder's weights, read by each of 2 ranks unit by unit, train as one process
+    training from_pretrained's model does."""
+    folder = tmp_path / "model"
+    _workload().model.save_pretrained(folder)
+    steps = 3
+    ranks = run_ranks(2, _train, steps, None, {"model": str(folder)}, timeout=600)
+    work = _workload(model=str(folder))
+    work.model = _pretrained(folder).train()
+    _assert_match_one_process(ranks, work, data=2, steps=steps)
+
+
+def _assert_match_one_process(ranks: list[dict], work, data: int, steps: int) -> None:
+    """Each rank's losses and rank 0's final weights against torch.optim.AdamW training
+    ``work``'s model on the ``data`` data-parallel ranks' batches (tensor-parallel ranks of one
+    batch share its loss)."""
+    world = len(ranks)
     model, loss_fn = work.model, work.loss_fn
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
     streams = [work.batches(r, data) for r in range(data)]

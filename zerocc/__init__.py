@@ -29,6 +29,7 @@ from zerocc.errors import (
     RankStoppedError,
     ZeroccError,
 )
+from zerocc.runtime.checkpoint.weight_files import weights_from
 from zerocc.runtime.comm import Comm, FakeComm, comm_from_environment
 from zerocc.runtime.devices import join_default_group, rank_device, use_device
 from zerocc.train_step import TrainStep
@@ -53,6 +54,7 @@ __all__ = [
     "load_plan",
     "load_workload",
     "materialize",
+    "weights_from",
 ]
 __version__ = "0.1.0"
 

@@ -3,29 +3,88 @@
 A model built on ``meta`` is initialized module by module: each module that holds parameters is
 given real storage, seeded from the plan's seed and its own FQN (so the values depend on neither
 the rank nor the world size), reset with its own ``reset_parameters()``, copied out, and sent
-back to ``meta``. A rank thus never holds more than one unit's full weights.
-:func:`materialize` applies the same initialization to a whole model, in place, which is how a
-user (or a test) gets the exact full model a zerocc run starts from.
+back to ``meta``. A rank thus never holds more than one unit's full weights. A model may
+instead be given a :class:`WeightSource` (:func:`use_weights`; ``zerocc.weights_from`` binds
+a model to its weight files): its meta tensors that the source has are read from it, again one
+unit at a time. :func:`materialize` applies the same initialization to a whole model, in place,
+which is how a user (or a test) gets the exact full model a zerocc run starts from.
 """
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from zerocc.compiler.capture import ParamInfo, describe_model
-from zerocc.errors import CaptureError
+from zerocc.compiler.units import Unit
+from zerocc.errors import CaptureError, CheckpointError
+
+
+class WeightSource(Protocol):
+    """Initial values of some of a model's tensors, by name (any alias of a tied parameter),
+    read when zerocc asks for them."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def read(self, name: str) -> torch.Tensor:
+        """The full value of tensor ``name``, in any dtype (zerocc casts it to the tensor's)."""
+        ...
+
+    def read_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``name`` flattened (row-major), any dtype."""
+        ...
+
+    def describe(self) -> str:
+        """One line for explain(): where the values come from."""
+        ...
+
+
+# The source of each model given one; weak, so a model that goes away takes its entry along.
+_SOURCES: weakref.WeakKeyDictionary[nn.Module, WeightSource] = weakref.WeakKeyDictionary()
+
+
+def use_weights(model: nn.Module, source: WeightSource) -> None:
+    """Read ``model``'s meta tensors that ``source`` has from it (replacing any source given
+    before): at zerocc.compile, one unit at a time, and in :func:`materialize`."""
+    _SOURCES[model] = source
+
+
+def weight_source(model: nn.Module) -> WeightSource | None:
+    """The source :func:`use_weights` gave ``model``, if any."""
+    return _SOURCES.get(model)
+
+
+def _read(
+    source: WeightSource, name: str, like: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    value = source.read(name)
+    if value.shape != like.shape:
+        raise CheckpointError(
+            f"{source.describe()}: {name} has shape {list(value.shape)}, the model's "
+            f"{list(like.shape)}"
+        )
+    return value.to(device=device, dtype=like.dtype)
 
 
 def _module_seed(seed: int, fqn: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2**63)
 
 
-def _direct_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+def _direct_items(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """(``_parameters`` or ``_buffers``, name, tensor) of the module's own tensors."""
+    return [
+        (kind, name, t) for kind in ("_parameters", "_buffers")
+        for name, t in getattr(module, kind).items() if t is not None
+    ]  # fmt: skip
+
+
+def _full(owner: str, name: str) -> str:
+    return f"{owner}.{name}" if owner else name
 
 
 def _bind(model: nn.Module, tensor_info: ParamInfo, kind: str, tensor: torch.Tensor) -> None:
@@ -64,14 +123,23 @@ def _reset(module: nn.Module, fqn: str, seed: int, device: torch.device) -> None
 def materialize(model: nn.Module, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
     """Initialize a meta-device model in place exactly as zerocc initializes its shards.
 
-    Tied parameters stay tied: ``to_empty`` gives each module new tensors, so every alias is
-    pointed back at its parameter's first name afterwards.
+    Meta tensors that the model's :class:`WeightSource` has are read from it; a module with
+    other meta tensors is reset first. Tied parameters stay tied: each module is given new
+    tensors, so every alias is pointed back at its parameter's first name afterwards.
     """
     device = torch.device(device)
     described = describe_model(model)
+    source = weight_source(model)
     for fqn, module in model.named_modules():
-        if any(t.is_meta for t in _direct_tensors(module)):
+        meta = [(kind, name, t) for kind, name, t in _direct_items(module) if t.is_meta]
+        given = [(kind, name, t) for kind, name, t in meta if source and _full(fqn, name) in source]
+        if len(given) < len(meta):
             _reset(module, fqn, seed, device)
+        for kind, name, t in given:
+            value = _read(source, _full(fqn, name), t, device)
+            if kind == "_parameters":
+                value = nn.Parameter(value, requires_grad=t.requires_grad)
+            getattr(module, kind)[name] = value
     for p in described.params:
         _bind(model, p, "_parameters", model.get_parameter(p.fqn))
     return model
@@ -82,8 +150,9 @@ def initial_values(
 ) -> dict[str, torch.Tensor]:
     """Full values of the named parameters/buffers (canonical FQNs) on ``device``.
 
-    Real tensors are read as they are. Meta ones are initialized by their owning modules, which
-    go back to ``meta`` afterwards, so only the requested tensors are ever materialized. The
+    Real tensors are read as they are, meta ones from the model's :class:`WeightSource` when it
+    has them. Other meta ones are initialized by their owning modules, which go back to
+    ``meta`` afterwards, so only the requested tensors are ever materialized. The
     result is in the order of ``fqns`` on every rank (callers broadcast its values in turn; a
     set's order follows the process's string hashes, which differ between ranks).
     """
@@ -91,6 +160,11 @@ def initial_values(
     wanted_set = set(wanted)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     values = {f: tensors[f].detach().to(device) for f in wanted if not tensors[f].is_meta}
+    source = weight_source(model)
+    if source is not None:
+        for f in wanted:
+            if f not in values and f in source:
+                values[f] = _read(source, f, tensors[f], device)
     owners = {f.rpartition(".")[0] for f in wanted if f not in values}
     modules = dict(model.named_modules())
     for fqn in sorted(owners):
@@ -103,12 +177,33 @@ def initial_values(
             *module.named_parameters(recurse=False),
             *module.named_buffers(recurse=False),
         ]:
-            full = f"{fqn}.{name}" if fqn else name
+            full = _full(fqn, name)
             if full in wanted_set:
                 values[full] = t.detach().clone()
         module._parameters.update(originals[0])
         module._buffers.update(originals[1])
     return {f: values[f] for f in wanted}
+
+
+def initial_shard(
+    model: nn.Module, unit: Unit, rank: int, device: torch.device
+) -> torch.Tensor | None:
+    """This rank's shard of ``unit``'s flat initial weights, read from the model's
+    :class:`WeightSource`: only the shard's elements of each weight are read, so a rank of
+    ``n`` reads ``1/n`` of the unit. None unless the source gives every weight of the unit (the
+    unit is then built whole, :func:`initial_values`)."""
+    source = weight_source(model)
+    tensors = dict(model.named_parameters())
+    if source is None or not all(tensors[p.fqn].is_meta and p.fqn in source for p in unit.params):
+        return None
+    low, high = rank * unit.shard_numel, (rank + 1) * unit.shard_numel
+    shard = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=device)
+    for p in unit.params:
+        start, stop = max(low, p.offset), min(high, p.offset + p.numel)
+        if start < stop:
+            values = source.read_range(p.fqn, start - p.offset, stop - p.offset)
+            shard[start - low : stop - low].copy_(values)  # cast to the model's dtype
+    return shard
 
 
 def release_to_meta(model: nn.Module) -> None:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from zerocc.compiler.capture import ModelInfo
-from zerocc.compiler.materialize import holds_values, initial_values
+from zerocc.compiler.materialize import holds_values, initial_shard, initial_values
 from zerocc.compiler.plan import OffloadConfig, OptimizerConfig, Plan, PrecisionConfig
 from zerocc.compiler.units import Unit
 from zerocc.ir.kinds import Role
@@ -331,6 +331,31 @@ def place_unit(layout: StateLayout, unit: Unit, placement: Placement, stage: int
         layout.declare(StateSpec(key, MASTER, unit.name, shape, dtype, placement.optimizer))
 
 
+def _initial_flat(
+    model: nn.Module,
+    unit: Unit,
+    seed: int,
+    device: torch.device,
+    from_rank_0: Callable[[torch.Tensor], None] | None,
+    split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """The unit's full flat initial weights (this rank's slices of them, ``split``), rank 0's
+    where the model holds values (see :func:`allocate_state`)."""
+    fqns = [p.fqn for p in unit.params]
+    values = initial_values(model, fqns, seed, device)
+    broadcast = from_rank_0 is not None and holds_values(model, fqns)
+    if split is None:
+        flat = unit.flatten(values)
+        if broadcast:
+            from_rank_0(flat)
+        return flat
+    if broadcast:
+        values = {f: v.contiguous().clone() for f, v in values.items()}  # not the model's
+        for value in values.values():
+            from_rank_0(value)
+    return unit.flatten(split(values))
+
+
 def allocate_state(
     model: nn.Module,
     model_info: ModelInfo,
@@ -374,25 +399,19 @@ def allocate_state(
             state[spec.key] = tensor
 
     for unit in units:
-        fqns = [p.fqn for p in unit.params]
-        values = initial_values(model, fqns, seed, device)
-        if split is None:
-            flat = unit.flatten(values)
-            if from_rank_0 is not None and holds_values(model, fqns):
-                from_rank_0(flat)
-        else:
-            if from_rank_0 is not None and holds_values(model, fqns):
-                values = {f: v.contiguous().clone() for f, v in values.items()}  # not the model's
-                for value in values.values():
-                    from_rank_0(value)
-            flat = unit.flatten(split(values))
-        for spec in specs:
-            if spec.unit != unit.name or spec.role not in weights:
-                continue
+        unit_specs = [s for s in specs if s.unit == unit.name and s.role in weights]
+        # Weight files give a unit that is only ever sharded (stage 3) this rank's shard alone.
+        shard = flat = None
+        if split is None and all(s.is_view or s.shape == (unit.shard_numel,) for s in unit_specs):
+            shard = initial_shard(model, unit, rank, device)
+        if shard is None:
+            flat = _initial_flat(model, unit, seed, device, from_rank_0, split)
+            shard = unit.shard_of(flat, rank)
+        for spec in unit_specs:
             if spec.is_view:
                 state[spec.key] = unit.shard_of(state[f"{unit.key}.param"], rank)
                 continue
-            place(spec, flat if spec.shape == flat.shape else unit.shard_of(flat, rank))
+            place(spec, shard if spec.shape == shard.shape else flat)
     for spec in specs:
         if spec.key in state or spec.role in weights:
             continue

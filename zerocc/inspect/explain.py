@@ -191,6 +191,7 @@ def explain_step(step: StepRecord) -> str:
         precision_line(step),
         backend_line(step),
         *step.backend_notes,
+        *([step.initial_weights] if step.initial_weights else []),
         "",
     ]
     for name, params, elements, padded, shard, trainable in unit_rows(step.units):

@@ -24,7 +24,7 @@ from torch import fx, nn
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.backends.kernels import check_kernels, host_kernels, kernel_set, resolve_kernels
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
-from zerocc.compiler.materialize import is_meta, release_to_meta
+from zerocc.compiler.materialize import is_meta, release_to_meta, weight_source
 from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.program import CompiledProgram, compile_program
@@ -172,8 +172,11 @@ class StepRunner:
             self.host_kernels = host_kernels()  # compiled here (one-pass), not in a step
         if plan.backend.check_memory:  # before anything is allocated: the states fit
             check_model_states(self.model_info, self.units, self.layout, plan, comm, device)
+        source = weight_source(model)
+        self.initial_weights = None if source is None else source.describe()
         # Parameters are built one unit at a time, so a meta-device model never has more than
-        # one unit materialized; afterwards the TrainStep owns the weights
+        # one unit materialized (read from its weight files, if it was given them); afterwards
+        # the TrainStep owns the weights
         # (``full_state_dict()`` returns them) and the model's own copy is released.
         self.state: dict[str, torch.Tensor] = allocate_state(
             model,
@@ -723,6 +726,7 @@ class StepRunner:
             backend_artifacts=last.run.artifacts() if last else {},
             steps=self.steps,
             skipped_steps=self.skipped_steps,
+            initial_weights=self.initial_weights,
         )
 
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:

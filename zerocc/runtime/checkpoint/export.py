@@ -29,13 +29,9 @@ from zerocc.runtime.checkpoint.files import (
     resolve,
 )
 from zerocc.runtime.checkpoint.layout import weight_name
+from zerocc.runtime.checkpoint.weight_files import SAFETENSORS_DTYPES
 
 FORMATS = {"safetensors": "model.safetensors", "torch": "pytorch_model.bin"}
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
 
 
 def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str) -> Path:
@@ -92,10 +88,10 @@ def _write_safetensors(
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, (_, shape, dtype) in sources.items():
-        if dtype not in _SAFETENSORS_DTYPES:
+        if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{key}: safetensors has no {dtype}; use --format torch")
         size = dtype.itemsize * math.prod(shape)
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape,
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape,
                        "data_offsets": [offset, offset + size]}  # fmt: skip
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
