@@ -28,6 +28,7 @@ from parity import relative_difference  # noqa: E402
 
 import zerocc  # noqa: E402
 from zerocc.compiler.workload import load_workload  # noqa: E402
+from zerocc.errors import InsufficientMemoryError  # noqa: E402
 from zerocc.workloads import huggingface as hf  # noqa: E402
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "huggingface"
@@ -39,6 +40,11 @@ def _workload(**changes):
     plan = zerocc.load_plan(PLAN)
     args = {**plan.workload_args, **changes}
     return load_workload(plan.model_copy(update={"workload_args": args}))
+
+
+def _example_model() -> torch.nn.Module:
+    """The example's model with its fresh weights, materialized (the workload's is on meta)."""
+    return zerocc.materialize(_workload().model)
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -85,7 +91,6 @@ def test_example_workload_holds_back_its_eval_data():
         ({"tokenizer": "nowhere"}, "is not a folder"),
         ({"text_field": "body"}, "has no 'body' field"),
         ({"model": {**TINY, "vocab_size": 100}}, "vocab_size >= 257"),
-        ({"model": {"model_type": "llama", "num_hidden_layers": 4000}}, "GiB of fp32 weights"),
         ({"model": {"vocab_size": 300}}, "needs model_type"),
         ({"eval_fraction": 1.5}, "eval_fraction"),
     ],
@@ -93,6 +98,39 @@ def test_example_workload_holds_back_its_eval_data():
 def test_bad_workload_args_are_plan_errors(changes, message):
     with pytest.raises(zerocc.PlanError, match=message):
         _workload(**changes)
+
+
+def test_a_config_too_large_for_the_host_is_refused_before_anything_is_allocated():
+    """Every field a config leaves out takes its model type's default size: 4000 of Llama's
+    default layers are built on meta (nothing allocated) and refused by the memory check."""
+    work = _workload(model={"model_type": "llama", "num_hidden_layers": 4000})
+    assert all(t.is_meta for t in work.model.parameters())
+    with pytest.raises(InsufficientMemoryError, match="host"):
+        zerocc.compile(work.model, {"zero": {"stage": 3}}, comm=zerocc.FakeComm(1))
+
+
+def test_a_configs_fresh_weights_are_made_module_by_module_as_transformers_makes_them():
+    """On meta, each module initialized by transformers' own initialization when zerocc builds
+    its unit: seeded by the workload's seed and the module's name, so the same on every call;
+    the values transformers gives (GPT-2's residual projections scaled by 1/sqrt(2 x layers),
+    norms at one, rotary frequencies as computed), not from_config's draws."""
+    gpt2 = {"model_type": "gpt2", "n_layer": 8, "n_embd": 64, "n_head": 4, "vocab_size": 257}
+    nets = [_workload(model=gpt2).model for _ in range(2)]
+    assert all(t.is_meta for t in nets[0].parameters())
+    for net in nets:
+        zerocc.materialize(net)
+    _assert_same(nets[0], nets[1])
+    block = nets[0].transformer.h[0]
+    std = float(block.attn.c_proj.weight.detach().std())
+    assert std == pytest.approx(0.02 / 4, rel=0.1)  # 0.02 / sqrt(2 x 8)
+    assert float(block.attn.c_attn.weight.detach().std()) == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(block.ln_1.weight.detach(), torch.ones(64))
+    llama = _workload().model
+    zerocc.materialize(llama)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(llama.config)
+    inv_freq = llama.model.rotary_emb.inv_freq
+    assert torch.equal(inv_freq, reference.model.rotary_emb.inv_freq)
 
 
 def _pretrained(folder: Path, auto=None, **kwargs) -> torch.nn.Module:
@@ -121,7 +159,7 @@ def test_a_model_folder_with_weights_is_read_one_unit_at_a_time(tmp_path, save):
     tied, dtype = save.pop("tied", False), save.pop("dtype", torch.float32)
     changes = {"model": {**TINY, "tie_word_embeddings": True}} if tied else {}
     work = _workload(**changes)
-    work.model.to(dtype).save_pretrained(tmp_path / "model", **save)
+    zerocc.materialize(work.model).to(dtype).save_pretrained(tmp_path / "model", **save)
     loaded = _workload(model=str(tmp_path / "model")).model
     assert all(t.is_meta for t in loaded.parameters()) and loaded.training
     zerocc.materialize(loaded)
@@ -133,7 +171,7 @@ def test_a_base_models_head_is_initialized_as_from_pretrained_does(tmp_path):
     """A classifier from a causal LM's folder: the files' ``lm_head`` is not read (warned),
     the ``score`` head they lack is initialized by the model's own ``_init_weights`` from
     the workload's seed, the same on every rank."""
-    _workload().model.save_pretrained(tmp_path / "model")
+    _example_model().save_pretrained(tmp_path / "model")
     heads = []
     for _ in range(2):
         with pytest.warns(UserWarning, match="not the model's and are not read: lm_head.weight"):
@@ -151,9 +189,9 @@ def test_a_base_models_head_is_initialized_as_from_pretrained_does(tmp_path):
 
 def test_files_that_transformers_must_convert_are_loaded_whole_with_a_warning(tmp_path):
     folder = tmp_path / "model"
-    _workload().model.save_pretrained(folder)
+    _example_model().save_pretrained(folder)
     (folder / "model.safetensors").unlink()
-    tensors = _workload().model.state_dict()
+    tensors = _example_model().state_dict()
     tensors["model.layers.0.mlp.up.weight"] = tensors.pop("model.layers.0.mlp.up_proj.weight")
     torch.save(tensors, folder / "pytorch_model.bin")
     with pytest.warns(UserWarning, match="up_proj.weight; loading .* from_pretrained, the whole"):
@@ -164,9 +202,9 @@ def test_files_that_transformers_must_convert_are_loaded_whole_with_a_warning(tm
 
 def test_torch_files_of_the_format_before_zip_are_loaded_whole_with_a_warning(tmp_path):
     folder = tmp_path / "model"
-    _workload().model.save_pretrained(folder)
+    _example_model().save_pretrained(folder)
     (folder / "model.safetensors").unlink()
-    tensors = _workload().model.state_dict()
+    tensors = _example_model().state_dict()
     torch.save(tensors, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     with pytest.warns(UserWarning, match="cannot be mapped.*from_pretrained, the whole model"):
         net = _workload(model=str(folder)).model
@@ -176,7 +214,7 @@ def test_torch_files_of_the_format_before_zip_are_loaded_whole_with_a_warning(tm
 
 def test_files_of_another_shape_are_a_plan_error(tmp_path):
     folder = tmp_path / "model"
-    _workload().model.save_pretrained(folder)
+    _example_model().save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 32}))
     with pytest.raises(
@@ -250,7 +288,7 @@ def test_ranks_train_a_pretrained_folder_as_one_process(tmp_path):
     """The folder's weights, read by each of 2 ranks unit by unit, train as one process
     training from_pretrained's model does."""
     folder = tmp_path / "model"
-    _workload().model.save_pretrained(folder)
+    _example_model().save_pretrained(folder)
     steps = 3
     ranks = run_ranks(2, _train, steps, None, {"model": str(folder)}, timeout=600)
     work = _workload(model=str(folder))
@@ -263,7 +301,7 @@ def _assert_match_one_process(ranks: list[dict], work, data: int, steps: int) ->
     ``work``'s model on the ``data`` data-parallel ranks' batches (tensor-parallel ranks of one
     batch share its loss)."""
     world = len(ranks)
-    model, loss_fn = work.model, work.loss_fn
+    model, loss_fn = zerocc.materialize(work.model), work.loss_fn
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
     streams = [work.batches(r, data) for r in range(data)]
     torch.set_num_threads(1)

@@ -71,7 +71,8 @@ def _read(
     return value.to(device=device, dtype=like.dtype)
 
 
-def _module_seed(seed: int, fqn: str) -> int:
+def module_seed(seed: int, fqn: str) -> int:
+    """The seed of module ``fqn``'s initialization: the same on every rank and world size."""
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2**63)
 
 
@@ -115,7 +116,7 @@ def _reset(module: nn.Module, fqn: str, seed: int, device: torch.device) -> None
         )
     module.to_empty(device=device, recurse=False)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_module_seed(seed, fqn))
+        torch.manual_seed(module_seed(seed, fqn))
         with torch.no_grad():
             reset()
 

@@ -27,8 +27,6 @@ split, every rank different data, tail dropped so all ranks take the same number
 from __future__ import annotations
 
 import json
-import os
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,16 +36,11 @@ from torch import nn
 
 from zerocc.compiler.workload import Workload, plan_relative
 from zerocc.errors import CheckpointError, PlanError
-from zerocc.runtime.checkpoint.weight_files import (
-    NAMES,
-    NotMapped,
-    WeightFiles,
-    bind,
-    weights_from,
-)
-from zerocc.runtime.machine_memory import host_available
+from zerocc.runtime.checkpoint.weight_files import NAMES
+from zerocc.workloads.hf_models import fresh, pretrained
+from zerocc.workloads.hf_models import transformers_module as _transformers
 
-HF_INSTALL = 'pip install "zerocc[hf]" (transformers and tokenizers)'
+__all__ = ["causal_lm", "pretrained", "sequence_classification"]
 
 
 def causal_lm(
@@ -137,17 +130,6 @@ def sequence_classification(
 # -- model and tokenizer ---------------------------------------------------------------------
 
 
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:
-        raise PlanError(
-            f"the Hugging Face workloads need transformers: {HF_INSTALL} ({exc})"
-        ) from None
-    transformers.utils.logging.set_verbosity_error()  # its warnings would repeat per rank
-    return transformers
-
-
 def _folder(path: str, what: str) -> Path:
     folder = plan_relative(path)
     if not folder.is_dir():
@@ -170,58 +152,6 @@ def _tokenizer(transformers: Any, model: str | dict, tokenizer: str | None) -> A
         raise PlanError(f"workload_args.tokenizer: {folder} holds no tokenizer: {exc}") from None
 
 
-def pretrained(
-    folder: str | os.PathLike,
-    auto_class: str = "AutoModelForCausalLM",
-    seed: int = 0,
-    **overrides: Any,
-) -> nn.Module:
-    """A local Hugging Face model folder's model, for ``zerocc.compile``: what
-    ``transformers.<auto_class>.from_pretrained(folder, dtype=torch.float32, **overrides)``
-    gives (in train mode), but built on ``meta`` and bound to its weight files
-    (``zerocc.weights_from``), so that zerocc reads each unit's weights as it builds the unit's
-    shards and no rank ever holds the whole model.
-
-    What the files lack is initialized now, as ``from_pretrained`` does it, by the model's own
-    ``_init_weights``, from ``seed`` (so the same on every rank): the non-persistent buffers
-    (rotary frequencies) and a head the files do not have (a classifier's ``score`` on a
-    causal LM's files; the files' own ``lm_head`` is then warned of, unread). Files that do not
-    match the model by name (transformers converts some checkpoints as it loads them), or that
-    cannot be read one tensor at a time (torch's format before zip), are loaded by
-    ``from_pretrained``, whole, with a warning that says so. Raises CheckpointError for a
-    weight whose shape is not the model's, PlanError without transformers or config.json.
-    """
-    transformers = _transformers()
-    folder = Path(folder).expanduser()
-    if not (folder / "config.json").is_file():
-        raise PlanError(f"{folder}: no config.json (transformers needs it beside the weights)")
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
-    auto = getattr(transformers, auto_class, None)
-    if not hasattr(auto, "from_config"):
-        raise PlanError(f"{auto_class}: not one of transformers' Auto classes (e.g. "
-                        "AutoModelForCausalLM, AutoModelForSequenceClassification)")  # fmt: skip
-    with torch.device("meta"):
-        net = auto.from_config(config, dtype=torch.float32)
-    net.train()  # from_config's mode; from_pretrained's is eval (dropout off)
-    try:
-        bound = bind(WeightFiles(folder), net)
-    except NotMapped as exc:  # torch's format before zip
-        return _whole(auto, folder, overrides, f"{exc}")
-    buffers = {name for name, _ in net.named_buffers()}
-    base = f"{net.base_model_prefix}." if net.base_model_prefix else ""
-    foreign = [n for n in bound.missing if n not in buffers and n.startswith(base)]
-    if foreign:
-        shown = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "")
-        why = f"{len(foreign)} of the model's weights are not in the files by name: {shown}"
-        return _whole(auto, folder, overrides, why)
-    unset = _initialize(net, bound.missing, seed)
-    if unset:
-        why = f"the model's initialization leaves {', '.join(unset[:4])} unset"
-        return _whole(auto, folder, overrides, why)
-    weights_from(net, folder)
-    return net
-
-
 def _model(
     auto: Any,
     transformers: Any,
@@ -229,97 +159,33 @@ def _model(
     seed: int,
     overrides: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """The model: its weights when the folder has them (:func:`pretrained`), else fresh
-    weights from ``seed`` (the same on every rank). In fp32 on the CPU (or ``meta``, bound to
-    its files): zerocc casts and places it by the plan."""
+    """The model, in fp32, on ``meta`` (zerocc reads or makes each unit's weights as it
+    shards them): a folder's weights when it has them (:func:`pretrained`), else fresh weights
+    from ``seed`` (``hf_models.fresh``; the same on every rank)."""
     overrides = overrides or {}
-    if isinstance(model, dict):
-        fields = dict(model)
-        kind = fields.pop("model_type", None)
-        if kind is None:
-            raise PlanError("workload_args.model: a config needs model_type (e.g. llama, gpt2)")
-        try:
-            config = transformers.AutoConfig.for_model(kind, **fields, **overrides)
-        except (ValueError, TypeError) as exc:
-            raise PlanError(f"workload_args.model: {exc}") from None
-        return _fresh(auto, config, seed)
-    folder = _folder(model, "model")
-    if any((folder / name).exists() for name in NAMES):
-        try:
+    try:
+        if isinstance(model, dict):
+            fields = dict(model)
+            kind = fields.pop("model_type", None)
+            if kind is None:
+                raise PlanError("a config needs model_type (e.g. llama, gpt2)")
+            try:
+                config = transformers.AutoConfig.for_model(kind, **fields, **overrides)
+            except (ValueError, TypeError) as exc:
+                raise PlanError(f"{exc}") from None
+            return fresh(auto, config, seed)
+        folder = _folder(model, "model")
+        if any((folder / name).exists() for name in NAMES):
             return pretrained(folder, auto.__name__, seed, **overrides)
-        except (PlanError, CheckpointError) as exc:
-            raise PlanError(f"workload_args.model: {exc}") from None
-    if not (folder / "config.json").exists():
-        raise PlanError(f"workload_args.model: {folder} holds neither weights nor config.json")
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
-    return _fresh(auto, config, seed)
-
-
-def _whole(auto: Any, folder: Path, overrides: dict[str, Any], why: str) -> nn.Module:
-    warnings.warn(
-        f"{why}; loading {folder} with transformers' from_pretrained, the whole model in fp32 "
-        "on each rank's host",
-        stacklevel=3,
-    )
-    net = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **overrides)
-    return net.train()
-
-
-def _initialize(net: nn.Module, missing: list[str], seed: int) -> list[str]:
-    """Give the ``missing`` meta tensors storage and the values the model's own initialization
-    gives them (``initialize_weights``: every module's ``_init_weights``, which leaves the
-    tensors still on ``meta`` as they are), from ``seed``: the same on every rank. Returns
-    those it left unset: each starts as a value no initialization gives (NaN, or the integer
-    dtype's largest), and one still holding it was not initialized."""
-    if not missing:
-        return []
-    named = [*net.named_parameters(remove_duplicate=False),
-             *net.named_buffers(remove_duplicate=False)]  # fmt: skip
-    for name in missing:
-        meta = _tensor(net, name)
-        if meta.dtype == torch.bool:
-            return [name]  # no value tells an unset bool
-        unset = torch.nan if meta.dtype.is_floating_point else torch.iinfo(meta.dtype).max
-        value = torch.full(meta.shape, unset, dtype=meta.dtype)
-        if isinstance(meta, nn.Parameter):
-            value = nn.Parameter(value, requires_grad=meta.requires_grad)
-        for alias in [n for n, t in named if t is meta]:  # a tied tensor's every name
-            owner, _, leaf = alias.rpartition(".")
-            module = net.get_submodule(owner)
-            kind = "_parameters" if leaf in module._parameters else "_buffers"
-            getattr(module, kind)[leaf] = value
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        net.initialize_weights()
-    return [name for name in missing if _holds_unset(_tensor(net, name))]
-
-
-def _tensor(net: nn.Module, name: str) -> torch.Tensor:
-    owner, _, leaf = name.rpartition(".")
-    return getattr(net.get_submodule(owner), leaf)
-
-
-def _holds_unset(value: torch.Tensor) -> bool:
-    if value.dtype.is_floating_point:
-        return bool(value.isnan().any())
-    return bool((value == torch.iinfo(value.dtype).max).any())
-
-
-def _fresh(auto: Any, config: Any, seed: int) -> nn.Module:
-    """Fresh fp32 weights on the CPU, after checking on ``meta`` that they fit in the host
-    memory available (a config's defaults can be a 7B model: no out-of-memory kill)."""
-    with torch.device("meta"):
-        needed = sum(t.numel() * 4 for t in auto.from_config(config).state_dict().values())
-    available = host_available()
-    if needed > available:
-        raise PlanError(
-            f"workload_args.model: the config's model needs {needed / 2**30:.1f} GiB of fp32 "
-            f"weights to build, the host has {available / 2**30:.1f} GiB available (every "
-            "field a config leaves out takes its model type's default size)"
-        )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return auto.from_config(config, dtype=torch.float32)
+        if not (folder / "config.json").exists():
+            raise PlanError(f"{folder} holds neither weights nor config.json")
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
+        return fresh(auto, config, seed)
+    except (PlanError, CheckpointError) as exc:
+        message = f"{exc}"
+        if not message.startswith("workload_args."):
+            message = f"workload_args.model: {message}"
+        raise PlanError(message) from None
 
 
 def _check_vocab(model: nn.Module, tokenizer: Any) -> None:
