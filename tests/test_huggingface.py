@@ -212,6 +212,29 @@ def test_torch_files_of_the_format_before_zip_are_loaded_whole_with_a_warning(tm
     _assert_same(net, _pretrained(folder))
 
 
+@pytest.mark.parametrize("folder", [False, True], ids=["config", "pretrained"])
+def test_modules_transformers_leaves_unset_build_the_model_whole(tmp_path, monkeypatch, folder):
+    """Where the model's own initialization does not cover a module's tensors (here: it skips
+    the rotary embedding), the meta build would have no value to start them from; the model
+    is built whole by transformers instead, with a warning that says so."""
+    from transformers.models.llama import modeling_llama
+
+    changes = {}
+    if folder:
+        _example_model().save_pretrained(tmp_path / "model")
+        changes = {"model": str(tmp_path / "model")}
+    original = modeling_llama.LlamaPreTrainedModel._init_weights
+
+    def skipping_rotary(self, module):
+        if "RotaryEmbedding" not in type(module).__name__:
+            original(self, module)
+
+    monkeypatch.setattr(modeling_llama.LlamaPreTrainedModel, "_init_weights", skipping_rotary)
+    with pytest.warns(UserWarning, match=r"leaves model\.rotary_emb\.inv_freq.* unset.* whole"):
+        net = _workload(**changes).model
+    assert not any(t.is_meta for t in net.parameters()) and net.training
+
+
 def test_files_of_another_shape_are_a_plan_error(tmp_path):
     folder = tmp_path / "model"
     _example_model().save_pretrained(folder)

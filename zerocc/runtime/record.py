@@ -43,7 +43,7 @@ class StepRecord:
     backend_artifacts: dict[str, str]  # what it generated for the last program (the dumps)
     steps: int  # optimizer steps applied
     skipped_steps: int  # optimizer steps skipped for a non-finite gradient
-    initial_weights: str | None = None  # where the model's weights were read from, if files
+    initial_weights: str | None = None  # where the initial weights came from (a WeightSource)
 
     @property
     def mesh(self) -> Mesh:
