@@ -4,10 +4,11 @@ of your own.
     workload: "zerocc.workloads.huggingface:causal_lm"
     workload_args: {model: path/to/model, data: train.jsonl, seq_len: 2048, batch_size: 4}
 
-``model`` is a local folder (with weights: :func:`pretrained`, ``from_pretrained``'s model
-built on ``meta`` and read by zerocc unit by unit; else its config.json built with fresh
-weights) or a config as a dict (``model_type`` and its fields); ``tokenizer``
-a local tokenizer folder (default: the model's folder). ``data`` is a local file: ``.jsonl``
+``model`` is a local folder (with weights: :func:`pretrained`, ``from_pretrained``'s model;
+else its config.json with fresh weights from ``seed``) or a config as a dict (``model_type``
+and its fields). Either way the model is built on ``meta`` and zerocc reads or makes each
+unit's weights as it shards them (:mod:`zerocc.workloads.hf_models`). ``tokenizer`` is a
+local tokenizer folder (default: the model's folder). ``data`` is a local file: ``.jsonl``
 (one document per line, its ``text_field``) or text (documents separated by blank lines).
 Relative paths are read from the plan's folder. Nothing is downloaded.
 
