@@ -8,7 +8,8 @@ simulated ranks (``zerocc.FakeComm``: the shards of rank 0), ZeRO-3, fp32 AdamW,
 the model loaded, ``zerocc.compile`` building its states. Measured: the rank's model states
 (``step.state_bytes_by_location()``), its peak resident memory above the resident set before
 the load (``VmHWM``), peak over states, and the wall and CPU seconds of load plus compile;
-median over ``--rounds`` processes. On one host, ``N`` ranks hold ``N`` times the row.
+median over ``--rounds`` processes. On one host, ``N`` ranks hold ``N`` times the row. With
+``--device cuda`` the states are on the GPU and the peak is the host's alone.
 
     python bench/load_weights.py                         # ~0.3B Llama, 1 and 8 ranks
     python bench/load_weights.py --layers 2 --hidden 64 --vocab 256 --rounds 1   # smoke
@@ -58,7 +59,7 @@ from zerocc.workloads.huggingface import pretrained
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])
 plan = {{"zero": {{"stage": 3}}, "units": {{"classes": ["LlamaDecoderLayer"]}},
-        "optimizer": {{"name": "adamw"}}, "backend": {{"device": "cpu"}}}}
+        "optimizer": {{"name": "adamw"}}, "backend": {{"device": args["device"]}}}}
 gc.collect()
 base = rss_bytes()
 reset_peak_rss()
@@ -91,6 +92,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="where the states go (cuda: host peak alone)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = p.parse_args()
     shape = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}
@@ -101,14 +103,15 @@ def main() -> None:
             for system in SYSTEMS:
                 runs = [
                     json.loads(_run(CHILD.format(bench=str(Path(__file__).parent)),
-                                    {"system": system, "world": world, "folder": folder}))
+                                    {"system": system, "world": world, "folder": folder,
+                                     "device": args.device}))
                     for _ in range(args.rounds)
                 ]  # fmt: skip
                 row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 rows.append({"system": system, "world": world, **row, "runs": runs})
     print(f"\nstarting from a model folder: Llama {args.layers} x {args.hidden}, vocabulary "
           f"{args.vocab} ({params / 1e6:.1f}M parameters, bf16 files), ZeRO-3 fp32 AdamW, "
-          f"one rank of N, CPU, median of {args.rounds}")  # fmt: skip
+          f"one rank of N, states on {args.device}, median of {args.rounds}")  # fmt: skip
     print(f"{'system':<14}{'N':>3}{'states MiB':>12}{'peak MiB':>10}{'peak/states':>13}"
           f"{'wall s':>8}{'CPU s':>7}{'peak × zerocc':>15}")  # fmt: skip
     for r in rows:
@@ -119,7 +122,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out / f"load-weights-{stamp}.json"
-    out.write_text(json.dumps({**shape, "params": params, "rows": rows}, indent=1))
+    report = {**shape, "params": params, "device": args.device, "rows": rows}
+    out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
 
 
