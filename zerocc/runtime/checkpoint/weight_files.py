@@ -254,7 +254,7 @@ def weights_from(model: nn.Module, path: str | os.PathLike) -> BoundWeights:
         raise CheckpointError(
             f"{path}: {len(bound.missing)} of the model's tensors on the meta device are not in "
             f"the files: {shown}; give them values first (tensors that hold values are used as "
-            "they are)"
+            "they are; a non-persistent buffer is never in the files: set it on the model)"
         )
     if bound.unused:
         shown = ", ".join(bound.unused[:8]) + (" ..." if len(bound.unused) > 8 else "")
