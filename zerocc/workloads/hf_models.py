@@ -71,7 +71,7 @@ def pretrained(
     if not (folder / "config.json").is_file():
         raise PlanError(f"{folder}: no config.json (transformers needs it beside the weights)")
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
-    auto = auto_model(transformers, auto_class)
+    auto = _auto_model(transformers, auto_class)
     net = _on_meta(auto, config)
     try:
         bound = bind(WeightFiles(folder), net)
@@ -126,12 +126,12 @@ class Initialization:
     one module at a time when zerocc asks (a ``WeightSource``, see
     :func:`zerocc.compiler.materialize.use_weights`).
 
-    For a module, its tensors on ``meta`` are given storage and the whole model's
-    ``initialize_weights()`` runs: every module's ``_init_weights``, which does nothing to
-    tensors still on ``meta``, so that a parent's initialization of a child's weight applies
-    (GPT-2 scales its residual projections from ``GPT2Attention``). Seeded from ``seed`` and the
-    module's name: the same on every rank and at every world size (not the values
-    ``from_config`` draws from one stream for the whole model)."""
+    For a module, its tensors on ``meta`` are given storage, then the ``_init_weights`` of the
+    module and of each of its ancestors run (:func:`_initialize_chain`: what
+    ``initialize_weights`` does to those tensors, a parent's initialization of a child's weight
+    included, as GPT-2 scales its residual projections from ``GPT2Attention``). Seeded from
+    ``seed`` and the module's name: the same on every rank and at every world size (not the
+    values ``from_config`` draws from one stream for the whole model)."""
 
     def __init__(self, net: nn.Module, seed: int) -> None:
         self.net, self.seed = net, seed
@@ -199,7 +199,7 @@ class Initialization:
                 m._buffers.update(buffers)
 
 
-def auto_model(transformers: Any, auto_class: str) -> Any:
+def _auto_model(transformers: Any, auto_class: str) -> Any:
     """``transformers.<auto_class>``; PlanError unless it is an Auto class."""
     auto = getattr(transformers, auto_class, None)
     if not hasattr(auto, "from_config"):
