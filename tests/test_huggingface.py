@@ -307,16 +307,42 @@ def test_ranks_match_one_process(world, parallel, changes):
     _assert_match_one_process(ranks, _workload(**changes), data=2, steps=steps)
 
 
-def test_ranks_train_a_pretrained_folder_as_one_process(tmp_path):
-    """The folder's weights, read by each of 2 ranks unit by unit, train as one process
+@pytest.mark.parametrize(
+    ("world", "parallel", "config"),
+    [(2, None, {}), (4, {"parallel": {"tp": 2, "tp_layers": SPLIT}}, EVEN_VOCAB)],
+    ids=["zero3-ws2", "zero3-dp2xtp2"],
+)
+def test_ranks_train_a_pretrained_folder_as_one_process(tmp_path, world, parallel, config):
+    """The folder's weights, read by each rank unit by unit (at ZeRO-3, its shard's part of
+    each; with tensor parallelism, each unit whole, then its slices), train as one process
     training from_pretrained's model does."""
     folder = tmp_path / "model"
-    _example_model().save_pretrained(folder)
+    zerocc.materialize(_workload(**config).model).save_pretrained(folder)
     steps = 3
-    ranks = run_ranks(2, _train, steps, None, {"model": str(folder)}, timeout=600)
+    ranks = run_ranks(world, _train, steps, parallel, {"model": str(folder)}, timeout=600)
     work = _workload(model=str(folder))
     work.model = _pretrained(folder).train()
     _assert_match_one_process(ranks, work, data=2, steps=steps)
+
+
+def test_an_exported_checkpoint_is_a_folder_pretrained_reads(tmp_path):
+    """`zerocc export` writes a Hugging Face folder (config.json, model.safetensors with the
+    tied names too); ``pretrained`` reads it back into the weights the run saved."""
+    from zerocc.runtime.checkpoint.export import export_model
+
+    work = _workload()
+    step = zerocc.compile(work.model, PLAN, loss_fn=work.loss_fn, comm=zerocc.FakeComm(1))
+    step(*next(work.batches(0, 1)))
+    step.save(tmp_path / "ckpt")
+    export_model(tmp_path / "ckpt", f"{tmp_path / 'hf'}/", "safetensors")
+    net = zerocc.materialize(hf.pretrained(tmp_path / "hf"))
+    saved, loaded = step.full_state_dict(), net.state_dict()
+    assert set(loaded) - set(saved) <= {
+        "model.rotary_emb.inv_freq",
+        "model.rotary_emb.original_inv_freq",
+    }
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
 
 
 def _assert_match_one_process(ranks: list[dict], work, data: int, steps: int) -> None:
