@@ -30,6 +30,7 @@ from zerocc.runtime.checkpoint.weight_files import NotMapped, WeightFiles, bind,
 from zerocc.runtime.machine_memory import host_available
 
 HF_INSTALL = 'pip install "zerocc[hf]" (transformers and tokenizers)'
+_LARGEST_TRIED = 2**26  # elements of a module initialized to check its kind (256 MiB in fp32)
 
 
 def transformers_module() -> Any:
@@ -169,12 +170,18 @@ class Initialization:
 
     def uncovered(self) -> list[str]:
         """The tensors initialization leaves unset in one module of each kind (those of a
-        kind are initialized alike)."""
-        owners: dict[type, str] = {}
-        for name in sorted(self.names):
+        kind are initialized alike): its smallest, unless that holds more than
+        ``_LARGEST_TRIED`` elements (a 70B model's embedding would take 4 GiB even where
+        nothing is trained, in ``zerocc estimate``; such a kind is checked as zerocc builds it)."""
+        sizes: dict[str, int] = {}
+        for name in self.names:
             owner = name.rpartition(".")[0]
-            owners.setdefault(type(self.net.get_submodule(owner)), owner)
-        return [name for owner in owners.values() for name in self._made(owner)[1]]
+            sizes[owner] = sizes.get(owner, 0) + _tensor(self.net, name).numel()
+        smallest: dict[type, str] = {}
+        for owner in sorted(sizes, key=lambda o: (sizes[o], o)):
+            smallest.setdefault(type(self.net.get_submodule(owner)), owner)
+        tried = [o for o in smallest.values() if sizes[o] <= _LARGEST_TRIED]
+        return [name for owner in tried for name in self._made(owner)[1]]
 
     def _made(self, owner: str) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The values of ``owner``'s meta tensors and the names left unset; the module keeps
