@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerocc.compiler.capture import describe_model
 from zerocc.compiler.materialize import module_seed, use_weights
 from zerocc.errors import CaptureError, PlanError
 from zerocc.runtime.checkpoint.weight_files import NotMapped, WeightFiles, bind, weights_from
@@ -266,12 +267,9 @@ def _initialize(
 
 def _aliases(net: nn.Module) -> dict[str, list[str]]:
     """Every name of each parameter and buffer (a tied one has several), by each name."""
-    named = [*net.named_parameters(remove_duplicate=False),
-             *net.named_buffers(remove_duplicate=False)]  # fmt: skip
-    by_tensor: dict[int, list[str]] = {}
-    for name, tensor in named:
-        by_tensor.setdefault(id(tensor), []).append(name)
-    return {name: names for names in by_tensor.values() for name in names}
+    described = describe_model(net)
+    infos = [*described.params, *described.buffers]
+    return {name: list(info.aliases) for info in infos for name in info.aliases}
 
 
 def _initialize_all(net: nn.Module) -> None:

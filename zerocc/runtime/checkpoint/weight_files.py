@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zerocc.compiler.capture import describe_model
 from zerocc.compiler.materialize import use_weights
 from zerocc.errors import CheckpointError
 
@@ -203,14 +204,12 @@ def bind(files: WeightFiles, model: nn.Module) -> BoundWeights:
     """
     bound = BoundWeights(files)
     prefix = getattr(model, "base_model_prefix", "") or ""
-    groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    named = [*model.named_parameters(remove_duplicate=False),
-             *model.named_buffers(remove_duplicate=False)]  # fmt: skip
-    for name, tensor in named:
-        groups.setdefault(id(tensor), []).append((name, tensor))
-    for group in groups.values():
+    described = describe_model(model)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for info in [*described.params, *described.buffers]:
+        tensor = tensors[info.fqn]
         found = False
-        for name, tensor in group:
+        for name in info.aliases:
             key = next((k for k in _candidates(name, prefix) if k in files.entries), None)
             if key is None:
                 continue
@@ -228,8 +227,8 @@ def bind(files: WeightFiles, model: nn.Module) -> BoundWeights:
                 )
             bound.names[name] = key
             found = True
-        if not found and group[0][1].is_meta:
-            bound.missing.append(group[0][0])
+        if not found and tensor.is_meta:
+            bound.missing.append(info.fqn)
     taken = set(bound.names.values())
     bound.unused = [k for k in files.entries if k not in taken]
     return bound
