@@ -45,6 +45,38 @@ def test_nodes_are_tagged_with_phase_and_source_module():
     assert any(m.startswith("transformer.h.1") for m in backward_modules)
 
 
+class _DeadWork(torch.nn.Module):
+    """A block whose forward computes a value it never uses: make_fx drops those nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        unused = x.exp() * 3  # noqa: F841  (dead in the traced graph)
+        return torch.relu(self.lin(x))
+
+
+def test_tags_hold_where_tracing_dropped_dead_forward_nodes():
+    """make_fx removes dead nodes before capture sees its graph (on a GPU, attention's unused
+    outputs, say): phases and modules must not shift by the nodes it removed. Before, they were
+    read off node counts taken while tracing, and the first backward nodes were tagged forward
+    (a 7B GPT's recompute on an H100 then copied the loss's backward into itself)."""
+    model = torch.nn.Sequential(_DeadWork(), _DeadWork(), torch.nn.Linear(4, 1))
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    gm = capture(model, describe_model(model), loss_fn, (torch.randn(2, 4),), torch.device("cpu"))
+    compute = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any(n.target is torch.ops.aten.exp.default for n in compute)
+    loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0].args[0]  # detach(loss)
+    after_loss = compute[compute.index(loss) + 1 :]
+    assert all(info(n).phase == "forward" for n in compute[: compute.index(loss) + 1])
+    assert all(info(n).phase == "backward" for n in after_loss)
+    relus = [n for n in compute if n.target is torch.ops.aten.relu.default]
+    assert [info(n).module for n in relus] == ["0", "1"]
+    grads_of_relu = [n for n in compute if n.target is torch.ops.aten.threshold_backward.default]
+    assert [info(n).module for n in grads_of_relu] == ["1", "0"]
+
+
 def test_meta_model_captures_without_materializing():
     with torch.device("meta"):
         model = tiny_gpt()

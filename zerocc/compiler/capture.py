@@ -16,7 +16,6 @@ they are cheapest (before the all-gather, into the reduction).
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,6 +27,7 @@ import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.node import has_side_effect
 
 from zerocc.compat import get_proxy_mode
 from zerocc.compiler.plan import PrecisionConfig
@@ -225,8 +225,16 @@ class _Step(nn.Module):
         return self.loss_fn(self.model, *batch)
 
 
+@has_side_effect
+def _mark(kind: str, module: str) -> None:
+    """A node capture writes into the graph it traces where the running module changes
+    (``kind`` "module") and where forward ends ("forward_end"); :func:`_tag` reads and erases
+    them. A side effect, so make_fx's dead-code elimination keeps them where it drops the
+    nodes around them (a count of nodes taken while tracing would then point elsewhere)."""
+
+
 class _ModuleTracker:
-    """Records which module is running whenever the traced graph grows.
+    """Marks in the traced graph which module runs from there on.
 
     Forward: module pre/post hooks. Backward: a pre-hook on the autograd node of each module's
     outputs, so the backward ops that follow are attributed to that module.
@@ -234,28 +242,29 @@ class _ModuleTracker:
 
     def __init__(self, model: nn.Module) -> None:
         self.stack: list[str] = []
-        self.changes: list[tuple[int, str]] = [(0, "")]
         self.handles = []
         for fqn, module in model.named_modules():
             self.handles.append(module.register_forward_pre_hook(self._enter(fqn)))
             self.handles.append(module.register_forward_hook(self._leave(fqn)))
 
     @staticmethod
-    def graph_len() -> int:
+    def mark(kind: str, module: str = "") -> None:
+        """Append a :func:`_mark` node to the graph being traced (none outside tracing)."""
         mode = get_proxy_mode()
-        return len(mode.tracer.graph.nodes) if mode is not None else 0
+        if mode is not None:
+            mode.tracer.graph.create_node("call_function", _mark, (kind, module))
 
     def _enter(self, fqn: str):
         def hook(module, args):
             self.stack.append(fqn)
-            self.changes.append((self.graph_len(), fqn))
+            self.mark("module", fqn)
 
         return hook
 
     def _leave(self, fqn: str):
         def hook(module, args, output):
             self.stack.pop()
-            self.changes.append((self.graph_len(), self.stack[-1] if self.stack else ""))
+            self.mark("module", self.stack[-1] if self.stack else "")
             # Backward tagging: when autograd reaches this module's outputs, its backward begins.
             for t in torch.utils._pytree.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:
@@ -265,14 +274,9 @@ class _ModuleTracker:
 
     def _backward_of(self, fqn: str):
         def prehook(grad_outputs):
-            self.changes.append((self.graph_len(), fqn))
+            self.mark("module", fqn)
 
         return prehook
-
-    def module_at(self, index: int) -> str:
-        """The module whose code made the graph's ``index``-th node (changes are in order)."""
-        position = bisect.bisect_right(self.changes, index, key=lambda change: change[0])
-        return self.changes[position - 1][1] if position else ""
 
     def remove(self) -> None:
         for h in self.handles:
@@ -303,7 +307,6 @@ def capture(
     tensor_positions = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
     n_params, n_buffers = len(info.params), len(info.buffers)
     tracker = _ModuleTracker(model)
-    forward_end: list[int] = []
 
     n_batch = len(tensor_positions)
 
@@ -326,7 +329,7 @@ def capture(
         loss = _check_loss(loss)
         if casts.output is not None:
             loss = loss.to(casts.output)
-        forward_end.append(_ModuleTracker.graph_len())
+        tracker.mark("forward_end")
         if not gradients:
             return (loss.detach(),)
         wanted = [t for p, t in zip(info.params, params, strict=True) if p.requires_grad]
@@ -367,7 +370,7 @@ def capture(
     finally:
         tracker.remove()
     gm.graph.eliminate_dead_code()
-    _tag(gm, info, tensor_positions, forward_end[0], tracker, casts.loss_scale and gradients)
+    _tag(gm, info, tensor_positions, casts.loss_scale and gradients)
     _cast_gradients_when_complete(gm)
     return gm  # its code is make_fx's: the pipeline recompiles its own result, once
 
@@ -424,12 +427,11 @@ def _tag(
     gm: fx.GraphModule,
     info: ModelInfo,
     tensor_positions: list[int],
-    forward_end: int,
-    tracker: _ModuleTracker,
     loss_scale: bool,
 ) -> None:
-    nodes = list(gm.graph.nodes)
-    ph = [n for n in nodes if n.op == "placeholder"]
+    """Name and tag the placeholders by role; tag every other node with its phase and source
+    module, as the :func:`_mark` nodes before it say, and erase those."""
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles = [(PARAM, p.fqn, "p_") for p in info.params]
     roles += [(BUFFER, b.fqn, "b_") for b in info.buffers]
     roles += [(BATCH, str(i), "batch_") for i in tensor_positions]
@@ -438,7 +440,14 @@ def _tag(
     for node, (role, key, prefix) in zip(ph, roles, strict=True):
         name_placeholder(node, prefix + key)
         tag(node, role=role, key=key, phase="forward")
-    for index, node in enumerate(nodes):
-        if node.op not in ("placeholder", "output"):
-            phase = "forward" if index < forward_end else "backward"
-            tag(node, phase=phase, module=tracker.module_at(index))
+    phase, module = "forward", ""
+    for node in list(gm.graph.nodes):
+        if node.target is _mark:
+            kind, name = node.args
+            if kind == "forward_end":
+                phase = "backward"
+            else:
+                module = name
+            gm.graph.erase_node(node)
+        elif node.op not in ("placeholder", "output"):
+            tag(node, phase=phase, module=module)
