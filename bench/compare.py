@@ -99,6 +99,8 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
             live[name] = SystemRanks(name, cfg, timeout)
             runs[name]["ready"] = live[name].ready
             runs[name]["answers"].append(live[name].command("warmup", cfg.warmup))
+            setup = max(r["setup_s"] for r in live[name].ready)
+            print(f"  set up in {setup:.1f} s; warm-up {_step_times(runs[name])}", flush=True)
         except SystemFailed as e:
             fail(name, e)
     for r in range(cfg.rounds):
@@ -107,6 +109,7 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
         for name in order:
             try:  # one untimed step first: the rank gave its free memory back while idle
                 runs[name]["answers"].append(live[name].command("round", 1 + cfg.steps))
+                print(f"  {name}: {_step_times(runs[name])} (the first untimed)", flush=True)
             except SystemFailed as e:
                 fail(name, e)
     for name in list(live):
@@ -117,6 +120,13 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
         else:
             live.pop(name).close()
     return runs
+
+
+def _step_times(run: dict[str, Any]) -> str:
+    """The steps of a system's last command, each its slowest rank's time, as they end: a
+    run stopped by a time limit (a GPU session's) still says how far it got."""
+    times = [max(ranks) * 1e3 for ranks in _by_step(run["answers"][-1], "times")]
+    return "steps " + " ".join(f"{t:.0f}" for t in times) + " ms"
 
 
 def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],

@@ -33,6 +33,15 @@ OLD_EXAMPLE_PIPELINES = {
     "zero3-hsdp.yaml": ["partition", "shard", "optimizer", "overlap"],  # (added later)
     "zero3-tp.yaml": ["partition", "shard", "optimizer", "overlap"],  # (added later)
     "70b-tp.yaml": ["partition", "shard", "precision", "optimizer", "overlap"],  # (added later)
+    "7b-offload.yaml": [  # (added later)
+        "partition",
+        "recompute",
+        "shard",
+        "precision",
+        "optimizer",
+        "overlap",
+        "offload",
+    ],
 }
 
 
@@ -139,7 +148,7 @@ def test_example_pipelines_provide_what_they_promise(name, monkeypatch):
 
     monkeypatch.setenv("ZEROCC_VERIFY", "1")
     plan = load_plan(EXAMPLES / name)
-    if name == "70b-tp.yaml":  # its layout, two of its 80 blocks (each is alike)
+    if name in ("70b-tp.yaml", "7b-offload.yaml"):  # its layout, two of its blocks (alike)
         plan.workload_args["n_layer"] = 2
     world = EXAMPLE_WORLDS.get(name, 2)
     inspect_plan(plan, world_size=world)
