@@ -109,7 +109,7 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
         for name in order:
             try:  # one untimed step first: the rank gave its free memory back while idle
                 runs[name]["answers"].append(live[name].command("round", 1 + cfg.steps))
-                print(f"  {name}: {_step_times(runs[name])} (the first untimed)", flush=True)
+                print(f"  {name}: {_step_times(runs[name], first_untimed=True)}", flush=True)
             except SystemFailed as e:
                 fail(name, e)
     for name in list(live):
@@ -122,11 +122,17 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
     return runs
 
 
-def _step_times(run: dict[str, Any]) -> str:
-    """The steps of a system's last command, each its slowest rank's time, as they end: a
-    run stopped by a time limit (a GPU session's) still says how far it got."""
-    times = [max(ranks) * 1e3 for ranks in _by_step(run["answers"][-1], "times")]
-    return "steps " + " ".join(f"{t:.0f}" for t in times) + " ms"
+def _step_times(run: dict[str, Any], first_untimed: bool = False) -> str:
+    """The steps of a system's last command, each its slowest rank's time, and zerocc's
+    prediction of a step (with the host's measured rates where an offloaded step has them),
+    as they end: a run stopped by a time limit (a GPU session's) still says how far it got."""
+    answer = run["answers"][-1]
+    times = [max(ranks) * 1e3 for ranks in _by_step(answer, "times")]
+    reported = answer[0].get("reported", {})
+    predicted = reported.get("predicted_step_s_host_rates", reported.get("predicted_step_s"))
+    said = f"; predicted {predicted * 1e3:.0f} ms" if predicted is not None else ""
+    untimed = " (the first untimed)" if first_untimed else ""
+    return "steps " + " ".join(f"{t:.0f}" for t in times) + " ms" + untimed + said
 
 
 def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],
