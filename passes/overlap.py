@@ -41,6 +41,7 @@ from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import GRAD, info, op_kind, op_name, val
 from zerocc.ir.ops import DP_GROUP, TP_GROUP, op
+from zerocc.ir.verify import check_well_formed
 from zerocc.passes.bucketing import bucket_collectives
 
 aten = torch.ops.aten
@@ -313,5 +314,5 @@ def overlap(
     hoist_gathers(gm, collectives, roots, prefetch, budget)
     issue_tp_early(gm, collectives, roots, budget)
     sink_waits(gm, collectives, roots, budget)
-    gm.graph.lint()
+    check_well_formed(gm, after="overlap")
     return gm

@@ -40,6 +40,7 @@ from zerocc.errors import PlanError
 from zerocc.ir.access import StorageRoots, written_arguments
 from zerocc.ir.nodes import copy_node, emit, info, op_name, tag, val
 from zerocc.ir.rng import RNG_STATE, SET_RNG_STATE, argument, is_random
+from zerocc.ir.verify import check_well_formed
 from zerocc.passes.param_uses import analyze
 
 aten = torch.ops.aten
@@ -300,5 +301,5 @@ def recompute(gm: fx.GraphModule, ctx: PassContext, *, units: str | list[str]) -
     for run in runs:
         if run.copied:
             recompute_run(gm, run)
-    gm.graph.lint()
+    check_well_formed(gm, after="recompute")
     return gm

@@ -40,6 +40,19 @@ def test_use_after_free_is_caught():
         verify_program(gm, after="test")
 
 
+def test_a_use_before_its_definition_is_one_line_naming_the_pass():
+    """fx's lint message ends with a printout of the whole graph (780 KB for a 7B GPT): the
+    error keeps its first line and names the pass."""
+    gm = _step().program
+    user = next(n for n in gm.graph.nodes if n.op == "call_function" and n.all_input_nodes)
+    user.all_input_nodes[0].prepend(user)  # now before what it reads
+    with pytest.raises(InvariantError) as failure:
+        verify_program(gm, after="recompute")
+    message = str(failure.value)
+    assert "after pass 'recompute'" in message and "used before it has been defined" in message
+    assert "\n" not in message and "graph():" not in message
+
+
 def test_collective_without_wait_is_caught():
     gm = _step().program
     wait = next(n for n in gm.graph.nodes if op_name(n.target) == "zerocc.wait")
