@@ -42,6 +42,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = "zerocc-z3"
 RTOL = {"fp32": 1e-5, "bf16": 1e-2}  # loss after all steps, relative to the reference's
 QUICK = dict(n_layer=2, n_embd=128, n_head=4, warmup=2, rounds=2, steps=2)
+SEQUENTIAL = "; systems one after another"  # a title's note for --sequential
 PEAK_TFLOPS = {"H100": 989.5, "H200": 989.5, "A100": 312.0, "L40S": 362.0}  # bf16 dense
 
 
@@ -83,7 +84,10 @@ def select(wanted: list[str], systems: dict[str, System]) -> list[str]:
 
 
 def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str, dict[str, Any]]:
-    """Set each system up, time them in interleaved rounds, collect what every rank measured."""
+    """Set each system up, time them in interleaved rounds, collect what every rank measured.
+    ``cfg.sequential``: each system set up, timed and closed before the next starts, so only
+    one holds memory at a time (an idle GPU machine, where a 1.3B offloaded system pins ~20 GB
+    of host memory), and a run stopped by a time limit has whole systems done."""
     runs: dict[str, dict[str, Any]] = {n: {"answers": []} for n in names}
     live: dict[str, SystemRanks] = {}
 
@@ -93,7 +97,7 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
         if name in live:
             live.pop(name).close()
 
-    for name in names:  # one at a time: compilation and warm-up are not timed
+    def set_up(name: str) -> None:  # compilation and warm-up are not timed
         print(f"setting up {name} ...", flush=True)
         try:
             live[name] = SystemRanks(name, cfg, timeout)
@@ -103,22 +107,41 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
             print(f"  set up in {setup:.1f} s; warm-up {_step_times(runs[name])}", flush=True)
         except SystemFailed as e:
             fail(name, e)
-    for r in range(cfg.rounds):
-        order = list(live) if r % 2 == 0 else list(reversed(live))  # A B C, C B A, ...
-        print(f"round {r + 1}/{cfg.rounds}: {', '.join(order)}", flush=True)
-        for name in order:
-            try:  # one untimed step first: the rank gave its free memory back while idle
-                runs[name]["answers"].append(live[name].command("round", 1 + cfg.steps))
-                print(f"  {name}: {_step_times(runs[name], first_untimed=True)}", flush=True)
-            except SystemFailed as e:
-                fail(name, e)
-    for name in list(live):
+
+    def time_round(name: str) -> None:
+        try:  # one untimed step first: the rank gave its free memory back while idle
+            runs[name]["answers"].append(live[name].command("round", 1 + cfg.steps))
+            print(f"  {name}: {_step_times(runs[name], first_untimed=True)}", flush=True)
+        except SystemFailed as e:
+            fail(name, e)
+
+    def finish(name: str) -> None:
         try:
             runs[name]["final"] = live[name].command("finish")
         except SystemFailed as e:
             fail(name, e)
         else:
             live.pop(name).close()
+
+    if cfg.sequential:
+        for name in names:
+            set_up(name)
+            for r in range(cfg.rounds):
+                if name in live:
+                    print(f"round {r + 1}/{cfg.rounds}: {name}", flush=True)
+                    time_round(name)
+            if name in live:
+                finish(name)
+        return runs
+    for name in names:
+        set_up(name)
+    for r in range(cfg.rounds):
+        order = list(live) if r % 2 == 0 else list(reversed(live))  # A B C, C B A, ...
+        print(f"round {r + 1}/{cfg.rounds}: {', '.join(order)}", flush=True)
+        for name in order:
+            time_round(name)
+    for name in list(live):
+        finish(name)
     return runs
 
 
@@ -296,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     if goals := targets(rows):
         print("\n".join(goals) + "\n")
     print(f"{title}; median of {cfg.rounds} rounds × {cfg.steps} timed steps "
-          f"(after {cfg.warmup} warm-up steps; 1 untimed step opens each round)")  # fmt: skip
+          f"(after {cfg.warmup} warm-up steps; 1 untimed step opens each round"
+          f"{SEQUENTIAL if cfg.sequential else ''})")  # fmt: skip
     print(table(rows, reference, gpu))
     differs = [r for r in rows if r["status"] == "ok" and r["loss_rel_diff"] > rtol]
     return 1 if differs or not reference else 0

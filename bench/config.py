@@ -48,6 +48,7 @@ class BenchConfig:
     warmup: int = 2  # untimed steps per system first (capture, torch.compile, allocator)
     rounds: int = 5  # timed rounds; every system runs 1 + `steps` steps per round, in turn
     steps: int = 3  # timed steps per system and round (after one untimed step)
+    sequential: bool = False  # each system's rounds before the next is set up (not interleaved)
     nvme_path: str | None = None  # folder for the files of NVMe offload (None: the temp folder)
 
     @property
@@ -113,6 +114,13 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, help="untimed steps per system")
     p.add_argument("--rounds", type=int, help="timed rounds")
     p.add_argument("--steps", type=int, help="timed steps per system and round")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        default=None,
+        help="time each system's rounds, and close it, before setting up the next (one "
+        "system's memory at a time; no interleaving against a machine's drift)",
+    )
     p.add_argument(
         "--timeout",
         type=float,

@@ -20,6 +20,7 @@ error; one that needs a GPU is marked "not runnable on CPU". Usage::
     python bench/offload.py --systems zerocc   # families or system names (+ their baselines)
     python bench/offload.py --tiny             # a 1-layer GPT, one timed step: a smoke test
     python bench/offload.py --gpu --systems zerocc   # one GPU: a 1.3B GPT, bf16
+    python bench/offload.py --gpu --sequential ...   # one system at a time (its memory)
 
 Prints the table last; writes ``bench/results/offload-<device>-<date>.json``. Exits 1 when a
 zerocc variant fails or its losses differ from zerocc-z3's, or a peer's final loss is outside
@@ -38,7 +39,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from compare import RTOL, compare_losses, machine, run_systems, select, summarize
+from compare import RTOL, SEQUENTIAL, compare_losses, machine, run_systems, select, summarize
 from config import BenchConfig, add_config_arguments, config_from, num_params
 from report import MIB, write_json
 from systems import OWN_NUMERICS, ZEROCC_SAVINGS, System, all_systems, offload_systems
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"GPT {num_params(cfg) / 1e6:.1f}M ({cfg.n_layer} × {cfg.n_embd}), "
              f"{cfg.world_size} rank(s) × {cfg.threads} thread(s), {cfg.device}, {cfg.dtype}, "
              f"{info['date']}; median of {cfg.rounds} rounds × {cfg.steps} timed steps "
-             f"(after {cfg.warmup} warm-up steps); load average {before:.1f} before the run, "
+             f"(after {cfg.warmup} warm-up steps{SEQUENTIAL if cfg.sequential else ''}); "
+             f"load average {before:.1f} before the run, "
              f"{after:.1f} at its end")  # fmt: skip
     print(f"\nwrote {path}\n\n{legend(rows)}\n")
     for name, why in left_out.items():

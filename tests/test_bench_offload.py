@@ -37,3 +37,22 @@ def test_offload_tiny_runs_and_keeps_the_losses(tmp_path):
     assert not list(tmp_path.glob("zerocc-bench-nvme-*")), "the NVMe folder was not removed"
     header, _, *rows = run.stdout.rstrip().splitlines()[-5:]  # the table comes last
     assert header.startswith("system") and [r.split()[0] for r in rows] == list(systems)
+
+
+def test_offload_sequential_times_each_system_before_setting_up_the_next(tmp_path):
+    """--sequential (a GPU session's memory and time limits): each system's rounds run, and it
+    closes, before the next is set up; its step times are printed as they end."""
+    run = run_bench("offload.py", "--tiny", "--sequential", "--systems", "zerocc-z3-opt-cpu",
+                    "--out", tmp_path)  # fmt: skip
+    (result,) = tmp_path.glob("offload-cpu-*.json")
+    report = json.loads(result.read_text())
+    assert report["config"]["sequential"] is True
+    assert all(s["status"] == "ok" and s["losses_identical"] for s in report["systems"])
+    progress = [line for line in run.stdout.splitlines() if line.startswith(("setting", "round"))]
+    assert progress == [
+        "setting up zerocc-z3 ...",
+        "round 1/1: zerocc-z3",
+        "setting up zerocc-z3-opt-cpu ...",
+        "round 1/1: zerocc-z3-opt-cpu",
+    ]
+    assert "  zerocc-z3-opt-cpu: steps " in run.stdout and "(the first untimed)" in run.stdout
