@@ -58,7 +58,7 @@ def _cases(world: int) -> list[dict]:
     # all-gathered in the next step (two).
     cases.append({**on_gpu, "stage": 2,
                   "offload": {"optimizer": "cpu", "pipeline": "next_forward"}})  # fmt: skip
-    # Recompute on a GPU: flash attention's unused outputs are dead nodes make_fx drops, which
+    # Recompute on a GPU: cuDNN attention's unused outputs are dead nodes make_fx drops, which
     # once shifted capture's phase tags (issue 22's offloaded runs on an H100 failed to compile).
     cases.append({**on_gpu, "stage": 3, "precision": bf16, "checkpointing": {"units": "all"},
                   "offload": {"optimizer": "cpu", "params": "cpu"}})  # fmt: skip
