@@ -97,51 +97,34 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
         if name in live:
             live.pop(name).close()
 
-    def set_up(name: str) -> None:  # compilation and warm-up are not timed
-        print(f"setting up {name} ...", flush=True)
-        try:
-            live[name] = SystemRanks(name, cfg, timeout)
-            runs[name]["ready"] = live[name].ready
-            runs[name]["answers"].append(live[name].command("warmup", cfg.warmup))
-            setup = max(r["setup_s"] for r in live[name].ready)
-            print(f"  set up in {setup:.1f} s; warm-up {_step_times(runs[name])}", flush=True)
-        except SystemFailed as e:
-            fail(name, e)
-
-    def time_round(name: str) -> None:
-        try:  # one untimed step first: the rank gave its free memory back while idle
-            runs[name]["answers"].append(live[name].command("round", 1 + cfg.steps))
-            print(f"  {name}: {_step_times(runs[name], first_untimed=True)}", flush=True)
-        except SystemFailed as e:
-            fail(name, e)
-
-    def finish(name: str) -> None:
-        try:
-            runs[name]["final"] = live[name].command("finish")
-        except SystemFailed as e:
-            fail(name, e)
-        else:
-            live.pop(name).close()
-
-    if cfg.sequential:
-        for name in names:
-            set_up(name)
-            for r in range(cfg.rounds):
-                if name in live:
-                    print(f"round {r + 1}/{cfg.rounds}: {name}", flush=True)
-                    time_round(name)
-            if name in live:
-                finish(name)
-        return runs
-    for name in names:
-        set_up(name)
-    for r in range(cfg.rounds):
-        order = list(live) if r % 2 == 0 else list(reversed(live))  # A B C, C B A, ...
-        print(f"round {r + 1}/{cfg.rounds}: {', '.join(order)}", flush=True)
-        for name in order:
-            time_round(name)
-    for name in list(live):
-        finish(name)
+    for group in [[n] for n in names] if cfg.sequential else [names]:
+        for name in group:  # one at a time: compilation and warm-up are not timed
+            print(f"setting up {name} ...", flush=True)
+            try:
+                live[name] = SystemRanks(name, cfg, timeout)
+                runs[name]["ready"] = live[name].ready
+                runs[name]["answers"].append(live[name].command("warmup", cfg.warmup))
+                setup = max(r["setup_s"] for r in live[name].ready)
+                print(f"  set up in {setup:.1f} s; warm-up {_step_times(runs[name])}", flush=True)
+            except SystemFailed as e:
+                fail(name, e)
+        for r in range(cfg.rounds):
+            order = list(live) if r % 2 == 0 else list(reversed(live))  # A B C, C B A, ...
+            if order:
+                print(f"round {r + 1}/{cfg.rounds}: {', '.join(order)}", flush=True)
+            for name in order:
+                try:  # one untimed step first: the rank gave its free memory back while idle
+                    runs[name]["answers"].append(live[name].command("round", 1 + cfg.steps))
+                    print(f"  {name}: {_step_times(runs[name], first_untimed=True)}", flush=True)
+                except SystemFailed as e:
+                    fail(name, e)
+        for name in list(live):
+            try:
+                runs[name]["final"] = live[name].command("finish")
+            except SystemFailed as e:
+                fail(name, e)
+            else:
+                live.pop(name).close()
     return runs
 
 
