@@ -12,10 +12,13 @@ rank's threads) into one vectorized loop: on a shard larger than the caches, 1.3
 copy's bandwidth on this machine, 1.1-1.3× faster than torch's fused kernel and than
 DeepSpeed's CPU Adam (on a shard the caches hold, torch's kernel is faster: BENCHMARKS.md).
 
-Same signatures and semantics as :mod:`zerocc.backends.kernels.reference`: the arithmetic of
-``torch.optim`` element by element (the step's bias corrections computed once, in double, and
-passed as 0-dim fp32 tensors, as the reference's Python floats are used), so results are
-those of the reference within rounding (Inductor may contract a multiply and an add).
+Same signatures and semantics as :mod:`zerocc.backends.kernels.reference`, and the arithmetic
+of :mod:`zerocc.backends.kernels.triton_kernels` rounding for rounding: ``torch.optim``'s op
+for op, one fma (Inductor's ``fma`` prim) where torch's kernels fuse a multiply and an add,
+two roundings where they do not (Inductor's C++ does not contract), IEEE sqrt and division,
+the step's bias corrections computed once in double and passed as 0-dim fp32 tensors. So an
+update offloaded to the host gives, bit for bit, what the GPU's update would have given, and
+the reference's results up to its sqrt (SLEEF's, not always correctly rounded).
 ``found_inf`` lives on the host here: a nonzero flag skips the update, and the compute copy
 receives ``param`` as it is.
 
@@ -36,6 +39,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch._inductor.inductor_prims import fma
 
 from zerocc.backends.kernels import fused
 from zerocc.backends.kernels.reference import (
@@ -54,25 +58,32 @@ def _scaled(grad, grad_scale, grad_coef):
     return grad.float() * grad_scale * grad_coef
 
 
-def _adamw(param, grad, exp_avg, exp_avg_sq, copy, grad_scale, grad_coef, decay, beta1c, beta2,
-           beta2c, bias2_sqrt, eps, neg_step_size):  # fmt: skip
+def _adamw(param, grad, exp_avg, exp_avg_sq, copy, grad_scale, grad_coef, decay, lerp_weight,
+           beta2, beta2c, bias2_sqrt, eps, neg_step_size, lerp_from_end: bool):  # fmt: skip
+    # The Triton kernel's arithmetic, rounding for rounding: torch's lerp and addcmul as one
+    # fma each (lerp from the end nearer its weight), addcdiv's order, IEEE sqrt and division.
     g = _scaled(grad, grad_scale, grad_coef)
-    param.mul_(decay)
-    exp_avg.lerp_(g, beta1c)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=beta2c)
-    denom = exp_avg_sq.sqrt() / bias2_sqrt + eps
-    param.add_(exp_avg / denom * neg_step_size)
+    m = fma(lerp_weight, g - exp_avg, g if lerp_from_end else exp_avg)
+    v = fma(beta2c * g, g, exp_avg_sq * beta2)
+    p = param * decay + (neg_step_size * m) / (v.sqrt() / bias2_sqrt + eps)
+    param.copy_(p)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
     if copy is not None:
-        copy.copy_(param)
+        copy.copy_(p)
 
 
 def _sgd(param, grad, momentum_buffer, copy, grad_scale, grad_coef, weight_decay, momentum,
-         neg_lr):  # fmt: skip
-    g = _scaled(grad, grad_scale, grad_coef) + param * weight_decay
+         neg_lr, decays: bool):  # fmt: skip
+    # As the Triton kernel: the weight decay (where there is one) and the step each one fma
+    # (torch's add with alpha), the momentum a multiply and an add.
+    g = _scaled(grad, grad_scale, grad_coef)
+    if decays:
+        g = fma(param, weight_decay, g)
     if momentum_buffer is not None:
         # The buffer starts at zero, so the first step stores g exactly, as torch's clone.
         g = momentum_buffer.mul_(momentum).add_(g)
-    param.add_(g * neg_lr)
+    param.copy_(fma(g, neg_lr, param))
     if copy is not None:
         copy.copy_(param)
 
@@ -150,10 +161,13 @@ def _adamw_pass(param, grad, exp_avg, exp_avg_sq, t: int, grad_coef, param_copy,
                 weight_decay: float) -> None:  # fmt: skip
     """The compiled AdamW loop at step ``t``, its scalars computed once (in double)."""
     coef = torch.ones(()) if grad_coef is None else grad_coef.float()
-    scalars = _scalars(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
+    lerp_weight, lerp_from_end = 1 - beta1, False
+    if abs(lerp_weight) >= 0.5:  # torch's lerp then computes end + (weight - 1) * (end - start)
+        lerp_weight, lerp_from_end = float(torch.tensor(lerp_weight) - 1), True
+    scalars = _scalars(1 - lr * weight_decay, lerp_weight, beta2, 1 - beta2,
                        math.sqrt(1 - beta2**t), eps, -lr / (1 - beta1**t))  # fmt: skip
     _compiled("adamw")(param, grad, exp_avg, exp_avg_sq, param_copy, *_scalars(grad_scale), coef,
-                       *scalars)  # fmt: skip
+                       *scalars, lerp_from_end)  # fmt: skip
 
 
 def sgd_(
@@ -184,4 +198,4 @@ def _sgd_pass(param, grad, momentum_buffer, grad_coef, param_copy, grad_scale: f
     """The compiled SGD loop."""
     coef = torch.ones(()) if grad_coef is None else grad_coef.float()
     scalars = [*_scalars(grad_scale), coef, *_scalars(weight_decay, momentum, -lr)]
-    _compiled("sgd")(param, grad, momentum_buffer, param_copy, *scalars)
+    _compiled("sgd")(param, grad, momentum_buffer, param_copy, *scalars, weight_decay != 0)
