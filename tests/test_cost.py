@@ -195,5 +195,5 @@ def test_an_estimate_traced_on_the_cpu_times_its_ops_at_the_device_s_rates():
     model = CostModel(DeviceRates.defaults("cuda"), 1)
     assert not node_work(nodes["mm"]).host and node_work(nodes["update"]).host
     moved = node_work(nodes["update"]).bytes
-    assert model(nodes["update"]) == pytest.approx(5e-6 + moved / 40e9)
-    assert model(nodes["mm"]) < model(nodes["update"])  # at the device's 3 TB/s, not 40 GB/s
+    assert model(nodes["update"]) == pytest.approx(5e-6 + moved / 120e9)
+    assert model(nodes["mm"]) < model(nodes["update"])  # at the device's 3 TB/s, not 120 GB/s
