@@ -45,6 +45,7 @@ from zerocc.backends.kernels import fused
 from zerocc.backends.kernels.reference import (
     _copied,
     _skipped,
+    lerp_weight,
     nonfinite_flags,
     pack,
     unscale_check_,
@@ -58,12 +59,12 @@ def _scaled(grad, grad_scale, grad_coef):
     return grad.float() * grad_scale * grad_coef
 
 
-def _adamw(param, grad, exp_avg, exp_avg_sq, copy, grad_scale, grad_coef, decay, lerp_weight,
-           beta2, beta2c, bias2_sqrt, eps, neg_step_size, lerp_from_end: bool):  # fmt: skip
+def _adamw(param, grad, exp_avg, exp_avg_sq, copy, grad_scale, grad_coef, decay, weight, beta2,
+           beta2c, bias2_sqrt, eps, neg_step_size, from_end: bool):  # fmt: skip
     # The Triton kernel's arithmetic, rounding for rounding: torch's lerp and addcmul as one
     # fma each (lerp from the end nearer its weight), addcdiv's order, IEEE sqrt and division.
     g = _scaled(grad, grad_scale, grad_coef)
-    m = fma(lerp_weight, g - exp_avg, g if lerp_from_end else exp_avg)
+    m = fma(weight, g - exp_avg, g if from_end else exp_avg)  # exp_avg.lerp_(g, 1 - beta1)
     v = fma(beta2c * g, g, exp_avg_sq * beta2)
     p = param * decay + (neg_step_size * m) / (v.sqrt() / bias2_sqrt + eps)
     param.copy_(p)
@@ -161,13 +162,11 @@ def _adamw_pass(param, grad, exp_avg, exp_avg_sq, t: int, grad_coef, param_copy,
                 weight_decay: float) -> None:  # fmt: skip
     """The compiled AdamW loop at step ``t``, its scalars computed once (in double)."""
     coef = torch.ones(()) if grad_coef is None else grad_coef.float()
-    lerp_weight, lerp_from_end = 1 - beta1, False
-    if abs(lerp_weight) >= 0.5:  # torch's lerp then computes end + (weight - 1) * (end - start)
-        lerp_weight, lerp_from_end = float(torch.tensor(lerp_weight) - 1), True
-    scalars = _scalars(1 - lr * weight_decay, lerp_weight, beta2, 1 - beta2,
+    weight, from_end = lerp_weight(1 - beta1)
+    scalars = _scalars(1 - lr * weight_decay, weight, beta2, 1 - beta2,
                        math.sqrt(1 - beta2**t), eps, -lr / (1 - beta1**t))  # fmt: skip
     _compiled("adamw")(param, grad, exp_avg, exp_avg_sq, param_copy, *_scalars(grad_scale), coef,
-                       *scalars, lerp_from_end)  # fmt: skip
+                       *scalars, from_end)  # fmt: skip
 
 
 def sgd_(

@@ -30,6 +30,16 @@ def _skipped(found_inf: torch.Tensor | None) -> bool:
     return found_inf is not None and bool(found_inf.item() != 0)
 
 
+def lerp_weight(weight: float) -> tuple[float, bool]:
+    """How torch's ``lerp(start, end, weight)`` computes, as one fma: ``(w, False)`` for
+    ``start + w * (end - start)``, or, from the end nearer the weight (``|weight| >= 0.5``),
+    ``(w, True)`` for ``end + w * (end - start)`` with ``w = weight - 1`` rounded in fp32. For
+    the kernels that write AdamW's ``exp_avg.lerp_(grad, 1 - beta1)`` out."""
+    if abs(weight) >= 0.5:
+        return float(torch.tensor(weight) - 1), True
+    return weight, False
+
+
 def _copied(param: torch.Tensor, param_copy: torch.Tensor | None) -> None:
     """A skipped update's compute copy: ``param`` as it is (see the conventions)."""
     if param_copy is not None:

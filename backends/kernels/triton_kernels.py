@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zerocc.backends.kernels.reference import lerp_weight
+
 BLOCK = 1024  # elements per program; 4 KiB of each fp32 stream
 # Launch options of every kernel. No fp contraction: the kernels write the fmas torch computes
 # (tl.fma) and nothing else, so a multiply and an add torch rounds separately stay separate.
@@ -249,9 +251,7 @@ def adamw_(
     if n == 0:
         return
     t = int(step)  # a CPU tensor: no device sync
-    lerp_weight, lerp_from_end = 1 - beta1, False
-    if abs(lerp_weight) >= 0.5:  # torch's lerp then computes end + (weight - 1) * (end - start)
-        lerp_weight, lerp_from_end = float(torch.tensor(lerp_weight) - 1), True
+    weight, from_end = lerp_weight(1 - beta1)
     _adamw_kernel[_grid(n)](
         param,
         grad,
@@ -264,7 +264,7 @@ def adamw_(
         # float(): Triton types a Python int as an integer, and specializes the value 1
         float(grad_scale),
         float(1 - lr * weight_decay),
-        float(lerp_weight),
+        float(weight),
         float(beta2),
         float(1 - beta2),
         float(lr / (1 - beta1**t)),
@@ -273,7 +273,7 @@ def adamw_(
         HAS_COEF=grad_coef is not None,
         HAS_FOUND_INF=found_inf is not None,
         HAS_COPY=param_copy is not None,
-        LERP_FROM_END=lerp_from_end,
+        LERP_FROM_END=from_end,
         BLOCK=BLOCK,
         **_LAUNCH,
     )
