@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from optional_deps import TRITON_PROBLEM
+from optional_deps import triton_fma_problem
 
 from zerocc.backends.kernels import kernel_set, one_pass, reference
 
@@ -129,25 +129,6 @@ def test_sgd_matches_the_reference(momentum):
     assert torch.equal(copy, ours.to(torch.bfloat16))
 
 
-def _fma_rounds_once() -> bool:
-    """Whether ``tl.fma`` rounds once where the Triton kernels run here (Triton's interpreter
-    before 3.7 multiplied and added, rounding twice; a GPU's fma rounds once)."""
-    from zerocc.backends.kernels import triton_kernels
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    p, g = torch.tensor([-1.0], device=device), torch.tensor([1 + 2**-12], device=device)
-    triton_kernels.sgd_(p, g, None, None, None, None, 1.0, -(1 + 2**-12), 0.0, 0.0)
-    return p.item() == 2**-11 + 2**-24  # (1 + 2^-12)^2 - 1, exact in fp32; twice: 2^-11
-
-
-def _triton_problem() -> str | None:
-    if TRITON_PROBLEM is not None:
-        return f"backend.kernels: triton cannot run: {TRITON_PROBLEM}"
-    if not _fma_rounds_once():
-        return "Triton's interpreter here rounds an fma twice (the GPU's rounds once)"
-    return None
-
-
 def _on_triton(kernels, tensors: dict) -> dict:
     """``tensors`` where the Triton kernels run: the GPU if there is one."""
     if kernels.__name__.endswith("triton_kernels") and torch.cuda.is_available():
@@ -172,7 +153,7 @@ def test_adamw_is_bit_identical_to_the_gpus_update(case):
     after three steps (each fma where torch fuses one, addcdiv's order, IEEE sqrt and
     division). Before, Inductor's lerp and addcmul rounded twice, and the last bit of ~30% of
     the moments differed from the GPU's after one step."""
-    problem = _triton_problem()
+    problem = triton_fma_problem()
     if problem:
         pytest.skip(problem)
     from zerocc.backends.kernels import triton_kernels
@@ -197,7 +178,7 @@ def test_adamw_is_bit_identical_to_the_gpus_update(case):
 
 @pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.9, 0.01), (0.9, 0.0)])
 def test_sgd_is_bit_identical_to_the_gpus_update(momentum, weight_decay):
-    problem = _triton_problem()
+    problem = triton_fma_problem()
     if problem:
         pytest.skip(problem)
     from zerocc.backends.kernels import triton_kernels
