@@ -131,6 +131,7 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
                 # zerocc estimate's simulation of the step (plan rates, a calibration or defaults)
                 "predicted_step_s": predicted_s(rates),
                 "predicted_rates": "calibrated" if calibrated else "default",
+                "setup_seconds": summary["setup_seconds"],  # by phase (explain()'s setup line)
             }
             | host_rated
             | cpu_seconds()

@@ -30,6 +30,25 @@ def test_programs_are_cached_by_batch_signature():
     assert len(step.programs) == 2
 
 
+def test_the_time_before_training_is_told_by_phase():
+    """explain() and summary() say where setup went: the states at compile, then each
+    program's capture, passes, lowering and first run, once (later runs add nothing)."""
+    step = zerocc.compile(build("gpt"), PLAN)
+    assert list(step.summary()["setup_seconds"]) == ["model states"]
+    step(*_batch(0))
+    once = step.summary()["setup_seconds"]
+    assert list(once) == ["model states", "capture and passes", "lowering", "first run"]
+    assert all(s > 0 for s in once.values())
+    step(*_batch(1))  # the same program
+    assert step.summary()["setup_seconds"] == once
+    step(*_batch(2, size=1))  # a second program: its phases added
+    twice = step.record().setup_seconds
+    assert twice["model states"] == once["model states"]
+    assert all(twice[p] > once[p] for p in ("capture and passes", "lowering", "first run"))
+    line = next(line for line in step.explain().splitlines() if line.startswith("setup: "))
+    assert line.startswith(f"setup: model states {once['model states']:.1f} s, capture and ")
+
+
 def test_full_state_dict_loads_strictly_into_a_fresh_model():
     step = zerocc.compile(build("gpt"), PLAN)
     step(*_batch(0))

@@ -17,6 +17,7 @@ from typing import Any
 from zerocc.cli.metrics import Metrics, progress_text
 from zerocc.compiler.plan import Plan
 from zerocc.errors import ZeroccError
+from zerocc.inspect.explain import setup_line
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.launch import report
 
@@ -245,6 +246,8 @@ def _print_summary(
         f"communication per step: {comm_text}\n"
         f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
     )
+    if summary.get("setup_seconds"):
+        print(setup_line(summary["setup_seconds"]))
     offload = summary.get("offload_bytes_per_step")
     if offload:
         moved = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in sorted(offload.items()))

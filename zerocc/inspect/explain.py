@@ -177,6 +177,11 @@ def backend_line(step: StepRecord) -> str:
     return line
 
 
+def setup_line(seconds: dict[str, float]) -> str:
+    """Where the time before training went: ``setup: model states 1.2 s, ...``."""
+    return "setup: " + ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items())
+
+
 def explain_step(step: StepRecord) -> str:
     """A plain-text report: units, communication per step (once a program is compiled, at the
     first call), and model-state bytes per rank measured next to ZeRO's formula."""
@@ -192,6 +197,7 @@ def explain_step(step: StepRecord) -> str:
         backend_line(step),
         *step.backend_notes,
         *([step.initial_weights] if step.initial_weights else []),
+        *([setup_line(step.setup_seconds)] if step.setup_seconds else []),
         "",
     ]
     for name, params, elements, padded, shard, trainable in unit_rows(step.units):

@@ -7,7 +7,7 @@ step *is*, not on how the runner keeps it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 
@@ -44,6 +44,10 @@ class StepRecord:
     steps: int  # optimizer steps applied
     skipped_steps: int  # optimizer steps skipped for a non-finite gradient
     initial_weights: str | None = None  # where the initial weights came from (a WeightSource)
+    # Seconds spent before training, by phase: model states (built, placed, pinned), host
+    # update kernels (compiled), capture and passes, lowering (the backend), first run (each
+    # program's, with what its backend compiles then); summed over the programs built.
+    setup_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def mesh(self) -> Mesh:

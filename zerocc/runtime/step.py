@@ -13,6 +13,7 @@ program first runs the ranks compare its hash (a mismatch names the first differ
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -166,10 +167,13 @@ class StepRunner:
             device,
             HostWorker(threaded=device.type == "cuda"),
         )
+        # Where the time before training went, by phase (explain() and `zerocc train` say).
+        self.setup_seconds: dict[str, float] = {}
         self.host_kernels: str | None = None  # the kernel set of host updates on a GPU machine
         if plan.offload.optimizer != "none" and device.type == "cuda":
             pin_host_update_threads()
-            self.host_kernels = host_kernels()  # compiled here (one-pass), not in a step
+            with self._timed("host update kernels"):
+                self.host_kernels = host_kernels()  # compiled here (one-pass), not in a step
         if plan.backend.check_memory:  # before anything is allocated: the states fit
             check_model_states(self.model_info, self.units, self.layout, plan, comm, device)
         source = weight_source(model)
@@ -178,21 +182,22 @@ class StepRunner:
         # one unit materialized (read from its weight files, if it was given them); afterwards
         # the TrainStep owns the weights
         # (``full_state_dict()`` returns them) and the model's own copy is released.
-        self.state: dict[str, torch.Tensor] = allocate_state(
-            model,
-            self.model_info,
-            self.units,
-            self.layout,
-            plan.seed,
-            self.mesh.shard_rank(comm.rank),
-            device,
-            partial(state_tensor, device=device),
-            self.store,
-            from_rank_0=comm.broadcast if comm.world_size > 1 else None,
-            split=None if tp is None else self._my_slices,
-        )
-        if not is_meta(model):
-            release_to_meta(model)
+        with self._timed("model states"):
+            self.state: dict[str, torch.Tensor] = allocate_state(
+                model,
+                self.model_info,
+                self.units,
+                self.layout,
+                plan.seed,
+                self.mesh.shard_rank(comm.rank),
+                device,
+                partial(state_tensor, device=device),
+                self.store,
+                from_rank_0=comm.broadcast if comm.world_size > 1 else None,
+                split=None if tp is None else self._my_slices,
+            )
+            if not is_meta(model):
+                release_to_meta(model)
         if self.mesh.tp > 1:
             self._align_random_state()
         self.loss_scaler: LossScaler | None = None
@@ -221,6 +226,16 @@ class StepRunner:
         return self.mesh.data_parallel
 
     # -- running ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Add the time the block takes to ``setup_seconds[phase]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            self.setup_seconds[phase] = self.setup_seconds.get(phase, 0.0) + seconds
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """Run one micro-batch of this rank; returns its loss."""
@@ -279,9 +294,12 @@ class StepRunner:
             with (
                 traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
                 self.comm.checked_before_first_collective(late),
+                self._timed("first run") if first_run else contextlib.nullcontext(),
             ):
                 args = detach_inputs(args)  # so that grad mode records no autograd graph
                 loss = recorder.run(*args) if recorder is not None else executable(*args)
+                if first_run and self.device.type == "cuda":  # its kernels' time, not launches'
+                    torch.cuda.synchronize(self.device)
         except BaseException as exc:
             executable.reset()
             if program.carries:  # applied in part, perhaps: never again
@@ -599,7 +617,8 @@ class StepRunner:
     def _build(self, batch: tuple, boundary: bool, training: bool = True) -> Program:
         self._set_status(f"compiling a program for step {self._step_number()}")
         keep = self._keeps_pass_graphs()
-        compiled = self._compile(batch, boundary, keep_graphs=keep, training=training)
+        with self._timed("capture and passes"):
+            compiled = self._compile(batch, boundary, keep_graphs=keep, training=training)
         gm, records = compiled.gm, compiled.records
         kind = "step" if boundary else "accumulate" if training else "evaluate"
         self._program_built(f"{kind}-{len(self.programs)}", records)
@@ -635,12 +654,14 @@ class StepRunner:
                 lambda plan: self._compile(batch, boundary, plan, training=training).gm,
             )
         example_inputs = [val(n) for n in placeholders(gm)]
+        with self._timed("lowering"):
+            executable = self.backend(gm, example_inputs, self.context)
         return Program(
             gm,
             records,
             bindings,
             example_inputs,
-            self.backend(gm, example_inputs, self.context),
+            executable,
             program_digest,
             found_inf,
             late_agreement,
@@ -727,6 +748,7 @@ class StepRunner:
             steps=self.steps,
             skipped_steps=self.skipped_steps,
             initial_weights=self.initial_weights,
+            setup_seconds=dict(self.setup_seconds),
         )
 
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
@@ -741,14 +763,16 @@ class StepRunner:
 
     def summary(self) -> dict[str, Any]:
         """Figures of the last step: bytes per collective kind, model-state bytes per rank (on
-        the device), bytes offload moved per direction, the loss scale (None without scaling)
-        and the steps skipped for a non-finite gradient (see :attr:`skipped_steps`)."""
+        the device), bytes offload moved per direction, the loss scale (None without scaling),
+        the steps skipped for a non-finite gradient (see :attr:`skipped_steps`) and the seconds
+        spent before training, by phase."""
         return {
             "comm_bytes_per_step": dict(self.comm.stats.bytes),
             "model_state_bytes": self.model_state_bytes()["total"],
             "offload_bytes_per_step": dict(self.transfers.stats.bytes),
             "loss_scale": self.loss_scale,
             "skipped_steps": self.skipped_steps,
+            "setup_seconds": dict(self.setup_seconds),
         }
 
     # -- checkpoints ------------------------------------------------------------------------
