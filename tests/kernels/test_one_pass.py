@@ -129,11 +129,11 @@ def test_sgd_matches_the_reference(momentum):
     assert torch.equal(copy, ours.to(torch.bfloat16))
 
 
-def _on_triton(kernels, tensors: dict) -> dict:
-    """``tensors`` where the Triton kernels run: the GPU if there is one."""
-    if kernels.__name__.endswith("triton_kernels") and torch.cuda.is_available():
-        return {k: None if v is None else v.cuda() for k, v in tensors.items()}
-    return {k: None if v is None else v.clone() for k, v in tensors.items()}
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else interpreted
+
+
+def _copied_to(device: str, tensors: dict) -> dict:
+    return {k: None if v is None else v.clone().to(device) for k, v in tensors.items()}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -165,8 +165,8 @@ def test_adamw_is_bit_identical_to_the_gpus_update(case):
              "copy": torch.empty(n, dtype=torch.bfloat16),
              "coef": None if coef is None else torch.tensor(coef)}  # fmt: skip
     results = []
-    for kernels in (one_pass, triton_kernels):
-        t = _on_triton(kernels, start)
+    for kernels, device in ((one_pass, "cpu"), (triton_kernels, TRITON_DEVICE)):
+        t = _copied_to(device, start)
         for step in (1, 2, 3):
             kernels.adamw_(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"],
                            torch.tensor(step), t["coef"], None, t["copy"], 0.5, 3e-2, beta1,
@@ -187,10 +187,10 @@ def test_sgd_is_bit_identical_to_the_gpus_update(momentum, weight_decay):
     start = {"param": _randn(n, 5), "buf": torch.zeros(n) if momentum else None,
              "copy": torch.empty(n, dtype=torch.bfloat16), "coef": torch.tensor(0.7)}  # fmt: skip
     results = []
-    for kernels in (one_pass, triton_kernels):
-        t = _on_triton(kernels, start)
+    for kernels, device in ((one_pass, "cpu"), (triton_kernels, TRITON_DEVICE)):
+        t = _copied_to(device, start)
         for seed in range(3):
-            grad = _randn(n, 10 + seed).to(t["param"].device)
+            grad = _randn(n, 10 + seed).to(device)
             kernels.sgd_(t["param"], grad, t["buf"], t["coef"], None, t["copy"], 1 / 3, 0.1,
                          momentum, weight_decay)  # fmt: skip
         results.append([_bits(t[k]) for k in ("param", "buf", "copy") if t[k] is not None])
