@@ -39,7 +39,11 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch._inductor.inductor_prims import fma
+
+try:  # Inductor's fma prim (one rounding, in its C++ too); a torch without it runs `fused`
+    from torch._inductor.inductor_prims import fma
+except ImportError:
+    fma = None
 
 from zerocc.backends.kernels import fused
 from zerocc.backends.kernels.reference import (
@@ -105,6 +109,8 @@ def _compiled(name: str) -> Callable[..., None]:
 def problem() -> str | None:
     """Why the one-pass update cannot run in this process (None when it can): both loops
     compiled (or found in the cache) and run once, on a few elements, with a bf16 copy."""
+    if fma is None:
+        return f"torch {torch.__version__} has no Inductor fma prim (inductor_prims.fma)"
     try:
         p, g, m, v = (torch.zeros(8) for _ in range(4))
         copy = torch.empty(8, dtype=torch.bfloat16)

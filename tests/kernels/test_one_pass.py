@@ -198,6 +198,24 @@ def test_sgd_is_bit_identical_to_the_gpus_update(momentum, weight_decay):
         assert torch.equal(ours, gpus), f"{int((ours != gpus).sum())} of {n} differ"
 
 
+def test_a_torch_without_inductors_fma_runs_the_fused_update(monkeypatch):
+    """Older torch releases lack the prim: the loop is not built, says why, and the update runs
+    torch's fused kernels (as where it cannot compile)."""
+    from zerocc.backends.kernels import fused
+
+    monkeypatch.setattr(one_pass, "fma", None)
+    one_pass.problem.cache_clear()
+    try:
+        assert "no Inductor fma prim" in one_pass.problem() and not one_pass.runs_on("cpu")
+        ours, theirs = _state(1000), _state(1000)
+        _adamw(one_pass, ours, 1)
+        _adamw(fused, theirs, 1)
+        for key in ours:
+            assert torch.equal(ours[key], theirs[key]), key
+    finally:
+        one_pass.problem.cache_clear()
+
+
 def test_masters_below_fp32_run_the_reference():
     """bf16 masters: the fused set's path, which runs the reference's fp32 arithmetic."""
     ours = {k: v.to(torch.bfloat16) for k, v in _state(1000).items()}
