@@ -11,10 +11,12 @@ the command is already a rank and does not launch again.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
 import sys
+import traceback
 from pathlib import Path
 
 from zerocc.cli.inspect import add_commands as add_inspect_commands
@@ -37,6 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
         print(f"zerocc: {where}error: {exc}", file=sys.stderr)
         return 2
+    except Exception:
+        if not _launched():
+            raise
+        # A launched rank prints its error and ends with exit code 1. Raised out of the module,
+        # the traceback would keep the rank's objects alive into the interpreter's exit, where
+        # a C++ thread left to the end aborts the process now and then ("terminate called
+        # without an active exception"): the rank then died of SIGABRT, not of its error.
+        traceback.print_exc()
+    gc.collect()  # the error's frames, while the interpreter still runs
+    return 1
 
 
 def _parser() -> argparse.ArgumentParser:
