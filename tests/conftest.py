@@ -10,6 +10,12 @@ Markers (the only place they are declared):
 - ``slow``: a case of a long multi-rank sweep whose other cases cover the same code; run only
   with ``pytest --slow`` (or ``ZEROCC_SLOW=1``), and the default run says how many it left out.
   Keeps the default suite, what CI runs, under 20 minutes on a 2-core machine.
+
+``pytest tests/parity --backend inductor`` (or ``inductor-regions``) trains every parity case
+that names no backend under that backend, with the tolerances tests/parity/__init__.py gives a
+compiling backend; the default is eager, the bit-identical reference, and
+tests/parity/test_inductor_parity.py holds a subset to Inductor in every run. Other tests hold
+the eager backend's numbers: under another backend they are skipped, with that reason.
 """
 
 import os
@@ -33,9 +39,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--slow", action="store_true", help="also run the cases marked slow (long sweeps)"
     )
+    parser.addoption(
+        "--backend",
+        default="eager",
+        choices=["eager", "inductor", "inductor-regions"],
+        help="the backend of the parity cases that name none (default: eager)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The spawned ranks read it too (tests/parity/__init__.py, BACKEND_VARIABLE).
+    os.environ["ZEROCC_TEST_BACKEND"] = config.getoption("--backend")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "two_gpus: needs two CUDA GPUs (skipped with fewer)")
     config.addinivalue_line("markers", "slow: a long sweep's extra case (run with --slow)")
@@ -55,6 +69,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if item.get_closest_marker("slow") is None]
             _SLOW_LEFT_OUT[:] = [item.nodeid for item in slow]
+    backend = config.getoption("--backend")
+    if backend != "eager":
+        parity = Path(__file__).parent / "parity"
+        reason = f"--backend {backend} runs the parity tests (tests/parity) alone"
+        for item in items:
+            if parity not in Path(item.fspath).parents:
+                item.add_marker(pytest.mark.skip(reason=reason))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         for marker, needed in GPU_MARKERS.items():
@@ -64,6 +85,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if config.getoption("--backend") != "eager":
+        terminalreporter.write_line(
+            f"parity cases that name no backend trained under {config.getoption('--backend')}"
+        )
     if _SLOW_LEFT_OUT:
         terminalreporter.write_line(
             f"{len(_SLOW_LEFT_OUT)} slow sweep cases not run (covered by the others); "

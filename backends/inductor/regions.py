@@ -6,7 +6,8 @@ copies, frees, the optimizer update and the RNG replay ops stay in the top graph
 the passes scheduled them, and each region becomes one ``call_module`` node in their place.
 Random ops (dropout's) stay there too, run by ATen: their draws are the eager backend's on every
 torch release (Inductor's ``fallback_random`` alone kept them so on torch 2.13, not on 2.11,
-which decomposes dropout into draws of another op). A region reads values from before it and
+which decomposes dropout into draws of another op); so do the ops Inductor lowers wrongly
+(:mod:`zerocc.backends.inductor.unlowerable`). A region reads values from before it and
 returns those read after it (or by the program's output). Runs too small to gain from compiling
 (views alone, or fewer compute ops than ``min_ops``) stay inline.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from zerocc.backends.inductor.unlowerable import unlowerable
 from zerocc.ir.kinds import OpKind
 from zerocc.ir.nodes import info, op_kind, tag
 from zerocc.ir.rng import is_random
@@ -51,10 +53,10 @@ class Region:
 
 def _compute(node: fx.Node) -> bool:
     """A node a region may hold: an ATen op that is neither zerocc's, nor plumbing, nor
-    random."""
+    random, nor one Inductor lowers wrongly."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if is_random(node):
+    if is_random(node) or unlowerable(node):
         return False
     return node.target.namespace == "aten" and op_kind(node) is not OpKind.PLUMBING
 

@@ -13,7 +13,8 @@ off, and the kernels run in the program's order, fused.
 Random ops and the generator-state ops of recomputation's replay are chained by a token
 (:mod:`zerocc.backends.inductor.random_ops`), so they draw in the program's order, as eager
 does. Programs it does not take (:func:`unsupported`): one that reads and writes NVMe, frees an
-input, or draws with an op a ``draw`` cannot describe; those are compiled region by region.
+input, draws with an op a ``draw`` cannot describe, or calls an op Inductor lowers wrongly
+(:mod:`zerocc.backends.inductor.unlowerable`); those are compiled region by region.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from zerocc.backends.inductor.lowered_ops import (
 )
 from zerocc.backends.inductor.random_ops import thread_generator
 from zerocc.backends.inductor.random_ops import unsupported as undrawable
+from zerocc.backends.inductor.unlowerable import unlowerable
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import info
 
@@ -54,6 +56,8 @@ def unsupported(program: fx.GraphModule) -> str | None:
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
+        if (why := unlowerable(node)) is not None:
+            return f"it calls {why}"
         name = zerocc_op(node)
         if name is not None and name not in LOWERED | DROPPED | GENERATOR:
             return f"it holds zerocc.{name}"

@@ -19,7 +19,7 @@ import re
 
 import pytest
 import torch
-from models import _gpt_batch, tiny_gpt, tiny_gpt_dropout
+from models import _gpt_batch, build, entry, tiny_gpt, tiny_gpt_dropout
 
 import zerocc
 from zerocc.backends.inductor.lowered_ops import COMPOSITE
@@ -199,6 +199,35 @@ def test_regions_leave_random_ops_to_aten_between_them():
     inner = [n for r in regions for n in getattr(executable.gm, r.target).region.graph.nodes]
     assert not [n for n in inner if is_random(n)]
     assert [n for n in executable.gm.graph.nodes if is_random(n)]  # run in the top graph
+
+
+@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+def test_an_lstm_trains_with_its_layers_left_to_aten(backend):
+    """Inductor lowers a CPU LSTM layer (aten.mkldnn_rnn_layer) as for inference, with a
+    one-element workspace, and the first run stopped on the generated code's size check
+    (backends/inductor/unlowerable.py). The layer and its backward run by ATen between the
+    regions; the whole graph is not tried, and explain() says why."""
+    _, batch, units = entry("lstm")
+
+    def losses(backend: str) -> tuple[list[float], object]:
+        comm = zerocc.FakeComm(world_size=2)
+        plan = {**_plan(backend, stage=0), "units": units}
+        step = zerocc.compile(build("lstm"), plan, comm=comm)
+        return [float(step(*batch(i, 0))) for i in range(3)], step
+
+    eager, _ = losses("eager")
+    ours, step = losses(backend)
+    _assert_close(ours, eager)
+    executable = step._last_program.run
+    rnn = ["aten.mkldnn_rnn_layer", "aten.mkldnn_rnn_layer_backward"]
+    top = [op_name(n.target) for n in executable.gm.graph.nodes if n.op == "call_function"]
+    assert sorted(name for name in top if name in rnn) == rnn  # run by ATen, between regions
+    regions = [n for n in executable.gm.graph.nodes if n.op == "call_module"]
+    inner = [n for r in regions for n in getattr(executable.gm, r.target).region.graph.nodes]
+    assert regions and not [n for n in inner if op_name(n.target) in rnn]
+    assert all(r.fallback is None for r in executable.reports)
+    if backend == "inductor":
+        assert "not whole: it calls aten.mkldnn_rnn_layer in training" in step.explain()
 
 
 def test_a_program_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch):

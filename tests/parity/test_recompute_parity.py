@@ -15,7 +15,7 @@ import pytest
 from models import MODELS, RANDOM_MODELS
 from multirank import run_ranks
 
-from parity import assert_bit_identical, case_id, reference, relative_difference, train
+from parity import assert_bit_identical, assert_matches_reference, case_id, reference, train
 
 ALL = {"units": "all"}
 LAST_BLOCK = {"units": ["transformer.h.1"]}
@@ -59,17 +59,7 @@ def _results() -> list[dict]:
 
 @pytest.mark.parametrize("case,tol", REFERENCE, ids=[case_id(_full(c)) for c, _ in REFERENCE])
 def test_checkpointed_training_matches_unsharded_training(case, tol):
-    case = _full(case)
-    ref_losses, ref_state = reference(case)
-    for rank, result in enumerate(_results()):
-        ours = result[case_id(case)]["losses"]
-        assert len(ours) == len(ref_losses[rank])
-        for i, (a, b) in enumerate(zip(ours, ref_losses[rank], strict=True)):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
-    params = _results()[0][case_id(case)]["params"]
-    assert set(params) == set(ref_state)
-    for name, ref in ref_state.items():
-        assert relative_difference(params[name], ref) <= tol, name
+    assert_matches_reference(_results(), _full(case), tol)
 
 
 @pytest.mark.parametrize("case", ON_OFF, ids=[case_id(_full(c)) for c in ON_OFF])
