@@ -119,17 +119,36 @@ def _numerics() -> dict[str, bool]:
 
 
 class CompiledRegion(nn.Module):
-    """A region's module, run as Inductor compiled it (or eagerly, when it could not)."""
+    """A region's module, run as Inductor compiled it (or eagerly, when it could not).
+
+    Each output is laid out as the program's fake value of it says: what reads it (the next
+    region, compiled for those strides and checking them) relies on it, and Inductor does not
+    always keep it. A GRU's gates are three views of one tensor, stride 12 each, made sigmoid
+    in place (``sigmoid_``); Inductor returned them as tensors of their own, stride 4, and the
+    backward region that read them stopped on its input check. Such an output is copied into
+    its layout."""
 
     def __init__(self, region: fx.GraphModule, compiled: Any | None) -> None:
         super().__init__()
         self.region = region
         self.compiled = compiled
+        (returned,) = (n.args[0] for n in region.graph.nodes if n.op == "output")
+        values = [val(n) for n in returned]
+        self.strides = [v.stride() if isinstance(v, torch.Tensor) else None for v in values]
 
     def forward(self, *args: Any) -> Any:
         if self.compiled is None:
             return self.region(*args)
-        return self.compiled(*args)
+        outputs = self.compiled(*args)
+        return tuple(map(_laid_out, outputs, self.strides))
+
+
+def _laid_out(value: Any, stride: tuple[int, ...] | None) -> Any:
+    """``value`` with ``stride``: itself where it has it (or is no tensor), else a copy."""
+    if stride is None or value.stride() == stride:
+        return value
+    copy = torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
+    return copy.copy_(value)
 
 
 class InductorExecutable(EagerExecutable):

@@ -230,6 +230,21 @@ def test_an_lstm_trains_with_its_layers_left_to_aten(backend):
         assert "not whole: it calls aten.mkldnn_rnn_layer in training" in step.explain()
 
 
+def test_a_regions_outputs_keep_the_layout_the_next_region_was_compiled_for():
+    """A GRU's gates are views of one tensor (stride 12) made sigmoid in place; Inductor
+    returned them from the forward region as tensors of their own (stride 4), and the backward
+    region, compiled for stride 12, stopped on its input check. Each output is now copied into
+    its program layout where Inductor changed it."""
+    _, batch, units = entry("gru")
+    runs = {}
+    for backend in ("eager", "inductor-regions"):
+        plan = {**_plan(backend, stage=0), "units": units}
+        step = zerocc.compile(build("gru"), plan, comm=zerocc.FakeComm(world_size=2))
+        runs[backend] = [float(step(*batch(i, 0))) for i in range(3)]
+    _assert_close(runs["inductor-regions"], runs["eager"])
+    assert all(r.fallback is None for r in step._last_program.run.reports)
+
+
 def test_a_program_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch):
     """Rejected whole, then region by region: every region runs eagerly, and explain() says
     both, each reason on one line."""
