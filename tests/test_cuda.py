@@ -6,7 +6,7 @@ Marked ``cuda`` / ``two_gpus`` (tests/conftest.py): skipped, with the reason, on
 fewer GPUs. Tolerance as in test_parity.py (1e-5 relative) in fp32: with TF32 off (torch's
 default for matmul), the GPU rounds each dot product and sum of the same fp32 values in another
 order than the reference, a few ulps apart, as the sharded sum does. In bf16 as in
-test_mixed_precision.py (1e-2), against a reference computed on the same GPU
+test_mixed_precision_parity.py (1e-2), against a reference computed on the same GPU
 (parity.reference runs on the case's device): a CPU reference of a bf16 run on CUDA differs by
 1.6e-2, because the two devices' kernels round bf16 differently and Adam turns a flipped last
 bit into a step of lr (issue 16; on this CPU, the reference's own kernels on 2 threads instead of

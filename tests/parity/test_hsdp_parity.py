@@ -6,8 +6,8 @@ taken in two steps here (reduce-scatter within a shard group, all-reduce across 
 another association of the same float32 sum, a few ulps per step. A run that skipped the
 all-reduce across replicas would train each replica on half the batches, a difference of 1e-2
 or more after the first step. bf16 compute: 1e-2 against the reference recipe, as
-tests/test_mixed_precision.py and for its reasons (a last-ulp difference in an fp32 sum can flip
-a bf16 weight copy's rounding).
+test_mixed_precision_parity.py and for its reasons (a last-ulp difference in an fp32 sum can
+flip a bf16 weight copy's rounding).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 the same plan without offload.
 
 Two checks per case. Against the one-process reference with the tolerances of the other parity
-tests (fp32 1e-5, see test_parity.py; bf16 1e-2, see test_mixed_precision.py). And against the
-same plan without offload with no tolerance at all: offload moves states and copies tensors,
-the update runs the same kernel on the same fp32 values wherever they live, and the compute
-copy is cast from the same master, so losses and weights must be bit-identical.
+tests (fp32 1e-5, see test_parity.py; bf16 1e-2, see test_mixed_precision_parity.py). And
+against the same plan without offload with no tolerance at all: offload moves states and
+copies tensors, the update runs the same kernel on the same fp32 values wherever they live, and
+the compute copy is cast from the same master, so losses and weights must be bit-identical.
 """
 
 from __future__ import annotations
