@@ -201,22 +201,23 @@ def test_regions_leave_random_ops_to_aten_between_them():
     assert [n for n in executable.gm.graph.nodes if is_random(n)]  # run in the top graph
 
 
+def _run_kind(name: str, backend: str) -> tuple[list[float], object]:
+    """Three steps of ``name`` (a model of tests/models.py with its batches and units) at
+    stage 0 on two simulated ranks: the losses, and the step."""
+    _, batch, units = entry(name)
+    plan = {**_plan(backend, stage=0), "units": units}
+    step = zerocc.compile(build(name), plan, comm=zerocc.FakeComm(world_size=2))
+    return [float(step(*batch(i, 0))) for i in range(3)], step
+
+
 @pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
 def test_an_lstm_trains_with_its_layers_left_to_aten(backend):
     """Inductor lowers a CPU LSTM layer (aten.mkldnn_rnn_layer) as for inference, with a
     one-element workspace, and the first run stopped on the generated code's size check
     (backends/inductor/unlowerable.py). The layer and its backward run by ATen between the
     regions; the whole graph is not tried, and explain() says why."""
-    _, batch, units = entry("lstm")
-
-    def losses(backend: str) -> tuple[list[float], object]:
-        comm = zerocc.FakeComm(world_size=2)
-        plan = {**_plan(backend, stage=0), "units": units}
-        step = zerocc.compile(build("lstm"), plan, comm=comm)
-        return [float(step(*batch(i, 0))) for i in range(3)], step
-
-    eager, _ = losses("eager")
-    ours, step = losses(backend)
+    eager, _ = _run_kind("lstm", "eager")
+    ours, step = _run_kind("lstm", backend)
     _assert_close(ours, eager)
     executable = step._last_program.run
     rnn = ["aten.mkldnn_rnn_layer", "aten.mkldnn_rnn_layer_backward"]
@@ -235,13 +236,9 @@ def test_a_regions_outputs_keep_the_layout_the_next_region_was_compiled_for():
     returned them from the forward region as tensors of their own (stride 4), and the backward
     region, compiled for stride 12, stopped on its input check. Each output is now copied into
     its program layout where Inductor changed it."""
-    _, batch, units = entry("gru")
-    runs = {}
-    for backend in ("eager", "inductor-regions"):
-        plan = {**_plan(backend, stage=0), "units": units}
-        step = zerocc.compile(build("gru"), plan, comm=zerocc.FakeComm(world_size=2))
-        runs[backend] = [float(step(*batch(i, 0))) for i in range(3)]
-    _assert_close(runs["inductor-regions"], runs["eager"])
+    eager, _ = _run_kind("gru", "eager")
+    ours, step = _run_kind("gru", "inductor-regions")
+    _assert_close(ours, eager)
     assert all(r.fallback is None for r in step._last_program.run.reports)
 
 

@@ -404,9 +404,10 @@ def assert_trained_alike(
     """Case ``case`` of every rank's results trained as ``losses`` (per rank, micro-batch by
     micro-batch) and ``state`` (the final weights, the same keys as ``model.state_dict()``) say,
     within ``tol`` relative (raised for a compiling backend, see :data:`COMPILED_FP32`)."""
-    together = compiled(case) and _low_precision(case)  # vector parameters as one vector
+    low = _low_precision(case)
+    together = compiled(case) and low  # vector parameters held as one vector
     if compiled(case):
-        tol = max(tol, COMPILED_LOW if _low_precision(case) else COMPILED_FP32)
+        tol = max(tol, COMPILED_LOW if low else COMPILED_FP32)
     key = case_id(case)
     for rank, result in enumerate(ranks):
         ours, theirs = result[key]["losses"], losses[rank]
