@@ -1,7 +1,7 @@
 """Hybrid sharding (``zero.replicate``): the ranks' layout, the plan's checks, and the program
 and reports of a simulated 4-rank world (``FakeComm``) as 2 replicas of 2-rank shard groups.
 Training parity on real gloo ranks: tests/parity/test_hsdp_parity.py; checkpoints between
-hybrid and plain layouts: tests/test_checkpoint_reshard.py."""
+hybrid and plain layouts: tests/parity/test_checkpoint_reshard_parity.py."""
 
 from __future__ import annotations
 

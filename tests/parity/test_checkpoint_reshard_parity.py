@@ -6,6 +6,10 @@ first steps on the N ranks' batches, the rest on the M ranks'. Tolerance 1e-5 re
 and every parameter), as the other fp32 parity tests: the ranks sum gradients in another order
 than one process (a few ulps per step); a weight or moment loaded into the wrong place, or not
 at all, moves the run by orders of magnitude more.
+
+The pairs train under the run's backend (``pytest --backend inductor`` compiles them; 1e-5 is
+also the compiled fp32 tolerance, tests/parity/__init__.py), and one pair saves under the eager
+backend and resumes under Inductor in every run.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ import pytest
 import torch
 from models import GPT_TP_LAYERS, build, loss_of
 from multirank import run_ranks
-from parity import batch_of, relative_difference, torch_scheduler
 
 import zerocc
+from parity import backend_of, batch_of, relative_difference, torch_scheduler
 from zerocc.runtime.checkpoint.export import export_model
 
 FIRST, THEN = 2, 2  # steps before the save, and after the resume
@@ -25,12 +29,16 @@ CASE = {"model": "gpt"}
 SCHEDULED = {**OPTIMIZER, "schedule": {"name": "cosine", "warmup_steps": 2, "total_steps": 4}}
 
 
+def _backend(name: str) -> dict:
+    return {"name": name, "device": "cpu", "kernels": "torch"}
+
+
 def _plan(stage: int, **extra) -> dict:
     plan = {
         "zero": {"stage": stage},
         "units": {"classes": ["Block"]},
         "optimizer": OPTIMIZER,
-        "backend": {"device": "cpu", "kernels": "torch"},
+        "backend": _backend(backend_of(CASE)),
         "seed": 7,
     }
     return plan | extra
@@ -82,6 +90,14 @@ RESHARDS = {  # (ranks, stage) saved -> (ranks, stage) loaded, extra plan of eac
     "2xZ3 offload->2xZ2": ((2, 3), (2, 2), {"offload": {"optimizer": "cpu"}}, {}),
     # The schedule goes on where it was: at step 3 the peak rate, where a restart would be at 0.
     "2xZ3 cosine->3xZ1": ((2, 3), (3, 1), {"optimizer": SCHEDULED}, {"optimizer": SCHEDULED}),
+    # Saved by the eager backend, resumed by the whole program compiled by Inductor: the same
+    # files, whatever ran the step (the state lives in the runtime's buffers either way).
+    "2xZ3 eager->3xZ1 inductor": (
+        (2, 3),
+        (3, 1),
+        {"backend": _backend("eager")},
+        {"backend": _backend("inductor")},
+    ),
     # Hybrid sharding: the first replica's ranks save the shards; every replica loads them.
     "4xZ3 2 replicas->2xZ3": ((4, 3), (2, 3), {"zero": {"stage": 3, "replicate": 2}}, {}),
     "2xZ2->4xZ2 2 replicas": ((2, 2), (4, 2), {}, {"zero": {"stage": 2, "replicate": 2}}),

@@ -13,10 +13,10 @@ import functools
 import pytest
 import torch
 from multirank import run_ranks
-from parity import assert_matches_reference, case_id, train
 from torch import nn
 
 import zerocc
+from parity import assert_matches_reference, case_id, train
 
 TOL = 1e-5  # as tests/parity/test_parity.py: float32 rounding of a few ulps per step, five steps
 
