@@ -60,14 +60,14 @@ AUTO = "auto"
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """The backend ``backend.name: name`` runs on ``device``. ``auto``: ``inductor`` on a GPU,
-    where its Triton kernels took 0.93× the eager backend's step (355M GPT, one H100, region
-    by region), and ``eager`` on a CPU, where Inductor's C++ took 0.96-1.02× of it, whole or
-    by region, within the noise, for a first compile of half a minute; any other name is
-    itself."""
+    """The backend ``backend.name: name`` runs on ``device``; any name but ``auto`` is itself.
+    ``auto`` picks what was measured: on a GPU ``inductor-regions``, whose Triton kernels took
+    0.93× the eager backend's step (355M GPT, one H100; the whole graph is not yet measured or
+    run on a GPU), and on a CPU ``eager``, where Inductor's C++ took 0.96-1.02× of it, whole
+    or by region, within the noise, for a first compile of half a minute."""
     if name != AUTO:
         return name
-    return "inductor" if device.type == "cuda" else "eager"
+    return "inductor-regions" if device.type == "cuda" else "eager"
 
 
 def register_backend(name: str, backend: Backend) -> None:

@@ -653,7 +653,7 @@ class BackendConfig(_Section):
         "inductor (the whole program compiled by TorchInductor as one graph, zerocc's ops in "
         "it as scheduled: Triton on a GPU, C++ on a CPU; region by region where it cannot be "
         "whole), inductor-regions (each compute region between zerocc's ops compiled), auto "
-        "(inductor on a GPU, eager on a CPU) or one registered with "
+        "(inductor-regions on a GPU, eager on a CPU) or one registered with "
         "zerocc.backends.register_backend",
     )
     kernels: Literal["auto", "torch", "fused", "one-pass", "triton"] = Field(
