@@ -56,8 +56,8 @@ def _then(rank: int, world: int, folder: str, stage: int, extra: dict) -> dict:
     notes = step.load(folder)
     steps = range(FIRST, FIRST + THEN)
     losses = [float(step(*batch_of(CASE, i, step.data_rank))) for i in steps]
-    params = step.full_state_dict()
-    return {"losses": losses, "notes": notes, "params": params, "steps": step.steps}
+    params, ran = step.full_state_dict(), step.record().backend_notes
+    return {"losses": losses, "notes": notes, "params": params, "steps": step.steps, "ran": ran}
 
 
 def _reference(first_world: int, then_world: int, schedule: dict | None):
@@ -134,6 +134,8 @@ def test_resume_under_another_world_size_and_stage_matches_one_process(tmp_path,
         assert relative_difference(params[name], ref) <= 1e-5, name
     if n != m:
         assert any("saved on" in note for note in then[0]["notes"])
+    if then_extra.get("backend", {}).get("name") == "inductor":  # compiled, not run eagerly
+        assert then[0]["ran"][0].startswith("inductor: the whole program compiled"), then[0]["ran"]
     # the export reads every tensor whole, from whatever runs the ranks saved it in
     exported = torch.load(export_model(folder, tmp_path / "model.pt", "torch"))
     assert exported.keys() == first[0]["params"].keys()
