@@ -394,6 +394,14 @@ def _low_precision(case: dict[str, Any]) -> bool:
     return plan_of(case)["precision"].get("param", "fp32") in ("bf16", "fp16")
 
 
+def tolerance_of(case: dict[str, Any], tol: float) -> float:
+    """A test's relative tolerance ``tol`` for ``case``, raised for a compiling backend to
+    :data:`COMPILED_LOW` (16-bit compute) or :data:`COMPILED_FP32`."""
+    if not compiled(case):
+        return tol
+    return max(tol, COMPILED_LOW if _low_precision(case) else COMPILED_FP32)
+
+
 def assert_trained_alike(
     ranks: list[dict[str, Any]],
     case: dict[str, Any],
@@ -404,10 +412,8 @@ def assert_trained_alike(
     """Case ``case`` of every rank's results trained as ``losses`` (per rank, micro-batch by
     micro-batch) and ``state`` (the final weights, the same keys as ``model.state_dict()``) say,
     within ``tol`` relative (raised for a compiling backend, see :data:`COMPILED_FP32`)."""
-    low = _low_precision(case)
-    together = compiled(case) and low  # vector parameters held as one vector
-    if compiled(case):
-        tol = max(tol, COMPILED_LOW if low else COMPILED_FP32)
+    together = compiled(case) and _low_precision(case)  # vector parameters held as one vector
+    tol = tolerance_of(case, tol)
     key = case_id(case)
     for rank, result in enumerate(ranks):
         ours, theirs = result[key]["losses"], losses[rank]

@@ -6,6 +6,12 @@ forward and the evaluation program compute the same loss from the same weights, 
 that batch (every stage, mixed precision and loss scaling, offload, recompute, in the middle of
 an accumulation window). And evaluating changes nothing: a run that evaluates between its
 steps trains exactly as one that does not.
+
+Under a compiling backend (``pytest tests/parity --backend inductor``) the evaluation program
+and the training program are compiled apart, to kernels of their own, so the evaluated loss is
+held to the compiled tolerance of tests/parity/__init__.py (bit-identical as measured on torch
+2.13, both forms: the forward's kernels came out the same); the training runs with and without
+evaluating are one program, held to the bit.
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ import pytest
 import torch
 from models import build, loss_of
 from multirank import run_ranks
-from parity import batch_of, case_id, plan_of
 
 import zerocc
+from parity import batch_of, case_id, plan_of, tolerance_of
 
 CASES = [
     *({"model": "gpt", "stage": s, "world": 2} for s in range(4)),
@@ -70,7 +76,9 @@ def test_evaluate_is_the_next_steps_forward_and_changes_nothing(case):
     for rank, result in enumerate(_results()):
         runs = result[case_id(case)]
         odd = runs[True]["losses"][1::2]
-        assert runs[True]["evaluated"] == odd, f"rank {rank}"
+        tol = tolerance_of(case, 0.0)  # 0: to the bit, under the eager backend
+        pairs = zip(runs[True]["evaluated"], odd, strict=True)
+        assert all(abs(a - b) <= tol * abs(b) for a, b in pairs), f"rank {rank}"
         assert runs[True]["losses"] == runs[False]["losses"], f"rank {rank}"
 
 
@@ -121,11 +129,12 @@ def _materialized(rank: int, world: int, case: dict) -> dict:
 
 def test_materialize_model_gives_the_steps_weights_back():
     """At stage 3 on 2 ranks, with a non-persistent buffer: the user's model, materialized,
-    computes the step's loss (a different reduction order than the evaluation program: 1e-6),
-    and training goes on as if it had not been called."""
+    computes the step's loss (a different reduction order than the evaluation program: 1e-6,
+    or a compiling backend's tolerance), and training goes on as if it had not been called."""
     case = {"model": "buffers", "stage": 3, "world": 2}
     for rank, result in enumerate(run_ranks(2, _materialized, case)):
-        assert result["model_loss"] == pytest.approx(result["step_loss"], rel=1e-6), rank
+        tol = tolerance_of(case, 1e-6)
+        assert result["model_loss"] == pytest.approx(result["step_loss"], rel=tol), rank
         assert torch.equal(result["mask"], build("buffers").mask), rank
         assert result[True] == result[False], rank
 
