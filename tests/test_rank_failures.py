@@ -127,27 +127,41 @@ def test_a_rank_that_left_is_named_at_once_not_after_the_timeout():
     assert "rank 1 (pid" in message and "exited (after step 2)" in message
 
 
-def _slow_compile(rank: int, world: int, timeout_s: float) -> list[float]:
+def _slow_compile(rank: int, world: int, timeout_s: float, backend: str) -> list[float]:
     import torch
+    import torch._inductor.compile_fx as inductor
 
     import zerocc
 
     def loss_fn(model, x):  # runs when the step is traced: rank 1 traces slowly
-        if rank == 1:
+        if rank == 1 and backend == "eager":
             time.sleep(2 * timeout_s)
         return model(x).pow(2).mean()
 
+    def compile_fx(*args, **kwargs):  # rank 1's Inductor compiles slowly (a cold cache)
+        if rank == 1:
+            time.sleep(2 * timeout_s)
+        return compile_slowly(*args, **kwargs)
+
+    compile_slowly, inductor.compile_fx = inductor.compile_fx, compile_fx
     torch.manual_seed(0)
-    plan = {"zero": {"stage": 3}, "backend": {"device": "cpu", "timeout_s": timeout_s}}
+    plan = {
+        "zero": {"stage": 3},
+        "backend": {"name": backend, "device": "cpu", "timeout_s": timeout_s},
+    }
     step = zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=loss_fn)
-    return [float(step(torch.ones(2, 4))) for _ in range(2)]
+    return [float(step(torch.ones(2, 4))) for _ in range(2)], step.record().backend_notes
 
 
-def test_compiling_does_not_count_against_the_timeout():
+@pytest.mark.parametrize("backend", ["eager", "inductor", "inductor-regions"])
+def test_compiling_does_not_count_against_the_timeout(backend):
+    """Rank 1 traces, or Inductor compiles, for twice ``backend.timeout_s``: rank 0 waits for
+    it (before the program's agreement, or after its lowering), and both train."""
     from multirank import run_ranks
 
-    losses = run_ranks(2, _slow_compile, 2.0)
-    assert losses[0] == losses[1] and len(losses[0]) == 2
+    (losses, notes), (theirs, _) = run_ranks(2, _slow_compile, 2.0, backend)
+    assert losses == theirs and len(losses) == 2
+    assert backend == "eager" or "compiled" in notes[0], notes
 
 
 # -- the launcher's report, on made-up failures --------------------------------------------------

@@ -631,10 +631,7 @@ class StepRunner:
         text = format_program(gm)
         program_digest = digest(text)
         self._builds += 1
-        if self.comm.heartbeat is not None:  # compiling takes what it takes, while ranks live
-            self.comm.heartbeat.wait_for_all(
-                f"compiled-{self._builds}", self.plan.backend.timeout_s, "a program to compile"
-            )
+        self._wait_for_ranks(f"compiled-{self._builds}", "a program to compile")
         self._agree(
             ("compiled program", program_digest), "the compiled programs differ across ranks", text
         )
@@ -656,6 +653,9 @@ class StepRunner:
         example_inputs = [val(n) for n in placeholders(gm)]
         with self._timed("lowering"):
             executable = self.backend(gm, example_inputs, self.context)
+        # Lowering compiles too (Inductor: seconds to minutes, a cache hit on one rank and not
+        # on another): no rank runs the program's first collective while another still lowers.
+        self._wait_for_ranks(f"lowered-{self._builds}", "a program to be lowered")
         return Program(
             gm,
             records,
@@ -667,6 +667,12 @@ class StepRunner:
             late_agreement,
             carries,
         )
+
+    def _wait_for_ranks(self, tag: str, doing: str) -> None:
+        """Return once every rank got here: compiling takes what it takes, while ranks live
+        (their heartbeats); a rank silent for ``backend.timeout_s`` stops every rank."""
+        if self.comm.heartbeat is not None:
+            self.comm.heartbeat.wait_for_all(tag, self.plan.backend.timeout_s, doing)
 
     # -- state ------------------------------------------------------------------------------
 
