@@ -127,7 +127,9 @@ def test_a_rank_that_left_is_named_at_once_not_after_the_timeout():
     assert "rank 1 (pid" in message and "exited (after step 2)" in message
 
 
-def _slow_compile(rank: int, world: int, timeout_s: float, backend: str) -> list[float]:
+def _slow_compile(
+    rank: int, world: int, timeout_s: float, backend: str
+) -> tuple[list[float], list[str]]:
     import torch
     import torch._inductor.compile_fx as inductor
 
