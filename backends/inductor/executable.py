@@ -18,7 +18,9 @@ so they time zerocc's ops and ATen's one by one, not Inductor's code.
 Numerics: random ops run by ATen, in the program's order (in the whole graph, chained by a
 token, :mod:`zerocc.backends.inductor.random_ops`; by region, outside the regions), so dropout
 masks, and recomputation's replay of them, are those of the eager backend;
-:data:`EAGER_NUMERICS` keeps the rest close. Inductor fuses and reorders reductions, so
+:data:`EAGER_NUMERICS` keeps the rest close (16-bit values rounded where eager rounds them, on
+releases whose Inductor drops some of it too: :mod:`zerocc.backends.inductor.eager_casts`).
+Inductor fuses and reorders reductions, so
 results match eager within rounding, not to the bit.
 """
 
@@ -36,6 +38,7 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends.eager.executable import EagerExecutable
+from zerocc.backends.inductor.eager_casts import rounding_as_eager
 from zerocc.backends.inductor.lowered_ops import running
 from zerocc.backends.inductor.regions import Region, find_regions, outline
 from zerocc.backends.inductor.whole import compile_whole, unsupported
@@ -182,7 +185,7 @@ class InductorExecutable(EagerExecutable):
         example = example_inputs([val(n) for n in placeholders(program)])
         start = time.perf_counter()
         try:
-            with _loaded_modules() as loaded:
+            with rounding_as_eager(), _loaded_modules() as loaded:
                 self.compiled_whole = compile_whole(program, example, _numerics())
         except Exception as exc:  # Inductor rejected it: compiled region by region instead
             self.whole_note = f"{type(exc).__name__}: {first_line(exc)[:200]}"
@@ -201,7 +204,7 @@ class InductorExecutable(EagerExecutable):
         start = time.perf_counter()
         compiled, fallback = None, None
         try:
-            with config.patch(_numerics()), _loaded_modules() as loaded:
+            with config.patch(_numerics()), rounding_as_eager(), _loaded_modules() as loaded:
                 compiled = compile_fx(module, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
             fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
