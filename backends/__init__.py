@@ -39,6 +39,11 @@ class Executable(Protocol):
         """Forget what a failed run left in flight."""
         ...
 
+    def lowering(self) -> str:
+        """How the program was lowered, in one line without timings: the same on ranks that
+        lowered it alike (the ranks compare it before the first run)."""
+        ...
+
     def notes(self) -> list[str]:
         """Lines for ``explain()``: what the backend made of the program (regions compiled,
         those it left eager and why); none for a backend with nothing to say."""

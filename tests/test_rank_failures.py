@@ -166,6 +166,42 @@ def test_compiling_does_not_count_against_the_timeout(backend):
     assert backend == "eager" or "compiled" in notes[0], notes
 
 
+def _whole_on_rank_0_only(rank: int, world: int) -> tuple[list[float], list[str], list[str]]:
+    import warnings
+
+    import torch
+
+    import zerocc
+    from zerocc.backends.inductor import executable
+
+    def rejected(*args, **kwargs):  # as if rank 1's host had no C++ compiler
+        raise RuntimeError("no C++ compiler on this host")
+
+    if rank == 1:
+        executable.compile_whole = rejected
+    torch.manual_seed(0)
+    plan = {"zero": {"stage": 3}, "backend": {"name": "inductor", "device": "cpu"}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=lambda m, x: m(x).pow(2).mean())
+        losses = [float(step(torch.ones(2, 4))) for _ in range(2)]
+    said = [str(w.message) for w in caught if issubclass(w.category, zerocc.LoweringWarning)]
+    return losses, step.record().backend_notes, said
+
+
+def test_ranks_that_lower_a_program_differently_say_so_and_train():
+    """Rank 1's Inductor rejects the whole program (it compiles by region), rank 0's takes it:
+    both train, and every rank warns and notes each rank's form, not only its own."""
+    from multirank import run_ranks
+
+    (losses, notes, said), (theirs, their_notes, their_said) = run_ranks(2, _whole_on_rank_0_only)
+    assert len(losses) == len(theirs) == 2
+    forms = "rank 0: inductor: whole; rank 1: inductor: by region"
+    assert len(said) == len(their_said) == 1 and forms in said[0] and forms in their_said[0]
+    assert said[0] in notes and their_said[0] in their_notes
+    assert "no C++ compiler on this host" in " ".join(their_notes)  # rank 1 says why
+
+
 # -- the launcher's report, on made-up failures --------------------------------------------------
 
 

@@ -99,3 +99,10 @@ class BatchError(ZeroccError):
 class PlanWarning(UserWarning):
     """Warned when a plan is valid but likely not what its author wants (e.g. fp16 compute
     without loss scaling)."""
+
+
+class LoweringWarning(UserWarning):
+    """Warned when ranks lowered one program differently (one rank's Inductor rejected what
+    another's compiled): the collectives are the same, so it trains, but each rank's compute
+    rounds its own way and the slowest form sets the pace. The message names each rank's form;
+    each rank's ``explain()`` says why."""

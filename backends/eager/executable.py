@@ -50,6 +50,10 @@ class EagerExecutable:
         self.ops.ctx.host.settle()
         self.ops.in_flight.clear()
 
+    def lowering(self) -> str:
+        """Every op as written."""
+        return "eager"
+
     def notes(self) -> list[str]:
         """Nothing to add: every op runs as written."""
         return []

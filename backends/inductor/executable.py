@@ -216,6 +216,13 @@ class InductorExecutable(EagerExecutable):
         )
         return CompiledRegion(module, compiled)
 
+    def lowering(self) -> str:
+        """``inductor: whole``, or ``inductor: by region`` and the regions run eagerly."""
+        if self.compiled_whole is not None:
+            return "inductor: whole"
+        eager = [r.name for r in self.reports if r.fallback is not None]
+        return "inductor: by region" + (f", eagerly: {', '.join(eager)}" if eager else "")
+
     def notes(self) -> list[str]:
         """What the backend made of the program: compiled whole, or region by region (and why
         not whole, when it was asked for), with the time it took; then one line per reason

@@ -170,6 +170,9 @@ def test_a_profiled_run_is_checked_on_the_executable_that_ran():
         def reset(self):
             self.inner.reset()
 
+        def lowering(self):
+            return self.inner.lowering()
+
         def notes(self):
             return []
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -44,6 +45,7 @@ from zerocc.errors import (
     BatchError,
     CaptureError,
     InvariantError,
+    LoweringWarning,
     OffloadError,
     RankMismatchError,
     RankStoppedError,
@@ -110,6 +112,11 @@ class Program:
     returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
     agrees_at_first_collective: bool  # the batch agreement may be settled that late
     carries: bool = False  # begins with the last step's host updates (offload.pipeline)
+    lowered_apart: str | None = None  # how each rank lowered it, where the ranks differ
+
+    def notes(self) -> list[str]:
+        """The backend's lines for ``explain()``, and one where the ranks lowered it apart."""
+        return self.run.notes() + ([self.lowered_apart] if self.lowered_apart else [])
 
 
 def batch_signature(batch: Sequence[Any]) -> tuple:
@@ -656,6 +663,7 @@ class StepRunner:
         # Lowering compiles too (Inductor: seconds to minutes, a cache hit on one rank and not
         # on another): no rank runs the program's first collective while another still lowers.
         self._wait_for_ranks(f"lowered-{self._builds}", "a program to be lowered")
+        lowered_apart = self._lowered_apart(executable.lowering())
         return Program(
             gm,
             records,
@@ -666,7 +674,23 @@ class StepRunner:
             found_inf,
             late_agreement,
             carries,
+            lowered_apart,
         )
+
+    def _lowered_apart(self, lowering: str) -> str | None:
+        """None when every rank lowered the program as this one did (``lowering``); else a
+        line naming each rank's form, warned (:class:`LoweringWarning`) on every rank."""
+        views = self._views_if_they_differ(("program's lowering", lowering), lowering)
+        if views is None:
+            return None
+        forms = "; ".join(f"rank {rank}: {form}" for rank, form in enumerate(views))
+        line = (
+            f"{self.backend_name}: the ranks lowered this program differently ({forms}); the "
+            "collectives are the same, so it trains, each rank's compute rounding its own way; "
+            "each rank's explain() says why"
+        )
+        warnings.warn(line, LoweringWarning, stacklevel=2)
+        return line
 
     def _wait_for_ranks(self, tag: str, doing: str) -> None:
         """Return once every rank got here: compiling takes what it takes, while ranks live
@@ -748,7 +772,7 @@ class StepRunner:
             kernels=self.kernels,
             host_kernels=self.host_kernels,
             backend_notes=list(
-                dict.fromkeys(note for p in self.programs.values() for note in p.run.notes())
+                dict.fromkeys(note for p in self.programs.values() for note in p.notes())
             ),
             backend_artifacts=last.run.artifacts() if last else {},
             steps=self.steps,
