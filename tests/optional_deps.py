@@ -3,12 +3,15 @@ install command, never silently) where one is missing.
 
 Triton is optional (pyproject's ``triton`` and ``dev`` extras; torch's CUDA wheels bring it): the
 ``backend.kernels: triton`` cases skip where :func:`zerocc.backends.kernels.triton_problem`
-says they cannot run, and are left out of the multi-rank runs there.
+says they cannot run, and are left out of the multi-rank runs there. So do the cases of a
+Hugging Face model (tests/models.py's ``llama``) where transformers is missing (the ``dev``
+and ``hf`` extras).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 import pytest
@@ -22,19 +25,36 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-def _uses_triton(case: dict[str, Any]) -> bool:
-    return case.get("kernels") == "triton"
+HF_MODELS = frozenset({"llama"})  # tests/models.py's models built by transformers
+TRANSFORMERS_PROBLEM = (
+    None
+    if importlib.util.find_spec("transformers")
+    else 'transformers is not installed: pip install -e ".[dev]"'
+)
+
+
+def _problem(case: dict[str, Any]) -> str | None:
+    """Why ``case`` cannot run on this machine (None when it can)."""
+    if case.get("kernels") == "triton" and TRITON_PROBLEM is not None:
+        return f"backend.kernels: triton cannot run: {TRITON_PROBLEM}"
+    if case.get("model") in HF_MODELS and TRANSFORMERS_PROBLEM is not None:
+        return f"model {case['model']}: {TRANSFORMERS_PROBLEM}"
+    return None
 
 
 def runnable(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The cases this machine can run (those with ``kernels: triton`` only where it runs)."""
-    return [c for c in cases if TRITON_PROBLEM is None or not _uses_triton(c)]
+    """The cases this machine can run (those with ``kernels: triton`` only where it runs,
+    those of a Hugging Face model only with transformers)."""
+    return [c for c in cases if _problem(c) is None]
 
 
 def marked(cases: list[Any], config: Any = lambda case: case) -> list[Any]:
-    """``cases`` for ``parametrize``, those whose ``config(case)`` uses triton marked with
-    :data:`needs_triton`."""
-    return [pytest.param(c, marks=needs_triton) if _uses_triton(config(c)) else c for c in cases]
+    """``cases`` for ``parametrize``, those that ``config(case)`` says cannot run here marked
+    to skip with the reason."""
+    return [
+        pytest.param(c, marks=pytest.mark.skip(reason=why)) if (why := _problem(config(c))) else c
+        for c in cases
+    ]
 
 
 @functools.cache

@@ -27,6 +27,7 @@ import functools
 
 import pytest
 from multirank import run_ranks
+from optional_deps import marked, runnable
 
 from parity import assert_matches_reference, case_id, train
 
@@ -64,10 +65,10 @@ CASES = [
 
 @functools.cache
 def _results() -> list[dict]:
-    return run_ranks(4, train, CASES)
+    return run_ranks(4, train, runnable(CASES))
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", marked(CASES), ids=case_id)
 def test_tensor_parallelism_matches_unsharded_training(case):
     assert_matches_reference(_results(), case, TOL)
 
