@@ -32,6 +32,11 @@ import torch
 
 # In the key of the programs compiled under rounding_as_eager: a new number when it changes.
 MARKER = "zerocc: rounding as eager, 1"
+# explain()'s line for a 16-bit program compiled under the mend.
+MENDED = (
+    f"inductor: torch {torch.__version__} drops some of the rounding of 16-bit casts that "
+    "Inductor is asked to keep; zerocc kept it while compiling (backends/inductor/eager_casts.py)"
+)
 
 
 def torch_drops_rounding() -> bool:

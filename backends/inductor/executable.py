@@ -38,7 +38,7 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends.eager.executable import EagerExecutable
-from zerocc.backends.inductor.eager_casts import rounding_as_eager
+from zerocc.backends.inductor import eager_casts
 from zerocc.backends.inductor.lowered_ops import running
 from zerocc.backends.inductor.regions import Region, find_regions, outline
 from zerocc.backends.inductor.whole import compile_whole, unsupported
@@ -165,6 +165,12 @@ class InductorExecutable(EagerExecutable):
         self.reports: list[RegionReport] = []
         self.compiled_whole: Any | None = None  # the whole program compiled, when it was
         self.whole_note: str | None = None  # why it was not, when it was asked for
+        # 16-bit rounding this torch's Inductor drops, kept while compiling (eager_casts)
+        self.mended = eager_casts.torch_drops_rounding() and any(
+            getattr(val(n), "dtype", None) in (torch.bfloat16, torch.float16)
+            for n in program.graph.nodes
+            if "val" in n.meta
+        )
         if whole:
             self.whole_note = unsupported(program)
             if self.whole_note is None:
@@ -185,7 +191,7 @@ class InductorExecutable(EagerExecutable):
         example = example_inputs([val(n) for n in placeholders(program)])
         start = time.perf_counter()
         try:
-            with rounding_as_eager(), _loaded_modules() as loaded:
+            with eager_casts.rounding_as_eager(), _loaded_modules() as loaded:
                 self.compiled_whole = compile_whole(program, example, _numerics())
         except Exception as exc:  # Inductor rejected it: compiled region by region instead
             self.whole_note = f"{type(exc).__name__}: {first_line(exc)[:200]}"
@@ -204,7 +210,11 @@ class InductorExecutable(EagerExecutable):
         start = time.perf_counter()
         compiled, fallback = None, None
         try:
-            with config.patch(_numerics()), rounding_as_eager(), _loaded_modules() as loaded:
+            with (
+                config.patch(_numerics()),
+                eager_casts.rounding_as_eager(),
+                _loaded_modules() as loaded,
+            ):
                 compiled = compile_fx(module, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
             fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
@@ -226,12 +236,15 @@ class InductorExecutable(EagerExecutable):
     def notes(self) -> list[str]:
         """What the backend made of the program: compiled whole, or region by region (and why
         not whole, when it was asked for), with the time it took; then one line per reason
-        regions run eagerly, naming them."""
+        regions run eagerly, naming them; and, on a torch that drops some of 16-bit casts'
+        rounding, that zerocc kept it."""
+        mended = [eager_casts.MENDED] if self.mended else []
         if self.compiled_whole is not None:
             (report,) = self.reports
             return [
                 f"inductor: the whole program compiled as one graph ({report.ops} ops, "
-                f"{report.seconds:.1f} s, from the cache included)"
+                f"{report.seconds:.1f} s, from the cache included)",
+                *mended,
             ]
         by_reason: dict[str, list[str]] = {}
         for report in self.reports:
@@ -251,7 +264,7 @@ class InductorExecutable(EagerExecutable):
             f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): {reason}"
             for reason, names in by_reason.items()
         ]
-        return lines
+        return lines + mended
 
     def artifacts(self) -> dict[str, str]:
         """Files for the dumps: ``regions.txt`` (each region, or the whole program: phase, ops,

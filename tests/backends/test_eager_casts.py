@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import zerocc
 from zerocc.backends.inductor import eager_casts
-from zerocc.backends.inductor.eager_casts import MARKER, rounding_as_eager
+from zerocc.backends.inductor.eager_casts import MARKER, MENDED, rounding_as_eager
 
 
 @pytest.fixture(params=["native", "mended"])
@@ -66,7 +66,7 @@ def test_the_mend_keys_inductors_cache_apart_and_runs_a_users_own_pass(monkeypat
     assert len(seen) == 1 and config.joint_custom_pre_pass is None  # restored after
 
 
-def _first_step(backend: str) -> tuple[float, float | None, int]:
+def _first_step(backend: str) -> tuple[list[str], float | None, int]:
     torch.manual_seed(0)
     plan = {
         "zero": {"stage": 0},
@@ -75,8 +75,8 @@ def _first_step(backend: str) -> tuple[float, float | None, int]:
         "backend": {"name": backend, "device": "cpu"},
     }
     step = zerocc.compile(tiny_gpt(), plan, comm=zerocc.FakeComm(world_size=1))
-    loss = float(step(*_gpt_batch(0, 0)))
-    return loss, step.loss_scale, step.skipped_steps
+    step(*_gpt_batch(0, 0))
+    return step.record().backend_notes, step.loss_scale, step.skipped_steps
 
 
 @pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
@@ -86,4 +86,6 @@ def test_fp16_gradients_seeded_with_65536_overflow_as_eagers_do(mend, backend):
     (torch 2.11's Inductor, unmended, kept the seed in fp32 and took the step)."""
     eager = _first_step("eager")
     assert eager[1:] == (32768.0, 1)
-    assert _first_step(backend)[1:] == eager[1:]
+    notes, *compiled = _first_step(backend)
+    assert compiled == list(eager[1:])
+    assert (MENDED in notes) == eager_casts.torch_drops_rounding(), notes  # explain() says so
