@@ -37,6 +37,7 @@ MENDED = (
     f"inductor: torch {torch.__version__} drops some of the rounding of 16-bit casts that "
     "Inductor is asked to keep; zerocc kept it while compiling (backends/inductor/eager_casts.py)"
 )
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def torch_drops_rounding() -> bool:
@@ -48,6 +49,16 @@ def torch_drops_rounding() -> bool:
 
     has_option = hasattr(config, "emulate_precision_casts")
     return has_option and not hasattr(joint_graph, "_is_lossless_fp_widening_cast")
+
+
+def mend_note(program: torch.fx.GraphModule) -> str | None:
+    """``explain()``'s line (:data:`MENDED`) for ``program`` compiled under
+    :func:`rounding_as_eager`; None where this torch keeps the rounding or the program holds
+    no 16-bit value."""
+    if not torch_drops_rounding():
+        return None
+    values = (n.meta.get("val") for n in program.graph.nodes)
+    return MENDED if any(getattr(v, "dtype", None) in LOW_PRECISION for v in values) else None
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends.eager.executable import EagerExecutable
-from zerocc.backends.inductor import eager_casts
+from zerocc.backends.inductor.eager_casts import mend_note, rounding_as_eager
 from zerocc.backends.inductor.lowered_ops import running
 from zerocc.backends.inductor.regions import Region, find_regions, outline
 from zerocc.backends.inductor.whole import compile_whole, unsupported
@@ -165,12 +165,7 @@ class InductorExecutable(EagerExecutable):
         self.reports: list[RegionReport] = []
         self.compiled_whole: Any | None = None  # the whole program compiled, when it was
         self.whole_note: str | None = None  # why it was not, when it was asked for
-        # 16-bit rounding this torch's Inductor drops, kept while compiling (eager_casts)
-        self.mended = eager_casts.torch_drops_rounding() and any(
-            getattr(val(n), "dtype", None) in (torch.bfloat16, torch.float16)
-            for n in program.graph.nodes
-            if "val" in n.meta
-        )
+        self.mend_note = mend_note(program)  # the 16-bit rounding kept, where it was
         if whole:
             self.whole_note = unsupported(program)
             if self.whole_note is None:
@@ -191,7 +186,7 @@ class InductorExecutable(EagerExecutable):
         example = example_inputs([val(n) for n in placeholders(program)])
         start = time.perf_counter()
         try:
-            with eager_casts.rounding_as_eager(), _loaded_modules() as loaded:
+            with rounding_as_eager(), _loaded_modules() as loaded:
                 self.compiled_whole = compile_whole(program, example, _numerics())
         except Exception as exc:  # Inductor rejected it: compiled region by region instead
             self.whole_note = f"{type(exc).__name__}: {first_line(exc)[:200]}"
@@ -212,7 +207,7 @@ class InductorExecutable(EagerExecutable):
         try:
             with (
                 config.patch(_numerics()),
-                eager_casts.rounding_as_eager(),
+                rounding_as_eager(),
                 _loaded_modules() as loaded,
             ):
                 compiled = compile_fx(module, example)
@@ -238,7 +233,7 @@ class InductorExecutable(EagerExecutable):
         not whole, when it was asked for), with the time it took; then one line per reason
         regions run eagerly, naming them; and, on a torch that drops some of 16-bit casts'
         rounding, that zerocc kept it."""
-        mended = [eager_casts.MENDED] if self.mended else []
+        mended = [self.mend_note] if self.mend_note else []
         if self.compiled_whole is not None:
             (report,) = self.reports
             return [
