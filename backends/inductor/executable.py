@@ -20,8 +20,8 @@ token, :mod:`zerocc.backends.inductor.random_ops`; by region, outside the region
 masks, and recomputation's replay of them, are those of the eager backend;
 :data:`EAGER_NUMERICS` keeps the rest close (16-bit values rounded where eager rounds them, on
 releases whose Inductor drops some of it too: :mod:`zerocc.backends.inductor.eager_casts`).
-Inductor fuses and reorders reductions, so
-results match eager within rounding, not to the bit.
+Inductor fuses and reorders reductions, so results match eager within rounding, not to the
+bit.
 """
 
 from __future__ import annotations
