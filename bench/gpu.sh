@@ -8,7 +8,8 @@
 #              pydantic-core annotated-types typing-inspection`), then zerocc, editable,
 #              without fetching its dependencies
 #   versions   GPU, driver, torch, CUDA, Triton, NCCL
-#   tests      the tests marked cuda / two_gpus, and tests/kernels launched for real
+#   tests      the tests marked cuda / two_gpus, tests/kernels launched for real, and the
+#              16-bit rounding of the Inductor backend (its Triton case too)
 #   kernels    bench/kernels.py: the fused AdamW kernel's bandwidth against a copy and torch
 #   compare    bench/compare.py --gpu: zerocc (eager and Inductor backends) beside FSDP2 and
 #              unsharded torch, eager and compiled (SYSTEMS overrides the list)
@@ -65,7 +66,7 @@ for s in "${steps[@]}"; do
             torch.version.cuda, triton.__version__, torch.cuda.nccl.version())"' ;;
     tests)
         step tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-            tests/kernels ;;
+            tests/kernels tests/backends/test_eager_casts.py ;;
     kernels)
         step kernels 120 python3 "$here/kernels.py" --sizes 24 26 28 --out "$out" ;;
     compare)

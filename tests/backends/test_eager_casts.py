@@ -36,8 +36,11 @@ def _rounded(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.
     return through_bf16, seeded
 
 
-def test_a_narrowing_cast_rounds_as_eager_does(mend):
-    x, scale = torch.randn(67), torch.tensor(65536.0)  # 67: vector lanes and a scalar tail
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_narrowing_cast_rounds_as_eager_does(mend, device):
+    """C++ kernels on the CPU, Triton's on a GPU (the joint-graph pattern is both's)."""
+    x = torch.randn(67, device=device)  # 67: vector lanes and a scalar tail
+    scale = torch.tensor(65536.0, device=device)
     graph = make_fx(_rounded)(x, scale)
     with config.patch(emulate_precision_casts=True), rounding_as_eager():
         compiled = compile_fx(graph, [x, scale])
