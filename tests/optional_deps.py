@@ -20,9 +20,8 @@ import torch
 from zerocc.backends.kernels import triton_problem
 
 TRITON_PROBLEM = triton_problem()
-needs_triton = pytest.mark.skipif(
-    TRITON_PROBLEM is not None, reason=f"backend.kernels: triton cannot run: {TRITON_PROBLEM}"
-)
+TRITON_REASON = f"backend.kernels: triton cannot run: {TRITON_PROBLEM}"
+needs_triton = pytest.mark.skipif(TRITON_PROBLEM is not None, reason=TRITON_REASON)
 
 
 HF_MODELS = frozenset({"llama"})  # tests/models.py's models built by transformers
@@ -36,7 +35,7 @@ TRANSFORMERS_PROBLEM = (
 def _problem(case: dict[str, Any]) -> str | None:
     """Why ``case`` cannot run on this machine (None when it can)."""
     if case.get("kernels") == "triton" and TRITON_PROBLEM is not None:
-        return f"backend.kernels: triton cannot run: {TRITON_PROBLEM}"
+        return TRITON_REASON
     if case.get("model") in HF_MODELS and TRANSFORMERS_PROBLEM is not None:
         return f"model {case['model']}: {TRANSFORMERS_PROBLEM}"
     return None
@@ -64,7 +63,7 @@ def triton_fma_problem() -> str | None:
     adds; 3.9's and a GPU's fma round once). Tests that hold another kernel to them bit for
     bit skip with this reason."""
     if TRITON_PROBLEM is not None:
-        return f"backend.kernels: triton cannot run: {TRITON_PROBLEM}"
+        return TRITON_REASON
     from zerocc.backends.kernels import triton_kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
