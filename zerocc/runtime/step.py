@@ -212,6 +212,7 @@ class StepRunner:
             self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
         self.programs: dict[tuple, Program] = {}
         self._builds = 0  # programs compiled, the failed ones too: the same on every rank
+        self._profiled = 0  # programs lowered again by profile(): the same on every rank
         self.micro_batches = 0
         self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         self._last_program: Program | None = None
@@ -262,6 +263,8 @@ class StepRunner:
 
         def recorded(program: Program) -> ProfiledRun:
             executable = self.backend(program.gm, program.example_inputs, context)
+            self._profiled += 1  # lowered again (Inductor: a cache hit here, perhaps not there)
+            self._wait_for_ranks(f"profiled-{self._profiled}", "a program to be lowered")
             recorders.append(recorder(executable, self.comm.rank, self.model_state_bytes()))
             return recorders[-1]
 
