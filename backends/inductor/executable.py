@@ -27,6 +27,7 @@ bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from torch import fx, nn
 
 from zerocc.backends.eager.executable import EagerExecutable
 from zerocc.backends.inductor.eager_casts import mend_note, rounding_as_eager
+from zerocc.backends.inductor.generated_calls import GeneratedCalls, calls_in
 from zerocc.backends.inductor.lowered_ops import running
 from zerocc.backends.inductor.regions import Region, find_regions, outline
 from zerocc.backends.inductor.whole import compile_whole, unsupported
@@ -57,6 +59,11 @@ class RegionReport:
     seconds: float
     fallback: str | None = None  # "TypeError: ..." when Inductor could not compile it
     code: str | None = None  # the Python (and kernels) Inductor generated for it
+
+    @functools.cached_property
+    def calls(self) -> GeneratedCalls | None:
+        """What its generated code calls (None where there is none: run eagerly)."""
+        return calls_in(self.code) if self.code is not None else None
 
 
 def example_inputs(values: list[Any]) -> list[Any]:
@@ -234,10 +241,12 @@ class InductorExecutable(EagerExecutable):
         regions run eagerly, naming them; and, on a torch that drops some of 16-bit casts'
         rounding, that zerocc kept it."""
         mended = [self.mend_note] if self.mend_note else []
+        calls = self._calls()
+        into = f": {calls.summary()}" if calls is not None else ""
         if self.compiled_whole is not None:
             (report,) = self.reports
             return [
-                f"inductor: the whole program compiled as one graph ({report.ops} ops, "
+                f"inductor: the whole program compiled as one graph ({report.ops} ops{into}; "
                 f"{report.seconds:.1f} s, from the cache included)",
                 *mended,
             ]
@@ -252,7 +261,8 @@ class InductorExecutable(EagerExecutable):
             lines.append(f"inductor: compiled region by region, not whole: {self.whole_note}")
         lines.append(
             f"inductor: {compiled} of {len(self.reports)} compute regions compiled "
-            f"({seconds:.1f} s, cached ones included)"
+            f"({calls.summary() + '; ' if calls is not None else ''}{seconds:.1f} s, cached "
+            "ones included)"
         )
         lines += [
             f"inductor: {len(names)} of {len(self.reports)} compute regions run eagerly "
@@ -261,16 +271,36 @@ class InductorExecutable(EagerExecutable):
         ]
         return lines + mended
 
+    def _calls(self) -> GeneratedCalls | None:
+        """What the generated code of every compiled region calls, together (None when no
+        code was read: nothing compiled, or a torch that loads it otherwise)."""
+        found = [r.calls for r in self.reports if r.calls is not None]
+        return sum(found, GeneratedCalls()) if found else None
+
     def artifacts(self) -> dict[str, str]:
         """Files for the dumps: ``regions.txt`` (each region, or the whole program: phase, ops,
-        compile time, how it runs) and the code Inductor generated for each (``region_<i>.py``,
-        ``whole.py``)."""
-        rows = [f"{'region':<12}{'phase':<10}{'ops':>5}{'compile s':>11}  runs"]
-        rows += [
-            f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{r.seconds:>11.2f}  "
-            + ("compiled" if r.fallback is None else f"eagerly: {r.fallback}")
-            for r in self.reports
+        the calls of its generated code by kind, compile time, how it runs; then every call by
+        name) and the code Inductor generated for each (``region_<i>.py``, ``whole.py``)."""
+        rows = [
+            f"{'region':<12}{'phase':<10}{'ops':>5}{'kernels':>9}{'library':>9}{'ATen':>6}"
+            f"{'zerocc':>8}{'compile s':>11}  runs"
         ]
+        for r in self.reports:
+            c = r.calls
+            counts = (
+                [c.kernel_calls, c.library.total(), c.aten.total(), c.zerocc.total()]
+                if c is not None
+                else ["-"] * 4
+            )
+            rows.append(
+                f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{counts[0]:>9}{counts[1]:>9}"
+                f"{counts[2]:>6}{counts[3]:>8}{r.seconds:>11.2f}  "
+                + ("compiled" if r.fallback is None else f"eagerly: {r.fallback}")
+            )
+        calls = self._calls()
+        if calls is not None:
+            rows += ["", "calls of the generated code, all regions:"]
+            rows += [f"  {line}" for line in calls.by_name()]
         files = {"regions.txt": "\n".join(rows) + "\n"}
         files.update({f"{r.name}.py": r.code for r in self.reports if r.code is not None})
         return files

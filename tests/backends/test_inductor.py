@@ -16,12 +16,14 @@ missed update or a wrong gradient moves the loss by 1e-2 or more after the first
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 import torch
 from models import _gpt_batch, build, entry, tiny_gpt, tiny_gpt_dropout
 
 import zerocc
+from zerocc.backends.inductor.generated_calls import GeneratedCalls
 from zerocc.backends.inductor.lowered_ops import COMPOSITE
 from zerocc.backends.inductor.regions import REGION_PREFIX
 from zerocc.ir.nodes import op_name
@@ -94,7 +96,13 @@ def test_the_whole_graph_keeps_the_passes_schedule(stage):
     moved every gather of a ZeRO-3 step to the start), each wait naming its own start; the
     non-finite checks are Inductor's own kernels."""
     _, step = _run("inductor", steps=1, stage=stage)
-    program, executable = step._last_program.gm, step._last_program.run
+    executable = step._last_program.run
+    assert _generated_order(executable.reports[0].code) == _scheduled(step._last_program.gm)
+
+
+def _scheduled(program: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """zerocc's ops of ``program`` that its whole graph calls, in order: (op, the start a start
+    or wait names; '' for the others)."""
     scheduled = []
     for node in program.graph.nodes:
         name = op_name(node.target) if node.op == "call_function" else ""
@@ -105,7 +113,7 @@ def test_the_whole_graph_keeps_the_passes_schedule(stage):
             continue
         key = node.args[0].name if op == "wait" else node.name if op.endswith("_start") else ""
         scheduled.append((op, key))
-    assert _generated_order(executable.reports[0].code) == scheduled
+    return scheduled
 
 
 def test_the_whole_graph_holds_no_more_gathered_units_than_the_program():
@@ -284,8 +292,29 @@ def test_a_second_launch_finds_what_it_compiles_in_inductors_caches(backend, bui
 def test_the_dumps_hold_the_generated_code(backend):
     _, step = _run(backend, steps=1)
     files = step.record().backend_artifacts
-    table = files["regions.txt"].splitlines()
     regions = step._last_program.run.reports
+    table = files["regions.txt"].split("\n\n")[0].splitlines()
     assert len(table) == 1 + len(regions) and all("compiled" in row for row in table[1:])
     for region in regions:
         assert "def call(" in files[f"{region.name}.py"]  # Inductor's entry point
+
+
+@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+def test_the_dumps_count_what_the_generated_code_calls(backend):
+    """Each region's row and the totals: zerocc's ops as the program holds them (in the whole
+    graph; none in a region, they run between), attention left to ATen, once a layer each way,
+    the matmuls to the library, and fewer of Inductor's kernels than the ops they compute."""
+    _, step = _run(backend, steps=1)
+    program, executable = step._last_program.gm, step._last_program.run
+    calls = sum((r.calls for r in executable.reports), GeneratedCalls())
+    if backend == "inductor":
+        assert calls.zerocc == Counter(op for op, _ in _scheduled(program))
+    else:
+        assert not calls.zerocc
+    attention = [name for name in calls.aten if "scaled_dot_product" in name]
+    assert sorted(calls.aten[name] for name in attention) == [2, 2], calls.aten  # 2 layers
+    assert calls.library["mm"] > 0
+    assert 0 < calls.kernel_calls < sum(r.ops for r in executable.reports)
+    text = step.record().backend_artifacts["regions.txt"]
+    assert f"  Inductor's kernels: {calls.kernel_calls} calls of {calls.kernels}" in text
+    assert calls.summary() in executable.notes()[0]
