@@ -281,20 +281,12 @@ class InductorExecutable(EagerExecutable):
         """Files for the dumps: ``regions.txt`` (each region, or the whole program: phase, ops,
         the calls of its generated code by kind, compile time, how it runs; then every call by
         name) and the code Inductor generated for each (``region_<i>.py``, ``whole.py``)."""
-        rows = [
-            f"{'region':<12}{'phase':<10}{'ops':>5}{'kernels':>9}{'library':>9}{'ATen':>6}"
-            f"{'zerocc':>8}{'compile s':>11}  runs"
-        ]
+        calls_header = "".join(f"{kind:>9}" for kind in ("kernels", "library", "ATen", "zerocc"))
+        rows = [f"{'region':<12}{'phase':<10}{'ops':>5}{calls_header}{'compile s':>11}  runs"]
         for r in self.reports:
-            c = r.calls
-            counts = (
-                [c.kernel_calls, c.library.total(), c.aten.total(), c.zerocc.total()]
-                if c is not None
-                else ["-"] * 4
-            )
+            counts = "".join(f"{n:>9}" for n in (r.calls.totals() if r.calls else "----"))
             rows.append(
-                f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{counts[0]:>9}{counts[1]:>9}"
-                f"{counts[2]:>6}{counts[3]:>8}{r.seconds:>11.2f}  "
+                f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{counts}{r.seconds:>11.2f}  "
                 + ("compiled" if r.fallback is None else f"eagerly: {r.fallback}")
             )
         calls = self._calls()

@@ -46,13 +46,17 @@ class GeneratedCalls:
             self.zerocc + other.zerocc,
         )
 
+    def totals(self) -> tuple[int, int, int, int]:
+        """Calls of Inductor's kernels, the library's, ATen's and zerocc's."""
+        return self.kernel_calls, self.library.total(), self.aten.total(), self.zerocc.total()
+
     def summary(self) -> str:
         """One line: Inductor's kernels (calls of how many kernels), then the calls of each
         other kind, e.g. ``79 calls of 29 generated kernels, 80 library, 48 ATen, 85 zerocc``."""
+        kernel_calls, library, aten, zerocc = self.totals()
         return (
-            f"{self.kernel_calls} calls of {self.kernels} generated kernels, "
-            f"{self.library.total()} library, {self.aten.total()} ATen, "
-            f"{self.zerocc.total()} zerocc"
+            f"{kernel_calls} calls of {self.kernels} generated kernels, {library} library, "
+            f"{aten} ATen, {zerocc} zerocc"
         )
 
     def by_name(self) -> list[str]:
