@@ -106,13 +106,15 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
                 runs[name]["answers"].append(live[name].command("warmup", cfg.warmup))
                 setup = max(r["setup_s"] for r in live[name].ready)
                 print(f"  set up in {setup:.1f} s; warm-up {_step_times(runs[name])}", flush=True)
-                phases = runs[name]["answers"][-1][0].get("reported", {}).get("setup_seconds")
-                if phases:  # zerocc's, by phase: where a slow start went
+                reported = runs[name]["answers"][-1][0].get("reported", {})
+                if "setup_seconds" in reported:  # zerocc's, by phase: where a slow start went
                     # (imported here: zerocc must not be imported before the ranks' comm
                     # counters wrap torch.distributed, and the ranks import this module)
                     from zerocc.inspect.explain import setup_line
 
-                    print(f"  {setup_line(phases)}", flush=True)
+                    print(f"  {setup_line(reported['setup_seconds'])}", flush=True)
+                for note in reported.get("backend_notes", []):  # rank 0's lowering
+                    print(f"  {note}", flush=True)
             except SystemFailed as e:
                 fail(name, e)
         for r in range(cfg.rounds):

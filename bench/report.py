@@ -17,13 +17,19 @@ def _total(comm: dict[str, int] | None) -> int | None:
     return None if comm is None else sum(comm.values())
 
 
+def _width(results: list[dict[str, Any]]) -> int:
+    """The name column's width: the longest system name and two spaces, 20 at least."""
+    return max([20] + [len(r["name"]) + 2 for r in results])
+
+
 def table(results: list[dict[str, Any]], reference: str | None, gpu: bool) -> str:
     """One row per system: median step time, its ratio to ``reference``, memory, bytes per
     step (counted at torch.distributed, and the ZeRO formula), final loss and its difference."""
     ref = next((r for r in results if r["name"] == reference and r["status"] == "ok"), None)
     memory = "peak alloc MiB" if gpu else "peak RSS Δ MiB"
+    w = _width(results)
     header = (
-        f"{'system':<20}{'step ms':>9}{'IQR':>6}{'CPU ms':>8}{'× ' + (reference or '-'):>13}"
+        f"{'system':<{w}}{'step ms':>9}{'IQR':>6}{'CPU ms':>8}{'× ' + (reference or '-'):>13}"
         f"{memory:>16}"
         f"{'live MiB':>10}{'comm MiB':>10}{'formula':>9}{'tokens/s':>10}"
         + (f"{'MFU':>7}" if gpu else "")
@@ -32,11 +38,11 @@ def table(results: list[dict[str, Any]], reference: str | None, gpu: bool) -> st
     lines = [header, "-" * len(header)]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"{r['name']:<20}FAILED: {r['error'].splitlines()[0][:120]}")
+            lines.append(f"{r['name']:<{w}}FAILED: {r['error'].splitlines()[0][:120]}")
             continue
         ratio = r["median_step_s"] / ref["median_step_s"] if ref else None
         row = (
-            f"{r['name']:<20}{1e3 * r['median_step_s']:>9.1f}{1e3 * r['iqr_step_s']:>6.0f}"
+            f"{r['name']:<{w}}{1e3 * r['median_step_s']:>9.1f}{1e3 * r['iqr_step_s']:>6.0f}"
             f"{1e3 * r['median_cpu_step_s']:>8.0f}"
             f"{'-' if ratio is None else f'{ratio:.2f}':>13}"
             f"{_mib(r['peak_memory']):>16}{_mib(r['live_tensor_peak']):>10}"
@@ -73,7 +79,7 @@ def legend(results: list[dict[str, Any]], gpu: bool) -> str:
         "  reduce-scatter: input, all-reduce: 2x size); formula: what the ZeRO stage must move.",
         "Systems:",
     ]
-    lines += [f"  {r['name']:<20}{r['what']}" for r in results]
+    lines += [f"  {r['name']:<{_width(results)}}{r['what']}" for r in results]
     return "\n".join(lines)
 
 
@@ -86,7 +92,7 @@ def loss_report(results: list[dict[str, Any]], reference: str | None, rtol: floa
     for r in ok:
         verdict = "ok" if r["loss_rel_diff"] <= rtol else "DIFFERS"
         lines.append(
-            f"  {r['name']:<20}{r['final_loss']:.8f}  rel Δ {r['loss_rel_diff']:.2e}  "
+            f"  {r['name']:<{_width(ok)}}{r['final_loss']:.8f}  rel Δ {r['loss_rel_diff']:.2e}  "
             f"(max over the steps {r['max_rel_diff_steps']:.2e})  {verdict}"
         )
     return "\n".join(lines)

@@ -132,6 +132,7 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
                 "predicted_step_s": predicted_s(rates),
                 "predicted_rates": "calibrated" if calibrated else "default",
                 "setup_seconds": summary["setup_seconds"],  # by phase (explain()'s setup line)
+                "backend_notes": record.backend_notes,  # how it lowered: whole, regions, eager
             }
             | host_rated
             | cpu_seconds()
