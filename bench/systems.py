@@ -46,6 +46,7 @@ class System:
     build: Callable[[nn.Module, BenchConfig, torch.device], Runner] = field(repr=False)
     what: str  # one line for the table's legend
     imports: tuple[str, ...] = ()  # imported before the model is built: not counted as memory
+    compiled: bool = False  # its compute compiled by Inductor, which rounds otherwise than eager
 
 
 def cpu_seconds() -> dict[str, Any]:
@@ -283,6 +284,7 @@ def all_systems() -> Systems:
                 f"zerocc-z{stage}{suffix}", "zerocc", stage,
                 partial(zerocc_runner, stage=stage, backend=backend),
                 f"zerocc.compile, zero.stage {stage}, backend {backend}", ("zerocc",),
+                compiled=backend != "eager",
             ))  # fmt: skip
     for compiled in (False, True):
         for stage, reshard in ((3, True), (2, False)):
@@ -292,6 +294,7 @@ def all_systems() -> Systems:
                 f"fully_shard(reshard_after_forward={reshard})"
                 + (", torch.compile(model)" if compiled else ", eager"),
                 ("torch.distributed.fsdp",) + (("torch._inductor.compile_fx",) if compiled else ()),
+                compiled,
             ))  # fmt: skip
     for stage in (1, 2, 3):
         systems.append(System(
@@ -305,7 +308,7 @@ def all_systems() -> Systems:
             partial(torch_runner, compiled=compiled),
             "unsharded (DDP beyond one rank), autocast below fp32"
             + (", torch.compile(model)" if compiled else ", eager"),
-            ("torch._inductor.compile_fx",) if compiled else (),
+            ("torch._inductor.compile_fx",) if compiled else (), compiled,
         ))  # fmt: skip
     return Systems((s.name, s) for s in systems)
 

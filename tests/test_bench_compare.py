@@ -28,7 +28,7 @@ def test_compare_quick_zerocc_runs_and_counts_the_zero_formula(tmp_path):
         assert len(s["losses"]) == s["steps"] and all(math.isfinite(x) for x in s["losses"])
         assert len(s["step_times_s"]) == 2 and s["median_step_s"] > 0
         assert len(s["cpu_step_s"]) == 2 and s["median_cpu_step_s"] > 0
-        assert s["loss_rel_diff"] <= report["rtol"], name
+        assert s["loss_rel_diff"] <= s["rtol"] == 1e-5, name  # eager: RTOL["fp32"]
         assert s["live_tensor_peak"] > 0 and s["peak_memory"] > 0
         gathers = 2 if s["stage"] == 3 else 1
         formula = {"all_gather": gathers * psi_bytes, "reduce_scatter": psi_bytes}
