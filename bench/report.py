@@ -95,7 +95,7 @@ def loss_report(results: list[dict[str, Any]], reference: str | None) -> str:
         lines.append(
             f"  {r['name']:<{_width(ok)}}{r['final_loss']:.8f}  rel Δ {r['loss_rel_diff']:.2e}  "
             f"(max over the steps {r['max_rel_diff_steps']:.2e})  {verdict} "
-            f"(≤ {r['rtol']:.0e}{', compiled' if r.get('compiled') else ''})"
+            f"(≤ {r['rtol']:.0e}{', compiled' if r['compiled'] else ''})"
         )
     return "\n".join(lines)
 
