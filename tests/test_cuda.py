@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,9 @@ def test_an_update_on_the_host_trains_as_the_gpus_does(pair):
 def test_inductor_compiles_the_whole_program_or_every_region_on_the_gpu(case):
     notes = _results(1)[0][case_id(case)]["backend_notes"]
     assert notes and not [n for n in notes if "run eagerly" in n], notes
+    # Triton's kernels (launched with .run) and the matmuls read off the generated code
+    counted = re.search(r"\d+ calls of (\d+) generated kernels, (\d+) library", notes[0])
+    assert counted and int(counted[1]) > 0 and int(counted[2]) > 0, notes
     if case["backend"] == "inductor":
         assert notes[0].startswith("inductor: the whole program compiled as one graph"), notes
 
