@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     names = select(args.systems, systems)
     # Every rank's libraries size their thread pools from these (set before any rank starts).
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if cfg.device == "cpu":  # the ranks hold the cores; a GPU host's are free to compile on
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     info = machine(cfg)
     print(f"{len(names)} systems, GPT {num_params(cfg) / 1e6:.1f}M parameters, "
           f"{cfg.world_size} rank(s) on {cfg.device} × {cfg.threads} thread(s), "
