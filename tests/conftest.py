@@ -60,6 +60,7 @@ def _runs_slow(config: pytest.Config) -> bool:
 
 
 _SLOW_LEFT_OUT: list[str] = []
+_EAGER_PARITY: list[str] = []  # the parity cases of a run under the eager backend
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -70,8 +71,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = [item for item in items if item.get_closest_marker("slow") is None]
             _SLOW_LEFT_OUT[:] = [item.nodeid for item in slow]
     backend = config.getoption("--backend")
-    if backend != "eager":
-        parity = Path(__file__).parent / "parity"
+    parity = Path(__file__).parent / "parity"
+    if backend == "eager":
+        _EAGER_PARITY[:] = [item.nodeid for item in items if parity in Path(item.fspath).parents]
+    else:
         reason = f"--backend {backend} runs the parity tests (tests/parity) alone"
         for item in items:
             if parity not in Path(item.fspath).parents:
@@ -88,6 +91,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if config.getoption("--backend") != "eager":
         terminalreporter.write_line(
             f"parity cases that name no backend trained under {config.getoption('--backend')}"
+        )
+    if _EAGER_PARITY:
+        terminalreporter.write_line(
+            f"tests/parity: {len(_EAGER_PARITY)} cases, under the eager backend where a case "
+            "names none (test_inductor_parity.py holds a subset to Inductor); `pytest "
+            "tests/parity --backend inductor` (or inductor-regions) trains them all under "
+            "Inductor, ~20 min on 2 cores"
         )
     if _SLOW_LEFT_OUT:
         terminalreporter.write_line(
