@@ -79,7 +79,8 @@ def legend(results: list[dict[str, Any]], gpu: bool) -> str:
         "  reduce-scatter: input, all-reduce: 2x size); formula: what the ZeRO stage must move.",
         "Systems:",
     ]
-    lines += [f"  {r['name']:<{_width(results)}}{r['what']}" for r in results]
+    w = _width(results)
+    lines += [f"  {r['name']:<{w}}{r['what']}" for r in results]
     return "\n".join(lines)
 
 
@@ -90,10 +91,11 @@ def loss_report(results: list[dict[str, Any]], reference: str | None) -> str:
     if not ok:
         return "loss parity: nothing to compare"
     lines = [f"loss after {ok[0]['steps']} steps vs {reference} (relative; the tolerance):"]
+    w = _width(ok)
     for r in ok:
         verdict = "ok" if r["loss_rel_diff"] <= r["rtol"] else "DIFFERS"
         lines.append(
-            f"  {r['name']:<{_width(ok)}}{r['final_loss']:.8f}  rel Δ {r['loss_rel_diff']:.2e}  "
+            f"  {r['name']:<{w}}{r['final_loss']:.8f}  rel Δ {r['loss_rel_diff']:.2e}  "
             f"(max over the steps {r['max_rel_diff_steps']:.2e})  {verdict} "
             f"(≤ {r['rtol']:.0e}{', compiled' if r['compiled'] else ''})"
         )

@@ -242,12 +242,12 @@ class InductorExecutable(EagerExecutable):
         rounding, that zerocc kept it."""
         mended = [self.mend_note] if self.mend_note else []
         calls = self._calls()
-        into = f": {calls.summary()}" if calls is not None else ""
+        counted = f"{calls.summary()}; " if calls is not None else ""
         if self.compiled_whole is not None:
             (report,) = self.reports
             return [
-                f"inductor: the whole program compiled as one graph ({report.ops} ops{into}; "
-                f"{report.seconds:.1f} s, from the cache included)",
+                f"inductor: the whole program compiled as one graph ({report.ops} ops, "
+                f"{counted}{report.seconds:.1f} s, from the cache included)",
                 *mended,
             ]
         by_reason: dict[str, list[str]] = {}
@@ -261,8 +261,7 @@ class InductorExecutable(EagerExecutable):
             lines.append(f"inductor: compiled region by region, not whole: {self.whole_note}")
         lines.append(
             f"inductor: {compiled} of {len(self.reports)} compute regions compiled "
-            f"({calls.summary() + '; ' if calls is not None else ''}{seconds:.1f} s, cached "
-            "ones included)"
+            f"({counted}{seconds:.1f} s, cached ones included)"
         )
         lines += [
             f"inductor: {len(names)} of {len(self.reports)} compute regions run eagerly "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from zerocc.backends.inductor.lowered_ops import NAMESPACE
 
@@ -73,16 +73,18 @@ class GeneratedCalls:
 def calls_in(code: str) -> GeneratedCalls:
     """The calls of the Python module ``code`` Inductor generated (see the module's doc)."""
     kernels: Counter[str] = Counter()
-    calls = GeneratedCalls()
+    library: Counter[str] = Counter()
+    aten: Counter[str] = Counter()
+    zerocc: Counter[str] = Counter()
     for match in _CALL.finditer(_SOURCES.sub("", code)):
         if match["kernel"]:
             kernels[match["kernel"]] += 1
         elif match["library"]:
-            calls.library[match["library"]] += 1
+            library[match["library"]] += 1
         elif match["namespace"] == NAMESPACE:
-            calls.zerocc[match["op"]] += 1
+            zerocc[match["op"]] += 1
         elif match["namespace"] == "aten":
-            calls.aten[match["op"]] += 1
+            aten[match["op"]] += 1
         elif match["namespace"] != "inductor":  # (its own helpers: _alloc_from_pool)
-            calls.aten[f"{match['namespace']}.{match['op']}"] += 1
-    return replace(calls, kernels=len(kernels), kernel_calls=kernels.total())
+            aten[f"{match['namespace']}.{match['op']}"] += 1
+    return GeneratedCalls(len(kernels), kernels.total(), library, aten, zerocc)
