@@ -8,7 +8,7 @@ device). The executable owns its runtime state (what is in flight); interpreting
 node by node runs the same computation (profiling, calibration and dumps do). ``eager`` is the
 reference; another backend registers itself with :func:`register_backend` and is chosen by a
 plan's ``backend.name``. ``auto`` is no backend of its own: :func:`resolve_backend` makes it
-``inductor`` on a GPU and ``eager`` on a CPU, as measured (BENCHMARKS.md).
+``inductor-regions`` on a GPU and ``eager`` on a CPU, as measured (BENCHMARKS.md).
 """
 
 from __future__ import annotations

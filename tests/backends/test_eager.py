@@ -126,7 +126,7 @@ def test_a_failed_run_leaves_nothing_in_flight_for_the_next():
     step(torch.randn(4, 8))
 
 
-def test_a_registered_backend_runs_plans_that_name_it_and_profiling_goes_through_it():
+def test_a_registered_backend_runs_plans_that_name_it_and_profiles_what_it_made():
     compiled = []
 
     def counting(program, example_inputs, ctx):
@@ -142,7 +142,9 @@ def test_a_registered_backend_runs_plans_that_name_it_and_profiling_goes_through
         step(torch.randn(4, 8))
         before = len(compiled)
         step.profile(torch.randn(4, 8))
-        assert len(compiled) == before + 1  # the profiled run is compiled by the backend
+        assert len(compiled) == before  # the program's own executable, interpreted
+        step.profile(torch.randn(4, 8), comm=FakeComm(2))
+        assert len(compiled) == before + 1  # bound to another comm: lowered by the backend again
     finally:
         del BACKENDS["counting"]
 
@@ -154,8 +156,8 @@ def test_an_unregistered_backend_is_a_plan_error_naming_the_registered_ones():
 
 
 def test_a_profiled_run_is_checked_on_the_executable_that_ran():
-    """Profiling runs the program on an executable of its own: what that one leaves in flight
-    is the error, not what the step's (idle) executable holds."""
+    """Profiling on another comm (calibration's) runs the program on an executable of its own:
+    what that one leaves in flight is the error, not what the step's (idle) executable holds."""
 
     class Leaky:
         def __init__(self, inner):
@@ -191,8 +193,9 @@ def test_a_profiled_run_is_checked_on_the_executable_that_ran():
         plan = {**PLAN, "backend": {"device": "cpu", "name": "leaky"}}
         step = zerocc.compile(_model(), plan, loss_fn=_loss, comm=FakeComm(2))
         step(torch.randn(4, 8))  # the step's own executable: clean
+        step.profile(torch.randn(4, 8))  # on the step's comm: the step's executable, clean
         with pytest.raises(RuntimeError, match="collectives still in flight"):
-            step.profile(torch.randn(4, 8))
+            step.profile(torch.randn(4, 8), comm=FakeComm(2))
     finally:
         del BACKENDS["leaky"]
 

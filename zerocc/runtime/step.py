@@ -212,7 +212,7 @@ class StepRunner:
             self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
         self.programs: dict[tuple, Program] = {}
         self._builds = 0  # programs compiled, the failed ones too: the same on every rank
-        self._profiled = 0  # programs lowered again by profile(): the same on every rank
+        self._relowered = 0  # programs lowered again on another comm: the same on every rank
         self.micro_batches = 0
         self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         self._last_program: Program | None = None
@@ -254,22 +254,31 @@ class StepRunner:
     ) -> tuple[torch.Tensor, ProfiledRun]:
         """Run one micro-batch as :meth:`__call__` does, op by op, timing every op and
         measuring live tensor memory (see :class:`zerocc.runtime.measure.ProfiledRun`): the
-        program is compiled by the plan's backend and its executable interpreted.
+        program's executable (as the plan's backend lowered it) is interpreted.
         ``recorder`` makes the ProfiledRun (subclass) that runs it (``zerocc.inspect.calibrate``
         has its own); ``comm``: the process group its collectives run on (default: the
-        step's; calibration times each collective alone on a wrapper of it)."""
+        step's; calibration times each collective alone on a wrapper of it). On another
+        ``comm`` the program is lowered again, bound to it."""
         recorders: list[ProfiledRun] = []
-        context = replace(self.context, comm=comm) if comm is not None else self.context
 
         def recorded(program: Program) -> ProfiledRun:
-            executable = self.backend(program.gm, program.example_inputs, context)
-            self._profiled += 1  # lowered again (Inductor: a cache hit here, perhaps not there)
-            self._wait_for_ranks(f"profiled-{self._profiled}", "a program to be lowered")
+            executable = program.run if comm is None else self._lowered_on(program, comm)
             recorders.append(recorder(executable, self.comm.rank, self.model_state_bytes()))
             return recorders[-1]
 
         loss = self._step(batch, recorded)
         return loss, recorders[0]
+
+    def _lowered_on(self, program: Program, comm: Comm) -> Executable:
+        """``program`` lowered by the plan's backend again, its collectives bound to ``comm``;
+        the ranks meet after it, as after the program's first lowering (Inductor: a cache hit
+        on one rank may be a full compile on another)."""
+        executable = self.backend(
+            program.gm, program.example_inputs, replace(self.context, comm=comm)
+        )
+        self._relowered += 1
+        self._wait_for_ranks(f"relowered-{self._relowered}", "a program to be lowered")
+        return executable
 
     def _step(
         self, batch: tuple, recorded: Callable[[Program], ProfiledRun] | None = None
