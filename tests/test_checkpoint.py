@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from models import build
 from multirank import run_ranks
 from parity import batch_of
 
 import zerocc
-from zerocc.errors import RankMismatchError
+from zerocc.errors import CheckpointError, RankMismatchError
 
 PLAN = {
     "zero": {"stage": 3},
@@ -64,3 +67,40 @@ def test_checkpoint_of_another_stage_is_refused():
     other = zerocc.compile(build("gpt"), {**PLAN, "zero": {"stage": 2}})
     with pytest.raises(RankMismatchError, match="stage=3, this run has stage=2"):
         other.load_state_dict(saved)
+
+
+def _save_twice(rank: int, world: int, folder: str) -> None:
+    step = zerocc.compile(build("gpt"), PLAN)
+    for i in range(2):
+        _losses(step, rank, [i])
+        step.save(folder)
+
+
+def _load_own_copy(rank: int, world: int, root: str) -> tuple[str, bool]:
+    """Rank ``rank`` loads its own copy of the checkpoints (``root``/rank<r>), as from a host's
+    disk; returns the error and whether its weights stayed as they were."""
+    step = zerocc.compile(build("gpt", seed=123), PLAN)
+    before = {k: v.clone() for k, v in step.full_state_dict().items()}
+    try:
+        step.load(f"{root}/rank{rank}")
+    except CheckpointError as exc:
+        after = step.full_state_dict()
+        return str(exc), all(torch.equal(v, after[k]) for k, v in before.items())
+    return "", False
+
+
+def test_ranks_that_find_different_checkpoints_load_none(tmp_path):
+    """Each rank resolves the folder itself: where a host's copy lacks the newest checkpoint,
+    every rank refuses, naming what each found, and nothing is loaded."""
+    run_ranks(2, _save_twice, str(tmp_path / "saved"), timeout=300)
+    for rank in range(2):
+        shutil.copytree(tmp_path / "saved", tmp_path / f"rank{rank}")
+    shutil.rmtree(tmp_path / "rank1" / "step-00000002")  # rank 1's host has only the first
+    (tmp_path / "rank1" / "latest").unlink()
+    for error, unchanged in run_ranks(2, _load_own_copy, str(tmp_path), timeout=300):
+        assert "the ranks found different checkpoints" in error, error
+        assert (
+            "rank 0: step-00000002 (manifest" in error
+            and "rank 1: step-00000001 (manifest" in error
+        )
+        assert unchanged

@@ -5,6 +5,7 @@ Hugging Face writes them; and what is wrong with the files is said before a step
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,12 @@ from parity import batch_of
 
 import zerocc
 from zerocc.errors import CheckpointError
-from zerocc.runtime.checkpoint.weight_files import WeightFiles
+from zerocc.runtime.checkpoint.weight_files import (
+    SAMPLE_BYTES,
+    SAMPLES,
+    WeightFiles,
+    sampled_digest,
+)
 
 safetensors_torch = pytest.importorskip(
     "safetensors.torch", reason="tests write the files with safetensors: pip install -e '.[dev]'"
@@ -197,3 +203,61 @@ def test_a_truncated_file_is_found_when_bound(tmp_path):
     file.write_bytes(file.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="header describes .* bytes, the file has"):
         zerocc.weights_from(_meta_gpt(), folder)  # on every rank, before a rank reads
+
+
+def _from_own_copy(
+    rank: int, world: int, root: str, own: bool = True
+) -> tuple[list[float], str | None, int]:
+    """Rank ``rank`` reads its own copy of the files (``root``/rank<r>), as on a host of its own
+    (``own``; else rank 0's copy, as from a shared folder); returns its losses, the error that
+    stopped it (None), and how many tensors it read."""
+    from zerocc.errors import RankMismatchError
+
+    reads = []
+    read_range = WeightFiles.read_range
+    WeightFiles.read_range = lambda self, key, *span: (
+        reads.append(key) or read_range(self, key, *span)
+    )
+    model = _meta_gpt()
+    zerocc.weights_from(model, Path(root) / f"rank{rank if own else 0}")
+    try:
+        step = zerocc.compile(model, {**PLAN, "backend": {"device": "cpu"}})
+    except RankMismatchError as exc:
+        return [], str(exc), len(reads)
+    losses = [float(step(*batch_of({"model": "gpt"}, rank, i))) for i in range(2)]
+    return losses, None, len(reads)
+
+
+def test_ranks_whose_copies_of_the_files_differ_stop_before_reading_any(tmp_path):
+    """Each rank reads its own copy: copies alike (another path, another time) train; a copy
+    of other weights stops every rank before any weight is read, naming the file."""
+    from multirank import run_ranks
+
+    weights = _canonical(build("gpt", seed=3))
+    _save(weights, tmp_path / "rank0", "safetensors")
+    shutil.copytree(tmp_path / "rank0", tmp_path / "rank1")
+    copies = run_ranks(2, _from_own_copy, str(tmp_path))
+    assert copies == run_ranks(2, _from_own_copy, str(tmp_path), False)  # as from one folder
+    assert all(error is None and len(losses) == 2 for losses, error, _ in copies)
+
+    _save(_canonical(build("gpt", seed=4)), tmp_path / "rank1", "safetensors")  # other values
+    for losses, error, reads in run_ranks(2, _from_own_copy, str(tmp_path)):
+        assert not losses and reads == 0
+        assert "the ranks' initial weights differ" in error, error
+        assert "rank 0: model.safetensors" in error and "rank 1: model.safetensors" in error
+
+
+def test_a_files_fingerprint_reads_samples_of_it_and_tells_copies_apart(tmp_path):
+    """A file larger than the samples is told apart by a changed sampled chunk (the middle one
+    here) or its size, and the same bytes elsewhere give the same digest."""
+    size = 2 * SAMPLES * SAMPLE_BYTES + 12345
+    data = bytearray(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes())
+    (tmp_path / "a").write_bytes(data)
+    (tmp_path / "b").write_bytes(data)
+    assert sampled_digest(tmp_path / "a") == sampled_digest(tmp_path / "b")
+    middle = (SAMPLES // 2) * (size - SAMPLE_BYTES) // (SAMPLES - 1)  # a sampled chunk's start
+    data[middle + 7] ^= 1
+    (tmp_path / "b").write_bytes(data)
+    assert sampled_digest(tmp_path / "a") != sampled_digest(tmp_path / "b")
+    (tmp_path / "b").write_bytes(bytes(data[:-1]))
+    assert sampled_digest(tmp_path / "a") != sampled_digest(tmp_path / "b")

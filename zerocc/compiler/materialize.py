@@ -43,6 +43,12 @@ class WeightSource(Protocol):
         """One line for explain(): where the values come from."""
         ...
 
+    def fingerprint(self) -> str:
+        """What identifies the values it gives, the same on ranks that would read the same
+        ones (not a path that differs from host to host): the ranks compare it before any
+        reads, every rank reading its own (:class:`zerocc.runtime.step.StepRunner`)."""
+        ...
+
 
 # The source of each model given one; weak, so a model that goes away takes its entry along.
 _SOURCES: weakref.WeakKeyDictionary[nn.Module, WeightSource] = weakref.WeakKeyDictionary()

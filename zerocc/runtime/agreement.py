@@ -49,7 +49,7 @@ class Agreement:
         self._views: list[Any] | None = None
         self._work: dist.Work | None = None
         self._split: list[list[int]] = []
-        if not isinstance(comm, TorchComm) or comm.world_size == 1:
+        if not has_peers(comm):
             return
         # ``within``: (group, content) that the ranks of one group must agree on as well (the
         # batch of a tensor-parallel group's ranks), every rank giving one or none.
@@ -99,6 +99,11 @@ class Agreement:
         """After :meth:`views_if_they_differ`: the groups whose ranks disagree on ``within``'s
         content, each as its ranks by content (empty when every group agrees)."""
         return self._split
+
+
+def has_peers(comm: Comm) -> bool:
+    """Whether ``comm`` has ranks to agree with (a FakeComm's are simulated: it has none)."""
+    return isinstance(comm, TorchComm) and comm.world_size > 1
 
 
 def _hash(text: str) -> int:

@@ -26,7 +26,7 @@ from torch import fx, nn
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.backends.kernels import check_kernels, host_kernels, kernel_set, resolve_kernels
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
-from zerocc.compiler.materialize import is_meta, release_to_meta, weight_source
+from zerocc.compiler.materialize import WeightSource, is_meta, release_to_meta, weight_source
 from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.program import CompiledProgram, compile_program
@@ -76,6 +76,7 @@ from zerocc.runtime.agreement import (
     batch_disagreement,
     digest,
     first_difference,
+    has_peers,
     views_if_they_differ,
 )
 from zerocc.runtime.comm import Comm, CommStats
@@ -183,8 +184,12 @@ class StepRunner:
                 self.host_kernels = host_kernels()  # compiled here (one-pass), not in a step
         if plan.backend.check_memory:  # before anything is allocated: the states fit
             check_model_states(self.model_info, self.units, self.layout, plan, comm, device)
+        self.micro_batches = 0
+        self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         source = weight_source(model)
         self.initial_weights = None if source is None else source.describe()
+        if has_peers(comm):  # before any rank reads a weight: every rank reads its own
+            self._agree_on_initial_weights(source)
         # Parameters are built one unit at a time, so a meta-device model never has more than
         # one unit materialized (read from its weight files, if it was given them); afterwards
         # the TrainStep owns the weights
@@ -213,8 +218,6 @@ class StepRunner:
         self.programs: dict[tuple, Program] = {}
         self._builds = 0  # programs compiled, the failed ones too: the same on every rank
         self._relowered = 0  # programs lowered again on another comm: the same on every rank
-        self.micro_batches = 0
-        self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
         self._last_program: Program | None = None
         # offload.pipeline: the (step count, rate) of the update the last step carried into
         # the next, None when none is pending; and the program that applies it on its own.
@@ -732,6 +735,18 @@ class StepRunner:
         views = self._views_if_they_differ(what, detail if detail is not None else repr(what))
         if views is not None:
             raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + first_difference(views))
+
+    def _agree_on_initial_weights(self, source: WeightSource | None) -> None:
+        """Raise on every rank when the ranks' weight sources differ (files copied to each
+        host that are not the same): each rank reads its own, and without this the model
+        would start from a mix of them, or replicas from different values, and train on."""
+        seen = source.fingerprint() if source is not None else "the model's own values"
+        self._agree(
+            ("initial weights", digest(seen)),
+            "the ranks' initial weights differ (each rank reads them itself: give every rank "
+            "the same files)",
+            seen,
+        )
 
     def _views_if_they_differ(self, what: tuple, detail: str) -> list[Any] | None:
         try:

@@ -169,6 +169,13 @@ class Initialization:
         return (f"initial weights made by transformers' initialization, module by module "
                 f"(seed {self.seed})")  # fmt: skip
 
+    def fingerprint(self) -> str:
+        """The seed and the releases whose initialization makes the values."""
+        import transformers
+
+        return (f"transformers {transformers.__version__}'s initialization on torch "
+                f"{torch.__version__}, seed {self.seed}")  # fmt: skip
+
     def uncovered(self) -> list[str]:
         """The tensors initialization leaves unset in one module of each kind (those of a
         kind are initialized alike): its smallest, unless that holds more than

@@ -11,6 +11,7 @@ files are missing or corrupted fails the load everywhere, never a rank left wait
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from zerocc.compiler.plan import OptimizerConfig
 from zerocc.compiler.state import optimizer_states
 from zerocc.runtime.checkpoint.agreement import agree, attempt
 from zerocc.runtime.checkpoint.files import (
+    MANIFEST,
     CheckpointError,
     DataReader,
     Manifest,
@@ -34,6 +36,7 @@ from zerocc.runtime.checkpoint.layout import (
     rng_name,
     weight_name,
 )
+from zerocc.runtime.comm import Comm
 
 if TYPE_CHECKING:
     from zerocc.runtime.step import StepRunner
@@ -47,18 +50,43 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
     into ``runner``; returns the checkpoint's folder and notes on what differs from the run
     that saved it. Call on every rank, before the first step or between steps."""
     folder = Path(path)
-    notes: list[str] = []
+    manifest: Manifest | None = None
     runner.apply_carried_update()  # (offload.pipeline) none left to apply over what loads
 
-    def load() -> None:  # (on every rank: one that cannot see the folder fails with the rest)
-        nonlocal folder
+    def find() -> None:  # (on every rank: one that cannot see the folder fails with the rest)
+        nonlocal folder, manifest
         folder = resolve(path)
         manifest = Manifest.read(folder)
         check_compatible(runner, manifest)
-        notes.extend(_load(runner, folder, manifest))
 
-    agree(runner.comm, attempt(load), f"load of {path}", "nothing was loaded")
+    agree(runner.comm, attempt(find), f"load of {path}", "nothing was loaded")
+    assert manifest is not None
+    _agree_on_checkpoint(runner.comm, path, folder)
+    notes: list[str] = []
+    agree(
+        runner.comm,
+        attempt(lambda: notes.extend(_load(runner, folder, manifest))),
+        f"load of {path}",
+        "nothing was loaded",
+    )
     return folder, notes
+
+
+def _agree_on_checkpoint(comm: Comm, path: str | Path, folder: Path) -> None:
+    """Every rank found the same checkpoint (its manifest, byte for byte, holds every chunk's
+    SHA-256): CheckpointError on every rank, before any reads, when not. Each rank resolves
+    ``path`` itself, so a folder copied to each host whose newest checkpoints differ, or a
+    save landing between two ranks' looks, would load a model made of two steps."""
+    manifest_digest = hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()[:16]
+    seen = f"{folder.name} (manifest {manifest_digest})"
+    views = comm.all_gather_object(seen)
+    if len(set(views)) > 1:
+        found = "; ".join(f"rank {rank}: {view}" for rank, view in enumerate(views))
+        raise CheckpointError(
+            f"the ranks found different checkpoints at {path} ({found}): nothing was loaded; "
+            "give every rank the same checkpoint (one shared folder, or the checkpoint's own "
+            "folder named)"
+        )
 
 
 def check_compatible(runner: StepRunner, manifest: Manifest) -> None:

@@ -9,10 +9,15 @@ without its ``base_model_prefix``) and checks every shape before anything is rea
 :func:`zerocc.weights_from` binds and hands the result to zerocc, which reads each unit's
 tensors as it builds the unit's shards (:func:`zerocc.compiler.materialize.initial_values`).
 Every rank reads the files itself: they must be the same files on every rank, as the plan is.
+The ranks compare the files' fingerprints (:meth:`WeightFiles.fingerprint`: each file's size and
+sampled bytes) before any rank reads a weight, so copies that differ across hosts (another
+revision, a truncated download) stop every rank with an error naming the file, never a model
+made of two.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -40,6 +45,12 @@ NAMES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+
+
+# A weight file's fingerprint reads SAMPLES chunks of SAMPLE_BYTES spread evenly over it (2 MiB
+# of a 5 GB shard: milliseconds on a local disk), all of it when it is smaller.
+SAMPLES = 32
+SAMPLE_BYTES = 1 << 16
 
 
 class NotMapped(CheckpointError):
@@ -80,6 +91,14 @@ class WeightFiles:
         kind = "safetensors" if self.files[0].suffix == ".safetensors" else "torch"
         return f"{self.path} ({kind}, {len(self.files)} file(s), {len(self.entries)} tensors)"
 
+    def fingerprint(self) -> str:
+        """One line per file: its name, size and a digest of sampled bytes (see
+        :func:`sampled_digest`). Copies of the same files give the same lines on any host."""
+        return "\n".join(
+            f"{file.name}: {file.stat().st_size} bytes, sampled {sampled_digest(file)}"
+            for file in self.files
+        )
+
     def read(self, key: str) -> torch.Tensor:
         """The tensor saved under ``key``, as saved (dtype and shape), in fresh memory."""
         entry = self.entries[key]
@@ -98,6 +117,22 @@ class WeightFiles:
             if len(into) and handle.readinto(into) != len(into):
                 raise CheckpointError(f"{entry.file}: {key} ends past the file's end (truncated?)")
         return tensor
+
+
+def sampled_digest(file: Path) -> str:
+    """A SHA-256 (16 hex digits) of ``file``'s size and of :data:`SAMPLES` chunks of
+    :data:`SAMPLE_BYTES` spread evenly over it, the first and the last included (the whole file
+    when it is smaller): tells two copies apart without reading either whole."""
+    size = file.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with file.open("rb") as handle:
+        if size <= SAMPLES * SAMPLE_BYTES:
+            digest.update(handle.read())
+        else:
+            for i in range(SAMPLES):
+                handle.seek(i * (size - SAMPLE_BYTES) // (SAMPLES - 1))
+                digest.update(handle.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def _files_of(path: Path) -> list[Path]:
@@ -192,6 +227,11 @@ class BoundWeights:
     def describe(self) -> str:
         """One line for explain(): where the initial weights come from."""
         return f"initial weights read from {self.files}, one unit at a time"
+
+    def fingerprint(self) -> str:
+        """The files' fingerprint (:meth:`WeightFiles.fingerprint`), under a line that says
+        what they are; not their path, which may differ from host to host."""
+        return f"weight files, {len(self.files.files)}:\n{self.files.fingerprint()}"
 
 
 def bind(files: WeightFiles, model: nn.Module) -> BoundWeights:
