@@ -254,3 +254,28 @@ def _groups_for_cuda(rank: int, world: int) -> list[str | None]:
 def test_on_cuda_the_data_group_is_nccl_and_the_control_group_gloo():
     for asked in run_ranks(2, _groups_for_cuda, timeout=120):
         assert asked == ["nccl", "gloo"]
+
+
+def _own_plans(rank: int, world: int, field: str, values: tuple) -> tuple[str, list[float]]:
+    """Rank ``rank`` compiles its own plan, ``field`` set to ``values[rank]``: the error that
+    stopped it ("" if none), and the losses of the steps it trained."""
+    section, _, name = field.partition(".")
+    plan = _plan(3)
+    plan[section] = {**plan.get(section, {}), name: values[rank]}
+    try:
+        step = zerocc.compile(build("gpt"), plan)
+    except RankMismatchError as exc:
+        return str(exc), []
+    return "", [float(step(*batch_of(GPT, i, rank))) for i in range(2)]
+
+
+def test_ranks_whose_plans_differ_stop_before_making_their_groups():
+    """A learning rate changes no compiled program: ranks with their own plans would each
+    update their shards by their own. Every rank stops, naming the field and each value; a
+    folder each host may set its own way (checkpoint.dir) is not compared."""
+    for error, losses in run_ranks(2, _own_plans, "optimizer.lr", (1e-3, 1e-2)):
+        assert not losses
+        assert "the ranks' plans or initial weights differ" in error, error
+        assert "rank 0: optimizer.lr: 0.001; rank 1: optimizer.lr: 0.01" in error, error
+    for error, losses in run_ranks(2, _own_plans, "checkpoint.dir", ("/host/a", "/host/b")):
+        assert error == "" and len(losses) == 2

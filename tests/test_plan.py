@@ -590,3 +590,21 @@ def test_gpt_example_loss_starts_near_uniform():
 def test_a_boolean_is_not_a_number(data, path):
     message = plan_error(data)  # YAML `lr: true` would otherwise read as 1.0
     assert path in message and ("True" in message or "False" in message)
+
+
+def test_the_fields_ranks_agree_on_are_all_but_the_host_local_ones():
+    from zerocc.compiler.plan import HOST_LOCAL
+
+    plan = Plan.model_validate(
+        {
+            "optimizer": {"lr": 0.02, "schedule": {"name": "cosine", "total_steps": 9}},
+            "offload": {"optimizer": "nvme", "nvme_path": "/local/disk"},
+            "checkpoint": {"dir": "/mnt/a", "every": 5},
+            "workload_args": {"data": "/host/data"},
+        }
+    )
+    lines = plan.shared_lines().splitlines()
+    assert "optimizer.lr: 0.02" in lines and "optimizer.schedule.total_steps: 9" in lines
+    assert "offload.optimizer: 'nvme'" in lines and "checkpoint.every: 5" in lines
+    assert not [line for line in lines if line.split(":")[0].startswith(tuple(HOST_LOCAL))]
+    assert "/local/disk" not in plan.shared_lines() and "/host/data" not in plan.shared_lines()

@@ -906,6 +906,37 @@ class MetricsConfig(_Section):
     )
 
 
+# Plan fields each host may set its own way: folders on its own disks, files only rank 0 writes,
+# and the workload (its data is each rank's own; its model is held to the other ranks' by their
+# agreement on each compiled program). The ranks agree on every other field (Plan.shared_lines).
+HOST_LOCAL = frozenset(
+    {
+        "offload.nvme_path",
+        "dumps.dir",
+        "checkpoint.dir",
+        "checkpoint.resume",
+        "metrics.file",
+        "metrics.tensorboard",
+        "cost.calibration",
+        "workload",
+        "workload_args",
+    }
+)
+
+
+def _shared_lines(value: Any, path: str = "") -> list[str]:
+    """``path: value`` lines of a plan's (JSON) fields under ``path``, none of HOST_LOCAL."""
+    if path in HOST_LOCAL:
+        return []
+    if isinstance(value, dict) and value:
+        return [line for k, v in value.items() for line in _shared_lines(v, _joined(path, k))]
+    return [f"{path}: {value!r}"]
+
+
+def _joined(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
 class Plan(_Section):
     """A zerocc plan: how to shard, optimize and run one training step."""
 
@@ -988,6 +1019,13 @@ class Plan(_Section):
         """The path the plan was loaded from (None for a dict or Plan); the workload module is
         looked up in its folder first (see zerocc.compiler.workload.load_workload)."""
         return self._source
+
+    def shared_lines(self) -> str:
+        """The plan as ``field: value`` lines (the YAML path of each field), every field but
+        those a host may set its own way (:data:`HOST_LOCAL`): what the ranks must run alike.
+        A learning rate or schedule that differs across ranks changes no compiled program,
+        only the numbers each rank's shard is updated by."""
+        return "\n".join(_shared_lines(self.model_dump(mode="json")))
 
     def mesh(self, world_size: int) -> Mesh:
         """The layout of ``world_size`` ranks under this plan (``zero.replicate``,

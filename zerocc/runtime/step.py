@@ -137,6 +137,11 @@ class StepRunner:
     ) -> None:
         self.plan, self.loss_fn, self.comm, self.device = plan, loss_fn, comm, device
         self.model = model
+        self.micro_batches = 0
+        self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
+        source = weight_source(model)
+        if has_peers(comm):  # before any group is made or weight read
+            self._agree_on_start(source)
         # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
         # group under hybrid sharding or tensor parallelism, made here: a collective).
         self.mesh = plan.mesh(comm.world_size)
@@ -184,12 +189,7 @@ class StepRunner:
                 self.host_kernels = host_kernels()  # compiled here (one-pass), not in a step
         if plan.backend.check_memory:  # before anything is allocated: the states fit
             check_model_states(self.model_info, self.units, self.layout, plan, comm, device)
-        self.micro_batches = 0
-        self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
-        source = weight_source(model)
         self.initial_weights = None if source is None else source.describe()
-        if has_peers(comm):  # before any rank reads a weight: every rank reads its own
-            self._agree_on_initial_weights(source)
         # Parameters are built one unit at a time, so a meta-device model never has more than
         # one unit materialized (read from its weight files, if it was given them); afterwards
         # the TrainStep owns the weights
@@ -736,16 +736,19 @@ class StepRunner:
         if views is not None:
             raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + first_difference(views))
 
-    def _agree_on_initial_weights(self, source: WeightSource | None) -> None:
-        """Raise on every rank when the ranks' weight sources differ (files copied to each
-        host that are not the same): each rank reads its own, and without this the model
-        would start from a mix of them, or replicas from different values, and train on."""
-        seen = source.fingerprint() if source is not None else "the model's own values"
+    def _agree_on_start(self, source: WeightSource | None) -> None:
+        """Raise on every rank when the ranks start from different plans (but for the fields a
+        host sets its own way, ``Plan.shared_lines``) or weight sources (files copied to each
+        host that are not the same). Each rank reads its own; a learning rate, a schedule or
+        weight files that differ change no compiled program, so without this the model would
+        train on from a mix of them, silently."""
+        weights = source.fingerprint() if source is not None else "the model's own values"
+        start = f"plan:\n{self.plan.shared_lines()}\ninitial weights: {weights}"
         self._agree(
-            ("initial weights", digest(seen)),
-            "the ranks' initial weights differ (each rank reads them itself: give every rank "
-            "the same files)",
-            seen,
+            ("plan and initial weights", digest(start)),
+            "the ranks' plans or initial weights differ (each rank reads its own: give every "
+            "rank the same plan and weight files)",
+            start,
         )
 
     def _views_if_they_differ(self, what: tuple, detail: str) -> list[Any] | None:
