@@ -600,7 +600,7 @@ def test_the_fields_ranks_agree_on_are_all_but_the_host_local_ones():
             "optimizer": {"lr": 0.02, "schedule": {"name": "cosine", "total_steps": 9}},
             "offload": {"optimizer": "nvme", "nvme_path": "/local/disk"},
             "checkpoint": {"dir": "/mnt/a", "every": 5},
-            "workload_args": {"data": "/host/data"},
+            "workload_args": {"data": "/host/data", "tokenizer": object()},  # any object
         }
     )
     lines = plan.shared_lines().splitlines()

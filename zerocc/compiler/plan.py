@@ -1025,7 +1025,8 @@ class Plan(_Section):
         those a host may set its own way (:data:`HOST_LOCAL`): what the ranks must run alike.
         A learning rate or schedule that differs across ranks changes no compiled program,
         only the numbers each rank's shard is updated by."""
-        return "\n".join(_shared_lines(self.model_dump(mode="json")))
+        top = {name for name in HOST_LOCAL if "." not in name}  # workload_args may hold objects
+        return "\n".join(_shared_lines(self.model_dump(mode="json", exclude=top)))
 
     def mesh(self, world_size: int) -> Mesh:
         """The layout of ``world_size`` ranks under this plan (``zero.replicate``,
