@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,37 @@ def test_ranks_that_find_different_checkpoints_load_none(tmp_path):
             and "rank 1: step-00000001 (manifest" in error
         )
         assert unchanged
+
+
+def _save_on_own_disk(rank: int, world: int, root: str) -> tuple[str, list[str]]:
+    """Rank 1 writes its file under ``root``/host1, as into a folder of the same name on its
+    own host's disk; returns the second save's error and the checkpoints rank 0's folder holds."""
+    from zerocc.runtime.checkpoint import save
+
+    step = zerocc.compile(build("gpt"), PLAN)
+    _losses(step, rank, [0])
+    step.save(f"{root}/shared")  # the first save: every file where rank 0 sees it
+    if rank == 1:
+        writer = save.DataWriter
+
+        def on_own_disk(path):
+            own = Path(root) / "host1" / path.relative_to(root)
+            own.parent.mkdir(parents=True, exist_ok=True)
+            return writer(own)
+
+        save.DataWriter = on_own_disk
+    _losses(step, rank, [1])
+    try:
+        step.save(f"{root}/shared")
+    except CheckpointError as exc:
+        return str(exc), sorted(p.name for p in Path(f"{root}/shared").glob("step-*"))
+    return "", []
+
+
+def test_a_checkpoint_folder_that_is_not_shared_fails_the_save(tmp_path):
+    """Where a rank's file lands on its own host's disk, rank 0 does not see it: the save
+    fails on every rank, naming the file, and the earlier checkpoint stays the newest."""
+    for error, saved in run_ranks(2, _save_on_own_disk, str(tmp_path), timeout=300):
+        assert "rank 0 does not see rank 1's file as written" in error, error
+        assert "no such file" in error and "shared filesystem" in error
+        assert saved == ["step-00000001"]

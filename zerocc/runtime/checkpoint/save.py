@@ -88,12 +88,30 @@ def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = Non
 
     def finish() -> None:
         nonlocal final
-        manifest = _manifest(runner, [w for _, w, _ in everyone], [s for *_, s in everyone])
+        sizes = [s for *_, s in everyone]
+        _check_every_file_is_here(staging, sizes)
+        manifest = _manifest(runner, [w for _, w, _ in everyone], sizes)
         (staging / "manifest.json").write_text(manifest.to_json())
         final = commit(root, staging, name, keep)
 
     agree(comm, attempt(finish) if comm.rank == 0 else None, "commit", INTACT)
     return root / name if final is None else final
+
+
+def _check_every_file_is_here(staging: Path, sizes: list[int]) -> None:
+    """Every rank's file is in ``staging`` as rank 0 sees it, as large as its rank wrote it:
+    a folder on each host's own disk would otherwise commit a checkpoint of rank 0's file
+    alone, which no load could read."""
+    for rank, size in enumerate(sizes):
+        file = staging / data_file(rank)
+        seen = file.stat().st_size if file.is_file() else None
+        if seen != size:
+            found = "no such file" if seen is None else f"{seen} bytes"
+            raise CheckpointError(
+                f"rank 0 does not see rank {rank}'s file as written ({file}: {found}, rank "
+                f"{rank} wrote {size} bytes): the checkpoint folder must be one folder every "
+                "rank sees (a shared filesystem), not a folder on each host's own disk"
+            )
 
 
 def _fresh_folder(staging: Path) -> None:
