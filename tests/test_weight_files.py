@@ -224,7 +224,7 @@ def _from_own_copy(
         step = zerocc.compile(model, {**PLAN, "backend": {"device": "cpu"}})
     except RankMismatchError as exc:
         return [], str(exc), len(reads)
-    losses = [float(step(*batch_of({"model": "gpt"}, rank, i))) for i in range(2)]
+    losses = [float(step(*batch_of({"model": "gpt"}, i, rank))) for i in range(2)]
     return losses, None, len(reads)
 
 
@@ -233,8 +233,7 @@ def test_ranks_whose_copies_of_the_files_differ_stop_before_reading_any(tmp_path
     of other weights stops every rank before any weight is read, naming the file."""
     from multirank import run_ranks
 
-    weights = _canonical(build("gpt", seed=3))
-    _save(weights, tmp_path / "rank0", "safetensors")
+    _save(_canonical(build("gpt", seed=3)), tmp_path / "rank0", "safetensors")
     shutil.copytree(tmp_path / "rank0", tmp_path / "rank1")
     copies = run_ranks(2, _from_own_copy, str(tmp_path))
     assert copies == run_ranks(2, _from_own_copy, str(tmp_path), False)  # as from one folder
