@@ -737,17 +737,20 @@ class StepRunner:
             raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + first_difference(views))
 
     def _agree_on_start(self, source: WeightSource | None) -> None:
-        """Raise on every rank when the ranks start from different plans (but for the fields a
-        host sets its own way, ``Plan.shared_lines``) or weight sources (files copied to each
-        host that are not the same). Each rank reads its own; a learning rate, a schedule or
-        weight files that differ change no compiled program, so without this the model would
-        train on from a mix of them, silently."""
+        """Raise on every rank when the ranks do not start alike: their torch releases, plans
+        (but for the fields a host sets its own way, ``Plan.shared_lines``) or weight sources
+        (files copied to each host that are not the same). Each rank has its own; a learning
+        rate, a schedule or weight files that differ change no compiled program, so without
+        this the model would train on from a mix of them, silently."""
         weights = source.fingerprint() if source is not None else "the model's own values"
-        start = f"plan:\n{self.plan.shared_lines()}\ninitial weights: {weights}"
+        start = (
+            f"torch {torch.__version__}\nplan:\n{self.plan.shared_lines()}\n"
+            f"initial weights: {weights}"
+        )
         self._agree(
-            ("plan and initial weights", digest(start)),
-            "the ranks' plans or initial weights differ (each rank reads its own: give every "
-            "rank the same plan and weight files)",
+            ("start", digest(start)),
+            "the ranks do not start alike (each has its own torch, plan and weight files: "
+            "give every rank the same)",
             start,
         )
 

@@ -170,11 +170,10 @@ class Initialization:
                 f"(seed {self.seed})")  # fmt: skip
 
     def fingerprint(self) -> str:
-        """The seed and the releases whose initialization makes the values."""
+        """The seed, and the transformers release whose initialization makes the values."""
         import transformers
 
-        return (f"transformers {transformers.__version__}'s initialization on torch "
-                f"{torch.__version__}, seed {self.seed}")  # fmt: skip
+        return f"transformers {transformers.__version__}'s initialization, seed {self.seed}"
 
     def uncovered(self) -> list[str]:
         """The tensors initialization leaves unset in one module of each kind (those of a
