@@ -153,7 +153,7 @@ def _slow_compile(
     }
     step = zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=loss_fn)
     losses = [float(step(torch.ones(2, 4))) for _ in range(2)]
-    # on another comm (calibration's), profiling lowers the program again
+    # a comm given (calibration's wrapper; here the step's own) makes profiling lower it again
     losses.append(float(step.profile(torch.ones(2, 4), comm=step.comm)[0]))
     return losses, step.record().backend_notes
 
