@@ -26,8 +26,10 @@ import zerocc
 from zerocc.backends.inductor.generated_calls import GeneratedCalls
 from zerocc.backends.inductor.lowered_ops import COMPOSITE
 from zerocc.backends.inductor.regions import REGION_PREFIX
+from zerocc.cost.memory import predict_memory
 from zerocc.ir.nodes import op_name
 from zerocc.ir.rng import is_random
+from zerocc.runtime.allocations import peak_allocated
 
 TOL = 1e-5
 
@@ -158,6 +160,27 @@ def _assert_no_more_gathered_units_than_planned(step) -> None:
         elif dropped := re.match(r"\s*del ([\w, ]+)", line):
             gathered -= {b.strip() for b in dropped.group(1).split(",")}
     assert 0 < most <= planned
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor", "inductor-regions"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_compiled_step_allocates_what_the_estimate_predicts(backend, stage):
+    """The most tensor memory a step really holds beyond what was live before it (the
+    allocator's, :func:`peak_allocated`: Inductor's own buffers, not the program interpreted op
+    by op) against the transient peak ``zerocc estimate`` predicts for the program.
+
+    Eager within 1%: it runs the program the estimate reads (measured: a few hundred bytes
+    over, scalars made outside the program). Inductor within 15% (the bound test_estimate
+    holds the estimate to, here on the transient alone, which is stricter): its fused kernels
+    keep fewer intermediates and its buffers live as its code says, not as the program's
+    values do (measured: whole graph -2% at stage 0, +4% at stage 3; regions +7% and +10%,
+    each region's outputs copied into the layout the next region was compiled for). A
+    schedule Inductor undid fails it: with its reorderings for peak memory, locality and
+    overlap turned on, every unit was gathered at once, +20% at stage 3."""
+    _, step = _run(backend, steps=2, stage=stage)
+    _, allocated = peak_allocated(lambda: step(*_gpt_batch(2, 0)), torch.device("cpu"))
+    predicted = predict_memory(step.program, {}).peak()[1]
+    assert allocated == pytest.approx(predicted, rel=0.01 if backend == "eager" else 0.15)
 
 
 def test_regions_keep_zerocc_ops_in_their_scheduled_order_and_hold_none():

@@ -1,0 +1,52 @@
+"""The peak of tensor memory a run really allocates, whatever code runs it.
+
+:class:`~zerocc.runtime.measure.ProfiledRun` measures a program op by op, as the eager backend
+runs it. Code that runs it otherwise (Inductor's, which plans its own buffers; a peer's, in the
+benchmarks) is measured here, from the allocator: on a GPU its peak statistic; on a CPU, whose
+allocator keeps none, the allocations ``torch.profiler`` records (``profile_memory``), summed in
+the order they happened. The CPU figure counts the allocations of the threads the profiler
+follows (the calling one; not gloo's own buffers, which are not torch tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch._C._profiler import _EventType
+
+T = TypeVar("T")
+
+
+def peak_allocated(run: Callable[[], T], device: torch.device) -> tuple[T, int]:
+    """Call ``run()`` once; returns its result and the most bytes of tensor memory on
+    ``device`` held at once during the call beyond what was held when it began."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = run()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - before
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as profiler:
+        result = run()
+    sizes = sorted(
+        (event.start_time_ns, event.extra_fields.alloc_size)
+        for root in profiler.profiler.kineto_results.experimental_event_tree()
+        for event in _walk(root)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == device.type
+    )
+    held = peak = 0
+    for _, size in sizes:  # an allocation's size is positive, a free's negative
+        held += size
+        peak = max(peak, held)
+    return result, peak
+
+
+def _walk(event: Any) -> Iterator[Any]:
+    """``event`` and every event under it in the profiler's tree."""
+    yield event
+    for child in event.children:
+        yield from _walk(child)
