@@ -111,6 +111,7 @@ def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str,
                 live[name] = SystemRanks(name, cfg, timeout)
                 runs[name]["ready"] = live[name].ready
                 runs[name]["answers"].append(live[name].command("warmup", cfg.warmup))
+                runs[name]["allocated"] = live[name].command("allocated", 1)  # untimed
                 setup = max(r["setup_s"] for r in live[name].ready)
                 print(f"  set up in {setup:.1f} s; warm-up {_step_times(runs[name])}", flush=True)
                 reported = runs[name]["answers"][-1][0].get("reported", {})
@@ -176,6 +177,7 @@ def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],
     else:
         memory = max(f["peak_rss"] - f["rss_built"] for f in final)
     live = [r.get("live_tensor_peak") for r in answers[0] if r.get("live_tensor_peak")]
+    allocated = [r["allocated_peak"] for r in run["allocated"]]
     gather_bytes = 2 if cfg.dtype == "bf16" else 4  # parameters travel in the compute dtype
     tokens_per_s = cfg.tokens_per_step / median
     return out | {
@@ -195,6 +197,7 @@ def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],
             max(f["peak_rss"], f["peak_rss_setup"] or 0) for f in final
         ],
         "live_tensor_peak": max(live) if live else None,
+        "allocated_peak": max(allocated),
         "comm_bytes": last[0]["comm"]["bytes"],
         "comm_calls": last[0]["comm"]["calls"],
         "comm_bytes_reported": last[0]["reported"].get("comm_bytes"),
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if goals := targets(rows):
         print("\n".join(goals) + "\n")
     print(f"{title}; median of {cfg.rounds} rounds × {cfg.steps} timed steps "
-          f"(after {cfg.warmup} warm-up steps; 1 untimed step opens each round"
+          f"(after {cfg.warmup} warm-up steps and 1 measuring allocations; 1 untimed step opens "
+          f"each round"
           f"{SEQUENTIAL if cfg.sequential else ''})")  # fmt: skip
     print(table(rows, reference, gpu))
     differs = [r for r in rows if r["status"] == "ok" and r["loss_rel_diff"] > r["rtol"]]

@@ -53,8 +53,9 @@ class BenchConfig:
 
     @property
     def total_steps(self) -> int:
-        """Optimizer steps every system takes: the loss after these is compared."""
-        return self.warmup + self.rounds * (1 + self.steps)
+        """Optimizer steps every system takes: the loss after these is compared (the warm-up,
+        one step whose allocations are measured, the rounds)."""
+        return self.warmup + 1 + self.rounds * (1 + self.steps)
 
     @property
     def tokens_per_step(self) -> int:

@@ -148,7 +148,10 @@ def _serve_setup(rank: int, name: str, cfg: BenchConfig, counter: Any, conn: Con
             reset_peak_rss()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-        answer = _run_steps(runner, data, n, device, counter, profile_last=phase == "warmup")
+        if phase == "allocated":
+            answer = _allocated_step(runner, data, device)
+        else:
+            answer = _run_steps(runner, data, n, device, counter, profile_last=phase == "warmup")
         steps += n
         conn.send(("ok", answer))
         # An idle rank gives back what its allocators cache, so that all the systems' ranks fit
@@ -219,6 +222,17 @@ def _run_steps(runner: Any, data: Any, n: int, device: Any, counter: Any,
     answer["comm"] = counter.snapshot()
     answer["reported"] = runner.reported()
     return answer
+
+
+def _allocated_step(runner: Any, data: Any, device: Any) -> dict[str, Any]:
+    """One more optimizer step with its tensor allocations measured (zerocc's
+    ``peak_allocated``: the allocator's peak, whatever code runs the step, every system's
+    alike): the most bytes the step holds beyond what was live before it."""
+    from zerocc.runtime.allocations import peak_allocated
+
+    idx, targets = next(data)
+    loss, peak = peak_allocated(lambda: float(runner.train_step(idx, targets)), device)
+    return {"allocated_peak": peak, "loss": loss}
 
 
 def _short_traceback(e: BaseException) -> str:

@@ -31,7 +31,7 @@ def table(results: list[dict[str, Any]], reference: str | None, gpu: bool) -> st
     header = (
         f"{'system':<{w}}{'step ms':>9}{'IQR':>6}{'CPU ms':>8}{'× ' + (reference or '-'):>13}"
         f"{memory:>16}"
-        f"{'live MiB':>10}{'comm MiB':>10}{'formula':>9}{'tokens/s':>10}"
+        f"{'step alloc MiB':>16}{'comm MiB':>10}{'formula':>9}{'tokens/s':>10}"
         + (f"{'MFU':>7}" if gpu else "")
         + f"{'final loss':>12}{'rel Δ loss':>11}"
     )
@@ -45,7 +45,7 @@ def table(results: list[dict[str, Any]], reference: str | None, gpu: bool) -> st
             f"{r['name']:<{w}}{1e3 * r['median_step_s']:>9.1f}{1e3 * r['iqr_step_s']:>6.0f}"
             f"{1e3 * r['median_cpu_step_s']:>8.0f}"
             f"{'-' if ratio is None else f'{ratio:.2f}':>13}"
-            f"{_mib(r['peak_memory']):>16}{_mib(r['live_tensor_peak']):>10}"
+            f"{_mib(r['peak_memory']):>16}{_mib(r['allocated_peak']):>16}"
             f"{_mib(_total(r['comm_bytes'])):>10}{_mib(_total(r['comm_formula'])):>9}"
             f"{r['tokens_per_s']:>10.0f}"
         )
@@ -73,8 +73,10 @@ def legend(results: list[dict[str, Any]], gpu: bool) -> str:
         "CPU ms: CPU time per step of the busier rank (all its threads), median over the rounds:",
         "  the work a step does, which other load on this shared machine inflates far less.",
         *memory,
-        "live: peak bytes of live tensors in one step (zerocc's step.profile; not exposed by the",
-        "  others on CPU).",
+        "step alloc: the most tensor bytes one step holds beyond what was live before it (its",
+        "  model states), from the allocator (on CPU torch.profiler's allocation events): what",
+        "  the system's code holds, compiled or not, measured alike for every system; one step",
+        "  after the warm-up, max over ranks.",
         "comm: bytes per step and rank counted at torch.distributed (all-gather: output,",
         "  reduce-scatter: input, all-reduce: 2x size); formula: what the ZeRO stage must move.",
         "Systems:",
