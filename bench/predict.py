@@ -19,6 +19,7 @@ program). Prints a table; writes ``bench/results/predict-<device>-<date>.json``.
     python bench/predict.py                 # stages 2 and 3, ~3 minutes here
     python bench/predict.py --stages 3 --steps 10
     python bench/predict.py --stages 3 --offload opt-cpu opt-par-cpu-rc opt-nvme
+    python bench/predict.py --stages 3 --backends eager inductor
 """
 
 from __future__ import annotations
@@ -52,14 +53,18 @@ VARIANTS = {
 
 @dataclass(frozen=True)
 class Case:
-    """What one row measures: a ZeRO stage, with an offload variant's sections or none."""
+    """What one row measures: a ZeRO stage, with an offload variant's sections or none, under
+    a backend (the cost model's rates are fitted to what the backend runs: its per-op
+    overhead from the backend's own code)."""
 
     stage: int
     variant: str | None = None
+    backend: str = "eager"
 
     @property
     def label(self) -> str:
-        return f"zero-{self.stage}" + (f" {self.variant}" if self.variant else "")
+        backend = "" if self.backend == "eager" else f" {self.backend}"
+        return f"zero-{self.stage}" + (f" {self.variant}" if self.variant else "") + backend
 
 
 def _endless(cfg: BenchConfig, rank: int):
@@ -81,7 +86,8 @@ def case_rank(rank: int, cfg: BenchConfig, case: Case, port: int, steps: int, ou
     dist.init_process_group("gloo")
     offload, checkpointing = VARIANTS[case.variant] if case.variant else (None, None)
     step = zerocc_runner(build_model(cfg), cfg, torch.device("cpu"), stage=case.stage,
-                         offload=offload, checkpointing=checkpointing).train_step  # fmt: skip
+                         backend=case.backend, offload=offload,
+                         checkpointing=checkpointing).train_step  # fmt: skip
     data = _endless(cfg, rank)
     step(*next(data))  # captures and compiles
     calibration = calibrate(step, data, steps=steps, warmup=cfg.warmup)
@@ -185,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="VARIANT",
         help="bench/offload.py's zerocc variants (by suffix) to run on stage 3 too",
     )
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["eager"],
+        choices=["eager", "inductor", "inductor-regions"],
+        help="the backends every case runs under",
+    )
     p.add_argument("--steps", type=int, default=7, help="timed steps (calibration and check)")
     p.add_argument("--layers", type=int, default=BenchConfig.n_layer)
     p.add_argument("--embd", type=int, default=BenchConfig.n_embd)
@@ -193,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = replace(BenchConfig(n_layer=args.layers, n_embd=args.embd), threads=1)
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
     info = machine(cfg)
-    cases = [Case(s) for s in args.stages] + [Case(3, v) for v in args.offload]
+    cases = [
+        Case(stage, variant, backend)
+        for backend in args.backends
+        for stage, variant in [(s, None) for s in args.stages] + [(3, v) for v in args.offload]
+    ]
     results = {c: run_case(cfg, c, args.steps) for c in cases}
     rows = []
     for c in cases:

@@ -143,8 +143,13 @@ def test_a_registered_backend_runs_plans_that_name_it_and_profiles_what_it_made(
         before = len(compiled)
         step.profile(torch.randn(4, 8))
         assert len(compiled) == before  # the program's own executable, interpreted
-        step.profile(torch.randn(4, 8), comm=FakeComm(2))
+        other = FakeComm(2)
+        step.profile(torch.randn(4, 8), comm=other)
         assert len(compiled) == before + 1  # bound to another comm: lowered by the backend again
+        step.profile(torch.randn(4, 8), comm=other)
+        assert len(compiled) == before + 1  # once: kept for the next profile there
+        step.profile(torch.randn(4, 8), backend="eager")
+        assert len(compiled) == before + 1  # the backend asked for lowers it, not the plan's
     finally:
         del BACKENDS["counting"]
 

@@ -5,16 +5,18 @@ compiled and warmed up, then:
 
 1. **steps**: ``steps`` optimizer steps are timed as they run (a step lasts as long as its
    slowest rank; the median is kept): what the prediction is checked against;
-2. **ops**: a few more steps run op by op (``TrainStep.profile`` with :class:`CalibrationRun`:
-   each collective finishes when it is issued, so no op shares the cores or the memory bus
-   with a transfer; on a GPU every op is synchronized, so its time is its kernels'). Views,
-   which do no work, time the profiler's own cost per op, taken off every op; the rest is
-   fitted, by non-negative least squares, to ``flops / F[dtype]`` (compute-bound ops) or
-   ``bytes / B`` (the others; which term an op falls under is the roofline's ``max``, iterated
-   to a fixed point). The per-op overhead the model keeps is the eager backend's: the same
-   program run as the backend runs it (:class:`EagerRun`, collectives again one at a time and
-   timed apart) takes, per op, this much beyond the work the fitted rates explain (at most
-   the profiler's own per-op cost);
+2. **ops**: a few more steps run op by op (``TrainStep.profile`` with :class:`CalibrationRun`,
+   lowered by the eager backend whatever the plan's, so that every op of the program is timed,
+   not a compiled region as one call; each collective finishes when it is issued, so no op
+   shares the cores or the memory bus with a transfer; on a GPU every op is synchronized, so
+   its time is its kernels'). Views, which do no work, time the profiler's own cost per op,
+   taken off every op; the rest is fitted, by non-negative least squares, to
+   ``flops / F[dtype]`` (compute-bound ops) or ``bytes / B`` (the others; which term an op
+   falls under is the roofline's ``max``, iterated to a fixed point). The per-op overhead the
+   model keeps is the plan's backend's: the program run as that backend runs it (its
+   generated code: :class:`EagerRun`, collectives again one at a time and timed apart) takes,
+   per op of the program, this much beyond the work the fitted rates explain (at most the
+   profiler's own per-op cost; none when compiled code takes less);
 3. **collectives**: all-gather, reduce-scatter and all-reduce on the plan's process group,
    from 64 KiB to 32 MiB per rank, in the plan's dtypes (gathers in the compute dtype,
    reductions in the reduce dtype), each timed from issue to the end of its wait, together
@@ -224,15 +226,15 @@ def fit_compute(
 
 
 def eager_overhead(runs: Sequence[EagerRun], rates: DeviceRates) -> float | None:
-    """Seconds per op of the eager backend's generated code: what the program's compute took
-    (its run, less its collectives, each run alone) beyond the work the fitted rates explain,
-    per compute op. The least over ``runs`` (a busy machine only ever adds time), and at most
-    ``rates.overhead_s``, the profiler's per-op cost, which runs the same ops and more (None
-    without runs)."""
+    """Seconds per op of the backend's generated code (eager's, or Inductor's): what the
+    program's compute took (its run, less its collectives, each run alone) beyond the work the
+    fitted rates explain, per compute op of the program. The least over ``runs`` (a busy
+    machine only ever adds time), and at most ``rates.overhead_s``, the profiler's per-op
+    cost, which runs the same ops and more (None without runs)."""
     per_op = []
     for run in runs:
         model = CostModel(rates.replace("calibration", overhead_s=0.0), 1)
-        works = [node_work(n) for n in run.module.graph.nodes if node_work(n).kind == COMPUTE]
+        works = [node_work(n) for n in run.program.graph.nodes if node_work(n).kind == COMPUTE]
         work_s = sum(model.compute_time(w.flops, w.bytes, w.dtype) for w in works)
         comm_s = sum(c["seconds"] for c in run.collectives)
         per_op.append((run.seconds - comm_s - work_s) / max(len(works), 1))
@@ -447,8 +449,9 @@ class _SerialRun(ProfiledRun):
         rank: int,
         model_states: dict[str, int],
         collectives: list[dict[str, Any]],
+        program: fx.GraphModule | None = None,
     ) -> None:
-        super().__init__(executable, rank, model_states)
+        super().__init__(executable, rank, model_states, program)
         self.collectives = collectives
 
 
@@ -502,15 +505,19 @@ def calibrate(
     plan, comm, device = step.plan, step.comm, step.device
     k = plan.grad_accumulation
 
-    def one_step(recorder: type[_SerialRun] | None = None) -> list[Any]:
+    serial = _SerialComm(comm, device, [])  # one comm: the step keeps what it lowers for it
+
+    def one_step(recorder: type[_SerialRun] | None = None, backend: str | None = None) -> list[Any]:
         recorders = []
         for _ in range(k):
             batch = to_device(next(batches), device)
             if recorder is not None:
                 timed: list[dict[str, Any]] = []  # each collective of the run, alone
                 make = functools.partial(recorder, collectives=timed)
-                serial = _SerialComm(comm, device, timed)
-                recorders.append(step.profile(*batch, recorder=make, comm=serial)[1])
+                serial.samples = timed
+                recorders.append(
+                    step.profile(*batch, recorder=make, comm=serial, backend=backend)[1]
+                )
             else:
                 float(step(*batch))
         _synchronize(device)
@@ -524,7 +531,9 @@ def calibrate(
         one_step()
         times.append(time.perf_counter() - start)
     times = slowest(comm, times, device)
-    recorders = [r for _ in range(profiled) for r in one_step(CalibrationRun)]
+    # Every op timed: the eager binding, whatever the plan's backend compiled (a region of
+    # Inductor's is one call); the overhead then from the backend's own code, run whole.
+    recorders = [r for _ in range(profiled) for r in one_step(CalibrationRun, "eager")]
     eager = [r for _ in range(2 * profiled) for r in one_step(EagerRun)]  # at full speed
     # Rank 0's ops stand for all: every rank runs the same program on as much data.
     rates, ops = fit_compute(op_samples(recorders), DeviceRates.defaults(device.type))

@@ -32,11 +32,19 @@ if TYPE_CHECKING:
 class ProfiledRun(fx.Interpreter):
     """Run a backend's ``executable`` once, node by node, recording :class:`TraceEvent` s and
     a measured :class:`MemoryTimeline` (``model_states``: the bytes of the persistent state,
-    added to every point)."""
+    added to every point). ``program``: the scheduled program the executable was lowered from
+    (default: its ``gm``, which may hold compiled regions in place of the program's ops)."""
 
-    def __init__(self, executable: Executable, rank: int, model_states: dict[str, int]) -> None:
+    def __init__(
+        self,
+        executable: Executable,
+        rank: int,
+        model_states: dict[str, int],
+        program: fx.GraphModule | None = None,
+    ) -> None:
         super().__init__(executable.gm, garbage_collect_values=True)
         self.executable = executable
+        self.program = executable.gm if program is None else program
         self.rank = rank
         self.model_states = model_states
         self.events: list[TraceEvent] = []
@@ -106,5 +114,6 @@ class ProfiledRun(fx.Interpreter):
             )
 
 
-# What StepRunner.profile makes a recorder with: (executable, rank, model-state bytes).
-RecorderFactory = Callable[["Executable", int, dict[str, int]], ProfiledRun]
+# What StepRunner.profile makes a recorder with: (executable, rank, model-state bytes), and the
+# program as ``program=``.
+RecorderFactory = Callable[..., ProfiledRun]

@@ -217,7 +217,10 @@ class StepRunner:
             self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
         self.programs: dict[tuple, Program] = {}
         self._builds = 0  # programs compiled, the failed ones too: the same on every rank
-        self._relowered = 0  # programs lowered again on another comm: the same on every rank
+        # Programs lowered again on another comm or by another backend (profiling), kept for
+        # the next profile of the same program there (a first run costs more than the others):
+        # the same on every rank.
+        self._lowered_again: dict[tuple[str, Comm, str | None], Executable] = {}
         self._last_program: Program | None = None
         # offload.pipeline: the (step count, rate) of the update the last step carried into
         # the next, None when none is pending; and the program that applies it on its own.
@@ -253,34 +256,47 @@ class StepRunner:
         return self._step(batch)
 
     def profile(
-        self, *batch: Any, recorder: RecorderFactory = ProfiledRun, comm: Comm | None = None
+        self,
+        *batch: Any,
+        recorder: RecorderFactory = ProfiledRun,
+        comm: Comm | None = None,
+        backend: str | None = None,
     ) -> tuple[torch.Tensor, ProfiledRun]:
         """Run one micro-batch as :meth:`__call__` does, op by op, timing every op and
         measuring live tensor memory (see :class:`zerocc.runtime.measure.ProfiledRun`): the
         program's executable (as the plan's backend lowered it) is interpreted.
         ``recorder`` makes the ProfiledRun (subclass) that runs it (``zerocc.inspect.calibrate``
         has its own); ``comm``: the process group its collectives run on (default: the
-        step's; calibration times each collective alone on a wrapper of it). On another
-        ``comm`` the program is lowered again, bound to it."""
+        step's; calibration times each collective alone on a wrapper of it); ``backend``: the
+        backend to lower it with instead of the plan's (calibration times every op under
+        ``eager``: a compiled region is one call, whose ops it cannot time). Given either, the
+        program is lowered again, bound to ``comm``, once: later profiles there reuse it."""
         recorders: list[ProfiledRun] = []
 
         def recorded(program: Program) -> ProfiledRun:
-            executable = program.run if comm is None else self._lowered_on(program, comm)
-            recorders.append(recorder(executable, self.comm.rank, self.model_state_bytes()))
+            executable = program.run
+            if comm is not None or backend is not None:
+                executable = self._lowered_on(program, comm or self.comm, backend)
+            states = self.model_state_bytes()
+            recorders.append(recorder(executable, self.comm.rank, states, program=program.gm))
             return recorders[-1]
 
         loss = self._step(batch, recorded)
         return loss, recorders[0]
 
-    def _lowered_on(self, program: Program, comm: Comm) -> Executable:
-        """``program`` lowered by the plan's backend again, its collectives bound to ``comm``;
-        the ranks meet after it, as after the program's first lowering (Inductor: a cache hit
-        on one rank may be a full compile on another)."""
-        executable = self.backend(
-            program.gm, program.example_inputs, replace(self.context, comm=comm)
-        )
-        self._relowered += 1
-        self._wait_for_ranks(f"relowered-{self._relowered}", "a program to be lowered")
+    def _lowered_on(self, program: Program, comm: Comm, backend: str | None = None) -> Executable:
+        """``program`` lowered again by ``backend`` (default: the plan's), its collectives
+        bound to ``comm``, or as it was the last time it was asked for; the ranks meet after a
+        lowering, as after the program's first (Inductor: a cache hit on one rank may be a full
+        compile on another)."""
+        key = (program.digest, comm, backend)
+        if key in self._lowered_again:
+            return self._lowered_again[key]
+        lower = self.backend if backend is None else get_backend(backend)
+        executable = lower(program.gm, program.example_inputs, replace(self.context, comm=comm))
+        self._lowered_again[key] = executable
+        tag = f"relowered-{len(self._lowered_again)}"
+        self._wait_for_ranks(tag, "a program to be lowered")
         return executable
 
     def _step(
