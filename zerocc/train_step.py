@@ -16,8 +16,15 @@ from torch import nn
 from zerocc.compiler.capture import LossFn
 from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
-from zerocc.inspect.dumps import dump_dir, write_program_dumps, write_run_dumps
+from zerocc.inspect.dumps import (
+    RunDumps,
+    dump_dir,
+    write_compiled_dumps,
+    write_program_dumps,
+    write_run_dumps,
+)
 from zerocc.inspect.explain import explain_step
+from zerocc.runtime.allocations import peak_allocated
 from zerocc.runtime.checkpoint import load_checkpoint, save_checkpoint
 from zerocc.runtime.comm import Comm
 from zerocc.runtime.measure import ProfiledRun
@@ -33,6 +40,7 @@ class TrainStep(StepRunner):
         super().__init__(model, plan, loss_fn, comm, device)
         self.dump_dir = dump_dir(plan)
         self._run_dumped = False
+        self._compiled_dump: RunDumps | None = None  # rank 0's, until the compiled step ran
 
     def explain(self) -> str:
         """Units, bytes each collective moves per step, model-state bytes per rank vs formula."""
@@ -62,7 +70,17 @@ class TrainStep(StepRunner):
             self._check_usable()
             self._run_dumped = True
             loss, recorder = self.profile(*batch)
-            write_run_dumps(self.dump_dir, self.record(), recorder, self.comm)
+            dumps = write_run_dumps(self.dump_dir, self.record(), recorder, self.comm)
+            if self.backend_name != "eager":  # that run was not the backend's code: the next
+                self._compiled_dump = dumps  # step that steps runs it, measured (rank 0)
+            return loss
+        if self._compiled_dump is not None and recorded is None and self._steps_next():
+            dumps, self._compiled_dump = self._compiled_dump, None
+            trace = self.dump_dir / "backend" / "trace.json"
+            loss, allocated = peak_allocated(
+                lambda: super(TrainStep, self)._step(batch), self.device, trace
+            )
+            write_compiled_dumps(dumps, trace, allocated, self.backend_name)
             return loss
         return super()._step(batch, recorded)
 

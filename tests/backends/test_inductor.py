@@ -15,6 +15,7 @@ missed update or a wrong gradient moves the loss by 1e-2 or more after the first
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 
@@ -342,6 +343,21 @@ def test_the_dumps_hold_the_generated_code(backend):
     assert len(table) == 1 + len(regions) and all("compiled" in row for row in table[1:])
     for region in regions:
         assert "def call(" in files[f"{region.name}.py"]  # Inductor's entry point
+
+
+@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+def test_the_dumps_measure_the_compiled_step_as_it_ran(backend, tmp_path, monkeypatch):
+    """The dumps' profiled step runs op by op, not the backend's code: the step after it runs
+    that code under torch.profiler (its trace holds Inductor's compiled graphs as they were
+    called) and the report gives its allocator's peak beside the predicted one."""
+    monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path))
+    _run(backend, steps=3)
+    trace = json.loads((tmp_path / "backend" / "trace.json").read_text())["traceEvents"]
+    called = {e["name"] for e in trace if e.get("ph") == "X"}
+    assert any(name.startswith("## Call CompiledFxGraph") for name in called), called
+    report = (tmp_path / "report.html").read_text()
+    section = report[report.index(f">Compiled step ({backend})</h2>") :]
+    assert "measured as" in section and "backend/trace.json" in section
 
 
 @pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])

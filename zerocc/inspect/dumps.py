@@ -10,13 +10,17 @@ it). Rank 0 writes, into that folder:
   and under each rank the same program as the cost model predicts it, "rank N (predicted)"),
   ``memory.png`` (live bytes over the program by category, predicted and measured, peaks
   marked), and ``report.html``, which ties the plan, the passes, the units, the memory plot,
-  the estimate and the trace together.
+  the estimate and the trace together;
+- under a backend that compiles (Inductor), whose code that op-by-op run is not, the next
+  step that runs the optimizer as it runs: ``backend/trace.json`` (``torch.profiler``'s trace
+  of rank 0's step) and its tensor memory from the allocator, a section of ``report.html``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,10 +74,24 @@ def write_program_dumps(root: Path, name: str, records: list[PassRecord]) -> lis
     return written
 
 
-def write_run_dumps(root: Path, step: StepRecord, recorder: ProfiledRun, comm: Comm) -> Path | None:
+@dataclass
+class RunDumps:
+    """What :func:`write_run_dumps` wrote on rank 0: the report and its sections, and the
+    step's transient peak (beyond the model states), predicted and measured op by op, for the
+    section :func:`write_compiled_dumps` adds."""
+
+    report: Path
+    sections: list[ReportSection]
+    predicted_transient: int
+    measured_transient: int
+
+
+def write_run_dumps(
+    root: Path, step: StepRecord, recorder: ProfiledRun, comm: Comm
+) -> RunDumps | None:
     """Gather every rank's timed ops over ``comm`` (a collective: every rank calls it) and, on
     rank 0, write ``trace.json``, ``memory.png``, ``report.html`` and what the backend
-    generated (``backend/``: Inductor's regions and their code); returns the report's path on
+    generated (``backend/``: Inductor's regions and their code); returns what it wrote on
     rank 0."""
     events = _gather(comm, recorder.events)
     if step.rank != 0:
@@ -101,7 +119,32 @@ def write_run_dumps(root: Path, step: StepRecord, recorder: ProfiledRun, comm: C
     sections = _sections(root, step, predicted, recorder.timeline)
     sections.insert(-2, _time_section(simulated, rates, recorder.events))
     write_report(report, title="zerocc run report", sections=sections)
-    return report
+    held = states["total"]  # on the device, throughout
+    return RunDumps(
+        report, sections, predicted.peak()[1] - held, recorder.timeline.peak()[1] - held
+    )
+
+
+def write_compiled_dumps(dumps: RunDumps, trace: Path, allocated: int, backend: str) -> None:
+    """Add to the report what the step that ran ``backend``'s code allocated (``allocated``
+    bytes beyond what was live before it, from the allocator) beside the transient peak
+    predicted and measured op by op, and a link to its ``torch.profiler`` trace (``trace``)."""
+    rows = [
+        ["rank 0, beyond the model states", "peak tensor memory"],
+        ["predicted (the scheduled program)", human_bytes(dumps.predicted_transient)],
+        ["measured op by op (the eager binding)", human_bytes(dumps.measured_transient)],
+        [f"measured as {backend}'s code ran (the allocator)", human_bytes(allocated)],
+    ]
+    section = ReportSection(
+        f"Compiled step ({backend})",
+        "table",
+        rows,
+        f"the step after the profiled one, as {backend}'s code runs it: its buffers live as "
+        f"that code says, not as the program's values do. Its torch.profiler trace: "
+        f"{os.path.relpath(trace, dumps.report.parent)} (open it in {PERFETTO}).",
+    )
+    dumps.sections.insert(-1, section)  # before the programs' list
+    write_report(dumps.report, title="zerocc run report", sections=dumps.sections)
 
 
 PREDICTED_PID = 1000  # trace process ids of the predicted ranks: PREDICTED_PID + rank

@@ -5,12 +5,15 @@ runs it. Code that runs it otherwise (Inductor's, which plans its own buffers; a
 benchmarks) is measured here, from the allocator: on a GPU its peak statistic; on a CPU, whose
 allocator keeps none, the allocations ``torch.profiler`` records (``profile_memory``), summed in
 the order they happened. The CPU figure counts the allocations of the threads the profiler
-follows (the calling one; not gloo's own buffers, which are not torch tensors).
+follows (the calling one and the collectives' workers; not gloo's own buffers, which are not
+torch tensors).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -19,19 +22,37 @@ from torch._C._profiler import _EventType
 T = TypeVar("T")
 
 
-def peak_allocated(run: Callable[[], T], device: torch.device) -> tuple[T, int]:
+def peak_allocated(
+    run: Callable[[], T], device: torch.device, trace: Path | None = None
+) -> tuple[T, int]:
     """Call ``run()`` once; returns its result and the most bytes of tensor memory on
-    ``device`` held at once during the call beyond what was held when it began."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        result = run()
-        torch.cuda.synchronize(device)
-        return result, torch.cuda.max_memory_allocated(device) - before
+    ``device`` held at once during the call beyond what was held when it began. ``trace``:
+    where to write the call's ``torch.profiler`` trace (Chrome/Perfetto JSON: its ops, and on a
+    GPU its kernels, as they ran)."""
+    cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as profiler:
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiling = not cuda or trace is not None
+    profiler = torch.profiler.profile(activities=activities, profile_memory=not cuda)
+    with profiler if profiling else contextlib.nullcontext():
+        if cuda:
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         result = run()
+        if cuda:
+            torch.cuda.synchronize(device)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(trace))
+    if cuda:
+        return result, torch.cuda.max_memory_allocated(device) - before
+    return result, _peak_of(profiler, device)
+
+
+def _peak_of(profiler: torch.profiler.profile, device: torch.device) -> int:
+    """The most bytes the profiled run's allocations on ``device`` held at once."""
     sizes = sorted(
         (event.start_time_ns, event.extra_fields.alloc_size)
         for root in profiler.profiler.kineto_results.experimental_event_tree()
@@ -42,7 +63,7 @@ def peak_allocated(run: Callable[[], T], device: torch.device) -> tuple[T, int]:
     for _, size in sizes:  # an allocation's size is positive, a free's negative
         held += size
         peak = max(peak, held)
-    return result, peak
+    return peak
 
 
 def _walk(event: Any) -> Iterator[Any]:
