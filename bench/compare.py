@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import itertools
 import os
 import platform
 import statistics
@@ -218,10 +217,12 @@ def cpu_per_step(run: dict[str, Any]) -> list[float]:
     """CPU seconds per step of each round (its untimed first step included), the busier rank's:
     the work a step does, which other load on the machine inflates far less than its time."""
     answers = run["answers"]  # [warm-up, round 1, ...], each a list by rank
+    # Round 1 starts after the step that measured allocations (profiled: not a round's work).
+    starts = [run.get("allocated", answers[0]), *answers[1:-1]]
     return [
         max((now["reported"]["cpu_s"] - then["reported"]["cpu_s"]) / len(now["times"])
             for then, now in zip(before, after, strict=True))
-        for before, after in itertools.pairwise(answers)
+        for before, after in zip(starts, answers[1:], strict=True)
     ]  # fmt: skip
 
 

@@ -276,7 +276,8 @@ class StepRunner:
         def recorded(program: Program) -> ProfiledRun:
             executable = program.run
             if comm is not None or backend is not None:
-                executable = self._lowered_on(program, comm or self.comm, backend)
+                on = comm if comm is not None else self.comm
+                executable = self._lowered_on(program, on, backend)
             states = self.model_state_bytes()
             recorders.append(recorder(executable, self.comm.rank, states, program=program.gm))
             return recorders[-1]
