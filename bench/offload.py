@@ -155,8 +155,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     """One row per system: time and its ratios, memory, zerocc's pools, the losses."""
     header = (
         f"{'system':<29}{'step ms':>8}{'IQR':>5}{'× own':>6}{'× zcc':>6}{'CPU ms':>8}{'× own':>6}"
-        f"{'RSS Δ MiB':>10}{'live MiB':>9}{'dev MiB':>8}{'host MiB':>9}{'nvme MiB':>9}"
-        f"{'copy MiB':>9}{'pred ×':>7}  losses vs {REFERENCE}"
+        f"{'RSS Δ MiB':>10}{'live MiB':>9}{'alloc MiB':>10}"
+        f"{'dev MiB':>8}{'host MiB':>9}{'nvme MiB':>9}{'copy MiB':>9}{'pred ×':>7}"
+        f"  losses vs {REFERENCE}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -181,6 +182,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{_ratio(r['x_own_baseline']):>6}{_ratio(r['x_zerocc']):>6}"
             f"{1e3 * r['median_cpu_step_s']:>8.0f}{_ratio(r['x_own_baseline_cpu']):>6}"
             f"{_mib(r['peak_memory']):>10}{_mib(r['live_tensor_peak']):>9}"
+            f"{_mib(r['allocated_peak']):>10}"
             f"{pools[0]:>8}{pools[1]:>9}{pools[2]:>9}{_mib(copy):>9}{_ratio(predicted):>7}"
             f"  {verdict}"
         )
@@ -206,7 +208,9 @@ def legend(rows: list[dict[str, Any]]) -> str:
         "RSS Δ: peak resident memory over the timed steps minus that once the library was",
         "  imported and the model built, max over ranks; on a CPU it holds every pool alike.",
         "live: zerocc's peak bytes of live tensors in one step (step.profile): the device pool's",
-        "  model states and every transient tensor.",
+        "  model states and every transient tensor. alloc: the most tensor bytes one step holds",
+        "  beyond what was live before it, from the allocator, every system alike (compare.py's",
+        "  step alloc).",
         "dev / host / nvme: zerocc's model states (params, grads, masters, optimizer states) of",
         "  one rank in each pool; copy: bytes offload copied in the last step (to and from the",
         "  host and the NVMe files), max over ranks.",
