@@ -29,26 +29,30 @@ def peak_allocated(
     ``device`` held at once during the call beyond what was held when it began. ``trace``:
     where to write the call's ``torch.profiler`` trace (Chrome/Perfetto JSON: its ops, and on a
     GPU its kernels, as they ran)."""
-    cuda = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiling = not cuda or trace is not None
-    profiler = torch.profiler.profile(activities=activities, profile_memory=not cuda)
-    with profiler if profiling else contextlib.nullcontext():
-        if cuda:
+    cpu = torch.profiler.ProfilerActivity.CPU
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        activities = [cpu, torch.profiler.ProfilerActivity.CUDA]
+        profiler = torch.profiler.profile(activities=activities) if trace else None
+        with profiler if profiler is not None else contextlib.nullcontext():
+            result = run()
             torch.cuda.synchronize(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
+        _export(profiler, trace)
+        return result, torch.cuda.max_memory_allocated(device) - before
+    profiler = torch.profiler.profile(activities=[cpu], profile_memory=True)
+    with profiler:
         result = run()
-        if cuda:
-            torch.cuda.synchronize(device)
-    if trace is not None:
+    _export(profiler, trace)
+    return result, _peak_of(profiler, device)
+
+
+def _export(profiler: torch.profiler.profile | None, trace: Path | None) -> None:
+    """Write ``profiler``'s trace to ``trace`` (nothing without either)."""
+    if profiler is not None and trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(trace))
-    if cuda:
-        return result, torch.cuda.max_memory_allocated(device) - before
-    return result, _peak_of(profiler, device)
 
 
 def _peak_of(profiler: torch.profiler.profile, device: torch.device) -> int:
