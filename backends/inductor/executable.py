@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,9 +103,10 @@ EAGER_NUMERICS = ("fallback_random", "emulate_precision_casts")
 
 
 @contextlib.contextmanager
-def _loaded_modules() -> Iterator[list[str]]:
+def loaded_modules() -> Iterator[list[str]]:
     """The files of the Python modules Inductor loads in the body: a region's generated code,
-    compiled now or found in its cache (none where this torch loads them otherwise)."""
+    compiled now or found in its cache, and on a GPU each Triton kernel's module too (none
+    where this torch loads them otherwise)."""
     from torch._inductor.codecache import PyCodeCache
 
     loaded: list[str] = []
@@ -119,6 +121,22 @@ def _loaded_modules() -> Iterator[list[str]]:
 
     with mock.patch.object(PyCodeCache, "load_by_key_path", recording):
         yield loaded
+
+
+_LAUNCHER = re.compile(r"^\s*def call\(", re.MULTILINE)  # the wrapper's: def call(args)
+
+
+def generated_code(loaded: list[str]) -> str | None:
+    """The code Inductor generated for a graph: of the modules ``loaded``, the last that is
+    its wrapper (the one defining ``call``, which runs the kernels). Not simply the last one
+    loaded: on a GPU the wrapper, as it loads, loads each Triton kernel's module after itself,
+    and the last of those holds one kernel and calls nothing (an H100 reported "1 calls of 1
+    generated kernels, 0 library" for a whole GPT step)."""
+    for path in reversed(loaded):
+        code = Path(path).read_text()
+        if _LAUNCHER.search(code):
+            return code
+    return None
 
 
 def _numerics() -> dict[str, bool]:
@@ -193,12 +211,12 @@ class InductorExecutable(EagerExecutable):
         example = example_inputs([val(n) for n in placeholders(program)])
         start = time.perf_counter()
         try:
-            with rounding_as_eager(), _loaded_modules() as loaded:
+            with rounding_as_eager(), loaded_modules() as loaded:
                 self.compiled_whole = compile_whole(program, example, _numerics())
         except Exception as exc:  # Inductor rejected it: compiled region by region instead
             self.whole_note = f"{type(exc).__name__}: {first_line(exc)[:200]}"
             return
-        code = Path(loaded[-1]).read_text() if loaded else None
+        code = generated_code(loaded)
         ops = sum(n.op == "call_function" for n in program.graph.nodes)
         seconds = time.perf_counter() - start
         self.reports.append(RegionReport(WHOLE, None, ops, seconds, None, code))
@@ -215,13 +233,13 @@ class InductorExecutable(EagerExecutable):
             with (
                 config.patch(_numerics()),
                 rounding_as_eager(),
-                _loaded_modules() as loaded,
+                loaded_modules() as loaded,
             ):
                 compiled = compile_fx(module, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
             fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
         seconds = time.perf_counter() - start
-        code = Path(loaded[-1]).read_text() if compiled is not None and loaded else None
+        code = generated_code(loaded) if compiled is not None else None
         phase = info(region.nodes[0]).phase
         self.reports.append(
             RegionReport(region.name, phase, len(region.nodes), seconds, fallback, code)

@@ -1,11 +1,14 @@
 """Counting what Inductor's generated code calls (backends/inductor/generated_calls.py), on a
-module written as Inductor writes one for a GPU (Triton kernels launched with ``.run``); the
-CPU form, on code Inductor generated here, is in test_inductor.py."""
+module written as Inductor writes one for a GPU (Triton kernels launched with ``.run``), and
+finding that module among those Inductor loads; the CPU form, on code Inductor generated here,
+is in test_inductor.py."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
+from zerocc.backends.inductor.executable import generated_code, loaded_modules
 from zerocc.backends.inductor.generated_calls import GeneratedCalls, calls_in
 
 TRITON_MODULE = '''
@@ -52,3 +55,27 @@ def test_modules_add_up_each_with_kernels_of_its_own():
     assert both.zerocc == Counter({"all_gather_start": 2, "wait": 2})
     assert both.by_name()[0] == "Inductor's kernels: 4 calls of 2"
     assert GeneratedCalls().by_name()[1:] == ["library: none", "ATen: none", "zerocc: none"]
+
+
+def test_the_wrapper_is_read_though_the_kernels_modules_load_after_it():
+    """On a GPU the wrapper, as it loads, loads each Triton kernel's module
+    (``async_compile.triton``), so the last module loaded is a kernel's. Reading that one, an
+    H100 counted a whole GPT step as one call of one kernel; the wrapper is what counts."""
+    from torch._inductor.codecache import PyCodeCache
+
+    kernel = "def triton_poi_fused_add_0(in_ptr0):\n    return in_ptr0\n"
+    wrapper = (
+        "from torch._inductor.codecache import PyCodeCache\n"
+        f'triton_poi_fused_add_0 = PyCodeCache.load("""{kernel}""").triton_poi_fused_add_0\n'
+        "def call(args):\n"
+        "    extern_kernels.mm(args, args, out=args)\n"
+        "    triton_poi_fused_add_0.run(args)\n"
+        "    triton_poi_fused_add_0.run(args)\n"
+    )
+    with loaded_modules() as loaded:
+        PyCodeCache.load(wrapper)
+    assert [Path(path).read_text() for path in loaded] == [wrapper, kernel]
+    code = generated_code(loaded)
+    assert code == wrapper
+    assert calls_in(code).summary() == "2 calls of 1 generated kernels, 1 library, 0 ATen, 0 zerocc"
+    assert generated_code(loaded[1:]) is None  # no wrapper among them: nothing to count
