@@ -67,9 +67,12 @@ AUTO = "auto"
 def resolve_backend(name: str, device: torch.device) -> str:
     """The backend ``backend.name: name`` runs on ``device``; any name but ``auto`` is itself.
     ``auto`` picks what was measured: on a GPU ``inductor-regions``, whose Triton kernels took
-    0.93× the eager backend's step (355M GPT, one H100; the whole graph is not yet measured or
-    run on a GPU), and on a CPU ``eager``, where Inductor's C++ took 0.96-1.02× of it, whole
-    or by region, within the noise, for a first compile of half a minute."""
+    0.94× the eager backend's step (355M GPT, world size 1, one H100), as fast as the whole
+    graph (86.1 against 86.6 ms), which took 76 s to compile cold (the regions 33 s, after it:
+    some of its kernels cached). At world size 1 no collective splits the compute, so both
+    compile one graph of it; what the whole graph adds, fusing across units, needs two GPUs
+    or more: not measured yet. On a CPU ``eager``, where Inductor's C++ took 0.96-1.02× of it,
+    whole or by region, within the noise, for a first compile of half a minute."""
     if name != AUTO:
         return name
     return "inductor-regions" if device.type == "cuda" else "eager"
