@@ -66,13 +66,17 @@ class TrainStep(StepRunner):
         self, batch: tuple, recorded: Callable[[Program], ProfiledRun] | None = None
     ) -> torch.Tensor:
         if self.dump_dir and not self._run_dumped and recorded is None and self._steps_next():
-            # Dumps: the first step that runs the optimizer runs op by op, timed, on every rank.
+            # Dumps: the first step that runs the optimizer runs op by op on the eager binding,
+            # timed, on every rank (a compiled region would be one call: its ops untimed, the
+            # values it holds unseen). Under a backend that compiles, the next step that steps
+            # runs the backend's code, measured (rank 0).
             self._check_usable()
             self._run_dumped = True
-            loss, recorder = self.profile(*batch)
+            compiles = self.backend_name != "eager"
+            loss, recorder = self.profile(*batch, backend="eager" if compiles else None)
             dumps = write_run_dumps(self.dump_dir, self.record(), recorder, self.comm)
-            if self.backend_name != "eager":  # that run was not the backend's code: the next
-                self._compiled_dump = dumps  # step that steps runs it, measured (rank 0)
+            if compiles:
+                self._compiled_dump = dumps
             return loss
         if self._compiled_dump is not None and recorded is None and self._steps_next():
             dumps, self._compiled_dump = self._compiled_dump, None

@@ -5,7 +5,8 @@ it). Rank 0 writes, into that folder:
 
 - ``programs/<program>/NN-<pass>.py`` and ``.dot`` (``.svg`` with Graphviz installed): the
   program after each pass, when it is compiled;
-- after the first step that runs the optimizer, which every rank runs op by op, timed:
+- after the first step that runs the optimizer, which every rank runs op by op on the eager
+  binding (whatever the plan's backend), timed:
   ``trace.json`` (Chrome/Perfetto trace events: a compute and a communication track per rank,
   and under each rank the same program as the cost model predicts it, "rank N (predicted)"),
   ``memory.png`` (live bytes over the program by category, predicted and measured, peaks
