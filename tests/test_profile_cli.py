@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from zerocc.cli.main import main
-from zerocc.cost.model import RATE_FIELDS, DeviceRates
+from zerocc.cost.model import DeviceRates
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "batch_size": 2}
@@ -38,7 +38,12 @@ def test_profile_writes_a_calibration_that_estimate_reads(tmp_path, capsys):
     assert {s["in_program"] for s in samples} == {True, False}  # the program's, and a sweep
     assert 0 <= data["rates"]["comm_overlap"] <= 1
     rates = DeviceRates.load(written)
-    assert rates.device == "cpu" and all(getattr(rates, f) for f in RATE_FIELDS[:3])
+    assert rates.device == "cpu" and rates.memory_bytes_per_s > 0
+    assert rates.compute_flops and all(f > 0 for f in rates.compute_flops.values())
+    # The overhead kept is the eager code's per op beyond the fitted work: none when the
+    # fitted rates already explain the whole run (a noisy machine slows the op-by-op timings
+    # the rates come from), never more than the profiler's own per-op cost.
+    assert 0 <= rates.overhead_s * 1e6 <= measured["ops"]["profiled_overhead_us"]
 
     assert main(["estimate", str(plan), "--calibration", str(written), "--json"]) == 0
     timing = json.loads(capsys.readouterr().out)["timing"]

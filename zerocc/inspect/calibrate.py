@@ -9,14 +9,15 @@ compiled and warmed up, then:
    lowered by the eager backend whatever the plan's, so that every op of the program is timed,
    not a compiled region as one call; each collective finishes when it is issued, so no op
    shares the cores or the memory bus with a transfer; on a GPU every op is synchronized, so
-   its time is its kernels'). Views, which do no work, time the profiler's own cost per op,
-   taken off every op; the rest is fitted, by non-negative least squares, to
-   ``flops / F[dtype]`` (compute-bound ops) or ``bytes / B`` (the others; which term an op
-   falls under is the roofline's ``max``, iterated to a fixed point). The per-op overhead the
-   model keeps is the plan's backend's: the program run as that backend runs it (its
-   generated code: :class:`EagerRun`, collectives again one at a time and timed apart) takes,
-   per op of the program, this much beyond the work the fitted rates explain (at most the
-   profiler's own per-op cost; none when compiled code takes less);
+   its time is its kernels'; each op's least time over the runs is kept). Views, which do no
+   work, time the profiler's own cost per op, taken off every op; the rest is fitted, by
+   non-negative least squares, to ``flops / F[dtype]`` (compute-bound ops) or ``bytes / B``
+   (the others; which term an op falls under is the roofline's ``max``, iterated to a fixed
+   point). The per-op overhead the model keeps is the plan's backend's: the program run as
+   that backend runs it (its generated code: :class:`EagerRun`, collectives again one at a
+   time and timed apart) takes, per op of the program, this much beyond the work the fitted
+   rates explain (at most the profiler's own per-op cost; none when compiled code takes less,
+   or when the fitted rates already explain the whole run);
 3. **collectives**: all-gather, reduce-scatter and all-reduce on the plan's process group,
    from 64 KiB to 32 MiB per rank, in the plan's dtypes (gathers in the compute dtype,
    reductions in the reduce dtype), each timed from issue to the end of its wait, together
@@ -162,7 +163,9 @@ def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[floa
 
 
 def op_samples(recorders: Sequence[ProfiledRun]) -> list[tuple[NodeWork, float]]:
-    """(work, median seconds) of each compute node the recorders timed (waits left out)."""
+    """(work, least seconds) of each compute node the recorders timed (waits left out): a busy
+    machine only ever adds time, as :func:`eager_overhead`, which these times are set against,
+    also takes the least."""
     times: dict[fx.Node, list[float]] = defaultdict(list)
     for recorder in recorders:
         by_name = {n.name: n for n in recorder.module.graph.nodes}
@@ -172,7 +175,7 @@ def op_samples(recorders: Sequence[ProfiledRun]) -> list[tuple[NodeWork, float]]
                 continue
             if node_work(node).kind == COMPUTE:
                 times[node].append(event.duration_us * 1e-6)
-    return [(node_work(n), statistics.median(ts)) for n, ts in times.items()]
+    return [(node_work(n), min(ts)) for n, ts in times.items()]
 
 
 def fit_compute(
