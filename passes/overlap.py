@@ -142,26 +142,49 @@ def find_collectives(gm: fx.GraphModule, roots: StorageRoots) -> list[Collective
 
 
 class _Schedule:
-    """Positions of the program's nodes and the in-flight bytes at each, kept current."""
+    """Positions of the program's nodes and the in-flight bytes at each, kept current as nodes
+    move: a move touches only the span between where the nodes were and where they went."""
 
     def __init__(self, gm: fx.GraphModule, collectives: list[Collective]) -> None:
         self.graph = gm.graph
-        self.collectives = collectives
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Positions, and ``inflight[i]``: bytes held by collectives while node ``i`` runs (a
-        node placed before node ``i`` runs alongside those too)."""
+        self.issued: dict[fx.Node, int] = {}  # bytes a start begins to hold
+        self.released: dict[fx.Node, int] = {}  # bytes held through a wait, freed after it
+        for c in collectives:
+            self.issued[c.start] = self.issued.get(c.start, 0) + c.inflight_bytes
+            self.released[c.wait] = self.released.get(c.wait, 0) + c.inflight_bytes
         self.nodes = list(self.graph.nodes)
         self.position = {n: i for i, n in enumerate(self.nodes)}
-        delta = [0] * (len(self.nodes) + 1)
-        for c in self.collectives:
-            delta[self.position[c.start]] += c.inflight_bytes
-            delta[self.position[c.wait] + 1] -= c.inflight_bytes  # held through its wait
-        self.inflight, running = [], 0
-        for d in delta[:-1]:
-            running += d
-            self.inflight.append(running)
+        self.inflight = [0] * len(self.nodes)
+        self._recount(0, len(self.nodes))
+
+    def _recount(self, lo: int, hi: int) -> None:
+        """``inflight[i]`` for ``lo <= i < hi``: bytes held by collectives while node ``i``
+        runs (from its start through its wait; a node placed before node ``i`` runs alongside
+        those too). Outside a span that nodes moved within, nothing changes."""
+        running = 0
+        if lo > 0:
+            running = self.inflight[lo - 1] - self.released.get(self.nodes[lo - 1], 0)
+        for i in range(lo, hi):
+            node = self.nodes[i]
+            running += self.issued.get(node, 0)
+            self.inflight[i] = running
+            running -= self.released.get(node, 0)
+
+    def move_before(self, moving: list[fx.Node], i: int) -> None:
+        """Place ``moving``, in order, right before the node at position ``i``."""
+        before = self.nodes[i]
+        lo = min(i, *(self.position[n] for n in moving))
+        hi = max(i, *(self.position[n] + 1 for n in moving))
+        for node in moving:
+            before.prepend(node)
+        first = self.nodes[lo - 1].next if lo > 0 else next(iter(self.graph.nodes))
+        span, node = [], first
+        for _ in range(hi - lo):
+            span.append(node)
+            node = node.next
+        self.nodes[lo:hi] = span
+        self.position.update((n, lo + k) for k, n in enumerate(span))
+        self._recount(lo, hi)
 
     def over_budget(self, i: int, nbytes: int, budget: float) -> bool:
         return self.inflight[i] + nbytes > budget
@@ -227,10 +250,8 @@ def _issue_at(schedule: _Schedule, c: Collective, earliest: int, budget: float, 
             break
     if earliest < here:
         after = schedule.nodes[earliest - 1]
-        for node in moving:
-            schedule.nodes[earliest].prepend(node)
+        schedule.move_before(moving, earliest)
         info(c.start).note = f"{info(c.start).note}; {how}: issued right after {after}"
-        schedule.refresh()
 
 
 def sink_waits(
@@ -262,11 +283,8 @@ def sink_waits(
                 target, why = i, "as late as max_inflight_mb allows"
                 break
         if target > last + 1:
-            before = schedule.nodes[target]
-            for node in moving:
-                before.prepend(node)
-            info(c.wait).note = f"waited on late: right before {before}, {why}"
-            schedule.refresh()
+            info(c.wait).note = f"waited on late: right before {schedule.nodes[target]}, {why}"
+            schedule.move_before(moving, target)
 
 
 def inflight_peak(gm: fx.GraphModule) -> int:
