@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from zerocc.compat import LazyGraphModule
 from zerocc.compiler.names import glob_matches
 from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
@@ -283,4 +284,4 @@ def shard(
         grad_accumulation,
         offload or OffloadConfig(),
     )
-    return fx.GraphModule(gm, rewriter.run())
+    return LazyGraphModule(gm, rewriter.run())

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import has_side_effect
 
-from zerocc.compat import get_proxy_mode
+from zerocc.compat import MAKE_FX_OPTIONS, get_proxy_mode, use_lazy_graph_module
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.errors import CaptureError
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
@@ -353,8 +353,9 @@ def capture(
             fx_traceback.preserve_node_meta(),
             fake_mode,
             contextlib.nullcontext() if gradients else _in_eval_mode(model),
+            use_lazy_graph_module(True),  # its code is generated where it is read or run
         ):
-            gm = make_fx(step, tracing_mode="real")(*flat)
+            gm = make_fx(step, tracing_mode="real", **MAKE_FX_OPTIONS)(*flat)
     except CaptureError:
         raise
     except Exception as e:  # an error inside the user's model: say where it surfaced

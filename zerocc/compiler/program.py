@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from zerocc.compat import LazyGraphModule
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.pass_manager import PassContext, PassRecord, Pipeline, run_pipeline
 from zerocc.compiler.plan import Plan
@@ -136,4 +137,4 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         env[node] = copy_node(graph, node, env.__getitem__)
-    return fx.GraphModule(gm, graph)
+    return LazyGraphModule(gm, graph)
