@@ -1,5 +1,5 @@
 """`python -m zerocc`: the zerocc command line."""
 
-from zerocc.cli.main import main
+from zerocc.cli.main import console
 
-raise SystemExit(main())
+console()

@@ -46,7 +46,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="lower the program with the plan's backend and say what it made of it (Inductor: "
         "each region, its compile time); with DIR, write what it generated there",
     )
-    inspect.set_defaults(run=run_inspect)
+    # (--lowered may have started Inductor's worker processes, which a normal exit shuts down)
+    inspect.set_defaults(run=run_inspect, only_reports=lambda args: args.lowered is None)
 
     est = commands.add_parser(
         "estimate", help="per-rank memory and communication per step, for any world size"
@@ -72,7 +73,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="whose built-in rates fill what no calibration or plan gives (default: the "
         "plan's backend.device; auto: this machine's)",
     )  # fmt: skip
-    est.set_defaults(run=run_estimate)
+    est.set_defaults(run=run_estimate, only_reports=lambda args: True)
 
 
 def _world_size(parser: argparse.ArgumentParser) -> None:

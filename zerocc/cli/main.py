@@ -18,6 +18,7 @@ import socket
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from zerocc.cli.inspect import add_commands as add_inspect_commands
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
@@ -26,15 +27,30 @@ from zerocc.ir.printing import human_bytes
 from zerocc.runtime.launch import RANK_WORKER_ENV, environment
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the zerocc command line; returns the exit status (2 for a zerocc error)."""
+def console() -> NoReturn:
+    """The ``zerocc`` executable (and ``python -m zerocc``): :func:`main` as the process's whole
+    work, which then ends."""
+    raise SystemExit(main(ends_process=True))
+
+
+def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
+    """Run the zerocc command line; returns the exit status (2 for a zerocc error).
+    ``ends_process``: nothing runs after it in this process, so a command that only reports
+    (``inspect``, ``estimate``) ends the process as soon as its report is out, without tearing
+    down what it built: freeing a 7.5B model's compiled programs object by object took ~0.9 s
+    of CPU, a tenth of the command."""
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         (getattr(args, "help_of", None) or parser).print_help()
         return 0
     try:
-        return args.run(args)
+        status = args.run(args)
+        if ends_process and getattr(args, "only_reports", lambda _: False)(args):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
     except ZeroccError as exc:
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
         print(f"zerocc: {where}error: {exc}", file=sys.stderr)
