@@ -47,6 +47,7 @@ class PassRecord:
     ops_added: dict[str, int]
     ops_removed: dict[str, int]
     gm: fx.GraphModule | None = None  # a copy of the graph after the pass, when kept
+    propagated: int = 0  # nodes whose fake value was computed again after the pass
 
     @property
     def program(self) -> str:
@@ -261,7 +262,7 @@ def run_pipeline(
         if spec.declares is not None:
             spec.declares(ctx.layout, ctx.units, ctx.plan)
         gm = fn(gm, ctx)
-        propagate_fake_values(gm)  # only what the pass changed, and what depends on it
+        propagated = propagate_fake_values(gm)  # what the pass changed, what depends on it
         seconds = time.perf_counter() - start
         if verify:
             verify_program(gm, after=spec.name)
@@ -284,7 +285,8 @@ def run_pipeline(
                 added,
                 removed,
                 keep(gm) if keep else None,
+                propagated,
             )
         )
-    gm.recompile()  # once, for the pipeline's result: passes leave the code to it
+    gm.recompile()  # passes leave the code to the pipeline: generated where it is read or run
     return gm, records
