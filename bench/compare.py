@@ -33,6 +33,7 @@ from typing import Any
 
 from config import GPU, BenchConfig, add_config_arguments, config_from, flops_per_token, num_params
 from measure import zero_formula_bytes
+from provenance import cpu_name, source_commit
 from ranks import SystemFailed, SystemRanks
 from report import legend, loss_report, plot, table, targets, write_json
 from systems import System, all_systems
@@ -257,7 +258,8 @@ def machine(cfg: BenchConfig) -> dict[str, Any]:
 
     info = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": _cpu_name(),
+        "commit": source_commit(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -274,16 +276,6 @@ def _version(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _peak_flops(args: argparse.Namespace, info: dict[str, Any]) -> float | None:
