@@ -8,7 +8,7 @@
 #              pydantic-core annotated-types typing-inspection`), then zerocc, editable,
 #              without fetching its dependencies
 #   versions   GPU, driver, torch, CUDA, Triton, NCCL
-#   tests      the tests marked cuda / two_gpus, tests/kernels launched for real, and the
+#   tests      the tests marked cuda / two_gpus, tests/backends/kernels launched for real, and the
 #              16-bit rounding of the Inductor backend (its Triton case too)
 #   kernels    bench/kernels.py: the fused AdamW kernel's bandwidth against a copy and torch
 #   compare    bench/compare.py --gpu: zerocc (eager and Inductor backends) beside FSDP2 and
@@ -59,14 +59,14 @@ for s in "${steps[@]}"; do
                 mkdir -p /tmp/site/zerocc && ln -sf "$PWD"/zerocc/* /tmp/site/zerocc/
                 ln -sfn "$PWD/passes" /tmp/site/zerocc/passes
                 ln -sfn "$PWD/backends" /tmp/site/zerocc/backends; }
-            python3 -c "import zerocc, zerocc.passes; print(zerocc.__file__)"' ;;
+            python3 -c "import zerocc, zerocc.compiler.passes; print(zerocc.__file__)"' ;;
     versions)
         step versions 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total \
             --format=csv; python3 -c "import torch, triton; print(torch.__version__, \
             torch.version.cuda, triton.__version__, torch.cuda.nccl.version())"' ;;
     tests)
         step tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-            tests/kernels tests/backends/test_eager_casts.py ;;
+            tests/backends/kernels tests/backends/test_eager_casts.py ;;
     kernels)
         step kernels 120 python3 "$here/kernels.py" --sizes 24 26 28 --out "$out" ;;
     compare)

@@ -96,7 +96,7 @@ def candidates() -> dict[str, System]:
 def recompute_missing() -> str | None:
     """Why zerocc's recompute pass cannot run here, or None when it imports."""
     try:
-        import zerocc.passes.recompute  # noqa: F401
+        import zerocc.compiler.passes.recompute  # noqa: F401
     except Exception as e:  # being written by another change: any failure leaves it out
         return f"{type(e).__name__}: {e}"
     return None
@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     names = chosen(args.systems, systems)
     left_out: dict[str, str] = {}
     if why := recompute_missing():
-        left_out = {n: f"zerocc.passes.recompute does not import: {why}" for n in RECOMPUTING}
+        left_out = {
+            n: f"zerocc.compiler.passes.recompute does not import: {why}" for n in RECOMPUTING
+        }
         names = [n for n in names if n not in left_out]
     with tempfile.TemporaryDirectory(prefix="zerocc-bench-nvme-", dir=args.nvme_dir) as nvme:
         cfg = make_config(args, nvme)

@@ -46,7 +46,7 @@ sys.path.insert(0, {gpt!r})
 import zerocc
 from model import GPT, GPTConfig
 from zerocc.runtime import step as runtime
-from zerocc.runtime.host_worker import HostWorker
+from zerocc.engine.host_worker import HostWorker
 
 # The worker a GPU machine gets (a thread beside the compute), on this CPU.
 runtime.HostWorker = lambda threaded=False: HostWorker(threaded=True)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.fx.experimental.proxy_tensor as proxy_tensor
 
 import zerocc.compat as compat
-from zerocc.runtime.comm import TorchComm
+from zerocc.engine.comm import TorchComm
 
 
 @pytest.fixture

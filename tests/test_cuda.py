@@ -136,7 +136,7 @@ def test_two_nccl_ranks_match_unsharded_training(case):
 def _stream_and_events(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from zerocc.runtime.comm import TorchComm
+    from zerocc.engine.comm import TorchComm
 
     comm = TorchComm.create(30, torch.device("cuda", rank))
     shard = torch.arange(4.0, device="cuda") + 10 * rank
@@ -161,9 +161,9 @@ def _stream_and_events(rank: int, world: int) -> dict:
 def test_host_memory_is_pinned_at_its_size():
     """Pinned host memory of an odd size is registered as it is (torch's allocator would round
     it up to a power of two), and copies to the GPU from it asynchronously."""
+    from zerocc.engine.host_memory import host_empty
+    from zerocc.engine.transfers import Transfers
     from zerocc.ir.ops import TO_DEVICE
-    from zerocc.runtime.host_memory import host_empty
-    from zerocc.runtime.transfers import Transfers
 
     t = host_empty((3 * (1 << 20) + 7,), torch.bfloat16, pinned=True)
     assert t.is_pinned() and t.untyped_storage().nbytes() >= 2 * t.numel()
@@ -177,9 +177,9 @@ def test_host_memory_is_pinned_at_its_size():
 def test_copies_each_way_run_on_a_stream_of_their_own():
     """A copy to the GPU and one to the host, each larger than the inline limit, run on two
     copy streams (PCIe moves both ways at once), neither the compute stream."""
+    from zerocc.engine.host_memory import host_empty
+    from zerocc.engine.transfers import Transfers
     from zerocc.ir.ops import TO_DEVICE, TO_HOST
-    from zerocc.runtime.host_memory import host_empty
-    from zerocc.runtime.transfers import Transfers
 
     gpu = torch.device("cuda", 0)
     transfers = Transfers(device=gpu)

@@ -1,9 +1,13 @@
 """The package reads bottom-up: each layer imports only from the layers below it, and no
-modules import each other in a circle. Every import counts: module-level, inside functions,
-and under ``TYPE_CHECKING`` (a type is a dependency too).
+modules, nor packages, import each other in a circle. Every import counts: module-level,
+inside functions, and under ``TYPE_CHECKING`` (a type is a dependency too). The folders are the
+packages (no ``package-dir`` mapping), so every import between them is seen.
 
-    base (errors, compat) < ir < compiler (+ passes) < cost < runtime (+ backends)
+    base (errors, compat) < ir < compiler (+ passes) < cost < engine < backends < runtime
         < inspect < api (the ``zerocc`` facade, ``zerocc.train_step``) < cli
+
+Within the compiler, packages stack too: ``compiler`` < ``compiler.passes`` <
+``compiler.driver`` (the pass manager and ``compile_program``).
 """
 
 from __future__ import annotations
@@ -14,19 +18,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# Where each installed package's sources are (pyproject's package-dir).
-PACKAGE_DIRS = {"zerocc": ROOT / "zerocc", "zerocc.passes": ROOT / "passes"}
-PACKAGE_DIRS["zerocc.backends"] = ROOT / "backends"
-LAYERS = ["base", "ir", "compiler", "cost", "runtime", "inspect", "api", "cli"]
+LAYERS = [
+    "base",
+    "ir",
+    "compiler",
+    "cost",
+    "engine",
+    "backends",
+    "runtime",
+    "inspect",
+    "api",
+    "cli",
+]
 LAYER_OF_PREFIX = {  # longest prefix wins
     "zerocc.errors": "base",
     "zerocc.compat": "base",
     "zerocc.ir": "ir",
     "zerocc.compiler": "compiler",
-    "zerocc.passes": "compiler",
     "zerocc.cost": "cost",
+    "zerocc.engine": "engine",
+    "zerocc.backends": "backends",
     "zerocc.runtime": "runtime",
-    "zerocc.backends": "runtime",
     "zerocc.inspect": "inspect",
     "zerocc": "api",
     "zerocc.train_step": "api",
@@ -37,15 +49,11 @@ LAYER_OF_PREFIX = {  # longest prefix wins
 
 
 def modules() -> dict[str, Path]:
-    """Every module of the installed package, by dotted name."""
+    """Every module of the package, by dotted name (its folders are its packages)."""
     found = {}
-    for package, folder in PACKAGE_DIRS.items():
-        for path in folder.rglob("*.py"):
-            parts = path.relative_to(folder).with_suffix("").parts
-            if package == "zerocc" and parts[0] in ("passes", "backends"):
-                continue
-            name = ".".join((package, *parts))
-            found[name.removesuffix(".__init__")] = path
+    for path in (ROOT / "zerocc").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
     return found
 
 
@@ -121,6 +129,33 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     assert not cycles(import_graph())
+
+
+def package_of(module: str, known: dict[str, Path]) -> str:
+    """The package whose folder holds ``module`` (a package is its own); a module directly in
+    ``zerocc/`` is its own node (errors and compat sit at the bottom, the facade at the top)."""
+    if known[module].name == "__init__.py":
+        return module
+    parent = module.rpartition(".")[0]
+    return module if parent == "zerocc" else parent
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Which packages import which: an edge for every import between modules of two."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        source = package_of(module, known)
+        graph.setdefault(source, set())
+        for target in targets:
+            if package_of(target, known) != source:
+                graph[source].add(package_of(target, known))
+                graph.setdefault(package_of(target, known), set())
+    return graph
+
+
+def test_no_package_import_cycles():
+    assert not cycles(package_graph())
 
 
 @pytest.mark.parametrize(

@@ -23,13 +23,13 @@ from optional_deps import needs_triton
 from parity import batch_of
 
 import zerocc
-from zerocc.compiler.pass_manager import check_passes
+from zerocc.compiler.driver.pass_manager import check_passes
+from zerocc.compiler.passes.offload import UPDATE_ARGS
 from zerocc.compiler.state import offloaded_units
 from zerocc.errors import OffloadError, PlanError
 from zerocc.inspect.explain import describe
 from zerocc.ir.nodes import info, op_name
 from zerocc.ir.ops import HOST_TO_HOST
-from zerocc.passes.offload import UPDATE_ARGS
 from zerocc.runtime import nvme
 
 GPT = {"model": "gpt"}
@@ -520,7 +520,7 @@ def test_a_parameter_the_loss_skipped_keeps_its_compute_copy():
 def test_host_updates_get_this_ranks_share_of_the_cores(monkeypatch):
     """Each rank of a machine its own slice of the cores, pinned when the process may run on
     all of them; a set a launcher restricted is kept, and shared in threads."""
-    from zerocc.runtime.host_worker import host_update_cores
+    from zerocc.engine.host_worker import host_update_cores
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
@@ -547,9 +547,9 @@ def test_a_cpu_step_on_a_gpu_machine_keeps_its_kernels_and_pins_nothing(monkeypa
     CUDA context, and its `kernels: triton` would silently run the fused ones)."""
     from zerocc.backends.eager.ops import EagerOps
     from zerocc.backends.kernels import host_kernels, kernel_set
-    from zerocc.runtime.comm import SoloComm
-    from zerocc.runtime.context import RuntimeContext
-    from zerocc.runtime.transfers import Transfers
+    from zerocc.engine import RuntimeContext
+    from zerocc.engine.comm import SoloComm
+    from zerocc.engine.transfers import Transfers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     host = torch.zeros(4)

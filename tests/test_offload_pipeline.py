@@ -14,8 +14,8 @@ from models import _gpt_batch, tiny_gpt
 from optional_deps import needs_triton
 
 import zerocc
+from zerocc.engine.host_worker import HostWorker
 from zerocc.errors import PlanError
-from zerocc.runtime.host_worker import HostWorker
 
 SCALES = [1.0, 1.0, float("inf"), 1.0, 1.0]  # the loss's scale: inf skips step 2
 ADAMW = {"name": "adamw", "lr": 1e-2, "grad_clip": 0.5}

@@ -1,5 +1,5 @@
 """A rank that stops, runs out of data or dies: every other rank stops too, with an error that
-names it, and `zerocc train` says what became of each rank (zerocc/runtime/watchdog.py,
+names it, and `zerocc train` says what became of each rank (zerocc/engine/watchdog.py,
 zerocc/runtime/launch.py, the TrainStep's agreement on each micro-batch).
 
 The multi-rank cases run `zerocc train` on 2 local CPU ranks with a tiny workload whose batches

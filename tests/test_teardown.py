@@ -6,7 +6,7 @@ releasing a tensor Python has seen needs the interpreter; when the interpreter w
 finalizing, the thread died in `terminate called without an active exception` (SIGABRT). The
 group survived `destroy_process_group` because torch._dynamo, first imported by capture after
 the group existed, keeps references to it. zerocc now runs on a group of its own, made after
-that import and destroyed at exit while the interpreter is whole (zerocc/runtime/comm.py
+that import and destroyed at exit while the interpreter is whole (zerocc/engine/comm.py
 `TorchComm.create`). The failure is a race, so the test repeats the run that showed it:
 ZEROCC_TEST_REPEAT runs (default 5, ~30 s; `ZEROCC_TEST_REPEAT=30` for the sweep that measured
 4 of 30 before the fix and 0 of 30 after it).

@@ -16,6 +16,7 @@ from zerocc.compiler.capture import LossFn
 from zerocc.compiler.materialize import materialize
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
+from zerocc.engine.comm import Comm, FakeComm, comm_from_environment
 from zerocc.errors import (
     BatchError,
     CaptureError,
@@ -31,7 +32,6 @@ from zerocc.errors import (
     ZeroccError,
 )
 from zerocc.runtime.checkpoint.weight_files import weights_from
-from zerocc.runtime.comm import Comm, FakeComm, comm_from_environment
 from zerocc.runtime.devices import join_default_group, rank_device, use_device
 from zerocc.train_step import TrainStep
 

@@ -76,8 +76,9 @@ class RankStoppedError(ZeroccError):
     """Raised on every rank still running when a peer stopped answering: it was stopped, hung,
     killed or exited while the others waited for it in a collective longer than
     ``backend.timeout_s``. The message names the silent rank(s), the step and the op;
-    ``silent`` holds what the heartbeats told of them (``zerocc.runtime.watchdog.PeerState``: rank,
-    pid, host, last status), for launchers that stop them."""
+    ``silent`` holds what the heartbeats told of them
+    (``zerocc.engine.watchdog.PeerState``: rank, pid, host, last status), for launchers
+    that stop them."""
 
     def __init__(self, message: str, silent: list | tuple = ()) -> None:
         super().__init__(message)

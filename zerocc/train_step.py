@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from zerocc.compiler.capture import LossFn
-from zerocc.compiler.pass_manager import PassRecord
+from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
+from zerocc.engine.comm import Comm
 from zerocc.inspect.dumps import (
     RunDumps,
     dump_dir,
@@ -26,7 +27,6 @@ from zerocc.inspect.dumps import (
 from zerocc.inspect.explain import explain_step
 from zerocc.runtime.allocations import peak_allocated
 from zerocc.runtime.checkpoint import load_checkpoint, save_checkpoint
-from zerocc.runtime.comm import Comm
 from zerocc.runtime.measure import ProfiledRun
 from zerocc.runtime.step import Program, StepRunner
 

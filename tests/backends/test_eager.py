@@ -1,6 +1,7 @@
-"""The backend interface (backends/__init__.py) and the eager backend (backends/eager/): an
-executable owns what it has in flight, keyed by node; there are no module-level runtime
-stacks; a second backend plugs in through the registry; profiling runs through the backend."""
+"""The backend interface (zerocc/backends/__init__.py) and the eager backend
+(zerocc/backends/eager/): an executable owns what it has in flight, keyed by node; there are no
+module-level runtime stacks; a second backend plugs in through the registry; profiling runs
+through the backend."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ from torch import nn
 
 import zerocc
 import zerocc.backends.eager.ops
-import zerocc.runtime.comm
-import zerocc.runtime.transfers
+import zerocc.engine.comm
+import zerocc.engine.transfers
 from zerocc.backends import BACKENDS, eager, register_backend, resolve_backend
 from zerocc.backends.eager.executable import bind
 from zerocc.backends.eager.ops import EagerOps
 from zerocc.backends.kernels import kernel_set
+from zerocc.engine import RuntimeContext
+from zerocc.engine.comm import FakeComm
+from zerocc.engine.transfers import Transfers
 from zerocc.ir.nodes import op_name
-from zerocc.runtime.comm import FakeComm
-from zerocc.runtime.context import RuntimeContext
-from zerocc.runtime.transfers import Transfers
 
 PLAN = {"zero": {"stage": 3}, "backend": {"device": "cpu"}}
 
@@ -58,8 +59,8 @@ def test_no_module_level_runtime_state():
     """The comm, copy engine and kernels an op runs with come from its executable's context:
     nothing a program run installs globally, nothing keyed by a tensor's address."""
     for module, names in [
-        (zerocc.runtime.comm, ("use_comm", "active_comm", "_ACTIVE")),
-        (zerocc.runtime.transfers, ("use_transfers", "active_transfers", "_active")),
+        (zerocc.engine.comm, ("use_comm", "active_comm", "_ACTIVE")),
+        (zerocc.engine.transfers, ("use_transfers", "active_transfers", "_active")),
         (zerocc.backends.eager.ops, ("use_kernels", "active_kernels", "_pending", "_kernels")),
     ]:
         assert not [n for n in names if hasattr(module, n)], module.__name__

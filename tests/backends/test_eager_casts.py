@@ -1,5 +1,5 @@
-"""16-bit rounding under the Inductor backend (backends/inductor/eager_casts.py): a value cast
-to bf16 or fp16 is rounded where eager rounds it, on every torch release.
+"""16-bit rounding under the Inductor backend (zerocc/backends/inductor/eager_casts.py): a value
+cast to bf16 or fp16 is rounded where eager rounds it, on every torch release.
 
 Torch 2.13's Inductor keeps that rounding under ``emulate_precision_casts``; before 2.13 it
 dropped it in two places, which ``rounding_as_eager`` mends. Each numeric case runs with the

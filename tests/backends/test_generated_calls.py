@@ -1,4 +1,4 @@
-"""Counting what Inductor's generated code calls (backends/inductor/generated_calls.py), on a
+"""Counting what Inductor's generated code calls (zerocc/backends/inductor/generated_calls.py), on a
 module written as Inductor writes one for a GPU (Triton kernels launched with ``.run``), and
 finding that module among those Inductor loads; the CPU form, on code Inductor generated here,
 is in test_inductor.py."""

@@ -1,4 +1,4 @@
-"""The Inductor backend (backends/inductor/): the whole program compiled by TorchInductor as
+"""The Inductor backend (zerocc/backends/inductor/): the whole program compiled by TorchInductor as
 one graph (C++ on this CPU), zerocc's ops in it where the passes scheduled them; a program it
 cannot take whole compiled region by region (``inductor-regions`` always), and a region
 Inductor cannot compile runs eagerly; explain() says which.
@@ -268,7 +268,7 @@ def _run_kind(name: str, backend: str) -> tuple[list[float], object]:
 def test_an_lstm_trains_with_its_layers_left_to_aten(backend):
     """Inductor lowers a CPU LSTM layer (aten.mkldnn_rnn_layer) as for inference, with a
     one-element workspace, and the first run stopped on the generated code's size check
-    (backends/inductor/unlowerable.py). The layer and its backward run by ATen between the
+    (zerocc/backends/inductor/unlowerable.py). The layer and its backward run by ATen between the
     regions; the whole graph is not tried, and explain() says why."""
     eager, _ = _run_kind("lstm", "eager")
     ours, step = _run_kind("lstm", backend)

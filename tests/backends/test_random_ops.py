@@ -1,4 +1,4 @@
-"""Random ops in the whole Inductor graph (backends/inductor/random_ops.py): every op that
+"""Random ops in the whole Inductor graph (zerocc/backends/inductor/random_ops.py): every op that
 draws from, reads or sets the generator becomes a twin chained to the one before it by a token,
 so a graph compiled whole draws exactly what the graph run op by op draws, replays included.
 

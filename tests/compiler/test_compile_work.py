@@ -26,9 +26,9 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zerocc.compiler.passes import overlap
 from zerocc.compiler.tp_capture import CaptureMode
 from zerocc.inspect.estimate import inspect_plan
-from zerocc.passes import overlap
 
 # Recorded with `pytest tests/compiler/test_compile_work.py` printing the counts (-s), for the
 # releases CI runs; a release without a record is held to the linear growth alone.

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import zerocc
-from zerocc.compiler.pass_manager import build_pipeline, plan_layout, state_layout
-from zerocc.compiler.program import check_bindings
+from zerocc.compiler.driver.pass_manager import build_pipeline, plan_layout, state_layout
+from zerocc.compiler.driver.program import check_bindings
 from zerocc.compiler.state import DEVICE, HOST, NVME, StateLayout
 from zerocc.errors import InvariantError
 from zerocc.inspect.estimate import inspect_plan

@@ -26,9 +26,9 @@ from tp_emulation import emulated
 
 import zerocc
 from zerocc.compiler.capture import describe_model
+from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.state import offloaded_units
 from zerocc.inspect.explain import describe
-from zerocc.passes.partition import assign_units
 
 
 def _show(value: Any) -> str:

@@ -1,7 +1,8 @@
 """Parity with a learning-rate schedule: N gloo ranks under `optimizer.schedule` match one
 process training on all ranks' batches with torch.optim and torch.optim.lr_scheduler stepped
 after every optimizer step, over enough steps to cross warmup and the decay (to its end: torch's
-cosine is periodic beyond it, zerocc holds the end; tests/test_schedule.py checks that part).
+cosine is periodic beyond it, zerocc holds the end; tests/compiler/test_schedule.py checks that
+part).
 
 Tolerance 1e-5 relative, as tests/parity/test_parity.py and for its reasons (fp32; the sharded
 run sums rank gradients once, the reference per chunk: a few ulps per step); 12 steps of AdamW

@@ -202,7 +202,7 @@ def _checked_plan(path: str) -> Plan:
     against the passes' contracts, its backend among the registered ones, and on this machine
     an NVMe offload folder must exist and take files."""
     from zerocc.backends import get_backend
-    from zerocc.compiler.pass_manager import check_passes
+    from zerocc.compiler.driver.pass_manager import check_passes
 
     plan = load_plan(path)
     check_passes(plan)
@@ -258,7 +258,7 @@ def _plan_schema(args: argparse.Namespace) -> int:
 
 def describe_plan(plan: Plan) -> str:
     """A one-line summary of a plan: stage, passes, units, optimizer, workload."""
-    from zerocc.compiler.pass_manager import pipeline_names
+    from zerocc.compiler.driver.pass_manager import pipeline_names
 
     passes = pipeline_names(plan)
     units = [f"class {c}" for c in plan.units.classes]

@@ -4,8 +4,8 @@ every pass reads.
 A pass is ``fn(gm, ctx, **options) -> gm``, registered with :func:`register_pass`: what it
 requires and provides (:mod:`zerocc.compiler.capabilities`), when a plan runs it, whether it
 changes numerics, and how its options are read from the plan. The passes
-(:mod:`zerocc.passes`) import this module; the pass manager
-(:mod:`zerocc.compiler.pass_manager`) imports them.
+(:mod:`zerocc.compiler.passes`) import this module; the pass manager
+(:mod:`zerocc.compiler.driver.pass_manager`) imports them.
 """
 
 from __future__ import annotations

@@ -814,6 +814,12 @@ class OffloadConfig(_Section):
         """Whether anything is offloaded."""
         return self.optimizer != "none" or self.params != "none"
 
+    def updates_on_host(self, device: torch.device) -> bool:
+        """Whether optimizer updates run on the host beside the ``device`` that computes: the
+        optimizer is offloaded and the device is a GPU (on a CPU they are the same processor).
+        Such a run picks (and compiles) the host update's kernel set and times the host link."""
+        return self.optimizer != "none" and device.type == "cuda"
+
     @property
     def uses_nvme(self) -> bool:
         """Whether any state lives in files under ``nvme_path``."""

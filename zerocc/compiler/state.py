@@ -6,7 +6,7 @@ optimizer states; the step counter and the loss scale), each pass spec's ``decla
 or re-typing or re-placing what the passes before it declared, and make their placeholders from
 it. The layout is an output of compilation: the compiled program carries it, and the runtime
 allocates from the same fold of the pipeline's declarations
-(:func:`zerocc.compiler.pass_manager.state_layout`), before any program exists, so that a
+(:func:`zerocc.compiler.driver.pass_manager.state_layout`), before any program exists, so that a
 checkpoint can load into it.
 
 Under mixed precision ``param`` is the compute copy (e.g. bf16) the gathers move and the forward

@@ -106,7 +106,7 @@ def _done(user: fx.Node) -> fx.Node:
 
 def _held_for_the_run(node: fx.Node) -> bool:
     """A copy's host result, or a host buffer: the same buffer every step, held from the
-    first step on (:class:`zerocc.runtime.host_memory.HostBuffers`)."""
+    first step on (:class:`zerocc.engine.host_memory.HostBuffers`)."""
     name = op_name(node.target)
     return name == "zerocc.host_buffer" or (name == "zerocc.copy_start" and node.args[2] == TO_HOST)
 

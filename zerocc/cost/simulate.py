@@ -12,7 +12,7 @@ Every rank runs the same program, so one rank is simulated. In program order:
   copies with the cores that compute, see :mod:`zerocc.cost.model`); that time is exposed too,
   charged when the collective is issued.
 
-Offload's copies (:mod:`zerocc.runtime.transfers`) run the same way on streams of their own,
+Offload's copies (:mod:`zerocc.engine.transfers`) run the same way on streams of their own,
 as the runtime's: one per direction across the host link (**copy to device**, **copy to host**:
 PCIe moves both ways at once) and NVMe I/O on the store's threads (**nvme**), each FIFO, beside
 the collectives; a wait on one that is not done is exposed too.

@@ -60,8 +60,8 @@ from zerocc.cost.model import (
     node_work,
     ring_hops,
 )
+from zerocc.engine.comm import Comm, Work
 from zerocc.inspect.host_rates import host_link_rate, host_update_rate
-from zerocc.runtime.comm import Comm, Work
 from zerocc.runtime.measure import ProfiledRun
 from zerocc.runtime.rank import to_device
 
@@ -551,7 +551,7 @@ def calibrate(
         links["overlap"] = measure_overlap(comm, plan, device)
         rates = rates.replace("calibration", comm_overlap=links["overlap"]["overlap"])
     offload = None
-    if plan.offload.optimizer != "none" and device.type == "cuda":
+    if plan.offload.updates_on_host(device):
         offload = {
             "host_update": host_update_rate(),
             "host_link_bytes_per_s": host_link_rate(device),

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.mesh import Mesh
-from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
 from zerocc.cost.memory import model_state_bytes_of, predict_memory
 from zerocc.cost.model import DeviceRates, rates_for
@@ -42,7 +42,7 @@ from zerocc.inspect.report import ReportSection, write_report
 from zerocc.ir.printing import human_bytes
 
 if TYPE_CHECKING:
-    from zerocc.runtime.comm import Comm
+    from zerocc.engine.comm import Comm
     from zerocc.runtime.measure import ProfiledRun
     from zerocc.runtime.record import StepRecord
 

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from zerocc.compiler.capture import describe_model
-from zerocc.compiler.pass_manager import PassRecord, build_pipeline
+from zerocc.compiler.driver.pass_manager import PassRecord, build_pipeline
+from zerocc.compiler.driver.program import CompiledProgram, compile_program
 from zerocc.compiler.plan import Plan, load_plan
-from zerocc.compiler.program import CompiledProgram, compile_program
 from zerocc.compiler.state import HOST, NVME
 from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit

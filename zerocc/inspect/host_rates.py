@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from zerocc.backends.kernels import host_kernels, kernel_set
-from zerocc.runtime.host_memory import host_empty
+from zerocc.engine.host_memory import host_empty
 
 UPDATE_NUMEL = 1 << 24  # a shard larger than any cache, as an offloaded unit's is
 COPY_BYTES = 256 << 20

@@ -12,11 +12,11 @@ import torch
 
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.backends.kernels import kernel_set, resolve_kernels
+from zerocc.engine import RuntimeContext
+from zerocc.engine.comm import FakeComm
+from zerocc.engine.transfers import Transfers
 from zerocc.inspect.estimate import Inspection
 from zerocc.ir.nodes import placeholders, val
-from zerocc.runtime.comm import FakeComm
-from zerocc.runtime.context import RuntimeContext
-from zerocc.runtime.transfers import Transfers
 
 
 def lower(inspection: Inspection) -> tuple[str, Executable]:

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from zerocc.engine.comm import Comm, TorchComm
 from zerocc.errors import DataExhaustedError, RankMismatchError, ZeroccError
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.nodes import BATCH, info, op_name, placeholders
 from zerocc.ir.ops import COLLECTIVE_STARTS
-from zerocc.runtime.comm import Comm, TorchComm
 
 END_OF_DATA = ("end of data",)  # what a rank with no batch left agrees on
 

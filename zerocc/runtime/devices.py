@@ -66,8 +66,8 @@ def rank_device(
 def join_default_group(device: torch.device) -> None:
     """Under a launcher (``WORLD_SIZE`` > 1) with no default process group yet, create it: NCCL
     for ranks on CUDA, gloo on CPU. zerocc's own groups are made over it
-    (:meth:`zerocc.runtime.comm.TorchComm.create`); it only gives them the ranks and the store. The
-    rank's GPU is made current first (:func:`use_device`), as NCCL expects."""
+    (:meth:`zerocc.engine.comm.TorchComm.create`); it only gives them the ranks and the
+    store. The rank's GPU is made current first (:func:`use_device`), as NCCL expects."""
     use_device(device)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

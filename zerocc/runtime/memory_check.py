@@ -19,7 +19,7 @@ after another has allocated, and every rank decides on the same figures: all rai
 A plan over the limit raises :class:`~zerocc.errors.InsufficientMemoryError`, which says by how
 much and which plan changes would fit (another stage, offload, recomputation, more ranks), each
 with its figure predicted by the same functions: the state layout of any plan and world size
-(:func:`zerocc.compiler.pass_manager.plan_layout`),
+(:func:`zerocc.compiler.driver.pass_manager.plan_layout`),
 and, for the step's transient memory, the other plan's program compiled (on fake tensors).
 """
 
@@ -35,16 +35,16 @@ import torch
 from torch import fx
 
 from zerocc.compiler.capture import ModelInfo
-from zerocc.compiler.pass_manager import plan_layout
+from zerocc.compiler.driver.pass_manager import plan_layout
+from zerocc.compiler.driver.plan_changes import MAX_WORLD_SIZE, plan_changes, smallest_world_size
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.plan_changes import MAX_WORLD_SIZE, plan_changes, smallest_world_size
 from zerocc.compiler.state import DEVICE, HOST, NVME, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.cost.memory import STATE_CATEGORY, predict_memory
+from zerocc.engine.comm import Comm
 from zerocc.errors import InsufficientMemoryError
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime import machine_memory
-from zerocc.runtime.comm import Comm
 from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL, pool_names
 
 Need = dict[str, dict[str, int]]  # pool -> part (params, activations, ...) -> bytes per rank

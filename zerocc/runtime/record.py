@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.mesh import Mesh
-from zerocc.compiler.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import DEVICE, StateLayout
 from zerocc.compiler.units import Unit

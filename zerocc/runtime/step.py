@@ -26,10 +26,18 @@ from torch import fx, nn
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.backends.kernels import check_kernels, host_kernels, kernel_set, resolve_kernels
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
+from zerocc.compiler.driver.pass_manager import PassRecord, build_pipeline, state_layout
+from zerocc.compiler.driver.program import CompiledProgram, compile_program
 from zerocc.compiler.materialize import WeightSource, is_meta, release_to_meta, weight_source
-from zerocc.compiler.pass_manager import PassRecord, build_pipeline, state_layout
+from zerocc.compiler.passes.offload_pipeline import (
+    CARRIED_LR,
+    CARRIED_SCALARS,
+    CARRIED_SKIP,
+    CARRIED_STEP,
+    carried_program,
+)
+from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.program import CompiledProgram, compile_program
 from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import (
     DEVICE,
@@ -41,6 +49,18 @@ from zerocc.compiler.state import (
 )
 from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
+from zerocc.engine import RuntimeContext
+from zerocc.engine.comm import Comm, CommStats
+from zerocc.engine.failures import (
+    describe_node,
+    failing_node,
+    first_line,
+    peer_failure,
+    signature_difference,
+)
+from zerocc.engine.host_memory import state_tensor
+from zerocc.engine.host_worker import HostWorker, pin_host_update_threads
+from zerocc.engine.transfers import Transfers, TransferStats
 from zerocc.errors import (
     BatchError,
     CaptureError,
@@ -60,14 +80,6 @@ from zerocc.ir.nodes import (
 )
 from zerocc.ir.ops import DP_GROUP, TP_GROUP
 from zerocc.ir.printing import format_program
-from zerocc.passes.offload_pipeline import (
-    CARRIED_LR,
-    CARRIED_SCALARS,
-    CARRIED_SKIP,
-    CARRIED_STEP,
-    carried_program,
-)
-from zerocc.passes.partition import assign_units
 from zerocc.runtime.agreement import (
     END_OF_DATA,
     Agreement,
@@ -79,17 +91,6 @@ from zerocc.runtime.agreement import (
     has_peers,
     views_if_they_differ,
 )
-from zerocc.runtime.comm import Comm, CommStats
-from zerocc.runtime.context import RuntimeContext
-from zerocc.runtime.failures import (
-    describe_node,
-    failing_node,
-    first_line,
-    peer_failure,
-    signature_difference,
-)
-from zerocc.runtime.host_memory import state_tensor
-from zerocc.runtime.host_worker import HostWorker, pin_host_update_threads
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states, check_step_memory
@@ -97,7 +98,6 @@ from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.nvme import open_store
 from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_memory import state_bytes_by_location
-from zerocc.runtime.transfers import Transfers, TransferStats
 
 
 @dataclass
@@ -183,7 +183,7 @@ class StepRunner:
         # Where the time before training went, by phase (explain() and `zerocc train` say).
         self.setup_seconds: dict[str, float] = {}
         self.host_kernels: str | None = None  # the kernel set of host updates on a GPU machine
-        if plan.offload.optimizer != "none" and device.type == "cuda":
+        if plan.offload.updates_on_host(device):
             pin_host_update_threads()
             with self._timed("host update kernels"):
                 self.host_kernels = host_kernels()  # compiled here (one-pass), not in a step

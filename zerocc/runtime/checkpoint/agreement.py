@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from zerocc.engine.comm import Comm
+from zerocc.engine.failures import first_line
 from zerocc.errors import CheckpointError
-from zerocc.runtime.comm import Comm
-from zerocc.runtime.failures import first_line
 
 
 def attempt(action: Callable[[], object]) -> str | None:

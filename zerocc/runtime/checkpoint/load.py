@@ -20,6 +20,7 @@ import torch
 
 from zerocc.compiler.plan import OptimizerConfig
 from zerocc.compiler.state import optimizer_states
+from zerocc.engine.comm import Comm
 from zerocc.runtime.checkpoint.agreement import agree, attempt
 from zerocc.runtime.checkpoint.files import (
     MANIFEST,
@@ -36,7 +37,6 @@ from zerocc.runtime.checkpoint.layout import (
     rng_name,
     weight_name,
 )
-from zerocc.runtime.comm import Comm
 
 if TYPE_CHECKING:
     from zerocc.runtime.step import StepRunner

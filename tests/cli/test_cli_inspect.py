@@ -1,0 +1,204 @@
+"""`zerocc inspect` and `zerocc estimate` on the example plans (nothing is launched)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pydot
+import pytest
+
+from zerocc.cli.main import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated - use:DeprecationWarning")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+ZERO3 = str(EXAMPLES / "zero3.yaml")
+BF16 = str(EXAMPLES / "zero3-bf16.yaml")
+UNITS = ["root", "transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.h.3"]
+
+
+def run(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_pass_table_names_each_pass_and_what_it_inserted(capsys):
+    out = run(capsys, "inspect", ZERO3, "--world-size", "4")
+    rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}
+    assert ["capture", "partition", "shard", "optimizer"] == [
+        name for name in rows if name in ("capture", "partition", "shard", "optimizer")
+    ]
+    # 5 units, gathered and freed in forward and backward; one reduce-scatter per unit.
+    assert "all_gather_start ×10" in rows["shard"] and "free ×10" in rows["shard"]
+    assert "reduce_scatter_start ×5" in rows["shard"]
+    assert "adamw_ ×5" in rows["optimizer"] and "4 ranks" in out
+
+
+def test_print_after_shows_each_units_collectives_in_order(capsys):
+    out = run(capsys, "inspect", ZERO3, "--print-after", "shard")
+    assert out.startswith("# Constructed by pass 'shard'")
+    lines = out.splitlines()
+    for unit in UNITS:
+        ops = [
+            re.search(r"zerocc\.(\w+)\(", line).group(1) + ("*" if "role=gathered" in line else "")
+            for line in lines
+            if f"unit={unit} " in line and "zerocc." in line
+        ]
+        gathers = [op for op in ops if op in ("all_gather_start", "wait*", "free")]
+        assert gathers == ["all_gather_start", "wait*", "free"] * 2, (unit, ops)
+        reduce = ops.index("reduce_scatter_start")
+        assert ops[reduce - 1] == "pack" and ops[reduce + 1] == "wait", (unit, ops)
+
+
+def test_print_before_is_the_previous_passes_program(capsys):
+    out = run(capsys, "inspect", ZERO3, "--print-before", "shard")
+    assert out.startswith("# Constructed by pass 'partition'") and "zerocc." not in out
+
+
+def test_diff_shows_only_what_the_pass_changed(capsys):
+    assert run(capsys, "inspect", ZERO3, "--diff", "partition") == ""  # an analysis pass
+    diff = run(capsys, "inspect", BF16, "--diff", "precision").splitlines()
+    removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]
+    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    # Per-parameter casts after the gathers are gone; gathers move bf16.
+    assert any("aten._to_copy" in line for line in removed)
+    assert not any("aten._to_copy(view" in line for line in added)
+    assert any("all_gather_start" in line and "bf16[" in line for line in added)
+    context = [line for line in diff if line.startswith(" ")]
+    assert len(context) < len(removed) + len(added)  # a diff, not the whole program
+
+
+def test_dot_output_parses_with_a_cluster_per_unit(capsys):
+    out = run(capsys, "inspect", ZERO3, "--print-after", "optimizer", "--format", "dot")
+    (graph,) = pydot.graph_from_dot_data(out)
+    clusters = {g.get_name().strip('"') for g in graph.get_subgraphs()}
+    assert {f"cluster_{u.replace('.', '_')}" for u in UNITS} <= clusters
+
+
+def test_json_and_unit_filter(capsys):
+    out = run(capsys, "inspect", ZERO3, "--print-after", "optimizer", "--format", "json",
+              "--unit", "transformer.h.2")  # fmt: skip
+    nodes = [n for n in json.loads(out)["nodes"] if n["kind"] != "output"]
+    assert nodes and {n["unit"] for n in nodes} == {"transformer.h.2"}
+    assert {"zerocc.all_gather_start", "zerocc.adamw_"} <= {n["op"] for n in nodes}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--diff", "nope"], "no pass 'nope' in this pipeline; passes: partition, shard"),
+        (["--unit", "h.9"], "--unit 'h.9': no such unit; units: root, transformer.h.0"),
+    ],
+)
+def test_bad_pass_or_unit_is_a_clear_error(capsys, argv, message):
+    assert main(["inspect", ZERO3, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_estimate_table_shows_the_four_stages(capsys):
+    out = run(capsys, "estimate", ZERO3, "--world-size", "8", "--table")
+    header = next(line for line in out.splitlines() if line.startswith("per rank"))
+    assert header.split()[2:] == ["stage", "0", "stage", "1", "stage", "2", "stage", "3"]
+    assert "gathered units (peak)" in out and "reduce_scatter / step" in out
+    figures = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "8", "--table", "--json"))
+    states = [f["model_states"]["total"] for f in figures]
+    assert states == sorted(states, reverse=True) and states[0] > 4 * states[3]
+
+
+def test_estimate_of_hybrid_sharding_draws_the_mesh_and_bytes_per_group(capsys):
+    hsdp = str(EXAMPLES / "zero3-hsdp.yaml")
+    out = run(capsys, "estimate", hsdp, "--world-size", "8")
+    assert "mesh: 8 ranks = 2 replicas × 4 shards" in out
+    assert re.search(r"^  all_reduce \(replicate\) +[\d.]+[KM]iB$", out, re.M), out
+    figures = json.loads(run(capsys, "estimate", hsdp, "--world-size", "8", "--table", "--json"))
+    # stage 0 replicates everything (no replica groups); stages 1-3 shard over 4 ranks, not 8
+    plain = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "4", "--table", "--json"))
+    assert [f["model_states"]["total"] for f in figures[1:]] == [
+        f["model_states"]["total"] for f in plain[1:]
+    ]
+    assert main(["estimate", hsdp, "--world-size", "5"]) == 2
+    assert "zero.replicate: 2 does not divide the world size 5" in capsys.readouterr().err
+
+
+def test_estimate_predicts_the_step_time_with_the_flags_rates(capsys, tmp_path):
+    from zerocc.cost.model import DeviceRates
+
+    flags = ["--link-gbps", "400", "--latency-us", "2", "--device", "cuda"]
+    fast = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "8", "--json", *flags))
+    timing = fast["timing"]
+    assert timing["rate_sources"]["link_bytes_per_s"] == "flags"
+    assert timing["rates"]["link_bytes_per_s"] == 50e9 and timing["rates"]["latency_s"] == 2e-6
+    assert timing["step_ms"] >= timing["compute_ms"] > 0 and timing["comm_ms"] > 0
+    assert 0 <= timing["exposed_comm_ms"] <= timing["comm_ms"]
+    assert timing["exposed_comm_pct"] == pytest.approx(
+        100 * timing["exposed_comm_ms"] / timing["step_ms"]
+    )
+    slow = DeviceRates.defaults("cuda").replace("test", link_bytes_per_s=1e6)
+    slow.save(tmp_path / "slow.json")
+    out = run(capsys, "estimate", ZERO3, "--world-size", "8", "--calibration",
+              str(tmp_path / "slow.json"))  # fmt: skip
+    step = re.search(r"^  step +([\d.]+) (ms|s)$", out, re.M)
+    assert step and float(step[1]) * (1e3 if step[2] == "s" else 1) > fast["timing"]["step_ms"]
+    assert re.search(r"exposed communication +[\d.]+ m?s +\(\d+% of the step\)", out)
+    assert "peak memory" in out and "rates (cuda calibration)" in out
+    assert "warning: predicted times" not in out  # calibrated
+
+
+def test_estimate_of_an_offload_plan_weighs_host_memory_against_its_states(capsys, tmp_path):
+    """The host memory offload holds at its peak, states and buffers, over the states; with
+    every gradient shard in host buffers, the way to two units' of them."""
+    offload = EXAMPLES / "zero3-offload.yaml"
+    kept = tmp_path / "kept.yaml"
+    kept.write_text(offload.read_text().replace("ratio: 0.5", "ratio: 1.0\n  grads: device"))
+    pattern = r"= host memory \(peak\)\s+(\S+)\s+\((\d\.\d\d)× the states there(.*)\)"
+    figures = {}
+    for plan in (offload, kept):
+        out = run(capsys, "estimate", "--device", "cuda", str(plan))
+        held, ratio, hint = re.search(pattern, out).groups()
+        figures[plan.stem] = float(ratio), hint
+    ratio, hint = figures["zero3-offload"]
+    assert ratio > 1.1 and "offload.grads: device keeps two units' gradients there" in hint
+    ratio, hint = figures["kept"]
+    assert ratio < figures["zero3-offload"][0] and hint == ""
+
+
+def test_estimate_warns_when_its_rates_are_defaults(capsys):
+    out = run(capsys, "estimate", ZERO3, "--world-size", "2")
+    assert "warning: predicted times use the built-in" in out and "zerocc profile" in out
+    table = run(capsys, "estimate", ZERO3, "--world-size", "2", "--table")
+    assert "warning: predicted times use the built-in" in table
+
+
+def test_estimate_table_has_a_step_time_row(capsys):
+    out = run(capsys, "estimate", ZERO3, "--world-size", "4", "--table", "--link-gbps", "10")
+    rows = {line[:26].strip(): line[26:].split() for line in out.splitlines()}
+    assert len(rows["step time"]) == 8 and len(rows["exposed communication"]) == 8  # 4 × "n ms"
+    assert "link from the flags" in out
+
+
+@pytest.mark.parametrize(
+    ("backend", "compiled"), [("inductor", "whole"), ("inductor-regions", "region_")]
+)
+def test_lowered_shows_what_inductor_compiled_and_writes_its_code(
+    capsys, tmp_path, backend, compiled
+):
+    plan = tmp_path / "inductor.yaml"
+    plan.write_text(
+        'workload: "workload:workload"\n'
+        "workload_args: {n_layer: 2, n_embd: 32, n_head: 2, block_size: 16, batch_size: 2}\n"
+        f"zero: {{stage: 3}}\nunits: {{classes: [Block]}}\nbackend: {{name: {backend}}}\n"
+    )
+    out = run(capsys, "inspect", str(plan), "--world-size", "2", "--lowered", str(tmp_path / "out"))
+    assert out.startswith(f"backend {backend}:")
+    table = out[out.index("region ") :].splitlines()
+    names = [row.split()[0] for row in table[1:] if row.startswith(compiled)]
+    assert names and all(row.endswith("compiled") for row in table[1 : 1 + len(names)])
+    written = {p.name for p in (tmp_path / "out").iterdir()}
+    assert written == {"regions.txt", *(f"{name}.py" for name in names)}
+
+
+def test_lowered_on_the_eager_backend_says_nothing_is_generated(capsys):
+    out = run(capsys, "inspect", ZERO3, "--lowered")
+    assert "backend eager:" in out and "nothing generated" in out

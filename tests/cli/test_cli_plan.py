@@ -1,0 +1,123 @@
+"""Tests of the `zerocc plan` commands in zerocc/cli/main.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerocc.cli.main import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["zero0.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml", "zero3-bf16.yaml",
+     "zero3-offload.yaml"],
+)  # fmt: skip
+def test_plan_check_accepts_each_example(capsys, name):
+    path = EXAMPLES / name
+    assert main(["plan", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: ok (stage {name[4]}," in out
+    if "offload" in name:
+        assert (
+            "partition -> recompute -> shard -> precision -> optimizer -> overlap -> offload" in out
+        )
+    elif "bf16" in name:
+        assert "partition -> shard -> precision -> optimizer" in out
+        assert "bf16 compute, fp32 reduce, fp32 master, no loss scaling" in out
+    else:
+        assert "partition -> shard -> optimizer" in out and "fp32," in out
+
+
+def test_plan_check_rejects_a_bad_plan(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("zero:\n  stage: 4\n")
+    assert main(["plan", "check", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert str(path) in captured.err and "zero.stage" in captured.err
+    assert "allowed values: 0, 1, 2, 3" in captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("command", ["plan check", "train"])
+def test_a_missing_nvme_folder_fails_before_any_rank_starts(tmp_path, capsys, command):
+    path = tmp_path / "nvme.yaml"
+    path.write_text(f"offload: {{optimizer: nvme, nvme_path: {tmp_path / 'absent'}}}\n")
+    assert main([*command.split(), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "offload.nvme_path" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_plan_check_missing_file(tmp_path, capsys):
+    assert main(["plan", "check", str(tmp_path / "nope.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_plan_schema_prints_json(capsys):
+    assert main(["plan", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "Plan" and "zero" in schema["properties"]
+
+
+@pytest.mark.parametrize("argv", [[], ["plan"]])
+def test_no_command_prints_help(capsys, argv):
+    assert main(argv) == 0
+    assert "usage: zerocc" in capsys.readouterr().out
+
+
+def test_plan_check_accepts_every_example_plan(capsys):
+    for path in sorted(EXAMPLES.parent.glob("**/*.yaml")):
+        assert main(["plan", "check", str(path)]) == 0, capsys.readouterr().err
+        assert f"{path}: ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("passes", "expected"),
+    [
+        ("[shard, partition]", "passes[0]: 'shard' requires 'units' (produced by partition)"),
+        ("[partition, partition, shard, optimizer]", "passes[1]: 'partition' is listed twice"),
+        ("[partition, shard]", "passes: a training step needs 'optimizer_update'"),
+        (
+            "[partition, shrad, optimizer]",
+            "passes[1]: unknown pass 'shrad' (did you mean 'shard'?)",
+        ),
+        ("[partition, shard, optimizer, overlap, optimizer]", "passes[4]: 'optimizer' is listed"),
+    ],
+)
+def test_plan_check_checks_the_passes(tmp_path, capsys, passes, expected):
+    path = tmp_path / "passes.yaml"
+    path.write_text(f"passes: {passes}\n")
+    assert main(["plan", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"zerocc: error: plan file {path}: {expected}" in err
+    allowed = "partition, recompute, shard, precision, optimizer, overlap, offload"
+    assert allowed in err or "twice" in err  # the allowed order (or names) comes with the error
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'offload: {optimizer: nvme, nvme_path: "a\\0b"}',
+        'dumps: {dir: "a\\0b"}',
+        'cost: {calibration: "a\\0b"}',
+        "workload_args: {x: " + "[" * 10000 + "]" * 10000 + "}",
+        "optimizer: {lr: .inf}",
+        "optimizer:\n  lr: 1.0e-3\n  lr: 1.0e-2",
+    ],
+    ids=["nvme_path", "dumps.dir", "calibration", "nested", "inf", "duplicate"],
+)
+def test_plan_check_reports_bad_data_in_one_line(tmp_path, capsys, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + "\n")
+    assert main(["plan", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zerocc: error: plan file {path}: ") and err.count("\n") == 1
+
+
+def test_plan_check_of_a_path_with_a_nul_byte(capsys):
+    assert main(["plan", "check", "plan\0.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err == "zerocc: error: plan file 'plan\\x00.yaml': a path cannot contain a NUL byte\n"

@@ -1,0 +1,170 @@
+"""DeepSpeed configs as plans: `zerocc plan import` and `zerocc.compile(model, "ds.json")`.
+
+The fixtures (tests/fixtures/deepspeed/) are DeepSpeed's own examples, written out:
+zero2_offload.json the ZeRO-Offload tutorial's (deepspeed.ai/tutorials/zero-offload) with a
+batch, Adam and fp16 block; zero3_offload.json and zero3_nvme.json the ZeRO-3 Offload and
+ZeRO-Infinity NVMe examples of deepspeed.ai/docs/config-json; getting_started.json the
+getting-started config with the docs' fp16 and WarmupLR blocks; bf16_cosine.json bf16 with
+WarmupCosineLR; hf_zero3_auto.json Hugging Face's ds_config_zero3.json ("auto" values);
+unsupported.json options zerocc does not have.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from models import build, entry
+
+import zerocc
+from zerocc.compiler.deepspeed_config import convert
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "deepspeed"
+CONVERTIBLE = sorted(p.name for p in FIXTURES.glob("*.json") if p.name != "unsupported.json")
+
+
+def _config(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def _leaves(config: dict, prefix: str = "") -> list[str]:
+    """Every key path of a config, nested objects opened (an optimizer's params too)."""
+    out = []
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        out += _leaves(value, path + ".") if isinstance(value, dict) and value else [path]
+    return out
+
+
+@pytest.mark.parametrize("name", [*CONVERTIBLE, "unsupported.json"])
+def test_every_key_is_accounted_for(name):
+    config = _config(name)
+    _, outcomes = convert(config)
+    keys = [o.key for o in outcomes]
+    for leaf in _leaves(config):
+        assert any(leaf == k or leaf.startswith(k + ".") for k in keys), leaf
+
+
+@pytest.mark.parametrize("name", CONVERTIBLE)
+def test_deepspeeds_examples_load_as_plans(name):
+    plan = zerocc.load_plan(FIXTURES / name)
+    zero = _config(name)["zero_optimization"]
+    assert plan.zero.stage == (1 if zero is True else zero["stage"])
+
+
+def test_zero3_offload_example():
+    plan = zerocc.load_plan(FIXTURES / "zero3_offload.json")
+    assert (plan.offload.optimizer, plan.offload.params) == ("cpu", "cpu")
+    assert plan.precision.param == "bf16" and plan.precision.reduce == "bf16"  # DeepSpeed's
+    assert plan.optimizer.lr == 3e-5 and plan.optimizer.betas == (0.8, 0.999)
+    assert plan.overlap.max_inflight_mb == pytest.approx(1e7 * 2 / 2**20, abs=1e-3)  # bf16
+    assert plan.units.keep_gathered_below_mb == pytest.approx(1e5 * 2 / 2**20, abs=1e-3)
+
+
+def test_zero2_offload_example_keeps_deepspeeds_loss_scaler():
+    plan = zerocc.load_plan(FIXTURES / "zero2_offload.json")
+    assert plan.zero.stage == 2 and plan.offload.optimizer == "cpu"
+    assert plan.grad_accumulation == 2 and plan.optimizer.grad_clip == 1.0
+    dynamic = plan.precision.dynamic
+    assert plan.precision.param == "fp16" and plan.precision.scaling == "dynamic"
+    assert (dynamic.initial, dynamic.growth_interval, dynamic.hysteresis) == (2.0**16, 1000, 2)
+
+
+def test_deepspeeds_defaults_are_written_where_they_differ():
+    """An fp16 block without its scaler's knobs gets DeepSpeed's (a window of 1000 steps, not
+    torch's 2000); WarmupDecayLR without warmup_max_lr peaks at DeepSpeed's 0.001."""
+    config = {
+        "fp16": {"enabled": True},
+        "optimizer": {"type": "Adam", "params": {"lr": 5e-4}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}},
+    }
+    plan = zerocc.load_plan(config)
+    assert plan.precision.dynamic.growth_interval == 1000 and plan.precision.reduce == "fp16"
+    assert plan.optimizer.schedule.name == "warmup_decay_lr"
+    assert plan.optimizer.schedule.warmup_max_lr == 0.001
+
+
+def test_hugging_face_auto_values_take_zeroccs_defaults():
+    plan = zerocc.load_plan(FIXTURES / "hf_zero3_auto.json")
+    assert plan.precision.param == "fp32"  # fp16/bf16 "auto": the Trainer decides, not zerocc
+    assert plan.optimizer.lr == 1e-3 and plan.grad_accumulation == 1
+    assert plan.optimizer.schedule.name == "warmup_lr"
+    _, outcomes = convert(_config("hf_zero3_auto.json"))
+    assert any(o.key == "optimizer.params.lr" and "'auto'" in o.note for o in outcomes)
+
+
+def test_unsupported_options_are_errors_naming_each():
+    with pytest.raises(zerocc.PlanError) as error:
+        zerocc.load_plan(FIXTURES / "unsupported.json")
+    for key in (
+        "OneBitAdam",
+        "amp",
+        "zero_hpz_partition_size",
+        "zero_quantized_weights",
+        "partition_activations",
+        "cpu_checkpointing",
+        "some_new_option",
+    ):
+        assert key in str(error.value), key
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
+        ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "L2"),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, "WarmupLR"),
+        ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}}}, "auto"),
+        ({"zero_optimization": {"stage": 5}}, "allowed: 0, 1, 2, 3"),
+        ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "hysteresis"),
+    ],
+)
+def test_what_zerocc_cannot_do_is_an_error(config, message):
+    with pytest.raises(zerocc.PlanError, match=message):
+        zerocc.load_plan(config)
+
+
+def test_compile_takes_a_deepspeed_config_and_trains():
+    """A step of the bf16 WarmupCosineLR example, for two simulated ranks."""
+    model, batch = build("buffers"), entry("buffers")[1](0, 0)
+    step = zerocc.compile(model, str(FIXTURES / "bf16_cosine.json"), comm=zerocc.FakeComm(2))
+    loss = step(*batch)
+    assert torch.isfinite(loss) and step.plan.optimizer.schedule.name == "warmup_cosine_lr"
+    assert step.plan.precision.param == "bf16" and step.lr == 0.0  # DeepSpeed's 2nd step too
+
+
+def test_plan_import_prints_every_key_and_writes_a_plan(tmp_path):
+    out = tmp_path / "plan.yaml"
+    command = [
+        sys.executable,
+        "-m",
+        "zerocc",
+        "plan",
+        "import",
+        str(FIXTURES / "zero2_offload.json"),
+    ]
+    run = subprocess.run([*command, "-o", str(out), "--workload", "workload:workload"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "mapped      zero_optimization.stage = 2: zero.stage: 2" in run.stdout
+    assert "ignored     zero_optimization.reduce_bucket_size" in run.stdout
+    assert "27 option(s): 17 mapped" in run.stdout
+    plan = zerocc.load_plan(out)
+    assert plan.workload == "workload:workload" and plan.zero.stage == 2
+    check = subprocess.run([sys.executable, "-m", "zerocc", "plan", "check", str(out)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert check.returncode == 0, check.stderr
+
+
+def test_plan_import_of_unsupported_options_fails_and_writes_nothing(tmp_path):
+    out = tmp_path / "plan.yaml"
+    config = str(FIXTURES / "unsupported.json")
+    command = [sys.executable, "-m", "zerocc", "plan", "import", config]
+    run = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and not out.exists()
+    assert "7 option(s) zerocc does not support" in run.stderr
+    assert "unsupported some_new_option = 1" in run.stdout

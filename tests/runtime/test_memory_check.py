@@ -1,0 +1,302 @@
+"""The memory check before training: a plan that cannot fit fails before it allocates, with the
+shortfall and plan changes that fit (each verified here to fit), on faked machine figures;
+backend.check_memory: false goes on; a real meta-device model too large for this machine fails
+on the real figures without allocating anything."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import yaml
+from model import GPT, GPTConfig
+from models import build
+from multirank import run_ranks
+from parity import batch_of
+
+import zerocc
+import zerocc.runtime.step as step_module
+from zerocc.compiler.capture import describe_model
+from zerocc.compiler.driver.pass_manager import build_pipeline, plan_layout
+from zerocc.compiler.driver.plan_changes import NVME_PATH_HINT
+from zerocc.compiler.driver.program import compile_program
+from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.plan import load_plan
+from zerocc.errors import InsufficientMemoryError
+from zerocc.ir.printing import human_bytes
+from zerocc.runtime import machine_memory, memory_check
+from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL
+
+GPT_PLAN = {"units": {"classes": ["Block"]}, "optimizer": {"eps": 1e-3}}
+CPU = torch.device("cpu")
+BATCH = batch_of({"model": "gpt"}, 0, 0)
+_ROW = re.compile(r"^  fits\s+(?:host|device) .*?B\s{2,}(\S.*)$")
+
+
+class FakeMachine:
+    """Stands in for ``machine_memory.available_memory``: returns ``figures`` in turn (the last
+    one from then on) and counts the reads."""
+
+    def __init__(self, *figures: dict[str, int]) -> None:
+        self.figures, self.reads = list(figures), 0
+
+    def __call__(self, device: torch.device) -> dict[str, int]:
+        self.reads += 1
+        return dict(self.figures[min(self.reads, len(self.figures)) - 1])
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Install a FakeMachine: ``machine(*figures)``."""
+
+    def install(*figures: dict[str, int]) -> FakeMachine:
+        fake = FakeMachine(*figures)
+        monkeypatch.setattr(machine_memory, "available_memory", fake)
+        return fake
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    return install
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    """The layouts allocate_state was called with (each call goes through)."""
+    calls = []
+    real = step_module.allocate_state
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "allocate_state", counting)
+    return calls
+
+
+def _meta_gpt() -> torch.nn.Module:
+    with torch.device("meta"):
+        return build("gpt")
+
+
+def _states_need(model: torch.nn.Module, plan: dict, world: int, device=CPU) -> dict[str, int]:
+    """What check 1 predicts per rank and pool for ``plan`` on ``world`` ranks."""
+    info, plan = describe_model(model), load_plan(plan)
+    units = assign_units(info, world, plan.units.classes, plan.units.modules, plan.units.min_mb)
+    need = memory_check.model_state_need(info, units, plan_layout(plan, units), device)
+    return {pool: sum(parts.values()) for pool, parts in need.items()}
+
+
+def _step_program(plan, world: int):
+    """The stepping program of ``plan`` (compiled on the CPU, as the estimate does for any
+    device)."""
+    plan, model = load_plan(plan) if isinstance(plan, dict) else plan, build("gpt")
+    return compile_program(
+        model,
+        describe_model(model),
+        plan,
+        build_pipeline(plan),
+        BATCH,
+        loss_fn=None,
+        device=CPU,
+        world_size=world,
+        boundary=True,
+    ).gm
+
+
+def _step_need(plan: dict, world: int) -> int:
+    """What check 2 predicts per rank for the stepping program of ``plan`` (host pool, CPU)."""
+    return sum(memory_check.step_need(_step_program(plan, world), CPU)[HOST_POOL].values())
+
+
+def _fitting_changes(message: str) -> list[str]:
+    """The plan changes the message marks as fitting, as written there."""
+    return [m.group(1) for line in message.splitlines() if (m := _ROW.match(line))]
+
+
+def _apply(plan: dict, change: str, nvme_path: str) -> tuple[dict, int | None]:
+    """``plan`` with a change of the message applied (fields, or a world size)."""
+    ranks = re.match(r"(\d+) ranks", change)
+    if ranks:
+        return plan, int(ranks.group(1))
+    changed = yaml.safe_load(yaml.safe_dump(plan))
+    for field in change.split(", "):
+        path, value = field.split(": ", 1)
+        value = nvme_path if value == NVME_PATH_HINT else yaml.safe_load(value)
+        *parents, leaf = path.split(".")
+        node = changed
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return changed, None
+
+
+def test_states_that_do_not_fit_fail_before_any_state_is_allocated(machine, allocations, tmp_path):
+    plan = {**GPT_PLAN, "zero": {"stage": 1}}
+    need = _states_need(_meta_gpt(), plan, world=2)[HOST_POOL]
+    available = need * 85 // 100
+    machine({HOST_POOL: available})
+    model = _meta_gpt()
+    with pytest.raises(InsufficientMemoryError) as raised:
+        zerocc.compile(model, plan, comm=zerocc.FakeComm(2))
+    assert allocations == [] and all(p.is_meta for p in model.parameters())
+    message = str(raised.value)
+    assert f"= {human_bytes(need)}" in message
+    assert f"short by {human_bytes(need - available)}" in message
+    assert "backend.check_memory: false" in message
+    changes = _fitting_changes(message)
+    assert "zero.stage: 3" in changes and any(re.match(r"\d+ ranks", c) for c in changes)
+    assert any("offload.optimizer: nvme" in c for c in changes)
+    for change in changes:  # each one the message says fits does
+        changed, ranks = _apply(plan, change, str(tmp_path))
+        step = zerocc.compile(_meta_gpt(), changed, comm=zerocc.FakeComm(ranks or 2))
+        assert step.state and allocations[-1] == plan_layout(load_plan(changed), step.units)
+
+
+def test_no_world_size_fits_what_stage_0_keeps_whole(machine):
+    need = _states_need(_meta_gpt(), GPT_PLAN, world=2)[HOST_POOL]
+    machine({HOST_POOL: need // 2})
+    with pytest.raises(InsufficientMemoryError, match="no world size fits"):
+        zerocc.compile(_meta_gpt(), {**GPT_PLAN, "zero": {"stage": 0}}, comm=zerocc.FakeComm(2))
+
+
+def test_a_step_that_does_not_fit_fails_before_its_program_runs(machine, allocations):
+    # Stage 3: without gradient accumulation the tiny GPT's stage 1-2 steps peak while the last
+    # block's gradients are packed for their reduction, which recomputation does not lower.
+    plan = {**GPT_PLAN, "zero": {"stage": 3}}
+    recomputed = {**plan, "checkpointing": {"units": "all"}}
+    step_bytes, recomputed_bytes = _step_need(plan, 2), _step_need(recomputed, 2)
+    assert recomputed_bytes < step_bytes
+    available = (step_bytes + recomputed_bytes) // 2
+    fake = machine({HOST_POOL: 2**40}, {HOST_POOL: available})  # the states fit, the step not
+    step = zerocc.compile(build("gpt"), plan, comm=zerocc.FakeComm(2))
+    backends = []
+    real_backend = step.backend
+    step.backend = lambda gm: backends.append(gm) or real_backend(gm)
+    weights = {k: t.clone() for k, t in step.state.items()}
+    with pytest.raises(InsufficientMemoryError) as raised:
+        step(*BATCH)
+    assert fake.reads == 2 and backends == [] and step.micro_batches == 0
+    assert all(torch.equal(weights[k], t) for k, t in step.state.items())
+    message = str(raised.value)
+    assert "training step of this plan does not fit" in message
+    assert f"short by {human_bytes(step_bytes - available)}" in message
+    assert "checkpointing.units: all" in _fitting_changes(message)
+    machine({HOST_POOL: 2**40}, {HOST_POOL: available})
+    step = zerocc.compile(build("gpt"), recomputed, comm=zerocc.FakeComm(2))
+    assert torch.isfinite(step(*BATCH))
+
+
+def test_check_memory_false_goes_on(machine):
+    fake = machine({HOST_POOL: 1})
+    plan = {**GPT_PLAN, "backend": {"check_memory": False}}
+    step = zerocc.compile(build("gpt"), plan, comm=zerocc.FakeComm(2))
+    assert torch.isfinite(step(*BATCH)) and fake.reads == 0
+
+
+def test_a_plan_that_fits_passes_on_this_machines_figures(monkeypatch):
+    reads = []
+    real = machine_memory.available_memory
+
+    def reading(device):
+        reads.append(real(device))
+        return reads[-1]
+
+    monkeypatch.setattr(machine_memory, "available_memory", reading)
+    step = zerocc.compile(build("gpt"), GPT_PLAN, comm=zerocc.FakeComm(2))
+    assert torch.isfinite(step(*BATCH))
+    assert len(reads) == 2 and all(r[HOST_POOL] > 2**20 for r in reads)
+
+
+def test_every_local_rank_counts_against_host_memory(machine, monkeypatch):
+    need = _states_need(_meta_gpt(), GPT_PLAN, world=4)[HOST_POOL]
+    machine({HOST_POOL: 3 * need})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(InsufficientMemoryError, match=rf"× 4 ranks = {human_bytes(4 * need)}"):
+        zerocc.compile(_meta_gpt(), GPT_PLAN, comm=zerocc.FakeComm(4))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    zerocc.compile(_meta_gpt(), GPT_PLAN, comm=zerocc.FakeComm(4))
+
+
+def test_on_a_gpu_device_states_may_move_to_host_memory(machine):
+    """The pools of a GPU run (no GPU needed: the check reads only the device's kind)."""
+    model, gpu = _meta_gpt(), torch.device("cuda", 0)
+    plan = {**GPT_PLAN, "zero": {"stage": 3}}
+    need = _states_need(model, plan, 2, gpu)
+    machine({DEVICE_POOL: need[DEVICE_POOL] * 2 // 3, HOST_POOL: 2**40})
+    info, plan_model = describe_model(model), load_plan(plan)
+    units = assign_units(info, 2, ["Block"], [], None)
+    with pytest.raises(InsufficientMemoryError) as raised:
+        layout = plan_layout(plan_model, units)
+        memory_check.check_model_states(info, units, layout, plan_model, zerocc.FakeComm(2), gpu)
+    message = str(raised.value)
+    assert "memory of cuda:0: per rank" in message
+    changes = _fitting_changes(message)
+    assert "offload.optimizer: cpu" in changes
+    for change in changes:
+        changed, ranks = _apply(plan, change, "/unused")
+        fitted = _states_need(model, changed, ranks or 2, gpu)
+        assert fitted[DEVICE_POOL] <= need[DEVICE_POOL] * 2 // 3
+
+
+def test_host_buffers_that_do_not_fit_may_keep_the_gradients_on_the_gpu(machine):
+    """An offloaded optimizer's step on a GPU whose gradients' host buffers do not fit in host
+    memory: the check proposes offload.grads: device, which fits (the device has room)."""
+    gpu = torch.device("cuda", 0)
+    plan = {**GPT_PLAN, "zero": {"stage": 3}, "offload": {"optimizer": "cpu"}}
+    kept = {**plan, "offload": {"optimizer": "cpu", "grads": "device"}}
+    host = {
+        name: memory_check.step_need(_step_program(p, 2), gpu)[HOST_POOL]["host buffers"]
+        for name, p in (("cpu", plan), ("device", kept))
+    }
+    assert host["device"] < host["cpu"]
+    machine({DEVICE_POOL: 2**40, HOST_POOL: (host["cpu"] + host["device"]) // 2})
+    info, plan_model = describe_model(build("gpt")), load_plan(plan)
+    units = assign_units(info, 2, ["Block"], [], None)
+    layout = plan_layout(plan_model, units)
+    with pytest.raises(InsufficientMemoryError) as raised:
+        memory_check.check_step_memory(
+            _step_program(plan_model, 2),
+            units,
+            layout,
+            plan_model,
+            zerocc.FakeComm(2),
+            gpu,
+            lambda changed: _step_program(changed, 2),
+        )
+    assert "offload.grads: device" in _fitting_changes(str(raised.value))
+
+
+def _too_much_for_two_ranks(rank: int, world: int, per_rank: int) -> None:
+    import zerocc as z
+    from zerocc.runtime import machine_memory as memory
+
+    memory.available_memory = lambda device: {HOST_POOL: 3 * per_rank // 2}
+    z.compile(_meta_gpt(), {**GPT_PLAN, "backend": {"device": "cpu"}})
+
+
+def test_ranks_sharing_a_machine_fail_together():
+    """Two gloo ranks, no LOCAL_WORLD_SIZE: the ranks count each other by host name, and
+    both raise (no rank goes on to wait for the other)."""
+    per_rank = _states_need(_meta_gpt(), GPT_PLAN, world=2)[HOST_POOL]
+    with pytest.raises(RuntimeError) as raised:
+        run_ranks(2, _too_much_for_two_ranks, per_rank, timeout=120)
+    errors = raised.value.errors
+    assert sorted(errors) == [0, 1]
+    assert {kind for kind, _ in errors.values()} == {"InsufficientMemoryError"}
+    assert errors[0][1] == errors[1][1] and "× 2 ranks" in errors[0][1]
+
+
+def test_a_model_larger_than_this_machine_fails_on_its_real_figures(monkeypatch):
+    """~32B parameters on the meta device, stage 0 on one rank: ~480 GiB of states."""
+    reached = []
+    monkeypatch.setattr(step_module, "allocate_state", lambda *a, **k: reached.append(a) or {})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    config = GPTConfig(vocab_size=32000, block_size=64, n_layer=40, n_head=64, n_embd=8192)
+    with torch.device("meta"):
+        model = GPT(config)
+    plan = {**GPT_PLAN, "zero": {"stage": 0}}
+    with pytest.raises(InsufficientMemoryError, match="short by") as raised:
+        zerocc.compile(model, plan, comm=zerocc.FakeComm(1))
+    assert reached == [] and all(p.is_meta for p in model.parameters())
+    available = re.search(r"available: ([\d.]+)GiB", str(raised.value))
+    assert available and float(available.group(1)) * 2**30 <= 1.01 * machine_memory.host_available()

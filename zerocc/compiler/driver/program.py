@@ -1,0 +1,140 @@
+"""Compile one program: capture the step, then run the plan's pass pipeline over it.
+
+The TrainStep compiles this way before running, and the inspection tools (``zerocc inspect``,
+``zerocc estimate``) compile this way without running anything: capture works on fake tensors
+and passes never touch data, so a model on the ``meta`` device of any size compiles in seconds
+for any world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from zerocc.compat import LazyGraphModule
+from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
+from zerocc.compiler.driver.pass_manager import PassContext, PassRecord, Pipeline, run_pipeline
+from zerocc.compiler.plan import Plan
+from zerocc.compiler.state import StateLayout
+from zerocc.compiler.tensor_parallel import TensorParallel, tag_collectives
+from zerocc.compiler.units import Unit
+from zerocc.errors import InvariantError
+from zerocc.ir.nodes import STATE_ROLES, count_ops, info, val
+
+
+@dataclass
+class CompiledProgram:
+    """A scheduled program, what each pass did to it, the units it was built with and the
+    persistent state its passes laid out (which its state placeholders bind)."""
+
+    gm: fx.GraphModule
+    records: list[PassRecord]  # the captured graph first ("capture"), then one per pass
+    units: list[Unit]
+    layout: StateLayout
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the body. Compiling makes millions of objects
+    that live until it ends (nodes, fake tensors, their records) and little garbage: the
+    collector's passes over them were a sixth of a 7.5B model's compile time."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@collection_paused()
+def compile_program(
+    model: nn.Module,
+    model_info: ModelInfo,
+    plan: Plan,
+    pipeline: Pipeline,
+    batch: Sequence[Any],
+    *,
+    loss_fn: LossFn | None,
+    device: torch.device,
+    world_size: int,
+    boundary: bool,
+    units: list[Unit] | None = None,
+    keep_graphs: bool = False,
+    training: bool = True,
+    tensor_parallel: TensorParallel | None = None,
+) -> CompiledProgram:
+    """Capture ``model``'s step on ``batch`` and run ``pipeline`` for ``world_size`` ranks;
+    ``boundary``: the program ends with the optimizer step. ``units``: the FSDP units the
+    caller's state is laid out in (the partition pass assigns them when there are none).
+    ``keep_graphs`` keeps a copy of the graph after every pass in its record (for
+    inspection). ``training=False``: a forward-only program that returns the loss (evaluation;
+    the passes find no gradient, so it gathers what forward needs and updates nothing).
+    ``tensor_parallel``: the layers the plan splits (``model_info`` then gives each split
+    parameter's slice), captured in their tensor-parallel form."""
+    start = time.perf_counter()
+    casts = Casts.of(plan.precision)
+    tp = tensor_parallel
+    with tp.applied(model) if tp is not None else contextlib.nullcontext():
+        gm = capture(model, model_info, loss_fn, batch, device, casts, gradients=training)
+    if tp is not None:
+        tag_collectives(gm)
+    seconds = time.perf_counter() - start
+    n = len(gm.graph.nodes)
+    captured = PassRecord(
+        "capture",
+        seconds,
+        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)" + (f"; {tp.describe()}" if tp else ""),
+        0,
+        n,
+        count_ops(gm.graph.nodes),
+        {},
+    )
+    if keep_graphs:
+        captured.gm = snapshot(gm)
+    ctx = PassContext(
+        plan,
+        world_size,
+        model_info,
+        boundary=boundary and training,
+        units=list(units or []),
+        tensor_parallel=tp,
+    )
+    gm, records = run_pipeline(gm, ctx, pipeline, snapshot if keep_graphs else None)
+    check_bindings(gm, ctx.layout)
+    return CompiledProgram(gm, [captured, *records], ctx.units, ctx.layout)
+
+
+def check_bindings(gm: fx.GraphModule, layout: StateLayout) -> None:
+    """Every state placeholder of ``gm`` binds a state of ``layout``, of its shape and dtype
+    (what the runtime allocated from the layout): raises InvariantError naming the first that
+    does not."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or info(node).role not in STATE_ROLES:
+            continue
+        spec, value = layout.get(info(node).key or ""), val(node)
+        if spec is None or (spec.shape, spec.dtype) != (tuple(value.shape), value.dtype):
+            raise InvariantError(
+                f"placeholder {node.name} ({info(node).role}, {tuple(value.shape)} "
+                f"{value.dtype}) binds no state of the layout its passes declared "
+                f"({spec if spec is not None else 'no state of key ' + repr(info(node).key)})"
+            )
+
+
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and their zerocc records) later passes cannot change."""
+    from zerocc.ir.nodes import copy_node
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = copy_node(graph, node, env.__getitem__)
+    return LazyGraphModule(gm, graph)

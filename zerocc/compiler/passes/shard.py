@@ -1,0 +1,287 @@
+"""shard: flat parameters per unit, and the communication of ZeRO stages 0-3.
+
+Parameters become one flat buffer per unit, padded to a multiple of the world size. Per stage:
+
+- 3: each rank holds a shard. A unit is all-gathered before its first use in forward and freed
+  after its last, gathered again before its first use in backward and freed after its last;
+  its gradient is reduce-scattered right after its last contribution and added to the rank's
+  gradient shard. A unit the plan keeps gathered (``units.keep_gathered``) is gathered once,
+  before its first use, and freed after its last use in the step.
+- 2: parameters replicated; gradients reduce-scattered as they are produced, each rank keeping
+  only its gradient shard.
+- 1: parameters and full gradients replicated; gradients accumulate over micro-batches and are
+  reduce-scattered once, at the end of backward of the micro-batch that steps.
+- 0: DDP: full gradients accumulate, all-reduced as each unit's gradient completes on the
+  micro-batch that steps.
+
+Without accumulation (``grad_accumulation: 1``) no gradient is kept between steps: each unit's
+gradients are packed into one buffer as soon as they are complete and reduced (all-reduced at
+stage 0, reduce-scattered at stages 1-3), and the update reads the collective's result. Stage 1
+then reduces as stage 2 does.
+
+A world of one rank communicates nothing: parameters are read where they are kept (stage 3's
+shard is the whole flat), nothing is gathered, packed or reduced, and without accumulation the
+update reads each parameter's gradient where backward left it (a unit whose states are
+offloaded packs its gradient for the copy to the host).
+
+The reduced gradient each unit's optimizer update reads is tagged ``grad_shard`` (world size 1
+without accumulation: one per parameter, with its ``span`` in the flat buffer); the optimizer
+pass acts on those tags. Collectives are start/wait pairs, the wait right after its start (the
+overlap pass moves them). Collectives sum; the 1/(ranks × micro-batches) mean is applied by the
+update.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from zerocc.compat import LazyGraphModule
+from zerocc.compiler.names import glob_matches
+from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.passes.gradients import Gradients, flat_view, unit_collective
+from zerocc.compiler.passes.param_uses import ParamUses, analyze
+from zerocc.compiler.plan import OffloadConfig
+from zerocc.compiler.state import DEVICE, declare_params, placements
+from zerocc.compiler.units import Unit
+from zerocc.errors import PlanError
+from zerocc.ir.nodes import (
+    GATHERED,
+    PARAM,
+    copy_node,
+    emit,
+    info,
+    state_placeholder,
+    tag,
+)
+from zerocc.ir.ops import DP_GROUP, op
+
+aten = torch.ops.aten
+
+
+class _ShardRewriter:
+    """Copies the captured graph into a new one, inserting the stage's flat params and comm."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        ctx: PassContext,
+        stage: int,
+        kept: set[str],
+        grad_accumulation: int,
+        offload: OffloadConfig,
+    ) -> None:
+        self.old, self.ctx, self.stage, self.kept = gm, ctx, stage, kept
+        self.grad_accumulation = grad_accumulation
+        self.solo = ctx.mesh.data_parallel == 1  # nothing to gather, pack or reduce
+        self.gathers = stage == 3 and not self.solo
+        where = placements(ctx.units, offload)
+        self.offloaded = {name for name, place in where.items() if place.offloaded}
+        # Parameter values are re-derived per phase where each phase reads its own copy: stage
+        # 3's gathers, or at world size 1 the device copies offload makes of shards it keeps off
+        # the device (so that forward's copy is not kept alive into backward).
+        self.per_phase = self.gathers or (
+            stage == 3 and any(place.params != DEVICE for place in where.values())
+        )
+        self.units = {u.name: u for u in ctx.units}
+        self.uses: ParamUses = analyze(gm, [p.fqn for p in ctx.model.trainable])
+        self.param_of = {n: info(n).key for n in self.uses.unit_of}
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.flat: dict[tuple[str, str], fx.Node] = {}  # (unit, scope) -> gathered flat param
+        self.memo: dict[tuple[fx.Node, str], fx.Node] = {}
+        self.state: dict[str, dict[str, fx.Node]] = {}  # unit -> {"param", "param_shard", "grad"}
+
+    # -- placeholders -----------------------------------------------------------------------
+
+    def add_placeholders(self) -> None:
+        like = next(n.meta["val"] for n in self.old.graph.nodes if n.op == "placeholder")
+        for unit in self.ctx.units:  # as the pass declared them (`declare_params`)
+            self.state[unit.name] = {
+                name: state_placeholder(self.graph, spec, like)
+                for name, spec in self.ctx.layout.of_unit(unit).items()
+            }
+        for n in self.old.graph.nodes:
+            if n.op == "placeholder" and info(n).role != PARAM:
+                self.env[n] = copy_node(self.graph, n, lambda a: a)
+
+    # -- parameter values -------------------------------------------------------------------
+
+    def scope(self, phase: str, unit: str | None = None) -> str:
+        """Which copy of the parameters a use in ``phase`` reads: per phase in stage 3 (one for
+        the whole step for a kept unit), the resident parameters otherwise."""
+        if not self.per_phase:
+            return "resident"
+        return "step" if unit in self.kept else phase
+
+    def value(self, node: fx.Node, phase: str) -> fx.Node:
+        """The new graph's value for an old node, re-deriving parameter values in scope."""
+        if node not in self.uses.roots:
+            return self.env[node]
+        key = (node, self.scope(phase))
+        if key not in self.memo:
+            if node in self.uses.unit_of:
+                self.memo[key] = self.param_view(node, phase)
+            else:
+                new = copy_node(self.graph, node, lambda a: self.value(a, phase))
+                self.memo[key] = tag(new, phase=phase)
+        return self.memo[key]
+
+    def param_view(self, node: fx.Node, phase: str) -> fx.Node:
+        unit = self.units[self.uses.unit_of[node]]
+        if self.gathers:
+            flat = self.flat[(unit.name, self.scope(phase, unit.name))]
+        else:  # read where it is kept: the replicated flat, or (world size 1) the whole shard
+            flat = self.state[unit.name]["param"]
+        return flat_view(self.graph, flat, unit, self.param_of[node], phase)
+
+    # -- communication ----------------------------------------------------------------------
+
+    def gather(self, unit: Unit, phase: str) -> None:
+        scope = self.scope(phase, unit.name)
+        if (unit.name, scope) in self.flat:  # kept gathered since forward
+            return
+        when = "step" if scope == "step" else phase
+        flat = unit_collective(
+            self.graph,
+            "all_gather_start",
+            (self.state[unit.name]["param"], unit.world_size, DP_GROUP),
+            unit,
+            phase,
+            unit.padded_numel * unit.dtype.itemsize,
+            f"gather {unit.name} before its first use in {when}",
+            role=GATHERED,
+        )
+        self.flat[(unit.name, scope)] = flat
+
+    def free(self, unit: Unit, phase: str) -> None:
+        scope = self.scope(phase, unit.name)
+        if scope == "step" and phase == "forward" and (unit.name, "backward") in self.uses.windows:
+            return  # kept gathered for its use in backward
+        flat = self.flat.pop((unit.name, scope))
+        when = "step" if scope == "step" else phase
+        emit(
+            self.graph,
+            op("free"),
+            (flat,),
+            phase=phase,
+            unit=unit.name,
+            note=f"free {unit.name} after its last use in {when}",
+        )
+
+    # -- the rewrite ------------------------------------------------------------------------
+
+    def last_contribution(self) -> dict[fx.Node, list[Unit]]:
+        """For each trainable unit the loss reaches, the node after which its gradient is complete.
+
+        A unit none of whose parameters reaches the loss has no gradient: like torch.optim with
+        ``grad=None``, it is neither reduced nor updated.
+        """
+        order = self.uses.order
+        at: dict[fx.Node, list[Unit]] = {}
+        for unit in self.ctx.units:
+            producers = [self.uses.grads.get(p.fqn) for p in unit.params] if unit.trainable else []
+            producers = [g for g in producers if g is not None]  # none: an evaluation program
+            if producers:
+                at.setdefault(max(producers, key=order.__getitem__), []).append(unit)
+        return at
+
+    def run(self) -> fx.Graph:
+        self.add_placeholders()
+        complete = self.last_contribution()
+        accumulators = {u: nodes["grad"] for u, nodes in self.state.items() if "grad" in nodes}
+        gradients = Gradients(
+            self.graph,
+            self.ctx,
+            self.stage,
+            self.grad_accumulation,
+            self.uses,
+            self.env,
+            accumulators,
+            self.offloaded,
+        )
+        output = None
+        for node in self.old.graph.nodes:
+            if node.op == "placeholder" or node in self.uses.derived:
+                continue
+            if node.op == "output":
+                output = node
+                continue
+            phase = info(node).phase
+            if self.gathers:
+                for unit_name in self.uses.starting_at(node):
+                    self.gather(self.units[unit_name], phase)
+            self.env[node] = copy_node(self.graph, node, lambda a, ph=phase: self.value(a, ph))
+            gradients.produced(node)
+            for unit in complete.get(node, []):
+                gradients.complete(unit)
+            if self.gathers:
+                for unit_name in self.uses.ending_at(node):
+                    self.free(self.units[unit_name], phase)
+        reached = {u.name for units in complete.values() for u in units}
+        gradients.after_backward([u for u in self.ctx.units if u.name in reached])
+        self.graph.output(self.env[output.args[0][0]])
+        return self.graph
+
+
+def kept_gathered(
+    units: list[Unit], patterns: list[str], below_mb: float | None, itemsize: int
+) -> set[str]:
+    """Names of the units kept gathered for the whole step: those whose name (``root`` for the
+    root unit) matches a pattern, and those smaller than ``below_mb`` when gathered."""
+    kept = set()
+    for pattern in patterns:
+        hits = {u.name for u in units if glob_matches(u.key, pattern)}
+        if not hits:
+            names = ", ".join(u.key for u in units[:6])
+            raise PlanError(
+                f"units.keep_gathered: pattern {pattern!r} matches no unit; units are: {names}"
+            )
+        kept |= hits
+    if below_mb is not None:
+        kept |= {u.name for u in units if u.padded_numel * itemsize < below_mb * 2**20}
+    return kept
+
+
+def _options(plan) -> dict:
+    return {
+        "stage": plan.zero.stage,
+        "keep_gathered": plan.units.keep_gathered,
+        "keep_gathered_below_mb": plan.units.keep_gathered_below_mb,
+        "itemsize": plan.precision.dtype("param").itemsize,
+        "grad_accumulation": plan.grad_accumulation,
+        "offload": plan.offload,
+    }
+
+
+@register_pass(
+    "shard",
+    requires=("units",),
+    provides=("sharded_params", "grad_shards"),
+    options=_options,
+    declares=lambda layout, units, plan: declare_params(layout, units, plan, precision=None),
+)
+def shard(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    stage: int,
+    keep_gathered: list[str] = (),
+    keep_gathered_below_mb: float | None = None,
+    itemsize: int = 4,
+    grad_accumulation: int = 1,
+    offload: OffloadConfig | None = None,
+) -> fx.GraphModule:
+    """Flatten each unit's parameters and insert ZeRO-``stage`` gathers, frees and reductions
+    (none on one rank)."""
+    kept = kept_gathered(ctx.units, list(keep_gathered), keep_gathered_below_mb, itemsize)
+    gathering = stage == 3 and ctx.mesh.data_parallel > 1
+    rewriter = _ShardRewriter(
+        gm,
+        ctx,
+        stage,
+        kept if gathering else set(),
+        grad_accumulation,
+        offload or OffloadConfig(),
+    )
+    return LazyGraphModule(gm, rewriter.run())
