@@ -45,10 +45,8 @@ from systems import ZEROCC_SAVINGS, zerocc_runner
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.25  # |predicted / measured - 1|
-# bench/offload.py's zerocc variants by suffix: (offload, checkpointing) sections, on stage 3.
-VARIANTS = {
-    suffix: (offload, checkpointing) for suffix, offload, checkpointing, _ in ZEROCC_SAVINGS
-}
+# bench/offload.py's zerocc variants by suffix: (offload, recompute) sections, on stage 3.
+VARIANTS = {suffix: (offload, recompute) for suffix, offload, recompute, _ in ZEROCC_SAVINGS}
 
 
 @dataclass(frozen=True)
@@ -84,10 +82,10 @@ def case_rank(rank: int, cfg: BenchConfig, case: Case, port: int, steps: int, ou
     from zerocc.inspect.calibrate import calibrate, slowest
 
     dist.init_process_group("gloo")
-    offload, checkpointing = VARIANTS[case.variant] if case.variant else (None, None)
+    offload, recompute = VARIANTS[case.variant] if case.variant else (None, None)
     step = zerocc_runner(build_model(cfg), cfg, torch.device("cpu"), stage=case.stage,
                          backend=case.backend, offload=offload,
-                         checkpointing=checkpointing).train_step  # fmt: skip
+                         recompute=recompute).train_step  # fmt: skip
     data = _endless(cfg, rank)
     step(*next(data))  # captures and compiles
     calibration = calibrate(step, data, steps=steps, warmup=cfg.warmup)

@@ -63,9 +63,9 @@ def _adamw(params: Any, cfg: BenchConfig) -> torch.optim.AdamW:
 
 def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, stage: int,
                   backend: str = "eager", overlap: dict | None = None, offload: dict | None = None,
-                  checkpointing: dict | None = None) -> Runner:  # fmt: skip
+                  recompute: dict | None = None) -> Runner:  # fmt: skip
     """``zerocc.compile`` with one unit per Block (the embeddings, final LN and head: the root);
-    ``overlap``, ``offload``, ``checkpointing``: those sections of the plan (default: the overlap
+    ``overlap``, ``offload``, ``recompute``: those sections of the plan (default: the overlap
     pass with its defaults, nothing offloaded, nothing recomputed). NVMe offload without an
     ``nvme_path`` puts its files under ``cfg.nvme_path``, else the system's temp folder."""
     import zerocc
@@ -83,7 +83,7 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
         "backend": {"name": backend, "device": device.type},
         "overlap": overlap or {},
         "offload": dict(offload or {}),
-        "checkpointing": checkpointing or {},
+        "recompute": recompute or {},
         "seed": cfg.seed,
     }
     if "nvme" in plan["offload"].values() and not plan["offload"].get("nvme_path"):
@@ -314,7 +314,7 @@ def all_systems() -> Systems:
     return Systems((s.name, s) for s in systems)
 
 
-# zerocc stage 3 with each memory-saving option: (name suffix, offload, checkpointing, what).
+# zerocc stage 3 with each memory-saving option: (name suffix, offload, recompute, what).
 ZEROCC_SAVINGS = (
     ("opt-cpu", {"optimizer": "cpu"}, None, "offload.optimizer: cpu"),
     ("opt-cpu-r0.5", {"optimizer": "cpu", "ratio": 0.5}, None,
@@ -322,21 +322,21 @@ ZEROCC_SAVINGS = (
     ("opt-nvme", {"optimizer": "nvme"}, None, "offload.optimizer: nvme (files in a temp folder)"),
     ("opt-par-cpu", {"optimizer": "cpu", "params": "cpu"}, None,
      "offload.optimizer: cpu, offload.params: cpu"),
-    ("recompute", None, {"units": "all"}, "checkpointing.units: all"),
+    ("recompute", None, {"units": "all"}, "recompute.units: all"),
     ("opt-par-cpu-rc", {"optimizer": "cpu", "params": "cpu"}, {"units": "all"},
-     "offload.optimizer: cpu, offload.params: cpu, checkpointing.units: all"),
+     "offload.optimizer: cpu, offload.params: cpu, recompute.units: all"),
     ("opt-cpu-next", {"optimizer": "cpu", "pipeline": "next_forward"}, None,
      "offload.optimizer: cpu, offload.pipeline: next_forward"),
     ("opt-par-cpu-rc-next", {"optimizer": "cpu", "params": "cpu", "pipeline": "next_forward"},
-     {"units": "all"}, "offload optimizer and params: cpu, checkpointing.units: all, "
+     {"units": "all"}, "offload optimizer and params: cpu, recompute.units: all, "
      "offload.pipeline: next_forward"),
     ("opt-cpu-delayed", {"optimizer": "cpu", "pipeline": "delayed"}, None,
      "offload.optimizer: cpu, offload.pipeline: delayed (gradients a step stale: other losses)"),
     ("opt-par-cpu-rc-gdev", {"optimizer": "cpu", "params": "cpu", "grads": "device"},
-     {"units": "all"}, "offload optimizer and params: cpu, checkpointing.units: all, "
+     {"units": "all"}, "offload optimizer and params: cpu, recompute.units: all, "
      "offload.grads: device (two units' gradient host buffers)"),
     ("opt-par-cpu-rc-gnull", {"optimizer": "cpu", "params": "cpu", "grads_in_flight": None},
-     {"units": "all"}, "offload optimizer and params: cpu, checkpointing.units: all, "
+     {"units": "all"}, "offload optimizer and params: cpu, recompute.units: all, "
      "offload.grads_in_flight: null (backward never waits for gradient copies)"),
 )  # fmt: skip
 # Variants whose numbers differ from zerocc-z3's by design (offload.pipeline: delayed).
@@ -350,10 +350,10 @@ def offload_systems() -> dict[str, System]:
     systems = [
         System(
             f"zerocc-z3-{suffix}", "zerocc", 3,
-            partial(zerocc_runner, stage=3, offload=offload, checkpointing=checkpointing),
+            partial(zerocc_runner, stage=3, offload=offload, recompute=recompute),
             f"zerocc.compile, zero.stage 3, {what}", ("zerocc",),
         )
-        for suffix, offload, checkpointing, what in ZEROCC_SAVINGS
+        for suffix, offload, recompute, what in ZEROCC_SAVINGS
     ]  # fmt: skip
     for suffix, policy in (("", {}), ("-unpinned", {"pin_memory": False})):
         systems.append(System(

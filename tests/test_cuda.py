@@ -61,7 +61,7 @@ def _cases(world: int) -> list[dict]:
                   "offload": {"optimizer": "cpu", "pipeline": "next_forward"}})  # fmt: skip
     # Recompute on a GPU: cuDNN attention's unused outputs are dead nodes make_fx drops, which
     # once shifted capture's phase tags (issue 22's offloaded runs on an H100 failed to compile).
-    cases.append({**on_gpu, "stage": 3, "precision": bf16, "checkpointing": {"units": "all"},
+    cases.append({**on_gpu, "stage": 3, "precision": bf16, "recompute": {"units": "all"},
                   "offload": {"optimizer": "cpu", "params": "cpu"}})  # fmt: skip
     return cases + [c for pair in _offload_pairs(world) for c in pair]
 
@@ -75,7 +75,7 @@ def _offload_pairs(world: int) -> list[tuple[dict, dict]]:
     clipped = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}
     offloaded = [
         {**on_gpu, "optimizer": clipped, "offload": {"optimizer": "cpu"}},
-        {**on_gpu, "checkpointing": {"units": "all"},
+        {**on_gpu, "recompute": {"units": "all"},
          "offload": {"optimizer": "cpu", "params": "cpu", "pipeline": "next_forward"}},
     ]  # fmt: skip
     return [(c, {k: v for k, v in c.items() if k != "offload"}) for c in offloaded]
@@ -211,7 +211,7 @@ def test_offloaded_gradients_leave_the_gpu_as_they_go():
         plan = {"zero": {"stage": 3}, "units": {"classes": ["Block"]},
                 "optimizer": {"lr": 1e-3, "grad_clip": 1.0}, "precision": {"param": "bf16"},
                 "offload": {"optimizer": "cpu", "grads": grads},
-                "checkpointing": {"units": "all"}, "backend": {"device": "cuda"}}  # fmt: skip
+                "recompute": {"units": "all"}, "backend": {"device": "cuda"}}  # fmt: skip
         work = workload(**small, device="cuda")
         step = zerocc.compile(work.model, plan)
         batch = [b.cuda() for b in next(iter(work.batches(0, 1)))]

@@ -340,7 +340,7 @@ def test_gradients_copied_to_the_host_leave_the_device_as_they_go():
     small = {"n_layer": 8, "n_head": 2, "n_embd": 64, "block_size": 16, "batch_size": 2}
     peaks, held, blocks, psi = {}, {}, [], 0
     for grads in ("cpu", "device"):
-        plan = {**_plan(optimizer="cpu", grads=grads), "checkpointing": {"units": "all"}}
+        plan = {**_plan(optimizer="cpu", grads=grads), "recompute": {"units": "all"}}
         inspection = inspect_plan(plan, 1, workload(**small))
         figures = estimate(inspection)
         peaks[grads], held[grads] = figures.peak["activations"], figures.held_grads
@@ -368,7 +368,7 @@ def test_more_gradients_in_flight_hold_more_device_memory_and_wait_less():
     rates = replace(DeviceRates.defaults("cuda"), host_link_bytes_per_s=1e8)  # copies: slow
     peaks, waits, hinted, block = {}, {}, {}, 0
     for bound in (1, 2, 5, None):
-        plan = {**_plan(optimizer="cpu"), "checkpointing": {"units": "all"}}
+        plan = {**_plan(optimizer="cpu"), "recompute": {"units": "all"}}
         plan["offload"]["grads_in_flight"] = bound
         inspection = inspect_plan(plan, 1, workload(**small))
         figures = estimate(inspection, rates)

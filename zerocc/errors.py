@@ -102,6 +102,11 @@ class PlanWarning(UserWarning):
     without loss scaling)."""
 
 
+class RenamedFieldWarning(PlanWarning, FutureWarning):
+    """Warned when a plan names a section by its old name: it is read under the new one, and the
+    warning says which (``checkpointing:`` is ``recompute:``)."""
+
+
 class LoweringWarning(UserWarning):
     """Warned when ranks lowered one program differently (one rank's Inductor rejected what
     another's compiled): the collectives are the same, so it trains, but each rank's compute

@@ -227,9 +227,9 @@ def test_random_ops_draw_what_eager_draws_in_the_whole_graph():
     """Dropout, recomputed: the whole graph draws the masks eager draws, and recomputation
     replays them (the generator's ops chained by a token, backends/inductor/random_ops.py;
     without the chain the replay drew other masks and step 2's loss moved by 2e-4)."""
-    checkpointing = {"units": "all"}
-    eager, _ = _run("eager", build=tiny_gpt_dropout, checkpointing=checkpointing)
-    ours, step = _run("inductor", build=tiny_gpt_dropout, checkpointing=checkpointing)
+    recompute = {"units": "all"}
+    eager, _ = _run("eager", build=tiny_gpt_dropout, recompute=recompute)
+    ours, step = _run("inductor", build=tiny_gpt_dropout, recompute=recompute)
     _assert_close(ours, eager)
     executable = step._last_program.run
     assert executable.compiled_whole is not None, executable.notes()

@@ -14,7 +14,7 @@ from torch import nn
 from zerocc.compiler.driver.pass_manager import check_passes, pipeline_names
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.compiler.workload import Workload, load_workload
-from zerocc.errors import PlanError, PlanWarning, ZeroccError
+from zerocc.errors import PlanError, PlanWarning, RenamedFieldWarning, ZeroccError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 
@@ -149,6 +149,20 @@ def test_section_that_is_not_a_mapping():
 
 
 # --- precision -------------------------------------------------------------------------------
+
+
+def test_a_renamed_section_is_read_under_its_new_name_with_a_warning(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("checkpointing:\n  units: all\n")
+    with pytest.warns(RenamedFieldWarning, match=r"`checkpointing:` is now `recompute:`"):
+        plan = load_plan(path)
+    assert plan.recompute.units == "all"
+    assert "checkpointing" not in plan.model_dump()
+
+
+def test_a_renamed_section_given_under_both_names_is_an_error():
+    with pytest.raises(PlanError, match="old name of recompute:, and the plan gives both"):
+        load_plan({"checkpointing": {"units": "all"}, "recompute": {"units": "none"}})
 
 
 def test_precision_defaults_and_pipeline():

@@ -16,7 +16,7 @@ PLANS = {
     "offload, recompute, bf16": {
         "zero": {"stage": 3},
         "precision": {"param": "bf16"},
-        "checkpointing": {"units": "all"},
+        "recompute": {"units": "all"},
         "offload": {"optimizer": "cpu", "params": "cpu"},
     },
     "stage 0": {"zero": {"stage": 0}},

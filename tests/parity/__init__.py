@@ -80,7 +80,7 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         },
         "overlap": case.get("overlap", {}),
         "offload": case.get("offload", {}),
-        "checkpointing": case.get("checkpointing", {}),
+        "recompute": case.get("recompute", {}),
         "seed": 7,
     }
 

@@ -43,7 +43,7 @@ CASES = [
         "world": 2,
         "offload": {"optimizer": "cpu", "pipeline": "next_forward"},
     },
-    {"model": "gpt", "stage": 3, "world": 2, "checkpointing": {"units": "all"}},
+    {"model": "gpt", "stage": 3, "world": 2, "recompute": {"units": "all"}},
     {"model": "buffers", "stage": 1, "world": 2, "accum": 2},
 ]
 STEPS = 4

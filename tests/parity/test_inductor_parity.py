@@ -34,7 +34,7 @@ FP32 = [
     # Dropout, recomputed, in the whole graph: the masks of ATen's generator, replayed for the
     # recomputation. Held to the eager backend only: the one-process reference draws its masks
     # in another order.
-    {"model": "gpt_dropout", "stage": 3, "checkpointing": {"units": "all"}},
+    {"model": "gpt_dropout", "stage": 3, "recompute": {"units": "all"}},
 ]
 _BF16 = {
     "model": "gpt",

@@ -50,8 +50,8 @@ CASES = [
     # Everything together: part of the model on NVMe, parameters on the host, recomputation.
     {"model": "gpt", "stage": 3, "accum": 2, "optimizer": CLIPPED,
      "offload": {**ON_NVME, "params": "cpu", "ratio": 0.5},
-     "checkpointing": {"units": "all"}},
-    {"model": "gpt", "stage": 3, "precision": BF16, "checkpointing": {"units": "all"},
+     "recompute": {"units": "all"}},
+    {"model": "gpt", "stage": 3, "precision": BF16, "recompute": {"units": "all"},
      "offload": {**ON_NVME, "params": "nvme"}},
     # The one-pass update (the host's on a GPU machine), clipped, accumulated; SGD with a bf16
     # copy written in the same loop.
@@ -109,7 +109,7 @@ DELAYED = [
 # the two to it on a GPU).
 AS_ON_A_GPU = [
     {"model": "gpt", "stage": 3, "precision": BF16, "optimizer": CLIPPED, "offload": CPU},
-    {"model": "gpt", "stage": 3, "precision": BF16, "checkpointing": {"units": "all"},
+    {"model": "gpt", "stage": 3, "precision": BF16, "recompute": {"units": "all"},
      "offload": {**CPU, "params": "cpu", "pipeline": "next_forward"}},
 ]  # fmt: skip
 

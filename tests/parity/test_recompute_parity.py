@@ -23,16 +23,16 @@ BF16 = {"param": "bf16"}
 
 # Against the one-process reference: (case, tolerance).
 REFERENCE = [
-    *(({"model": "gpt", "stage": s, "checkpointing": ALL}, 1e-5) for s in range(4)),
-    ({"model": "gpt", "stage": 3, "checkpointing": LAST_BLOCK}, 1e-5),
-    ({"model": "twice", "stage": 3, "checkpointing": ALL}, 1e-5),  # a unit called twice
-    ({"model": "gpt", "stage": 3, "precision": BF16, "checkpointing": ALL}, 1e-2),
+    *(({"model": "gpt", "stage": s, "recompute": ALL}, 1e-5) for s in range(4)),
+    ({"model": "gpt", "stage": 3, "recompute": LAST_BLOCK}, 1e-5),
+    ({"model": "twice", "stage": 3, "recompute": ALL}, 1e-5),  # a unit called twice
+    ({"model": "gpt", "stage": 3, "precision": BF16, "recompute": ALL}, 1e-2),
 ]
 # Against the same run without recompute, exactly.
 ON_OFF = [
-    {"model": "gpt_dropout", "stage": 0, "checkpointing": ALL},
-    {"model": "gpt_dropout", "stage": 3, "checkpointing": ALL},
-    {"model": "gpt_dropout", "stage": 2, "checkpointing": LAST_BLOCK, "precision": BF16},
+    {"model": "gpt_dropout", "stage": 0, "recompute": ALL},
+    {"model": "gpt_dropout", "stage": 3, "recompute": ALL},
+    {"model": "gpt_dropout", "stage": 2, "recompute": LAST_BLOCK, "precision": BF16},
 ]
 
 
@@ -41,7 +41,7 @@ def _full(case: dict) -> dict:
 
 
 def _off(case: dict) -> dict:
-    return {k: v for k, v in _full(case).items() if k != "checkpointing"}
+    return {k: v for k, v in _full(case).items() if k != "recompute"}
 
 
 def _train(rank: int, world: int, cases: list[dict]) -> dict:

@@ -42,7 +42,7 @@ CASES = [
     {"model": "gpt4h", "stage": 3, "world": 4, "tp": 4, "optimizer": CLIPPED},
     {"model": "gpt4h", "stage": 0, "world": 4, "tp": 4},
     # composes with the other passes
-    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "checkpointing": {"units": "all"}},
+    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "recompute": {"units": "all"}},
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "overlap": {"bucket_mb": 64}},
     {"model": "gpt", "stage": 2, "world": 4, "tp": 2, "offload": {"optimizer": "cpu"}},
     # sequence parallelism: between the split layers each rank holds its chunk of the tokens

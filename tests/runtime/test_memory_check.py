@@ -163,7 +163,7 @@ def test_a_step_that_does_not_fit_fails_before_its_program_runs(machine, allocat
     # Stage 3: without gradient accumulation the tiny GPT's stage 1-2 steps peak while the last
     # block's gradients are packed for their reduction, which recomputation does not lower.
     plan = {**GPT_PLAN, "zero": {"stage": 3}}
-    recomputed = {**plan, "checkpointing": {"units": "all"}}
+    recomputed = {**plan, "recompute": {"units": "all"}}
     step_bytes, recomputed_bytes = _step_need(plan, 2), _step_need(recomputed, 2)
     assert recomputed_bytes < step_bytes
     available = (step_bytes + recomputed_bytes) // 2
@@ -180,7 +180,7 @@ def test_a_step_that_does_not_fit_fails_before_its_program_runs(machine, allocat
     message = str(raised.value)
     assert "training step of this plan does not fit" in message
     assert f"short by {human_bytes(step_bytes - available)}" in message
-    assert "checkpointing.units: all" in _fitting_changes(message)
+    assert "recompute.units: all" in _fitting_changes(message)
     machine({HOST_POOL: 2**40}, {HOST_POOL: available})
     step = zerocc.compile(build("gpt"), recomputed, comm=zerocc.FakeComm(2))
     assert torch.isfinite(step(*BATCH))

@@ -282,7 +282,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     lines += [f"  {kind:<24}{human_bytes(n):>12}" for kind, n in sorted(e.comm.items())]
     if not e.comm:
         lines.append(f"  {'none':<24}{human_bytes(0):>12}{no_communication(e.world_size)}")
-    if plan.checkpointing.enabled:
+    if plan.recompute.enabled:
         lines += ["", describe_recompute(e.recompute)]
     if e.transfers:
         lines += ["", "offload traffic per optimizer step, per rank:"]

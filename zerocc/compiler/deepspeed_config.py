@@ -602,7 +602,7 @@ def _scheduler(conv: _Conversion, key: str, block: Any) -> None:
 
 def _activation_checkpointing(conv: _Conversion, key: str, block: Any) -> None:
     why = ("configures deepspeed.checkpointing.checkpoint, which a model calls itself; zerocc "
-           "recomputes the units checkpointing.units names (e.g. all)")  # fmt: skip
+           "recomputes the units recompute.units names (e.g. all)")  # fmt: skip
     for option, value in (block or {}).items():
         sub = f"{key}.{option}"
         if option in ("partition_activations", "cpu_checkpointing") and value:
@@ -610,7 +610,7 @@ def _activation_checkpointing(conv: _Conversion, key: str, block: Any) -> None:
                 sub,
                 value,
                 "zerocc keeps activations whole on each rank's device; recompute them with "
-                "checkpointing.units",
+                "recompute.units",
             )
         else:
             conv.ignored(sub, value, why)

@@ -1,5 +1,5 @@
 """Globs over dotted names (module FQNs, unit names), as the plan's `units.modules`,
-`units.keep_gathered` and `checkpointing.units` take them.
+`units.keep_gathered` and `recompute.units` take them.
 
 ``*`` matches within one dotted component and ``**`` across dots, as path globs do:
 ``transformer.h.*`` is every block (``transformer.h.0``), not its submodules

@@ -38,7 +38,7 @@ from zerocc.compiler.deepspeed_config import (
 from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.plan_messages import describe_error, invalid_plan, plan_origin, show
 from zerocc.compiler.plan_yaml import PlanDataError, check_shape, load_yaml
-from zerocc.errors import PlanError, PlanWarning
+from zerocc.errors import PlanError, PlanWarning, RenamedFieldWarning
 
 _WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
@@ -826,7 +826,7 @@ class OffloadConfig(_Section):
         return "nvme" in (self.optimizer, self.params)
 
 
-class CheckpointingConfig(_Section):
+class RecomputeConfig(_Section):
     """Activation checkpointing (the recompute pass): forward activations of chosen units are
     not kept for backward; their forward runs again right before their backward."""
 
@@ -943,8 +943,34 @@ def _joined(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+# Sections renamed, by their old names: a plan that uses an old name is read under the new one,
+# with a warning that says it (a name that meant two things: `checkpointing`, recompute or saving).
+RENAMED_SECTIONS = {"checkpointing": "recompute"}
+
+
 class Plan(_Section):
     """A zerocc plan: how to shard, optimize and run one training step."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_sections(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not RENAMED_SECTIONS.keys() & data.keys():
+            return data
+        data = dict(data)
+        for old, new in RENAMED_SECTIONS.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(
+                    f"{old}: is the old name of {new}:, and the plan gives both; keep {new}: alone"
+                )
+            warnings.warn(
+                f"plan: `{old}:` is now `{new}:` (read under the new name for now; rename it)",
+                RenamedFieldWarning,
+                stacklevel=2,
+            )
+            data[new] = data.pop(old)
+        return data
 
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and world size")
     parallel: ParallelConfig = Field(
@@ -980,8 +1006,8 @@ class Plan(_Section):
         default_factory=OffloadConfig,
         description="optimizer states and parameters in host memory or on NVMe",
     )
-    checkpointing: CheckpointingConfig = Field(
-        default_factory=CheckpointingConfig,
+    recompute: RecomputeConfig = Field(
+        default_factory=RecomputeConfig,
         description="activation checkpointing: which units' forward is recomputed in backward",
     )
     dumps: DumpsConfig = Field(

@@ -226,7 +226,7 @@ def explain_step(step: StepRecord) -> str:
         stepping = programs[True]
         held, leave = held_gradient_bytes(stepping), gradients_copied_out(stepping)
         lines.append(held_gradients_line(held, psi, n, leave=leave))
-    if step.plan.checkpointing.enabled:
+    if step.plan.recompute.enabled:
         lines += ["", recompute_line(step)]
     if step.plan.offload.enabled:
         lines += ["", *offload_lines(step)]

@@ -46,7 +46,7 @@ def test_every_example_is_covered():
     assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted(OLD_EXAMPLE_PIPELINES)
 
 
-# (precision, checkpointing.units, offload.optimizer, overlap.enabled) -> old default pipeline
+# (precision, recompute.units, offload.optimizer, overlap.enabled) -> old default pipeline
 OLD_PIPELINES = {
     ("fp32", "none", "none", True): ["partition", "shard", "optimizer", "overlap"],
     ("fp32", "none", "none", False): ["partition", "shard", "optimizer"],
@@ -103,19 +103,17 @@ OLD_PIPELINES = {
 }
 
 
-@pytest.mark.parametrize(
-    ("precision", "checkpointing", "offload", "overlap"), sorted(OLD_PIPELINES)
-)
-def test_default_pipeline_is_the_old_one(precision, checkpointing, offload, overlap):
+@pytest.mark.parametrize(("precision", "recompute", "offload", "overlap"), sorted(OLD_PIPELINES))
+def test_default_pipeline_is_the_old_one(precision, recompute, offload, overlap):
     plan = {
         "zero": {"stage": 3},
         "overlap": {"enabled": overlap},
-        "checkpointing": {"units": checkpointing},
+        "recompute": {"units": recompute},
         "offload": {"optimizer": offload},
     }
     if precision != "fp32":
         plan["precision"] = {"param": precision}
-    expected = OLD_PIPELINES[(precision, checkpointing, offload, overlap)]
+    expected = OLD_PIPELINES[(precision, recompute, offload, overlap)]
     assert pipeline_names(load_plan(plan)) == expected
     check_passes(load_plan({**plan, "passes": expected}))  # the default, listed: allowed
 

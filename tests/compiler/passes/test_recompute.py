@@ -27,7 +27,7 @@ def compiled(units, stage: int = 3, model=None, world: int = 2, **extra):
     plan = {
         "zero": {"stage": stage},
         "units": {"classes": ["Block"]},
-        "checkpointing": {"units": units},
+        "recompute": {"units": units},
         "overlap": {"enabled": False},  # the schedule as shard emits it
         **extra,
     }
@@ -92,13 +92,13 @@ def test_globs_select_units():
 
 
 def test_a_glob_that_matches_no_unit_is_a_plan_error():
-    with pytest.raises(PlanError, match=r"checkpointing.units: pattern 'h\.9' matches no unit"):
+    with pytest.raises(PlanError, match=r"recompute.units: pattern 'h\.9' matches no unit"):
         compiled(["h.9"])
 
 
 def test_recompute_must_run_before_shard():
     plan = {
-        "checkpointing": {"units": "all"},
+        "recompute": {"units": "all"},
         "passes": ["partition", "shard", "recompute", "optimizer", "overlap"],
     }
     with pytest.raises(PassOrderError, match="'recompute' must run before 'shard'"):
@@ -110,7 +110,7 @@ def test_recompute_must_run_before_shard():
 
 def test_backward_reads_only_block_outputs_and_weights_of_a_checkpointed_block():
     inspection = inspect_plan(
-        {"units": {"classes": ["Block"]}, "checkpointing": {"units": "all"}},
+        {"units": {"classes": ["Block"]}, "recompute": {"units": "all"}},
         2,
         Workload(tiny_gpt(), batches=lambda rank, world: iter([batch_of({"model": "gpt"}, 0, 0)])),
         keep_graphs=True,
@@ -140,7 +140,7 @@ def test_a_unit_with_nothing_saved_is_left_as_it_is():
     programs = []
     for units in ("none", ["backbone*"]):
         step = zerocc.compile(
-            build("frozen"), {**plan, "checkpointing": {"units": units}}, comm=zerocc.FakeComm(2)
+            build("frozen"), {**plan, "recompute": {"units": units}}, comm=zerocc.FakeComm(2)
         )
         step(*batch_of({"model": "frozen"}, 0, 0))
         programs.append(format_program(step.program))
@@ -255,7 +255,7 @@ class OverwritesItsInput(nn.Module):
 def _train(cls, units, steps: int = 2):
     torch.manual_seed(0)
     plan = {"zero": {"stage": 3}, "units": {"modules": ["body"]}}
-    step = zerocc.compile(cls(), {**plan, "checkpointing": {"units": units}})
+    step = zerocc.compile(cls(), {**plan, "recompute": {"units": units}})
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)
     losses = [float(step(x, y)) for _ in range(steps)]
@@ -295,7 +295,7 @@ def activation_peaks() -> dict[str, dict[str, int]]:
         plan = {
             "zero": {"stage": 3},
             "units": {"classes": ["Block"]},
-            "checkpointing": {"units": units},
+            "recompute": {"units": units},
         }
         step = zerocc.compile(work.model, plan)
         batches = work.batches(0, 1)

@@ -41,7 +41,7 @@ def plan_changes(plan: Plan, device: torch.device, *, recompute: bool) -> list[P
     stage, offload = plan.zero.stage, plan.offload
     options: list[dict[str, Any]] = []
     if recompute:
-        options.append({"checkpointing.units": "all"})
+        options.append({"recompute.units": "all"})
     if offload.optimizer != "none" and offload.grads == "cpu" and offload.grads_in_flight != 1:
         options.append({"offload.grads_in_flight": 1})
     if offload.updates_on_host(device):

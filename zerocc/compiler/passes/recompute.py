@@ -48,7 +48,7 @@ ROOT_NAME = "root"  # the root unit, left out of "all": its forward ends where b
 
 
 def chosen_units(units: list[Unit], spec: str | list[str]) -> list[Unit]:
-    """The units ``checkpointing.units`` names: none, all but the root, or those matching a
+    """The units ``recompute.units`` names: none, all but the root, or those matching a
     glob (each glob must match a unit)."""
     if spec == "none":
         return []
@@ -60,7 +60,7 @@ def chosen_units(units: list[Unit], spec: str | list[str]) -> list[Unit]:
         if not hits:
             names = ", ".join(u.key for u in units[:8])
             raise PlanError(
-                f"checkpointing.units: pattern {pattern!r} matches no unit; units are: {names}"
+                f"recompute.units: pattern {pattern!r} matches no unit; units are: {names}"
             )
         chosen += [u for u in hits if u not in chosen]
     return chosen
@@ -277,11 +277,11 @@ def recompute_run(gm: fx.GraphModule, run: Run) -> None:
     requires=("units",),
     provides=("recompute",),
     forbids=("sharded_params",),
-    options=lambda plan: {"units": plan.checkpointing.units},
-    enabled=lambda plan: plan.checkpointing.enabled,
-    when="checkpointing.units is set",
-    off_because="checkpointing.units is 'none'",
-    turn_on="set checkpointing.units (e.g. all)",
+    options=lambda plan: {"units": plan.recompute.units},
+    enabled=lambda plan: plan.recompute.enabled,
+    when="recompute.units is set",
+    off_because="recompute.units is 'none'",
+    turn_on="set recompute.units (e.g. all)",
 )
 def recompute(gm: fx.GraphModule, ctx: PassContext, *, units: str | list[str]) -> fx.GraphModule:
     """Recompute the forward of the chosen units in backward instead of saving it."""
