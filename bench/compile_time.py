@@ -3,7 +3,7 @@
 The 7.5B model is the example GPT on the meta device (36 layers, 4096 wide, sequence 2048,
 vocabulary 32000), ZeRO-3 with Block units, bf16; the 70B one is examples/gpt/70b-tp.yaml
 (80 layers, 8192 wide, tensor and sequence parallel) on 1024 ranks. Nothing is allocated, so
-each command is capture, the pass pipeline and the report. Each command runs as its own
+each command is capture, the pass list and the report. Each command runs as its own
 process, ``--repeat`` times; the table gives the minimum and median CPU time (user + system of
 the process, what the machine's load does not inflate much) and wall time, and the JSON, with
 the commit measured (:mod:`provenance`), goes to bench/results/.

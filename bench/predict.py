@@ -2,7 +2,7 @@
 
 For each ZeRO stage asked for (2 and 3 by default), and each offload variant of bench/offload.py
 asked for (``--offload``, on stage 3), fresh ranks train the benchmark's GPT (bench/config.py:
-10 layers × 512, 2 gloo ranks with 1 thread each) under zerocc's default pipeline (overlap on),
+10 layers × 512, 2 gloo ranks with 1 thread each) under zerocc's default pass list (overlap on),
 and:
 
 1. calibrate with ``zerocc.inspect.calibrate.calibrate``, the code behind ``zerocc profile``: timed
@@ -109,7 +109,7 @@ def case_rank(rank: int, cfg: BenchConfig, case: Case, port: int, steps: int, ou
 
 def program_of(plan: Any, cfg: BenchConfig) -> Any:
     """The case's stepping program, compiled again here on fake tensors (as `zerocc
-    estimate` does): the same pipeline for the same world size builds the same program."""
+    estimate` does): the same passes for the same world size builds the same program."""
     from zerocc.compiler.workload import Workload
     from zerocc.inspect.estimate import inspect_plan
 

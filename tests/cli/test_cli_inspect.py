@@ -88,7 +88,7 @@ def test_json_and_unit_filter(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--diff", "nope"], "no pass 'nope' in this pipeline; passes: partition, shard"),
+        (["--diff", "nope"], "no pass 'nope' in this pass list; passes: partition, shard"),
         (["--unit", "h.9"], "--unit 'h.9': no such unit; units: root, transformer.h.0"),
     ],
 )

@@ -11,7 +11,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from zerocc.compiler.driver.pass_manager import check_passes, pipeline_names
+from zerocc.compiler.driver.pass_manager import check_passes, pass_names
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.errors import PlanError, PlanWarning, RenamedFieldWarning, ZeroccError
@@ -168,9 +168,9 @@ def test_a_renamed_section_given_under_both_names_is_an_error():
 def test_precision_defaults_and_pipeline():
     plan = load_plan({"precision": {"param": "bf16"}})
     assert plan.precision.scaling == "none" and plan.precision.dtype("buffers") == torch.bfloat16
-    assert pipeline_names(plan) == ["partition", "shard", "precision", "optimizer", "overlap"]
-    assert pipeline_names(load_plan({})) == ["partition", "shard", "optimizer", "overlap"]
-    assert pipeline_names(load_plan({"overlap": {"enabled": False}}))[-1] == "optimizer"
+    assert pass_names(plan) == ["partition", "shard", "precision", "optimizer", "overlap"]
+    assert pass_names(load_plan({})) == ["partition", "shard", "optimizer", "overlap"]
+    assert pass_names(load_plan({"overlap": {"enabled": False}}))[-1] == "optimizer"
     assert load_plan({"precision": {"param": "fp16"}}).precision.scaling == "dynamic"
     fixed = load_plan({"precision": {"param": "fp16", "loss_scale": 1024}}).precision
     assert fixed.scaling == "static" and fixed.loss_scale == 1024

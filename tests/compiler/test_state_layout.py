@@ -1,6 +1,6 @@
 """The state layout is an output of the passes (zerocc/compiler/state.py `StateLayout`): each pass
 declares the state it creates or changes, the compiled program carries the layout, its state
-placeholders bind exactly it, and the runtime allocates from the same fold of the pipeline's
+placeholders bind exactly it, and the runtime allocates from the same fold of the passes'
 declarations before anything is compiled."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerocc
-from zerocc.compiler.driver.pass_manager import build_pipeline, plan_layout, state_layout
+from zerocc.compiler.driver.pass_manager import bind_passes, plan_layout, state_layout
 from zerocc.compiler.driver.program import check_bindings
 from zerocc.compiler.state import DEVICE, HOST, NVME, StateLayout
 from zerocc.errors import InvariantError
@@ -45,7 +45,7 @@ def test_the_program_binds_the_layout_the_runtime_allocates(name):
     plan = _plan(**PLANS[name])
     inspection = inspect_plan(plan, 4)
     stepping = inspection.stepping
-    allocated = state_layout(build_pipeline(plan), inspection.units, plan)
+    allocated = state_layout(bind_passes(plan), inspection.units, plan)
     assert stepping.layout == allocated
     assert (LOSS_SCALE_KEY in allocated) == (plan.precision.scaling != "none")
     bound = {info(n).key for n in placeholders(stepping.gm) if info(n).role in STATE_ROLES}

@@ -18,7 +18,7 @@ from parity import batch_of
 import zerocc
 import zerocc.runtime.step as step_module
 from zerocc.compiler.capture import describe_model
-from zerocc.compiler.driver.pass_manager import build_pipeline, plan_layout
+from zerocc.compiler.driver.pass_manager import bind_passes, plan_layout
 from zerocc.compiler.driver.plan_changes import NVME_PATH_HINT
 from zerocc.compiler.driver.program import compile_program
 from zerocc.compiler.passes.partition import assign_units
@@ -94,7 +94,7 @@ def _step_program(plan, world: int):
         model,
         describe_model(model),
         plan,
-        build_pipeline(plan),
+        bind_passes(plan),
         BATCH,
         loss_fn=None,
         device=CPU,

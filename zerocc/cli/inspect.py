@@ -147,7 +147,7 @@ def _around(records: list[PassRecord], name: str) -> tuple[PassRecord, PassRecor
     """The records before and after pass ``name`` (the first is the captured program)."""
     names = [r.name for r in records]
     if name not in names[1:]:
-        raise ZeroccError(f"no pass {name!r} in this pipeline; passes: {', '.join(names[1:])}")
+        raise ZeroccError(f"no pass {name!r} in this pass list; passes: {', '.join(names[1:])}")
     i = names.index(name)
     return records[i - 1], records[i]
 

@@ -258,9 +258,9 @@ def _plan_schema(args: argparse.Namespace) -> int:
 
 def describe_plan(plan: Plan) -> str:
     """A one-line summary of a plan: stage, passes, units, optimizer, workload."""
-    from zerocc.compiler.driver.pass_manager import pipeline_names
+    from zerocc.compiler.driver.pass_manager import pass_names
 
-    passes = pipeline_names(plan)
+    passes = pass_names(plan)
     units = [f"class {c}" for c in plan.units.classes]
     units += [f"modules {m}" for m in plan.units.modules]
     if plan.units.min_mb is not None:

@@ -3,7 +3,7 @@ the check ``ZEROCC_VERIFY=1`` runs after a pass that promised it.
 
 A pass spec (:mod:`zerocc.compiler.pass_spec`) lists the capabilities it requires (some earlier
 pass, or capture, provided them), provides, and forbids (it must run before whatever provides
-them). The pass manager orders the default pipeline by these contracts and checks a plan's own
+them). The pass manager orders the default pass list by these contracts and checks a plan's own
 ``passes`` list against them.
 """
 
@@ -54,7 +54,7 @@ class Capability(StrEnum):
 
 
 CAPTURE_PROVIDES = frozenset({Capability.JOINT_GRAPH})
-# What a compiled training step needs its pipeline to provide: units (its state is laid out
+# What a compiled training step needs its passes to provide: units (its state is laid out
 # per unit), gradients reduced into shards, and the optimizer's update. Without the update a
 # step would run forward and backward and never change a weight.
 STEP_NEEDS = frozenset({Capability.UNITS, Capability.GRAD_SHARDS, Capability.OPTIMIZER_UPDATE})

@@ -297,7 +297,7 @@ def capture(
     model in eval mode, as a training loop evaluates: dropout off, norms on running stats).
     The graph is what passes read; the module's generated code is not regenerated after dead
     code is eliminated and placeholders renamed (a second compile of the whole step's code):
-    the pipeline recompiles its result."""
+    the pass manager recompiles its result."""
     casts = casts or Casts()
     loss_fn = loss_fn or default_loss_fn
     wrapper = _Step(model, loss_fn)
@@ -373,7 +373,7 @@ def capture(
     gm.graph.eliminate_dead_code()
     _tag(gm, info, tensor_positions, casts.loss_scale and gradients)
     _cast_gradients_when_complete(gm)
-    return gm  # its code is make_fx's: the pipeline recompiles its own result, once
+    return gm  # its code is make_fx's: the pass manager recompiles its own result, once
 
 
 def _cast_gradients_when_complete(gm: fx.GraphModule) -> None:

@@ -39,7 +39,7 @@ class PassSpec:
     changes_numerics: bool
     options: Callable[[Plan], dict[str, Any]]
     doc: str
-    # When the default pipeline holds the pass, and how a plan turns it on (said when a plan
+    # When the default pass list holds the pass, and how a plan turns it on (said when a plan
     # lists the pass with nothing to do); None: every plan runs it.
     enabled: Callable[[Plan], bool] | None = None
     when: str = ""  # "the precision section leaves fp32"
@@ -54,7 +54,7 @@ class PassSpec:
     declares: Declares | None = None
 
     def enabled_for(self, plan: Plan) -> bool:
-        """Whether ``plan``'s default pipeline runs this pass."""
+        """Whether ``plan``'s default pass list runs this pass."""
         return self.enabled is None or self.enabled(plan)
 
 
@@ -80,7 +80,7 @@ def register_pass(
 
     ``requires`` must be provided by an earlier pass; ``forbids`` must not be (the pass has to
     run before whatever provides it); names are :class:`Capability` values (an unknown one is
-    an error here). ``enabled(plan)``: whether the default pipeline runs it (every plan, when
+    an error here). ``enabled(plan)``: whether the default pass list runs it (every plan, when
     None), ``when`` saying so in words, ``off_because`` and ``turn_on`` what a plan that lists
     it with nothing to do is told; ``optional``: a plan's own ``passes`` may leave it out;
     ``declares``: the state it creates or changes (see :class:`PassSpec`)."""

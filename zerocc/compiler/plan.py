@@ -690,7 +690,7 @@ class OverlapConfig(_Section):
     """Hide communication behind compute (the overlap pass): prefetch gathers, delay waits."""
 
     enabled: bool = Field(
-        True, description="run the overlap pass in the default pipeline (losses are unchanged)"
+        True, description="run the overlap pass in the default pass list (losses are unchanged)"
     )
     prefetch: int = Field(
         1,
@@ -1023,7 +1023,7 @@ class Plan(_Section):
     )
     passes: list[str] | None = Field(
         None,
-        description="pass pipeline in order; default: every pass the plan's sections turn on "
+        description="pass list in order; default: every pass the plan's sections turn on "
         "(partition, shard, optimizer always; recompute, precision, overlap and offload when "
         "their sections ask), in the order the passes' contracts allow",
     )

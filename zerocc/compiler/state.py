@@ -5,7 +5,7 @@ its shard, the fp32 master weights under mixed precision, the gradient accumulat
 optimizer states; the step counter and the loss scale), each pass spec's ``declares`` adding to
 or re-typing or re-placing what the passes before it declared, and make their placeholders from
 it. The layout is an output of compilation: the compiled program carries it, and the runtime
-allocates from the same fold of the pipeline's declarations
+allocates from the same fold of the passes' declarations
 (:func:`zerocc.compiler.driver.pass_manager.state_layout`), before any program exists, so that a
 checkpoint can load into it.
 

@@ -1,7 +1,7 @@
 """Compile a plan for N simulated ranks without running anything, and estimate its cost.
 
 ``zerocc inspect`` and ``zerocc estimate`` sit on this: the plan's workload gives the model and a
-batch (rank 0's first); the step is captured on fake tensors and the pipeline run for
+batch (rank 0's first); the step is captured on fake tensors and the passes run for
 ``world_size`` ranks. No parameter is allocated, so a model built on the ``meta`` device of any
 size inspects in seconds, for 8 ranks or 1024.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from zerocc.compiler.capture import describe_model
-from zerocc.compiler.driver.pass_manager import PassRecord, build_pipeline
+from zerocc.compiler.driver.pass_manager import PassRecord, bind_passes
 from zerocc.compiler.driver.program import CompiledProgram, compile_program
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.state import HOST, NVME
@@ -67,14 +67,14 @@ def inspect_plan(
     described = describe_model(workload.model)
     tp = TensorParallel.of(workload.model, described, plan)
     model_info = tp.local_info(described) if tp is not None else described
-    pipeline = build_pipeline(plan)
+    pass_list = bind_passes(plan)
     boundaries = [True] if plan.grad_accumulation == 1 else [True, False]
     programs = {
         boundary: compile_program(
             workload.model,
             model_info,
             plan,
-            pipeline,
+            pass_list,
             batch,
             loss_fn=workload.loss_fn,
             device=torch.device("cpu"),

@@ -4,7 +4,7 @@
    on one stream, and nothing touches an in-place collective's tensor while it is in flight.
 2. No use of a gathered parameter before its wait or after its free.
 (3, every rank's program is identical, is checked by the runtime across ranks; 4, passes that
-change numerics are opt-in, by the pipeline builder.)
+change numerics are opt-in, by the pass manager.)
 """
 
 from __future__ import annotations

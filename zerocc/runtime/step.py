@@ -26,7 +26,7 @@ from torch import fx, nn
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.backends.kernels import check_kernels, host_kernels, kernel_set, resolve_kernels
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
-from zerocc.compiler.driver.pass_manager import PassRecord, build_pipeline, state_layout
+from zerocc.compiler.driver.pass_manager import PassRecord, bind_passes, state_layout
 from zerocc.compiler.driver.program import CompiledProgram, compile_program
 from zerocc.compiler.materialize import WeightSource, is_meta, release_to_meta, weight_source
 from zerocc.compiler.passes.offload_pipeline import (
@@ -112,7 +112,7 @@ class Program:
     digest: str
     returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
     agrees_at_first_collective: bool  # the batch agreement may be settled that late
-    carries: bool = False  # begins with the last step's host updates (offload.pipeline)
+    carries: bool = False  # begins with the last step's host updates (offload.pass_list)
     lowered_apart: str | None = None  # how each rank lowered it, where the ranks differ
 
     def notes(self) -> list[str]:
@@ -153,7 +153,7 @@ class StepRunner:
         tp = self.tensor_parallel
         self.model_info = tp.local_info(self.full_model_info) if tp else self.full_model_info
         self.state_dict_keys = list(model.state_dict(keep_vars=True))
-        self.pipeline = build_pipeline(plan)
+        self.pass_list = bind_passes(plan)
         self.backend_name = resolve_backend(plan.backend.name, device)
         self.backend = get_backend(self.backend_name)
         self.kernels = resolve_kernels(plan.backend.kernels, device, plan.precision.master)
@@ -166,10 +166,10 @@ class StepRunner:
         self.units: list[Unit] = assign_units(
             self.model_info, self.mesh.shard_size, units.classes, units.modules, units.min_mb
         )
-        # What the pipeline's passes declare (every program binds it); states placed on NVMe
+        # What the plan's passes declare (every program binds it); states placed on NVMe
         # live in files of this rank's store, checked for room before anything is written,
         # every other state in ``self.state``.
-        self.layout = state_layout(self.pipeline, self.units, plan)
+        self.layout = state_layout(self.pass_list, self.units, plan)
         self.nvme_specs = self.layout.at(NVME)
         self.store = open_store(plan, comm.rank, self.nvme_specs)
         self.transfers = Transfers(self.store, device)
@@ -222,7 +222,7 @@ class StepRunner:
         # the same on every rank.
         self._lowered_again: dict[tuple[str, Comm, str | None], Executable] = {}
         self._last_program: Program | None = None
-        # offload.pipeline: the (step count, rate) of the update the last step carried into
+        # offload.pass_list: the (step count, rate) of the update the last step carried into
         # the next, None when none is pending; and the program that applies it on its own.
         self._carried: tuple[int, float] | None = None
         self._drain: Program | None = None
@@ -633,7 +633,7 @@ class StepRunner:
         keep_graphs: bool = False,
         training: bool = True,
     ) -> CompiledProgram:
-        """Capture the step on ``batch`` and run the pipeline of ``plan`` (default: this step's;
+        """Capture the step on ``batch`` and run the passes of ``plan`` (default: this step's;
         another one to predict what a plan change would need); ``training=False``: the
         forward-only program of :meth:`evaluate`."""
         plan = plan or self.plan
@@ -641,7 +641,7 @@ class StepRunner:
             self.model,
             self.model_info,
             plan,
-            self.pipeline if plan is self.plan else build_pipeline(plan),
+            self.pass_list if plan is self.plan else bind_passes(plan),
             batch,
             loss_fn=self.loss_fn,
             device=self.device,
@@ -955,7 +955,7 @@ class StepRunner:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
-        self.apply_carried_update()  # (offload.pipeline) none left to apply over what loads
+        self.apply_carried_update()  # (offload.pass_list) none left to apply over what loads
         # (saved before hybrid sharding and tensor parallelism: no replicas, no split)
         saved = {"replicate": 1, "tp": 1, **sd["zerocc"]}
         mine_by_field = {

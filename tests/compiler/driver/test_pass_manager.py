@@ -85,10 +85,10 @@ def test_graph_nodes_carry_units_and_streams():
 
 
 def test_default_pipeline_changes_no_numerics():
-    from zerocc.compiler.driver.pass_manager import build_pipeline
+    from zerocc.compiler.driver.pass_manager import bind_passes
     from zerocc.compiler.plan import Plan
 
-    specs = build_pipeline(Plan()).specs
+    specs = bind_passes(Plan()).specs
     assert [s.name for s in specs] == ["partition", "shard", "optimizer", "overlap"]
     assert not any(s.changes_numerics for s in specs)
 
@@ -185,7 +185,7 @@ def test_values_propagated_after_each_pass_are_those_of_a_full_propagation(plan)
         assert predict_memory(gm, {}).peak() == peak
 
 
-# -- one source of pipeline order -------------------------------------------------------------
+# -- one source of pass order -------------------------------------------------------------
 
 
 def test_an_unknown_capability_is_refused_when_the_pass_registers():

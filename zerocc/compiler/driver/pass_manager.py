@@ -1,11 +1,11 @@
-"""The pipeline: which passes a plan runs, in what order, and a timed, recorded run of them.
+"""The pass manager: which passes a plan runs, in what order, and a timed, recorded run of them.
 
 A pass's :class:`PassSpec` (:mod:`zerocc.compiler.pass_spec`) says what it requires and
 provides (:mod:`zerocc.compiler.capabilities`), when a plan turns it on, whether it changes
 numerics, and how its options are read from the plan. The specs are the one source of order:
-the default pipeline is every pass the plan turns on, ordered by the contracts; a plan's own
+the default pass list is every pass the plan turns on, ordered by the contracts; a plan's own
 ``passes`` list is checked against them. Options are bound with ``functools.partial`` when the
-pipeline is built, so the runner passes nothing pass-specific. Each run is timed and recorded
+pass list is built, so the runner passes nothing pass-specific. Each run is timed and recorded
 (:class:`PassRecord`); under ``ZEROCC_VERIFY=1`` the IR invariants and what each pass promised
 to provide are checked after it.
 """
@@ -57,41 +57,41 @@ class PassRecord:
 
 
 @dataclass(frozen=True)
-class Pipeline:
+class PassList:
     """Passes in order, options bound."""
 
     specs: tuple[PassSpec, ...]
     bound: tuple[Callable[..., fx.GraphModule], ...]
 
 
-def build_pipeline(plan: Plan) -> Pipeline:
+def bind_passes(plan: Plan) -> PassList:
     """Resolve the plan's pass names, check them (`check_passes`), bind each pass's options."""
-    # Invariant 4: the default pipeline holds no pass that changes numerics unless the plan asks
+    # Invariant 4: the default pass list holds no pass that changes numerics unless the plan asks
     # for it (the precision pass runs when the precision section leaves fp32).
     specs = check_passes(plan)
     bound = tuple(functools.partial(s.fn, **s.options(plan)) for s in specs)
-    return Pipeline(specs, bound)
+    return PassList(specs, bound)
 
 
-def state_layout(pipeline: Pipeline, units: list[Unit], plan: Plan) -> StateLayout:
-    """The persistent state the pipeline's programs bind for ``units``: what capture binds,
+def state_layout(pass_list: PassList, units: list[Unit], plan: Plan) -> StateLayout:
+    """The persistent state the programs of a pass list bind for ``units``: what capture binds,
     then each pass's declarations in order, without compiling anything (the runtime allocates
     from it before the first batch; the memory check and estimates count it). A compiled
     program carries the same layout, declared as its passes ran."""
     layout = captured_state(plan)
-    for spec in pipeline.specs:
+    for spec in pass_list.specs:
         if spec.declares is not None:
             spec.declares(layout, units, plan)
     return layout
 
 
 def plan_layout(plan: Plan, units: list[Unit]) -> StateLayout:
-    """:func:`state_layout` of ``plan``'s own pipeline."""
-    return state_layout(build_pipeline(plan), units, plan)
+    """:func:`state_layout` of ``plan``'s own pass list."""
+    return state_layout(bind_passes(plan), units, plan)
 
 
-def pipeline_names(plan: Plan) -> list[str]:
-    """The passes ``plan`` runs: its ``passes`` list, or the default pipeline: every
+def pass_names(plan: Plan) -> list[str]:
+    """The passes ``plan`` runs: its ``passes`` list, or the default pass list: every
     registered pass the plan turns on, in the one order their contracts allow."""
     if plan.passes is not None:
         return list(plan.passes)
@@ -99,11 +99,11 @@ def pipeline_names(plan: Plan) -> list[str]:
 
 
 def check_passes(plan: Plan) -> tuple[PassSpec, ...]:
-    """The specs of the plan's pipeline, in order, once its names are known, each pass it
+    """The specs of the plan's pass list, in order, once its names are known, each pass it
     turns on is listed and each listed pass has something to do, and its order is one the
     passes' contracts allow; raises PlanError naming ``passes[i]`` and what is allowed
     (`zerocc plan check` and `zerocc.compile` both call it, before anything is captured)."""
-    names = pipeline_names(plan)
+    names = pass_names(plan)
     where = plan_origin(plan.source)
     unknown = [
         f"passes[{i}]: unknown pass {name!r}{_close_match(name)}; known passes: "
@@ -146,7 +146,7 @@ def _check_listed(plan: Plan, names: list[str], where: str) -> None:
     ]
     problems += [
         f"{spec.when}, but `passes` does not list {name!r}; add it (passes run in this order: "
-        f"{', '.join(_canonical_order())}), or drop `passes` for the default pipeline"
+        f"{', '.join(_canonical_order())}), or drop `passes` for the default pass list"
         for name, spec in PASSES.items()
         if name not in names
         and not spec.optional
@@ -158,7 +158,7 @@ def _check_listed(plan: Plan, names: list[str], where: str) -> None:
 
 
 def check_order(specs: list[PassSpec] | tuple[PassSpec, ...]) -> None:
-    """Reject a pipeline in which a pass runs before what it requires is produced, or after
+    """Reject a pass list in which a pass runs before what it requires is produced, or after
     what it must precede, or that never produces what a training step needs (STEP_NEEDS). The
     PassOrderError (a PlanError) names ``passes[i]`` and the order the contracts allow."""
     order = f"passes run in this order: {', '.join(_canonical_order())}"
@@ -197,7 +197,7 @@ def _produced_by(artifacts: set[str] | frozenset[str]) -> str:
 
 
 def _required_passes() -> list[str]:
-    """The passes every pipeline holds: those producing what a training step needs."""
+    """The passes every pass list holds: those producing what a training step needs."""
     return [n for n in _canonical_order() if PASSES[n].provides & STEP_NEEDS]
 
 
@@ -240,10 +240,10 @@ def verify_enabled() -> bool:
     return os.environ.get("ZEROCC_VERIFY", "0") not in ("", "0", "false", "False")
 
 
-def run_pipeline(
+def run_passes(
     gm: fx.GraphModule,
     ctx: PassContext,
-    pipeline: Pipeline,
+    pass_list: PassList,
     keep: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
     """Run each pass in order, timing it, recording the program after it (and ``keep(gm)``, a
@@ -255,7 +255,7 @@ def run_pipeline(
     verify = verify_enabled()
     propagate_fake_values(gm)  # records what each captured value was computed from
     ctx.layout = captured_state(ctx.plan)
-    for spec, fn in zip(pipeline.specs, pipeline.bound, strict=True):
+    for spec, fn in zip(pass_list.specs, pass_list.bound, strict=True):
         before = count_ops(gm.graph.nodes)
         n_before = len(gm.graph.nodes)
         start = time.perf_counter()
@@ -288,5 +288,5 @@ def run_pipeline(
                 propagated,
             )
         )
-    gm.recompile()  # passes leave the code to the pipeline: generated where it is read or run
+    gm.recompile()  # passes leave the code to the pass manager: generated where read or run
     return gm, records

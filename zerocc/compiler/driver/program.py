@@ -1,4 +1,4 @@
-"""Compile one program: capture the step, then run the plan's pass pipeline over it.
+"""Compile one program: capture the step, then run the plan's pass list over it.
 
 The TrainStep compiles this way before running, and the inspection tools (``zerocc inspect``,
 ``zerocc estimate``) compile this way without running anything: capture works on fake tensors
@@ -20,7 +20,7 @@ from torch import fx, nn
 
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
-from zerocc.compiler.driver.pass_manager import PassContext, PassRecord, Pipeline, run_pipeline
+from zerocc.compiler.driver.pass_manager import PassContext, PassList, PassRecord, run_passes
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
 from zerocc.compiler.tensor_parallel import TensorParallel, tag_collectives
@@ -60,7 +60,7 @@ def compile_program(
     model: nn.Module,
     model_info: ModelInfo,
     plan: Plan,
-    pipeline: Pipeline,
+    pass_list: PassList,
     batch: Sequence[Any],
     *,
     loss_fn: LossFn | None,
@@ -72,7 +72,7 @@ def compile_program(
     training: bool = True,
     tensor_parallel: TensorParallel | None = None,
 ) -> CompiledProgram:
-    """Capture ``model``'s step on ``batch`` and run ``pipeline`` for ``world_size`` ranks;
+    """Capture ``model``'s step on ``batch`` and run ``pass_list`` for ``world_size`` ranks;
     ``boundary``: the program ends with the optimizer step. ``units``: the FSDP units the
     caller's state is laid out in (the partition pass assigns them when there are none).
     ``keep_graphs`` keeps a copy of the graph after every pass in its record (for
@@ -108,7 +108,7 @@ def compile_program(
         units=list(units or []),
         tensor_parallel=tp,
     )
-    gm, records = run_pipeline(gm, ctx, pipeline, snapshot if keep_graphs else None)
+    gm, records = run_passes(gm, ctx, pass_list, snapshot if keep_graphs else None)
     check_bindings(gm, ctx.layout)
     return CompiledProgram(gm, [captured, *records], ctx.units, ctx.layout)
 

@@ -1,4 +1,4 @@
-"""One source of pipeline order: the default pipeline is derived from the pass specs (when each
+"""One source of pass order: the default pass list is derived from the pass specs (when each
 is on, what it requires and provides), and an explicit `passes` list is checked against them."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from zerocc.compiler.driver.pass_manager import check_passes, pipeline_names
+from zerocc.compiler.driver.pass_manager import check_passes, pass_names
 from zerocc.compiler.plan import load_plan
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "gpt"
 
-# The default pipelines as plan.py's hand-written DEFAULT_PASSES / pass_names gave them before
+# The default pass lists as plan.py's hand-written DEFAULT_PASSES / pass_names gave them before
 # the order was derived from the specs (computed from that code, commit 37971a8).
-OLD_EXAMPLE_PIPELINES = {
+OLD_EXAMPLE_PASSES = {
     "7b.yaml": ["partition", "shard", "precision", "optimizer", "overlap"],
     "zero0.yaml": ["partition", "shard", "optimizer", "overlap"],
     "zero1.yaml": ["partition", "shard", "optimizer", "overlap"],
@@ -34,20 +34,20 @@ OLD_EXAMPLE_PIPELINES = {
     "zero3-tp.yaml": ["partition", "shard", "optimizer", "overlap"],  # (added later)
     "70b-tp.yaml": ["partition", "shard", "precision", "optimizer", "overlap"],  # (added later)
 }
-OLD_EXAMPLE_PIPELINES["7b-offload.yaml"] = OLD_EXAMPLE_PIPELINES["zero3-offload.yaml"]  # (later)
+OLD_EXAMPLE_PASSES["7b-offload.yaml"] = OLD_EXAMPLE_PASSES["zero3-offload.yaml"]  # (later)
 
 
-@pytest.mark.parametrize("name", sorted(OLD_EXAMPLE_PIPELINES))
+@pytest.mark.parametrize("name", sorted(OLD_EXAMPLE_PASSES))
 def test_examples_keep_their_default_pipeline(name):
-    assert pipeline_names(load_plan(EXAMPLES / name)) == OLD_EXAMPLE_PIPELINES[name]
+    assert pass_names(load_plan(EXAMPLES / name)) == OLD_EXAMPLE_PASSES[name]
 
 
 def test_every_example_is_covered():
-    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted(OLD_EXAMPLE_PIPELINES)
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted(OLD_EXAMPLE_PASSES)
 
 
-# (precision, recompute.units, offload.optimizer, overlap.enabled) -> old default pipeline
-OLD_PIPELINES = {
+# (precision, recompute.units, offload.optimizer, overlap.enabled) -> old default pass list
+OLD_PASS_LISTS = {
     ("fp32", "none", "none", True): ["partition", "shard", "optimizer", "overlap"],
     ("fp32", "none", "none", False): ["partition", "shard", "optimizer"],
     ("fp32", "none", "cpu", True): ["partition", "shard", "optimizer", "overlap", "offload"],
@@ -103,7 +103,7 @@ OLD_PIPELINES = {
 }
 
 
-@pytest.mark.parametrize(("precision", "recompute", "offload", "overlap"), sorted(OLD_PIPELINES))
+@pytest.mark.parametrize(("precision", "recompute", "offload", "overlap"), sorted(OLD_PASS_LISTS))
 def test_default_pipeline_is_the_old_one(precision, recompute, offload, overlap):
     plan = {
         "zero": {"stage": 3},
@@ -113,8 +113,8 @@ def test_default_pipeline_is_the_old_one(precision, recompute, offload, overlap)
     }
     if precision != "fp32":
         plan["precision"] = {"param": precision}
-    expected = OLD_PIPELINES[(precision, recompute, offload, overlap)]
-    assert pipeline_names(load_plan(plan)) == expected
+    expected = OLD_PASS_LISTS[(precision, recompute, offload, overlap)]
+    assert pass_names(load_plan(plan)) == expected
     check_passes(load_plan({**plan, "passes": expected}))  # the default, listed: allowed
 
 
@@ -130,7 +130,7 @@ EXAMPLE_WORLDS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(OLD_EXAMPLE_PIPELINES))
+@pytest.mark.parametrize("name", sorted(OLD_EXAMPLE_PASSES))
 def test_example_pipelines_provide_what_they_promise(name, monkeypatch):
     """Every capability each pass of each example promises, checked on the graph after it
     (ZEROCC_VERIFY), compiled on fake tensors."""
