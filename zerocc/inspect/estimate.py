@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
-from zerocc.compiler.capture import describe_model
-from zerocc.compiler.driver.pass_manager import PassRecord, bind_passes
-from zerocc.compiler.driver.program import CompiledProgram, compile_program
+from zerocc.compiler.driver.pass_manager import PassRecord
+from zerocc.compiler.driver.program import CompiledProgram
+from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.state import HOST, NVME
-from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.memory import model_state_bytes_of, predict_memory
@@ -63,25 +62,12 @@ def inspect_plan(
     tensors. ``keep_graphs`` keeps the graph after every pass (for printing one unit, DOT)."""
     plan = load_plan(plan)
     workload = workload or load_workload(plan)
-    batch = _first_batch(workload, plan.mesh(world_size).data_parallel)
-    described = describe_model(workload.model)
-    tp = TensorParallel.of(workload.model, described, plan)
-    model_info = tp.local_info(described) if tp is not None else described
-    pass_list = bind_passes(plan)
+    session = CompileSession.open(workload.model, plan, world_size, workload.loss_fn)
+    batch = _first_batch(workload, session.mesh.data_parallel)
     boundaries = [True] if plan.grad_accumulation == 1 else [True, False]
     programs = {
-        boundary: compile_program(
-            workload.model,
-            model_info,
-            plan,
-            pass_list,
-            batch,
-            loss_fn=workload.loss_fn,
-            device=torch.device("cpu"),
-            world_size=world_size,
-            boundary=boundary,
-            keep_graphs=keep_graphs,
-            tensor_parallel=tp,
+        boundary: session.program(
+            batch, boundary=boundary, device=torch.device("cpu"), keep_graphs=keep_graphs
         )
         for boundary in boundaries
     }

@@ -25,10 +25,12 @@ from torch import fx, nn
 
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.backends.kernels import check_kernels, host_kernels, kernel_set, resolve_kernels
-from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
-from zerocc.compiler.driver.pass_manager import PassRecord, bind_passes, state_layout
-from zerocc.compiler.driver.program import CompiledProgram, compile_program
+from zerocc.compiler.capture import LossFn, ModelInfo, detach_inputs, traced_grad_mode
+from zerocc.compiler.driver.pass_manager import PassRecord
+from zerocc.compiler.driver.program import CompiledProgram
+from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import WeightSource, is_meta, release_to_meta, weight_source
+from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.passes.offload_pipeline import (
     CARRIED_LR,
     CARRIED_SCALARS,
@@ -36,7 +38,6 @@ from zerocc.compiler.passes.offload_pipeline import (
     CARRIED_STEP,
     carried_program,
 )
-from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import (
@@ -45,6 +46,7 @@ from zerocc.compiler.state import (
     LR_SPEC,
     NVME,
     STEP_SPEC,
+    StateLayout,
     allocate_state,
 )
 from zerocc.compiler.tensor_parallel import TensorParallel
@@ -142,34 +144,22 @@ class StepRunner:
         source = weight_source(model)
         if has_peers(comm):  # before any group is made or weight read
             self._agree_on_start(source)
+        # What every program shares, worked out once as zerocc inspect does (the mesh, the
+        # model described, under tensor parallelism as this rank's slices, the passes, the
+        # units and the state they declare): the state is laid out in units before any
+        # program exists (a checkpoint loads into it before the first call), and a plan that
+        # cannot partition this model (a pattern that matches nothing) is an error here.
+        self.session = CompileSession.open(model, plan, comm.world_size, loss_fn)
         # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
         # group under hybrid sharding or tensor parallelism, made here: a collective).
-        self.mesh = plan.mesh(comm.world_size)
         comm.use_mesh(self.mesh)
-        # Under tensor parallelism this rank holds a slice of each split parameter: the state,
-        # the units and every program are laid out for the slices.
-        self.full_model_info = describe_model(model)  # every parameter whole (checkpoints)
-        self.tensor_parallel = TensorParallel.of(model, self.full_model_info, plan)
-        tp = self.tensor_parallel
-        self.model_info = tp.local_info(self.full_model_info) if tp else self.full_model_info
         self.state_dict_keys = list(model.state_dict(keep_vars=True))
-        self.pass_list = bind_passes(plan)
         self.backend_name = resolve_backend(plan.backend.name, device)
         self.backend = get_backend(self.backend_name)
         self.kernels = resolve_kernels(plan.backend.kernels, device, plan.precision.master)
         check_kernels(self.kernels, device)
-        # The state is laid out in units before any program exists (a checkpoint loads into it
-        # before the first call); every program is compiled for these units (the partition pass
-        # tags, it does not build them again), and a plan that cannot partition this model (a
-        # pattern that matches nothing) is an error at compile.
-        units = plan.units
-        self.units: list[Unit] = assign_units(
-            self.model_info, self.mesh.shard_size, units.classes, units.modules, units.min_mb
-        )
-        # What the plan's passes declare (every program binds it); states placed on NVMe
-        # live in files of this rank's store, checked for room before anything is written,
-        # every other state in ``self.state``.
-        self.layout = state_layout(self.pass_list, self.units, plan)
+        # States placed on NVMe live in files of this rank's store, checked for room before
+        # anything is written, every other state in ``self.state``.
         self.nvme_specs = self.layout.at(NVME)
         self.store = open_store(plan, comm.rank, self.nvme_specs)
         self.transfers = Transfers(self.store, device)
@@ -206,7 +196,7 @@ class StepRunner:
                 partial(state_tensor, device=device),
                 self.store,
                 from_rank_0=comm.broadcast if comm.world_size > 1 else None,
-                split=None if tp is None else self._my_slices,
+                split=None if self.tensor_parallel is None else self._my_slices,
             )
             if not is_meta(model):
                 release_to_meta(model)
@@ -226,6 +216,36 @@ class StepRunner:
         # the next, None when none is pending; and the program that applies it on its own.
         self._carried: tuple[int, float] | None = None
         self._drain: Program | None = None
+
+    @property
+    def mesh(self) -> Mesh:
+        """The ranks' layout (:class:`~zerocc.compiler.mesh.Mesh`)."""
+        return self.session.mesh
+
+    @property
+    def full_model_info(self) -> ModelInfo:
+        """Every parameter whole (checkpoints name and shape them so)."""
+        return self.session.full_model_info
+
+    @property
+    def tensor_parallel(self) -> TensorParallel | None:
+        """The layers the plan splits over the tp ranks, if any."""
+        return self.session.tensor_parallel
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """What this rank holds: each split parameter's slice under tensor parallelism."""
+        return self.session.model_info
+
+    @property
+    def units(self) -> list[Unit]:
+        """The FSDP units every program is compiled for."""
+        return self.session.units
+
+    @property
+    def layout(self) -> StateLayout:
+        """The state every program binds, as the plan's passes declare it."""
+        return self.session.layout
 
     @property
     def data_rank(self) -> int:
@@ -636,21 +656,13 @@ class StepRunner:
         """Capture the step on ``batch`` and run the passes of ``plan`` (default: this step's;
         another one to predict what a plan change would need); ``training=False``: the
         forward-only program of :meth:`evaluate`."""
-        plan = plan or self.plan
-        return compile_program(
-            self.model,
-            self.model_info,
-            plan,
-            self.pass_list if plan is self.plan else bind_passes(plan),
+        return self.session.program(
             batch,
-            loss_fn=self.loss_fn,
-            device=self.device,
-            world_size=self.comm.world_size,
             boundary=boundary,
-            units=self.units if plan is self.plan else None,
+            device=self.device,
+            plan=plan,
             keep_graphs=keep_graphs,
             training=training,
-            tensor_parallel=self.tensor_parallel,
         )
 
     def _build(self, batch: tuple, boundary: bool, training: bool = True) -> Program:

@@ -1,0 +1,109 @@
+"""The compile session: one model, one plan, one world size, compiled program after program.
+
+What every program of a step shares is worked out once, here, in one order, for the step
+runner (``zerocc.compile``), ``zerocc inspect`` and ``zerocc estimate`` alike: the ranks' mesh,
+the model described (whole, and as this rank's slices under tensor parallelism), the plan's
+passes bound to their options, the FSDP units and the state layout the passes declare for
+them. :meth:`CompileSession.program` then captures the step on a batch and runs the passes for
+those units. Nothing here allocates or communicates: a session on a model on the ``meta``
+device compiles any size for any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerocc.compiler.capture import LossFn, ModelInfo, describe_model
+from zerocc.compiler.driver.pass_manager import PassList, bind_passes, state_layout
+from zerocc.compiler.driver.program import CompiledProgram, compile_program
+from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.plan import Plan
+from zerocc.compiler.state import StateLayout
+from zerocc.compiler.tensor_parallel import TensorParallel
+from zerocc.compiler.units import Unit
+
+
+@dataclass(frozen=True)
+class CompileSession:
+    """What the programs of one model, plan and world size share (see the module's doc)."""
+
+    model: nn.Module
+    plan: Plan
+    world_size: int
+    loss_fn: LossFn | None
+    mesh: Mesh
+    full_model_info: ModelInfo  # every parameter whole (checkpoints name and shape them so)
+    tensor_parallel: TensorParallel | None  # the layers the plan splits, if any
+    model_info: ModelInfo  # what a rank holds: each split parameter's slice
+    pass_list: PassList
+    units: list[Unit]
+    layout: StateLayout  # the state every program of the session binds
+
+    @classmethod
+    def open(
+        cls, model: nn.Module, plan: Plan, world_size: int, loss_fn: LossFn | None = None
+    ) -> CompileSession:
+        """The session of ``model`` under ``plan`` on ``world_size`` ranks; raises PlanError
+        for a mesh the world cannot take, layers it cannot split, passes it cannot run in
+        order, or units it cannot form."""
+        mesh = plan.mesh(world_size)
+        full = describe_model(model)
+        tp = TensorParallel.of(model, full, plan)
+        model_info = tp.local_info(full) if tp is not None else full
+        pass_list = bind_passes(plan)
+        units = plan.units
+        assigned = assign_units(
+            model_info, mesh.shard_size, units.classes, units.modules, units.min_mb
+        )
+        layout = state_layout(pass_list, assigned, plan)
+        return cls(
+            model,
+            plan,
+            world_size,
+            loss_fn,
+            mesh,
+            full,
+            tp,
+            model_info,
+            pass_list,
+            assigned,
+            layout,
+        )
+
+    def program(
+        self,
+        batch: Sequence[Any],
+        *,
+        boundary: bool,
+        device: torch.device,
+        plan: Plan | None = None,
+        keep_graphs: bool = False,
+        training: bool = True,
+    ) -> CompiledProgram:
+        """Capture the step on ``batch`` and run the session's passes for its units (see
+        :func:`~zerocc.compiler.driver.program.compile_program`). ``plan``: another plan for
+        the same model and world (what a plan change would need), with its own passes and
+        units."""
+        plan = plan or self.plan
+        ours = plan is self.plan
+        return compile_program(
+            self.model,
+            self.model_info,
+            plan,
+            self.pass_list if ours else bind_passes(plan),
+            batch,
+            loss_fn=self.loss_fn,
+            device=device,
+            world_size=self.world_size,
+            boundary=boundary,
+            units=self.units if ours else None,
+            keep_graphs=keep_graphs,
+            training=training,
+            tensor_parallel=self.tensor_parallel,
+        )
