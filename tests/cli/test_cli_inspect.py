@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pydot
@@ -22,6 +25,22 @@ UNITS = ["root", "transformer.h.0", "transformer.h.1", "transformer.h.2", "trans
 def run(capsys, *argv: str) -> str:
     assert main(list(argv)) == 0
     return capsys.readouterr().out
+
+
+def test_the_command_ends_its_process_with_the_report_out_and_its_status(tmp_path):
+    """`python -m zerocc estimate` ends the process without tearing down what it compiled: what
+    it printed is all there (the JSON parses) and its status is the command's; a command that
+    fails (a plan that is not there) says so with status 2."""
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES)}
+    estimate = [sys.executable, "-m", "zerocc", "estimate"]
+    done = subprocess.run(
+        [*estimate, ZERO3, "--json", "--world-size", "8"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["world_size"] == 8
+    missing = str(tmp_path / "none.yaml")
+    failed = subprocess.run([*estimate, missing], capture_output=True, text=True, env=env)
+    assert failed.returncode == 2 and "none.yaml: not found" in failed.stderr
 
 
 def test_pass_table_names_each_pass_and_what_it_inserted(capsys):
