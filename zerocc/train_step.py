@@ -27,8 +27,47 @@ from zerocc.inspect.dumps import (
 from zerocc.inspect.explain import explain_step
 from zerocc.runtime.allocations import peak_allocated
 from zerocc.runtime.checkpoint import load_checkpoint, save_checkpoint
-from zerocc.runtime.measure import ProfiledRun
-from zerocc.runtime.step import Program, StepRunner
+from zerocc.runtime.step import StepObserver, StepRunner
+
+
+class DumpsObserver(StepObserver):
+    """The dumps ``ZEROCC_DUMP_DIR`` (or the plan's ``dumps.dir``) asks for, written as a step
+    runner compiles and runs: every program's passes (rank 0), then the first micro-batch that
+    updates run op by op on the eager binding, timed, on every rank (a compiled region would be
+    one call: its ops untimed, the values it holds unseen); under a backend that compiles, the
+    next one that updates runs the backend's code, measured (rank 0)."""
+
+    keeps_pass_graphs = True
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._run_dumped = False
+        self._compiled_dump: RunDumps | None = None  # rank 0's, until the compiled step ran
+
+    def program_built(self, runner: StepRunner, name: str, records: list[PassRecord]) -> None:
+        if runner.comm.rank == 0:
+            write_program_dumps(self.folder, name, records)
+
+    def run_step(
+        self, runner: StepRunner, batch: tuple, step: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        if not runner.updates_next:
+            return step()
+        if not self._run_dumped:
+            self._run_dumped = True
+            compiles = runner.backend_name != "eager"
+            loss, recorder = runner.profile(*batch, backend="eager" if compiles else None)
+            dumps = write_run_dumps(self.folder, runner.record(), recorder, runner.comm)
+            if compiles:
+                self._compiled_dump = dumps
+            return loss
+        if self._compiled_dump is not None:
+            dumps, self._compiled_dump = self._compiled_dump, None
+            trace = self.folder / "backend" / "trace.json"
+            loss, allocated = peak_allocated(step, runner.device, trace)
+            write_compiled_dumps(dumps, trace, allocated, runner.backend_name)
+            return loss
+        return step()
 
 
 class TrainStep(StepRunner):
@@ -37,10 +76,11 @@ class TrainStep(StepRunner):
     def __init__(
         self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
     ) -> None:
-        super().__init__(model, plan, loss_fn, comm, device)
+        # The observer is set before the runner compiles anything (it keeps pass graphs).
         self.dump_dir = dump_dir(plan)
-        self._run_dumped = False
-        self._compiled_dump: RunDumps | None = None  # rank 0's, until the compiled step ran
+        if self.dump_dir is not None:
+            self.observer = DumpsObserver(self.dump_dir)
+        super().__init__(model, plan, loss_fn, comm, device)
 
     def explain(self) -> str:
         """Units, bytes each collective moves per step, model-state bytes per rank vs formula."""
@@ -61,36 +101,3 @@ class TrainStep(StepRunner):
         stage, ...). Call on every rank."""
         _, notes = load_checkpoint(self, path)
         return notes
-
-    def _step(
-        self, batch: tuple, recorded: Callable[[Program], ProfiledRun] | None = None
-    ) -> torch.Tensor:
-        if self.dump_dir and not self._run_dumped and recorded is None and self._steps_next():
-            # Dumps: the first step that runs the optimizer runs op by op on the eager binding,
-            # timed, on every rank (a compiled region would be one call: its ops untimed, the
-            # values it holds unseen). Under a backend that compiles, the next step that steps
-            # runs the backend's code, measured (rank 0).
-            self._check_usable()
-            self._run_dumped = True
-            compiles = self.backend_name != "eager"
-            loss, recorder = self.profile(*batch, backend="eager" if compiles else None)
-            dumps = write_run_dumps(self.dump_dir, self.record(), recorder, self.comm)
-            if compiles:
-                self._compiled_dump = dumps
-            return loss
-        if self._compiled_dump is not None and recorded is None and self._steps_next():
-            dumps, self._compiled_dump = self._compiled_dump, None
-            trace = self.dump_dir / "backend" / "trace.json"
-            loss, allocated = peak_allocated(
-                lambda: super(TrainStep, self)._step(batch), self.device, trace
-            )
-            write_compiled_dumps(dumps, trace, allocated, self.backend_name)
-            return loss
-        return super()._step(batch, recorded)
-
-    def _keeps_pass_graphs(self) -> bool:
-        return self.dump_dir is not None
-
-    def _program_built(self, name: str, records: list[PassRecord]) -> None:
-        if self.dump_dir is not None and self.comm.rank == 0:
-            write_program_dumps(self.dump_dir, name, records)

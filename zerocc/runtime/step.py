@@ -130,9 +130,32 @@ def batch_signature(batch: Sequence[Any]) -> tuple:
     )
 
 
+class StepObserver:
+    """What watches a step runner from a layer above it (:class:`zerocc.TrainStep` attaches
+    the dumps): told of each program compiled, and handed each micro-batch to run. This base
+    observes nothing and runs each micro-batch as the runner would."""
+
+    # Whether compiled programs keep the graph after each pass (memory and time that only
+    # inspection needs).
+    keeps_pass_graphs = False
+
+    def program_built(self, runner: StepRunner, name: str, records: list[PassRecord]) -> None:
+        """A program (``step-N`` / ``accumulate-N`` / ``evaluate-N``) has been compiled;
+        ``records``: what each pass did."""
+
+    def run_step(
+        self, runner: StepRunner, batch: tuple, step: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """Run one micro-batch of ``runner`` on ``batch``; ``step()`` runs it as the runner
+        does. Returns its loss."""
+        return step()
+
+
 class StepRunner:
     """Runs the compiled training step of one rank and owns the state it keeps between steps:
     the runtime under :class:`zerocc.TrainStep`, which adds what users read about it."""
+
+    observer: StepObserver = StepObserver()  # observes nothing (zerocc.TrainStep sets its own)
 
     def __init__(
         self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
@@ -273,7 +296,7 @@ class StepRunner:
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """Run one micro-batch of this rank; returns its loss."""
-        return self._step(batch)
+        return self.observer.run_step(self, batch, lambda: self._step(batch))
 
     def profile(
         self,
@@ -327,7 +350,7 @@ class StepRunner:
         runs under (on an executable of its own) instead of the program's executable."""
         self._check_usable()
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
-        boundary = self._steps_next()
+        boundary = self.updates_next
         signature = batch_signature(batch)
         self._set_status(f"in step {self._step_number()}")
         key = (signature, boundary)
@@ -631,19 +654,11 @@ class StepRunner:
         count of applied steps: a step skipped for an overflow does not advance it)."""
         return lr_at(self.plan.optimizer, self.steps)
 
-    def _steps_next(self) -> bool:
+    @property
+    def updates_next(self) -> bool:
+        """Whether the next micro-batch is the last of its optimizer step (the one that
+        updates)."""
         return (self.micro_batches + 1) % self.plan.grad_accumulation == 0
-
-    # -- what the layer above observes (zerocc.TrainStep writes dumps from these) -----------
-
-    def _keeps_pass_graphs(self) -> bool:
-        """Whether a compiled program keeps the graph after each pass (memory and time that
-        only inspection needs). The runtime alone needs none."""
-        return False
-
-    def _program_built(self, name: str, records: list[PassRecord]) -> None:
-        """Called when a program (``step-N`` / ``accumulate-N``) has been compiled, with what
-        each pass did. The runtime alone has nothing to do with it."""
 
     def _compile(
         self,
@@ -667,12 +682,12 @@ class StepRunner:
 
     def _build(self, batch: tuple, boundary: bool, training: bool = True) -> Program:
         self._set_status(f"compiling a program for step {self._step_number()}")
-        keep = self._keeps_pass_graphs()
+        keep = self.observer.keeps_pass_graphs
         with self._timed("capture and passes"):
             compiled = self._compile(batch, boundary, keep_graphs=keep, training=training)
         gm, records = compiled.gm, compiled.records
         kind = "step" if boundary else "accumulate" if training else "evaluate"
-        self._program_built(f"{kind}-{len(self.programs)}", records)
+        self.observer.program_built(self, f"{kind}-{len(self.programs)}", records)
         if compiled.layout != self.layout:  # the passes declare the same state on every compile
             raise InvariantError(
                 "a program's passes laid out other state than the TrainStep allocated: "
