@@ -16,7 +16,7 @@
 #   host       bench/host_update.py (the host's update loop against torch and a copy) and
 #              bench/host_memory.py --device cuda (host memory of offloaded steps, pinned)
 #   offload    bench/offload.py --gpu: a 1.3B GPT offloaded (issue 22's run), plain, with
-#              offload.pipeline and offload.grads: device, measured and predicted
+#              offload.defer_updates and offload.grads: device, measured and predicted
 #              (OFFLOAD_SYSTEMS overrides the list)
 #   7b         examples/gpt/7b-offload.yaml, 3 steps on one GPU (issue 22's 7B run): trains, or
 #              stops before allocating with the memory check's error; the peak resident set

@@ -34,7 +34,7 @@ PLANS = {
     "opt-par-cpu": {"offload": {"optimizer": "cpu", "params": "cpu"}},
     "opt-cpu r0.5": {"offload": {"optimizer": "cpu", "ratio": 0.5}},
     # A compute-copy host buffer per unit (2 bytes per element) beside the gradients' buffers.
-    "opt-cpu delayed": {"offload": {"optimizer": "cpu", "pipeline": "delayed"}},
+    "opt-cpu delayed": {"offload": {"optimizer": "cpu", "defer_updates": "delayed"}},
     # Gradients kept on the device until their updates: two units' host buffers, not all.
     "opt-cpu grads-dev": {"offload": {"optimizer": "cpu", "grads": "device"}},
 }

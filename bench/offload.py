@@ -11,7 +11,7 @@ offload (zerocc-z3, fsdp2-z3, deepspeed-z3) and to zerocc-z3's, the peak RSS Δ,
 the model-state bytes in each pool (device, host, NVMe files), the bytes offload copies per
 step, its predicted step time over the measured one, and whether its losses equal zerocc-z3's
 step by step on every rank: they must, since neither offload nor recomputation changes any
-arithmetic (but offload.pipeline: delayed, whose gradients are a step stale by design: its loss
+arithmetic (but offload.defer_updates: delayed, whose gradients are a step stale by design: its loss
 is shown, not held). The peers' losses are held against
 zerocc-z3's within a tolerance, as in compare.py. A system that fails is reported with its
 error; one that needs a GPU is marked "not runnable on CPU". Usage::

@@ -1,7 +1,7 @@
-"""What offload.pipeline hides: an offloaded step's host update run beside the compute (issue 22).
+"""What offload.defer_updates hides: an offloaded step's host update beside the compute (issue 22).
 
 One rank, stage 3, the optimizer offloaded (``offload.optimizer: cpu``), with each
-``offload.pipeline``: ``none`` (the step ends with its host updates), ``next_forward`` (each
+``offload.defer_updates``: ``none`` (the step ends with its host updates), ``next_forward`` (each
 update runs beside the next forward, waited for at its unit's first gather: the same losses,
 checked) and ``delayed`` (beside forward and backward, gradients a step stale: its losses are
 shown, not held). On a GPU machine the host's worker is a thread beside the one that issues
@@ -60,7 +60,7 @@ def build(mode):
         "units": {{"classes": ["Block"]}},
         "optimizer": {{"name": "adamw", "lr": 1e-3, "weight_decay": 0.1}},
         "backend": {{"kernels": {kernels!r}}},
-        "offload": {{"optimizer": "cpu", "pipeline": mode}},
+        "offload": {{"optimizer": "cpu", "defer_updates": mode}},
     }}
     return zerocc.compile(GPT(config), plan)
 
@@ -130,7 +130,7 @@ def summarize(kernels: str, run: dict) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    header = f"{'kernels':<9}{'offload.pipeline':<18}{'step ms':>9}{'IQR':>6}{'× none':>8}"
+    header = f"{'kernels':<9}{'offload.defer_updates':<18}{'step ms':>9}{'IQR':>6}{'× none':>8}"
     header += f"{'CPU ms':>9}"
     header += f"{'× none':>8}  losses vs none"
     lines = [header, "-" * len(header)]

@@ -325,13 +325,14 @@ ZEROCC_SAVINGS = (
     ("recompute", None, {"units": "all"}, "recompute.units: all"),
     ("opt-par-cpu-rc", {"optimizer": "cpu", "params": "cpu"}, {"units": "all"},
      "offload.optimizer: cpu, offload.params: cpu, recompute.units: all"),
-    ("opt-cpu-next", {"optimizer": "cpu", "pipeline": "next_forward"}, None,
-     "offload.optimizer: cpu, offload.pipeline: next_forward"),
-    ("opt-par-cpu-rc-next", {"optimizer": "cpu", "params": "cpu", "pipeline": "next_forward"},
+    ("opt-cpu-next", {"optimizer": "cpu", "defer_updates": "next_forward"}, None,
+     "offload.optimizer: cpu, offload.defer_updates: next_forward"),
+    ("opt-par-cpu-rc-next", {"optimizer": "cpu", "params": "cpu", "defer_updates": "next_forward"},
      {"units": "all"}, "offload optimizer and params: cpu, recompute.units: all, "
-     "offload.pipeline: next_forward"),
-    ("opt-cpu-delayed", {"optimizer": "cpu", "pipeline": "delayed"}, None,
-     "offload.optimizer: cpu, offload.pipeline: delayed (gradients a step stale: other losses)"),
+     "offload.defer_updates: next_forward"),
+    ("opt-cpu-delayed", {"optimizer": "cpu", "defer_updates": "delayed"}, None,
+     "offload.optimizer: cpu, offload.defer_updates: delayed (gradients a step stale: other "
+     "losses)"),
     ("opt-par-cpu-rc-gdev", {"optimizer": "cpu", "params": "cpu", "grads": "device"},
      {"units": "all"}, "offload optimizer and params: cpu, recompute.units: all, "
      "offload.grads: device (two units' gradient host buffers)"),
@@ -339,7 +340,7 @@ ZEROCC_SAVINGS = (
      {"units": "all"}, "offload optimizer and params: cpu, recompute.units: all, "
      "offload.grads_in_flight: null (backward never waits for gradient copies)"),
 )  # fmt: skip
-# Variants whose numbers differ from zerocc-z3's by design (offload.pipeline: delayed).
+# Variants whose numbers differ from zerocc-z3's by design (offload.defer_updates: delayed).
 OWN_NUMERICS = frozenset({"zerocc-z3-opt-cpu-delayed"})
 
 

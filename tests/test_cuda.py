@@ -53,12 +53,14 @@ def _cases(world: int) -> list[dict]:
     # work; the delayed update against its own reference.
     bf16 = {"param": "bf16"}
     cases.append({**on_gpu, "stage": 3, "precision": bf16,
-                  "offload": {"optimizer": "cpu", "pipeline": "next_forward"}})  # fmt: skip
-    cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "delayed"}})
+                  "offload": {"optimizer": "cpu", "defer_updates": "next_forward"}})  # fmt: skip
+    cases.append(
+        {**on_gpu, "stage": 3, "offload": {"optimizer": "cpu", "defer_updates": "delayed"}}
+    )
     # Stage 2: the carried copy writes the whole weights (one GPU) or this rank's part of them,
     # all-gathered in the next step (two).
     cases.append({**on_gpu, "stage": 2,
-                  "offload": {"optimizer": "cpu", "pipeline": "next_forward"}})  # fmt: skip
+                  "offload": {"optimizer": "cpu", "defer_updates": "next_forward"}})  # fmt: skip
     # Recompute on a GPU: cuDNN attention's unused outputs are dead nodes make_fx drops, which
     # once shifted capture's phase tags (issue 22's offloaded runs on an H100 failed to compile).
     cases.append({**on_gpu, "stage": 3, "precision": bf16, "recompute": {"units": "all"},
@@ -76,7 +78,7 @@ def _offload_pairs(world: int) -> list[tuple[dict, dict]]:
     offloaded = [
         {**on_gpu, "optimizer": clipped, "offload": {"optimizer": "cpu"}},
         {**on_gpu, "recompute": {"units": "all"},
-         "offload": {"optimizer": "cpu", "params": "cpu", "pipeline": "next_forward"}},
+         "offload": {"optimizer": "cpu", "params": "cpu", "defer_updates": "next_forward"}},
     ]  # fmt: skip
     return [(c, {k: v for k, v in c.items() if k != "offload"}) for c in offloaded]
 

@@ -136,11 +136,11 @@ def _is_param_shard(node: object) -> bool:
 def test_host_updates_write_compute_copies_in_host_memory_themselves():
     """bf16 parameters on the host: each host update casts its master into the parameter
     shard in its own pass (its ``param_copy``), with no second pass over the master; with
-    ``offload.pipeline: delayed``, whose step still reads the old shard while the update runs,
+    ``offload.defer_updates: delayed``, whose step still reads the old shard while the update runs,
     the update writes its master and the copy into the shard follows the step's last read."""
     for pipeline, in_place in (("none", True), ("next_forward", True), ("delayed", False)):
         plan = _plan(optimizer="cpu", params="cpu")
-        plan["offload"]["pipeline"] = pipeline
+        plan["offload"]["defer_updates"] = pipeline
         program = _trained(plan).program
         updates = [n for n in program.graph.nodes if op_name(n.target) == "zerocc.adamw_"]
         copies = [n for n in program.graph.nodes if op_name(n.target) == "zerocc.copy_into_start"
@@ -166,8 +166,8 @@ def test_host_updates_write_compute_copies_in_host_memory_themselves():
         ({"offload": {"ratio": 0}}, "ratio"),
         ({"offload": {"grads": "device"}}, "offload.optimizer is none"),
         ({"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "grads": "device",
-                                            "pipeline": "next_forward"}},
-         "offload.grads: device needs offload.pipeline: none"),
+                                            "defer_updates": "next_forward"}},
+         "offload.grads: device needs offload.defer_updates: none"),
         ({"offload": {"grads": "gpu"}}, "allowed values: 'cpu', 'device'"),
         ({"offload": {"optimizer": "cpu"}, "passes": ["partition", "shard", "optimizer"]},
          "does not list 'offload'"),

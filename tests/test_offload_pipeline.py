@@ -1,4 +1,4 @@
-"""offload.pipeline in one process: host updates carried into the next step.
+"""offload.defer_updates in one process: host updates carried into the next step.
 
 ``next_forward`` must train bit-identically to the plan without it, whatever reads the state
 between steps (a state_dict, an evaluation, a save and a resume), and whether the host's worker
@@ -29,7 +29,7 @@ def _plan(pipeline: str, optimizer: dict = ADAMW, stage: int = 3, **offload) -> 
         "units": {"classes": ["Block"]},
         "optimizer": optimizer,
         "precision": {"param": "bf16", "on_nonfinite": "skip"},
-        "offload": {"optimizer": "cpu", "pipeline": pipeline, **offload},
+        "offload": {"optimizer": "cpu", "defer_updates": pipeline, **offload},
     }
 
 
@@ -142,7 +142,7 @@ def test_delayed_updates_lag_a_step():
     assert all(not torch.equal(initial[k], delayed_weights[k]) for k in initial)
 
 
-PIPELINED = {"optimizer": "cpu", "pipeline": "next_forward"}
+PIPELINED = {"optimizer": "cpu", "defer_updates": "next_forward"}
 
 
 @pytest.mark.parametrize(
@@ -153,9 +153,9 @@ PIPELINED = {"optimizer": "cpu", "pipeline": "next_forward"}
             {"offload": {**PIPELINED, "optimizer": "nvme", "nvme_path": "/tmp"}},
             "offload.optimizer: cpu",
         ),
-        ({"offload": {"params": "cpu", "pipeline": "delayed"}}, "offload.optimizer: cpu"),
+        ({"offload": {"params": "cpu", "defer_updates": "delayed"}}, "offload.optimizer: cpu"),
         (
-            {"offload": {"optimizer": "cpu", "params": "cpu", "pipeline": "delayed"}},
+            {"offload": {"optimizer": "cpu", "params": "cpu", "defer_updates": "delayed"}},
             "a compute copy apart from the weights the update writes",
         ),
     ],
@@ -167,7 +167,9 @@ def test_a_pipeline_the_plan_cannot_hold_is_a_plan_error(plan, message):
 
 def test_yaml_off_names_the_allowed_values():
     with pytest.raises(PlanError, match="'none', 'next_forward', 'delayed'"):
-        zerocc.load_plan({"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "pipeline": False}})
+        zerocc.load_plan(
+            {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "defer_updates": False}}
+        )
 
 
 def test_a_failing_host_update_raises_at_its_wait_and_settle_waits_out_the_rest():

@@ -103,8 +103,9 @@ class PlanWarning(UserWarning):
 
 
 class RenamedFieldWarning(PlanWarning, FutureWarning):
-    """Warned when a plan names a section by its old name: it is read under the new one, and the
-    warning says which (``checkpointing:`` is ``recompute:``)."""
+    """Warned when a plan names a field by its old name: it is read under the new one, and the
+    warning says which (``checkpointing:`` is ``recompute:``, ``offload.pipeline:`` is
+    ``offload.defer_updates:``)."""
 
 
 class LoweringWarning(UserWarning):

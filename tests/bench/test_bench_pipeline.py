@@ -1,5 +1,5 @@
 """bench/pipeline.py end to end on a one-layer GPT, so the harness cannot rot: each
-offload.pipeline trains with the host's worker on a thread, next_forward's losses equal none's,
+offload.defer_updates trains with the host's worker on a thread, next_forward's losses equal none's,
 delayed's differ (its gradients are a step stale), and the table and JSON say so."""
 
 from __future__ import annotations

@@ -165,6 +165,16 @@ def test_a_renamed_section_given_under_both_names_is_an_error():
         load_plan({"checkpointing": {"units": "all"}, "recompute": {"units": "none"}})
 
 
+def test_a_renamed_field_inside_a_section_is_read_under_its_new_name():
+    given = {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "pipeline": "next_forward"}}
+    with pytest.warns(RenamedFieldWarning, match=r"`offload.pipeline:` is now `offload.defer_"):
+        plan = load_plan(given)
+    assert plan.offload.defer_updates == "next_forward"
+    assert given["offload"] == {"optimizer": "cpu", "pipeline": "next_forward"}  # (untouched)
+    with pytest.raises(PlanError, match="old name of offload.defer_updates:, and the plan gives"):
+        load_plan({"offload": {"pipeline": "none", "defer_updates": "none"}})
+
+
 def test_precision_defaults_and_pipeline():
     plan = load_plan({"precision": {"param": "bf16"}})
     assert plan.precision.scaling == "none" and plan.precision.dtype("buffers") == torch.bfloat16

@@ -149,7 +149,7 @@ def test_the_hosts_work_is_on_its_own_track_and_holds_the_compute_stream():
 
 def test_a_copy_within_the_host_holds_the_compute_stream_not_a_copy_stream():
     """A compute copy kept in host memory, cast from the master a host update wrote
-    (``host_to_host``: under ``offload.pipeline: delayed``), is a pass over host memory on the
+    (``host_to_host``: under ``offload.defer_updates: delayed``), is a pass over host memory on the
     thread that issues the device's work, as the runtime runs it: on the "host" track, the
     compute stream held meanwhile, beside what the copy streams move."""
     p = Program()

@@ -197,7 +197,7 @@ def reference(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.
 
 
 def _fp32_reference(case: dict[str, Any], model: torch.nn.Module):
-    if case.get("offload", {}).get("pipeline") == "delayed":
+    if case.get("offload", {}).get("defer_updates") == "delayed":
         return _delayed_reference(case, model)
     cfg = plan_of(case)["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]

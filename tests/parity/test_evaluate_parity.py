@@ -41,7 +41,7 @@ CASES = [
         "model": "gpt",
         "stage": 2,
         "world": 2,
-        "offload": {"optimizer": "cpu", "pipeline": "next_forward"},
+        "offload": {"optimizer": "cpu", "defer_updates": "next_forward"},
     },
     {"model": "gpt", "stage": 3, "world": 2, "recompute": {"units": "all"}},
     {"model": "buffers", "stage": 1, "world": 2, "accum": 2},

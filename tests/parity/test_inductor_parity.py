@@ -26,11 +26,11 @@ FP32 = [
     # Its gradients kept on the device, copied through the program's two host buffers.
     {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "grads": "device"}},
     # Host updates carried into the next step, issued to the host's worker from the graph.
-    {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "next_forward"}},
-    {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "pipeline": "delayed"}},
+    {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "defer_updates": "next_forward"}},
+    {"model": "gpt", "stage": 3, "offload": {"optimizer": "cpu", "defer_updates": "delayed"}},
     # Stage 2: the carried copy writes this rank's view of the whole weights, all-gathered in
     # the graph before forward reads them.
-    {"model": "gpt", "stage": 2, "offload": {"optimizer": "cpu", "pipeline": "next_forward"}},
+    {"model": "gpt", "stage": 2, "offload": {"optimizer": "cpu", "defer_updates": "next_forward"}},
     # Dropout, recomputed, in the whole graph: the masks of ATen's generator, replayed for the
     # recomputation. Held to the eager backend only: the one-process reference draws its masks
     # in another order.

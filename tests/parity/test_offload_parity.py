@@ -71,36 +71,37 @@ CASES = [
      "offload": {**CPU, "grads_in_flight": 1}},
     {"model": "gpt", "stage": 2, "offload": {**CPU, "grads_in_flight": None}},
     # Host updates carried into the next step, waited for before each unit's first gather.
-    {"model": "gpt", "stage": 3, "offload": {**CPU, "pipeline": "next_forward"}},
+    {"model": "gpt", "stage": 3, "offload": {**CPU, "defer_updates": "next_forward"}},
     {"model": "unused", "stage": 3, "precision": BF16,
-     "offload": {**CPU, "pipeline": "next_forward"}},
+     "offload": {**CPU, "defer_updates": "next_forward"}},
     # fp32 states and parameters together: the carried update writes the weights themselves.
-    {"model": "gpt", "stage": 3, "offload": {**CPU, "params": "cpu", "pipeline": "next_forward"}},
+    {"model": "gpt", "stage": 3,
+     "offload": {**CPU, "params": "cpu", "defer_updates": "next_forward"}},
     {"model": "gpt", "stage": 3, "precision": BF16, "optimizer": CLIPPED,
-     "offload": {**CPU, "params": "cpu", "ratio": 0.5, "pipeline": "next_forward"}},
+     "offload": {**CPU, "params": "cpu", "ratio": 0.5, "defer_updates": "next_forward"}},
     # Stages 1-2: each carried update's shard all-gathered into the whole weights at their
     # first read, the units left on the device all-gathered at the step's end.
-    {"model": "gpt", "stage": 2, "offload": {**CPU, "pipeline": "next_forward"}},
+    {"model": "gpt", "stage": 2, "offload": {**CPU, "defer_updates": "next_forward"}},
     {"model": "gpt", "stage": 1, "precision": BF16, "optimizer": CLIPPED,
-     "offload": {**CPU, "ratio": 0.5, "pipeline": "next_forward"}},
+     "offload": {**CPU, "ratio": 0.5, "defer_updates": "next_forward"}},
 ]  # fmt: skip
 # The delayed parameter update: its own numerics, held to a delayed-update reference.
 DELAYED = [
     {"model": "gpt", "stage": 3, "world": 2, "steps": 4, "optimizer": CLIPPED,
-     "offload": {**CPU, "pipeline": "delayed"}},
+     "offload": {**CPU, "defer_updates": "delayed"}},
     # Two micro-batches a step: the step's gradient on the weights before the last update.
     {"model": "gpt", "stage": 3, "world": 2, "steps": 3, "accum": 2, "precision": {},
-     "offload": {**CPU, "pipeline": "delayed"}},
+     "offload": {**CPU, "defer_updates": "delayed"}},
     # Stages 1-2 (ZeRO-Offload's own setting): the weights all-gathered after their last read.
     {"model": "gpt", "stage": 2, "world": 2, "steps": 4, "optimizer": CLIPPED,
-     "offload": {**CPU, "pipeline": "delayed"}},
+     "offload": {**CPU, "defer_updates": "delayed"}},
     {"model": "gpt", "stage": 1, "world": 2, "steps": 3, "accum": 2, "precision": {},
-     "offload": {**CPU, "pipeline": "delayed"}},
+     "offload": {**CPU, "defer_updates": "delayed"}},
     # Half the model offloaded: only its units' updates lag, the others' apply in their step.
     {"model": "gpt", "stage": 3, "world": 2, "steps": 4, "optimizer": CLIPPED,
-     "offload": {**CPU, "ratio": 0.5, "pipeline": "delayed"}},
+     "offload": {**CPU, "ratio": 0.5, "defer_updates": "delayed"}},
     {"model": "gpt", "stage": 1, "world": 2, "steps": 3, "accum": 2, "precision": {},
-     "offload": {**CPU, "ratio": 0.5, "pipeline": "delayed"}},
+     "offload": {**CPU, "ratio": 0.5, "defer_updates": "delayed"}},
 ]  # fmt: skip
 
 
@@ -110,7 +111,7 @@ DELAYED = [
 AS_ON_A_GPU = [
     {"model": "gpt", "stage": 3, "precision": BF16, "optimizer": CLIPPED, "offload": CPU},
     {"model": "gpt", "stage": 3, "precision": BF16, "recompute": {"units": "all"},
-     "offload": {**CPU, "params": "cpu", "pipeline": "next_forward"}},
+     "offload": {**CPU, "params": "cpu", "defer_updates": "next_forward"}},
 ]  # fmt: skip
 
 

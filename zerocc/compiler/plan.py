@@ -767,7 +767,7 @@ class OffloadConfig(_Section):
         description="the share of the model's parameters (whole units, those whose gradients "
         "are complete first) that are offloaded; 1: every unit",
     )
-    pipeline: Literal["none", "next_forward", "delayed"] = Field(
+    defer_updates: Literal["none", "next_forward", "delayed"] = Field(
         "none",
         description="when the host updates of offload.optimizer: cpu run. 'none': at the end "
         "of the step, which waits for them. 'next_forward': each unit's update runs on a host "
@@ -789,7 +789,7 @@ class OffloadConfig(_Section):
         "DeepSpeed's and FSDP2's offload hold. 'device': they stay on the device (its memory, "
         "as without offload) and each is copied, right before its update, through one of two "
         "host buffers, the next one's copy running beside the update: host memory of two "
-        "units' shards, for host memory equal to the states. offload.pipeline: none",
+        "units' shards, for host memory equal to the states. offload.defer_updates: none",
     )
     grads_in_flight: int | None = Field(
         2,
@@ -943,9 +943,30 @@ def _joined(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-# Sections renamed, by their old names: a plan that uses an old name is read under the new one,
-# with a warning that says it (a name that meant two things: `checkpointing`, recompute or saving).
-RENAMED_SECTIONS = {"checkpointing": "recompute"}
+# Fields renamed, by their old dotted names: a plan that uses an old name is read under the new
+# one, with a warning that says it. Each old name meant two things: `checkpointing` (recompute,
+# or saving?) and `offload.pipeline` (the host updates deferred, or pipeline parallelism?).
+RENAMED_FIELDS = {"checkpointing": "recompute", "offload.pipeline": "offload.defer_updates"}
+
+
+def _read_renamed(data: Any, path: list[str], key: str, old: str, new: str) -> Any:
+    """``data`` with the field at ``path`` (its old name) moved to ``key`` beside it, copying
+    only the mappings on the way (the caller's stay as they were); warns that it did."""
+    if not isinstance(data, dict) or path[0] not in data:
+        return data
+    if len(path) > 1:
+        inner = _read_renamed(data[path[0]], path[1:], key, old, new)
+        return data if inner is data[path[0]] else {**data, path[0]: inner}
+    if key in data:
+        raise ValueError(f"{old}: is the old name of {new}:, and the plan gives both; keep {new}:")
+    warnings.warn(
+        f"plan: `{old}:` is now `{new}:` (read under the new name for now; rename it)",
+        RenamedFieldWarning,
+        stacklevel=4,
+    )
+    renamed = {k: v for k, v in data.items() if k != path[0]}
+    renamed[key] = data[path[0]]
+    return renamed
 
 
 class Plan(_Section):
@@ -953,23 +974,9 @@ class Plan(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _renamed_sections(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not RENAMED_SECTIONS.keys() & data.keys():
-            return data
-        data = dict(data)
-        for old, new in RENAMED_SECTIONS.items():
-            if old not in data:
-                continue
-            if new in data:
-                raise ValueError(
-                    f"{old}: is the old name of {new}:, and the plan gives both; keep {new}: alone"
-                )
-            warnings.warn(
-                f"plan: `{old}:` is now `{new}:` (read under the new name for now; rename it)",
-                RenamedFieldWarning,
-                stacklevel=2,
-            )
-            data[new] = data.pop(old)
+    def _renamed_fields(cls, data: Any) -> Any:
+        for old, new in RENAMED_FIELDS.items():
+            data = _read_renamed(data, old.split("."), new.rpartition(".")[2], old, new)
         return data
 
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and world size")
@@ -1126,24 +1133,24 @@ class Plan(_Section):
                     "update, but offload.optimizer is none; set offload.optimizer: cpu or nvme, "
                     "or drop offload.grads"
                 )
-            if offload.pipeline != "none":
+            if offload.defer_updates != "none":
                 raise ValueError(
-                    "offload.grads: device needs offload.pipeline: none (a pipelined update "
+                    "offload.grads: device needs offload.defer_updates: none (a pipelined update "
                     "reads its gradients in the next step, from host buffers kept for it); "
                     "or set offload.grads: cpu"
                 )
-        if offload.pipeline != "none":
+        if offload.defer_updates != "none":
             needs = {
                 "offload.optimizer: cpu (the update it carries runs in host memory)": (
                     offload.optimizer == "cpu"
                 ),
                 "grad_accumulation: 1 (a step's first micro-batches would compute on the "
                 "weights before the update its last one waits for; 'delayed' takes more)": (
-                    self.grad_accumulation == 1 or offload.pipeline == "delayed"
+                    self.grad_accumulation == 1 or offload.defer_updates == "delayed"
                 ),
             }
             precision = self.precision
-            if offload.pipeline == "delayed" and offload.params == offload.optimizer:
+            if offload.defer_updates == "delayed" and offload.params == offload.optimizer:
                 # No compute copy apart from the weights the update writes (fp32 states and
                 # parameters together): the step would read them while the update writes.
                 needs["a compute copy apart from the weights the update writes (precision.param "
@@ -1153,9 +1160,9 @@ class Plan(_Section):
             missing = [need for need, met in needs.items() if not met]
             if missing:
                 raise ValueError(
-                    f"offload.pipeline: {offload.pipeline} needs "
+                    f"offload.defer_updates: {offload.defer_updates} needs "
                     + "; and ".join(missing)
-                    + "; or set offload.pipeline: none"
+                    + "; or set offload.defer_updates: none"
                 )
         return self
 

@@ -1,6 +1,6 @@
 """The host's worker: runs the host updates a pipelined program issues (``stream=host``).
 
-A pipelined offload (``offload.pipeline``) issues a unit's host update and goes on issuing the
+A pipelined offload (``offload.defer_updates``) issues a unit's host update and goes on issuing the
 device's work; the program's ``host_wait`` for that update blocks until it is done. On a GPU
 machine the updates run on one worker thread, in the order issued, beside the thread that
 issues the device's work: the update kernels (torch's fused loops, the one-pass loop) release

@@ -284,15 +284,15 @@ def held_gradients_line(
     )
 
 
-# What ``offload.pipeline`` does to a step, as explain() says it.
+# What ``offload.defer_updates`` does to a step, as explain() says it.
 PIPELINE_LINES = {
     "next_forward": [
-        "  host updates carried into the next step (offload.pipeline: next_forward): each runs "
-        "beside the next forward, waited for before its unit's weights are first read; same "
+        "  host updates carried into the next step (offload.defer_updates: next_forward): each "
+        "runs beside the next forward, waited for before its unit's weights are first read; same "
         "numbers"
     ],
     "delayed": [
-        "  host updates carried into the next step (offload.pipeline: delayed): each runs "
+        "  host updates carried into the next step (offload.defer_updates: delayed): each runs "
         "beside the next forward and backward, its weights used a step later (gradients one "
         "step stale); a save, evaluate or state_dict applies the one in flight"
     ],
@@ -320,7 +320,7 @@ def offload_lines(step: StepRecord) -> list[str]:
     lines = [
         f"offload: optimizer {step.plan.offload.optimizer}, params {step.plan.offload.params}, "
         f"{len(offloaded)} of {len(step.units)} units (ratio {step.plan.offload.ratio:g})",
-        *PIPELINE_LINES.get(step.plan.offload.pipeline, []),
+        *PIPELINE_LINES.get(step.plan.offload.defer_updates, []),
         *([_grads_line(step.plan.offload)] if step.plan.offload.optimizer != "none" else []),
         f"where the model states live{'':<2}" + "".join(f"{w:>12}" for w in LOCATIONS),
     ]

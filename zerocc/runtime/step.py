@@ -114,7 +114,7 @@ class Program:
     digest: str
     returns_found_inf: bool  # returns (loss, [flags,] found_inf): it steps, gated on the flag
     agrees_at_first_collective: bool  # the batch agreement may be settled that late
-    carries: bool = False  # begins with the last step's host updates (offload.pipeline)
+    carries: bool = False  # begins with the last step's host updates (offload.defer_updates)
     lowered_apart: str | None = None  # how each rank lowered it, where the ranks differ
 
     def notes(self) -> list[str]:
@@ -235,7 +235,7 @@ class StepRunner:
         # the same on every rank.
         self._lowered_again: dict[tuple[str, Comm, str | None], Executable] = {}
         self._last_program: Program | None = None
-        # offload.pipeline: the (step count, rate) of the update the last step carried into
+        # offload.defer_updates: the (step count, rate) of the update the last step carried into
         # the next, None when none is pending; and the program that applies it on its own.
         self._carried: tuple[int, float] | None = None
         self._drain: Program | None = None
@@ -982,7 +982,7 @@ class StepRunner:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
-        self.apply_carried_update()  # (offload.pipeline) none left to apply over what loads
+        self.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
         # (saved before hybrid sharding and tensor parallelism: no replicas, no split)
         saved = {"replicate": 1, "tp": 1, **sd["zerocc"]}
         mine_by_field = {

@@ -25,7 +25,7 @@ def test_an_offloaded_optimizer_may_keep_its_gradients_on_the_gpu():
     assert "offload.grads: device" in _texts(offloaded, torch.device("cuda", 0))
     assert "offload.grads: device" not in _texts(offloaded, CPU)  # the same memory
     pipelined = load_plan(
-        {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "pipeline": "next_forward"}}
+        {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "defer_updates": "next_forward"}}
     )
     assert "offload.grads: device" not in _texts(pipelined, torch.device("cuda", 0))  # invalid
 

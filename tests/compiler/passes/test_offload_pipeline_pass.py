@@ -1,6 +1,6 @@
-"""offload.pipeline, graph-level (zerocc/compiler/passes/offload_pipeline.py): where the carried
-updates, their waits and their compute copies go. (Numbers: tests/test_offload_pipeline.py,
-tests/parity.)"""
+"""offload.defer_updates, graph-level (zerocc/compiler/passes/offload_pipeline.py): where the
+carried updates, their waits and their compute copies go. (Numbers:
+tests/test_offload_pipeline.py, tests/parity.)"""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _program(pipeline: str, stage: int = 3, world_size: int = 2) -> fx.GraphModu
             "units": {"classes": ["Block"]},
             "precision": {"param": "bf16"},
             "optimizer": {"name": "adamw", "grad_clip": 1.0},
-            "offload": {"optimizer": "cpu", "pipeline": pipeline},
+            "offload": {"optimizer": "cpu", "defer_updates": pipeline},
         }
     )
     return inspect_plan(plan, world_size).stepping.gm

@@ -80,7 +80,7 @@ COMPUTE = (
 # Inductor's concatenation took 3x as long.
 COMPOSITE = {"nonfinite_flags": reference.nonfinite_flags}
 WAIT = "wait(Tensor tensor, Tensor[] reads, str started) -> ()"
-# A host-stream update (offload.pipeline) is issued to the host's worker: the update's twin
+# A host-stream update (offload.defer_updates) is issued to the host's worker: the update's twin
 # names its node, as a start does; ``host_wait`` is lowered as ``wait`` is.
 HOST_UPDATES = {
     f"host_{name}": SCHEMAS[name]

@@ -17,13 +17,13 @@ program, so its copies are placed against the final order of compute and communi
   unit's update so that the two overlap. The updated master is
   then copied into the compute-dtype parameter wherever that lives, and stages 1-2 gather it as
   before. A host update writes a parameter in host memory itself (its ``param_copy``: the cast in
-  its own pass), except under ``offload.pipeline: delayed``, whose step reads the parameter while
-  the update runs. Where the parameter is on the device in a narrower dtype than the master, the
-  host update writes it into one of two host buffers (``host_buffer``, used in turn: a copy's wait
-  comes before the update two units on writes its buffer again), and that is copied to the device
-  as it is: the cast in the update's own pass, half the bytes on the link. NVMe: a unit's files
-  are read while the previous unit updates (double buffering) and written back while the next one
-  does, so at most two units' states are in host memory at once.
+  its own pass), except under ``offload.defer_updates: delayed``, whose step reads the parameter
+  while the update runs. Where the parameter is on the device in a narrower dtype than the
+  master, the host update writes it into one of two host buffers (``host_buffer``, used in turn:
+  a copy's wait comes before the update two units on writes its buffer again), and that is
+  copied to the device as it is: the cast in the update's own pass, half the bytes on the link.
+  NVMe: a unit's files are read while the previous unit updates (double buffering) and written
+  back while the next one does, so at most two units' states are in host memory at once.
 - **Parameters** (stage 3, host or NVMe): the unit's shard lives off the device; before each of
   its all-gathers a device copy is made, issued when the previous offloaded shard's copy is
   consumed (a prefetch of one), and it goes when the gather is done.
@@ -91,7 +91,7 @@ class _Offloader:
         ]
         self.grads_on_device = config.grads == "device"
         self.grads_in_flight = config.grads_in_flight
-        self.delayed = config.pipeline == "delayed"
+        self.delayed = config.defer_updates == "delayed"
         self.grad_copies: list[tuple[fx.Node, fx.Node]] = []
         copies = [u.args[UPDATE_ARGS[op_name(u.target)]["copy"]] for u in self.updates]
         self.staging = _HostSlots(
@@ -431,7 +431,7 @@ class _Offloader:
     def _writes_in_place(self, update: fx.Node, spec: StateSpec) -> bool:
         """Whether ``update``, on the host, writes the compute copy (``spec``) itself, as its
         ``param_copy``: the copy lives in host memory too, so the cast is part of the update's
-        own pass rather than a second pass over the master. Not with ``offload.pipeline:
+        own pass rather than a second pass over the master. Not with ``offload.defer_updates:
         delayed``, whose step reads the compute copy while the update runs."""
         return info(update).pool == HOST and spec.location == HOST and not self.delayed
 
@@ -615,6 +615,6 @@ def offload(gm: fx.GraphModule, ctx: PassContext, *, config: OffloadConfig) -> f
     offloader.offload_updates()
     offloader.copy_params_in()
     offloader.drop_nvme_placeholders()
-    if config.pipeline != "none":
-        carry_updates(gm, config.pipeline, UPDATE_ARGS)
+    if config.defer_updates != "none":
+        carry_updates(gm, config.defer_updates, UPDATE_ARGS)
     return gm

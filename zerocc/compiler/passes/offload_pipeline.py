@@ -1,4 +1,5 @@
-"""offload's pipeline: each step's host updates carried into the next step (``offload.pipeline``).
+"""offload's deferred updates: each step's host updates carried into the next step
+(``offload.defer_updates``).
 
 Without it, a program ends with its offloaded units' host updates, and the next step waits for
 all of them: the host's update and the device's compute add up. A pipelined program instead

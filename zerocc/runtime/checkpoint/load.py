@@ -51,7 +51,7 @@ def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[st
     that saved it. Call on every rank, before the first step or between steps."""
     folder = Path(path)
     manifest: Manifest | None = None
-    runner.apply_carried_update()  # (offload.pipeline) none left to apply over what loads
+    runner.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
 
     def find() -> None:  # (on every rank: one that cannot see the folder fails with the rest)
         nonlocal folder, manifest

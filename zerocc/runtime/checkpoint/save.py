@@ -62,7 +62,7 @@ def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = Non
         )
     if keep is not None and keep < 1:
         raise CheckpointError(f"keep={keep}: keep at least the checkpoint being saved (keep >= 1)")
-    runner.apply_carried_update()  # (offload.pipeline) the states as of the last step
+    runner.apply_carried_update()  # (offload.defer_updates) the states as of the last step
     comm = runner.comm
     root = Path(root)
     name = checkpoint_name(runner.micro_batches // accum)
