@@ -417,7 +417,7 @@ def test_the_host_buffers_of_copies_are_made_once_and_hold_what_the_estimate_say
 
     small = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4}
     ratio = 1.0 if grads == "device" else 0.5  # device: more units than gradient buffers
-    plan = {**_plan(optimizer="cpu", ratio=ratio, pipeline=pipeline, grads=grads),
+    plan = {**_plan(optimizer="cpu", ratio=ratio, defer_updates=pipeline, grads=grads),
             "workload": "workload:workload", "workload_args": small}  # fmt: skip
     work = workload(**small)
     step = zerocc.compile(work.model, plan)
