@@ -949,14 +949,16 @@ def _joined(path: str, key: str) -> str:
 RENAMED_FIELDS = {"checkpointing": "recompute", "offload.pipeline": "offload.defer_updates"}
 
 
-def _read_renamed(data: Any, path: list[str], key: str, old: str, new: str) -> Any:
-    """``data`` with the field at ``path`` (its old name) moved to ``key`` beside it, copying
-    only the mappings on the way (the caller's stay as they were); warns that it did."""
+def _read_renamed(data: Any, path: list[str], old: str, new: str) -> Any:
+    """``data`` with the field at ``path`` (the rest of ``old``) moved to the last name of
+    ``new`` beside it, copying only the mappings on the way (the caller's stay as they were);
+    warns that it did."""
     if not isinstance(data, dict) or path[0] not in data:
         return data
     if len(path) > 1:
-        inner = _read_renamed(data[path[0]], path[1:], key, old, new)
+        inner = _read_renamed(data[path[0]], path[1:], old, new)
         return data if inner is data[path[0]] else {**data, path[0]: inner}
+    key = new.rpartition(".")[2]
     if key in data:
         raise ValueError(f"{old}: is the old name of {new}:, and the plan gives both; keep {new}:")
     warnings.warn(
@@ -976,7 +978,7 @@ class Plan(_Section):
     @classmethod
     def _renamed_fields(cls, data: Any) -> Any:
         for old, new in RENAMED_FIELDS.items():
-            data = _read_renamed(data, old.split("."), new.rpartition(".")[2], old, new)
+            data = _read_renamed(data, old.split("."), old, new)
         return data
 
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and world size")
