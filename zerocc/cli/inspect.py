@@ -290,11 +290,11 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     if e.timing is not None and e.rates is not None:
         t = e.timing
         host = f"  {'host updates':<24}{human_seconds(t.host_s):>12}"
-        pipelined = plan.offload.defer_updates != "none"
+        deferred = plan.offload.defer_updates != "none"
         host += (
             "  (beside compute, offload.defer_updates: the step waits "
             f"{human_seconds(t.host_waited_s)} for them)"
-            if pipelined
+            if deferred
             else "  (part of compute: the host holds the stream)"
         )
         host_line = [host] if t.host_s else []

@@ -23,11 +23,11 @@ on "compute"; each collective on "comm", each copy on its stream's, from when it
 bytes to when it ends; the host's work (an offloaded unit's update, a copy between two host
 tensors: tagged ``pool: host`` by the offload pass) on "host". The host's work holds the compute
 stream as it runs: the runtime does it on the thread that issues the device's work, which waits
-meanwhile. An update on the **host stream** (a pipelined offload carries it into the next step:
-it runs on the host's worker) is issued instead: it runs on "host" from ``max(issue time, host
-free)``, in the order issued, and its ``host_wait`` advances the compute stream to its end (the
-difference counted as ``host_waited_s``, not as exposed communication). A pipelined program
-begins with the last step's updates, so one run of it is the steady state.
+meanwhile. An update on the **host stream** (an offload's deferred update, carried into the next
+step: it runs on the host's worker) is issued instead: it runs on "host" from ``max(issue time,
+host free)``, in the order issued, and its ``host_wait`` advances the compute stream to its end
+(the difference counted as ``host_waited_s``, not as exposed communication). A program with
+deferred updates begins with the last step's updates, so one run of it is the steady state.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class RuntimeContext:
     """The runtime an executable's ops run on. ``kernels``: the kernel set of the plan's
     ``backend.kernels`` (:func:`zerocc.backends.kernels.kernel_set`); ``device``: the device
     the step computes on (CUDA streams belong to the comm and the copy engine); ``host``: the
-    worker that runs the host updates of a pipelined offload."""
+    worker that runs the host updates an offload defers (``offload.defer_updates``)."""
 
     comm: Comm
     transfers: Transfers

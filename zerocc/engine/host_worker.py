@@ -1,10 +1,10 @@
-"""The host's worker: runs the host updates a pipelined program issues (``stream=host``).
+"""The host's worker: runs the host updates an offload defers (``stream=host``).
 
-A pipelined offload (``offload.defer_updates``) issues a unit's host update and goes on issuing the
-device's work; the program's ``host_wait`` for that update blocks until it is done. On a GPU
-machine the updates run on one worker thread, in the order issued, beside the thread that
-issues the device's work: the update kernels (torch's fused loops, the one-pass loop) release
-the GIL while they run. On a CPU-only machine the same cores compute both, so there is nothing
+An offload that defers its updates (``offload.defer_updates``) issues a unit's host update and
+goes on issuing the device's work; the program's ``host_wait`` for that update blocks until it
+is done. On a GPU machine the updates run on one worker thread, in the order issued, beside the
+thread that issues the device's work: the update kernels (torch's fused loops, the one-pass
+loop) release the GIL while they run. On a CPU-only machine the same cores compute both, so there is nothing
 to overlap: an update runs where it is issued, as the copy engine's copies do.
 
 An update that raises re-raises at its ``host_wait``; :meth:`HostWorker.settle` waits out what

@@ -152,3 +152,30 @@ def _aliased_argument(node: fx.Node) -> fx.Node | None:
         ):
             return value if isinstance(value, fx.Node) else None
     return None
+
+
+def last_writes(
+    gm: fx.GraphModule, tensors: list[fx.Node], before: fx.Node
+) -> dict[fx.Node, fx.Node]:
+    """For each of ``tensors``, the last node before ``before`` that writes its storage (the
+    tensor itself if none does), from one walk over the graph."""
+    roots = StorageRoots(gm)
+    last = {t: t for t in tensors}
+    of_root: dict[object, list[fx.Node]] = {}
+    for t in tensors:
+        of_root.setdefault(roots.root[t], []).append(t)
+    seen: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node is before:
+            break
+        seen.add(node)
+        for root in roots.access(node).writes:
+            for t in of_root.get(root, []):
+                if t in seen and node is not t:
+                    last[t] = node
+    return last
+
+
+def last_write(gm: fx.GraphModule, tensor: fx.Node, before: fx.Node) -> fx.Node:
+    """:func:`last_writes` of one tensor."""
+    return last_writes(gm, [tensor], before)[tensor]

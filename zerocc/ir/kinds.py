@@ -32,7 +32,7 @@ class Role(StrEnum):
 
 class Stream(StrEnum):
     """Where an op runs: compute, collectives, the copy engine's copies (offload), or the
-    host's worker thread (offloaded updates a pipelined plan carries into the next step)."""
+    host's worker thread (offloaded updates a plan defers into the next step)."""
 
     COMPUTE = "compute"
     COMM = "comm"

@@ -231,3 +231,13 @@ def state_placeholder(graph: fx.Graph, spec: StateLike, like: torch.Tensor) -> f
     with like.fake_mode:
         node.meta["val"] = torch.empty(spec.shape, dtype=spec.dtype, device=like.device)
     return tag(node, role=spec.role, key=spec.key, unit=spec.unit)
+
+
+def comes_after(node: fx.Node, than: fx.Node) -> bool:
+    """Whether ``node`` comes after ``than`` in their graph."""
+    cursor = than.next
+    while cursor.op != "root":
+        if cursor is node:
+            return True
+        cursor = cursor.next
+    return False

@@ -61,8 +61,8 @@ SCHEMAS = {
     # runtime's HostBuffers; pinned where a GPU copies it): the staging the host update writes
     # the compute copy into, for a copy of that dtype to the device.
     "host_buffer": "host_buffer(SymInt numel, ScalarType dtype, str key) -> Tensor",
-    # Offload, pipelined (``offload.defer_updates``): an update on the host stream runs on the
-    # host's worker thread, beside what the program issues next; ``host_wait`` returns
+    # Offload, updates deferred (``offload.defer_updates``): an update on the host stream
+    # runs on the host's worker thread, beside what the program issues next; ``host_wait`` returns
     # ``tensor`` (what the update wrote that is read next) once the update named ``update``
     # (its node) is done.
     "host_wait": "host_wait(Tensor(a) tensor, str update) -> Tensor(a)",

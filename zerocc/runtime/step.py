@@ -31,7 +31,7 @@ from zerocc.compiler.driver.program import CompiledProgram
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import WeightSource, is_meta, release_to_meta, weight_source
 from zerocc.compiler.mesh import Mesh
-from zerocc.compiler.passes.offload_pipeline import (
+from zerocc.compiler.passes.deferred_updates import (
     CARRIED_LR,
     CARRIED_SCALARS,
     CARRIED_SKIP,

@@ -10,8 +10,8 @@ has a twin here:
   non-finite checks are made of torch ops, which Inductor compiles (:data:`COMPOSITE`);
 - a start names its start node (``started``, the eager backend's handle key); one that fills
   an existing tensor returns nothing and mutates it; one that makes its result returns it;
-- an update on the host stream (a pipelined offload) names its node, as a start does, and is
-  issued to the host's worker; ``host_wait`` is lowered as ``wait`` is;
+- an update on the host stream (an offload's deferred update) names its node, as a start
+  does, and is issued to the host's worker; ``host_wait`` is lowered as ``wait`` is;
 - ``wait(tensor, reads, started)`` returns nothing (an op returning its input is what
   AOTAutograd's aliasing check rejects, torch's own ``wait_tensor`` excepted): what read the
   wait's result reads ``tensor``, and the wait is lowered as torch's is, a kernel that

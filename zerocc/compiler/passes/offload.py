@@ -39,7 +39,9 @@ import torch
 from torch import fx
 
 from zerocc.compiler.pass_spec import PassContext, register_pass
-from zerocc.compiler.passes.offload_pipeline import carry_updates
+from zerocc.compiler.passes.deferred_updates import carry_updates
+from zerocc.compiler.passes.gradient_checks import check_gradients_as_they_complete
+from zerocc.compiler.passes.host_slots import HostSlots
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
     DEVICE,
@@ -50,15 +52,23 @@ from zerocc.compiler.state import (
     declare_placements,
     placements,
 )
-from zerocc.ir.access import StorageRoots
+from zerocc.ir.access import StorageRoots, last_write
 from zerocc.ir.kinds import Stream
-from zerocc.ir.nodes import MASTER, PARAM_SHARD, emit, info, op_name, placeholders, val
+from zerocc.ir.nodes import (
+    MASTER,
+    PARAM_SHARD,
+    comes_after,
+    emit,
+    info,
+    op_name,
+    placeholders,
+    val,
+)
 from zerocc.ir.nodes import state_placeholder as new_placeholder
 from zerocc.ir.ops import HOST_TO_HOST, NVME_READ, NVME_WRITE, TO_DEVICE, TO_HOST, op
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
-STAGING_SLOTS = 2  # host buffers the host updates write compute copies into, in turn
 # Positions of an update's states, (clip coefficient, overflow flag), compute copy, step count
 # and learning rate (weights first, gradient second).
 UPDATE_ARGS = {
@@ -94,13 +104,13 @@ class _Offloader:
         self.delayed = config.defer_updates == "delayed"
         self.grad_copies: list[tuple[fx.Node, fx.Node]] = []
         copies = [u.args[UPDATE_ARGS[op_name(u.target)]["copy"]] for u in self.updates]
-        self.staging = _HostSlots(
+        self.staging = HostSlots(
             self.graph,
             "offload.staging",
             max((val(c).numel() for c in copies if c is not None), default=0),
             "that host updates write compute copies into",
         )
-        self.grad_slots = _HostSlots(
+        self.grad_slots = HostSlots(
             self.graph,
             "offload.grads",
             max((val(u.args[1]).numel() for u in self.updates), default=0),
@@ -188,55 +198,8 @@ class _Offloader:
         output = next(n for n in self.graph.nodes if n.op == "output")
         for wait in writes:
             output.prepend(wait)
-        if self.grad_copies and self._check_gradients_as_they_complete():
+        if self.grad_copies and check_gradients_as_they_complete(self.gm):
             self._bound_gradients_in_flight()
-
-    def _check_gradients_as_they_complete(self) -> bool:
-        """Split the step's non-finite check (with the clip's squared norm, read in the same
-        pass) into one check per gradient, right after that gradient is complete, and combine
-        their results where the check was; False when there is no such check (loss scaling
-        checks as it unscales, in place, after backward). Then nothing reads an offloaded
-        gradient on the device after its copy to the host has begun. The combination adds the
-        squared norms in the check's order, one after the other as the check does: the same
-        numbers, bit for bit."""
-        check = next(
-            (n for n in self.graph.nodes if op_name(n.target) == "zerocc.nonfinite_flags"), None
-        )
-        if check is None:
-            return False
-        grads, scale, clip = check.args
-        last = _last_writes(self.gm, grads, check)
-        partials: list[fx.Node] = []
-        for grad in grads:
-            after = last[grad]
-            if partials and _after(partials[-1], after):
-                after = partials[-1]  # in the check's order, as nonfinite_units reads them
-            with self.graph.inserting_after(after):
-                partials.append(
-                    emit(
-                        self.graph,
-                        op("nonfinite_flags"),
-                        ([grad], scale, clip),
-                        unit=info(grad).unit,
-                        phase=info(after).phase,
-                        note=f"{info(grad).unit}'s part of the step's non-finite check, once "
-                        "its gradient is complete",
-                    )
-                )
-        where = {"phase": info(check).phase}
-        with self.graph.inserting_before(check):
-            parts = [emit(self.graph, aten.slice.Tensor, (p, 0, 0, 1), **where) for p in partials]
-            if clip:
-                squares = [emit(self.graph, aten.slice.Tensor, (p, 0, 1, 2), **where)
-                           for p in partials]  # fmt: skip
-                total = squares[0]
-                for square in squares[1:]:
-                    total = emit(self.graph, aten.add.Tensor, (total, square), **where)
-                parts.append(total)
-            combined = emit(self.graph, aten.cat.default, (parts,), note=info(check).note, **where)
-        check.replace_all_uses_with(combined)
-        self.graph.erase_node(check)
-        return True
 
     def _bound_gradients_in_flight(self) -> None:
         """Wait for each gradient's copy to the host before the gradient ``grads_in_flight``
@@ -248,7 +211,7 @@ class _Offloader:
             return
         later = self.grad_copies[self.grads_in_flight :]
         for (_, wait), (last, _) in zip(self.grad_copies, later, strict=False):
-            if _after(last, wait.args[0]):
+            if comes_after(last, wait.args[0]):
                 last.prepend(wait)
                 info(wait).phase = info(last).phase
 
@@ -320,7 +283,7 @@ class _Offloader:
 
     def _gradient_to_host(self, update: fx.Node, grad: fx.Node) -> fx.Node:
         """Copy the reduced gradient to the host right after its last write."""
-        last = _last_write(self.gm, grad, update)
+        last = last_write(self.gm, grad, update)
         unit = info(update).unit
         with self.graph.inserting_before(last.next):
             start = self._start(
@@ -341,12 +304,12 @@ class _Offloader:
         """``offload.grads: device``: copy the reduced gradient, kept on the device, into the
         next of the two gradient host buffers, issued right before the previous unit's update
         so that the copy runs beside it. The update two back, the last to read that buffer, has
-        finished by then: host updates without a pipeline run in order on the thread that
+        finished by then: host updates not deferred run in order on the thread that
         issues the copies."""
         unit, numel = info(update).unit, val(grad).numel()
         previous = self.updates.index(update) - 1
         issue_before = self.updates[previous] if previous >= 0 else update
-        if not _after(issue_before, _last_write(self.gm, grad, update)):
+        if not comes_after(issue_before, last_write(self.gm, grad, update)):
             issue_before = update
         buffer, _ = self.grad_slots.take(val(grad).dtype, issue_before)
         with self.graph.inserting_before(issue_before):
@@ -454,7 +417,7 @@ class _Offloader:
         """The next host buffer's first elements, as many as ``param`` has, made the
         update's ``param_copy``: what the compute copy is copied from."""
         slot, last = self.staging.take(val(param).dtype, update)
-        if last is not None and _after(last, update):
+        if last is not None and comes_after(last, update):
             update.prepend(last)  # the copy that read this buffer ends before it is written
         with self.graph.inserting_before(update):
             view = emit(
@@ -524,74 +487,6 @@ class _Offloader:
     def _off_device_param(self, node: fx.Node) -> bool:
         spec = self.specs.get(info(node).key) if node.op == "placeholder" else None
         return spec is not None and spec.role == PARAM_SHARD and spec.location != DEVICE
-
-
-class _HostSlots:
-    """Host buffers (``host_buffer``, :data:`STAGING_SLOTS` of them, each as large as the
-    largest use, made before the first) that successive units' copies go through in turn."""
-
-    def __init__(self, graph: fx.Graph, name: str, numel: int, purpose: str) -> None:
-        self.graph, self.name, self.numel, self.purpose = graph, name, numel, purpose
-        self.buffers: list[fx.Node] = []
-        self.taken = 0
-        self.last_reader: dict[fx.Node, fx.Node] = {}  # buffer -> what last read it, if kept
-
-    def take(self, dtype: torch.dtype, before: fx.Node) -> tuple[fx.Node, fx.Node | None]:
-        """The next buffer in turn (made before ``before`` at the first call) and what last
-        read it, if the caller recorded that."""
-        if not self.buffers:
-            with self.graph.inserting_before(before):
-                self.buffers = [
-                    emit(
-                        self.graph,
-                        torch.ops.zerocc.host_buffer.default,
-                        (self.numel, dtype, f"{self.name}.{i}"),
-                        pool=HOST,
-                        phase="optimizer",
-                        note=f"host buffer {i} of {STAGING_SLOTS} {self.purpose}, in turn",
-                    )
-                    for i in range(STAGING_SLOTS)
-                ]
-        buffer = self.buffers[self.taken % STAGING_SLOTS]
-        self.taken += 1
-        return buffer, self.last_reader.get(buffer)
-
-
-def _last_writes(
-    gm: fx.GraphModule, tensors: list[fx.Node], before: fx.Node
-) -> dict[fx.Node, fx.Node]:
-    """For each of ``tensors``, the last node before ``before`` that writes its storage (the
-    tensor itself if none does), from one walk over the graph."""
-    roots = StorageRoots(gm)
-    last = {t: t for t in tensors}
-    of_root: dict[object, list[fx.Node]] = {}
-    for t in tensors:
-        of_root.setdefault(roots.root[t], []).append(t)
-    seen: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node is before:
-            break
-        seen.add(node)
-        for root in roots.access(node).writes:
-            for t in of_root.get(root, []):
-                if t in seen and node is not t:
-                    last[t] = node
-    return last
-
-
-def _last_write(gm: fx.GraphModule, tensor: fx.Node, before: fx.Node) -> fx.Node:
-    """:func:`_last_writes` of one tensor."""
-    return _last_writes(gm, [tensor], before)[tensor]
-
-
-def _after(node: fx.Node, than: fx.Node) -> bool:
-    """Whether ``node`` comes after ``than`` in their graph."""
-    cursor = than.next
-    while cursor.op != "root":
-        if cursor is node:
-            return True
-        cursor = cursor.next
-    return False
 
 
 @register_pass(

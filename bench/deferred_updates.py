@@ -17,11 +17,11 @@ step of each mode; the modes take turns, ``--steps`` timed steps each, ``--round
 machine's drift is shared alike). Per mode: the median step time and its IQR, CPU time per
 step (both threads), their ratios to ``none``. Usage::
 
-    python bench/pipeline.py                  # GPT 4 × 512, fused and torch, 4 rounds × 5 steps
-    python bench/pipeline.py --rounds 1 --steps 2 --layers 1 --kernels fused   # a smoke test
+    python bench/deferred_updates.py     # GPT 4 × 512, fused and torch, 4 rounds × 5 steps
+    python bench/deferred_updates.py --rounds 1 --steps 2 --layers 1 --kernels fused  # smoke
 
-Prints the table last; writes ``bench/results/pipeline-cpu-<date>.json`` (``--out``). Exits 1
-when next_forward's losses differ from none's.
+Prints the table last; writes ``bench/results/deferred_updates-cpu-<date>.json`` (``--out``).
+Exits 1 when next_forward's losses differ from none's.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows = [row for kernels in args.kernels for row in summarize(kernels, run_child(args, kernels))]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = args.out / f"pipeline-cpu-{stamp}.json"
+    path = args.out / f"deferred_updates-cpu-{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "out"}
     path.write_text(json.dumps({"config": config, "rows": rows}, indent=1) + "\n")

@@ -2,9 +2,9 @@
 (``offload.defer_updates``).
 
 Without it, a program ends with its offloaded units' host updates, and the next step waits for
-all of them: the host's update and the device's compute add up. A pipelined program instead
-*begins* with the update of the step before (the update a step computes is *carried* into the
-next), run on the host's worker thread (``stream=host``) while the device computes:
+all of them: the host's update and the device's compute add up. A program with deferred updates
+instead *begins* with the update of the step before (the update a step computes is *carried*
+into the next), run on the host's worker thread (``stream=host``) while the device computes:
 
 - the previous step's reduced gradients, clip coefficient, learning rate, step count and skip
   flag are read from host buffers (``host_buffer``, the same every step): the step copies its
@@ -23,8 +23,8 @@ next), run on the host's worker thread (``stream=host``) while the device comput
   the update, which the next step first uses: gradients one step stale.
 
 Stages 1-2 keep every unit's weights whole on every rank: the update's compute copy is this
-rank's shard of them, and an all-gather of the updated shards (the end of a step without a
-pipeline) follows the copy, carried with it. ``next_forward`` issues a unit's wait, copy and
+rank's shard of them, and an all-gather of the updated shards (the end of a step without
+deferred updates) follows the copy, carried with it. ``next_forward`` issues a unit's wait, copy and
 all-gather while the unit before it computes, and waits for the all-gather at the unit's first
 read; ``delayed`` waits for each all-gather at the step's end.
 
@@ -51,7 +51,8 @@ from zerocc.ir.ops import TO_HOST
 
 aten = torch.ops.aten
 
-# The carried scalars the runtime sets before each run of a pipelined program, with dtypes.
+# The carried scalars the runtime sets before each run of a program with deferred updates,
+# with dtypes.
 CARRIED_SKIP = "offload.carried.skip"  # 1.0: apply nothing
 CARRIED_STEP = "offload.carried.step"  # the carried update's AdamW step count
 CARRIED_LR = "offload.carried.lr"  # its learning rate

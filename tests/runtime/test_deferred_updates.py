@@ -23,13 +23,13 @@ SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
 FP32 = {"on_nonfinite": "skip"}  # (the plans' default precision is bf16 compute)
 
 
-def _plan(pipeline: str, optimizer: dict = ADAMW, stage: int = 3, **offload) -> dict:
+def _plan(deferral: str, optimizer: dict = ADAMW, stage: int = 3, **offload) -> dict:
     return {
         "zero": {"stage": stage},
         "units": {"classes": ["Block"]},
         "optimizer": optimizer,
         "precision": {"param": "bf16", "on_nonfinite": "skip"},
-        "offload": {"optimizer": "cpu", "defer_updates": pipeline, **offload},
+        "offload": {"optimizer": "cpu", "defer_updates": deferral, **offload},
     }
 
 
@@ -85,24 +85,24 @@ def test_next_forward_trains_bit_identically_to_the_plan_without_it(change, thre
     steps = {mode: _step(plan(mode)) for mode in ("none", "next_forward")}
     losses = {mode: _train(step, 0, len(SCALES)) for mode, step in steps.items()}
     assert losses["next_forward"] == losses["none"]
-    pipelined, plain = steps["next_forward"], steps["none"]
-    assert pipelined.summary()["skipped_steps"] == plain.summary()["skipped_steps"] == 1
-    assert pipelined.context.host.threaded is threaded
-    ours, theirs = pipelined.state_dict(), plain.state_dict()  # optimizer states too
+    deferred, plain = steps["next_forward"], steps["none"]
+    assert deferred.summary()["skipped_steps"] == plain.summary()["skipped_steps"] == 1
+    assert deferred.context.host.threaded is threaded
+    ours, theirs = deferred.state_dict(), plain.state_dict()  # optimizer states too
     assert set(ours) == set(theirs)
     for key, value in theirs.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(ours[key], value), key
     # Still bit-identical after the state_dict applied the update early: the next step skips it.
-    assert _train(pipelined, 3, 5) == _train(plain, 3, 5)
+    assert _train(deferred, 3, 5) == _train(plain, 3, 5)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("pipeline", ["next_forward", "delayed"])
-def test_an_evaluation_sees_the_carried_update_applied(pipeline, stage):
+@pytest.mark.parametrize("deferral", ["next_forward", "delayed"])
+def test_an_evaluation_sees_the_carried_update_applied(deferral, stage):
     """fp32 (losses to the last bit): what evaluate computes on is the model as trained so far,
     the last step's carried update included (the materialized model applies it too)."""
-    plan = {**_plan(pipeline, stage=stage), "precision": FP32}
+    plan = {**_plan(deferral, stage=stage), "precision": FP32}
     step = _step(plan)
     _train(step, 0, 2)
     x, y = _gpt_batch(9, 0)
@@ -113,11 +113,11 @@ def test_an_evaluation_sees_the_carried_update_applied(pipeline, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("pipeline", ["next_forward", "delayed"])
-def test_a_resumed_run_trains_as_the_run_that_saved(pipeline, stage, tmp_path):
+@pytest.mark.parametrize("deferral", ["next_forward", "delayed"])
+def test_a_resumed_run_trains_as_the_run_that_saved(deferral, stage, tmp_path):
     """A save applies the update in flight; a run loading that checkpoint goes on exactly as
     the one that saved it."""
-    plan = _plan(pipeline, stage=stage)
+    plan = _plan(deferral, stage=stage)
     saving = _step(plan)
     _train(saving, 0, 2)
     saving.save(tmp_path)

@@ -1,6 +1,6 @@
-"""offload.defer_updates, graph-level (zerocc/compiler/passes/offload_pipeline.py): where the
+"""offload.defer_updates, graph-level (zerocc/compiler/passes/deferred_updates.py): where the
 carried updates, their waits and their compute copies go. (Numbers:
-tests/test_offload_pipeline.py, tests/parity.)"""
+tests/runtime/test_deferred_updates.py, tests/parity.)"""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from torch import fx
 
 import zerocc
-from zerocc.compiler.passes.offload_pipeline import carried_program
+from zerocc.compiler.passes.deferred_updates import carried_program
 from zerocc.cost.simulate import simulate
 from zerocc.inspect.estimate import inspect_plan
 from zerocc.ir.access import StorageRoots
@@ -16,7 +16,7 @@ from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import PARAM_FULL, PARAM_SHARD, info, op_kind, op_name
 
 
-def _program(pipeline: str, stage: int = 3, world_size: int = 2) -> fx.GraphModule:
+def _program(deferral: str, stage: int = 3, world_size: int = 2) -> fx.GraphModule:
     plan = zerocc.load_plan(
         {
             "workload": "workload:workload",
@@ -25,7 +25,7 @@ def _program(pipeline: str, stage: int = 3, world_size: int = 2) -> fx.GraphModu
             "units": {"classes": ["Block"]},
             "precision": {"param": "bf16"},
             "optimizer": {"name": "adamw", "grad_clip": 1.0},
-            "offload": {"optimizer": "cpu", "defer_updates": pipeline},
+            "offload": {"optimizer": "cpu", "defer_updates": deferral},
         }
     )
     return inspect_plan(plan, world_size).stepping.gm
@@ -165,13 +165,13 @@ def test_on_one_rank_the_carried_copy_writes_the_weights_before_their_first_read
         assert units.before(units.back_wait[unit], reads[unit][0])
 
 
-@pytest.mark.parametrize("pipeline", ["next_forward", "delayed"])
+@pytest.mark.parametrize("deferral", ["next_forward", "delayed"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_carried_nodes_alone_apply_the_pending_update(pipeline, stage):
+def test_the_carried_nodes_alone_apply_the_pending_update(deferral, stage):
     """What a save or an evaluation runs first: the updates, their waits and compute copies;
     no collective under stage 3 (each rank writes its shard), the all-gathers of the updated
     shards under stages 1-2 (a collective: every caller of the drain is one)."""
-    gm = _program(pipeline, stage)
+    gm = _program(deferral, stage)
     drain = carried_program(gm)
     ops = {op_name(n.target) for n in drain.graph.nodes if n.op == "call_function"}
     collectives = [n for n in drain.graph.nodes if op_kind(n) is OpKind.COLLECTIVE]
