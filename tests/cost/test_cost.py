@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from zerocc.compiler.plan import load_plan
+from zerocc.cost.fit import nnls
 from zerocc.cost.model import (
     COLLECTIVE,
     COMPUTE,
@@ -22,7 +23,8 @@ from zerocc.cost.model import (
     rates_for,
 )
 from zerocc.errors import PlanError
-from zerocc.inspect.calibrate import fit_compute, fit_link, nnls
+from zerocc.inspect.calibrate import fit_compute
+from zerocc.inspect.link_rates import fit_link
 from zerocc.ir.nodes import tag
 
 aten = torch.ops.aten

@@ -4,8 +4,8 @@ An offload that defers its updates (``offload.defer_updates``) issues a unit's h
 goes on issuing the device's work; the program's ``host_wait`` for that update blocks until it
 is done. On a GPU machine the updates run on one worker thread, in the order issued, beside the
 thread that issues the device's work: the update kernels (torch's fused loops, the one-pass
-loop) release the GIL while they run. On a CPU-only machine the same cores compute both, so there is nothing
-to overlap: an update runs where it is issued, as the copy engine's copies do.
+loop) release the GIL while they run. On a CPU-only machine the same cores compute both, so
+there is nothing to overlap: an update runs where it is issued, as the copy engine's copies do.
 
 An update that raises re-raises at its ``host_wait``; :meth:`HostWorker.settle` waits out what
 a failed run left running, so that nothing writes the states after the failure is reported.
