@@ -338,14 +338,9 @@ def capture(
         return (loss.detach(), *grads)
 
     fake_mode = FakeTensorMode()
-    with traced_grad_mode(), fake_mode:  # parameters that require grad are no inference tensors
-        flat = [
-            torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
-            for p in info.params
-        ]
-        flat += [torch.empty(b.shape, dtype=b.dtype, device=device) for b in info.buffers]
-        flat += [fake_mode.from_tensor(batch[i]) for i in tensor_positions]
-        if casts.loss_scale and gradients:
+    flat = _fake_inputs(fake_mode, info, [batch[i] for i in tensor_positions], device)
+    if casts.loss_scale and gradients:
+        with traced_grad_mode(), fake_mode:
             flat.append(torch.empty((), dtype=torch.float32, device=device))
     try:
         with (
@@ -359,21 +354,42 @@ def capture(
     except CaptureError:
         raise
     except Exception as e:  # an error inside the user's model: say where it surfaced
-        hint = ""
-        if "DataDependent" in type(e).__name__:
-            hint = (
-                " (zerocc traces the step on fake tensors, without values: Python control "
-                "flow on a tensor's value, such as `if x.sum() > 0`, cannot be captured)"
-            )
-        raise CaptureError(
-            f"tracing the training step failed: {type(e).__name__}: {e}{hint}"
-        ) from e
+        raise _tracing_failed(e) from e
     finally:
         tracker.remove()
     gm.graph.eliminate_dead_code()
     _tag(gm, info, tensor_positions, casts.loss_scale and gradients)
     _cast_gradients_when_complete(gm)
     return gm  # its code is make_fx's: the pass manager recompiles its own result, once
+
+
+def _fake_inputs(
+    fake_mode: FakeTensorMode,
+    info: ModelInfo,
+    batch_tensors: list[torch.Tensor],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """The traced step's inputs on fake tensors: parameters (requiring grad as the model's
+    do), buffers, then the batch's tensors."""
+    with traced_grad_mode(), fake_mode:  # parameters that require grad are no inference tensors
+        flat = [
+            torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+            for p in info.params
+        ]
+        flat += [torch.empty(b.shape, dtype=b.dtype, device=device) for b in info.buffers]
+        flat += [fake_mode.from_tensor(t) for t in batch_tensors]
+    return flat
+
+
+def _tracing_failed(e: Exception) -> CaptureError:
+    """The CaptureError for an error raised inside the user's model while it was traced."""
+    hint = ""
+    if "DataDependent" in type(e).__name__:
+        hint = (
+            " (zerocc traces the step on fake tensors, without values: Python control "
+            "flow on a tensor's value, such as `if x.sum() > 0`, cannot be captured)"
+        )
+    return CaptureError(f"tracing the training step failed: {type(e).__name__}: {e}{hint}")
 
 
 def _cast_gradients_when_complete(gm: fx.GraphModule) -> None:

@@ -106,24 +106,11 @@ def optimizer(
     scale = 1.0 / (ctx.mesh.data_parallel * grad_accumulation)
     # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
     sliced = stage > 0 and ctx.mesh.data_parallel > 1
-    where = {"phase": "optimizer"}
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
-        coef, grads = None, [g for u in units for g in grad_shards[u.name]]
-        total = None
-        clip, tp = config.grad_clip is not None, ctx.tensor_parallel
-        if check_nonfinite:  # (the norm from the same read, unless tp ranks hold parts of it)
-            found_inf, total = _check_nonfinite(
-                graph, output, grads, scale, clip and tp is None, sliced, tp is not None
-            )
-        if clip and tp is not None:
-            total = _split_norm(graph, units, grad_shards, scale, tp, stage, sliced)
-        elif clip and total is None:
-            total = emit(graph, op("sum_squares"), (grads, scale), **where)
-            if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
-                total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
-        if clip:
-            coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
+        checks = _Checks(graph, output, units, grad_shards, scale, sliced, ctx.tensor_parallel)
+        coef, checked_inf = checks.emit(config.grad_clip, stage, check_nonfinite)
+        found_inf = checked_inf if checked_inf is not None else found_inf
         for u in units:
             param = by_role[PARAM_SHARD].get(u.name, by_role[PARAM_FULL].get(u.name))
             # Mixed precision: update the master weights, write their compute-dtype copy.
@@ -137,27 +124,69 @@ def optimizer(
                 update = _Update(tensors[0], grad, tensors[1:-1], tensors[-1])
                 _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, stage)
             if stage in (1, 2) and ctx.mesh.data_parallel > 1:
-                full = by_role[PARAM_FULL][u.name]
-                emit_collective(
-                    graph,
-                    op("all_gather_into_start"),
-                    op("wait"),
-                    (full, param, DP_GROUP),
-                    nbytes=u.padded_numel * val(full).dtype.itemsize,
-                    unit=u.name,
-                    note=f"all-gather {u.name}'s updated shards",
-                    **where,
-                )
+                _gather_updated(graph, u, by_role[PARAM_FULL][u.name], param)
             if u.name in by_role[GRAD]:
                 emit(
                     graph,
                     torch.ops.aten.zero_.default,
                     (by_role[GRAD][u.name],),
                     unit=u.name,
+                    phase="optimizer",
                     note="reset the gradient accumulator",
-                    **where,
                 )
     return gm
+
+
+@dataclass
+class _Checks:
+    """The step's checks of its gradients before the updates: the non-finite check and the
+    squared norm that clipping scales by, read together where they can be."""
+
+    graph: fx.Graph
+    output: fx.Node
+    units: list[Unit]
+    grad_shards: dict[str, list[fx.Node]]
+    scale: float
+    sliced: bool  # ranks hold slices of the gradient (stages 1-3): checks sum over ranks
+    tp: TensorParallel | None
+
+    def emit(
+        self, grad_clip: float | None, stage: int, check_nonfinite: bool
+    ) -> tuple[fx.Node | None, fx.Node | None]:
+        """(the clip coefficient, the non-finite flag): None for what the plan does not ask."""
+        graph, where = self.graph, {"phase": "optimizer"}
+        grads = [g for u in self.units for g in self.grad_shards[u.name]]
+        clip, tp = grad_clip is not None, self.tp
+        total = found_inf = None
+        if check_nonfinite:  # (the norm from the same read, unless tp ranks hold parts of it)
+            found_inf, total = _check_nonfinite(
+                graph, self.output, grads, self.scale, clip and tp is None, self.sliced,
+                tp is not None,
+            )  # fmt: skip
+        if clip and tp is not None:
+            total = _split_norm(
+                graph, self.units, self.grad_shards, self.scale, tp, stage, self.sliced
+            )
+        elif clip and total is None:
+            total = emit(graph, op("sum_squares"), (grads, self.scale), **where)
+            if self.sliced:  # each rank holds a slice of the gradient: sum squares over ranks
+                total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
+        coef = emit(graph, op("clip_coef"), (total, grad_clip), **where) if clip else None
+        return coef, found_inf
+
+
+def _gather_updated(graph: fx.Graph, unit: Unit, full: fx.Node, shard: fx.Node) -> None:
+    """Stages 1-2: all-gather the unit's updated shards into its whole parameters."""
+    emit_collective(
+        graph,
+        op("all_gather_into_start"),
+        op("wait"),
+        (full, shard, DP_GROUP),
+        nbytes=unit.padded_numel * val(full).dtype.itemsize,
+        unit=unit.name,
+        note=f"all-gather {unit.name}'s updated shards",
+        phase="optimizer",
+    )
 
 
 @dataclass
