@@ -62,20 +62,16 @@ class _StopRequest:
 def _train_steps(
     plan: Plan, steps: int, rank: int, world_size: int, closing: contextlib.ExitStack
 ) -> int:
-    from tqdm import tqdm
-
+    """Compile the workload, resume where the plan says, train up to ``steps`` optimizer
+    steps (fewer when the data runs out or SIGTERM stops the run) and report on rank 0."""
     import zerocc
     from zerocc.compiler.workload import load_workload
-    from zerocc.cost.memory import model_state_bytes_of, predict_memory
-    from zerocc.runtime.rank import to_device
 
     workload = load_workload(plan)
     step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
     closing.callback(step.comm.close)
-    device = step.device  # this rank's: cuda:LOCAL_RANK or cpu
-    checkpoint = plan.checkpoint
-    if checkpoint.resume:
-        _resume(step, checkpoint.resume, rank)
+    if plan.checkpoint.resume:
+        _resume(step, plan.checkpoint.resume, rank)
     accum = plan.grad_accumulation
     done = step.micro_batches  # micro-batches before this run (those of a resumed checkpoint)
     wanted = steps * accum  # --steps counts optimizer steps, each of `accum` micro-batches
@@ -84,72 +80,116 @@ def _train_steps(
             print(f"the checkpoint is at optimizer step {done // accum}, --steps is {steps}: "
                   "nothing to train")  # fmt: skip
         return 0
-    # The ranks of a tensor-parallel group train on one batch: batches go by data-parallel rank.
-    data_rank, data_ranks = step.data_rank, step.data_parallel
-    batches = _batches_from(workload.batches(data_rank, data_ranks), done, data_rank, data_ranks)
+    run = _Run(step, plan, workload, rank)
+    run.first_micro_batch()
+    run.train(steps, wanted - done)
+    if rank == 0:
+        run.report(world_size)
+    return 0
 
-    def next_batch() -> tuple | None:
+
+class _Run:
+    """One rank's training run from its first micro-batch on: the batches (by data-parallel
+    rank: the ranks of a tensor-parallel group train on one batch), the metrics, the saves."""
+
+    def __init__(self, step, plan: Plan, workload, rank: int) -> None:
+        self.step, self.plan, self.rank = step, plan, rank
+        self.accum = plan.grad_accumulation
+        data_rank, data_ranks = step.data_rank, step.data_parallel
+        self.where = f"{plan.workload}: batches({data_rank}, {data_ranks})"
+        self.done = step.micro_batches  # before this run (those of a resumed checkpoint)
+        self.batches = _batches_from(
+            workload.batches(data_rank, data_ranks), self.done, data_rank, data_ranks
+        )
+        self.stop = _StopRequest(enabled=plan.checkpoint.dir is not None)
+        self.saver = _Saver(step, plan)
+        self.metrics = Metrics(step, plan, workload, rank)
+        self.lr = step.lr  # the rate of the optimizer step the next micro-batches make
+        self.ran = self.total = 0  # micro-batches run, and to run
+        self.stopped = False
+        self.started = self.first_done = 0.0
+
+    def next_batch(self) -> tuple | None:
         """This rank's next batch; None once every rank has run out at this step (a rank
         that runs out while others go on stops them all: DataExhaustedError)."""
-        batch = next(batches, None)
+        batch = next(self.batches, None)
         if batch is None:
-            step.end_of_data()
+            self.step.end_of_data()
         return batch
 
-    first = next_batch()
-    if first is None:
-        raise ZeroccError(f"{plan.workload}: batches({data_rank}, {data_ranks}) yielded no batch")
-    stop = _StopRequest(enabled=checkpoint.dir is not None)
-    saver = _Saver(step, plan)
-    metrics = Metrics(step, plan, workload, rank)
-    started = time.perf_counter()
-    lr = step.lr  # the rate of the optimizer step the next micro-batches make
-    loss = float(step(*to_device(first, device)))  # captures and compiles
-    first_done = time.perf_counter()
-    metrics.micro_batch(loss, first)
-    metrics.start_clock()
-    timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    report(predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks)
-    if rank == 0:
-        print(step.explain(), flush=True)  # explains the program the first step built
-    total, ran = wanted - done, 1  # micro-batches
-    bar = {"desc": "train", "unit": "step", "disable": rank != 0}
-    with tqdm(total=steps, initial=done // accum, **bar) as progress:
+    def first_micro_batch(self) -> None:
+        """Run the first micro-batch (it captures and compiles), report the predicted peak to
+        the launcher, and print on rank 0 what the compiler did."""
+        from zerocc.cost.memory import model_state_bytes_of, predict_memory
 
-        def after_micro_batch() -> bool:
-            """Records and saves where a step ended; whether the run must stop (SIGTERM)."""
-            nonlocal lr
-            if step.micro_batches % accum:
-                return False
-            progress.update()
-            record = metrics.after_step(lr)
-            if record is not None:
-                progress.set_postfix(progress_text(record), refresh=False)
-            lr = step.lr
-            return saver.after_step(stop)
+        first = self.next_batch()
+        if first is None:
+            raise ZeroccError(f"{self.where} yielded no batch")
+        self.started = time.perf_counter()
+        self._run(first)
+        self.first_done = time.perf_counter()
+        self.metrics.start_clock()
+        step = self.step
+        timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        report(
+            predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks
+        )
+        if self.rank == 0:
+            print(step.explain(), flush=True)  # explains the program the first step built
 
-        stopped = after_micro_batch()
-        while not stopped and ran < total and (batch := next_batch()) is not None:
-            loss = float(step(*to_device(batch, device)))
-            metrics.micro_batch(loss, batch)
-            ran += 1
-            stopped = after_micro_batch()
-    metrics.finish(lr)
-    metrics.close()
-    if not stopped:
-        saver.final()
-    if rank == 0:
-        if stopped:
+    def train(self, steps: int, total: int) -> None:
+        """Run micro-batches until ``total`` have run (the first included), the data runs out
+        or SIGTERM stops the run; save where the plan says."""
+        from tqdm import tqdm
+
+        self.total = total
+        bar = {"desc": "train", "unit": "step", "disable": self.rank != 0}
+        with tqdm(total=steps, initial=self.done // self.accum, **bar) as progress:
+            self.stopped = self._after_micro_batch(progress)
+            while (
+                not self.stopped and self.ran < total and (batch := self.next_batch()) is not None
+            ):
+                self._run(batch)
+                self.stopped = self._after_micro_batch(progress)
+        self.metrics.finish(self.lr)
+        self.metrics.close()
+        if not self.stopped:
+            self.saver.final()
+
+    def _run(self, batch: tuple) -> None:
+        from zerocc.runtime.rank import to_device
+
+        loss = float(self.step(*to_device(batch, self.step.device)))
+        self.metrics.micro_batch(loss, batch)
+        self.ran += 1
+
+    def _after_micro_batch(self, progress) -> bool:
+        """Records and saves where a step ended; whether the run must stop (SIGTERM)."""
+        if self.step.micro_batches % self.accum:
+            return False
+        progress.update()
+        record = self.metrics.after_step(self.lr)
+        if record is not None:
+            progress.set_postfix(progress_text(record), refresh=False)
+        self.lr = self.step.lr
+        return self.saver.after_step(self.stop)
+
+    def report(self, world_size: int) -> None:
+        """Rank 0's lines after the run: why it ended, the summary, the eval loss, where the
+        checkpoint and the dumps are."""
+        step, saver, ran, accum = self.step, self.saver, self.ran, self.accum
+        if self.stopped:
             print(f"stopped by SIGTERM after micro-batch {step.micro_batches}: {saver.last}; "
-                  f"go on with --resume {checkpoint.dir}")  # fmt: skip
-        elif ran < total:
+                  f"go on with --resume {self.plan.checkpoint.dir}")  # fmt: skip
+        elif ran < self.total:
             print(f"the data ran out on every rank after {_counted(ran, accum)}")
-        _print_summary(step.summary(), ran, accum, metrics.last, started, first_done, world_size)
-        if metrics.last_eval is not None:
-            at, value = metrics.last_eval
+        last = self.metrics.last
+        _print_summary(step.summary(), ran, accum, last, self.started, self.first_done, world_size)
+        if self.metrics.last_eval is not None:
+            at, value = self.metrics.last_eval
             print(f"eval loss after step {at} (mean over the held-back batches): {value:.4f}")
-        if saver.last is not None and not stopped:
+        if saver.last is not None and not self.stopped:
             print(f"checkpoint: {saver.last}")
         if step.dump_dir is not None:
             print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
@@ -157,7 +197,6 @@ def _train_steps(
                 from zerocc.inspect.dot import GRAPHVIZ_HINT
 
                 print(f"  {GRAPHVIZ_HINT}")
-    return 0
 
 
 def _resume(step, path: str, rank: int) -> None:
