@@ -202,7 +202,7 @@ def test_offloaded_gradients_leave_the_gpu_as_they_go():
     """``offload.grads: cpu`` on one GPU: each gradient leaves the GPU once copied to the host
     (checked for inf/NaN once complete, at most three in flight), so a step's peak is below
     that of ``grads: device``, which keeps every one to the optimizer phase, by the gradients
-    of all but three blocks (as tests/test_offload.py's estimate predicts)."""
+    of all but three blocks (as tests/runtime/test_offload.py's estimate predicts)."""
     from workload import workload
 
     import zerocc

@@ -1,6 +1,6 @@
 """The offload pass (zerocc/compiler/passes/offload.py), graph-level: the units ``offload.ratio``
 places off the device have their optimizer states read from and written back to NVMe around
-their update, and no other unit does. (Parity and measured bytes: tests/test_offload.py,
+their update, and no other unit does. (Parity and measured bytes: tests/runtime/test_offload.py,
 tests/parity.)"""
 
 from __future__ import annotations
