@@ -285,7 +285,7 @@ def held_gradients_line(
 
 
 # What ``offload.defer_updates`` does to a step, as explain() says it.
-PIPELINE_LINES = {
+DEFERRED_UPDATE_LINES = {
     "next_forward": [
         "  host updates carried into the next step (offload.defer_updates: next_forward): each "
         "runs beside the next forward, waited for before its unit's weights are first read; same "
@@ -320,7 +320,7 @@ def offload_lines(step: StepRecord) -> list[str]:
     lines = [
         f"offload: optimizer {step.plan.offload.optimizer}, params {step.plan.offload.params}, "
         f"{len(offloaded)} of {len(step.units)} units (ratio {step.plan.offload.ratio:g})",
-        *PIPELINE_LINES.get(step.plan.offload.defer_updates, []),
+        *DEFERRED_UPDATE_LINES.get(step.plan.offload.defer_updates, []),
         *([_grads_line(step.plan.offload)] if step.plan.offload.optimizer != "none" else []),
         f"where the model states live{'':<2}" + "".join(f"{w:>12}" for w in LOCATIONS),
     ]

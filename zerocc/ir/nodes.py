@@ -48,8 +48,8 @@ class NodeInfo:
     span: tuple[int, int] | None = None
     note: str | None = None  # why the node is here, in words, for the printed program
     pool: str | None = None  # "host": the result lives in host memory, not on the device
-    # Pipelined offload: the node applies the previous step's update (the update, its inputs'
-    # host buffers, the copy of its result), which a program may run on its own (a drain).
+    # Deferred updates (offload): the node applies the previous step's update (the update, its
+    # inputs' host buffers, the copy of its result), which a program may run on its own.
     carried: bool = False
 
 
