@@ -15,8 +15,8 @@ from multirank import run_ranks
 from torch import nn
 
 import zerocc
-from zerocc.compiler.mesh import Mesh
-from zerocc.compiler.tensor_parallel import Split
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.parallel.tensor_parallel import Split
 from zerocc.errors import PlanError, RankMismatchError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import info, op_name

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from zerocc.compiler.driver.pass_manager import PassRecord
-from zerocc.compiler.mesh import mesh_lines
+from zerocc.compiler.parallel.mesh import mesh_lines
 from zerocc.compiler.plan import OffloadConfig, Plan, load_plan
 from zerocc.cost.model import RATE_FIELDS, DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation

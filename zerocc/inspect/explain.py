@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from zerocc.compiler.mesh import mesh_lines
+from zerocc.compiler.parallel.mesh import mesh_lines
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
     DEVICE,

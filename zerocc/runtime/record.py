@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from zerocc.compiler.driver.pass_manager import PassRecord
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import DEVICE, StateLayout
 from zerocc.compiler.units import Unit

@@ -21,11 +21,11 @@ from torch import nn
 from zerocc.compiler.capture import LossFn, ModelInfo, describe_model
 from zerocc.compiler.driver.pass_manager import PassList, bind_passes, state_layout
 from zerocc.compiler.driver.program import CompiledProgram, compile_program
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
-from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.compiler.pass_spec import PassContext
 from zerocc.compiler.passes.param_uses import ParamUses
+from zerocc.compiler.passes.spec import PassContext
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
 from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, op

@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.passes.offload_pipeline import carry_updates
+from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
     DEVICE,

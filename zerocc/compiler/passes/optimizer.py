@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel
+from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OptimizerConfig
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
-from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import (
     FOUND_INF,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.compiler.state import Dtypes, declare_params
 from zerocc.errors import InvariantError

@@ -38,9 +38,9 @@ from torch import fx
 
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.names import glob_matches
-from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.passes.gradients import Gradients, flat_view, unit_collective
 from zerocc.compiler.passes.param_uses import ParamUses, analyze
+from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import DEVICE, declare_params, placements
 from zerocc.compiler.units import Unit

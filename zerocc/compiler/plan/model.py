@@ -30,14 +30,14 @@ from pydantic import (
     model_validator,
 )
 
-from zerocc.compiler.deepspeed_config import (
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.plan.deepspeed.config import (
     is_deepspeed_config,
     plan_from_deepspeed,
     read_json,
 )
-from zerocc.compiler.mesh import Mesh
-from zerocc.compiler.plan_messages import describe_error, invalid_plan, plan_origin, show
-from zerocc.compiler.plan_yaml import PlanDataError, check_shape, load_yaml
+from zerocc.compiler.plan.messages import describe_error, invalid_plan, plan_origin, show
+from zerocc.compiler.plan.yaml_file import PlanDataError, check_shape, load_yaml
 from zerocc.errors import PlanError, PlanWarning, RenamedFieldWarning
 
 _WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -1181,7 +1181,7 @@ class Plan(_Section):
 def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
     """Load and validate a plan from a YAML file path, a dict, or a Plan (returned as is).
     A DeepSpeed config (a ``.json`` file or a dict with DeepSpeed's keys) is converted
-    (:mod:`zerocc.compiler.deepspeed_config`; an option zerocc does not support is an error).
+    (:mod:`zerocc.compiler.plan.deepspeed.config`; an option zerocc does not support is an error).
 
     Raises PlanError, naming the file, the YAML path of each bad field, the value and what is
     allowed, for a missing file, bad YAML (a key given twice included), a non-mapping document,
