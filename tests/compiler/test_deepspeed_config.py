@@ -21,7 +21,7 @@ import torch
 from models import build, entry
 
 import zerocc
-from zerocc.compiler.plan.deepspeed.config import convert
+from zerocc.compiler.plan.deepspeed import convert
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "deepspeed"
 CONVERTIBLE = sorted(p.name for p in FIXTURES.glob("*.json") if p.name != "unsupported.json")

@@ -219,7 +219,7 @@ def _plan_import(args: argparse.Namespace) -> int:
     converts (exit 1, listing them, when some are not supported)."""
     import yaml
 
-    from zerocc.compiler.plan.deepspeed.config import convert, read_json
+    from zerocc.compiler.plan.deepspeed import convert, read_json
     from zerocc.compiler.plan.messages import plan_origin
 
     config = read_json(Path(args.config), plan_origin(args.config))

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.cost.model import (
     COMPUTE,
@@ -565,7 +566,12 @@ def calibrate(
     programs = step.record().programs
     states = model_state_bytes_of(step.layout)
     predicted = predict_step(
-        programs, k, rates, comm.world_size, model_states=states, mesh=plan.mesh(comm.world_size)
+        programs,
+        k,
+        rates,
+        comm.world_size,
+        model_states=states,
+        mesh=Mesh.of_plan(plan, comm.world_size),
     )
     measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3
     measured = {

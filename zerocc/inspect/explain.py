@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from zerocc.compiler.parallel.mesh import mesh_lines
+from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
     DEVICE,
@@ -41,7 +41,7 @@ def formula_bytes(step: StepRecord, location: str = DEVICE) -> dict[str, float]:
 def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) -> dict[str, float]:
     """:func:`formula_bytes` of ``plan`` for ``units`` on ``n`` ranks."""
     stage = plan.zero.stage
-    n = plan.mesh(n).shard_size  # the ranks a unit is sharded over
+    n = Mesh.of_plan(plan, n).shard_size  # the ranks a unit is sharded over
     states = len(optimizer_states(plan.optimizer))
     where = placements(units, plan.offload)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}

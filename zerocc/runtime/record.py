@@ -52,7 +52,7 @@ class StepRecord:
     @property
     def mesh(self) -> Mesh:
         """The ranks' layout (hybrid sharding, tensor parallelism)."""
-        return self.plan.mesh(self.world_size)
+        return Mesh.of_plan(self.plan, self.world_size)
 
     @property
     def model_state_bytes(self) -> dict[str, int]:

@@ -52,7 +52,7 @@ class CompileSession:
         """The session of ``model`` under ``plan`` on ``world_size`` ranks; raises PlanError
         for a mesh the world cannot take, layers it cannot split, passes it cannot run in
         order, or units it cannot form."""
-        mesh = plan.mesh(world_size)
+        mesh = Mesh.of_plan(plan, world_size)
         full = describe_model(model)
         tp = TensorParallel.of(model, full, plan)
         model_info = tp.local_info(full) if tp is not None else full

@@ -125,4 +125,4 @@ class PassContext:
     def mesh(self) -> Mesh:
         """The ranks' layout: the groups units are sharded over, replicated across and
         splitting layers."""
-        return self.plan.mesh(self.world_size)
+        return Mesh.of_plan(self.plan, self.world_size)
