@@ -260,7 +260,7 @@ def _host_memory_line(plan: Plan, e: Estimate) -> str:
 
 def _estimate_text(plan: Plan, e: Estimate) -> str:
     p = plan.precision
-    grads = p.reduce if e.stage <= 1 else (p.grad or p.master)
+    grads = p.kept_gradient(plan.zero)  # e is the estimate of this plan
     lines = [
         f"{plan.source or 'plan'}: ZeRO stage {e.stage}, {e.world_size} ranks, "
         f"compute {p.param}, reduce {p.reduce}, master {p.master}, grads {grads}",

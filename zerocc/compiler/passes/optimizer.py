@@ -28,7 +28,7 @@ from torch import fx
 
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.passes.spec import PassContext, register_pass
-from zerocc.compiler.plan import OptimizerConfig
+from zerocc.compiler.plan import OptimizerConfig, ZeroConfig
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import (
@@ -58,7 +58,7 @@ aten = torch.ops.aten
     provides=("optimizer_update",),
     options=lambda plan: {
         "config": plan.optimizer,
-        "stage": plan.zero.stage,
+        "zero": plan.zero,
         "grad_accumulation": plan.grad_accumulation,
         "check_nonfinite": plan.precision.scaling == "none",
     },
@@ -69,7 +69,7 @@ def optimizer(
     ctx: PassContext,
     *,
     config: OptimizerConfig,
-    stage: int,
+    zero: ZeroConfig,
     grad_accumulation: int,
     check_nonfinite: bool,
 ) -> fx.GraphModule:
@@ -105,7 +105,7 @@ def optimizer(
     lr = state_placeholder(graph, layout.get(LR_SPEC.key), like)  # the schedule's, per step
     scale = 1.0 / (ctx.mesh.data_parallel * grad_accumulation)
     # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
-    sliced = stage > 0 and ctx.mesh.data_parallel > 1
+    sliced = zero.shards_optimizer and ctx.mesh.data_parallel > 1
     where = {"phase": "optimizer"}
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
@@ -117,7 +117,7 @@ def optimizer(
                 graph, output, grads, scale, clip and tp is None, sliced, tp is not None
             )
         if clip and tp is not None:
-            total = _split_norm(graph, units, grad_shards, scale, tp, stage, sliced)
+            total = _split_norm(graph, units, grad_shards, scale, tp, zero, sliced)
         elif clip and total is None:
             total = emit(graph, op("sum_squares"), (grads, scale), **where)
             if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
@@ -135,8 +135,8 @@ def optimizer(
                 if span is not None:  # one parameter's gradient: update its slice of the flat
                     tensors = [_slice(graph, t, span, u.name) for t in tensors]
                 update = _Update(tensors[0], grad, tensors[1:-1], tensors[-1])
-                _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, stage)
-            if stage in (1, 2) and ctx.mesh.data_parallel > 1:
+                _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, zero)
+            if zero.shards_optimizer and not zero.shards_params and ctx.mesh.data_parallel > 1:
                 full = by_role[PARAM_FULL][u.name]
                 emit_collective(
                     graph,
@@ -190,7 +190,7 @@ def _emit_update(
     coef: fx.Node | None,
     found_inf: fx.Node | None,
     scale: float,
-    stage: int,
+    zero: ZeroConfig,
 ) -> None:
     """One ``adamw_`` / ``sgd_`` of a flat shard (or of one parameter's slice of it)."""
     skip = list(info(update.grad).no_grad)
@@ -213,7 +213,7 @@ def _emit_update(
             config.eps,
             config.weight_decay,
             skip,
-            stage > 0,
+            zero.shards_optimizer,
         )
         emit(graph, op("adamw_"), args, **where)
     else:
@@ -230,7 +230,7 @@ def _emit_update(
             config.momentum,
             config.weight_decay,
             skip,
-            stage > 0,
+            zero.shards_optimizer,
         )
         emit(graph, op("sgd_"), args, **where)
 
@@ -255,7 +255,7 @@ def _split_norm(
     grad_shards: dict[str, list[fx.Node]],
     scale: float,
     tp: TensorParallel,
-    stage: int,
+    zero: ZeroConfig,
     sliced: bool,
 ) -> fx.Node:
     """The squared gradient norm under tensor parallelism: each rank's part, in which the
@@ -271,7 +271,7 @@ def _split_norm(
             else:  # one parameter's gradient
                 param = next(p for p in u.params if p.offset == span[0])
                 shared = [] if param.fqn in tp.splits else [0, span[1]]
-            args = (grad, scale, shared, tp.parts, stage > 0)
+            args = (grad, scale, shared, tp.parts, zero.shards_optimizer)
             parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
     total = parts[0]
     for part in parts[1:]:

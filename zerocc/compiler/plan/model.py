@@ -193,7 +193,7 @@ class Plan(Section):
     @model_validator(mode="after")
     def _keep_gathered_is_stage_3(self) -> Plan:
         units = self.units
-        if self.zero.stage != 3 and (units.keep_gathered or units.keep_gathered_below_mb):
+        if not self.zero.shards_params and (units.keep_gathered or units.keep_gathered_below_mb):
             raise ValueError(
                 f"units.keep_gathered applies to stage 3 only: stage {self.zero.stage} keeps "
                 "every parameter resident; drop it or set zero.stage: 3"
@@ -203,12 +203,12 @@ class Plan(Section):
     @model_validator(mode="after")
     def _offload_fits_the_stage(self) -> Plan:
         offload, stage = self.offload, self.zero.stage
-        if offload.optimizer != "none" and stage == 0:
+        if offload.optimizer != "none" and not self.zero.shards_optimizer:
             raise ValueError(
                 f"offload.optimizer: {offload.optimizer} needs a sharded optimizer (zero.stage "
                 "1, 2 or 3); stage 0 keeps every optimizer state on every rank"
             )
-        if offload.params != "none" and stage != 3:
+        if offload.params != "none" and not self.zero.shards_params:
             raise ValueError(
                 f"offload.params: {offload.params} needs zero.stage: 3 (stage {stage} keeps "
                 "every parameter resident on the device)"

@@ -29,9 +29,27 @@ class ZeroConfig(Section):
         "them (stages 1-3; 1: shard over every rank)",
     )
 
+    @property
+    def shards_optimizer(self) -> bool:
+        """Stages 1-3: each rank updates its shard of every unit, and holds only the shard's
+        optimizer states and master weights (stage 0: every rank updates the whole unit)."""
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Stages 2-3: gradients are reduce-scattered and each rank keeps its shard of them
+        (stages 0-1: the whole gradient, all-reduced in place)."""
+        return self.stage >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        """Stage 3: each rank holds its shard of the parameters between their all-gathers
+        (stages 0-2: every parameter resident)."""
+        return self.stage == 3
+
     @model_validator(mode="after")
     def _replicas_are_sharded(self) -> ZeroConfig:
-        if self.replicate > 1 and self.stage == 0:
+        if self.replicate > 1 and not self.shards_optimizer:
             raise ValueError(
                 f"replicate: {self.replicate} replicates shard groups, but stage 0 shards "
                 "nothing (every rank is a replica already); set zero.stage: 1, 2 or 3"

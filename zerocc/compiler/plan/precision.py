@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from zerocc.compiler.plan.base import FP32_TINY, Section
 from zerocc.compiler.plan.messages import show
+from zerocc.compiler.plan.parallelism import ZeroConfig
 from zerocc.errors import PlanWarning
 
 # The largest loss scale: Megatron-LM's initial 2^32 is the largest used in practice; above it
@@ -183,6 +184,12 @@ class PrecisionConfig(Section):
             self.output,
         )
         return any(d != "fp32" for d in dtypes) or self.scaling != "none"
+
+    def kept_gradient(self, zero: ZeroConfig) -> Dtype:
+        """The dtype gradients are kept in for the update (and accumulated in): ``reduce``'s,
+        the full gradient a collective reduces in place (stages 0-1), or ``grad``'s for the
+        gradient shards (stages 2-3; master's when unset)."""
+        return (self.grad or self.master) if zero.shards_gradients else self.reduce
 
     def dtype(self, field: str) -> torch.dtype:
         """The torch dtype of ``field`` (``buffers`` resolved to ``param`` when unset, ``grad``
