@@ -31,6 +31,7 @@ from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OptimizerConfig, ZeroConfig
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
 from zerocc.compiler.units import Unit
+from zerocc.ir.kinds import Role
 from zerocc.ir.nodes import (
     FOUND_INF,
     GRAD,
@@ -136,28 +137,42 @@ def optimizer(
                     tensors = [_slice(graph, t, span, u.name) for t in tensors]
                 update = _Update(tensors[0], grad, tensors[1:-1], tensors[-1])
                 _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, zero)
-            if zero.shards_optimizer and not zero.shards_params and ctx.mesh.data_parallel > 1:
-                full = by_role[PARAM_FULL][u.name]
-                emit_collective(
-                    graph,
-                    op("all_gather_into_start"),
-                    op("wait"),
-                    (full, param, DP_GROUP),
-                    nbytes=u.padded_numel * val(full).dtype.itemsize,
-                    unit=u.name,
-                    note=f"all-gather {u.name}'s updated shards",
-                    **where,
-                )
-            if u.name in by_role[GRAD]:
-                emit(
-                    graph,
-                    torch.ops.aten.zero_.default,
-                    (by_role[GRAD][u.name],),
-                    unit=u.name,
-                    note="reset the gradient accumulator",
-                    **where,
-                )
+            _after_update(graph, ctx, zero, u, param, by_role)
     return gm
+
+
+def _after_update(
+    graph: fx.Graph,
+    ctx: PassContext,
+    zero: ZeroConfig,
+    unit: Unit,
+    param: fx.Node,
+    by_role: dict[Role, dict[str, fx.Node]],
+) -> None:
+    """After a unit's update: (stages 1-2) all-gather its updated shards into the full
+    parameter every rank computes with; reset its gradient accumulator, if it has one."""
+    where = {"phase": "optimizer"}
+    if zero.shards_optimizer and not zero.shards_params and ctx.mesh.data_parallel > 1:
+        full = by_role[PARAM_FULL][unit.name]
+        emit_collective(
+            graph,
+            op("all_gather_into_start"),
+            op("wait"),
+            (full, param, DP_GROUP),
+            nbytes=unit.padded_numel * val(full).dtype.itemsize,
+            unit=unit.name,
+            note=f"all-gather {unit.name}'s updated shards",
+            **where,
+        )
+    if unit.name in by_role[GRAD]:
+        emit(
+            graph,
+            torch.ops.aten.zero_.default,
+            (by_role[GRAD][unit.name],),
+            unit=unit.name,
+            note="reset the gradient accumulator",
+            **where,
+        )
 
 
 @dataclass
