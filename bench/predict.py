@@ -79,7 +79,8 @@ def case_rank(rank: int, cfg: BenchConfig, case: Case, port: int, steps: int, ou
     import torch.distributed as dist
 
     from zerocc.cost.timeline import exposed_us
-    from zerocc.inspect.calibrate import calibrate, slowest
+    from zerocc.inspect.calibrate import calibrate
+    from zerocc.inspect.link_rates import slowest
 
     dist.init_process_group("gloo")
     offload, recompute = VARIANTS[case.variant] if case.variant else (None, None)

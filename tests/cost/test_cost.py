@@ -22,7 +22,8 @@ from zerocc.cost.model import (
     rates_for,
 )
 from zerocc.errors import PlanError
-from zerocc.inspect.calibrate import fit_compute, fit_link, nnls
+from zerocc.inspect.calibrate import fit_compute
+from zerocc.inspect.link_rates import fit_link, nnls
 from zerocc.ir.nodes import tag
 
 aten = torch.ops.aten

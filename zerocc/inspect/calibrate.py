@@ -25,7 +25,7 @@ compiled and warmed up, then:
    :mod:`zerocc.cost.model` (latency per hop, link bandwidth; relative errors, so that small and
    large messages count alike), over all kinds and per kind;
 4. **overlap**: a transfer and matmuls timed alone and together give the share of a transfer
-   that runs alongside compute (:func:`measure_overlap`);
+   that runs alongside compute (:func:`~zerocc.inspect.link_rates.measure_overlap`);
 5. **offload** (a plan that offloads its optimizer, on a GPU): the host's update and the copies
    between host and device (:mod:`zerocc.inspect.host_rates`).
 
@@ -37,7 +37,6 @@ the median step and the simulator's prediction of it with the fitted rates) with
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import statistics
 import time
@@ -59,20 +58,23 @@ from zerocc.cost.model import (
     DeviceRates,
     NodeWork,
     node_work,
-    ring_hops,
 )
 from zerocc.engine.comm import Comm, Work
 from zerocc.inspect.host_rates import host_link_rate, host_update_rate
+from zerocc.inspect.link_rates import (
+    fit_link,
+    measure_overlap,
+    nnls,
+    slowest,
+    synchronize,
+    time_collectives,
+)
 from zerocc.runtime.measure import ProfiledRun
 from zerocc.runtime.rank import to_device
 
 if TYPE_CHECKING:
     from zerocc.backends import Executable
     from zerocc.runtime.step import StepRunner as TrainStep
-
-MESSAGE_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)  # per rank
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def default_output(plan_path: str | os.PathLike[str]) -> Path:
@@ -133,31 +135,6 @@ class Calibration:
 
 
 # --- least squares ------------------------------------------------------------------------------
-
-
-def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
-    """Non-negative least squares, exactly, for the few columns the fits have: the best of the
-    unconstrained solutions over every subset of columns whose coefficients are all >= 0."""
-    import numpy as np
-
-    a, b = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
-    columns = a.shape[1]
-    best, best_residual = [0.0] * columns, float(np.sum(b * b))
-    for size in range(1, columns + 1):
-        for subset in itertools.combinations(range(columns), size):
-            sub = a[:, subset]
-            if not np.any(sub):
-                continue
-            coef, *_ = np.linalg.lstsq(sub, b, rcond=None)
-            if np.any(coef < 0):
-                continue
-            residual = float(np.sum((sub @ coef - b) ** 2))
-            if residual < best_residual:
-                best_residual = residual
-                best = [0.0] * columns
-                for i, c in zip(subset, coef, strict=True):
-                    best[i] = float(c)
-    return best
 
 
 # --- compute ------------------------------------------------------------------------------------
@@ -245,168 +222,6 @@ def eager_overhead(runs: Sequence[EagerRun], rates: DeviceRates) -> float | None
     return min(max(0.0, min(per_op)), rates.overhead_s) if per_op else None
 
 
-# --- collectives --------------------------------------------------------------------------------
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_collectives(
-    comm: Comm, plan: Plan, device: torch.device, sizes: Sequence[int] = MESSAGE_BYTES,
-    reps: int = 5,
-) -> list[dict[str, Any]]:  # fmt: skip
-    """Median seconds of each collective kind and size on ``comm``, from issue to the end of its
-    wait, ranks lined up by a barrier before each; ``bytes`` as ZeRO counts them (logical)."""
-    n = comm.world_size
-    dtypes = {
-        "all_gather": DTYPES[plan.precision.param],
-        "reduce_scatter": DTYPES[plan.precision.reduce],
-        "all_reduce": DTYPES[plan.precision.reduce],
-    }
-    samples = []
-    for kind, size in itertools.product(KINDS, sizes):
-        dtype = dtypes[kind]
-        numel = max(n, size // dtype.itemsize // n * n)  # per rank, divisible by the ranks
-        full = torch.ones(numel, dtype=dtype, device=device)
-        part = torch.ones(numel // n, dtype=dtype, device=device)
-        seconds = []
-        for _ in range(reps + 1):  # the first warms the group's buffers up: not kept
-            _barrier(comm, device)
-            start = time.perf_counter()
-            if kind == "all_gather":
-                work = comm.all_gather(full, part)
-            elif kind == "reduce_scatter":
-                work = comm.reduce_scatter(part, full)
-            else:
-                work = comm.all_reduce(full)
-            work.wait()
-            _synchronize(device)
-            seconds.append(time.perf_counter() - start)
-        logical = full.numel() * dtype.itemsize * (2 if kind == "all_reduce" else 1)
-        samples.append({"kind": kind, "bytes": logical, "ranks": n,
-                        "seconds": statistics.median(seconds[1:])})  # fmt: skip
-    return samples
-
-
-def _barrier(comm: Comm, device: torch.device) -> None:
-    _synchronize(device)
-    if dist.is_initialized() and comm.world_size > 1:
-        dist.barrier(group=getattr(comm, "group", None))
-
-
-def measure_overlap(comm: Comm, plan: Plan, device: torch.device, reps: int = 9) -> dict[
-        str, float]:  # fmt: skip
-    """How much of a collective's transfer runs alongside compute: an all-gather of 32 MiB
-    (``M``) and matmuls of about as long (``C``), timed alone and together (``T``), in turn,
-    ``reps`` times; ``overlap = (C + M - T) / min(C, M)`` (the median over the rounds): 1 when
-    together they take as long as the longer, 0 when as long as both one after the other (a
-    CPU whose cores compute and copy alike)."""
-    dtype = DTYPES[plan.precision.param]
-    if device.type == "cpu" and dtype == torch.float16:
-        dtype = torch.float32  # CPU fp16 matmuls are too slow to say anything
-    n = 4096 if device.type == "cuda" else 512
-    a = torch.randn(n, n, device=device).to(dtype)
-    numel = (32 << 20) // dtype.itemsize // comm.world_size * comm.world_size
-    full = torch.empty(numel, dtype=dtype, device=device)
-    part = torch.ones(numel // comm.world_size, dtype=dtype, device=device)
-
-    def matmuls(count: int) -> None:
-        for _ in range(count):
-            torch.mm(a, a)
-
-    def timed(fn: Any) -> float:
-        _barrier(comm, device)
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        return time.perf_counter() - start
-
-    def gather() -> None:
-        comm.all_gather(full, part).wait()
-
-    timed(lambda: matmuls(1))  # warm-up
-    timed(gather)
-    one = statistics.median(timed(lambda: matmuls(1)) for _ in range(3))
-    m = statistics.median(timed(gather) for _ in range(3))
-    count = int(slowest(comm, [float(max(1, round(m / one)))], device)[0])  # same on all
-
-    def both() -> None:
-        work = comm.all_gather(full, part)
-        matmuls(count)
-        work.wait()
-
-    rounds = []
-    for _ in range(reps):
-        c, m, t = timed(lambda: matmuls(count)), timed(gather), timed(both)
-        rounds.append((c, m, t, (c + m - t) / min(c, m)))
-    c, m, t, overlap = (statistics.median(r[i] for r in rounds) for i in range(4))
-    overlap = min(1.0, max(0.0, overlap))
-    return {"compute_s": c, "comm_s": m, "together_s": t, "overlap": overlap}
-
-
-def fit_link(samples: Sequence[dict[str, Any]], base: DeviceRates) -> tuple[DeviceRates, dict[
-        str, Any]]:  # fmt: skip
-    """Fit latency per hop and link bytes/s to timed collectives (the ring model of
-    :mod:`zerocc.cost.model`; errors relative to each size's time): one fit over all kinds (the
-    link), and one per kind (a backend may run some kinds less well than a ring)."""
-    if not samples or samples[0]["ranks"] < 2:
-        return base, {"timed": len(samples), "samples": [], "median_error_pct": 0.0}
-    timed, samples = len(samples), _trimmed(samples)
-    latency, link = _fit_ring(samples)
-    kinds = {}
-    for kind in sorted({s["kind"] for s in samples}):
-        fitted = _fit_ring([s for s in samples if s["kind"] == kind])
-        if fitted[1] is not None:
-            kinds[kind] = {"latency_s": fitted[0], "link_bytes_per_s": fitted[1]}
-    rates = base.replace("calibration", latency_s=latency, link_bytes_per_s=link, collectives=kinds)
-    model = CostModel(rates, samples[0]["ranks"])
-    groups: dict[tuple, list[float]] = defaultdict(list)
-    for s in samples:
-        groups[s["kind"], s["bytes"], s["ranks"], bool(s.get("in_program"))].append(s["seconds"])
-    summary = []
-    for (kind, nbytes, ranks, in_program), seconds in sorted(groups.items()):
-        predicted = model.collective_time(kind, nbytes, ranks)
-        summary.append({"kind": kind, "bytes": nbytes, "ranks": ranks, "in_program": in_program,
-                        "count": len(seconds), "median_s": statistics.median(seconds),
-                        "mean_s": statistics.fmean(seconds), "predicted_s": predicted})  # fmt: skip
-    errors = [abs(g["predicted_s"] / g["mean_s"] - 1) * 100 for g in summary]
-    return rates, {"timed": timed, "samples": summary,
-                   "median_error_pct": statistics.median(errors)}  # fmt: skip
-
-
-def _trimmed(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples less the slowest tenth of each kind and size with ten or more: a busy
-    machine's outliers, not the rank skew every step pays."""
-    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for s in samples:
-        groups[s["kind"], s["bytes"], s["ranks"]].append(s)
-    kept = []
-    for group in groups.values():
-        group = sorted(group, key=lambda s: s["seconds"])
-        kept += group[: len(group) - len(group) // 10]
-    return kept
-
-
-def _fit_ring(samples: Sequence[dict[str, Any]]) -> tuple[float, float | None]:
-    """(latency per hop, link bytes/s or None when the bytes explain nothing). Each sample is
-    weighted by 1 / the median time of its kind and size: relative errors across sizes, but
-    the mean within a size, as a step adds the times of its collectives (in a program, rank
-    skew makes some of them wait for the other ranks)."""
-    groups: dict[tuple, list[float]] = defaultdict(list)
-    for s in samples:
-        groups[s["kind"], s["bytes"], s["ranks"]].append(s["seconds"])
-    rows, targets = [], []
-    for s in samples:
-        n = s["ranks"]
-        weight = 1 / max(statistics.median(groups[s["kind"], s["bytes"], n]), 1e-9)
-        rows.append([ring_hops(s["kind"], n) * weight, (n - 1) / n * s["bytes"] * weight])
-        targets.append(s["seconds"] * weight)
-    latency, per_byte = nnls(rows, targets)
-    return latency, (1 / per_byte if per_byte > 0 else None)
-
-
 # --- the whole calibration ----------------------------------------------------------------------
 
 
@@ -421,10 +236,10 @@ class _SerialComm(Comm):
         self.rank, self.world_size = inner.rank, inner.world_size
 
     def _timed(self, kind: str, nbytes: int, issue: Any) -> Work:
-        _synchronize(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         issue().wait()
-        _synchronize(self.device)
+        synchronize(self.device)
         seconds = time.perf_counter() - start
         self.samples.append({"kind": kind, "bytes": nbytes, "ranks": self.world_size,
                              "seconds": seconds, "in_program": True})  # fmt: skip
@@ -467,10 +282,10 @@ class EagerRun(_SerialRun):
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         result = self.executable(*args)
-        _synchronize(device)
+        synchronize(device)
         self.seconds = time.perf_counter() - start
         return result
 
@@ -485,15 +300,6 @@ class CalibrationRun(_SerialRun):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
         return result
-
-
-def slowest(comm: Comm, values: list[float], device: torch.device) -> list[float]:
-    """Element-wise maximum over ranks (a tensor on ``device``: NCCL reduces only GPU ones)."""
-    if not dist.is_initialized() or comm.world_size == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=getattr(comm, "group", None))
-    return t.tolist()
 
 
 def calibrate(
@@ -524,7 +330,7 @@ def calibrate(
                 )
             else:
                 float(step(*batch))
-        _synchronize(device)
+        synchronize(device)
         return recorders
 
     for _ in range(warmup):
@@ -539,6 +345,43 @@ def calibrate(
     # Inductor's is one call); the overhead then from the backend's own code, run whole.
     recorders = [r for _ in range(profiled) for r in one_step(CalibrationRun, "eager")]
     eager = [r for _ in range(2 * profiled) for r in one_step(EagerRun)]  # at full speed
+    rates, ops, links, offload = _fit_rates(comm, plan, device, recorders, eager)
+    programs = step.record().programs
+    states = model_state_bytes_of(step.layout)
+    mesh = Mesh.of_plan(plan, comm.world_size)
+    predicted = predict_step(programs, k, rates, comm.world_size, model_states=states, mesh=mesh)
+    measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3
+    measured = {
+        "device": _device_name(device),
+        "world_size": comm.world_size,
+        "threads": torch.get_num_threads(),
+        "plan": plan.source,
+        "stage": plan.zero.stage,
+        "step_ms": {
+            "measured": measured_ms,
+            "steps": steps,
+            "all": [1e3 * t for t in times],
+            "predicted": predicted_ms,
+            "error_pct": 100 * (predicted_ms / measured_ms - 1),
+            "predicted_exposed_comm_ms": predicted.exposed_s * 1e3,
+        },
+        "ops": ops,
+        "collectives": links,
+    }
+    if offload is not None:
+        measured["offload"] = offload
+    return Calibration(rates, measured)
+
+
+def _fit_rates(
+    comm: Comm,
+    plan: Plan,
+    device: torch.device,
+    recorders: list[CalibrationRun],
+    eager: list[EagerRun],
+) -> tuple[DeviceRates, dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """Rank 0's rates fitted to the runs (module docs, steps 2-5), and what each fit saw: the
+    ops, the collectives and (a plan whose updates run on the host) the host's rates."""
     # Rank 0's ops stand for all: every rank runs the same program on as much data.
     rates, ops = fit_compute(op_samples(recorders), DeviceRates.defaults(device.type))
     overhead = eager_overhead(eager, rates)
@@ -563,37 +406,7 @@ def calibrate(
             host_link_bytes_per_s=offload["host_link_bytes_per_s"],
         )
     rates = _agree(comm, rates)
-    programs = step.record().programs
-    states = model_state_bytes_of(step.layout)
-    predicted = predict_step(
-        programs,
-        k,
-        rates,
-        comm.world_size,
-        model_states=states,
-        mesh=Mesh.of_plan(plan, comm.world_size),
-    )
-    measured_ms, predicted_ms = 1e3 * statistics.median(times), predicted.step_s * 1e3
-    measured = {
-        "device": _device_name(device),
-        "world_size": comm.world_size,
-        "threads": torch.get_num_threads(),
-        "plan": plan.source,
-        "stage": plan.zero.stage,
-        "step_ms": {
-            "measured": measured_ms,
-            "steps": steps,
-            "all": [1e3 * t for t in times],
-            "predicted": predicted_ms,
-            "error_pct": 100 * (predicted_ms / measured_ms - 1),
-            "predicted_exposed_comm_ms": predicted.exposed_s * 1e3,
-        },
-        "ops": ops,
-        "collectives": links,
-    }
-    if offload is not None:
-        measured["offload"] = offload
-    return Calibration(rates, measured)
+    return rates, ops, links, offload
 
 
 def _agree(comm: Comm, rates: DeviceRates) -> DeviceRates:
