@@ -10,7 +10,7 @@ import torch
 from models import _gpt_batch, tiny_gpt
 
 import zerocc
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import GRAD_SHARD, info, op_name
 

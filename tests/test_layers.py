@@ -6,8 +6,17 @@ packages (no ``package-dir`` mapping), so every import between them is seen.
     base (errors, compat) < ir < compiler (+ passes) < cost < engine < backends < runtime
         < inspect < api (the ``zerocc`` facade, ``zerocc.train_step``) < cli
 
-Within the compiler, packages stack too: ``compiler`` < ``compiler.passes`` <
-``compiler.driver`` (the pass manager and ``compile_program``).
+Within the compiler, packages stack too (:data:`COMPILER_PACKAGES`)::
+
+    compiler.plan.deepspeed < compiler.plan < compiler < compiler.parallel < compiler.passes
+        < compiler.driver
+
+The plan (with the DeepSpeed import under it) is data and its checks, at the bottom: it
+imports only the base and the IR. The compiler's own modules (capture, units, state, ...) read
+the plan. Parallelism (the ranks' mesh, tensor parallelism) captures and splits the model's
+layers, so it sits on capture and units; the passes (and ``passes.spec``, what a pass is and
+the context it reads: the mesh, the layers split) sit on all of them; the driver (the pass
+manager and ``compile_program``) on top.
 """
 
 from __future__ import annotations
@@ -156,6 +165,29 @@ def package_graph() -> dict[str, set[str]]:
 
 def test_no_package_import_cycles():
     assert not cycles(package_graph())
+
+
+COMPILER_PACKAGES = [
+    "zerocc.compiler.plan.deepspeed",
+    "zerocc.compiler.plan",
+    "zerocc.compiler",
+    "zerocc.compiler.parallel",
+    "zerocc.compiler.passes",
+    "zerocc.compiler.driver",
+]
+
+
+def test_compiler_packages_import_only_those_below_them():
+    graph = package_graph()
+    assert set(COMPILER_PACKAGES) == {p for p in graph if p.startswith("zerocc.compiler")}
+    upward = [
+        f"{package} imports {target}"
+        for package in COMPILER_PACKAGES
+        for target in sorted(graph[package])
+        if target in COMPILER_PACKAGES
+        and COMPILER_PACKAGES.index(target) > COMPILER_PACKAGES.index(package)
+    ]
+    assert not upward, "upward imports within the compiler:\n" + "\n".join(upward)
 
 
 @pytest.mark.parametrize(

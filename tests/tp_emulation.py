@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from zerocc.compiler.names import glob_matches
-from zerocc.compiler.tensor_parallel import Split
+from zerocc.compiler.parallel.tensor_parallel import Split
 
 
 def _style(layer) -> tuple[str, int]:

@@ -26,8 +26,8 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zerocc.compiler.parallel.capture_mode import CaptureMode
 from zerocc.compiler.passes import overlap
-from zerocc.compiler.tp_capture import CaptureMode
 from zerocc.inspect.estimate import inspect_plan
 
 # Recorded with `pytest tests/compiler/test_compile_work.py` printing the counts (-s), for the

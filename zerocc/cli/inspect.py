@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from zerocc.compiler.driver.pass_manager import PassRecord
-from zerocc.compiler.mesh import mesh_lines
+from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
 from zerocc.compiler.plan import OffloadConfig, Plan, load_plan
 from zerocc.cost.model import RATE_FIELDS, DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation
@@ -260,11 +260,11 @@ def _host_memory_line(plan: Plan, e: Estimate) -> str:
 
 def _estimate_text(plan: Plan, e: Estimate) -> str:
     p = plan.precision
-    grads = p.reduce if e.stage <= 1 else (p.grad or p.master)
+    grads = p.kept_gradient(plan.zero)  # e is the estimate of this plan
     lines = [
         f"{plan.source or 'plan'}: ZeRO stage {e.stage}, {e.world_size} ranks, "
         f"compute {p.param}, reduce {p.reduce}, master {p.master}, grads {grads}",
-        *mesh_lines(plan.mesh(e.world_size)),
+        *mesh_lines(Mesh.of_plan(plan, e.world_size)),
         "",
         "memory per rank (predicted from the scheduled program):",
     ]

@@ -73,6 +73,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
+    _add_plan_commands(commands)
+    _add_train_command(commands)
+    _add_profile_command(commands)
+    _add_export_command(commands)
+    add_inspect_commands(commands)
+    return parser
+
+
+def _add_plan_commands(commands: argparse._SubParsersAction) -> None:
+    """`zerocc plan check | schema | import`."""
     plan = commands.add_parser("plan", help="check a plan file or print the plan schema")
     plan.set_defaults(help_of=plan)
     plan_commands = plan.add_subparsers(title="commands", metavar="COMMAND")
@@ -91,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     imported.set_defaults(run=_plan_import)
 
+
+def _add_train_command(commands: argparse._SubParsersAction) -> None:
+    """`zerocc train PLAN` and its options."""
     train = commands.add_parser("train", help="train the plan's workload on local ranks")
     train.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
     train.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
@@ -148,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     train.set_defaults(run=_train)
 
+
+def _add_profile_command(commands: argparse._SubParsersAction) -> None:
+    """`zerocc profile PLAN` and its options."""
     profile = commands.add_parser(
         "profile", help="measure this machine and fit the cost model's rates (a calibration)"
     )
@@ -162,6 +178,10 @@ def _parser() -> argparse.ArgumentParser:
         "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
     )
     profile.set_defaults(run=_profile)
+
+
+def _add_export_command(commands: argparse._SubParsersAction) -> None:
+    """`zerocc export CHECKPOINT` and its options."""
     export = commands.add_parser(
         "export", help="write a checkpoint's model as one file (safetensors or torch.save)"
     )
@@ -179,8 +199,6 @@ def _parser() -> argparse.ArgumentParser:
         "Hugging Face's from_pretrained reads (with the model's config.json beside them)",
     )  # fmt: skip
     export.set_defaults(run=_export)
-    add_inspect_commands(commands)
-    return parser
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -219,8 +237,8 @@ def _plan_import(args: argparse.Namespace) -> int:
     converts (exit 1, listing them, when some are not supported)."""
     import yaml
 
-    from zerocc.compiler.deepspeed_config import convert, read_json
-    from zerocc.compiler.plan_messages import plan_origin
+    from zerocc.compiler.plan.deepspeed import convert, read_json
+    from zerocc.compiler.plan.messages import plan_origin
 
     config = read_json(Path(args.config), plan_origin(args.config))
     if not isinstance(config, dict):

@@ -1,7 +1,7 @@
 """What passes provide and require: one name per capability, what it means in the graph, and
 the check ``ZEROCC_VERIFY=1`` runs after a pass that promised it.
 
-A pass spec (:mod:`zerocc.compiler.pass_spec`) lists the capabilities it requires (some earlier
+A pass spec (:mod:`zerocc.compiler.passes.spec`) lists the capabilities it requires (some earlier
 pass, or capture, provided them), provides, and forbids (it must run before whatever provides
 them). The pass manager orders the default pass list by these contracts and checks a plan's own
 ``passes`` list against them.
@@ -32,7 +32,7 @@ from zerocc.ir.nodes import (
 
 
 class PassContext(Protocol):
-    """What a check reads of the compile (a :class:`zerocc.compiler.pass_spec.PassContext`)."""
+    """What a check reads of the compile (a :class:`zerocc.compiler.passes.spec.PassContext`)."""
 
     plan: Plan
     units: list[Unit]

@@ -37,7 +37,7 @@ from torch import nn
 
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.materialize import holds_values, initial_shard, initial_values
-from zerocc.compiler.plan import OffloadConfig, OptimizerConfig, Plan, PrecisionConfig
+from zerocc.compiler.plan import OffloadConfig, OptimizerConfig, Plan, PrecisionConfig, ZeroConfig
 from zerocc.compiler.units import Unit
 from zerocc.ir.kinds import Role
 from zerocc.ir.nodes import (
@@ -165,11 +165,11 @@ class Dtypes:
             return cls(unit.dtype, unit.dtype, unit.dtype, unit.dtype)
         return cls(*(precision.dtype(f) for f in ("param", "master", "reduce", "grad")))
 
-    def gradient(self, stage: int) -> torch.dtype:
+    def gradient(self, zero: ZeroConfig) -> torch.dtype:
         """The dtype a unit's gradient is kept in for the update (and accumulated in): the
         ``reduce`` dtype of the full gradient the collective reduces in place (stages 0-1),
         ``grad`` for the gradient shards (stages 2-3)."""
-        return self.reduce if stage <= 1 else self.grad
+        return self.grad if zero.shards_gradients else self.reduce
 
 
 def optimizer_states(config: OptimizerConfig) -> tuple[str, ...]:
@@ -181,7 +181,7 @@ def optimizer_states(config: OptimizerConfig) -> tuple[str, ...]:
 
 def param_specs(
     unit: Unit,
-    stage: int,
+    zero: ZeroConfig,
     precision: PrecisionConfig | None = None,
     grad_accumulation: int = 1,
 ) -> dict[str, StateSpec]:
@@ -201,26 +201,28 @@ def param_specs(
     specs = {
         "param": spec(
             "param",
-            PARAM_SHARD if stage == 3 else PARAM_FULL,
-            shard if stage == 3 else full,
+            PARAM_SHARD if zero.shards_params else PARAM_FULL,
+            shard if zero.shards_params else full,
             dtypes.param,
         )
     }
-    if unit.trainable and stage in (1, 2):
+    if unit.trainable and zero.shards_optimizer and not zero.shards_params:
         specs["param_shard"] = spec("param_shard", PARAM_SHARD, shard, dtypes.param)
     if dtypes.master != dtypes.param:
-        specs["master"] = spec("master", MASTER, full if stage == 0 else shard, dtypes.master)
+        specs["master"] = spec(
+            "master", MASTER, shard if zero.shards_optimizer else full, dtypes.master
+        )
     if unit.trainable and grad_accumulation > 1:
-        accumulated = full if stage <= 1 else shard
-        specs["grad"] = spec("grad", GRAD, accumulated, dtypes.gradient(stage))
+        accumulated = shard if zero.shards_gradients else full
+        specs["grad"] = spec("grad", GRAD, accumulated, dtypes.gradient(zero))
     return specs
 
 
 def optimizer_specs(
-    unit: Unit, stage: int, config: OptimizerConfig, precision: PrecisionConfig | None = None
+    unit: Unit, zero: ZeroConfig, config: OptimizerConfig, precision: PrecisionConfig | None = None
 ) -> list[StateSpec]:
     """The optimizer states of a trainable unit: of its shard, or of the whole flat (stage 0)."""
-    shape = (unit.shard_numel,) if stage >= 1 else (unit.padded_numel,)
+    shape = (unit.shard_numel,) if zero.shards_optimizer else (unit.padded_numel,)
     dtype = Dtypes.of(unit, precision).master
     return [
         StateSpec(f"{unit.key}.{name}", OPTIM_STATE, unit.name, shape, dtype)
@@ -288,7 +290,7 @@ def declare_params(
 ) -> None:
     """Declare (or retype, with ``precision``) every unit's parameter states."""
     for unit in units:
-        for spec in param_specs(unit, plan.zero.stage, precision, plan.grad_accumulation).values():
+        for spec in param_specs(unit, plan.zero, precision, plan.grad_accumulation).values():
             layout.declare(spec)
 
 
@@ -298,7 +300,7 @@ def declare_optimizer_state(layout: StateLayout, units: list[Unit], plan: Plan) 
     precision = plan.precision if plan.precision.mixed else None
     for unit in units:
         if unit.trainable:
-            for spec in optimizer_specs(unit, plan.zero.stage, plan.optimizer, precision):
+            for spec in optimizer_specs(unit, plan.zero, plan.optimizer, precision):
                 layout.declare(spec)
     layout.declare(LR_SPEC)
     if plan.optimizer.name == "adamw":
@@ -310,10 +312,10 @@ def declare_placements(layout: StateLayout, units: list[Unit], plan: Plan) -> No
     where = placements(units, plan.offload)
     for unit in units:
         if where[unit.name].offloaded:
-            place_unit(layout, unit, where[unit.name], plan.zero.stage)
+            place_unit(layout, unit, where[unit.name], plan.zero)
 
 
-def place_unit(layout: StateLayout, unit: Unit, placement: Placement, stage: int) -> None:
+def place_unit(layout: StateLayout, unit: Unit, placement: Placement, zero: ZeroConfig) -> None:
     """Move a unit's declared states to where ``placement`` puts them: master weights and
     optimizer states with the optimizer, the parameter (or its shard) with the parameters. A
     trainable unit whose optimizer lives apart from its parameters gets a master weight where
@@ -326,7 +328,7 @@ def place_unit(layout: StateLayout, unit: Unit, placement: Placement, stage: int
             layout.declare(replace(spec, location=placement.params))
     key = f"{unit.key}.master"
     if unit.trainable and placement.split and key not in layout:
-        shape = (unit.padded_numel,) if stage == 0 else (unit.shard_numel,)
+        shape = (unit.shard_numel,) if zero.shards_optimizer else (unit.padded_numel,)
         dtype = layout[f"{unit.key}.param"].dtype
         layout.declare(StateSpec(key, MASTER, unit.name, shape, dtype, placement.optimizer))
 

@@ -52,7 +52,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.state import HOST
 from zerocc.cost.memory import tensors_in
 from zerocc.errors import PlanError
@@ -465,7 +465,7 @@ def _bytes_moved(node: fx.Node, args: tuple, kwargs: dict) -> int:
 
 class CostModel:
     """Seconds each node of a program takes under ``rates`` with ``world_size`` ranks (laid
-    out as ``mesh`` says, see :mod:`zerocc.compiler.mesh`): a compute node on
+    out as ``mesh`` says, see :mod:`zerocc.compiler.parallel.mesh`): a compute node on
     the compute stream, a collective (its start node) on the comm stream; waits cost nothing of
     their own (the simulator makes them block). Cached per node."""
 

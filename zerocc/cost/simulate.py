@@ -39,7 +39,7 @@ from typing import Any
 
 from torch import fx
 
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.state import HOST
 from zerocc.cost.memory import predict_memory
 from zerocc.cost.model import (

@@ -14,7 +14,7 @@ on the :class:`Comm` of the runtime context an executable was compiled with
 - :class:`FakeComm`: a null group of any size for graph-level tests and estimates; its
   collectives produce correctly shaped results without any peer.
 
-A program's collectives name their group of the ranks' mesh (:mod:`zerocc.compiler.mesh`):
+A program's collectives name their group of the ranks' mesh (:mod:`zerocc.compiler.parallel.mesh`):
 ``dp``, the ranks a unit is sharded over, under hybrid sharding ``replicate``, the ranks
 holding the same shard, and under tensor parallelism ``tp``, the ranks splitting a layer.
 :meth:`Comm.use_mesh` splits a comm into them, and :meth:`Comm.on` gives the comm of one;
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from zerocc.compat import all_gather_single, let_gloo_workers_finish, reduce_scatter_single
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.engine.watchdog import Heartbeat
 from zerocc.ir.ops import DP_GROUP, reported_kind
 

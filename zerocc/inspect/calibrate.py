@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.cost.fit import nnls
 from zerocc.cost.memory import model_state_bytes_of
 from zerocc.cost.model import (
@@ -413,7 +414,7 @@ def _predicted_step_s(step: TrainStep, rates: DeviceRates) -> Simulation:
         rates,
         world_size,
         model_states=model_state_bytes_of(step.layout),
-        mesh=step.plan.mesh(world_size),
+        mesh=Mesh.of_plan(step.plan, world_size),
     )
 
 

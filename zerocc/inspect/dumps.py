@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from zerocc.compiler.driver.pass_manager import PassRecord
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.cost.memory import model_state_bytes_of, predict_memory
 from zerocc.cost.model import DeviceRates, rates_for

@@ -16,6 +16,7 @@ import torch
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.program import CompiledProgram
 from zerocc.compiler.driver.session import CompileSession
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.state import HOST, NVME
 from zerocc.compiler.units import Unit
@@ -153,7 +154,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         plan.grad_accumulation,
         rates,
         inspection.world_size,
-        mesh=plan.mesh(inspection.world_size),
+        mesh=Mesh.of_plan(plan, inspection.world_size),
     )
     timing.peak_bytes, timing.memory = total, timeline
     return Estimate(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from zerocc.compiler.mesh import mesh_lines
+from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
     DEVICE,
@@ -40,8 +40,8 @@ def formula_bytes(step: StepRecord, location: str = DEVICE) -> dict[str, float]:
 
 def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) -> dict[str, float]:
     """:func:`formula_bytes` of ``plan`` for ``units`` on ``n`` ranks."""
-    stage = plan.zero.stage
-    n = plan.mesh(n).shard_size  # the ranks a unit is sharded over
+    zero = plan.zero
+    n = Mesh.of_plan(plan, n).shard_size  # the ranks a unit is sharded over
     states = len(optimizer_states(plan.optimizer))
     where = placements(units, plan.offload)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
@@ -49,12 +49,12 @@ def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) 
         d = Dtypes.of(u, plan.precision if plan.precision.mixed else None)
         psi, place = u.padded_numel, where[u.name]
         if place.params == location:
-            out["params"] += psi * d.param.itemsize / (n if stage == 3 else 1)
-        sharded = n if stage >= 1 else 1
+            out["params"] += psi * d.param.itemsize / (n if zero.shards_params else 1)
+        sharded = n if zero.shards_optimizer else 1
         if place.optimizer == location and (d.master != d.param or (u.trainable and place.split)):
             out["optimizer"] += psi * d.master.itemsize / sharded
         if u.trainable and location == DEVICE and plan.grad_accumulation > 1:
-            out["grads"] += psi * d.gradient(stage).itemsize / (n if stage >= 2 else 1)
+            out["grads"] += psi * d.gradient(zero).itemsize / (n if zero.shards_gradients else 1)
         if u.trainable and place.optimizer == location:
             out["optimizer"] += states * psi * d.master.itemsize / sharded
     out["total"] = sum(out.values())
@@ -364,7 +364,7 @@ def precision_line(step: StepRecord) -> str:
     """Dtypes of compute, reduction and master weights; the loss scale, or what a non-finite
     gradient does; skipped steps."""
     p = step.plan.precision
-    kept = p.reduce if step.plan.zero.stage <= 1 else (p.grad or p.master)
+    kept = p.kept_gradient(step.plan.zero)
     line = f"precision: compute {p.param}, reduce {p.reduce}, master {p.master}, grads {kept}"
     if step.loss_scale is not None:
         kind = "dynamic" if step.dynamic_loss_scale else "static"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerocc.compiler.plan import DTYPES, Plan
+from zerocc.compiler.plan import Plan
 from zerocc.cost.fit import nnls
 from zerocc.cost.model import CostModel, DeviceRates, ring_hops
 from zerocc.engine.comm import Comm
@@ -37,9 +37,9 @@ def time_collectives(
     wait, ranks lined up by a barrier before each; ``bytes`` as ZeRO counts them (logical)."""
     n = comm.world_size
     dtypes = {
-        "all_gather": DTYPES[plan.precision.param],
-        "reduce_scatter": DTYPES[plan.precision.reduce],
-        "all_reduce": DTYPES[plan.precision.reduce],
+        "all_gather": plan.precision.dtype("param"),
+        "reduce_scatter": plan.precision.dtype("reduce"),
+        "all_reduce": plan.precision.dtype("reduce"),
     }
     samples = []
     for kind, size in itertools.product(KINDS, sizes):
@@ -79,7 +79,7 @@ def measure_overlap(comm: Comm, plan: Plan, device: torch.device, reps: int = 9)
     ``reps`` times; ``overlap = (C + M - T) / min(C, M)`` (the median over the rounds): 1 when
     together they take as long as the longer, 0 when as long as both one after the other (a
     CPU whose cores compute and copy alike)."""
-    dtype = DTYPES[plan.precision.param]
+    dtype = plan.precision.dtype("param")
     if device.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32  # CPU fp16 matmuls are too slow to say anything
     n = 4096 if device.type == "cuda" else 512

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from zerocc.compiler.driver.pass_manager import PassRecord
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import DEVICE, StateLayout
 from zerocc.compiler.units import Unit
@@ -52,7 +52,7 @@ class StepRecord:
     @property
     def mesh(self) -> Mesh:
         """The ranks' layout (hybrid sharding, tensor parallelism)."""
-        return self.plan.mesh(self.world_size)
+        return Mesh.of_plan(self.plan, self.world_size)
 
     @property
     def model_state_bytes(self) -> dict[str, int]:

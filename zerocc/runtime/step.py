@@ -30,7 +30,8 @@ from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.program import CompiledProgram
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import WeightSource, is_meta, release_to_meta, weight_source
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.passes.deferred_updates import (
     CARRIED_LR,
     CARRIED_SCALARS,
@@ -49,7 +50,6 @@ from zerocc.compiler.state import (
     StateLayout,
     allocate_state,
 )
-from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Comm, CommStats
@@ -242,7 +242,7 @@ class StepRunner:
 
     @property
     def mesh(self) -> Mesh:
-        """The ranks' layout (:class:`~zerocc.compiler.mesh.Mesh`)."""
+        """The ranks' layout (:class:`~zerocc.compiler.parallel.mesh.Mesh`)."""
         return self.session.mesh
 
     @property

@@ -189,7 +189,7 @@ def test_values_propagated_after_each_pass_are_those_of_a_full_propagation(plan)
 
 
 def test_an_unknown_capability_is_refused_when_the_pass_registers():
-    from zerocc.compiler.pass_spec import PASSES, register_pass
+    from zerocc.compiler.passes.spec import PASSES, register_pass
 
     with pytest.raises(ValueError, match="unknown capability 'unit'; known: joint_graph, units"):
         register_pass("typo", provides=("unit",))(lambda gm, ctx: gm)
@@ -200,7 +200,7 @@ def test_a_pass_that_does_not_provide_what_it_promises_fails_under_verification(
     """A pass registered as providing units that tags no parameter with its unit: ZEROCC_VERIFY
     (on in the tests) says so after it runs, naming the pass, the capability and the untagged
     parameters (the compile session forms the units; the pass must tag them)."""
-    from zerocc.compiler.pass_spec import PASSES, register_pass
+    from zerocc.compiler.passes.spec import PASSES, register_pass
     from zerocc.inspect.estimate import inspect_plan
 
     @register_pass("lazy_partition", provides=("units",))

@@ -1,6 +1,6 @@
 """The pass manager: which passes a plan runs, in what order, and a timed, recorded run of them.
 
-A pass's :class:`PassSpec` (:mod:`zerocc.compiler.pass_spec`) says what it requires and
+A pass's :class:`PassSpec` (:mod:`zerocc.compiler.passes.spec`) says what it requires and
 provides (:mod:`zerocc.compiler.capabilities`), when a plan turns it on, whether it changes
 numerics, and how its options are read from the plan. The specs are the one source of order:
 the default pass list is every pass the plan turns on, ordered by the contracts; a plan's own
@@ -24,9 +24,9 @@ from torch import fx
 import zerocc.compiler.passes  # noqa: F401  (registers the built-in passes)
 from zerocc.compiler import capabilities
 from zerocc.compiler.capabilities import CAPTURE_PROVIDES, STEP_NEEDS
-from zerocc.compiler.pass_spec import PASSES, PassContext, PassSpec
+from zerocc.compiler.passes.spec import PASSES, PassContext, PassSpec
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.plan_messages import invalid_plan, plan_origin
+from zerocc.compiler.plan.messages import invalid_plan, plan_origin
 from zerocc.compiler.state import StateLayout, captured_state
 from zerocc.compiler.units import Unit
 from zerocc.errors import InvariantError, PassOrderError

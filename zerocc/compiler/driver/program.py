@@ -21,9 +21,9 @@ from torch import fx, nn
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.driver.pass_manager import PassContext, PassList, PassRecord, run_passes
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
-from zerocc.compiler.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.units import Unit
 from zerocc.errors import InvariantError
 from zerocc.ir.nodes import STATE_ROLES, count_ops, info, val

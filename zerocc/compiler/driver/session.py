@@ -21,11 +21,11 @@ from torch import nn
 from zerocc.compiler.capture import LossFn, ModelInfo, describe_model
 from zerocc.compiler.driver.pass_manager import PassList, bind_passes, state_layout
 from zerocc.compiler.driver.program import CompiledProgram, compile_program
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
-from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 
 
@@ -52,7 +52,7 @@ class CompileSession:
         """The session of ``model`` under ``plan`` on ``world_size`` ranks; raises PlanError
         for a mesh the world cannot take, layers it cannot split, passes it cannot run in
         order, or units it cannot form."""
-        mesh = plan.mesh(world_size)
+        mesh = Mesh.of_plan(plan, world_size)
         full = describe_model(model)
         tp = TensorParallel.of(model, full, plan)
         model_info = tp.local_info(full) if tp is not None else full

@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.compiler.pass_spec import PassContext
 from zerocc.compiler.passes.param_uses import ParamUses
+from zerocc.compiler.passes.spec import PassContext
+from zerocc.compiler.plan import ZeroConfig
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
 from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, op
@@ -78,7 +79,7 @@ class Gradients:
         self,
         graph: fx.Graph,
         ctx: PassContext,
-        stage: int,
+        zero: ZeroConfig,
         grad_accumulation: int,
         uses: ParamUses,
         env: dict[fx.Node, fx.Node],
@@ -86,7 +87,7 @@ class Gradients:
         offloaded: set[str],
     ) -> None:
         self.graph, self.ctx, self.uses, self.env = graph, ctx, uses, env
-        self.stage = stage
+        self.zero = zero
         self.accumulate = grad_accumulation > 1
         self.solo = ctx.mesh.data_parallel == 1
         self.replicas = ctx.mesh.replicate  # > 1: shards replicated (HSDP)
@@ -102,7 +103,7 @@ class Gradients:
         """After backward produced ``old`` (in the new graph, ``env[old]``): add the parameter
         gradients it is into their views of the full accumulator, where gradients are
         accumulated per parameter (stages 0-1; every stage on one rank)."""
-        if not self.accumulate or (self.stage >= 2 and not self.solo):
+        if not self.accumulate or (self.zero.shards_gradients and not self.solo):
             return
         for fqn in self.fqns_of.get(old, []):
             unit = self.unit_of[fqn]
@@ -122,15 +123,15 @@ class Gradients:
                 grad = (self.accumulators[unit.name],)
                 at = self._at(unit)
                 emit(self.graph, aten.alias.default, grad, role=GRAD_SHARD, note=note, **at)
-        elif self.stage >= 2:
+        elif self.zero.shards_gradients:
             self.reduce_into_shard(unit)
-        elif self.stage == 0 and self.ctx.boundary:
+        elif not self.zero.shards_optimizer and self.ctx.boundary:
             self.reduce_accumulated(unit)
 
     def after_backward(self, reached: list[Unit]) -> None:
         """Stage 1 with accumulation reduces each accumulated gradient once, after backward of
         the micro-batch that steps; then every ``grad_shard`` learns its unreached ranges."""
-        if self.stage == 1 and self.ctx.boundary and self.accumulate and not self.solo:
+        if self.zero.stage == 1 and self.ctx.boundary and self.accumulate and not self.solo:
             for unit in reached:
                 self.reduce_accumulated(unit)
         units = {u.name: u for u in self.ctx.units}
@@ -191,7 +192,7 @@ class Gradients:
     def reduce_accumulated(self, unit: Unit) -> None:
         """Stages 0-1 with accumulation, stepping micro-batch: reduce the full accumulator."""
         grad = self.accumulators[unit.name]
-        if self.stage == 0:
+        if not self.zero.shards_optimizer:
             self.all_reduce(grad, unit)
         else:
             note = f"reduce-scatter {unit.name}'s accumulated gradient"
@@ -201,7 +202,7 @@ class Gradients:
         """Without accumulation: pack once complete, reduce for the update (all-reduce in place
         at stage 0, reduce-scatter at stages 1-3)."""
         packed = self.pack(unit, f"{unit.name}'s gradients, for their reduction")
-        if self.stage == 0:
+        if not self.zero.shards_optimizer:
             self.all_reduce(packed, unit)
         else:
             note = f"reduce-scatter {unit.name}'s gradient after its last contribution"

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from zerocc.compiler.pass_spec import PassContext, register_pass
-from zerocc.compiler.plan import OptimizerConfig
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel
+from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.plan import OptimizerConfig, ZeroConfig
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
-from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
+from zerocc.ir.kinds import Role
 from zerocc.ir.nodes import (
     FOUND_INF,
     GRAD,
@@ -58,7 +59,7 @@ aten = torch.ops.aten
     provides=("optimizer_update",),
     options=lambda plan: {
         "config": plan.optimizer,
-        "stage": plan.zero.stage,
+        "zero": plan.zero,
         "grad_accumulation": plan.grad_accumulation,
         "check_nonfinite": plan.precision.scaling == "none",
     },
@@ -69,7 +70,7 @@ def optimizer(
     ctx: PassContext,
     *,
     config: OptimizerConfig,
-    stage: int,
+    zero: ZeroConfig,
     grad_accumulation: int,
     check_nonfinite: bool,
 ) -> fx.GraphModule:
@@ -105,12 +106,25 @@ def optimizer(
     lr = state_placeholder(graph, layout.get(LR_SPEC.key), like)  # the schedule's, per step
     scale = 1.0 / (ctx.mesh.data_parallel * grad_accumulation)
     # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
-    sliced = stage > 0 and ctx.mesh.data_parallel > 1
+    sliced = zero.shards_optimizer and ctx.mesh.data_parallel > 1
+    where = {"phase": "optimizer"}
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
-        checks = _Checks(graph, output, units, grad_shards, scale, sliced, ctx.tensor_parallel)
-        coef, checked_inf = checks.emit(config.grad_clip, stage, check_nonfinite)
-        found_inf = checked_inf if checked_inf is not None else found_inf
+        coef, grads = None, [g for u in units for g in grad_shards[u.name]]
+        total = None
+        clip, tp = config.grad_clip is not None, ctx.tensor_parallel
+        if check_nonfinite:  # (the norm from the same read, unless tp ranks hold parts of it)
+            found_inf, total = _check_nonfinite(
+                graph, output, grads, scale, clip and tp is None, sliced, tp is not None
+            )
+        if clip and tp is not None:
+            total = _split_norm(graph, units, grad_shards, scale, tp, zero, sliced)
+        elif clip and total is None:
+            total = emit(graph, op("sum_squares"), (grads, scale), **where)
+            if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
+                total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
+        if clip:
+            coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
         for u in units:
             param = by_role[PARAM_SHARD].get(u.name, by_role[PARAM_FULL].get(u.name))
             # Mixed precision: update the master weights, write their compute-dtype copy.
@@ -122,71 +136,43 @@ def optimizer(
                 if span is not None:  # one parameter's gradient: update its slice of the flat
                     tensors = [_slice(graph, t, span, u.name) for t in tensors]
                 update = _Update(tensors[0], grad, tensors[1:-1], tensors[-1])
-                _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, stage)
-            if stage in (1, 2) and ctx.mesh.data_parallel > 1:
-                _gather_updated(graph, u, by_role[PARAM_FULL][u.name], param)
-            if u.name in by_role[GRAD]:
-                emit(
-                    graph,
-                    torch.ops.aten.zero_.default,
-                    (by_role[GRAD][u.name],),
-                    unit=u.name,
-                    phase="optimizer",
-                    note="reset the gradient accumulator",
-                )
+                _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, zero)
+            _after_update(graph, ctx, zero, u, param, by_role)
     return gm
 
 
-@dataclass
-class _Checks:
-    """The step's checks of its gradients before the updates: the non-finite check and the
-    squared norm that clipping scales by, read together where they can be."""
-
-    graph: fx.Graph
-    output: fx.Node
-    units: list[Unit]
-    grad_shards: dict[str, list[fx.Node]]
-    scale: float
-    sliced: bool  # ranks hold slices of the gradient (stages 1-3): checks sum over ranks
-    tp: TensorParallel | None
-
-    def emit(
-        self, grad_clip: float | None, stage: int, check_nonfinite: bool
-    ) -> tuple[fx.Node | None, fx.Node | None]:
-        """(the clip coefficient, the non-finite flag): None for what the plan does not ask."""
-        graph, where = self.graph, {"phase": "optimizer"}
-        grads = [g for u in self.units for g in self.grad_shards[u.name]]
-        clip, tp = grad_clip is not None, self.tp
-        total = found_inf = None
-        if check_nonfinite:  # (the norm from the same read, unless tp ranks hold parts of it)
-            found_inf, total = _check_nonfinite(
-                graph, self.output, grads, self.scale, clip and tp is None, self.sliced,
-                tp is not None,
-            )  # fmt: skip
-        if clip and tp is not None:
-            total = _split_norm(
-                graph, self.units, self.grad_shards, self.scale, tp, stage, self.sliced
-            )
-        elif clip and total is None:
-            total = emit(graph, op("sum_squares"), (grads, self.scale), **where)
-            if self.sliced:  # each rank holds a slice of the gradient: sum squares over ranks
-                total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
-        coef = emit(graph, op("clip_coef"), (total, grad_clip), **where) if clip else None
-        return coef, found_inf
-
-
-def _gather_updated(graph: fx.Graph, unit: Unit, full: fx.Node, shard: fx.Node) -> None:
-    """Stages 1-2: all-gather the unit's updated shards into its whole parameters."""
-    emit_collective(
-        graph,
-        op("all_gather_into_start"),
-        op("wait"),
-        (full, shard, DP_GROUP),
-        nbytes=unit.padded_numel * val(full).dtype.itemsize,
-        unit=unit.name,
-        note=f"all-gather {unit.name}'s updated shards",
-        phase="optimizer",
-    )
+def _after_update(
+    graph: fx.Graph,
+    ctx: PassContext,
+    zero: ZeroConfig,
+    unit: Unit,
+    param: fx.Node,
+    by_role: dict[Role, dict[str, fx.Node]],
+) -> None:
+    """After a unit's update: (stages 1-2) all-gather its updated shards into the full
+    parameter every rank computes with; reset its gradient accumulator, if it has one."""
+    where = {"phase": "optimizer"}
+    if zero.shards_optimizer and not zero.shards_params and ctx.mesh.data_parallel > 1:
+        full = by_role[PARAM_FULL][unit.name]
+        emit_collective(
+            graph,
+            op("all_gather_into_start"),
+            op("wait"),
+            (full, param, DP_GROUP),
+            nbytes=unit.padded_numel * val(full).dtype.itemsize,
+            unit=unit.name,
+            note=f"all-gather {unit.name}'s updated shards",
+            **where,
+        )
+    if unit.name in by_role[GRAD]:
+        emit(
+            graph,
+            torch.ops.aten.zero_.default,
+            (by_role[GRAD][unit.name],),
+            unit=unit.name,
+            note="reset the gradient accumulator",
+            **where,
+        )
 
 
 @dataclass
@@ -219,7 +205,7 @@ def _emit_update(
     coef: fx.Node | None,
     found_inf: fx.Node | None,
     scale: float,
-    stage: int,
+    zero: ZeroConfig,
 ) -> None:
     """One ``adamw_`` / ``sgd_`` of a flat shard (or of one parameter's slice of it)."""
     skip = list(info(update.grad).no_grad)
@@ -242,7 +228,7 @@ def _emit_update(
             config.eps,
             config.weight_decay,
             skip,
-            stage > 0,
+            zero.shards_optimizer,
         )
         emit(graph, op("adamw_"), args, **where)
     else:
@@ -259,7 +245,7 @@ def _emit_update(
             config.momentum,
             config.weight_decay,
             skip,
-            stage > 0,
+            zero.shards_optimizer,
         )
         emit(graph, op("sgd_"), args, **where)
 
@@ -284,7 +270,7 @@ def _split_norm(
     grad_shards: dict[str, list[fx.Node]],
     scale: float,
     tp: TensorParallel,
-    stage: int,
+    zero: ZeroConfig,
     sliced: bool,
 ) -> fx.Node:
     """The squared gradient norm under tensor parallelism: each rank's part, in which the
@@ -300,7 +286,7 @@ def _split_norm(
             else:  # one parameter's gradient
                 param = next(p for p in u.params if p.offset == span[0])
                 shared = [] if param.fqn in tp.splits else [0, span[1]]
-            args = (grad, scale, shared, tp.parts, stage > 0)
+            args = (grad, scale, shared, tp.parts, zero.shards_optimizer)
             parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
     total = parts[0]
     for part in parts[1:]:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.passes.bucketing import bucket_collectives
+from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import GRAD, info, op_kind, op_name, val

@@ -13,7 +13,7 @@ from torch import fx
 
 from zerocc.compiler.capture import ModelInfo, ParamInfo
 from zerocc.compiler.names import glob_matches
-from zerocc.compiler.pass_spec import PassContext, register_pass
+from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import PARAM, info, placeholders, tag

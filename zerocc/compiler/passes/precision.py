@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.compiler.pass_spec import PassContext, register_pass
-from zerocc.compiler.plan import PrecisionConfig
+from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.plan import PrecisionConfig, ZeroConfig
 from zerocc.compiler.state import Dtypes, declare_params
 from zerocc.errors import InvariantError
 from zerocc.ir.kinds import Stream
@@ -84,14 +84,14 @@ def _is_cast(node: fx.Node) -> bool:
 
 class _PrecisionRewriter:
     def __init__(
-        self, gm: fx.GraphModule, ctx: PassContext, precision: PrecisionConfig, stage: int
+        self, gm: fx.GraphModule, ctx: PassContext, precision: PrecisionConfig, zero: ZeroConfig
     ) -> None:
         self.gm, self.graph, self.ctx = gm, gm.graph, ctx
         self.precision = precision
         self.compute = precision.dtype("param")
-        self.stage = stage
+        self.zero = zero
         # The dtype gradients are kept in for the update: reduce (stages 0-1) or grad (2-3).
-        self.kept = Dtypes.of(ctx.units[0], precision).gradient(self.stage)
+        self.kept = Dtypes.of(ctx.units[0], precision).gradient(self.zero)
 
     def retype_state(self) -> None:
         """Give ``param``/``param_shard``/``grad`` placeholders their mixed-precision dtypes, and
@@ -215,7 +215,7 @@ class _PrecisionRewriter:
             )
             groups = {
                 # each rank checked its slice of the gradient; each tp rank its slices
-                DP_GROUP: self.stage > 0 and self.ctx.mesh.data_parallel > 1,
+                DP_GROUP: self.zero.shards_optimizer and self.ctx.mesh.data_parallel > 1,
                 TP_GROUP: self.ctx.tensor_parallel is not None,
             }
             for group in (g for g, sliced in groups.items() if sliced):
@@ -257,7 +257,7 @@ def _rescale_collective_bytes(gm: fx.GraphModule, ctx: PassContext) -> None:
     changes_numerics=True,
     options=lambda plan: {
         "precision": plan.precision,
-        "stage": plan.zero.stage,
+        "zero": plan.zero,
         "grad_accumulation": plan.grad_accumulation,
     },
     enabled=lambda plan: plan.precision.mixed,
@@ -271,12 +271,12 @@ def precision(
     ctx: PassContext,
     *,
     precision: PrecisionConfig,
-    stage: int,
+    zero: ZeroConfig,
     grad_accumulation: int,
 ) -> fx.GraphModule:
     """Compute in ``precision.param``, reduce in ``precision.reduce``, keep ``master`` weights,
     and unscale + overflow-check gradients when the loss is scaled."""
-    rewriter = _PrecisionRewriter(gm, ctx, precision, stage)
+    rewriter = _PrecisionRewriter(gm, ctx, precision, zero)
     rewriter.retype_state()
     rewriter.drop_param_casts()
     rewriter.reduce_in_reduce_dtype()

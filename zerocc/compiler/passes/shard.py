@@ -38,10 +38,10 @@ from torch import fx
 
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.names import glob_matches
-from zerocc.compiler.pass_spec import PassContext, register_pass
 from zerocc.compiler.passes.gradients import Gradients, flat_view, unit_collective
 from zerocc.compiler.passes.param_uses import ParamUses, analyze
-from zerocc.compiler.plan import OffloadConfig
+from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.plan import OffloadConfig, ZeroConfig
 from zerocc.compiler.state import DEVICE, declare_params, placements
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
@@ -66,22 +66,22 @@ class _ShardRewriter:
         self,
         gm: fx.GraphModule,
         ctx: PassContext,
-        stage: int,
+        zero: ZeroConfig,
         kept: set[str],
         grad_accumulation: int,
         offload: OffloadConfig,
     ) -> None:
-        self.old, self.ctx, self.stage, self.kept = gm, ctx, stage, kept
+        self.old, self.ctx, self.zero, self.kept = gm, ctx, zero, kept
         self.grad_accumulation = grad_accumulation
         self.solo = ctx.mesh.data_parallel == 1  # nothing to gather, pack or reduce
-        self.gathers = stage == 3 and not self.solo
+        self.gathers = zero.shards_params and not self.solo
         where = placements(ctx.units, offload)
         self.offloaded = {name for name, place in where.items() if place.offloaded}
         # Parameter values are re-derived per phase where each phase reads its own copy: stage
         # 3's gathers, or at world size 1 the device copies offload makes of shards it keeps off
         # the device (so that forward's copy is not kept alive into backward).
         self.per_phase = self.gathers or (
-            stage == 3 and any(place.params != DEVICE for place in where.values())
+            zero.shards_params and any(place.params != DEVICE for place in where.values())
         )
         self.units = {u.name: u for u in ctx.units}
         self.uses: ParamUses = analyze(gm, [p.fqn for p in ctx.model.trainable])
@@ -193,7 +193,7 @@ class _ShardRewriter:
         gradients = Gradients(
             self.graph,
             self.ctx,
-            self.stage,
+            self.zero,
             self.grad_accumulation,
             self.uses,
             self.env,
@@ -245,7 +245,7 @@ def kept_gathered(
 
 def _options(plan) -> dict:
     return {
-        "stage": plan.zero.stage,
+        "zero": plan.zero,
         "keep_gathered": plan.units.keep_gathered,
         "keep_gathered_below_mb": plan.units.keep_gathered_below_mb,
         "itemsize": plan.precision.dtype("param").itemsize,
@@ -265,21 +265,21 @@ def shard(
     gm: fx.GraphModule,
     ctx: PassContext,
     *,
-    stage: int,
+    zero: ZeroConfig,
     keep_gathered: list[str] = (),
     keep_gathered_below_mb: float | None = None,
     itemsize: int = 4,
     grad_accumulation: int = 1,
     offload: OffloadConfig | None = None,
 ) -> fx.GraphModule:
-    """Flatten each unit's parameters and insert ZeRO-``stage`` gathers, frees and reductions
-    (none on one rank)."""
+    """Flatten each unit's parameters and insert the gathers, frees and reductions that
+    ``zero``'s stage asks for (none on one rank)."""
     kept = kept_gathered(ctx.units, list(keep_gathered), keep_gathered_below_mb, itemsize)
-    gathering = stage == 3 and ctx.mesh.data_parallel > 1
+    gathering = zero.shards_params and ctx.mesh.data_parallel > 1
     rewriter = _ShardRewriter(
         gm,
         ctx,
-        stage,
+        zero,
         kept if gathering else set(),
         grad_accumulation,
         offload or OffloadConfig(),

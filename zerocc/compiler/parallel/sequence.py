@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from zerocc.compiler.tp_collectives import all_gather, all_reduce, chunk, reduce_scatter
+from zerocc.compiler.parallel.collectives import all_gather, all_reduce, chunk, reduce_scatter
 from zerocc.errors import CaptureError
 
 

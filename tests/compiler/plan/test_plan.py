@@ -1,22 +1,19 @@
-"""Tests of zerocc/compiler/plan.py (and the workload loading a plan drives,
-zerocc/compiler/workload.py)."""
+"""Tests of the plan (zerocc/compiler/plan/): its sections and the checks across them, loading,
+the messages of invalid plans, the YAML a plan may hold, renamed fields and the schema."""
 
 import math
-import sys
 import typing
 from pathlib import Path
 
 import pytest
 import torch
 from pydantic import BaseModel
-from torch import nn
 
 from zerocc.compiler.driver.pass_manager import check_passes, pass_names
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
-from zerocc.compiler.workload import Workload, load_workload
 from zerocc.errors import PlanError, PlanWarning, RenamedFieldWarning, ZeroccError
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "gpt"
 
 
 def write(tmp_path: Path, text: str, name: str = "plan.yaml") -> Path:
@@ -474,132 +471,6 @@ def test_schema_lists_literal_choices():
     assert defs["BackendConfig"]["properties"]["device"]["enum"] == ["auto", "cpu", "cuda"]
     offload = defs["OffloadConfig"]["properties"]
     assert offload["optimizer"]["enum"] == offload["params"]["enum"] == ["none", "cpu", "nvme"]
-
-
-# --- workload loading ------------------------------------------------------------------------
-
-WORKLOAD_PY = """
-import torch
-from zerocc.compiler.workload import Workload
-
-def make(width=3):
-    return Workload(torch.nn.Linear(width, 1), batches=lambda rank, world_size: iter([]))
-
-def not_a_workload():
-    return 42
-"""
-
-
-def test_load_workload_next_to_the_plan(tmp_path):
-    write(tmp_path, WORKLOAD_PY, "workload.py")
-    plan = load_plan(write(tmp_path, "workload: workload:make\nworkload_args: {width: 5}\n"))
-    workload = load_workload(plan)
-    assert isinstance(workload, Workload) and workload.model.in_features == 5
-
-
-def test_load_workload_prefers_the_plan_directory_over_a_cached_module(tmp_path):
-    for width, sub in [(2, "a"), (4, "b")]:
-        (tmp_path / sub).mkdir()
-        write(tmp_path / sub, WORKLOAD_PY.replace("width=3", f"width={width}"), "workload.py")
-        plan = load_plan(write(tmp_path / sub, "workload: workload:make\n"))
-        assert load_workload(plan).model.in_features == width
-
-
-@pytest.mark.parametrize(
-    ("plan_text", "expected"),
-    [
-        ("{}", "names no workload"),
-        ("workload: missing_module:make", "cannot import module 'missing_module'"),
-        ("workload: workload:nothing", "has no function 'nothing'"),
-        (
-            "workload: workload:not_a_workload",
-            "returned int, not a zerocc.Workload",
-        ),
-        ("{workload: 'workload:make', workload_args: {depth: 2}}", "workload_args"),
-    ],
-)
-def test_load_workload_errors(tmp_path, plan_text, expected):
-    write(tmp_path, WORKLOAD_PY, "workload.py")
-    plan = load_plan(write(tmp_path, plan_text + "\n"))
-    with pytest.raises(PlanError, match=expected):
-        load_workload(plan)
-
-
-@pytest.fixture
-def cwd_elsewhere(tmp_path, monkeypatch):
-    """Folders a/ (the plan's) and b/ (the current directory, first on sys.path as `python -m`
-    puts it, both as '' and as its path)."""
-    plan_dir, cwd = tmp_path / "a", tmp_path / "b"
-    plan_dir.mkdir()
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "path", ["", str(cwd), *sys.path])
-    return plan_dir, cwd
-
-
-def test_workload_comes_from_the_plan_folder_before_the_current_directory(cwd_elsewhere):
-    plan_dir, cwd = cwd_elsewhere
-    write(plan_dir, WORKLOAD_PY.replace("width=3", "width=2"), "workload.py")
-    write(cwd, WORKLOAD_PY.replace("width=3", "width=7"), "workload.py")
-    plan = load_plan(write(plan_dir, "workload: workload:make\n"))
-    assert load_workload(plan).model.in_features == 2
-
-
-def test_workload_is_never_imported_from_the_current_directory(cwd_elsewhere, monkeypatch):
-    plan_dir, cwd = cwd_elsewhere
-    write(cwd, WORKLOAD_PY, "cwd_only_workload.py")
-    monkeypatch.delitem(sys.modules, "cwd_only_workload", raising=False)
-    plan = load_plan(write(plan_dir, "workload: cwd_only_workload:make\n"))
-    for _ in range(2):  # the second time with the module imported (from the cwd) by the caller
-        with pytest.raises(PlanError) as info:
-            load_workload(plan)
-        message = str(info.value)
-        assert f"searched the plan's folder {plan_dir}, then installed packages" in message
-        assert (
-            "not the current directory" in message and f"{cwd} holds 'cwd_only_workload'" in message
-        )
-        __import__("cwd_only_workload")
-    assert sys.path[:2] == ["", str(cwd)]  # the search path is restored
-
-
-def test_workload_of_a_plan_in_the_current_directory(tmp_path, monkeypatch):
-    write(tmp_path, WORKLOAD_PY, "here_workload.py")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "here_workload", raising=False)
-    write(tmp_path, "workload: here_workload:make\n")
-    plan = load_plan("plan.yaml")  # a relative path: the plan's folder is the current directory
-    assert load_workload(plan).model.in_features == 3
-
-
-def test_a_plan_given_as_a_dict_imports_installed_workloads_only(cwd_elsewhere, monkeypatch):
-    plan_dir, cwd = cwd_elsewhere
-    write(cwd, WORKLOAD_PY, "dict_workload.py")
-    monkeypatch.delitem(sys.modules, "dict_workload", raising=False)
-    plan = load_plan({"workload": "dict_workload:make"})
-    with pytest.raises(
-        PlanError, match=r"installed packages \(sys.path\) \(a plan given as a dict"
-    ):
-        load_workload(plan)
-    write(plan_dir, WORKLOAD_PY, "dict_workload.py")
-    monkeypatch.syspath_prepend(str(plan_dir))  # as an installed package is
-    assert load_workload(plan).model.in_features == 3
-
-
-def test_workload_takes_only_the_model_positionally():
-    with pytest.raises(TypeError):
-        Workload(nn.Linear(1, 1), None, lambda rank, world_size: iter([]))
-
-
-def test_gpt_example_loss_starts_near_uniform():
-    plan = load_plan(EXAMPLES / "zero3.yaml")
-    plan.workload_args.update(n_layer=1, n_embd=32, block_size=16, batch_size=2)
-    workload = load_workload(plan)
-    idx, targets = next(workload.batches(1, 2))
-    assert idx.shape == targets.shape == (2, 16) and idx.dtype == torch.long
-    assert torch.equal(idx[:, 1:], targets[:, :-1])
-    vocab = workload.model.lm_head.out_features
-    assert workload.model.lm_head.weight is workload.model.transformer.wte.weight
-    assert abs(workload.model(idx, targets).item() - math.log(vocab)) < 0.5
 
 
 @pytest.mark.parametrize(

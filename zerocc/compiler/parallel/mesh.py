@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerocc.errors import PlanError
+from zerocc.compiler.plan import Plan, check_layout
 from zerocc.ir.ops import DP_GROUP as DP
 from zerocc.ir.ops import REPLICATE_GROUP as REPLICATE
 from zerocc.ir.ops import TP_GROUP as TP
@@ -43,26 +43,15 @@ class Mesh:
     def of(world_size: int, replicate: int = 1, tp: int = 1) -> Mesh:
         """The layout of ``world_size`` ranks for a plan's ``zero.replicate`` and
         ``parallel.tp``; a PlanError when the ranks cannot be split so."""
-        if world_size % tp:
-            raise PlanError(
-                f"parallel.tp: {tp} does not divide the world size {world_size}; allowed: a "
-                f"divisor of {world_size}"
-            )
-        data = world_size // tp
-        if replicate > 1 and data % replicate:
-            ranks = "world size" if tp == 1 else "data-parallel ranks"
-            raise PlanError(
-                f"zero.replicate: {replicate} does not divide the {ranks} {data}"
-                f"{_of_tp(world_size, tp)}; allowed: a divisor of {data}"
-            )
-        if replicate > 1 and data == replicate:
-            raise PlanError(
-                f"zero.replicate: {replicate} leaves shard groups of one rank ({data} "
-                f"data-parallel ranks{_of_tp(world_size, tp)}): nothing would be sharded; use "
-                "zero.stage: 0 (DDP) for full replicas, or a smaller replicate (a divisor of "
-                f"{data} below it)"
-            )
+        check_layout(world_size, replicate, tp)
         return Mesh(world_size, replicate, tp)
+
+    @staticmethod
+    def of_plan(plan: Plan, world_size: int) -> Mesh:
+        """The layout of ``world_size`` ranks under ``plan`` (``zero.replicate``,
+        ``parallel``); a PlanError when the ranks cannot take it."""
+        plan.check_world_size(world_size)
+        return Mesh(world_size, plan.zero.replicate, plan.parallel.tp)
 
     @property
     def data_parallel(self) -> int:
@@ -139,10 +128,6 @@ class Mesh:
             f"mesh: {self.world_size} ranks = {' × '.join(sizes)} (rank = {index});"
             f" {'; '.join(groups)}"
         )
-
-
-def _of_tp(world_size: int, tp: int) -> str:
-    return f" ({world_size} ranks / parallel.tp {tp})" if tp > 1 else ""
 
 
 def _some(groups: list[list[int]]) -> str:

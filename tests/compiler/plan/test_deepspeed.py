@@ -21,9 +21,9 @@ import torch
 from models import build, entry
 
 import zerocc
-from zerocc.compiler.deepspeed_config import convert
+from zerocc.compiler.plan.deepspeed import convert
 
-FIXTURES = Path(__file__).parents[1] / "fixtures" / "deepspeed"
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "deepspeed"
 CONVERTIBLE = sorted(p.name for p in FIXTURES.glob("*.json") if p.name != "unsupported.json")
 
 

@@ -15,7 +15,7 @@ from typing import IO, Any
 import yaml
 from yaml.nodes import MappingNode, Node
 
-from zerocc.compiler.plan_messages import dotted
+from zerocc.compiler.plan.messages import dotted
 
 # Levels of mappings and lists in a plan: the sections use 3, workload_args a few more.
 MAX_NESTING = 100

@@ -1,7 +1,7 @@
 """The tensor-parallel collectives a captured step holds, as the capture-time code issues
 them: zerocc's start/wait ops on the ``tp`` group, each with a note saying why it is there
 (kept in its node's custom meta under :data:`NOTE`, read by
-:func:`zerocc.compiler.tensor_parallel.tag_collectives`)."""
+:func:`zerocc.compiler.parallel.tensor_parallel.tag_collectives`)."""
 
 from __future__ import annotations
 

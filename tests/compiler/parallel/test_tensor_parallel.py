@@ -15,13 +15,13 @@ from multirank import run_ranks
 from torch import nn
 
 import zerocc
-from zerocc.compiler.mesh import Mesh
-from zerocc.compiler.tensor_parallel import Split
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.parallel.tensor_parallel import Split
 from zerocc.errors import PlanError, RankMismatchError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import info, op_name
 
-EXAMPLES = Path(__file__).parents[2] / "examples" / "gpt"
+EXAMPLES = Path(__file__).parents[3] / "examples" / "gpt"
 
 
 def test_a_tp_group_is_neighbouring_ranks_and_zero_shards_across_groups():

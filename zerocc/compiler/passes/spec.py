@@ -18,10 +18,10 @@ from torch import fx
 
 from zerocc.compiler.capabilities import Capability, capability
 from zerocc.compiler.capture import ModelInfo
-from zerocc.compiler.mesh import Mesh
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
-from zerocc.compiler.tensor_parallel import TensorParallel
 from zerocc.compiler.units import Unit
 
 Declares = Callable[[StateLayout, list[Unit], Plan], None]
@@ -125,4 +125,4 @@ class PassContext:
     def mesh(self) -> Mesh:
         """The ranks' layout: the groups units are sharded over, replicated across and
         splitting layers."""
-        return self.plan.mesh(self.world_size)
+        return Mesh.of_plan(self.plan, self.world_size)

@@ -7,7 +7,7 @@ a slice of its input features (the output of a colwise layer, already split): it
 outputs are all-reduced in forward, then its bias added once. A ``vocab`` Embedding holds a
 slice of the vocabulary: each rank looks up the tokens it holds, zeros the others, and the
 lookups are all-reduced; a ``vocab`` output head (a Linear over the vocabulary) computes its
-slice of the logits, and its cross-entropy runs on the slices (:mod:`.tp_capture`). The
+slice of the logits, and its cross-entropy runs on the slices (:mod:`.capture_mode`). The
 pairs (q/k/v and the MLP's up-projection colwise, the attention's and MLP's output
 projections rowwise) need one all-reduce each way per block.
 
@@ -19,7 +19,7 @@ shapes the slices give. Rewriting an already captured graph instead would mean r
 shape of every op downstream of a split output (the head views above all), a sharding rule per
 op; re-tracing gets them right for any model whose code derives head counts from its inputs'
 shapes (``view(B, T, -1, head_dim)``, as Hugging Face's Llama does). The forwards and the
-collectives they issue are :mod:`.tp_capture`'s; sequence parallelism, :mod:`.tp_sequence`.
+collectives they issue are :mod:`.capture_mode`'s; sequence parallelism, :mod:`.sequence`.
 
 Every other parameter is replicated over the ``tp`` ranks, and its gradient is the same on each
 (every tp rank computes it from the same activations; under sequence parallelism, summed over
@@ -42,10 +42,10 @@ from torch import fx, nn
 
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.names import GLOB_RULE, glob_matches
+from zerocc.compiler.parallel.capture_mode import FORWARDS, CaptureMode, Region
+from zerocc.compiler.parallel.collectives import NOTE
+from zerocc.compiler.parallel.sequence import SequenceSplit
 from zerocc.compiler.plan import Plan, TpLayer
-from zerocc.compiler.tp_capture import FORWARDS, CaptureMode, Region
-from zerocc.compiler.tp_collectives import NOTE
-from zerocc.compiler.tp_sequence import SequenceSplit
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind, Stream

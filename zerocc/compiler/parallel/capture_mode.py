@@ -2,7 +2,7 @@
 autograd sees in them, and the vocabulary-parallel cross-entropy.
 
 The forwards replace a split module's own for the capture (see
-:mod:`zerocc.compiler.tensor_parallel`); the collectives are zerocc's start/wait ops on the
+:mod:`zerocc.compiler.parallel.tensor_parallel`); the collectives are zerocc's start/wait ops on the
 ``tp`` group, issued from autograd Functions so that capture records them in forward and in
 backward. One :class:`Region` per capture holds what the layers share.
 
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from zerocc.compiler.tp_collectives import TP, all_gather, all_reduce, chunk
-from zerocc.compiler.tp_sequence import SequenceSplit
+from zerocc.compiler.parallel.collectives import TP, all_gather, all_reduce, chunk
+from zerocc.compiler.parallel.sequence import SequenceSplit
 from zerocc.ir.ops import op
 
 

@@ -1,0 +1,259 @@
+"""The optimizer section: the optimizer, its learning rate and the rate's schedule."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from zerocc.compiler.plan.base import FP32_TINY, Section
+from zerocc.compiler.plan.messages import show
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+# The largest learning rate per optimizer. AdamW moves each weight by about lr per step whatever
+# the gradient's scale (its update is normalized), so lr > 1 moves every weight by more than its
+# own size each step: what `lr: 1e3` meaning 1e-3 (a dropped minus sign) looks like. An SGD step
+# is lr times the gradient, whose scale is the loss's: large-batch recipes reach lr ~3-10.
+MAX_LR = {"adamw": 1.0, "sgd": 10.0}
+
+
+# The fields each learning-rate schedule reads (any other set field is an error): the first
+# three are Hugging Face Trainer's (`lr_scheduler_type`, its `warmup_steps` and
+# `num_training_steps`), the rest DeepSpeed's schedulers under their own parameter names.
+SCHEDULE_FIELDS: dict[str, tuple[str, ...]] = {
+    "constant": ("warmup_steps",),
+    "linear": ("warmup_steps", "total_steps", "min_lr"),
+    "cosine": ("warmup_steps", "total_steps", "min_lr"),
+    "warmup_lr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "warmup_decay_lr": (
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "total_num_steps",
+    ),
+    "warmup_cosine_lr": (
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "warmup_type",
+        "cos_min_ratio",
+        "total_num_steps",
+    ),
+}
+
+
+class ScheduleConfig(Section):
+    """The learning rate per optimizer step (`zerocc.compiler.schedule.lr_at`): a runtime input
+    of the program, so a changing rate never recompiles. The position is the count of applied
+    steps (a step skipped for an overflow does not advance it, as in DeepSpeed and the Hugging
+    Face Trainer), which checkpoints keep."""
+
+    name: Literal[
+        "constant", "linear", "cosine", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr"
+    ] = Field(
+        "constant",
+        description="constant, linear, cosine: Hugging Face Trainer's schedules (linear warmup "
+        "from 0 over warmup_steps, then constant, or a linear or cosine decay to min_lr at "
+        "total_steps); warmup_lr, warmup_decay_lr, warmup_cosine_lr: DeepSpeed's WarmupLR, "
+        "WarmupDecayLR and WarmupCosineLR with their parameters and step-for-step values",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="constant, linear, cosine: steps of linear warmup from 0 to lr"
+    )
+    total_steps: int | None = Field(
+        None,
+        ge=1,
+        description="linear, cosine: the step at which the decay reaches min_lr (required)",
+    )
+    min_lr: float = Field(
+        0.0, ge=0, description="linear, cosine: the rate the decay ends at (< optimizer.lr)"
+    )
+    warmup_min_lr: float = Field(
+        0.0, ge=0, description="warmup_lr, warmup_decay_lr: the rate warmup starts from"
+    )
+    warmup_max_lr: float | None = Field(
+        None,
+        gt=0,
+        description="warmup_lr, warmup_decay_lr: the rate warmup ends at; default optimizer.lr "
+        "(DeepSpeed's WarmupDecayLR defaults to 0.001 whatever the optimizer's rate: a plan has "
+        "one peak rate; `zerocc plan import` writes DeepSpeed's value out)",
+    )
+    warmup_num_steps: int = Field(
+        1000, ge=1, description="DeepSpeed's schedules: warmup steps (at least 2 are taken)"
+    )
+    warmup_type: Literal["log", "linear"] = Field(
+        "log", description="DeepSpeed's schedules: the warmup curve, log or linear"
+    )
+    total_num_steps: int | None = Field(
+        None,
+        ge=1,
+        description="warmup_decay_lr, warmup_cosine_lr: the step the decay ends at (required)",
+    )
+    warmup_min_ratio: float = Field(
+        0.0, ge=0, le=1, description="warmup_cosine_lr: the warmup's start, a fraction of lr"
+    )
+    cos_min_ratio: float = Field(
+        0.0001, ge=0, le=1, description="warmup_cosine_lr: the decay's end, a fraction of lr"
+    )
+
+    @model_serializer(mode="wrap")
+    def _only_fields_of_this_schedule(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # A dumped plan loads again: the other schedules' fields would be errors there.
+        return {k: v for k, v in handler(self).items() if k in ("name", *self.fields())}
+
+    def fields(self) -> tuple[str, ...]:
+        """The fields this schedule reads (beside ``name``)."""
+        return SCHEDULE_FIELDS[self.name]
+
+    @model_validator(mode="after")
+    def _fields_of_this_schedule(self) -> ScheduleConfig:
+        allowed = self.fields()
+        stray = sorted(self.model_fields_set - {"name", *allowed})
+        if stray:
+            raise ValueError(
+                f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to the "
+                f"{self.name} schedule; it reads {', '.join(allowed)}"
+            )
+        total = {"linear": "total_steps", "cosine": "total_steps"}.get(self.name)
+        if self.name in ("warmup_decay_lr", "warmup_cosine_lr"):
+            total = "total_num_steps"
+        if total is not None and getattr(self, total) is None:
+            raise ValueError(f"the {self.name} schedule needs {total}: the step its decay ends")
+        if total == "total_steps" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"total_steps {self.total_steps} must be larger than warmup_steps "
+                f"{self.warmup_steps}: the decay runs between them"
+            )
+        return self
+
+
+class OptimizerConfig(Section):
+    """The optimizer, applied to each rank's shard of the parameters."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="optimizer, as torch.optim names it")
+    lr: float = Field(
+        1e-3,
+        gt=0,
+        description="learning rate, > 0 and at most 1 for adamw (its step moves each weight by "
+        "about lr, whatever the gradient's scale: lr > 1 is a typo such as 1e3 for 1e-3) or 10 "
+        "for sgd (its step is lr times the gradient; large-batch recipes reach ~3-10)",
+        json_schema_extra={"maximum": max(MAX_LR.values())},
+    )
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.999),
+        description="AdamW betas, each in [0, 1) (a moment that keeps all of its past never "
+        "forgets its first gradient)",
+    )
+    eps: float = Field(
+        1e-8,
+        ge=FP32_TINY,
+        description="AdamW epsilon, added to the denominator; at least the smallest normal fp32 "
+        "number (1.2e-38): below it, it is a subnormal that GPU kernels flush to 0 (or 0 "
+        "itself), and a weight whose gradient is 0 becomes NaN (0/0)",
+    )
+    weight_decay: float = Field(
+        0.0,
+        ge=0,
+        description="decoupled weight decay (AdamW) or L2 (SGD); each step multiplies the "
+        "weights by 1 - lr * weight_decay, so lr * weight_decay must be < 1",
+    )
+    momentum: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="SGD momentum (sgd only), in [0, 1): at 1 or above the momentum buffer "
+        "never decays and the steps grow without bound",
+    )
+    grad_clip: float | None = Field(
+        None,
+        gt=0,
+        description="clip by global L2 norm over all ranks (a finite norm > 0; null: no clipping)",
+    )
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig,
+        description="learning-rate schedule (default: constant lr); lr is its peak rate",
+    )
+
+    @field_validator("lr", mode="wrap")
+    @classmethod
+    def _lr_in_range(
+        cls, lr: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> float:
+        # One message for every bad lr, with the range of this plan's optimizer (the field's
+        # own bounds are the loosest, those of any optimizer).
+        name = info.data.get("name")
+        largest = MAX_LR.get(name, max(MAX_LR.values()))
+        try:
+            value = handler(lr)
+        except ValidationError:
+            value = None
+        allowed = f"allowed: a finite number > 0 and <= {largest:g} for {name or 'any optimizer'}"
+        if value is None:
+            raise ValueError(f"{show(lr)} is not allowed; {allowed}")
+        if value > largest:
+            why = {
+                "adamw": "an AdamW step moves each weight by about lr",
+                "sgd": "an SGD step is lr times the gradient",
+            }.get(name, "lr bounds the size of a step")
+            raise ValueError(
+                f"{show(lr)} is too large: {why}; {allowed} (a dropped minus sign, as in 1e3 "
+                "for 1e-3?)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _schedule_fits_the_rate(self) -> OptimizerConfig:
+        schedule, peak = self.schedule, self.peak_lr
+        if schedule.warmup_max_lr is not None and schedule.warmup_max_lr > MAX_LR[self.name]:
+            raise ValueError(
+                f"schedule.warmup_max_lr {peak:g} is too large for {self.name}: allowed <= "
+                f"{MAX_LR[self.name]:g} (as lr)"
+            )
+        if schedule.name in ("linear", "cosine") and schedule.min_lr >= self.lr:
+            raise ValueError(
+                f"schedule.min_lr {schedule.min_lr:g} must be below lr {self.lr:g}: the "
+                f"{schedule.name} decay runs from lr down to min_lr"
+            )
+        if schedule.warmup_min_lr > peak:
+            raise ValueError(
+                f"schedule.warmup_min_lr {schedule.warmup_min_lr:g} is above the rate warmup "
+                f"ends at ({peak:g}); allowed: warmup_min_lr <= warmup_max_lr"
+            )
+        return self
+
+    @property
+    def peak_lr(self) -> float:
+        """The largest rate the schedule reaches: lr, or DeepSpeed's warmup_max_lr."""
+        return self.schedule.warmup_max_lr or self.lr
+
+    @model_validator(mode="after")
+    def _decay_keeps_the_weights(self) -> OptimizerConfig:
+        shrink = self.peak_lr * self.weight_decay
+        if shrink >= 1:
+            raise ValueError(
+                f"lr {self.peak_lr:g} * weight_decay {self.weight_decay:g} = {shrink:g}: each step "
+                "multiplies the weights by 1 - lr * weight_decay, which zeroes or flips them at "
+                "1 or more; allowed: lr * weight_decay < 1 (usual weight_decay: 0.01-0.1)"
+            )
+        return self
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum_is_sgd_only(cls, momentum: float, info: ValidationInfo) -> float:
+        name = info.data.get("name")
+        if momentum != 0 and name == "adamw":
+            raise ValueError(
+                f"momentum {momentum} applies to sgd only; set optimizer.name: sgd or drop momentum"
+            )
+        return momentum
