@@ -232,7 +232,7 @@ class Plan(Section):
                 )
             if offload.defer_updates != "none":
                 raise ValueError(
-                    "offload.grads: device needs offload.defer_updates: none (a pipelined update "
+                    "offload.grads: device needs offload.defer_updates: none (a deferred update "
                     "reads its gradients in the next step, from host buffers kept for it); "
                     "or set offload.grads: cpu"
                 )
