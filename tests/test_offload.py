@@ -315,7 +315,8 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     assert predicted.offloaded["host"] == measured["host"]["total"] > 0
     # Files hold a header (< 512 bytes) besides each state.
     nvme_states = predicted.offloaded["nvme"]
-    assert nvme_states <= measured["nvme"]["total"] <= nvme_states + 512 * len(step.nvme_specs)
+    headers = 512 * len(step.state.nvme_specs)
+    assert nvme_states <= measured["nvme"]["total"] <= nvme_states + headers
     assert predicted.transfers == describe(step.record())["transfer_bytes_per_step"]
     # Host buffers at their peak: the offloaded units' fp32 gradient shards (copied out as they
     # complete, kept until their updates) and at most three units' states read from NVMe.

@@ -159,10 +159,7 @@ def _fill(runner: StepRunner, flat: FlatState, read: Read) -> None:
             first, last = int(where[0]), int(where[-1])
             part = read(name, first, last + 1)[where - first]
         values[piece.at : piece.at + piece.stop - piece.start].copy_(part)
-    if spec.key in runner.state:
-        runner.state[spec.key].copy_(values)
-    else:  # placed on NVMe
-        runner.store.write(spec.key, values).wait()
+    runner.state.write(spec.key, values)  # (to its NVMe file where it is placed there)
 
 
 def _restore_counters(
