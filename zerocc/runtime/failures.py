@@ -3,9 +3,9 @@ program run that raised.
 
 :class:`RankHealth` is this rank among its peers: the status its heartbeat tells them, whether
 its process group can still run anything, the meeting points where ranks wait for each other
-while they compile, and the error a peer's failure is here. :func:`failed_run_error` is the
-error a program run that raised becomes, once the step was rolled back to its accumulation
-window's start (:meth:`zerocc.runtime.step.StepRunner` does that).
+while they compile, and the error a peer's failure is here. :func:`run_failure` is the error
+a program run that raised becomes (the step rolled back to its accumulation window's start
+where the run may go on).
 """
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ import torch
 from torch import fx
 
 from zerocc.engine.comm import Comm
-from zerocc.engine.failures import describe_node, first_line, peer_failure, signature_difference
-from zerocc.errors import BatchError, RankStoppedError
+from zerocc.engine.failures import (
+    describe_node,
+    failing_node,
+    first_line,
+    peer_failure,
+    signature_difference,
+)
+from zerocc.errors import BatchError, OffloadError, RankStoppedError
 from zerocc.ir.nodes import info
 
 
@@ -55,21 +61,36 @@ class RankHealth:
             self.comm.heartbeat.wait_for_all(tag, self.timeout_s, doing)
 
 
-def failed_run_error(
+def run_failure(
     exc: BaseException,
-    node: fx.Node | None,
+    gm: fx.GraphModule,
+    health: RankHealth,
     *,
-    rank: int,
-    step: int,
-    dropped: int,
+    applied_steps: int,
+    drop_window: Callable[[], int],
     new_signature: tuple | None,
     earlier: list[tuple],
 ) -> BaseException:
-    """The error to raise for a program run that raised ``exc`` in ``node`` (its failing node,
-    if known) on ``rank`` in ``step``, the step rolled back: gradient accumulators zeroed, the
-    ``dropped`` micro-batches accumulated for it dropped. ``exc`` itself, with a note naming
-    the node, unless a new program (``new_signature``, among the ``earlier`` batch signatures)
-    failed on its first run: a BatchError then (the program is not kept)."""
+    """The error to raise for a run of the program ``gm`` that raised ``exc`` (``exc`` itself,
+    with a note naming the failing node, when nothing can be added; ``applied_steps``: the
+    optimizer steps applied before it). An OffloadError leaves the step's update incomplete. A
+    failed collective is a peer that stopped answering: the heartbeats name it, and the group
+    is closed (nothing more can run on it). Anything else leaves the step as before the
+    micro-batch's accumulation window began (``drop_window()`` zeroes the gradient
+    accumulators and drops that window's micro-batches, returning how many); a new program
+    (``new_signature``, among the ``earlier`` batch signatures) that failed on its first run is
+    not kept, and its error is a BatchError."""
+    rank = health.comm.rank
+    if isinstance(exc, OffloadError):
+        return OffloadError(
+            f"rank {rank}, step {applied_steps + 1}: {exc}. Training stopped: this "
+            "step's update is incomplete; load the last checkpoint to go on"
+        )
+    node = failing_node(gm, exc.__traceback__)  # (named as the program's)
+    step = health.step_number()
+    if health.comm.failure is not None:
+        return health.peer_failure(exc, describe_node(node))
+    dropped = drop_window()
     if node is not None and info(node).phase == "optimizer":
         detail = "the update may be partly applied: load the last checkpoint to go on"
     else:

@@ -12,10 +12,10 @@ program first runs the ranks compare its hash (a mismatch names the first differ
 
 What the loop stands on has a module each: the compile session
 (:mod:`zerocc.compiler.driver.session`), the programs built from it
-(:mod:`zerocc.runtime.programs`), the state the programs bind (:mod:`zerocc.runtime.state_store`),
-the ranks' agreement (:mod:`zerocc.runtime.agreement`), what failures become
-(:mod:`zerocc.runtime.failures`) and the update a step carries into the next
-(:mod:`zerocc.runtime.carried`).
+(:mod:`zerocc.runtime.programs`), what they run on (:mod:`zerocc.runtime.context`), the state
+they bind (:mod:`zerocc.runtime.state_store`), the ranks' agreement
+(:mod:`zerocc.runtime.agreement`), what failures become (:mod:`zerocc.runtime.failures`) and the
+update a step carries into the next (:mod:`zerocc.runtime.carried`).
 """
 
 from __future__ import annotations
@@ -29,37 +29,30 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends import resolve_backend
-from zerocc.backends.kernels import check_kernels, host_kernels, kernel_set, resolve_kernels
-from zerocc.compiler.capture import LossFn, ModelInfo, detach_inputs, traced_grad_mode
+from zerocc.compiler.capture import LossFn, detach_inputs, traced_grad_mode
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import weight_source
 from zerocc.compiler.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.schedule import lr_at
-from zerocc.compiler.state import DEVICE, LOSS_SCALE_SPEC, LR_SPEC, NVME, STEP_SPEC, StateLayout
-from zerocc.compiler.tensor_parallel import TensorParallel
+from zerocc.compiler.state import DEVICE, LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
-from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Comm, CommStats
 from zerocc.engine.failures import describe_node, failing_node
-from zerocc.engine.host_worker import HostWorker, pin_host_update_threads
-from zerocc.engine.transfers import Transfers, TransferStats
-from zerocc.errors import OffloadError, RankMismatchError
+from zerocc.engine.transfers import TransferStats
 from zerocc.ir.nodes import BATCH
 from zerocc.runtime.agreement import END_OF_DATA, Agreement, RankAgreement, has_peers
 from zerocc.runtime.carried import CarriedUpdate
-from zerocc.runtime.failures import RankHealth, failed_run_error
+from zerocc.runtime.context import open_context
+from zerocc.runtime.failures import RankHealth, run_failure
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states
 from zerocc.runtime.nonfinite import nonfinite_error
-from zerocc.runtime.nvme import open_store
 from zerocc.runtime.programs import Program, ProgramBuilder, batch_signature
 from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_store import StateStore, align_random_state
-
-__all__ = ["Program", "StepObserver", "StepRunner", "batch_signature"]
 
 
 class StepObserver:
@@ -114,27 +107,17 @@ class StepRunner:
         # group under hybrid sharding or tensor parallelism, made here: a collective).
         comm.use_mesh(self.mesh)
         self.backend_name = resolve_backend(plan.backend.name, device)
-        self.kernels = resolve_kernels(plan.backend.kernels, device, plan.precision.master)
-        check_kernels(self.kernels, device)
-        # States placed on NVMe live in files of this rank's store, checked for room before
-        # anything is written.
-        nvme = open_store(plan, comm.rank, self.layout.at(NVME))
-        self.transfers = Transfers(nvme, device)
-        host = HostWorker(threaded=device.type == "cuda")
-        self.context = RuntimeContext(comm, self.transfers, kernel_set(self.kernels), device, host)
         # Where the time before training went, by phase (explain() and `zerocc train` say).
         self.setup_seconds: dict[str, float] = {}
-        self.host_kernels: str | None = None  # the kernel set of host updates on a GPU machine
-        if plan.offload.updates_on_host(device):
-            pin_host_update_threads()
-            with self._timed("host update kernels"):
-                self.host_kernels = host_kernels()  # compiled here (one-pass), not in a step
+        opened = open_context(plan, comm, device, self.layout, self._timed)
+        self.context, self.transfers = opened.context, opened.context.transfers
+        self.kernels, self.host_kernels = opened.kernels, opened.host_kernels
         if plan.backend.check_memory:  # before anything is allocated: the states fit
-            check_model_states(self.model_info, self.units, self.layout, plan, comm, device)
+            check_model_states(self.session.model_info, self.units, self.layout, plan, comm, device)
         self.initial_weights = None if source is None else source.describe()
         # The TrainStep owns the weights from here (``full_state_dict()`` returns them).
         with self._timed("model states"):
-            self.state = StateStore.allocate(model, self.session, comm, device, nvme)
+            self.state = StateStore.allocate(model, self.session, comm, device, opened.nvme)
         if self.mesh.tp > 1:
             align_random_state(comm, self.session, device)
         self.loss_scaler: LossScaler | None = None
@@ -151,21 +134,6 @@ class StepRunner:
     def mesh(self) -> Mesh:
         """The ranks' layout (:class:`~zerocc.compiler.mesh.Mesh`)."""
         return self.session.mesh
-
-    @property
-    def full_model_info(self) -> ModelInfo:
-        """Every parameter whole (checkpoints name and shape them so)."""
-        return self.session.full_model_info
-
-    @property
-    def tensor_parallel(self) -> TensorParallel | None:
-        """The layers the plan splits over the tp ranks, if any."""
-        return self.session.tensor_parallel
-
-    @property
-    def model_info(self) -> ModelInfo:
-        """What this rank holds: each split parameter's slice under tensor parallelism."""
-        return self.session.model_info
 
     @property
     def units(self) -> list[Unit]:
@@ -241,7 +209,7 @@ class StepRunner:
         """One micro-batch; ``recorded(program)``, when given, makes the recorder the program
         runs under (on an executable of its own) instead of the program's executable."""
         self.health.check_usable()
-        batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        batch = self._on_device(batch)
         boundary = self.updates_next
         signature = batch_signature(batch)
         self.health.set_status(f"in step {self._step_number()}")
@@ -258,42 +226,12 @@ class StepRunner:
             self._set_step_inputs()
         if program.carries:
             self.carried.set_inputs()
-        args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         recorder = recorded(program) if recorded is not None else None
-        executable = recorder.executable if recorder is not None else program.run
-        late = None if agreement.settled else lambda: self.agreement.settle(agreement)
-        self.comm.stats.reset()
-        self.transfers.stats.reset()
-        try:
-            with (
-                traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
-                self.comm.checked_before_first_collective(late),
-                self._timed("first run") if first_run else contextlib.nullcontext(),
-            ):
-                args = detach_inputs(args)  # so that grad mode records no autograd graph
-                loss = recorder.run(*args) if recorder is not None else executable(*args)
-                if first_run and self.device.type == "cuda":  # its kernels' time, not launches'
-                    torch.cuda.synchronize(self.device)
-        except BaseException as exc:
-            executable.reset()
-            if program.carries:  # applied in part, perhaps: never again
-                self.carried.pending = None
-            if exc is agreement.error:  # the ranks disagree: stopped before anything was written
-                if boundary and STEP_SPEC.key in self.state:
-                    self.state[STEP_SPEC.key].fill_(self.steps)
-                raise
-            if not agreement.settled:  # the peers settle it: so must this rank, then fail
-                with contextlib.suppress(Exception):
-                    self.agreement.settle(agreement)
-            failure = self._run_failed(exc, program, signature if first_run else None)
-            if failure is exc:
-                raise
-            raise failure from exc
-        if not agreement.settled:  # (settled before the run, or at its first collective)
-            self.agreement.settle(agreement)
+        new_signature = signature if first_run else None
+        loss = self._run(program, batch, agreement, boundary, new_signature, recorder)
         if first_run:
             self.programs[key] = program
-        if executable.in_flight():
+        if (recorder.executable if recorder is not None else program.run).in_flight():
             raise RuntimeError("a program finished with collectives still in flight")
         self.micro_batches += 1
         self._last_program = program
@@ -309,6 +247,71 @@ class StepRunner:
             done = self.micro_batches // self.plan.grad_accumulation
             self.health.set_status(f"after step {done}")
         return loss
+
+    def _run(
+        self,
+        program: Program,
+        batch: tuple,
+        agreement: Agreement,
+        boundary: bool,
+        new_signature: tuple | None,
+        recorder: ProfiledRun | None,
+    ) -> Any:
+        """Run ``program`` on ``batch`` (under ``recorder``, when given), settling the ranks'
+        ``agreement`` on it no later than right before its first collective; ``new_signature``:
+        the batch signature it was just built for (None for a cached program). A run that
+        raises raises what :func:`~zerocc.runtime.failures.run_failure` makes of it."""
+        executable = recorder.executable if recorder is not None else program.run
+        late = None if agreement.settled else lambda: self.agreement.settle(agreement)
+        first_run = new_signature is not None
+        self.comm.stats.reset()
+        self.transfers.stats.reset()
+        try:
+            with (
+                traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
+                self.comm.checked_before_first_collective(late),
+                self._timed("first run") if first_run else contextlib.nullcontext(),
+            ):
+                args = self._bound(program, batch)  # (detached: grad mode records no graph)
+                loss = recorder.run(*args) if recorder is not None else executable(*args)
+                if first_run and self.device.type == "cuda":  # its kernels' time, not launches'
+                    torch.cuda.synchronize(self.device)
+        except BaseException as exc:
+            executable.reset()
+            if program.carries:  # applied in part, perhaps: never again
+                self.carried.pending = None
+            if exc is agreement.error:  # the ranks disagree: stopped before anything was written
+                if boundary and STEP_SPEC.key in self.state:
+                    self.state[STEP_SPEC.key].fill_(self.steps)
+                raise
+            if not agreement.settled:  # the peers settle it: so must this rank, then fail
+                with contextlib.suppress(Exception):
+                    self.agreement.settle(agreement)
+            failure = run_failure(
+                exc,
+                program.run.gm,
+                self.health,
+                applied_steps=self.steps,
+                drop_window=self._drop_window,
+                new_signature=new_signature,
+                earlier=[sig for sig, _ in self.programs],
+            )
+            if failure is exc:
+                raise
+            raise failure from exc
+        if not agreement.settled:  # (settled before the run, or at its first collective)
+            self.agreement.settle(agreement)
+        return loss
+
+    def _on_device(self, batch: tuple) -> tuple:
+        """``batch`` with its tensors on the step's device."""
+        return tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+
+    def _bound(self, program: Program, batch: tuple) -> list[Any]:
+        """What ``program``'s placeholders bind, in order: ``batch``'s values and the state,
+        detached (so that grad mode records no autograd graph)."""
+        bound = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
+        return detach_inputs(bound)
 
     def _propose(self, what: tuple, batch: tuple | None = None) -> Agreement:
         """Issue the ranks' agreement on the next micro-batch (see
@@ -339,17 +342,16 @@ class StepRunner:
         on as if it had not run. Collective: every rank calls it together (the ranks agree on
         the batch first)."""
         self.health.check_usable()
-        batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        batch = self._on_device(batch)
         signature = batch_signature(batch)
         key = (signature, "evaluate")
         self.health.set_status(f"evaluating after step {self._step_number() - 1}")
         self.agreement.settle(self._propose(("evaluation batch", signature), batch))
         self.apply_carried_update()  # (after the agreement: under stages 1-2 it all-gathers)
         program = self.programs.get(key) or self._build(batch, boundary=False, training=False)
-        args = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
         try:
             with traced_grad_mode(), self._stats_kept():
-                loss = program.run(*detach_inputs(args))
+                loss = program.run(*self._bound(program, batch))
         except BaseException as exc:
             program.run.reset()
             if self.comm.failure is not None:
@@ -391,36 +393,14 @@ class StepRunner:
         """The 1-based number of the optimizer step the next micro-batch belongs to."""
         return self.micro_batches // self.plan.grad_accumulation + 1
 
-    def _run_failed(
-        self, exc: BaseException, program: Program, new_signature: tuple | None
-    ) -> BaseException:
-        """The error to raise for a program run that raised ``exc`` (``exc`` itself when
-        nothing can be added). A failed collective is a peer that stopped answering: the
-        heartbeats name it, and the group is closed (nothing more can run on it). Anything else
-        leaves the step as before the micro-batch's accumulation window began: gradient
-        accumulators zeroed, that window's micro-batches dropped; a new program that failed on
-        its first run (``new_signature``) is not kept."""
-        if isinstance(exc, OffloadError):
-            return OffloadError(
-                f"rank {self.comm.rank}, step {self.steps + 1}: {exc}. Training stopped: this "
-                "step's update is incomplete; load the last checkpoint to go on"
-            )
-        node = failing_node(program.run.gm, exc.__traceback__)  # (named as the program's)
-        step = self._step_number()
-        if self.comm.failure is not None:
-            return self.health.peer_failure(exc, describe_node(node))
+    def _drop_window(self) -> int:
+        """Leave the step as before the current accumulation window began (after a failed
+        run): gradient accumulators zeroed, the window's micro-batches dropped; returns how
+        many were."""
         self.state.zero_gradients()
         dropped = self.micro_batches % self.plan.grad_accumulation
         self.micro_batches -= dropped
-        return failed_run_error(
-            exc,
-            node,
-            rank=self.comm.rank,
-            step=step,
-            dropped=dropped,
-            new_signature=new_signature,
-            earlier=[sig for sig, _ in self.programs],
-        )
+        return dropped
 
     def _account_step(self, overflow: bool, flags: torch.Tensor | None = None) -> None:
         """After an optimizer step: count it (unless skipped: its update wrote nothing) and
@@ -477,21 +457,27 @@ class StepRunner:
     @property
     def program(self) -> fx.GraphModule:
         """The scheduled graph of the last program run (or built)."""
-        program = self._last_program or next(iter(self.programs.values()), None)
-        if program is None:
-            raise RuntimeError("no program yet: call step(*batch) once to compile")
-        return program.gm
+        return self._shown_or_none_yet().gm
 
     @property
     def records(self) -> list[PassRecord]:
         """What each pass did to the last program: time, ops added and removed (and the graph
         after it where dumps keep it)."""
-        return (self._last_program or next(iter(self.programs.values()))).records
+        return self._shown_or_none_yet().records
+
+    @property
+    def _shown(self) -> Program | None:
+        """The program inspection shows: the last one run, else the first one built."""
+        return self._last_program or next(iter(self.programs.values()), None)
+
+    def _shown_or_none_yet(self) -> Program:
+        if self._shown is None:
+            raise RuntimeError("no program yet: call step(*batch) once to compile")
+        return self._shown
 
     def record(self) -> StepRecord:
         """A plain record of this compiled step, for inspection (:mod:`zerocc.runtime.record`)."""
-        last = self._last_program or next(iter(self.programs.values()), None)
-        first = next(iter(self.programs), (None,))[0]
+        last, first = self._shown, next(iter(self.programs), (None,))[0]
         return StepRecord(
             plan=self.plan,
             world_size=self.comm.world_size,
@@ -502,7 +488,7 @@ class StepRunner:
             programs={b: p.gm for (sig, b), p in self.programs.items() if sig == first},
             program=last.gm if last else None,
             records=last.records if last else [],
-            state_bytes=self.state_bytes_by_location(),
+            state_bytes=self.state.bytes_by_location(),
             loss_scale=self.loss_scale,
             dynamic_loss_scale=bool(self.loss_scaler and self.loss_scaler.dynamic),
             backend=self.backend_name,
@@ -518,88 +504,8 @@ class StepRunner:
             setup_seconds=dict(self.setup_seconds),
         )
 
-    def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
-        """Bytes of this rank's persistent params, grads and optimizer states (measured) in
-        each place they live: ``device``, ``host`` and ``nvme``."""
-        return self.state.bytes_by_location()
-
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the live persistent params, grads and optimizer states of this rank on the
-        device (measured); what offload placed elsewhere is in :meth:`state_bytes_by_location`."""
-        return self.state_bytes_by_location()[DEVICE]
-
-    def summary(self) -> dict[str, Any]:
-        """Figures of the last step: bytes per collective kind, model-state bytes per rank (on
-        the device), bytes offload moved per direction, the loss scale (None without scaling),
-        the steps skipped for a non-finite gradient (see :attr:`skipped_steps`) and the seconds
-        spent before training, by phase."""
-        return {
-            "comm_bytes_per_step": dict(self.comm.stats.bytes),
-            "model_state_bytes": self.model_state_bytes()["total"],
-            "offload_bytes_per_step": dict(self.transfers.stats.bytes),
-            "loss_scale": self.loss_scale,
-            "skipped_steps": self.skipped_steps,
-            "setup_seconds": dict(self.setup_seconds),
-        }
-
-    # -- the state ----------------------------------------------------------------------------
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{fqn: full tensor on CPU}`` for every key of ``model.state_dict()``, in the model's
-        dtypes: the master weights under mixed precision.
-
-        A collective when the weights are sharded (stage 3; stages 1-2 under mixed precision,
-        whose masters are sharded): call it on every rank.
-        """
-        self.apply_carried_update()
-        return self.state.full_state_dict()
-
-    def materialize_model(self, device: str | torch.device = "cpu") -> nn.Module:
-        """The model given to ``compile`` (which sits on ``meta`` once the step owns its
-        weights) with the step's current weights and buffers, on ``device``: to evaluate it,
-        generate with it or save it as usual. A copy: the step trains its own weights, so call
-        again for newer ones. Every rank holds the whole model afterwards; a collective where
-        the weights are sharded (see :meth:`full_state_dict`): call it on every rank."""
-        self.apply_carried_update()
-        return self.state.materialize_model(self.model, device)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shards, optimizer state and counters, ready for
-        ``torch.distributed.checkpoint.save`` (or ``torch.save``). Tensor keys carry the rank
-        (``rank1/transformer.h.0.param``) since every rank holds different shards; reload
-        with the same plan and world size. Applies a pipelined offload's update in flight
-        first, which under stages 1-2 all-gathers: call it on every rank then."""
-        self.apply_carried_update()
-        sd: dict[str, Any] = dict(self.state.state_dict())
-        sd["zerocc"] = {
-            "steps": self.steps,
-            "micro_batches": self.micro_batches,
-            **self._sharding(),
-        }
-        if self.loss_scaler is not None:
-            sd["zerocc"]["loss_scaler"] = self.loss_scaler.state_dict()
-        return sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
-        self.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
-        # (saved before hybrid sharding and tensor parallelism: no replicas, no split)
-        saved = {"replicate": 1, "tp": 1, **sd["zerocc"]}
-        for field, mine in self._sharding().items():
-            if saved[field] != mine:
-                raise RankMismatchError(
-                    f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
-                )
-        self.state.load_state_dict(sd)
-        self.steps, self.micro_batches = saved["steps"], saved["micro_batches"]
-        if self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(saved["loss_scaler"])
-
-    def _sharding(self) -> dict[str, int]:
-        """How this run shards its state: what a rank's state_dict() holds depends on it."""
-        return {
-            "world_size": self.comm.world_size,
-            "stage": self.plan.zero.stage,
-            "replicate": self.plan.zero.replicate,
-            "tp": self.mesh.tp,
-        }
+        device (measured); what offload placed elsewhere is in
+        :meth:`~zerocc.runtime.state_store.StateStore.bytes_by_location`."""
+        return self.state.bytes_by_location()[DEVICE]

@@ -135,8 +135,8 @@ def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> Non
         entry[2].append(asdict(chunk))
 
     states = saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer))
-    tp, tp_rank = runner.tensor_parallel, mesh.tp_rank(rank)
-    whole = {p.fqn: list(p.shape) for p in runner.full_model_info.params}
+    tp, tp_rank = runner.session.tensor_parallel, mesh.tp_rank(rank)
+    whole = {p.fqn: list(p.shape) for p in runner.session.full_model_info.params}
     for flat in states if mesh.replica(rank) == 0 else []:
         values = runner.state.read(flat.spec.key)
         for piece in flat.pieces(mesh.shard_rank(rank)):
@@ -157,7 +157,7 @@ def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> Non
         add(rng_name(rank, device_type), list(state.shape), state)
     if rank != 0:
         return
-    for buffer in runner.model_info.buffers:
+    for buffer in runner.session.model_info.buffers:
         if buffer.fqn in runner.state:
             add(weight_name(buffer.fqn), list(buffer.shape), runner.state[buffer.fqn])
     if "optim.step" in runner.state:
@@ -186,7 +186,7 @@ def _zerocc_version() -> str:
 def run_metadata(runner: StepRunner) -> dict[str, Any]:
     """What a checkpoint says of the run besides its tensors: counters, world, plan, model
     (every parameter whole, under tensor parallelism too)."""
-    info = runner.full_model_info
+    info = runner.session.full_model_info
 
     def described(p) -> dict[str, Any]:
         return {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "aliases": list(p.aliases)}
