@@ -55,7 +55,8 @@ class CarriedUpdate:
             gm = carried_program(stepping.gm)
             inputs = [val(n) for n in placeholders(gm)]
             run = get_backend("eager")(gm, inputs, self.context)  # host work: nothing to fuse
-            self._drain = Program(gm, [], bindings_of(gm), inputs, run, "", False, False, True)
+            bindings = bindings_of(gm)
+            self._drain = Program(gm, [], bindings, inputs, run, "", False, False, carries=True)
         self.set_inputs()
         drain = self._drain
         try:
