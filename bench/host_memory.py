@@ -2,7 +2,7 @@
 
 One process per plan (its own resident set): the example GPT (12 × 768 by default, 85.6M
 parameters), ZeRO-3 on one rank, bf16 compute, AdamW with clipping, offload as the plan says.
-For each plan it prints the model states by pool (what ``step.state_bytes_by_location()``
+For each plan it prints the model states by pool (what ``step.state.bytes_by_location()``
 measures), the copies' host buffers (``step.transfers.host_buffers``), the predicted peak of
 the step (states + the memory check's ``step_need``: activations, gathered units, host
 buffers) and the measured peak: ``VmHWM`` over steps 2-4 above the resident set before
@@ -72,7 +72,7 @@ open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here
 for _ in range(3):
     step(x, y)
 gc.collect()
-states = step.state_bytes_by_location()
+states = step.state.bytes_by_location()
 device = torch.device(args["device"])
 need = step_need(step._last_program.gm, device)
 host_states = states["host"]["total"] + (states["device"]["total"] if device.type == "cpu" else 0)

@@ -6,7 +6,7 @@ A Llama-style model (``--hidden``, ``--layers``, ``--vocab``) is saved once in b
 checkpoints are) to a temporary folder. Each row is one process, one rank of ``--world-sizes``
 simulated ranks (``zerocc.FakeComm``: the shards of rank 0), ZeRO-3, fp32 AdamW, on the CPU:
 the model loaded, ``zerocc.compile`` building its states. Measured: the rank's model states
-(``step.state_bytes_by_location()``), its peak resident memory above the resident set before
+(``step.state.bytes_by_location()``), its peak resident memory above the resident set before
 the load (``VmHWM``), peak over states, and the wall and CPU seconds of load plus compile;
 median over ``--rounds`` processes. On one host, ``N`` ranks hold ``N`` times the row. With
 ``--device cuda`` the states are on the GPU and the peak is the host's alone.
@@ -71,7 +71,7 @@ else:
     model = pretrained(args["folder"])
 step = zerocc.compile(model, plan, comm=zerocc.FakeComm(args["world"]))
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-states = step.state_bytes_by_location()
+states = step.state.bytes_by_location()
 print(json.dumps({{"states": sum(s["total"] for s in states.values()),
                   "peak": peak_rss_bytes() - base, "wall_s": wall, "cpu_s": cpu}}))
 """

@@ -127,7 +127,7 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
             {
                 "comm_bytes": summary["comm_bytes_per_step"],
                 "model_state_bytes": summary["model_state_bytes"],  # the device pool's
-                "state_bytes_by_location": step.state_bytes_by_location(),  # device, host, nvme
+                "state_bytes_by_location": step.state.bytes_by_location(),  # device, host, nvme
                 "transfer_bytes": summary["offload_bytes_per_step"],  # offload's copies, last step
                 "transfer_bytes_program": transfer_bytes_per_step(record),  # what the program says
                 # zerocc estimate's simulation of the step (plan rates, a calibration or defaults)

@@ -1,14 +1,18 @@
 """TrainStep: the compiled training step a user calls, and what users read about it.
 
-The running is the runtime's (:class:`zerocc.runtime.step.StepRunner`: programs, state,
-agreement, checkpoints); this layer adds :meth:`TrainStep.explain` and the dumps that
-``ZEROCC_DUMP_DIR`` (or the plan's ``dumps.dir``) asks for, both from the inspect layer.
+The running is the runtime's (:class:`zerocc.runtime.step.StepRunner`: the step loop, over
+its programs, its state store and the ranks' agreement); this layer adds what users call and
+read about it: the state (:meth:`TrainStep.full_state_dict`, :meth:`TrainStep.materialize_model`,
+:meth:`TrainStep.state_dict`, checkpoints), :meth:`TrainStep.summary`,
+:meth:`TrainStep.explain` and the dumps that ``ZEROCC_DUMP_DIR`` (or the plan's ``dumps.dir``)
+asks for, the last two from the inspect layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +31,7 @@ from zerocc.inspect.dumps import (
 from zerocc.inspect.explain import explain_step
 from zerocc.runtime.allocations import peak_allocated
 from zerocc.runtime.checkpoint import load_checkpoint, save_checkpoint
+from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
 from zerocc.runtime.step import StepObserver, StepRunner
 
 
@@ -85,6 +90,51 @@ class TrainStep(StepRunner):
     def explain(self) -> str:
         """Units, bytes each collective moves per step, model-state bytes per rank vs formula."""
         return explain_step(self.record())
+
+    def summary(self) -> dict[str, Any]:
+        """Figures of the last step: bytes per collective kind, model-state bytes per rank (on
+        the device), bytes offload moved per direction, the loss scale (None without scaling),
+        the steps skipped for a non-finite gradient (see :attr:`skipped_steps`) and the seconds
+        spent before training, by phase."""
+        return {
+            "comm_bytes_per_step": dict(self.comm.stats.bytes),
+            "model_state_bytes": self.model_state_bytes()["total"],
+            "offload_bytes_per_step": dict(self.transfers.stats.bytes),
+            "loss_scale": self.loss_scale,
+            "skipped_steps": self.skipped_steps,
+            "setup_seconds": dict(self.setup_seconds),
+        }
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{fqn: full tensor on CPU}`` for every key of ``model.state_dict()``, in the model's
+        dtypes: the master weights under mixed precision.
+
+        A collective when the weights are sharded (stage 3; stages 1-2 under mixed precision,
+        whose masters are sharded): call it on every rank.
+        """
+        self.apply_carried_update()
+        return self.state.full_state_dict()
+
+    def materialize_model(self, device: str | torch.device = "cpu") -> nn.Module:
+        """The model given to ``compile`` (which sits on ``meta`` once the step owns its
+        weights) with the step's current weights and buffers, on ``device``: to evaluate it,
+        generate with it or save it as usual. A copy: the step trains its own weights, so call
+        again for newer ones. Every rank holds the whole model afterwards; a collective where
+        the weights are sharded (see :meth:`full_state_dict`): call it on every rank."""
+        self.apply_carried_update()
+        return self.state.materialize_model(self.model, device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards, optimizer state and counters, ready for
+        ``torch.distributed.checkpoint.save`` (or ``torch.save``). Tensor keys carry the rank
+        (``rank1/transformer.h.0.param``) since every rank holds different shards; reload
+        with the same plan and world size. Applies an offload's deferred update in flight
+        first, which under stages 1-2 all-gathers: call it on every rank then."""
+        return rank_state_dict(self)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave (after ``dcp.load(sd, ...)`` filled it in)."""
+        load_rank_state_dict(self, sd)
 
     def save(self, folder: str | Path, keep: int | None = None) -> Path:
         """Save a checkpoint under ``folder`` (``step-<n>``, n: optimizer steps taken) that

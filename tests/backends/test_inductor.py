@@ -203,7 +203,7 @@ def test_calibration_times_every_op_of_a_compiled_program(backend):
     eager, _ = _calibrated("eager")
     ours, step = _calibrated(backend)
     assert ours["nodes"] == eager["nodes"] and "FLOP/s" in ours["fitted"]
-    assert len(step._lowered_again) == 2  # op by op (eager), and the backend's own code
+    assert len(step.builder.lowered_again) == 2  # op by op (eager), and the backend's own code
 
 
 def test_regions_keep_zerocc_ops_in_their_scheduled_order_and_hold_none():

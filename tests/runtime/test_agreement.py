@@ -78,11 +78,11 @@ def _where_settled(rank: int, world: int, stage: int) -> list[tuple[bool, int]]:
     """For each call: whether the agreement was settled while the program ran, and how many
     collectives the program had issued by then."""
     from zerocc.backends.eager.executable import EagerExecutable
-    from zerocc.train_step import TrainStep
+    from zerocc.runtime.agreement import RankAgreement
 
     step = zerocc.compile(build("gpt"), _plan(stage))
     seen: list[tuple[bool, int]] = []
-    settle, run = TrainStep._settle, EagerExecutable.__call__
+    settle, run = RankAgreement.settle, EagerExecutable.__call__
     running = [False]
 
     def recording(self, agreement):
@@ -96,7 +96,7 @@ def _where_settled(rank: int, world: int, stage: int) -> list[tuple[bool, int]]:
         finally:
             running[0] = False
 
-    TrainStep._settle, EagerExecutable.__call__ = recording, tracked
+    RankAgreement.settle, EagerExecutable.__call__ = recording, tracked
     for i in range(3):
         step(*batch_of(GPT, i, rank))
     return seen

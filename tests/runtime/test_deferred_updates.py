@@ -50,7 +50,7 @@ def threaded(request, monkeypatch) -> bool:
     """Host updates where they are issued (a CPU machine), or on the worker's thread."""
     if request.param:
         monkeypatch.setattr(
-            "zerocc.runtime.step.HostWorker", lambda threaded: HostWorker(threaded=True)
+            "zerocc.runtime.context.HostWorker", lambda threaded: HostWorker(threaded=True)
         )
     return request.param
 

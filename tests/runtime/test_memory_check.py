@@ -16,7 +16,7 @@ from multirank import run_ranks
 from parity import batch_of
 
 import zerocc
-import zerocc.runtime.step as step_module
+import zerocc.runtime.state_store as state_store
 from zerocc.compiler.capture import describe_model
 from zerocc.compiler.driver.pass_manager import bind_passes, plan_layout
 from zerocc.compiler.driver.plan_changes import NVME_PATH_HINT
@@ -63,13 +63,13 @@ def machine(monkeypatch):
 def allocations(monkeypatch):
     """The layouts allocate_state was called with (each call goes through)."""
     calls = []
-    real = step_module.allocate_state
+    real = state_store.allocate_state
 
     def counting(*args, **kwargs):
         calls.append(args[3])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(step_module, "allocate_state", counting)
+    monkeypatch.setattr(state_store, "allocate_state", counting)
     return calls
 
 
@@ -170,8 +170,8 @@ def test_a_step_that_does_not_fit_fails_before_its_program_runs(machine, allocat
     fake = machine({HOST_POOL: 2**40}, {HOST_POOL: available})  # the states fit, the step not
     step = zerocc.compile(build("gpt"), plan, comm=zerocc.FakeComm(2))
     backends = []
-    real_backend = step.backend
-    step.backend = lambda gm: backends.append(gm) or real_backend(gm)
+    real_backend = step.builder.backend
+    step.builder.backend = lambda gm: backends.append(gm) or real_backend(gm)
     weights = {k: t.clone() for k, t in step.state.items()}
     with pytest.raises(InsufficientMemoryError) as raised:
         step(*BATCH)
@@ -289,7 +289,7 @@ def test_ranks_sharing_a_machine_fail_together():
 def test_a_model_larger_than_this_machine_fails_on_its_real_figures(monkeypatch):
     """~32B parameters on the meta device, stage 0 on one rank: ~480 GiB of states."""
     reached = []
-    monkeypatch.setattr(step_module, "allocate_state", lambda *a, **k: reached.append(a) or {})
+    monkeypatch.setattr(state_store, "allocate_state", lambda *a, **k: reached.append(a) or {})
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     config = GPTConfig(vocab_size=32000, block_size=64, n_layer=40, n_head=64, n_embd=8192)
     with torch.device("meta"):

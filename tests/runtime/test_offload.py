@@ -62,12 +62,12 @@ def test_optimizer_offload_moves_the_offloaded_share_of_12_psi_off_the_device(ra
     """bf16 compute, fp32 masters: the device keeps 2 + 4 bytes per shard element of an
     offloaded unit instead of 2 + 4 + 12; the 12 (master, exp_avg, exp_avg_sq) are measured in
     the host pool (cpu) or in the state files (nvme)."""
-    resident = _trained(_plan()).state_bytes_by_location()
+    resident = _trained(_plan()).state.bytes_by_location()
     for where, pool in (("cpu", "host"), ("nvme", "nvme")):
         step = _trained(_plan(tmp_path if where == "nvme" else None, optimizer=where, ratio=ratio))
         share = 12 * sum(u.shard_numel for u in offloaded_units(step.units, ratio))
         assert 0 < share <= 12 * sum(u.shard_numel for u in step.units)
-        measured = step.state_bytes_by_location()
+        measured = step.state.bytes_by_location()
         assert resident["device"]["total"] - measured["device"]["total"] == share
         assert measured["device"]["grads"] == resident["device"]["grads"]
         offloaded = measured[pool]["optimizer"]
@@ -77,7 +77,7 @@ def test_optimizer_offload_moves_the_offloaded_share_of_12_psi_off_the_device(ra
 
 def test_parameter_offload_moves_the_shards_off_the_device():
     step = _trained(_plan(params="cpu"))
-    measured = step.state_bytes_by_location()
+    measured = step.state.bytes_by_location()
     assert measured["device"]["params"] == 0
     assert measured["host"]["params"] == 2 * sum(u.shard_numel for u in step.units)
 
@@ -87,7 +87,7 @@ def test_fp32_states_with_their_parameters_keep_no_second_copy():
     in place, so the host holds 4 + 4 + 4 bytes per element (param, exp_avg, exp_avg_sq)."""
     plan = {**_plan(optimizer="cpu", params="cpu"), "precision": {}}
     step = _trained(plan)
-    measured = step.state_bytes_by_location()
+    measured = step.state.bytes_by_location()
     shards = sum(u.shard_numel for u in step.units)
     assert measured["host"]["total"] == 12 * shards
     assert measured["device"]["params"] == 0
@@ -310,12 +310,13 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     step = zerocc.compile(work.model, plan)
     step(*next(work.batches(0, 1)))
     predicted = estimate(inspect_plan(plan, 1, workload(**small)))
-    measured = step.state_bytes_by_location()
+    measured = step.state.bytes_by_location()
     assert predicted.model_states["total"] == measured["device"]["total"]
     assert predicted.offloaded["host"] == measured["host"]["total"] > 0
     # Files hold a header (< 512 bytes) besides each state.
     nvme_states = predicted.offloaded["nvme"]
-    assert nvme_states <= measured["nvme"]["total"] <= nvme_states + 512 * len(step.nvme_specs)
+    headers = 512 * len(step.state.nvme_specs)
+    assert nvme_states <= measured["nvme"]["total"] <= nvme_states + headers
     assert predicted.transfers == describe(step.record())["transfer_bytes_per_step"]
     # Host buffers at their peak: the offloaded units' fp32 gradient shards (copied out as they
     # complete, kept until their updates) and at most three units' states read from NVMe.

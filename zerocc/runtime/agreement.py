@@ -8,6 +8,8 @@ differ. It is issued without waiting (:class:`Agreement`) and settled when its a
 needed: the TrainStep settles the agreement on a micro-batch right before the first
 collective of a program whose run writes nothing before that collective
 (:func:`agrees_at_first_collective`), so the round trip runs behind the work before it.
+:class:`RankAgreement` is what a step runner agrees on with its peers: how they start, each
+micro-batch, each program.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from zerocc.compiler.materialize import WeightSource
+from zerocc.compiler.plan import Plan
 from zerocc.engine.comm import Comm, TorchComm
 from zerocc.errors import DataExhaustedError, RankMismatchError, ZeroccError
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.nodes import BATCH, info, op_name, placeholders
 from zerocc.ir.ops import COLLECTIVE_STARTS
+from zerocc.runtime.failures import RankHealth
 
 END_OF_DATA = ("end of data",)  # what a rank with no batch left agrees on
 
@@ -177,3 +182,86 @@ def first_difference(views: list[Any]) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
+
+
+class RankAgreement:
+    """What a rank agrees on with its peers on ``health``'s comm, each an error on every rank
+    when they differ, a RankStoppedError when a peer stops answering: how they start
+    (:meth:`agree_on_start`), each micro-batch (:meth:`propose`, then :meth:`settle`) and
+    anything else (:meth:`agree`, :meth:`views_if_they_differ`)."""
+
+    def __init__(self, health: RankHealth) -> None:
+        self.health, self.comm = health, health.comm
+
+    def agree(self, what: tuple, problem: str, detail: str | None = None) -> None:
+        """Raise on every rank when ranks disagree on ``what`` (8-byte hash compared first);
+        ``detail``: the text whose first differing line the error names."""
+        views = self.views_if_they_differ(what, detail if detail is not None else repr(what))
+        if views is not None:
+            raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + first_difference(views))
+
+    def agree_on_start(self, plan: Plan, source: WeightSource | None) -> None:
+        """Raise on every rank when the ranks do not start alike: their torch releases, plans
+        (but for the fields a host sets its own way, ``Plan.shared_lines``) or weight sources
+        (files copied to each host that are not the same). Each rank has its own; a learning
+        rate, a schedule or weight files that differ change no compiled program, so without
+        this the model would train on from a mix of them, silently."""
+        weights = source.fingerprint() if source is not None else "the model's own values"
+        start = (
+            f"torch {torch.__version__}\nplan:\n{plan.shared_lines()}\ninitial weights: {weights}"
+        )
+        self.agree(
+            ("start", digest(start)),
+            "the ranks do not start alike (each has its own torch, plan and weight files: "
+            "give every rank the same)",
+            start,
+        )
+
+    def views_if_they_differ(self, what: tuple, detail: str) -> list[Any] | None:
+        """None when every rank has the same ``what``; else every rank's ``detail``, by rank."""
+        try:
+            return views_if_they_differ(self.comm, what, detail)
+        except Exception as exc:  # a peer that stopped answering, or left
+            raise self.health.peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
+
+    def propose(
+        self, what: tuple, batch: tuple | None = None, tp_group: int | None = None
+    ) -> Agreement:
+        """Issue the ranks' agreement on the next micro-batch (its signature, or that there is
+        none) without waiting for it; :meth:`settle` waits. Under tensor parallelism
+        (``tp_group``: this rank's data-parallel rank, which its tp group shares) the ranks of
+        a tp group agree on ``batch``'s contents too: they train on one batch, and different
+        ones would train a wrong model without any other error."""
+        within = None
+        if tp_group is not None:
+            within = (tp_group, batch_digest(batch) if batch is not None else "")
+        try:
+            return Agreement(self.comm, what, repr(what), within)
+        except Exception as exc:  # the group failed already
+            raise self.health.peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
+
+    def settle(self, agreement: Agreement) -> None:
+        """Wait for the ranks' agreement on the next micro-batch; raise on every rank when they
+        differ (RankMismatchError, DataExhaustedError) or a peer stopped answering
+        (RankStoppedError). What it raises is kept as ``agreement.error``."""
+        try:
+            views = agreement.views_if_they_differ()
+        except Exception as exc:  # a peer that stopped answering, or left
+            where = f"the ranks' agreement on the {agreement.what[0]}"
+            agreement.error = self.health.peer_failure(exc, where)
+            raise agreement.error from exc
+        step = self.health.step_number()
+        if views is not None:
+            agreement.error = batch_disagreement(views, self.comm.rank, step)
+            raise agreement.error
+        if split := agreement.split_groups():
+            groups = "; ".join(
+                " vs ".join(", ".join(map(str, ranks)) for ranks in group) for group in split
+            )
+            agreement.error = RankMismatchError(
+                f"rank {self.comm.rank}, step {step}: the ranks of a "
+                f"tensor-parallel group were given different batches (ranks {groups}); the "
+                "ranks of a tp group train on one batch: give each rank the batch of its "
+                "data-parallel rank, step.data_rank of step.data_parallel"
+            )
+            raise agreement.error

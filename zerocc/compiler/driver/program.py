@@ -23,10 +23,10 @@ from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.driver.pass_manager import PassContext, PassList, PassRecord, run_passes
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.state import StateLayout
+from zerocc.compiler.state import NVME, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.errors import InvariantError
-from zerocc.ir.nodes import STATE_ROLES, count_ops, info, val
+from zerocc.ir.nodes import BUFFER, STATE_ROLES, count_ops, info, val
 
 
 @dataclass
@@ -109,23 +109,37 @@ def compile_program(
         tensor_parallel=tp,
     )
     gm, records = run_passes(gm, ctx, pass_list, snapshot if keep_graphs else None)
-    check_bindings(gm, ctx.layout)
+    check_bindings(gm, ctx.layout, model_info)
     return CompiledProgram(gm, [captured, *records], ctx.units, ctx.layout)
 
 
-def check_bindings(gm: fx.GraphModule, layout: StateLayout) -> None:
-    """Every state placeholder of ``gm`` binds a state of ``layout``, of its shape and dtype
-    (what the runtime allocated from the layout): raises InvariantError naming the first that
-    does not."""
+def check_bindings(
+    gm: fx.GraphModule, layout: StateLayout, model_info: ModelInfo | None = None
+) -> None:
+    """Every state placeholder of ``gm`` binds a state of ``layout`` that the runtime holds in
+    memory (not one placed on NVMe, which the program reads through its store), of its shape
+    and dtype (what the runtime allocated from the layout), and with ``model_info``, every
+    buffer placeholder a buffer of the model, of its shape and dtype: raises InvariantError
+    naming the first that does not."""
+    buffers = {b.fqn: b for b in model_info.buffers} if model_info is not None else None
     for node in gm.graph.nodes:
-        if node.op != "placeholder" or info(node).role not in STATE_ROLES:
+        if node.op != "placeholder":
             continue
-        spec, value = layout.get(info(node).key or ""), val(node)
-        if spec is None or (spec.shape, spec.dtype) != (tuple(value.shape), value.dtype):
+        role, key, value = info(node).role, info(node).key or "", val(node)
+        if role == BUFFER and buffers is not None:
+            held = buffers.get(key)
+            found = None if held is None else (held.shape, held.dtype)
+            what = "no buffer of the model" if held is None else f"buffer {held.shape} {held.dtype}"
+        elif role in STATE_ROLES:
+            spec = layout.get(key)
+            found = None if spec is None or spec.location == NVME else (spec.shape, spec.dtype)
+            what = spec if spec is not None else "no state of key " + repr(key)
+        else:
+            continue
+        if found != (tuple(value.shape), value.dtype):
             raise InvariantError(
-                f"placeholder {node.name} ({info(node).role}, {tuple(value.shape)} "
-                f"{value.dtype}) binds no state of the layout its passes declared "
-                f"({spec if spec is not None else 'no state of key ' + repr(info(node).key)})"
+                f"placeholder {node.name} ({role}, {tuple(value.shape)} {value.dtype}) binds no "
+                f"state of the layout its passes declared, held in memory ({what})"
             )
 
 

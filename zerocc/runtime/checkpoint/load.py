@@ -91,8 +91,8 @@ def _agree_on_checkpoint(comm: Comm, path: str | Path, folder: Path) -> None:
 
 def check_compatible(runner: StepRunner, manifest: Manifest) -> None:
     """The checkpoint is of this model and optimizer: CheckpointError naming what differs."""
-    meta = manifest.meta
-    mine = {p.fqn: p for p in (*runner.full_model_info.params, *runner.model_info.buffers)}
+    meta, session = manifest.meta, runner.session
+    mine = {p.fqn: p for p in (*session.full_model_info.params, *session.model_info.buffers)}
     saved = {**meta["params"], **meta["buffers"]}
     problems = []
     if missing := sorted(set(mine) - set(saved)):
@@ -130,7 +130,7 @@ def _load(runner: StepRunner, folder: Path, manifest: Manifest) -> list[str]:
         optim = optimizer_states(runner.plan.optimizer)
         for flat in loaded_states(runner.units, runner.layout, optim):
             _fill(runner, flat, read)
-        for buffer in runner.model_info.buffers:
+        for buffer in runner.session.model_info.buffers:
             if buffer.fqn in runner.state:
                 target = runner.state[buffer.fqn]
                 target.copy_(read(weight_name(buffer.fqn)).view(target.shape))
@@ -145,7 +145,7 @@ def _load(runner: StepRunner, folder: Path, manifest: Manifest) -> list[str]:
 def _fill(runner: StepRunner, flat: FlatState, read: Read) -> None:
     """Fill one flat state from the saved tensors: the pieces this rank holds, cast to the
     flat's dtype, padding zero."""
-    spec, tp = flat.spec, runner.tensor_parallel
+    spec, tp = flat.spec, runner.session.tensor_parallel
     values = torch.zeros(spec.shape, dtype=spec.dtype)
     for piece in flat.pieces(runner.mesh.shard_rank(runner.comm.rank), whole=True):
         name = flat.name(piece.param)
@@ -159,10 +159,7 @@ def _fill(runner: StepRunner, flat: FlatState, read: Read) -> None:
             first, last = int(where[0]), int(where[-1])
             part = read(name, first, last + 1)[where - first]
         values[piece.at : piece.at + piece.stop - piece.start].copy_(part)
-    if spec.key in runner.state:
-        runner.state[spec.key].copy_(values)
-    else:  # placed on NVMe
-        runner.store.write(spec.key, values).wait()
+    runner.state.write(spec.key, values)  # (to its NVMe file where it is placed there)
 
 
 def _restore_counters(

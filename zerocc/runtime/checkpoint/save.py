@@ -135,10 +135,10 @@ def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> Non
         entry[2].append(asdict(chunk))
 
     states = saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer))
-    tp, tp_rank = runner.tensor_parallel, mesh.tp_rank(rank)
-    whole = {p.fqn: list(p.shape) for p in runner.full_model_info.params}
+    tp, tp_rank = runner.session.tensor_parallel, mesh.tp_rank(rank)
+    whole = {p.fqn: list(p.shape) for p in runner.session.full_model_info.params}
     for flat in states if mesh.replica(rank) == 0 else []:
-        values = read_state(runner, flat.spec.key)
+        values = runner.state.read(flat.spec.key)
         for piece in flat.pieces(mesh.shard_rank(rank)):
             name, fqn = flat.name(piece.param), piece.param.fqn
             split = tp.splits.get(fqn) if tp is not None else None
@@ -157,21 +157,11 @@ def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> Non
         add(rng_name(rank, device_type), list(state.shape), state)
     if rank != 0:
         return
-    for buffer in runner.model_info.buffers:
+    for buffer in runner.session.model_info.buffers:
         if buffer.fqn in runner.state:
             add(weight_name(buffer.fqn), list(buffer.shape), runner.state[buffer.fqn])
     if "optim.step" in runner.state:
         add(STEP_TENSOR, [], runner.state["optim.step"])
-
-
-def read_state(runner: StepRunner, key: str) -> torch.Tensor:
-    """A state tensor, read back from the rank's NVMe store when it lives there."""
-    if key in runner.state:
-        return runner.state[key]
-    spec = runner.layout[key]
-    out = torch.empty(spec.shape, dtype=spec.dtype)
-    runner.store.read(key, out).wait()
-    return out
 
 
 def _manifest(runner: StepRunner, written: list[Written], sizes: list[int]) -> Manifest:
@@ -196,7 +186,7 @@ def _zerocc_version() -> str:
 def run_metadata(runner: StepRunner) -> dict[str, Any]:
     """What a checkpoint says of the run besides its tensors: counters, world, plan, model
     (every parameter whole, under tensor parallelism too)."""
-    info = runner.full_model_info
+    info = runner.session.full_model_info
 
     def described(p) -> dict[str, Any]:
         return {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "aliases": list(p.aliases)}
@@ -218,7 +208,7 @@ def run_metadata(runner: StepRunner) -> dict[str, Any]:
         "loss_scaler": runner.loss_scaler.state_dict() if runner.loss_scaler else None,
         "params": {p.fqn: described(p) | {"trainable": p.requires_grad} for p in info.params},
         "buffers": {b.fqn: described(b) for b in info.buffers},
-        "state_dict_keys": list(runner.state_dict_keys),
+        "state_dict_keys": list(runner.state.state_dict_keys),
         "hf_config": _hf_config(runner.model),
     }
 

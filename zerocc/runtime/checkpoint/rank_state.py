@@ -1,0 +1,59 @@
+"""A rank's state as ``torch.distributed.checkpoint`` saves it: its raw shards, optimizer state
+and counters under rank-prefixed keys, reloaded only under the same plan and world size (for
+checkpoints that load under any other, see :mod:`.save` and :mod:`.load`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from zerocc.errors import RankMismatchError
+
+if TYPE_CHECKING:
+    from zerocc.runtime.step import StepRunner
+
+
+def rank_state_dict(runner: StepRunner) -> dict[str, Any]:
+    """``runner``'s shards, optimizer state and counters, ready for
+    ``torch.distributed.checkpoint.save`` (or ``torch.save``). Tensor keys carry the rank
+    (``rank1/transformer.h.0.param``) since every rank holds different shards. Applies a
+    pipelined offload's update in flight first, which under stages 1-2 all-gathers: call it on
+    every rank then."""
+    runner.apply_carried_update()
+    sd: dict[str, Any] = dict(runner.state.state_dict())
+    sd["zerocc"] = {
+        "steps": runner.steps,
+        "micro_batches": runner.micro_batches,
+        **_sharding(runner),
+    }
+    if runner.loss_scaler is not None:
+        sd["zerocc"]["loss_scaler"] = runner.loss_scaler.state_dict()
+    return sd
+
+
+def load_rank_state_dict(runner: StepRunner, sd: dict[str, Any]) -> None:
+    """Restore into ``runner`` what :func:`rank_state_dict` gave (after
+    ``dcp.load(sd, ...)`` filled it in): RankMismatchError when it was saved sharded otherwise
+    (world size, stage, replicas, tp) or lacks a tensor of this rank."""
+    runner.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
+    # (saved before hybrid sharding and tensor parallelism: no replicas, no split)
+    saved = {"replicate": 1, "tp": 1, **sd["zerocc"]}
+    for field, mine in _sharding(runner).items():
+        if saved[field] != mine:
+            raise RankMismatchError(
+                f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
+            )
+    runner.state.load_state_dict(sd)
+    runner.steps, runner.micro_batches = saved["steps"], saved["micro_batches"]
+    if runner.loss_scaler is not None:
+        runner.loss_scaler.load_state_dict(saved["loss_scaler"])
+
+
+def _sharding(runner: StepRunner) -> dict[str, int]:
+    """How ``runner`` shards its state: what a rank's state dict holds depends on it."""
+    return {
+        "world_size": runner.comm.world_size,
+        "stage": runner.plan.zero.stage,
+        "replicate": runner.plan.zero.replicate,
+        "tp": runner.mesh.tp,
+    }
