@@ -22,7 +22,7 @@ from zerocc.compiler.passes.deferred_updates import (
 )
 from zerocc.engine import RuntimeContext
 from zerocc.ir.nodes import placeholders, val
-from zerocc.runtime.programs import Program, bindings_of
+from zerocc.runtime.programs import LoweredProgram, bindings_of
 from zerocc.runtime.state_store import StateStore
 
 
@@ -33,7 +33,7 @@ class CarriedUpdate:
     def __init__(self, state: StateStore, context: RuntimeContext) -> None:
         self.state, self.context = state, context
         self.pending: tuple[int, float] | None = None
-        self._drain: Program | None = None  # applies it on its own, once made
+        self._drain: LoweredProgram | None = None  # applies it on its own, once made
 
     def set_inputs(self) -> None:
         """What a deferred-update program's carried updates read that no step copies: the step count
@@ -43,7 +43,7 @@ class CarriedUpdate:
         for key, dtype in CARRIED_SCALARS.items():
             self.context.transfers.host_buffers.get(key, (1,), dtype).fill_(values[key])
 
-    def apply(self, programs: Iterable[Program]) -> None:
+    def apply(self, programs: Iterable[LoweredProgram]) -> None:
         """Apply the pending update now, with what the step left in host buffers (nothing to do
         when none is pending), by a program made once from the step's program that carries
         (among ``programs``). Under stage 3 local to the rank; under stages 1-2 on more than
@@ -56,7 +56,9 @@ class CarriedUpdate:
             inputs = [val(n) for n in placeholders(gm)]
             run = get_backend("eager")(gm, inputs, self.context)  # host work: nothing to fuse
             bindings = bindings_of(gm)
-            self._drain = Program(gm, [], bindings, inputs, run, "", False, False, carries=True)
+            self._drain = LoweredProgram(
+                gm, [], bindings, inputs, run, "", False, False, carries=True
+            )
         self.set_inputs()
         drain = self._drain
         try:

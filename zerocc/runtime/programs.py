@@ -1,7 +1,7 @@
 """Programs as a rank runs them: compiled by the compile session, checked alike on every rank,
 lowered by the plan's backend and bound to the step's runtime context.
 
-:class:`ProgramBuilder` turns a batch into a :class:`Program`: capture and passes (the
+:class:`ProgramBuilder` turns a batch into a :class:`LoweredProgram`: capture and passes (the
 session's), the ranks' agreement on the scheduled graph (a mismatch names the first differing
 line), the memory check, the lowering (the ranks meet after it: Inductor may compile for
 minutes on one rank and hit its cache on another) and a warning where the ranks lowered it
@@ -34,8 +34,10 @@ from zerocc.runtime.memory_check import check_step_memory
 
 
 @dataclass
-class Program:
-    """One compiled program: the scheduled graph, how it was built, and its runnable form."""
+class LoweredProgram:
+    """One program as this rank runs it: the scheduled graph (of the compiler's
+    :class:`~zerocc.compiler.driver.program.CompiledProgram`), how it was built, and the
+    executable the backend lowered it to, bound to the step's runtime context."""
 
     gm: fx.GraphModule
     records: list[PassRecord]
@@ -120,7 +122,7 @@ class ProgramBuilder:
         training: bool,
         keep_graphs: bool,
         built: Callable[[list[PassRecord]], None],
-    ) -> Program:
+    ) -> LoweredProgram:
         """Compile, check and lower the program of ``batch`` (``boundary``: it ends with the
         optimizer step); ``built(records)`` is told of it once its passes ran."""
         with self.timed("capture and passes"):
@@ -161,7 +163,7 @@ class ProgramBuilder:
         # Lowering compiles too (Inductor: seconds to minutes, a cache hit on one rank and not
         # on another): no rank runs the program's first collective while another still lowers.
         self.agreement.health.wait_for_ranks(f"lowered-{self.builds}", "a program to be lowered")
-        return Program(
+        return LoweredProgram(
             gm,
             records,
             bindings,
@@ -189,7 +191,9 @@ class ProgramBuilder:
         warnings.warn(line, LoweringWarning, stacklevel=2)
         return line
 
-    def lowered_on(self, program: Program, comm: Comm, backend: str | None = None) -> Executable:
+    def lowered_on(
+        self, program: LoweredProgram, comm: Comm, backend: str | None = None
+    ) -> Executable:
         """``program`` lowered again by ``backend`` (default: the plan's), its collectives
         bound to ``comm``, or as it was the last time it was asked for; the ranks meet after a
         lowering, as after the program's first (Inductor: a cache hit on one rank may be a full

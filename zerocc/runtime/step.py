@@ -50,7 +50,7 @@ from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states
 from zerocc.runtime.nonfinite import nonfinite_error
-from zerocc.runtime.programs import Program, ProgramBuilder, batch_signature
+from zerocc.runtime.programs import LoweredProgram, ProgramBuilder, batch_signature
 from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_store import StateStore, align_random_state
 
@@ -126,8 +126,8 @@ class StepRunner:
         self.builder = ProgramBuilder(
             self.session, self.context, self.agreement, self._timed, self.backend_name
         )
-        self.programs: dict[tuple, Program] = {}
-        self._last_program: Program | None = None
+        self.programs: dict[tuple, LoweredProgram] = {}
+        self._last_program: LoweredProgram | None = None
         self.carried = CarriedUpdate(self.state, self.context)  # (offload.defer_updates)
 
     @property
@@ -191,7 +191,7 @@ class StepRunner:
         program is lowered again, bound to ``comm``, once: later profiles there reuse it."""
         recorders: list[ProfiledRun] = []
 
-        def recorded(program: Program) -> ProfiledRun:
+        def recorded(program: LoweredProgram) -> ProfiledRun:
             executable = program.run
             if comm is not None or backend is not None:
                 on = comm if comm is not None else self.comm
@@ -204,7 +204,7 @@ class StepRunner:
         return loss, recorders[0]
 
     def _step(
-        self, batch: tuple, recorded: Callable[[Program], ProfiledRun] | None = None
+        self, batch: tuple, recorded: Callable[[LoweredProgram], ProfiledRun] | None = None
     ) -> torch.Tensor:
         """One micro-batch; ``recorded(program)``, when given, makes the recorder the program
         runs under (on an executable of its own) instead of the program's executable."""
@@ -250,7 +250,7 @@ class StepRunner:
 
     def _run(
         self,
-        program: Program,
+        program: LoweredProgram,
         batch: tuple,
         agreement: Agreement,
         boundary: bool,
@@ -307,7 +307,7 @@ class StepRunner:
         """``batch`` with its tensors on the step's device."""
         return tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
 
-    def _bound(self, program: Program, batch: tuple) -> list[Any]:
+    def _bound(self, program: LoweredProgram, batch: tuple) -> list[Any]:
         """What ``program``'s placeholders bind, in order: ``batch``'s values and the state,
         detached (so that grad mode records no autograd graph)."""
         bound = [batch[int(k)] if role == BATCH else self.state[k] for role, k in program.bindings]
@@ -320,7 +320,7 @@ class StepRunner:
         tp_group = self.data_rank if self.mesh.tp > 1 else None
         return self.agreement.propose(what, batch, tp_group)
 
-    def _build(self, batch: tuple, boundary: bool, training: bool = True) -> Program:
+    def _build(self, batch: tuple, boundary: bool, training: bool = True) -> LoweredProgram:
         """Build the program of ``batch`` (see :class:`~zerocc.runtime.programs.ProgramBuilder`),
         the observer told of it once its passes ran."""
         self.health.set_status(f"compiling a program for step {self._step_number()}")
@@ -466,11 +466,11 @@ class StepRunner:
         return self._shown_or_none_yet().records
 
     @property
-    def _shown(self) -> Program | None:
+    def _shown(self) -> LoweredProgram | None:
         """The program inspection shows: the last one run, else the first one built."""
         return self._last_program or next(iter(self.programs.values()), None)
 
-    def _shown_or_none_yet(self) -> Program:
+    def _shown_or_none_yet(self) -> LoweredProgram:
         if self._shown is None:
             raise RuntimeError("no program yet: call step(*batch) once to compile")
         return self._shown
