@@ -269,7 +269,7 @@ _PEAK_RSS = textwrap.dedent(
 
 
 def _peak_rss(offload: dict) -> int:
-    gpt = str(Path(__file__).parent.parent / "examples" / "gpt")
+    gpt = str(Path(__file__).parents[2] / "examples" / "gpt")
     code = _PEAK_RSS.format(gpt=gpt, offload=json.dumps(offload))
     # A fixed mmap threshold: glibc then returns every freed buffer of 1 MiB or more to the
     # system at once, so the peak RSS shows what the program holds, not what the allocator

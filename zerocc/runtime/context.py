@@ -18,7 +18,7 @@ from zerocc.engine.comm import Comm
 from zerocc.engine.host_worker import HostWorker, pin_host_update_threads
 from zerocc.engine.transfers import Transfers
 from zerocc.runtime.nvme import NvmeStore, open_store
-from zerocc.runtime.programs import Timed
+from zerocc.runtime.programs import SetupClock
 
 
 @dataclass
@@ -32,10 +32,10 @@ class StepContext:
 
 
 def open_context(
-    plan: Plan, comm: Comm, device: torch.device, layout: StateLayout, timed: Timed
+    plan: Plan, comm: Comm, device: torch.device, layout: StateLayout, clock: SetupClock
 ) -> StepContext:
     """The runtime context of ``plan``'s programs on ``comm``'s rank and ``device``, for the
-    states of ``layout``; ``timed`` accounts the host kernels' compile time."""
+    states of ``layout``; ``clock`` accounts the host kernels' compile time."""
     kernels = resolve_kernels(plan.backend.kernels, device, plan.precision.master)
     check_kernels(kernels, device)
     nvme = open_store(plan, comm.rank, layout.at(NVME))
@@ -44,6 +44,6 @@ def open_context(
     on_host = None
     if plan.offload.updates_on_host(device):
         pin_host_update_threads()
-        with timed("host update kernels"):
+        with clock.timed("host update kernels"):
             on_host = host_kernels()
     return StepContext(context, nvme, kernels, on_host)

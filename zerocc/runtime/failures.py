@@ -25,15 +25,20 @@ from zerocc.engine.failures import (
 )
 from zerocc.errors import BatchError, OffloadError, RankStoppedError
 from zerocc.ir.nodes import info
+from zerocc.runtime.counts import StepCounts
 
 
 class RankHealth:
-    """This rank's standing among its peers on ``comm``: ``step_number()`` gives the 1-based
-    optimizer step the next micro-batch belongs to (errors name it); ``timeout_s``: how long a
-    silent peer is waited for (``backend.timeout_s``)."""
+    """This rank's standing among its peers on ``comm``: ``counts`` say which optimizer step
+    the next micro-batch belongs to (errors name it); ``timeout_s``: how long a silent peer is
+    waited for (``backend.timeout_s``)."""
 
-    def __init__(self, comm: Comm, timeout_s: float, step_number: Callable[[], int]) -> None:
-        self.comm, self.timeout_s, self.step_number = comm, timeout_s, step_number
+    def __init__(self, comm: Comm, timeout_s: float, counts: StepCounts) -> None:
+        self.comm, self.timeout_s, self.counts = comm, timeout_s, counts
+
+    def step_number(self) -> int:
+        """The 1-based number of the optimizer step the next micro-batch belongs to."""
+        return self.counts.step_number
 
     def set_status(self, status: str) -> None:
         """What this rank is doing, as its heartbeat tells the others (an attribute write)."""

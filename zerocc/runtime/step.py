@@ -21,7 +21,6 @@ update a step carries into the next (:mod:`zerocc.runtime.carried`).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,12 +44,13 @@ from zerocc.ir.nodes import BATCH
 from zerocc.runtime.agreement import END_OF_DATA, Agreement, RankAgreement, has_peers
 from zerocc.runtime.carried import CarriedUpdate
 from zerocc.runtime.context import open_context
+from zerocc.runtime.counts import StepCounts
 from zerocc.runtime.failures import RankHealth, run_failure
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states
 from zerocc.runtime.nonfinite import nonfinite_error
-from zerocc.runtime.programs import LoweredProgram, ProgramBuilder, batch_signature
+from zerocc.runtime.programs import LoweredProgram, ProgramBuilder, SetupClock, batch_signature
 from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_store import StateStore, align_random_state
 
@@ -90,9 +90,8 @@ class StepRunner:
     ) -> None:
         self.plan, self.loss_fn, self.comm, self.device = plan, loss_fn, comm, device
         self.model = model
-        self.micro_batches = 0
-        self.steps = 0  # optimizer steps applied (steps skipped for overflow not counted)
-        self.health = RankHealth(comm, plan.backend.timeout_s, self._step_number)
+        self.counts = StepCounts(plan.grad_accumulation)
+        self.health = RankHealth(comm, plan.backend.timeout_s, self.counts)
         self.agreement = RankAgreement(self.health)
         source = weight_source(model)
         if has_peers(comm):  # before any group is made or weight read
@@ -107,16 +106,15 @@ class StepRunner:
         # group under hybrid sharding or tensor parallelism, made here: a collective).
         comm.use_mesh(self.mesh)
         self.backend_name = resolve_backend(plan.backend.name, device)
-        # Where the time before training went, by phase (explain() and `zerocc train` say).
-        self.setup_seconds: dict[str, float] = {}
-        opened = open_context(plan, comm, device, self.layout, self._timed)
+        self.setup = SetupClock()
+        opened = open_context(plan, comm, device, self.layout, self.setup)
         self.context, self.transfers = opened.context, opened.context.transfers
         self.kernels, self.host_kernels = opened.kernels, opened.host_kernels
         if plan.backend.check_memory:  # before anything is allocated: the states fit
             check_model_states(self.session.model_info, self.units, self.layout, plan, comm, device)
         self.initial_weights = None if source is None else source.describe()
         # The TrainStep owns the weights from here (``full_state_dict()`` returns them).
-        with self._timed("model states"):
+        with self.setup.timed("model states"):
             self.state = StateStore.allocate(model, self.session, comm, device, opened.nvme)
         if self.mesh.tp > 1:
             align_random_state(comm, self.session, device)
@@ -124,11 +122,34 @@ class StepRunner:
         if LOSS_SCALE_SPEC.key in self.state:
             self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
         self.builder = ProgramBuilder(
-            self.session, self.context, self.agreement, self._timed, self.backend_name
+            self.session, self.context, self.agreement, self.setup, self.backend_name
         )
         self.programs: dict[tuple, LoweredProgram] = {}
         self._last_program: LoweredProgram | None = None
         self.carried = CarriedUpdate(self.state, self.context)  # (offload.defer_updates)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches run (a resumed checkpoint's included)."""
+        return self.counts.micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, value: int) -> None:
+        self.counts.micro_batches = value
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps applied (steps skipped for a non-finite gradient not counted)."""
+        return self.counts.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.counts.steps = value
+
+    @property
+    def setup_seconds(self) -> dict[str, float]:
+        """Where the time before training went, by phase (:class:`SetupClock`)."""
+        return self.setup.seconds
 
     @property
     def mesh(self) -> Mesh:
@@ -158,16 +179,6 @@ class StepRunner:
         return self.mesh.data_parallel
 
     # -- the step loop ----------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        """Add the time the block takes to ``setup_seconds[phase]``."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            seconds = time.perf_counter() - start
-            self.setup_seconds[phase] = self.setup_seconds.get(phase, 0.0) + seconds
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """Run one micro-batch of this rank; returns its loss."""
@@ -270,7 +281,7 @@ class StepRunner:
             with (
                 traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
                 self.comm.checked_before_first_collective(late),
-                self._timed("first run") if first_run else contextlib.nullcontext(),
+                self.setup.timed("first run") if first_run else contextlib.nullcontext(),
             ):
                 args = self._bound(program, batch)  # (detached: grad mode records no graph)
                 loss = recorder.run(*args) if recorder is not None else executable(*args)
@@ -391,7 +402,7 @@ class StepRunner:
 
     def _step_number(self) -> int:
         """The 1-based number of the optimizer step the next micro-batch belongs to."""
-        return self.micro_batches // self.plan.grad_accumulation + 1
+        return self.counts.step_number
 
     def _drop_window(self) -> int:
         """Leave the step as before the current accumulation window began (after a failed
