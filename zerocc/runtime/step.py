@@ -223,7 +223,7 @@ class StepRunner:
         batch = self._on_device(batch)
         boundary = self.updates_next
         signature = batch_signature(batch)
-        self.health.set_status(f"in step {self._step_number()}")
+        self.health.set_status(f"in step {self.counts.step_number}")
         key = (signature, boundary)
         agreement = self._propose(("next batch", signature, boundary), batch)
         program = self.programs.get(key)
@@ -255,8 +255,7 @@ class StepRunner:
             self.carried.pending = None if overflow else (self.steps + 1, self.lr)
         if boundary:
             self._account_step(overflow, flags)
-            done = self.micro_batches // self.plan.grad_accumulation
-            self.health.set_status(f"after step {done}")
+            self.health.set_status(f"after step {self.counts.step_number - 1}")
         return loss
 
     def _run(
@@ -334,7 +333,7 @@ class StepRunner:
     def _build(self, batch: tuple, boundary: bool, training: bool = True) -> LoweredProgram:
         """Build the program of ``batch`` (see :class:`~zerocc.runtime.programs.ProgramBuilder`),
         the observer told of it once its passes ran."""
-        self.health.set_status(f"compiling a program for step {self._step_number()}")
+        self.health.set_status(f"compiling a program for step {self.counts.step_number}")
         kind = "step" if boundary else "accumulate" if training else "evaluate"
         name = f"{kind}-{len(self.programs)}"
         keep = self.observer.keeps_pass_graphs
@@ -356,7 +355,7 @@ class StepRunner:
         batch = self._on_device(batch)
         signature = batch_signature(batch)
         key = (signature, "evaluate")
-        self.health.set_status(f"evaluating after step {self._step_number() - 1}")
+        self.health.set_status(f"evaluating after step {self.counts.step_number - 1}")
         self.agreement.settle(self._propose(("evaluation batch", signature), batch))
         self.apply_carried_update()  # (after the agreement: under stages 1-2 it all-gathers)
         program = self.programs.get(key) or self._build(batch, boundary=False, training=False)
@@ -397,12 +396,8 @@ class StepRunner:
         every rank that still had a batch: ranks that train on different numbers of batches
         would wait for each other forever (or, under DDP, silently desynchronize)."""
         self.health.check_usable()
-        self.health.set_status(f"out of data at step {self._step_number()}")
+        self.health.set_status(f"out of data at step {self.counts.step_number}")
         self.agreement.settle(self._propose(END_OF_DATA))
-
-    def _step_number(self) -> int:
-        """The 1-based number of the optimizer step the next micro-batch belongs to."""
-        return self.counts.step_number
 
     def _drop_window(self) -> int:
         """Leave the step as before the current accumulation window began (after a failed

@@ -18,6 +18,7 @@ the rank that holds the stage, in an order that cannot deadlock.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -125,9 +126,10 @@ class PipelineSchedule:
             return [("F", s - 1, m)] if s > 0 else []
         if action.kind == "W":
             return [("I", s, m)]
-        after = [] if s == last else [(self._input_gradient_kind(), s + 1, m)]
+        after = [] if s == last else [(self._input_gradient_kind, s + 1, m)]
         return [("F", s, m), *after]
 
+    @functools.cached_property
     def _input_gradient_kind(self) -> str:
         """What a stage's backward waits for from the stage after it: ``I`` where backward is
         split, else ``B``."""
@@ -144,7 +146,7 @@ class PipelineSchedule:
                 if key in seen:
                     raise ValueError(f"{self.name}: {a} runs twice (ranks {seen[key]}, {rank})")
                 seen[key] = rank
-        backward = ("I", "W") if self._input_gradient_kind() == "I" else ("B",)
+        backward = ("I", "W") if self._input_gradient_kind == "I" else ("B",)
         for stage in range(self.stages):
             for m in range(self.microbatches):
                 for kind in ("F", *backward):
@@ -233,12 +235,12 @@ def _from_torch(name: str, pp: int, microbatches: int, stages_per_rank: int) -> 
             f"pipeline: {name} cannot run {microbatches} micro-batches on {pp} ranks × "
             f"{stages_per_rank} stages: {e}"
         ) from e
-    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
+    compute = {"F", "B", "I", "W"}  # (torch's lists also hold communication and reductions)
     return [
         [
-            Action(kinds[op.computation_type.value], op.stage_index, op.microbatch_index)
+            Action(op.computation_type.value, op.stage_index, op.microbatch_index)
             for op in rank
-            if op is not None and op.computation_type.value in kinds
+            if op is not None and op.computation_type.value in compute
         ]
         for rank in ops
     ]
