@@ -24,6 +24,11 @@ class Role(StrEnum):
     LR = "lr"  # the learning rate of the step (fp64 scalar), set from the plan's schedule
     MASTER = "master"  # the weights the optimizer updates, when their dtype differs from param
     LOSS_SCALE = "loss_scale"  # the loss scale (fp32 scalar) backward is seeded with
+    # Pipeline stages (zerocc.compiler.parallel.stage_cut): a tensor the neighbouring stage
+    # sent (an activation in forward, a gradient in backward), and one the stage's own forward
+    # kept for its backward.
+    RECEIVED = "received"
+    STASHED = "stashed"
     # Roles of computed nodes that later passes act on.
     GATHERED = "gathered"  # a unit's all-gathered flat parameter (stage 3)
     GRAD_SHARD = "grad_shard"  # the reduced gradient a unit's optimizer update reads

@@ -1,0 +1,159 @@
+"""The stage cut (zerocc/compiler/parallel/stage_cut.py): the captured step cut into pipeline
+stages computes what the whole step computes. The oracle is the captured step itself, run
+whole on real tensors: its stages, run one after another as a pipeline runs them (every
+forward in order, each sending its activations on, then every backward in reverse, each
+sending its input's gradient back), give the same loss and, bit for bit, the same gradients
+(the same ops on the same values; a tied parameter's two parts are summed as the whole step
+sums them, once, in the same order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.models import GPT, CausalLM, GPTConfig, _gpt_batch, _token_batch
+from zerocc.compiler.capture import Casts, capture, describe_model
+from zerocc.compiler.parallel.stage_cut import StagedStep, cut_stages
+from zerocc.errors import PlanError
+from zerocc.ir.kinds import Role
+
+CPU = torch.device("cpu")
+
+
+def _captured(model: nn.Module, batch: tuple, casts: Casts | None = None):
+    info = describe_model(model)
+    return capture(model, info, None, batch, CPU, casts), info
+
+
+def _whole(gm, info, model, batch):
+    """Loss and gradients (by FQN) of the captured step run whole."""
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    args = [params[p.fqn].detach() for p in info.params] + [buffers[b.fqn] for b in info.buffers]
+    loss, *grads = gm(*args, *batch)
+    return loss, {p.fqn: g for p, g in zip(info.trainable, grads, strict=True) if g is not None}
+
+
+def _pipelined(staged: StagedStep, model: nn.Module, batch: tuple):
+    """Loss and gradients of the stages run as a pipeline runs one micro-batch: forward stage
+    by stage, then backward in reverse; a tied parameter's parts summed after backward."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    sent, kept, grads, loss = {}, {}, {}, None
+
+    def run(program, received):
+        fixed = {Role.PARAM: params, Role.BUFFER: buffers, Role.BATCH: dict(enumerate(batch))}
+        args = []
+        for slot in program.inputs:
+            held = fixed.get(slot.kind)
+            value = held[int(slot.key) if slot.kind == Role.BATCH else slot.key] if held else None
+            args.append(received[slot.key] if value is None else value)
+            assert tuple(args[-1].shape) == slot.shape, slot
+        return zip(program.outputs, program.gm(*args), strict=True)
+
+    for stage in staged.stages:
+        for slot, value in run(stage.forward, sent):
+            if slot.kind == "send":
+                sent[slot.key] = value
+            elif slot.kind == "stash":
+                kept[stage.index, slot.key] = value
+            else:
+                loss = value
+    for stage in reversed(staged.stages):
+        mine = {k: v for (s, k), v in kept.items() if s == stage.index}
+        for slot, value in run(stage.backward, {**sent, **mine}):
+            if slot.kind == "send":
+                sent[slot.key] = value
+            else:
+                grads[slot.key] = grads[slot.key] + value if slot.key in grads else value
+    return loss, grads
+
+
+def _assert_same(whole, pipelined):
+    (loss, grads), (pipe_loss, pipe_grads) = whole, pipelined
+    assert torch.equal(loss, pipe_loss)
+    assert grads.keys() == pipe_grads.keys()
+    for fqn, grad in grads.items():
+        assert torch.equal(grad, pipe_grads[fqn]), fqn
+
+
+def _gpt(n_layer: int = 4):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=n_layer, n_head=2, n_embd=16))
+
+
+def _blocks(n: int, stages: int) -> list[list[str]]:
+    per = n // stages
+    return [[f"transformer.h.{i}" for i in range(s * per, (s + 1) * per)] for s in range(stages)]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_gpt_cut_into_stages_computes_the_whole_steps_loss_and_gradients(stages):
+    model, batch = _gpt(4), _gpt_batch(0, 0)
+    gm, info = _captured(model, batch)
+    staged = cut_stages(gm, info, _blocks(4, stages))
+    _assert_same(_whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    # One tensor, the residual stream, crosses each cut each way.
+    for stage in staged.stages:
+        assert len(stage.forward.writes("send")) == (stage.index < stages - 1)
+        assert len(stage.backward.writes("send")) == (stage.index > 0)
+        assert len(stage.forward.reads(Role.RECEIVED)) == (stage.index > 0)
+    # The embedding (first stage) is tied to the head (last): both hold it.
+    assert staged.tied == {"transformer.wte.weight": (0, stages - 1)}
+    assert staged.stages[0].params[0] == "transformer.wte.weight"
+    assert "transformer.ln_f.weight" in staged.stages[-1].params
+    assert "transformer.wpe.weight" in staged.stages[0].params
+    assert staged.stages[-1].forward.writes("loss") == ["loss"]
+
+
+def test_a_mixed_precision_step_is_cut_with_its_casts():
+    model, batch = _gpt(4), _gpt_batch(0, 0)
+    gm, info = _captured(model, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
+    staged = cut_stages(gm, info, _blocks(4, 2))
+    _assert_same(_whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    # A stage's gradients are cast up where they are computed, not in another stage.
+    for stage in staged.stages:
+        for slot in stage.backward.outputs:
+            if slot.kind == "grad":
+                assert slot.dtype == torch.float32
+
+
+def test_a_hugging_face_llama_recomputes_its_rotary_tables_in_each_stage():
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, batch = CausalLM(), _token_batch(0, 0)
+    gm, info = _captured(model, batch)
+    staged = cut_stages(gm, info, [["lm.model.layers.0"], ["lm.model.layers.1"]])
+    _assert_same(_whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    # Only the hidden state crosses: positions, the mask and the rotary tables depend on the
+    # batch alone, and the second stage computes its own.
+    (sent,) = [s for s in staged.stages[0].forward.outputs if s.kind == "send"]
+    assert sent.shape == (2, 16, 32)
+
+
+class _Skip(nn.Module):
+    """Three layers and a skip connection from the first one's output to the last's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.layers[0](x)
+        return (self.layers[2](self.layers[1](first)) + first).square().mean()
+
+
+def test_a_skip_connection_across_two_cuts_is_refused_naming_the_tensor():
+    batch = (torch.randn(4, 8),)
+    gm, info = _captured(_Skip(), batch)
+    cut_stages(gm, info, [["layers.0", "layers.1"], ["layers.2"]])  # the skip stays adjacent
+    refused = r"pipeline\.split: .* \(stage 2\) reads the activation addmm of layers\.0 \(stage 0\)"
+    with pytest.raises(PlanError, match=refused):
+        cut_stages(gm, info, [["layers.0"], ["layers.1"], ["layers.2"]])
+
+
+def test_units_split_out_of_their_order_are_refused():
+    model, batch = _gpt(4), _gpt_batch(0, 0)
+    gm, info = _captured(model, batch)
+    with pytest.raises(PlanError, match="must run one after another in the order of the split"):
+        cut_stages(gm, info, [["transformer.h.2", "transformer.h.3"], _blocks(4, 2)[0]])

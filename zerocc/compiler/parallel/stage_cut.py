@@ -1,0 +1,384 @@
+"""Cut a captured training step into pipeline stages: a forward and a backward program each.
+
+The step is captured once, whole (:mod:`zerocc.compiler.capture`); this pass splits it along
+the FSDP units the plan gives each stage. Which stage a node belongs to is read from the module
+capture tagged it with:
+
+- **forward**: a node inside a unit is that unit's stage's; a node between units (the model's
+  own code around its layers: embeddings, a residual stream's setup) goes with the next unit
+  that runs, and what runs after the last unit (final norm, head, loss) with the last stage;
+- **backward**: autograd reaches the units in reverse, and capture marks where each unit's
+  backward begins: a node belongs to the stage of the last unit whose backward began before
+  it, and what runs before any (the loss's and the head's backward) to the last stage. A
+  gradient's cast that only reads one gradient goes with that gradient.
+
+Everything a node reads from another stage must cross the cut between neighbours: an
+activation from the stage before (sent in forward, kept by the receiver for its backward) or
+a gradient from the stage after (sent in backward). A value that only depends on the batch and
+on buffers (positions, masks, rotary tables) is recomputed where it is read instead of sent.
+A parameter read by two stages (an embedding tied to the output head) is held by both: each
+computes its part of the gradient, which the stages that hold it sum (``tied``). Anything else
+that reaches past a neighbour (a skip connection across a cut) is a PlanError naming the tensor.
+
+Each program is an ordinary graph: placeholders tagged with their role (parameters, buffers and
+batch tensors as in the captured step, :data:`Role.RECEIVED` for what the neighbour sends,
+:data:`Role.STASHED` for what the stage's own forward kept), and an output tuple that
+:class:`StageProgram` lists slot by slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import fx
+
+from zerocc.compiler.capture import ModelInfo
+from zerocc.errors import PlanError
+from zerocc.ir.kinds import Role
+from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, PARAM, copy_node, info, name_placeholder, tag
+
+# What a program's output slot holds: the loss, a tensor for a neighbour (an activation for the
+# next stage, a gradient for the one before), a tensor the stage's backward reads, a
+# parameter's gradient (of a tied one, this stage's part of it).
+Output = Literal["loss", "send", "stash", "grad"]
+
+_CAST = torch.ops.aten._to_copy.default
+_ADD = torch.ops.aten.add.Tensor
+_DETACH = torch.ops.aten.detach.default
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One input or output of a stage program: what it is, and its key (a parameter's FQN, a
+    buffer's, a batch position, or for a tensor crossing a cut its name in the captured step)."""
+
+    kind: Role | Output
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class StageProgram:
+    """The forward or backward program of one stage, and what it reads and returns."""
+
+    stage: int
+    phase: Literal["forward", "backward"]
+    gm: fx.GraphModule
+    inputs: tuple[Slot, ...]
+    outputs: tuple[Slot, ...]
+
+    def reads(self, kind: Role) -> list[str]:
+        return [s.key for s in self.inputs if s.kind == kind]
+
+    def writes(self, kind: Output) -> list[str]:
+        return [s.key for s in self.outputs if s.kind == kind]
+
+
+@dataclass
+class Stage:
+    index: int
+    units: tuple[str, ...]
+    forward: StageProgram
+    backward: StageProgram
+
+    @property
+    def params(self) -> list[str]:
+        """The parameters this stage holds (FQNs, in the captured step's order)."""
+        keys = self.forward.reads(PARAM) + self.backward.reads(PARAM)
+        return list(dict.fromkeys(keys))
+
+
+@dataclass
+class StagedStep:
+    """A captured step cut into stages. ``tied``: the parameters several stages hold, with
+    those stages; each computes a part of the gradient, and the parts sum to it."""
+
+    stages: list[Stage]
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def format(self) -> str:
+        """What each stage holds and what crosses each cut, a line each."""
+        lines = []
+        for s in self.stages:
+            f, b = s.forward, s.backward
+            units = f"{s.units[0]} .. {s.units[-1]}" if s.units else "(no unit)"
+            lines.append(
+                f"stage {s.index}: units {units} ({len(s.units)}), {len(s.params)} parameters, "
+                f"forward {_ops(f.gm)} ops, backward {_ops(b.gm)} ops, "
+                f"{len(f.writes('stash'))} tensors kept for backward"
+            )
+            for direction, program in (("->", f), ("<-", b)):
+                sent = [o for o in program.outputs if o.kind == "send"]
+                if sent:
+                    peer = s.index + 1 if direction == "->" else s.index - 1
+                    what = ", ".join(f"{o.key} {list(o.shape)}" for o in sent)
+                    lines.append(f"  {direction} stage {peer}: {what}")
+        for fqn, stages in self.tied.items():
+            lines.append(f"tied {fqn}: held by stages {list(stages)}, gradient parts summed")
+        return "\n".join(lines)
+
+
+def _ops(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+def unit_of(module: str, units: Iterable[str]) -> str | None:
+    """The unit (a module FQN) ``module`` runs in: the longest that contains it."""
+    found = None
+    for unit in units:
+        inside = module == unit or module.startswith(unit + ".") or unit == ""
+        if inside and (found is None or len(unit) > len(found)):
+            found = unit
+    return found
+
+
+def cut_stages(
+    gm: fx.GraphModule, model: ModelInfo, stage_units: Sequence[Sequence[str]]
+) -> StagedStep:
+    """Cut the captured training step ``gm`` of ``model`` into ``len(stage_units)`` stages;
+    stage ``s`` runs the units (module FQNs) ``stage_units[s]``, in model order. Raises
+    PlanError naming the tensor where the step cannot be cut there."""
+    cut = _Cut(gm, model, stage_units)
+    stages = [
+        Stage(s, tuple(stage_units[s]), cut.program(s, "forward"), cut.program(s, "backward"))
+        for s in range(cut.n)
+    ]
+    return StagedStep(stages, cut.tied)
+
+
+class _Cut:
+    """The assignment of the step's nodes to stages, and the programs built from it."""
+
+    def __init__(
+        self, gm: fx.GraphModule, model: ModelInfo, stage_units: Sequence[Sequence[str]]
+    ) -> None:
+        self.gm, self.n = gm, len(stage_units)
+        if self.n < 1 or any(not units for units in stage_units):
+            raise PlanError("pipeline.split: every stage needs at least one unit")
+        self.unit_stage = {u: s for s, units in enumerate(stage_units) for u in units}
+        nodes = list(gm.graph.nodes)
+        self.output = nodes[-1]
+        returned = self.output.args[0][0]  # the loss, detached as the step returns it
+        self.loss = returned.args[0] if returned.target is _DETACH else returned
+        computed = [n for n in nodes if n.op == "call_function" and n is not returned]
+        self.forward = [n for n in computed if info(n).phase == "forward"]
+        self.backward = [n for n in computed if info(n).phase != "forward"]
+        self.order = {n: i for i, n in enumerate(nodes)}
+        self.stage: dict[fx.Node, int] = {}
+        self._assign_forward()
+        self._assign_backward()
+        grads = self.output.args[0][1:]  # one per trainable parameter, None where unused
+        self.param_of_grad = {
+            g: p.fqn for p, g in zip(model.trainable, grads, strict=True) if g is not None
+        }
+        self.tied: dict[str, tuple[int, ...]] = {}
+        self.joins: set[fx.Node] = set()  # adds of a tied parameter's parts across stages
+        self.parts: dict[fx.Node, str] = {}  # a stage's part of a tied gradient: its FQN
+        self._tie()
+        self.free: dict[fx.Node, bool] = {}
+        self.needs: dict[tuple[int, str], set[fx.Node]] = {}  # (stage, phase): nodes it runs
+        self.crossing: dict[tuple[int, str], set[fx.Node]] = {}  # values received
+        self._route()
+
+    # -- assignment -------------------------------------------------------------------------
+
+    def _unit_stage(self, node: fx.Node) -> int | None:
+        unit = unit_of(info(node).module or "", self.unit_stage)
+        return None if unit is None else self.unit_stage[unit]
+
+    def _assign_forward(self) -> None:
+        following = self.n - 1
+        for node in reversed(self.forward):
+            stage = self._unit_stage(node)
+            following = following if stage is None else stage
+            self.stage[node] = following
+        self._check_order(self.forward, "forward", increasing=True)
+
+    def _assign_backward(self) -> None:
+        current = self.n - 1
+        for node in self.backward:
+            stage = self._unit_stage(node)
+            current = current if stage is None else stage
+            inputs = node.all_input_nodes
+            if node.target is _CAST and len(inputs) == 1 and inputs[0] in self.stage:
+                self.stage[node] = self.stage[inputs[0]]  # a gradient's cast goes with it
+            else:
+                self.stage[node] = current
+        self._check_order(self.backward, "backward", increasing=False)
+
+    def _check_order(self, nodes: list[fx.Node], phase: str, increasing: bool) -> None:
+        """The units ran in the order the split gives them (forward) and in reverse (backward)."""
+        last = None
+        for node in nodes:
+            stage = self._unit_stage(node)
+            if stage is None:
+                continue
+            if last is not None and (stage < last if increasing else stage > last):
+                raise PlanError(
+                    f"pipeline.split: in {phase}, {info(node).module or 'the model'} (stage "
+                    f"{stage}) ran after a unit of stage {last}: the units of a pipeline must run "
+                    "one after another in the order of the split"
+                )
+            last = stage
+
+    # -- tied parameters ----------------------------------------------------------------------
+
+    def _tie(self) -> None:
+        """A parameter read by several stages: each holds it; its gradient's sum across stages
+        is split into each stage's part (the stages sum them after backward)."""
+        for node in self.gm.graph.nodes:
+            if node.op != "placeholder" or info(node).role != PARAM:
+                continue
+            stages = sorted({self.stage[u] for u in node.users if u in self.stage})
+            if len(stages) > 1:
+                self.tied[info(node).key] = tuple(stages)
+        for grad, fqn in self.param_of_grad.items():
+            if fqn in self.tied:
+                for part in self._parts(grad, fqn):
+                    self.parts[part] = fqn
+
+    def _parts(self, grad: fx.Node, fqn: str) -> list[fx.Node]:
+        if grad.target is _ADD and len(grad.all_input_nodes) == 2:
+            a, b = grad.args[:2]
+            if self.stage[a] != self.stage[b]:
+                if any(u is not self.output and u not in self.joins for u in grad.users):
+                    raise PlanError(
+                        f"pipeline.split: the gradient of {fqn}, a parameter stages "
+                        f"{list(self.tied[fqn])} share, is used after its parts are summed "
+                        f"({', '.join(u.name for u in grad.users)}); zerocc sums the parts "
+                        "after backward only"
+                    )
+                self.joins.add(grad)
+                return self._parts(a, fqn) + self._parts(b, fqn)
+        return [grad]
+
+    # -- what crosses a cut -------------------------------------------------------------------
+
+    def _is_free(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value depends only on batch tensors, buffers and constants (not
+        on a parameter or a gradient): such a value is recomputed where another stage reads it."""
+        if node not in self.free:
+            if node.op == "placeholder":
+                self.free[node] = info(node).role in (BATCH, BUFFER)
+            else:
+                self.free[node] = info(node).phase == "forward" and all(
+                    self._is_free(i) for i in node.all_input_nodes
+                )
+        return self.free[node]
+
+    def _route(self) -> None:
+        """Which nodes each program runs and which values it receives."""
+        for node in self.forward + self.backward:
+            if node in self.joins:
+                continue
+            phase = info(node).phase if info(node).phase == "forward" else "backward"
+            self._run(node, self.stage[node], phase)
+
+    def _run(self, node: fx.Node, stage: int, phase: str) -> None:
+        runs = self.needs.setdefault((stage, phase), set())
+        if node in runs:
+            return
+        runs.add(node)
+        for source in node.all_input_nodes:
+            if source.op == "get_attr":  # a constant: each program holds its own
+                runs.add(source)
+            if source.op in ("placeholder", "get_attr") or self.stage[source] == stage:
+                continue
+            if self._is_free(source):
+                self._run(source, stage, phase)  # recomputed here
+            else:
+                self._receive(source, node, stage)
+
+    def _receive(self, source: fx.Node, reader: fx.Node, stage: int) -> None:
+        """``reader`` (of ``stage``) reads ``source`` of another stage: an activation of the stage
+        before, or a gradient of the stage after; anything else cannot be cut."""
+        source_forward = info(source).phase == "forward"
+        neighbour = stage - 1 if source_forward else stage + 1
+        if self.stage[source] != neighbour:
+            what = "activation" if source_forward else "gradient"
+            raise PlanError(
+                f"pipeline.split: {info(reader).module or 'the model'} (stage {stage}) reads the "
+                f"{what} {source.name} of {info(source).module or 'the model'} (stage "
+                f"{self.stage[source]}), which is not the neighbouring stage: a stage only "
+                "receives from the stage before it (forward) and after it (backward). Move the "
+                "cut so that both are in one stage"
+            )
+        self.crossing.setdefault((stage, "forward" if source_forward else "backward"), set())
+        self.crossing[(stage, "forward" if source_forward else "backward")].add(source)
+
+    # -- programs -----------------------------------------------------------------------------
+
+    def program(self, stage: int, phase: Literal["forward", "backward"]) -> StageProgram:
+        runs = self.needs.get((stage, phase), set())
+        received = self.crossing.get((stage, phase), set())
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs: list[Slot] = []
+
+        def take(node: fx.Node, kind: Role, key: str) -> None:
+            new = graph.placeholder(node.name)
+            new.meta["val"] = node.meta.get("val")
+            name_placeholder(new, _prefix(kind) + key)
+            tag(new, role=kind, key=key, phase=phase)
+            env[node] = new
+            inputs.append(_slot(kind, key, node))
+
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder" and any(node in n.all_input_nodes for n in runs):
+                take(node, info(node).role, info(node).key)
+        for node in self._stashed(stage) if phase == "backward" else []:
+            take(node, Role.STASHED, node.name)
+        for node in sorted(received, key=self.order.__getitem__):
+            take(node, Role.RECEIVED, node.name)
+        for node in sorted(runs, key=self.order.__getitem__):
+            env[node] = copy_node(graph, node, env.__getitem__)
+        outputs = self._outputs(stage, phase, runs)
+        graph.output(tuple(env[n] for _, n in outputs))
+        slots = tuple(_slot(kind, self._key(kind, n), n) for kind, n in outputs)
+        return StageProgram(stage, phase, fx.GraphModule(self.gm, graph), tuple(inputs), slots)
+
+    def _key(self, kind: Output, node: fx.Node) -> str:
+        if kind == "grad":
+            return self.param_of_grad.get(node) or self.parts[node]
+        return "loss" if kind == "loss" else node.name
+
+    def _stashed(self, stage: int) -> list[fx.Node]:
+        """Forward values (own, or received from the stage before) the stage's backward reads."""
+        backward = self.needs.get((stage, "backward"), set())
+        forward = self.needs.get((stage, "forward"), set())
+        kept = forward | self.crossing.get((stage, "forward"), set())
+        return sorted(
+            {i for n in backward for i in n.all_input_nodes if i in kept and i not in backward},
+            key=self.order.__getitem__,
+        )
+
+    def _outputs(self, stage: int, phase: str, runs: set[fx.Node]) -> list[tuple[Output, fx.Node]]:
+        if phase == "forward":
+            out: list[tuple[Output, fx.Node]] = [("loss", self.loss)] if self.loss in runs else []
+            out += [("send", n) for n in self._sent(stage, "forward")]
+            return out + [("stash", n) for n in self._stashed(stage)]
+        grads = [
+            ("grad", n)
+            for n in sorted(runs, key=self.order.__getitem__)
+            if n in self.parts or (n in self.param_of_grad and n not in self.joins)
+        ]
+        return [("send", n) for n in self._sent(stage, "backward")] + grads
+
+    def _sent(self, stage: int, phase: str) -> list[fx.Node]:
+        peer = stage + 1 if phase == "forward" else stage - 1
+        return sorted(self.crossing.get((peer, phase), set()), key=self.order.__getitem__)
+
+
+def _prefix(kind: Role) -> str:
+    return {PARAM: "p_", BUFFER: "b_", BATCH: "batch_", LOSS_SCALE: ""}.get(kind, "")
+
+
+def _slot(kind: Role | Output, key: str, node: fx.Node) -> Slot:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise PlanError(f"pipeline.split: {node.name} crosses a cut but is not a tensor")
+    return Slot(kind, key, tuple(value.shape), value.dtype)
