@@ -28,6 +28,7 @@ batch tensors as in the captured step, :data:`Role.RECEIVED` for what the neighb
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -44,6 +45,9 @@ from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, PARAM, copy_node, info, n
 # next stage, a gradient for the one before), a tensor the stage's backward reads, a
 # parameter's gradient (of a tied one, this stage's part of it).
 Output = Literal["loss", "send", "stash", "grad"]
+# A stage's programs: its forward, its backward, or (for a zero-bubble schedule) the backward
+# split into the input gradient (what the stage before waits for) and the weight gradient.
+Phase = Literal["forward", "backward", "input-grad", "weight-grad"]
 
 _CAST = torch.ops.aten._to_copy.default
 _ADD = torch.ops.aten.add.Tensor
@@ -66,7 +70,7 @@ class StageProgram:
     """The forward or backward program of one stage, and what it reads and returns."""
 
     stage: int
-    phase: Literal["forward", "backward"]
+    phase: Phase
     gm: fx.GraphModule
     inputs: tuple[Slot, ...]
     outputs: tuple[Slot, ...]
@@ -314,32 +318,18 @@ class _Cut:
 
     def program(self, stage: int, phase: Literal["forward", "backward"]) -> StageProgram:
         runs = self.needs.get((stage, phase), set())
-        received = self.crossing.get((stage, phase), set())
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        inputs: list[Slot] = []
-
-        def take(node: fx.Node, kind: Role, key: str) -> None:
-            new = graph.placeholder(node.name)
-            new.meta["val"] = node.meta.get("val")
-            name_placeholder(new, _prefix(kind) + key)
-            tag(new, role=kind, key=key, phase=phase)
-            env[node] = new
-            inputs.append(_slot(kind, key, node))
-
-        for node in self.gm.graph.nodes:
-            if node.op == "placeholder" and any(node in n.all_input_nodes for n in runs):
-                take(node, info(node).role, info(node).key)
-        for node in self._stashed(stage) if phase == "backward" else []:
-            take(node, Role.STASHED, node.name)
-        for node in sorted(received, key=self.order.__getitem__):
-            take(node, Role.RECEIVED, node.name)
-        for node in sorted(runs, key=self.order.__getitem__):
-            env[node] = copy_node(graph, node, env.__getitem__)
-        outputs = self._outputs(stage, phase, runs)
-        graph.output(tuple(env[n] for _, n in outputs))
-        slots = tuple(_slot(kind, self._key(kind, n), n) for kind, n in outputs)
-        return StageProgram(stage, phase, fx.GraphModule(self.gm, graph), tuple(inputs), slots)
+        inputs = [
+            (node, info(node).role, info(node).key)
+            for node in self.gm.graph.nodes
+            if node.op == "placeholder" and any(node in n.all_input_nodes for n in runs)
+        ]
+        if phase == "backward":
+            inputs += [(node, Role.STASHED, node.name) for node in self._stashed(stage)]
+        received = sorted(self.crossing.get((stage, phase), set()), key=self.order.__getitem__)
+        inputs += [(node, Role.RECEIVED, node.name) for node in received]
+        body = sorted(runs, key=self.order.__getitem__)
+        outputs = [(kind, self._key(kind, n), n) for kind, n in self._outputs(stage, phase, runs)]
+        return _build(self.gm, stage, phase, inputs, body, outputs)
 
     def _key(self, kind: Output, node: fx.Node) -> str:
         if kind == "grad":
@@ -371,6 +361,85 @@ class _Cut:
     def _sent(self, stage: int, phase: str) -> list[fx.Node]:
         peer = stage + 1 if phase == "forward" else stage - 1
         return sorted(self.crossing.get((peer, phase), set()), key=self.order.__getitem__)
+
+
+def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
+    """``backward`` as two programs, for a zero-bubble schedule: the input gradient (the nodes
+    the gradients sent to the stage before depend on, and those sends) and the weight gradient
+    (everything else: the parameters' gradients, but those an op of the first computes beside
+    its input gradient, as a layer norm's backward does). The first returns, as ``stash``,
+    what the second reads of it; the second runs later, while nothing waits for it."""
+    nodes = list(backward.gm.graph.nodes)
+    values = nodes[-1].args[0]
+    slots = list(zip(backward.outputs, values, strict=True))
+    needed: set[fx.Node] = set()
+    stack = [v for slot, v in slots if slot.kind == "send"]
+    while stack:
+        node = stack.pop()
+        if node not in needed and node.op != "placeholder":
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in list(needed):  # an op's other results come with it (the stash holds tensors)
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            needed.update(u for u in node.users if u.target is operator.getitem)
+    first = [n for n in nodes if n in needed]
+    second = [n for n in nodes if n.op not in ("placeholder", "output") and n not in needed]
+    placeholders = {n: (info(n).role, info(n).key) for n in nodes if n.op == "placeholder"}
+
+    def inputs_of(body: list[fx.Node]) -> list[tuple[fx.Node, Role, str]]:
+        read = {i for n in body for i in n.all_input_nodes}
+        return [(n, *placeholders[n]) for n in placeholders if n in read]
+
+    later = set(second)
+    kept = [n for n in first if any(u in later for u in n.users)]
+    input_grad = _build(
+        backward.gm,
+        backward.stage,
+        "input-grad",
+        inputs_of(first),
+        first,
+        [(slot.kind, slot.key, v) for slot, v in slots if v in needed]
+        + [("stash", n.name, n) for n in kept],
+    )
+    weight_grad = _build(
+        backward.gm,
+        backward.stage,
+        "weight-grad",
+        inputs_of(second) + [(n, Role.STASHED, n.name) for n in kept],
+        second,
+        [(slot.kind, slot.key, v) for slot, v in slots if v not in needed],
+    )
+    return input_grad, weight_grad
+
+
+def _build(
+    root: fx.GraphModule,
+    stage: int,
+    phase: Phase,
+    inputs: list[tuple[fx.Node, Role, str]],
+    body: list[fx.Node],
+    outputs: list[tuple[Output, str, fx.Node]],
+) -> StageProgram:
+    """A program of ``body`` (nodes of ``root``'s graph, in order) that reads ``inputs``
+    (a node of ``root`` each, which becomes a placeholder of that role and key) and returns
+    ``outputs``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node, kind, key in inputs:
+        new = graph.placeholder(node.name)
+        new.meta["val"] = node.meta.get("val")
+        name_placeholder(new, _prefix(kind) + key)
+        env[node] = tag(new, role=kind, key=key, phase=phase)
+    for node in body:
+        env[node] = copy_node(graph, node, env.__getitem__)
+    graph.output(tuple(env[n] for _, _, n in outputs))
+    return StageProgram(
+        stage,
+        phase,
+        fx.GraphModule(root, graph),
+        tuple(_slot(kind, key, node) for node, kind, key in inputs),
+        tuple(_slot(kind, key, node) for kind, key, node in outputs),
+    )
 
 
 def _prefix(kind: Role) -> str:
