@@ -14,10 +14,16 @@ import torch
 
 from tests.compiler.parallel.test_stage_cut import _blocks, _captured, _gpt, _whole
 from tests.models import _gpt_batch
+from tests.multirank import run_ranks
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import Slot, cut_stages, split_backward
 from zerocc.ir.kinds import Role
-from zerocc.runtime.pipeline import run_in_one_process
+from zerocc.runtime.pipeline import (
+    PipelineRank,
+    StagePrograms,
+    TorchTransport,
+    run_in_one_process,
+)
 
 MICROBATCHES = 4
 
@@ -80,3 +86,50 @@ def test_the_input_gradient_half_sends_what_the_whole_backward_sends():
     mms = [sum(n.target is torch.ops.aten.mm.default for n in p.gm.graph.nodes)
            for p in (middle, input_grad, weight_grad)]  # fmt: skip
     assert mms[1] + mms[2] == mms[0] and mms[1] == mms[2]
+
+
+def _pipeline_rank(rank: int, world: int, name: str, stages_per_rank: int):
+    """One rank of a ``world``-rank pipeline over gloo: its losses and gradients."""
+    model = _gpt(4)
+    microbatches = [_gpt_batch(m, 0) for m in range(MICROBATCHES)]
+    gm, info = _captured(model, microbatches[0])
+    staged = cut_stages(gm, info, _blocks(4, world * stages_per_rank))
+    schedule = pipeline_schedule(name, world, MICROBATCHES, stages_per_rank)
+    split = name == "zero-bubble"
+    transport = TorchTransport(staged, MICROBATCHES, schedule.rank_of)
+    mine = {
+        s: StagePrograms.of(staged.stages[s], split)
+        for s in range(schedule.stages)
+        if schedule.rank_of(s) == rank
+    }
+    walker = PipelineRank(mine, schedule.stages, transport, _model_inputs(model, microbatches))
+    for action in schedule.actions[rank]:
+        walker.run(action)
+    transport.finish()
+    torch.distributed.barrier()  # a peer may still be reading what this rank sent last
+    return walker.losses, walker.grads
+
+
+@pytest.mark.parametrize(("name", "stages_per_rank"), [("1f1b", 1), ("zero-bubble", 2)])
+def test_two_gloo_ranks_walk_their_schedules_to_the_one_process_result(name, stages_per_rank):
+    """The same pipeline as above, each rank in its own process, sending over gloo: the
+    losses and gradients of the one-process walk, bit for bit (the same programs on the same
+    values, in the same order on each rank, with one thread as the ranks run)."""
+    results = run_ranks(2, _pipeline_rank, name, stages_per_rank)
+    model = _gpt(4)
+    microbatches = [_gpt_batch(m, 0) for m in range(MICROBATCHES)]
+    gm, info = _captured(model, microbatches[0])
+    staged = cut_stages(gm, info, _blocks(4, 2 * stages_per_rank))
+    schedule = pipeline_schedule(name, 2, MICROBATCHES, stages_per_rank)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: a matmul's sums then run in the ranks' order
+    try:
+        local = run_in_one_process(staged, schedule, _model_inputs(model, microbatches))
+    finally:
+        torch.set_num_threads(threads)
+    for (losses, grads), walked in zip(results, local, strict=True):
+        assert losses.keys() == walked.losses.keys()
+        assert all(torch.equal(losses[m], walked.losses[m]) for m in losses)
+        assert grads.keys() == walked.grads.keys()
+        assert all(torch.equal(grads[k], walked.grads[k]) for k in grads)
+    assert len(results[schedule.rank_of(schedule.stages - 1)][0]) == MICROBATCHES

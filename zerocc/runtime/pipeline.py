@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from zerocc.compiler.parallel.pipeline_schedule import Action, PipelineSchedule
 from zerocc.compiler.parallel.stage_cut import Slot, Stage, StagedStep, StageProgram, split_backward
@@ -60,6 +61,59 @@ class LocalTransport:
         return self.held.pop(key)
 
 
+class TorchTransport:
+    """Point-to-point sends and receives of ``torch.distributed`` (gloo on CPU, NCCL on GPUs).
+
+    Sends are asynchronous (two neighbours send to each other at once in a 1F1B steady state),
+    kept until :meth:`finish`; receives block. Every message carries a tag numbered from its
+    key, the same on every rank (they cut the same step), so that a receive takes its own
+    message whatever order the two ranks' schedules issue them in. ``rank_of`` gives the
+    rank (in ``group``) that holds a stage."""
+
+    def __init__(
+        self,
+        staged: StagedStep,
+        microbatches: int,
+        rank_of: Callable[[int], int],
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        keys = [
+            (direction, peer, slot.key)
+            for stage in staged.stages
+            for program, direction, peer in (
+                (stage.forward, "F", stage.index + 1),
+                (stage.backward, "B", stage.index - 1),
+            )
+            for slot in program.outputs
+            if slot.kind == "send"
+        ]
+        self.tags = {key: i * microbatches for i, key in enumerate(sorted(keys))}
+        self.rank_of, self.group = rank_of, group
+        self.device = device or torch.device("cpu")
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def _tag(self, key: Key) -> int:
+        direction, stage, microbatch, name = key
+        return self.tags[direction, stage, name] + microbatch
+
+    def send(self, tensor: torch.Tensor, stage: int, key: Key) -> None:
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, self.rank_of(stage), group=self.group, tag=self._tag(key))
+        self.pending.append((work, tensor))
+
+    def recv(self, stage: int, key: Key, slot: Slot) -> torch.Tensor:
+        out = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
+        dist.recv(out, self.rank_of(stage), group=self.group, tag=self._tag(key))
+        return out
+
+    def finish(self) -> None:
+        """Wait for every send issued (their tensors are held until then)."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
 @dataclass
 class StagePrograms:
     """The programs one stage runs: forward and backward, or the backward's two halves."""
@@ -92,6 +146,7 @@ class PipelineRank:
     ) -> None:
         self.programs, self.stages = programs, stages
         self.transport, self.inputs = transport, inputs
+        self.local = LocalTransport()  # between two stages this rank holds (ZBV's V)
         self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
@@ -115,6 +170,9 @@ class PipelineRank:
         if action.kind in ("B", "W"):
             del self.kept[place]  # the micro-batch is done with on this stage
 
+    def _to(self, stage: int) -> Transport:
+        return self.local if stage in self.programs else self.transport
+
     def _input(self, slot: Slot, action: Action, kept: dict[str, torch.Tensor]) -> torch.Tensor:
         if slot.kind == Role.STASHED:
             return kept[slot.key]
@@ -122,7 +180,7 @@ class PipelineRank:
             forward = action.kind == "F"
             peer = action.stage - 1 if forward else action.stage + 1
             key = ("F" if forward else "B", action.stage, action.microbatch, slot.key)
-            value = self.transport.recv(peer, key, slot)
+            value = self._to(peer).recv(peer, key, slot)
             if action.kind == "F":
                 kept[slot.key] = value  # the stage's backward reads what it received too
             return value
@@ -134,7 +192,7 @@ class PipelineRank:
         if slot.kind == "send":
             peer = action.stage + 1 if action.kind == "F" else action.stage - 1
             direction = "F" if action.kind == "F" else "B"
-            self.transport.send(value, peer, (direction, peer, action.microbatch, slot.key))
+            self._to(peer).send(value, peer, (direction, peer, action.microbatch, slot.key))
         elif slot.kind == "stash":
             kept[slot.key] = value
         elif slot.kind == "loss":
