@@ -154,12 +154,12 @@ def cut_stages(
     return StagedStep(stages, cut.tied)
 
 
-class _Cut:
-    """The assignment of the step's nodes to stages, and the programs built from it."""
+class StageAssignment:
+    """Which stage each computed node of a captured step runs in (the module docs' rules):
+    ``stage[node]``, and the step's ``forward`` and ``backward`` nodes in program order. The
+    cut builds its programs from it; the cost model weighs stages with it."""
 
-    def __init__(
-        self, gm: fx.GraphModule, model: ModelInfo, stage_units: Sequence[Sequence[str]]
-    ) -> None:
+    def __init__(self, gm: fx.GraphModule, stage_units: Sequence[Sequence[str]]) -> None:
         self.gm, self.n = gm, len(stage_units)
         if self.n < 1 or any(not units for units in stage_units):
             raise PlanError("pipeline.split: every stage needs at least one unit")
@@ -175,20 +175,6 @@ class _Cut:
         self.stage: dict[fx.Node, int] = {}
         self._assign_forward()
         self._assign_backward()
-        grads = self.output.args[0][1:]  # one per trainable parameter, None where unused
-        self.param_of_grad = {
-            g: p.fqn for p, g in zip(model.trainable, grads, strict=True) if g is not None
-        }
-        self.tied: dict[str, tuple[int, ...]] = {}
-        self.joins: set[fx.Node] = set()  # adds of a tied parameter's parts across stages
-        self.parts: dict[fx.Node, str] = {}  # a stage's part of a tied gradient: its FQN
-        self._tie()
-        self.free: dict[fx.Node, bool] = {}
-        self.needs: dict[tuple[int, str], set[fx.Node]] = {}  # (stage, phase): nodes it runs
-        self.crossing: dict[tuple[int, str], set[fx.Node]] = {}  # values received
-        self._route()
-
-    # -- assignment -------------------------------------------------------------------------
 
     def _unit_stage(self, node: fx.Node) -> int | None:
         unit = unit_of(info(node).module or "", self.unit_stage)
@@ -228,6 +214,27 @@ class _Cut:
                     "one after another in the order of the split"
                 )
             last = stage
+
+
+class _Cut(StageAssignment):
+    """The cut: what each stage's programs run, read and return."""
+
+    def __init__(
+        self, gm: fx.GraphModule, model: ModelInfo, stage_units: Sequence[Sequence[str]]
+    ) -> None:
+        super().__init__(gm, stage_units)
+        grads = self.output.args[0][1:]  # one per trainable parameter, None where unused
+        self.param_of_grad = {
+            g: p.fqn for p, g in zip(model.trainable, grads, strict=True) if g is not None
+        }
+        self.tied: dict[str, tuple[int, ...]] = {}
+        self.joins: set[fx.Node] = set()  # adds of a tied parameter's parts across stages
+        self.parts: dict[fx.Node, str] = {}  # a stage's part of a tied gradient: its FQN
+        self._tie()
+        self.free: dict[fx.Node, bool] = {}
+        self.needs: dict[tuple[int, str], set[fx.Node]] = {}  # (stage, phase): nodes it runs
+        self.crossing: dict[tuple[int, str], set[fx.Node]] = {}  # values received
+        self._route()
 
     # -- tied parameters ----------------------------------------------------------------------
 
