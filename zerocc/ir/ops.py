@@ -66,6 +66,13 @@ SCHEMAS = {
     # ``tensor`` (what the update wrote that is read next) once the update named ``update``
     # (its node) is done.
     "host_wait": "host_wait(Tensor(a) tensor, str update) -> Tensor(a)",
+    # Pipeline stages (zerocc.compiler.parallel.stage_cut): what crosses a cut, and what a
+    # stage's forward keeps for its backward, by name, for the micro-batch the runtime runs:
+    # ``send`` to the rank holding ``stage``, ``recv`` from it; ``keep`` a tensor, ``kept`` it.
+    "send": "send(Tensor tensor, int stage, str name) -> ()",
+    "recv": "recv(SymInt[] shape, ScalarType dtype, Device device, int stage, str name) -> Tensor",
+    "keep": "keep(Tensor tensor, str name) -> ()",
+    "kept": "kept(SymInt[] shape, ScalarType dtype, Device device, str name) -> Tensor",
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
         " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
@@ -122,6 +129,30 @@ def implements(name: str, lib: Library | None = None):
 def fake(name: str):
     """Decorator: ``fn`` is the fake (meta) implementation of ``zerocc.<name>``."""
     return torch.library.register_fake(f"zerocc::{name}")
+
+
+@fake("send")
+def _(tensor, stage, name):
+    return None
+
+
+@fake("keep")
+def _(tensor, name):
+    return None
+
+
+@fake("recv")
+def _(shape, dtype, device, stage, name):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@fake("kept")
+def _(shape, dtype, device, name):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+for _name in ("send", "keep", "recv", "kept"):  # never dropped as dead code, never reordered
+    torch.fx.node.has_side_effect(getattr(torch.ops.zerocc, _name).default)
 
 
 @fake("all_gather_start")

@@ -14,9 +14,15 @@ from torch import nn
 
 from tests.models import GPT, CausalLM, GPTConfig, _gpt_batch, _token_batch
 from zerocc.compiler.capture import Casts, capture, describe_model
-from zerocc.compiler.parallel.stage_cut import StagedStep, cut_stages
+from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes
+from zerocc.compiler.parallel.stage_cut import StagedStep, cut_stages, stage_model, step_form
+from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import Role
+from zerocc.ir.nodes import PARAM, count_ops
+from zerocc.ir.printing import format_program
+from zerocc.ir.verify import verify_program
 
 CPU = torch.device("cpu")
 
@@ -157,3 +163,55 @@ def test_units_split_out_of_their_order_are_refused():
     gm, info = _captured(model, batch)
     with pytest.raises(PlanError, match="must run one after another in the order of the split"):
         cut_stages(gm, info, [["transformer.h.2", "transformer.h.3"], _blocks(4, 2)[0]])
+
+
+def test_backward_derives_again_what_forward_read_of_a_parameter_instead_of_keeping_it():
+    """A parameter's transpose or cast is not kept from forward to backward: stage 3 frees
+    the gathered parameter after forward, and backward gathers it again."""
+    model, batch = _gpt(4), _gpt_batch(0, 0)
+    gm, info = _captured(model, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
+    of_params = {
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "call_function" and any(i.op == "placeholder" for i in n.all_input_nodes)
+        and all(i.op == "placeholder" for i in n.all_input_nodes)
+    }  # fmt: skip
+    for stage in cut_stages(gm, info, _blocks(4, 2)).stages:
+        assert not of_params & set(stage.backward.reads(Role.STASHED))
+        assert not of_params & set(stage.forward.writes("stash"))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_stage_programs_compile_through_the_plans_passes_with_explicit_transfers(zero):
+    """Each stage's forward and backward, in step form, through the plan's pass list on 2
+    data-parallel ranks as a micro-batch that accumulates: what crosses a cut is a recv or a
+    send op in the printed program, what backward reads of forward a kept op, and the
+    parameters are gathered (stage 3) and the gradients reduced as in any step."""
+    model, batch = _gpt(4), _gpt_batch(0, 0)
+    gm, info = _captured(model, batch)
+    staged = cut_stages(gm, info, _blocks(4, 2))
+    plan = Plan.model_validate(
+        {"zero": {"stage": zero}, "units": {"classes": ["Block"]}, "grad_accumulation": 4}
+    )
+    for stage in staged.stages:
+        held = stage_model(info, stage)
+        units = assign_units(held, 2, ["Block"], [], None)
+        for program in (stage.forward, stage.backward):
+            ctx = PassContext(plan, 2, held, boundary=False, units=units)
+            compiled, _ = run_passes(step_form(program, held), ctx, bind_passes(plan))
+            verify_program(compiled, f"stage {stage.index} {program.phase}")
+            ops = count_ops(compiled.graph.nodes)
+            first, last = stage.index == 0, stage.index == len(staged.stages) - 1
+            forward = program.phase == "forward"
+            assert ops.get("zerocc.send", 0) == (not last if forward else not first)
+            assert ops.get("zerocc.recv", 0) == (not first if forward else not last)
+            assert ops.get("zerocc.keep", 0) == (len(program.writes("stash")) if forward else 0)
+            assert ops.get("zerocc.kept", 0) == len(program.reads(Role.STASHED))
+            read = {u.name for u in units for p in u.params if p.fqn in program.reads(PARAM)}
+            assert ops.get("zerocc.all_gather_start", 0) == (len(read) if zero == 3 else 0)
+            reductions = ops.get("zerocc.reduce_scatter_start", 0)
+            assert reductions == (0 if forward or zero < 2 else len(units))
+            assert "adamw_" not in str(ops)  # a micro-batch that accumulates updates nothing
+            text = format_program(compiled)
+            if forward and not last:
+                assert "zerocc.send(" in text and f", {stage.index + 1}, " in text

@@ -28,6 +28,7 @@ batch tensors as in the captured step, :data:`Role.RECEIVED` for what the neighb
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,8 +39,18 @@ from torch import fx
 
 from zerocc.compiler.capture import ModelInfo
 from zerocc.errors import PlanError
-from zerocc.ir.kinds import Role
-from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, PARAM, copy_node, info, name_placeholder, tag
+from zerocc.ir.kinds import OpKind, Role
+from zerocc.ir.nodes import (
+    BATCH,
+    BUFFER,
+    LOSS_SCALE,
+    PARAM,
+    copy_node,
+    info,
+    name_placeholder,
+    op_kind,
+    tag,
+)
 
 # What a program's output slot holds: the loss, a tensor for a neighbour (an activation for the
 # next stage, a gradient for the one before), a tensor the stage's backward reads, a
@@ -175,6 +186,26 @@ class StageAssignment:
         self.stage: dict[fx.Node, int] = {}
         self._assign_forward()
         self._assign_backward()
+        self.derived = self._derived()
+
+    def _derived(self) -> set[fx.Node]:
+        """Forward views and casts of parameters, buffers and batch tensors (a weight
+        transposed for a matmul, cast to the compute dtype): each program that reads one
+        derives it again from its inputs, rather than receive it from the stage that ran it
+        first or keep it from forward to backward (stage 3 frees a gathered parameter after
+        forward, and backward gathers it again, as the shard pass re-derives such views)."""
+        inputs = (PARAM, BUFFER, BATCH)
+        derived: set[fx.Node] = set()
+        for node in self.forward:
+            cheap = node.target is _CAST or op_kind(node) in (OpKind.VIEW, OpKind.PLUMBING)
+            if cheap and all(
+                i in derived
+                or i.op == "get_attr"
+                or (i.op == "placeholder" and info(i).role in inputs)
+                for i in node.all_input_nodes
+            ):
+                derived.add(node)
+        return derived
 
     def _unit_stage(self, node: fx.Node) -> int | None:
         unit = unit_of(info(node).module or "", self.unit_stage)
@@ -244,13 +275,23 @@ class _Cut(StageAssignment):
         for node in self.gm.graph.nodes:
             if node.op != "placeholder" or info(node).role != PARAM:
                 continue
-            stages = sorted({self.stage[u] for u in node.users if u in self.stage})
+            stages = sorted(self._reading_stages(node))
             if len(stages) > 1:
                 self.tied[info(node).key] = tuple(stages)
         for grad, fqn in self.param_of_grad.items():
             if fqn in self.tied:
                 for part in self._parts(grad, fqn):
                     self.parts[part] = fqn
+
+    def _reading_stages(self, node: fx.Node) -> set[int]:
+        """The stages of the nodes that read ``node``, directly or through derived views."""
+        stages: set[int] = set()
+        for user in node.users:
+            if user in self.derived:
+                stages |= self._reading_stages(user)
+            elif user in self.stage:
+                stages.add(self.stage[user])
+        return stages
 
     def _parts(self, grad: fx.Node, fqn: str) -> list[fx.Node]:
         if grad.target is _ADD and len(grad.all_input_nodes) == 2:
@@ -284,7 +325,7 @@ class _Cut(StageAssignment):
     def _route(self) -> None:
         """Which nodes each program runs and which values it receives."""
         for node in self.forward + self.backward:
-            if node in self.joins:
+            if node in self.joins or node in self.derived:  # derived: where read
                 continue
             phase = info(node).phase if info(node).phase == "forward" else "backward"
             self._run(node, self.stage[node], phase)
@@ -297,9 +338,13 @@ class _Cut(StageAssignment):
         for source in node.all_input_nodes:
             if source.op == "get_attr":  # a constant: each program holds its own
                 runs.add(source)
-            if source.op in ("placeholder", "get_attr") or self.stage[source] == stage:
+            if source.op in ("placeholder", "get_attr"):
                 continue
-            if self._is_free(source):
+            if source in self.derived:
+                self._run(source, stage, phase)
+            elif self.stage[source] == stage:
+                continue
+            elif self._is_free(source):
                 self._run(source, stage, phase)  # recomputed here
             else:
                 self._receive(source, node, stage)
@@ -417,6 +462,62 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
         [(slot.kind, slot.key, v) for slot, v in slots if v not in needed],
     )
     return input_grad, weight_grad
+
+
+def stage_model(model: ModelInfo, stage: Stage) -> ModelInfo:
+    """What of ``model`` the stage holds: its parameters (a tied one in every stage that reads
+    it) and the buffers, for the passes that compile the stage's programs."""
+    held = set(stage.params)
+    return ModelInfo(tuple(p for p in model.params if p.fqn in held), model.buffers, model.modules)
+
+
+def step_form(program: StageProgram, model: ModelInfo) -> fx.GraphModule:
+    """``program`` as the passes compile a step: what it receives and what its forward kept
+    read by ``recv`` and ``kept`` ops, what it sends and keeps written by ``send`` and
+    ``keep`` ops, and the output ``(loss, *grads)``, one gradient per trainable parameter of
+    ``model`` (the stage's, :func:`stage_model`; None where the program computes none, and
+    no loss but in the last stage's forward)."""
+    gm = fx.GraphModule(program.gm, copy.deepcopy(program.gm.graph))
+    graph, ops = gm.graph, torch.ops.zerocc
+    forward = program.phase == "forward"
+    phase = "forward" if forward else "backward"
+    before, after = program.stage - 1, program.stage + 1
+    sender, receiver = (before, after) if forward else (after, before)
+    nodes = list(graph.nodes)
+
+    def emit(target: torch._ops.OpOverload, args: tuple) -> fx.Node:
+        name = target.overloadpacket.__name__  # recv, not recv_default
+        return tag(graph.create_node("call_function", target, args, name=name), phase=phase)
+
+    placeholders = (n for n in nodes if n.op == "placeholder")
+    for node, slot in zip(placeholders, program.inputs, strict=True):
+        if slot.kind not in (Role.RECEIVED, Role.STASHED):
+            continue
+        value = node.meta["val"]
+        like = (list(value.shape), value.dtype, value.device)
+        with graph.inserting_before(node):
+            if slot.kind == Role.RECEIVED:
+                new = emit(ops.recv.default, (*like, sender, slot.key))
+            else:
+                new = emit(ops.kept.default, (*like, slot.key))
+        new.meta["val"] = value
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    output = nodes[-1]
+    loss, grads = None, {}
+    with graph.inserting_before(output):
+        for slot, value in zip(program.outputs, output.args[0], strict=True):
+            if slot.kind == "send":
+                emit(ops.send.default, (value, receiver, slot.key))
+            elif slot.kind == "stash":
+                emit(ops.keep.default, (value, slot.key))
+            elif slot.kind == "loss":
+                loss = value
+            else:
+                grads[slot.key] = value
+    output.args = ((loss, *(grads.get(p.fqn) for p in model.trainable)),)
+    gm.recompile()
+    return gm
 
 
 def _build(

@@ -220,7 +220,8 @@ class _ShardRewriter:
                     self.free(self.units[unit_name], phase)
         reached = {u.name for units in complete.values() for u in units}
         gradients.after_backward([u for u in self.ctx.units if u.name in reached])
-        self.graph.output(self.env[output.args[0][0]])
+        loss = output.args[0][0]  # None in a pipeline stage's program that computes no loss
+        self.graph.output(None if loss is None else self.env[loss])
         return self.graph
 
 
