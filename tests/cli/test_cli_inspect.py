@@ -221,3 +221,45 @@ def test_lowered_shows_what_inductor_compiled_and_writes_its_code(
 def test_lowered_on_the_eager_backend_says_nothing_is_generated(capsys):
     out = run(capsys, "inspect", ZERO3, "--lowered")
     assert "backend eager:" in out and "nothing generated" in out
+
+
+def _pipeline_plan(tmp_path, pipeline: str = "{schedule: 1f1b, microbatches: 4}") -> str:
+    plan = tmp_path / "pp.yaml"
+    plan.write_text(
+        'workload: "workload:workload"\n'
+        "workload_args: {n_layer: 8, n_embd: 32, n_head: 2, block_size: 16, batch_size: 8,\n"
+        "                vocab_size: 2048}\n"
+        f"zero: {{stage: 3}}\nunits: {{classes: [Block]}}\nparallel: {{pp: 2}}\n"
+        f"pipeline: {pipeline}\n"
+    )
+    return str(plan)
+
+
+def test_inspect_of_a_pipeline_plan_shows_its_cut_and_schedule(capsys, tmp_path):
+    out = run(capsys, "inspect", _pipeline_plan(tmp_path), "--world-size", "4")
+    assert out.startswith("pipeline: 2 stages on 2 pipeline ranks")
+    assert "4 micro-batches of [2, 16], [2, 16]" in out  # the rank's batch of 8, cut in 4
+    assert "2 pipeline stages' ranks × 2 shards" in out
+    assert "split (pipeline.split: auto)" in out and "head and loss" in out
+    assert re.search(r"-> stage 1: add_\d+ \[2, 16, 32\]", out)  # the residual stream
+    assert "tied transformer.wte.weight: held by stages [0, 1]" in out
+    assert "rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3" in out and "bubble 20.0%" in out
+    assert "cannot train or estimate a pipeline yet" in out
+
+
+def test_inspect_of_a_pipeline_split_where_the_plan_says(capsys, tmp_path):
+    plan = _pipeline_plan(tmp_path, "{split: [transformer.h.6]}")
+    out = run(capsys, "inspect", plan, "--world-size", "2")
+    assert "split (pipeline.split)\n" in out
+    assert "stage 0: units transformer.h.0 .. transformer.h.5 (6)" in out
+    bad = _pipeline_plan(tmp_path, "{split: [transformer.h.9]}")
+    assert main(["inspect", bad]) == 2
+    assert "pipeline.split: ['transformer.h.9'] are not units" in capsys.readouterr().err
+
+
+def test_estimate_and_training_of_a_pipeline_plan_say_they_cannot_yet(capsys, tmp_path):
+    plan = _pipeline_plan(tmp_path)
+    assert main(["estimate", plan, "--world-size", "4"]) == 2
+    assert "cannot train or estimate a pipeline yet" in capsys.readouterr().err
+    assert main(["inspect", plan, "--print-after", "shard"]) == 2
+    assert "--print-after: not for a pipeline plan yet" in capsys.readouterr().err

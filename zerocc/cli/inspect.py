@@ -102,8 +102,12 @@ def _inspection(args: argparse.Namespace, plan: Plan | None = None) -> Inspectio
 
 def run_inspect(args: argparse.Namespace) -> int:
     """``zerocc inspect``: the pass table, or one program printed, or one pass's diff, or
-    what the plan's backend makes of the program (``--lowered``)."""
-    inspection = _inspection(args)
+    what the plan's backend makes of the program (``--lowered``); for a pipeline plan, its
+    cut and schedule."""
+    plan = load_plan(args.plan)
+    if plan.parallel.pp > 1:
+        return _inspect_pipeline(args, plan)
+    inspection = _inspection(args, plan)
     records = inspection.stepping.records
     if args.unit is not None and args.unit not in {u.name for u in inspection.units}:
         names = ", ".join(u.name for u in inspection.units)
@@ -121,6 +125,21 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(_show(after if args.print_after else before, args.format, args.unit))
     else:
         print(_pass_table_text(inspection))
+    return 0
+
+
+def _inspect_pipeline(args: argparse.Namespace, plan: Plan) -> int:
+    from zerocc.inspect.pipeline import inspect_pipeline
+
+    shown = [f"--{n.replace('_', '-')}" for n in ("diff", "print_after", "print_before", "unit")]
+    asked = [flag for flag in shown if getattr(args, flag[2:].replace("-", "_"))]
+    if asked or args.lowered is not None:
+        raise ZeroccError(
+            f"{' '.join(asked) or '--lowered'}: not for a pipeline plan yet (parallel.pp > 1); "
+            "`zerocc inspect PLAN` shows its cut and schedule"
+        )
+    world_size = args.world_size or plan.zero.world_size or plan.parallel.pp
+    print(inspect_pipeline(plan, world_size).format())
     return 0
 
 

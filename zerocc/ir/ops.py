@@ -20,6 +20,7 @@ from torch.library import Library
 DP_GROUP = "dp"  # the group a unit is sharded over (every rank, unless sharding is hybrid)
 REPLICATE_GROUP = "replicate"  # the ranks that hold the same shard (hybrid sharding)
 TP_GROUP = "tp"  # the ranks that split a layer (tensor parallelism)
+PP_GROUP = "pp"  # the ranks that hold the stages of one pipeline, in stage order
 
 
 def reported_kind(kind: str, group: str) -> str:

@@ -27,6 +27,14 @@ from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
+from zerocc.errors import NotSupportedError
+
+# What a plan can ask of a pipeline today (issue 47): the cut and the schedule, inspected.
+PIPELINE_NOT_YET = (
+    "parallel.pp > 1: zerocc can cut a model into pipeline stages and schedule them (`zerocc "
+    "inspect PLAN` shows the cut, what crosses it and the schedule), but cannot train or "
+    "estimate a pipeline yet; set parallel.pp: 1 to train this plan"
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class CompileSession:
         for a mesh the world cannot take, layers it cannot split, passes it cannot run in
         order, or units it cannot form."""
         mesh = Mesh.of_plan(plan, world_size)
+        if mesh.pp > 1:
+            raise NotSupportedError(PIPELINE_NOT_YET)
         full = describe_model(model)
         tp = TensorParallel.of(model, full, plan)
         model_info = tp.local_info(full) if tp is not None else full

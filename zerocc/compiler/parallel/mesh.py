@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from zerocc.compiler.plan import Plan, check_layout
 from zerocc.ir.ops import DP_GROUP as DP
+from zerocc.ir.ops import PP_GROUP as PP
 from zerocc.ir.ops import REPLICATE_GROUP as REPLICATE
 from zerocc.ir.ops import TP_GROUP as TP
 
@@ -38,25 +39,35 @@ class Mesh:
     world_size: int
     replicate: int = 1
     tp: int = 1
+    pp: int = 1
 
     @staticmethod
-    def of(world_size: int, replicate: int = 1, tp: int = 1) -> Mesh:
-        """The layout of ``world_size`` ranks for a plan's ``zero.replicate`` and
-        ``parallel.tp``; a PlanError when the ranks cannot be split so."""
-        check_layout(world_size, replicate, tp)
-        return Mesh(world_size, replicate, tp)
+    def of(world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1) -> Mesh:
+        """The layout of ``world_size`` ranks for a plan's ``zero.replicate``,
+        ``parallel.tp`` and ``parallel.pp``; a PlanError when the ranks cannot be split so."""
+        check_layout(world_size, replicate, tp, pp)
+        return Mesh(world_size, replicate, tp, pp)
 
     @staticmethod
     def of_plan(plan: Plan, world_size: int) -> Mesh:
         """The layout of ``world_size`` ranks under ``plan`` (``zero.replicate``,
         ``parallel``); a PlanError when the ranks cannot take it."""
         plan.check_world_size(world_size)
-        return Mesh(world_size, plan.zero.replicate, plan.parallel.tp)
+        return Mesh(world_size, plan.zero.replicate, plan.parallel.tp, plan.parallel.pp)
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage (every rank without pipeline parallelism)."""
+        return self.world_size // self.pp
 
     @property
     def data_parallel(self) -> int:
         """Data-parallel ranks: how many distinct batches one step trains on."""
-        return self.world_size // self.tp
+        return self.stage_ranks // self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        """Which pipeline rank (which stages) ``rank`` is."""
+        return rank // self.stage_ranks
 
     @property
     def shard_size(self) -> int:
@@ -70,12 +81,14 @@ class Mesh:
 
     @property
     def split(self) -> bool:
-        """Whether the ranks are split into groups at all (HSDP or tensor parallelism)."""
-        return self.hybrid or self.tp > 1
+        """Whether the ranks are split into groups at all (HSDP, tensor or pipeline
+        parallelism)."""
+        return self.hybrid or self.tp > 1 or self.pp > 1
 
     def data_rank(self, rank: int) -> int:
-        """Which data-parallel rank ``rank`` is (whose batch it trains on)."""
-        return rank // self.tp
+        """Which data-parallel rank ``rank`` is (whose batch it trains on: the ranks of one
+        pipeline share it)."""
+        return rank % self.stage_ranks // self.tp
 
     def shard_rank(self, rank: int) -> int:
         """Which shard of each unit ``rank`` holds."""
@@ -90,24 +103,28 @@ class Mesh:
         return rank % self.tp
 
     def groups(self, name: str) -> list[list[int]]:
-        """The ranks of every group of kind ``name`` (``dp``, ``replicate`` or ``tp``), each in
-        rank order: what every rank creates, in this order."""
-        s, t, n = self.shard_size, self.tp, self.world_size
+        """The ranks of every group of kind ``name`` (``dp``, ``replicate``, ``tp`` or
+        ``pp``), each in rank order: what every rank creates, in this order."""
+        s, t, n = self.shard_size, self.tp, self.stage_ranks
+        if name == PP:
+            return [list(range(i, self.world_size, n)) for i in range(n)]
         if name == DP:
-            return [
+            stage = [
                 [(r * s + i) * t + j for i in range(s)]
                 for r in range(self.replicate)
                 for j in range(t)
             ]
-        if name == REPLICATE:
-            return [list(range(i * t + j, n, s * t)) for i in range(s) for j in range(t)]
-        if name == TP:
-            return [list(range(d * t, (d + 1) * t)) for d in range(self.data_parallel)]
-        raise ValueError(f"unknown group {name!r}; known: {DP}, {REPLICATE}, {TP}")
+        elif name == REPLICATE:
+            stage = [list(range(i * t + j, n, s * t)) for i in range(s) for j in range(t)]
+        elif name == TP:
+            stage = [list(range(d * t, (d + 1) * t)) for d in range(self.data_parallel)]
+        else:
+            raise ValueError(f"unknown group {name!r}; known: {DP}, {REPLICATE}, {TP}, {PP}")
+        return [[p * n + r for r in ranks] for p in range(self.pp) for ranks in stage]
 
     def named_groups(self) -> list[str]:
         """The kinds of group this layout splits the ranks into, in the order they are made."""
-        return [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1)
+        return [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1) + [PP] * (self.pp > 1)
 
     def describe(self) -> str:
         """One line for explain() and the estimate: the layout and its groups (the first two
@@ -124,6 +141,10 @@ class Mesh:
             )
         if self.tp > 1:
             groups.append(f"layers split over the tp groups {_some(self.groups(TP))}")
+        if self.pp > 1:
+            sizes.insert(0, f"{self.pp} pipeline stages' ranks")
+            index = f"pp × {self.stage_ranks} + {index.replace('rank = ', '')}"
+            groups.append(f"stages chained over the pp groups {_some(self.groups(PP))}")
         return (
             f"mesh: {self.world_size} ranks = {' × '.join(sizes)} (rank = {index});"
             f" {'; '.join(groups)}"

@@ -23,19 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from zerocc.compiler.plan.pipeline import SCHEDULES as SCHEDULES  # (re-exported)
+from zerocc.compiler.plan.pipeline import check_schedule
 from zerocc.errors import PlanError
 
 ActionKind = Literal["F", "B", "I", "W"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 # torch.distributed.pipelining's names of the schedules taken from it
 _TORCH_NAMES = {"interleaved-1f1b": "Interleaved1F1B", "zero-bubble": "ZBVZeroBubble"}
-# Stages per rank each schedule runs: (least, most; None: no bound). ZBV is V-shaped: two.
-_STAGES_PER_RANK: Mapping[str, tuple[int, int | None]] = {
-    "gpipe": (1, 1),
-    "1f1b": (1, 1),
-    "interleaved-1f1b": (2, None),
-    "zero-bubble": (2, 2),
-}
 # The cost of each kind of action when none is given: a backward is twice a forward, split
 # evenly between the input gradient and the weight gradient.
 UNIT_COSTS: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -179,7 +173,7 @@ def pipeline_schedule(
     """The ``name`` schedule (one of :data:`SCHEDULES`) of ``pp`` ranks over ``microbatches``
     micro-batches, checked (:meth:`PipelineSchedule.check`); PlanError naming the plan's field
     for a combination the schedule cannot run."""
-    _check_arguments(name, pp, microbatches, stages_per_rank)
+    check_schedule(name, pp, microbatches, stages_per_rank)
     if name == "gpipe":
         actions = [_gpipe(rank, microbatches) for rank in range(pp)]
     elif name == "1f1b":
@@ -189,21 +183,6 @@ def pipeline_schedule(
     schedule = PipelineSchedule(name, pp, microbatches, stages_per_rank, tuple(map(tuple, actions)))
     schedule.check()
     return schedule
-
-
-def _check_arguments(name: str, pp: int, microbatches: int, stages_per_rank: int) -> None:
-    if name not in SCHEDULES:
-        raise PlanError(f"pipeline.schedule: {name!r} is not a schedule; one of {list(SCHEDULES)}")
-    if pp < 2:
-        raise PlanError(f"parallel.pp: a pipeline needs 2 or more stages' ranks, got {pp}")
-    if microbatches < 1:
-        raise PlanError(f"pipeline.microbatches: must be 1 or more, got {microbatches}")
-    least, most = _STAGES_PER_RANK[name]
-    if stages_per_rank < least or (most is not None and stages_per_rank > most):
-        runs = f"{least}" if least == most else f"{least} or more"
-        raise PlanError(
-            f"pipeline.stages_per_rank: {name} runs {runs} stage(s) per rank, got {stages_per_rank}"
-        )
 
 
 def _gpipe(rank: int, microbatches: int) -> list[Action]:

@@ -27,6 +27,7 @@ from zerocc.compiler.plan.execution import (
 )
 from zerocc.compiler.plan.optimizer import OptimizerConfig
 from zerocc.compiler.plan.parallelism import ParallelConfig, UnitsConfig, ZeroConfig, check_layout
+from zerocc.compiler.plan.pipeline import PipelineConfig, check_schedule
 from zerocc.compiler.plan.precision import PrecisionConfig
 from zerocc.compiler.plan.renamed import RENAMED_FIELDS, read_renamed
 from zerocc.errors import PlanError
@@ -79,6 +80,10 @@ class Plan(Section):
     parallel: ParallelConfig = Field(
         default_factory=ParallelConfig,
         description="tensor parallelism beside ZeRO: the mesh's dp × tp and the layers split",
+    )
+    pipeline: PipelineConfig = Field(
+        default_factory=PipelineConfig,
+        description="pipeline parallelism (parallel.pp > 1): schedule, micro-batches, stages",
     )
     units: UnitsConfig = Field(
         default_factory=UnitsConfig, description="how parameters are grouped into FSDP units"
@@ -167,18 +172,48 @@ class Plan(Section):
         """A PlanError when ``world_size`` ranks cannot take this plan's layout (``parallel.dp``
         and ``tp``, ``zero.replicate``); the layout itself is
         :meth:`zerocc.compiler.parallel.mesh.Mesh.of_plan`."""
-        dp, tp = self.parallel.dp, self.parallel.tp
-        if dp is not None and dp * tp != world_size:
+        dp, tp, pp = self.parallel.dp, self.parallel.tp, self.parallel.pp
+        if dp is not None and dp * tp * pp != world_size:
+            factors = f"dp {dp} × tp {tp}" + (f" × pp {pp}" if pp > 1 else "")
+            product = "dp × tp" + (" × pp" if pp > 1 else "")
             raise PlanError(
-                f"parallel: dp {dp} × tp {tp} is {dp * tp} ranks, but the world size is "
-                f"{world_size}; allowed: dp × tp = {world_size} (or leave dp out)"
+                f"parallel: {factors} is {dp * tp * pp} ranks, but the world size is "
+                f"{world_size}; allowed: {product} = {world_size} (or leave dp out)"
             )
-        check_layout(world_size, self.zero.replicate, tp)
+        check_layout(world_size, self.zero.replicate, tp, pp)
 
     @model_validator(mode="after")
     def _mesh_takes_the_world(self) -> Plan:
         if self.zero.world_size is not None:  # a layout the ranks cannot take is an error now
             self.check_world_size(self.zero.world_size)
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_has_stages(self) -> Plan:
+        pp, pipeline = self.parallel.pp, self.pipeline
+        if pp == 1:  # (against the defaults: a plan dumped and loaded sets every field)
+            if pipeline != PipelineConfig():
+                raise ValueError(
+                    "pipeline: a schedule for a pipeline of one stage; set parallel.pp to 2 or "
+                    "more ranks, or drop the pipeline section"
+                )
+            return self
+        check_schedule(
+            pipeline.schedule, pp, pipeline.microbatches_of(pp), pipeline.stages_per_rank_of()
+        )
+        if self.grad_accumulation > 1:
+            raise ValueError(
+                f"grad_accumulation: {self.grad_accumulation} with parallel.pp: {pp}: a "
+                "pipeline accumulates its micro-batches' gradients already; set "
+                f"pipeline.microbatches (now {pipeline.microbatches_of(pp)}) instead"
+            )
+        stages = pp * pipeline.stages_per_rank_of()
+        if isinstance(pipeline.split, list) and len(pipeline.split) != stages - 1:
+            raise ValueError(
+                f"pipeline.split names {len(pipeline.split)} units, but {stages} stages "
+                f"(parallel.pp {pp} × stages_per_rank {pipeline.stages_per_rank_of()}) begin "
+                f"at {stages - 1} units after the first; name {stages - 1}, or split: auto"
+            )
         return self
 
     @model_validator(mode="after")

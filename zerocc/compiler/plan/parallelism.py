@@ -91,10 +91,17 @@ class TpLayer(Section):
 
 
 class ParallelConfig(Section):
-    """The ranks' mesh beyond ZeRO: tensor parallelism over ``tp`` ranks (Megatron-style)."""
+    """The ranks' mesh beyond ZeRO: tensor parallelism over ``tp`` ranks (Megatron-style) and
+    pipeline stages over ``pp``."""
 
     dp: int | None = Field(
-        None, ge=1, description="data-parallel ranks (world size / tp); checked when given"
+        None, ge=1, description="data-parallel ranks (world size / (tp x pp)); checked when given"
+    )
+    pp: int = Field(
+        1,
+        ge=1,
+        description="pipeline-parallel ranks: the model cut into consecutive stages at unit "
+        "boundaries (the pipeline section says how); the ranks of one pipeline share a batch",
     )
     tp: int = Field(
         1, ge=1, description="tensor-parallel ranks: each layer of tp_layers is split over them"
@@ -177,14 +184,21 @@ class UnitsConfig(Section):
     )
 
 
-def check_layout(world_size: int, replicate: int = 1, tp: int = 1) -> None:
-    """A PlanError when ``world_size`` ranks cannot be split into ``zero.replicate`` replicas
-    of shard groups, each rank of them ``parallel.tp`` tensor-parallel ranks."""
+def check_layout(world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1) -> None:
+    """A PlanError when ``world_size`` ranks cannot be split into ``parallel.pp`` pipeline
+    stages' ranks of ``zero.replicate`` replicas of shard groups, each rank of them
+    ``parallel.tp`` tensor-parallel ranks."""
     if world_size % tp:
         raise PlanError(
             f"parallel.tp: {tp} does not divide the world size {world_size}; allowed: a "
             f"divisor of {world_size}"
         )
+    if world_size % (tp * pp):
+        raise PlanError(
+            f"parallel.pp: {pp} does not divide the {world_size // tp} ranks"
+            f"{_of_tp(world_size, tp)}; allowed: a divisor of {world_size // tp}"
+        )
+    world_size //= pp  # the ranks of one pipeline stage
     data = world_size // tp
     if replicate > 1 and data % replicate:
         ranks = "world size" if tp == 1 else "data-parallel ranks"
