@@ -18,12 +18,7 @@ from tests.multirank import run_ranks
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import Slot, cut_stages, split_backward
 from zerocc.ir.kinds import Role
-from zerocc.runtime.pipeline import (
-    PipelineRank,
-    StagePrograms,
-    TorchTransport,
-    run_in_one_process,
-)
+from zerocc.runtime.pipeline import TorchTransport, captured_rank, run_in_one_process
 
 MICROBATCHES = 4
 
@@ -53,10 +48,10 @@ def test_every_schedule_trains_each_microbatch_as_the_whole_step(name, pp, stage
     gm, info = _captured(model, microbatches[0])
     staged = cut_stages(gm, info, _blocks(4, pp * stages_per_rank))
     schedule = pipeline_schedule(name, pp, MICROBATCHES, stages_per_rank)
-    ranks = run_in_one_process(staged, schedule, _model_inputs(model, microbatches))
+    ranks = run_in_one_process(staged, info, schedule, _model_inputs(model, microbatches))
 
     whole = [_whole(gm, info, model, batch) for batch in microbatches]
-    last = ranks[schedule.rank_of(schedule.stages - 1)]
+    last = ranks[schedule.rank_of(schedule.stages - 1)].rank
     for m, (loss, _) in enumerate(whole):
         assert torch.equal(last.losses[m], loss)
     pipelined: dict[str, torch.Tensor] = {}
@@ -67,7 +62,7 @@ def test_every_schedule_trains_each_microbatch_as_the_whole_step(name, pp, stage
     assert pipelined.keys() == expected.keys()
     for fqn, grad in expected.items():
         torch.testing.assert_close(pipelined[fqn], grad, rtol=1e-6, atol=1e-7, msg=fqn)
-    assert all(not rank.kept for rank in ranks)  # every stash was freed after its backward
+    assert all(not r.rank.kept for r in ranks)  # every stash was freed after its backward
 
 
 def test_the_input_gradient_half_sends_what_the_whole_backward_sends():
@@ -95,19 +90,16 @@ def _pipeline_rank(rank: int, world: int, name: str, stages_per_rank: int):
     gm, info = _captured(model, microbatches[0])
     staged = cut_stages(gm, info, _blocks(4, world * stages_per_rank))
     schedule = pipeline_schedule(name, world, MICROBATCHES, stages_per_rank)
-    split = name == "zero-bubble"
     transport = TorchTransport(staged, MICROBATCHES, schedule.rank_of)
-    mine = {
-        s: StagePrograms.of(staged.stages[s], split)
-        for s in range(schedule.stages)
-        if schedule.rank_of(s) == rank
-    }
-    walker = PipelineRank(mine, schedule.stages, transport, _model_inputs(model, microbatches))
+    inputs = _model_inputs(model, microbatches)
+    mine = captured_rank(
+        staged, info, schedule.stages_of(rank), schedule.splits_backward, transport, inputs
+    )
     for action in schedule.actions[rank]:
-        walker.run(action)
+        mine.rank.run(action)
     transport.finish()
     torch.distributed.barrier()  # a peer may still be reading what this rank sent last
-    return walker.losses, walker.grads
+    return mine.rank.losses, mine.grads
 
 
 @pytest.mark.parametrize(("name", "stages_per_rank"), [("1f1b", 1), ("zero-bubble", 2)])
@@ -124,12 +116,12 @@ def test_two_gloo_ranks_walk_their_schedules_to_the_one_process_result(name, sta
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: a matmul's sums then run in the ranks' order
     try:
-        local = run_in_one_process(staged, schedule, _model_inputs(model, microbatches))
+        local = run_in_one_process(staged, info, schedule, _model_inputs(model, microbatches))
     finally:
         torch.set_num_threads(threads)
     for (losses, grads), walked in zip(results, local, strict=True):
-        assert losses.keys() == walked.losses.keys()
-        assert all(torch.equal(losses[m], walked.losses[m]) for m in losses)
+        assert losses.keys() == walked.rank.losses.keys()
+        assert all(torch.equal(losses[m], walked.rank.losses[m]) for m in losses)
         assert grads.keys() == walked.grads.keys()
         assert all(torch.equal(grads[k], walked.grads[k]) for k in grads)
     assert len(results[schedule.rank_of(schedule.stages - 1)][0]) == MICROBATCHES

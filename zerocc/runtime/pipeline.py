@@ -1,38 +1,56 @@
 """One pipeline rank's part of a training step: walk its schedule's actions, running the stage
 programs they name (issue 47).
 
-The stage programs come from the stage cut (:mod:`zerocc.compiler.parallel.stage_cut`) and the
-order from a schedule (:mod:`zerocc.compiler.parallel.pipeline_schedule`). For each action of
-its list a rank runs one program on one micro-batch:
+The stage programs come from the stage cut (:mod:`zerocc.compiler.parallel.stage_cut`), in step
+form (:func:`~zerocc.compiler.parallel.stage_cut.step_form`), and the order from a schedule
+(:mod:`zerocc.compiler.parallel.pipeline_schedule`). For each action of its list a rank runs
+one program on one micro-batch:
 
 - ``F``: the stage's forward, on the activations the stage before sent (the batch, for the
-  first); it sends its own on, keeps what its backward reads, and (last stage) the loss;
+  first); it sends its own on, keeps what its backward reads, and (last stage) returns the loss;
 - ``B``: the stage's backward, on what its forward kept and the gradient the stage after sent;
-  it sends the gradient of its inputs back and adds its parameters' gradients to the step's;
+  it sends the gradient of its inputs back;
 - ``I`` and ``W`` (zero-bubble): ``B`` in two halves, the input gradient first (sent back at
   once) and the weight gradient later.
 
-What crosses between stages goes through a :class:`Transport`, keyed by (direction, receiving
-stage, micro-batch, tensor), so that any order the schedule allows matches sends to receives.
-:class:`LocalTransport` holds them in one process: :func:`run_in_one_process` walks every
-rank's list there, in the order the schedule's simulation runs them, which is how a cut and a
-schedule are checked against the whole step without launching ranks.
+A program moves tensors by the ops ``zerocc.send``/``recv``/``keep``/``kept``, implemented here
+against the :class:`PipelineRank` running the action: what crosses between stages goes through
+its :class:`Transport`, keyed by (direction, receiving stage, micro-batch, tensor), so that any
+order the schedule allows matches sends to receives; what a stage keeps stays with the rank
+until the micro-batch's backward on that stage is done. :class:`LocalTransport` holds tensors
+in one process: :func:`run_in_one_process` walks every rank's list there, in the order the
+schedule's simulation runs them, which is how a cut and a schedule are checked against the
+whole step without launching ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+import contextvars
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import fx
 
+from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.parallel.pipeline_schedule import Action, PipelineSchedule
-from zerocc.compiler.parallel.stage_cut import Slot, Stage, StagedStep, StageProgram, split_backward
+from zerocc.compiler.parallel.stage_cut import (
+    Slot,
+    StagedStep,
+    StageProgram,
+    split_backward,
+    stage_model,
+    step_form,
+)
 from zerocc.ir.kinds import Role
+from zerocc.ir.ops import implements
 
 Key = tuple[str, int, int, str]  # (F or B, receiving stage, micro-batch, tensor)
+Like = tuple[list[int], torch.dtype, torch.device]  # a received tensor's shape, dtype, device
+# What runs one action's program on a micro-batch (binding its inputs), returning its output.
+Runner = Callable[[int], Any]
 # The value of a parameter, buffer, batch tensor or loss-scale input of a stage program, for a
 # micro-batch: what the rank's state and the micro-batch hold.
 Inputs = Callable[[Slot, int], torch.Tensor]
@@ -44,8 +62,9 @@ class Transport(Protocol):
     def send(self, tensor: torch.Tensor, stage: int, key: Key) -> None:
         """Send ``tensor`` to the rank holding ``stage``."""
 
-    def recv(self, stage: int, key: Key, slot: Slot) -> torch.Tensor:
-        """The tensor ``key`` the rank holding ``stage`` sent (of ``slot``'s shape and dtype)."""
+    def recv(self, stage: int, key: Key, like: Like) -> torch.Tensor:
+        """The tensor ``key`` the rank holding ``stage`` sent (of ``like``'s shape, dtype and
+        device)."""
 
 
 class LocalTransport:
@@ -57,7 +76,7 @@ class LocalTransport:
     def send(self, tensor: torch.Tensor, stage: int, key: Key) -> None:
         self.held[key] = tensor
 
-    def recv(self, stage: int, key: Key, slot: Slot) -> torch.Tensor:
+    def recv(self, stage: int, key: Key, like: Like) -> torch.Tensor:
         return self.held.pop(key)
 
 
@@ -76,7 +95,6 @@ class TorchTransport:
         microbatches: int,
         rank_of: Callable[[int], int],
         group: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
     ) -> None:
         keys = [
             (direction, peer, slot.key)
@@ -90,7 +108,6 @@ class TorchTransport:
         ]
         self.tags = {key: i * microbatches for i, key in enumerate(sorted(keys))}
         self.rank_of, self.group = rank_of, group
-        self.device = device or torch.device("cpu")
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _tag(self, key: Key) -> int:
@@ -102,8 +119,9 @@ class TorchTransport:
         work = dist.isend(tensor, self.rank_of(stage), group=self.group, tag=self._tag(key))
         self.pending.append((work, tensor))
 
-    def recv(self, stage: int, key: Key, slot: Slot) -> torch.Tensor:
-        out = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
+    def recv(self, stage: int, key: Key, like: Like) -> torch.Tensor:
+        shape, dtype, device = like
+        out = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(out, self.rank_of(stage), group=self.group, tag=self._tag(key))
         return out
 
@@ -114,113 +132,157 @@ class TorchTransport:
         self.pending.clear()
 
 
-@dataclass
-class StagePrograms:
-    """The programs one stage runs: forward and backward, or the backward's two halves."""
-
-    forward: StageProgram
-    backward: StageProgram | None
-    input_grad: StageProgram | None = None
-    weight_grad: StageProgram | None = None
-
-    @classmethod
-    def of(cls, stage: Stage, split: bool) -> StagePrograms:
-        """``stage``'s programs, its backward split in two when ``split``."""
-        if not split:
-            return cls(stage.forward, stage.backward)
-        return cls(stage.forward, None, *split_backward(stage.backward))
-
-
 class PipelineRank:
-    """The stages one rank holds, run action by action. After its last action, ``losses``
-    holds each micro-batch's loss (on the rank of the last stage) and ``grads`` the sum over
-    micro-batches of each parameter's gradient the rank computed (a tied parameter's: this
-    rank's stages' part)."""
+    """The stages one rank holds, run action by action: ``runners[(stage, kind)]`` runs the
+    program of that stage and action kind (``F``, ``B``, ``I``, ``W``) on a micro-batch.
+    While one runs, the program's ``send``/``recv``/``keep``/``kept`` ops act on this rank.
+    ``losses`` holds what the last stage's forwards returned, by micro-batch."""
 
-    def __init__(
-        self,
-        programs: dict[int, StagePrograms],
-        stages: int,
-        transport: Transport,
-        inputs: Inputs,
-    ) -> None:
-        self.programs, self.stages = programs, stages
-        self.transport, self.inputs = transport, inputs
+    def __init__(self, runners: Mapping[tuple[int, str], Runner], transport: Transport) -> None:
+        self.runners, self.transport = runners, transport
         self.local = LocalTransport()  # between two stages this rank holds (ZBV's V)
         self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.grads: dict[str, torch.Tensor] = {}
-        self.losses: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, Any] = {}
+        self.action: Action | None = None
 
     def run(self, action: Action) -> None:
         """Run one action of the rank's schedule."""
-        programs = self.programs[action.stage]
-        program = {
-            "F": programs.forward,
-            "B": programs.backward,
-            "I": programs.input_grad,
-            "W": programs.weight_grad,
-        }[action.kind]
-        if program is None:
-            raise RuntimeError(f"zerocc: stage {action.stage} has no program for {action}")
-        place = (action.stage, action.microbatch)
-        kept = self.kept.setdefault(place, {})
-        outputs = program.gm(*(self._input(slot, action, kept) for slot in program.inputs))
-        for slot, value in zip(program.outputs, outputs, strict=True):
-            self._output(slot, value, action, kept)
-        if action.kind in ("B", "W"):
-            del self.kept[place]  # the micro-batch is done with on this stage
+        runner = self.runners.get((action.stage, action.kind))
+        if runner is None:
+            raise RuntimeError(f"zerocc: this pipeline rank holds no program for {action}")
+        token = _RUNNING.set(self)
+        self.action = action
+        try:
+            out = runner(action.microbatch)
+        finally:
+            _RUNNING.reset(token)
+            self.action = None
+        if action.kind == "F" and out is not None:
+            self.losses[action.microbatch] = out
+        if action.kind in ("B", "W"):  # the micro-batch is done with on this stage
+            self.kept.pop((action.stage, action.microbatch), None)
 
     def _to(self, stage: int) -> Transport:
-        return self.local if stage in self.programs else self.transport
+        held = any(s == stage for s, _ in self.runners)
+        return self.local if held else self.transport
 
-    def _input(self, slot: Slot, action: Action, kept: dict[str, torch.Tensor]) -> torch.Tensor:
-        if slot.kind == Role.STASHED:
-            return kept[slot.key]
-        if slot.kind == Role.RECEIVED:
-            forward = action.kind == "F"
-            peer = action.stage - 1 if forward else action.stage + 1
-            key = ("F" if forward else "B", action.stage, action.microbatch, slot.key)
-            value = self._to(peer).recv(peer, key, slot)
-            if action.kind == "F":
-                kept[slot.key] = value  # the stage's backward reads what it received too
-            return value
-        return self.inputs(slot, action.microbatch)
+    def _key(self, receiver: int, name: str) -> Key:
+        """The key of tensor ``name`` the running action sends to or receives at stage
+        ``receiver``."""
+        action = self.action
+        return ("F" if action.kind == "F" else "B", receiver, action.microbatch, name)
 
-    def _output(
-        self, slot: Slot, value: torch.Tensor, action: Action, kept: dict[str, torch.Tensor]
-    ) -> None:
-        if slot.kind == "send":
-            peer = action.stage + 1 if action.kind == "F" else action.stage - 1
-            direction = "F" if action.kind == "F" else "B"
-            self._to(peer).send(value, peer, (direction, peer, action.microbatch, slot.key))
-        elif slot.kind == "stash":
-            kept[slot.key] = value
-        elif slot.kind == "loss":
-            self.losses[action.microbatch] = value
+    def send(self, tensor: torch.Tensor, stage: int, name: str) -> None:
+        self._to(stage).send(tensor, stage, self._key(stage, name))
+
+    def recv(self, like: Like, stage: int, name: str) -> torch.Tensor:
+        return self._to(stage).recv(stage, self._key(self.action.stage, name), like)
+
+    def keep(self, tensor: torch.Tensor, name: str) -> None:
+        self.kept.setdefault((self.action.stage, self.action.microbatch), {})[name] = tensor
+
+    def kept_tensor(self, name: str) -> torch.Tensor:
+        return self.kept[self.action.stage, self.action.microbatch][name]
+
+
+_RUNNING: contextvars.ContextVar[PipelineRank | None] = contextvars.ContextVar(
+    "zerocc_pipeline_rank", default=None
+)
+
+
+def _running(op: str) -> PipelineRank:
+    rank = _RUNNING.get()
+    if rank is None:
+        raise RuntimeError(f"zerocc.{op} runs only inside an action of a pipeline rank")
+    return rank
+
+
+@implements("send")
+def _send(tensor: torch.Tensor, stage: int, name: str) -> None:
+    _running("send").send(tensor, stage, name)
+
+
+@implements("recv")
+def _recv(shape: list[int], dtype: torch.dtype, device: torch.device, stage: int, name: str):
+    return _running("recv").recv((shape, dtype, device), stage, name)
+
+
+@implements("keep")
+def _keep(tensor: torch.Tensor, name: str) -> None:
+    _running("keep").keep(tensor, name)
+
+
+@implements("kept")
+def _kept(shape: list[int], dtype: torch.dtype, device: torch.device, name: str):
+    return _running("kept").kept_tensor(name)
+
+
+@dataclass
+class CapturedRank:
+    """A rank's stages as captured (before any pass), run on given parameter values: its
+    :class:`PipelineRank`, and the gradients its programs return, summed over micro-batches
+    (of a tied parameter, this rank's stages' part)."""
+
+    rank: PipelineRank
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def captured_rank(
+    staged: StagedStep,
+    model: ModelInfo,
+    stages: list[int],
+    split: bool,
+    transport: Transport,
+    inputs: Inputs,
+) -> CapturedRank:
+    """The rank holding ``stages`` of ``staged`` (``split``: backward in two halves), running
+    the captured programs in step form, their parameters, buffers and batch tensors bound by
+    ``inputs``."""
+    runners: dict[tuple[int, str], Runner] = {}
+    result = CapturedRank(PipelineRank(runners, transport))
+    for s in stages:
+        stage = staged.stages[s]
+        held = stage_model(model, stage)
+        programs = {"F": stage.forward}
+        if split:
+            programs["I"], programs["W"] = split_backward(stage.backward)
         else:
-            held = self.grads.get(slot.key)
-            self.grads[slot.key] = value if held is None else held + value
+            programs["B"] = stage.backward
+        for kind, program in programs.items():
+            runners[s, kind] = _runner(program, held, inputs, result.grads)
+    return result
+
+
+def _runner(
+    program: StageProgram, held: ModelInfo, inputs: Inputs, grads: dict[str, torch.Tensor]
+) -> Runner:
+    gm: fx.GraphModule = step_form(program, held)
+    bound = [s for s in program.inputs if s.kind not in (Role.RECEIVED, Role.STASHED)]
+    trainable = [p.fqn for p in held.trainable]
+
+    def run(microbatch: int) -> Any:
+        loss, *computed = gm(*(inputs(slot, microbatch) for slot in bound))
+        for fqn, grad in zip(trainable, computed, strict=True):
+            if grad is not None:
+                grads[fqn] = grad if fqn not in grads else grads[fqn] + grad
+        return loss
+
+    return run
 
 
 def run_in_one_process(
-    staged: StagedStep, schedule: PipelineSchedule, inputs: Inputs
-) -> list[PipelineRank]:
+    staged: StagedStep, model: ModelInfo, schedule: PipelineSchedule, inputs: Inputs
+) -> list[CapturedRank]:
     """Every rank of ``schedule`` walked in this process, over a :class:`LocalTransport`, each
     action when the schedule's simulation starts it (so every receive follows its send)."""
     if schedule.stages != len(staged.stages):
         raise ValueError(
             f"a schedule of {schedule.stages} stages for a step cut into {len(staged.stages)}"
         )
-    split = any(a.kind == "I" for actions in schedule.actions for a in actions)
     transport = LocalTransport()
     ranks = [
-        PipelineRank(
-            {s: StagePrograms.of(staged.stages[s], split) for s in range(schedule.stages)
-             if schedule.rank_of(s) == r},
-            schedule.stages,
-            transport,
-            inputs,
-        )
+        captured_rank(staged, model, schedule.stages_of(r), schedule.splits_backward, transport,
+                      inputs)
         for r in range(schedule.pp)
     ]  # fmt: skip
     spans = schedule.simulate().spans
@@ -230,5 +292,5 @@ def run_in_one_process(
         for i, (action, start, _) in enumerate(actions)
     )
     for _, rank, _, action in started:
-        ranks[rank].run(action)
+        ranks[rank].rank.run(action)
     return ranks

@@ -25,9 +25,10 @@ from zerocc.ir.nodes import info
 from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
 
 STARTS = frozenset((*COLLECTIVE_STARTS, *TRANSFER_STARTS))
-# zerocc ops whose implementation is registered with their schema (they need no runtime: the
-# RNG replay ops read the process's generator, see zerocc.ir.rng).
-IMPLEMENTED_WITH_SCHEMA = frozenset({"rng_state", "set_rng_state"})
+# zerocc ops whose implementation is registered with their schema: the RNG replay ops read the
+# process's generator (zerocc.ir.rng); a pipeline stage's transfers act on the pipeline rank
+# running the action (zerocc.runtime.pipeline).
+IMPLEMENTED_WITH_SCHEMA = frozenset({"rng_state", "set_rng_state", "send", "recv", "keep", "kept"})
 
 
 class EagerExecutable:

@@ -77,6 +77,15 @@ class PipelineSchedule:
         """How many stages the model is cut into."""
         return self.pp * self.stages_per_rank
 
+    @functools.cached_property
+    def splits_backward(self) -> bool:
+        """Whether a stage's backward runs in two halves, ``I`` then ``W`` (zero-bubble)."""
+        return any(a.kind == "I" for a in self.actions[0])
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` holds, in order."""
+        return sorted({a.stage for a in self.actions[rank]})
+
     def rank_of(self, stage: int) -> int:
         """The rank that holds ``stage``."""
         for rank, actions in enumerate(self.actions):
@@ -123,11 +132,11 @@ class PipelineSchedule:
         after = [] if s == last else [(self._input_gradient_kind, s + 1, m)]
         return [("F", s, m), *after]
 
-    @functools.cached_property
+    @property
     def _input_gradient_kind(self) -> str:
         """What a stage's backward waits for from the stage after it: ``I`` where backward is
         split, else ``B``."""
-        return "I" if any(a.kind == "I" for a in self.actions[0]) else "B"
+        return "I" if self.splits_backward else "B"
 
     def check(self) -> None:
         """Raise ValueError unless every stage runs the forward and the backward (whole, or
