@@ -15,7 +15,13 @@ from torch import nn
 from tests.models import GPT, CausalLM, GPTConfig, _gpt_batch, _token_batch
 from zerocc.compiler.capture import Casts, capture, describe_model
 from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes
-from zerocc.compiler.parallel.stage_cut import StagedStep, cut_stages, stage_model, step_form
+from zerocc.compiler.parallel.stage_cut import (
+    StagedStep,
+    cut_stages,
+    stage_model,
+    step_form,
+    update_graph,
+)
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError
@@ -215,3 +221,30 @@ def test_stage_programs_compile_through_the_plans_passes_with_explicit_transfers
             text = format_program(compiled)
             if forward and not last:
                 assert "zerocc.send(" in text and f", {stage.index + 1}, " in text
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_pipeline_ranks_update_reduces_what_its_stages_accumulated(zero):
+    """The update a pipeline rank runs after its stages' backward programs: no forward or
+    backward, the accumulated gradient of each unit reduced as the stage reduces it on the
+    micro-batch that steps (stage 0 all-reduced, stage 1 reduce-scattered; stages 2-3 reduced
+    as they accumulated), then checked and updated."""
+    model, batch = _gpt(4), _gpt_batch(0, 0)
+    gm, info = _captured(model, batch)
+    stage = cut_stages(gm, info, _blocks(4, 2)).stages[1]
+    held = stage_model(info, stage)
+    plan = Plan.model_validate(
+        {"zero": {"stage": zero}, "units": {"classes": ["Block"]}, "grad_accumulation": 4}
+    )
+    units = assign_units(held, 2, ["Block"], [], None)
+    reached = frozenset(p.fqn for p in held.trainable)
+    ctx = PassContext(plan, 2, held, boundary=True, units=units, update_of=reached)
+    compiled, _ = run_passes(update_graph(held, CPU), ctx, bind_passes(plan))
+    verify_program(compiled, "update")
+    ops = count_ops(compiled.graph.nodes)
+    assert ops["zerocc.adamw_"] == len(units)
+    reductions = {0: "zerocc.all_reduce_start", 1: "zerocc.reduce_scatter_start"}
+    if zero in reductions:
+        assert ops[reductions[zero]] >= len(units)
+    assert "zerocc.all_gather_start" not in ops or zero in (1, 2)  # 1-2: updated params gathered
+    assert not any(op.startswith("aten.mm") for op in ops)  # no compute but the update's

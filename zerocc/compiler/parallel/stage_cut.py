@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerocc.compiler.capture import ModelInfo
 from zerocc.errors import PlanError
@@ -518,6 +519,22 @@ def step_form(program: StageProgram, model: ModelInfo) -> fx.GraphModule:
     output.args = ((loss, *(grads.get(p.fqn) for p in model.trainable)),)
     gm.recompile()
     return gm
+
+
+def update_graph(model: ModelInfo, device: torch.device) -> fx.GraphModule:
+    """The graph a pipeline rank's update is compiled from (with ``update_of`` in the pass
+    context): the parameters of ``model`` (the rank's stages'), and no forward or backward; the
+    passes add the reduction of the gradients the stages' programs accumulated, the checks and
+    the update."""
+    graph = fx.Graph()
+    with FakeTensorMode():
+        for p in model.params:
+            node = graph.placeholder(p.fqn)
+            node.meta["val"] = torch.empty(p.shape, dtype=p.dtype, device=device)
+            name_placeholder(node, "p_" + p.fqn)
+            tag(node, role=PARAM, key=p.fqn, phase="forward")
+    graph.output((None, *(None for _ in model.trainable)))
+    return fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _build(

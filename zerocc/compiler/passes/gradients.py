@@ -128,6 +128,20 @@ class Gradients:
         elif not self.zero.shards_optimizer and self.ctx.boundary:
             self.reduce_accumulated(unit)
 
+    def accumulated(self, unit: Unit) -> None:
+        """A pipeline rank's update: the unit's gradient, accumulated over the micro-batches by
+        the stages' backward programs, reduced for the update (stages 0-1; stage 1 in
+        :meth:`after_backward`) or read where it is (reduced already, stages 2-3)."""
+        if self.solo or self.zero.shards_gradients:
+            note = f"{unit.name}'s accumulated gradient, complete"
+            grad = (self.accumulators[unit.name],)
+            shard = emit(self.graph, aten.alias.default, grad, role=GRAD_SHARD, note=note,
+                         **self._at(unit))  # fmt: skip
+            if not self.solo:
+                self.across_replicas(shard, unit)
+        elif not self.zero.shards_optimizer:
+            self.reduce_accumulated(unit)
+
     def after_backward(self, reached: list[Unit]) -> None:
         """Stage 1 with accumulation reduces each accumulated gradient once, after backward of
         the micro-batch that steps; then every ``grad_shard`` learns its unreached ranges."""
@@ -230,7 +244,11 @@ class Gradients:
 
     def unreached_ranges(self, unit: Unit) -> tuple[int, ...]:
         """(offset, numel) pairs of the unit's parameters the loss does not reach."""
-        pairs = [(p.offset, p.numel) for p in unit.params if self.uses.grads[p.fqn] is None]
+        update_of = self.ctx.update_of
+        if update_of is not None:
+            pairs = [(p.offset, p.numel) for p in unit.params if p.fqn not in update_of]
+        else:
+            pairs = [(p.offset, p.numel) for p in unit.params if self.uses.grads[p.fqn] is None]
         return tuple(x for pair in pairs for x in pair)
 
     @staticmethod

@@ -44,7 +44,7 @@ from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig, ZeroConfig
 from zerocc.compiler.state import DEVICE, declare_params, placements
 from zerocc.compiler.units import Unit
-from zerocc.errors import PlanError
+from zerocc.errors import InvariantError, PlanError
 from zerocc.ir.nodes import (
     GATHERED,
     PARAM,
@@ -186,6 +186,17 @@ class _ShardRewriter:
                 at.setdefault(max(producers, key=order.__getitem__), []).append(unit)
         return at
 
+    def accumulated_units(self) -> set[str]:
+        """A pipeline rank's update: the trainable units with a gradient accumulated."""
+        if self.grad_accumulation == 1:
+            raise InvariantError("a pipeline rank's update reads accumulated gradients")
+        update_of = self.ctx.update_of or frozenset()
+        return {
+            u.name
+            for u in self.ctx.units
+            if u.trainable and any(p.fqn in update_of for p in u.params)
+        }
+
     def run(self) -> fx.Graph:
         self.add_placeholders()
         complete = self.last_contribution()
@@ -219,6 +230,11 @@ class _ShardRewriter:
                 for unit_name in self.uses.ending_at(node):
                     self.free(self.units[unit_name], phase)
         reached = {u.name for units in complete.values() for u in units}
+        if self.ctx.update_of is not None:  # a pipeline rank's update: accumulated already
+            reached = self.accumulated_units()
+            for unit in self.ctx.units:
+                if unit.name in reached:
+                    gradients.accumulated(unit)
         gradients.after_backward([u for u in self.ctx.units if u.name in reached])
         loss = output.args[0][0]  # None in a pipeline stage's program that computes no loss
         self.graph.output(None if loss is None else self.env[loss])

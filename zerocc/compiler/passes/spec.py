@@ -120,6 +120,10 @@ class PassContext:
     layout: StateLayout = field(default_factory=StateLayout)
     # The layers the plan splits over the tp ranks (``model`` gives their slices' shapes).
     tensor_parallel: TensorParallel | None = None
+    # A pipeline rank's update, after its stages' backward programs accumulated the gradients
+    # of these parameters (FQNs): a program with no forward or backward of its own, which
+    # reduces the accumulated gradients and updates. None: any other program.
+    update_of: frozenset[str] | None = None
 
     @property
     def mesh(self) -> Mesh:
