@@ -21,6 +21,7 @@ DP_GROUP = "dp"  # the group a unit is sharded over (every rank, unless sharding
 REPLICATE_GROUP = "replicate"  # the ranks that hold the same shard (hybrid sharding)
 TP_GROUP = "tp"  # the ranks that split a layer (tensor parallelism)
 PP_GROUP = "pp"  # the ranks that hold the stages of one pipeline, in stage order
+TIE_GROUP = "tie"  # the first and the last of them: a tied embedding's and head's holders
 
 
 def reported_kind(kind: str, group: str) -> str:

@@ -63,7 +63,7 @@ def test_the_mesh_puts_pipeline_ranks_outermost():
     assert mesh.groups("dp")[2:] == [[8, 10, 12, 14], [9, 11, 13, 15]]
     assert [mesh.pp_rank(r) for r in (0, 7, 8, 15)] == [0, 0, 1, 1]
     assert mesh.data_rank(9) == mesh.data_rank(1) == 0  # one pipeline: one batch
-    assert mesh.named_groups() == ["dp", "tp", "pp"]
+    assert mesh.named_groups() == ["dp", "tp", "pp", "tie"]
     assert "2 pipeline stages' ranks × 4 shards × 2 tensor-parallel" in mesh.describe()
     # Every rank is in exactly one group of each kind.
     for name in mesh.named_groups():

@@ -28,6 +28,7 @@ from zerocc.compiler.plan import Plan, check_layout
 from zerocc.ir.ops import DP_GROUP as DP
 from zerocc.ir.ops import PP_GROUP as PP
 from zerocc.ir.ops import REPLICATE_GROUP as REPLICATE
+from zerocc.ir.ops import TIE_GROUP as TIE
 from zerocc.ir.ops import TP_GROUP as TP
 
 
@@ -108,6 +109,8 @@ class Mesh:
         s, t, n = self.shard_size, self.tp, self.stage_ranks
         if name == PP:
             return [list(range(i, self.world_size, n)) for i in range(n)]
+        if name == TIE:  # a pipeline's first and last ranks (a tied embedding and head)
+            return [[ranks[0], ranks[-1]] for ranks in self.groups(PP)]
         if name == DP:
             stage = [
                 [(r * s + i) * t + j for i in range(s)]
@@ -119,12 +122,14 @@ class Mesh:
         elif name == TP:
             stage = [list(range(d * t, (d + 1) * t)) for d in range(self.data_parallel)]
         else:
-            raise ValueError(f"unknown group {name!r}; known: {DP}, {REPLICATE}, {TP}, {PP}")
+            known = ", ".join((DP, REPLICATE, TP, PP, TIE))
+            raise ValueError(f"unknown group {name!r}; known: {known}")
         return [[p * n + r for r in ranks] for p in range(self.pp) for ranks in stage]
 
     def named_groups(self) -> list[str]:
         """The kinds of group this layout splits the ranks into, in the order they are made."""
-        return [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1) + [PP] * (self.pp > 1)
+        pipeline = [PP, TIE] if self.pp > 1 else []
+        return [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1) + pipeline
 
     def describe(self) -> str:
         """One line for explain() and the estimate: the layout and its groups (the first two

@@ -34,7 +34,7 @@ from zerocc.compiler.passes.spec import PassContext
 from zerocc.compiler.plan import ZeroConfig
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
-from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, op
+from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, TIE_GROUP, op
 
 aten = torch.ops.aten
 
@@ -141,6 +141,21 @@ class Gradients:
                 self.across_replicas(shard, unit)
         elif not self.zero.shards_optimizer:
             self.reduce_accumulated(unit)
+        if unit.name in self.ctx.tied and self.zero.stage != 1:
+            self.across_tied_stages(unit)
+
+    def across_tied_stages(self, unit: Unit) -> None:
+        """A tied unit (pipeline): the reduced gradient, this rank's stages' part, summed in
+        place with the other pipeline rank's that holds the unit; the update reads the sum."""
+        reduced = [n for n in self.graph.nodes if info(n).role == GRAD_SHARD
+                   and info(n).unit == unit.name][-1]  # fmt: skip
+        tag(reduced, role=None)
+        nbytes = 2 * val(reduced).numel() * unit.dtype.itemsize
+        note = f"all-reduce {unit.name}'s gradient with the other pipeline stage that holds it"
+        unit_collective(
+            self.graph, "all_reduce_start", (reduced, TIE_GROUP), unit, "backward", nbytes,
+            note, GRAD_SHARD,
+        )  # fmt: skip
 
     def after_backward(self, reached: list[Unit]) -> None:
         """Stage 1 with accumulation reduces each accumulated gradient once, after backward of
@@ -148,6 +163,8 @@ class Gradients:
         if self.zero.stage == 1 and self.ctx.boundary and self.accumulate and not self.solo:
             for unit in reached:
                 self.reduce_accumulated(unit)
+                if unit.name in self.ctx.tied:
+                    self.across_tied_stages(unit)
         units = {u.name: u for u in self.ctx.units}
         for node in self.graph.nodes:
             if info(node).role == GRAD_SHARD and info(node).span is None:

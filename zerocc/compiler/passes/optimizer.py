@@ -46,9 +46,10 @@ from zerocc.ir.nodes import (
     nodes_with_role,
     placeholders,
     state_placeholder,
+    tag,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, TP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, PP_GROUP, TP_GROUP, op
 
 aten = torch.ops.aten
 
@@ -113,16 +114,27 @@ def optimizer(
         coef, grads = None, [g for u in units for g in grad_shards[u.name]]
         total = None
         clip, tp = config.grad_clip is not None, ctx.tensor_parallel
-        if check_nonfinite:  # (the norm from the same read, unless tp ranks hold parts of it)
+        stages = ctx.mesh.pp > 1  # pipeline ranks each hold some units: agree across them
+        if check_nonfinite:  # (the norm from the same read, unless tp ranks or stages hold parts)
             found_inf, total = _check_nonfinite(
-                graph, output, grads, scale, clip and tp is None, sliced, tp is not None
-            )
+                graph, output, grads, scale, clip and tp is None and not stages, sliced,
+                tp is not None,
+            )  # fmt: skip
         if clip and tp is not None:
             total = _split_norm(graph, units, grad_shards, scale, tp, zero, sliced)
         elif clip and total is None:
-            total = emit(graph, op("sum_squares"), (grads, scale), **where)
+            counted = grads
+            if stages and not ctx.tied_norm:  # the other pipeline rank holding it counts it
+                counted = [g for u in units if u.name not in ctx.tied for g in grad_shards[u.name]]
+            total = emit(graph, op("sum_squares"), (counted, scale), **where)
             if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
                 total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
+        if stages and check_nonfinite:
+            found_inf, total = _agree_across_stages(graph, output, found_inf, total)
+        elif stages and total is not None:
+            total = _all_reduce(
+                graph, total, 1, "sum the squared grad norm of every stage", PP_GROUP
+            )
         if clip:
             coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
         for u in units:
@@ -262,6 +274,26 @@ def _all_reduce(
         note=note,
         phase="optimizer",
     )
+
+
+def _agree_across_stages(
+    graph: fx.Graph, output: fx.Node, found_inf: fx.Node, total: fx.Node | None
+) -> tuple[fx.Node, fx.Node | None]:
+    """Pipeline ranks each checked (and measured) the gradients of their own stages: one
+    all-reduce over the ``pp`` group makes the overflow flag (and the squared norm) the whole
+    model's, so that every stage skips the same steps and clips by the same norm."""
+    where = {"phase": "optimizer"}
+    zero = emit(graph, aten.zeros_like.default, (found_inf,), **where)
+    parts = emit(graph, aten.stack.default, ([found_inf, total if total is not None else zero],),
+                 **where)  # fmt: skip
+    note = "all-reduce the overflow flag and the squared norm over the pipeline's stages"
+    agreed = _all_reduce(graph, parts, 2, note, PP_GROUP)
+    tag(found_inf, role=None)
+    found = emit(graph, aten.select.int, (agreed, 0, 0), role=FOUND_INF, **where)
+    loss, flags, _ = output.args[0]
+    output.args = ((loss, flags, found),)
+    norm = emit(graph, aten.select.int, (agreed, 0, 1), **where) if total is not None else None
+    return found, norm
 
 
 def _split_norm(

@@ -53,7 +53,7 @@ from zerocc.ir.nodes import (
     state_placeholder,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, TP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, PP_GROUP, TP_GROUP, op
 
 aten = torch.ops.aten
 
@@ -217,6 +217,7 @@ class _PrecisionRewriter:
                 # each rank checked its slice of the gradient; each tp rank its slices
                 DP_GROUP: self.zero.shards_optimizer and self.ctx.mesh.data_parallel > 1,
                 TP_GROUP: self.ctx.tensor_parallel is not None,
+                PP_GROUP: self.ctx.mesh.pp > 1,  # each pipeline rank checked its stages
             }
             for group in (g for g, sliced in groups.items() if sliced):
                 found = emit_collective(

@@ -124,6 +124,11 @@ class PassContext:
     # of these parameters (FQNs): a program with no forward or backward of its own, which
     # reduces the accumulated gradients and updates. None: any other program.
     update_of: frozenset[str] | None = None
+    # Units a pipeline rank holds that another pipeline rank holds too (an embedding tied to
+    # the output head): their accumulated gradients are summed over the ``tie`` group before
+    # the update; ``tied_norm``: this rank counts them in the clipping norm (one rank does).
+    tied: frozenset[str] = frozenset()
+    tied_norm: bool = True
 
     @property
     def mesh(self) -> Mesh:
