@@ -112,6 +112,11 @@ def tiny_gpt_4_heads() -> GPT:
     return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16))
 
 
+def tiny_gpt_4_layers() -> GPT:
+    """The tiny GPT with 4 blocks, to cut into up to 4 pipeline stages."""
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16))
+
+
 def tiny_gpt_dropout() -> GPT:
     """The tiny GPT with dropout after the embeddings, in attention and on both residuals."""
     return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1))
@@ -384,9 +389,13 @@ TP_LAYERS = {
 }
 
 
+# Models deep enough to cut into 4 pipeline stages (tests/parity/test_pipeline_parity.py).
+PIPELINE_MODELS = {"gpt4": (tiny_gpt_4_layers, _gpt_batch, {"classes": ["Block"]})}
+
+
 def entry(name: str) -> tuple[Callable[[], nn.Module], Callable[..., Any], dict[str, Any]]:
     """The (build, batch, units) of a model of any registry here, by name."""
-    for registry in (MODELS, MODEL_KINDS, RANDOM_MODELS, RANDOM_KINDS, TP_MODELS):
+    for registry in (MODELS, MODEL_KINDS, RANDOM_MODELS, RANDOM_KINDS, TP_MODELS, PIPELINE_MODELS):
         if name in registry:
             return registry[name]
     raise KeyError(name)

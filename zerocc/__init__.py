@@ -86,6 +86,10 @@ def compile(
         comm = comm_from_environment(plan.backend.timeout_s, device)
     _check_world_size(plan, comm.world_size)
     try:
+        if plan.parallel.pp > 1:
+            from zerocc.runtime.pipeline_step import PipelineStep
+
+            return PipelineStep(model, plan, loss_fn, comm, device)
         return TrainStep(model, plan, loss_fn, comm, device)
     except BaseException:
         if made_comm:

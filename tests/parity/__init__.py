@@ -60,6 +60,9 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
     optimizer = case.get(
         "optimizer", {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
     )
+    pipeline = {}
+    if "pp" in case:  # its micro-batches are the pipeline's (they accumulate there)
+        pipeline = {"schedule": case.get("schedule", "1f1b"), "microbatches": case["accum"]}
     return {
         "zero": {"stage": case["stage"], "replicate": case.get("replicate", 1)},
         "parallel": {
@@ -68,10 +71,13 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
             "sequence_parallel": case.get("sp", False),
         }
         if "tp" in case
+        else {"pp": case["pp"]}
+        if "pp" in case
         else {},
+        "pipeline": pipeline,
         "units": {**entry(case["model"])[2], **case.get("units", {})},
         "optimizer": optimizer,
-        "grad_accumulation": case.get("accum", 1),
+        "grad_accumulation": 1 if pipeline else case.get("accum", 1),
         "precision": case.get("precision", {}),
         "backend": {
             "name": backend_of(case),
@@ -91,8 +97,9 @@ def tp_of(case: dict[str, Any]) -> int:
 
 
 def data_ranks(case: dict[str, Any]) -> int:
-    """Batches per step: one per data-parallel rank (a tp group's ranks share theirs)."""
-    return case["world"] // tp_of(case)
+    """Batches per step: one per data-parallel rank (a tp group's ranks share theirs, and a
+    pipeline's)."""
+    return case["world"] // (tp_of(case) * case.get("pp", 1))
 
 
 def batch_of(case: dict[str, Any], index: int, rank: int):

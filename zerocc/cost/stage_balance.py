@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.parallel.stage_cut import StageAssignment, unit_of
-from zerocc.cost.model import CostModel
+from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.plan import Plan
+from zerocc.cost.model import CostModel, rates_for
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import PARAM, info
 from zerocc.ir.printing import human_bytes
@@ -130,3 +133,42 @@ def _least_max_partition(weights: Sequence[float], parts: int) -> list[list[int]
         groups.append(list(range(start, end)))
         end = start
     return groups[::-1]
+
+
+def split_units(
+    plan: Plan, gm: fx.GraphModule, model: ModelInfo, shard_size: int
+) -> tuple[tuple[tuple[str, ...], ...], StageSplit | None]:
+    """The units of each pipeline stage of ``plan`` for the captured step ``gm`` of ``model``:
+    balanced on predicted time (``pipeline.split: auto``, with the :class:`StageSplit` that
+    says why) or beginning where the plan names (None)."""
+    pipeline = plan.pipeline
+    units = [
+        u.name
+        for u in assign_units(
+            model, shard_size, plan.units.classes, plan.units.modules, plan.units.min_mb
+        )
+        if u.name != "root" and not u.name.endswith("[frozen]")
+    ]
+    stages = plan.parallel.pp * pipeline.stages_per_rank_of()
+    if pipeline.split == "auto":
+        split = balance_stages(gm, units, stages, CostModel(rates_for(plan), 1))
+        return split.stage_units, split
+    return _named_split(units, pipeline.split), None
+
+
+def _named_split(units: list[str], starts: list[str]) -> tuple[tuple[str, ...], ...]:
+    """The units grouped into stages that begin at ``starts`` (after the first stage)."""
+    unknown = [s for s in starts if s not in units]
+    if unknown:
+        raise PlanError(
+            f"pipeline.split: {unknown} are not units of the model; its units, in order: "
+            f"{units} (units.classes and units.modules make them)"
+        )
+    at = [units.index(s) for s in starts]
+    if at != sorted(at) or at[0] == 0:
+        raise PlanError(
+            f"pipeline.split: {starts} must name units in model order, after the first unit "
+            f"({units[0]}), where each stage after the first begins"
+        )
+    bounds = [0, *at, len(units)]
+    return tuple(tuple(units[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))

@@ -16,16 +16,14 @@ from typing import Any
 import torch
 
 from zerocc.compiler.capture import Casts, capture, describe_model
-from zerocc.compiler.driver.session import PIPELINE_NOT_YET
+from zerocc.compiler.driver.session import PIPELINE_STATUS
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import StagedStep, cut_stages
-from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
-from zerocc.cost.model import CostModel, rates_for
-from zerocc.cost.stage_balance import StageSplit, balance_stages
-from zerocc.errors import BatchError, PlanError
+from zerocc.cost.stage_balance import StageSplit, split_units
+from zerocc.runtime.pipeline import microbatches_of
 
 
 @dataclass
@@ -53,7 +51,7 @@ class PipelineInspection:
         if self.split is not None:
             lines.append(self.split.format())
         lines += ["", "what each stage holds and what crosses each cut", self.staged.format()]
-        lines += ["", "schedule", self.schedule.format(), "", PIPELINE_NOT_YET]
+        lines += ["", "schedule", self.schedule.format(), "", PIPELINE_STATUS]
         return "\n".join(lines)
 
 
@@ -71,20 +69,7 @@ def inspect_pipeline(
     info = describe_model(workload.model)
     device = torch.device("cpu")
     gm = capture(workload.model, info, workload.loss_fn, batch, device, Casts.of(plan.precision))
-    units = [
-        u.name
-        for u in assign_units(
-            info, mesh.shard_size, plan.units.classes, plan.units.modules, plan.units.min_mb
-        )
-        if u.name != "root" and not u.name.endswith("[frozen]")
-    ]
-    stages = pp * pipeline.stages_per_rank_of()
-    split = None
-    if pipeline.split == "auto":
-        split = balance_stages(gm, units, stages, CostModel(rates_for(plan), 1))
-        stage_units = split.stage_units
-    else:
-        stage_units = _named_split(units, pipeline.split)
+    stage_units, split = split_units(plan, gm, info, mesh.shard_size)
     staged = cut_stages(gm, info, stage_units)
     schedule = pipeline_schedule(pipeline.schedule, pp, microbatches, pipeline.stages_per_rank_of())
     shapes = tuple(tuple(b.shape) for b in batch if isinstance(b, torch.Tensor))
@@ -92,35 +77,8 @@ def inspect_pipeline(
 
 
 def _microbatch(workload: Workload, data_ranks: int, microbatches: int) -> tuple[Any, ...]:
-    """The first micro-batch of rank 0's first batch: its tensors' first ``1/microbatches``."""
+    """The first micro-batch of rank 0's first batch."""
     batch = next(iter(workload.batches(0, data_ranks)), None)
     if batch is None:
         raise ValueError(f"the workload's batches(0, {data_ranks}) yielded no batch")
-    tensors = [b for b in batch if isinstance(b, torch.Tensor)]
-    sizes = {t.shape[0] for t in tensors if t.dim() > 0}
-    if len(sizes) != 1 or next(iter(sizes)) % microbatches:
-        raise BatchError(
-            f"pipeline.microbatches: {microbatches} micro-batches cut each batch tensor along "
-            f"its first dimension, which must be one size for all and divide by "
-            f"{microbatches}; the batch's tensors are {[list(t.shape) for t in tensors]}"
-        )
-    size = next(iter(sizes)) // microbatches
-    return tuple(b[:size] if isinstance(b, torch.Tensor) and b.dim() > 0 else b for b in batch)
-
-
-def _named_split(units: list[str], starts: list[str]) -> tuple[tuple[str, ...], ...]:
-    """The units grouped into stages that begin at ``starts`` (after the first stage)."""
-    unknown = [s for s in starts if s not in units]
-    if unknown:
-        raise PlanError(
-            f"pipeline.split: {unknown} are not units of the model; its units, in order: "
-            f"{units} (units.classes and units.modules make them)"
-        )
-    at = [units.index(s) for s in starts]
-    if at != sorted(at) or at[0] == 0:
-        raise PlanError(
-            f"pipeline.split: {starts} must name units in model order, after the first unit "
-            f"({units[0]}), where each stage after the first begins"
-        )
-    bounds = [0, *at, len(units)]
-    return tuple(tuple(units[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+    return microbatches_of(tuple(batch), microbatches)[0]

@@ -122,8 +122,11 @@ def propagate_all_fake_values(gm: fx.GraphModule) -> None:
 
 
 def _fake_mode(gm: fx.GraphModule) -> Any:
-    inputs = (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")
-    return next(v.fake_mode for v in inputs if isinstance(v, torch.Tensor))
+    """The fake mode of the graph's values: its inputs', or (a pipeline stage's program that
+    receives all it reads) the first value any node holds."""
+    nodes = sorted(gm.graph.nodes, key=lambda n: n.op != "placeholder")
+    values = (n.meta.get("val") for n in nodes)
+    return next(v.fake_mode for v in values if isinstance(v, torch.Tensor))
 
 
 def _version(node: fx.Node) -> int:

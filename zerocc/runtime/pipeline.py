@@ -44,6 +44,7 @@ from zerocc.compiler.parallel.stage_cut import (
     stage_model,
     step_form,
 )
+from zerocc.errors import BatchError
 from zerocc.ir.kinds import Role
 from zerocc.ir.ops import implements
 
@@ -54,6 +55,27 @@ Runner = Callable[[int], Any]
 # The value of a parameter, buffer, batch tensor or loss-scale input of a stage program, for a
 # micro-batch: what the rank's state and the micro-batch hold.
 Inputs = Callable[[Slot, int], torch.Tensor]
+
+
+def microbatches_of(batch: tuple, microbatches: int) -> list[tuple]:
+    """``batch`` cut into ``microbatches`` along the first dimension of its tensors (which must
+    be one size, a multiple of ``microbatches``); other values are given to each."""
+    tensors = [b for b in batch if isinstance(b, torch.Tensor) and b.dim() > 0]
+    sizes = {t.shape[0] for t in tensors}
+    if len(sizes) != 1 or next(iter(sizes)) % microbatches:
+        raise BatchError(
+            f"pipeline.microbatches: {microbatches} micro-batches cut each batch tensor along "
+            f"its first dimension, which must be one size for all and divide by "
+            f"{microbatches}; the batch's tensors are {[list(t.shape) for t in tensors]}"
+        )
+    size = next(iter(sizes)) // microbatches
+    return [
+        tuple(
+            b[m * size : (m + 1) * size] if isinstance(b, torch.Tensor) and b.dim() > 0 else b
+            for b in batch
+        )
+        for m in range(microbatches)
+    ]
 
 
 class Transport(Protocol):

@@ -9,7 +9,7 @@ gathered from them (a collective where they are sharded).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -55,12 +55,14 @@ class StateStore(Mapping[str, torch.Tensor]):
         comm: Comm,
         device: torch.device,
         nvme: NvmeStore | None,
+        broadcast: Callable[[torch.Tensor], None] | None = None,
     ) -> StateStore:
         """Allocate every state of ``session``'s layout for this rank, from ``model``'s
         initial values (or its weight files), built one unit at a time so that a meta-device
         model never has more than one unit materialized; rank 0's weights are broadcast where
-        the model holds real ones. Afterwards the store owns the weights and the model's own
-        copy is released to ``meta``."""
+        the model holds real ones (``broadcast``: from another rank, over another group: a
+        pipeline stage's first rank, to its stage's ranks). Afterwards the store owns the
+        weights and the model's own copy is released to ``meta``."""
         keys = list(model.state_dict(keep_vars=True))
         mesh, tp = session.mesh, session.tensor_parallel
         split = None if tp is None else partial(my_slices, session, comm.rank)
@@ -74,7 +76,7 @@ class StateStore(Mapping[str, torch.Tensor]):
             device,
             partial(state_tensor, device=device),
             nvme,
-            from_rank_0=comm.broadcast if comm.world_size > 1 else None,
+            from_rank_0=broadcast or (comm.broadcast if comm.world_size > 1 else None),
             split=split,
         )
         if not is_meta(model):

@@ -29,11 +29,21 @@ from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.errors import NotSupportedError
 
-# What a plan can ask of a pipeline today (issue 47): the cut and the schedule, inspected.
+# What a plan can ask of a pipeline today (issue 47): training by zerocc.compile (a
+# PipelineStep), the cut and the schedule inspected; not yet estimated or trained by the CLI.
 PIPELINE_NOT_YET = (
-    "parallel.pp > 1: zerocc can cut a model into pipeline stages and schedule them (`zerocc "
-    "inspect PLAN` shows the cut, what crosses it and the schedule), but cannot train or "
-    "estimate a pipeline yet; set parallel.pp: 1 to train this plan"
+    "parallel.pp > 1: `zerocc inspect PLAN` shows a pipeline's cut and schedule, and "
+    "zerocc.compile(model, plan) trains it (a PipelineStep), but zerocc cannot estimate a "
+    "pipeline yet; set parallel.pp: 1 to estimate this plan"
+)
+PIPELINE_STATUS = (
+    "a pipeline trains through zerocc.compile(model, plan) (a PipelineStep, called with each "
+    "rank's batch); `zerocc train` and `zerocc estimate` do not run one yet"
+)
+PIPELINE_TRAIN_NOT_YET = (
+    "parallel.pp > 1: `zerocc train` does not run a pipeline yet (its checkpoints, metrics and "
+    "evaluation are TrainStep's); zerocc.compile(model, plan) trains one (a PipelineStep, "
+    "called with each rank's batch), and `zerocc inspect PLAN` shows its cut and schedule"
 )
 
 

@@ -141,8 +141,8 @@ class Gradients:
                 self.across_replicas(shard, unit)
         elif not self.zero.shards_optimizer:
             self.reduce_accumulated(unit)
-        if unit.name in self.ctx.tied and self.zero.stage != 1:
-            self.across_tied_stages(unit)
+        if unit.name in self.ctx.tied and (self.solo or self.zero.stage != 1):
+            self.across_tied_stages(unit)  # (stage 1 on several ranks: after its reduction)
 
     def across_tied_stages(self, unit: Unit) -> None:
         """A tied unit (pipeline): the reduced gradient, this rank's stages' part, summed in
@@ -150,7 +150,8 @@ class Gradients:
         reduced = [n for n in self.graph.nodes if info(n).role == GRAD_SHARD
                    and info(n).unit == unit.name][-1]  # fmt: skip
         tag(reduced, role=None)
-        nbytes = 2 * val(reduced).numel() * unit.dtype.itemsize
+        numel = unit.shard_numel if self.zero.shards_optimizer else unit.padded_numel
+        nbytes = 2 * numel * unit.dtype.itemsize
         note = f"all-reduce {unit.name}'s gradient with the other pipeline stage that holds it"
         unit_collective(
             self.graph, "all_reduce_start", (reduced, TIE_GROUP), unit, "backward", nbytes,

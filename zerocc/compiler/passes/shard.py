@@ -95,7 +95,9 @@ class _ShardRewriter:
     # -- placeholders -----------------------------------------------------------------------
 
     def add_placeholders(self) -> None:
-        like = next(n.meta["val"] for n in self.old.graph.nodes if n.op == "placeholder")
+        # (a pipeline stage's program may read nothing but what it receives)
+        nodes = sorted(self.old.graph.nodes, key=lambda n: n.op != "placeholder")
+        like = next(v for v in (n.meta.get("val") for n in nodes) if isinstance(v, torch.Tensor))
         for unit in self.ctx.units:  # as the pass declared them (`declare_params`)
             self.state[unit.name] = {
                 name: state_placeholder(self.graph, spec, like)

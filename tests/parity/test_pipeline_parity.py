@@ -1,0 +1,92 @@
+"""Parity of pipeline parallelism (``parallel.pp``, issue 47): 2 gloo ranks as a pipeline of 2
+and 4 ranks as 2 data-parallel pipelines of 2 match one process training on the data-parallel
+ranks' batches, step by step, for every schedule and ZeRO stage inside the stages. Each
+pipeline rank's batch is the reference's micro-batches of its data rank, concatenated; the
+pipeline cuts it back into them (``pipeline.microbatches``).
+
+Tolerance 1e-5 relative, as tests/parity/test_parity.py: the stages run the whole step's ops,
+but a stage's gradient accumulates micro-batch by micro-batch in its own buffer, and a tied
+embedding's two parts (first and last stage) are summed after backward, where the reference
+adds every contribution into one ``.grad`` as autograd produces it: the same sums in another
+association, a few ulps per step. A wrong pipeline (a gradient not sent back, a tied part not
+summed, a norm or an overflow flag not agreed over the stages) differs by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from multirank import run_ranks
+
+import zerocc
+from parity import _model, batch_of, case_id, data_ranks, plan_of, reference
+
+TOL = 1e-5
+BF16_TOL = 1e-2  # bf16 against the recipe: test_mixed_precision_parity.py says why
+CLIPPED = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
+CASES = [
+    {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 4},
+    {"model": "gpt4", "stage": 1, "world": 2, "pp": 2, "accum": 2, "schedule": "gpipe",
+     "optimizer": CLIPPED},
+    {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 4, "schedule": "zero-bubble"},
+    {"model": "gpt4", "stage": 0, "world": 2, "pp": 2, "accum": 4,
+     "schedule": "interleaved-1f1b", "optimizer": SGD},
+    {"model": "gpt4", "stage": 3, "world": 4, "pp": 2, "accum": 2, "optimizer": CLIPPED},
+    {"model": "gpt4", "stage": 1, "world": 4, "pp": 2, "accum": 4, "schedule": "zero-bubble"},
+    {"model": "llama", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED},
+    # bf16 compute against the recipe (tests/parity/test_mixed_precision_parity.py's bound)
+    {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "precision": {"param": "bf16"}},
+]  # fmt: skip
+
+
+def _tolerance(case: dict[str, Any]) -> float:
+    return BF16_TOL if case.get("precision") else TOL
+
+
+def train_pipeline(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each case on this pipeline rank: its step losses, and the parameters its stages hold."""
+    out = {}
+    for case in cases:
+        step = zerocc.compile(_model(case, rank), plan_of(case))
+        k, losses = case["accum"], []
+        for s in range(case.get("steps", 5)):
+            micro = [batch_of(case, s * k + m, step.data_rank) for m in range(k)]
+            losses.append(float(step(*(torch.cat(parts) for parts in zip(*micro, strict=True)))))
+        out[case_id(case)] = {
+            "losses": losses,
+            "data_rank": step.data_rank,
+            "params": step.full_state_dict(),
+        }
+    return out
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    return run_ranks(world, train_pipeline, [c for c in CASES if c["world"] == world])
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_a_pipeline_matches_unsharded_training(case):
+    if case["model"] == "llama":
+        pytest.importorskip("transformers")
+    ranks = [r[case_id(case)] for r in _results(case["world"])]
+    ref_losses, ref_state = reference(case)
+    k = case["accum"]
+    for got in ranks:
+        mine = ref_losses[got["data_rank"]]
+        expected = [sum(mine[s * k : (s + 1) * k]) / k for s in range(len(got["losses"]))]
+        assert got["losses"] == pytest.approx(expected, rel=_tolerance(case))
+    held = {}
+    for got in ranks:
+        for name, value in got["params"].items():
+            torch.testing.assert_close(
+                value, ref_state[name], rtol=_tolerance(case), atol=1e-6, msg=name
+            )
+            held[name] = value
+    names = dict(_model(case).named_parameters(remove_duplicate=False))
+    assert held.keys() == {n for n in ref_state if n in names}  # every parameter is held
+    assert data_ranks(case) == case["world"] // case["pp"]
