@@ -1,6 +1,7 @@
-"""Parity of pipeline parallelism (``parallel.pp``, issue 47): 2 gloo ranks as a pipeline of 2
-and 4 ranks as 2 data-parallel pipelines of 2 match one process training on the data-parallel
-ranks' batches, step by step, for every schedule and ZeRO stage inside the stages. Each
+"""Parity of pipeline parallelism (``parallel.pp``, issue 47): 2 gloo ranks as a pipeline of 2,
+4 ranks as 2 data-parallel pipelines of 2 and as one pipeline of 4 match one process training
+on the data-parallel ranks' batches, step by step, for every schedule and ZeRO stage inside
+the stages. Each
 pipeline rank's batch is the reference's micro-batches of its data rank, concatenated; the
 pipeline cuts it back into them (``pipeline.microbatches``).
 
@@ -22,7 +23,7 @@ import torch
 from multirank import run_ranks
 
 import zerocc
-from parity import _model, batch_of, case_id, data_ranks, plan_of, reference
+from parity import _model, batch_of, case_id, plan_of, reference
 
 TOL = 1e-5
 BF16_TOL = 1e-2  # bf16 against the recipe: test_mixed_precision_parity.py says why
@@ -37,10 +38,15 @@ CASES = [
      "schedule": "interleaved-1f1b", "optimizer": SGD},
     {"model": "gpt4", "stage": 3, "world": 4, "pp": 2, "accum": 2, "optimizer": CLIPPED},
     {"model": "gpt4", "stage": 1, "world": 4, "pp": 2, "accum": 4, "schedule": "zero-bubble"},
+    {"model": "gpt4", "stage": 3, "world": 4, "pp": 4, "accum": 4, "optimizer": CLIPPED},
     {"model": "llama", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED},
     # bf16 compute against the recipe (tests/parity/test_mixed_precision_parity.py's bound)
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "precision": {"param": "bf16"}},
 ]  # fmt: skip
+
+# Eager, whatever backend the run asks for (`pytest tests/parity --backend inductor`): a
+# pipeline's programs are not lowered by Inductor yet (PipelineStep refuses it).
+CASES = [{**case, "backend": "eager"} for case in CASES]
 
 
 def _tolerance(case: dict[str, Any]) -> float:
@@ -89,4 +95,3 @@ def test_a_pipeline_matches_unsharded_training(case):
             held[name] = value
     names = dict(_model(case).named_parameters(remove_duplicate=False))
     assert held.keys() == {n for n in ref_state if n in names}  # every parameter is held
-    assert data_ranks(case) == case["world"] // case["pp"]

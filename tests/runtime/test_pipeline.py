@@ -17,8 +17,14 @@ from tests.models import _gpt_batch
 from tests.multirank import run_ranks
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import Slot, cut_stages, split_backward
+from zerocc.errors import BatchError
 from zerocc.ir.kinds import Role
-from zerocc.runtime.pipeline import TorchTransport, captured_rank, run_in_one_process
+from zerocc.runtime.pipeline import (
+    TorchTransport,
+    captured_rank,
+    microbatches_of,
+    run_in_one_process,
+)
 
 MICROBATCHES = 4
 
@@ -125,3 +131,18 @@ def test_two_gloo_ranks_walk_their_schedules_to_the_one_process_result(name, sta
         assert grads.keys() == walked.grads.keys()
         assert all(torch.equal(grads[k], walked.grads[k]) for k in grads)
     assert len(results[schedule.rank_of(schedule.stages - 1)][0]) == MICROBATCHES
+
+
+def test_a_batch_is_cut_into_microbatches_along_its_first_dimension():
+    x, y, scale = torch.arange(12).view(6, 2), torch.arange(6), 0.5
+    parts = microbatches_of((x, y, scale), 3)
+    assert [p[0].tolist() for p in parts] == [
+        [[0, 1], [2, 3]],
+        [[4, 5], [6, 7]],
+        [[8, 9], [10, 11]],
+    ]
+    assert all(p[2] == scale for p in parts)
+    with pytest.raises(
+        BatchError, match="divide by 4; the batch's tensors are \\[\\[6, 2\\], \\[6\\]\\]"
+    ):
+        microbatches_of((x, y), 4)
