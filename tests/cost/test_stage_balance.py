@@ -4,9 +4,9 @@ stage time, and what it says about it."""
 from __future__ import annotations
 
 import pytest
+from models import GPT, GPTConfig, _gpt_batch
+from staging import captured
 
-from tests.compiler.parallel.test_stage_cut import _captured
-from tests.models import GPT, GPTConfig, _gpt_batch
 from zerocc.cost.model import CostModel, DeviceRates
 from zerocc.cost.stage_balance import _least_max_partition, balance_stages
 from zerocc.errors import PlanError
@@ -19,7 +19,7 @@ def _split(vocab_size: int, n_layer: int = 8, stages: int = 4):
                           n_embd=16))  # fmt: skip
     batch = _gpt_batch(0, 0)
     batch = tuple(b % vocab_size for b in batch)
-    gm, _ = _captured(model, batch)
+    gm, _ = captured(model, batch)
     return balance_stages(gm, [f"transformer.h.{i}" for i in range(n_layer)], stages, COST)
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import _gpt_batch
+from multirank import run_ranks
+from staging import blocks, captured, gpt, whole
 
-from tests.compiler.parallel.test_stage_cut import _blocks, _captured, _gpt, _whole
-from tests.models import _gpt_batch
-from tests.multirank import run_ranks
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import Slot, cut_stages, split_backward
 from zerocc.errors import BatchError
@@ -49,22 +49,22 @@ def _model_inputs(model, microbatches):
     [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 2, 2), ("zero-bubble", 2, 2)],
 )
 def test_every_schedule_trains_each_microbatch_as_the_whole_step(name, pp, stages_per_rank):
-    model = _gpt(4)
+    model = gpt(4)
     microbatches = [_gpt_batch(m, 0) for m in range(MICROBATCHES)]
-    gm, info = _captured(model, microbatches[0])
-    staged = cut_stages(gm, info, _blocks(4, pp * stages_per_rank))
+    gm, info = captured(model, microbatches[0])
+    staged = cut_stages(gm, info, blocks(4, pp * stages_per_rank))
     schedule = pipeline_schedule(name, pp, MICROBATCHES, stages_per_rank)
     ranks = run_in_one_process(staged, info, schedule, _model_inputs(model, microbatches))
 
-    whole = [_whole(gm, info, model, batch) for batch in microbatches]
+    runs = [whole(gm, info, model, batch) for batch in microbatches]
     last = ranks[schedule.rank_of(schedule.stages - 1)].rank
-    for m, (loss, _) in enumerate(whole):
+    for m, (loss, _) in enumerate(runs):
         assert torch.equal(last.losses[m], loss)
     pipelined: dict[str, torch.Tensor] = {}
     for rank in ranks:  # a tied parameter's parts, from the ranks that hold its stages
         for fqn, grad in rank.grads.items():
             pipelined[fqn] = pipelined[fqn] + grad if fqn in pipelined else grad
-    expected = {fqn: sum(grads[fqn] for _, grads in whole) for fqn in whole[0][1]}
+    expected = {fqn: sum(grads[fqn] for _, grads in runs) for fqn in runs[0][1]}
     assert pipelined.keys() == expected.keys()
     for fqn, grad in expected.items():
         torch.testing.assert_close(pipelined[fqn], grad, rtol=1e-6, atol=1e-7, msg=fqn)
@@ -72,9 +72,9 @@ def test_every_schedule_trains_each_microbatch_as_the_whole_step(name, pp, stage
 
 
 def test_the_input_gradient_half_sends_what_the_whole_backward_sends():
-    model = _gpt(4)
-    gm, info = _captured(model, _gpt_batch(0, 0))
-    middle = cut_stages(gm, info, _blocks(4, 4)).stages[1].backward
+    model = gpt(4)
+    gm, info = captured(model, _gpt_batch(0, 0))
+    middle = cut_stages(gm, info, blocks(4, 4)).stages[1].backward
     input_grad, weight_grad = split_backward(middle)
     assert input_grad.writes("send") == middle.writes("send")
     # Every gradient comes out once; the first half computes only those that an op of the
@@ -91,10 +91,10 @@ def test_the_input_gradient_half_sends_what_the_whole_backward_sends():
 
 def _pipeline_rank(rank: int, world: int, name: str, stages_per_rank: int):
     """One rank of a ``world``-rank pipeline over gloo: its losses and gradients."""
-    model = _gpt(4)
+    model = gpt(4)
     microbatches = [_gpt_batch(m, 0) for m in range(MICROBATCHES)]
-    gm, info = _captured(model, microbatches[0])
-    staged = cut_stages(gm, info, _blocks(4, world * stages_per_rank))
+    gm, info = captured(model, microbatches[0])
+    staged = cut_stages(gm, info, blocks(4, world * stages_per_rank))
     schedule = pipeline_schedule(name, world, MICROBATCHES, stages_per_rank)
     transport = TorchTransport(staged, MICROBATCHES, schedule.rank_of)
     inputs = _model_inputs(model, microbatches)
@@ -114,10 +114,10 @@ def test_two_gloo_ranks_walk_their_schedules_to_the_one_process_result(name, sta
     losses and gradients of the one-process walk, bit for bit (the same programs on the same
     values, in the same order on each rank, with one thread as the ranks run)."""
     results = run_ranks(2, _pipeline_rank, name, stages_per_rank)
-    model = _gpt(4)
+    model = gpt(4)
     microbatches = [_gpt_batch(m, 0) for m in range(MICROBATCHES)]
-    gm, info = _captured(model, microbatches[0])
-    staged = cut_stages(gm, info, _blocks(4, 2 * stages_per_rank))
+    gm, info = captured(model, microbatches[0])
+    staged = cut_stages(gm, info, blocks(4, 2 * stages_per_rank))
     schedule = pipeline_schedule(name, 2, MICROBATCHES, stages_per_rank)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: a matmul's sums then run in the ranks' order

@@ -26,6 +26,7 @@ whole step without launching ranks.
 from __future__ import annotations
 
 import contextvars
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -166,6 +167,7 @@ class PipelineRank:
         self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.losses: dict[int, Any] = {}
         self.action: Action | None = None
+        self.waited = 0.0  # seconds spent in receives (waiting for a neighbour, mostly)
 
     def run(self, action: Action) -> None:
         """Run one action of the rank's schedule."""
@@ -198,7 +200,11 @@ class PipelineRank:
         self._to(stage).send(tensor, stage, self._key(stage, name))
 
     def recv(self, like: Like, stage: int, name: str) -> torch.Tensor:
-        return self._to(stage).recv(stage, self._key(self.action.stage, name), like)
+        began = time.perf_counter()
+        try:
+            return self._to(stage).recv(stage, self._key(self.action.stage, name), like)
+        finally:
+            self.waited += time.perf_counter() - began
 
     def keep(self, tensor: torch.Tensor, name: str) -> None:
         self.kept.setdefault((self.action.stage, self.action.microbatch), {})[name] = tensor

@@ -20,6 +20,7 @@ checkpoints and the other TrainStep methods.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_pa
 from zerocc.compiler.driver.program import check_bindings
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
+from zerocc.compiler.parallel.pipeline_schedule import Action, pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import (
     StagedStep,
     cut_stages,
@@ -103,6 +104,9 @@ class PipelineStep:
         self.stage_plan = plan.model_copy(update={"grad_accumulation": self.microbatches})
         self.steps = 0
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)
+        # The last step's actions on this rank: (action, start, end, waited), seconds from the
+        # first action's start; ``waited``: the part of it spent receiving a neighbour's tensor.
+        self.timeline: list[tuple[Action, float, float, float]] = []
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -120,9 +124,14 @@ class PipelineStep:
         )
         runners = {key: self._runner(program, micro) for key, program in self.programs.items()}
         rank = PipelineRank(runners, transport)
+        self.timeline = []
         with traced_grad_mode():
+            start = time.perf_counter()
             for action in self.schedule.actions[self.pp_rank]:
+                began, waited = time.perf_counter() - start, rank.waited
                 rank.run(action)
+                end = time.perf_counter() - start
+                self.timeline.append((action, began, end, rank.waited - waited))
             transport.finish()
             _, flags, found_inf = self.update.run(*self._bound(self.update.bindings, ()))
         if bool(found_inf):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import CausalLM, _gpt_batch, _token_batch
+from staging import CPU, blocks, captured, gpt, whole
 from torch import nn
 
-from tests.models import GPT, CausalLM, GPTConfig, _gpt_batch, _token_batch
-from zerocc.compiler.capture import Casts, capture, describe_model
+from zerocc.compiler.capture import Casts
 from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes
 from zerocc.compiler.parallel.stage_cut import (
     StagedStep,
@@ -29,21 +30,6 @@ from zerocc.ir.kinds import Role
 from zerocc.ir.nodes import PARAM, count_ops
 from zerocc.ir.printing import format_program
 from zerocc.ir.verify import verify_program
-
-CPU = torch.device("cpu")
-
-
-def _captured(model: nn.Module, batch: tuple, casts: Casts | None = None):
-    info = describe_model(model)
-    return capture(model, info, None, batch, CPU, casts), info
-
-
-def _whole(gm, info, model, batch):
-    """Loss and gradients (by FQN) of the captured step run whole."""
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    args = [params[p.fqn].detach() for p in info.params] + [buffers[b.fqn] for b in info.buffers]
-    loss, *grads = gm(*args, *batch)
-    return loss, {p.fqn: g for p, g in zip(info.trainable, grads, strict=True) if g is not None}
 
 
 def _pipelined(staged: StagedStep, model: nn.Module, batch: tuple):
@@ -89,22 +75,12 @@ def _assert_same(whole, pipelined):
         assert torch.equal(grad, pipe_grads[fqn]), fqn
 
 
-def _gpt(n_layer: int = 4):
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=n_layer, n_head=2, n_embd=16))
-
-
-def _blocks(n: int, stages: int) -> list[list[str]]:
-    per = n // stages
-    return [[f"transformer.h.{i}" for i in range(s * per, (s + 1) * per)] for s in range(stages)]
-
-
 @pytest.mark.parametrize("stages", [2, 4])
 def test_a_gpt_cut_into_stages_computes_the_whole_steps_loss_and_gradients(stages):
-    model, batch = _gpt(4), _gpt_batch(0, 0)
-    gm, info = _captured(model, batch)
-    staged = cut_stages(gm, info, _blocks(4, stages))
-    _assert_same(_whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    model, batch = gpt(4), _gpt_batch(0, 0)
+    gm, info = captured(model, batch)
+    staged = cut_stages(gm, info, blocks(4, stages))
+    _assert_same(whole(gm, info, model, batch), _pipelined(staged, model, batch))
     # One tensor, the residual stream, crosses each cut each way.
     for stage in staged.stages:
         assert len(stage.forward.writes("send")) == (stage.index < stages - 1)
@@ -119,10 +95,10 @@ def test_a_gpt_cut_into_stages_computes_the_whole_steps_loss_and_gradients(stage
 
 
 def test_a_mixed_precision_step_is_cut_with_its_casts():
-    model, batch = _gpt(4), _gpt_batch(0, 0)
-    gm, info = _captured(model, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
-    staged = cut_stages(gm, info, _blocks(4, 2))
-    _assert_same(_whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    model, batch = gpt(4), _gpt_batch(0, 0)
+    gm, info = captured(model, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
+    staged = cut_stages(gm, info, blocks(4, 2))
+    _assert_same(whole(gm, info, model, batch), _pipelined(staged, model, batch))
     # A stage's gradients are cast up where they are computed, not in another stage.
     for stage in staged.stages:
         for slot in stage.backward.outputs:
@@ -134,9 +110,9 @@ def test_a_hugging_face_llama_recomputes_its_rotary_tables_in_each_stage():
     pytest.importorskip("transformers")
     torch.manual_seed(0)
     model, batch = CausalLM(), _token_batch(0, 0)
-    gm, info = _captured(model, batch)
+    gm, info = captured(model, batch)
     staged = cut_stages(gm, info, [["lm.model.layers.0"], ["lm.model.layers.1"]])
-    _assert_same(_whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    _assert_same(whole(gm, info, model, batch), _pipelined(staged, model, batch))
     # Only the hidden state crosses: positions, the mask and the rotary tables depend on the
     # batch alone, and the second stage computes its own.
     (sent,) = [s for s in staged.stages[0].forward.outputs if s.kind == "send"]
@@ -157,7 +133,7 @@ class _Skip(nn.Module):
 
 def test_a_skip_connection_across_two_cuts_is_refused_naming_the_tensor():
     batch = (torch.randn(4, 8),)
-    gm, info = _captured(_Skip(), batch)
+    gm, info = captured(_Skip(), batch)
     cut_stages(gm, info, [["layers.0", "layers.1"], ["layers.2"]])  # the skip stays adjacent
     refused = r"pipeline\.split: .* \(stage 2\) reads the activation addmm of layers\.0 \(stage 0\)"
     with pytest.raises(PlanError, match=refused):
@@ -165,24 +141,24 @@ def test_a_skip_connection_across_two_cuts_is_refused_naming_the_tensor():
 
 
 def test_units_split_out_of_their_order_are_refused():
-    model, batch = _gpt(4), _gpt_batch(0, 0)
-    gm, info = _captured(model, batch)
+    model, batch = gpt(4), _gpt_batch(0, 0)
+    gm, info = captured(model, batch)
     with pytest.raises(PlanError, match="must run one after another in the order of the split"):
-        cut_stages(gm, info, [["transformer.h.2", "transformer.h.3"], _blocks(4, 2)[0]])
+        cut_stages(gm, info, [["transformer.h.2", "transformer.h.3"], blocks(4, 2)[0]])
 
 
 def test_backward_derives_again_what_forward_read_of_a_parameter_instead_of_keeping_it():
     """A parameter's transpose or cast is not kept from forward to backward: stage 3 frees
     the gathered parameter after forward, and backward gathers it again."""
-    model, batch = _gpt(4), _gpt_batch(0, 0)
-    gm, info = _captured(model, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
+    model, batch = gpt(4), _gpt_batch(0, 0)
+    gm, info = captured(model, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
     of_params = {
         n.name
         for n in gm.graph.nodes
         if n.op == "call_function" and any(i.op == "placeholder" for i in n.all_input_nodes)
         and all(i.op == "placeholder" for i in n.all_input_nodes)
     }  # fmt: skip
-    for stage in cut_stages(gm, info, _blocks(4, 2)).stages:
+    for stage in cut_stages(gm, info, blocks(4, 2)).stages:
         assert not of_params & set(stage.backward.reads(Role.STASHED))
         assert not of_params & set(stage.forward.writes("stash"))
 
@@ -193,9 +169,9 @@ def test_stage_programs_compile_through_the_plans_passes_with_explicit_transfers
     data-parallel ranks as a micro-batch that accumulates: what crosses a cut is a recv or a
     send op in the printed program, what backward reads of forward a kept op, and the
     parameters are gathered (stage 3) and the gradients reduced as in any step."""
-    model, batch = _gpt(4), _gpt_batch(0, 0)
-    gm, info = _captured(model, batch)
-    staged = cut_stages(gm, info, _blocks(4, 2))
+    model, batch = gpt(4), _gpt_batch(0, 0)
+    gm, info = captured(model, batch)
+    staged = cut_stages(gm, info, blocks(4, 2))
     plan = Plan.model_validate(
         {"zero": {"stage": zero}, "units": {"classes": ["Block"]}, "grad_accumulation": 4}
     )
@@ -229,9 +205,9 @@ def test_a_pipeline_ranks_update_reduces_what_its_stages_accumulated(zero):
     backward, the accumulated gradient of each unit reduced as the stage reduces it on the
     micro-batch that steps (stage 0 all-reduced, stage 1 reduce-scattered; stages 2-3 reduced
     as they accumulated), then checked and updated."""
-    model, batch = _gpt(4), _gpt_batch(0, 0)
-    gm, info = _captured(model, batch)
-    stage = cut_stages(gm, info, _blocks(4, 2)).stages[1]
+    model, batch = gpt(4), _gpt_batch(0, 0)
+    gm, info = captured(model, batch)
+    stage = cut_stages(gm, info, blocks(4, 2)).stages[1]
     held = stage_model(info, stage)
     plan = Plan.model_validate(
         {"zero": {"stage": zero}, "units": {"classes": ["Block"]}, "grad_accumulation": 4}

@@ -1,0 +1,38 @@
+"""A captured GPT step and its stages, run on real tensors: what the stage-cut, pipeline and
+stage-balance tests share."""
+
+from __future__ import annotations
+
+import torch
+from models import GPT, GPTConfig
+from torch import nn
+
+from zerocc.compiler.capture import Casts, ModelInfo, capture, describe_model
+
+CPU = torch.device("cpu")
+
+
+def captured(model: nn.Module, batch: tuple, casts: Casts | None = None):
+    """``model``'s step captured on ``batch`` (fake tensors), and the model described."""
+    info = describe_model(model)
+    return capture(model, info, None, batch, CPU, casts), info
+
+
+def whole(gm, info: ModelInfo, model: nn.Module, batch: tuple):
+    """Loss and gradients (by FQN) of the captured step run whole on the model's weights."""
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    args = [params[p.fqn].detach() for p in info.params] + [buffers[b.fqn] for b in info.buffers]
+    loss, *grads = gm(*args, *batch)
+    return loss, {p.fqn: g for p, g in zip(info.trainable, grads, strict=True) if g is not None}
+
+
+def gpt(n_layer: int = 4) -> GPT:
+    """The tiny GPT with ``n_layer`` blocks, seeded."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=n_layer, n_head=2, n_embd=16))
+
+
+def blocks(n: int, stages: int) -> list[list[str]]:
+    """``n`` GPT blocks split evenly into ``stages`` stages."""
+    per = n // stages
+    return [[f"transformer.h.{i}" for i in range(s * per, (s + 1) * per)] for s in range(stages)]
