@@ -96,6 +96,8 @@ class StageProgram:
 
 @dataclass
 class Stage:
+    """One stage of the cut: the units it runs, its forward and its backward."""
+
     index: int
     units: tuple[str, ...]
     forward: StageProgram
