@@ -16,7 +16,8 @@ from multirank import run_ranks
 from staging import blocks, captured, gpt, whole
 
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
-from zerocc.compiler.parallel.stage_cut import Slot, cut_stages, split_backward
+from zerocc.compiler.parallel.stage_cut import cut_stages
+from zerocc.compiler.parallel.stage_programs import Slot, split_backward
 from zerocc.errors import BatchError
 from zerocc.ir.kinds import Role
 from zerocc.runtime.pipeline import (

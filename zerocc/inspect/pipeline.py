@@ -19,7 +19,8 @@ from zerocc.compiler.capture import Casts, capture, describe_model
 from zerocc.compiler.driver.session import PIPELINE_STATUS
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
-from zerocc.compiler.parallel.stage_cut import StagedStep, cut_stages
+from zerocc.compiler.parallel.stage_cut import cut_stages
+from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.stage_balance import StageSplit, split_units

@@ -37,7 +37,7 @@ from torch import fx
 
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.parallel.pipeline_schedule import Action, PipelineSchedule
-from zerocc.compiler.parallel.stage_cut import (
+from zerocc.compiler.parallel.stage_programs import (
     Slot,
     StagedStep,
     StageProgram,

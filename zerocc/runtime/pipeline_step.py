@@ -43,14 +43,12 @@ from zerocc.compiler.driver.program import check_bindings
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import Action, pipeline_schedule
-from zerocc.compiler.parallel.stage_cut import (
+from zerocc.compiler.parallel.stage_cut import cut_stages
+from zerocc.compiler.parallel.stage_programs import (
     StagedStep,
-    cut_stages,
     split_backward,
+    step_form,
     update_graph,
-)
-from zerocc.compiler.parallel.stage_cut import (
-    step_form as stage_step_form,
 )
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
@@ -244,7 +242,7 @@ class PipelineStep:
                 if not any(n.op == "call_function" for n in program.gm.graph.nodes):
                     self.programs[s, kind] = None  # (the first stage's input gradient)
                     continue
-                graph = stage_step_form(program, held)
+                graph = step_form(program, held)
                 self.programs[s, kind] = compiled(graph, boundary=False)
         # A tied unit is reduced and updated on both ranks that hold it, whichever of them
         # computed its gradient (under mixed precision the cast's gradient sums both parts on

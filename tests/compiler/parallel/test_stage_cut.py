@@ -16,9 +16,9 @@ from torch import nn
 
 from zerocc.compiler.capture import Casts
 from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes
-from zerocc.compiler.parallel.stage_cut import (
+from zerocc.compiler.parallel.stage_cut import cut_stages
+from zerocc.compiler.parallel.stage_programs import (
     StagedStep,
-    cut_stages,
     stage_model,
     step_form,
     update_graph,

@@ -28,120 +28,33 @@ batch tensors as in the captured step, :data:`Role.RECEIVED` for what the neighb
 
 from __future__ import annotations
 
-import copy
-import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerocc.compiler.capture import ModelInfo
+from zerocc.compiler.parallel.stage_programs import (
+    Output,
+    Stage,
+    StagedStep,
+    StageProgram,
+    build_program,
+)
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind, Role
 from zerocc.ir.nodes import (
     BATCH,
     BUFFER,
-    LOSS_SCALE,
     PARAM,
-    copy_node,
     info,
-    name_placeholder,
     op_kind,
-    tag,
 )
-
-# What a program's output slot holds: the loss, a tensor for a neighbour (an activation for the
-# next stage, a gradient for the one before), a tensor the stage's backward reads, a
-# parameter's gradient (of a tied one, this stage's part of it).
-Output = Literal["loss", "send", "stash", "grad"]
-# A stage's programs: its forward, its backward, or (for a zero-bubble schedule) the backward
-# split into the input gradient (what the stage before waits for) and the weight gradient.
-Phase = Literal["forward", "backward", "input-grad", "weight-grad"]
 
 _CAST = torch.ops.aten._to_copy.default
 _ADD = torch.ops.aten.add.Tensor
 _DETACH = torch.ops.aten.detach.default
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One input or output of a stage program: what it is, and its key (a parameter's FQN, a
-    buffer's, a batch position, or for a tensor crossing a cut its name in the captured step)."""
-
-    kind: Role | Output
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass
-class StageProgram:
-    """The forward or backward program of one stage, and what it reads and returns."""
-
-    stage: int
-    phase: Phase
-    gm: fx.GraphModule
-    inputs: tuple[Slot, ...]
-    outputs: tuple[Slot, ...]
-
-    def reads(self, kind: Role) -> list[str]:
-        return [s.key for s in self.inputs if s.kind == kind]
-
-    def writes(self, kind: Output) -> list[str]:
-        return [s.key for s in self.outputs if s.kind == kind]
-
-
-@dataclass
-class Stage:
-    """One stage of the cut: the units it runs, its forward and its backward."""
-
-    index: int
-    units: tuple[str, ...]
-    forward: StageProgram
-    backward: StageProgram
-
-    @property
-    def params(self) -> list[str]:
-        """The parameters this stage holds (FQNs, in the captured step's order)."""
-        keys = self.forward.reads(PARAM) + self.backward.reads(PARAM)
-        return list(dict.fromkeys(keys))
-
-
-@dataclass
-class StagedStep:
-    """A captured step cut into stages. ``tied``: the parameters several stages hold, with
-    those stages; each computes a part of the gradient, and the parts sum to it."""
-
-    stages: list[Stage]
-    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
-
-    def format(self) -> str:
-        """What each stage holds and what crosses each cut, a line each."""
-        lines = []
-        for s in self.stages:
-            f, b = s.forward, s.backward
-            units = f"{s.units[0]} .. {s.units[-1]}" if s.units else "(no unit)"
-            lines.append(
-                f"stage {s.index}: units {units} ({len(s.units)}), {len(s.params)} parameters, "
-                f"forward {_ops(f.gm)} ops, backward {_ops(b.gm)} ops, "
-                f"{len(f.writes('stash'))} tensors kept for backward"
-            )
-            for direction, program in (("->", f), ("<-", b)):
-                sent = [o for o in program.outputs if o.kind == "send"]
-                if sent:
-                    peer = s.index + 1 if direction == "->" else s.index - 1
-                    what = ", ".join(f"{o.key} {list(o.shape)}" for o in sent)
-                    lines.append(f"  {direction} stage {peer}: {what}")
-        for fqn, stages in self.tied.items():
-            lines.append(f"tied {fqn}: held by stages {list(stages)}, gradient parts summed")
-        return "\n".join(lines)
-
-
-def _ops(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
 def unit_of(module: str, units: Iterable[str]) -> str | None:
@@ -384,7 +297,7 @@ class _Cut(StageAssignment):
         inputs += [(node, Role.RECEIVED, node.name) for node in received]
         body = sorted(runs, key=self.order.__getitem__)
         outputs = [(kind, self._key(kind, n), n) for kind, n in self._outputs(stage, phase, runs)]
-        return _build(self.gm, stage, phase, inputs, body, outputs)
+        return build_program(self.gm, stage, phase, inputs, body, outputs)
 
     def _key(self, kind: Output, node: fx.Node) -> str:
         if kind == "grad":
@@ -416,165 +329,3 @@ class _Cut(StageAssignment):
     def _sent(self, stage: int, phase: str) -> list[fx.Node]:
         peer = stage + 1 if phase == "forward" else stage - 1
         return sorted(self.crossing.get((peer, phase), set()), key=self.order.__getitem__)
-
-
-def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
-    """``backward`` as two programs, for a zero-bubble schedule: the input gradient (the nodes
-    the gradients sent to the stage before depend on, and those sends) and the weight gradient
-    (everything else: the parameters' gradients, but those an op of the first computes beside
-    its input gradient, as a layer norm's backward does). The first returns, as ``stash``,
-    what the second reads of it; the second runs later, while nothing waits for it."""
-    nodes = list(backward.gm.graph.nodes)
-    values = nodes[-1].args[0]
-    slots = list(zip(backward.outputs, values, strict=True))
-    needed: set[fx.Node] = set()
-    stack = [v for slot, v in slots if slot.kind == "send"]
-    while stack:
-        node = stack.pop()
-        if node not in needed and node.op != "placeholder":
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-    for node in list(needed):  # an op's other results come with it (the stash holds tensors)
-        if not isinstance(node.meta.get("val"), torch.Tensor):
-            needed.update(u for u in node.users if u.target is operator.getitem)
-    first = [n for n in nodes if n in needed]
-    second = [n for n in nodes if n.op not in ("placeholder", "output") and n not in needed]
-    placeholders = {n: (info(n).role, info(n).key) for n in nodes if n.op == "placeholder"}
-
-    def inputs_of(body: list[fx.Node]) -> list[tuple[fx.Node, Role, str]]:
-        read = {i for n in body for i in n.all_input_nodes}
-        return [(n, *placeholders[n]) for n in placeholders if n in read]
-
-    later = set(second)
-    kept = [n for n in first if any(u in later for u in n.users)]
-    input_grad = _build(
-        backward.gm,
-        backward.stage,
-        "input-grad",
-        inputs_of(first),
-        first,
-        [(slot.kind, slot.key, v) for slot, v in slots if v in needed]
-        + [("stash", n.name, n) for n in kept],
-    )
-    weight_grad = _build(
-        backward.gm,
-        backward.stage,
-        "weight-grad",
-        inputs_of(second) + [(n, Role.STASHED, n.name) for n in kept],
-        second,
-        [(slot.kind, slot.key, v) for slot, v in slots if v not in needed],
-    )
-    return input_grad, weight_grad
-
-
-def stage_model(model: ModelInfo, stage: Stage) -> ModelInfo:
-    """What of ``model`` the stage holds: its parameters (a tied one in every stage that reads
-    it) and the buffers, for the passes that compile the stage's programs."""
-    held = set(stage.params)
-    return ModelInfo(tuple(p for p in model.params if p.fqn in held), model.buffers, model.modules)
-
-
-def step_form(program: StageProgram, model: ModelInfo) -> fx.GraphModule:
-    """``program`` as the passes compile a step: what it receives and what its forward kept
-    read by ``recv`` and ``kept`` ops, what it sends and keeps written by ``send`` and
-    ``keep`` ops, and the output ``(loss, *grads)``, one gradient per trainable parameter of
-    ``model`` (the stage's, :func:`stage_model`; None where the program computes none, and
-    no loss but in the last stage's forward)."""
-    gm = fx.GraphModule(program.gm, copy.deepcopy(program.gm.graph))
-    graph, ops = gm.graph, torch.ops.zerocc
-    forward = program.phase == "forward"
-    phase = "forward" if forward else "backward"
-    before, after = program.stage - 1, program.stage + 1
-    sender, receiver = (before, after) if forward else (after, before)
-    nodes = list(graph.nodes)
-
-    def emit(target: torch._ops.OpOverload, args: tuple) -> fx.Node:
-        name = target.overloadpacket.__name__  # recv, not recv_default
-        return tag(graph.create_node("call_function", target, args, name=name), phase=phase)
-
-    placeholders = (n for n in nodes if n.op == "placeholder")
-    for node, slot in zip(placeholders, program.inputs, strict=True):
-        if slot.kind not in (Role.RECEIVED, Role.STASHED):
-            continue
-        value = node.meta["val"]
-        like = (list(value.shape), value.dtype, value.device)
-        with graph.inserting_before(node):
-            if slot.kind == Role.RECEIVED:
-                new = emit(ops.recv.default, (*like, sender, slot.key))
-            else:
-                new = emit(ops.kept.default, (*like, slot.key))
-        new.meta["val"] = value
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-    output = nodes[-1]
-    loss, grads = None, {}
-    with graph.inserting_before(output):
-        for slot, value in zip(program.outputs, output.args[0], strict=True):
-            if slot.kind == "send":
-                emit(ops.send.default, (value, receiver, slot.key))
-            elif slot.kind == "stash":
-                emit(ops.keep.default, (value, slot.key))
-            elif slot.kind == "loss":
-                loss = value
-            else:
-                grads[slot.key] = value
-    output.args = ((loss, *(grads.get(p.fqn) for p in model.trainable)),)
-    gm.recompile()
-    return gm
-
-
-def update_graph(model: ModelInfo, device: torch.device) -> fx.GraphModule:
-    """The graph a pipeline rank's update is compiled from (with ``update_of`` in the pass
-    context): the parameters of ``model`` (the rank's stages'), and no forward or backward; the
-    passes add the reduction of the gradients the stages' programs accumulated, the checks and
-    the update."""
-    graph = fx.Graph()
-    with FakeTensorMode():
-        for p in model.params:
-            node = graph.placeholder(p.fqn)
-            node.meta["val"] = torch.empty(p.shape, dtype=p.dtype, device=device)
-            name_placeholder(node, "p_" + p.fqn)
-            tag(node, role=PARAM, key=p.fqn, phase="forward")
-    graph.output((None, *(None for _ in model.trainable)))
-    return fx.GraphModule(torch.nn.Module(), graph)
-
-
-def _build(
-    root: fx.GraphModule,
-    stage: int,
-    phase: Phase,
-    inputs: list[tuple[fx.Node, Role, str]],
-    body: list[fx.Node],
-    outputs: list[tuple[Output, str, fx.Node]],
-) -> StageProgram:
-    """A program of ``body`` (nodes of ``root``'s graph, in order) that reads ``inputs``
-    (a node of ``root`` each, which becomes a placeholder of that role and key) and returns
-    ``outputs``."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node, kind, key in inputs:
-        new = graph.placeholder(node.name)
-        new.meta["val"] = node.meta.get("val")
-        name_placeholder(new, _prefix(kind) + key)
-        env[node] = tag(new, role=kind, key=key, phase=phase)
-    for node in body:
-        env[node] = copy_node(graph, node, env.__getitem__)
-    graph.output(tuple(env[n] for _, _, n in outputs))
-    return StageProgram(
-        stage,
-        phase,
-        fx.GraphModule(root, graph),
-        tuple(_slot(kind, key, node) for node, kind, key in inputs),
-        tuple(_slot(kind, key, node) for kind, key, node in outputs),
-    )
-
-
-def _prefix(kind: Role) -> str:
-    return {PARAM: "p_", BUFFER: "b_", BATCH: "batch_", LOSS_SCALE: ""}.get(kind, "")
-
-
-def _slot(kind: Role | Output, key: str, node: fx.Node) -> Slot:
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        raise PlanError(f"pipeline.split: {node.name} crosses a cut but is not a tensor")
-    return Slot(kind, key, tuple(value.shape), value.dtype)
