@@ -272,11 +272,12 @@ def _units(held: ModelInfo, tied: set[str], shard_size: int, plan: Plan) -> list
 
 def _check_supported(plan: Plan, device: torch.device) -> None:
     """NotSupportedError naming the field, for what a pipeline does not do yet."""
+    backend = resolve_backend(plan.backend.name, device)
     unsupported = {
         "parallel.tp": plan.parallel.tp > 1,
         "offload": plan.offload.optimizer != "none" or plan.offload.params != "none",
         "precision.scaling (loss scaling)": plan.precision.scaling != "none",
-        "backend.name: inductor": resolve_backend(plan.backend.name, device) != "eager",
+        f"backend.name: {backend} (name eager)": backend != "eager",
     }
     asked = [name for name, used in unsupported.items() if used]
     if asked:
