@@ -15,10 +15,11 @@ from models import _gpt_batch
 from multirank import run_ranks
 from staging import blocks, captured, gpt, whole
 
+import zerocc
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import Slot, split_backward
-from zerocc.errors import BatchError
+from zerocc.errors import BatchError, NotSupportedError
 from zerocc.ir.kinds import Role
 from zerocc.runtime.pipeline import (
     TorchTransport,
@@ -147,3 +148,17 @@ def test_a_batch_is_cut_into_microbatches_along_its_first_dimension():
         BatchError, match="divide by 4; the batch's tensors are \\[\\[6, 2\\], \\[6\\]\\]"
     ):
         microbatches_of((x, y), 4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"offload": {"optimizer": "cpu"}}, "offload"),
+        ({"precision": {"param": "fp16"}}, "precision.scaling"),
+        ({"backend": {"name": "inductor", "device": "cpu"}}, "backend.name: inductor"),
+    ],
+)
+def test_a_pipeline_refuses_what_it_does_not_combine_with_yet(fields, named):
+    plan = {"parallel": {"pp": 2}, "zero": {"stage": 3}, "backend": {"device": "cpu"}, **fields}
+    with pytest.raises(NotSupportedError, match=f"does not yet combine with {named}"):
+        zerocc.compile(gpt(4), plan, comm=zerocc.FakeComm(world_size=2))
