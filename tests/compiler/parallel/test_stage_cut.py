@@ -106,6 +106,15 @@ def test_a_mixed_precision_step_is_cut_with_its_casts():
                 assert slot.dtype == torch.float32
 
 
+def test_a_mixed_precision_tied_gradient_past_a_neighbour_is_refused_naming_it():
+    """Under bf16 autograd sums the head's and the embedding's parts before casting the sum
+    up: at 4 stages the head's part would have to skip two stages."""
+    model, batch = gpt(4), _gpt_batch(0, 0)
+    gm, info = captured(model, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
+    with pytest.raises(PlanError, match=r"reads the gradient \w+ of lm_head \(stage 3\)"):
+        cut_stages(gm, info, blocks(4, 4))
+
+
 def test_a_hugging_face_llama_recomputes_its_rotary_tables_in_each_stage():
     pytest.importorskip("transformers")
     torch.manual_seed(0)
