@@ -33,6 +33,7 @@ from zerocc.errors import (
 )
 from zerocc.runtime.checkpoint.weight_files import weights_from
 from zerocc.runtime.devices import join_default_group, rank_device, use_device
+from zerocc.runtime.pipeline_step import PipelineStep
 from zerocc.train_step import TrainStep
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "LoweringWarning",
     "NotSupportedError",
     "PassOrderError",
+    "PipelineStep",
     "Plan",
     "PlanError",
     "RankMismatchError",
@@ -67,8 +69,9 @@ def compile(
     loss_fn: LossFn | None = None,
     *,
     comm: Comm | None = None,
-) -> TrainStep:
-    """Compile the training step of ``model`` under ``plan`` (a YAML path, a dict or a Plan).
+) -> TrainStep | PipelineStep:
+    """Compile the training step of ``model`` under ``plan`` (a YAML path, a dict or a Plan);
+    a plan with ``parallel.pp`` > 1 gives a :class:`~zerocc.runtime.pipeline_step.PipelineStep`.
 
     ``loss_fn(model, *batch) -> scalar`` defaults to ``model(*batch)`` (or its ``.loss``).
     The step's semantics are DDP's: every rank passes its own micro-batch, the gradient is the
@@ -87,8 +90,6 @@ def compile(
     _check_world_size(plan, comm.world_size)
     try:
         if plan.parallel.pp > 1:
-            from zerocc.runtime.pipeline_step import PipelineStep
-
             return PipelineStep(model, plan, loss_fn, comm, device)
         return TrainStep(model, plan, loss_fn, comm, device)
     except BaseException:

@@ -131,8 +131,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 def _inspect_pipeline(args: argparse.Namespace, plan: Plan) -> int:
     from zerocc.inspect.pipeline import inspect_pipeline
 
-    shown = [f"--{n.replace('_', '-')}" for n in ("diff", "print_after", "print_before", "unit")]
-    asked = [flag for flag in shown if getattr(args, flag[2:].replace("-", "_"))]
+    shown = ("diff", "print_after", "print_before", "unit")
+    asked = [f"--{name.replace('_', '-')}" for name in shown if getattr(args, name)]
     if asked or args.lowered is not None:
         raise ZeroccError(
             f"{' '.join(asked) or '--lowered'}: not for a pipeline plan yet (parallel.pp > 1); "

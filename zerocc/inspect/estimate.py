@@ -64,7 +64,7 @@ def inspect_plan(
     plan = load_plan(plan)
     workload = workload or load_workload(plan)
     session = CompileSession.open(workload.model, plan, world_size, workload.loss_fn)
-    batch = _first_batch(workload, session.mesh.data_parallel)
+    batch = first_batch(workload, session.mesh.data_parallel)
     boundaries = [True] if plan.grad_accumulation == 1 else [True, False]
     programs = {
         boundary: session.program(
@@ -75,7 +75,8 @@ def inspect_plan(
     return Inspection(plan, world_size, programs)
 
 
-def _first_batch(workload: Workload, data_ranks: int) -> tuple[Any, ...]:
+def first_batch(workload: Workload, data_ranks: int) -> tuple[Any, ...]:
+    """Rank 0's first batch of ``data_ranks`` (what a compile-only run captures on)."""
     batch = next(iter(workload.batches(0, data_ranks)), None)
     if batch is None:
         raise ValueError(f"the workload's batches(0, {data_ranks}) yielded no batch")

@@ -11,7 +11,6 @@ stages (:mod:`zerocc.compiler.parallel.pipeline_schedule`). Nothing runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,6 +23,7 @@ from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.stage_balance import StageSplit, split_units
+from zerocc.inspect.estimate import first_batch
 from zerocc.runtime.pipeline import microbatches_of
 
 
@@ -66,7 +66,7 @@ def inspect_pipeline(
     mesh = Mesh.of_plan(plan, world_size)
     pipeline, pp = plan.pipeline, plan.parallel.pp
     microbatches = pipeline.microbatches_of(pp)
-    batch = _microbatch(workload, mesh.data_parallel, microbatches)
+    batch = microbatches_of(first_batch(workload, mesh.data_parallel), microbatches)[0]
     info = describe_model(workload.model)
     device = torch.device("cpu")
     gm = capture(workload.model, info, workload.loss_fn, batch, device, Casts.of(plan.precision))
@@ -75,11 +75,3 @@ def inspect_pipeline(
     schedule = pipeline_schedule(pipeline.schedule, pp, microbatches, pipeline.stages_per_rank_of())
     shapes = tuple(tuple(b.shape) for b in batch if isinstance(b, torch.Tensor))
     return PipelineInspection(plan, mesh, shapes, split, staged, schedule)
-
-
-def _microbatch(workload: Workload, data_ranks: int, microbatches: int) -> tuple[Any, ...]:
-    """The first micro-batch of rank 0's first batch."""
-    batch = next(iter(workload.batches(0, data_ranks)), None)
-    if batch is None:
-        raise ValueError(f"the workload's batches(0, {data_ranks}) yielded no batch")
-    return microbatches_of(tuple(batch), microbatches)[0]

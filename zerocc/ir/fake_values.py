@@ -121,12 +121,15 @@ def propagate_all_fake_values(gm: fx.GraphModule) -> None:
         node.meta.pop(_SOURCE, None)
 
 
+def example_value(graph: fx.Graph) -> torch.Tensor:
+    """The first fake tensor the graph holds: an input's (placeholders come first), or, in a
+    pipeline stage's program that reads nothing but what it receives, a computed one's."""
+    values = (n.meta.get("val") for n in graph.nodes)
+    return next(v for v in values if isinstance(v, torch.Tensor))
+
+
 def _fake_mode(gm: fx.GraphModule) -> Any:
-    """The fake mode of the graph's values: its inputs', or (a pipeline stage's program that
-    receives all it reads) the first value any node holds."""
-    nodes = sorted(gm.graph.nodes, key=lambda n: n.op != "placeholder")
-    values = (n.meta.get("val") for n in nodes)
-    return next(v.fake_mode for v in values if isinstance(v, torch.Tensor))
+    return example_value(gm.graph).fake_mode
 
 
 def _version(node: fx.Node) -> int:

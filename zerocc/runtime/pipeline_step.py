@@ -21,7 +21,7 @@ checkpoints and the other TrainStep methods.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import (
     StagedStep,
     split_backward,
+    stage_model,
     step_form,
     update_graph,
 )
@@ -117,11 +118,8 @@ class PipelineStep:
         self.state[LR_SPEC.key].fill_(lr_at(self.plan.optimizer, self.steps))
         if STEP_SPEC.key in self.state:
             self.state[STEP_SPEC.key].fill_(self.steps + 1)
-        transport = TorchTransport(
-            self.staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)]
-        )
         runners = {key: self._runner(program, micro) for key, program in self.programs.items()}
-        rank = PipelineRank(runners, transport)
+        rank = PipelineRank(runners, self.transport)
         self.timeline = []
         with traced_grad_mode():
             start = time.perf_counter()
@@ -130,7 +128,7 @@ class PipelineStep:
                 rank.run(action)
                 end = time.perf_counter() - start
                 self.timeline.append((action, began, end, rank.waited - waited))
-            transport.finish()
+            self.transport.finish()
             _, flags, found_inf = self.update.run(*self._bound(self.update.bindings, ()))
         if bool(found_inf):
             if STEP_SPEC.key in self.state:
@@ -195,7 +193,7 @@ class PipelineStep:
         stage_units, _ = split_units(self.plan, gm, full, self.mesh.shard_size)
         staged = cut_stages(gm, full, stage_units)
         mine = self.schedule.stages_of(self.pp_rank)
-        held = _held(full, [staged.stages[s].params for s in mine])
+        held = stage_model(full, *(staged.stages[s] for s in mine))
         holds = {p.fqn for p in held.params}
         tied = {
             fqn for fqn, stages in staged.tied.items()
@@ -249,13 +247,10 @@ class PipelineStep:
         # the first stage: the other's accumulator holds zeros).
         reached |= tied
         self.update = compiled(update_graph(held, self.device), True, frozenset(reached))
+        self.transport = TorchTransport(
+            staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)]
+        )
         self.staged = staged
-
-
-def _held(full: ModelInfo, stage_params: Sequence[list[str]]) -> ModelInfo:
-    """What of the model this rank holds: the parameters its stages read, and the buffers."""
-    held = {fqn for params in stage_params for fqn in params}
-    return ModelInfo(tuple(p for p in full.params if p.fqn in held), full.buffers, full.modules)
 
 
 def _units(held: ModelInfo, tied: set[str], shard_size: int, plan: Plan) -> list[Unit]:

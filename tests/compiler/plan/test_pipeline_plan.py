@@ -45,7 +45,7 @@ def test_a_pipeline_defaults_to_1f1b_with_a_micro_batch_per_stage():
             "dp 3 × tp 1 × pp 2 is 6 ranks, but the world size is 8",
         ),
         ({"parallel": {"pp": 2}, "pipeline": {"schedule": "dualpipe"}}, "1f1b"),
-        ({"parallel": {"pp": 2}, "pipeline": {"microbatches": 0}}, "microbatches"),
+        ({"parallel": {"pp": 2}, "pipeline": {"microbatches": 1}}, "microbatches"),
     ],
 )
 def test_a_pipeline_the_ranks_cannot_run_is_a_plan_error_naming_the_field(fields, message):

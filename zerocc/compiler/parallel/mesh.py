@@ -148,7 +148,7 @@ class Mesh:
             groups.append(f"layers split over the tp groups {_some(self.groups(TP))}")
         if self.pp > 1:
             sizes.insert(0, f"{self.pp} pipeline stages' ranks")
-            index = f"pp × {self.stage_ranks} + {index.replace('rank = ', '')}"
+            index = f"pp × {self.stage_ranks} + {index}"
             groups.append(f"stages chained over the pp groups {_some(self.groups(PP))}")
         return (
             f"mesh: {self.world_size} ranks = {' × '.join(sizes)} (rank = {index});"

@@ -286,10 +286,11 @@ class _Cut(StageAssignment):
 
     def program(self, stage: int, phase: Literal["forward", "backward"]) -> StageProgram:
         runs = self.needs.get((stage, phase), set())
+        read = {i for n in runs for i in n.all_input_nodes}
         inputs = [
             (node, info(node).role, info(node).key)
             for node in self.gm.graph.nodes
-            if node.op == "placeholder" and any(node in n.all_input_nodes for n in runs)
+            if node.op == "placeholder" and node in read
         ]
         if phase == "backward":
             inputs += [(node, Role.STASHED, node.name) for node in self._stashed(stage)]

@@ -156,10 +156,11 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
     return input_grad, weight_grad
 
 
-def stage_model(model: ModelInfo, stage: Stage) -> ModelInfo:
-    """What of ``model`` the stage holds: its parameters (a tied one in every stage that reads
-    it) and the buffers, for the passes that compile the stage's programs."""
-    held = set(stage.params)
+def stage_model(model: ModelInfo, *stages: Stage) -> ModelInfo:
+    """What of ``model`` the stages (one, or a pipeline rank's) hold: their parameters (a tied
+    one in every stage that reads it) and the buffers, for the passes that compile their
+    programs."""
+    held = {fqn for stage in stages for fqn in stage.params}
     return ModelInfo(tuple(p for p in model.params if p.fqn in held), model.buffers, model.modules)
 
 

@@ -135,37 +135,32 @@ class Gradients:
         if self.solo or self.zero.shards_gradients:
             note = f"{unit.name}'s accumulated gradient, complete"
             grad = (self.accumulators[unit.name],)
-            shard = emit(self.graph, aten.alias.default, grad, role=GRAD_SHARD, note=note,
-                         **self._at(unit))  # fmt: skip
+            reduced = emit(self.graph, aten.alias.default, grad, role=GRAD_SHARD, note=note,
+                           **self._at(unit))  # fmt: skip
             if not self.solo:
-                self.across_replicas(shard, unit)
+                reduced = self.across_replicas(reduced, unit)
         elif not self.zero.shards_optimizer:
-            self.reduce_accumulated(unit)
-        if unit.name in self.ctx.tied and (self.solo or self.zero.stage != 1):
-            self.across_tied_stages(unit)  # (stage 1 on several ranks: after its reduction)
+            reduced = self.reduce_accumulated(unit)
+        else:
+            return  # stage 1 on several ranks: reduced after backward
+        if unit.name in self.ctx.tied:
+            self.across_tied_stages(reduced, unit)
 
-    def across_tied_stages(self, unit: Unit) -> None:
-        """A tied unit (pipeline): the reduced gradient, this rank's stages' part, summed in
-        place with the other pipeline rank's that holds the unit; the update reads the sum."""
-        reduced = [n for n in self.graph.nodes if info(n).role == GRAD_SHARD
-                   and info(n).unit == unit.name][-1]  # fmt: skip
-        tag(reduced, role=None)
+    def across_tied_stages(self, reduced: fx.Node, unit: Unit) -> fx.Node:
+        """A tied unit (pipeline): the ``reduced`` gradient, this rank's stages' part, summed
+        with the other pipeline rank's that holds the unit; the update reads the sum."""
         numel = unit.shard_numel if self.zero.shards_optimizer else unit.padded_numel
-        nbytes = 2 * numel * unit.dtype.itemsize
         note = f"all-reduce {unit.name}'s gradient with the other pipeline stage that holds it"
-        unit_collective(
-            self.graph, "all_reduce_start", (reduced, TIE_GROUP), unit, "backward", nbytes,
-            note, GRAD_SHARD,
-        )  # fmt: skip
+        return self._summed_over(reduced, unit, TIE_GROUP, numel, note)
 
     def after_backward(self, reached: list[Unit]) -> None:
         """Stage 1 with accumulation reduces each accumulated gradient once, after backward of
         the micro-batch that steps; then every ``grad_shard`` learns its unreached ranges."""
         if self.zero.stage == 1 and self.ctx.boundary and self.accumulate and not self.solo:
             for unit in reached:
-                self.reduce_accumulated(unit)
+                reduced = self.reduce_accumulated(unit)
                 if unit.name in self.ctx.tied:
-                    self.across_tied_stages(unit)
+                    self.across_tied_stages(reduced, unit)
         units = {u.name: u for u in self.ctx.units}
         for node in self.graph.nodes:
             if info(node).role == GRAD_SHARD and info(node).span is None:
@@ -197,18 +192,25 @@ class Gradients:
             GRAD_SHARD,
         )  # fmt: skip
 
-    def across_replicas(self, shard: fx.Node, unit: Unit) -> None:
-        """Hybrid sharding: all-reduce the reduced gradient ``shard`` (in place) across the
-        ranks that hold the same shard; the update reads the all-reduce's result instead."""
+    def across_replicas(self, shard: fx.Node, unit: Unit) -> fx.Node:
+        """Hybrid sharding: the reduced gradient ``shard`` all-reduced across the ranks that
+        hold the same shard (what the update reads; ``shard`` itself without replicas)."""
         if self.replicas == 1:
-            return
-        tag(shard, role=None)
-        nbytes = 2 * unit.shard_numel * unit.dtype.itemsize
+            return shard
         note = f"all-reduce {unit.name}'s gradient shard across its {self.replicas} replicas"
-        args = (shard, REPLICATE_GROUP)
-        unit_collective(
-            self.graph, "all_reduce_start", args, unit, "backward", nbytes, note, GRAD_SHARD
-        )
+        return self._summed_over(shard, unit, REPLICATE_GROUP, unit.shard_numel, note)
+
+    def _summed_over(
+        self, reduced: fx.Node, unit: Unit, group: str, numel: int, note: str
+    ) -> fx.Node:
+        """The gradient the update was to read, ``reduced``, all-reduced in place over
+        ``group``: the update reads the all-reduce's result instead."""
+        tag(reduced, role=None)
+        nbytes = 2 * numel * unit.dtype.itemsize
+        return unit_collective(
+            self.graph, "all_reduce_start", (reduced, group), unit, "backward", nbytes, note,
+            GRAD_SHARD,
+        )  # fmt: skip
 
     def reduce_into_shard(self, unit: Unit) -> None:
         """Stages 2-3 with accumulation: pack, reduce-scatter, add into the gradient shard."""
@@ -221,14 +223,14 @@ class Gradients:
         if self.ctx.boundary:
             self.across_replicas(added, unit)
 
-    def reduce_accumulated(self, unit: Unit) -> None:
-        """Stages 0-1 with accumulation, stepping micro-batch: reduce the full accumulator."""
+    def reduce_accumulated(self, unit: Unit) -> fx.Node:
+        """Stages 0-1 with accumulation, stepping micro-batch: reduce the full accumulator;
+        returns what the update reads."""
         grad = self.accumulators[unit.name]
         if not self.zero.shards_optimizer:
-            self.all_reduce(grad, unit)
-        else:
-            note = f"reduce-scatter {unit.name}'s accumulated gradient"
-            self.across_replicas(self.reduce_scatter(grad, unit, note, GRAD_SHARD), unit)
+            return self.all_reduce(grad, unit)
+        note = f"reduce-scatter {unit.name}'s accumulated gradient"
+        return self.across_replicas(self.reduce_scatter(grad, unit, note, GRAD_SHARD), unit)
 
     def reduce_for_update(self, unit: Unit) -> None:
         """Without accumulation: pack once complete, reduce for the update (all-reduce in place

@@ -45,6 +45,7 @@ from zerocc.compiler.plan import OffloadConfig, ZeroConfig
 from zerocc.compiler.state import DEVICE, declare_params, placements
 from zerocc.compiler.units import Unit
 from zerocc.errors import InvariantError, PlanError
+from zerocc.ir.fake_values import example_value
 from zerocc.ir.nodes import (
     GATHERED,
     PARAM,
@@ -95,9 +96,7 @@ class _ShardRewriter:
     # -- placeholders -----------------------------------------------------------------------
 
     def add_placeholders(self) -> None:
-        # (a pipeline stage's program may read nothing but what it receives)
-        nodes = sorted(self.old.graph.nodes, key=lambda n: n.op != "placeholder")
-        like = next(v for v in (n.meta.get("val") for n in nodes) if isinstance(v, torch.Tensor))
+        like = example_value(self.old.graph)
         for unit in self.ctx.units:  # as the pass declared them (`declare_params`)
             self.state[unit.name] = {
                 name: state_placeholder(self.graph, spec, like)

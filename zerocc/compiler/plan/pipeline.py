@@ -34,10 +34,10 @@ class PipelineConfig(Section):
     )
     microbatches: int | None = Field(
         None,
-        ge=1,
+        ge=2,
         description="micro-batches each rank's batch is cut into (its first dimension must "
-        "divide); default: parallel.pp x stages_per_rank. The bubble is (pp-1)/(M+pp-1) of "
-        "1f1b's time",
+        "divide), 2 or more: their gradients accumulate; default: parallel.pp x "
+        "stages_per_rank. The bubble is (pp-1)/(M+pp-1) of 1f1b's time",
     )
     stages_per_rank: int | None = Field(
         None, ge=1, description="stages each rank holds; default: 1, or 2 for the schedules "
