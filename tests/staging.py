@@ -8,6 +8,8 @@ from models import GPT, GPTConfig
 from torch import nn
 
 from zerocc.compiler.capture import Casts, ModelInfo, capture, describe_model
+from zerocc.compiler.parallel.stage_programs import Slot
+from zerocc.ir.kinds import Role
 
 CPU = torch.device("cpu")
 
@@ -36,3 +38,20 @@ def blocks(n: int, stages: int) -> list[list[str]]:
     """``n`` GPT blocks split evenly into ``stages`` stages."""
     per = n // stages
     return [[f"transformer.h.{i}" for i in range(s * per, (s + 1) * per)] for s in range(stages)]
+
+
+def model_inputs(model: nn.Module, microbatches: list[tuple]):
+    """What a captured stage program's slots bind: the model's parameters and buffers, and
+    each micro-batch's tensors."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+
+    def inputs(slot: Slot, microbatch: int) -> torch.Tensor:
+        if slot.kind == Role.PARAM:
+            return params[slot.key]
+        if slot.kind == Role.BUFFER:
+            return buffers[slot.key]
+        assert slot.kind == Role.BATCH, slot
+        return microbatches[microbatch][int(slot.key)]
+
+    return inputs

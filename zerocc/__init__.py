@@ -13,6 +13,7 @@ from torch import nn
 
 import zerocc.ir.ops  # noqa: F401  (defines the zerocc op library)
 from zerocc.compiler.capture import LossFn
+from zerocc.compiler.driver.session import PIPELINE_DUMPS_NOT_YET
 from zerocc.compiler.materialize import materialize
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
@@ -31,9 +32,10 @@ from zerocc.errors import (
     RankStoppedError,
     ZeroccError,
 )
+from zerocc.inspect.dumps import dump_dir
+from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.weight_files import weights_from
 from zerocc.runtime.devices import join_default_group, rank_device, use_device
-from zerocc.runtime.pipeline_step import PipelineStep
 from zerocc.train_step import TrainStep
 
 __all__ = [
@@ -71,7 +73,7 @@ def compile(
     comm: Comm | None = None,
 ) -> TrainStep | PipelineStep:
     """Compile the training step of ``model`` under ``plan`` (a YAML path, a dict or a Plan);
-    a plan with ``parallel.pp`` > 1 gives a :class:`~zerocc.runtime.pipeline_step.PipelineStep`.
+    a plan with ``parallel.pp`` > 1 gives a :class:`~zerocc.pipeline_step.PipelineStep`.
 
     ``loss_fn(model, *batch) -> scalar`` defaults to ``model(*batch)`` (or its ``.loss``).
     The step's semantics are DDP's: every rank passes its own micro-batch, the gradient is the
@@ -90,6 +92,8 @@ def compile(
     _check_world_size(plan, comm.world_size)
     try:
         if plan.parallel.pp > 1:
+            if dump_dir(plan) is not None:
+                raise NotSupportedError(PIPELINE_DUMPS_NOT_YET)
             return PipelineStep(model, plan, loss_fn, comm, device)
         return TrainStep(model, plan, loss_fn, comm, device)
     except BaseException:

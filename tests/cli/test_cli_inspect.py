@@ -244,7 +244,7 @@ def test_inspect_of_a_pipeline_plan_shows_its_cut_and_schedule(capsys, tmp_path)
     assert re.search(r"-> stage 1: add_\d+ \[2, 16, 32\]", out)  # the residual stream
     assert "tied transformer.wte.weight: held by stages [0, 1]" in out
     assert "rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3" in out and "bubble 20.0%" in out
-    assert "a pipeline trains through zerocc.compile(model, plan)" in out
+    assert "a pipeline trains with `zerocc train` or zerocc.compile(model, plan)" in out
 
 
 def test_inspect_of_a_pipeline_split_where_the_plan_says(capsys, tmp_path):
@@ -257,11 +257,17 @@ def test_inspect_of_a_pipeline_split_where_the_plan_says(capsys, tmp_path):
     assert "pipeline.split: ['transformer.h.9'] are not units" in capsys.readouterr().err
 
 
-def test_estimate_and_zerocc_train_of_a_pipeline_plan_say_they_cannot_yet(capsys, tmp_path):
+def test_what_a_pipeline_plan_cannot_do_yet_is_refused_before_any_rank_starts(
+    capsys, tmp_path
+):
     plan = _pipeline_plan(tmp_path)
     assert main(["estimate", plan, "--world-size", "4"]) == 2
     assert "zerocc cannot estimate a pipeline yet" in capsys.readouterr().err
-    assert main(["train", plan, "--nproc", "2"]) == 2  # before any rank is launched
-    assert "`zerocc train` does not run a pipeline yet" in capsys.readouterr().err
+    assert main(["train", plan, "--nproc", "2", "--eval-every", "2"]) == 2
+    assert "it cannot evaluate yet (set metrics.eval_every: 0" in capsys.readouterr().err
+    assert main(["train", plan, "--nproc", "2", "--dump", str(tmp_path / "d")]) == 2
+    assert "the dumps (--dump, ZEROCC_DUMP_DIR, dumps.dir) are a TrainStep's" in (
+        capsys.readouterr().err
+    )
     assert main(["inspect", plan, "--print-after", "shard"]) == 2
     assert "--print-after: not for a pipeline plan yet" in capsys.readouterr().err

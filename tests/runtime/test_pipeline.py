@@ -13,14 +13,13 @@ import pytest
 import torch
 from models import _gpt_batch
 from multirank import run_ranks
-from staging import blocks, captured, gpt, whole
+from staging import blocks, captured, gpt, model_inputs, whole
 
 import zerocc
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import cut_stages
-from zerocc.compiler.parallel.stage_programs import Slot, split_backward
+from zerocc.compiler.parallel.stage_programs import split_backward
 from zerocc.errors import BatchError, NotSupportedError
-from zerocc.ir.kinds import Role
 from zerocc.runtime.pipeline import (
     TorchTransport,
     captured_rank,
@@ -29,21 +28,6 @@ from zerocc.runtime.pipeline import (
 )
 
 MICROBATCHES = 4
-
-
-def _model_inputs(model, microbatches):
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    buffers = dict(model.named_buffers())
-
-    def inputs(slot: Slot, microbatch: int) -> torch.Tensor:
-        if slot.kind == Role.PARAM:
-            return params[slot.key]
-        if slot.kind == Role.BUFFER:
-            return buffers[slot.key]
-        assert slot.kind == Role.BATCH, slot
-        return microbatches[microbatch][int(slot.key)]
-
-    return inputs
 
 
 @pytest.mark.parametrize(
@@ -56,7 +40,7 @@ def test_every_schedule_trains_each_microbatch_as_the_whole_step(name, pp, stage
     gm, info = captured(model, microbatches[0])
     staged = cut_stages(gm, info, blocks(4, pp * stages_per_rank))
     schedule = pipeline_schedule(name, pp, MICROBATCHES, stages_per_rank)
-    ranks = run_in_one_process(staged, info, schedule, _model_inputs(model, microbatches))
+    ranks = run_in_one_process(staged, info, schedule, model_inputs(model, microbatches))
 
     runs = [whole(gm, info, model, batch) for batch in microbatches]
     last = ranks[schedule.rank_of(schedule.stages - 1)].rank
@@ -99,7 +83,7 @@ def _pipeline_rank(rank: int, world: int, name: str, stages_per_rank: int):
     staged = cut_stages(gm, info, blocks(4, world * stages_per_rank))
     schedule = pipeline_schedule(name, world, MICROBATCHES, stages_per_rank)
     transport = TorchTransport(staged, MICROBATCHES, schedule.rank_of)
-    inputs = _model_inputs(model, microbatches)
+    inputs = model_inputs(model, microbatches)
     mine = captured_rank(
         staged, info, schedule.stages_of(rank), schedule.splits_backward, transport, inputs
     )
@@ -124,7 +108,7 @@ def test_two_gloo_ranks_walk_their_schedules_to_the_one_process_result(name, sta
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: a matmul's sums then run in the ranks' order
     try:
-        local = run_in_one_process(staged, info, schedule, _model_inputs(model, microbatches))
+        local = run_in_one_process(staged, info, schedule, model_inputs(model, microbatches))
     finally:
         torch.set_num_threads(threads)
     for (losses, grads), walked in zip(results, local, strict=True):

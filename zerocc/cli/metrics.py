@@ -25,6 +25,7 @@ from zerocc.compiler.workload import Workload
 from zerocc.cost.model import node_work
 from zerocc.errors import NotSupportedError
 from zerocc.ir.nodes import info
+from zerocc.pipeline_step import PipelineStep
 
 # Dense peak TFLOP/s by compute dtype, from the datasheets (SXM parts; fp32 without TF32, as
 # torch computes fp32 matmuls by default). A device not listed shows no MFU unless the plan
@@ -171,8 +172,15 @@ class Metrics:
         return record
 
     def _model_flops(self) -> float:
+        """FLOPs of one call of this rank's step (a pipeline rank's: its stages' part of every
+        micro-batch it runs, so that the ranks' calls sum to the model's work)."""
         if self._flops is None:
-            self._flops = model_flops(self.step.program)
+            step = self.step
+            if isinstance(step, PipelineStep):
+                forwards = [p.gm for (_, kind), p in step.programs.items() if kind == "F" and p]
+                self._flops = step.microbatches * sum(model_flops(gm) for gm in forwards)
+            else:
+                self._flops = model_flops(step.program)
         return self._flops
 
     def evaluate(self) -> float | None:

@@ -19,6 +19,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.errors import ZeroccError
 from zerocc.inspect.explain import setup_line
 from zerocc.ir.printing import human_bytes
+from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.launch import report
 
 
@@ -130,11 +131,13 @@ class _Run:
         self.first_done = time.perf_counter()
         self.metrics.start_clock()
         step = self.step
-        timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
+        if isinstance(step, PipelineStep):  # its schedule's kept tensors on its programs'
+            peak = step.memory().peak
+        else:
+            timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
+            peak = timeline.peak()[1] + timeline.host_peak
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        report(
-            predicted_peak_bytes=timeline.peak()[1] + timeline.host_peak, local_ranks=local_ranks
-        )
+        report(predicted_peak_bytes=peak, local_ranks=local_ranks)
         if self.rank == 0:
             print(step.explain(), flush=True)  # explains the program the first step built
 
@@ -285,6 +288,11 @@ def _print_summary(
         f"communication per step: {comm_text}\n"
         f"model state per rank: {human_bytes(summary.get('model_state_bytes', 0))}"
     )
+    if "pipeline_waiting_share" in summary:
+        print(
+            f"pipeline: rank 0 waited {summary['pipeline_waiting_share']:.1%} of the last step "
+            f"for a neighbour; predicted peak {human_bytes(summary['predicted_peak_bytes'])}"
+        )
     if summary.get("setup_seconds"):
         print(setup_line(summary["setup_seconds"]))
     offload = summary.get("offload_bytes_per_step")

@@ -165,6 +165,10 @@ class PipelineRank:
         self.runners, self.transport = runners, transport
         self.local = LocalTransport()  # between two stages this rank holds (ZBV's V)
         self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        # Bytes of what is kept, each storage once per (stage, micro-batch), and the most
+        # held at any time: what zerocc.cost.pipeline_memory predicts.
+        self._kept_storages: dict[tuple[int, int], dict[int, int]] = {}
+        self.kept_bytes = self.most_kept = 0
         self.losses: dict[int, Any] = {}
         self.action: Action | None = None
         self.waited = 0.0  # seconds spent in receives (waiting for a neighbour, mostly)
@@ -185,6 +189,8 @@ class PipelineRank:
             self.losses[action.microbatch] = out
         if action.kind in ("B", "W"):  # the micro-batch is done with on this stage
             self.kept.pop((action.stage, action.microbatch), None)
+            released = self._kept_storages.pop((action.stage, action.microbatch), {})
+            self.kept_bytes -= sum(released.values())
 
     def _to(self, stage: int) -> Transport:
         held = any(s == stage for s, _ in self.runners)
@@ -207,7 +213,13 @@ class PipelineRank:
             self.waited += time.perf_counter() - began
 
     def keep(self, tensor: torch.Tensor, name: str) -> None:
-        self.kept.setdefault((self.action.stage, self.action.microbatch), {})[name] = tensor
+        key = (self.action.stage, self.action.microbatch)
+        self.kept.setdefault(key, {})[name] = tensor
+        storages, storage = self._kept_storages.setdefault(key, {}), tensor.untyped_storage()
+        if storage.data_ptr() not in storages:
+            storages[storage.data_ptr()] = storage.nbytes()
+            self.kept_bytes += storage.nbytes()
+            self.most_kept = max(self.most_kept, self.kept_bytes)
 
     def kept_tensor(self, name: str) -> torch.Tensor:
         return self.kept[self.action.stage, self.action.microbatch][name]

@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends import resolve_backend
-from zerocc.compiler.capture import LossFn, detach_inputs, traced_grad_mode
+from zerocc.compiler.capture import LossFn, ModelInfo, detach_inputs, traced_grad_mode
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import weight_source
@@ -84,6 +84,9 @@ class StepRunner:
     what users read about it."""
 
     observer: StepObserver = StepObserver()  # observes nothing (zerocc.TrainStep sets its own)
+    # What a checkpoint of this rank leaves to another rank's writing: nothing (a pipeline
+    # rank's tied embedding, say, is an earlier pipeline rank's to write).
+    saved_elsewhere: frozenset[str] = frozenset()
 
     def __init__(
         self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
@@ -155,6 +158,11 @@ class StepRunner:
     def mesh(self) -> Mesh:
         """The ranks' layout (:class:`~zerocc.compiler.parallel.mesh.Mesh`)."""
         return self.session.mesh
+
+    @property
+    def full_model_info(self) -> ModelInfo:
+        """Every parameter and buffer of the model, whole (under tensor parallelism too)."""
+        return self.session.full_model_info
 
     @property
     def units(self) -> list[Unit]:

@@ -30,20 +30,25 @@ from zerocc.compiler.units import Unit
 from zerocc.errors import NotSupportedError
 
 # What a plan can ask of a pipeline today (issue 47): training by zerocc.compile (a
-# PipelineStep), the cut and the schedule inspected; not yet estimated or trained by the CLI.
+# PipelineStep) and `zerocc train`, the cut and the schedule inspected; not yet estimated or
+# evaluated.
 PIPELINE_NOT_YET = (
     "parallel.pp > 1: `zerocc inspect PLAN` shows a pipeline's cut and schedule, and "
-    "zerocc.compile(model, plan) trains it (a PipelineStep), but zerocc cannot estimate a "
-    "pipeline yet; set parallel.pp: 1 to estimate this plan"
+    "`zerocc train` (or zerocc.compile(model, plan), a PipelineStep) trains it, but zerocc "
+    "cannot estimate a pipeline yet; set parallel.pp: 1 to estimate this plan"
 )
 PIPELINE_STATUS = (
-    "a pipeline trains through zerocc.compile(model, plan) (a PipelineStep, called with each "
-    "rank's batch); `zerocc train` and `zerocc estimate` do not run one yet"
+    "a pipeline trains with `zerocc train` or zerocc.compile(model, plan) (a PipelineStep, "
+    "called with each rank's batch); `zerocc estimate` does not estimate one yet"
 )
-PIPELINE_TRAIN_NOT_YET = (
-    "parallel.pp > 1: `zerocc train` does not run a pipeline yet (its checkpoints, metrics and "
-    "evaluation are TrainStep's); zerocc.compile(model, plan) trains one (a PipelineStep, "
-    "called with each rank's batch), and `zerocc inspect PLAN` shows its cut and schedule"
+PIPELINE_DUMPS_NOT_YET = (
+    "parallel.pp > 1: the dumps (--dump, ZEROCC_DUMP_DIR, dumps.dir) are a TrainStep's and do "
+    "not draw a pipeline yet; `zerocc inspect PLAN` shows its cut and schedule, and the run's "
+    "explain() and summary its waiting and predicted memory"
+)
+PIPELINE_EVALUATE_NOT_YET = (
+    "parallel.pp > 1: a pipeline's stages are compiled for training only; it cannot evaluate "
+    "yet (set metrics.eval_every: 0, or evaluate the saved checkpoint under parallel.pp: 1)"
 )
 
 

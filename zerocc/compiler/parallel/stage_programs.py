@@ -72,6 +72,11 @@ class Stage:
         keys = self.forward.reads(PARAM) + self.backward.reads(PARAM)
         return list(dict.fromkeys(keys))
 
+    @property
+    def buffers(self) -> list[str]:
+        """The buffers this stage's programs read (FQNs)."""
+        return list(dict.fromkeys(self.forward.reads(BUFFER) + self.backward.reads(BUFFER)))
+
 
 @dataclass
 class StagedStep:

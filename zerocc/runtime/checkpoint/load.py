@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.plan import OptimizerConfig
 from zerocc.compiler.state import optimizer_states
 from zerocc.engine.comm import Comm
@@ -39,37 +40,52 @@ from zerocc.runtime.checkpoint.layout import (
 )
 
 if TYPE_CHECKING:
-    from zerocc.runtime.step import StepRunner
+    from zerocc.runtime.checkpoint.checkpointed import Checkpointed
 
 # Elements [start, stop) of a saved tensor (all of them by default), checked, flattened.
 Read = Callable[..., torch.Tensor]
 
 
-def load_checkpoint(runner: StepRunner, path: str | Path) -> tuple[Path, list[str]]:
+def load_checkpoint(runner: Checkpointed, path: str | Path) -> tuple[Path, list[str]]:
     """Load the checkpoint ``path`` names (a checkpoint, or a folder of them: its newest)
     into ``runner``; returns the checkpoint's folder and notes on what differs from the run
     that saved it. Call on every rank, before the first step or between steps."""
+    runner.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
+    folder, manifest = open_checkpoint(runner, path)
+    notes = restore_counters(runner, manifest.meta)
+    fill_state(runner, folder, manifest)
+    return folder, notes
+
+
+def open_checkpoint(runner: Checkpointed, path: str | Path) -> tuple[Path, Manifest]:
+    """The checkpoint ``path`` names, found alike by every rank and checked to be of
+    ``runner``'s model and optimizer: its folder and manifest (nothing loaded yet);
+    CheckpointError on every rank when any rank cannot read it or it does not fit."""
     folder = Path(path)
     manifest: Manifest | None = None
-    runner.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
 
     def find() -> None:  # (on every rank: one that cannot see the folder fails with the rest)
         nonlocal folder, manifest
         folder = resolve(path)
         manifest = Manifest.read(folder)
-        check_compatible(runner, manifest)
+        check_compatible(runner.full_model_info, runner.plan.optimizer, manifest)
 
     agree(runner.comm, attempt(find), f"load of {path}", "nothing was loaded")
     assert manifest is not None
     _agree_on_checkpoint(runner.comm, path, folder)
-    notes: list[str] = []
+    return folder, manifest
+
+
+def fill_state(runner: Checkpointed, folder: Path, manifest: Manifest) -> None:
+    """Read what ``runner`` holds of the checkpoint at ``folder`` into its state (weights,
+    optimizer states, buffers, the step tensor) and, on as many ranks as saved it, each rank's
+    random number generators; a rank that fails fails it on every rank."""
     agree(
         runner.comm,
-        attempt(lambda: notes.extend(_load(runner, folder, manifest))),
-        f"load of {path}",
+        attempt(lambda: _load(runner, folder, manifest)),
+        f"load of {folder}",
         "nothing was loaded",
     )
-    return folder, notes
 
 
 def _agree_on_checkpoint(comm: Comm, path: str | Path, folder: Path) -> None:
@@ -89,10 +105,11 @@ def _agree_on_checkpoint(comm: Comm, path: str | Path, folder: Path) -> None:
         )
 
 
-def check_compatible(runner: StepRunner, manifest: Manifest) -> None:
-    """The checkpoint is of this model and optimizer: CheckpointError naming what differs."""
-    meta, session = manifest.meta, runner.session
-    mine = {p.fqn: p for p in (*session.full_model_info.params, *session.model_info.buffers)}
+def check_compatible(info: ModelInfo, optimizer: OptimizerConfig, manifest: Manifest) -> None:
+    """The checkpoint is of the model ``info`` describes (every parameter whole) and of
+    ``optimizer``: CheckpointError naming what differs."""
+    meta = manifest.meta
+    mine = {p.fqn: p for p in (*info.params, *info.buffers)}
     saved = {**meta["params"], **meta["buffers"]}
     problems = []
     if missing := sorted(set(mine) - set(saved)):
@@ -107,8 +124,8 @@ def check_compatible(runner: StepRunner, manifest: Manifest) -> None:
             "the checkpoint is of another model: " + "; ".join(problems[:4])
             + (f"; and {len(problems) - 4} more differences" if len(problems) > 4 else "")
         )  # fmt: skip
-    states = list(optimizer_states(runner.plan.optimizer))
-    name = runner.plan.optimizer.name
+    states = list(optimizer_states(optimizer))
+    name = optimizer.name
     if meta["optimizer"]["name"] != name or meta["optimizer"]["states"] != states:
         raise CheckpointError(
             f"the checkpoint's optimizer is {meta['optimizer']['name']} with states "
@@ -122,8 +139,7 @@ def _names(fqns: list[str]) -> str:
     return ", ".join(fqns[:3]) + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
 
 
-def _load(runner: StepRunner, folder: Path, manifest: Manifest) -> list[str]:
-    meta = manifest.meta
+def _load(runner: Checkpointed, folder: Path, manifest: Manifest) -> None:
     reader = DataReader(folder)
     read = functools.partial(read_elements, manifest, reader)
     try:
@@ -136,13 +152,12 @@ def _load(runner: StepRunner, folder: Path, manifest: Manifest) -> list[str]:
                 target.copy_(read(weight_name(buffer.fqn)).view(target.shape))
         if "optim.step" in runner.state:
             runner.state["optim.step"].copy_(read(STEP_TENSOR).view(()))
-        notes = _restore_counters(runner, meta, manifest, read)
+        _restore_random_state(runner, manifest.meta, manifest, read)
     finally:
         reader.close()
-    return notes
 
 
-def _fill(runner: StepRunner, flat: FlatState, read: Read) -> None:
+def _fill(runner: Checkpointed, flat: FlatState, read: Read) -> None:
     """Fill one flat state from the saved tensors: the pieces this rank holds, cast to the
     flat's dtype, padding zero."""
     spec, tp = flat.spec, runner.session.tensor_parallel
@@ -162,10 +177,9 @@ def _fill(runner: StepRunner, flat: FlatState, read: Read) -> None:
     runner.state.write(spec.key, values)  # (to its NVMe file where it is placed there)
 
 
-def _restore_counters(
-    runner: StepRunner, meta: dict[str, Any], manifest: Manifest, read: Read
-) -> list[str]:
-    """Step counters, loss scaler and RNG states; notes on what could not be carried over."""
+def restore_counters(runner: Checkpointed, meta: dict[str, Any]) -> list[str]:
+    """Step counters and the loss scaler from a checkpoint's ``meta``; notes on what differs
+    from the run that saved it, and what could not be carried over."""
     notes = []
     accum = runner.plan.grad_accumulation
     runner.steps = meta["optimizer_steps"]
@@ -184,24 +198,39 @@ def _restore_counters(
         notes.append(f"the checkpoint's loss scale ({scaler['scale']:g}) is dropped: this plan "
                      "scales no loss")  # fmt: skip
     notes.extend(_schedule_notes(runner, meta["plan"]["optimizer"]))
-    rank, world = runner.comm.rank, runner.comm.world_size
     if meta["stage"] != runner.plan.zero.stage:
         notes.append(f"saved at ZeRO stage {meta['stage']}, resharded for stage "
                      f"{runner.plan.zero.stage}")  # fmt: skip
-    if meta["world_size"] == world:
-        torch.set_rng_state(read(rng_name(rank, "cpu")))
-        if runner.device.type == "cuda" and rng_name(rank, "cuda") in manifest.tensors:
-            torch.cuda.set_rng_state(read(rng_name(rank, "cuda")), runner.device)
-    else:
+    saved_parallel = {"tp": 1, "pp": 1, **meta["plan"].get("parallel", {})}
+    for axis in ("tp", "pp"):
+        theirs, ours = saved_parallel[axis], getattr(runner.plan.parallel, axis)
+        if theirs != ours:
+            notes.append(f"saved under parallel.{axis}: {theirs}, resharded for {ours}")
+    if meta["world_size"] != runner.comm.world_size:
         notes.append(
-            f"saved on {meta['world_size']} ranks, loaded on {world}: each rank's random "
-            "number generator goes on from where it is (dropout draws differ from a run that "
-            "did not stop), and each rank's data is what the workload gives this world size"
+            f"saved on {meta['world_size']} ranks, loaded on {runner.comm.world_size}: each "
+            "rank's random number generator goes on from where it is (dropout draws differ "
+            "from a run that did not stop), and each rank's data is what the workload gives "
+            "this world size"
         )
     return notes
 
 
-def _schedule_notes(runner: StepRunner, saved: dict[str, Any]) -> list[str]:
+def _restore_random_state(
+    runner: Checkpointed, meta: dict[str, Any], manifest: Manifest, read: Read
+) -> None:
+    """Each rank's random number generators as that rank saved them, on the world size that
+    saved them (on another, each goes on from where it is: :func:`restore_counters` notes
+    it)."""
+    rank = runner.comm.rank
+    if meta["world_size"] != runner.comm.world_size:
+        return
+    torch.set_rng_state(read(rng_name(rank, "cpu")))
+    if runner.device.type == "cuda" and rng_name(rank, "cuda") in manifest.tensors:
+        torch.cuda.set_rng_state(read(rng_name(rank, "cuda")), runner.device)
+
+
+def _schedule_notes(runner: Checkpointed, saved: dict[str, Any]) -> list[str]:
     """The schedule goes on from the applied-step count; a note when this plan's rates
     differ from the saving run's (another schedule, or another peak rate)."""
     ours, theirs = runner.plan.optimizer, OptimizerConfig.model_validate(saved)

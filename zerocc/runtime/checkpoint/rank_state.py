@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 from zerocc.errors import RankMismatchError
 
 if TYPE_CHECKING:
-    from zerocc.runtime.step import StepRunner
+    from zerocc.runtime.checkpoint.checkpointed import Checkpointed
 
 
-def rank_state_dict(runner: StepRunner) -> dict[str, Any]:
+def rank_state_dict(runner: Checkpointed) -> dict[str, Any]:
     """``runner``'s shards, optimizer state and counters, ready for
     ``torch.distributed.checkpoint.save`` (or ``torch.save``). Tensor keys carry the rank
     (``rank1/transformer.h.0.param``) since every rank holds different shards. Applies a
@@ -31,13 +31,13 @@ def rank_state_dict(runner: StepRunner) -> dict[str, Any]:
     return sd
 
 
-def load_rank_state_dict(runner: StepRunner, sd: dict[str, Any]) -> None:
+def load_rank_state_dict(runner: Checkpointed, sd: dict[str, Any]) -> None:
     """Restore into ``runner`` what :func:`rank_state_dict` gave (after
     ``dcp.load(sd, ...)`` filled it in): RankMismatchError when it was saved sharded otherwise
     (world size, stage, replicas, tp) or lacks a tensor of this rank."""
     runner.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
-    # (saved before hybrid sharding and tensor parallelism: no replicas, no split)
-    saved = {"replicate": 1, "tp": 1, **sd["zerocc"]}
+    # (saved before hybrid sharding, tensor or pipeline parallelism: no replicas, no split)
+    saved = {"replicate": 1, "tp": 1, "pp": 1, **sd["zerocc"]}
     for field, mine in _sharding(runner).items():
         if saved[field] != mine:
             raise RankMismatchError(
@@ -49,11 +49,12 @@ def load_rank_state_dict(runner: StepRunner, sd: dict[str, Any]) -> None:
         runner.loss_scaler.load_state_dict(saved["loss_scaler"])
 
 
-def _sharding(runner: StepRunner) -> dict[str, int]:
+def _sharding(runner: Checkpointed) -> dict[str, int]:
     """How ``runner`` shards its state: what a rank's state dict holds depends on it."""
     return {
         "world_size": runner.comm.world_size,
         "stage": runner.plan.zero.stage,
         "replicate": runner.plan.zero.replicate,
         "tp": runner.mesh.tp,
+        "pp": runner.mesh.pp,
     }

@@ -41,14 +41,14 @@ from zerocc.runtime.checkpoint.layout import (
 )
 
 if TYPE_CHECKING:
-    from zerocc.runtime.step import StepRunner
+    from zerocc.runtime.checkpoint.checkpointed import Checkpointed
 
 INTACT = "earlier checkpoints are intact"
 # One tensor's shape and dtype, and the chunks a rank wrote of it.
 Written = dict[str, tuple[list[int], str, list[dict[str, Any]]]]
 
 
-def save_checkpoint(runner: StepRunner, root: str | Path, keep: int | None = None) -> Path:
+def save_checkpoint(runner: Checkpointed, root: str | Path, keep: int | None = None) -> Path:
     """Save ``runner``'s state under ``root`` as ``step-<n>`` (n: optimizer steps taken) and
     return its folder; keep the newest ``keep`` checkpoints there (None: all). Call on every
     rank, between steps (not inside an accumulation window: the partial gradient sums are not
@@ -119,12 +119,13 @@ def _fresh_folder(staging: Path) -> None:
     staging.mkdir(parents=True)
 
 
-def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> None:
+def _write_rank(runner: Checkpointed, writer: DataWriter, written: Written) -> None:
     """Write this rank's slices: its range of each unit's weights and optimizer states (under
     hybrid sharding, the first replica's ranks only: the others hold the same shards), its RNG
-    states, and on rank 0 the buffers and the step counter (the loss scaler's state is in the
-    manifest)."""
-    rank, mesh = runner.comm.rank, runner.mesh
+    states, on the first rank of each pipeline stage (rank 0 without one) its buffers, and on
+    rank 0 the step counter (the loss scaler's state is in the manifest). What an earlier
+    pipeline rank holds too, it writes."""
+    rank, mesh, elsewhere = runner.comm.rank, runner.mesh, runner.saved_elsewhere
 
     def add(
         name: str, shape: list[int], values: torch.Tensor, start: int = 0, stride: int = 0,
@@ -136,11 +137,13 @@ def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> Non
 
     states = saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer))
     tp, tp_rank = runner.session.tensor_parallel, mesh.tp_rank(rank)
-    whole = {p.fqn: list(p.shape) for p in runner.session.full_model_info.params}
+    whole = {p.fqn: list(p.shape) for p in runner.full_model_info.params}
     for flat in states if mesh.replica(rank) == 0 else []:
         values = runner.state.read(flat.spec.key)
         for piece in flat.pieces(mesh.shard_rank(rank)):
             name, fqn = flat.name(piece.param), piece.param.fqn
+            if fqn in elsewhere:
+                continue
             split = tp.splits.get(fqn) if tp is not None else None
             part = values[piece.at : piece.at + piece.stop - piece.start]
             if split is None and tp_rank == 0:  # (every tp rank holds it alike)
@@ -155,16 +158,16 @@ def _write_rank(runner: StepRunner, writer: DataWriter, written: Written) -> Non
         rng["cuda"] = torch.cuda.get_rng_state(runner.device)
     for device_type, state in rng.items():
         add(rng_name(rank, device_type), list(state.shape), state)
-    if rank != 0:
+    if rank % mesh.stage_ranks:
         return
     for buffer in runner.session.model_info.buffers:
-        if buffer.fqn in runner.state:
+        if buffer.fqn in runner.state and buffer.fqn not in elsewhere:
             add(weight_name(buffer.fqn), list(buffer.shape), runner.state[buffer.fqn])
-    if "optim.step" in runner.state:
+    if rank == 0 and "optim.step" in runner.state:
         add(STEP_TENSOR, [], runner.state["optim.step"])
 
 
-def _manifest(runner: StepRunner, written: list[Written], sizes: list[int]) -> Manifest:
+def _manifest(runner: Checkpointed, written: list[Written], sizes: list[int]) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for rank_written in written:
         for name, (shape, dtype, chunks) in rank_written.items():
@@ -183,10 +186,10 @@ def _zerocc_version() -> str:
         return "unknown"
 
 
-def run_metadata(runner: StepRunner) -> dict[str, Any]:
+def run_metadata(runner: Checkpointed) -> dict[str, Any]:
     """What a checkpoint says of the run besides its tensors: counters, world, plan, model
     (every parameter whole, under tensor parallelism too)."""
-    info = runner.session.full_model_info
+    info = runner.full_model_info
 
     def described(p) -> dict[str, Any]:
         return {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "aliases": list(p.aliases)}

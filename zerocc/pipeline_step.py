@@ -13,16 +13,19 @@ what the micro-batches accumulated, sums a tied unit's gradient with the other r
 it, agrees the overflow flag and the clipping norm over the pipeline, and updates. The loss is
 the mean over the micro-batches of the last stage's, on every rank.
 
-What a pipeline does not do yet is refused when it is compiled, naming the field:
-tensor parallelism beside it, offload, loss scaling, the Inductor backend, and evaluation,
-checkpoints and the other TrainStep methods.
+Checkpoints are a TrainStep's (:mod:`zerocc.runtime.checkpoint`): each rank writes what its
+stages hold, named as the model names it, so one saved under any pipeline loads under any
+other, or none. What a pipeline does not do yet is refused when it is compiled, naming the
+field: tensor parallelism beside it, offload, loss scaling, the Inductor backend.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +43,7 @@ from zerocc.compiler.capture import (
 )
 from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes, state_layout
 from zerocc.compiler.driver.program import check_bindings
-from zerocc.compiler.driver.session import CompileSession
+from zerocc.compiler.driver.session import PIPELINE_EVALUATE_NOT_YET, CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import Action, pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import cut_stages
@@ -54,17 +57,23 @@ from zerocc.compiler.parallel.stage_programs import (
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.schedule import lr_at
-from zerocc.compiler.state import LR_SPEC, STEP_SPEC
+from zerocc.compiler.state import LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
+from zerocc.cost.memory import model_state_bytes_of
+from zerocc.cost.pipeline_memory import PipelineMemory, predict_pipeline_memory
 from zerocc.cost.stage_balance import split_units
 from zerocc.engine.comm import Comm
-from zerocc.errors import NotSupportedError
+from zerocc.errors import BatchError, NotSupportedError, RankMismatchError
 from zerocc.ir.nodes import BATCH, placeholders, val
 from zerocc.ir.ops import DP_GROUP, PP_GROUP
+from zerocc.runtime.agreement import END_OF_DATA, Agreement, batch_digest, batch_disagreement
+from zerocc.runtime.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
+from zerocc.runtime.checkpoint.load import fill_state, open_checkpoint, restore_counters
+from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
 from zerocc.runtime.context import open_context
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.pipeline import PipelineRank, TorchTransport, microbatches_of
-from zerocc.runtime.programs import SetupClock, bindings_of
+from zerocc.runtime.programs import SetupClock, batch_signature, bindings_of
 from zerocc.runtime.state_store import StateStore
 
 
@@ -81,7 +90,10 @@ class PipelineStep:
     """One rank of a pipeline-parallel training step: ``step(*batch)`` trains on the rank's
     batch (the same on every rank of one pipeline), cut into ``pipeline.microbatches``, and
     returns the mean loss; ``full_state_dict()`` gathers the parameters this rank's stages
-    hold (a collective over its stage's data-parallel ranks)."""
+    hold (a collective over its stage's data-parallel ranks); ``save``/``load`` checkpoint it
+    as :class:`zerocc.TrainStep` does."""
+
+    loss_scaler = None  # (loss scaling is refused: _check_supported)
 
     def __init__(
         self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
@@ -101,8 +113,16 @@ class PipelineStep:
         self.pipeline_ranks = next(g for g in self.mesh.groups(PP_GROUP) if comm.rank in g)
         # What accumulates over the micro-batches of a step is compiled as accumulation.
         self.stage_plan = plan.model_copy(update={"grad_accumulation": self.microbatches})
-        self.steps = 0
+        self.full_model_info = describe_model(model)
+        self.steps = 0  # optimizer steps applied (a step skipped for overflow not counted)
+        self.micro_batches = 0  # calls (each one optimizer step's batch), skipped ones too
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)
+        self.signature: tuple = ()  # the first batch's, which the stages are compiled for
+        self.dump_dir = None  # (dumps are a TrainStep's: `zerocc train --dump` refuses a pipeline)
+        # What an earlier pipeline rank holds too and saves (known once the step is cut).
+        self.saved_elsewhere: frozenset[str] = frozenset()
+        # A checkpoint loaded before the first call: read into the state once it exists.
+        self._resume_from: tuple[Path, Manifest] | None = None
         # The last step's actions on this rank: (action, start, end, waited), seconds from the
         # first action's start; ``waited``: the part of it spent receiving a neighbour's tensor.
         self.timeline: list[tuple[Action, float, float, float]] = []
@@ -112,9 +132,19 @@ class PipelineStep:
     def __call__(self, *batch: Any) -> torch.Tensor:
         """Train one step on this rank's ``batch``; returns the mean loss of its micro-batches."""
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        self._agree_on(("next batch", batch_signature(batch)), batch)
+        self.comm.stats.reset()
         micro = microbatches_of(batch, self.microbatches)
         if self.staged is None:
             self._build(micro[0])
+            self.signature = batch_signature(batch)
+        elif batch_signature(batch) != self.signature:
+            raise BatchError(
+                f"a pipeline's stages are compiled for the batch of its first step "
+                f"({_shapes(self.signature)}); step {self.micro_batches + 1}'s is "
+                f"{_shapes(batch_signature(batch))}: give every step batches of one shape "
+                "(pad or drop the last, short one)"
+            )
         self.state[LR_SPEC.key].fill_(lr_at(self.plan.optimizer, self.steps))
         if STEP_SPEC.key in self.state:
             self.state[STEP_SPEC.key].fill_(self.steps + 1)
@@ -137,7 +167,34 @@ class PipelineStep:
                 raise nonfinite_error(self.update.gm, flags, self.comm.rank, self.steps + 1)
         else:
             self.steps += 1
+        self.micro_batches += 1
         return self._loss(rank.losses)
+
+    def end_of_data(self) -> None:
+        """Call instead of ``step(*batch)`` when this rank has no batch left: returns when every
+        rank ran out at this step, else raises DataExhaustedError here and, in their call, on
+        every rank that still had one (see :meth:`zerocc.TrainStep.end_of_data`)."""
+        self._agree_on(END_OF_DATA, None)
+
+    def _agree_on(self, what: tuple, batch: tuple | None) -> None:
+        """Every rank is about to train a batch of the same shapes (or none is, ``END_OF_DATA``),
+        and the ranks of one pipeline on the same batch: an error on every rank, naming the
+        ranks, when not (a rank out of data would otherwise leave its pipeline's neighbours
+        waiting on a tensor it never sends, and a pipeline whose first and last stages read
+        different batches trains a wrong model without any other error)."""
+        within = (self.data_rank, batch_digest(batch) if batch is not None else "")
+        agreement = Agreement(self.comm, what, repr(what), within)
+        views = agreement.views_if_they_differ()
+        step = self.micro_batches + 1
+        if views is not None:
+            raise batch_disagreement(views, self.comm.rank, step)
+        if split := agreement.split_groups():
+            groups = "; ".join(" vs ".join(map(str, ranks)) for group in split for ranks in group)
+            raise RankMismatchError(
+                f"rank {self.comm.rank}, step {step}: the ranks of a pipeline were given "
+                f"different batches (ranks {groups}); its stages train on one batch: give each "
+                "rank the batch of its data-parallel rank, step.data_rank of step.data_parallel"
+            )
 
     @property
     def data_rank(self) -> int:
@@ -148,6 +205,30 @@ class PipelineStep:
     def data_parallel(self) -> int:
         """How many batches one step trains on."""
         return self.mesh.data_parallel
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        return lr_at(self.plan.optimizer, self.steps)
+
+    @property
+    def units(self) -> list[Unit]:
+        """This rank's units (its stages' parameters), from the first call on."""
+        return self._built().units
+
+    @property
+    def layout(self) -> StateLayout:
+        """The state this rank's programs bind, from the first call on."""
+        return self._built().layout
+
+    def _built(self) -> CompileSession:
+        """The session of this rank's stages; CheckpointError before the first call."""
+        if self.staged is None:
+            raise CheckpointError(
+                "a pipeline's stages are cut on its first batch: its state exists from the "
+                "first call on (a checkpoint loads before it, and saves after it)"
+            )
+        return self.session
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank (0 to pp - 1) that holds ``stage``."""
@@ -178,16 +259,127 @@ class PipelineStep:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``{fqn: full tensor}`` of the parameters and buffers this rank's stages hold (a
         collective over the stage's data-parallel ranks)."""
-        if self.staged is None:
-            raise RuntimeError("a pipeline's state exists from its first step on")
+        self._built()
         return self.state.full_state_dict()
+
+    def evaluate(self, *batch: Any) -> torch.Tensor:
+        """Not yet: a pipeline's stages are compiled for training only."""
+        raise NotSupportedError(PIPELINE_EVALUATE_NOT_YET)
+
+    # -- what it did ------------------------------------------------------------------------
+
+    def memory(self) -> PipelineMemory:
+        """This rank's predicted device peak: its model states, what its stages keep for
+        backward over the schedule's micro-batches in flight, and the running program's
+        transients (:mod:`zerocc.cost.pipeline_memory`)."""
+        programs = {key: p.gm if p else None for key, p in self.programs.items()}
+        states = model_state_bytes_of(self._built().layout)["total"]
+        return predict_pipeline_memory(self.schedule.actions[self.pp_rank], programs, states)
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank sends to other pipeline ranks per step: activations forward,
+        gradients back, for each micro-batch."""
+        self._built()
+        per_microbatch = 0
+        for s in self.schedule.stages_of(self.pp_rank):
+            stage = self.staged.stages[s]
+            for program, to in ((stage.forward, s + 1), (stage.backward, s - 1)):
+                if 0 <= to < self.schedule.stages and self.rank_of(to) == self.pp_rank:
+                    continue  # (a stage of this rank's: handed over in memory)
+                sent = (o for o in program.outputs if o.kind == "send")
+                per_microbatch += sum(math.prod(o.shape) * o.dtype.itemsize for o in sent)
+        return self.microbatches * per_microbatch
+
+    def waiting_share(self) -> float:
+        """The share of the last step this rank spent waiting for a neighbour's tensor (its
+        bubble, measured): from its first action's start to its last's end."""
+        if not self.timeline:
+            return 0.0
+        span = self.timeline[-1][2]
+        return sum(waited for *_, waited in self.timeline) / span if span > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Figures of the last step, as :meth:`zerocc.TrainStep.summary` gives them, the
+        bytes sent to neighbours counted as ``send``; and the pipeline's own: the share of the
+        step this rank waited for a neighbour, and its predicted peak."""
+        comm = dict(self.comm.stats.bytes)
+        if sent := self.sent_bytes():
+            comm["send"] = sent
+        return {
+            "comm_bytes_per_step": comm,
+            "model_state_bytes": model_state_bytes_of(self._built().layout)["total"],
+            "offload_bytes_per_step": {},
+            "loss_scale": None,
+            "skipped_steps": self.micro_batches - self.steps,
+            "pipeline_waiting_share": self.waiting_share(),
+            "predicted_peak_bytes": self.memory().peak,
+        }
+
+    def explain(self) -> str:
+        """What this pipeline rank runs: the cut, its schedule with the predicted bubble, the
+        last step's measured waiting, and its predicted memory."""
+        self._built()
+        pipeline = self.plan.pipeline
+        lines = [
+            f"pipeline rank {self.pp_rank} of {self.mesh.pp} (stages "
+            f"{self.schedule.stages_of(self.pp_rank)} of {self.schedule.stages}), data rank "
+            f"{self.data_rank} of {self.data_parallel}; schedule {pipeline.schedule}, "
+            f"{self.microbatches} micro-batches per step",
+            self.mesh.describe(),
+            "",
+            "what each stage holds and what crosses each cut",
+            self.staged.format(),
+            "",
+            "schedule",
+            self.schedule.format(),
+            f"measured (last step): this rank waited {self.waiting_share():.1%} of it for a "
+            "neighbour",
+            "",
+            f"memory of this rank: {self.memory().format()}",
+        ]
+        return "\n".join(lines)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def save(self, folder: str | Path, keep: int | None = None) -> Path:
+        """Save a checkpoint under ``folder`` (``step-<n>``) that loads under any pipeline,
+        world size, stage or units (see :meth:`zerocc.TrainStep.save`); every rank writes
+        what its stages hold. Call on every rank, after a step."""
+        self._built()
+        return save_checkpoint(self, folder, keep)
+
+    def load(self, path: str | Path) -> list[str]:
+        """Load a checkpoint saved under any mesh (see :meth:`zerocc.TrainStep.load`); returns
+        notes on what differs from the run that saved it. Before the first call, the
+        checkpoint is found and checked now (the counters set) and its tensors read once the
+        first batch has cut the stages. Call on every rank."""
+        if self.staged is not None:
+            _, notes = load_checkpoint(self, path)
+            return notes
+        folder, manifest = open_checkpoint(self, path)
+        self._resume_from = folder, manifest
+        return restore_counters(self, manifest.meta)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards, optimizer state and counters for ``torch.distributed.checkpoint``
+        (see :meth:`zerocc.TrainStep.state_dict`): reloads under the same plan and world."""
+        self._built()
+        return rank_state_dict(self)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave."""
+        self._built()
+        load_rank_state_dict(self, sd)
+
+    def apply_carried_update(self) -> None:
+        """(A pipeline defers no update: offload is refused.)"""
 
     # -- building ---------------------------------------------------------------------------
 
     def _build(self, microbatch: tuple) -> None:
         """Capture the step on ``microbatch``, cut it, lay out and allocate this rank's state
         and compile its programs."""
-        full = describe_model(self.model)
+        full = self.full_model_info
         casts = Casts.of(self.plan.precision)
         gm = capture(self.model, full, self.loss_fn, microbatch, self.device, casts)
         stage_units, _ = split_units(self.plan, gm, full, self.mesh.shard_size)
@@ -202,7 +394,7 @@ class PipelineStep:
         units = _units(held, tied, self.mesh.shard_size, self.plan)
         pass_list = bind_passes(self.stage_plan)
         layout = state_layout(pass_list, units, self.stage_plan)
-        session = CompileSession(
+        self.session = session = CompileSession(
             self.model, self.stage_plan, self.comm.world_size, self.loss_fn, self.mesh, full,
             None, held, pass_list, units, layout,
         )  # fmt: skip
@@ -250,7 +442,34 @@ class PipelineStep:
         self.transport = TorchTransport(
             staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)]
         )
+        self.saved_elsewhere = self._held_earlier(staged)
         self.staged = staged
+        if self._resume_from is not None:
+            fill_state(self, *self._resume_from)
+            self._resume_from = None
+
+    def _held_earlier(self, staged: StagedStep) -> frozenset[str]:
+        """What of this rank's state an earlier pipeline rank holds too, and so saves: a tied
+        parameter, and the buffers (every rank holds them all) but those this rank is the
+        first to read (one no stage reads: pipeline rank 0's)."""
+
+        def reads(rank: int) -> set[str]:
+            stages = [staged.stages[s] for s in self.schedule.stages_of(rank)]
+            return {fqn for stage in stages for fqn in (*stage.params, *stage.buffers)}
+
+        earlier = set().union(*(reads(r) for r in range(self.pp_rank)))
+        read_at_all = set().union(*(reads(r) for r in range(self.mesh.pp)))
+        buffers = {b.fqn for b in self.full_model_info.buffers}
+        mine = reads(self.pp_rank) - earlier
+        if self.pp_rank == 0:
+            mine |= buffers - read_at_all
+        return frozenset((reads(self.pp_rank) | buffers) - mine)
+
+
+def _shapes(signature: tuple) -> str:
+    """A batch signature as its tensors' shapes: ``[8, 16], [8, 16]``."""
+    return ", ".join(str(list(part[1])) if part[0] == "tensor" else repr(part[1])
+                     for part in signature)  # fmt: skip
 
 
 def _units(held: ModelInfo, tied: set[str], shard_size: int, plan: Plan) -> list[Unit]:
