@@ -146,3 +146,36 @@ def test_a_pipeline_refuses_what_it_does_not_combine_with_yet(fields, named):
     plan = {"parallel": {"pp": 2}, "zero": {"stage": 3}, "backend": {"device": "cpu"}, **fields}
     with pytest.raises(NotSupportedError, match=f"does not yet combine with {named}"):
         zerocc.compile(gpt(4), plan, comm=zerocc.FakeComm(world_size=2))
+
+
+PLAN = {
+    "parallel": {"pp": 2}, "pipeline": {"microbatches": 2}, "units": {"classes": ["Block"]},
+    "backend": {"device": "cpu"},
+}  # fmt: skip
+
+
+def _disagreeing(rank: int, world: int, how: str) -> None:
+    step = zerocc.compile(gpt(4), PLAN)
+    step(*_gpt_batch(0, 0))  # a step both train: the stages are cut
+    if how == "out of data" and rank == 0:
+        step.end_of_data()
+    else:  # rank 1's batch differs from rank 0's in one token
+        x, y = _gpt_batch(1, 0)
+        step(x + (rank == 1 and how == "other batch"), y)
+
+
+@pytest.mark.parametrize(
+    ("how", "error", "says"),
+    [
+        ("out of data", "DataExhaustedError", "rank(s) 0 ran out of batches while rank(s) 1"),
+        ("other batch", "RankMismatchError", "the ranks of a pipeline were given different"),
+    ],
+)
+def test_the_ranks_of_a_pipeline_agree_on_each_step_or_fail_together(how, error, says):
+    """A rank out of data, or a pipeline's ranks given different batches, is an error on every
+    rank at that step, naming the ranks: not neighbours waiting forever for a tensor that
+    never comes, nor a last stage reading labels of another batch than the first's tokens."""
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(2, _disagreeing, how, timeout=120)
+    assert [e[0] for e in failed.value.errors.values()] == [error, error]
+    assert all(says in message for _, message in failed.value.errors.values())
