@@ -257,9 +257,7 @@ def test_inspect_of_a_pipeline_split_where_the_plan_says(capsys, tmp_path):
     assert "pipeline.split: ['transformer.h.9'] are not units" in capsys.readouterr().err
 
 
-def test_what_a_pipeline_plan_cannot_do_yet_is_refused_before_any_rank_starts(
-    capsys, tmp_path
-):
+def test_what_a_pipeline_plan_cannot_do_yet_is_refused_before_any_rank_starts(capsys, tmp_path):
     plan = _pipeline_plan(tmp_path)
     assert main(["estimate", plan, "--world-size", "4"]) == 2
     assert "zerocc cannot estimate a pipeline yet" in capsys.readouterr().err
