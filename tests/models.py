@@ -384,6 +384,7 @@ TP_MODELS = {
 TP_LAYERS = {
     "gpt": GPT_TP_LAYERS,
     "gpt4h": GPT_TP_LAYERS,
+    "gpt4": GPT_TP_LAYERS,  # (a pipeline's, tests/parity/test_pipeline_parity.py)
     "smoothed": {"embed": "vocab", "head": "vocab"},
     "llama": LLAMA_TP_LAYERS,
 }

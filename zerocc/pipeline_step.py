@@ -16,11 +16,12 @@ the mean over the micro-batches of the last stage's, on every rank.
 Checkpoints are a TrainStep's (:mod:`zerocc.runtime.checkpoint`): each rank writes what its
 stages hold, named as the model names it, so one saved under any pipeline loads under any
 other, or none. What a pipeline does not do yet is refused when it is compiled, naming the
-field: tensor parallelism beside it, offload, loss scaling, the Inductor backend.
+field: offload, loss scaling, the Inductor backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from zerocc.compiler.parallel.stage_programs import (
     step_form,
     update_graph,
 )
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.schedule import lr_at
@@ -74,7 +76,7 @@ from zerocc.runtime.context import open_context
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.pipeline import PipelineRank, TorchTransport, microbatches_of
 from zerocc.runtime.programs import SetupClock, batch_signature, bindings_of
-from zerocc.runtime.state_store import StateStore
+from zerocc.runtime.state_store import StateStore, align_random_state
 
 
 @dataclass
@@ -380,12 +382,19 @@ class PipelineStep:
         """Capture the step on ``microbatch``, cut it, lay out and allocate this rank's state
         and compile its programs."""
         full = self.full_model_info
+        # Under tensor parallelism the step is captured in its split form, each split
+        # parameter as this rank's slice (as a TrainStep's), and cut as it is.
+        tp = TensorParallel.of(self.model, full, self.plan)
+        local = tp.local_info(full) if tp is not None else full
         casts = Casts.of(self.plan.precision)
-        gm = capture(self.model, full, self.loss_fn, microbatch, self.device, casts)
-        stage_units, _ = split_units(self.plan, gm, full, self.mesh.shard_size)
-        staged = cut_stages(gm, full, stage_units)
+        with tp.applied(self.model) if tp is not None else contextlib.nullcontext():
+            gm = capture(self.model, local, self.loss_fn, microbatch, self.device, casts)
+        if tp is not None:
+            tag_collectives(gm)
+        stage_units, _ = split_units(self.plan, gm, local, self.mesh.shard_size)
+        staged = cut_stages(gm, local, stage_units)
         mine = self.schedule.stages_of(self.pp_rank)
-        held = stage_model(full, *(staged.stages[s] for s in mine))
+        held = stage_model(local, *(staged.stages[s] for s in mine))
         holds = {p.fqn for p in held.params}
         tied = {
             fqn for fqn, stages in staged.tied.items()
@@ -396,7 +405,7 @@ class PipelineStep:
         layout = state_layout(pass_list, units, self.stage_plan)
         self.session = session = CompileSession(
             self.model, self.stage_plan, self.comm.world_size, self.loss_fn, self.mesh, full,
-            None, held, pass_list, units, layout,
+            tp, held, pass_list, units, layout,
         )  # fmt: skip
         opened = open_context(self.stage_plan, self.comm, self.device, layout, SetupClock())
         self.context = opened.context
@@ -406,6 +415,8 @@ class PipelineStep:
             self.model, session, self.comm, self.device, opened.nvme,
             broadcast=lambda t: dp.broadcast(t, first),
         )  # fmt: skip
+        if self.mesh.tp > 1:
+            align_random_state(self.comm, session, self.device)
         tied_units = frozenset(f"tied.{fqn}" for fqn in tied)
         counts_tied = all(self.pp_rank <= self.rank_of(s) for f in tied for s in staged.tied[f])
         lower = get_backend(resolve_backend(self.plan.backend.name, self.device))
@@ -413,7 +424,7 @@ class PipelineStep:
         def compiled(graph: Any, boundary: bool, update_of: frozenset[str] | None = None):
             ctx = PassContext(
                 self.stage_plan, self.comm.world_size, held, boundary, units=units,
-                update_of=update_of, tied=tied_units, tied_norm=counts_tied,
+                update_of=update_of, tied=tied_units, tied_norm=counts_tied, tensor_parallel=tp,
             )  # fmt: skip
             gm, _ = run_passes(graph, ctx, pass_list)
             check_bindings(gm, layout, held)
@@ -429,8 +440,8 @@ class PipelineStep:
                                             else {"B": stage.backward})}  # fmt: skip
             for kind, program in kinds.items():
                 reached.update(program.writes("grad"))
-                if not any(n.op == "call_function" for n in program.gm.graph.nodes):
-                    self.programs[s, kind] = None  # (the first stage's input gradient)
+                if not program.outputs:  # (the first stage's input gradient, mostly)
+                    self.programs[s, kind] = None
                     continue
                 graph = step_form(program, held)
                 self.programs[s, kind] = compiled(graph, boundary=False)
@@ -488,7 +499,6 @@ def _check_supported(plan: Plan, device: torch.device) -> None:
     """NotSupportedError naming the field, for what a pipeline does not do yet."""
     backend = resolve_backend(plan.backend.name, device)
     unsupported = {
-        "parallel.tp": plan.parallel.tp > 1,
         "offload": plan.offload.optimizer != "none" or plan.offload.params != "none",
         "precision.scaling (loss scaling)": plan.precision.scaling != "none",
         f"backend.name: {backend} (name eager)": backend != "eager",

@@ -65,15 +65,7 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         pipeline = {"schedule": case.get("schedule", "1f1b"), "microbatches": case["accum"]}
     return {
         "zero": {"stage": case["stage"], "replicate": case.get("replicate", 1)},
-        "parallel": {
-            "tp": case["tp"],
-            "tp_layers": TP_LAYERS[case["model"]],
-            "sequence_parallel": case.get("sp", False),
-        }
-        if "tp" in case
-        else {"pp": case["pp"]}
-        if "pp" in case
-        else {},
+        "parallel": _parallel(case),
         "pipeline": pipeline,
         "units": {**entry(case["model"])[2], **case.get("units", {})},
         "optimizer": optimizer,
@@ -89,6 +81,18 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         "recompute": case.get("recompute", {}),
         "seed": 7,
     }
+
+
+def _parallel(case: dict[str, Any]) -> dict[str, Any]:
+    """The plan's ``parallel`` section of the case: its tensor and pipeline parallelism."""
+    parallel: dict[str, Any] = {"pp": case["pp"]} if "pp" in case else {}
+    if "tp" in case:
+        parallel |= {
+            "tp": case["tp"],
+            "tp_layers": TP_LAYERS[case["model"]],
+            "sequence_parallel": case.get("sp", False),
+        }
+    return parallel
 
 
 def tp_of(case: dict[str, Any]) -> int:

@@ -1,7 +1,7 @@
 """A pipeline's checkpoints by model name (issue 47): saved under ``pp 2 × dp 2``, resumed with
-no pipeline (``pp 1``); saved under ``pp 2``, resumed under ``pp 4``; saved with no pipeline,
-resumed under ``pp 2 × dp 2``: each run goes on as one process trained on the same batches
-would.
+no pipeline (``pp 1``); saved under ``pp 2``, resumed under ``pp 4``; saved under ``pp 2 × tp
+2``, resumed by one process; saved with no pipeline, resumed under ``pp 2 × dp 2``: each run
+goes on as one process trained on the same batches would.
 
 The oracle is tests/parity's: one process, torch.optim.AdamW, every data rank's micro-batches
 of each step. Each pair keeps the number of data-parallel ranks (the batches a step trains on)
@@ -29,6 +29,8 @@ GPT = {"model": "gpt4", "accum": 4, "steps": FIRST + THEN, "backend": "eager"}
 PAIRS = {  # saved -> resumed: the same data-parallel ranks, another pipeline
     "pp2xdp2 Z3->dp2 Z1": ({"stage": 3, "world": 4, "pp": 2}, {"stage": 1, "world": 2}),
     "pp2 Z2->pp4 Z3": ({"stage": 2, "world": 2, "pp": 2}, {"stage": 3, "world": 4, "pp": 4}),
+    # each tp rank of each stage saves its rows of the split layers; one process reads them all
+    "pp2xtp2 Z3->1xZ0": ({"stage": 3, "world": 4, "pp": 2, "tp": 2}, {"stage": 0, "world": 1}),
     "dp2 Z3->pp2xdp2 Z1": (
         {"stage": 3, "world": 2},
         {"stage": 1, "world": 4, "pp": 2, "schedule": "zero-bubble"},
@@ -100,10 +102,8 @@ def test_a_pipeline_checkpoint_resumes_under_another_pipeline(tmp_path, pair):
     assert held.keys() == {n for n in ref_state if n in names}
     for name, value in held.items():
         torch.testing.assert_close(value, ref_state[name], rtol=TOL, atol=1e-6, msg=name)
-    axes = {"pp": (saved.get("pp", 1), resumed.get("pp", 1))}
-    assert f"saved under parallel.pp: {axes['pp'][0]}, resharded for {axes['pp'][1]}" in "\n".join(
-        then[0]["notes"]
-    )
+    pp = saved.get("pp", 1), resumed.get("pp", 1)
+    assert f"saved under parallel.pp: {pp[0]}, resharded for {pp[1]}" in then[0]["notes"]
     # Every element of every tensor saved once: a tied embedding by one pipeline rank, the
     # buffers by the first rank that reads them.
     manifest = Manifest.read(resolve(folder))

@@ -1,9 +1,9 @@
 """Parity of pipeline parallelism (``parallel.pp``, issue 47): 2 gloo ranks as a pipeline of 2,
-4 ranks as 2 data-parallel pipelines of 2 and as one pipeline of 4 match one process training
-on the data-parallel ranks' batches, step by step, for every schedule and ZeRO stage inside
-the stages. Each
-pipeline rank's batch is the reference's micro-batches of its data rank, concatenated; the
-pipeline cuts it back into them (``pipeline.microbatches``).
+4 ranks as 2 data-parallel pipelines of 2, as one pipeline of 4 and as a pipeline of 2 whose
+stages split their layers over tp 2, and 8 ranks as pp 2 × dp 2 × tp 2, match one process
+training on the data-parallel ranks' batches, step by step, for every schedule and ZeRO stage
+inside the stages. Each pipeline rank's batch is the reference's micro-batches of its data
+rank, concatenated; the pipeline cuts it back into them (``pipeline.microbatches``).
 
 Tolerance 1e-5 relative, as tests/parity/test_parity.py: the stages run the whole step's ops,
 but a stage's gradient accumulates micro-batch by micro-batch in its own buffer, and a tied
@@ -42,6 +42,13 @@ CASES = [
     {"model": "llama", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED},
     # bf16 compute against the recipe (tests/parity/test_mixed_precision_parity.py's bound)
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "precision": {"param": "bf16"}},
+    # Tensor (and sequence) parallelism inside the stages: 8 ranks as pp 2 × dp 2 × tp 2, and
+    # the zero-bubble halves of layers split over tp 2 (a rowwise layer's weight gradient
+    # reads the gradient the next stage sends as it comes).
+    {"model": "gpt4", "stage": 3, "world": 8, "pp": 2, "tp": 2, "accum": 2, "steps": 3,
+     "optimizer": CLIPPED},
+    {"model": "gpt4", "stage": 1, "world": 4, "pp": 2, "tp": 2, "sp": True, "accum": 2,
+     "schedule": "zero-bubble"},
 ]  # fmt: skip
 
 # Eager, whatever backend the run asks for (`pytest tests/parity --backend inductor`): a

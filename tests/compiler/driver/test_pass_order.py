@@ -35,6 +35,10 @@ OLD_EXAMPLE_PASSES = {
     "70b-tp.yaml": ["partition", "shard", "precision", "optimizer", "overlap"],  # (added later)
 }
 OLD_EXAMPLE_PASSES["7b-offload.yaml"] = OLD_EXAMPLE_PASSES["zero3-offload.yaml"]  # (later)
+OLD_EXAMPLE_PASSES["zero3-pp.yaml"] = OLD_EXAMPLE_PASSES["zero3.yaml"]  # (later; each stage's)
+# Examples a whole-step compile does not inspect: a pipeline's stage programs are compiled by
+# its PipelineStep, which tests/cli/test_cli_pipeline.py trains (ZEROCC_VERIFY is on in CI).
+PIPELINE_EXAMPLES = {"zero3-pp.yaml"}
 
 
 @pytest.mark.parametrize("name", sorted(OLD_EXAMPLE_PASSES))
@@ -130,7 +134,7 @@ EXAMPLE_WORLDS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(OLD_EXAMPLE_PASSES))
+@pytest.mark.parametrize("name", sorted(set(OLD_EXAMPLE_PASSES) - PIPELINE_EXAMPLES))
 def test_example_pipelines_provide_what_they_promise(name, monkeypatch):
     """Every capability each pass of each example promises, checked on the graph after it
     (ZEROCC_VERIFY), compiled on fake tensors."""

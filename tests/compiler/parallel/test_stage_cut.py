@@ -19,6 +19,7 @@ from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_pa
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import (
     StagedStep,
+    split_backward,
     stage_model,
     step_form,
     update_graph,
@@ -234,3 +235,21 @@ def test_a_pipeline_ranks_update_reduces_what_its_stages_accumulated(zero):
     gathers = len(units) if zero in (1, 2) else 0  # 1-2: the updated shards gathered back
     assert ops.get("zerocc.all_gather_into_start", 0) == gathers
     assert not any(op.startswith("aten.mm") for op in ops)  # no compute but the update's
+
+
+def test_a_received_gradient_the_weight_gradient_reads_is_received_by_the_first_half():
+    """Layer 1's weight gradient reads the gradient stage 1 sends back as it comes (a linear
+    layer's last op, no op between): the input-gradient half, which runs when it arrives,
+    receives it and keeps it for the weight-gradient half, which must not receive it again
+    (nothing would send it twice: the rank would wait forever)."""
+    batch = (torch.randn(4, 8),)
+    gm, info = captured(_Skip(), batch)
+    staged = cut_stages(gm, info, [["layers.0", "layers.1"], ["layers.2"]])
+    input_grad, weight_grad = split_backward(staged.stages[0].backward)
+    received = staged.stages[0].backward.reads(Role.RECEIVED)
+    assert received and set(received) <= set(input_grad.reads(Role.RECEIVED))
+    assert not weight_grad.reads(Role.RECEIVED)
+    assert set(weight_grad.reads(Role.STASHED)) <= set(input_grad.writes("stash")) | set(
+        staged.stages[0].forward.writes("stash")
+    )
+    assert weight_grad.writes("grad")

@@ -116,8 +116,9 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
     """``backward`` as two programs, for a zero-bubble schedule: the input gradient (the nodes
     the gradients sent to the stage before depend on, and those sends) and the weight gradient
     (everything else: the parameters' gradients, but those an op of the first computes beside
-    its input gradient, as a layer norm's backward does). The first returns, as ``stash``,
-    what the second reads of it; the second runs later, while nothing waits for it."""
+    its input gradient, as a layer norm's backward does). The first receives what the stage
+    after sends and returns, as ``stash``, what the second reads of it and of what it
+    received; the second runs later, while nothing waits for it."""
     nodes = list(backward.gm.graph.nodes)
     values = nodes[-1].args[0]
     slots = list(zip(backward.outputs, values, strict=True))
@@ -135,17 +136,25 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
     second = [n for n in nodes if n.op not in ("placeholder", "output") and n not in needed]
     placeholders = {n: (info(n).role, info(n).key) for n in nodes if n.op == "placeholder"}
 
-    def inputs_of(body: list[fx.Node]) -> list[tuple[fx.Node, Role, str]]:
-        read = {i for n in body for i in n.all_input_nodes}
-        return [(n, *placeholders[n]) for n in placeholders if n in read]
+    def read_by(body: list[fx.Node]) -> set[fx.Node]:
+        return {i for n in body for i in n.all_input_nodes}
 
+    # A gradient received from the next stage that the weight gradient reads (a linear
+    # layer's, say, where no op of the input gradient's reads it first) is received by the
+    # first half, which runs when the next stage sends it, and kept for the second.
+    handed = [
+        n for n in placeholders
+        if placeholders[n][0] == Role.RECEIVED and n in read_by(second)
+    ]  # fmt: skip
     later = set(second)
-    kept = [n for n in first if any(u in later for u in n.users)]
+    kept = [n for n in first if any(u in later for u in n.users)] + handed
+    read_first = read_by(first) | set(handed)
+    read_second = read_by(second) - set(handed)
     input_grad = build_program(
         backward.gm,
         backward.stage,
         "input-grad",
-        inputs_of(first),
+        [(n, *placeholders[n]) for n in placeholders if n in read_first],
         first,
         [(slot.kind, slot.key, v) for slot, v in slots if v in needed]
         + [("stash", n.name, n) for n in kept],
@@ -154,7 +163,8 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
         backward.gm,
         backward.stage,
         "weight-grad",
-        inputs_of(second) + [(n, Role.STASHED, n.name) for n in kept],
+        [(n, *placeholders[n]) for n in placeholders if n in read_second]
+        + [(n, Role.STASHED, n.name) for n in kept],
         second,
         [(slot.kind, slot.key, v) for slot, v in slots if v not in needed],
     )

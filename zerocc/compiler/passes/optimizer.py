@@ -120,13 +120,13 @@ def optimizer(
                 graph, output, grads, scale, clip and tp is None and not stages, sliced,
                 tp is not None,
             )  # fmt: skip
+        # A tied unit's norm is counted by one of the pipeline ranks holding it.
+        counted = [u for u in units if ctx.tied_norm or u.name not in ctx.tied]
         if clip and tp is not None:
-            total = _split_norm(graph, units, grad_shards, scale, tp, zero, sliced)
+            total = _split_norm(graph, counted, grad_shards, scale, tp, zero, sliced)
         elif clip and total is None:
-            counted = grads
-            if stages and not ctx.tied_norm:  # the other pipeline rank holding it counts it
-                counted = [g for u in units if u.name not in ctx.tied for g in grad_shards[u.name]]
-            total = emit(graph, op("sum_squares"), (counted, scale), **where)
+            counted_grads = [g for u in counted for g in grad_shards[u.name]]
+            total = emit(graph, op("sum_squares"), (counted_grads, scale), **where)
             if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
                 total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
         if stages and check_nonfinite:
