@@ -2,16 +2,11 @@
 the rank's stages compiled by the plan's passes, their actions walked, then one update.
 
 On the first call the step is captured on one micro-batch, the units are split into stages
-(``pipeline.split``) and the step cut there (:mod:`zerocc.compiler.parallel.stage_cut`). The
-rank holds the parameters its stages read, in units of its own (a parameter another pipeline
-rank holds too, an embedding tied to the head, in a unit by itself, laid out alike on both),
-sharded over its stage's data-parallel ranks as the plan's ZeRO stage says. Each of its stages'
-programs (forward, backward or its two halves) is compiled by the plan's passes as a
-micro-batch that accumulates: gathers, frees and reductions as in any step. After the rank has
-walked its schedule (:class:`zerocc.runtime.pipeline.PipelineRank`), one update program reduces
-what the micro-batches accumulated, sums a tied unit's gradient with the other rank holding
-it, agrees the overflow flag and the clipping norm over the pipeline, and updates. The loss is
-the mean over the micro-batches of the last stage's, on every rank.
+(``pipeline.split``, balanced by the cost model), the step cut there and the rank's programs
+compiled (:mod:`zerocc.compiler.driver.pipeline`); the rank's state is allocated, sharded over
+its stage's data-parallel ranks as the plan's ZeRO stage says, and the programs lowered. Each
+call walks the rank's schedule (:class:`zerocc.runtime.pipeline.PipelineRank`), then runs its
+one update. The loss is the mean over the micro-batches of the last stage's, on every rank.
 
 Checkpoints are a TrainStep's (:mod:`zerocc.runtime.checkpoint`): each rank writes what its
 stages hold, named as the model names it, so one saved under any pipeline loads under any
@@ -21,7 +16,6 @@ field: offload, loss scaling, the Inductor backend.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -33,30 +27,13 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends import Executable, get_backend, resolve_backend
-from zerocc.compiler.capture import (
-    Casts,
-    LossFn,
-    ModelInfo,
-    capture,
-    describe_model,
-    detach_inputs,
-    traced_grad_mode,
-)
-from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes, state_layout
-from zerocc.compiler.driver.program import check_bindings
+from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
+from zerocc.compiler.driver.pipeline import capture_microbatch, compile_rank
 from zerocc.compiler.driver.session import PIPELINE_EVALUATE_NOT_YET, CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import Action, pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import cut_stages
-from zerocc.compiler.parallel.stage_programs import (
-    StagedStep,
-    split_backward,
-    stage_model,
-    step_form,
-    update_graph,
-)
-from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
-from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, StateLayout
@@ -113,8 +90,6 @@ class PipelineStep:
         )
         self.pp_rank = self.mesh.pp_rank(comm.rank)
         self.pipeline_ranks = next(g for g in self.mesh.groups(PP_GROUP) if comm.rank in g)
-        # What accumulates over the micro-batches of a step is compiled as accumulation.
-        self.stage_plan = plan.model_copy(update={"grad_accumulation": self.microbatches})
         self.full_model_info = describe_model(model)
         self.steps = 0  # optimizer steps applied (a step skipped for overflow not counted)
         self.micro_batches = 0  # calls (each one optimizer step's batch), skipped ones too
@@ -379,35 +354,20 @@ class PipelineStep:
     # -- building ---------------------------------------------------------------------------
 
     def _build(self, microbatch: tuple) -> None:
-        """Capture the step on ``microbatch``, cut it, lay out and allocate this rank's state
-        and compile its programs."""
+        """Capture the step on ``microbatch``, cut it, compile this rank's programs, lay out and
+        allocate its state and lower the programs."""
         full = self.full_model_info
-        # Under tensor parallelism the step is captured in its split form, each split
-        # parameter as this rank's slice (as a TrainStep's), and cut as it is.
-        tp = TensorParallel.of(self.model, full, self.plan)
-        local = tp.local_info(full) if tp is not None else full
-        casts = Casts.of(self.plan.precision)
-        with tp.applied(self.model) if tp is not None else contextlib.nullcontext():
-            gm = capture(self.model, local, self.loss_fn, microbatch, self.device, casts)
-        if tp is not None:
-            tag_collectives(gm)
+        gm, tp, local = capture_microbatch(
+            self.model, full, self.plan, self.loss_fn, microbatch, self.device
+        )
         stage_units, _ = split_units(self.plan, gm, local, self.mesh.shard_size)
         staged = cut_stages(gm, local, stage_units)
-        mine = self.schedule.stages_of(self.pp_rank)
-        held = stage_model(local, *(staged.stages[s] for s in mine))
-        holds = {p.fqn for p in held.params}
-        tied = {
-            fqn for fqn, stages in staged.tied.items()
-            if len({self.rank_of(s) for s in stages}) > 1 and fqn in holds
-        }  # fmt: skip
-        units = _units(held, tied, self.mesh.shard_size, self.plan)
-        pass_list = bind_passes(self.stage_plan)
-        layout = state_layout(pass_list, units, self.stage_plan)
-        self.session = session = CompileSession(
-            self.model, self.stage_plan, self.comm.world_size, self.loss_fn, self.mesh, full,
-            tp, held, pass_list, units, layout,
+        compiled = compile_rank(
+            self.model, self.plan, self.comm.world_size, self.loss_fn, full, tp, staged,
+            self.schedule, self.pp_rank, self.device,
         )  # fmt: skip
-        opened = open_context(self.stage_plan, self.comm, self.device, layout, SetupClock())
+        self.session = session = compiled.session
+        opened = open_context(session.plan, self.comm, self.device, session.layout, SetupClock())
         self.context = opened.context
         dp = self.comm.on(DP_GROUP)
         first = next(g for g in self.mesh.groups(DP_GROUP) if self.comm.rank in g)[0]
@@ -417,39 +377,16 @@ class PipelineStep:
         )  # fmt: skip
         if self.mesh.tp > 1:
             align_random_state(self.comm, session, self.device)
-        tied_units = frozenset(f"tied.{fqn}" for fqn in tied)
-        counts_tied = all(self.pp_rank <= self.rank_of(s) for f in tied for s in staged.tied[f])
         lower = get_backend(resolve_backend(self.plan.backend.name, self.device))
 
-        def compiled(graph: Any, boundary: bool, update_of: frozenset[str] | None = None):
-            ctx = PassContext(
-                self.stage_plan, self.comm.world_size, held, boundary, units=units,
-                update_of=update_of, tied=tied_units, tied_norm=counts_tied, tensor_parallel=tp,
-            )  # fmt: skip
-            gm, _ = run_passes(graph, ctx, pass_list)
-            check_bindings(gm, layout, held)
+        def lowered(gm: fx.GraphModule) -> _Program:
             run = lower(gm, [val(n) for n in placeholders(gm)], self.context)
             return _Program(gm, bindings_of(gm), run)
 
-        self.programs = {}
-        reached: set[str] = set()
-        for s in mine:
-            stage = staged.stages[s]
-            halves = dict(zip("IW", split_backward(stage.backward), strict=True))
-            kinds = {"F": stage.forward, **(halves if self.schedule.splits_backward
-                                            else {"B": stage.backward})}  # fmt: skip
-            for kind, program in kinds.items():
-                reached.update(program.writes("grad"))
-                if not program.outputs:  # (the first stage's input gradient, mostly)
-                    self.programs[s, kind] = None
-                    continue
-                graph = step_form(program, held)
-                self.programs[s, kind] = compiled(graph, boundary=False)
-        # A tied unit is reduced and updated on both ranks that hold it, whichever of them
-        # computed its gradient (under mixed precision the cast's gradient sums both parts on
-        # the first stage: the other's accumulator holds zeros).
-        reached |= tied
-        self.update = compiled(update_graph(held, self.device), True, frozenset(reached))
+        self.programs = {
+            key: lowered(gm) if gm is not None else None for key, gm in compiled.programs.items()
+        }
+        self.update = lowered(compiled.update)
         self.transport = TorchTransport(
             staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)]
         )
@@ -481,18 +418,6 @@ def _shapes(signature: tuple) -> str:
     """A batch signature as its tensors' shapes: ``[8, 16], [8, 16]``."""
     return ", ".join(str(list(part[1])) if part[0] == "tensor" else repr(part[1])
                      for part in signature)  # fmt: skip
-
-
-def _units(held: ModelInfo, tied: set[str], shard_size: int, plan: Plan) -> list[Unit]:
-    """This rank's units as the plan groups its parameters, but a parameter another pipeline
-    rank holds too: in a unit of its own, laid out alike on both (its gradient is summed
-    between them)."""
-    rest = ModelInfo(tuple(p for p in held.params if p.fqn not in tied), held.buffers,
-                     held.modules)  # fmt: skip
-    units = assign_units(rest, shard_size, plan.units.classes, plan.units.modules,
-                         plan.units.min_mb)  # fmt: skip
-    by_fqn = {p.fqn: p for p in held.params}
-    return units + [Unit.build(f"tied.{fqn}", [by_fqn[fqn]], shard_size) for fqn in sorted(tied)]
 
 
 def _check_supported(plan: Plan, device: torch.device) -> None:

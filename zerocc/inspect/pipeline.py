@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerocc.compiler.capture import Casts, capture, describe_model
+from zerocc.compiler.capture import describe_model
+from zerocc.compiler.driver.pipeline import capture_microbatch
 from zerocc.compiler.driver.session import PIPELINE_STATUS
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
@@ -67,11 +68,12 @@ def inspect_pipeline(
     pipeline, pp = plan.pipeline, plan.parallel.pp
     microbatches = pipeline.microbatches_of(pp)
     batch = microbatches_of(first_batch(workload, mesh.data_parallel), microbatches)[0]
-    info = describe_model(workload.model)
-    device = torch.device("cpu")
-    gm = capture(workload.model, info, workload.loss_fn, batch, device, Casts.of(plan.precision))
-    stage_units, split = split_units(plan, gm, info, mesh.shard_size)
-    staged = cut_stages(gm, info, stage_units)
+    full = describe_model(workload.model)
+    gm, _, local = capture_microbatch(
+        workload.model, full, plan, workload.loss_fn, batch, torch.device("cpu")
+    )
+    stage_units, split = split_units(plan, gm, local, mesh.shard_size)
+    staged = cut_stages(gm, local, stage_units)
     schedule = pipeline_schedule(pipeline.schedule, pp, microbatches, pipeline.stages_per_rank_of())
     shapes = tuple(tuple(b.shape) for b in batch if isinstance(b, torch.Tensor))
     return PipelineInspection(plan, mesh, shapes, split, staged, schedule)

@@ -1,0 +1,162 @@
+"""A pipeline rank's programs, compiled without running anything (issue 47): what a
+:class:`zerocc.PipelineStep` lowers and runs, and what ``zerocc estimate`` predicts.
+
+The step is captured once on one micro-batch (:func:`capture_microbatch`: under tensor
+parallelism in its split form, each split parameter as a rank's slice) and cut into stages
+(:mod:`zerocc.compiler.parallel.stage_cut`; the split is the caller's, balanced by the cost
+model). :func:`compile_rank` then compiles what one pipeline rank runs: the rank holds the
+parameters its stages read, in units of its own (a parameter another pipeline rank holds too,
+a tied embedding, in a unit by itself, laid out alike on both), and each of its stages'
+programs (forward, backward or its two halves) goes through the plan's passes as a micro-batch
+that accumulates; one update program reduces what the micro-batches accumulated, sums a tied
+unit's gradient with the other rank holding it, agrees the overflow flag and the clipping norm
+over the pipeline, and updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
+from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes, state_layout
+from zerocc.compiler.driver.program import check_bindings
+from zerocc.compiler.driver.session import CompileSession
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule
+from zerocc.compiler.parallel.stage_programs import (
+    StagedStep,
+    split_backward,
+    stage_model,
+    step_form,
+    update_graph,
+)
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
+from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.plan import Plan
+from zerocc.compiler.units import Unit
+
+
+def stage_plan(plan: Plan) -> Plan:
+    """The plan a pipeline's stage programs are compiled under: what accumulates over a step's
+    micro-batches is compiled as gradient accumulation (so the mean is over ranks ×
+    micro-batches, as in any step)."""
+    microbatches = plan.pipeline.microbatches_of(plan.parallel.pp)
+    return plan.model_copy(update={"grad_accumulation": microbatches})
+
+
+def capture_microbatch(
+    model: nn.Module,
+    full: ModelInfo,
+    plan: Plan,
+    loss_fn: LossFn | None,
+    microbatch: Sequence[Any],
+    device: torch.device,
+) -> tuple[fx.GraphModule, TensorParallel | None, ModelInfo]:
+    """The step of one micro-batch captured as a rank runs it: the graph, the layers tensor
+    parallelism splits (None without), and the model as a rank holds it (each split
+    parameter's slice)."""
+    tp = TensorParallel.of(model, full, plan)
+    local = tp.local_info(full) if tp is not None else full
+    casts = Casts.of(plan.precision)
+    with tp.applied(model) if tp is not None else contextlib.nullcontext():
+        gm = capture(model, local, loss_fn, microbatch, device, casts)
+    if tp is not None:
+        tag_collectives(gm)
+    return gm, tp, local
+
+
+@dataclass
+class RankPrograms:
+    """One pipeline rank's compiled programs: its session (the model as it holds it, its units
+    and their layout), its stages' programs by ``(stage, kind)`` (None: nothing to run, as the
+    first stage's input gradient), its update, and the parameters it shares with another
+    pipeline rank (a tied embedding)."""
+
+    session: CompileSession
+    programs: dict[tuple[int, str], fx.GraphModule | None]
+    update: fx.GraphModule
+    tied: frozenset[str]
+
+
+def compile_rank(
+    model: nn.Module,
+    plan: Plan,
+    world_size: int,
+    loss_fn: LossFn | None,
+    full: ModelInfo,
+    tp: TensorParallel | None,
+    staged: StagedStep,
+    schedule: PipelineSchedule,
+    pp_rank: int,
+    device: torch.device,
+) -> RankPrograms:
+    """Compile what pipeline rank ``pp_rank`` runs of ``staged`` (cut from the step of
+    ``full``, as :func:`capture_microbatch` gave it) under ``plan`` (the user's) on
+    ``world_size`` ranks."""
+    mesh = Mesh.of_plan(plan, world_size)
+    plan = stage_plan(plan)
+    local = tp.local_info(full) if tp is not None else full
+    mine = schedule.stages_of(pp_rank)
+    held = stage_model(local, *(staged.stages[s] for s in mine))
+    holds = {p.fqn for p in held.params}
+    tied = frozenset(
+        fqn for fqn, stages in staged.tied.items()
+        if len({schedule.rank_of(s) for s in stages}) > 1 and fqn in holds
+    )  # fmt: skip
+    units = _units(held, tied, mesh.shard_size, plan)
+    pass_list = bind_passes(plan)
+    layout = state_layout(pass_list, units, plan)
+    session = CompileSession(
+        model, plan, world_size, loss_fn, mesh, full, tp, held, pass_list, units, layout
+    )
+    tied_units = frozenset(f"tied.{fqn}" for fqn in tied)
+    # One of the pipeline ranks holding a tied unit counts it in the clipping norm: the first.
+    counts_tied = all(pp_rank <= schedule.rank_of(s) for f in tied for s in staged.tied[f])
+
+    def compiled(graph: fx.GraphModule, boundary: bool, update_of=None) -> fx.GraphModule:
+        ctx = PassContext(
+            plan, world_size, held, boundary, units=units, update_of=update_of,
+            tied=tied_units, tied_norm=counts_tied, tensor_parallel=tp,
+        )  # fmt: skip
+        gm, _ = run_passes(graph, ctx, pass_list)
+        check_bindings(gm, layout, held)
+        return gm
+
+    programs: dict[tuple[int, str], fx.GraphModule | None] = {}
+    reached: set[str] = set()
+    for s in mine:
+        stage = staged.stages[s]
+        kinds = {"F": stage.forward, "B": stage.backward}
+        if schedule.splits_backward:
+            del kinds["B"]
+            kinds["I"], kinds["W"] = split_backward(stage.backward)
+        for kind, program in kinds.items():
+            reached.update(program.writes("grad"))
+            if not program.outputs:  # (the first stage's input gradient, mostly)
+                programs[s, kind] = None
+                continue
+            programs[s, kind] = compiled(step_form(program, held), boundary=False)
+    # A tied unit is reduced and updated on both ranks that hold it, whichever of them
+    # computed its gradient (under mixed precision the cast's gradient sums both parts on
+    # the first stage: the other's accumulator holds zeros).
+    reached |= tied
+    update = compiled(update_graph(held, device), True, frozenset(reached))
+    return RankPrograms(session, programs, update, tied)
+
+
+def _units(held: ModelInfo, tied: frozenset[str], shard_size: int, plan: Plan) -> list[Unit]:
+    """A rank's units as the plan groups its parameters, but a parameter another pipeline
+    rank holds too: in a unit of its own, laid out alike on both (its gradient is summed
+    between them)."""
+    rest = ModelInfo(tuple(p for p in held.params if p.fqn not in tied), held.buffers,
+                     held.modules)  # fmt: skip
+    units = assign_units(rest, shard_size, plan.units.classes, plan.units.modules,
+                         plan.units.min_mb)  # fmt: skip
+    by_fqn = {p.fqn: p for p in held.params}
+    return units + [Unit.build(f"tied.{fqn}", [by_fqn[fqn]], shard_size) for fqn in sorted(tied)]
