@@ -42,6 +42,8 @@ CASES = [
     {"model": "llama", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED},
     # bf16 compute against the recipe (tests/parity/test_mixed_precision_parity.py's bound)
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "precision": {"param": "bf16"}},
+    # ... at 4 stages: the last sends the head's bf16 part of the tied gradient to the first
+    {"model": "gpt4", "stage": 2, "world": 4, "pp": 4, "accum": 4, "precision": {"param": "bf16"}},
     # Tensor (and sequence) parallelism inside the stages: 8 ranks as pp 2 × dp 2 × tp 2, and
     # the zero-bubble halves of layers split over tp 2 (a rowwise layer's weight gradient
     # reads the gradient the next stage sends as it comes).

@@ -224,6 +224,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
         latency_s=args.latency_us * 1e-6 if args.latency_us is not None else None,
     )
+    if plan.parallel.pp > 1:
+        return _estimate_pipeline(args, plan, rates)
     if args.table:
         estimates = [
             estimate(_inspection(args, _with_stage(plan, stage)), rates)
@@ -236,6 +238,17 @@ def run_estimate(args: argparse.Namespace) -> int:
         return 0
     result = estimate(_inspection(args, plan), rates)
     print(json.dumps(result.as_dict(), indent=2) if args.json else _estimate_text(plan, result))
+    return 0
+
+
+def _estimate_pipeline(args: argparse.Namespace, plan: Plan, rates: DeviceRates) -> int:
+    from zerocc.inspect.pipeline_estimate import estimate_pipeline
+
+    if args.table:
+        raise ZeroccError("--table: not for a pipeline plan yet (parallel.pp > 1)")
+    world_size = args.world_size or plan.zero.world_size or plan.parallel.pp
+    result = estimate_pipeline(plan, world_size, rates=rates)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.format())
     return 0
 
 

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from zerocc.compiler.capture import describe_model
+from zerocc.compiler.capture import ModelInfo, describe_model
 from zerocc.compiler.driver.pipeline import capture_microbatch
 from zerocc.compiler.driver.session import PIPELINE_STATUS
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import StagedStep
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.stage_balance import StageSplit, split_units
@@ -38,6 +39,9 @@ class PipelineInspection:
     split: StageSplit | None  # None: the plan named the stages' first units
     staged: StagedStep
     schedule: PipelineSchedule
+    workload: Workload  # its model and loss, what the ranks' programs compile
+    full: ModelInfo  # the model, every parameter whole
+    tensor_parallel: TensorParallel | None  # the layers the stages split, if any
 
     def format(self) -> str:
         pipeline = self.plan.pipeline
@@ -69,11 +73,11 @@ def inspect_pipeline(
     microbatches = pipeline.microbatches_of(pp)
     batch = microbatches_of(first_batch(workload, mesh.data_parallel), microbatches)[0]
     full = describe_model(workload.model)
-    gm, _, local = capture_microbatch(
+    gm, tp, local = capture_microbatch(
         workload.model, full, plan, workload.loss_fn, batch, torch.device("cpu")
     )
     stage_units, split = split_units(plan, gm, local, mesh.shard_size)
     staged = cut_stages(gm, local, stage_units)
     schedule = pipeline_schedule(pipeline.schedule, pp, microbatches, pipeline.stages_per_rank_of())
     shapes = tuple(tuple(b.shape) for b in batch if isinstance(b, torch.Tensor))
-    return PipelineInspection(plan, mesh, shapes, split, staged, schedule)
+    return PipelineInspection(plan, mesh, shapes, split, staged, schedule, workload, full, tp)

@@ -120,12 +120,9 @@ class TorchTransport:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         keys = [
-            (direction, peer, slot.key)
+            (direction, slot.peer, slot.key)
             for stage in staged.stages
-            for program, direction, peer in (
-                (stage.forward, "F", stage.index + 1),
-                (stage.backward, "B", stage.index - 1),
-            )
+            for program, direction in ((stage.forward, "F"), (stage.backward, "B"))
             for slot in program.outputs
             if slot.kind == "send"
         ]

@@ -107,13 +107,19 @@ def test_a_mixed_precision_step_is_cut_with_its_casts():
                 assert slot.dtype == torch.float32
 
 
-def test_a_mixed_precision_tied_gradient_past_a_neighbour_is_refused_naming_it():
+def test_a_mixed_precision_tied_gradient_skips_the_stages_between_to_the_first():
     """Under bf16 autograd sums the head's and the embedding's parts before casting the sum
-    up: at 4 stages the head's part would have to skip two stages."""
+    up, in the first stage: at 4 stages the last sends the head's part to the first directly,
+    past the two between, and the sum is autograd's, bit for bit."""
     model, batch = gpt(4), _gpt_batch(0, 0)
     gm, info = captured(model, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
-    with pytest.raises(PlanError, match=r"reads the gradient \w+ of lm_head \(stage 3\)"):
-        cut_stages(gm, info, blocks(4, 4))
+    staged = cut_stages(gm, info, blocks(4, 4))
+    _assert_same(whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    peers = {s.peer for s in staged.stages[3].backward.outputs if s.kind == "send"}
+    assert peers == {0, 2}
+    (skipped,) = [s for s in staged.stages[0].backward.inputs if s.peer == 3]
+    assert skipped.kind == Role.RECEIVED and skipped.dtype == torch.bfloat16
+    assert "<- stage 0:" in staged.format()
 
 
 def test_a_hugging_face_llama_recomputes_its_rotary_tables_in_each_stage():
@@ -141,13 +147,19 @@ class _Skip(nn.Module):
         return (self.layers[2](self.layers[1](first)) + first).square().mean()
 
 
-def test_a_skip_connection_across_two_cuts_is_refused_naming_the_tensor():
+def test_a_skip_connection_over_a_stage_is_sent_to_the_stage_that_reads_it():
+    """layers.0's output skips stage 1: stage 0 sends it to stage 2 directly (and to stage 1,
+    which reads it too); the stages compute the whole step's loss and gradients (its two
+    gradients meet in stage 1, where autograd sums them)."""
     batch = (torch.randn(4, 8),)
-    gm, info = captured(_Skip(), batch)
-    cut_stages(gm, info, [["layers.0", "layers.1"], ["layers.2"]])  # the skip stays adjacent
-    refused = r"pipeline\.split: .* \(stage 2\) reads the activation addmm of layers\.0 \(stage 0\)"
-    with pytest.raises(PlanError, match=refused):
-        cut_stages(gm, info, [["layers.0"], ["layers.1"], ["layers.2"]])
+    model = _Skip()
+    gm, info = captured(model, batch)
+    staged = cut_stages(gm, info, [["layers.0"], ["layers.1"], ["layers.2"]])
+    _assert_same(whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    sent = [(s.key, s.peer) for s in staged.stages[0].forward.outputs if s.kind == "send"]
+    assert sorted(peer for _, peer in sent) == [1, 2]
+    skipped = {k for k, peer in sent if peer == 2}
+    assert skipped and skipped < set(staged.stages[2].forward.reads(Role.RECEIVED))
 
 
 def test_units_split_out_of_their_order_are_refused():

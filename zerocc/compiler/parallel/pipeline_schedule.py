@@ -19,7 +19,7 @@ the rank that holds the stage, in an order that cannot deadlock.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,10 +93,14 @@ class PipelineSchedule:
                 return rank
         raise KeyError(f"stage {stage} is on no rank")
 
-    def simulate(self, costs: Mapping[str, float] = UNIT_COSTS) -> Timeline:
+    def simulate(
+        self, costs: Mapping[str, float] | Callable[[Action], float] = UNIT_COSTS
+    ) -> Timeline:
         """Run every rank's actions in order, each as soon as its rank is free and what it
-        depends on has ended (``costs``: the time of each kind of action). Raises
-        ValueError naming the actions that wait for each other when the order deadlocks."""
+        depends on has ended (``costs``: the time of each kind of action, or of each action:
+        a stage's predicted time). Raises ValueError naming the actions that wait for each
+        other when the order deadlocks."""
+        cost = costs if callable(costs) else (lambda action: costs[action.kind])
         ends: dict[tuple[str, int, int], float] = {}
         free = [0.0] * self.pp
         cursor = [0] * self.pp
@@ -111,7 +115,7 @@ class PipelineSchedule:
                     if any(end is None for end in needed):
                         break
                     start = max([free[rank], *needed])  # type: ignore[list-item]
-                    end = start + costs[action.kind]
+                    end = start + cost(action)
                     ends[action.kind, action.stage, action.microbatch] = end
                     spans[rank].append((action, start, end))
                     free[rank], cursor[rank] = end, cursor[rank] + 1

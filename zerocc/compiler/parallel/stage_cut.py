@@ -12,13 +12,16 @@ capture tagged it with:
   it, and what runs before any (the loss's and the head's backward) to the last stage. A
   gradient's cast that only reads one gradient goes with that gradient.
 
-Everything a node reads from another stage must cross the cut between neighbours: an
-activation from the stage before (sent in forward, kept by the receiver for its backward) or
-a gradient from the stage after (sent in backward). A value that only depends on the batch and
-on buffers (positions, masks, rotary tables) is recomputed where it is read instead of sent.
-A parameter read by two stages (an embedding tied to the output head) is held by both: each
-computes its part of the gradient, which the stages that hold it sum (``tied``). Anything else
-that reaches past a neighbour (a skip connection across a cut) is a PlanError naming the tensor.
+Everything a node reads from another stage is sent to it: an activation from a stage before
+(sent in forward, kept by the receiver for its backward) or a gradient from a stage after
+(sent in backward); the neighbour's, mostly, and directly from further away where a value
+skips a stage (a skip connection, or under mixed precision the head's part of a tied
+embedding's gradient, which the embedding's cast sums in the first stage). A value that only
+depends on the batch and on buffers (positions, masks, rotary tables) is recomputed where it is
+read instead of sent. A parameter read by two stages (an embedding tied to the output head) is
+held by both: each computes its part of the gradient, which the stages that hold it sum
+(``tied``). A gradient read by an earlier stage's backward, or an activation by a later
+stage's forward, cannot be cut: a PlanError naming the tensor.
 
 Each program is an ordinary graph: placeholders tagged with their role (parameters, buffers and
 batch tensors as in the captured step, :data:`Role.RECEIVED` for what the neighbour sends,
@@ -266,18 +269,18 @@ class _Cut(StageAssignment):
                 self._receive(source, node, stage)
 
     def _receive(self, source: fx.Node, reader: fx.Node, stage: int) -> None:
-        """``reader`` (of ``stage``) reads ``source`` of another stage: an activation of the stage
-        before, or a gradient of the stage after; anything else cannot be cut."""
+        """``reader`` (of ``stage``) reads ``source`` of another stage: an activation of a stage
+        before, or a gradient of a stage after, sent to it directly (a skip connection over a
+        stage, the head's part of a tied embedding's gradient); anything else cannot be cut."""
         source_forward = info(source).phase == "forward"
-        neighbour = stage - 1 if source_forward else stage + 1
-        if self.stage[source] != neighbour:
+        if (self.stage[source] < stage) != source_forward:
             what = "activation" if source_forward else "gradient"
             raise PlanError(
                 f"pipeline.split: {info(reader).module or 'the model'} (stage {stage}) reads the "
                 f"{what} {source.name} of {info(source).module or 'the model'} (stage "
-                f"{self.stage[source]}), which is not the neighbouring stage: a stage only "
-                "receives from the stage before it (forward) and after it (backward). Move the "
-                "cut so that both are in one stage"
+                f"{self.stage[source]}): a stage receives activations from the stages before "
+                "it and gradients from those after it. Move the cut so that both are in one "
+                "stage"
             )
         self.crossing.setdefault((stage, "forward" if source_forward else "backward"), set())
         self.crossing[(stage, "forward" if source_forward else "backward")].add(source)
@@ -288,16 +291,17 @@ class _Cut(StageAssignment):
         runs = self.needs.get((stage, phase), set())
         read = {i for n in runs for i in n.all_input_nodes}
         inputs = [
-            (node, info(node).role, info(node).key)
+            (node, info(node).role, info(node).key, None)
             for node in self.gm.graph.nodes
             if node.op == "placeholder" and node in read
         ]
         if phase == "backward":
-            inputs += [(node, Role.STASHED, node.name) for node in self._stashed(stage)]
+            inputs += [(node, Role.STASHED, node.name, None) for node in self._stashed(stage)]
         received = sorted(self.crossing.get((stage, phase), set()), key=self.order.__getitem__)
-        inputs += [(node, Role.RECEIVED, node.name) for node in received]
+        inputs += [(node, Role.RECEIVED, node.name, self.stage[node]) for node in received]
         body = sorted(runs, key=self.order.__getitem__)
-        outputs = [(kind, self._key(kind, n), n) for kind, n in self._outputs(stage, phase, runs)]
+        returned = self._outputs(stage, phase, runs)
+        outputs = [(kind, self._key(kind, n), n, peer) for kind, n, peer in returned]
         return build_program(self.gm, stage, phase, inputs, body, outputs)
 
     def _key(self, kind: Output, node: fx.Node) -> str:
@@ -315,18 +319,31 @@ class _Cut(StageAssignment):
             key=self.order.__getitem__,
         )
 
-    def _outputs(self, stage: int, phase: str, runs: set[fx.Node]) -> list[tuple[Output, fx.Node]]:
+    def _outputs(
+        self, stage: int, phase: str, runs: set[fx.Node]
+    ) -> list[tuple[Output, fx.Node, int | None]]:
+        """What a program returns: the loss, what it sends (to which stage), what its backward
+        reads, the gradients."""
+        sent: list[tuple[Output, fx.Node, int | None]] = [
+            ("send", n, peer) for n, peer in self._sent(stage, phase)
+        ]
         if phase == "forward":
-            out: list[tuple[Output, fx.Node]] = [("loss", self.loss)] if self.loss in runs else []
-            out += [("send", n) for n in self._sent(stage, "forward")]
-            return out + [("stash", n) for n in self._stashed(stage)]
-        grads = [
-            ("grad", n)
+            loss = [("loss", self.loss, None)] if self.loss in runs else []
+            return loss + sent + [("stash", n, None) for n in self._stashed(stage)]
+        grads: list[tuple[Output, fx.Node, int | None]] = [
+            ("grad", n, None)
             for n in sorted(runs, key=self.order.__getitem__)
             if n in self.parts or (n in self.param_of_grad and n not in self.joins)
         ]
-        return [("send", n) for n in self._sent(stage, "backward")] + grads
+        return sent + grads
 
-    def _sent(self, stage: int, phase: str) -> list[fx.Node]:
-        peer = stage + 1 if phase == "forward" else stage - 1
-        return sorted(self.crossing.get((peer, phase), set()), key=self.order.__getitem__)
+    def _sent(self, stage: int, phase: str) -> list[tuple[fx.Node, int]]:
+        """What ``stage``'s program of ``phase`` sends, and to which stage: each value another
+        stage receives from it (the next stages' in forward, the previous ones' in backward)."""
+        return [
+            (node, receiver)
+            for (receiver, crossing_phase), values in sorted(self.crossing.items())
+            if crossing_phase == phase
+            for node in sorted(values, key=self.order.__getitem__)
+            if self.stage[node] == stage
+        ]

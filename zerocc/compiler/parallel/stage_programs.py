@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zerocc.compiler.capture import ModelInfo
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import Role
-from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, PARAM, copy_node, info, name_placeholder, tag
+from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, PARAM, copy_node, name_placeholder, tag
 
 # What a program's output slot holds: the loss, a tensor for a neighbour (an activation for the
 # next stage, a gradient for the one before), a tensor the stage's backward reads, a
@@ -32,12 +32,15 @@ Phase = Literal["forward", "backward", "input-grad", "weight-grad"]
 @dataclass(frozen=True)
 class Slot:
     """One input or output of a stage program: what it is, and its key (a parameter's FQN, a
-    buffer's, a batch position, or for a tensor crossing a cut its name in the captured step)."""
+    buffer's, a batch position, or for a tensor crossing a cut its name in the captured step);
+    ``peer``: for a tensor sent, the stage it goes to, for one received, the stage it comes
+    from (the neighbour, mostly; a skip connection's or a tied gradient's may pass one)."""
 
     kind: Role | Output
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    peer: int | None = None
 
 
 @dataclass
@@ -99,9 +102,8 @@ class StagedStep:
             )
             for direction, program in (("->", f), ("<-", b)):
                 sent = [o for o in program.outputs if o.kind == "send"]
-                if sent:
-                    peer = s.index + 1 if direction == "->" else s.index - 1
-                    what = ", ".join(f"{o.key} {list(o.shape)}" for o in sent)
+                for peer in sorted({o.peer for o in sent}):
+                    what = ", ".join(f"{o.key} {list(o.shape)}" for o in sent if o.peer == peer)
                     lines.append(f"  {direction} stage {peer}: {what}")
         for fqn, stages in self.tied.items():
             lines.append(f"tied {fqn}: held by stages {list(stages)}, gradient parts summed")
@@ -134,7 +136,8 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
             needed.update(u for u in node.users if u.target is operator.getitem)
     first = [n for n in nodes if n in needed]
     second = [n for n in nodes if n.op not in ("placeholder", "output") and n not in needed]
-    placeholders = {n: (info(n).role, info(n).key) for n in nodes if n.op == "placeholder"}
+    given = zip((n for n in nodes if n.op == "placeholder"), backward.inputs, strict=True)
+    placeholders = {n: (slot.kind, slot.key, slot.peer) for n, slot in given}
 
     def read_by(body: list[fx.Node]) -> set[fx.Node]:
         return {i for n in body for i in n.all_input_nodes}
@@ -156,17 +159,17 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
         "input-grad",
         [(n, *placeholders[n]) for n in placeholders if n in read_first],
         first,
-        [(slot.kind, slot.key, v) for slot, v in slots if v in needed]
-        + [("stash", n.name, n) for n in kept],
+        [(slot.kind, slot.key, v, slot.peer) for slot, v in slots if v in needed]
+        + [("stash", n.name, n, None) for n in kept],
     )
     weight_grad = build_program(
         backward.gm,
         backward.stage,
         "weight-grad",
         [(n, *placeholders[n]) for n in placeholders if n in read_second]
-        + [(n, Role.STASHED, n.name) for n in kept],
+        + [(n, Role.STASHED, n.name, None) for n in kept],
         second,
-        [(slot.kind, slot.key, v) for slot, v in slots if v not in needed],
+        [(slot.kind, slot.key, v, slot.peer) for slot, v in slots if v not in needed],
     )
     return input_grad, weight_grad
 
@@ -189,8 +192,6 @@ def step_form(program: StageProgram, model: ModelInfo) -> fx.GraphModule:
     graph, ops = gm.graph, torch.ops.zerocc
     forward = program.phase == "forward"
     phase = "forward" if forward else "backward"
-    before, after = program.stage - 1, program.stage + 1
-    sender, receiver = (before, after) if forward else (after, before)
     nodes = list(graph.nodes)
 
     def emit(target: torch._ops.OpOverload, args: tuple) -> fx.Node:
@@ -205,7 +206,7 @@ def step_form(program: StageProgram, model: ModelInfo) -> fx.GraphModule:
         like = (list(value.shape), value.dtype, value.device)
         with graph.inserting_before(node):
             if slot.kind == Role.RECEIVED:
-                new = emit(ops.recv.default, (*like, sender, slot.key))
+                new = emit(ops.recv.default, (*like, slot.peer, slot.key))
             else:
                 new = emit(ops.kept.default, (*like, slot.key))
         new.meta["val"] = value
@@ -216,7 +217,7 @@ def step_form(program: StageProgram, model: ModelInfo) -> fx.GraphModule:
     with graph.inserting_before(output):
         for slot, value in zip(program.outputs, output.args[0], strict=True):
             if slot.kind == "send":
-                emit(ops.send.default, (value, receiver, slot.key))
+                emit(ops.send.default, (value, slot.peer, slot.key))
             elif slot.kind == "stash":
                 emit(ops.keep.default, (value, slot.key))
             elif slot.kind == "loss":
@@ -248,29 +249,29 @@ def build_program(
     root: fx.GraphModule,
     stage: int,
     phase: Phase,
-    inputs: list[tuple[fx.Node, Role, str]],
+    inputs: list[tuple[fx.Node, Role, str, int | None]],
     body: list[fx.Node],
-    outputs: list[tuple[Output, str, fx.Node]],
+    outputs: list[tuple[Output, str, fx.Node, int | None]],
 ) -> StageProgram:
     """A program of ``body`` (nodes of ``root``'s graph, in order) that reads ``inputs``
-    (a node of ``root`` each, which becomes a placeholder of that role and key) and returns
-    ``outputs``."""
+    (a node of ``root`` each, which becomes a placeholder of that role and key; the stage a
+    received one comes from) and returns ``outputs`` (the stage a sent one goes to)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for node, kind, key in inputs:
+    for node, kind, key, _ in inputs:
         new = graph.placeholder(node.name)
         new.meta["val"] = node.meta.get("val")
         name_placeholder(new, _prefix(kind) + key)
         env[node] = tag(new, role=kind, key=key, phase=phase)
     for node in body:
         env[node] = copy_node(graph, node, env.__getitem__)
-    graph.output(tuple(env[n] for _, _, n in outputs))
+    graph.output(tuple(env[n] for _, _, n, _ in outputs))
     return StageProgram(
         stage,
         phase,
         fx.GraphModule(root, graph),
-        tuple(_slot(kind, key, node) for node, kind, key in inputs),
-        tuple(_slot(kind, key, node) for kind, key, node in outputs),
+        tuple(_slot(kind, key, node, peer) for node, kind, key, peer in inputs),
+        tuple(_slot(kind, key, node, peer) for kind, key, node, peer in outputs),
     )
 
 
@@ -278,8 +279,8 @@ def _prefix(kind: Role) -> str:
     return {PARAM: "p_", BUFFER: "b_", BATCH: "batch_", LOSS_SCALE: ""}.get(kind, "")
 
 
-def _slot(kind: Role | Output, key: str, node: fx.Node) -> Slot:
+def _slot(kind: Role | Output, key: str, node: fx.Node, peer: int | None) -> Slot:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         raise PlanError(f"pipeline.split: {node.name} crosses a cut but is not a tensor")
-    return Slot(kind, key, tuple(value.shape), value.dtype)
+    return Slot(kind, key, tuple(value.shape), value.dtype, peer)
