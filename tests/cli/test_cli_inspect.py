@@ -244,7 +244,7 @@ def test_inspect_of_a_pipeline_plan_shows_its_cut_and_schedule(capsys, tmp_path)
     assert re.search(r"-> stage 1: add_\d+ \[2, 16, 32\]", out)  # the residual stream
     assert "tied transformer.wte.weight: held by stages [0, 1]" in out
     assert "rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3" in out and "bubble 20.0%" in out
-    assert "a pipeline trains with `zerocc train` or zerocc.compile(model, plan)" in out
+    assert "`zerocc estimate PLAN` predicts each rank's memory" in out
 
 
 def test_inspect_of_a_pipeline_split_where_the_plan_says(capsys, tmp_path):
@@ -259,8 +259,8 @@ def test_inspect_of_a_pipeline_split_where_the_plan_says(capsys, tmp_path):
 
 def test_what_a_pipeline_plan_cannot_do_yet_is_refused_before_any_rank_starts(capsys, tmp_path):
     plan = _pipeline_plan(tmp_path)
-    assert main(["estimate", plan, "--world-size", "4"]) == 2
-    assert "zerocc cannot estimate a pipeline yet" in capsys.readouterr().err
+    assert main(["estimate", plan, "--world-size", "4", "--table"]) == 2
+    assert "--table: not for a pipeline plan yet" in capsys.readouterr().err
     assert main(["train", plan, "--nproc", "2", "--eval-every", "2"]) == 2
     assert "it cannot evaluate yet (set metrics.eval_every: 0" in capsys.readouterr().err
     assert main(["train", plan, "--nproc", "2", "--dump", str(tmp_path / "d")]) == 2

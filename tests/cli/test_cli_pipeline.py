@@ -25,6 +25,13 @@ def _train(plan: str, *flags: str, nproc: int) -> str:
     return run.stdout + run.stderr
 
 
+def _run(*args: str) -> str:
+    run = subprocess.run([sys.executable, "-m", "zerocc", *args], capture_output=True, text=True,
+                         timeout=600, env=CPU_ONLY)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 def _final_loss(out: str) -> str:
     return re.search(r"final loss: (\S+)", out).group(1)
 
@@ -34,10 +41,14 @@ def test_zerocc_train_runs_a_pipeline_and_a_run_without_one_resumes_it(tmp_path)
     out = _train("zero3-pp.yaml", "--steps", "4", "--save", str(saves), nproc=4)
     assert "pipeline rank 0 of 2 (stages [0] of 2), data rank 0 of 2" in out
     assert "tied transformer.wte.weight: held by stages [0, 1]" in out
-    assert re.search(r"memory of this rank: predicted peak \S+ at 0B0", out)
+    trained = re.search(r"memory of this rank: predicted peak (\S+) at 0B0", out).group(1)
     assert re.search(r"pipeline: rank 0 waited \d+\.\d% of the last step", out)
     assert "send 256.0KiB" in out  # 4 micro-batches × [2, 64, 128] fp32, one way
     assert f"checkpoint: {saves / 'step-00000004'}" in out
+    # what `zerocc estimate` predicts for rank 0 is what rank 0 compiled and walked
+    plan = str(EXAMPLES / "zero3-pp.yaml")
+    estimated = _run("estimate", plan, "--world-size", "4")
+    assert f"rank 0 (stages [0]): model states 3.1MiB, peak {trained} " in estimated
     # pp 2 × dp 2 trains on the batches ZeRO-3 on 2 ranks does, to the same model
     assert _final_loss(out) == _final_loss(_train("zero3.yaml", "--steps", "4", nproc=2))
     resumed = _train("zero3.yaml", "--steps", "6", "--resume", str(saves), nproc=2)

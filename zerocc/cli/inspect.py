@@ -20,7 +20,7 @@ from zerocc.errors import ZeroccError
 from zerocc.inspect.estimate import Estimate, Inspection, estimate, inspect_plan, pass_table
 from zerocc.inspect.explain import describe_recompute, held_gradients_line, no_communication
 from zerocc.ir.ops import TO_HOST
-from zerocc.ir.printing import format_program, human_bytes, program_to_json
+from zerocc.ir.printing import format_program, human_bytes, human_seconds, program_to_json
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -364,15 +364,6 @@ def _copy_lines(t: Simulation, offload: OffloadConfig) -> list[str]:
         f"the host (offload.grads_in_flight: {offload.grads_in_flight}; more, or null, waits "
         "less and holds more device memory)",
     ]
-
-
-def human_seconds(seconds: float) -> str:
-    """``1.23 s``, ``45.6 ms`` or ``789 us``."""
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds * 1e6:.0f} us"
 
 
 RATE_NAMES = ("compute", "memory", "overhead", "link", "latency", "overlap", "host link", "nvme",

@@ -35,7 +35,7 @@ class PipelineMemory:
     peak: int  # bytes at the worst action: model states + kept + the action's transients
     model_states: int
     kept: int  # of the peak: tensors kept for backward
-    in_flight: int  # of the peak: micro-batches whose kept tensors were held
+    in_flight: int  # of the peak: the forwards (stage, micro-batch) whose kept tensors were held
     at: Action | None  # the action running at the peak
     most_kept: int = 0  # the most bytes kept at any time (after an action that keeps)
 
@@ -45,7 +45,7 @@ class PipelineMemory:
         return (
             f"predicted peak {human_bytes(self.peak)}{where}: model states "
             f"{human_bytes(self.model_states)}, kept for backward {human_bytes(self.kept)} "
-            f"({self.in_flight} micro-batch(es) in flight), the rest the running program's"
+            f"({self.in_flight} forward(s) awaiting backward), the rest the running program's"
         )
 
 

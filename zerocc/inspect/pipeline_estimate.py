@@ -34,7 +34,7 @@ from zerocc.cost.pipeline_memory import PipelineMemory, predict_pipeline_memory
 from zerocc.cost.simulate import simulate
 from zerocc.errors import PlanError
 from zerocc.inspect.pipeline import PipelineInspection, inspect_pipeline
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.printing import human_bytes, human_seconds
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class PipelineEstimate:
     ranks: list[RankEstimate]
     timeline: Timeline  # the plan's schedule, simulated with the predicted times
     bubbles: dict[str, float | str]  # schedule -> bubble over the same stages (or why none)
+    # schedule -> the highest rank's peak (those that run backward as the plan compiles it)
+    peaks: dict[str, int]
     rates: DeviceRates
 
     @property
@@ -73,6 +75,7 @@ class PipelineEstimate:
             "step_s": self.step_s,
             "bubble": self.timeline.bubble,
             "bubble_by_schedule": self.bubbles,
+            "peak_bytes_by_schedule": self.peaks,
             "ranks": [
                 {
                     "pp_rank": r.pp_rank,
@@ -106,26 +109,27 @@ class PipelineEstimate:
             lines.append(
                 f"  rank {r.pp_rank} (stages {r.stages}): model states "
                 f"{human_bytes(r.model_states['total'])}, peak {human_bytes(r.memory.peak)} "
-                f"(kept for backward {human_bytes(r.memory.kept)}, {r.memory.in_flight} "
-                f"micro-batch(es) in flight); per micro-batch forward {_ms(forward)}, "
-                f"backward {_ms(backward)}; update {_ms(r.update_s)}"
+                f"(kept for backward {human_bytes(r.memory.kept)}: {r.memory.in_flight} "
+                f"forward(s) awaiting backward); per micro-batch forward {human_seconds(forward)}, "
+                f"backward {human_seconds(backward)}; update {human_seconds(r.update_s)}"
             )
         lines += [
             "",
-            f"time per step: {_ms(self.step_s)} (the schedule {_ms(self.timeline.makespan)}, "
-            f"then the slowest update); bubble {self.timeline.bubble:.1%} (the ranks' time "
-            "spent waiting for a neighbour)",
-            "bubble of each schedule over these stages, with the same predicted times:",
+            f"time per step: {human_seconds(self.step_s)} (the schedule "
+            f"{human_seconds(self.timeline.makespan)}, then the slowest update); bubble "
+            f"{self.timeline.bubble:.1%} (the ranks' time spent waiting for a neighbour)",
+            "each schedule over these stages, with the same predicted times: its bubble, and "
+            "the highest rank's peak memory",
         ]
         for name, bubble in self.bubbles.items():
-            shown = f"{bubble:.1%}" if isinstance(bubble, float) else bubble
-            lines.append(f"  {name:<18}{shown}")
+            if isinstance(bubble, str):
+                lines.append(f"  {name:<18}{bubble}")
+                continue
+            peak = self.peaks.get(name)
+            memory = f"  peak {human_bytes(peak)}" if peak is not None else ""
+            lines.append(f"  {name:<18}bubble {bubble:6.1%}{memory}")
         lines += ["", f"rates: {self.rates.describe()}"]
         return "\n".join(lines)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms"
 
 
 def estimate_pipeline(
@@ -141,7 +145,7 @@ def estimate_pipeline(
     def seconds(gm) -> float:
         return simulate(gm, cost, issue_s=cost.issue_s, stolen=cost.stolen).step_s
 
-    ranks = []
+    ranks, compiled_ranks = [], []
     for r in range(inspection.mesh.pp):
         compiled = compile_rank(
             work.model, inspection.plan, world_size, work.loss_fn, inspection.full,
@@ -153,9 +157,25 @@ def estimate_pipeline(
         ranks.append(
             RankEstimate(r, schedule.stages_of(r), states, memory, times, seconds(compiled.update))
         )
+        compiled_ranks.append(compiled)
     times = {key: s for rank in ranks for key, s in rank.seconds.items()}
     timeline = schedule.simulate(_action_seconds(times))
-    return PipelineEstimate(inspection, ranks, timeline, _bubbles(schedule, times), rates)
+    peaks = {}
+    others = _schedules_over(schedule)
+    for name, other in others.items():
+        if isinstance(other, PipelineSchedule) and _runs_the_same_programs(other, schedule):
+            peaks[name] = max(
+                predict_pipeline_memory(
+                    other.actions[r], compiled.programs, rank.model_states["total"]
+                ).peak
+                for r, (rank, compiled) in enumerate(zip(ranks, compiled_ranks, strict=True))
+            )
+    bubbles = {
+        name: other.simulate(_action_seconds(times)).bubble
+        if isinstance(other, PipelineSchedule) else other
+        for name, other in others.items()
+    }  # fmt: skip
+    return PipelineEstimate(inspection, ranks, timeline, bubbles, peaks, rates)
 
 
 def _action_seconds(times: dict[tuple[int, str], float]) -> Callable[[Action], float]:
@@ -173,19 +193,23 @@ def _action_seconds(times: dict[tuple[int, str], float]) -> Callable[[Action], f
     return of
 
 
-def _bubbles(
-    planned: PipelineSchedule, times: dict[tuple[int, str], float]
-) -> dict[str, float | str]:
-    """Each schedule's bubble over the plan's stages (those of its ``stages_per_rank``), or
-    why it cannot run them."""
-    bubbles: dict[str, float | str] = {}
+def _runs_the_same_programs(schedule: PipelineSchedule, planned: PipelineSchedule) -> bool:
+    """Whether ``schedule`` runs the programs the plan's compiled: the same stages on each
+    rank, the backward whole or halved alike (its memory can then be walked over them)."""
+    return schedule.splits_backward == planned.splits_backward and all(
+        schedule.stages_of(r) == planned.stages_of(r) for r in range(planned.pp)
+    )
+
+
+def _schedules_over(planned: PipelineSchedule) -> dict[str, PipelineSchedule | str]:
+    """Each schedule over the plan's stages (those of its ``stages_per_rank``), or why it
+    cannot run them."""
+    schedules: dict[str, PipelineSchedule | str] = {}
     for name in SCHEDULES:
         try:
-            schedule = pipeline_schedule(
+            schedules[name] = pipeline_schedule(
                 name, planned.pp, planned.microbatches, planned.stages_per_rank
             )
         except PlanError as error:
-            bubbles[name] = f"(not over these stages: {str(error).split(';')[0]})"
-            continue
-        bubbles[name] = schedule.simulate(_action_seconds(times)).bubble
-    return bubbles
+            schedules[name] = f"(not over these stages: {str(error).split(';')[0]})"
+    return schedules

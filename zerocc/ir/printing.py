@@ -47,6 +47,15 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f}TiB"
 
 
+def human_seconds(seconds: float) -> str:
+    """``1.23 s``, ``45.6 ms`` or ``789 us``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
 def _arg(a: Any) -> str:
     if isinstance(a, fx.Node):
         return a.name

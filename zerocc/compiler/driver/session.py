@@ -29,17 +29,18 @@ from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.errors import NotSupportedError
 
-# What a plan can ask of a pipeline today (issue 47): training by zerocc.compile (a
-# PipelineStep) and `zerocc train`, the cut and the schedule inspected; not yet estimated or
-# evaluated.
+# What a plan can ask of a pipeline today (issue 47): `zerocc train` and zerocc.compile (a
+# PipelineStep) train it, `zerocc inspect` and `zerocc estimate` show it; a session compiles
+# whole steps only (a pipeline's are compiled per pipeline rank: zerocc.compiler.driver.pipeline).
 PIPELINE_NOT_YET = (
-    "parallel.pp > 1: `zerocc inspect PLAN` shows a pipeline's cut and schedule, and "
-    "`zerocc train` (or zerocc.compile(model, plan), a PipelineStep) trains it, but zerocc "
-    "cannot estimate a pipeline yet; set parallel.pp: 1 to estimate this plan"
+    "parallel.pp > 1: a pipeline's programs are compiled per pipeline rank, not as one whole "
+    "step: `zerocc inspect PLAN` and `zerocc estimate PLAN` show them, and `zerocc train` (or "
+    "zerocc.compile(model, plan), a PipelineStep) trains them"
 )
 PIPELINE_STATUS = (
     "a pipeline trains with `zerocc train` or zerocc.compile(model, plan) (a PipelineStep, "
-    "called with each rank's batch); `zerocc estimate` does not estimate one yet"
+    "called with each rank's batch); `zerocc estimate PLAN` predicts each rank's memory and "
+    "the step's time"
 )
 PIPELINE_DUMPS_NOT_YET = (
     "parallel.pp > 1: the dumps (--dump, ZEROCC_DUMP_DIR, dumps.dir) are a TrainStep's and do "

@@ -1,0 +1,57 @@
+"""`zerocc estimate` of a pipeline plan: every pipeline rank's programs compiled for the world
+size, its memory walked over its schedule, the step simulated (issue 47). The numbers here are
+the cost model's, deterministic; that the memory walked is what a rank holds is
+tests/cost/test_pipeline_memory.py's, and that the estimate's rank 0 is the trained rank 0's
+is tests/cli/test_cli_pipeline.py's."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from zerocc.cli.main import main
+from zerocc.compiler.plan import load_plan
+from zerocc.inspect.pipeline_estimate import estimate_pipeline
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+
+
+def test_a_pipelines_ranks_hold_what_1f1b_keeps_in_flight_and_gpipe_holds_more():
+    e = estimate_pipeline(load_plan(EXAMPLES / "zero3-pp.yaml"), world_size=4)
+    assert [r.stages for r in e.ranks] == [[0], [1]]
+    # 1F1B: rank r keeps pp - r micro-batches for backward at its peak
+    assert [r.memory.in_flight for r in e.ranks] == [2, 1]
+    for r in e.ranks:
+        assert r.memory.peak > r.memory.model_states + r.memory.kept > r.model_states["total"]
+        assert r.seconds[r.stages[0], "B"] > r.seconds[r.stages[0], "F"] > 0
+    # 2 ranks, 4 micro-batches: (pp - 1) / (M + pp - 1) = 20% at even stages, a little more
+    # where the predicted stages differ
+    assert 0.2 <= e.timeline.bubble < 0.3
+    assert e.step_s > e.timeline.makespan
+    assert isinstance(e.bubbles["zero-bubble"], str)  # 2 stages per rank: not these stages
+    assert e.peaks["gpipe"] > e.peaks["1f1b"] == max(r.memory.peak for r in e.ranks)
+    json.dumps(e.as_dict())
+
+
+def test_a_70b_pipeline_with_tensor_parallel_stages_estimates_each_rank(monkeypatch):
+    """The 70B example's layout (pp 4 × dp 16 × tp 8 on 512 ranks), 8 of its blocks: four
+    stages of two, each rank's layers split over tp 8 and sharded over dp 16."""
+    plan = load_plan(EXAMPLES / "70b-pp.yaml")
+    plan.workload_args["n_layer"] = 8
+    e = estimate_pipeline(plan, world_size=512)
+    assert [r.stages for r in e.ranks] == [[0], [1], [2], [3]]
+    assert [r.memory.in_flight for r in e.ranks] == [4, 3, 2, 1]
+    blocks = [r.model_states["total"] for r in e.ranks[1:3]]  # two blocks each, no ends
+    assert blocks[0] == blocks[1]
+    assert e.ranks[0].model_states["total"] > blocks[0]  # and the embedding's slice
+
+
+def test_zerocc_estimate_prints_a_pipeline_plan(capsys):
+    assert main(["estimate", str(EXAMPLES / "zero3-pp.yaml"), "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline of 2 stages on 2 pipeline ranks, schedule 1f1b" in out
+    assert "rank 1 (stages [1]): model states" in out
+    assert re.search(r"\n  1f1b +bubble +\d+\.\d%  peak \S+MiB\n", out)
+    assert main(["estimate", str(EXAMPLES / "zero3-pp.yaml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"] == "1f1b"
