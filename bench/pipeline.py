@@ -1,4 +1,5 @@
-"""Pipeline bubbles measured on CPU ranks, per schedule, against the formula and the simulation.
+"""Pipeline bubbles measured on CPU ranks, per schedule, against the formula, the simulation
+and the estimate.
 
 The example GPT (8 blocks) is trained by ``zerocc.compile`` as a pipeline of ``--pp`` gloo ranks
 (ZeRO-3 inside each stage, one data-parallel rank) under each schedule, ``--microbatches`` per
@@ -7,9 +8,11 @@ computed is every action's time less what it spent waiting for a neighbour's ten
 measured bubble is the share of the step (first action to last, the slowest rank's) a rank did
 not compute, averaged over the ranks; the formula is GPipe's and 1F1B's ``(pp-1)/(M+pp-1)``, and
 the simulation walks the schedule with each kind of action's mean measured time
-(:meth:`~zerocc.compiler.parallel.pipeline_schedule.PipelineSchedule.simulate`). The table
-gives them side by side, with CPU seconds per step beside wall seconds; the JSON, with the
-commit measured, goes to bench/results/.
+(:meth:`~zerocc.compiler.parallel.pipeline_schedule.PipelineSchedule.simulate`); the estimate
+is ``zerocc estimate``'s (:func:`~zerocc.inspect.pipeline_estimate.estimate_pipeline`: each
+action's program timed by the cost model with this machine's default CPU rates, nothing run).
+The table gives them side by side, with CPU seconds per step beside wall seconds and the
+estimated step; the JSON, with the commit measured, goes to bench/results/.
 
 On a machine with fewer cores than ranks the ranks share cores: a rank that waits frees its
 core for another, which shortens the others' actions and the measured bubble with them, so
@@ -39,6 +42,17 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
 MODEL = {"n_layer": 8, "n_embd": 128, "n_head": 4, "block_size": 64, "vocab_size": 256}
 
 
+def _plan(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> dict:
+    return {
+        "zero": {"stage": 3},
+        "units": {"classes": ["Block"]},
+        "parallel": {"pp": pp},
+        "pipeline": {"schedule": schedule, "microbatches": microbatches,
+                     "stages_per_rank": stages_per_rank},
+        "backend": {"device": "cpu"},
+    }  # fmt: skip
+
+
 def _rank(rank: int, world: int, schedule: str, stages_per_rank: int, microbatches: int,
           steps: int) -> dict:  # fmt: skip
     """One pipeline rank: its last step's actions, and its CPU and wall seconds per step."""
@@ -47,14 +61,7 @@ def _rank(rank: int, world: int, schedule: str, stages_per_rank: int, microbatch
     import zerocc
 
     work = workload(batch_size=2 * microbatches, **MODEL)
-    plan = {
-        "zero": {"stage": 3},
-        "units": {"classes": ["Block"]},
-        "parallel": {"pp": world},
-        "pipeline": {"schedule": schedule, "microbatches": microbatches,
-                     "stages_per_rank": stages_per_rank},
-        "backend": {"device": "cpu"},
-    }  # fmt: skip
+    plan = _plan(schedule, world, stages_per_rank, microbatches)
     step = zerocc.compile(work.model, plan, loss_fn=work.loss_fn)
     batches = iter(work.batches(step.data_rank, step.data_parallel))
     step(*next(batches))  # compiles
@@ -86,14 +93,29 @@ def measure(schedule: str, pp: int, microbatches: int, steps: int) -> dict:
     costs = {k: costs.get(k, 0.0) for k in "FBIW"}
     simulated = pipeline_schedule(schedule, pp, microbatches, stages_per_rank).simulate(costs)
     formula = (pp - 1) / (microbatches + pp - 1) if stages_per_rank == 1 else None
+    estimated = _estimate(schedule, pp, stages_per_rank, microbatches)
     return {
         "measured_bubble": measured,
         "formula_bubble": formula,
         "simulated_bubble": simulated.bubble,
+        "estimated_bubble": estimated.timeline.bubble,
+        "estimated_step_s": estimated.step_s,
         "step_wall_s": min(max(r["wall_s"][i] for r in ranks) for i in range(steps)),
         "step_cpu_s": min(sum(r["cpu_s"][i] for r in ranks) for i in range(steps)),
         "action_s": costs,
     }
+
+
+def _estimate(schedule: str, pp: int, stages_per_rank: int, microbatches: int):
+    """``zerocc estimate`` of the same plan and model, for ``pp`` ranks."""
+    from workload import workload
+
+    from zerocc.compiler.plan import load_plan
+    from zerocc.inspect.pipeline_estimate import estimate_pipeline
+
+    work = workload(batch_size=2 * microbatches, **MODEL)
+    plan = load_plan(_plan(schedule, pp, stages_per_rank, microbatches))
+    return estimate_pipeline(plan, pp, work)
 
 
 def main() -> None:
@@ -105,13 +127,14 @@ def main() -> None:
     torch.set_num_threads(1)
     results = {name: measure(name, args.pp, args.microbatches, args.steps) for name in SCHEDULES}
     print(f"pipeline of {args.pp} CPU ranks, {args.microbatches} micro-batches, GPT {MODEL}")
-    print(f"{'schedule':18} {'measured':>9} {'formula':>8} {'simulated':>9} {'step wall s':>11} "
-          f"{'step cpu s':>10}")  # fmt: skip
+    print(f"{'schedule':18} {'measured':>9} {'formula':>8} {'simulated':>9} {'estimated':>9} "
+          f"{'step wall s':>11} {'step cpu s':>10} {'estimated s':>11}")  # fmt: skip
     for name, r in results.items():
         formula = f"{r['formula_bubble']:.1%}" if r["formula_bubble"] is not None else "-"
         print(
             f"{name:18} {r['measured_bubble']:>9.1%} {formula:>8} "
-            f"{r['simulated_bubble']:>9.1%} {r['step_wall_s']:>11.3f} {r['step_cpu_s']:>10.3f}"
+            f"{r['simulated_bubble']:>9.1%} {r['estimated_bubble']:>9.1%} "
+            f"{r['step_wall_s']:>11.3f} {r['step_cpu_s']:>10.3f} {r['estimated_step_s']:>11.3f}"
         )
     out = ROOT / "bench" / "results" / f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}.json"
     report = {**provenance(), "pp": args.pp, "microbatches": args.microbatches,
