@@ -247,6 +247,14 @@ def test_inspect_of_a_pipeline_plan_shows_its_cut_and_schedule(capsys, tmp_path)
     assert "`zerocc estimate PLAN` predicts each rank's memory" in out
 
 
+def test_inspect_schedule_prints_a_pipelines_schedule_alone(capsys, tmp_path):
+    out = run(capsys, "inspect", _pipeline_plan(tmp_path), "--world-size", "2", "--schedule")
+    assert out.splitlines()[0] == "rank 0: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    assert out.splitlines()[-1].startswith("1f1b: 2 ranks × 1 stage(s), 4 micro-batches")
+    assert main(["inspect", str(EXAMPLES / "zero3.yaml"), "--schedule"]) == 2
+    assert "--schedule: a plan without a pipeline has none" in capsys.readouterr().err
+
+
 def test_inspect_of_a_pipeline_split_where_the_plan_says(capsys, tmp_path):
     plan = _pipeline_plan(tmp_path, "{split: [transformer.h.6]}")
     out = run(capsys, "inspect", plan, "--world-size", "2")

@@ -1,7 +1,7 @@
 """`zerocc train` of a pipeline (examples/gpt/zero3-pp.yaml): it trains, says what each stage
-holds, how long rank 0 waited and what it predicted, and saves a checkpoint that a run with no
-pipeline resumes; the two pipeline ranks of one batch train as the data-parallel run they
-replace (the same final loss, printed to 4 digits)."""
+holds, how long rank 0 waited and what it predicted (what `zerocc estimate` predicts), and
+saves a checkpoint that a run with no pipeline resumes. (That the pipeline trains as one
+process does: tests/parity/test_pipeline_parity.py.)"""
 
 from __future__ import annotations
 
@@ -32,10 +32,6 @@ def _run(*args: str) -> str:
     return run.stdout
 
 
-def _final_loss(out: str) -> str:
-    return re.search(r"final loss: (\S+)", out).group(1)
-
-
 def test_zerocc_train_runs_a_pipeline_and_a_run_without_one_resumes_it(tmp_path):
     saves = tmp_path / "ckpt"
     out = _train("zero3-pp.yaml", "--steps", "4", "--save", str(saves), nproc=4)
@@ -49,8 +45,6 @@ def test_zerocc_train_runs_a_pipeline_and_a_run_without_one_resumes_it(tmp_path)
     plan = str(EXAMPLES / "zero3-pp.yaml")
     estimated = _run("estimate", plan, "--world-size", "4")
     assert f"rank 0 (stages [0]): model states 3.1MiB, peak {trained} " in estimated
-    # pp 2 × dp 2 trains on the batches ZeRO-3 on 2 ranks does, to the same model
-    assert _final_loss(out) == _final_loss(_train("zero3.yaml", "--steps", "4", nproc=2))
     resumed = _train("zero3.yaml", "--steps", "6", "--resume", str(saves), nproc=2)
     assert "note: saved under parallel.pp: 2, resharded for 1" in resumed
     assert "2 step(s) on 2 rank(s)" in resumed  # (the numbers: test_pipeline_checkpoint_parity)

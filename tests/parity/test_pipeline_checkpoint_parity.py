@@ -36,7 +36,8 @@ PAIRS = {  # saved -> resumed: the same data-parallel ranks, another pipeline
         {"stage": 1, "world": 4, "pp": 2, "schedule": "zero-bubble"},
     ),
 }
-SLOW = {"dp2 Z3->pp2xdp2 Z1"}  # (--slow: the same load, into a pipeline from no pipeline)
+# (--slow: the same loads by name, into another pipeline, and into one from none)
+SLOW = {"pp2 Z2->pp4 Z3", "dp2 Z3->pp2xdp2 Z1"}
 
 
 def _steps(step, case: dict[str, Any], steps: range) -> list[float]:

@@ -34,6 +34,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     shown.add_argument("--print-after", metavar="PASS", help="the program after PASS (or 'all')")
     shown.add_argument("--print-before", metavar="PASS", help="the program before PASS")
     shown.add_argument("--diff", metavar="PASS", help="what PASS changed, as a unified diff")
+    shown.add_argument(
+        "--schedule",
+        action="store_true",
+        help="a pipeline plan: only its schedule, each rank's actions in order, and its bubble",
+    )
     inspect.add_argument(
         "--format", choices=("py", "dot", "json"), default="py", help="how to print a program"
     )
@@ -107,6 +112,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     if plan.parallel.pp > 1:
         return _inspect_pipeline(args, plan)
+    if args.schedule:
+        raise ZeroccError("--schedule: a plan without a pipeline has none (parallel.pp: 1)")
     inspection = _inspection(args, plan)
     records = inspection.stepping.records
     if args.unit is not None and args.unit not in {u.name for u in inspection.units}:
@@ -139,7 +146,8 @@ def _inspect_pipeline(args: argparse.Namespace, plan: Plan) -> int:
             "`zerocc inspect PLAN` shows its cut and schedule"
         )
     world_size = args.world_size or plan.zero.world_size or plan.parallel.pp
-    print(inspect_pipeline(plan, world_size).format())
+    inspection = inspect_pipeline(plan, world_size)
+    print(inspection.schedule.format() if args.schedule else inspection.format())
     return 0
 
 
