@@ -3,13 +3,24 @@ stage-balance tests share."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
-from models import GPT, GPTConfig
-from torch import nn
+from models import GPT, GPTConfig, _gpt_batch
+from torch import fx, nn
 
 from zerocc.compiler.capture import Casts, ModelInfo, capture, describe_model
-from zerocc.compiler.parallel.stage_programs import Slot
+from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
+from zerocc.compiler.parallel.stage_cut import cut_stages
+from zerocc.compiler.parallel.stage_programs import Slot, StagedStep
 from zerocc.ir.kinds import Role
+from zerocc.runtime.pipeline import run_in_one_process
+
+# (schedule, pp, stages_per_rank): one of each schedule, each as the tests walk it
+SCHEDULE_CASES = [
+    ("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 2, 2), ("zero-bubble", 2, 2)
+]  # fmt: skip
 
 CPU = torch.device("cpu")
 
@@ -55,3 +66,29 @@ def model_inputs(model: nn.Module, microbatches: list[tuple]):
         return microbatches[microbatch][int(slot.key)]
 
     return inputs
+
+
+@dataclass
+class Walked:
+    """A 4-block GPT's step captured, cut for a schedule, and every rank of it walked in one
+    process over ``microbatches``."""
+
+    model: nn.Module
+    microbatches: list[tuple]
+    gm: fx.GraphModule
+    info: ModelInfo
+    staged: StagedStep
+    schedule: PipelineSchedule
+    ranks: list[Any]  # CapturedRank, by pipeline rank
+
+
+def walked(name: str, pp: int, stages_per_rank: int, microbatches: int = 4) -> Walked:
+    """The tiny GPT's step cut into ``pp × stages_per_rank`` stages and walked by schedule
+    ``name`` over ``microbatches`` micro-batches, every rank in this process."""
+    model = gpt(4)
+    batches = [_gpt_batch(m, 0) for m in range(microbatches)]
+    gm, info = captured(model, batches[0])
+    staged = cut_stages(gm, info, blocks(4, pp * stages_per_rank))
+    schedule = pipeline_schedule(name, pp, microbatches, stages_per_rank)
+    ranks = run_in_one_process(staged, info, schedule, model_inputs(model, batches))
+    return Walked(model, batches, gm, info, staged, schedule, ranks)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 from models import _gpt_batch
-from staging import blocks, captured, gpt, model_inputs
+from staging import SCHEDULE_CASES, blocks, captured, gpt, walked
 
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import split_backward, stage_model, step_form
 from zerocc.cost.pipeline_memory import kept_bytes, predict_pipeline_memory
-from zerocc.runtime.pipeline import run_in_one_process
 
 MICROBATCHES = 4
 STATES = 1000  # model states of a rank: any number, held throughout
@@ -34,20 +33,12 @@ def _programs(staged, info, schedule, rank):
     return programs
 
 
-@pytest.mark.parametrize(
-    ("name", "pp", "stages_per_rank"),
-    [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 2, 2), ("zero-bubble", 2, 2)],
-)
+@pytest.mark.parametrize(("name", "pp", "stages_per_rank"), SCHEDULE_CASES)
 def test_the_predicted_kept_bytes_are_what_each_rank_holds(name, pp, stages_per_rank):
-    model = gpt(4)
-    microbatches = [_gpt_batch(m, 0) for m in range(MICROBATCHES)]
-    gm, info = captured(model, microbatches[0])
-    staged = cut_stages(gm, info, blocks(4, pp * stages_per_rank))
-    schedule = pipeline_schedule(name, pp, MICROBATCHES, stages_per_rank)
-    ranks = run_in_one_process(staged, info, schedule, model_inputs(model, microbatches))
-    for r, ran in enumerate(ranks):
-        programs = _programs(staged, info, schedule, r)
-        predicted = predict_pipeline_memory(schedule.actions[r], programs, STATES)
+    w = walked(name, pp, stages_per_rank, MICROBATCHES)
+    for r, ran in enumerate(w.ranks):
+        programs = _programs(w.staged, w.info, w.schedule, r)
+        predicted = predict_pipeline_memory(w.schedule.actions[r], programs, STATES)
         assert ran.rank.most_kept > 0
         assert predicted.most_kept == ran.rank.most_kept, r
         assert ran.rank.kept_bytes == 0  # all released by the step's end

@@ -13,7 +13,7 @@ import pytest
 import torch
 from models import _gpt_batch
 from multirank import run_ranks
-from staging import blocks, captured, gpt, model_inputs, whole
+from staging import SCHEDULE_CASES, blocks, captured, gpt, model_inputs, walked, whole
 
 import zerocc
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
@@ -30,17 +30,12 @@ from zerocc.runtime.pipeline import (
 MICROBATCHES = 4
 
 
-@pytest.mark.parametrize(
-    ("name", "pp", "stages_per_rank"),
-    [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 2, 2), ("zero-bubble", 2, 2)],
-)
+@pytest.mark.parametrize(("name", "pp", "stages_per_rank"), SCHEDULE_CASES)
 def test_every_schedule_trains_each_microbatch_as_the_whole_step(name, pp, stages_per_rank):
-    model = gpt(4)
-    microbatches = [_gpt_batch(m, 0) for m in range(MICROBATCHES)]
-    gm, info = captured(model, microbatches[0])
-    staged = cut_stages(gm, info, blocks(4, pp * stages_per_rank))
-    schedule = pipeline_schedule(name, pp, MICROBATCHES, stages_per_rank)
-    ranks = run_in_one_process(staged, info, schedule, model_inputs(model, microbatches))
+    w = walked(name, pp, stages_per_rank, MICROBATCHES)
+    model, microbatches, gm, info, schedule, ranks = (
+        w.model, w.microbatches, w.gm, w.info, w.schedule, w.ranks
+    )  # fmt: skip
 
     runs = [whole(gm, info, model, batch) for batch in microbatches]
     last = ranks[schedule.rank_of(schedule.stages - 1)].rank
@@ -111,11 +106,11 @@ def test_two_gloo_ranks_walk_their_schedules_to_the_one_process_result(name, sta
         local = run_in_one_process(staged, info, schedule, model_inputs(model, microbatches))
     finally:
         torch.set_num_threads(threads)
-    for (losses, grads), walked in zip(results, local, strict=True):
-        assert losses.keys() == walked.rank.losses.keys()
-        assert all(torch.equal(losses[m], walked.rank.losses[m]) for m in losses)
-        assert grads.keys() == walked.grads.keys()
-        assert all(torch.equal(grads[k], walked.grads[k]) for k in grads)
+    for (losses, grads), here in zip(results, local, strict=True):
+        assert losses.keys() == here.rank.losses.keys()
+        assert all(torch.equal(losses[m], here.rank.losses[m]) for m in losses)
+        assert grads.keys() == here.grads.keys()
+        assert all(torch.equal(grads[k], here.grads[k]) for k in grads)
     assert len(results[schedule.rank_of(schedule.stages - 1)][0]) == MICROBATCHES
 
 
