@@ -255,17 +255,17 @@ class PipelineStep:
 
     def sent_bytes(self) -> int:
         """Bytes this rank sends to other pipeline ranks per step: activations forward,
-        gradients back, for each micro-batch."""
+        gradients back, for each micro-batch (what goes to a stage of its own is handed over
+        in memory)."""
         self._built()
-        per_microbatch = 0
-        for s in self.schedule.stages_of(self.pp_rank):
-            stage = self.staged.stages[s]
-            for program, to in ((stage.forward, s + 1), (stage.backward, s - 1)):
-                if 0 <= to < self.schedule.stages and self.rank_of(to) == self.pp_rank:
-                    continue  # (a stage of this rank's: handed over in memory)
-                sent = (o for o in program.outputs if o.kind == "send")
-                per_microbatch += sum(math.prod(o.shape) * o.dtype.itemsize for o in sent)
-        return self.microbatches * per_microbatch
+        sent = [
+            slot
+            for s in self.schedule.stages_of(self.pp_rank)
+            for program in (self.staged.stages[s].forward, self.staged.stages[s].backward)
+            for slot in program.outputs
+            if slot.kind == "send" and self.rank_of(slot.peer) != self.pp_rank
+        ]
+        return self.microbatches * sum(math.prod(o.shape) * o.dtype.itemsize for o in sent)
 
     def waiting_share(self) -> float:
         """The share of the last step this rank spent waiting for a neighbour's tensor (its
