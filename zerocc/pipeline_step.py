@@ -28,10 +28,15 @@ from torch import fx, nn
 
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
-from zerocc.compiler.driver.pipeline import capture_microbatch, compile_rank
+from zerocc.compiler.driver.pipeline import RankPrograms, capture_microbatch, compile_rank
 from zerocc.compiler.driver.session import PIPELINE_EVALUATE_NOT_YET, CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.compiler.parallel.pipeline_schedule import Action, pipeline_schedule
+from zerocc.compiler.parallel.pipeline_schedule import (
+    Action,
+    PipelineSchedule,
+    pipeline_schedule,
+    schedules_over,
+)
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan
@@ -39,7 +44,7 @@ from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.cost.memory import model_state_bytes_of
-from zerocc.cost.pipeline_memory import PipelineMemory, predict_pipeline_memory
+from zerocc.cost.pipeline_memory import PipelineMemory, Programs, predict_pipeline_memory
 from zerocc.cost.stage_balance import split_units
 from zerocc.engine.comm import Comm
 from zerocc.errors import BatchError, NotSupportedError, RankMismatchError
@@ -50,6 +55,7 @@ from zerocc.runtime.checkpoint import CheckpointError, Manifest, load_checkpoint
 from zerocc.runtime.checkpoint.load import fill_state, open_checkpoint, restore_counters
 from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
 from zerocc.runtime.context import open_context
+from zerocc.runtime.memory_check import check_pipeline_memory
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.pipeline import PipelineRank, TorchTransport, microbatches_of
 from zerocc.runtime.programs import SetupClock, batch_signature, bindings_of
@@ -250,8 +256,28 @@ class PipelineStep:
         backward over the schedule's micro-batches in flight, and the running program's
         transients (:mod:`zerocc.cost.pipeline_memory`)."""
         programs = {key: p.gm if p else None for key, p in self.programs.items()}
-        states = model_state_bytes_of(self._built().layout)["total"]
-        return predict_pipeline_memory(self.schedule.actions[self.pp_rank], programs, states)
+        return self._walk(self.schedule, programs, self._built().layout)
+
+    def _walk(
+        self, schedule: PipelineSchedule, programs: Programs, layout: StateLayout
+    ) -> PipelineMemory:
+        states = model_state_bytes_of(layout)["total"]
+        return predict_pipeline_memory(schedule.actions[self.pp_rank], programs, states)
+
+    def _check_memory(self, compiled: RankPrograms) -> None:
+        """Before anything is allocated: this rank's predicted peak fits its machine, or an
+        error on every rank says by how much not, and which schedule would fit."""
+        layout = compiled.session.layout
+        others = {
+            name: self._walk(other, compiled.programs, layout)
+            for name, other in schedules_over(self.schedule).items()
+            if isinstance(other, PipelineSchedule) and name != self.schedule.name
+            and other.runs_the_programs_of(self.schedule)
+        }  # fmt: skip
+        check_pipeline_memory(
+            self._walk(self.schedule, compiled.programs, layout), others,
+            self.schedule.stages_of(self.pp_rank), self.comm, self.device,
+        )  # fmt: skip
 
     def sent_bytes(self) -> int:
         """Bytes this rank sends to other pipeline ranks per step: activations forward,
@@ -366,6 +392,8 @@ class PipelineStep:
             self.model, self.plan, self.comm.world_size, self.loss_fn, full, tp, staged,
             self.schedule, self.pp_rank, self.device,
         )  # fmt: skip
+        if self.plan.backend.check_memory:
+            self._check_memory(compiled)
         self.session = session = compiled.session
         opened = open_context(session.plan, self.comm, self.device, session.layout, SetupClock())
         self.context = opened.context

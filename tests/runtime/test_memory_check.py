@@ -27,6 +27,7 @@ from zerocc.errors import InsufficientMemoryError
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime import machine_memory, memory_check
 from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL
+from zerocc.runtime.pipeline import microbatches_of
 
 GPT_PLAN = {"units": {"classes": ["Block"]}, "optimizer": {"eps": 1e-3}}
 CPU = torch.device("cpu")
@@ -300,3 +301,33 @@ def test_a_model_larger_than_this_machine_fails_on_its_real_figures(monkeypatch)
     assert reached == [] and all(p.is_meta for p in model.parameters())
     available = re.search(r"available: ([\d.]+)GiB", str(raised.value))
     assert available and float(available.group(1)) * 2**30 <= 1.01 * machine_memory.host_available()
+
+
+def _pipeline_plan(schedule: str, **extra) -> dict:
+    return {
+        **GPT_PLAN, "parallel": {"pp": 2}, "backend": {"device": "cpu"},
+        "pipeline": {"schedule": schedule, "microbatches": 8}, **extra,
+    }  # fmt: skip
+
+
+def test_a_pipeline_rank_that_does_not_fit_fails_before_it_allocates(machine, allocations):
+    """A pipeline rank's predicted peak (model states, what GPipe keeps for all 8 micro-batches,
+    the running program) against a machine of 1 byte more than 1F1B's: GPipe is refused
+    before anything is allocated, naming the rank's stages and 1F1B, which fits."""
+    batch = tuple(torch.cat([b] * 4) for b in BATCH)  # 8 micro-batches of 2
+    fits = zerocc.compile(build("gpt"), _pipeline_plan("1f1b"), comm=zerocc.FakeComm(2))
+    machine({HOST_POOL: 1 << 40})
+    fits._build(microbatches_of(batch, 8)[0])  # (its programs: no step runs on a FakeComm)
+    room = fits.memory().peak
+    machine({HOST_POOL: room + 1})
+    allocations.clear()
+    step = zerocc.compile(build("gpt"), _pipeline_plan("gpipe"), comm=zerocc.FakeComm(2))
+    with pytest.raises(InsufficientMemoryError) as refused:
+        step(*batch)
+    message = str(refused.value)
+    assert "this pipeline rank's stages [0] do not fit in memory" in message
+    assert f"pipeline.schedule: 1f1b: this rank's peak {human_bytes(room)} (fits)" in message
+    assert "8 forward(s) awaiting their backward" in message
+    assert not allocations
+    off = {"backend": {"device": "cpu", "check_memory": False}}
+    zerocc.compile(build("gpt"), _pipeline_plan("gpipe", **off), comm=zerocc.FakeComm(2))

@@ -20,11 +20,10 @@ import torch
 
 from zerocc.compiler.driver.pipeline import compile_rank
 from zerocc.compiler.parallel.pipeline_schedule import (
-    SCHEDULES,
     Action,
     PipelineSchedule,
     Timeline,
-    pipeline_schedule,
+    schedules_over,
 )
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import Workload
@@ -32,7 +31,6 @@ from zerocc.cost.memory import model_state_bytes_of
 from zerocc.cost.model import CostModel, DeviceRates, rates_for
 from zerocc.cost.pipeline_memory import PipelineMemory, predict_pipeline_memory
 from zerocc.cost.simulate import simulate
-from zerocc.errors import PlanError
 from zerocc.inspect.pipeline import PipelineInspection, inspect_pipeline
 from zerocc.ir.printing import human_bytes, human_seconds
 
@@ -161,9 +159,9 @@ def estimate_pipeline(
     times = {key: s for rank in ranks for key, s in rank.seconds.items()}
     timeline = schedule.simulate(_action_seconds(times))
     peaks = {}
-    others = _schedules_over(schedule)
+    others = schedules_over(schedule)
     for name, other in others.items():
-        if isinstance(other, PipelineSchedule) and _runs_the_same_programs(other, schedule):
+        if isinstance(other, PipelineSchedule) and other.runs_the_programs_of(schedule):
             peaks[name] = max(
                 predict_pipeline_memory(
                     other.actions[r], compiled.programs, rank.model_states["total"]
@@ -191,25 +189,3 @@ def _action_seconds(times: dict[tuple[int, str], float]) -> Callable[[Action], f
         return times[action.stage, "B"] / 2
 
     return of
-
-
-def _runs_the_same_programs(schedule: PipelineSchedule, planned: PipelineSchedule) -> bool:
-    """Whether ``schedule`` runs the programs the plan's compiled: the same stages on each
-    rank, the backward whole or halved alike (its memory can then be walked over them)."""
-    return schedule.splits_backward == planned.splits_backward and all(
-        schedule.stages_of(r) == planned.stages_of(r) for r in range(planned.pp)
-    )
-
-
-def _schedules_over(planned: PipelineSchedule) -> dict[str, PipelineSchedule | str]:
-    """Each schedule over the plan's stages (those of its ``stages_per_rank``), or why it
-    cannot run them."""
-    schedules: dict[str, PipelineSchedule | str] = {}
-    for name in SCHEDULES:
-        try:
-            schedules[name] = pipeline_schedule(
-                name, planned.pp, planned.microbatches, planned.stages_per_rank
-            )
-        except PlanError as error:
-            schedules[name] = f"(not over these stages: {str(error).split(';')[0]})"
-    return schedules

@@ -41,6 +41,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import DEVICE, HOST, NVME, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.cost.memory import STATE_CATEGORY, predict_memory
+from zerocc.cost.pipeline_memory import PipelineMemory
 from zerocc.engine.comm import Comm
 from zerocc.errors import InsufficientMemoryError
 from zerocc.ir.printing import human_bytes
@@ -209,6 +210,55 @@ def check_step_memory(
                 f"(fits: {_budget_text(budget, sharers)}: what is available now plus what this "
                 "plan's model states hold):",
                 *rows,
+                TURN_OFF,
+            ]
+        )
+    )
+
+
+def check_pipeline_memory(
+    memory: PipelineMemory,
+    others: dict[str, PipelineMemory],
+    stages: list[int],
+    comm: Comm,
+    device: torch.device,
+) -> None:
+    """Raise :class:`InsufficientMemoryError` on every rank when a pipeline rank's predicted
+    peak would not fit its machine (call before any state is allocated): its model states,
+    what its stages keep for backward over the schedule's micro-batches, and the running
+    program's transients (:mod:`zerocc.cost.pipeline_memory`). ``others``: the same rank's
+    peak under each other schedule that runs its programs; ``stages``: the rank's."""
+    pool = pool_of(DEVICE, device)
+    need: Need = {pool: {}}
+    transient = memory.peak - memory.model_states - memory.kept
+    parts = {"model states": memory.model_states, "kept for backward": memory.kept,
+             "the running program": transient}  # fmt: skip
+    for part, nbytes in parts.items():
+        _add(need, pool, part, nbytes)
+    short = _shortfalls(_exchange(comm, device, _totals(need)))
+    if not short:
+        return
+    budget = short[0].view.available.get(pool, 0)
+    fitting = [
+        f"  pipeline.schedule: {name}: this rank's peak {human_bytes(m.peak)}"
+        + (" (fits)" if m.peak * short[0].sharing[pool] <= budget else "")
+        for name, m in sorted(others.items(), key=lambda item: item[1].peak)
+        if m.peak < memory.peak
+    ]
+    raise InsufficientMemoryError(
+        "\n".join(
+            [
+                f"this pipeline rank's stages {stages} do not fit in memory " + _where(short),
+                *_shortfall_lines(short, need, device, "available"),
+                f"  (peak at {memory.at}, with {memory.in_flight} forward(s) awaiting their "
+                "backward)",
+                "what lowers it: another schedule, with this rank's peak under it"
+                if fitting
+                else "what lowers it:",
+                *fitting,
+                "  more pipeline ranks (parallel.pp), so that each holds fewer layers; "
+                "zero.stage: 3 inside the stages; recompute (fewer tensors kept for backward); "
+                "smaller micro-batches (pipeline.microbatches up, the batch alike)",
                 TURN_OFF,
             ]
         )

@@ -127,6 +127,13 @@ class PipelineSchedule:
                 raise ValueError(f"{self.name}: the ranks wait for each other at {waiting}")
         return Timeline(tuple(tuple(s) for s in spans), max(free))
 
+    def runs_the_programs_of(self, other: PipelineSchedule) -> bool:
+        """Whether this schedule runs the programs ``other``'s ranks were compiled for: the
+        same stages on each rank, the backward whole or halved alike."""
+        return self.splits_backward == other.splits_backward and all(
+            self.stages_of(r) == other.stages_of(r) for r in range(other.pp)
+        )
+
     def _dependencies(self, action: Action) -> list[tuple[str, int, int]]:
         s, m, last = action.stage, action.microbatch, self.stages - 1
         if action.kind == "F":
@@ -196,6 +203,20 @@ def pipeline_schedule(
     schedule = PipelineSchedule(name, pp, microbatches, stages_per_rank, tuple(map(tuple, actions)))
     schedule.check()
     return schedule
+
+
+def schedules_over(planned: PipelineSchedule) -> dict[str, PipelineSchedule | str]:
+    """Every schedule over ``planned``'s ranks, stages per rank and micro-batches, or why it
+    cannot run them (the first clause of its PlanError)."""
+    schedules: dict[str, PipelineSchedule | str] = {}
+    for name in SCHEDULES:
+        try:
+            schedules[name] = pipeline_schedule(
+                name, planned.pp, planned.microbatches, planned.stages_per_rank
+            )
+        except PlanError as error:
+            schedules[name] = f"(not over these stages: {str(error).split(';')[0]})"
+    return schedules
 
 
 def _gpipe(rank: int, microbatches: int) -> list[Action]:
