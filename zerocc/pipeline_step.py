@@ -50,7 +50,13 @@ from zerocc.engine.comm import Comm
 from zerocc.errors import BatchError, NotSupportedError, RankMismatchError
 from zerocc.ir.nodes import BATCH, placeholders, val
 from zerocc.ir.ops import DP_GROUP, PP_GROUP
-from zerocc.runtime.agreement import END_OF_DATA, Agreement, batch_digest, batch_disagreement
+from zerocc.runtime.agreement import (
+    END_OF_DATA,
+    Agreement,
+    batch_digest,
+    batch_disagreement,
+    has_peers,
+)
 from zerocc.runtime.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
 from zerocc.runtime.checkpoint.load import fill_state, open_checkpoint, restore_counters
 from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
@@ -115,20 +121,21 @@ class PipelineStep:
     def __call__(self, *batch: Any) -> torch.Tensor:
         """Train one step on this rank's ``batch``; returns the mean loss of its micro-batches."""
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
-        self._agree_on(("next batch", batch_signature(batch)), batch)
+        signature = batch_signature(batch)
+        self._agree_on(("next batch", signature), batch)
         self.comm.stats.reset()
         micro = microbatches_of(batch, self.microbatches)
         if self.staged is None:
             self._build(micro[0])
-            self.signature = batch_signature(batch)
-        elif batch_signature(batch) != self.signature:
+            self.signature = signature
+        elif signature != self.signature:
             raise BatchError(
                 f"a pipeline's stages are compiled for the batch of its first step "
                 f"({_shapes(self.signature)}); step {self.micro_batches + 1}'s is "
-                f"{_shapes(batch_signature(batch))}: give every step batches of one shape "
-                "(pad or drop the last, short one)"
+                f"{_shapes(signature)}: give every step batches of one shape (pad or drop the "
+                "last, short one)"
             )
-        self.state[LR_SPEC.key].fill_(lr_at(self.plan.optimizer, self.steps))
+        self.state[LR_SPEC.key].fill_(self.lr)
         if STEP_SPEC.key in self.state:
             self.state[STEP_SPEC.key].fill_(self.steps + 1)
         runners = {key: self._runner(program, micro) for key, program in self.programs.items()}
@@ -165,6 +172,8 @@ class PipelineStep:
         ranks, when not (a rank out of data would otherwise leave its pipeline's neighbours
         waiting on a tensor it never sends, and a pipeline whose first and last stages read
         different batches trains a wrong model without any other error)."""
+        if not has_peers(self.comm):  # (a FakeComm's ranks are simulated: none to agree with)
+            return
         within = (self.data_rank, batch_digest(batch) if batch is not None else "")
         agreement = Agreement(self.comm, what, repr(what), within)
         views = agreement.views_if_they_differ()
@@ -255,8 +264,8 @@ class PipelineStep:
         """This rank's predicted device peak: its model states, what its stages keep for
         backward over the schedule's micro-batches in flight, and the running program's
         transients (:mod:`zerocc.cost.pipeline_memory`)."""
-        programs = {key: p.gm if p else None for key, p in self.programs.items()}
-        return self._walk(self.schedule, programs, self._built().layout)
+        self._built()
+        return self.predicted_memory
 
     def _walk(
         self, schedule: PipelineSchedule, programs: Programs, layout: StateLayout
@@ -275,8 +284,8 @@ class PipelineStep:
             and other.runs_the_programs_of(self.schedule)
         }  # fmt: skip
         check_pipeline_memory(
-            self._walk(self.schedule, compiled.programs, layout), others,
-            self.schedule.stages_of(self.pp_rank), self.comm, self.device,
+            self.predicted_memory, others, self.schedule.stages_of(self.pp_rank), self.comm,
+            self.device,
         )  # fmt: skip
 
     def sent_bytes(self) -> int:
@@ -392,6 +401,9 @@ class PipelineStep:
             self.model, self.plan, self.comm.world_size, self.loss_fn, full, tp, staged,
             self.schedule, self.pp_rank, self.device,
         )  # fmt: skip
+        # The programs stay as compiled: this rank's memory, walked once.
+        programs, layout = compiled.programs, compiled.session.layout
+        self.predicted_memory = self._walk(self.schedule, programs, layout)
         if self.plan.backend.check_memory:
             self._check_memory(compiled)
         self.session = session = compiled.session
@@ -433,13 +445,12 @@ class PipelineStep:
             stages = [staged.stages[s] for s in self.schedule.stages_of(rank)]
             return {fqn for stage in stages for fqn in (*stage.params, *stage.buffers)}
 
-        earlier = set().union(*(reads(r) for r in range(self.pp_rank)))
-        read_at_all = set().union(*(reads(r) for r in range(self.mesh.pp)))
+        read = [reads(r) for r in range(self.mesh.pp)]
         buffers = {b.fqn for b in self.full_model_info.buffers}
-        mine = reads(self.pp_rank) - earlier
+        mine = read[self.pp_rank] - set().union(*read[: self.pp_rank])
         if self.pp_rank == 0:
-            mine |= buffers - read_at_all
-        return frozenset((reads(self.pp_rank) | buffers) - mine)
+            mine |= buffers - set().union(*read)
+        return frozenset((read[self.pp_rank] | buffers) - mine)
 
 
 def _shapes(signature: tuple) -> str:

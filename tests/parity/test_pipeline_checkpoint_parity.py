@@ -61,7 +61,7 @@ def _first(rank: int, world: int, folder: str, case: dict[str, Any]) -> dict[str
 
 
 def _then(rank: int, world: int, folder: str, case: dict[str, Any]) -> dict[str, Any]:
-    torch.manual_seed(123)  # other weights: all of them must come from the checkpoint
+    # other weights (seeded by rank + 1): all of them must come from the checkpoint
     step = zerocc.compile(_model({**case, "rank_seeds": True}, rank + 1), plan_of(case))
     notes = step.load(folder)  # (a pipeline: before its first call, which cuts the stages)
     resumed = step.steps

@@ -93,7 +93,8 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (views of one storage share it)."""
     return t.untyped_storage()._cdata
 
 
@@ -124,7 +125,7 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
     for node in nodes:
         i = position[node]
         for t in tensors_in(val(node)):
-            key = _storage(t)
+            key = storage_id(t)
             if node.op == "placeholder":
                 persistent.add(key)
                 continue
@@ -140,7 +141,7 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
             last_use[key] = max(last_use.get(key, i), end)
         if op_kind(node) is OpKind.FREE:
             for t in tensors_in(val(node.args[0])):
-                freed_at.setdefault(_storage(t), i)
+                freed_at.setdefault(storage_id(t), i)
     events: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for key, (start, nbytes, category) in born.items():
         # A point is "while node i runs": its inputs and result are live. A storage goes after

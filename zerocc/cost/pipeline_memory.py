@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from zerocc.compiler.parallel.pipeline_schedule import Action
-from zerocc.cost.memory import predict_memory, tensors_in
+from zerocc.cost.memory import predict_memory, storage_id, tensors_in
 from zerocc.ir.nodes import val
 from zerocc.ir.printing import human_bytes
 
@@ -60,7 +60,7 @@ def kept_bytes(gm: fx.GraphModule | None) -> int:
         if node.target is not keep or getattr(node.args[0], "target", None) is kept:
             continue
         for t in tensors_in(val(node.args[0])):
-            storages[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+            storages[storage_id(t)] = t.untyped_storage().nbytes()
     return sum(storages.values())
 
 
@@ -77,16 +77,16 @@ def predict_pipeline_memory(
     keeps = {key: kept_bytes(gm) for key, gm in programs.items()}
     held: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> kept bytes
     best = PipelineMemory(model_states, model_states, 0, 0, None)
-    most_kept = 0
+    kept = most_kept = 0  # bytes held, and the most at any time
     for action in actions:
         key, mine = (action.stage, action.kind), (action.stage, action.microbatch)
-        kept = sum(held.values())
         now = model_states + kept + transient.get(key, 0)
         if now > best.peak:
             best = PipelineMemory(now, model_states, kept, len(held), action)
         if action.kind in ("F", "I"):
             held[mine] = held.get(mine, 0) + keeps.get(key, 0)
-            most_kept = max(most_kept, sum(held.values()))
+            kept += keeps.get(key, 0)
+            most_kept = max(most_kept, kept)
         else:  # B, W: the micro-batch is done with on this stage
-            held.pop(mine, None)
+            kept -= held.pop(mine, 0)
     return dataclasses.replace(best, most_kept=most_kept)

@@ -75,13 +75,11 @@ def capture_microbatch(
 class RankPrograms:
     """One pipeline rank's compiled programs: its session (the model as it holds it, its units
     and their layout), its stages' programs by ``(stage, kind)`` (None: nothing to run, as the
-    first stage's input gradient), its update, and the parameters it shares with another
-    pipeline rank (a tied embedding)."""
+    first stage's input gradient), and its update."""
 
     session: CompileSession
     programs: dict[tuple[int, str], fx.GraphModule | None]
     update: fx.GraphModule
-    tied: frozenset[str]
 
 
 def compile_rank(
@@ -147,7 +145,7 @@ def compile_rank(
     # the first stage: the other's accumulator holds zeros).
     reached |= tied
     update = compiled(update_graph(held, device), True, frozenset(reached))
-    return RankPrograms(session, programs, update, tied)
+    return RankPrograms(session, programs, update)
 
 
 def _units(held: ModelInfo, tied: frozenset[str], shard_size: int, plan: Plan) -> list[Unit]:

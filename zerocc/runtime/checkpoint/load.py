@@ -152,7 +152,7 @@ def _load(runner: Checkpointed, folder: Path, manifest: Manifest) -> None:
                 target.copy_(read(weight_name(buffer.fqn)).view(target.shape))
         if "optim.step" in runner.state:
             runner.state["optim.step"].copy_(read(STEP_TENSOR).view(()))
-        _restore_random_state(runner, manifest.meta, manifest, read)
+        _restore_random_state(runner, manifest, read)
     finally:
         reader.close()
 
@@ -216,14 +216,12 @@ def restore_counters(runner: Checkpointed, meta: dict[str, Any]) -> list[str]:
     return notes
 
 
-def _restore_random_state(
-    runner: Checkpointed, meta: dict[str, Any], manifest: Manifest, read: Read
-) -> None:
+def _restore_random_state(runner: Checkpointed, manifest: Manifest, read: Read) -> None:
     """Each rank's random number generators as that rank saved them, on the world size that
     saved them (on another, each goes on from where it is: :func:`restore_counters` notes
     it)."""
     rank = runner.comm.rank
-    if meta["world_size"] != runner.comm.world_size:
+    if manifest.meta["world_size"] != runner.comm.world_size:
         return
     torch.set_rng_state(read(rng_name(rank, "cpu")))
     if runner.device.type == "cuda" and rng_name(rank, "cuda") in manifest.tensors:
