@@ -13,7 +13,6 @@ from torch import nn
 
 import zerocc.ir.ops  # noqa: F401  (defines the zerocc op library)
 from zerocc.compiler.capture import LossFn
-from zerocc.compiler.driver.session import PIPELINE_DUMPS_NOT_YET
 from zerocc.compiler.materialize import materialize
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
@@ -32,7 +31,6 @@ from zerocc.errors import (
     RankStoppedError,
     ZeroccError,
 )
-from zerocc.inspect.dumps import dump_dir
 from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.weight_files import weights_from
 from zerocc.runtime.devices import join_default_group, rank_device, use_device
@@ -92,8 +90,6 @@ def compile(
     _check_world_size(plan, comm.world_size)
     try:
         if plan.parallel.pp > 1:
-            if dump_dir(plan) is not None:
-                raise NotSupportedError(PIPELINE_DUMPS_NOT_YET)
             return PipelineStep(model, plan, loss_fn, comm, device)
         return TrainStep(model, plan, loss_fn, comm, device)
     except BaseException:

@@ -10,12 +10,14 @@ one update. The loss is the mean over the micro-batches of the last stage's, on 
 
 Checkpoints are a TrainStep's (:mod:`zerocc.runtime.checkpoint`): each rank writes what its
 stages hold, named as the model names it, so one saved under any pipeline loads under any
-other, or none. What a pipeline does not do yet is refused when it is compiled, naming the
-field: offload, loss scaling, the Inductor backend.
+other, or none. The dumps (``dumps.dir``) draw every rank's step beside the predicted one
+(:mod:`zerocc.inspect.pipeline_dumps`). What a pipeline does not do yet is refused when it is
+compiled, naming the field: offload, loss scaling, the Inductor backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -32,7 +34,6 @@ from zerocc.compiler.driver.pipeline import RankPrograms, capture_microbatch, co
 from zerocc.compiler.driver.session import PIPELINE_EVALUATE_NOT_YET, CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import (
-    Action,
     PipelineSchedule,
     pipeline_schedule,
     schedules_over,
@@ -40,14 +41,19 @@ from zerocc.compiler.parallel.pipeline_schedule import (
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.plan.pipeline import describe_zero, less_gathered
 from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.cost.memory import model_state_bytes_of
+from zerocc.cost.model import CostModel, rates_for
 from zerocc.cost.pipeline_memory import PipelineMemory, Programs, predict_pipeline_memory
 from zerocc.cost.stage_balance import split_units
 from zerocc.engine.comm import Comm
 from zerocc.errors import BatchError, NotSupportedError, RankMismatchError
+from zerocc.inspect.dumps import dump_dir
+from zerocc.inspect.pipeline_dumps import RankStep, write_pipeline_programs, write_pipeline_run
+from zerocc.inspect.pipeline_estimate import program_seconds
 from zerocc.ir.nodes import BATCH, placeholders, val
 from zerocc.ir.ops import DP_GROUP, PP_GROUP
 from zerocc.runtime.agreement import (
@@ -63,7 +69,7 @@ from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_stat
 from zerocc.runtime.context import open_context
 from zerocc.runtime.memory_check import check_pipeline_memory
 from zerocc.runtime.nonfinite import nonfinite_error
-from zerocc.runtime.pipeline import PipelineRank, TorchTransport, microbatches_of
+from zerocc.runtime.pipeline import PipelineRank, StepTimeline, TorchTransport, microbatches_of
 from zerocc.runtime.programs import SetupClock, batch_signature, bindings_of
 from zerocc.runtime.state_store import StateStore, align_random_state
 
@@ -107,14 +113,13 @@ class PipelineStep:
         self.micro_batches = 0  # calls (each one optimizer step's batch), skipped ones too
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)
         self.signature: tuple = ()  # the first batch's, which the stages are compiled for
-        self.dump_dir = None  # (dumps are a TrainStep's: `zerocc train --dump` refuses a pipeline)
+        self.dump_dir = dump_dir(plan)  # (zerocc.inspect.pipeline_dumps)
+        self._dump_record: RankStep | None = None  # its programs' predicted seconds, once
         # What an earlier pipeline rank holds too and saves (known once the step is cut).
         self.saved_elsewhere: frozenset[str] = frozenset()
         # A checkpoint loaded before the first call: read into the state once it exists.
         self._resume_from: tuple[Path, Manifest] | None = None
-        # The last step's actions on this rank: (action, start, end, waited), seconds from the
-        # first action's start; ``waited``: the part of it spent receiving a neighbour's tensor.
-        self.timeline: list[tuple[Action, float, float, float]] = []
+        self.timeline = StepTimeline()  # what this rank did in the last step, and when
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -140,16 +145,19 @@ class PipelineStep:
             self.state[STEP_SPEC.key].fill_(self.steps + 1)
         runners = {key: self._runner(program, micro) for key, program in self.programs.items()}
         rank = PipelineRank(runners, self.transport)
-        self.timeline = []
+        timeline = self.timeline = StepTimeline(time.time())
         with traced_grad_mode():
             start = time.perf_counter()
             for action in self.schedule.actions[self.pp_rank]:
                 began, waited = time.perf_counter() - start, rank.waited
                 rank.run(action)
                 end = time.perf_counter() - start
-                self.timeline.append((action, began, end, rank.waited - waited))
+                timeline.actions.append((action, began, end, rank.waited - waited))
             self.transport.finish()
+            began = time.perf_counter() - start
             _, flags, found_inf = self.update.run(*self._bound(self.update.bindings, ()))
+            timeline.update = (began, time.perf_counter() - start)
+        timeline.receives = [(a - start, b - start, stage) for a, b, stage in rank.receives]
         if bool(found_inf):
             if STEP_SPEC.key in self.state:
                 self.state[STEP_SPEC.key].fill_(self.steps)
@@ -158,7 +166,10 @@ class PipelineStep:
         else:
             self.steps += 1
         self.micro_batches += 1
-        return self._loss(rank.losses)
+        loss = self._loss(rank.losses)
+        if self.dump_dir is not None and self.micro_batches <= 2:
+            self._dump_run()
+        return loss
 
     def end_of_data(self) -> None:
         """Call instead of ``step(*batch)`` when this rank has no batch left: returns when every
@@ -285,7 +296,7 @@ class PipelineStep:
         }  # fmt: skip
         check_pipeline_memory(
             self.predicted_memory, others, self.schedule.stages_of(self.pp_rank), self.comm,
-            self.device,
+            self.device, less_gathered(self.plan.zero.stage, self.plan.pipeline.gather),
         )  # fmt: skip
 
     def sent_bytes(self) -> int:
@@ -305,10 +316,7 @@ class PipelineStep:
     def waiting_share(self) -> float:
         """The share of the last step this rank spent waiting for a neighbour's tensor (its
         bubble, measured): from its first action's start to its last's end."""
-        if not self.timeline:
-            return 0.0
-        span = self.timeline[-1][2]
-        return sum(waited for *_, waited in self.timeline) / span if span > 0 else 0.0
+        return self.timeline.waiting_share
 
     def summary(self) -> dict[str, Any]:
         """Figures of the last step, as :meth:`zerocc.TrainStep.summary` gives them, the
@@ -338,6 +346,7 @@ class PipelineStep:
             f"{self.data_rank} of {self.data_parallel}; schedule {pipeline.schedule}, "
             f"{self.microbatches} micro-batches per step",
             self.mesh.describe(),
+            describe_zero(self.plan.zero.stage, pipeline.gather),
             "",
             "what each stage holds and what crosses each cut",
             self.staged.format(),
@@ -350,6 +359,25 @@ class PipelineStep:
             f"memory of this rank: {self.memory().format()}",
         ]
         return "\n".join(lines)
+
+    def _dump_run(self) -> None:
+        """The last step of every rank drawn beside the predicted one (a collective; see
+        :mod:`zerocc.inspect.pipeline_dumps`): after the first step, and the second."""
+        rates = rates_for(self.plan, self.device.type)
+        if self._dump_record is None:
+            cost = CostModel(rates, self.comm.world_size, self.mesh)
+            seconds = {key: program_seconds(p.gm, cost) if p is not None else 0.0
+                       for key, p in self.programs.items()}  # fmt: skip
+            self._dump_record = RankStep(
+                self.comm.rank, self.pp_rank, self.schedule.stages_of(self.pp_rank),
+                self.timeline, seconds, program_seconds(self.update.gm, cost),
+            )  # fmt: skip
+        write_pipeline_run(
+            self.dump_dir, self.comm,
+            dataclasses.replace(self._dump_record, timeline=self.timeline),
+            self.micro_batches, plan=self.plan, mesh=self.mesh, schedule=self.schedule,
+            rates=rates, explain=self.explain() if self.comm.rank == 0 else "",
+        )  # fmt: skip
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -397,10 +425,13 @@ class PipelineStep:
         )
         stage_units, _ = split_units(self.plan, gm, local, self.mesh.shard_size)
         staged = cut_stages(gm, local, stage_units)
+        dumps = self.dump_dir is not None
         compiled = compile_rank(
             self.model, self.plan, self.comm.world_size, self.loss_fn, full, tp, staged,
-            self.schedule, self.pp_rank, self.device,
+            self.schedule, self.pp_rank, self.device, keep_graphs=dumps,
         )  # fmt: skip
+        if dumps and self.comm.rank % self.mesh.stage_ranks == 0:  # the pipeline rank's first
+            write_pipeline_programs(self.dump_dir, compiled.records)
         # The programs stay as compiled: this rank's memory, walked once.
         programs, layout = compiled.programs, compiled.session.layout
         self.predicted_memory = self._walk(self.schedule, programs, layout)

@@ -271,9 +271,5 @@ def test_what_a_pipeline_plan_cannot_do_yet_is_refused_before_any_rank_starts(ca
     assert "--table: not for a pipeline plan yet" in capsys.readouterr().err
     assert main(["train", plan, "--nproc", "2", "--eval-every", "2"]) == 2
     assert "it cannot evaluate yet (set metrics.eval_every: 0" in capsys.readouterr().err
-    assert main(["train", plan, "--nproc", "2", "--dump", str(tmp_path / "d")]) == 2
-    assert "the dumps (--dump, ZEROCC_DUMP_DIR, dumps.dir) are a TrainStep's" in (
-        capsys.readouterr().err
-    )
     assert main(["inspect", plan, "--print-after", "shard"]) == 2
     assert "--print-after: not for a pipeline plan yet" in capsys.readouterr().err

@@ -55,3 +55,26 @@ def test_zerocc_estimate_prints_a_pipeline_plan(capsys):
     assert re.search(r"\n  1f1b +bubble +\d+\.\d%  peak \S+MiB\n", out)
     assert main(["estimate", str(EXAMPLES / "zero3-pp.yaml"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "1f1b"
+
+
+def test_zero3_gathered_once_per_step_moves_up_to_2m_times_fewer_bytes():
+    """The example's stages (ZeRO-3, 4 micro-batches): gathered per micro-batch, each forward
+    and backward gathers the units it reads (up to 2 × 4 gathers of each); once per step, the
+    update gathers the new parameters once. Reduce-scatters are per micro-batch either way."""
+    plan = load_plan(EXAMPLES / "zero3-pp.yaml")
+    assert plan.pipeline.gather == "step"
+    once = estimate_pipeline(plan, world_size=4)
+    per = estimate_pipeline(
+        plan.model_copy(
+            update={"pipeline": plan.pipeline.model_copy(update={"gather": "microbatch"})}
+        ),
+        world_size=4,
+    )
+    m = plan.pipeline.microbatches_of(plan.parallel.pp)
+    for a, b in zip(once.ranks, per.ranks, strict=True):
+        # (a unit its backward does not read, as an embedding, is not gathered there)
+        assert m < b.collective_bytes["all_gather"] / a.collective_bytes["all_gather"] <= 2 * m
+        assert b.collective_bytes["reduce_scatter"] == a.collective_bytes["reduce_scatter"]
+        assert b.model_states["total"] < a.model_states["total"]  # parameters sharded at rest
+    assert "gathered once per step" in once.format()
+    assert "collectives per step: all_gather" in once.format()

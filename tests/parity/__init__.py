@@ -63,6 +63,7 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
     pipeline = {}
     if "pp" in case:  # its micro-batches are the pipeline's (they accumulate there)
         pipeline = {"schedule": case.get("schedule", "1f1b"), "microbatches": case["accum"]}
+        pipeline |= {"gather": case["gather"]} if "gather" in case else {}
     return {
         "zero": {"stage": case["stage"], "replicate": case.get("replicate", 1)},
         "parallel": _parallel(case),

@@ -328,6 +328,7 @@ def test_a_pipeline_rank_that_does_not_fit_fails_before_it_allocates(machine, al
     assert "this pipeline rank's stages [0] do not fit in memory" in message
     assert f"pipeline.schedule: 1f1b: this rank's peak {human_bytes(room)} (fits)" in message
     assert "8 forward(s) awaiting their backward" in message
+    assert "\n  pipeline.gather: microbatch (each stage's parameters gathered per" in message
     assert not allocations
     off = {"backend": {"device": "cpu", "check_memory": False}}
     zerocc.compile(build("gpt"), _pipeline_plan("gpipe", **off), comm=zerocc.FakeComm(2))

@@ -227,10 +227,13 @@ _CARRIES = {
     "dp": "ZeRO: gathers of unit shards, gradient reduce-scatters, the global checks",
     "replicate": "hybrid sharding: gradient shards all-reduced across replicas",
     "tp": "tensor parallelism: the split layers' activations and gradients",
+    "pp": "pipeline parallelism: activations forward, their gradients back; the loss, the "
+    "global checks",
+    "tie": "a pipeline's first and last ranks: the gradient of a tied embedding and head",
 }
 
 
-def _mesh_section(mesh: Mesh) -> list[ReportSection]:
+def mesh_section(mesh: Mesh) -> list[ReportSection]:
     """The ranks' layout, one row per kind of group (none unless the ranks are split)."""
     if not mesh.split:
         return []
@@ -249,8 +252,6 @@ def _sections(
     records = step.records
     units = unit_rows(step.units)
     plan_text = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False)
-    programs = sorted((root / "programs").glob("*/*"))
-    graphs = [["file"]] + [[str(p.relative_to(root))] for p in programs]
     sections = [
         ReportSection("Plan", "text", f"# {plan.source or 'plan'}\n{plan_text}"),
         ReportSection(
@@ -259,7 +260,7 @@ def _sections(
             pass_table(records),
             "what each pass did to the program that runs the optimizer (zerocc inspect)",
         ),
-        *_mesh_section(step.mesh),
+        *mesh_section(step.mesh),
         ReportSection("Units", "table", units, precision_line(step)),
         ReportSection(
             "Memory",
@@ -276,7 +277,7 @@ def _sections(
             f"followed by the schedule the cost model predicts (rank N (predicted)): open it in "
             f"{PERFETTO} (Open trace file) or chrome://tracing",
         ),
-        ReportSection("Programs", "table", graphs, _graph_caption(programs)),
+        programs_section(root),
     ]
     return sections
 
@@ -304,7 +305,12 @@ def _estimate_text(step: StepRecord, predicted: MemoryTimeline) -> str:
     return "\n".join(lines)
 
 
-def _graph_caption(programs: list[Path]) -> str:
+def programs_section(root: Path) -> ReportSection:
+    """The files :func:`write_program_dumps` wrote under ``root``."""
+    programs = sorted((root / "programs").glob("*/*"))
+    rows = [["file"]] + [[str(p.relative_to(root))] for p in programs]
     if any(p.suffix == ".svg" for p in programs):
-        return "the program after each pass, as Python, Graphviz DOT and SVG"
-    return f"the program after each pass, as Python and Graphviz DOT; {GRAPHVIZ_HINT}"
+        caption = "each program after each pass, as Python, Graphviz DOT and SVG"
+    else:
+        caption = f"each program after each pass, as Python and Graphviz DOT; {GRAPHVIZ_HINT}"
+    return ReportSection("Programs", "table", rows, caption)

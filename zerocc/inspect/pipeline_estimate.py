@@ -12,13 +12,15 @@ small beside the stages' compute at the sizes pipelines are for).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import fx
 
-from zerocc.compiler.driver.pipeline import compile_rank
+from zerocc.compiler.driver.pipeline import RankPrograms, compile_rank
 from zerocc.compiler.parallel.pipeline_schedule import (
     Action,
     PipelineSchedule,
@@ -26,11 +28,13 @@ from zerocc.compiler.parallel.pipeline_schedule import (
     schedules_over,
 )
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.plan.pipeline import describe_zero
 from zerocc.compiler.workload import Workload
 from zerocc.cost.memory import model_state_bytes_of
 from zerocc.cost.model import CostModel, DeviceRates, rates_for
 from zerocc.cost.pipeline_memory import PipelineMemory, predict_pipeline_memory
 from zerocc.cost.simulate import simulate
+from zerocc.inspect.explain import comm_bytes
 from zerocc.inspect.pipeline import PipelineInspection, inspect_pipeline
 from zerocc.ir.printing import human_bytes, human_seconds
 
@@ -45,6 +49,7 @@ class RankEstimate:
     memory: PipelineMemory
     seconds: dict[tuple[int, str], float]  # (stage, kind) -> one micro-batch's program
     update_s: float
+    collective_bytes: dict[str, int]  # collective kind -> bytes per step (explain's kinds)
 
 
 @dataclass
@@ -83,6 +88,7 @@ class PipelineEstimate:
                     "kept_bytes": r.memory.kept,
                     "microbatches_in_flight": r.memory.in_flight,
                     "update_s": r.update_s,
+                    "collective_bytes": r.collective_bytes,
                 }
                 for r in self.ranks
             ],
@@ -95,8 +101,8 @@ class PipelineEstimate:
         lines = [
             f"{plan.source or 'plan'}: pipeline of {schedule.stages} stages on "
             f"{inspection.mesh.pp} pipeline ranks, schedule {schedule.name}, "
-            f"{schedule.microbatches} micro-batches per step; ZeRO stage {plan.zero.stage} "
-            f"inside each stage, compute {plan.precision.param}",
+            f"{schedule.microbatches} micro-batches per step, compute {plan.precision.param}",
+            describe_zero(plan.zero.stage, plan.pipeline.gather),
             inspection.mesh.describe(),
             "",
             "per pipeline rank (each of its data- and tensor-parallel ranks alike):",
@@ -111,6 +117,10 @@ class PipelineEstimate:
                 f"forward(s) awaiting backward); per micro-batch forward {human_seconds(forward)}, "
                 f"backward {human_seconds(backward)}; update {human_seconds(r.update_s)}"
             )
+            moved = ", ".join(
+                f"{k} {human_bytes(n)}" for k, n in sorted(r.collective_bytes.items())
+            )
+            lines.append(f"    collectives per step: {moved or 'none'}")
         lines += [
             "",
             f"time per step: {human_seconds(self.step_s)} (the schedule "
@@ -140,8 +150,8 @@ def estimate_pipeline(
     cost = CostModel(rates, world_size, inspection.mesh)
     schedule, work = inspection.schedule, inspection.workload
 
-    def seconds(gm) -> float:
-        return simulate(gm, cost, issue_s=cost.issue_s, stolen=cost.stolen).step_s
+    def seconds(gm: fx.GraphModule) -> float:
+        return program_seconds(gm, cost)
 
     ranks, compiled_ranks = [], []
     for r in range(inspection.mesh.pp):
@@ -152,12 +162,12 @@ def estimate_pipeline(
         states = model_state_bytes_of(compiled.session.layout)
         memory = predict_pipeline_memory(schedule.actions[r], compiled.programs, states["total"])
         times = {k: seconds(gm) if gm is not None else 0.0 for k, gm in compiled.programs.items()}
-        ranks.append(
-            RankEstimate(r, schedule.stages_of(r), states, memory, times, seconds(compiled.update))
-        )
+        update_s = seconds(compiled.update)
+        moved = _collective_bytes(compiled, schedule.microbatches)
+        ranks.append(RankEstimate(r, schedule.stages_of(r), states, memory, times, update_s, moved))
         compiled_ranks.append(compiled)
     times = {key: s for rank in ranks for key, s in rank.seconds.items()}
-    timeline = schedule.simulate(_action_seconds(times))
+    timeline = schedule.simulate(action_seconds(times))
     peaks = {}
     others = schedules_over(schedule)
     for name, other in others.items():
@@ -169,14 +179,30 @@ def estimate_pipeline(
                 for r, (rank, compiled) in enumerate(zip(ranks, compiled_ranks, strict=True))
             )
     bubbles = {
-        name: other.simulate(_action_seconds(times)).bubble
+        name: other.simulate(action_seconds(times)).bubble
         if isinstance(other, PipelineSchedule) else other
         for name, other in others.items()
     }  # fmt: skip
     return PipelineEstimate(inspection, ranks, timeline, bubbles, peaks, rates)
 
 
-def _action_seconds(times: dict[tuple[int, str], float]) -> Callable[[Action], float]:
+def _collective_bytes(compiled: RankPrograms, microbatches: int) -> dict[str, int]:
+    """Bytes a pipeline rank's collectives move per step, by kind: each stage program once
+    per micro-batch, the update once."""
+    moved: Counter[str] = Counter()
+    for gm in compiled.programs.values():
+        if gm is not None:
+            moved.update({k: n * microbatches for k, n in comm_bytes({True: gm}, 1).items()})
+    moved.update(comm_bytes({True: compiled.update}, 1))
+    return dict(moved)
+
+
+def program_seconds(gm: fx.GraphModule, cost: CostModel) -> float:
+    """One run of a stage program (or the update) as the cost model simulates it."""
+    return simulate(gm, cost, issue_s=cost.issue_s, stolen=cost.stolen).step_s
+
+
+def action_seconds(times: dict[tuple[int, str], float]) -> Callable[[Action], float]:
     """Each action's time from the programs': a whole backward as its halves' sum, a half as
     half the whole backward, when the schedule runs backward otherwise than compiled."""
 

@@ -222,12 +222,14 @@ def check_pipeline_memory(
     stages: list[int],
     comm: Comm,
     device: torch.device,
+    less_gathered: str | None = None,
 ) -> None:
     """Raise :class:`InsufficientMemoryError` on every rank when a pipeline rank's predicted
     peak would not fit its machine (call before any state is allocated): its model states,
     what its stages keep for backward over the schedule's micro-batches, and the running
     program's transients (:mod:`zerocc.cost.pipeline_memory`). ``others``: the same rank's
-    peak under each other schedule that runs its programs; ``stages``: the rank's."""
+    peak under each other schedule that runs its programs; ``stages``: the rank's;
+    ``less_gathered``: the plan change that holds fewer parameters whole, if any."""
     pool = pool_of(DEVICE, device)
     need: Need = {pool: {}}
     transient = memory.peak - memory.model_states - memory.kept
@@ -257,8 +259,9 @@ def check_pipeline_memory(
                 else "what lowers it:",
                 *fitting,
                 "  more pipeline ranks (parallel.pp), so that each holds fewer layers; "
-                "zero.stage: 3 inside the stages; recompute (fewer tensors kept for backward); "
-                "smaller micro-batches (pipeline.microbatches up, the batch alike)",
+                "recompute (fewer tensors kept for backward); smaller micro-batches "
+                "(pipeline.microbatches up, the batch alike)",
+                *([f"  {less_gathered}"] if less_gathered else []),
                 TURN_OFF,
             ]
         )

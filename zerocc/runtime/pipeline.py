@@ -152,6 +152,25 @@ class TorchTransport:
         self.pending.clear()
 
 
+@dataclass
+class StepTimeline:
+    """What one pipeline rank did in a step, in seconds from its first action's start:
+    ``actions`` each (action, start, end, the part of it spent receiving), ``receives`` each
+    (start, end, the stage it came from), ``update`` the update program's (start, end);
+    ``started`` the wall clock (``time.time()``) at the first action, to line ranks up."""
+
+    started: float = 0.0
+    actions: list[tuple[Action, float, float, float]] = field(default_factory=list)
+    receives: list[tuple[float, float, int]] = field(default_factory=list)
+    update: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def waiting_share(self) -> float:
+        """The share of the actions' span spent waiting for a neighbour."""
+        span = self.actions[-1][2] if self.actions else 0.0
+        return sum(waited for *_, waited in self.actions) / span if span > 0 else 0.0
+
+
 class PipelineRank:
     """The stages one rank holds, run action by action: ``runners[(stage, kind)]`` runs the
     program of that stage and action kind (``F``, ``B``, ``I``, ``W``) on a micro-batch.
@@ -169,6 +188,8 @@ class PipelineRank:
         self.losses: dict[int, Any] = {}
         self.action: Action | None = None
         self.waited = 0.0  # seconds spent in receives (waiting for a neighbour, mostly)
+        # Each receive: (its start, its end, the stage it came from), time.perf_counter()'s.
+        self.receives: list[tuple[float, float, int]] = []
 
     def run(self, action: Action) -> None:
         """Run one action of the rank's schedule."""
@@ -207,7 +228,9 @@ class PipelineRank:
         try:
             return self._to(stage).recv(stage, self._key(self.action.stage, name), like)
         finally:
-            self.waited += time.perf_counter() - began
+            ended = time.perf_counter()
+            self.waited += ended - began
+            self.receives.append((began, ended, stage))
 
     def keep(self, tensor: torch.Tensor, name: str) -> None:
         key = (self.action.stage, self.action.microbatch)

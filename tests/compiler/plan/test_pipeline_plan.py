@@ -46,6 +46,14 @@ def test_a_pipeline_defaults_to_1f1b_with_a_micro_batch_per_stage():
         ),
         ({"parallel": {"pp": 2}, "pipeline": {"schedule": "dualpipe"}}, "1f1b"),
         ({"parallel": {"pp": 2}, "pipeline": {"microbatches": 1}}, "microbatches"),
+        (
+            {"parallel": {"pp": 2}, "zero": {"stage": 2}, "pipeline": {"gather": "microbatch"}},
+            "pipeline.gather: microbatch applies to zero.stage 3 only: stage 2 holds",
+        ),
+        (
+            {"parallel": {"pp": 2}, "zero": {"stage": 3}, "units": {"keep_gathered": ["root"]}},
+            "units.keep_gathered with pipeline.gather: step",
+        ),
     ],
 )
 def test_a_pipeline_the_ranks_cannot_run_is_a_plan_error_naming_the_field(fields, message):
@@ -70,3 +78,17 @@ def test_the_mesh_puts_pipeline_ranks_outermost():
         assert sorted(r for g in mesh.groups(name) for r in g) == list(range(16))
     hybrid = Mesh.of(8, replicate=2, pp=2)
     assert hybrid.groups("replicate") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_zero3_stages_gather_once_per_step_unless_the_plan_asks_per_microbatch():
+    """pipeline.gather: step (the default) compiles a ZeRO-3 pipeline's stage programs as
+    ZeRO-2 holds parameters; microbatch keeps them ZeRO-3 programs; other stages are theirs."""
+    from zerocc.compiler.driver.pipeline import stage_plan
+
+    def stage_of(zero: int, **pipeline) -> int:
+        plan = load_plan({"parallel": {"pp": 2}, "zero": {"stage": zero}, "pipeline": pipeline})
+        return stage_plan(plan).zero.stage
+
+    assert stage_of(3) == 2
+    assert stage_of(3, gather="microbatch") == 3
+    assert [stage_of(z) for z in (0, 1, 2)] == [0, 1, 2]

@@ -24,8 +24,14 @@ import torch
 from torch import fx, nn
 
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
-from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes, state_layout
-from zerocc.compiler.driver.program import check_bindings
+from zerocc.compiler.driver.pass_manager import (
+    PassContext,
+    PassRecord,
+    bind_passes,
+    run_passes,
+    state_layout,
+)
+from zerocc.compiler.driver.program import check_bindings, snapshot
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule
@@ -39,15 +45,19 @@ from zerocc.compiler.parallel.stage_programs import (
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.plan.pipeline import stages_zero
 from zerocc.compiler.units import Unit
 
 
 def stage_plan(plan: Plan) -> Plan:
     """The plan a pipeline's stage programs are compiled under: what accumulates over a step's
     micro-batches is compiled as gradient accumulation (so the mean is over ranks ×
-    micro-batches, as in any step)."""
-    microbatches = plan.pipeline.microbatches_of(plan.parallel.pp)
-    return plan.model_copy(update={"grad_accumulation": microbatches})
+    micro-batches, as in any step), at the ZeRO stage that gathers parameters as
+    ``pipeline.gather`` asks (:func:`stages_zero`)."""
+    pipeline = plan.pipeline
+    microbatches = pipeline.microbatches_of(plan.parallel.pp)
+    zero = plan.zero.model_copy(update={"stage": stages_zero(plan.zero.stage, pipeline.gather)})
+    return plan.model_copy(update={"grad_accumulation": microbatches, "zero": zero})
 
 
 def capture_microbatch(
@@ -80,6 +90,13 @@ class RankPrograms:
     session: CompileSession
     programs: dict[tuple[int, str], fx.GraphModule | None]
     update: fx.GraphModule
+    records: dict[str, list[PassRecord]]  # what each pass did, by program name (program_name)
+
+
+def program_name(pp_rank: int, key: tuple[int, str] | None) -> str:
+    """A pipeline rank's program as dumps and reports name it: ``rank0-stage1-F``, or
+    ``rank0-update`` (``key`` None)."""
+    return f"rank{pp_rank}-" + ("update" if key is None else f"stage{key[0]}-{key[1]}")
 
 
 def compile_rank(
@@ -93,10 +110,12 @@ def compile_rank(
     schedule: PipelineSchedule,
     pp_rank: int,
     device: torch.device,
+    keep_graphs: bool = False,
 ) -> RankPrograms:
     """Compile what pipeline rank ``pp_rank`` runs of ``staged`` (cut from the step of
     ``full``, as :func:`capture_microbatch` gave it) under ``plan`` (the user's) on
-    ``world_size`` ranks."""
+    ``world_size`` ranks; ``keep_graphs`` keeps a copy of each program after every pass in
+    its records (for the dumps)."""
     mesh = Mesh.of_plan(plan, world_size)
     plan = stage_plan(plan)
     local = tp.local_info(full) if tp is not None else full
@@ -117,12 +136,18 @@ def compile_rank(
     # One of the pipeline ranks holding a tied unit counts it in the clipping norm: the first.
     counts_tied = all(pp_rank <= schedule.rank_of(s) for f in tied for s in staged.tied[f])
 
-    def compiled(graph: fx.GraphModule, boundary: bool, update_of=None) -> fx.GraphModule:
+    records: dict[str, list[PassRecord]] = {}
+
+    def compiled(
+        key: tuple[int, str] | None, graph: fx.GraphModule, update_of=None
+    ) -> fx.GraphModule:
         ctx = PassContext(
-            plan, world_size, held, boundary, units=units, update_of=update_of,
+            plan, world_size, held, boundary=key is None, units=units, update_of=update_of,
             tied=tied_units, tied_norm=counts_tied, tensor_parallel=tp,
         )  # fmt: skip
-        gm, _ = run_passes(graph, ctx, pass_list)
+        gm, records[program_name(pp_rank, key)] = run_passes(
+            graph, ctx, pass_list, snapshot if keep_graphs else None
+        )
         check_bindings(gm, layout, held)
         return gm
 
@@ -139,13 +164,13 @@ def compile_rank(
             if not program.outputs:  # (the first stage's input gradient, mostly)
                 programs[s, kind] = None
                 continue
-            programs[s, kind] = compiled(step_form(program, held), boundary=False)
+            programs[s, kind] = compiled((s, kind), step_form(program, held))
     # A tied unit is reduced and updated on both ranks that hold it, whichever of them
     # computed its gradient (under mixed precision the cast's gradient sums both parts on
     # the first stage: the other's accumulator holds zeros).
     reached |= tied
-    update = compiled(update_graph(held, device), True, frozenset(reached))
-    return RankPrograms(session, programs, update)
+    update = compiled(None, update_graph(held, device), frozenset(reached))
+    return RankPrograms(session, programs, update, records)
 
 
 def _units(held: ModelInfo, tied: frozenset[str], shard_size: int, plan: Plan) -> list[Unit]:

@@ -42,11 +42,6 @@ PIPELINE_STATUS = (
     "called with each rank's batch); `zerocc estimate PLAN` predicts each rank's memory and "
     "the step's time"
 )
-PIPELINE_DUMPS_NOT_YET = (
-    "parallel.pp > 1: the dumps (--dump, ZEROCC_DUMP_DIR, dumps.dir) are a TrainStep's and do "
-    "not draw a pipeline yet; `zerocc inspect PLAN` shows its cut and schedule, and the run's "
-    "explain() and summary its waiting and predicted memory"
-)
 PIPELINE_EVALUATE_NOT_YET = (
     "parallel.pp > 1: a pipeline's stages are compiled for training only; it cannot evaluate "
     "yet (set metrics.eval_every: 0, or evaluate the saved checkpoint under parallel.pp: 1)"

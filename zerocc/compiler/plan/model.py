@@ -207,6 +207,21 @@ class Plan(Section):
                 "pipeline accumulates its micro-batches' gradients already; set "
                 f"pipeline.microbatches (now {pipeline.microbatches_of(pp)}) instead"
             )
+        if pipeline.gather != "step" and not self.zero.shards_params:
+            raise ValueError(
+                f"pipeline.gather: {pipeline.gather} applies to zero.stage 3 only: stage "
+                f"{self.zero.stage} holds every parameter whole; drop it or set zero.stage: 3"
+            )
+        if (
+            pipeline.gather == "step"
+            and self.zero.shards_params
+            and (self.units.keep_gathered or self.units.keep_gathered_below_mb)
+        ):
+            raise ValueError(
+                "units.keep_gathered with pipeline.gather: step: every unit of a stage is "
+                "gathered once per step and kept already; drop it, or set pipeline.gather: "
+                "microbatch to keep these units gathered through each micro-batch's program"
+            )
         stages = pp * pipeline.stages_per_rank_of()
         if isinstance(pipeline.split, list) and len(pipeline.split) != stages - 1:
             raise ValueError(

@@ -12,6 +12,7 @@ from zerocc.compiler.plan.base import Section
 from zerocc.errors import PlanError
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+GatherName = Literal["step", "microbatch"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 # Stages per rank each schedule runs: (least, most; None: no bound). ZBV is V-shaped: two.
 STAGES_PER_RANK: Mapping[str, tuple[int, int | None]] = {
@@ -50,6 +51,15 @@ class PipelineConfig(Section):
         "begins with, pp x stages_per_rank - 1 of them, in model order",
     )
 
+    gather: GatherName = Field(
+        "step",
+        description="zero.stage 3: when a stage's parameters are gathered. step: once per step "
+        "and held whole through it, as ZeRO-2 holds them (one all-gather per unit and step; the "
+        "stage's parameters whole in memory); microbatch: before each micro-batch's forward and "
+        "backward and freed after (one unit whole at a time; 2 x microbatches all-gathers per "
+        "unit and step)",
+    )
+
     @field_validator("split")
     @classmethod
     def _split_names_units_once(cls, split: str | list[str]) -> str | list[str]:
@@ -64,6 +74,40 @@ class PipelineConfig(Section):
     def microbatches_of(self, pp: int) -> int:
         """``microbatches``, or one per stage."""
         return self.microbatches or pp * self.stages_per_rank_of()
+
+
+def stages_zero(stage: int, gather: str) -> int:
+    """The ZeRO stage a pipeline's stage programs are compiled at for the plan's ``stage``:
+    stage 3 gathering once per step (``pipeline.gather: step``) holds a stage's parameters
+    whole through the step, which is what stage 2 does (its update all-gathers the new
+    parameters once, where stage 3 would gather them before the next step's first forward:
+    the same bytes, the same peak)."""
+    return 2 if stage == 3 and gather == "step" else stage
+
+
+def less_gathered(stage: int, gather: str) -> str | None:
+    """The plan change that holds fewer of a stage's parameters whole, if there is one."""
+    if stage == 3 and gather == "microbatch":
+        return None
+    change = "pipeline.gather: microbatch"
+    if stage != 3:
+        change = f"zero.stage: 3, {change}"
+    return f"{change} (each stage's parameters gathered per micro-batch: one unit whole at a time)"
+
+
+def describe_zero(stage: int, gather: str) -> str:
+    """How ZeRO runs inside a pipeline's stages, for the explain and the estimate."""
+    if stage != 3:
+        return f"ZeRO stage {stage} inside each stage"
+    if gather == "step":
+        return (
+            "ZeRO stage 3 inside each stage, its parameters gathered once per step and held "
+            "whole through it (pipeline.gather: step; as ZeRO-2 holds them)"
+        )
+    return (
+        "ZeRO stage 3 inside each stage, its parameters gathered for each micro-batch's "
+        "forward and backward (pipeline.gather: microbatch)"
+    )
 
 
 def check_schedule(name: str, pp: int, microbatches: int, stages_per_rank: int) -> None:
