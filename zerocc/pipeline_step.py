@@ -11,8 +11,8 @@ one update. The loss is the mean over the micro-batches of the last stage's, on 
 Checkpoints are a TrainStep's (:mod:`zerocc.runtime.checkpoint`): each rank writes what its
 stages hold, named as the model names it, so one saved under any pipeline loads under any
 other, or none. The dumps (``dumps.dir``) draw every rank's step beside the predicted one
-(:mod:`zerocc.inspect.pipeline_dumps`). What a pipeline does not do yet is refused when it is
-compiled, naming the field: offload, loss scaling, the Inductor backend.
+(:mod:`zerocc.inspect.pipeline_dumps`). Offload, which a pipeline does not do yet, is refused
+when it is compiled, naming the field.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ from torch import fx, nn
 
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
-from zerocc.compiler.driver.pipeline import RankPrograms, capture_microbatch, compile_rank
+from zerocc.compiler.driver.pipeline import (
+    RankPrograms,
+    capture_microbatch,
+    compile_rank,
+    program_name,
+)
 from zerocc.compiler.driver.session import PIPELINE_EVALUATE_NOT_YET, CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import (
@@ -43,7 +48,7 @@ from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan.pipeline import describe_zero, less_gathered
 from zerocc.compiler.schedule import lr_at
-from zerocc.compiler.state import LR_SPEC, STEP_SPEC, StateLayout
+from zerocc.compiler.state import LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.cost.memory import model_state_bytes_of
 from zerocc.cost.model import CostModel, rates_for
@@ -67,6 +72,7 @@ from zerocc.runtime.checkpoint import CheckpointError, Manifest, load_checkpoint
 from zerocc.runtime.checkpoint.load import fill_state, open_checkpoint, restore_counters
 from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
 from zerocc.runtime.context import open_context
+from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.memory_check import check_pipeline_memory
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.pipeline import PipelineRank, StepTimeline, TorchTransport, microbatches_of
@@ -90,12 +96,10 @@ class PipelineStep:
     hold (a collective over its stage's data-parallel ranks); ``save``/``load`` checkpoint it
     as :class:`zerocc.TrainStep` does."""
 
-    loss_scaler = None  # (loss scaling is refused: _check_supported)
-
     def __init__(
         self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
     ) -> None:
-        _check_supported(plan, device)
+        _check_supported(plan)
         self.model, self.plan, self.loss_fn, self.comm, self.device = (
             model, plan, loss_fn, comm, device
         )  # fmt: skip
@@ -114,6 +118,12 @@ class PipelineStep:
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)
         self.signature: tuple = ()  # the first batch's, which the stages are compiled for
         self.dump_dir = dump_dir(plan)  # (zerocc.inspect.pipeline_dumps)
+        # fp16's loss scale: its counters from here (a checkpoint may load them before the
+        # first call), its tensor the state's once that is allocated.
+        self.loss_scaler: LossScaler | None = None
+        if plan.precision.scaling != "none":
+            scale = torch.zeros((), dtype=torch.float32, device=device)
+            self.loss_scaler = LossScaler.of(plan.precision, scale)
         self._dump_record: RankStep | None = None  # its programs' predicted seconds, once
         # What an earlier pipeline rank holds too and saves (known once the step is cut).
         self.saved_elsewhere: frozenset[str] = frozenset()
@@ -155,16 +165,20 @@ class PipelineStep:
                 timeline.actions.append((action, began, end, rank.waited - waited))
             self.transport.finish()
             began = time.perf_counter() - start
-            _, flags, found_inf = self.update.run(*self._bound(self.update.bindings, ()))
+            # (loss, found_inf) under loss scaling; (loss, per-unit flags, found_inf) without
+            _, *flags, found_inf = self.update.run(*self._bound(self.update.bindings, ()))
             timeline.update = (began, time.perf_counter() - start)
         timeline.receives = [(a - start, b - start, stage) for a, b, stage in rank.receives]
-        if bool(found_inf):
+        overflow = bool(found_inf)  # on any rank of any stage: the update agreed it
+        if overflow:
             if STEP_SPEC.key in self.state:
                 self.state[STEP_SPEC.key].fill_(self.steps)
             if self.plan.precision.nonfinite == "error":
-                raise nonfinite_error(self.update.gm, flags, self.comm.rank, self.steps + 1)
+                raise nonfinite_error(self.update.gm, flags[0], self.comm.rank, self.steps + 1)
         else:
             self.steps += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
         self.micro_batches += 1
         loss = self._loss(rank.losses)
         if self.dump_dir is not None and self.micro_batches <= 2:
@@ -208,6 +222,11 @@ class PipelineStep:
     def data_parallel(self) -> int:
         """How many batches one step trains on."""
         return self.mesh.data_parallel
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the next step runs with (None without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler else None
 
     @property
     def lr(self) -> float:
@@ -329,7 +348,7 @@ class PipelineStep:
             "comm_bytes_per_step": comm,
             "model_state_bytes": model_state_bytes_of(self._built().layout)["total"],
             "offload_bytes_per_step": {},
-            "loss_scale": None,
+            "loss_scale": self.loss_scale,
             "skipped_steps": self.micro_batches - self.steps,
             "pipeline_waiting_share": self.waiting_share(),
             "predicted_peak_bytes": self.memory().peak,
@@ -357,8 +376,24 @@ class PipelineStep:
             "neighbour",
             "",
             f"memory of this rank: {self.memory().format()}",
+            *self._backend_lines(),
         ]
         return "\n".join(lines)
+
+    def backend_notes(self) -> dict[str, list[str]]:
+        """What the backend made of each of this rank's programs, by program name (``rank0-
+        stage1-F``, ``rank0-update``): compiled whole or by region, and why (the eager backend
+        says nothing)."""
+        self._built()
+        programs = {program_name(self.pp_rank, key): p for key, p in self.programs.items()}
+        programs[program_name(self.pp_rank, None)] = self.update
+        return {name: p.run.notes() for name, p in programs.items() if p is not None}
+
+    def _backend_lines(self) -> list[str]:
+        said = [f"  {name}: {note}" for name, notes in self.backend_notes().items()
+                for note in notes]  # fmt: skip
+        backend = resolve_backend(self.plan.backend.name, self.device)
+        return ["", f"backend {backend}:", *said] if said else []
 
     def _dump_run(self) -> None:
         """The last step of every rank drawn beside the predicted one (a collective; see
@@ -448,6 +483,9 @@ class PipelineStep:
         )  # fmt: skip
         if self.mesh.tp > 1:
             align_random_state(self.comm, session, self.device)
+        if self.loss_scaler is not None:  # the programs read the scale from the state
+            self.loss_scaler.tensor = self.state[LOSS_SCALE_SPEC.key]
+            self.loss_scaler.tensor.fill_(self.loss_scaler.scale)
         lower = get_backend(resolve_backend(self.plan.backend.name, self.device))
 
         def lowered(gm: fx.GraphModule) -> _Program:
@@ -490,18 +528,10 @@ def _shapes(signature: tuple) -> str:
                      for part in signature)  # fmt: skip
 
 
-def _check_supported(plan: Plan, device: torch.device) -> None:
+def _check_supported(plan: Plan) -> None:
     """NotSupportedError naming the field, for what a pipeline does not do yet."""
-    backend = resolve_backend(plan.backend.name, device)
-    unsupported = {
-        "offload": plan.offload.optimizer != "none" or plan.offload.params != "none",
-        "precision.scaling (loss scaling)": plan.precision.scaling != "none",
-        f"backend.name: {backend} (name eager)": backend != "eager",
-    }
-    asked = [name for name, used in unsupported.items() if used]
-    if asked:
+    if plan.offload.optimizer != "none" or plan.offload.params != "none":
         raise NotSupportedError(
             f"pipeline parallelism (parallel.pp: {plan.parallel.pp}) does not yet combine with "
-            f"{', '.join(asked)}; drop {'it' if len(asked) == 1 else 'them'}, or set "
-            "parallel.pp: 1"
+            "offload; drop it, or set parallel.pp: 1"
         )

@@ -16,6 +16,7 @@ summed, a norm or an overflow flag not agreed over the stages) differs by 1e-3 o
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import pytest
@@ -45,6 +46,10 @@ CASES = [
     {"model": "llama", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED},
     # bf16 compute against the recipe (tests/parity/test_mixed_precision_parity.py's bound)
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "precision": {"param": "bf16"}},
+    # fp16 with dynamic loss scaling (GradScaler's rule): the first step overflows on the
+    # stage that seeds backward, and every stage skips it
+    {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 2,
+     "precision": {"param": "fp16", "dynamic": {"hysteresis": 1}}},
     # ... at 4 stages: the last sends the head's bf16 part of the tied gradient to the first
     {"model": "gpt4", "stage": 2, "world": 4, "pp": 4, "accum": 4, "precision": {"param": "bf16"}},
     # Tensor (and sequence) parallelism inside the stages: 8 ranks as pp 2 × dp 2 × tp 2, and
@@ -56,9 +61,11 @@ CASES = [
      "schedule": "zero-bubble"},
 ]  # fmt: skip
 
-# Eager, whatever backend the run asks for (`pytest tests/parity --backend inductor`): a
-# pipeline's programs are not lowered by Inductor yet (PipelineStep refuses it).
-CASES = [{**case, "backend": "eager"} for case in CASES]
+# Each stage program lowered by Inductor (C++ on a CPU), region by region: the compute between
+# the sends, receives and kept tensors compiled (`pytest tests/parity --backend inductor` holds
+# every case to it). Tolerance as tests/parity/test_inductor_parity.py's fp32 cases.
+INDUCTOR = {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 2, "backend": "inductor"}
+CASES.append(INDUCTOR)
 
 
 def _tolerance(case: dict[str, Any]) -> float:
@@ -78,6 +85,7 @@ def train_pipeline(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[s
             "losses": losses,
             "data_rank": step.data_rank,
             "params": step.full_state_dict(),
+            "backend_notes": step.backend_notes(),
         }
     return out
 
@@ -107,3 +115,17 @@ def test_a_pipeline_matches_unsharded_training(case):
             held[name] = value
     names = dict(_model(case).named_parameters(remove_duplicate=False))
     assert held.keys() == {n for n in ref_state if n in names}  # every parameter is held
+
+
+def test_inductor_compiles_every_stage_program():
+    """Each stage program's compute compiled (the sends and receives between its regions run
+    as the eager backend runs them, which the notes say), and the update whole."""
+    for rank in _results(INDUCTOR["world"]):
+        notes = rank[case_id(INDUCTOR)]["backend_notes"]
+        assert notes, "no program was lowered by Inductor"
+        for name, said in notes.items():
+            if name.endswith("-update"):
+                assert said[0].startswith("inductor: the whole program compiled"), said
+            else:
+                assert "compiled region by region, not whole: it holds zerocc." in said[0], said
+                assert re.match(r"inductor: (\d+) of \1 compute regions compiled", said[1]), said

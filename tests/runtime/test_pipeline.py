@@ -129,17 +129,11 @@ def test_a_batch_is_cut_into_microbatches_along_its_first_dimension():
         microbatches_of((x, y), 4)
 
 
-@pytest.mark.parametrize(
-    ("fields", "named"),
-    [
-        ({"offload": {"optimizer": "cpu"}}, "offload"),
-        ({"precision": {"param": "fp16"}}, "precision.scaling"),
-        ({"backend": {"name": "inductor", "device": "cpu"}}, "backend.name: inductor"),
-    ],
-)
-def test_a_pipeline_refuses_what_it_does_not_combine_with_yet(fields, named):
-    plan = {"parallel": {"pp": 2}, "zero": {"stage": 3}, "backend": {"device": "cpu"}, **fields}
-    with pytest.raises(NotSupportedError, match=f"does not yet combine with {named}"):
+@pytest.mark.parametrize("offload", [{"optimizer": "cpu"}, {"optimizer": "cpu", "params": "cpu"}])
+def test_a_pipeline_refuses_offload_which_it_does_not_combine_with_yet(offload):
+    plan = {"parallel": {"pp": 2}, "zero": {"stage": 3}, "backend": {"device": "cpu"},
+            "offload": offload}  # fmt: skip
+    with pytest.raises(NotSupportedError, match="does not yet combine with offload; drop it"):
         zerocc.compile(gpt(4), plan, comm=zerocc.FakeComm(world_size=2))
 
 

@@ -237,7 +237,7 @@ def test_a_pipeline_ranks_update_reduces_what_its_stages_accumulated(zero):
     units = assign_units(held, 2, ["Block"], [], None)
     reached = frozenset(p.fqn for p in held.trainable)
     ctx = PassContext(plan, 2, held, boundary=True, units=units, update_of=reached)
-    compiled, _ = run_passes(update_graph(held, CPU), ctx, bind_passes(plan))
+    compiled, _ = run_passes(update_graph(held, CPU, False), ctx, bind_passes(plan))
     verify_program(compiled, "update")
     ops = count_ops(compiled.graph.nodes)
     assert ops["zerocc.adamw_"] == len(units)

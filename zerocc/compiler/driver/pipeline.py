@@ -169,7 +169,8 @@ def compile_rank(
     # computed its gradient (under mixed precision the cast's gradient sums both parts on
     # the first stage: the other's accumulator holds zeros).
     reached |= tied
-    update = compiled(None, update_graph(held, device), frozenset(reached))
+    scaled = plan.precision.scaling != "none"
+    update = compiled(None, update_graph(held, device, scaled), frozenset(reached))
     return RankPrograms(session, programs, update, records)
 
 

@@ -18,7 +18,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zerocc.compiler.capture import ModelInfo
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import Role
-from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, PARAM, copy_node, name_placeholder, tag
+from zerocc.ir.nodes import (
+    BATCH,
+    BUFFER,
+    LOSS_SCALE,
+    LOSS_SCALE_KEY,
+    PARAM,
+    copy_node,
+    name_placeholder,
+    tag,
+)
 
 # What a program's output slot holds: the loss, a tensor for a neighbour (an activation for the
 # next stage, a gradient for the one before), a tensor the stage's backward reads, a
@@ -229,18 +238,21 @@ def step_form(program: StageProgram, model: ModelInfo) -> fx.GraphModule:
     return gm
 
 
-def update_graph(model: ModelInfo, device: torch.device) -> fx.GraphModule:
+def update_graph(model: ModelInfo, device: torch.device, loss_scale: bool) -> fx.GraphModule:
     """The graph a pipeline rank's update is compiled from (with ``update_of`` in the pass
-    context): the parameters of ``model`` (the rank's stages'), and no forward or backward; the
-    passes add the reduction of the gradients the stages' programs accumulated, the checks and
-    the update."""
+    context): the parameters of ``model`` (the rank's stages'), the loss scale (``loss_scale``:
+    the gradients are unscaled by it) and no forward or backward; the passes add the reduction
+    of the gradients the stages' programs accumulated, the checks and the update."""
     graph = fx.Graph()
+    inputs = [(PARAM, p.fqn, p.shape, p.dtype) for p in model.params]
+    if loss_scale:
+        inputs.append((LOSS_SCALE, LOSS_SCALE_KEY, (), torch.float32))
     with FakeTensorMode():
-        for p in model.params:
-            node = graph.placeholder(p.fqn)
-            node.meta["val"] = torch.empty(p.shape, dtype=p.dtype, device=device)
-            name_placeholder(node, "p_" + p.fqn)
-            tag(node, role=PARAM, key=p.fqn, phase="forward")
+        for role, key, shape, dtype in inputs:
+            node = graph.placeholder(key)
+            node.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
+            name_placeholder(node, _prefix(role) + key)
+            tag(node, role=role, key=key, phase="forward")
     graph.output((None, *(None for _ in model.trainable)))
     return fx.GraphModule(torch.nn.Module(), graph)
 
