@@ -36,9 +36,10 @@ from zerocc.compiler.driver.pipeline import (
     compile_rank,
     program_name,
 )
-from zerocc.compiler.driver.session import PIPELINE_EVALUATE_NOT_YET, CompileSession
+from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import (
+    Action,
     PipelineSchedule,
     pipeline_schedule,
     schedules_over,
@@ -118,6 +119,8 @@ class PipelineStep:
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)
         self.signature: tuple = ()  # the first batch's, which the stages are compiled for
         self.dump_dir = dump_dir(plan)  # (zerocc.inspect.pipeline_dumps)
+        # Evaluation's programs and their transport, by batch signature (built when asked).
+        self._evaluations: dict[tuple, tuple[dict[int, _Program], TorchTransport]] = {}
         # fp16's loss scale: its counters from here (a checkpoint may load them before the
         # first call), its tensor the state's once that is allocated.
         self.loss_scaler: LossScaler | None = None
@@ -285,8 +288,56 @@ class PipelineStep:
         return self.state.full_state_dict()
 
     def evaluate(self, *batch: Any) -> torch.Tensor:
-        """Not yet: a pipeline's stages are compiled for training only."""
-        raise NotSupportedError(PIPELINE_EVALUATE_NOT_YET)
+        """The mean loss of this rank's ``batch`` (the same on every rank of one pipeline)
+        under the current weights, forward only, on every rank of the pipeline; training goes
+        on as if it had not run. The batch is cut into as many micro-batches as the step's
+        that divide it, which flow through the stages as GPipe's forwards do. Its programs
+        (the step captured forward only in eval mode, cut where training's is, each stage's
+        forward through the passes) are compiled on the first call of each batch signature.
+        Collective: every rank calls it together, after the first training step."""
+        with self.comm.stats.paused():  # the last step's figures stay its own
+            return self._evaluate(batch)
+
+    def _evaluate(self, batch: tuple) -> torch.Tensor:
+        batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        signature = batch_signature(batch)
+        self._agree_on(("evaluation batch", signature), batch)
+        if self.staged is None:
+            raise NotSupportedError(
+                "a pipeline evaluates after its first training step: its stages are cut on the "
+                "first training batch"
+            )
+        sizes = [b.shape[0] for b in batch if isinstance(b, torch.Tensor) and b.dim() > 0]
+        micro = microbatches_of(batch, math.gcd(self.microbatches, *sizes[:1]))
+        evaluation = self._evaluations.get(signature) or self._build_evaluation(signature, micro[0])
+        programs, transport = evaluation
+        runners = {(s, "F"): self._runner(p, micro) for s, p in programs.items()}
+        rank = PipelineRank(runners, transport)
+        with traced_grad_mode():
+            for s in sorted(programs):  # what a stage receives comes from an earlier stage
+                for m in range(len(micro)):
+                    rank.run(Action("F", s, m))
+            transport.finish()
+        return self._loss(rank.losses)
+
+    def _build_evaluation(
+        self, signature: tuple, microbatch: tuple
+    ) -> tuple[dict[int, _Program], TorchTransport]:
+        """This rank's evaluation programs for batches of ``signature``, and their transport."""
+        gm, _, local = capture_microbatch(
+            self.model, self.full_model_info, self.plan, self.loss_fn, microbatch, self.device,
+            gradients=False,
+        )  # fmt: skip
+        staged = cut_stages(gm, local, self.stage_units)
+        mine = self.schedule.stages_of(self.pp_rank)
+        programs = {
+            s: self._lowered(gm) for s, gm in self.compiler.evaluation(staged, mine).items()
+        }
+        transport = TorchTransport(
+            staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)]
+        )
+        self._evaluations[signature] = programs, transport
+        return programs, transport
 
     # -- what it did ------------------------------------------------------------------------
 
@@ -395,6 +446,12 @@ class PipelineStep:
         backend = resolve_backend(self.plan.backend.name, self.device)
         return ["", f"backend {backend}:", *said] if said else []
 
+    def _lowered(self, gm: fx.GraphModule) -> _Program:
+        """``gm`` lowered by the plan's backend onto this rank's context."""
+        lower = get_backend(resolve_backend(self.plan.backend.name, self.device))
+        return _Program(gm, bindings_of(gm), lower(gm, [val(n) for n in placeholders(gm)],
+                                                   self.context))  # fmt: skip
+
     def _dump_run(self) -> None:
         """The last step of every rank drawn beside the predicted one (a collective; see
         :mod:`zerocc.inspect.pipeline_dumps`): after the first step, and the second."""
@@ -486,16 +543,10 @@ class PipelineStep:
         if self.loss_scaler is not None:  # the programs read the scale from the state
             self.loss_scaler.tensor = self.state[LOSS_SCALE_SPEC.key]
             self.loss_scaler.tensor.fill_(self.loss_scaler.scale)
-        lower = get_backend(resolve_backend(self.plan.backend.name, self.device))
-
-        def lowered(gm: fx.GraphModule) -> _Program:
-            run = lower(gm, [val(n) for n in placeholders(gm)], self.context)
-            return _Program(gm, bindings_of(gm), run)
-
-        self.programs = {
-            key: lowered(gm) if gm is not None else None for key, gm in compiled.programs.items()
-        }
-        self.update = lowered(compiled.update)
+        self.programs = {key: self._lowered(gm) if gm is not None else None
+                         for key, gm in compiled.programs.items()}  # fmt: skip
+        self.update = self._lowered(compiled.update)
+        self.stage_units, self.compiler = stage_units, compiled.compiler
         self.transport = TorchTransport(
             staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)]
         )

@@ -269,7 +269,5 @@ def test_what_a_pipeline_plan_cannot_do_yet_is_refused_before_any_rank_starts(ca
     plan = _pipeline_plan(tmp_path)
     assert main(["estimate", plan, "--world-size", "4", "--table"]) == 2
     assert "--table: not for a pipeline plan yet" in capsys.readouterr().err
-    assert main(["train", plan, "--nproc", "2", "--eval-every", "2"]) == 2
-    assert "it cannot evaluate yet (set metrics.eval_every: 0" in capsys.readouterr().err
     assert main(["inspect", plan, "--print-after", "shard"]) == 2
     assert "--print-after: not for a pipeline plan yet" in capsys.readouterr().err

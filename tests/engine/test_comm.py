@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerocc.engine.comm import FakeComm, SoloComm
+from zerocc.engine.comm import CommStats, FakeComm, SoloComm
 
 
 def _collectives(comm) -> dict[str, torch.Tensor]:
@@ -95,3 +95,18 @@ def test_zeroccs_own_groups_on_two_gloo_ranks():
         assert out["objects"] == [{"rank": 0}, {"rank": 1}]
         assert out["weights"].tolist() == [5.0, 5.0]  # rank 0's
         assert out["released"]
+
+
+def test_stats_paused_leave_the_figures_as_before_in_the_same_object():
+    """What an evaluation moves is not the last step's: the figures come back as they were,
+    in the object every group's comm shares (a new object would leave the groups counting in
+    the old one)."""
+    stats = CommStats()
+    stats.record("all_gather", 10, 4)
+    before = stats.snapshot()
+    with stats.paused():
+        stats.record("all_gather", 5, 4)
+        stats.record("all_reduce (pp)", 1, 4)
+    assert stats.snapshot() == before
+    stats.record("all_reduce (pp)", 1, 4)
+    assert stats.bytes["all_reduce (pp)"] == 4  # (counting goes on after)

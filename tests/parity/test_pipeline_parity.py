@@ -31,7 +31,8 @@ BF16_TOL = 1e-2  # bf16 against the recipe: test_mixed_precision_parity.py says 
 CLIPPED = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
 CASES = [
-    {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 4},
+    # ("evaluate": step.evaluate(batch) before every other step, held to that step's loss)
+    {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 4, "evaluate": True},
     {"model": "gpt4", "stage": 1, "world": 2, "pp": 2, "accum": 2, "schedule": "gpipe",
      "optimizer": CLIPPED},
     {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 4, "schedule": "zero-bubble"},
@@ -40,7 +41,7 @@ CASES = [
     # ZeRO-3 stages gather once per step by default (compiled as ZeRO-2 holds parameters);
     # per micro-batch when the plan asks
     {"model": "gpt4", "stage": 3, "world": 4, "pp": 2, "accum": 2, "optimizer": CLIPPED,
-     "gather": "microbatch"},
+     "gather": "microbatch", "evaluate": True},
     {"model": "gpt4", "stage": 1, "world": 4, "pp": 2, "accum": 4, "schedule": "zero-bubble"},
     {"model": "gpt4", "stage": 3, "world": 4, "pp": 4, "accum": 4, "optimizer": CLIPPED},
     {"model": "llama", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED},
@@ -56,7 +57,7 @@ CASES = [
     # the zero-bubble halves of layers split over tp 2 (a rowwise layer's weight gradient
     # reads the gradient the next stage sends as it comes).
     {"model": "gpt4", "stage": 3, "world": 8, "pp": 2, "tp": 2, "accum": 2, "steps": 3,
-     "optimizer": CLIPPED},
+     "optimizer": CLIPPED, "evaluate": True},
     {"model": "gpt4", "stage": 1, "world": 4, "pp": 2, "tp": 2, "sp": True, "accum": 2,
      "schedule": "zero-bubble"},
 ]  # fmt: skip
@@ -77,12 +78,16 @@ def train_pipeline(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[s
     out = {}
     for case in cases:
         step = zerocc.compile(_model(case, rank), plan_of(case))
-        k, losses = case["accum"], []
+        k, losses, evaluated = case["accum"], [], []
         for s in range(case.get("steps", 5)):
             micro = [batch_of(case, s * k + m, step.data_rank) for m in range(k)]
-            losses.append(float(step(*(torch.cat(parts) for parts in zip(*micro, strict=True)))))
+            batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
+            if case.get("evaluate") and s % 2:
+                evaluated.append(float(step.evaluate(*batch)))
+            losses.append(float(step(*batch)))
         out[case_id(case)] = {
             "losses": losses,
+            "evaluated": evaluated,
             "data_rank": step.data_rank,
             "params": step.full_state_dict(),
             "backend_notes": step.backend_notes(),
@@ -129,3 +134,13 @@ def test_inductor_compiles_every_stage_program():
             else:
                 assert "compiled region by region, not whole: it holds zerocc." in said[0], said
                 assert re.match(r"inductor: (\d+) of \1 compute regions compiled", said[1]), said
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.get("evaluate")], ids=case_id)
+def test_evaluate_is_the_next_steps_forward_and_changes_nothing(case):
+    """``evaluate(batch)`` is the loss the next step reports on that batch, to the bit (the
+    models have no dropout: the same forward, micro-batch by micro-batch, from the same
+    weights); the run evaluated between its steps and still matched the reference above."""
+    for rank in _results(case["world"]):
+        got = rank[case_id(case)]
+        assert got["evaluated"] == got["losses"][1::2] and got["evaluated"]

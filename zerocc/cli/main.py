@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from zerocc.cli.inspect import add_commands as add_inspect_commands
-from zerocc.compiler.driver.session import PIPELINE_EVALUATE_NOT_YET
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
-from zerocc.errors import NotSupportedError, ZeroccError
+from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.launch import RANK_WORKER_ENV, environment
 
@@ -328,8 +327,6 @@ def _train(args: argparse.Namespace) -> int:
     plan = _with_section_flags(_checked_plan(args.plan), args)  # checked once, here
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
-    if plan.parallel.pp > 1 and plan.metrics.eval_every:  # before any rank is launched
-        raise NotSupportedError(PIPELINE_EVALUATE_NOT_YET)
     # Every rank reads the dump folder (the launched ranks inherit it); set for this command
     # only, so a later step of the same process does not dump.
     dumps = {DUMP_DIR_ENV: str(Path(args.dump).resolve())} if args.dump else {}

@@ -73,6 +73,19 @@ class CommStats:
             "bytes": dict(self.bytes),
         }
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """What the body moves is not counted: the figures are as before it after (in place,
+        so that every group's comm, which shares this object, keeps counting here)."""
+        saved, blocked = self.snapshot(), self.blocked_s
+        try:
+            yield
+        finally:
+            self.reset()
+            for name, counts in saved.items():
+                getattr(self, name).update(counts)
+            self.blocked_s = blocked
+
 
 class Work:
     """A handle on an issued collective; :meth:`wait` blocks until it is done. On CUDA the

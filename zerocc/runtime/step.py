@@ -37,7 +37,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import DEVICE, LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
-from zerocc.engine.comm import Comm, CommStats
+from zerocc.engine.comm import Comm
 from zerocc.engine.failures import describe_node, failing_node
 from zerocc.engine.transfers import TransferStats
 from zerocc.ir.nodes import BATCH
@@ -390,12 +390,13 @@ class StepRunner:
     @contextlib.contextmanager
     def _stats_kept(self) -> Iterator[None]:
         """What the body communicates and copies is not counted in the last step's stats."""
-        kept = self.comm.stats, self.transfers.stats
-        self.comm.stats, self.transfers.stats = CommStats(), TransferStats()
+        kept = self.transfers.stats
+        self.transfers.stats = TransferStats()
         try:
-            yield
+            with self.comm.stats.paused():  # (in place: the mesh's groups count in it too)
+                yield
         finally:
-            self.comm.stats, self.transfers.stats = kept
+            self.transfers.stats = kept
 
     def end_of_data(self) -> None:
         """Call instead of ``step(*batch)`` when this rank has no batch left. Returns when every

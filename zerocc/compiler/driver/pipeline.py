@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from torch import fx, nn
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.driver.pass_manager import (
     PassContext,
+    PassList,
     PassRecord,
     bind_passes,
     run_passes,
@@ -46,6 +47,7 @@ from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collect
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan.pipeline import stages_zero
+from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
 
 
@@ -67,15 +69,16 @@ def capture_microbatch(
     loss_fn: LossFn | None,
     microbatch: Sequence[Any],
     device: torch.device,
+    gradients: bool = True,
 ) -> tuple[fx.GraphModule, TensorParallel | None, ModelInfo]:
-    """The step of one micro-batch captured as a rank runs it: the graph, the layers tensor
-    parallelism splits (None without), and the model as a rank holds it (each split
-    parameter's slice)."""
+    """The step of one micro-batch captured as a rank runs it (``gradients=False``: its
+    forward alone, in eval mode, for evaluation): the graph, the layers tensor parallelism
+    splits (None without), and the model as a rank holds it (each split parameter's slice)."""
     tp = TensorParallel.of(model, full, plan)
     local = tp.local_info(full) if tp is not None else full
     casts = Casts.of(plan.precision)
     with tp.applied(model) if tp is not None else contextlib.nullcontext():
-        gm = capture(model, local, loss_fn, microbatch, device, casts)
+        gm = capture(model, local, loss_fn, microbatch, device, casts, gradients)
     if tp is not None:
         tag_collectives(gm)
     return gm, tp, local
@@ -90,7 +93,59 @@ class RankPrograms:
     session: CompileSession
     programs: dict[tuple[int, str], fx.GraphModule | None]
     update: fx.GraphModule
-    records: dict[str, list[PassRecord]]  # what each pass did, by program name (program_name)
+    compiler: RankCompiler  # compiles more of the rank's programs (its evaluation)
+
+    @property
+    def records(self) -> dict[str, list[PassRecord]]:
+        """What each pass did, by program name (:func:`program_name`)."""
+        return self.compiler.records
+
+
+@dataclass
+class RankCompiler:
+    """What compiling a pipeline rank's programs needs: the stage plan, the rank's model, units
+    and layout, the units it shares with another pipeline rank, and the passes."""
+
+    plan: Plan  # the stage plan (stage_plan)
+    world_size: int
+    pp_rank: int
+    held: ModelInfo
+    units: list[Unit]
+    layout: StateLayout
+    pass_list: PassList
+    tensor_parallel: TensorParallel | None
+    tied_units: frozenset[str]
+    counts_tied: bool  # this rank counts the tied units in the clipping norm
+    keep_graphs: bool
+    records: dict[str, list[PassRecord]] = field(default_factory=dict)
+
+    def program(
+        self,
+        key: tuple[int, str] | None,
+        graph: fx.GraphModule,
+        update_of: frozenset[str] | None = None,
+    ) -> fx.GraphModule:
+        """``graph`` (a stage program in step form, or the update's for ``key`` None) through
+        the passes, its bindings checked against the rank's layout."""
+        ctx = PassContext(
+            self.plan, self.world_size, self.held, boundary=key is None, units=self.units,
+            update_of=update_of, tied=self.tied_units, tied_norm=self.counts_tied,
+            tensor_parallel=self.tensor_parallel,
+        )  # fmt: skip
+        gm, self.records[program_name(self.pp_rank, key)] = run_passes(
+            graph, ctx, self.pass_list, snapshot if self.keep_graphs else None
+        )
+        check_bindings(gm, self.layout, self.held)
+        return gm
+
+    def evaluation(self, staged: StagedStep, stages: list[int]) -> dict[int, fx.GraphModule]:
+        """The forward of each of ``stages`` of ``staged`` (a forward-only step, cut as the
+        training one), compiled: what evaluating a batch runs (nothing kept, nothing
+        accumulated; the last stage returns the loss)."""
+        return {
+            s: self.program((s, "eval"), step_form(staged.stages[s].forward, self.held))
+            for s in stages
+        }
 
 
 def program_name(pp_rank: int, key: tuple[int, str] | None) -> str:
@@ -132,25 +187,13 @@ def compile_rank(
     session = CompileSession(
         model, plan, world_size, loss_fn, mesh, full, tp, held, pass_list, units, layout
     )
-    tied_units = frozenset(f"tied.{fqn}" for fqn in tied)
-    # One of the pipeline ranks holding a tied unit counts it in the clipping norm: the first.
-    counts_tied = all(pp_rank <= schedule.rank_of(s) for f in tied for s in staged.tied[f])
-
-    records: dict[str, list[PassRecord]] = {}
-
-    def compiled(
-        key: tuple[int, str] | None, graph: fx.GraphModule, update_of=None
-    ) -> fx.GraphModule:
-        ctx = PassContext(
-            plan, world_size, held, boundary=key is None, units=units, update_of=update_of,
-            tied=tied_units, tied_norm=counts_tied, tensor_parallel=tp,
-        )  # fmt: skip
-        gm, records[program_name(pp_rank, key)] = run_passes(
-            graph, ctx, pass_list, snapshot if keep_graphs else None
-        )
-        check_bindings(gm, layout, held)
-        return gm
-
+    compiler = RankCompiler(
+        plan, world_size, pp_rank, held, units, layout, pass_list, tp,
+        tied_units=frozenset(f"tied.{fqn}" for fqn in tied),
+        # One of the pipeline ranks holding a tied unit counts it in the norm: the first.
+        counts_tied=all(pp_rank <= schedule.rank_of(s) for f in tied for s in staged.tied[f]),
+        keep_graphs=keep_graphs,
+    )  # fmt: skip
     programs: dict[tuple[int, str], fx.GraphModule | None] = {}
     reached: set[str] = set()
     for s in mine:
@@ -164,14 +207,14 @@ def compile_rank(
             if not program.outputs:  # (the first stage's input gradient, mostly)
                 programs[s, kind] = None
                 continue
-            programs[s, kind] = compiled((s, kind), step_form(program, held))
+            programs[s, kind] = compiler.program((s, kind), step_form(program, held))
     # A tied unit is reduced and updated on both ranks that hold it, whichever of them
     # computed its gradient (under mixed precision the cast's gradient sums both parts on
     # the first stage: the other's accumulator holds zeros).
     reached |= tied
     scaled = plan.precision.scaling != "none"
-    update = compiled(None, update_graph(held, device, scaled), frozenset(reached))
-    return RankPrograms(session, programs, update, records)
+    update = compiler.program(None, update_graph(held, device, scaled), frozenset(reached))
+    return RankPrograms(session, programs, update, compiler)
 
 
 def _units(held: ModelInfo, tied: frozenset[str], shard_size: int, plan: Plan) -> list[Unit]:

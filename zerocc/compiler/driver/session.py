@@ -42,10 +42,6 @@ PIPELINE_STATUS = (
     "called with each rank's batch); `zerocc estimate PLAN` predicts each rank's memory and "
     "the step's time"
 )
-PIPELINE_EVALUATE_NOT_YET = (
-    "parallel.pp > 1: a pipeline's stages are compiled for training only; it cannot evaluate "
-    "yet (set metrics.eval_every: 0, or evaluate the saved checkpoint under parallel.pp: 1)"
-)
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,10 @@ def cut_stages(
     gm: fx.GraphModule, model: ModelInfo, stage_units: Sequence[Sequence[str]]
 ) -> StagedStep:
     """Cut the captured training step ``gm`` of ``model`` into ``len(stage_units)`` stages;
-    stage ``s`` runs the units (module FQNs) ``stage_units[s]``, in model order. Raises
-    PlanError naming the tensor where the step cannot be cut there."""
+    stage ``s`` runs the units (module FQNs) ``stage_units[s]``, in model order (a step
+    captured forward only, for evaluation, is cut alike: its stages' backward programs are
+    empty, and its forwards keep nothing). Raises PlanError naming the tensor where the step
+    cannot be cut there."""
     cut = _Cut(gm, model, stage_units)
     stages = [
         Stage(s, tuple(stage_units[s]), cut.program(s, "forward"), cut.program(s, "backward"))
@@ -173,7 +175,8 @@ class _Cut(StageAssignment):
         self, gm: fx.GraphModule, model: ModelInfo, stage_units: Sequence[Sequence[str]]
     ) -> None:
         super().__init__(gm, stage_units)
-        grads = self.output.args[0][1:]  # one per trainable parameter, None where unused
+        # One per trainable parameter, None where unused; none of a forward-only step's.
+        grads = self.output.args[0][1:] or (None,) * len(model.trainable)
         self.param_of_grad = {
             g: p.fqn for p, g in zip(model.trainable, grads, strict=True) if g is not None
         }
