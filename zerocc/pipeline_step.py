@@ -367,6 +367,7 @@ class PipelineStep:
         check_pipeline_memory(
             self.predicted_memory, others, self.schedule.stages_of(self.pp_rank), self.comm,
             self.device, less_gathered(self.plan.zero.stage, self.plan.pipeline.gather),
+            model_state_bytes_of(layout).get("host", 0),
         )  # fmt: skip
 
     def sent_bytes(self) -> int:
@@ -581,8 +582,9 @@ def _shapes(signature: tuple) -> str:
 
 def _check_supported(plan: Plan) -> None:
     """NotSupportedError naming the field, for what a pipeline does not do yet."""
-    if plan.offload.optimizer != "none" or plan.offload.params != "none":
+    if plan.offload.defer_updates != "none":
         raise NotSupportedError(
             f"pipeline parallelism (parallel.pp: {plan.parallel.pp}) does not yet combine with "
-            "offload; drop it, or set parallel.pp: 1"
+            f"offload.defer_updates: {plan.offload.defer_updates}; set it to none (the host "
+            "updates run at the end of the step), or set parallel.pp: 1"
         )

@@ -47,6 +47,11 @@ CASES = [
     {"model": "llama", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED},
     # bf16 compute against the recipe (tests/parity/test_mixed_precision_parity.py's bound)
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "precision": {"param": "bf16"}},
+    # The optimizer's states (and at stage 3 the parameters) offloaded to the host
+    {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 2,
+     "offload": {"optimizer": "cpu"}},
+    {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "gather": "microbatch",
+     "offload": {"optimizer": "cpu", "params": "cpu"}},
     # fp16 with dynamic loss scaling (GradScaler's rule): the first step overflows on the
     # stage that seeds backward, and every stage skips it
     {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 2,

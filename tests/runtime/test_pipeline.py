@@ -129,11 +129,11 @@ def test_a_batch_is_cut_into_microbatches_along_its_first_dimension():
         microbatches_of((x, y), 4)
 
 
-@pytest.mark.parametrize("offload", [{"optimizer": "cpu"}, {"optimizer": "cpu", "params": "cpu"}])
-def test_a_pipeline_refuses_offload_which_it_does_not_combine_with_yet(offload):
+@pytest.mark.parametrize("defer", ["next_forward", "delayed"])
+def test_a_pipeline_refuses_deferred_host_updates_which_it_does_not_combine_with_yet(defer):
     plan = {"parallel": {"pp": 2}, "zero": {"stage": 3}, "backend": {"device": "cpu"},
-            "offload": offload}  # fmt: skip
-    with pytest.raises(NotSupportedError, match="does not yet combine with offload; drop it"):
+            "offload": {"optimizer": "cpu", "defer_updates": defer}}  # fmt: skip
+    with pytest.raises(NotSupportedError, match=f"offload.defer_updates: {defer}; set it to none"):
         zerocc.compile(gpt(4), plan, comm=zerocc.FakeComm(world_size=2))
 
 

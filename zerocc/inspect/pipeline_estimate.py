@@ -112,7 +112,8 @@ class PipelineEstimate:
             backward = sum(s for (_, kind), s in r.seconds.items() if kind != "F")
             lines.append(
                 f"  rank {r.pp_rank} (stages {r.stages}): model states "
-                f"{human_bytes(r.model_states['total'])}, peak {human_bytes(r.memory.peak)} "
+                f"{human_bytes(r.model_states['total'])}{_elsewhere(r.model_states)}, peak "
+                f"{human_bytes(r.memory.peak)} "
                 f"(kept for backward {human_bytes(r.memory.kept)}: {r.memory.in_flight} "
                 f"forward(s) awaiting backward); per micro-batch forward {human_seconds(forward)}, "
                 f"backward {human_seconds(backward)}; update {human_seconds(r.update_s)}"
@@ -184,6 +185,14 @@ def estimate_pipeline(
         for name, other in others.items()
     }  # fmt: skip
     return PipelineEstimate(inspection, ranks, timeline, bubbles, peaks, rates)
+
+
+def _elsewhere(states: dict[str, int]) -> str:
+    """`` (+ 1.2GiB host, ...)``: the rank's states offload keeps off the device."""
+    off = [
+        f"{human_bytes(states[where])} {where}" for where in ("host", "nvme") if states.get(where)
+    ]
+    return f" (+ {', '.join(off)})" if off else ""
 
 
 def _collective_bytes(compiled: RankPrograms, microbatches: int) -> dict[str, int]:

@@ -223,13 +223,15 @@ def check_pipeline_memory(
     comm: Comm,
     device: torch.device,
     less_gathered: str | None = None,
+    offloaded: int = 0,
 ) -> None:
     """Raise :class:`InsufficientMemoryError` on every rank when a pipeline rank's predicted
     peak would not fit its machine (call before any state is allocated): its model states,
     what its stages keep for backward over the schedule's micro-batches, and the running
     program's transients (:mod:`zerocc.cost.pipeline_memory`). ``others``: the same rank's
     peak under each other schedule that runs its programs; ``stages``: the rank's;
-    ``less_gathered``: the plan change that holds fewer parameters whole, if any."""
+    ``less_gathered``: the plan change that holds fewer parameters whole, if any;
+    ``offloaded``: bytes of the rank's states offload keeps in host memory."""
     pool = pool_of(DEVICE, device)
     need: Need = {pool: {}}
     transient = memory.peak - memory.model_states - memory.kept
@@ -237,6 +239,8 @@ def check_pipeline_memory(
              "the running program": transient}  # fmt: skip
     for part, nbytes in parts.items():
         _add(need, pool, part, nbytes)
+    if offloaded:
+        _add(need, HOST_POOL, "model states offloaded to the host", offloaded)
     short = _shortfalls(_exchange(comm, device, _totals(need)))
     if not short:
         return
