@@ -54,6 +54,10 @@ def test_a_pipeline_defaults_to_1f1b_with_a_micro_batch_per_stage():
             {"parallel": {"pp": 2}, "zero": {"stage": 3}, "units": {"keep_gathered": ["root"]}},
             "units.keep_gathered with pipeline.gather: step",
         ),
+        (
+            {"parallel": {"pp": 2}, "zero": {"stage": 3}, "offload": {"params": "cpu"}},
+            "offload.params: cpu with pipeline.gather: step",
+        ),
     ],
 )
 def test_a_pipeline_the_ranks_cannot_run_is_a_plan_error_naming_the_field(fields, message):

@@ -222,6 +222,13 @@ class Plan(Section):
                 "gathered once per step and kept already; drop it, or set pipeline.gather: "
                 "microbatch to keep these units gathered through each micro-batch's program"
             )
+        if pipeline.gather == "step" and self.offload.params != "none":
+            raise ValueError(
+                f"offload.params: {self.offload.params} with pipeline.gather: step: a stage's "
+                "parameters gathered once per step are held whole on the device through it; "
+                "set pipeline.gather: microbatch to keep their shards off the device between "
+                "uses, or drop offload.params"
+            )
         stages = pp * pipeline.stages_per_rank_of()
         if isinstance(pipeline.split, list) and len(pipeline.split) != stages - 1:
             raise ValueError(
