@@ -34,6 +34,7 @@ from zerocc.compiler.driver.pipeline import (
     RankPrograms,
     capture_microbatch,
     compile_rank,
+    cut_step,
     program_name,
 )
 from zerocc.compiler.driver.session import CompileSession
@@ -517,7 +518,7 @@ class PipelineStep:
             self.model, full, self.plan, self.loss_fn, microbatch, self.device
         )
         stage_units, _ = split_units(self.plan, gm, local, self.mesh.shard_size)
-        staged = cut_stages(gm, local, stage_units)
+        staged = cut_step(gm, local, stage_units, self.plan, self.comm.world_size)
         dumps = self.dump_dir is not None
         compiled = compile_rank(
             self.model, self.plan, self.comm.world_size, self.loss_fn, full, tp, staged,

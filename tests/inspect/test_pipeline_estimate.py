@@ -13,6 +13,7 @@ from pathlib import Path
 from zerocc.cli.main import main
 from zerocc.compiler.plan import load_plan
 from zerocc.inspect.pipeline_estimate import estimate_pipeline
+from zerocc.ir.nodes import info
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 
@@ -78,3 +79,23 @@ def test_zero3_gathered_once_per_step_moves_up_to_2m_times_fewer_bytes():
         assert b.model_states["total"] < a.model_states["total"]  # parameters sharded at rest
     assert "gathered once per step" in once.format()
     assert "collectives per step: all_gather" in once.format()
+
+
+def test_recompute_keeps_only_each_units_inputs_for_a_stages_backward():
+    """recompute.units: all applied before the cut: a stage keeps its blocks' inputs, not their
+    activations, from forward to backward, and its backward recomputes their forward."""
+    plan = load_plan(EXAMPLES / "zero3-pp.yaml")
+    kept = estimate_pipeline(plan, world_size=4)
+    recomputed = plan.model_copy(
+        update={"recompute": plan.recompute.model_copy(update={"units": "all"})}
+    )
+    again = estimate_pipeline(recomputed, world_size=4)
+    for a, b in zip(kept.ranks, again.ranks, strict=True):
+        assert b.memory.kept < a.memory.kept / 4
+        assert b.seconds[b.stages[0], "B"] > a.seconds[a.stages[0], "B"]
+    backward = again.inspection.staged.stages[0].backward.gm.graph.nodes
+    notes = {info(n).note for n in backward if (info(n).note or "").startswith("recomputed")}
+    assert notes == {
+        "recomputed: forward of transformer.h.0",
+        "recomputed: forward of transformer.h.1",
+    }

@@ -52,6 +52,9 @@ CASES = [
      "offload": {"optimizer": "cpu"}},
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "gather": "microbatch",
      "offload": {"optimizer": "cpu", "params": "cpu"}},
+    # Every unit's forward recomputed in its stage's backward (nothing but its input kept)
+    {"model": "gpt4", "stage": 1, "world": 2, "pp": 2, "accum": 2, "schedule": "gpipe",
+     "recompute": {"units": "all"}},
     # fp16 with dynamic loss scaling (GradScaler's rule): the first step overflows on the
     # stage that seeds backward, and every stage skips it
     {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 2,

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from zerocc.compiler.capture import ModelInfo, describe_model
-from zerocc.compiler.driver.pipeline import capture_microbatch
+from zerocc.compiler.driver.pipeline import capture_microbatch, cut_step
 from zerocc.compiler.driver.session import PIPELINE_STATUS
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
-from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.plan import Plan, load_plan
@@ -77,7 +76,7 @@ def inspect_pipeline(
         workload.model, full, plan, workload.loss_fn, batch, torch.device("cpu")
     )
     stage_units, split = split_units(plan, gm, local, mesh.shard_size)
-    staged = cut_stages(gm, local, stage_units)
+    staged = cut_step(gm, local, stage_units, plan, world_size)
     schedule = pipeline_schedule(pipeline.schedule, pp, microbatches, pipeline.stages_per_rank_of())
     shapes = tuple(tuple(b.shape) for b in batch if isinstance(b, torch.Tensor))
     return PipelineInspection(plan, mesh, shapes, split, staged, schedule, workload, full, tp)

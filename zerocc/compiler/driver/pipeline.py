@@ -36,6 +36,7 @@ from zerocc.compiler.driver.program import check_bindings, snapshot
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule
+from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import (
     StagedStep,
     split_backward,
@@ -45,6 +46,7 @@ from zerocc.compiler.parallel.stage_programs import (
 )
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.passes.recompute import recompute
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan.pipeline import stages_zero
 from zerocc.compiler.state import StateLayout
@@ -55,11 +57,36 @@ def stage_plan(plan: Plan) -> Plan:
     """The plan a pipeline's stage programs are compiled under: what accumulates over a step's
     micro-batches is compiled as gradient accumulation (so the mean is over ranks ×
     micro-batches, as in any step), at the ZeRO stage that gathers parameters as
-    ``pipeline.gather`` asks (:func:`stages_zero`)."""
+    ``pipeline.gather`` asks (:func:`stages_zero`); recompute was applied before the cut
+    (:func:`cut_step`)."""
     pipeline = plan.pipeline
     microbatches = pipeline.microbatches_of(plan.parallel.pp)
     zero = plan.zero.model_copy(update={"stage": stages_zero(plan.zero.stage, pipeline.gather)})
-    return plan.model_copy(update={"grad_accumulation": microbatches, "zero": zero})
+    recomputed = plan.recompute.model_copy(update={"units": "none"})
+    return plan.model_copy(
+        update={"grad_accumulation": microbatches, "zero": zero, "recompute": recomputed}
+    )
+
+
+def cut_step(
+    gm: fx.GraphModule,
+    local: ModelInfo,
+    stage_units: Sequence[Sequence[str]],
+    plan: Plan,
+    world_size: int,
+) -> StagedStep:
+    """The captured step ``gm`` cut into the stages of ``stage_units``, the units
+    ``recompute.units`` names recomputed first: their forward copied into their backward (the
+    recompute pass, on the whole step), so that the cut keeps only such a unit's inputs from a
+    stage's forward to its backward. (A stage program could not recompute: its backward reads
+    what its forward kept, not the forward's nodes.)"""
+    if plan.recompute.units != "none":
+        units = plan.units
+        shard_size = Mesh.of_plan(plan, world_size).shard_size
+        assigned = assign_units(local, shard_size, units.classes, units.modules, units.min_mb)
+        ctx = PassContext(plan, world_size, local, boundary=False, units=assigned)
+        gm = recompute(gm, ctx, units=plan.recompute.units)
+    return cut_stages(gm, local, stage_units)
 
 
 def capture_microbatch(
