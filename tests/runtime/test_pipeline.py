@@ -168,3 +168,38 @@ def test_the_ranks_of_a_pipeline_agree_on_each_step_or_fail_together(how, error,
         run_ranks(2, _disagreeing, how, timeout=120)
     assert [e[0] for e in failed.value.errors.values()] == [error, error]
     assert all(says in message for _, message in failed.value.errors.values())
+
+
+def _dropout_pipeline(rank: int, world: int) -> dict:
+    """The dropout GPT as pp 2, recomputing every block or none, then an evaluation."""
+    from models import tiny_gpt_dropout
+
+    out = {}
+    parts = zip(*(_gpt_batch(m, 0) for m in range(4)), strict=True)
+    batch = tuple(torch.cat(part) for part in parts)
+    for recompute in ("none", "all"):
+        torch.manual_seed(0)
+        plan = {**PLAN, "pipeline": {"microbatches": 4}, "recompute": {"units": recompute},
+                "seed": 5}  # fmt: skip
+        step = zerocc.compile(tiny_gpt_dropout(), plan)
+        losses = [float(step(*batch)) for _ in range(3)]
+        evaluated = [float(step.evaluate(*batch)) for _ in range(2)]
+        trained = float(step(*batch))
+        out[recompute] = {"losses": losses, "evaluated": evaluated, "trained": trained,
+                          "params": step.full_state_dict()}  # fmt: skip
+    return out
+
+
+def test_dropout_in_a_pipeline_is_replayed_by_recompute_and_off_in_evaluation():
+    """Dropout under a pipeline: recomputing every block replays the masks its forward drew
+    (the same losses and weights as keeping them, to fp32 rounding: the recomputed forward runs
+    the same ops on the same values); evaluation runs in eval mode (the same loss twice, and
+    not the loss training reports on the same batch from the same weights)."""
+    for rank in run_ranks(2, _dropout_pipeline):
+        kept, recomputed = rank["none"], rank["all"]
+        assert recomputed["losses"] == pytest.approx(kept["losses"], rel=1e-6)
+        for name, value in kept["params"].items():
+            torch.testing.assert_close(recomputed["params"][name], value, rtol=1e-6, atol=1e-7)
+        first, again = kept["evaluated"]
+        assert first == again
+        assert kept["trained"] != first  # the training step drew masks: dropout is on there

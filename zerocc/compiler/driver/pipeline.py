@@ -51,6 +51,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan.pipeline import stages_zero
 from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
+from zerocc.ir.fake_values import propagate_fake_values
 
 
 def stage_plan(plan: Plan) -> Plan:
@@ -86,6 +87,7 @@ def cut_step(
         assigned = assign_units(local, shard_size, units.classes, units.modules, units.min_mb)
         ctx = PassContext(plan, world_size, local, boundary=False, units=assigned)
         gm = recompute(gm, ctx, units=plan.recompute.units)
+        propagate_fake_values(gm)  # (the generator states it saves for the replay)
     return cut_stages(gm, local, stage_units)
 
 
