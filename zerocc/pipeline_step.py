@@ -10,9 +10,10 @@ one update. The loss is the mean over the micro-batches of the last stage's, on 
 
 Checkpoints are a TrainStep's (:mod:`zerocc.runtime.checkpoint`): each rank writes what its
 stages hold, named as the model names it, so one saved under any pipeline loads under any
-other, or none. The dumps (``dumps.dir``) draw every rank's step beside the predicted one
-(:mod:`zerocc.inspect.pipeline_dumps`). Offload, which a pipeline does not do yet, is refused
-when it is compiled, naming the field.
+other, or none. ``evaluate(*batch)`` runs a batch forward through the stages, compiled apart
+(eval mode). The dumps (``dumps.dir``) draw every rank's step beside the predicted one
+(:mod:`zerocc.inspect.pipeline_dumps`). Deferred host updates (``offload.defer_updates``),
+which a pipeline does not do yet, are refused when it is compiled, naming the field.
 """
 
 from __future__ import annotations
