@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zerocc.runtime.launch import failure_report
+from zerocc.runtime.launch import _stopped_by, failure_report
 
 WORKLOAD = """
 import os, signal, time
@@ -234,3 +234,13 @@ def test_report_names_signals_causes_and_last_errors():
 def test_report_of_a_rank_the_launcher_killed_says_so(code):
     text = failure_report({1: (code, 7)}, {}, {1: 7})
     assert "it stopped answering its peers, and the launcher killed it" in text
+
+
+def test_ranks_that_stopped_on_a_signal_are_a_stop_not_a_failure():
+    """Every rank exited 130 (Ctrl-C reached the ranks, not the launcher): the launcher says
+    the run stopped; one rank's error, or another exit code, is a failure it reports."""
+    stopped = {0: (128 + signal.SIGINT, 10), 1: (128 + signal.SIGINT, 11)}
+    assert _stopped_by(stopped, {0: {}, 1: {}}) == signal.SIGINT
+    assert _stopped_by(stopped, {0: {"error": "ValueError: boom"}}) is None
+    assert _stopped_by({**stopped, 1: (1, 11)}, {}) is None
+    assert _stopped_by({0: (-signal.SIGINT, 10)}, {}) is None

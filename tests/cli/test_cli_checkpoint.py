@@ -1,5 +1,6 @@
 """`zerocc train --save / --resume`: a run killed and resumed trains as the run that never
-stopped; SIGTERM (what schedulers send before preemption) saves before the ranks exit."""
+stopped; SIGTERM (what schedulers send before preemption) and Ctrl-C save before the ranks
+exit."""
 
 from __future__ import annotations
 
@@ -40,10 +41,17 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
     assert _final_loss(resumed) == _final_loss(_train("--steps", "6"))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_saves_a_checkpoint_before_the_ranks_exit(tmp_path, nproc):
+@pytest.mark.parametrize(
+    ("signum", "nproc"),
+    [(signal.SIGTERM, 1), (signal.SIGTERM, 2), (signal.SIGINT, 1), (signal.SIGINT, 2)],
+    ids=["sigterm-1", "sigterm-2", "ctrl-c-1", "ctrl-c-2"],
+)
+def test_a_signal_saves_a_checkpoint_before_the_ranks_exit(tmp_path, signum, nproc):
     """One rank runs in the command's process; two run under torch's launcher, which passes
-    the signal on to them."""
+    the signal on to them. SIGTERM goes to the command (as a scheduler sends it), SIGINT to
+    every process of its session (as a terminal sends Ctrl-C: the ranks get it twice, from the
+    terminal and from the launcher, and stop once). The run finishes its step, saves, says so
+    in one line and exits 128 + the signal, with no traceback."""
     saves = tmp_path / "ckpt"
     command = [
         sys.executable, "-u", "-m", "zerocc", "train", str(PLAN), "--nproc", str(nproc),
@@ -51,8 +59,9 @@ def test_sigterm_saves_a_checkpoint_before_the_ranks_exit(tmp_path, nproc):
     ]  # fmt: skip
     env = {**CPU_ONLY, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
     lines = []
     deadline = time.monotonic() + 300
     for line in proc.stdout:  # the explanation is printed once the first step has run
@@ -60,11 +69,41 @@ def test_sigterm_saves_a_checkpoint_before_the_ranks_exit(tmp_path, nproc):
         if "model states per rank" in line or time.monotonic() > deadline:
             break
     time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     rest, _ = proc.communicate(timeout=120)
     out = "".join(lines) + rest
-    assert proc.returncode == (0 if nproc == 1 else 128 + signal.SIGTERM), out[-3000:]
-    assert "stopped by SIGTERM after micro-batch" in out, out[-3000:]
-    manifest = json.loads((saves / (saves / "latest").read_text().strip() / "manifest.json")
-                          .read_text())  # fmt: skip
-    assert manifest["meta"]["step"] >= 1 and manifest["meta"]["world_size"] == nproc
+    assert proc.returncode == 128 + signum, out[-3000:]
+    stopped = re.search(rf"stopped by {signum.name} after micro-batch (\d+): (\S+);", out)
+    assert stopped, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    latest = (saves / "latest").read_text().strip()
+    assert saves / latest == Path(stopped.group(2))
+    manifest = json.loads((saves / latest / "manifest.json").read_text())
+    assert manifest["meta"]["step"] == int(stopped.group(1))
+    assert manifest["meta"]["world_size"] == nproc
+
+
+def test_a_second_ctrl_c_stops_a_rank_at_once(monkeypatch):
+    """The first SIGINT asks for a stop after the step; one within a second of it is the same
+    Ctrl-C (the launcher passing it on); a later one exits at once, 130."""
+    from zerocc.cli.train import _StopRequest
+
+    now = [0.0]
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = _StopRequest(save_on_sigterm=False, clock=lambda: now[0])
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not stop._handle  # (no folder: default)
+        stop._handle(signal.SIGINT, None)
+        now[0] = 0.5
+        stop._handle(signal.SIGINT, None)
+        assert stop.signal == signal.SIGINT and exits == []
+        now[0] = 2.0
+        stop._handle(signal.SIGINT, None)
+        assert exits == [128 + signal.SIGINT]
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

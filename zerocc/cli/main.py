@@ -123,12 +123,12 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
     )
     train.add_argument(
         "--save", metavar="DIR",
-        help="save checkpoints to DIR: at the end, every --save-every steps and on SIGTERM "
-        "(plan: checkpoint.dir)",
+        help="save checkpoints to DIR: at the end, every --save-every steps and on SIGTERM or "
+        "Ctrl-C (plan: checkpoint.dir)",
     )  # fmt: skip
     train.add_argument(
         "--save-every", type=int, metavar="N",
-        help="optimizer steps between saves; 0: only at the end and on SIGTERM "
+        help="optimizer steps between saves; 0: only at the end and on SIGTERM or Ctrl-C "
         "(plan: checkpoint.every)",
     )  # fmt: skip
     train.add_argument(

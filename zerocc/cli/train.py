@@ -1,6 +1,6 @@
 """One rank of `zerocc train`: compile the plan's workload, resume from a checkpoint where the
-plan says so, train, save checkpoints (every N steps, at the end, and when SIGTERM asks the run
-to stop, as schedulers do before preemption), and print the summary on rank 0.
+plan says so, train, save checkpoints (every N steps, at the end, and when Ctrl-C or SIGTERM asks
+the run to stop, as schedulers do before preemption), and print the summary on rank 0.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,10 @@ def train_rank(plan: Plan, steps: int) -> int:
     with joined_group(plan) as (rank, world_size), contextlib.ExitStack() as closing:
         try:
             return _train_steps(plan, steps, rank, world_size, closing)
+        except KeyboardInterrupt:  # Ctrl-C before the run's own handler (compiling, loading)
+            if rank == 0:
+                print("zerocc: interrupted before training began", file=sys.stderr)
+            return 128 + signal.SIGINT
         except BaseException as exc:
             silent = [vars(p) for p in getattr(exc, "silent", [])]
             report(error=f"{type(exc).__name__}: {exc}".splitlines()[0], silent=silent)
@@ -42,22 +47,47 @@ def train_rank(plan: Plan, steps: int) -> int:
 
 
 class _StopRequest:
-    """SIGTERM while a checkpoint folder is set: finish the step, save, stop. Every rank must
-    stop after the same step, so the ranks agree at each step's end (one small gather over the
-    control group): a rank signalled a moment later than another still stops with it."""
+    """A signal asking the run to stop after its step: SIGINT (Ctrl-C) always, SIGTERM when a
+    checkpoint folder is set (as schedulers send before preemption; without one SIGTERM ends
+    the rank as it would any process). The run finishes its step, saves where a folder is set,
+    says so in one line and exits ``128 + signal``. Every rank must stop after the same step,
+    so the ranks agree at each step's end (one small gather over the control group): a rank
+    signalled a moment later than another still stops with it.
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.signalled = False
-        if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
+    A second SIGINT stops the rank at once (exit 130, no traceback; a checkpoint being written
+    is left uncommitted, the last committed one stays). One that comes within ``REPEAT_S`` of
+    the first is the same Ctrl-C: a terminal signals every process of the run, and the launcher
+    passes its own signal on to the ranks."""
+
+    REPEAT_S = 1.0
+
+    def __init__(self, save_on_sigterm: bool, clock=time.monotonic) -> None:
+        self.signal: signal.Signals | None = None  # the first that asked, on this rank
+        self._clock, self._interrupted_at = clock, None
+        handled = [signal.SIGINT] + [signal.SIGTERM] * save_on_sigterm
+        self._previous = {s: signal.signal(s, self._handle) for s in handled}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signalled = True
+        now = self._clock()
+        if signum == signal.SIGINT and self._interrupted_at is not None:
+            if now - self._interrupted_at > self.REPEAT_S:
+                print("zerocc: interrupted again: stopping now", file=sys.stderr, flush=True)
+                os._exit(128 + signal.SIGINT)
+            return
+        if signum == signal.SIGINT:
+            self._interrupted_at = now
+        self.signal = self.signal or signal.Signals(signum)
 
-    def agreed(self, step) -> bool:
-        """Whether any rank was signalled (a collective: every rank calls it at each step)."""
-        return self.enabled and any(step.comm.all_gather_object(self.signalled))
+    def agreed(self, step) -> signal.Signals | None:
+        """The signal any rank was asked to stop by (a collective: every rank calls it at
+        each step's end), None while none was."""
+        asked = [s for s in step.comm.all_gather_object(self.signal) if s is not None]
+        return asked[0] if asked else None
+
+    def restore(self) -> None:
+        """The handlers as they were before the run."""
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
 
 
 def _train_steps(
@@ -82,11 +112,12 @@ def _train_steps(
                   "nothing to train")  # fmt: skip
         return 0
     run = _Run(step, plan, workload, rank)
+    closing.callback(run.stop.restore)
     run.first_micro_batch()
     run.train(steps, wanted - done)
     if rank == 0:
         run.report(world_size)
-    return 0
+    return 128 + run.stopped if run.stopped else 0
 
 
 class _Run:
@@ -102,12 +133,12 @@ class _Run:
         self.batches = _batches_from(
             workload.batches(data_rank, data_ranks), self.done, data_rank, data_ranks
         )
-        self.stop = _StopRequest(enabled=plan.checkpoint.dir is not None)
+        self.stop = _StopRequest(save_on_sigterm=plan.checkpoint.dir is not None)
         self.saver = _Saver(step, plan)
         self.metrics = Metrics(step, plan, workload, rank)
         self.lr = step.lr  # the rate of the optimizer step the next micro-batches make
         self.ran = self.total = 0  # micro-batches run, and to run
-        self.stopped = False
+        self.stopped: signal.Signals | None = None  # the signal the ranks agreed to stop by
         self.started = self.first_done = 0.0
 
     def next_batch(self) -> tuple | None:
@@ -167,24 +198,29 @@ class _Run:
         self.metrics.micro_batch(loss, batch)
         self.ran += 1
 
-    def _after_micro_batch(self, progress) -> bool:
-        """Records and saves where a step ended; whether the run must stop (SIGTERM)."""
+    def _after_micro_batch(self, progress) -> signal.Signals | None:
+        """Records and saves where a step ended; the signal the run must stop by, if any."""
         if self.step.micro_batches % self.accum:
-            return False
+            return None
         progress.update()
         record = self.metrics.after_step(self.lr)
         if record is not None:
             progress.set_postfix(progress_text(record), refresh=False)
         self.lr = self.step.lr
-        return self.saver.after_step(self.stop)
+        stop = self.stop.agreed(self.step)
+        self.saver.after_step(stopping=stop is not None)
+        return stop
 
     def report(self, world_size: int) -> None:
         """Rank 0's lines after the run: why it ended, the summary, the eval loss, where the
         checkpoint and the dumps are."""
         step, saver, ran, accum = self.step, self.saver, self.ran, self.accum
-        if self.stopped:
-            print(f"stopped by SIGTERM after micro-batch {step.micro_batches}: {saver.last}; "
-                  f"go on with --resume {self.plan.checkpoint.dir}")  # fmt: skip
+        if self.stopped and saver.last is not None:
+            print(f"stopped by {self.stopped.name} after micro-batch {step.micro_batches}: "
+                  f"{saver.last}; go on with --resume {self.plan.checkpoint.dir}")  # fmt: skip
+        elif self.stopped:
+            print(f"stopped by {self.stopped.name} after micro-batch {step.micro_batches} "
+                  "(nothing saved: no checkpoint folder; --save DIR saves on a stop)")  # fmt: skip
         elif ran < self.total:
             print(f"the data ran out on every rank after {_counted(ran, accum)}")
         last = self.metrics.last
@@ -232,17 +268,14 @@ class _Saver:
         self.last: Path | None = None
         self._saved_at = -1
 
-    def after_step(self, stop: _StopRequest) -> bool:
-        """Save where due after a micro-batch; whether the run must stop (SIGTERM)."""
-        if self.config.dir is None or self.step.micro_batches % self.accum:
-            return False
-        if stop.agreed(self.step):
-            self._save()
-            return True
+    def after_step(self, stopping: bool) -> None:
+        """Save where due after an optimizer step: every ``checkpoint.every``, and when the
+        run stops on a signal."""
+        if self.config.dir is None:
+            return
         optimizer_steps = self.step.micro_batches // self.accum
-        if self.config.every and optimizer_steps % self.config.every == 0:
+        if stopping or (self.config.every and optimizer_steps % self.config.every == 0):
             self._save()
-        return False
 
     def final(self) -> None:
         if self.config.dir is not None and self.step.micro_batches % self.accum == 0:

@@ -60,6 +60,10 @@ def launch(nproc: int, port: int, command: list[str]) -> int:
                 rank: (failure.exitcode, failure.pid) for rank, failure in exc.failures.items()
             }
             reports = read_reports(Path(run_dir))
+            stopped = _stopped_by(failures, reports)
+            if stopped is not None:  # the ranks stopped as a signal asked (zerocc.cli.train)
+                print(f"zerocc: stopped by {stopped.name}", file=sys.stderr)
+                return 128 + stopped
             print(failure_report(failures, reports, watcher.killed), file=sys.stderr)
             return 2
         except SignalException as exc:  # (torchrun passed the signal on to the ranks)
@@ -69,6 +73,18 @@ def launch(nproc: int, port: int, command: list[str]) -> int:
         finally:
             watcher.stop()
     return 0
+
+
+def _stopped_by(
+    failures: dict[int, tuple[int, int]], reports: dict[int, dict[str, Any]]
+) -> signal.Signals | None:
+    """The signal every failed rank stopped by, when each exited ``128 + signal`` (SIGINT or
+    SIGTERM: a rank's clean stop) without an error of its own; else None."""
+    codes = {code for code, _ in failures.values()}
+    clean = {128 + signal.SIGINT, 128 + signal.SIGTERM}
+    if len(codes) != 1 or not codes <= clean or any(r.get("error") for r in reports.values()):
+        return None
+    return signal.Signals(codes.pop() - 128)
 
 
 def _rank_environment(nproc: int, run_dir: str) -> contextlib.AbstractContextManager:

@@ -232,11 +232,13 @@ class CheckpointConfig(Section):
     dir: PathStr | None = Field(
         None,
         description="folder `zerocc train` saves checkpoints to (step-<n> folders, a 'latest' "
-        "file naming the newest): at the end of training, every `every` steps, and on SIGTERM; "
-        "none: no saves",
+        "file naming the newest): at the end of training, every `every` steps, and on SIGTERM or "
+        "Ctrl-C; none: no saves",
     )
     every: int = Field(
-        0, ge=0, description="optimizer steps between saves; 0: only at the end and on SIGTERM"
+        0,
+        ge=0,
+        description="optimizer steps between saves; 0: only at the end and on SIGTERM or Ctrl-C",
     )
     keep: int | None = Field(
         3, ge=1, description="newest checkpoints kept in `dir`, older ones deleted; null: all"
