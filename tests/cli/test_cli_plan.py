@@ -121,3 +121,38 @@ def test_plan_check_of_a_path_with_a_nul_byte(capsys):
     assert main(["plan", "check", "plan\0.yaml"]) == 2
     err = capsys.readouterr().err
     assert err == "zerocc: error: plan file 'plan\\x00.yaml': a path cannot contain a NUL byte\n"
+
+
+def test_version_names_zerocc_and_torch(capsys):
+    import torch
+
+    import zerocc
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert f"zerocc {zerocc.__version__} (torch {torch.__version__}" in capsys.readouterr().out
+
+
+def test_set_overrides_plan_fields_checked_as_the_files_own(capsys):
+    plan = str(EXAMPLES / "zero3.yaml")
+    assert main(["plan", "check", plan, "--set", "zero.stage=1", "--set", "optimizer.lr=3e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "ok (stage 1," in out and "adamw lr 0.0003" in out
+    assert main(["plan", "check", plan, "--set", "zero.stage=5"]) == 2
+    err = capsys.readouterr().err
+    assert "with --set zero.stage=5: zero.stage: 5 is not allowed; allowed values: 0, 1" in err
+    assert main(["plan", "check", plan, "--set", "optimiser.lr=1"]) == 2
+    assert "unknown field 'optimiser' (did you mean 'optimizer'?)" in capsys.readouterr().err
+    assert main(["plan", "check", plan, "--set", "zero.stage"]) == 2
+    assert "--set zero.stage: expected KEY=VALUE" in capsys.readouterr().err
+    assert main(["plan", "check", plan, "--backend", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_estimate_and_inspect_take_the_overrides(capsys):
+    plan = str(EXAMPLES / "zero3.yaml")
+    assert main(["estimate", plan, "--set", "zero.stage=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stage"] == 2
+    assert main(["inspect", plan, "--set", "zero.stage=0"]) == 0
+    assert "ZeRO stage 0" in capsys.readouterr().out

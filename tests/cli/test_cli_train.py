@@ -18,17 +18,20 @@ CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_train_launches_two_ranks_and_summarizes():
+    """... with a plan field set on the command line, which the launched ranks read too."""
     run = subprocess.run(
-        [sys.executable, "-m", "zerocc", "train", str(PLAN), "--nproc", "2", "--steps", "3"],
+        [sys.executable, "-m", "zerocc", "train", str(PLAN), "--nproc", "2", "--steps", "3",
+         "--set", "grad_accumulation=2"],
         capture_output=True,
         text=True,
         timeout=600,
         env=CPU_ONLY,
-    )
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout + run.stderr
     assert "world size 2" in out and "all_gather" in out and "reduce_scatter" in out
-    assert "3 step(s) on 2 rank(s)" in out
+    assert "grad_accumulation 2" in out  # the explain of rank 0, a launched rank
+    assert "3 step(s) (6 micro-batches) on 2 rank(s)" in out
     assert "model state per rank" in out and "(mean over 2 rank(s), up to step 3)" in out
 
 

@@ -11,9 +11,10 @@ import difflib
 import json
 from pathlib import Path
 
+from zerocc.cli.plan_args import add_plan_arguments, plan_of
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
-from zerocc.compiler.plan import OffloadConfig, Plan, load_plan
+from zerocc.compiler.plan import OffloadConfig, Plan
 from zerocc.cost.model import RATE_FIELDS, DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation
 from zerocc.errors import ZeroccError
@@ -28,7 +29,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     inspect = commands.add_parser(
         "inspect", help="show what each pass inserted (no ranks are launched)"
     )
-    inspect.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    add_plan_arguments(inspect)
     _world_size(inspect)
     shown = inspect.add_mutually_exclusive_group()
     shown.add_argument("--print-after", metavar="PASS", help="the program after PASS (or 'all')")
@@ -57,7 +58,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     est = commands.add_parser(
         "estimate", help="per-rank memory and communication per step, for any world size"
     )
-    est.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    add_plan_arguments(est)
     _world_size(est)
     est.add_argument("--table", action="store_true", help="ZeRO stages 0-3 side by side")
     est.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -92,7 +93,7 @@ def _world_size(parser: argparse.ArgumentParser) -> None:
 
 
 def _inspection(args: argparse.Namespace, plan: Plan | None = None) -> Inspection:
-    plan = plan or load_plan(args.plan)
+    plan = plan or plan_of(args)
     world_size = args.world_size or plan.zero.world_size or 2
     if world_size < 1:
         raise ZeroccError("--world-size must be at least 1")
@@ -109,7 +110,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     """``zerocc inspect``: the pass table, or one program printed, or one pass's diff, or
     what the plan's backend makes of the program (``--lowered``); for a pipeline plan, its
     cut and schedule."""
-    plan = load_plan(args.plan)
+    plan = plan_of(args)
     if plan.parallel.pp > 1:
         return _inspect_pipeline(args, plan)
     if args.schedule:
@@ -222,7 +223,7 @@ def _pass_table_text(inspection: Inspection) -> str:
 
 def run_estimate(args: argparse.Namespace) -> int:
     """``zerocc estimate``: per-rank memory, bytes and time per step, for one stage or all four."""
-    plan = load_plan(args.plan)
+    plan = plan_of(args)
     for flag in ("link_gbps", "latency_us"):
         value = getattr(args, flag)
         if value is not None and (value < 0 or (flag == "link_gbps" and value == 0)):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from zerocc.cli.inspect import add_commands as add_inspect_commands
+from zerocc.cli.plan_args import add_plan_arguments, forwarded, plan_of
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
@@ -68,9 +69,18 @@ def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    import torch
+
+    from zerocc import __version__
+
     parser = argparse.ArgumentParser(
         prog="zerocc", description="A compiler for sharded data-parallel training (ZeRO 0-3)."
     )
+    python = sys.version.split()[0]
+    parser.add_argument(
+        "--version", action="version",
+        version=f"zerocc {__version__} (torch {torch.__version__}, Python {python})",
+    )  # fmt: skip
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     _add_plan_commands(commands)
@@ -87,7 +97,7 @@ def _add_plan_commands(commands: argparse._SubParsersAction) -> None:
     plan.set_defaults(help_of=plan)
     plan_commands = plan.add_subparsers(title="commands", metavar="COMMAND")
     check = plan_commands.add_parser("check", help="validate a plan file and summarize it")
-    check.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    add_plan_arguments(check)
     check.set_defaults(run=_plan_check)
     schema = plan_commands.add_parser("schema", help="print the JSON Schema of plan files")
     schema.set_defaults(run=_plan_schema)
@@ -105,7 +115,7 @@ def _add_plan_commands(commands: argparse._SubParsersAction) -> None:
 def _add_train_command(commands: argparse._SubParsersAction) -> None:
     """`zerocc train PLAN` and its options."""
     train = commands.add_parser("train", help="train the plan's workload on local ranks")
-    train.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    add_plan_arguments(train)
     train.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
     train.add_argument(
         "--steps",
@@ -167,7 +177,7 @@ def _add_profile_command(commands: argparse._SubParsersAction) -> None:
     profile = commands.add_parser(
         "profile", help="measure this machine and fit the cost model's rates (a calibration)"
     )
-    profile.add_argument("plan", metavar="PLAN", help="path of a plan YAML file")
+    add_plan_arguments(profile)
     profile.add_argument(
         "-o", "--output", metavar="FILE",
         help="calibration JSON to write (default: <plan>.calibration.json next to the plan)",
@@ -210,19 +220,20 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plan_check(args: argparse.Namespace) -> int:
-    plan = _checked_plan(args.plan)
+    plan = _checked_plan(args)
     print(f"{args.plan}: ok ({describe_plan(plan)})")
     return 0
 
 
-def _checked_plan(path: str) -> Plan:
-    """The plan, loaded and checked where it can be before any model is built: its `passes`
-    against the passes' contracts, its backend among the registered ones, and on this machine
-    an NVMe offload folder must exist and take files."""
+def _checked_plan(args: argparse.Namespace) -> Plan:
+    """The command's plan (its file, the command line's `--set`), loaded and checked where it
+    can be before any model is built: its `passes` against the passes' contracts, its backend
+    among the registered ones, and on this machine an NVMe offload folder must exist and take
+    files."""
     from zerocc.backends import get_backend
     from zerocc.compiler.driver.pass_manager import check_passes
 
-    plan = load_plan(path)
+    plan = plan_of(args)
     check_passes(plan)
     get_backend(plan.backend.name)
     if plan.offload.uses_nvme:
@@ -324,7 +335,7 @@ def _train(args: argparse.Namespace) -> int:
     from zerocc.cli.train import train_rank
     from zerocc.inspect.dumps import DUMP_DIR_ENV
 
-    plan = _with_section_flags(_checked_plan(args.plan), args)  # checked once, here
+    plan = _with_section_flags(_checked_plan(args), args)  # checked once, here
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     # Every rank reads the dump folder (the launched ranks inherit it); set for this command
@@ -333,7 +344,7 @@ def _train(args: argparse.Namespace) -> int:
     with environment(dumps):
         if _launched() or args.nproc == 1:
             return train_rank(plan, args.steps)
-        command = ["train", str(args.plan), "--steps", str(args.steps)]
+        command = ["train", str(args.plan), "--steps", str(args.steps), *forwarded(args)]
         for flags in SECTION_FLAGS.values():
             for flag in flags:
                 if getattr(args, flag) is not None:
@@ -386,13 +397,14 @@ def _profile(args: argparse.Namespace) -> int:
     from zerocc.cli.profile import profile_rank
     from zerocc.inspect.calibrate import default_output
 
-    plan = _checked_plan(args.plan)  # as `train`: checked once, before any rank starts
+    plan = _checked_plan(args)  # as `train`: checked once, before any rank starts
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     output = Path(args.output or default_output(args.plan))  # the ranks share this cwd
     if _launched() or args.nproc == 1:
         return profile_rank(plan, output, args.steps)
-    command = ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps)]
+    command = ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps),
+               *forwarded(args)]  # fmt: skip
     return _launch(plan, args, command)
 
 

@@ -3,7 +3,9 @@ PlanError; and the JSON Schema of plan files."""
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +19,23 @@ from zerocc.compiler.plan.yaml_file import PlanDataError, check_shape, load_yaml
 from zerocc.errors import PlanError
 
 
-def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
+def load_plan(src: str | os.PathLike | dict | Plan, overrides: Sequence[str] = ()) -> Plan:
     """Load and validate a plan from a YAML file path, a dict, or a Plan (returned as is).
     A DeepSpeed config (a ``.json`` file or a dict with DeepSpeed's keys) is converted
     (:mod:`zerocc.compiler.plan.deepspeed`; an option zerocc does not support is an error).
+    ``overrides``: ``KEY=VALUE`` items (``optimizer.lr=3e-4``, the command line's ``--set``),
+    each setting a field by its dotted path to a YAML value, before the plan is validated.
 
     Raises PlanError, naming the file, the YAML path of each bad field, the value and what is
     allowed, for a missing file, bad YAML (a key given twice included), a non-mapping document,
-    data nested too deep, or an invalid field.
+    data nested too deep, an override that is not ``KEY=VALUE``, or an invalid field.
     """
-    if isinstance(src, Plan):
-        return src
     where = "plan"
     source = None
+    if isinstance(src, Plan):
+        if not overrides:
+            return src
+        src, source = src.model_dump(mode="json", exclude_defaults=True), src.source
     if isinstance(src, dict):
         data: Any = src
     elif isinstance(src, str | os.PathLike):
@@ -50,12 +56,43 @@ def load_plan(src: str | os.PathLike | dict | Plan) -> Plan:
         raise PlanError(f"{where}: expected a mapping of fields at the top, got {got}")
     if is_deepspeed_config(data):  # a ds_config.json: converted, every key accounted for
         data, _ = plan_from_deepspeed(data, where)
+    if overrides:
+        data = with_overrides(data, overrides)
+        where += " with " + " ".join(f"--set {item}" for item in overrides)
     try:
         plan = Plan.model_validate(data)
     except ValidationError as exc:
         raise invalid_plan(where, [describe_error(err, Plan) for err in exc.errors()]) from None
     plan._source = source
     return plan
+
+
+def with_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """A copy of the plan data ``data`` with each ``KEY=VALUE`` of ``overrides`` set: the key a
+    dotted path (its sections made where missing), the value read as YAML (``3e-4``, ``true``,
+    ``[Block]``, ``{stage: 3}``); PlanError for an item without ``=`` or an empty key, or a
+    path through a field that holds no section."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        path = key.strip().split(".")
+        if not sep or not all(path):
+            raise PlanError(
+                f"--set {item}: expected KEY=VALUE, a field by its dotted path and its value "
+                "(e.g. --set optimizer.lr=3e-4)"
+            )
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            raise PlanError(f"--set {item}: the value is not YAML: {exc}") from None
+        section = data
+        for i, name in enumerate(path[:-1]):
+            section = section.setdefault(name, {})
+            if not isinstance(section, dict):
+                within = ".".join(path[: i + 1])
+                raise PlanError(f"--set {item}: {within} is {show(section)}, not a section")
+        section[path[-1]] = value
+    return data
 
 
 def _read_yaml(path: Path, where: str) -> Any:
