@@ -30,6 +30,7 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends import Executable, get_backend, resolve_backend
+from zerocc.compiler.batch import batch_from
 from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
 from zerocc.compiler.driver.pipeline import (
     RankPrograms,
@@ -138,8 +139,10 @@ class PipelineStep:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def __call__(self, *batch: Any) -> torch.Tensor:
-        """Train one step on this rank's ``batch``; returns the mean loss of its micro-batches."""
+    def __call__(self, *batch: Any, **named: Any) -> torch.Tensor:
+        """Train one step on this rank's ``batch`` (positional, by name or one mapping, as a
+        TrainStep takes it); returns the mean loss of its micro-batches."""
+        batch = batch_from(batch, named)
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
         signature = batch_signature(batch)
         self._agree_on(("next batch", signature), batch)
@@ -289,7 +292,7 @@ class PipelineStep:
         self._built()
         return self.state.full_state_dict()
 
-    def evaluate(self, *batch: Any) -> torch.Tensor:
+    def evaluate(self, *batch: Any, **named: Any) -> torch.Tensor:
         """The mean loss of this rank's ``batch`` (the same on every rank of one pipeline)
         under the current weights, forward only, on every rank of the pipeline; training goes
         on as if it had not run. The batch is cut into as many micro-batches as the step's
@@ -298,7 +301,7 @@ class PipelineStep:
         forward through the passes) are compiled on the first call of each batch signature.
         Collective: every rank calls it together, after the first training step."""
         with self.comm.stats.paused():  # the last step's figures stay its own
-            return self._evaluate(batch)
+            return self._evaluate(batch_from(batch, named))
 
     def _evaluate(self, batch: tuple) -> torch.Tensor:
         batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)

@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import has_side_effect
 
 from zerocc.compat import MAKE_FX_OPTIONS, get_proxy_mode, use_lazy_graph_module
+from zerocc.compiler.batch import call_arguments
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.errors import CaptureError
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
@@ -128,12 +129,12 @@ def describe_model(model: nn.Module) -> ModelInfo:
     return ModelInfo(params, buffers, modules)
 
 
-def default_loss_fn(model: nn.Module, *batch: Any) -> torch.Tensor:
-    """The loss ``model(*batch)`` returns: the output itself when it is a tensor, else where
-    Hugging Face models put it: ``.loss`` (a ModelOutput, a dataclass, a namedtuple),
+def default_loss_fn(model: nn.Module, *batch: Any, **named: Any) -> torch.Tensor:
+    """The loss ``model(*batch, **named)`` returns: the output itself when it is a tensor, else
+    where Hugging Face models put it: ``.loss`` (a ModelOutput, a dataclass, a namedtuple),
     ``["loss"]`` (a dict), or the first element (a tuple or list, as with ``return_dict=False``).
     Raises CaptureError, saying why, when the output holds no floating scalar loss there."""
-    return _loss_in(model(*batch))
+    return _loss_in(model(*batch, **named))
 
 
 _PASS_LOSS_FN = "pass loss_fn=(lambda model, *batch: <scalar loss>) to zerocc.compile"
@@ -222,7 +223,8 @@ class _Step(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, *batch: Any) -> torch.Tensor:
-        return self.loss_fn(self.model, *batch)
+        args, named = call_arguments(batch)  # (a batch given by name: the model's keywords)
+        return self.loss_fn(self.model, *args, **named)
 
 
 @has_side_effect

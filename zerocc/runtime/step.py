@@ -28,6 +28,7 @@ import torch
 from torch import fx, nn
 
 from zerocc.backends import resolve_backend
+from zerocc.compiler.batch import batch_from
 from zerocc.compiler.capture import LossFn, ModelInfo, detach_inputs, traced_grad_mode
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.session import CompileSession
@@ -188,8 +189,11 @@ class StepRunner:
 
     # -- the step loop ----------------------------------------------------------------------
 
-    def __call__(self, *batch: Any) -> torch.Tensor:
-        """Run one micro-batch of this rank; returns its loss."""
+    def __call__(self, *batch: Any, **named: Any) -> torch.Tensor:
+        """Run one micro-batch of this rank; returns its loss. The batch is the model's
+        arguments: positional, by name (``step(input_ids=ids, labels=ids)``) or one mapping
+        of them (``step(batch)``), see :mod:`zerocc.compiler.batch`."""
+        batch = batch_from(batch, named)
         return self.observer.run_step(self, batch, lambda: self._step(batch))
 
     def profile(
@@ -353,14 +357,14 @@ class StepRunner:
             lambda records: self.observer.program_built(self, name, records),
         )
 
-    def evaluate(self, *batch: Any) -> torch.Tensor:
+    def evaluate(self, *batch: Any, **named: Any) -> torch.Tensor:
         """The loss of one micro-batch of this rank under the current weights, forward only:
         a program of its own (compiled on the first call of each batch signature, with the
         model in eval mode) gathers what forward needs and changes no state; training goes
         on as if it had not run. Collective: every rank calls it together (the ranks agree on
-        the batch first)."""
+        the batch first). The batch is given as to a step's call."""
         self.health.check_usable()
-        batch = self._on_device(batch)
+        batch = self._on_device(batch_from(batch, named))
         signature = batch_signature(batch)
         key = (signature, "evaluate")
         self.health.set_status(f"evaluating after step {self.counts.step_number - 1}")
