@@ -10,7 +10,7 @@ import torch
 from models import _token_batch, build
 
 import zerocc
-from zerocc.compiler.batch import Keywords, batch_from, call_arguments
+from zerocc.compiler.batch import Keywords, as_batch, batch_from, call_arguments
 from zerocc.errors import BatchError
 
 pytest.importorskip("transformers")
@@ -51,6 +51,8 @@ def test_the_marker_names_the_values_after_the_positional_ones():
     args, named = call_arguments(batch)
     assert args == (x,) and list(named) == ["labels"] and named["labels"] is y
     assert batch_from((x, y), {}) == (x, y) and call_arguments((x, y)) == ((x, y), {})
+    # A workload's batch (zerocc train, inspect): a mapping by name, a list as values
+    assert as_batch({"labels": y}) == (Keywords(("labels",)), y) and as_batch([x, y]) == (x, y)
 
 
 @pytest.mark.parametrize(

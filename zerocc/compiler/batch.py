@@ -58,3 +58,9 @@ def call_arguments(batch: tuple) -> tuple[tuple, dict[str, Any]]:
     marker, values = batch[0], batch[1:]
     positional = values[: marker.positional]
     return positional, dict(zip(marker.names, values[marker.positional :], strict=True))
+
+
+def as_batch(value: Any) -> tuple:
+    """A workload's batch as a step's call takes it: a tuple (or list) of values as it is, one
+    mapping of them by name (a tokenizer's output) as :func:`batch_from` makes it."""
+    return batch_from((value,), {}) if isinstance(value, Mapping) else tuple(value)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zerocc.compiler.batch import as_batch
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.program import CompiledProgram
 from zerocc.compiler.driver.session import CompileSession
@@ -80,7 +81,7 @@ def first_batch(workload: Workload, data_ranks: int) -> tuple[Any, ...]:
     batch = next(iter(workload.batches(0, data_ranks)), None)
     if batch is None:
         raise ValueError(f"the workload's batches(0, {data_ranks}) yielded no batch")
-    return tuple(batch)
+    return as_batch(batch)
 
 
 @dataclass

@@ -5,12 +5,13 @@ batches to the device."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from zerocc.compiler.batch import as_batch
 from zerocc.compiler.plan import Plan
 from zerocc.errors import ZeroccError
 from zerocc.runtime.devices import join_default_group, rank_device
@@ -34,9 +35,10 @@ def joined_group(plan: Plan) -> Iterator[tuple[int, int]]:
             dist.destroy_process_group()
 
 
-def to_device(batch: Sequence[Any], device: torch.device | str) -> tuple[Any, ...]:
-    """The batch with its tensors on ``device``."""
-    return tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
+def to_device(batch: Sequence[Any] | Mapping[str, Any], device: torch.device | str) -> tuple:
+    """A workload's batch (values, or a mapping of them by name) as a step's call takes it,
+    its tensors on ``device``."""
+    return tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in as_batch(batch))
 
 
 def first_batch(batches: Iterator[Sequence[Any]], plan: Plan, rank: int, world_size: int):
