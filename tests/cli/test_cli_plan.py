@@ -1,6 +1,9 @@
 """Tests of the `zerocc plan` commands in zerocc/cli/main.py."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,3 +159,30 @@ def test_estimate_and_inspect_take_the_overrides(capsys):
     assert json.loads(capsys.readouterr().out)["stage"] == 2
     assert main(["inspect", plan, "--set", "zero.stage=0"]) == 0
     assert "ZeRO stage 0" in capsys.readouterr().out
+
+
+def test_plan_check_imports_the_workload_before_any_rank_would(tmp_path, capsys):
+    """A plan copied away from its workload's module fails `plan check` (and so `train`
+    before launching), naming the module and where it looked; a workload given as a file
+    path, relative to the plan's folder, is found and its arguments checked."""
+    text = (EXAMPLES / "zero3.yaml").read_text()
+    copied = tmp_path / "copied.yaml"
+    copied.write_text(text)
+    # (a process of its own: the tests put the example's folder on sys.path)
+    check = [sys.executable, "-m", "zerocc", "plan", "check", str(copied)]
+    run = subprocess.run(check, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "workload: cannot import module 'workload'" in run.stderr
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    by_file = plans / "by_file.yaml"
+    relative = os.path.relpath(EXAMPLES / "workload.py", plans)
+    by_file.write_text(text.replace('"workload:workload"', f'"{relative}:workload"'))
+    assert main(["plan", "check", str(by_file)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["inspect", str(by_file)]) == 0
+    assert "ZeRO stage 3" in capsys.readouterr().out
+    wrong_args = plans / "wrong_args.yaml"
+    wrong_args.write_text(by_file.read_text().replace("n_layer:", "n_layers:"))
+    assert main(["plan", "check", str(wrong_args)]) == 2
+    assert "workload_args: cannot call" in capsys.readouterr().err

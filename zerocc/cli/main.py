@@ -228,14 +228,18 @@ def _plan_check(args: argparse.Namespace) -> int:
 def _checked_plan(args: argparse.Namespace) -> Plan:
     """The command's plan (its file, the command line's `--set`), loaded and checked where it
     can be before any model is built: its `passes` against the passes' contracts, its backend
-    among the registered ones, and on this machine an NVMe offload folder must exist and take
-    files."""
+    among the registered ones, its workload importable (not called), and on this machine an
+    NVMe offload folder must exist and take files."""
     from zerocc.backends import get_backend
     from zerocc.compiler.driver.pass_manager import check_passes
 
     plan = plan_of(args)
     check_passes(plan)
     get_backend(plan.backend.name)
+    if plan.workload is not None:  # importable, its function there, its arguments taken
+        from zerocc.compiler.workload import workload_function
+
+        workload_function(plan)
     if plan.offload.uses_nvme:
         from zerocc.runtime.nvme import check_folder
 

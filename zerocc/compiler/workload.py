@@ -5,19 +5,22 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
+from types import ModuleType
 
 from torch import nn
 
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError
 
-__all__ = ["Workload", "load_workload", "plan_relative"]
+__all__ = ["Workload", "load_workload", "plan_relative", "workload_function"]
 
 # The folder of the plan whose workload function is running (None outside one, or for a plan
 # given as a dict): the workload's relative paths are read from there.
@@ -56,44 +59,22 @@ class Workload:
 
 
 def load_workload(plan: Plan) -> Workload:
-    """Import `plan.workload` ("module:function") and call it with `plan.workload_args`.
+    """Import `plan.workload` ("module:function", or "path/to/file.py:function") and call it
+    with `plan.workload_args`.
 
     The workload is code: importing it runs it, as running a training script would. The module
     is found in the plan file's folder first, then in installed packages (sys.path), never in
     the current directory unless that is the plan's folder: a plan names the code next to it,
-    not whatever file of that name sits where the command happens to run. A plan given as a
-    dict or Plan has no folder: its workload comes from installed packages only. The function
-    runs with the same search path, so its own imports resolve the same way. Raises PlanError
-    naming the module or function when it cannot be imported (with where it searched), found,
-    called with the arguments, or returns no Workload.
+    not whatever file of that name sits where the command happens to run. A file is read
+    relative to the plan's folder, and its own folder is searched first for its imports. A plan
+    given as a dict or Plan has no folder: its workload comes from installed packages (or a
+    file relative to the current directory). The function runs with the same search path, so
+    its own imports resolve the same way. Raises PlanError naming the module or function when
+    it cannot be imported (with where it searched), found, called with the arguments, or
+    returns no Workload.
     """
-    if plan.workload is None:
-        raise PlanError("workload: the plan names no workload; set workload: 'module:function'")
-    module_name, function_name = plan.workload.split(":")
-    plan_dir = Path(plan.source).resolve().parent if plan.source else None
-    with _search_path(plan_dir) as searched:
-        try:
-            if plan_dir is not None:
-                _forget_if_shadowed(module_name, plan_dir)
-            _forget_if_from_cwd(module_name, plan_dir)
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise PlanError(
-                f"workload: cannot import module {module_name!r}: {exc}; searched "
-                f"{searched}{_cwd_hint(module_name, plan_dir)}"
-            ) from None
-        function = getattr(module, function_name, None)
-        if not callable(function):
-            raise PlanError(
-                f"workload: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
-                f"function {function_name!r}"
-            )
-        try:
-            inspect.signature(function).bind(**plan.workload_args)
-        except TypeError as exc:
-            raise PlanError(f"workload_args: cannot call {plan.workload}: {exc}") from None
-        except ValueError:  # no signature to check (a builtin): let the call itself tell
-            pass
+    function, plan_dir = workload_function(plan)
+    with _search_path(_folder_of(plan, plan_dir)):
         token = _PLAN_DIR.set(plan_dir)
         try:
             workload = function(**plan.workload_args)
@@ -104,6 +85,73 @@ def load_workload(plan: Plan) -> Workload:
             f"workload: {plan.workload} returned {type(workload).__name__}, not a zerocc.Workload"
         )
     return workload
+
+
+def workload_function(plan: Plan) -> tuple[Callable, Path | None]:
+    """The function `plan.workload` names, imported and checked against `workload_args`
+    without calling it (what `zerocc plan check` and every command check before a rank
+    starts), and the plan's folder; PlanError as :func:`load_workload` says."""
+    if plan.workload is None:
+        raise PlanError("workload: the plan names no workload; set workload: 'module:function'")
+    module_name, function_name = plan.workload.rsplit(":", 1)
+    plan_dir = Path(plan.source).resolve().parent if plan.source else None
+    with _search_path(_folder_of(plan, plan_dir)) as searched:
+        if module_name.endswith(".py"):
+            module = _import_file(plan_relative_to(plan_dir, module_name))
+        else:
+            try:
+                _forget_if_found_elsewhere(module_name)
+                module = importlib.import_module(module_name)
+            except ImportError as exc:
+                raise PlanError(
+                    f"workload: cannot import module {module_name!r}: {exc}; searched "
+                    f"{searched}{_cwd_hint(module_name, plan_dir)}"
+                ) from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise PlanError(
+            f"workload: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
+            f"function {function_name!r}"
+        )
+    try:
+        inspect.signature(function).bind(**plan.workload_args)
+    except TypeError as exc:
+        raise PlanError(f"workload_args: cannot call {plan.workload}: {exc}") from None
+    except ValueError:  # no signature to check (a builtin): let the call itself tell
+        pass
+    return function, plan_dir
+
+
+def plan_relative_to(plan_dir: Path | None, path: str) -> Path:
+    """``path`` relative to ``plan_dir`` (the current directory for a plan without one)."""
+    resolved = Path(path).expanduser()
+    return resolved if resolved.is_absolute() or plan_dir is None else plan_dir / resolved
+
+
+def _folder_of(plan: Plan, plan_dir: Path | None) -> Path | None:
+    """The folder searched first for the workload's imports: a workload file's own, else the
+    plan's."""
+    module_name = (plan.workload or "").rsplit(":", 1)[0]
+    if module_name.endswith(".py"):
+        return plan_relative_to(plan_dir, module_name).resolve().parent
+    return plan_dir
+
+
+def _import_file(path: Path) -> ModuleType:
+    """The module of a workload file, imported (again, if it was: the file is the plan's)."""
+    if not path.is_file():
+        raise PlanError(f"workload: {path} is not a file")
+    name = f"zerocc_workload_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise PlanError(f"workload: {path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses and pickling look modules up by name)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise PlanError(f"workload: {path}: {exc}") from None
+    return module
 
 
 @contextlib.contextmanager
@@ -159,27 +207,15 @@ def _forget(top: str) -> None:
         del sys.modules[name]
 
 
-def _forget_if_shadowed(module_name: str, plan_dir: Path) -> None:
-    """Drop a cached module of the same name imported from elsewhere (e.g. another plan's
-    `workload.py`), so the plan's own module is the one imported."""
-    top = module_name.split(".")[0]
-    cached = sys.modules.get(top)
-    local = _module_file(plan_dir, top)
-    if cached is None or local is None:
-        return
-    cached_file = getattr(cached, "__file__", None)
-    if cached_file is None or Path(cached_file).resolve() != local.resolve():
-        _forget(top)
-
-
-def _forget_if_from_cwd(module_name: str, plan_dir: Path | None) -> None:
-    """Drop a cached module that was imported from the current directory (by the caller, say),
-    unless that is the plan's folder: the plan's search would not have found it there."""
+def _forget_if_found_elsewhere(module_name: str) -> None:
+    """Drop a cached module that this search path would not import (another plan's module of
+    the same name, or one the caller imported from the current directory), so that the
+    import finds the plan's own, or fails as it would in a new process."""
     top = module_name.split(".")[0]
     cached_file = getattr(sys.modules.get(top), "__file__", None)
-    cwd = _real(".")
-    if cached_file is None or (plan_dir is not None and _real(str(plan_dir)) == cwd):
+    if cached_file is None:
         return
-    local = _module_file(Path(cwd), top)
-    if local is not None and _real(cached_file) == _real(str(local)):
+    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    found = spec.origin if spec is not None else None
+    if found is None or _real(found) != _real(cached_file):
         _forget(top)

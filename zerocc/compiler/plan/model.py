@@ -32,7 +32,7 @@ from zerocc.compiler.plan.precision import PrecisionConfig
 from zerocc.compiler.plan.renamed import RENAMED_FIELDS, read_renamed
 from zerocc.errors import PlanError
 
-_WORKLOAD_SHAPE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+_WORKLOAD_SHAPE = re.compile(r"^([A-Za-z_]\w*(\.[A-Za-z_]\w*)*|[^:]+\.py):[A-Za-z_]\w*$")
 
 
 # Plan fields each host may set its own way: folders on its own disks, files only rank 0 writes,
@@ -137,7 +137,8 @@ class Plan(Section):
     )
     workload: str | None = Field(
         None,
-        description="'module:function' returning a zerocc Workload. It is code: importing and "
+        description="'module:function' (or 'path/to/file.py:function', the file relative to the "
+        "plan's folder) returning a zerocc Workload. It is code: importing and "
         "calling it runs it, as running a training script would. The module is looked up in the "
         "plan file's folder first, then in installed packages (sys.path), never in the current "
         "directory unless it is the plan's folder; a plan given as a dict has no folder, so "
@@ -325,6 +326,7 @@ class Plan(Section):
     def _workload_shape(cls, workload: str | None) -> str | None:
         if workload is not None and not _WORKLOAD_SHAPE.match(workload):
             raise ValueError(
-                f"{workload!r} is not of the form 'module:function' (e.g. 'workload:workload')"
+                f"{workload!r} is not of the form 'module:function' or 'path/to/file.py:"
+                "function' (e.g. 'workload:workload')"
             )
         return workload
