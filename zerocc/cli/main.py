@@ -112,11 +112,17 @@ def _add_plan_commands(commands: argparse._SubParsersAction) -> None:
     imported.set_defaults(run=_plan_import)
 
 
+NPROC_HELP = (
+    "local ranks to launch (default: the fewest the plan's layout takes, 2 or more: "
+    "zero.world_size, or what parallel and zero.replicate need)"
+)
+
+
 def _add_train_command(commands: argparse._SubParsersAction) -> None:
     """`zerocc train PLAN` and its options."""
     train = commands.add_parser("train", help="train the plan's workload on local ranks")
     add_plan_arguments(train)
-    train.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    train.add_argument("--nproc", type=int, help=NPROC_HELP)
     train.add_argument(
         "--steps",
         type=int,
@@ -182,7 +188,7 @@ def _add_profile_command(commands: argparse._SubParsersAction) -> None:
         "-o", "--output", metavar="FILE",
         help="calibration JSON to write (default: <plan>.calibration.json next to the plan)",
     )  # fmt: skip
-    profile.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    profile.add_argument("--nproc", type=int, help=NPROC_HELP)
     profile.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     profile.add_argument(
         "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
@@ -340,6 +346,7 @@ def _train(args: argparse.Namespace) -> int:
     from zerocc.inspect.dumps import DUMP_DIR_ENV
 
     plan = _with_section_flags(_checked_plan(args), args)  # checked once, here
+    args.nproc = args.nproc or _ranks_the_plan_takes(plan)
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     # Every rank reads the dump folder (the launched ranks inherit it); set for this command
@@ -354,6 +361,23 @@ def _train(args: argparse.Namespace) -> int:
                 if getattr(args, flag) is not None:
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         return _launch(plan, args, command)
+
+
+def _ranks_the_plan_takes(plan: Plan) -> int:
+    """`--nproc` when the command gives none: the fewest ranks the plan's layout takes, said
+    when more than 2; more than this machine's cores times 8 is an error asking for --nproc
+    (a layout written for a cluster, launched here by mistake)."""
+    least = plan.least_world_size()
+    cores = os.cpu_count() or 1
+    if least > 8 * cores:
+        raise ZeroccError(
+            f"the plan's layout takes {least} ranks (zero.world_size, parallel, zero.replicate), "
+            f"more than this machine's {cores} cores can run; pass --nproc {least} to launch "
+            "them here anyway, or `zerocc estimate` the plan"
+        )
+    if least > 2 and not _launched():
+        print(f"zerocc: launching {least} ranks, the fewest the plan's layout takes", flush=True)
+    return least
 
 
 def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
@@ -402,6 +426,7 @@ def _profile(args: argparse.Namespace) -> int:
     from zerocc.inspect.calibrate import default_output
 
     plan = _checked_plan(args)  # as `train`: checked once, before any rank starts
+    args.nproc = args.nproc or _ranks_the_plan_takes(plan)
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     output = Path(args.output or default_output(args.plan))  # the ranks share this cwd

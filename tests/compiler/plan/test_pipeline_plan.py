@@ -96,3 +96,17 @@ def test_zero3_stages_gather_once_per_step_unless_the_plan_asks_per_microbatch()
     assert stage_of(3) == 2
     assert stage_of(3, gather="microbatch") == 3
     assert [stage_of(z) for z in (0, 1, 2)] == [0, 1, 2]
+
+
+def test_the_least_world_a_layout_takes_is_what_zerocc_train_launches_by_default():
+    """`zerocc train` without --nproc launches the fewest ranks the plan's layout takes."""
+
+    def least(fields: dict) -> int:
+        return load_plan(fields).least_world_size()
+
+    assert least({}) == 2
+    assert least({"zero": {"replicate": 2}}) == 4  # (shard groups of 2 at least)
+    layers = {"tp_layers": {"*.mlp.c_fc": "colwise"}}
+    assert least({"parallel": {"pp": 2, "tp": 2, **layers}}) == 4
+    assert least({"parallel": {"dp": 3, "tp": 2, **layers}}) == 6
+    assert least({"zero": {"world_size": 8}}) == 8

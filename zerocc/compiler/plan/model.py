@@ -32,6 +32,7 @@ from zerocc.compiler.plan.precision import PrecisionConfig
 from zerocc.compiler.plan.renamed import RENAMED_FIELDS, read_renamed
 from zerocc.errors import PlanError
 
+MAX_LEAST_WORLD = 4096  # (least_world_size looks no further)
 _WORKLOAD_SHAPE = re.compile(r"^([A-Za-z_]\w*(\.[A-Za-z_]\w*)*|[^:]+\.py):[A-Za-z_]\w*$")
 
 
@@ -182,6 +183,20 @@ class Plan(Section):
                 f"{world_size}; allowed: {product} = {world_size} (or leave dp out)"
             )
         check_layout(world_size, self.zero.replicate, tp, pp)
+
+    def least_world_size(self) -> int:
+        """The fewest ranks (2 or more) this plan's layout takes: ``zero.world_size`` when it
+        sets one, else the smallest world ``parallel`` and ``zero.replicate`` divide into
+        groups of their sizes (2 for a plan that lays out nothing)."""
+        if self.zero.world_size is not None:
+            return self.zero.world_size
+        for world_size in range(2, MAX_LEAST_WORLD + 1):
+            try:
+                self.check_world_size(world_size)
+            except PlanError:
+                continue
+            return world_size
+        raise PlanError(f"parallel: this layout takes no world of up to {MAX_LEAST_WORLD} ranks")
 
     @model_validator(mode="after")
     def _mesh_takes_the_world(self) -> Plan:
