@@ -271,3 +271,22 @@ def test_what_a_pipeline_plan_cannot_do_yet_is_refused_before_any_rank_starts(ca
     assert "--table: not for a pipeline plan yet" in capsys.readouterr().err
     assert main(["inspect", plan, "--print-after", "shard"]) == 2
     assert "--print-after: not for a pipeline plan yet" in capsys.readouterr().err
+
+
+def test_estimate_says_whose_rates_it_uses(capsys):
+    """On a machine without a GPU a plan on `backend.device: auto` is estimated with CPU rates,
+    and the command says so and how to get a GPU's; with --device cuda the warning names the
+    H100 figures, not this machine."""
+    import torch
+
+    plan = str(Path(__file__).resolve().parents[2] / "examples" / "gpt" / "zero3.yaml")
+    assert main(["estimate", plan]) == 0
+    captured = capsys.readouterr()
+    if torch.cuda.is_available():
+        assert "cpu rates" not in captured.err  # (auto is this machine's GPU there)
+    else:
+        assert "cpu rates (backend.device: auto, and this machine has no GPU)" in captured.err
+        assert "a typical CPU's" in captured.out
+    assert main(["estimate", plan, "--device", "cuda"]) == 0
+    captured = capsys.readouterr()
+    assert "cpu rates" not in captured.err and "an H100's datasheet figures" in captured.out

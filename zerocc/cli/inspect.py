@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import sys
 from pathlib import Path
 
 from zerocc.cli.plan_args import add_plan_arguments, plan_of
@@ -233,6 +234,10 @@ def run_estimate(args: argparse.Namespace) -> int:
         link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
         latency_s=args.latency_us * 1e-6 if args.latency_us is not None else None,
     )
+    no_gpu_here = plan.backend.device == "auto" and rates.device == "cpu"
+    if args.device is None and args.calibration is None and no_gpu_here:
+        print("zerocc: note: cpu rates (backend.device: auto, and this machine has no GPU); "
+              "--device cuda predicts a GPU's step", file=sys.stderr)  # fmt: skip
     if plan.parallel.pp > 1:
         return _estimate_pipeline(args, plan, rates)
     if args.table:

@@ -155,12 +155,16 @@ class DeviceRates:
         ]
         if not defaults:
             return None
+        typical = {
+            "cpu": "a typical CPU's, ~10x off a step measured on one",
+            "cuda": "an H100's datasheet figures, which a real step reaches only in part",
+        }.get(self.device, "typical figures")
         return (
-            f"predicted times use the built-in {self.device} rates for {', '.join(defaults)}, "
-            "not rates measured on this machine: they can be several times off (~10x on a "
-            "CPU). Calibrate: `zerocc profile PLAN` measures them and writes "
-            "PLAN.calibration.json; name it in the plan's cost.calibration (or pass "
-            "--calibration), or set cost.compute_tflops / memory_gb_per_s"
+            f"predicted times use the built-in {self.device} rates for {', '.join(defaults)} "
+            f"({typical}), not rates measured on the machine that trains. Calibrate there: "
+            "`zerocc profile PLAN` measures them and writes PLAN.calibration.json; name it in "
+            "the plan's cost.calibration (or pass --calibration), or set cost.compute_tflops / "
+            "memory_gb_per_s"
         )
 
     def flops_per_s(self, dtype: str | None) -> float:
