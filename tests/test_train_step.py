@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from models import build
 from parity import batch_of
@@ -114,3 +115,27 @@ def test_explain_before_the_first_step_shows_units_and_model_states():
     text = step.explain()
     assert "transformer.h.1" in text and "ZeRO formula" in text
     assert "known once the step is compiled" in text
+
+
+def test_a_stage_3_plan_that_gathers_the_whole_model_at_once_is_warned_of():
+    """Stage 3 without units holds the model in one unit, gathered whole: a PlanWarning names
+    the model's repeated block as the unit to use; with units, or at stage 2, nothing."""
+    import warnings
+
+    from zerocc.errors import PlanWarning
+
+    with pytest.warns(PlanWarning, match=r"the whole model is gathered at once.*\[Block\]"):
+        zerocc.compile(build("gpt"), {"zero": {"stage": 3}}, comm=zerocc.FakeComm(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanWarning)
+        zerocc.compile(build("gpt"), PLAN, comm=zerocc.FakeComm(2))
+        zerocc.compile(build("gpt"), {"zero": {"stage": 2}}, comm=zerocc.FakeComm(2))
+
+
+def test_the_repeated_block_of_a_hugging_face_model_is_its_decoder_layer():
+    pytest.importorskip("transformers")
+    from zerocc.compiler.capture import describe_model
+    from zerocc.compiler.passes.partition import repeated_block
+
+    assert repeated_block(describe_model(build("llama"))) == "LlamaDecoderLayer"
+    assert repeated_block(describe_model(build("gpt"))) == "Block"

@@ -11,6 +11,7 @@ device compiles any size for any world size.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +24,11 @@ from zerocc.compiler.driver.pass_manager import PassList, bind_passes, state_lay
 from zerocc.compiler.driver.program import CompiledProgram, compile_program
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel
-from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.passes.partition import assign_units, repeated_block
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
-from zerocc.errors import NotSupportedError
+from zerocc.errors import NotSupportedError, PlanWarning
 
 # What a plan can ask of a pipeline today (issue 47): `zerocc train` and zerocc.compile (a
 # PipelineStep) train it, `zerocc inspect` and `zerocc estimate` show it; a session compiles
@@ -79,6 +80,7 @@ class CompileSession:
             model_info, mesh.shard_size, units.classes, units.modules, units.min_mb
         )
         layout = state_layout(pass_list, assigned, plan)
+        _warn_if_gathered_whole(plan, model_info, assigned, mesh)
         return cls(
             model,
             plan,
@@ -124,3 +126,23 @@ class CompileSession:
             training=training,
             tensor_parallel=self.tensor_parallel,
         )
+
+
+def _warn_if_gathered_whole(plan: Plan, model: ModelInfo, units: list[Unit], mesh: Mesh) -> None:
+    """A PlanWarning when a stage-3 plan over several ranks holds all its trainable parameters
+    in one unit: the whole model is then gathered at once, and its peak is stage 2's."""
+    trainable = [u for u in units if u.trainable]
+    if plan.zero.stage != 3 or mesh.shard_size < 2 or len(trainable) != 1:
+        return
+    block = repeated_block(model)
+    fix = (
+        f"units: {{classes: [{block}]}} gathers one {block} at a time"
+        if block is not None
+        else "units.classes, units.modules or units.min_mb split it"
+    )
+    warnings.warn(
+        f"zero.stage: 3 with one unit: the whole model is gathered at once, so its peak is "
+        f"stage 2's (the plan names no units); {fix}",
+        PlanWarning,
+        stacklevel=3,
+    )

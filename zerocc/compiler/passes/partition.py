@@ -9,6 +9,7 @@ own (``<name>[frozen]``): no gradient communication and no optimizer state.
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from zerocc.compiler.capture import ModelInfo, ParamInfo
@@ -94,6 +95,23 @@ def assign_units(
         name = root or "root"
         units.append(Unit.build(name if trainable else f"{name}[frozen]", params, world_size))
     return units
+
+
+def repeated_block(model: ModelInfo) -> str | None:
+    """The class of the model's repeated blocks (a transformer's layers), the unit a stage-3
+    plan wants: of the classes with two or more instances that hold parameters, torch.nn's own
+    left out, the one whose instances hold the most elements; None when there is none."""
+    held: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for fqn, cls in model.modules:
+        if not fqn or hasattr(torch.nn, cls):
+            continue
+        elements = sum(p.numel for p in model.params if p.fqn.startswith(fqn + "."))
+        if elements:
+            held[cls] = held.get(cls, 0) + elements
+            count[cls] = count.get(cls, 0) + 1
+    repeated = [cls for cls in held if count[cls] >= 2]
+    return max(repeated, key=held.__getitem__, default=None)
 
 
 @register_pass(
