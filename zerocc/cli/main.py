@@ -255,7 +255,7 @@ def _checked_plan(args: argparse.Namespace) -> Plan:
 
 def _plan_import(args: argparse.Namespace) -> int:
     """Print what every key of a DeepSpeed config became; write the plan when every key
-    converts (exit 1, listing them, when some are not supported)."""
+    converts (exit 2, listing them, when some are not supported)."""
     import yaml
 
     from zerocc.compiler.plan.deepspeed import convert, read_json
@@ -271,13 +271,17 @@ def _plan_import(args: argparse.Namespace) -> int:
     if unsupported:
         print(f"\n{args.config}: {len(unsupported)} option(s) zerocc does not support "
               "(above); no plan written", file=sys.stderr)  # fmt: skip
-        return 1
+        return 2  # (as every error of the command line)
     if args.workload:
         plan["workload"] = args.workload
     checked = load_plan(plan)  # what zerocc makes of it, checked as any plan
     mapped = sum(o.kind == "mapped" for o in outcomes)
     print(f"\n{len(outcomes)} option(s): {mapped} mapped, {len(outcomes) - mapped} without "
           f"meaning for zerocc; plan: {describe_plan(checked)}")  # fmt: skip
+    whole = checked.zero.stage == 3 and not (checked.units.classes or checked.units.modules
+                                             or checked.units.min_mb)  # fmt: skip
+    if whole:  # DeepSpeed partitions parameter by parameter; a plan needs its units named
+        print(UNITS_NOTE)
     if args.output:
         header = (
             f"# Converted from the DeepSpeed config {args.config} by `zerocc plan import`.\n"
@@ -285,9 +289,17 @@ def _plan_import(args: argparse.Namespace) -> int:
         )
         if not args.workload:
             header += "# workload: 'module:function'  (set yours: the model, loss and data)\n"
+        if whole:
+            header += "# units: {classes: [YourBlock]}  (" + UNITS_NOTE.split(": ", 1)[1] + ")\n"
         Path(args.output).write_text(header + yaml.safe_dump(plan, sort_keys=False))
         print(f"wrote {args.output}")
     return 0
+
+
+UNITS_NOTE = (
+    "note: zero.stage 3 and no units: the whole model would be gathered at once; name the "
+    "model's repeated block, e.g. units: {classes: [LlamaDecoderLayer]}"
+)
 
 
 def _plan_schema(args: argparse.Namespace) -> int:

@@ -147,14 +147,16 @@ def test_plan_import_prints_every_key_and_writes_a_plan(tmp_path):
         "import",
         str(FIXTURES / "zero2_offload.json"),
     ]
-    run = subprocess.run([*command, "-o", str(out), "--workload", "workload:workload"],
+    # (the example's workload by its file: `plan check` imports it)
+    workload = f"{Path(__file__).parents[3] / 'examples' / 'gpt' / 'workload.py'}:workload"
+    run = subprocess.run([*command, "-o", str(out), "--workload", workload],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "mapped      zero_optimization.stage = 2: zero.stage: 2" in run.stdout
     assert "ignored     zero_optimization.reduce_bucket_size" in run.stdout
     assert "27 option(s): 17 mapped" in run.stdout
     plan = zerocc.load_plan(out)
-    assert plan.workload == "workload:workload" and plan.zero.stage == 2
+    assert plan.workload == workload and plan.zero.stage == 2
     check = subprocess.run([sys.executable, "-m", "zerocc", "plan", "check", str(out)],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert check.returncode == 0, check.stderr
@@ -165,6 +167,6 @@ def test_plan_import_of_unsupported_options_fails_and_writes_nothing(tmp_path):
     config = str(FIXTURES / "unsupported.json")
     command = [sys.executable, "-m", "zerocc", "plan", "import", config]
     run = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and not out.exists()
+    assert run.returncode == 2 and not out.exists()
     assert "7 option(s) zerocc does not support" in run.stderr
     assert "unsupported some_new_option = 1" in run.stdout
