@@ -170,3 +170,14 @@ def test_plan_import_of_unsupported_options_fails_and_writes_nothing(tmp_path):
     assert run.returncode == 2 and not out.exists()
     assert "7 option(s) zerocc does not support" in run.stderr
     assert "unsupported some_new_option = 1" in run.stdout
+
+
+def test_plan_import_of_zero3_says_the_plan_needs_its_units(capsys, tmp_path):
+    from zerocc.cli.main import main
+
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "import", str(FIXTURES / "hf_zero3_auto.json"), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "note: zero.stage 3 and no units: the whole model would be gathered at once" in printed
+    assert "zerocc's default applies (optimizer.lr: 0.001)" in printed
+    assert "# units: {classes: [YourBlock]}" in out.read_text()
