@@ -228,6 +228,9 @@ def _export(args: argparse.Namespace) -> int:
 def _plan_check(args: argparse.Namespace) -> int:
     plan = _checked_plan(args)
     print(f"{args.plan}: ok ({describe_plan(plan)})")
+    if plan.workload is None:  # (a plan for zerocc.compile: fine, but not for `train`)
+        print("note: no workload: `zerocc train` needs one (workload: 'module:function'); a "
+              "plan given to zerocc.compile in Python does not")  # fmt: skip
     return 0
 
 

@@ -313,7 +313,20 @@ def test_yaml_infinities_and_huge_numbers_are_plan_errors(tmp_path, text, expect
     ("data", "expected"),
     [
         ({"optimizer": {"lr": 2.0}}, "optimizer.lr: 2.0 is too large: an AdamW step"),
-        ({"optimizer": {"name": "sgd", "lr": 20.0}}, "<= 10 for sgd"),
+        ({"optimizer": {"name": "sgd", "lr": 20.0}}, "to 10 for sgd"),
+        # Values that pass as numbers and train nothing (issue 53): 0 in fp32, or a run that
+        # never finishes a step, or skips every one
+        ({"optimizer": {"lr": 1e-300}}, "optimizer.lr: 1e-300 is too small: the update applies"),
+        ({"optimizer": {"grad_clip": 1e-300}}, "optimizer.grad_clip: 1e-300 is not allowed"),
+        ({"grad_accumulation": 2**64 + 1}, "grad_accumulation: 18446744073709551617 is not"),
+        ({"precision": {"dynamic": {"hysteresis": 10**40}}}, "an integer >= 1 and <= 1000"),
+        ({"overlap": {"prefetch": 2**64 + 1}}, "overlap.prefetch: 18446744073709551617 is not"),
+        ({"units": {"min_mb": 2**64 + 1}}, "units.min_mb: 18446744073709551617 is not"),
+        ({"overlap": {"max_inflight_mb": 1e40}}, "overlap.max_inflight_mb: 1e+40 is not"),
+        ({"cost": {"compute_tflops": 1e308}}, "cost.compute_tflops: 1e+308 is not allowed"),
+        ({"zero": {"world_size": 2**62}}, "zero.world_size: 4611686018427387904 is not"),
+        ({"seed": -1}, "seed: -1 is not allowed"),
+        ({"seed": 2**70}, "seed: 1180591620717411303424 is not allowed"),
         (
             {"optimizer": {"lr": 0.5, "weight_decay": 2.0}},
             "optimizer: lr 0.5 * weight_decay 2 = 1:",

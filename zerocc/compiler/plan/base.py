@@ -18,6 +18,7 @@ from pydantic import (
 # The smallest positive normal fp32 number: a positive value below it (eps, a loss scale) is a
 # subnormal or rounds to 0 in the fp32 arithmetic of the update and the loss scaling.
 FP32_TINY = torch.finfo(torch.float32).tiny
+MAX_MB = 1e9  # a size in MB no device or bucket reaches (a petabyte)
 
 
 def _no_nul(path: str | None) -> str | None:

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
-from zerocc.compiler.plan.base import PathStr, Section
+from zerocc.compiler.plan.base import MAX_MB, PathStr, Section
 
 # The longest collective timeout: a collective that waits a week is hung (and longer ones
 # overflow the process group's millisecond clock for no benefit).
@@ -66,12 +66,15 @@ class OverlapConfig(Section):
     prefetch: int = Field(
         1,
         ge=0,
+        le=1024,
         description="upper bound on the units whose all-gathers are issued ahead of the unit "
-        "being computed (0: gather each unit just before its use)",
+        "being computed (0: gather each unit just before its use; at most 1024, more units "
+        "than any model holds)",
     )
     max_inflight_mb: float | None = Field(
         None,
         gt=0,
+        le=MAX_MB,
         description="memory budget of collectives in flight (issued, not yet waited on): "
         "prefetched units and gradient buckets; default: bounded by `prefetch` only",
     )
@@ -93,7 +96,9 @@ class CostConfig(Section):
         None,
         description="JSON written by `zerocc profile PLAN`, relative to the plan file",
     )
-    compute_tflops: float | None = Field(None, gt=0, description="dense compute rate, TFLOP/s")
+    compute_tflops: float | None = Field(
+        None, gt=0, le=1e6, description="dense compute rate, TFLOP/s (at most 1e6: an exaflop)"
+    )
     memory_gb_per_s: float | None = Field(
         None, gt=0, description="memory bandwidth of elementwise ops, GB/s"
     )

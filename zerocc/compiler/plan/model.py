@@ -95,8 +95,9 @@ class Plan(Section):
     grad_accumulation: int = Field(
         1,
         ge=1,
+        le=2**20,
         description="micro-batches per optimizer step; the gradient is the mean over ranks and "
-        "micro-batches",
+        "micro-batches (at most 2^20: no run reaches a step of more)",
     )
     precision: PrecisionConfig = Field(
         default_factory=PrecisionConfig, description="dtypes of parameters and gradients"
@@ -150,7 +151,11 @@ class Plan(Section):
         default_factory=dict, description="keyword arguments passed to the workload function"
     )
     seed: int = Field(
-        0, description="seed for deterministic initialization of models built on the meta device"
+        0,
+        ge=0,
+        le=2**63 - 1,
+        description="seed for deterministic initialization of models built on the meta device "
+        "(0 to 2^63 - 1, what torch's generators take)",
     )
 
     # Not a field: it is where the plan came from, never something a plan file may set.

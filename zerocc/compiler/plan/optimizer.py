@@ -177,8 +177,10 @@ class OptimizerConfig(Section):
     )
     grad_clip: float | None = Field(
         None,
-        gt=0,
-        description="clip by global L2 norm over all ranks (a finite norm > 0; null: no clipping)",
+        ge=FP32_TINY,
+        description="clip by global L2 norm over all ranks (a finite norm of at least the "
+        "smallest normal fp32 number, 1.2e-38: below it the clip coefficient, computed in fp32, "
+        "is 0 and every gradient is zeroed; null: no clipping)",
     )
     schedule: ScheduleConfig = Field(
         default_factory=ScheduleConfig,
@@ -198,9 +200,17 @@ class OptimizerConfig(Section):
             value = handler(lr)
         except ValidationError:
             value = None
-        allowed = f"allowed: a finite number > 0 and <= {largest:g} for {name or 'any optimizer'}"
+        allowed = (
+            f"allowed: a finite number from {FP32_TINY:.3g} to {largest:g} for "
+            f"{name or 'any optimizer'}"
+        )
         if value is None:
             raise ValueError(f"{show(lr)} is not allowed; {allowed}")
+        if value < FP32_TINY:
+            raise ValueError(
+                f"{show(lr)} is too small: the update applies it in fp32, where it is 0 or a "
+                f"subnormal that kernels flush to 0, and nothing trains; {allowed}"
+            )
         if value > largest:
             why = {
                 "adamw": "an AdamW step moves each weight by about lr",

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from zerocc.compiler.plan.base import Section
+from zerocc.compiler.plan.base import MAX_MB, Section
 from zerocc.errors import PlanError
 
 
@@ -19,7 +19,11 @@ class ZeroConfig(Section):
         3, description="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters"
     )
     world_size: int | None = Field(
-        None, ge=1, description="expected world size; compile fails clearly under any other"
+        None,
+        ge=1,
+        le=2**20,
+        description="expected world size; compile fails clearly under any other (at most 2^20 "
+        "ranks)",
     )
     replicate: int = Field(
         1,
@@ -166,6 +170,7 @@ class UnitsConfig(Section):
     min_mb: float | None = Field(
         None,
         gt=0,
+        le=MAX_MB,
         description="size-based wrapping: a module whose not-yet-assigned parameters reach this "
         "many MB becomes a unit, bottom-up",
     )

@@ -45,8 +45,10 @@ class LossScaleConfig(Section):
     hysteresis: int = Field(
         2,
         ge=1,
+        le=1000,
         description="overflowing steps tolerated before the scale backs off (each one is "
-        "still skipped); 1 backs off on every overflow, as torch's GradScaler",
+        "still skipped); 1 backs off on every overflow, as torch's GradScaler; at most 1000 "
+        "(more would skip every step of a run before the scale ever backs off)",
     )
     min_scale: float = Field(
         1.0,
