@@ -40,6 +40,7 @@ from zerocc.compiler.driver.pipeline import (
     program_name,
 )
 from zerocc.compiler.driver.session import CompileSession
+from zerocc.compiler.materialize import weight_source
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import (
     Action,
@@ -68,6 +69,7 @@ from zerocc.ir.ops import DP_GROUP, PP_GROUP
 from zerocc.runtime.agreement import (
     END_OF_DATA,
     Agreement,
+    agree_on_start,
     batch_digest,
     batch_disagreement,
     has_peers,
@@ -107,6 +109,8 @@ class PipelineStep:
         self.model, self.plan, self.loss_fn, self.comm, self.device = (
             model, plan, loss_fn, comm, device
         )  # fmt: skip
+        if has_peers(comm):  # before any group is made or a weight sent
+            agree_on_start(comm, plan, weight_source(model), model)
         self.mesh = Mesh.of_plan(plan, comm.world_size)
         comm.use_mesh(self.mesh)
         pipeline, pp = plan.pipeline, plan.parallel.pp

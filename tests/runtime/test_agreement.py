@@ -295,3 +295,38 @@ def _own_torch(rank: int, world: int) -> str:
 def test_ranks_on_other_torch_releases_stop_naming_each():
     for error in run_ranks(2, _own_torch):
         assert f"rank 0: torch {torch.__version__}; rank 1: torch 2.11.0" in error, error
+
+
+def _own_models(rank: int, world: int, pp: int) -> tuple[str, float]:
+    """Rank ``rank`` builds a GPT of 2 + rank blocks (the same plan): the error and how long
+    compiling took to raise it."""
+    import time
+
+    from model import GPT as ExampleGPT
+    from model import GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2 + rank, n_head=2, n_embd=16)
+    plan = _plan(3, units={"classes": ["Block"]})
+    if pp > 1:
+        plan["parallel"] = {"pp": pp}
+    began = time.monotonic()
+    try:
+        zerocc.compile(ExampleGPT(config), plan)
+    except RankMismatchError as exc:
+        return str(exc), time.monotonic() - began
+    return "", time.monotonic() - began
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["zero3", "pipeline"])
+def test_ranks_that_built_different_models_stop_naming_the_first_tensor(pp):
+    """Rank 1 built one more block than rank 0: every rank stops before the first broadcast of
+    the weights (which would wait for the timeout), naming the first tensor that differs."""
+    for error, seconds in run_ranks(2, _own_models, pp, timeout=120):
+        assert "the ranks do not start alike" in error, error
+        first = (
+            "rank 0: parameter transformer.ln_f.weight [16] torch.float32; rank 1: parameter "
+            "transformer.h.2.ln_1.weight [16]"
+        )
+        assert first in error, error
+        assert seconds < 30

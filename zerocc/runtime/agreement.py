@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import fx
+from torch import fx, nn
 
 from zerocc.compiler.materialize import WeightSource
 from zerocc.compiler.plan import Plan
@@ -115,6 +115,43 @@ def _hash(text: str) -> int:
     return int(digest(text)[:15], 16)
 
 
+START_PROBLEM = (
+    "the ranks do not start alike (each has its own torch, zerocc, plan, model and weight "
+    "files: give every rank the same)"
+)
+
+
+def start_text(plan: Plan, source: WeightSource | None, model: nn.Module) -> str:
+    """What every rank must start with alike, a line per fact: the torch and zerocc releases,
+    the plan (but for the fields a host sets its own way, ``Plan.shared_lines``), the model's
+    parameters and buffers (name, shape, dtype) and its weight source (files copied to each
+    host that are not the same). Each rank has its own: a learning rate, a schedule or weight
+    files that differ change no compiled program, so the model would train on from a mix of
+    them, silently; a model built otherwise (another layer count) would block the first
+    broadcast of its weights until the timeout. A difference names its first differing line."""
+    from zerocc import __version__
+
+    weights = source.fingerprint() if source is not None else "the model's own values"
+    tensors = [
+        f"{kind} {name} {list(t.shape)} {t.dtype}"
+        for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers))
+        for name, t in named(remove_duplicate=False)
+    ]
+    return "\n".join([
+        f"torch {torch.__version__}", f"zerocc {__version__}", "plan:", plan.shared_lines(),
+        "model:", *tensors, f"initial weights: {weights}",
+    ])  # fmt: skip
+
+
+def agree_on_start(comm: Comm, plan: Plan, source: WeightSource | None, model: nn.Module) -> None:
+    """:meth:`RankAgreement.agree_on_start` for a step without a rank's health watch (a
+    pipeline's): RankMismatchError on every rank, naming the first differing line."""
+    start = start_text(plan, source, model)
+    views = views_if_they_differ(comm, ("start", digest(start)), start)
+    if views is not None:
+        raise RankMismatchError(f"rank {comm.rank}: {START_PROBLEM}: " + first_difference(views))
+
+
 def batch_digest(batch: tuple) -> str:
     """A hash of a batch's contents (its tensors' bytes, read on the host, and other values)."""
     h = hashlib.sha256()
@@ -200,22 +237,10 @@ class RankAgreement:
         if views is not None:
             raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + first_difference(views))
 
-    def agree_on_start(self, plan: Plan, source: WeightSource | None) -> None:
-        """Raise on every rank when the ranks do not start alike: their torch releases, plans
-        (but for the fields a host sets its own way, ``Plan.shared_lines``) or weight sources
-        (files copied to each host that are not the same). Each rank has its own; a learning
-        rate, a schedule or weight files that differ change no compiled program, so without
-        this the model would train on from a mix of them, silently."""
-        weights = source.fingerprint() if source is not None else "the model's own values"
-        start = (
-            f"torch {torch.__version__}\nplan:\n{plan.shared_lines()}\ninitial weights: {weights}"
-        )
-        self.agree(
-            ("start", digest(start)),
-            "the ranks do not start alike (each has its own torch, plan and weight files: "
-            "give every rank the same)",
-            start,
-        )
+    def agree_on_start(self, plan: Plan, source: WeightSource | None, model: nn.Module) -> None:
+        """Raise on every rank when the ranks do not start alike (:func:`start_text`)."""
+        start = start_text(plan, source, model)
+        self.agree(("start", digest(start)), START_PROBLEM, start)
 
     def views_if_they_differ(self, what: tuple, detail: str) -> list[Any] | None:
         """None when every rank has the same ``what``; else every rank's ``detail``, by rank."""

@@ -99,7 +99,7 @@ class StepRunner:
         self.agreement = RankAgreement(self.health)
         source = weight_source(model)
         if has_peers(comm):  # before any group is made or weight read
-            self.agreement.agree_on_start(plan, source)
+            self.agreement.agree_on_start(plan, source, model)
         # What every program shares, worked out once as zerocc inspect does (the mesh, the
         # model described, under tensor parallelism as this rank's slices, the passes, the
         # units and the state they declare): the state is laid out in units before any
