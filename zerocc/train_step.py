@@ -29,6 +29,7 @@ from zerocc.inspect.dumps import (
     write_run_dumps,
 )
 from zerocc.inspect.explain import explain_step
+from zerocc.runtime.agreement import has_peers
 from zerocc.runtime.allocations import peak_allocated
 from zerocc.runtime.checkpoint import load_checkpoint, save_checkpoint
 from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
@@ -112,6 +113,7 @@ class TrainStep(StepRunner):
         A collective when the weights are sharded (stage 3; stages 1-2 under mixed precision,
         whose masters are sharded): call it on every rank.
         """
+        self._at_the_same_point("full_state_dict()")
         self.apply_carried_update()
         return self.state.full_state_dict()
 
@@ -121,8 +123,18 @@ class TrainStep(StepRunner):
         generate with it or save it as usual. A copy: the step trains its own weights, so call
         again for newer ones. Every rank holds the whole model afterwards; a collective where
         the weights are sharded (see :meth:`full_state_dict`): call it on every rank."""
+        self._at_the_same_point("materialize_model()")
         self.apply_carried_update()
         return self.state.materialize_model(self.model, device)
+
+    def _at_the_same_point(self, call: str) -> None:
+        """Before a collective outside the step: every rank makes the same call after the same
+        micro-batch. A rank a step ahead (in the step's agreement) or making another call gets
+        a RankMismatchError on every rank, saying where each is, instead of a wait for the
+        timeout in collectives that do not match."""
+        if has_peers(self.comm):
+            where = f"{call} after micro-batch {self.micro_batches}"
+            self.agreement.agree(("call", where), "the ranks are not at the same point", where)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards, optimizer state and counters, ready for

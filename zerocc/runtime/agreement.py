@@ -199,10 +199,14 @@ def batch_disagreement(views: list[Any], rank: int, step: int) -> ZeroccError:
             "of batches (as under DDP): split the data evenly across ranks (drop the "
             "remainder), or stop every rank at the same step"
         )
-    return RankMismatchError(
-        f"rank {rank}, step {step}: the batch shapes differ across ranks: "
-        + first_difference(views)
+    batches = all(str(v).startswith("('next batch'") for v in views)
+    problem = (
+        "the batch shapes differ across ranks"
+        if batches
+        else "the ranks are not at the same point (a rank in a step while another makes "
+        "another call: every rank must train and call alike)"
     )
+    return RankMismatchError(f"rank {rank}, step {step}: {problem}: " + first_difference(views))
 
 
 def first_difference(views: list[Any]) -> str:
