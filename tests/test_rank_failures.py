@@ -209,14 +209,18 @@ def test_ranks_that_lower_a_program_differently_say_so_and_train():
 # -- the launcher's report, on made-up failures --------------------------------------------------
 
 
-def test_sigkill_without_an_error_reads_as_the_out_of_memory_killer():
+def test_sigkill_without_an_error_says_what_the_launcher_knows():
+    """SIGKILL does not say who sent it: the report names both senders and weighs them with
+    the rank's predicted need against the machine's memory."""
     gib = 2**30
     reports = {1: {"predicted_peak_bytes": 3 * gib, "local_ranks": 2}}
     text = failure_report({1: (-signal.SIGKILL, 42)}, reports, {}, memory_total=4 * gib)
     assert "rank 1 (pid 42): killed by SIGKILL" in text
-    assert "out-of-memory killer" in text
+    assert "by the out-of-memory killer or by a person or a scheduler" in text
     assert "predicted peak 3.0GiB per rank" in text and "6.0GiB for the 2 ranks" in text
-    assert "this machine has 4.0GiB" in text
+    assert "this machine has 4.0GiB): the prediction exceeds the machine" in text
+    roomy = failure_report({1: (-signal.SIGKILL, 42)}, reports, {}, memory_total=64 * gib)
+    assert "the prediction fits the machine, so a kill from outside is likelier" in roomy
 
 
 def test_report_names_signals_causes_and_last_errors():

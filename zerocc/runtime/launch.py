@@ -242,21 +242,26 @@ def _likely_cause(
 
 
 def _out_of_memory(data: dict[str, Any], ranks: int, memory_total: int | None) -> str:
-    """SIGKILL with no error of the rank's own: on Linux, most likely the out-of-memory
-    killer; say what the rank was predicted to need next to what the machine has."""
+    """SIGKILL with no error of the rank's own: the out-of-memory killer sends it, and so may a
+    person or a scheduler; the launcher cannot tell which. It says what it knows: the rank's
+    predicted need next to what the machine has, and which way that points."""
     total = memory_total if memory_total is not None else _machine_memory()
-    text = "killed without an error of its own: most likely the out-of-memory killer"
-    peak = data.get("predicted_peak_bytes")
+    peak, local = data.get("predicted_peak_bytes"), data.get("local_ranks")
     figures = []
     if peak:
         figures.append(f"predicted peak {human_bytes(peak)} per rank")
-    local = data.get("local_ranks")
     if peak and local:
         figures.append(f"{human_bytes(peak * local)} for the {local} ranks on this machine")
     if total:
         figures.append(f"this machine has {human_bytes(total)}")
-    if figures:
-        text += f" ({'; '.join(figures)})"
+    shown = f" ({'; '.join(figures)})" if figures else ""
+    text = "killed without an error of its own, by the out-of-memory killer or by a person or a "
+    text += "scheduler (SIGKILL does not say who)" + shown
+    if peak and local and total:
+        if peak * local > total:
+            return text + ": the prediction exceeds the machine; see `zerocc estimate` for plans "
+            "that need less"
+        return text + ": the prediction fits the machine, so a kill from outside is likelier"
     return text + "; see `zerocc estimate` for plans that need less"
 
 
