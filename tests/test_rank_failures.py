@@ -248,3 +248,36 @@ def test_ranks_that_stopped_on_a_signal_are_a_stop_not_a_failure():
     assert _stopped_by(stopped, {0: {"error": "ValueError: boom"}}) is None
     assert _stopped_by({**stopped, 1: (1, 11)}, {}) is None
     assert _stopped_by({0: (-signal.SIGINT, 10)}, {}) is None
+
+
+def _leave_before_a_save(rank: int, world: int) -> str:
+    import tempfile
+
+    import torch
+
+    import zerocc
+
+    model = torch.nn.Linear(4, 1)
+    plan = {"zero": {"stage": 3}, "backend": {"device": "cpu", "timeout_s": 60}}
+    step = zerocc.compile(model, plan, loss_fn=lambda m, x: m(x).pow(2).mean())
+    step(torch.ones(2, 4))
+    if rank == 1:  # gone as a rank killed mid-save is
+        step.comm.close()
+        return "left"
+    started = time.monotonic()
+    try:
+        step.save(tempfile.mkdtemp())
+    except zerocc.RankStoppedError as exc:
+        return f"{time.monotonic() - started:.1f} s: {exc}"
+    except Exception as exc:
+        return f"{time.monotonic() - started:.1f} s: not named: {type(exc).__name__}: {exc}"
+    return "0 s: no error"
+
+
+def test_a_peer_gone_during_a_save_is_named_not_a_raw_process_group_error():
+    from multirank import run_ranks
+
+    waited, message = run_ranks(2, _leave_before_a_save)[0].split(" s: ", 1)
+    assert message.startswith("rank 0:") and "rank 1 (pid" in message, message
+    assert "gave up in the checkpoint's" in message, message
+    assert float(waited) < 20, message

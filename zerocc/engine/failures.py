@@ -87,18 +87,24 @@ def _show(element: tuple) -> str:
 
 
 def peer_failure(
-    comm: Comm, exc: BaseException, where: str, step: int, timeout_s: float
+    comm: Comm,
+    exc: BaseException,
+    where: str,
+    step: int | None = None,
+    timeout_s: float | None = None,
 ) -> RankStoppedError:
-    """The error of a collective that failed (``exc``, in ``where``): who stopped answering (a
-    survey of the heartbeats), with ``comm`` closed so that the process can exit without waiting
-    for the collectives still queued on it."""
+    """The error of a collective that failed (``exc``, in ``where``; at ``step``, with the
+    plan's ``timeout_s``, where the caller knows them): who stopped answering (a survey of the
+    heartbeats), with ``comm`` closed so that the process can exit without waiting for the
+    collectives still queued on it."""
     survey = comm.heartbeat.survey() if comm.heartbeat else None
     comm.close()
+    at = f"rank {comm.rank}" + (f", step {step}" if step is not None else "")
+    timeout = f"backend.timeout_s ({timeout_s:g} s)" if timeout_s is not None else "the timeout"
     return RankStoppedError(
-        f"rank {comm.rank}, step {step}: {describe_silence(survey, comm.rank)}. This rank gave up "
-        f"in {where} after backend.timeout_s ({timeout_s:g} s) or when the peer left "
-        f"({type(exc).__name__}: {first_line(exc)}). Training stopped; start the ranks again and "
-        "load the last checkpoint",
+        f"{at}: {describe_silence(survey, comm.rank)}. This rank gave up in {where} after "
+        f"{timeout} or when the peer left ({type(exc).__name__}: {first_line(exc)}). Training "
+        "stopped; start the ranks again and load the last checkpoint",
         silent_peers(survey, comm.rank),
     )
 

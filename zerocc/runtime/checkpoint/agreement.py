@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zerocc.engine.comm import Comm
-from zerocc.engine.failures import first_line
+from zerocc.engine.failures import first_line, peer_failure
 from zerocc.errors import CheckpointError
 
 
@@ -29,10 +29,19 @@ def raise_errors(errors: dict[int, str], what: str, outcome: str) -> None:
     raise CheckpointError(f"checkpoint {what} failed ({lines}); {outcome}")
 
 
+def gathered(comm: Comm, value: object, what: str) -> list:
+    """Every rank's ``value``, by rank; a peer that left or stopped answering meanwhile (killed
+    mid-save) is a RankStoppedError naming it, not the process group's own message."""
+    try:
+        return comm.all_gather_object(value)
+    except Exception as exc:
+        raise peer_failure(comm, exc, f"the checkpoint's {what}") from exc
+
+
 def agree(comm: Comm, error: str | None, what: str, outcome: str) -> None:
     """Every rank learns every rank's ``error``; all raise when any failed. The same error on
     every rank (a checkpoint of another model, say) is raised as that error alone."""
-    errors = {r: e for r, e in enumerate(comm.all_gather_object(error)) if e is not None}
+    errors = {r: e for r, e in enumerate(gathered(comm, error, what)) if e is not None}
     alike = set(errors.values())
     if len(errors) == comm.world_size and len(alike) == 1:
         raise CheckpointError(alike.pop().removeprefix("CheckpointError: "))

@@ -22,7 +22,7 @@ from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.plan import OptimizerConfig
 from zerocc.compiler.state import optimizer_states
 from zerocc.engine.comm import Comm
-from zerocc.runtime.checkpoint.agreement import agree, attempt
+from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered
 from zerocc.runtime.checkpoint.files import (
     MANIFEST,
     CheckpointError,
@@ -95,7 +95,7 @@ def _agree_on_checkpoint(comm: Comm, path: str | Path, folder: Path) -> None:
     save landing between two ranks' looks, would load a model made of two steps."""
     manifest_digest = hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()[:16]
     seen = f"{folder.name} (manifest {manifest_digest})"
-    views = comm.all_gather_object(seen)
+    views = gathered(comm, seen, "choice of the checkpoint to load")
     if len(set(views)) > 1:
         found = "; ".join(f"rank {rank}: {view}" for rank, view in enumerate(views))
         raise CheckpointError(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerocc.compiler.state import optimizer_states
-from zerocc.runtime.checkpoint.agreement import agree, attempt, raise_errors
+from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered, raise_errors
 from zerocc.runtime.checkpoint.files import (
     CheckpointError,
     Chunk,
@@ -79,7 +79,7 @@ def save_checkpoint(runner: Checkpointed, root: str | Path, keep: int | None = N
         writer.close()
         size = writer.bytes
 
-    everyone = comm.all_gather_object((attempt(write), written, size))
+    everyone = gathered(comm, (attempt(write), written, size), "writes")
     errors = {rank: e for rank, (e, _, _) in enumerate(everyone) if e is not None}
     if errors and comm.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
