@@ -11,6 +11,7 @@ the command is already a rank and does not launch again.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -268,16 +269,23 @@ def _plan_import(args: argparse.Namespace) -> int:
     if not isinstance(config, dict):
         raise ZeroccError(f"{args.config}: a DeepSpeed config is a JSON object")
     plan, outcomes = convert(config)
-    for outcome in outcomes:
-        print(outcome.line())
     unsupported = [o for o in outcomes if o.kind == "unsupported"]
     if unsupported:
+        for outcome in outcomes:
+            print(outcome.line())
         print(f"\n{args.config}: {len(unsupported)} option(s) zerocc does not support "
               "(above); no plan written", file=sys.stderr)  # fmt: skip
         return 2  # (as every error of the command line)
     if args.workload:
         plan["workload"] = args.workload
     checked = load_plan(plan)  # what zerocc makes of it, checked as any plan
+    fields = checked.model_dump(mode="json")
+    for outcome in outcomes:  # an 'auto' left to zerocc: the value its default gives
+        line = outcome.line()
+        if outcome.default_of is not None:
+            value = functools.reduce(lambda d, k: d[k], outcome.default_of.split("."), fields)
+            line = line.removesuffix(")") + f": {json.dumps(value)})"
+        print(line)
     mapped = sum(o.kind == "mapped" for o in outcomes)
     print(f"\n{len(outcomes)} option(s): {mapped} mapped, {len(outcomes) - mapped} without "
           f"meaning for zerocc; plan: {describe_plan(checked)}")  # fmt: skip

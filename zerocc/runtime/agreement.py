@@ -15,6 +15,7 @@ micro-batch, each program.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 from typing import Any
 
 import torch
@@ -129,8 +130,6 @@ def start_text(plan: Plan, source: WeightSource | None, model: nn.Module) -> str
     files that differ change no compiled program, so the model would train on from a mix of
     them, silently; a model built otherwise (another layer count) would block the first
     broadcast of its weights until the timeout. A difference names its first differing line."""
-    from zerocc import __version__
-
     weights = source.fingerprint() if source is not None else "the model's own values"
     tensors = [
         f"{kind} {name} {list(t.shape)} {t.dtype}"
@@ -138,9 +137,17 @@ def start_text(plan: Plan, source: WeightSource | None, model: nn.Module) -> str
         for name, t in named(remove_duplicate=False)
     ]
     return "\n".join([
-        f"torch {torch.__version__}", f"zerocc {__version__}", "plan:", plan.shared_lines(),
+        f"torch {torch.__version__}", f"zerocc {_zerocc_release()}", "plan:", plan.shared_lines(),
         "model:", *tensors, f"initial weights: {weights}",
     ])  # fmt: skip
+
+
+def _zerocc_release() -> str:
+    """zerocc's installed version (its package metadata: the package root is a layer above)."""
+    try:
+        return importlib.metadata.version("zerocc")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from its source)"
 
 
 def agree_on_start(comm: Comm, plan: Plan, source: WeightSource | None, model: nn.Module) -> None:

@@ -22,6 +22,7 @@ class Outcome:
     value: Any
     kind: Kind
     note: str  # the plan field it set, or why it was ignored, or what is not supported
+    default_of: str | None = None  # an 'auto' left to zerocc: the plan field whose default applies
 
     def line(self) -> str:
         """``kind key = value: note``, as `zerocc plan import` prints it."""
@@ -61,14 +62,12 @@ class Conversion:
         self.outcomes.append(Outcome(key, value, "unsupported", why))
 
     def auto(self, key: str, value: Any, default: str) -> bool:
-        """Whether ``value`` is "auto" (recorded as ignored: zerocc's ``default`` applies)."""
+        """Whether ``value`` is "auto" (recorded as ignored: zerocc's ``default`` applies: a
+        plan field's dotted path, whose value the plan's validation fills, or words)."""
         if value == "auto":
-            self.ignored(
-                key,
-                value,
-                f"'auto' is for Hugging Face's Trainer to fill; zerocc's default applies "
-                f"({default})",
-            )
+            why = "'auto' is for Hugging Face's Trainer to fill; zerocc's default applies"
+            field = default if " " not in default and "." in default else None
+            self.outcomes.append(Outcome(key, value, "ignored", f"{why} ({default})", field))
             return True
         return False
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from zerocc.compiler.plan.deepspeed.conversion import (
@@ -10,7 +9,6 @@ from zerocc.compiler.plan.deepspeed.conversion import (
     Outcome,
     number,
 )
-from zerocc.compiler.plan.optimizer import OptimizerConfig, ScheduleConfig
 
 _OPTIMIZERS = {
     "adam": "adamw",
@@ -47,12 +45,10 @@ def optimizer(conv: Conversion, key: str, block: Any) -> None:
     for option, value in params.items():
         sub = f"{key}.params.{option}"
         if option in ("lr", "eps", "weight_decay") or (option == "momentum" and name == "sgd"):
-            if not conv.auto(sub, value, _default("optimizer", option)) and number(
-                conv, sub, value
-            ):
+            if not conv.auto(sub, value, f"optimizer.{option}") and number(conv, sub, value):
                 conv.mapped(sub, value, f"optimizer.{option}", value)
         elif option == "betas":
-            if not conv.auto(sub, value, _default("optimizer", "betas")):
+            if not conv.auto(sub, value, "optimizer.betas"):
                 conv.mapped(sub, value, "optimizer.betas", list(value))
         elif option in ("adam_w_mode", "torch_adam", "fused", "set_grad_none", "foreach"):
             conv.ignored(sub, value, "which kernel DeepSpeed runs; zerocc's are backend.kernels")
@@ -75,13 +71,6 @@ _SCHEDULE_DEFAULTS = {"warmup_max_lr": "optimizer.lr", "warmup_num_steps": "1000
                       "warmup_min_lr": "0, as DeepSpeed"}  # fmt: skip
 _SCHEDULE_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
                     "total_num_steps", "warmup_min_ratio", "cos_min_ratio")  # fmt: skip
-
-
-def _default(section: str, field: str) -> str:
-    """``section.field: value``, zerocc's default of that plan field."""
-    config = OptimizerConfig if section == "optimizer" else ScheduleConfig
-    value = config.model_fields[field].default
-    return f"{section}.{field}: {json.dumps(list(value) if isinstance(value, tuple) else value)}"
 
 
 def scheduler(conv: Conversion, key: str, block: Any) -> None:
@@ -110,7 +99,7 @@ def scheduler(conv: Conversion, key: str, block: Any) -> None:
                 "steps",
             )
         elif option in _SCHEDULE_PARAMS:
-            default = _SCHEDULE_DEFAULTS.get(option) or _default("optimizer.schedule", option)
+            default = _SCHEDULE_DEFAULTS.get(option) or f"optimizer.schedule.{option}"
             if not conv.auto(sub, value, default):
                 conv.mapped(sub, value, f"optimizer.schedule.{option}", value)
         else:
