@@ -36,7 +36,7 @@ def workload(stop_rank=-1, stop_at=3, batches=100, short_rank=-1, raise_rank=-1)
                 with open(f"stopped-{rank}", "w") as f:
                     f.write(str(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)  # as a debugger, or a hung rank, would
-            if rank == raise_rank and i == stop_at:
+            if raise_rank in (rank, "all") and i == stop_at:
                 raise ValueError("the data loader broke")
             g = torch.Generator().manual_seed(rank * 1000 + i)
             yield torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
@@ -96,6 +96,18 @@ def test_a_rank_that_dies_is_named_with_its_error(tmp_path):
     assert "rank 1 (pid" in report and "exit code 1" in report
     assert "last error: ValueError: the data loader broke" in report
     assert "rank 0 (pid" in report and "stopped by the launcher after rank 1 failed" in report
+    assert "zerocc: rank 1's error:\nTraceback (most recent call last)" in run.stderr
+
+
+def test_a_workload_that_raises_on_every_rank_shows_its_traceback_once(tmp_path):
+    """The user's code raised on both ranks: its traceback once (the first rank's, printed by
+    the launcher), then a line per rank."""
+    run = _train(tmp_path, raise_rank='"all"', stop_at=2)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("Traceback (most recent call last)") == 1, run.stderr
+    assert 'raise ValueError("the data loader broke")' in run.stderr
+    report = run.stderr.split("rank(s) failed:")[1]
+    assert report.count("last error: ValueError: the data loader broke") == 2
 
 
 def _leave_early(rank: int, world: int) -> str:

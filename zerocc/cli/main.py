@@ -26,7 +26,7 @@ from zerocc.cli.plan_args import add_plan_arguments, forwarded, plan_of
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
-from zerocc.runtime.launch import RANK_WORKER_ENV, environment
+from zerocc.runtime.launch import RANK_WORKER_ENV, environment, report
 
 
 def console() -> NoReturn:
@@ -60,11 +60,17 @@ def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
     except Exception:
         if not _launched():
             raise
-        # A launched rank prints its error and ends with exit code 1. Raised out of the module,
-        # the traceback would keep the rank's objects alive into the interpreter's exit, where
-        # a C++ thread left to the end aborts the process now and then ("terminate called
-        # without an active exception"): the rank then died of SIGABRT, not of its error.
-        traceback.print_exc()
+        # A launched rank ends with exit code 1. Raised out of the module, the traceback would
+        # keep the rank's objects alive into the interpreter's exit, where a C++ thread left to
+        # the end aborts the process now and then ("terminate called without an active
+        # exception"): the rank then died of SIGABRT, not of its error. Under zerocc's launcher
+        # the traceback goes to the rank's report, and the launcher prints the first failed
+        # rank's once (every rank's, all alike, was one per rank); under another launcher the
+        # rank prints it.
+        if os.environ.get(RANK_WORKER_ENV):
+            report(traceback=traceback.format_exc())
+        else:
+            traceback.print_exc()
     gc.collect()  # the error's frames, while the interpreter still runs
     return 1
 

@@ -64,6 +64,10 @@ def launch(nproc: int, port: int, command: list[str]) -> int:
             if stopped is not None:  # the ranks stopped as a signal asked (zerocc.cli.train)
                 print(f"zerocc: stopped by {stopped.name}", file=sys.stderr)
                 return 128 + stopped
+            first = min((r for r in failures if reports.get(r, {}).get("traceback")), default=None)
+            if first is not None:  # the error once, as the first rank that failed met it
+                print(f"zerocc: rank {first}'s error:\n{reports[first]['traceback']}",
+                      file=sys.stderr, end="")  # fmt: skip
             print(failure_report(failures, reports, watcher.killed), file=sys.stderr)
             return 2
         except SignalException as exc:  # (torchrun passed the signal on to the ranks)
