@@ -19,6 +19,7 @@ it). Rank 0 writes, into that folder:
 
 from __future__ import annotations
 
+import html
 import json
 import os
 from dataclasses import dataclass
@@ -118,7 +119,7 @@ def write_run_dumps(
         (root / "backend" / name).write_text(text)
     report = root / "report.html"
     sections = _sections(root, step, predicted, recorder.timeline)
-    sections.insert(-2, _time_section(simulated, rates, recorder.events))
+    sections.insert(0, _time_section(simulated, rates, recorder.events))
     write_report(report, title="zerocc run report", sections=sections)
     held = states["total"]  # on the device, throughout
     return RunDumps(
@@ -144,7 +145,7 @@ def write_compiled_dumps(dumps: RunDumps, trace: Path, allocated: int, backend: 
         f"that code says, not as the program's values do. Its torch.profiler trace: "
         f"{os.path.relpath(trace, dumps.report.parent)} (open it in {PERFETTO}).",
     )
-    dumps.sections.insert(-1, section)  # before the programs' list
+    dumps.sections.insert(-2, section)  # before the programs' list and the plan
     write_report(dumps.report, title="zerocc run report", sections=dumps.sections)
 
 
@@ -252,16 +253,8 @@ def _sections(
     records = step.records
     units = unit_rows(step.units)
     plan_text = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False)
+    # What a person asks first (time, once inserted; memory; communication), the plan last.
     sections = [
-        ReportSection("Plan", "text", f"# {plan.source or 'plan'}\n{plan_text}"),
-        ReportSection(
-            "Passes",
-            "table",
-            pass_table(records),
-            "what each pass did to the program that runs the optimizer (zerocc inspect)",
-        ),
-        *mesh_section(step.mesh),
-        ReportSection("Units", "table", units, precision_line(step)),
         ReportSection(
             "Memory",
             "image",
@@ -277,7 +270,16 @@ def _sections(
             f"followed by the schedule the cost model predicts (rank N (predicted)): open it in "
             f"{PERFETTO} (Open trace file) or chrome://tracing",
         ),
+        ReportSection(
+            "Passes",
+            "table",
+            pass_table(records),
+            "what each pass did to the program that runs the optimizer (zerocc inspect)",
+        ),
+        *mesh_section(step.mesh),
+        ReportSection("Units", "table", units, precision_line(step)),
         programs_section(root),
+        ReportSection("Plan", "text", f"# {plan.source or 'plan'}\n{plan_text}"),
     ]
     return sections
 
@@ -308,9 +310,13 @@ def _estimate_text(step: StepRecord, predicted: MemoryTimeline) -> str:
 def programs_section(root: Path) -> ReportSection:
     """The files :func:`write_program_dumps` wrote under ``root``."""
     programs = sorted((root / "programs").glob("*/*"))
-    rows = [["file"]] + [[str(p.relative_to(root))] for p in programs]
+    links = "".join(
+        f'<li><a href="{html.escape(p.relative_to(root).as_posix())}">'
+        f"{html.escape(str(p.relative_to(root)))}</a></li>"
+        for p in programs
+    )
     if any(p.suffix == ".svg" for p in programs):
         caption = "each program after each pass, as Python, Graphviz DOT and SVG"
     else:
         caption = f"each program after each pass, as Python and Graphviz DOT; {GRAPHVIZ_HINT}"
-    return ReportSection("Programs", "table", rows, caption)
+    return ReportSection("Programs", "html", f"<ul>{links}</ul>", caption)

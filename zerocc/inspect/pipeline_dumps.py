@@ -104,12 +104,6 @@ def write_pipeline_run(
     report = root / "report.html"
     step_s = predicted.makespan + max(updates.values())
     sections = [
-        ReportSection(
-            "Plan",
-            "text",
-            f"# {plan.source or 'plan'}\n"
-            + yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False),
-        ),  # fmt: skip
         *mesh_section(mesh),
         ReportSection("Pipeline", "text", explain, "rank 0's explain(): the cut, its schedule"),
         ReportSection(
@@ -129,6 +123,12 @@ def write_pipeline_run(
             f"bubble slices: open it in {PERFETTO} (Open trace file) or chrome://tracing",
         ),
         programs_section(root),
+        ReportSection(
+            "Plan",
+            "text",
+            f"# {plan.source or 'plan'}\n"
+            + yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False),
+        ),  # fmt: skip
     ]
     write_report(report, title="zerocc pipeline run report", sections=sections)
     return report
