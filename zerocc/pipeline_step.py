@@ -18,7 +18,6 @@ which a pipeline does not do yet, are refused when it is compiled, naming the fi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -83,6 +82,7 @@ from zerocc.runtime.memory_check import check_pipeline_memory
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.pipeline import PipelineRank, StepTimeline, TorchTransport, microbatches_of
 from zerocc.runtime.programs import SetupClock, batch_signature, bindings_of
+from zerocc.runtime.rank import to_device
 from zerocc.runtime.state_store import StateStore, align_random_state
 
 
@@ -134,7 +134,8 @@ class PipelineStep:
         if plan.precision.scaling != "none":
             scale = torch.zeros((), dtype=torch.float32, device=device)
             self.loss_scaler = LossScaler.of(plan.precision, scale)
-        self._dump_record: RankStep | None = None  # its programs' predicted seconds, once
+        # Its programs' and its update's predicted seconds, for the dumps (simulated once).
+        self._predicted: tuple[dict[tuple[int, str], float], float] | None = None
         # What an earlier pipeline rank holds too and saves (known once the step is cut).
         self.saved_elsewhere: frozenset[str] = frozenset()
         # A checkpoint loaded before the first call: read into the state once it exists.
@@ -146,8 +147,7 @@ class PipelineStep:
     def __call__(self, *batch: Any, **named: Any) -> torch.Tensor:
         """Train one step on this rank's ``batch`` (positional, by name or one mapping, as a
         TrainStep takes it); returns the mean loss of its micro-batches."""
-        batch = batch_from(batch, named)
-        batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        batch = to_device(batch_from(batch, named), self.device)
         signature = batch_signature(batch)
         self._agree_on(("next batch", signature), batch)
         self.comm.stats.reset()
@@ -308,7 +308,7 @@ class PipelineStep:
             return self._evaluate(batch_from(batch, named))
 
     def _evaluate(self, batch: tuple) -> torch.Tensor:
-        batch = tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        batch = to_device(batch, self.device)
         signature = batch_signature(batch)
         self._agree_on(("evaluation batch", signature), batch)
         if self.staged is None:
@@ -318,8 +318,9 @@ class PipelineStep:
             )
         sizes = [b.shape[0] for b in batch if isinstance(b, torch.Tensor) and b.dim() > 0]
         micro = microbatches_of(batch, math.gcd(self.microbatches, *sizes[:1]))
-        evaluation = self._evaluations.get(signature) or self._build_evaluation(signature, micro[0])
-        programs, transport = evaluation
+        programs, transport = self._evaluations.get(signature) or self._build_evaluation(
+            signature, micro[0]
+        )
         runners = {(s, "F"): self._runner(p, micro) for s, p in programs.items()}
         rank = PipelineRank(runners, transport)
         with traced_grad_mode():
@@ -466,19 +467,17 @@ class PipelineStep:
         """The last step of every rank drawn beside the predicted one (a collective; see
         :mod:`zerocc.inspect.pipeline_dumps`): after the first step, and the second."""
         rates = rates_for(self.plan, self.device.type)
-        if self._dump_record is None:
+        if self._predicted is None:
             cost = CostModel(rates, self.comm.world_size, self.mesh)
             seconds = {key: program_seconds(p.gm, cost) if p is not None else 0.0
                        for key, p in self.programs.items()}  # fmt: skip
-            self._dump_record = RankStep(
-                self.comm.rank, self.pp_rank, self.schedule.stages_of(self.pp_rank),
-                self.timeline, seconds, program_seconds(self.update.gm, cost),
-            )  # fmt: skip
+            self._predicted = seconds, program_seconds(self.update.gm, cost)
+        mine = RankStep(self.comm.rank, self.pp_rank, self.schedule.stages_of(self.pp_rank),
+                        self.timeline, *self._predicted)  # fmt: skip
         write_pipeline_run(
-            self.dump_dir, self.comm,
-            dataclasses.replace(self._dump_record, timeline=self.timeline),
-            self.micro_batches, plan=self.plan, mesh=self.mesh, schedule=self.schedule,
-            rates=rates, explain=self.explain() if self.comm.rank == 0 else "",
+            self.dump_dir, self.comm, mine, self.micro_batches, plan=self.plan, mesh=self.mesh,
+            schedule=self.schedule, rates=rates,
+            explain=self.explain() if self.comm.rank == 0 else "",
         )  # fmt: skip
 
     # -- checkpoints ------------------------------------------------------------------------

@@ -252,7 +252,7 @@ def _checked_plan(args: argparse.Namespace) -> Plan:
     plan = plan_of(args)
     check_passes(plan)
     get_backend(plan.backend.name)
-    if plan.workload is not None:  # importable, its function there, its arguments taken
+    if plan.workload is not None and not _launched():  # (the launcher checked it for the ranks)
         from zerocc.compiler.workload import workload_function
 
         workload_function(plan)
@@ -298,7 +298,7 @@ def _plan_import(args: argparse.Namespace) -> int:
     whole = checked.zero.stage == 3 and not (checked.units.classes or checked.units.modules
                                              or checked.units.min_mb)  # fmt: skip
     if whole:  # DeepSpeed partitions parameter by parameter; a plan needs its units named
-        print(UNITS_NOTE)
+        print(f"note: {UNITS_NEED}")
     if args.output:
         header = (
             f"# Converted from the DeepSpeed config {args.config} by `zerocc plan import`.\n"
@@ -307,15 +307,15 @@ def _plan_import(args: argparse.Namespace) -> int:
         if not args.workload:
             header += "# workload: 'module:function'  (set yours: the model, loss and data)\n"
         if whole:
-            header += "# units: {classes: [YourBlock]}  (" + UNITS_NOTE.split(": ", 1)[1] + ")\n"
+            header += f"# units: {{classes: [YourBlock]}}  ({UNITS_NEED})\n"
         Path(args.output).write_text(header + yaml.safe_dump(plan, sort_keys=False))
         print(f"wrote {args.output}")
     return 0
 
 
-UNITS_NOTE = (
-    "note: zero.stage 3 and no units: the whole model would be gathered at once; name the "
-    "model's repeated block, e.g. units: {classes: [LlamaDecoderLayer]}"
+UNITS_NEED = (
+    "zero.stage 3 and no units: the whole model would be gathered at once; name the model's "
+    "repeated block, e.g. units: {classes: [LlamaDecoderLayer]}"
 )
 
 

@@ -138,10 +138,14 @@ def _folder_of(plan: Plan, plan_dir: Path | None) -> Path | None:
 
 
 def _import_file(path: Path) -> ModuleType:
-    """The module of a workload file, imported (again, if it was: the file is the plan's)."""
+    """The module of a workload file, imported once per process (a module of the same name
+    from another file is replaced)."""
     if not path.is_file():
         raise PlanError(f"workload: {path} is not a file")
     name = f"zerocc_workload_{path.stem}"
+    cached = sys.modules.get(name)
+    if cached is not None and _real(getattr(cached, "__file__", "")) == _real(str(path)):
+        return cached
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise PlanError(f"workload: {path} cannot be imported as a Python module")

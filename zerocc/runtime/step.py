@@ -52,6 +52,7 @@ from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.programs import LoweredProgram, ProgramBuilder, SetupClock, batch_signature
+from zerocc.runtime.rank import to_device
 from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_store import StateStore, align_random_state
 
@@ -327,7 +328,7 @@ class StepRunner:
 
     def _on_device(self, batch: tuple) -> tuple:
         """``batch`` with its tensors on the step's device."""
-        return tuple(b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch)
+        return to_device(batch, self.device)
 
     def _bound(self, program: LoweredProgram, batch: tuple) -> list[Any]:
         """What ``program``'s placeholders bind, in order: ``batch``'s values and the state,
