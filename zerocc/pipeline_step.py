@@ -74,6 +74,7 @@ from zerocc.runtime.agreement import (
     has_peers,
 )
 from zerocc.runtime.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
+from zerocc.runtime.checkpoint.background import PendingSave, SavesInBackground
 from zerocc.runtime.checkpoint.load import fill_state, open_checkpoint, restore_counters
 from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
 from zerocc.runtime.context import open_context
@@ -95,7 +96,7 @@ class _Program:
     run: Executable
 
 
-class PipelineStep:
+class PipelineStep(SavesInBackground):
     """One rank of a pipeline-parallel training step: ``step(*batch)`` trains on the rank's
     batch (the same on every rank of one pipeline), cut into ``pipeline.microbatches``, and
     returns the mean loss; ``full_state_dict()`` gathers the parameters this rank's stages
@@ -487,13 +488,20 @@ class PipelineStep:
         world size, stage or units (see :meth:`zerocc.TrainStep.save`); every rank writes
         what its stages hold. Call on every rank, after a step."""
         self._built()
+        self.wait_for_save()
         return save_checkpoint(self, folder, keep)
+
+    def save_async(self, folder: str | Path, keep: int | None = None) -> PendingSave:
+        """Save in the background (see :meth:`zerocc.TrainStep.save_async`)."""
+        self._built()
+        return super().save_async(folder, keep)
 
     def load(self, path: str | Path) -> list[str]:
         """Load a checkpoint saved under any mesh (see :meth:`zerocc.TrainStep.load`); returns
         notes on what differs from the run that saved it. Before the first call, the
         checkpoint is found and checked now (the counters set) and its tensors read once the
         first batch has cut the stages. Call on every rank."""
+        self.wait_for_save()
         if self.staged is not None:
             _, notes = load_checkpoint(self, path)
             return notes

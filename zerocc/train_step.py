@@ -32,6 +32,7 @@ from zerocc.inspect.explain import explain_step
 from zerocc.runtime.agreement import has_peers
 from zerocc.runtime.allocations import peak_allocated
 from zerocc.runtime.checkpoint import load_checkpoint, save_checkpoint
+from zerocc.runtime.checkpoint.background import SavesInBackground
 from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
 from zerocc.runtime.step import StepObserver, StepRunner
 
@@ -76,7 +77,7 @@ class DumpsObserver(StepObserver):
         return step()
 
 
-class TrainStep(StepRunner):
+class TrainStep(StepRunner, SavesInBackground):
     """The compiled training step. See :func:`zerocc.compile`."""
 
     def __init__(
@@ -153,7 +154,9 @@ class TrainStep(StepRunner):
         loads under any world size, stage, units, precision or offload; returns its path.
         Every rank writes its own slices, and the checkpoint appears by one rename once all are
         on disk (an interrupted save leaves the earlier ones intact); only the newest ``keep``
-        are kept. Call on every rank, after a step's last micro-batch."""
+        are kept. Call on every rank, after a step's last micro-batch (see also
+        :meth:`save_async`)."""
+        self.wait_for_save()
         return save_checkpoint(self, folder, keep)
 
     def load(self, path: str | Path) -> list[str]:
@@ -161,5 +164,6 @@ class TrainStep(StepRunner):
         by :meth:`save` under any world size or stage; every slice read is checked against
         its checksum. Returns notes on what differs from the run that saved it (world size,
         stage, ...). Call on every rank."""
+        self.wait_for_save()
         _, notes = load_checkpoint(self, path)
         return notes

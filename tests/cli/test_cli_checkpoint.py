@@ -35,8 +35,15 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
     out = _train("--steps", "4", "--save", str(saves), "--save-every", "2", "--keep", "1")
     assert sorted(p.name for p in saves.iterdir()) == ["latest", "step-00000004"]
     assert f"checkpoint: {saves / 'step-00000004'}" in out
-    resumed = _train("--steps", "6", "--resume", str(saves))
+    assert "checkpoints: 2 saved in the background, training blocked" in out  # (auto: fits)
+    again = tmp_path / "again"
+    resumed = _train(
+        "--steps", "6", "--resume", str(saves), "--save", str(again),
+        "--set", "checkpoint.async_save=false",
+    )  # fmt: skip
     assert "resumed from" in resumed and "at micro-batch 4" in resumed
+    assert "checkpoints: 1 saved in the foreground, training blocked" in resumed
+    assert (again / "latest").read_text().strip() == "step-00000006"
     assert "2 step(s) on 2 rank(s)" in resumed
     assert _final_loss(resumed) == _final_loss(_train("--steps", "6"))
 

@@ -21,6 +21,7 @@ from zerocc.errors import ZeroccError
 from zerocc.inspect.explain import setup_line
 from zerocc.ir.printing import human_bytes
 from zerocc.pipeline_step import PipelineStep
+from zerocc.runtime.checkpoint.background import PendingSave, background_fits
 from zerocc.runtime.launch import report
 
 
@@ -113,6 +114,7 @@ def _train_steps(
         return 0
     run = _Run(step, plan, workload, rank)
     closing.callback(run.stop.restore)
+    closing.callback(run.saver.settle)  # (before the comm closes)
     run.first_micro_batch()
     run.train(steps, wanted - done)
     if rank == 0:
@@ -134,7 +136,7 @@ class _Run:
             workload.batches(data_rank, data_ranks), self.done, data_rank, data_ranks
         )
         self.stop = _StopRequest(save_on_sigterm=plan.checkpoint.dir is not None)
-        self.saver = _Saver(step, plan)
+        self.saver = _Saver(step, plan, rank)
         self.metrics = Metrics(step, plan, workload, rank)
         self.lr = step.lr  # the rate of the optimizer step the next micro-batches make
         self.ran = self.total = 0  # micro-batches run, and to run
@@ -230,6 +232,8 @@ class _Run:
             print(f"eval loss after step {at} (mean over the held-back batches): {value:.4f}")
         if saver.last is not None and not self.stopped:
             print(f"checkpoint: {saver.last}")
+        if (saves := saver.summary()) is not None:
+            print(saves)
         if step.dump_dir is not None:
             print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
             if not shutil.which("dot"):
@@ -260,31 +264,86 @@ def _batches_from(batches: Iterator[tuple], done: int, rank: int, world: int) ->
 
 class _Saver:
     """Saves the plan's checkpoints: every ``checkpoint.every`` optimizer steps, at the end
-    (unless the last save was of this same step), and when the ranks agree to stop."""
+    (unless the last save was of this same step), and when the ranks agree to stop. Saves
+    between steps are written in the background where ``checkpoint.async_save`` says (decided
+    at the first save); the save on a stop and the last one are waited for."""
 
-    def __init__(self, step, plan: Plan) -> None:
-        self.step, self.config = step, plan.checkpoint
+    def __init__(self, step, plan: Plan, rank: int) -> None:
+        self.step, self.config, self.rank = step, plan.checkpoint, rank
         self.accum = plan.grad_accumulation
-        self.last: Path | None = None
+        self.last: Path | None = None  # the newest committed checkpoint
+        self.background: bool | None = None
+        self.saves, self.blocked_s, self.written_s = 0, 0.0, 0.0
         self._saved_at = -1
+        self._pending: PendingSave | None = None
 
     def after_step(self, stopping: bool) -> None:
         """Save where due after an optimizer step: every ``checkpoint.every``, and when the
-        run stops on a signal."""
+        run stops on a signal (waited for)."""
         if self.config.dir is None:
             return
         optimizer_steps = self.step.micro_batches // self.accum
         if stopping or (self.config.every and optimizer_steps % self.config.every == 0):
             self._save()
+        if stopping:
+            self.finish()
 
     def final(self) -> None:
+        """The save at the end of the run, waited for."""
         if self.config.dir is not None and self.step.micro_batches % self.accum == 0:
             self._save()
+        self.finish()
+
+    def finish(self) -> None:
+        """Wait for the save in flight (its error, if it failed, is raised here)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.last = pending.wait()
+            self.written_s += pending.times.written_s
+
+    def settle(self) -> None:
+        """On the way out, after an error too: let the save in flight commit (a peer that
+        left fails it at once) before the process groups close. Its own failure was printed
+        where it happened; the run's error is the one raised."""
+        with contextlib.suppress(Exception):
+            self.finish()
 
     def _save(self) -> None:
-        if self._saved_at != self.step.micro_batches:
+        if self._saved_at == self.step.micro_batches:
+            return
+        self._saved_at = self.step.micro_batches
+        self.saves += 1
+        if not self._in_background():
+            started = time.perf_counter()
             self.last = self.step.save(self.config.dir, keep=self.config.keep)
-            self._saved_at = self.step.micro_batches
+            self.blocked_s += time.perf_counter() - started
+            return
+        self.finish()
+        self._pending = self.step.save_async(self.config.dir, keep=self.config.keep)
+        self.blocked_s += self._pending.times.blocked_s
+
+    def _in_background(self) -> bool:
+        if self.background is None:
+            setting, why = self.config.async_save, ""
+            if setting == "auto":
+                setting, why = background_fits(self.step)
+            self.background = setting
+            if why and self.rank == 0:
+                print(f"checkpoint.async_save: auto: saving in the foreground: {why}",
+                      flush=True)  # fmt: skip
+        return self.background
+
+    def summary(self) -> str | None:
+        """One line on the saves: how many, how long training waited for each, how long the
+        background writes took; None before any."""
+        if not self.saves:
+            return None
+        how = "in the background" if self.background else "in the foreground"
+        line = (f"checkpoints: {self.saves} saved {how}, training blocked "
+                f"{self.blocked_s / self.saves:.2f} s per save")  # fmt: skip
+        if self.background:
+            line += f" (written in {self.written_s / self.saves:.2f} s each)"
+        return line
 
 
 def _counted(micro_batches: int, accum: int) -> str:

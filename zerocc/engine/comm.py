@@ -237,6 +237,13 @@ class Comm(abc.ABC):
         """Release the process group's resources (nothing to release but for TorchComm)."""
         return None
 
+    def side_channel(self) -> Comm:
+        """A comm over the same ranks whose exchanges run apart from this one's, so that a
+        thread may use it while the step's own collectives go on (a background checkpoint's
+        agreement). Making it is a collective: every rank calls it, at the same point. Without
+        peers there is nothing to keep apart: this comm itself."""
+        return self
+
     @abc.abstractmethod
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Work: ...
 
@@ -314,6 +321,20 @@ class TorchComm(Comm):
             return None
         self._owned.append(made)
         return TorchComm(made, self.control_group)
+
+    def side_channel(self) -> Comm:
+        """A gloo group over this comm's ranks, with its timeout, destroyed with it (see
+        :meth:`Comm.side_channel`); its objects travel on it alone."""
+        if self.world_size == 1:
+            return self
+        members = list(range(self.world_size))
+        if self.group is not None:
+            members = [dist.get_global_rank(self.group, r) for r in members]
+        made = dist.new_group(members, backend="gloo", timeout=self._timeout)
+        self._owned.append(made)
+        side = TorchComm(made)
+        side.heartbeat = self.heartbeat
+        return side
 
     def close(self) -> None:
         """Stop the heartbeat and destroy the group zerocc made, joining its threads (a group

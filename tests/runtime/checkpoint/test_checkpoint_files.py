@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import blake3
 import pytest
 import torch
 from model import GPT, GPTConfig
@@ -254,19 +255,47 @@ def test_the_plans_checkpoint_section_is_validated():
         zerocc.load_plan({"checkpoint": {"folder": "x"}})
 
 
-def test_the_format_version_says_whether_chunks_hold_strided_runs(tmp_path):
-    """A manifest with a tensor-parallel rank's strided rows is version 2 (a reader of version
-    1 could not place them); one without is version 1, which every zerocc reads; a version this
-    zerocc does not know is refused, naming the versions it reads."""
-    from zerocc.runtime.checkpoint.files import Chunk, Manifest, TensorEntry
+def test_checkpoints_of_earlier_format_versions_load_and_a_newer_one_is_refused(tmp_path):
+    """Saves write format version 3 with BLAKE3 digests (the manifest names the checksum); a
+    version 2 manifest (SHA-256 digests under ``sha256``, no ``checksum`` field) still reads,
+    its chunks checked by SHA-256, a changed byte found; a version this zerocc does not know is
+    refused, naming the versions it reads."""
+    import hashlib
 
-    def manifest(chunk: Chunk) -> dict:
-        entry = TensorEntry([4, 2], "float32", [chunk])
-        return json.loads(Manifest({}, {"w": entry}, {"rank-0.bin": 32}).to_json())
+    from zerocc.runtime.checkpoint.files import (
+        DataReader,
+        DataWriter,
+        Manifest,
+        TensorEntry,
+        read_elements,
+    )
 
-    plain = Chunk("rank-0.bin", 0, 0, 8, "0" * 64)
-    strided = Chunk("rank-0.bin", 0, 0, 1, "0" * 64, stride=2, runs=4)
-    assert manifest(plain)["version"] == 1 and manifest(strided)["version"] == 2
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest(plain) | {"version": 3}))
-    with pytest.raises(CheckpointError, match="format version 3, this zerocc reads 1 and 2"):
+    values = torch.arange(8, dtype=torch.float32)
+    writer = DataWriter(tmp_path / "rank-00000.bin")
+    chunk = writer.add(values, 0)
+    writer.close()
+    written = json.loads(Manifest({}, {"w": TensorEntry([8], "float32", [chunk])}, {}).to_json())
+    assert (written["version"], written["checksum"]) == (3, "blake3")
+    assert written["tensors"]["w"]["chunks"][0]["digest"] == blake3.blake3(
+        values.numpy().tobytes()
+    ).hexdigest()
+
+    old = dict(written, version=2)
+    del old["checksum"]
+    record = old["tensors"]["w"]["chunks"][0]
+    record["sha256"] = hashlib.sha256(values.numpy().tobytes()).hexdigest()
+    del record["digest"]
+    (tmp_path / "manifest.json").write_text(json.dumps(old))
+    manifest = Manifest.read(tmp_path)
+    assert manifest.checksum == "sha256"
+    reader = DataReader(tmp_path, manifest.checksum)
+    assert torch.equal(read_elements(manifest, reader, "w"), values)
+    reader.close()
+    with open(tmp_path / "rank-00000.bin", "r+b") as data:
+        data.write(b"\x01")
+    with pytest.raises(CheckpointError, match="checksum mismatch in w"):
+        read_elements(manifest, DataReader(tmp_path, manifest.checksum), "w")
+
+    (tmp_path / "manifest.json").write_text(json.dumps(written | {"version": 4}))
+    with pytest.raises(CheckpointError, match="format version 4, this zerocc reads 1, 2 and 3"):
         Manifest.read(tmp_path)

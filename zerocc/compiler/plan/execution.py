@@ -253,6 +253,13 @@ class CheckpointConfig(Section):
         description="checkpoint to start from: a step-<n> folder, or a folder of them (its "
         "newest); the data goes on where that run stopped",
     )
+    async_save: Literal["auto"] | bool = Field(
+        "auto",
+        description="write checkpoints in the background: training waits only while the "
+        "state is copied to host memory, and a thread writes, hashes and commits it during "
+        "the next steps (the save on a stop or at the end is waited for); auto: when every "
+        "rank's copy fits in half the host memory available at the first save",
+    )
 
 
 class MetricsConfig(Section):

@@ -52,7 +52,7 @@ def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str
         out = out / FORMATS[fmt]
     partial = out.with_name(f".{out.name}.partial")
     sources = _sources(manifest)
-    reader = DataReader(folder)
+    reader = DataReader(folder, manifest.checksum)
     try:
         tensors = (
             (key, read_elements(manifest, reader, name).view(shape).to(dtype))

@@ -140,7 +140,7 @@ def _names(fqns: list[str]) -> str:
 
 
 def _load(runner: Checkpointed, folder: Path, manifest: Manifest) -> None:
-    reader = DataReader(folder)
+    reader = DataReader(folder, manifest.checksum)
     read = functools.partial(read_elements, manifest, reader)
     try:
         optim = optimizer_states(runner.plan.optimizer)

@@ -6,6 +6,11 @@ the flats every rank holds whole): the bytes are spread evenly over the ranks, n
 twice. Buffers and the step counter are rank 0's to write; each rank writes its
 own RNG states. A failure on any rank (a full disk, a folder it cannot write) fails the save on
 every rank, with that rank's error, and leaves earlier checkpoints untouched.
+
+A save is two halves: :func:`stage_checkpoint` takes the rank's slices and the run's metadata
+between steps, :func:`write_checkpoint` writes and commits them. A synchronous save runs both
+at once on the step's views; a background save (:mod:`~zerocc.runtime.checkpoint.background`)
+copies the slices first and writes them on a thread while training goes on.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +46,7 @@ from zerocc.runtime.checkpoint.layout import (
 )
 
 if TYPE_CHECKING:
+    from zerocc.engine.comm import Comm
     from zerocc.runtime.checkpoint.checkpointed import Checkpointed
 
 INTACT = "earlier checkpoints are intact"
@@ -48,11 +54,48 @@ INTACT = "earlier checkpoints are intact"
 Written = dict[str, tuple[list[int], str, list[dict[str, Any]]]]
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One slice a rank writes: ``values`` are elements ``start``.. of tensor ``name``'s
+    flattened elements (or ``runs`` runs of them, ``stride`` apart; see
+    :class:`~zerocc.runtime.checkpoint.files.Chunk`)."""
+
+    name: str
+    shape: list[int]
+    values: torch.Tensor
+    start: int = 0
+    stride: int = 0
+    runs: int = 1
+
+
+@dataclass
+class StagedSave:
+    """One rank's part of a checkpoint as of the step it was taken at: its slices (views of
+    the step's state, or copies a background save owns) and the run's metadata."""
+
+    root: Path
+    name: str
+    keep: int | None
+    pieces: list[Piece]
+    meta: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.values.nbytes for p in self.pieces)
+
+
 def save_checkpoint(runner: Checkpointed, root: str | Path, keep: int | None = None) -> Path:
     """Save ``runner``'s state under ``root`` as ``step-<n>`` (n: optimizer steps taken) and
     return its folder; keep the newest ``keep`` checkpoints there (None: all). Call on every
     rank, between steps (not inside an accumulation window: the partial gradient sums are not
     saved)."""
+    return write_checkpoint(runner.comm, stage_checkpoint(runner, root, keep))
+
+
+def stage_checkpoint(runner: Checkpointed, root: str | Path, keep: int | None) -> StagedSave:
+    """What this rank writes of ``runner``'s checkpoint now, as views of its state (a
+    background save copies them before the next step changes them); CheckpointError where
+    no checkpoint can be taken."""
     accum = runner.plan.grad_accumulation
     if runner.micro_batches % accum:
         raise CheckpointError(
@@ -63,9 +106,19 @@ def save_checkpoint(runner: Checkpointed, root: str | Path, keep: int | None = N
     if keep is not None and keep < 1:
         raise CheckpointError(f"keep={keep}: keep at least the checkpoint being saved (keep >= 1)")
     runner.apply_carried_update()  # (offload.defer_updates) the states as of the last step
-    comm = runner.comm
-    root = Path(root)
     name = checkpoint_name(runner.micro_batches // accum)
+    return StagedSave(Path(root), name, keep, _rank_pieces(runner), run_metadata(runner))
+
+
+def rank_checkpoint_bytes(runner: Checkpointed) -> int:
+    """Bytes this rank writes of a checkpoint of ``runner`` (what a background save copies)."""
+    return sum(piece.values.nbytes for piece in _rank_pieces(runner))
+
+
+def write_checkpoint(comm: Comm, staged: StagedSave) -> Path:
+    """Write every rank's ``staged`` part, rank 0 the manifest, and commit the checkpoint;
+    its folder. Every rank calls it with its own part; any rank's failure fails it on all."""
+    root, name = staged.root, staged.name
     staging = staging_folder(root, name)
     prepared = attempt(lambda: _fresh_folder(staging)) if comm.rank == 0 else None
     agree(comm, prepared, "prepare", INTACT)
@@ -75,7 +128,12 @@ def save_checkpoint(runner: Checkpointed, root: str | Path, keep: int | None = N
     def write() -> None:
         nonlocal size
         writer = DataWriter(staging / data_file(comm.rank))
-        _write_rank(runner, writer, written)
+        for piece in staged.pieces:
+            chunk = writer.add(piece.values, piece.start, piece.stride, piece.runs)
+            entry = written.setdefault(
+                piece.name, (piece.shape, dtype_name(piece.values.dtype), [])
+            )
+            entry[2].append(asdict(chunk))
         writer.close()
         size = writer.bytes
 
@@ -90,9 +148,9 @@ def save_checkpoint(runner: Checkpointed, root: str | Path, keep: int | None = N
         nonlocal final
         sizes = [s for *_, s in everyone]
         _check_every_file_is_here(staging, sizes)
-        manifest = _manifest(runner, [w for _, w, _ in everyone], sizes)
+        manifest = _manifest(staged.meta, [w for _, w, _ in everyone], sizes)
         (staging / "manifest.json").write_text(manifest.to_json())
-        final = commit(root, staging, name, keep)
+        final = commit(root, staging, name, staged.keep)
 
     agree(comm, attempt(finish) if comm.rank == 0 else None, "commit", INTACT)
     return root / name if final is None else final
@@ -119,21 +177,20 @@ def _fresh_folder(staging: Path) -> None:
     staging.mkdir(parents=True)
 
 
-def _write_rank(runner: Checkpointed, writer: DataWriter, written: Written) -> None:
-    """Write this rank's slices: its range of each unit's weights and optimizer states (under
+def _rank_pieces(runner: Checkpointed) -> list[Piece]:
+    """This rank's slices: its range of each unit's weights and optimizer states (under
     hybrid sharding, the first replica's ranks only: the others hold the same shards), its RNG
     states, on the first rank of each pipeline stage (rank 0 without one) its buffers, and on
     rank 0 the step counter (the loss scaler's state is in the manifest). What an earlier
     pipeline rank holds too, it writes."""
     rank, mesh, elsewhere = runner.comm.rank, runner.mesh, runner.saved_elsewhere
+    pieces: list[Piece] = []
 
     def add(
         name: str, shape: list[int], values: torch.Tensor, start: int = 0, stride: int = 0,
         runs: int = 1,
     ) -> None:  # fmt: skip
-        chunk = writer.add(values, start, stride, runs)
-        entry = written.setdefault(name, (shape, dtype_name(values.dtype), []))
-        entry[2].append(asdict(chunk))
+        pieces.append(Piece(name, shape, values, start, stride, runs))
 
     states = saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer))
     tp, tp_rank = runner.session.tensor_parallel, mesh.tp_rank(rank)
@@ -159,15 +216,16 @@ def _write_rank(runner: Checkpointed, writer: DataWriter, written: Written) -> N
     for device_type, state in rng.items():
         add(rng_name(rank, device_type), list(state.shape), state)
     if rank % mesh.stage_ranks:
-        return
+        return pieces
     for buffer in runner.session.model_info.buffers:
         if buffer.fqn in runner.state and buffer.fqn not in elsewhere:
             add(weight_name(buffer.fqn), list(buffer.shape), runner.state[buffer.fqn])
     if rank == 0 and "optim.step" in runner.state:
         add(STEP_TENSOR, [], runner.state["optim.step"])
+    return pieces
 
 
-def _manifest(runner: Checkpointed, written: list[Written], sizes: list[int]) -> Manifest:
+def _manifest(meta: dict[str, Any], written: list[Written], sizes: list[int]) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for rank_written in written:
         for name, (shape, dtype, chunks) in rank_written.items():
@@ -176,7 +234,7 @@ def _manifest(runner: Checkpointed, written: list[Written], sizes: list[int]) ->
     for entry in tensors.values():
         entry.chunks.sort(key=lambda c: c.start)
     files = {data_file(rank): size for rank, size in enumerate(sizes)}
-    return Manifest(run_metadata(runner), tensors, files)
+    return Manifest(meta, tensors, files)
 
 
 def _zerocc_version() -> str:
