@@ -5,12 +5,14 @@ background ``save_async``, beside torch.distributed.checkpoint's ``save`` and ``
 One process per system (so that one's staging buffers never share memory with another's):
 the example GPT at ``--layers`` × ``--width`` (22 × 2048: 1.1B parameters), world size 1,
 ZeRO stage 0, fp32, plain SGD (no momentum: the state is the weights, 4.4 GB, which with the
-gradients and a staged copy fits a 24 GiB host), one optimizer step of a 1 × 32 batch between
-saves. Per save: the wall and CPU seconds the training loop was blocked in the save call
-(for a background save: the host copy, and any wait for the previous save still writing); the
+gradients and a staged copy fits a 24 GiB host), ``--between`` optimizer steps (3) of a 1 × 32
+batch between saves. Per save: the wall and CPU seconds the training loop was blocked in the
+save call (for a background save: the host copy, and any wait for the previous save still writing); the
 first save apart (it allocates the staging buffers), then the median of the others. Also: the
 seconds a background save took to write, and the step's seconds while one was writing
-against without. zerocc writes a BLAKE3 digest of every slice; DCP writes no checksum.
+against without, and the seconds per save interval (its steps and its save, all told: on
+a machine whose cores training keeps busy, the write's own CPU work slows the steps that
+overlap it). zerocc writes a BLAKE3 digest of every slice; DCP writes no checksum.
 
     python bench/checkpoint_save.py                          # 1.1B, 4 saves per system
     python bench/checkpoint_save.py --layers 2 --width 256 --saves 2   # smoke
@@ -63,10 +65,12 @@ train()  # compiles
 system, folder = args["system"], args["folder"]
 pending = None
 saves, steps, writing = [], [], []
+loop = time.perf_counter()
 for i in range(args["saves"]):
-    busy = pending is not None and not pending.done()
-    took = train()
-    (writing if busy else steps).append(took[0])
+    for _ in range(args["between"]):
+        busy = pending is not None and not pending.done()
+        took = train()
+        (writing if busy else steps).append(took[0])
     wall, cpu = time.perf_counter(), time.process_time()
     if system == "zerocc save":
         step.save(folder, keep=1)
@@ -82,6 +86,7 @@ for i in range(args["saves"]):
     if system.startswith("dcp") and i >= 1:  # keep one, as zerocc's keep=1
         import shutil
         shutil.rmtree(f"{{folder}}/{{i - 1}}", ignore_errors=True)
+interval = (time.perf_counter() - loop) / args["saves"]
 written = None
 if system == "zerocc save_async":
     step.wait_for_save()
@@ -92,7 +97,7 @@ nbytes = sum(t.nbytes for t in step.state_dict().values() if isinstance(t, torch
 print(json.dumps({{"params": params, "state_bytes": nbytes, "saves": saves,
                   "step_s": statistics.median(steps) if steps else None,
                   "step_writing_s": statistics.median(writing) if writing else None,
-                  "written_s": written}}))
+                  "written_s": written, "interval_s": interval}}))
 """
 
 
@@ -110,13 +115,16 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=22)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--saves", type=int, default=4, help="saves per system (the first apart)")
+    p.add_argument("--between", type=int, default=3, help="optimizer steps between saves")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
-        for system in SYSTEMS:
-            shape = {"layers": args.layers, "width": args.width, "saves": args.saves}
+        for system in args.systems:
+            shape = {"layers": args.layers, "width": args.width, "saves": args.saves,
+                     "between": args.between}  # fmt: skip
             result = _run({**shape, "system": system, "folder": f"{folder}/{len(rows)}"})
             later = result["saves"][1:] or result["saves"]
             rows.append({
@@ -131,18 +139,20 @@ def main() -> None:
           f"parameters, state {first['state_bytes'] / 2**30:.2f} GiB), one process, CPU; "
           f"median of saves 2-{args.saves}")  # fmt: skip
     print(f"{'system':<20}{'first s':>9}{'blocked s':>11}{'CPU s':>8}{'÷ own sync':>12}"
-          f"{'written s':>11}{'step s':>8}{'step s writing':>16}")  # fmt: skip
+          f"{'written s':>11}{'step s':>8}{'step s writing':>16}{'s per save':>12}")  # fmt: skip
     for r in rows:
-        own = sync[r["system"].split()[0]]
+        own = sync.get(r["system"].split()[0], float("nan"))
         written = f"{r['written_s']:.2f}" if r["written_s"] is not None else "-"
         during = f"{r['step_writing_s']:.2f}" if r["step_writing_s"] is not None else "-"
         steps = f"{r['step_s']:.2f}" if r["step_s"] is not None else "-"
         print(f"{r['system']:<20}{r['first_wall_s']:>9.2f}{r['wall_s']:>11.2f}{r['cpu_s']:>8.2f}"
-              f"{r['wall_s'] / own:>12.3f}{written:>11}{steps:>8}{during:>16}")  # fmt: skip
+              f"{r['wall_s'] / own:>12.3f}{written:>11}{steps:>8}{during:>16}"
+              f"{r['interval_s']:>12.2f}")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out / f"checkpoint-save-{stamp}.json"
-    shape = {"layers": args.layers, "width": args.width, "saves": args.saves}
+    shape = {"layers": args.layers, "width": args.width, "saves": args.saves,
+             "between": args.between}  # fmt: skip
     out.write_text(json.dumps({**provenance(), **shape, "rows": rows}, indent=1))
     print(f"wrote {out}")
 

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from zerocc.engine.comm import Comm
     from zerocc.runtime.checkpoint.checkpointed import Checkpointed
 
+_ALIGN = 64  # bytes: each staged piece starts at a multiple (any dtype's view is aligned)
+
 
 @dataclass
 class SaveTimes:
@@ -95,7 +97,7 @@ class BackgroundSaves:
     def __init__(self, runner: Checkpointed) -> None:
         self.runner = runner
         self.pending: PendingSave | None = None
-        self._buffers: list[torch.Tensor] = []
+        self._buffer: torch.Tensor | None = None  # (bytes) the staged copies' storage
         self._comm: Comm | None = None
 
     def start(self, root: str | Path, keep: int | None) -> PendingSave:
@@ -120,20 +122,26 @@ class BackgroundSaves:
         return pending.wait()
 
     def _copied(self, pieces: list[Piece]) -> list[Piece]:
-        """``pieces`` with their values copied into this rank's staging buffers (made at the
-        first save, reused after: the state's shapes do not change; pinned on CUDA)."""
+        """``pieces`` with their values copied into this rank's staging buffer: one host
+        allocation (pinned on CUDA, where each pinned allocation is costly), made at the first
+        save and reused after (the state's shapes do not change), each piece a view of it."""
         cuda = self.runner.device.type == "cuda"
-        if [(b.shape, b.dtype) for b in self._buffers] != [
-            (p.values.shape, p.values.dtype) for p in pieces
-        ]:
-            self._buffers = [
-                torch.empty(p.values.shape, dtype=p.values.dtype, pin_memory=cuda) for p in pieces
-            ]
-        for buffer, piece in zip(self._buffers, pieces, strict=True):
-            buffer.copy_(piece.values, non_blocking=cuda)
+        offsets, size = [], 0
+        for piece in pieces:
+            offsets.append(size)
+            size += -(-piece.values.nbytes // _ALIGN) * _ALIGN
+        if self._buffer is None or self._buffer.numel() != size:
+            self._buffer = None  # (the old one goes before the new one is made)
+            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+        staged = []
+        for piece, at in zip(pieces, offsets, strict=True):
+            values = piece.values
+            view = self._buffer[at : at + values.nbytes].view(values.dtype).view(values.shape)
+            view.copy_(values, non_blocking=cuda)
+            staged.append(replace(piece, values=view))
         if cuda:
             torch.cuda.synchronize(self.runner.device)
-        return [replace(p, values=b) for p, b in zip(pieces, self._buffers, strict=True)]
+        return staged
 
 
 def background_fits(runner: Checkpointed) -> tuple[bool, str]:
