@@ -26,7 +26,7 @@ from zerocc.cli.plan_args import add_plan_arguments, forwarded, plan_of
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
-from zerocc.runtime.launch import RANK_WORKER_ENV, environment, report
+from zerocc.runtime.launch import RANK_WORKER_ENV, Nodes, environment, report
 
 
 def console() -> NoReturn:
@@ -139,6 +139,19 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
     )
+    train.add_argument(
+        "--nnodes", type=int, default=1, metavar="N",
+        help="machines the run spans: start `zerocc train` on each, with the same plan, "
+        "--nproc, --nnodes and --rdzv-endpoint (checkpoint folders must be shared)",
+    )  # fmt: skip
+    train.add_argument(
+        "--node-rank", type=int, default=0, metavar="I",
+        help="this machine's place among --nnodes, 0 to N-1 (Slurm: $SLURM_NODEID)",
+    )  # fmt: skip
+    train.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT",
+        help="where the machines meet: node 0's address and a free port on it",
+    )  # fmt: skip
     train.add_argument(
         "--dump",
         metavar="DIR",
@@ -375,28 +388,46 @@ def _train(args: argparse.Namespace) -> int:
     from zerocc.inspect.dumps import DUMP_DIR_ENV
 
     plan = _with_section_flags(_checked_plan(args), args)  # checked once, here
-    args.nproc = args.nproc or _ranks_the_plan_takes(plan)
+    nodes = _nodes_of(args)
+    args.nproc = args.nproc or _ranks_the_plan_takes(plan, nodes.count)
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     # Every rank reads the dump folder (the launched ranks inherit it); set for this command
     # only, so a later step of the same process does not dump.
     dumps = {DUMP_DIR_ENV: str(Path(args.dump).resolve())} if args.dump else {}
     with environment(dumps):
-        if _launched() or args.nproc == 1:
+        if _launched() or (args.nproc == 1 and nodes.count == 1):
             return train_rank(plan, args.steps)
         command = ["train", str(args.plan), "--steps", str(args.steps), *forwarded(args)]
         for flags in SECTION_FLAGS.values():
             for flag in flags:
                 if getattr(args, flag) is not None:
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        return _launch(plan, args, command)
+        return _launch(plan, args, command, nodes)
 
 
-def _ranks_the_plan_takes(plan: Plan) -> int:
-    """`--nproc` when the command gives none: the fewest ranks the plan's layout takes, said
-    when more than 2; more than this machine's cores times 8 is an error asking for --nproc
-    (a layout written for a cluster, launched here by mistake)."""
+def _nodes_of(args: argparse.Namespace) -> Nodes:
+    """The machines the run spans (``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``)."""
+    if args.nnodes > 1 and args.master_port:
+        raise ZeroccError(
+            "--master-port is for one machine; with --nnodes the port is --rdzv-endpoint's"
+        )
+    return Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
+
+
+def _ranks_the_plan_takes(plan: Plan, nodes: int = 1) -> int:
+    """`--nproc` when the command gives none: the fewest ranks the plan's layout takes (on
+    each of ``nodes`` machines, which must divide it), said when more than 2; more than this
+    machine's cores times 8 is an error asking for --nproc (a layout written for a cluster,
+    launched here by mistake)."""
     least = plan.least_world_size()
+    if nodes > 1:
+        if least % nodes:
+            raise ZeroccError(
+                f"the plan's layout takes {least} ranks, which {nodes} machines cannot share "
+                "evenly: pass --nproc, the ranks each machine runs"
+            )
+        return least // nodes
     cores = os.cpu_count() or 1
     if least > 8 * cores:
         raise ZeroccError(
@@ -436,14 +467,16 @@ def _launched() -> bool:
     return RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _launch(plan: Plan, args: argparse.Namespace, command: list[str]) -> int:
+def _launch(
+    plan: Plan, args: argparse.Namespace, command: list[str], nodes: Nodes | None = None
+) -> int:
     """Start `args.nproc` local ranks, each running `zerocc COMMAND...` as a rank, once the
     machine has a device for every one of them (one error here, not one per rank)."""
     from zerocc.runtime.devices import rank_device
     from zerocc.runtime.launch import launch
 
     rank_device(plan, local_rank=0, local_ranks=args.nproc)
-    return launch(args.nproc, args.master_port or _free_port(), command)
+    return launch(args.nproc, args.master_port or _free_port(), command, nodes)
 
 
 # --- profile ----------------------------------------------------------------------------------

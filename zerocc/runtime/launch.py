@@ -25,26 +25,71 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"  # set in launched ranks: run the command, do not launch
 RUN_DIR_ENV = "ZEROCC_RUN_DIR"  # the folder where launched ranks leave their reports
 
 
-def launch(nproc: int, port: int, command: list[str]) -> int:
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launcher's ranks sit among the run's machines, by torchrun's names: node
+    ``rank`` of ``count``, meeting at ``endpoint`` (``HOST:PORT`` of node 0, where its
+    launcher keeps the store the ranks rendezvous at; torchrun's static rendezvous). Global
+    ranks are node-major: node ``i``'s ``nproc`` ranks are ``i × nproc`` onwards."""
+
+    count: int = 1
+    rank: int = 0
+    endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ZeroccError(f"--nnodes {self.count}: at least 1")
+        if not 0 <= self.rank < self.count:
+            raise ZeroccError(
+                f"--node-rank {self.rank}: a node of --nnodes {self.count} is 0 to {self.count - 1}"
+            )
+        if self.count > 1 and self.endpoint is None:
+            raise ZeroccError(
+                f"--nnodes {self.count} needs --rdzv-endpoint HOST:PORT: node 0's address and a "
+                "free port on it, the same on every node"
+            )
+        if self.endpoint is not None:
+            self.address()  # (checked now)
+
+    def address(self, port: int = 0) -> tuple[str, int]:
+        """The rendezvous host and port: the endpoint's, else this machine and ``port``."""
+        if self.endpoint is None:
+            return "127.0.0.1", port
+        host, _, number = self.endpoint.rpartition(":")
+        if not host or not number.isdigit() or not 0 < int(number) < 65536:
+            raise ZeroccError(
+                f"--rdzv-endpoint {self.endpoint!r}: HOST:PORT, a port from 1 to 65535 "
+                "(e.g. node0.cluster:29500)"
+            )
+        return host.strip("[]"), int(number)
+
+
+def launch(nproc: int, port: int, command: list[str], nodes: Nodes | None = None) -> int:
     """Start ``nproc`` local ranks through torch.distributed.run, each running ``zerocc
-    COMMAND...`` as a rank; returns 0, or 2 when ranks failed (after reporting them)."""
+    COMMAND...`` as a rank (of ``nodes.count × nproc`` when the run spans machines); returns
+    0, or 2 when ranks failed (after reporting them)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    nodes = nodes or Nodes()
+    host, port = nodes.address(port)
     launcher_args = [
         "--nproc-per-node", str(nproc),
-        "--nnodes", "1",
-        "--master-addr", "127.0.0.1",
+        "--nnodes", str(nodes.count),
+        "--node-rank", str(nodes.rank),
+        "--master-addr", host,
         "--master-port", str(port),
         "-m", "zerocc", *command,
     ]  # fmt: skip
