@@ -114,3 +114,40 @@ def test_a_second_ctrl_c_stops_a_rank_at_once(monkeypatch):
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _digests(folder: Path) -> dict[str, list[str]]:
+    tensors = json.loads((folder / "manifest.json").read_text())["tensors"]
+    return {name: [c["digest"] for c in entry["chunks"]] for name, entry in tensors.items()}
+
+
+def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_path):
+    """`--max-restarts 1`: rank 1 is killed by SIGKILL reading its 6th batch (after step 5,
+    saved every 2 steps); every rank starts again from step 4 and trains to step 8. The final
+    checkpoint is the uninterrupted run's, every tensor bit for bit (weights, AdamW states, RNG
+    states), and so is the final loss."""
+    import yaml
+
+    plan = yaml.safe_load(PLAN.read_text())
+    plan["workload"] = f"{Path(__file__).parent / 'dying_workload.py'}:workload"
+    plan["workload_args"]["kill_at"] = 5
+    dying = tmp_path / "dying.yaml"
+    dying.write_text(yaml.safe_dump(plan))
+    restarted, straight = tmp_path / "restarted", tmp_path / "straight"
+    command = [sys.executable, "-m", "zerocc", "train", str(dying), "--nproc", "2",
+               "--steps", "8", "--save-every", "2", "--max-restarts", "1"]  # fmt: skip
+    run = subprocess.run([*command, "--save", str(restarted)], capture_output=True, text=True,
+                         timeout=600, env=CPU_ONLY)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    assert "zerocc: restart 1: a rank failed; every rank starts again from" in out
+    assert f"{restarted / 'step-00000004'}" in out and "at micro-batch 4" in out
+    plan["workload_args"]["kill_at"] = 10**6  # never
+    dying.write_text(yaml.safe_dump(plan))
+    whole = subprocess.run([*command, "--save", str(straight)], capture_output=True, text=True,
+                           timeout=600, env=CPU_ONLY)  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "zerocc: restart" not in whole.stdout
+    last = "step-00000008"
+    assert _digests(restarted / last) == _digests(straight / last)
+    assert _final_loss(out) == _final_loss(whole.stdout)

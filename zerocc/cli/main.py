@@ -153,6 +153,11 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         help="where the machines meet: node 0's address and a free port on it",
     )  # fmt: skip
     train.add_argument(
+        "--max-restarts", type=int, default=0, metavar="N",
+        help="when a rank dies, start every rank again from the last checkpoint, up to N "
+        "times (needs --save; saves every --save-every steps bound the steps lost)",
+    )  # fmt: skip
+    train.add_argument(
         "--dump",
         metavar="DIR",
         help="write per-pass programs, the measured trace, memory plots and report.html to DIR",
@@ -396,14 +401,30 @@ def _train(args: argparse.Namespace) -> int:
     # only, so a later step of the same process does not dump.
     dumps = {DUMP_DIR_ENV: str(Path(args.dump).resolve())} if args.dump else {}
     with environment(dumps):
-        if _launched() or (args.nproc == 1 and nodes.count == 1):
+        restarts = _restarts_of(args, plan)
+        if _launched() or (args.nproc == 1 and nodes.count == 1 and not restarts):
             return train_rank(plan, args.steps)
         command = ["train", str(args.plan), "--steps", str(args.steps), *forwarded(args)]
         for flags in SECTION_FLAGS.values():
             for flag in flags:
                 if getattr(args, flag) is not None:
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        return _launch(plan, args, command, nodes)
+        return _launch(plan, args, command, nodes, restarts)
+
+
+def _restarts_of(args: argparse.Namespace, plan: Plan) -> int:
+    """``--max-restarts``, checked: a restart resumes from the plan's checkpoint folder."""
+    if args.max_restarts < 0:
+        raise ZeroccError(f"--max-restarts {args.max_restarts}: 0 or more")
+    if args.max_restarts and plan.checkpoint.dir is None:
+        raise ZeroccError(
+            f"--max-restarts {args.max_restarts} needs a checkpoint folder (--save DIR, plan: "
+            "checkpoint.dir): restarted ranks resume from its newest checkpoint"
+        )
+    if args.max_restarts and not plan.checkpoint.every and not _launched():
+        print("zerocc: note: --max-restarts without --save-every: a restart resumes from the "
+              "start of the run (or --resume's checkpoint)", flush=True)  # fmt: skip
+    return args.max_restarts
 
 
 def _nodes_of(args: argparse.Namespace) -> Nodes:
@@ -468,7 +489,11 @@ def _launched() -> bool:
 
 
 def _launch(
-    plan: Plan, args: argparse.Namespace, command: list[str], nodes: Nodes | None = None
+    plan: Plan,
+    args: argparse.Namespace,
+    command: list[str],
+    nodes: Nodes | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Start `args.nproc` local ranks, each running `zerocc COMMAND...` as a rank, once the
     machine has a device for every one of them (one error here, not one per rank)."""
@@ -476,7 +501,7 @@ def _launch(
     from zerocc.runtime.launch import launch
 
     rank_device(plan, local_rank=0, local_ranks=args.nproc)
-    return launch(args.nproc, args.master_port or _free_port(), command, nodes)
+    return launch(args.nproc, args.master_port or _free_port(), command, nodes, max_restarts)
 
 
 # --- profile ----------------------------------------------------------------------------------

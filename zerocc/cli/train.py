@@ -102,8 +102,9 @@ def _train_steps(
     workload = load_workload(plan)
     step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
     closing.callback(step.comm.close)
-    if plan.checkpoint.resume:
-        _resume(step, plan.checkpoint.resume, rank)
+    resume = _resume_point(plan, rank)
+    if resume is not None:
+        _resume(step, resume, rank)
     accum = plan.grad_accumulation
     done = step.micro_batches  # micro-batches before this run (those of a resumed checkpoint)
     wanted = steps * accum  # --steps counts optimizer steps, each of `accum` micro-batches
@@ -240,6 +241,23 @@ class _Run:
                 from zerocc.inspect.dot import GRAPHVIZ_HINT
 
                 print(f"  {GRAPHVIZ_HINT}")
+
+
+def _resume_point(plan: Plan, rank: int) -> str | None:
+    """Where the ranks start from: after a restart (``zerocc train --max-restarts``, a rank
+    died) the newest checkpoint of ``checkpoint.dir`` where it holds one, else
+    ``checkpoint.resume``."""
+    from zerocc.runtime.checkpoint.files import saved_checkpoints
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not restart:
+        return plan.checkpoint.resume
+    saved = saved_checkpoints(Path(plan.checkpoint.dir)) if plan.checkpoint.dir else []
+    start = str(saved[-1]) if saved else plan.checkpoint.resume
+    if rank == 0:
+        print(f"zerocc: restart {restart}: a rank failed; every rank starts again from "
+              f"{start or 'the beginning (no checkpoint saved yet)'}", flush=True)  # fmt: skip
+    return start
 
 
 def _resume(step, path: str, rank: int) -> None:

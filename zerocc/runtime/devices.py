@@ -70,7 +70,28 @@ def join_default_group(device: torch.device) -> None:
     store. The rank's GPU is made current first (:func:`use_device`), as NCCL expects."""
     use_device(device)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, **_attempt_store())
+
+
+def _attempt_store() -> dict:
+    """Under torchrun's agent store (its static rendezvous keeps one store for every attempt),
+    the store with this attempt's keys apart: after a restart (``--max-restarts``) a rank
+    would otherwise read the previous attempt's addresses of its peers, dead processes
+    (gloo: "connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712 is the same
+    under the c10d rendezvous). Elsewhere nothing: the launcher's own rendezvous."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False
+    )
+    return {
+        "store": dist.PrefixStore(f"zerocc/attempt-{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": world_size,
+    }
 
 
 def use_device(device: torch.device) -> None:

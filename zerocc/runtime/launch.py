@@ -75,10 +75,14 @@ class Nodes:
         return host.strip("[]"), int(number)
 
 
-def launch(nproc: int, port: int, command: list[str], nodes: Nodes | None = None) -> int:
+def launch(
+    nproc: int, port: int, command: list[str], nodes: Nodes | None = None, max_restarts: int = 0
+) -> int:
     """Start ``nproc`` local ranks through torch.distributed.run, each running ``zerocc
-    COMMAND...`` as a rank (of ``nodes.count × nproc`` when the run spans machines); returns
-    0, or 2 when ranks failed (after reporting them)."""
+    COMMAND...`` as a rank (of ``nodes.count × nproc`` when the run spans machines); when a
+    rank fails, start every rank again, up to ``max_restarts`` times (torchrun's elastic
+    agent; the ranks read ``TORCHELASTIC_RESTART_COUNT``). Returns 0, or 2 when ranks failed
+    (after reporting them)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -91,6 +95,7 @@ def launch(nproc: int, port: int, command: list[str], nodes: Nodes | None = None
         "--node-rank", str(nodes.rank),
         "--master-addr", host,
         "--master-port", str(port),
+        "--max-restarts", str(max_restarts),
         "-m", "zerocc", *command,
     ]  # fmt: skip
     with (
@@ -162,12 +167,16 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def report(**fields: Any) -> None:
-    """Add ``fields`` to this rank's report, when it was launched by zerocc (else nothing)."""
+    """Add ``fields`` to this rank's report, when it was launched by zerocc (else nothing). A
+    rank started again (``--max-restarts``) begins a new report: the last attempt's is what the
+    launcher reads."""
     run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get("RANK")
     if not run_dir or rank is None:
         return
     path = Path(run_dir) / f"rank{rank}.json"
     current = json.loads(path.read_text()) if path.exists() else {}
+    if current.get("pid") != os.getpid():
+        current = {}
     current.update(fields, rank=int(rank), pid=os.getpid(), host=socket.gethostname())
     partial = path.with_suffix(".tmp")
     partial.write_text(json.dumps(current))
@@ -201,17 +210,17 @@ class _SilentRankKiller:
 
     def _run(self) -> None:
         host = socket.gethostname()
-        first_seen: dict[int, float] = {}  # reporting rank -> when its report named silent peers
+        first_seen: dict[int, float] = {}  # reporting pid -> when its report named silent peers
         while not self._stop.wait(0.2):
-            for reporter, data in read_reports(self.run_dir).items():
+            for data in read_reports(self.run_dir).values():
                 if not data.get("silent"):
                     continue
-                first_seen.setdefault(reporter, time.monotonic())
-                if _alive(data["pid"]) and time.monotonic() - first_seen[reporter] < 3:
+                first_seen.setdefault(data["pid"], time.monotonic())
+                if _alive(data["pid"]) and time.monotonic() - first_seen[data["pid"]] < 3:
                     continue
                 for peer in data["silent"]:
                     rank, pid = peer["rank"], peer.get("pid")
-                    if pid and peer.get("host") == host and rank not in self.killed:
+                    if pid and peer.get("host") == host and pid not in self.killed.values():
                         self.killed[rank] = pid
                         try:
                             os.kill(pid, signal.SIGKILL)
@@ -277,7 +286,7 @@ def _likely_cause(
     failures: dict[int, tuple[int, int]],
     memory_total: int | None,
 ) -> str:
-    if rank in killed:
+    if killed.get(rank) == failures[rank][1]:  # (this process, not an earlier attempt's)
         return "it stopped answering its peers, and the launcher killed it"
     if code == -signal.SIGKILL and not data.get("error"):
         return _out_of_memory(data, len(failures), memory_total)
