@@ -293,3 +293,62 @@ def test_a_peer_gone_during_a_save_is_named_not_a_raw_process_group_error():
     assert message.startswith("rank 0:") and "rank 1 (pid" in message, message
     assert "gave up in the checkpoint's" in message, message
     assert float(waited) < 20, message
+
+
+def _one_collective_too_many(rank: int, world: int) -> str:
+    import torch
+
+    import zerocc
+
+    model = torch.nn.Linear(4, 1)
+    plan = {"zero": {"stage": 3}, "backend": {"device": "cpu", "timeout_s": 10}}
+    step = zerocc.compile(model, plan, loss_fn=lambda m, x: m(x).pow(2).mean())
+    for _ in range(2):
+        step(torch.ones(2, 4))
+    try:
+        if rank == 1:  # code only rank 1 runs: a collective its peer never issues
+            step.comm.all_reduce(torch.ones(4)).wait()
+        step(torch.ones(2, 4))
+    except zerocc.RankStoppedError as exc:
+        return str(exc)
+    except RuntimeError as exc:  # (the extra collective's own failure, on rank 1)
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_ranks_on_different_collectives_are_told_where_their_collectives_part():
+    """Rank 1 issues one all-reduce rank 0 never does, then both run a step: rank 0's error
+    names the collective number where the two ranks' logs part and what each issued there
+    (the flight recorder's idea: each rank's last collectives ride on its heartbeat)."""
+    from multirank import run_ranks
+
+    error = run_ranks(2, _one_collective_too_many, timeout=120)[0]
+    assert "the ranks' collectives part at number" in error, error
+    assert "rank 0: agreement, rank 1: all_reduce of 32B" in error, error  # (counted twice)
+
+
+def test_collective_logs_name_the_first_difference_or_the_ranks_behind():
+    from zerocc.engine.watchdog import PeerState, describe_divergence
+
+    def rank(r: int, *log: tuple) -> PeerState:
+        return PeerState(r, True, 100 + r, "host", "", False, log)
+
+    gather, agree = ("all_gather", 6 * 2**20), ("agreement", 0)
+    parted = describe_divergence(
+        [rank(0, (5, *agree), (6, *gather)), rank(1, (5, *agree), (6, "all_reduce", 12))]
+    )
+    assert parted == (
+        "the ranks' collectives part at number 6 (rank 0: all_gather of 6.0MiB, rank 1: "
+        "all_reduce of 12B)"
+    )
+    behind = describe_divergence(
+        [
+            rank(0, (6, *gather), (7, *gather)),
+            rank(1, (6, *gather)),
+            rank(2, (6, *gather), (7, *gather)),
+        ]
+    )
+    assert behind.startswith("the others issued collective number 7 (all_gather of 6.0MiB)")
+    assert "rank 1 at 6 (all_gather of 6.0MiB): behind" in behind
+    assert describe_divergence([rank(0, (7, *gather)), rank(1, (7, *gather))]) == ""
+    assert describe_divergence([rank(0, (7, *gather)), rank(1)]) == ""  # (no log to compare)

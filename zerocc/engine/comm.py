@@ -31,7 +31,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,20 +45,33 @@ from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.engine.watchdog import Heartbeat
 from zerocc.ir.ops import DP_GROUP, reported_kind
 
+RECENT = 8  # collectives each rank keeps in its log for a hang's diagnosis
+
 
 @dataclass
 class CommStats:
-    """Elements and bytes moved per collective kind since the last :meth:`reset`."""
+    """Elements and bytes moved per collective kind since the last :meth:`reset`; and the
+    rank's last ``RECENT`` collectives ever issued, numbered in issue order (``recent``: (number,
+    kind, bytes); never reset), which the heartbeat tells the other ranks, so that a rank that
+    waited too long can say where the ranks' collectives part (a flight recorder's idea)."""
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     blocked_s: float = 0.0  # seconds waits blocked the caller (on CUDA: the host, not the GPU)
+    issued: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
 
     def record(self, kind: str, elements: int, itemsize: int) -> None:
         self.calls[kind] += 1
         self.elements[kind] += elements
         self.bytes[kind] += elements * itemsize
+        self.log(kind, elements * itemsize)
+
+    def log(self, kind: str, nbytes: int) -> None:
+        """Number and keep a collective in ``recent`` (also those not counted: agreements)."""
+        self.issued += 1
+        self.recent.append((self.issued, kind, nbytes))
 
     def reset(self) -> None:
         self.calls.clear()
@@ -305,6 +318,7 @@ class TorchComm(Comm):
         comm = cls(group, control)
         store = dist.distributed_c10d._get_default_store()
         comm.heartbeat = Heartbeat(store, f"zerocc/{group.group_name}", comm.rank, comm.world_size)
+        comm.heartbeat.recent = comm.stats.recent  # (the log, not the comm: no cycle)
         comm._owned, comm._timeout = [group, control], timeout
         comm._release = weakref.finalize(comm, _release_groups, comm._owned, comm.heartbeat)
         return comm
@@ -363,6 +377,7 @@ class TorchComm(Comm):
         if self.world_size == 1:
             return [obj]
         everyone: list[Any] = [None] * self.world_size
+        self.stats.log("agreement", 0)  # (an object gather on the control group)
         try:
             dist.all_gather_object(everyone, obj, group=self.control_group)
         except Exception as exc:

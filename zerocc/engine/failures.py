@@ -16,7 +16,7 @@ from types import TracebackType
 from torch import fx
 
 from zerocc.engine.comm import Comm
-from zerocc.engine.watchdog import describe_silence, silent_peers
+from zerocc.engine.watchdog import describe_divergence, describe_silence, silent_peers
 from zerocc.errors import RankStoppedError
 from zerocc.ir.nodes import info
 
@@ -101,8 +101,13 @@ def peer_failure(
     comm.close()
     at = f"rank {comm.rank}" + (f", step {step}" if step is not None else "")
     timeout = f"backend.timeout_s ({timeout_s:g} s)" if timeout_s is not None else "the timeout"
+    alike, mesh = survey, comm.root.mesh  # the ranks that run the same programs as this one
+    if survey is not None and mesh is not None and mesh.pp > 1:  # (stages run other programs)
+        alike = [s for s in survey if mesh.pp_rank(s.rank) == mesh.pp_rank(comm.rank)]
+    parted = describe_divergence(alike)
+    parted = f"; {parted}" if parted else ""
     return RankStoppedError(
-        f"{at}: {describe_silence(survey, comm.rank)}. This rank gave up in {where} after "
+        f"{at}: {describe_silence(survey, comm.rank)}{parted}. This rank gave up in {where} after "
         f"{timeout} or when the peer left ({type(exc).__name__}: {first_line(exc)}). Training "
         "stopped; start the ranks again and load the last checkpoint",
         silent_peers(survey, comm.rank),

@@ -23,11 +23,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from zerocc.errors import RankStoppedError
+from zerocc.ir.printing import human_bytes
 
 BEAT_S = 1.0  # seconds between two records of a rank
 MIN_BEAT_S = 0.2  # a new status is written at once, but never more often than this
@@ -45,6 +46,7 @@ class PeerState:
     host: str | None = None
     status: str = ""  # what its step was doing at its last beat ("" if it never beat)
     exited: bool = False  # its last record says the process was exiting
+    recent: tuple = ()  # its last collectives at its last beat: (number, kind, bytes)
 
     def describe(self) -> str:
         """One phrase for an error message: 'rank 1 (pid 123 on host) stopped answering ...'."""
@@ -63,6 +65,7 @@ class Heartbeat:
     def __init__(self, store: Any, prefix: str, rank: int, world_size: int) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self._status = "setting up the training step"
+        self.recent: Iterable = ()  # this rank's last collectives (CommStats.recent)
         self._seq = 0
         self._exiting = False
         self._stop = threading.Event()
@@ -82,6 +85,7 @@ class Heartbeat:
             "host": socket.gethostname(),
             "status": self.status,
             "exited": self._exiting,
+            "recent": list(self.recent),  # (one C call: no other thread runs inside it)
         }
         self.store.set(self._key(self.rank), json.dumps(record))
 
@@ -208,8 +212,9 @@ class Heartbeat:
 def _state(rank: int, record: dict | None, answering: bool) -> PeerState:
     if record is None or "pid" not in record:
         return PeerState(rank, answering=False)
+    recent = tuple(tuple(entry) for entry in record.get("recent", ()))
     return PeerState(
-        rank, answering, record["pid"], record["host"], record["status"], record["exited"]
+        rank, answering, record["pid"], record["host"], record["status"], record["exited"], recent
     )
 
 
@@ -242,3 +247,36 @@ def describe_silence(states: list[PeerState] | None, rank: int) -> str:
             ", ".join(busy) or "they are busy elsewhere"
         )
     return "; ".join(s.describe() for s in silent)
+
+
+def describe_divergence(states: list[PeerState] | None) -> str:
+    """Where the ranks' last collectives part, from what each rank's heartbeat last told (its
+    ``recent`` log): the first number at which two ranks issued different collectives (a rank
+    on another code path: a step ahead, a save the others did not make), else the ranks whose
+    last collective is behind the others' (still computing, or waiting elsewhere); "" when the
+    logs say nothing more (every rank in the same collective, or no log)."""
+    logs = {
+        s.rank: {n: (kind, size) for n, kind, size in s.recent} for s in states or [] if s.recent
+    }
+    if len(logs) < 2:
+        return ""
+    for number in sorted(set().union(*logs.values())):
+        issued = {rank: log[number] for rank, log in logs.items() if number in log}
+        if len(set(issued.values())) > 1:
+            each = ", ".join(f"rank {r}: {_collective(*c)}" for r, c in sorted(issued.items()))
+            return f"the ranks' collectives part at number {number} ({each})"
+    last = {rank: max(log) for rank, log in logs.items()}
+    ahead = max(last.values())
+    behind = sorted(r for r, n in last.items() if n < ahead)
+    if not behind:
+        return ""
+    at = logs[next(r for r, n in last.items() if n == ahead)][ahead]
+    each = ", ".join(f"rank {r} at {last[r]} ({_collective(*logs[r][last[r]])})" for r in behind)
+    return (
+        f"the others issued collective number {ahead} ({_collective(*at)}); {each}: behind "
+        "(still computing, or waiting elsewhere)"
+    )
+
+
+def _collective(kind: str, nbytes: int) -> str:
+    return kind if kind == "agreement" else f"{kind} of {human_bytes(nbytes)}"

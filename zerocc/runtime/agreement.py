@@ -64,6 +64,7 @@ class Agreement:
             hashes += [within[0], _hash(within[1])]
         self._mine = torch.tensor(hashes, dtype=torch.int64)
         self._everyone = [torch.zeros_like(self._mine) for _ in range(comm.world_size)]
+        comm.stats.log("agreement", 0)
         try:
             self._work = dist.all_gather(
                 self._everyone, self._mine, group=comm.control_group, async_op=True
