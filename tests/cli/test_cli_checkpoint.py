@@ -151,3 +151,26 @@ def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_
     last = "step-00000008"
     assert _digests(restarted / last) == _digests(straight / last)
     assert _final_loss(out) == _final_loss(whole.stdout)
+
+
+def test_a_rank_that_cannot_come_back_leaves_the_run_to_fewer_ranks(tmp_path):
+    """Rank 1 dies at step 6 on every attempt; after its restart fails too, `--nproc-min 1`
+    goes on with one rank from the checkpoint of step 4 (resharded on load) to step 8."""
+    import yaml
+
+    plan = yaml.safe_load(PLAN.read_text())
+    plan["workload"] = f"{Path(__file__).parent / 'dying_workload.py'}:workload"
+    plan["workload_args"] |= {"kill_at": 5, "every_attempt": True}
+    dying = tmp_path / "dying.yaml"
+    dying.write_text(yaml.safe_dump(plan))
+    saves = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "zerocc", "train", str(dying), "--nproc", "2",
+               "--steps", "8", "--save-every", "2", "--max-restarts", "1", "--nproc-min", "1",
+               "--save", str(saves)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=CPU_ONLY)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    assert "going on with 1 ranks, not 2 (--nproc-min 1)" in out
+    assert "at micro-batch 4" in out and "4 step(s) on 1 rank(s)" in out
+    manifest = json.loads((saves / "step-00000008" / "manifest.json").read_text())
+    assert manifest["meta"]["world_size"] == 1

@@ -24,7 +24,7 @@ from typing import NoReturn
 from zerocc.cli.inspect import add_commands as add_inspect_commands
 from zerocc.cli.plan_args import add_plan_arguments, forwarded, plan_of
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
-from zerocc.errors import ZeroccError
+from zerocc.errors import PlanError, ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.launch import RANK_WORKER_ENV, Nodes, environment, report
 
@@ -156,6 +156,11 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         "--max-restarts", type=int, default=0, metavar="N",
         help="when a rank dies, start every rank again from the last checkpoint, up to N "
         "times (needs --save; saves every --save-every steps bound the steps lost)",
+    )  # fmt: skip
+    train.add_argument(
+        "--nproc-min", type=int, metavar="M",
+        help="when ranks still fail after --max-restarts, go on with fewer, down to M, from "
+        "the last checkpoint (resharded on load; one machine only)",
     )  # fmt: skip
     train.add_argument(
         "--dump",
@@ -409,7 +414,29 @@ def _train(args: argparse.Namespace) -> int:
             for flag in flags:
                 if getattr(args, flag) is not None:
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        return _launch(plan, args, command, nodes, restarts)
+        status = _launch(plan, args, command, nodes, restarts)
+        while status == 2 and (fewer := _fewer_ranks(plan, args)) is not None:
+            print(f"zerocc: ranks failed after {restarts} restart(s): going on with {fewer} "
+                  f"ranks, not {args.nproc} (--nproc-min {args.nproc_min}), from the newest "
+                  f"checkpoint in {plan.checkpoint.dir}", file=sys.stderr, flush=True)  # fmt: skip
+            args.nproc = fewer
+            resumed = [*command, "--resume", str(plan.checkpoint.dir)]  # (the last one counts)
+            status = _launch(plan, args, resumed, nodes, restarts)
+        return status
+
+
+def _fewer_ranks(plan: Plan, args: argparse.Namespace) -> int | None:
+    """The most ranks below ``--nproc`` and at least ``--nproc-min`` the plan's layout takes,
+    to go on with once ranks failed for good; None when there is none (or no --nproc-min)."""
+    if args.nproc_min is None or plan.zero.world_size is not None:
+        return None
+    for fewer in range(args.nproc - 1, max(args.nproc_min, 1) - 1, -1):
+        try:
+            plan.check_world_size(fewer)
+        except PlanError:
+            continue
+        return fewer
+    return None
 
 
 def _restarts_of(args: argparse.Namespace, plan: Plan) -> int:
@@ -421,6 +448,18 @@ def _restarts_of(args: argparse.Namespace, plan: Plan) -> int:
             f"--max-restarts {args.max_restarts} needs a checkpoint folder (--save DIR, plan: "
             "checkpoint.dir): restarted ranks resume from its newest checkpoint"
         )
+    if args.nproc_min is not None:
+        if not args.max_restarts:
+            raise ZeroccError("--nproc-min goes with --max-restarts (and a checkpoint folder)")
+        if args.nnodes > 1:
+            raise ZeroccError("--nproc-min: one machine only (with --nnodes, restart the nodes)")
+        if not 1 <= args.nproc_min <= args.nproc:
+            raise ZeroccError(f"--nproc-min {args.nproc_min}: from 1 to --nproc ({args.nproc})")
+        if plan.zero.world_size is not None:
+            raise ZeroccError(
+                f"--nproc-min: zero.world_size: {plan.zero.world_size} fixes the ranks; leave "
+                "it out to let the run go on with fewer"
+            )
     if args.max_restarts and not plan.checkpoint.every and not _launched():
         print("zerocc: note: --max-restarts without --save-every: a restart resumes from the "
               "start of the run (or --resume's checkpoint)", flush=True)  # fmt: skip
