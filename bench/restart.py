@@ -1,6 +1,7 @@
 """What a dead rank costs a run under ``zerocc train --max-restarts``: the wall time of a run
 whose rank 1 is killed (SIGKILL) after ``--kill-after`` steps, against the same run never
-killed, and the steps lost (those since the last checkpoint).
+killed, and the steps lost (those since the last checkpoint): restarted from the disk's
+checkpoint, and from the in-memory one of the step it died after (``checkpoint.in_memory``).
 
 The example GPT (examples/gpt/zero3.yaml) on ``--nproc`` gloo ranks of this machine, saving
 every ``--save-every`` steps; the kill comes from tests/cli/dying_workload.py (rank 1 kills
@@ -34,7 +35,9 @@ RESULTS = Path(__file__).parent / "results"
 NEVER = 10**9
 
 
-def _run(plan: dict, folder: Path, args: argparse.Namespace, kill_at: int) -> dict:
+def _run(
+    plan: dict, folder: Path, args: argparse.Namespace, kill_at: int, in_memory: bool = False
+) -> dict:
     plan = {**plan, "workload_args": {**plan["workload_args"], "kill_at": kill_at}}
     path = folder / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
@@ -42,7 +45,7 @@ def _run(plan: dict, folder: Path, args: argparse.Namespace, kill_at: int) -> di
     command = [
         sys.executable, "-m", "zerocc", "train", str(path), "--nproc", str(args.nproc),
         "--steps", str(args.steps), "--save-every", str(args.save_every), "--save", str(saves),
-        "--max-restarts", "1",
+        "--max-restarts", "1", "--set", f"checkpoint.in_memory={str(in_memory).lower()}",
     ]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     started = time.perf_counter()
@@ -52,7 +55,9 @@ def _run(plan: dict, folder: Path, args: argparse.Namespace, kill_at: int) -> di
         raise SystemExit(done.stderr[-3000:])
     rate = re.search(r"([\d.]+) steps/s after it", done.stdout)
     restarted = "zerocc: restart 1" in done.stdout
-    return {"wall_s": wall, "steps_per_s": float(rate.group(1)), "restarted": restarted}
+    memory = re.search(r"checkpoints in memory: every step, ([\d.]+) s in all", done.stdout)
+    return {"wall_s": wall, "steps_per_s": float(rate.group(1)), "restarted": restarted,
+            "in_memory_s": float(memory.group(1)) if memory else 0.0}  # fmt: skip
 
 
 def main() -> None:
@@ -66,29 +71,42 @@ def main() -> None:
     args = p.parse_args()
     plan = yaml.safe_load((ROOT / "examples" / "gpt" / "zero3.yaml").read_text())
     plan["workload"] = f"{ROOT / 'tests' / 'cli' / 'dying_workload.py'}:workload"
-    runs: dict[str, list[dict]] = {"never killed": [], "killed, restarted": []}
+    kinds = {  # name: (killed at, in memory)
+        "never killed": (NEVER, False),
+        "never killed, in memory": (NEVER, True),
+        "killed, from disk": (args.kill_after, False),
+        "killed, from memory": (args.kill_after, True),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in kinds}
     with tempfile.TemporaryDirectory() as folder:
-        for _ in range(args.repeat):  # interleaved: the machine's load hits both alike
-            runs["never killed"].append(_run(plan, Path(folder), args, NEVER))
-            runs["killed, restarted"].append(_run(plan, Path(folder), args, args.kill_after))
-    assert all(r["restarted"] for r in runs["killed, restarted"])
-    lost = args.kill_after - args.kill_after // args.save_every * args.save_every
-    straight = statistics.median(r["wall_s"] for r in runs["never killed"])
-    killed = statistics.median(r["wall_s"] for r in runs["killed, restarted"])
+        for _ in range(args.repeat):  # interleaved: the machine's load hits every kind alike
+            for name, (kill_at, in_memory) in kinds.items():
+                runs[name].append(_run(plan, Path(folder), args, kill_at, in_memory))
+    assert all(r["restarted"] for name in kinds if "killed," in name for r in runs[name])
+    saved = args.kill_after // args.save_every * args.save_every
+    lost = {"killed, from disk": args.kill_after - saved, "killed, from memory": 0}
+    wall = {name: statistics.median(r["wall_s"] for r in runs[name]) for name in kinds}
     step_s = 1 / statistics.median(r["steps_per_s"] for r in runs["never killed"])
-    restart_s = killed - straight - lost * step_s
+    restart_s = {
+        name: wall[name] - wall[base] - lost[name] * step_s
+        for name, base in (("killed, from disk", "never killed"),
+                           ("killed, from memory", "never killed, in memory"))
+    }  # fmt: skip
     print(f"\na rank killed after step {args.kill_after} of {args.steps}, saves every "
           f"{args.save_every}, {args.nproc} gloo ranks, median of {args.repeat}")  # fmt: skip
-    print(f"{'run':<20}{'wall s':>9}")
-    print(f"{'never killed':<20}{straight:>9.2f}")
-    print(f"{'killed, restarted':<20}{killed:>9.2f}")
-    print(f"steps lost: {lost} ({lost * step_s:.2f} s of training again); the restart itself "
-          f"(stop, start, rendezvous, compile, load): {restart_s:.2f} s")  # fmt: skip
+    print(f"{'run':<26}{'wall s':>9}{'steps lost':>12}{'restart s':>11}")
+    for name in kinds:
+        extra = (f"{lost[name]:>12}{restart_s[name]:>11.2f}" if name in lost
+                 else f"{'-':>12}{'-':>11}")  # fmt: skip
+        print(f"{name:<26}{wall[name]:>9.2f}{extra}")
+    memory_s = statistics.median(r["in_memory_s"] for r in runs["never killed, in memory"])
+    print(f"step {step_s * 1000:.1f} ms; the saves to memory took {memory_s:.2f} s over "
+          f"{args.steps} steps; restart: stop, start, rendezvous, compile, load")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out / f"restart-{stamp}.json"
     report = {**provenance(), **vars(args), "out": str(args.out), "runs": runs,
-              "steps_lost": lost, "restart_s": restart_s}  # fmt: skip
+              "steps_lost": lost, "restart_s": restart_s, "wall_s": wall}  # fmt: skip
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
 

@@ -121,9 +121,11 @@ def _digests(folder: Path) -> dict[str, list[str]]:
     return {name: [c["digest"] for c in entry["chunks"]] for name, entry in tensors.items()}
 
 
-def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("in_memory", [False, True], ids=["from-disk", "in-memory"])
+def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_path, in_memory):
     """`--max-restarts 1`: rank 1 is killed by SIGKILL reading its 6th batch (after step 5,
-    saved every 2 steps); every rank starts again from step 4 and trains to step 8. The final
+    saved every 2 steps); every rank starts again from step 4 on disk (with
+    `checkpoint.in_memory`, from step 5 in memory: no step lost) and trains to step 8. The final
     checkpoint is the uninterrupted run's, every tensor bit for bit (weights, AdamW states, RNG
     states), and so is the final loss."""
     import yaml
@@ -136,12 +138,19 @@ def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_
     restarted, straight = tmp_path / "restarted", tmp_path / "straight"
     command = [sys.executable, "-m", "zerocc", "train", str(dying), "--nproc", "2",
                "--steps", "8", "--save-every", "2", "--max-restarts", "1"]  # fmt: skip
-    run = subprocess.run([*command, "--save", str(restarted)], capture_output=True, text=True,
-                         timeout=600, env=CPU_ONLY)  # fmt: skip
+    memory = ["--set", "checkpoint.in_memory=true"] if in_memory else []
+    run = subprocess.run([*command, "--save", str(restarted), *memory], capture_output=True,
+                         text=True, timeout=600, env=CPU_ONLY)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout + run.stderr
     assert "zerocc: restart 1: a rank failed; every rank starts again from" in out
-    assert f"{restarted / 'step-00000004'}" in out and "at micro-batch 4" in out
+    if in_memory:
+        start = re.search(r"starts again from (/dev/shm/zerocc-run-\w+)/step-00000005", out)
+        assert start and "at micro-batch 5" in out, out[-3000:]
+        assert not Path(start.group(1)).exists()  # (the launcher removed it at the end)
+        assert "checkpoints in memory: every step" in out
+    else:
+        assert f"{restarted / 'step-00000004'}" in out and "at micro-batch 4" in out
     plan["workload_args"]["kill_at"] = 10**6  # never
     dying.write_text(yaml.safe_dump(plan))
     whole = subprocess.run([*command, "--save", str(straight)], capture_output=True, text=True,
@@ -174,3 +183,20 @@ def test_a_rank_that_cannot_come_back_leaves_the_run_to_fewer_ranks(tmp_path):
     assert "at micro-batch 4" in out and "4 step(s) on 1 rank(s)" in out
     manifest = json.loads((saves / "step-00000008" / "manifest.json").read_text())
     assert manifest["meta"]["world_size"] == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--set", "checkpoint.in_memory=true"], "it goes with --max-restarts, on one machine"),
+        (["--max-restarts", "1"], "--max-restarts 1 needs a checkpoint folder"),
+        (["--max-restarts", "1", "--save", "ckpt", "--nproc-min", "3"], "--nproc-min 3: from 1"),
+        (["--save", "ckpt", "--nproc-min", "1"], "--nproc-min goes with --max-restarts"),
+    ],
+    ids=["in-memory", "no-folder", "nproc-min-range", "nproc-min-alone"],
+)
+def test_restart_flags_that_cannot_work_are_refused_before_any_rank_starts(flags, error, capsys):
+    from zerocc.cli.main import main
+
+    assert main(["train", str(PLAN), "--steps", "1", "--nproc", "2", *flags]) == 2
+    assert error in capsys.readouterr().err

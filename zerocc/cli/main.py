@@ -460,7 +460,13 @@ def _restarts_of(args: argparse.Namespace, plan: Plan) -> int:
                 f"--nproc-min: zero.world_size: {plan.zero.world_size} fixes the ranks; leave "
                 "it out to let the run go on with fewer"
             )
-    if args.max_restarts and not plan.checkpoint.every and not _launched():
+    if plan.checkpoint.in_memory and not _launched():
+        if not args.max_restarts or args.nnodes > 1:
+            raise ZeroccError(
+                "checkpoint.in_memory: saves to this machine's memory serve a restart on it: "
+                "it goes with --max-restarts, on one machine (not --nnodes)"
+            )
+    elif args.max_restarts and not plan.checkpoint.every and not _launched():
         print("zerocc: note: --max-restarts without --save-every: a restart resumes from the "
               "start of the run (or --resume's checkpoint)", flush=True)  # fmt: skip
     return args.max_restarts

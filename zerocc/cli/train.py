@@ -21,8 +21,9 @@ from zerocc.errors import ZeroccError
 from zerocc.inspect.explain import setup_line
 from zerocc.ir.printing import human_bytes
 from zerocc.pipeline_step import PipelineStep
+from zerocc.runtime.checkpoint import save_checkpoint
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
-from zerocc.runtime.launch import report
+from zerocc.runtime.launch import in_memory_folder, report
 
 
 def train_rank(plan: Plan, steps: int) -> int:
@@ -252,8 +253,12 @@ def _resume_point(plan: Plan, rank: int) -> str | None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not restart:
         return plan.checkpoint.resume
-    saved = saved_checkpoints(Path(plan.checkpoint.dir)) if plan.checkpoint.dir else []
-    start = str(saved[-1]) if saved else plan.checkpoint.resume
+    folders = [Path(plan.checkpoint.dir)] if plan.checkpoint.dir else []
+    if plan.checkpoint.in_memory and (memory := in_memory_folder()) is not None:
+        folders.append(memory)
+    saved = [c for folder in folders if folder.is_dir() for c in saved_checkpoints(folder)]
+    newest = max(saved, key=lambda c: c.name, default=None)  # (step-<n>: by name)
+    start = str(newest) if newest is not None else plan.checkpoint.resume
     if rank == 0:
         print(f"zerocc: restart {restart}: a rank failed; every rank starts again from "
               f"{start or 'the beginning (no checkpoint saved yet)'}", flush=True)  # fmt: skip
@@ -292,6 +297,7 @@ class _Saver:
         self.last: Path | None = None  # the newest committed checkpoint
         self.background: bool | None = None
         self.saves, self.blocked_s, self.written_s = 0, 0.0, 0.0
+        self.in_memory_s = 0.0  # seconds the in-memory saves took, all told
         self._saved_at = -1
         self._pending: PendingSave | None = None
 
@@ -305,6 +311,10 @@ class _Saver:
             self._save()
         if stopping:
             self.finish()
+        elif self.config.in_memory and (memory := in_memory_folder()) is not None:
+            started = time.perf_counter()  # (the step's state as of now: written before it goes on)
+            save_checkpoint(self.step, memory, keep=1)
+            self.in_memory_s += time.perf_counter() - started
 
     def final(self) -> None:
         """The save at the end of the run, waited for."""
@@ -352,16 +362,18 @@ class _Saver:
         return self.background
 
     def summary(self) -> str | None:
-        """One line on the saves: how many, how long training waited for each, how long the
-        background writes took; None before any."""
-        if not self.saves:
-            return None
-        how = "in the background" if self.background else "in the foreground"
-        line = (f"checkpoints: {self.saves} saved {how}, training blocked "
-                f"{self.blocked_s / self.saves:.2f} s per save")  # fmt: skip
-        if self.background:
-            line += f" (written in {self.written_s / self.saves:.2f} s each)"
-        return line
+        """A line on the saves: how many, how long training waited for each, how long the
+        background writes took; one on the saves to memory; None before any."""
+        lines = []
+        if self.saves:
+            how = "in the background" if self.background else "in the foreground"
+            lines.append(f"checkpoints: {self.saves} saved {how}, training blocked "
+                         f"{self.blocked_s / self.saves:.2f} s per save")  # fmt: skip
+        if self.saves and self.background:
+            lines[-1] += f" (written in {self.written_s / self.saves:.2f} s each)"
+        if self.in_memory_s:
+            lines.append(f"checkpoints in memory: every step, {self.in_memory_s:.2f} s in all")
+        return "\n".join(lines) or None
 
 
 def _counted(micro_batches: int, accum: int) -> str:

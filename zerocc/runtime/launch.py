@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -34,6 +35,19 @@ from zerocc.ir.printing import human_bytes
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"  # set in launched ranks: run the command, do not launch
 RUN_DIR_ENV = "ZEROCC_RUN_DIR"  # the folder where launched ranks leave their reports
+SHARED_MEMORY = Path("/dev/shm")  # tmpfs: host memory as files, outliving a rank's process
+
+
+def in_memory_folder() -> Path | None:
+    """Where a launched rank keeps its in-memory checkpoints (``checkpoint.in_memory``): a
+    folder of this launch in shared memory, the same for every attempt of a restarted rank,
+    removed by the launcher at the end; None outside zerocc's launcher."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return _memory_folder(run_dir) if run_dir else None
+
+
+def _memory_folder(run_dir: str) -> Path:
+    return SHARED_MEMORY / Path(run_dir).name  # (zerocc-run-<random>, the launch's own)
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,7 @@ def launch(
             return 128 + exc.sigval
         finally:
             watcher.stop()
+            shutil.rmtree(_memory_folder(run_dir), ignore_errors=True)
     return 0
 
 

@@ -253,6 +253,13 @@ class CheckpointConfig(Section):
         description="checkpoint to start from: a step-<n> folder, or a folder of them (its "
         "newest); the data goes on where that run stopped",
     )
+    in_memory: bool = Field(
+        False,
+        description="also save every step to host memory (a tmpfs folder under /dev/shm the "
+        "launcher removes at the end), so that a restart (`zerocc train --max-restarts`) "
+        "loses no step: a copy of each rank's state in memory and a write at memory speed "
+        "per step; one machine",
+    )
     async_save: Literal["auto"] | bool = Field(
         "auto",
         description="write checkpoints in the background: training waits only while the "
