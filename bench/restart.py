@@ -82,7 +82,8 @@ def main() -> None:
         for _ in range(args.repeat):  # interleaved: the machine's load hits every kind alike
             for name, (kill_at, in_memory) in kinds.items():
                 runs[name].append(_run(plan, Path(folder), args, kill_at, in_memory))
-    assert all(r["restarted"] for name in kinds if "killed," in name for r in runs[name])
+    for name, (kill_at, _) in kinds.items():
+        assert all(r["restarted"] == (kill_at != NEVER) for r in runs[name]), name
     saved = args.kill_after // args.save_every * args.save_every
     lost = {"killed, from disk": args.kill_after - saved, "killed, from memory": 0}
     wall = {name: statistics.median(r["wall_s"] for r in runs[name]) for name in kinds}
