@@ -7,8 +7,9 @@ the example GPT at ``--layers`` × ``--width`` (22 × 2048: 1.1B parameters), wo
 ZeRO stage 0, fp32, plain SGD (no momentum: the state is the weights, 4.4 GB, which with the
 gradients and a staged copy fits a 24 GiB host), ``--between`` optimizer steps (3) of a 1 × 32
 batch between saves. Per save: the wall and CPU seconds the training loop was blocked in the
-save call (for a background save: the host copy, and any wait for the previous save still writing); the
-first save apart (it allocates the staging buffers), then the median of the others. Also: the
+save call (for a background save: the host copy, and any wait for the previous save still
+writing); the first save apart (it allocates the staging buffers), then the median of the
+others. Also: the
 seconds a background save took to write, and the step's seconds while one was writing
 against without, and the seconds per save interval (its steps and its save, all told: on
 a machine whose cores training keeps busy, the write's own CPU work slows the steps that
