@@ -276,9 +276,10 @@ def test_checkpoints_of_earlier_format_versions_load_and_a_newer_one_is_refused(
     writer.close()
     written = json.loads(Manifest({}, {"w": TensorEntry([8], "float32", [chunk])}, {}).to_json())
     assert (written["version"], written["checksum"]) == (3, "blake3")
-    assert written["tensors"]["w"]["chunks"][0]["digest"] == blake3.blake3(
-        values.numpy().tobytes()
-    ).hexdigest()
+    assert (
+        written["tensors"]["w"]["chunks"][0]["digest"]
+        == blake3.blake3(values.numpy().tobytes()).hexdigest()
+    )
 
     old = dict(written, version=2)
     del old["checksum"]
