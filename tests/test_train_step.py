@@ -117,19 +117,25 @@ def test_explain_before_the_first_step_shows_units_and_model_states():
     assert "known once the step is compiled" in text
 
 
-def test_a_stage_3_plan_that_gathers_the_whole_model_at_once_is_warned_of():
-    """Stage 3 without units holds the model in one unit, gathered whole: a PlanWarning names
-    the model's repeated block as the unit to use; with units, or at stage 2, nothing."""
+def test_a_stage_3_plan_that_names_no_units_gets_the_repeated_block():
+    """Stage 3 naming no units takes the model's repeated block (`units: auto`), said in
+    explain(); a model without one keeps one unit, gathered whole, and a PlanWarning says so;
+    with units, or at stage 2, nothing is said."""
     import warnings
 
     from zerocc.errors import PlanWarning
 
-    with pytest.warns(PlanWarning, match=r"the whole model is gathered at once.*\[Block\]"):
-        zerocc.compile(build("gpt"), {"zero": {"stage": 3}}, comm=zerocc.FakeComm(2))
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanWarning)
+        step = zerocc.compile(build("gpt"), {"zero": {"stage": 3}}, comm=zerocc.FakeComm(2))
         zerocc.compile(build("gpt"), PLAN, comm=zerocc.FakeComm(2))
         zerocc.compile(build("gpt"), {"zero": {"stage": 2}}, comm=zerocc.FakeComm(2))
+    assert [u.name for u in step.units] == ["root", "transformer.h.0", "transformer.h.1"]
+    assert "units: auto: one per Block, the model's repeated block" in step.explain()
+    flat = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    with pytest.warns(PlanWarning, match=r"gathered at once.*units: auto found no repeated block"):
+        zerocc.compile(flat, {"zero": {"stage": 3}}, loss_fn=lambda m, x: m(x).sum(),
+                       comm=zerocc.FakeComm(2))  # fmt: skip
 
 
 def test_the_repeated_block_of_a_hugging_face_model_is_its_decoder_layer():

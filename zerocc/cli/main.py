@@ -307,6 +307,10 @@ def _plan_import(args: argparse.Namespace) -> int:
         return 2  # (as every error of the command line)
     if args.workload:
         plan["workload"] = args.workload
+    # DeepSpeed gathers parameter by parameter; a zerocc unit is a module: its layers
+    auto_units = plan.get("zero", {}).get("stage") == 3 and "units" not in plan
+    if auto_units:
+        plan["units"] = "auto"
     checked = load_plan(plan)  # what zerocc makes of it, checked as any plan
     fields = checked.model_dump(mode="json")
     for outcome in outcomes:  # an 'auto' left to zerocc: the value its default gives
@@ -318,10 +322,8 @@ def _plan_import(args: argparse.Namespace) -> int:
     mapped = sum(o.kind == "mapped" for o in outcomes)
     print(f"\n{len(outcomes)} option(s): {mapped} mapped, {len(outcomes) - mapped} without "
           f"meaning for zerocc; plan: {describe_plan(checked)}")  # fmt: skip
-    whole = checked.zero.stage == 3 and not (checked.units.classes or checked.units.modules
-                                             or checked.units.min_mb)  # fmt: skip
-    if whole:  # DeepSpeed partitions parameter by parameter; a plan needs its units named
-        print(f"note: {UNITS_NEED}")
+    if auto_units:
+        print(f"note: {AUTO_UNITS_NOTE}")
     if args.output:
         header = (
             f"# Converted from the DeepSpeed config {args.config} by `zerocc plan import`.\n"
@@ -329,16 +331,16 @@ def _plan_import(args: argparse.Namespace) -> int:
         )
         if not args.workload:
             header += "# workload: 'module:function'  (set yours: the model, loss and data)\n"
-        if whole:
-            header += f"# units: {{classes: [YourBlock]}}  ({UNITS_NEED})\n"
+        if auto_units:
+            header += f"# units: auto: {AUTO_UNITS_NOTE}\n"
         Path(args.output).write_text(header + yaml.safe_dump(plan, sort_keys=False))
         print(f"wrote {args.output}")
     return 0
 
 
-UNITS_NEED = (
-    "zero.stage 3 and no units: the whole model would be gathered at once; name the model's "
-    "repeated block, e.g. units: {classes: [LlamaDecoderLayer]}"
+AUTO_UNITS_NOTE = (
+    "units: auto: each of the model's repeated blocks (its layers) is a unit, gathered one at "
+    "a time (DeepSpeed gathers parameter by parameter); units.classes names others"
 )
 
 
@@ -352,7 +354,9 @@ def describe_plan(plan: Plan) -> str:
     from zerocc.compiler.driver.pass_manager import pass_names
 
     passes = pass_names(plan)
-    units = [f"class {c}" for c in plan.units.classes]
+    units = [
+        f"class {c}" if c != "auto" else "auto (the repeated block)" for c in plan.units.classes
+    ]
     units += [f"modules {m}" for m in plan.units.modules]
     if plan.units.min_mb is not None:
         units.append(f">= {plan.units.min_mb} MB")

@@ -193,6 +193,7 @@ def explain_step(step: StepRecord) -> str:
         f"trainable Ψ = {psi:,} elements with padding "
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
         *mesh_lines(step.mesh),
+        *([step.units_note] if step.units_note else []),
         precision_line(step),
         backend_line(step),
         *step.backend_notes,

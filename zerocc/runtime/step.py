@@ -34,6 +34,7 @@ from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import weight_source
 from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.passes.partition import auto_units_note
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import DEVICE, LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
@@ -521,6 +522,7 @@ class StepRunner:
             steps=self.steps,
             skipped_steps=self.skipped_steps,
             initial_weights=self.initial_weights,
+            units_note=auto_units_note(self.session.model_info, self.plan.units.classes),
             setup_seconds=dict(self.setup_seconds),
         )
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from models import build, entry
 
 import zerocc
@@ -172,12 +173,17 @@ def test_plan_import_of_unsupported_options_fails_and_writes_nothing(tmp_path):
     assert "unsupported some_new_option = 1" in run.stdout
 
 
-def test_plan_import_of_zero3_says_the_plan_needs_its_units(capsys, tmp_path):
+def test_plan_import_of_zero3_gives_the_plan_auto_units(capsys, tmp_path):
+    """DeepSpeed gathers parameter by parameter: the imported stage-3 plan takes the model's
+    repeated block as its units (`units: auto`) and says so, not one whole-model unit."""
     from zerocc.cli.main import main
 
     out = tmp_path / "plan.yaml"
     assert main(["plan", "import", str(FIXTURES / "hf_zero3_auto.json"), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "note: zero.stage 3 and no units: the whole model would be gathered at once" in printed
+    assert (
+        "note: units: auto: each of the model's repeated blocks (its layers) is a unit" in printed
+    )
+    assert "units: auto (the repeated block)" in printed
     assert "zerocc's default applies (optimizer.lr: 0.001)" in printed
-    assert "# units: {classes: [YourBlock]}" in out.read_text()
+    assert yaml.safe_load(out.read_text())["units"] == "auto"

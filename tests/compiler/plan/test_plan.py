@@ -56,7 +56,8 @@ def test_load_from_path_dict_and_plan(tmp_path):
 def test_defaults():
     plan = load_plan({})
     assert plan.zero.stage == 3 and plan.zero.world_size is None
-    assert plan.units.classes == [] and plan.units.modules == [] and plan.units.min_mb is None
+    # stage 3 naming no units: the model's repeated block (`units: auto`)
+    assert plan.units.classes == ["auto"] and plan.units.modules == [] and plan.units.min_mb is None
     opt = plan.optimizer
     assert (opt.name, opt.lr, opt.betas, opt.eps) == ("adamw", 1e-3, (0.9, 0.999), 1e-8)
     assert (opt.weight_decay, opt.momentum, opt.grad_clip) == (0.0, 0.0, None)

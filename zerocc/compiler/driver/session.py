@@ -140,9 +140,14 @@ def _warn_if_gathered_whole(plan: Plan, model: ModelInfo, units: list[Unit], mes
         if block is not None
         else "units.classes, units.modules or units.min_mb split it"
     )
+    why = (
+        "units: auto found no repeated block"
+        if "auto" in plan.units.classes
+        else ("the plan names no units")
+    )
     warnings.warn(
         f"zero.stage: 3 with one unit: the whole model is gathered at once, so its peak is "
-        f"stage 2's (the plan names no units); {fix}",
+        f"stage 2's ({why}); {fix}",
         PlanWarning,
         stacklevel=3,
     )

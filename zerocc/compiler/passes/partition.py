@@ -15,6 +15,7 @@ from torch import fx
 from zerocc.compiler.capture import ModelInfo, ParamInfo
 from zerocc.compiler.names import glob_matches
 from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.plan.parallelism import AUTO_UNITS
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import PARAM, info, placeholders, tag
@@ -83,8 +84,9 @@ def _add_size_roots(model: ModelInfo, roots: set[str], min_mb: float) -> None:
 def assign_units(
     model: ModelInfo, world_size: int, classes: list[str], modules: list[str], min_mb: float | None
 ) -> list[Unit]:
-    """The units of ``model`` for the plan's ``units`` section, ordered as their parameters are."""
-    roots = _match_roots(model, classes, modules)
+    """The units of ``model`` for the plan's ``units`` section, ordered as their parameters are
+    (``auto`` among the classes: the model's repeated block, none when it has none)."""
+    roots = _match_roots(model, unit_classes(model, classes), modules)
     if min_mb is not None:
         _add_size_roots(model, roots, min_mb)
     groups: dict[tuple[str, bool], list[ParamInfo]] = {}
@@ -95,6 +97,23 @@ def assign_units(
         name = root or "root"
         units.append(Unit.build(name if trainable else f"{name}[frozen]", params, world_size))
     return units
+
+
+def unit_classes(model: ModelInfo, classes: list[str]) -> list[str]:
+    """``classes`` with ``auto`` replaced by the model's repeated block (dropped when it has
+    none)."""
+    block = repeated_block(model) if AUTO_UNITS in classes else None
+    return [block if c == AUTO_UNITS else c for c in classes if c != AUTO_UNITS or block]
+
+
+def auto_units_note(model: ModelInfo, classes: list[str]) -> str | None:
+    """What ``units: auto`` chose, for ``explain()``; None when the plan names its units."""
+    if AUTO_UNITS not in classes:
+        return None
+    block = repeated_block(model)
+    if block is None:
+        return "units: auto: the model has no repeated block (one unit, unless named ones)"
+    return f"units: auto: one per {block}, the model's repeated block"
 
 
 def repeated_block(model: ModelInfo) -> str | None:

@@ -26,7 +26,13 @@ from zerocc.compiler.plan.execution import (
     RecomputeConfig,
 )
 from zerocc.compiler.plan.optimizer import OptimizerConfig
-from zerocc.compiler.plan.parallelism import ParallelConfig, UnitsConfig, ZeroConfig, check_layout
+from zerocc.compiler.plan.parallelism import (
+    AUTO_UNITS,
+    ParallelConfig,
+    UnitsConfig,
+    ZeroConfig,
+    check_layout,
+)
 from zerocc.compiler.plan.pipeline import PipelineConfig, check_schedule
 from zerocc.compiler.plan.precision import PrecisionConfig
 from zerocc.compiler.plan.renamed import RENAMED_FIELDS, read_renamed
@@ -75,6 +81,8 @@ class Plan(Section):
     def _renamed_fields(cls, data: Any) -> Any:
         for old, new in RENAMED_FIELDS.items():
             data = read_renamed(data, old.split("."), old, new)
+        if isinstance(data, dict) and data.get("units") == AUTO_UNITS:  # `units: auto`
+            data = {**data, "units": {"classes": [AUTO_UNITS]}}
         return data
 
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and world size")
@@ -202,6 +210,15 @@ class Plan(Section):
                 continue
             return world_size
         raise PlanError(f"parallel: this layout takes no world of up to {MAX_LEAST_WORLD} ranks")
+
+    @model_validator(mode="after")
+    def _stage_3_units_are_auto_by_default(self) -> Plan:
+        """A stage-3 plan that names no units gets the model's repeated block (one unit would
+        gather the whole model at once)."""
+        units = self.units
+        if self.zero.stage == 3 and not (units.classes or units.modules or units.min_mb):
+            self.units = units.model_copy(update={"classes": [AUTO_UNITS]})
+        return self
 
     @model_validator(mode="after")
     def _mesh_takes_the_world(self) -> Plan:

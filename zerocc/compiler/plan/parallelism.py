@@ -154,13 +154,17 @@ class ParallelConfig(Section):
         }
 
 
+AUTO_UNITS = "auto"  # units.classes: the model's repeated block
+
+
 class UnitsConfig(Section):
     """How parameters are grouped into FSDP units (gathered, freed and reduced together)."""
 
     classes: list[str] = Field(
         default_factory=list,
         description="every module whose class name is listed becomes one FSDP unit, "
-        "innermost first",
+        "innermost first; 'auto': the model's repeated block (a transformer's layer), what a "
+        "stage-3 plan that names no units gets (`units: auto` is short for [auto])",
     )
     modules: list[str] = Field(
         default_factory=list,
