@@ -390,13 +390,68 @@ TP_LAYERS = {
 }
 
 
+class MoECausalLM(nn.Module):
+    """A tiny Hugging Face mixture-of-experts causal LM (``kind``: Mixtral; Qwen2-MoE, with a
+    shared expert; DeepSeek-V3, with many small experts, group-limited top-k routing and a
+    dense first layer), its experts run by the library's ``experts_implementation`` ``impl``
+    (``eager``: each expert's tokens found with ``nonzero``; ``grouped_mm``: tokens sorted by
+    expert, one grouped matmul). The router's load-balancing loss is part of the loss (Mixtral
+    and Qwen2-MoE), with a coefficient large enough for its gradient to matter."""
+
+    def __init__(self, kind: str, impl: str) -> None:
+        super().__init__()
+        import transformers as hf
+
+        common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+        if kind == "mixtral":
+            config = hf.MixtralConfig(**common, intermediate_size=48, num_local_experts=4,
+                                      num_experts_per_tok=2, output_router_logits=True,
+                                      router_aux_loss_coef=0.1)  # fmt: skip
+            self.lm = hf.MixtralForCausalLM
+        elif kind == "qwen_moe":
+            config = hf.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=32, num_experts=4,
+                                       num_experts_per_tok=2, output_router_logits=True,
+                                       router_aux_loss_coef=0.1)  # fmt: skip
+            self.lm = hf.Qwen2MoeForCausalLM
+        else:
+            config = hf.DeepseekV3Config(**common, intermediate_size=48, moe_intermediate_size=16,
+                                         n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                         topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                                         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                                         qk_nope_head_dim=4, v_head_dim=8)  # fmt: skip
+            self.lm = hf.DeepseekV3ForCausalLM
+        config._experts_implementation = impl
+        self.lm = self.lm(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+def _moe(kind: str, impl: str) -> Callable[[], nn.Module]:
+    return lambda: MoECausalLM(kind, impl)
+
+
+_DECODER_LAYERS = {"mixtral": "Mixtral", "qwen_moe": "Qwen2Moe", "deepseek": "DeepseekV3"}
+# Mixture-of-experts models by name: ``mixtral`` (eager experts), ``mixtral_grouped``
+# (grouped_mm), ...; one FSDP unit per decoder layer.
+MOE_MODELS = {
+    f"{kind}{suffix}": (_moe(kind, impl), _token_batch, {"classes": [f"{cls}DecoderLayer"]})
+    for kind, cls in _DECODER_LAYERS.items()
+    for suffix, impl in (("", "eager"), ("_grouped", "grouped_mm"))
+}
+
+
 # Models deep enough to cut into 4 pipeline stages (tests/parity/test_pipeline_parity.py).
 PIPELINE_MODELS = {"gpt4": (tiny_gpt_4_layers, _gpt_batch, {"classes": ["Block"]})}
 
 
 def entry(name: str) -> tuple[Callable[[], nn.Module], Callable[..., Any], dict[str, Any]]:
     """The (build, batch, units) of a model of any registry here, by name."""
-    for registry in (MODELS, MODEL_KINDS, RANDOM_MODELS, RANDOM_KINDS, TP_MODELS, PIPELINE_MODELS):
+    registries = (MODELS, MODEL_KINDS, RANDOM_MODELS, RANDOM_KINDS, TP_MODELS, PIPELINE_MODELS,
+                  MOE_MODELS)  # fmt: skip
+    for registry in registries:
         if name in registry:
             return registry[name]
     raise KeyError(name)

@@ -31,8 +31,10 @@ from torch.fx.node import has_side_effect
 
 from zerocc.compat import MAKE_FX_OPTIONS, get_proxy_mode, use_lazy_graph_module
 from zerocc.compiler.batch import call_arguments
+from zerocc.compiler.opaque import data_dependent_cause, op_of, opaque_modules
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.errors import CaptureError
+from zerocc.ir.fake_values import fake_kernel_logs_quiet
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
 
 LossFn = Callable[..., torch.Tensor]
@@ -245,6 +247,7 @@ class _ModuleTracker:
     def __init__(self, model: nn.Module) -> None:
         self.stack: list[str] = []
         self.handles = []
+        self.active = True
         for fqn, module in model.named_modules():
             self.handles.append(module.register_forward_pre_hook(self._enter(fqn)))
             self.handles.append(module.register_forward_hook(self._leave(fqn)))
@@ -256,8 +259,20 @@ class _ModuleTracker:
         if mode is not None:
             mode.tracer.graph.create_node("call_function", _mark, (kind, module))
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No marks and no stack changes in the body (an opaque region's forward, run inside
+        its op's fake implementation, is no part of the traced graph)."""
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
+
     def _enter(self, fqn: str):
         def hook(module, args):
+            if not self.active:
+                return
             self.stack.append(fqn)
             self.mark("module", fqn)
 
@@ -265,6 +280,8 @@ class _ModuleTracker:
 
     def _leave(self, fqn: str):
         def hook(module, args, output):
+            if not self.active:
+                return
             self.stack.pop()
             self.mark("module", self.stack[-1] if self.stack else "")
             # Backward tagging: when autograd reaches this module's outputs, its backward begins.
@@ -276,7 +293,8 @@ class _ModuleTracker:
 
     def _backward_of(self, fqn: str):
         def prehook(grad_outputs):
-            self.mark("module", fqn)
+            if self.active:
+                self.mark("module", fqn)
 
         return prehook
 
@@ -308,8 +326,6 @@ def capture(
         raise CaptureError("the model has no trainable parameter (every requires_grad is False)")
     tensor_positions = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
     n_params, n_buffers = len(info.params), len(info.buffers)
-    tracker = _ModuleTracker(model)
-
     n_batch = len(tensor_positions)
 
     def step(*flat: torch.Tensor):
@@ -331,7 +347,7 @@ def capture(
         loss = _check_loss(loss)
         if casts.output is not None:
             loss = loss.to(casts.output)
-        tracker.mark("forward_end")
+        _ModuleTracker.mark("forward_end")
         if not gradients:
             return (loss.detach(),)
         wanted = [t for p, t in zip(info.params, params, strict=True) if p.requires_grad]
@@ -339,26 +355,37 @@ def capture(
         grads = torch.autograd.grad(loss, wanted, grad_outputs=seed, allow_unused=True)
         return (loss.detach(), *grads)
 
-    fake_mode = FakeTensorMode()
-    flat = _fake_inputs(fake_mode, info, [batch[i] for i in tensor_positions], device)
-    if casts.loss_scale and gradients:
-        with traced_grad_mode(), fake_mode:
-            flat.append(torch.empty((), dtype=torch.float32, device=device))
-    try:
-        with (
-            traced_grad_mode(),
-            fx_traceback.preserve_node_meta(),
-            fake_mode,
-            contextlib.nullcontext() if gradients else _in_eval_mode(model),
-            use_lazy_graph_module(True),  # its code is generated where it is read or run
-        ):
-            gm = make_fx(step, tracing_mode="real", **MAKE_FX_OPTIONS)(*flat)
-    except CaptureError:
-        raise
-    except Exception as e:  # an error inside the user's model: say where it surfaced
-        raise _tracing_failed(e) from e
-    finally:
-        tracker.remove()
+    opaque: dict[str, str] = {}  # classes captured as opaque regions, and why
+    while True:
+        fake_mode = CaptureFakeMode()
+        flat = _fake_inputs(fake_mode, info, [batch[i] for i in tensor_positions], device)
+        if casts.loss_scale and gradients:
+            with traced_grad_mode(), fake_mode:
+                flat.append(torch.empty((), dtype=torch.float32, device=device))
+        tracker = _ModuleTracker(model)
+        try:
+            with (
+                traced_grad_mode(),
+                fx_traceback.preserve_node_meta(),
+                fake_mode,
+                contextlib.nullcontext() if gradients else _in_eval_mode(model),
+                use_lazy_graph_module(True),  # its code is generated where it is read or run
+                fake_kernel_logs_quiet(),
+                opaque_modules(model, opaque, tracker.paused),
+            ):
+                gm = make_fx(step, tracing_mode="real", **MAKE_FX_OPTIONS)(*flat)
+            break
+        except CaptureError:
+            raise
+        except Exception as e:  # an error inside the user's model: say where it surfaced
+            cause = data_dependent_cause(e)
+            module = _innermost(model, tracker.stack)
+            in_region = module is not None and type(module).__name__ in opaque
+            if cause is None or module is None or in_region:
+                raise _tracing_failed(e, tracker.stack, in_region) from e
+            opaque[type(module).__name__] = f"{op_of(cause)}: its result depends on the data"
+        finally:
+            tracker.remove()
     gm.graph.eliminate_dead_code()
     _tag(gm, info, tensor_positions, casts.loss_scale and gradients)
     _cast_gradients_when_complete(gm)
@@ -383,15 +410,55 @@ def _fake_inputs(
     return flat
 
 
-def _tracing_failed(e: Exception) -> CaptureError:
-    """The CaptureError for an error raised inside the user's model while it was traced."""
-    hint = ""
-    if "DataDependent" in type(e).__name__:
-        hint = (
-            " (zerocc traces the step on fake tensors, without values: Python control "
-            "flow on a tensor's value, such as `if x.sum() > 0`, cannot be captured)"
+def _innermost(model: nn.Module, stack: list[str]) -> nn.Module | None:
+    """The innermost module running when tracing stopped, but the model itself (whose whole
+    forward an opaque region would hide from the passes) or None."""
+    return model.get_submodule(stack[-1]) if stack and stack[-1] else None
+
+
+def _tracing_failed(e: Exception, stack: list[str], in_region: bool) -> CaptureError:
+    """The CaptureError for an error raised inside the user's model while it was traced
+    (``stack``: the modules that were running, outermost first; ``in_region``: the innermost
+    is captured as an opaque region)."""
+    cause = data_dependent_cause(e)
+    if cause is None:
+        return CaptureError(f"tracing the training step failed: {type(e).__name__}: {e}")
+    what = f"{op_of(cause)} depends on the values of tensors ({type(cause).__name__})"
+    module = stack[-1] if stack else ""
+    if in_region:
+        return CaptureError(
+            f"tracing the training step failed in module {module!r}, captured as an opaque "
+            f"region: {what}, and zerocc found its output shapes by taking such results as "
+            "empty, which this op does not allow. Compute it with fixed shapes, or split the "
+            "module so that the op runs in a submodule of it"
         )
-    return CaptureError(f"tracing the training step failed: {type(e).__name__}: {e}{hint}")
+    where = f"module {module!r}" if module else "the model's forward or loss"
+    return CaptureError(
+        f"tracing the training step failed in {where}: {what}. zerocc traces on fake tensors, "
+        "without values: Python control flow on a tensor's value (such as `if x.sum() > 0`) "
+        "and shapes that depend on it are captured only inside a submodule whose outputs have "
+        "fixed shapes (it runs as an opaque region), not in the model's own forward or loss. "
+        "Move that part into a submodule, or compute it with fixed shapes "
+        "(torch.where(mask, x, 0) instead of x[mask])"
+    )
+
+
+class CaptureFakeMode(FakeTensorMode):
+    """The fake tensors capture traces on. One difference from torch's: ``aten._grouped_mm``
+    on the CPU takes fp32 and fp16 as the CPU kernel does (torch's fake kernel checks CUDA's
+    rule, bf16 only, so a mixture-of-experts layer on grouped matmuls did not capture in fp32)."""
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and _cpu_grouped_mm(args[0], args[1]):
+            dtype = kwargs.get("out_dtype") or args[0].dtype
+            as_bf16 = (args[0].to(torch.bfloat16), args[1].to(torch.bfloat16))
+            return func(*as_bf16, *args[2:], **{**kwargs, "out_dtype": None}).to(dtype)
+        return super().dispatch(func, types, args, kwargs)
+
+
+def _cpu_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device.type == "cpu" and a.dtype == b.dtype in (torch.float32, torch.float16)
 
 
 def _cast_gradients_when_complete(gm: fx.GraphModule) -> None:
