@@ -311,6 +311,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
         f"{plan.source or 'plan'}: ZeRO stage {e.stage}, {e.world_size} ranks, "
         f"compute {p.param}, reduce {p.reduce}, master {p.master}, grads {grads}",
         *mesh_lines(Mesh.of_plan(plan, e.world_size)),
+        *e.notes,
         "",
         "memory per rank (predicted from the scheduled program):",
     ]

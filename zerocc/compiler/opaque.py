@@ -335,6 +335,6 @@ def describe_regions(regions: Sequence[Region]) -> str | None:
     kinds = "; ".join(f"{kind} ×{len(fqns)} ({why})" for (kind, why), fqns in modules.items())
     return (
         f"opaque regions: {kinds}: each call runs as one op (its parameters sharded, gathered "
-        "and reduced as any other's), its forward run again in backward; inside it nothing is "
-        "compiled or overlapped"
+        "and reduced as any other's), its forward run again in backward; nothing inside it is "
+        "compiled, overlapped or in the predicted step time"
     )

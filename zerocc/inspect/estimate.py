@@ -17,6 +17,7 @@ from zerocc.compiler.batch import as_batch
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.program import CompiledProgram
 from zerocc.compiler.driver.session import CompileSession
+from zerocc.compiler.opaque import describe_regions, regions_in
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.state import HOST, NVME
@@ -105,6 +106,7 @@ class Estimate:
     held_grads: int = 0
     psi: int = 0  # trainable elements, with padding
     grads_copied_out: bool = False  # offloaded gradients leave the device during backward
+    notes: list[str] = field(default_factory=list)  # what the figures leave out (opaque regions)
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as plain data (``zerocc estimate --json``)."""
@@ -118,6 +120,7 @@ class Estimate:
             "transfer_bytes_per_step": self.transfers,
             "recompute": self.recompute,
             "held_gradient_bytes": self.held_grads,
+            "notes": self.notes,
         }
         if self.timing is not None and self.rates is not None:
             timing = {k: v for k, v in self.timing.as_dict().items() if k != "peak_bytes"}
@@ -174,6 +177,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         held_gradient_bytes(inspection.stepping.gm),
         sum(u.padded_numel for u in inspection.units if u.trainable),
         gradients_copied_out(inspection.stepping.gm),
+        [line] if (line := describe_regions(regions_in(inspection.stepping.gm))) else [],
     )
 
 

@@ -21,6 +21,7 @@ from torch import fx, nn
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.driver.pass_manager import PassContext, PassList, PassRecord, run_passes
+from zerocc.compiler.opaque import regions_in
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import NVME, StateLayout
@@ -92,7 +93,9 @@ def compile_program(
     captured = PassRecord(
         "capture",
         seconds,
-        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)" + (f"; {tp.describe()}" if tp else ""),
+        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)"
+        + (f"; {tp.describe()}" if tp else "")
+        + "".join(f"; {r.fqn} ({r.kind}) as an opaque region" for r in regions_in(gm)),
         0,
         n,
         count_ops(gm.graph.nodes),
