@@ -82,6 +82,30 @@ def test_a_data_dependent_submodule_is_one_op_and_its_gradients_are_autograds():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_a_region_that_draws_random_numbers_draws_them_again_in_its_backward():
+    """Dropout inside the region: its recompute in backward sets the generator to where the
+    forward found it, so the gradients are those of the masks the forward drew."""
+
+    class DroppedExperts(LoopedExperts):
+        def forward(self, x, idx, weight):
+            return nn.functional.dropout(super().forward(x, idx, weight), 0.5)
+
+    model, x = _model(), _batch(0)
+    model.experts = DroppedExperts()
+    gm = capture(model, describe_model(model), None, (x,), torch.device("cpu"))
+    params = list(model.parameters())
+    torch.manual_seed(1)
+    loss, *grads = gm(*params, x)
+    after = torch.rand(1)
+    torch.manual_seed(1)
+    expected_loss = model(x)
+    expected = torch.autograd.grad(expected_loss, params)
+    assert float(loss) == float(expected_loss.detach())
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert torch.equal(after, torch.rand(1))  # the generator then goes on as eager's did
+
+
 def test_a_step_with_opaque_regions_trains_as_eager_training_does_and_says_so():
     model = _model()
     reference = copy.deepcopy(model)

@@ -8,7 +8,10 @@ Capture keeps each call of such a module as one node of the graph,
 parameters and buffers, so the passes shard, gather, free and reduce those parameters as any
 other's. Its backward, ``zerocc_opaque.region_backward``, runs the module's forward again with
 autograd and differentiates it: nothing inside the region is kept between forward and backward
-(as under activation recomputation), at the price of a second forward of the region.
+(as under activation recomputation), at the price of a second forward of the region. The
+forward also returns the state its device's generator had before it ran, which the backward
+sets for its recompute (and sets back after): a region that draws random numbers (dropout)
+draws in backward what it drew in forward.
 
 Output shapes: the op's fake implementation runs the module's forward on fake tensors with every
 size that depends on data taken as empty (``nonzero`` finds nothing) and every scalar read from
@@ -32,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from zerocc.errors import CaptureError
+from zerocc.ir.rng import generator_state, set_generator_state, state_numel
 
 # Exceptions by which fake tensors say that a value, not a shape, decides what comes next.
 DATA_DEPENDENT = frozenset(
@@ -144,6 +148,7 @@ def _fresh(outputs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[
 def opaque_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run the opaque region ``key`` on ``tensors`` (the call's, then the module's state)."""
     r = _REGIONS[key]
+    state = generator_state(_device(tensors))
     with torch.no_grad():
         outputs = r.run(tensors)
     found = [(tuple(t.shape), t.dtype) for t in outputs]
@@ -154,7 +159,7 @@ def opaque_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             "depend on the data, which a compiled step cannot hold; make them fixed (e.g. pad "
             "to a capacity) or run the model eagerly"
         )
-    return _fresh(outputs, tensors)
+    return [*_fresh(outputs, tensors), state]
 
 
 def _shapes(meta: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
@@ -167,19 +172,36 @@ def _opaque_forward_fake(key: str, tensors: list[torch.Tensor]) -> list[torch.Te
     with torch.no_grad(), _SizesTakenAsEmpty():
         outputs = r.run(tensors)
     r.output_meta = [(tuple(t.shape), t.dtype) for t in outputs]
-    return [torch.empty_like(t) for t in outputs]
+    state = torch.empty(state_numel(_device(tensors)), dtype=torch.uint8, device="cpu")
+    return [*(torch.empty_like(t) for t in outputs), state]
+
+
+def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The device whose generator a region draws from: its tensors'."""
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 @torch.library.custom_op("zerocc_opaque::region_backward", mutates_args=())
 def opaque_backward(
-    key: str, wanted: list[int], tensors: list[torch.Tensor], grads: list[torch.Tensor]
+    key: str,
+    wanted: list[int],
+    tensors: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state: torch.Tensor,
 ) -> list[torch.Tensor]:
     """Gradients of the region ``key``'s outputs (given ``grads``) with respect to its
-    ``tensors`` at the positions ``wanted``: its forward recomputed with autograd."""
+    ``tensors`` at the positions ``wanted``: its forward recomputed with autograd, drawing the
+    random numbers its forward drew (its generator set to ``state``, then set back)."""
     r = _REGIONS[key]
     inputs = [t.detach().requires_grad_(i in wanted) for i, t in enumerate(tensors)]
-    with _autograd_inside_op(), torch.enable_grad():
-        outputs = r.run(inputs)
+    device = _device(tensors)
+    now = generator_state(device)
+    set_generator_state(state, device)
+    try:
+        with _autograd_inside_op(), torch.enable_grad():
+            outputs = r.run(inputs)
+    finally:
+        set_generator_state(now, device)
     pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
     found = torch.autograd.grad(
         [o for o, _ in pairs],
@@ -208,7 +230,11 @@ def _autograd_inside_op() -> Iterator[None]:
 
 @opaque_backward.register_fake
 def _opaque_backward_fake(
-    key: str, wanted: list[int], tensors: list[torch.Tensor], grads: list[torch.Tensor]
+    key: str,
+    wanted: list[int],
+    tensors: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state: torch.Tensor,
 ) -> list[torch.Tensor]:
     return [torch.empty_like(tensors[i]) for i in wanted]
 
@@ -218,12 +244,13 @@ def _save_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.key = key
     ctx.wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
     ctx.count = len(tensors)
-    ctx.save_for_backward(*tensors)
+    ctx.save_for_backward(*tensors, output[-1])  # (the last output: the generator's state)
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[None, list[torch.Tensor | None]]:
+    *tensors, state = ctx.saved_tensors
     found = torch.ops.zerocc_opaque.region_backward(
-        ctx.key, ctx.wanted, list(ctx.saved_tensors), grads
+        ctx.key, ctx.wanted, tensors, list(grads[:-1]), state
     )
     result: list[torch.Tensor | None] = [None] * ctx.count
     for i, g in zip(ctx.wanted, found, strict=True):
@@ -316,7 +343,7 @@ def _opaque_call(fqn: str, module: nn.Module, reason: str, regions: list[Region]
         _REGIONS[key] = r
         regions.append(r)
         with hooks_paused():
-            flat = torch.ops.zerocc_opaque.region_forward(
+            *flat, _ = torch.ops.zerocc_opaque.region_forward(
                 key, [*tensors, *(t for _, t in by_id.values())]
             )
         return tree_unflatten(flat, r.outputs)

@@ -37,40 +37,43 @@ def _device_module(device: torch.device):
     return torch.get_device_module(device)
 
 
-def _get_state(device: torch.device) -> torch.Tensor:
+def generator_state(device: torch.device) -> torch.Tensor:
+    """The state of ``device``'s default generator (a CPU byte tensor)."""
     if device.type == "cpu":
         return torch.get_rng_state()
     return _device_module(device).get_rng_state(device)
 
 
-def _set_state(state: torch.Tensor, device: torch.device) -> None:
+def set_generator_state(state: torch.Tensor, device: torch.device) -> None:
+    """Set ``device``'s default generator to ``state`` (from :func:`generator_state`)."""
     if device.type == "cpu":
         torch.set_rng_state(state)
     else:
         _device_module(device).set_rng_state(state, device)
 
 
-def _state_numel(device: torch.device) -> int:
+def state_numel(device: torch.device) -> int:
+    """Bytes of a generator state of ``device``'s type (asked of the real generator once)."""
     if device.type not in _STATE_NUMEL:
         # Ask the real generator once, outside fake mode (the fake op runs inside it).
         with unset_fake_temporarily():
-            _STATE_NUMEL[device.type] = _get_state(device).numel()
+            _STATE_NUMEL[device.type] = generator_state(device).numel()
     return _STATE_NUMEL[device.type]
 
 
 @implements("rng_state", _lib)
 def _rng_state(like: torch.Tensor) -> torch.Tensor:
-    return _get_state(like.device)
+    return generator_state(like.device)
 
 
 @implements("set_rng_state", _lib)
 def _set_rng_state(state: torch.Tensor, like: torch.Tensor) -> None:
-    _set_state(state, like.device)
+    set_generator_state(state, like.device)
 
 
 @fake("rng_state")
 def _(like):
-    return like.new_empty((_state_numel(like.device),), dtype=torch.uint8, device="cpu")
+    return like.new_empty((state_numel(like.device),), dtype=torch.uint8, device="cpu")
 
 
 @fake("set_rng_state")
