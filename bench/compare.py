@@ -31,7 +31,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from config import GPU, BenchConfig, add_config_arguments, config_from, flops_per_token, num_params
+from config import (
+    GPU,
+    BenchConfig,
+    add_config_arguments,
+    config_from,
+    flops_per_token,
+    model_name,
+    num_params,
+)
 from measure import zero_formula_bytes
 from provenance import cpu_name, source_commit
 from ranks import SystemFailed, SystemRanks
@@ -295,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.device == "cpu":  # the ranks hold the cores; a GPU host's are free to compile on
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     info = machine(cfg)
-    print(f"{len(names)} systems, GPT {num_params(cfg) / 1e6:.1f}M parameters, "
+    print(f"{len(names)} systems, {model_name(cfg)} parameters, "
           f"{cfg.world_size} rank(s) on {cfg.device} × {cfg.threads} thread(s), "
           f"{cfg.total_steps} steps each", flush=True)  # fmt: skip
     runs = run_systems(cfg, names, args.timeout)
@@ -308,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference": reference, "targets": targets(rows), "systems": rows,
     })  # fmt: skip
     gpu = cfg.device == "cuda"
-    title = (f"GPT {num_params(cfg) / 1e6:.1f}M, {cfg.world_size} rank(s), {cfg.device}, "
+    title = (f"{model_name(cfg)}, {cfg.world_size} rank(s), {cfg.device}, "
              f"{cfg.dtype}, {info['date']}")  # fmt: skip
     plot(stem.with_suffix(".png"), rows, title, gpu)
     print(f"\nwrote {stem}.json and {stem}.png\n")

@@ -1,7 +1,8 @@
-"""The benchmark's configuration, and the model and batches every system trains on.
+"""The benchmark's configuration, and the model and batches every system trains on (the
+example GPT by default; ``--model mixtral``: transformers' Mixtral, a mixture of experts).
 
-Each rank of each system builds the example GPT (examples/gpt/model.py) from the same seed, so
-every system starts from the same weights, and draws its batches from examples/gpt/data.py, so
+Each rank of each system builds the model from the same seed, so every system starts from the
+same weights, and draws its batches from examples/gpt/data.py, so
 rank r of every system sees the same data at every step.
 """
 
@@ -15,6 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt"
 if str(EXAMPLE) not in sys.path:
@@ -50,6 +53,9 @@ class BenchConfig:
     steps: int = 3  # timed steps per system and round (after one untimed step)
     sequential: bool = False  # each system's rounds before the next is set up (not interleaved)
     nvme_path: str | None = None  # folder for the files of NVMe offload (None: the temp folder)
+    model: str = "gpt"  # gpt (examples/gpt) | mixtral (transformers' Mixtral: experts below)
+    experts: int = 8  # mixtral: experts per layer, each token routed to 2
+    experts_implementation: str = "eager"  # mixtral: transformers' eager | grouped_mm
 
     @property
     def total_steps(self) -> int:
@@ -79,22 +85,82 @@ def gpt_config(cfg: BenchConfig) -> GPTConfig:
     )
 
 
-def build_model(cfg: BenchConfig) -> GPT:
-    """The example GPT in fp32 on the CPU, with the weights of seed ``cfg.seed``."""
+class MixtralLM(nn.Module):
+    """transformers' Mixtral at the benchmark's sizes (``n_embd`` wide, ``n_layer`` decoder
+    layers, ``cfg.experts`` experts of width 2 × ``n_embd``, top-2), trained as the GPT is:
+    ``forward(idx, targets)`` is the mean cross-entropy of ``targets``, plus the router's
+    load-balancing loss (coefficient 0.02)."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=cfg.vocab_size or data.vocab_size, hidden_size=cfg.n_embd,
+            intermediate_size=2 * cfg.n_embd, num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+            num_local_experts=cfg.experts, num_experts_per_tok=2,
+            max_position_embeddings=cfg.block_size, output_router_logits=True,
+            router_aux_loss_coef=0.02, experts_implementation=cfg.experts_implementation,
+        )  # fmt: skip
+        self.lm = MixtralForCausalLM(config)
+        self.aux_coef = config.router_aux_loss_coef
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = self.lm(input_ids=idx)
+        logits = out.logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return loss + self.aux_coef * out.aux_loss
+
+
+def build_model(cfg: BenchConfig) -> nn.Module:
+    """The benchmark's model in fp32 on the CPU, with the weights of seed ``cfg.seed``: the
+    example GPT, or (``cfg.model: mixtral``) :class:`MixtralLM`."""
     torch.manual_seed(cfg.seed)
-    return GPT(gpt_config(cfg))
+    return MixtralLM(cfg) if cfg.model == "mixtral" else GPT(gpt_config(cfg))
+
+
+def layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated layers: FSDP2's units, and zerocc's (:func:`layer_class`)."""
+    return list(model.lm.model.layers if isinstance(model, MixtralLM) else model.transformer.h)
+
+
+def layer_class(cfg: BenchConfig) -> str:
+    """The class name of the model's repeated layers (zerocc's ``units.classes``)."""
+    return "MixtralDecoderLayer" if cfg.model == "mixtral" else "Block"
+
+
+def model_name(cfg: BenchConfig) -> str:
+    """How titles name the model: ``GPT 31.6M``, ``Mixtral 8×top-2 12.3M``."""
+    millions = f"{num_params(cfg) / 1e6:.1f}M"
+    if cfg.model == "mixtral":
+        return f"Mixtral {cfg.experts}×top-2 {millions}"
+    return f"GPT {millions}"
 
 
 def num_params(cfg: BenchConfig) -> int:
-    """Parameters of the model (the tied embedding once), computed without building it."""
+    """Parameters of the model (the tied embedding once), computed without building it (the
+    Mixtral: built on the meta device)."""
+    if cfg.model == "mixtral":
+        with torch.device("meta"):
+            return sum(p.numel() for p in MixtralLM(cfg).parameters())
     c = gpt_config(cfg)
     per_block = 12 * c.n_embd**2 + 13 * c.n_embd  # attention 4C² + 4C, MLP 8C² + 5C, 2 LNs 4C
     return c.vocab_size * c.n_embd + c.block_size * c.n_embd + c.n_layer * per_block + 2 * c.n_embd
 
 
+def active_params(cfg: BenchConfig) -> int:
+    """Parameters one token passes through: all, but of each layer's experts only its 2."""
+    if cfg.model != "mixtral":
+        return num_params(cfg)
+    per_expert = 3 * cfg.n_embd * 2 * cfg.n_embd  # gate, up and down projections
+    return num_params(cfg) - cfg.n_layer * (cfg.experts - 2) * per_expert
+
+
 def flops_per_token(cfg: BenchConfig) -> int:
-    """Training FLOPs per token, as PaLM's MFU counts them: 6N plus attention's 12·L·T·C."""
-    return 6 * num_params(cfg) + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
+    """Training FLOPs per token, as PaLM's MFU counts them: 6N (N: the parameters a token passes
+    through) plus attention's 12·L·T·C."""
+    return 6 * active_params(cfg) + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
 
 def batches(cfg: BenchConfig, rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -107,6 +173,10 @@ def batches(cfg: BenchConfig, rank: int) -> Iterator[tuple[torch.Tensor, torch.T
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """The command-line flags every benchmark takes for the model and the schedule; each one
     given overrides that field of the config (see :func:`config_from`)."""
+    p.add_argument("--model", choices=["gpt", "mixtral"], help="the model (default gpt)")
+    p.add_argument("--experts", type=int, help="mixtral: experts per layer (top-2 routing)")
+    p.add_argument("--experts-implementation", choices=["eager", "grouped_mm"],
+                   help="mixtral: transformers' experts implementation")  # fmt: skip
     p.add_argument("--layers", type=int, dest="n_layer")
     p.add_argument("--embd", type=int, dest="n_embd")
     p.add_argument("--heads", type=int, dest="n_head")

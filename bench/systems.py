@@ -1,8 +1,8 @@
 """The systems the benchmarks train, one runner each: zerocc, PyTorch FSDP2, DeepSpeed ZeRO.
 
-A runner takes the freshly built example GPT on the CPU (the same weights in every system) and
-returns a :class:`Runner` whose ``train_step(idx, targets)`` does one optimizer step of this
-rank's batch, DDP semantics (gradients averaged over ranks), AdamW with the benchmark's
+A runner takes the freshly built model (bench/config.py) on the CPU (the same weights in every
+system) and returns a :class:`Runner` whose ``train_step(idx, targets)`` does one optimizer step
+of this rank's batch, DDP semantics (gradients averaged over ranks), AdamW with the benchmark's
 hyperparameters, no clipping. Each runs inside a rank process whose process group is already
 initialized (gloo on CPU, NCCL on CUDA); libraries are imported there, not here.
 
@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from config import DTYPES, BenchConfig
+from config import DTYPES, BenchConfig, layer_class, layers
 from torch import nn
 
 
@@ -64,7 +64,8 @@ def _adamw(params: Any, cfg: BenchConfig) -> torch.optim.AdamW:
 def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, stage: int,
                   backend: str = "eager", overlap: dict | None = None, offload: dict | None = None,
                   recompute: dict | None = None) -> Runner:  # fmt: skip
-    """``zerocc.compile`` with one unit per Block (the embeddings, final LN and head: the root);
+    """``zerocc.compile`` with one unit per layer (the GPT's Blocks; the embeddings, final LN
+    and head: the root);
     ``overlap``, ``offload``, ``recompute``: those sections of the plan (default: the overlap
     pass with its defaults, nothing offloaded, nothing recomputed). NVMe offload without an
     ``nvme_path`` puts its files under ``cfg.nvme_path``, else the system's temp folder."""
@@ -72,7 +73,7 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
 
     plan: dict[str, Any] = {
         "zero": {"stage": stage, "world_size": cfg.world_size},
-        "units": {"classes": ["Block"]},
+        "units": {"classes": [layer_class(cfg)]},
         "optimizer": {
             "name": "adamw",
             "lr": cfg.lr,
@@ -158,8 +159,9 @@ def _host_rates(device: torch.device) -> dict[str, float]:
 def fsdp2_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
                  reshard_after_forward: bool, compiled: bool,
                  cpu_offload: dict | None = None) -> Runner:  # fmt: skip
-    """``fully_shard`` on every Block, then on the root; optionally ``torch.compile(model)``;
-    ``cpu_offload``: ``offload_policy=CPUOffloadPolicy(**cpu_offload)`` (None: no offload)."""
+    """``fully_shard`` on every layer (the GPT's Blocks), then on the root; optionally
+    ``torch.compile(model)``; ``cpu_offload``: ``offload_policy=CPUOffloadPolicy(**cpu_offload)``
+    (None: no offload)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -178,7 +180,7 @@ def fsdp2_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
         fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         offload_policy=offload,
     )  # fmt: skip
-    for block in model.transformer.h:
+    for block in layers(model):
         shard(block)
     shard(model)
     optimizer = _adamw(model.parameters(), cfg)
