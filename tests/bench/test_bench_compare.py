@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from bench_runs import run_bench
 
 TINY = ["--layers", "1", "--embd", "32", "--heads", "2", "--block", "16", "--batch", "2"]
@@ -59,3 +60,17 @@ def test_compare_reports_a_failing_system_with_its_error(tmp_path):
     (system,) = json.loads(result.read_text())["systems"]
     assert system["status"] == "failed" and "n_head must divide n_embd" in system["error"]
     assert f"{name}  FAILED: rank " in run.stdout  # the column widened to the name
+
+
+def test_compare_trains_a_mixture_of_experts_alike_under_zerocc_and_fsdp2(tmp_path):
+    pytest.importorskip("transformers", reason='the Mixtral needs transformers: "zerocc[hf]"')
+    systems = ["zerocc-z3", "fsdp2-z3"]
+    moe = ["--model", "mixtral", "--experts", "4"]
+    run = run_bench("compare.py", "--systems", *systems, *moe, *TINY, *SHORT, "--out", tmp_path)
+    (result,) = tmp_path.glob("compare-cpu-*.json")
+    report = json.loads(result.read_text())
+    assert report["config"]["model"] == "mixtral"
+    for s in report["systems"]:
+        assert s["status"] == "ok", (s["name"], s.get("error"))
+        assert s["loss_rel_diff"] <= s["rtol"] == 1e-5, s["name"]
+    assert "Mixtral 4×top-2" in run.stdout
