@@ -55,6 +55,11 @@ RTOL = {"fp32": 1e-5, "bf16": 1e-2}  # loss after all steps, relative to the ref
 # (2.1e-5 at most over the steps), the three within 1e-7 of each other (2026-11-27); a wrong
 # kernel moves the loss by 1e-2 or more. bf16's own rounding is larger than Inductor's.
 COMPILED_RTOL = {"fp32": 1e-4, "bf16": 1e-2}
+# A mixture of experts routes each token to its top-2 experts, a choice a last-bit difference
+# can flip; from the first flip on, losses part. 22 steps of the 13.7M Mixtral (4 × 256, fp32,
+# eager experts): zerocc against torch within 4e-8 for 7 steps, then 1.6e-5 growing to 4.5e-3,
+# FSDP2 and torch identical (2026-11-28). Any system, any dtype.
+MOE_RTOL = 1e-2
 QUICK = dict(n_layer=2, n_embd=128, n_head=4, warmup=2, rounds=2, steps=2)
 SEQUENTIAL = "; systems one after another"  # a title's note for --sequential
 PEAK_TFLOPS = {"H100": 989.5, "H200": 989.5, "A100": 312.0, "L40S": 362.0}  # bf16 dense
@@ -76,7 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="compute dtype (fp32 masters)")
     p.add_argument("--rtol", type=float, help="loss parity tolerance, relative, for every system "
-                   f"(default {RTOL}, {COMPILED_RTOL} for a compiled one)")  # fmt: skip
+                   f"(default {RTOL}, {COMPILED_RTOL} for a compiled one, {MOE_RTOL} for "
+                   "--model mixtral)")  # fmt: skip
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s of one device, for MFU")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     return p.parse_args(argv)
@@ -248,16 +254,19 @@ def _by_step(answer: list[dict[str, Any]], key: str) -> list[tuple[float, ...]]:
     return list(zip(*(r[key] for r in answer), strict=True))
 
 
-def compare_losses(rows: list[dict[str, Any]], dtype: str, rtol: float | None = None) -> str | None:
+def compare_losses(
+    rows: list[dict[str, Any]], dtype: str, rtol: float | None = None, moe: bool = False
+) -> str | None:
     """Fill in each row's loss difference from the reference's and the tolerance it is held to
-    (``rtol``, else :data:`RTOL` or, compiled, :data:`COMPILED_RTOL` for ``dtype``); returns the
-    reference's name."""
+    (``rtol``, else :data:`MOE_RTOL` for a mixture of experts, :data:`RTOL` or, compiled,
+    :data:`COMPILED_RTOL` for ``dtype``); returns the reference's name."""
     ok = [r for r in rows if r["status"] == "ok"]
     ref = next((r for r in ok if r["name"] == REFERENCE), ok[0] if ok else None)
     for r in ok:
         rel = [abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True)]
         r["loss_rel_diff"], r["max_rel_diff_steps"] = rel[-1], max(rel)
-        r["rtol"] = rtol or (COMPILED_RTOL if r["compiled"] else RTOL)[dtype]
+        default = MOE_RTOL if moe else (COMPILED_RTOL if r["compiled"] else RTOL)[dtype]
+        r["rtol"] = rtol or default
     return ref["name"] if ref else None
 
 
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.total_steps} steps each", flush=True)  # fmt: skip
     runs = run_systems(cfg, names, args.timeout)
     rows = [summarize(cfg, systems[n], runs[n], _peak_flops(args, info)) for n in names]
-    reference = compare_losses(rows, cfg.dtype, args.rtol)
+    reference = compare_losses(rows, cfg.dtype, args.rtol, moe=cfg.model == "mixtral")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     stem = args.out / f"compare-{cfg.device}-{stamp}"
     write_json(stem.with_suffix(".json"), {

@@ -395,7 +395,8 @@ class MoECausalLM(nn.Module):
     shared expert; DeepSeek-V3, with many small experts, group-limited top-k routing and a
     dense first layer), its experts run by the library's ``experts_implementation`` ``impl``
     (``eager``: each expert's tokens found with ``nonzero``; ``grouped_mm``: tokens sorted by
-    expert, one grouped matmul). The router's load-balancing loss is part of the loss (Mixtral
+    expert, one grouped matmul; ``batched_mm``: each token's experts' weights gathered, one
+    batched matmul). The router's load-balancing loss is part of the loss (Mixtral
     and Qwen2-MoE), with a coefficient large enough for its gradient to matter."""
 
     def __init__(self, kind: str, impl: str) -> None:
@@ -435,11 +436,11 @@ def _moe(kind: str, impl: str) -> Callable[[], nn.Module]:
 
 _DECODER_LAYERS = {"mixtral": "Mixtral", "qwen_moe": "Qwen2Moe", "deepseek": "DeepseekV3"}
 # Mixture-of-experts models by name: ``mixtral`` (eager experts), ``mixtral_grouped``
-# (grouped_mm), ...; one FSDP unit per decoder layer.
+# (grouped_mm), ``mixtral_batched`` (batched_mm), ...; one FSDP unit per decoder layer.
 MOE_MODELS = {
     f"{kind}{suffix}": (_moe(kind, impl), _token_batch, {"classes": [f"{cls}DecoderLayer"]})
     for kind, cls in _DECODER_LAYERS.items()
-    for suffix, impl in (("", "eager"), ("_grouped", "grouped_mm"))
+    for suffix, impl in (("", "eager"), ("_grouped", "grouped_mm"), ("_batched", "batched_mm"))
 }
 
 

@@ -72,5 +72,8 @@ def test_compare_trains_a_mixture_of_experts_alike_under_zerocc_and_fsdp2(tmp_pa
     assert report["config"]["model"] == "mixtral"
     for s in report["systems"]:
         assert s["status"] == "ok", (s["name"], s.get("error"))
-        assert s["loss_rel_diff"] <= s["rtol"] == 1e-5, s["name"]
+        assert s["rtol"] == 1e-2  # MOE_RTOL: routing flips part long runs' losses
+        # Six steps of this tiny Mixtral flip no token's experts: every step's loss agrees as
+        # a dense model's does (measured: 0 difference).
+        assert s["max_rel_diff_steps"] <= 1e-5, s["name"]
     assert "Mixtral 4×top-2" in run.stdout

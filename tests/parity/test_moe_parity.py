@@ -1,16 +1,18 @@
 """Mixture-of-experts models on 2 gloo ranks against one process (issue 48): transformers'
 Mixtral, Qwen2-MoE (a shared expert beside the routed ones) and DeepSeek-V3 (8 small experts,
-top-2 of 2 groups out of 4, a dense first layer), each with both experts implementations the
-library runs on the CPU: ``eager`` (each expert's tokens found with ``nonzero``, a Python loop
-over the experts hit: captured as opaque regions) and ``grouped_mm`` (tokens sorted by expert,
-one ``torch._grouped_mm``: captured whole). Mixtral and Qwen2-MoE add the router's
+top-2 of 2 groups out of 4, a dense first layer), each with the three experts implementations
+the library runs on the CPU: ``eager`` (each expert's tokens found with ``nonzero``, a Python
+loop over the experts hit: captured as opaque regions), ``grouped_mm`` (tokens sorted by
+expert, one ``torch._grouped_mm``: captured whole) and ``batched_mm`` (each token's experts'
+weights gathered, one batched matmul: captured whole). Mixtral and Qwen2-MoE add the router's
 load-balancing loss (coefficient 0.1), so its gradient reaches the router.
 
 fp32 to 1e-5 relative, the tolerance of the other fp32 parity tests (the ranks sum gradients in
 another order: ulps per step); bf16 to 1e-2 against the same recipe, as
-test_mixed_precision_parity justifies. Mixtral runs at every stage with both implementations,
-with its experts as units of their own, and in bf16; the other two models at stage 3, their
-stages 0-2 with ``--slow`` (the same capture, the passes those stages share with Mixtral's).
+test_mixed_precision_parity justifies. Mixtral runs at every stage with eager and grouped_mm
+experts, with its experts as units of their own, and in bf16; the other cases at stage 3,
+their stages 0-2 with ``--slow`` (the same capture, the passes those stages share with
+Mixtral's).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from parity import assert_matches_reference, case_id, train  # noqa: E402
 
 TOL = 1e-5
 KINDS = ("mixtral", "qwen_moe", "deepseek")
+IMPLS = ("", "_grouped", "_batched")  # eager, grouped_mm, batched_mm experts
+EVERY_STAGE = ("mixtral", "mixtral_grouped")
 BF16_TOL = 1e-2
-MODELS = [f"{kind}{impl}" for kind in KINDS for impl in ("", "_grouped")]
+MODELS = [f"{kind}{impl}" for kind in KINDS for impl in IMPLS]
 CASES = [
     {"model": m, "stage": s, "world": 2}
     for m in MODELS
     for s in range(4)
-    if m.startswith("mixtral") or s == 3
+    if m in EVERY_STAGE or s == 3
 ]
 CASES += [
     # Each layer's experts a unit of its own: gathered only around the experts' op.
@@ -47,10 +51,7 @@ BF16 = [
     for m in ("mixtral", "mixtral_grouped")
 ]
 SLOW = [
-    {"model": m, "stage": s, "world": 2}
-    for m in MODELS
-    for s in range(3)
-    if not m.startswith("mixtral")
+    {"model": m, "stage": s, "world": 2} for m in MODELS for s in range(3) if m not in EVERY_STAGE
 ]
 
 
