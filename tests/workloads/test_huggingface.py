@@ -378,3 +378,19 @@ def test_zerocc_train_fine_tunes_the_example():
     first = float(out.split("loss=")[1].split(",")[0])
     final = float(out.split("final loss: ")[1].split()[0])
     assert final < first - 0.5  # a byte-level LM learns the text's characters fast
+
+
+def test_a_deepseek_v3_sized_mixture_of_experts_estimates_on_the_meta_device(capsys):
+    """examples/huggingface/deepseek-v3.yaml at 4 of its 61 layers (the 4th is the first of
+    experts): compiled on meta, nothing allocated. Without expert parallelism every rank
+    gathers a whole MoE layer's 256 experts at once, 22.5 GiB in bf16, and the estimate says
+    so."""
+    from zerocc.cli.main import main
+
+    argv = ["estimate", str(EXAMPLE / "deepseek-v3.yaml"), "--world-size", "64",
+            "--set", "workload_args.layers=4", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    estimate = json.loads(capsys.readouterr().out)
+    experts = 256 * 3 * 7168 * 2048 * 2  # gate, up and down projections, bf16
+    assert experts <= estimate["peak"]["gathered"] <= 1.5 * experts
+    assert estimate["comm_bytes_per_step"]["all_gather"] >= 2 * experts  # forward, backward
