@@ -375,6 +375,10 @@ LLAMA_TP_LAYERS = {
     "lm.lm_head": "vocab",
 }
 
+# Mixtral's attention and vocabulary split as Llama's; its experts are not split (every tp rank
+# runs them all on the whole sequence).
+MIXTRAL_TP_LAYERS = {k: v for k, v in LLAMA_TP_LAYERS.items() if ".mlp." not in k}
+
 # Models of the tensor-parallel tests, and the layers they split (``parallel.tp_layers``).
 TP_MODELS = {
     "gpt4h": (tiny_gpt_4_heads, _gpt_batch, {"classes": ["Block"]}),
@@ -387,6 +391,9 @@ TP_LAYERS = {
     "gpt4": GPT_TP_LAYERS,  # (a pipeline's, tests/parity/test_pipeline_parity.py)
     "smoothed": {"embed": "vocab", "head": "vocab"},
     "llama": LLAMA_TP_LAYERS,
+    "mixtral": MIXTRAL_TP_LAYERS,
+    "mixtral_grouped": MIXTRAL_TP_LAYERS,
+    "mixtral_no_router_loss": MIXTRAL_TP_LAYERS,
 }
 
 
@@ -397,9 +404,10 @@ class MoECausalLM(nn.Module):
     (``eager``: each expert's tokens found with ``nonzero``; ``grouped_mm``: tokens sorted by
     expert, one grouped matmul; ``batched_mm``: each token's experts' weights gathered, one
     batched matmul). The router's load-balancing loss is part of the loss (Mixtral
-    and Qwen2-MoE), with a coefficient large enough for its gradient to matter."""
+    and Qwen2-MoE, unless ``router_loss`` is False), with a coefficient large enough for its
+    gradient to matter."""
 
-    def __init__(self, kind: str, impl: str) -> None:
+    def __init__(self, kind: str, impl: str, router_loss: bool = True) -> None:
         super().__init__()
         import transformers as hf
 
@@ -424,6 +432,7 @@ class MoECausalLM(nn.Module):
                                          qk_nope_head_dim=4, v_head_dim=8)  # fmt: skip
             self.lm = hf.DeepseekV3ForCausalLM
         config._experts_implementation = impl
+        config.output_router_logits = router_loss and kind != "deepseek"
         self.lm = self.lm(config)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -442,6 +451,13 @@ MOE_MODELS = {
     for kind, cls in _DECODER_LAYERS.items()
     for suffix, impl in (("", "eager"), ("_grouped", "grouped_mm"), ("_batched", "batched_mm"))
 }
+# Its experts token by token, no statistic of the tokens in the loss (what sequence
+# parallelism can split)
+MOE_MODELS["mixtral_no_router_loss"] = (
+    lambda: MoECausalLM("mixtral", "grouped_mm", router_loss=False),
+    _token_batch,
+    {"classes": ["MixtralDecoderLayer"]},
+)
 
 
 # Models deep enough to cut into 4 pipeline stages (tests/parity/test_pipeline_parity.py).

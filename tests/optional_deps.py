@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import MOE_MODELS
 
 from zerocc.backends.kernels import triton_problem
 
@@ -24,7 +25,8 @@ TRITON_REASON = f"backend.kernels: triton cannot run: {TRITON_PROBLEM}"
 needs_triton = pytest.mark.skipif(TRITON_PROBLEM is not None, reason=TRITON_REASON)
 
 
-HF_MODELS = frozenset({"llama"})  # tests/models.py's models built by transformers
+# tests/models.py's models built by transformers
+HF_MODELS = frozenset({"llama", *MOE_MODELS})
 TRANSFORMERS_PROBLEM = (
     None
     if importlib.util.find_spec("transformers")

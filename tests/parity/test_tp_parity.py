@@ -56,6 +56,10 @@ CASES = [
     {"model": "llama", "stage": 1, "world": 4, "tp": 2, "sp": True},
     {"model": "llama", "stage": 2, "world": 4, "tp": 2, "accum": 2},
     {"model": "llama", "stage": 3, "world": 4, "tp": 2, "precision": {"param": "bf16"}},
+    # A mixture of experts: attention split, each layer's experts an opaque region beside it
+    {"model": "mixtral", "stage": 3, "world": 4, "tp": 2},
+    # ... its experts on each rank's chunk of the sequence: their gradients summed over tp
+    {"model": "mixtral_no_router_loss", "stage": 2, "world": 4, "tp": 2, "sp": True},
     # Inductor's whole graph (its fp32 tolerance is the same, see test_inductor_parity.py)
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "backend": "inductor"},
     # a cross-entropy with label smoothing reads the head's gathered logits

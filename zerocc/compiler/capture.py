@@ -311,13 +311,15 @@ def capture(
     device: torch.device,
     casts: Casts | None = None,
     gradients: bool = True,
+    loss_check: Callable[[torch.Tensor], None] | None = None,
 ) -> fx.GraphModule:
     """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors
     (``gradients=False``: the loss alone, a forward-only graph for evaluation, traced with the
     model in eval mode, as a training loop evaluates: dropout off, norms on running stats).
-    The graph is what passes read; the module's generated code is not regenerated after dead
-    code is eliminated and placeholders renamed (a second compile of the whole step's code):
-    the pass manager recompiles its result."""
+    ``loss_check``: called with the traced loss (tensor parallelism's check of what it
+    depends on). The graph is what passes read; the module's generated code is not
+    regenerated after dead code is eliminated and placeholders renamed (a second compile of
+    the whole step's code): the pass manager recompiles its result."""
     casts = casts or Casts()
     loss_fn = loss_fn or default_loss_fn
     wrapper = _Step(model, loss_fn)
@@ -345,6 +347,8 @@ def capture(
         )
         loss = torch.func.functional_call(wrapper, state, tuple(full_batch), tie_weights=True)
         loss = _check_loss(loss)
+        if loss_check is not None:
+            loss_check(loss)
         if casts.output is not None:
             loss = loss.to(casts.output)
         _ModuleTracker.mark("forward_end")

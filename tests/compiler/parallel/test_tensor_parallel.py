@@ -17,7 +17,7 @@ from torch import nn
 import zerocc
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.tensor_parallel import Split
-from zerocc.errors import PlanError, RankMismatchError
+from zerocc.errors import CaptureError, PlanError, RankMismatchError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import info, op_name
 
@@ -313,3 +313,26 @@ def test_sequence_parallelism_moves_the_same_bytes_in_halves():
     assert tp_bytes[1] == pytest.approx(tp_bytes[0], rel=0.1)
     activation = 2048 * 8192 * 2
     assert split.comm["reduce_scatter (tp)"] == 8 * activation  # 2 per block, each way
+
+
+@pytest.mark.parametrize("router_loss", [True, False])
+def test_sequence_parallelism_refuses_a_loss_of_each_ranks_own_tokens(router_loss):
+    """A mixture of experts' load-balancing loss is a statistic of the tokens: on a rank's
+    chunk of the sequence it is that chunk's, and each tp rank would train on its own (the
+    parity run differed at the first loss). Its experts alone are token by token: they run on
+    the chunks as the norms do."""
+    pytest.importorskip("transformers", reason='the Mixtral needs transformers: "zerocc[hf]"')
+    from models import MIXTRAL_TP_LAYERS, MoECausalLM, _token_batch
+
+    torch.manual_seed(0)
+    model = MoECausalLM("mixtral", "grouped_mm", router_loss=router_loss)
+    plan = {
+        **_plan(sequence_parallel=True, tp_layers=MIXTRAL_TP_LAYERS),
+        "units": {"classes": ["MixtralDecoderLayer"]},
+    }
+    step = _compile(plan, model=model)
+    if router_loss:
+        with pytest.raises(CaptureError, match="sequence parallelism: the loss depends on"):
+            step(*_token_batch(0, 0))
+    else:
+        assert math.isfinite(float(step(*_token_batch(0, 0))))

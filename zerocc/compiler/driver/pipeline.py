@@ -107,7 +107,16 @@ def capture_microbatch(
     local = tp.local_info(full) if tp is not None else full
     casts = Casts.of(plan.precision)
     with tp.applied(model) if tp is not None else contextlib.nullcontext():
-        gm = capture(model, local, loss_fn, microbatch, device, casts, gradients)
+        gm = capture(
+            model,
+            local,
+            loss_fn,
+            microbatch,
+            device,
+            casts,
+            gradients,
+            loss_check=tp.check_loss if tp is not None else None,
+        )
     if tp is not None:
         tag_collectives(gm)
     return gm, tp, local

@@ -85,7 +85,16 @@ def compile_program(
     casts = Casts.of(plan.precision)
     tp = tensor_parallel
     with tp.applied(model) if tp is not None else contextlib.nullcontext():
-        gm = capture(model, model_info, loss_fn, batch, device, casts, gradients=training)
+        gm = capture(
+            model,
+            model_info,
+            loss_fn,
+            batch,
+            device,
+            casts,
+            gradients=training,
+            loss_check=tp.check_loss if tp is not None else None,
+        )
     if tp is not None:
         tag_collectives(gm)
     seconds = time.perf_counter() - start

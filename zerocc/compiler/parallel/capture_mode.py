@@ -195,7 +195,7 @@ class CaptureMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.region.sequence is not None:
-            args, kwargs = self.region.sequence.operands(args, kwargs)
+            args, kwargs = self.region.sequence.operands(func, args, kwargs)
         mine = self.region.slice_of(args[0]) if args else None
         if mine is not None and func is F.cross_entropy:
             taken = _cross_entropy_args(*args[1:], **kwargs)

@@ -105,6 +105,9 @@ class SequenceSplit:
         self.whole: int | None = None  # the sequence's length, once a rowwise layer saw it
         self._chunks: dict[int, torch.Tensor] = {}  # held: their ids are not reused meanwhile
         self._params: dict[int, torch.Tensor] = {}
+        # What was computed from a chunk and holds a value of this rank's tokens alone (not
+        # gathered back into the whole sequence): chunks, and what ops made of them
+        self._local: dict[int, torch.Tensor] = {}
 
     def _length(self, t: Any) -> int | None:
         if not isinstance(t, torch.Tensor) or t.dim() < -self.dim:
@@ -113,7 +116,26 @@ class SequenceSplit:
 
     def _mark(self, t: torch.Tensor) -> torch.Tensor:
         self._chunks[id(t)] = t
+        self._local[id(t)] = t
         return t
+
+    def _is_local(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and self._local.get(id(t)) is t
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Refuse a loss computed in part from this rank's tokens alone: with every op on the
+        tokens alike it would equal the other tp ranks' (the vocab head gathers the sequence),
+        but a statistic over the tokens outside the split layers (a mixture of experts'
+        load-balancing loss: each expert's share of the tokens) is this chunk's, not the
+        sequence's, and each tp rank would train on its own."""
+        if self._is_local(loss):
+            raise CaptureError(
+                "sequence parallelism: the loss depends on a value computed over the tokens of "
+                "each tp rank's chunk of the sequence outside the split layers (such as a "
+                "mixture-of-experts router's load-balancing loss), which would differ between "
+                "the tp ranks and not be the whole sequence's: set "
+                "parallel.sequence_parallel: false for this model"
+            )
 
     def is_chunk(self, t: Any) -> bool:
         """Whether ``t`` is a tensor of this rank's chunk of the sequence."""
@@ -123,8 +145,11 @@ class SequenceSplit:
         return (t.is_leaf and t.requires_grad) or self._params.get(id(t)) is t
 
     def gather(self, x: torch.Tensor, layer: str) -> torch.Tensor:
-        """The whole sequence of chunks ``x``, entering ``layer``."""
-        return _Gather.apply(x, self.dim, self.parts, layer)
+        """The whole sequence of chunks ``x``, entering ``layer``: every rank's tokens, no
+        value of one rank's alone (whatever the ops inside the gather were marked)."""
+        whole = _Gather.apply(x, self.dim, self.parts, layer)
+        self._local.pop(id(whole), None)
+        return whole
 
     def scatter(self, partial: torch.Tensor, layer: str) -> torch.Tensor:
         """This rank's chunk of the sum of ``layer``'s partial outputs."""
@@ -144,27 +169,36 @@ class SequenceSplit:
         self.whole = length
         return self._mark(_Scatter.apply(partial, self.dim, self.parts, layer))
 
-    def operands(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """An op's operands where one is a chunk of the sequence: whole sequences cut to this
-        rank's chunk, tensors without the sequence that need a gradient have it summed over
-        the ranks (see the module's docstring)."""
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if len(tensors) < 2 or not any(self.is_chunk(t) for t in tensors):
+    def operands(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """An op's operands where one holds values of this rank's tokens (a chunk of the
+        sequence, or what ops made of one: a flattened chunk, its rows sorted or repeated by
+        a mixture of experts): whole sequences meeting a chunk cut to this rank's chunk, and
+        tensors that need a gradient and do not hold this rank's tokens (parameters) have it
+        summed over the ranks (see the module's docstring). Lists of tensors count (an opaque
+        region's operands); the tensor an in-place op writes is left as it is."""
+        tensors = [t for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)]
+        if len(tensors) < 2 or not any(self._is_local(t) for t in tensors):
             return args, kwargs
+        chunked = any(self.is_chunk(t) for t in tensors)
 
         def fit(a: Any) -> Any:
-            if not isinstance(a, torch.Tensor) or self.is_chunk(a):
+            if isinstance(a, list | tuple) and not isinstance(a, torch.Size):
+                return type(a)(fit(x) for x in a)
+            if not isinstance(a, torch.Tensor) or self._is_local(a):
                 return a
-            if self._length(a) == self.whole and not self._is_param(a):
+            if chunked and self._length(a) == self.whole and not self._is_param(a):
                 return self._mark(_Cut.apply(a, self.dim, self.parts))
             return _SumGradient.apply(a) if a.requires_grad else a
 
-        return tuple(fit(a) for a in args), {k: fit(v) for k, v in kwargs.items()}
+        written = args[:1] if _in_place(func) else ()
+        fitted = tuple(fit(a) for a in args[len(written) :])
+        return (*written, *fitted), {k: fit(v) for k, v in kwargs.items()}
 
     def follow(self, args: tuple, kwargs: dict, out: Any) -> None:
-        """After an op: what it made of a chunk, with the chunk's length, is a chunk; a cast of
-        a parameter is a parameter."""
-        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        """After an op: what it made of a chunk, with the chunk's length, is a chunk; what it
+        made of a chunk or of such a value, but the whole sequence, holds a value of this
+        rank's tokens alone; a cast of a parameter is a parameter."""
+        inputs = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
         outputs = [out] if isinstance(out, torch.Tensor) else []
         if isinstance(out, tuple | list):
             outputs = [o for o in out if isinstance(o, torch.Tensor)]
@@ -172,6 +206,29 @@ class SequenceSplit:
             for o in outputs:
                 if self.whole is not None and self._length(o) == self.whole // self.parts:
                     self._mark(o)
+        if any(self._is_local(t) for t in inputs):
+            for o in outputs:
+                self._local[id(o)] = o
         elif len(inputs) == 1 and self._is_param(inputs[0]) and len(outputs) == 1:
             if outputs[0].shape == inputs[0].shape:  # (a cast to the compute dtype)
                 self._params[id(outputs[0])] = outputs[0]
+
+
+def _flat(args: tuple, kwargs: dict) -> list[Any]:
+    """An op's arguments, the elements of a list or tuple argument in its place."""
+    return [
+        x
+        for a in (*args, *kwargs.values())
+        for x in (a if isinstance(a, list | tuple) and not isinstance(a, torch.Size) else [a])
+    ]
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__", "__imod__"}
+)
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes its first operand (``x.add_(y)``, ``x += y``)."""
+    name = getattr(func, "__name__", "")
+    return name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))

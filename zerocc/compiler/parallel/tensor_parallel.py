@@ -139,6 +139,7 @@ class TensorParallel:
         self.layers = layers  # module FQN -> layer
         self.splits = splits  # parameter FQN (every alias) -> split
         self.sequence_dim = sequence_dim  # sequence parallelism's (from the end), or None
+        self._capturing: Region | None = None  # the split layers of the capture in progress
 
     @staticmethod
     def of(model: nn.Module, info: ModelInfo, plan: Plan) -> TensorParallel | None:
@@ -194,12 +195,20 @@ class TensorParallel:
         parameters no layer splits), flattened as the ``sum_squares_tp`` op reads them."""
         return [x for p in unit.params if p.fqn not in self.splits for x in (p.offset, p.numel)]
 
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Called by capture with the loss it traced in :meth:`applied`'s body: under sequence
+        parallelism, a CaptureError for a loss that holds a statistic of one rank's chunk of
+        the sequence (:meth:`SequenceSplit.check_loss`)."""
+        region = self._capturing
+        if region is not None and region.sequence is not None:
+            region.sequence.check_loss(loss)
+
     @contextlib.contextmanager
     def applied(self, model: nn.Module) -> Iterator[None]:
         """Every split layer of ``model`` runs its tensor-parallel forward in the body (the
         capture), as written after."""
         sequence = SequenceSplit(self.sequence_dim, self.parts) if self.sequence_dim else None
-        region = Region(self.parts, sequence)
+        region = self._capturing = Region(self.parts, sequence)
         modules = dict(model.named_modules())
         for fqn, layer in self.layers.items():
             module = modules[fqn]
@@ -224,6 +233,7 @@ class TensorParallel:
             with CaptureMode(region) if heads or sequence else contextlib.nullcontext():
                 yield
         finally:
+            self._capturing = None
             for fqn in self.layers:
                 del modules[fqn].forward
             for hook in hooks:
