@@ -71,7 +71,7 @@ class Region:
     module: nn.Module
     reason: str  # why it is opaque: the op whose result depends on the data
     call: TreeSpec  # of (args, kwargs), tensors replaced by their position
-    constants: list[Any]  # the call's leaves that are no tensors (None where one is)
+    constants: list[Any]  # the call's leaves that are no tensors (_TENSOR where one is)
     state: list[tuple[str, ...]]  # names (every alias) of each parameter and buffer passed
     outputs: TreeSpec | None = None
     output_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
@@ -117,13 +117,10 @@ def _own_forward(module: nn.Module) -> Iterator[None]:
 
 
 _TENSOR = object()  # a tensor's place among a call's constants
+# Every region captured in this process, by key: the op's implementations find it here. Held
+# for the life of the process (a module and its call's constants per region).
 _REGIONS: dict[str, Region] = {}
 _serial = itertools.count()
-
-
-def region(key: str) -> Region:
-    """The region an op node's ``key`` names (registered when its module was captured)."""
-    return _REGIONS[key]
 
 
 def regions_in(gm: fx.GraphModule) -> list[Region]:
@@ -146,7 +143,8 @@ def _fresh(outputs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[
 
 @torch.library.custom_op("zerocc_opaque::region_forward", mutates_args=())
 def opaque_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run the opaque region ``key`` on ``tensors`` (the call's, then the module's state)."""
+    """Run the opaque region ``key`` on ``tensors`` (the call's, then the module's state):
+    its outputs, then the state its device's generator had before (for the backward)."""
     r = _REGIONS[key]
     state = generator_state(_device(tensors))
     with torch.no_grad():
