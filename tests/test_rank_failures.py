@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zerocc.runtime.launch import _stopped_by, failure_report
+from zerocc.runtime.launch import _stopped_by, error_once, failure_report
 
 WORKLOAD = """
 import os, signal, time
@@ -78,9 +78,15 @@ def test_a_stopped_rank_stops_the_job_within_the_timeout(tmp_path):
 def test_a_rank_out_of_data_stops_every_rank(tmp_path):
     run = _train(tmp_path, short_rank=1)
     assert run.returncode == 2, run.stderr
-    for rank in (0, 1):
-        line = next(ln for ln in run.stderr.splitlines() if f"zerocc: rank {rank}: error" in ln)
-        assert "step 5: rank(s) 1 ran out of batches while rank(s) 0 still had one" in line
+    # Both ranks meet the error, each saying where: the launcher prints the first rank's
+    # whole, the other's in its line of the report (not a line of each rank's own besides).
+    (line,) = [ln for ln in run.stderr.splitlines() if "error: rank 0, step 5" in ln]
+    assert line.startswith("zerocc: rank 0: error: ")
+    assert "rank(s) 1 ran out of batches while rank(s) 0 still had one" in line
+    report = run.stderr.split("rank(s) failed:")[1]
+    assert "last error: the error above (DataExhaustedError)" in report, run.stderr
+    assert "last error: DataExhaustedError: rank 1, step 5: rank(s) 1 ran out" in report
+    assert run.stderr.count("ran out of batches") == 2
 
 
 def test_every_rank_out_of_data_at_once_ends_training(tmp_path):
@@ -94,7 +100,7 @@ def test_a_rank_that_dies_is_named_with_its_error(tmp_path):
     assert run.returncode == 2, run.stderr
     report = run.stderr.split("rank(s) failed:")[1]
     assert "rank 1 (pid" in report and "exit code 1" in report
-    assert "last error: ValueError: the data loader broke" in report
+    assert "last error: the error above (ValueError)" in report
     assert "rank 0 (pid" in report and "stopped by the launcher after rank 1 failed" in report
     assert "zerocc: rank 1's error:\nTraceback (most recent call last)" in run.stderr
 
@@ -107,7 +113,7 @@ def test_a_workload_that_raises_on_every_rank_shows_its_traceback_once(tmp_path)
     assert run.stderr.count("Traceback (most recent call last)") == 1, run.stderr
     assert 'raise ValueError("the data loader broke")' in run.stderr
     report = run.stderr.split("rank(s) failed:")[1]
-    assert report.count("last error: ValueError: the data loader broke") == 2
+    assert report.count("last error: the error above (ValueError)") == 2
 
 
 def _leave_early(rank: int, world: int) -> str:
@@ -241,9 +247,22 @@ def test_report_names_signals_causes_and_last_errors():
     text = failure_report(failures, reports, {})
     lines = text.splitlines()
     assert lines[0] == "zerocc: 3 rank(s) failed:"
-    assert "rank 0 (pid 10): exit code 1" in text and "last error: ValueError: boom" in text
+    # rank 0's error is the one error_once prints above the report: named, not repeated
+    assert "rank 0 (pid 10): exit code 1" in text
+    assert "last error: the error above (ValueError)" in text
+    assert error_once(failures, reports) == "zerocc: rank 0: error: ValueError: boom\n"
     assert "rank 1 (pid 11): killed by SIGTERM: stopped by the launcher after rank 0 failed" in text
     assert "rank 2 (pid 12): killed by SIGABRT: aborted in native code" in text
+
+
+def test_an_error_every_rank_met_alike_is_printed_once_whole():
+    message = "checkpoint load of ck failed (rank 1: CheckpointError: ...);\nnothing was loaded"
+    said = {"error": f"CheckpointError: {message.splitlines()[0]}", "message": message}
+    reports = {0: dict(said), 1: dict(said)}
+    failures = {0: (2, 10), 1: (2, 11)}
+    assert error_once(failures, reports) == f"zerocc: error: {message}\n"
+    text = failure_report(failures, reports, {})
+    assert text.count("last error: the error above (CheckpointError)") == 2
 
 
 @pytest.mark.parametrize("code", [-signal.SIGKILL, -signal.SIGSEGV])

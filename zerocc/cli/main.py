@@ -54,8 +54,11 @@ def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
             os._exit(status)
         return status
     except ZeroccError as exc:
-        where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
-        print(f"zerocc: {where}error: {exc}", file=sys.stderr)
+        if os.environ.get(RANK_WORKER_ENV):  # zerocc's launcher prints it, once for the ranks
+            report(error=f"{type(exc).__name__}: {exc}".splitlines()[0], message=str(exc))
+        else:
+            where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+            print(f"zerocc: {where}error: {exc}", file=sys.stderr)
         return 2
     except Exception:
         if not _launched():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -118,7 +119,8 @@ def launch(
     ):
         watcher = _SilentRankKiller(Path(run_dir))
         try:
-            torchrun.run(torchrun.parse_args(launcher_args))
+            with _process_logs_quiet():
+                torchrun.run(torchrun.parse_args(launcher_args))
         except ChildFailedError as exc:
             failures = {
                 rank: (failure.exitcode, failure.pid) for rank, failure in exc.failures.items()
@@ -128,10 +130,7 @@ def launch(
             if stopped is not None:  # the ranks stopped as a signal asked (zerocc.cli.train)
                 print(f"zerocc: stopped by {stopped.name}", file=sys.stderr)
                 return 128 + stopped
-            first = min((r for r in failures if reports.get(r, {}).get("traceback")), default=None)
-            if first is not None:  # the error once, as the first rank that failed met it
-                print(f"zerocc: rank {first}'s error:\n{reports[first]['traceback']}",
-                      file=sys.stderr, end="")  # fmt: skip
+            print(error_once(failures, reports), file=sys.stderr, end="")
             print(failure_report(failures, reports, watcher.killed), file=sys.stderr)
             return 2
         except SignalException as exc:  # (torchrun passed the signal on to the ranks)
@@ -247,6 +246,20 @@ class _SilentRankKiller:
         self._thread.join()
 
 
+@contextlib.contextmanager
+def _process_logs_quiet() -> Iterator[None]:
+    """torchrun's log of the ranks' processes off in the body ("failed (exitcode: 2) local_rank:
+    0 ...", "Sending process ... closing signal SIGTERM"): the launcher's own report says how
+    each rank ended, and why."""
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -260,6 +273,29 @@ def _alive(pid: int) -> bool:
 # --- the failure report -------------------------------------------------------------------
 
 
+def _first_failed(failures: dict[int, tuple[int, int]], reports: dict[int, dict[str, Any]]):
+    """The rank whose error the launcher prints: the first with a traceback (an unexpected
+    exception), else the first with an error; None when no failed rank said one."""
+    said = [r for r in sorted(failures) if reports.get(r, {}).get("error")]
+    traced = [r for r in said if reports[r].get("traceback")]
+    return (traced or said or [None])[0]
+
+
+def error_once(failures: dict[int, tuple[int, int]], reports: dict[int, dict[str, Any]]) -> str:
+    """The error the run ended on, once, as the first failed rank met it: its traceback (an
+    unexpected exception), or its zerocc error's whole message (the ranks do not print it
+    themselves: each that met it would, one line each). Empty when no failed rank said one."""
+    first = _first_failed(failures, reports)
+    if first is None:
+        return ""
+    data = reports[first]
+    if data.get("traceback"):
+        return f"zerocc: rank {first}'s error:\n{data['traceback']}"
+    errors = [reports[r]["error"] for r in failures if reports.get(r, {}).get("error")]
+    where = "" if len(errors) > 1 and set(errors) == {data["error"]} else f"rank {first}: "
+    return f"zerocc: {where}error: {data.get('message', data['error'])}\n"
+
+
 def failure_report(
     failures: dict[int, tuple[int, int]],
     reports: dict[int, dict[str, Any]],
@@ -267,9 +303,10 @@ def failure_report(
     memory_total: int | None = None,
 ) -> str:
     """One line per failed rank (``failures``: rank -> (exit code, pid)): how it ended, the
-    likely cause, its last error line."""
+    likely cause, its last error line (or that it is the one :func:`error_once` printed)."""
     lines = [f"zerocc: {len(failures)} rank(s) failed:"]
     first_error = min((r for r in failures if reports.get(r, {}).get("error")), default=None)
+    printed = _first_failed(failures, reports)  # (its error printed by :func:`error_once`)
     for rank in sorted(failures):
         code, pid = failures[rank]
         data = reports.get(rank, {})
@@ -280,6 +317,8 @@ def failure_report(
         if cause:
             text += f": {cause}"
         if error:
+            if printed is not None and error == reports[printed]["error"]:
+                error = f"the error above ({error.split(':', 1)[0]})"
             text += f"\n    last error: {error}"
         lines.append(text)
     return "\n".join(lines)
