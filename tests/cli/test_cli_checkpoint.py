@@ -48,6 +48,25 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
     assert _final_loss(resumed) == _final_loss(_train("--steps", "6"))
 
 
+def test_a_corrupt_checkpoint_is_said_once_not_by_every_rank(tmp_path):
+    """Every rank refuses the checkpoint; the launcher prints the error once, whole, and its
+    report names each rank's as the error above (issue 53: it was 4 copies of one fact)."""
+    saves = tmp_path / "ckpt"
+    _train("--steps", "2", "--save", str(saves))
+    shard = saves / "step-00000002" / "rank-00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    command = [sys.executable, "-m", "zerocc", "train", str(PLAN), "--nproc", "2",
+               "--steps", "4", "--resume", str(saves)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=CPU_ONLY)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.count("checksum mismatch") == 1, run.stderr
+    assert run.stderr.startswith("zerocc: error: checkpoint load of "), run.stderr
+    assert run.stderr.count("last error: the error above (CheckpointError)") == 2, run.stderr
+    assert "local_rank" not in run.stderr  # (torchrun's own log of the failed processes)
+
+
 @pytest.mark.parametrize(
     ("signum", "nproc"),
     [(signal.SIGTERM, 1), (signal.SIGTERM, 2), (signal.SIGINT, 1), (signal.SIGINT, 2)],
