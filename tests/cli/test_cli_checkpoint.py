@@ -41,7 +41,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
         "--steps", "6", "--resume", str(saves), "--save", str(again),
         "--set", "checkpoint.async_save=false",
     )  # fmt: skip
-    assert "resumed from" in resumed and "at micro-batch 4" in resumed
+    # (the checkpoint the folder's newest is, named)
+    assert f"resumed from {saves / 'step-00000004'} at micro-batch 4" in resumed
     assert "checkpoints: 1 saved in the foreground, training blocked" in resumed
     assert (again / "latest").read_text().strip() == "step-00000006"
     assert "2 step(s) on 2 rank(s)" in resumed

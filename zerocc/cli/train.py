@@ -23,6 +23,7 @@ from zerocc.ir.printing import human_bytes
 from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint import save_checkpoint
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
+from zerocc.runtime.checkpoint.files import resolve
 from zerocc.runtime.launch import in_memory_folder, report
 
 
@@ -268,8 +269,8 @@ def _resume_point(plan: Plan, rank: int) -> str | None:
 def _resume(step, path: str, rank: int) -> None:
     notes = step.load(path)
     if rank == 0:
-        print(f"resumed from {path} at micro-batch {step.micro_batches} ({step.steps} optimizer "
-              "steps applied)")  # fmt: skip
+        print(f"resumed from {resolve(path)} at micro-batch {step.micro_batches} ({step.steps} "
+              "optimizer steps applied)")  # fmt: skip
         for note in notes:
             print(f"  note: {note}")
 
