@@ -319,3 +319,24 @@ def test_trace_puts_the_predicted_run_under_each_measured_rank(program, tmp_path
     assert sorted(order, key=order.get) == [0, 1000, 1, 1001]
     slices = [e for e in events if e["ph"] == "X" and e["pid"] == 1001]
     assert len(slices) == len(predicted) and {e["tid"] for e in slices} == {0, 1}
+
+
+def test_the_report_says_why_predicted_and_measured_time_differ():
+    """report.html's Time section: agreement said as such; a gap said with its size, the part
+    that holds most of it, and what makes predictions miss (issue 50: "predicted 47.8 ms"
+    beside "measured 1919.5 ms" with no word on why)."""
+    from zerocc.cost.model import DeviceRates
+    from zerocc.inspect.dumps import why_they_differ
+
+    defaults = DeviceRates.defaults("cpu")
+    close = why_they_differ(0.050, 0.055, {"compute": (0.04, 0.045)}, defaults)
+    assert close == "Predicted and measured agree within 25% (1.10×)."
+    parts = {"compute": (0.040, 1.800), "communication": (0.008, 0.100)}
+    far = why_they_differ(0.0478, 1.9195, parts, defaults)
+    assert far.startswith("The measured step took 40.2× longer than predicted; most of the gap")
+    assert "compute (1800.0 ms measured, 40.0 ms predicted)" in far
+    assert "built-in cpu defaults" in far and "profiler's own overhead" in far
+    calibrated = defaults.replace(
+        "a calibration", compute_flops={"fp32": 1e9}, memory_bytes_per_s=1e9, overhead_s=1e-5
+    )
+    assert "built-in" not in why_they_differ(0.0478, 1.9195, parts, calibrated)

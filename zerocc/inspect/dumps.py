@@ -190,16 +190,54 @@ def _time_section(simulated: Simulation, rates: DeviceRates, measured: list[Trac
          _ms(_busy_us(mine, "comm")),
          f"{_ms(exposed)} ({100 * exposed / span_us if span_us else 0:.0f}%)"],
     ]  # fmt: skip
+    parts = {
+        "compute": (simulated.compute_s, _busy_us(mine, "compute") / 1e6),
+        "communication": (simulated.comm_s, _busy_us(mine, "comm") / 1e6),
+    }
     return ReportSection(
         "Time",
         "table",
         rows,
-        ("Warning: " + rates.uncalibrated() + ". " if rates.uncalibrated() else "")
-        + "the program simulated by the cost model (rates: "
-        f"{rates.describe()}; `zerocc profile` fits them to this machine), next to this run. "
-        "The measured step ran op by op under the profiler, which adds its own overhead "
+        why_they_differ(simulated.step_s, span_us / 1e6, parts, rates) + " "
+        "Predicted: the program simulated by the cost model (rates: "
+        f"{rates.describe()}; `zerocc profile` fits them to this machine). "
+        "Measured: this run's step, op by op under the profiler, which adds its own overhead "
         "between ops; communication is the comm track's busy time, from each collective's "
         "issue to the end of its wait.",
+    )
+
+
+def why_they_differ(
+    predicted_s: float,
+    measured_s: float,
+    parts: dict[str, tuple[float, float]],
+    rates: DeviceRates,
+) -> str:
+    """A sentence on predicted against measured step time: that they agree (within 25%), or
+    by how much they differ, which part (``parts``: name -> (predicted, measured) seconds)
+    holds most of the gap, and what makes predictions miss here."""
+    if predicted_s <= 0 or measured_s <= 0:
+        return "Nothing to compare: a step of no time."
+    ratio = measured_s / predicted_s
+    if 0.8 <= ratio <= 1.25:
+        return f"Predicted and measured agree within 25% ({ratio:.2f}×)."
+    name, (p, m) = max(parts.items(), key=lambda kv: abs(kv[1][1] - kv[1][0]))
+    way = "longer" if ratio > 1 else "shorter"
+    causes = []
+    if rates.uncalibrated():
+        causes.append(
+            f"the rates are built-in {rates.device} defaults, not this machine's "
+            "(`zerocc profile PLAN` measures them)"
+        )
+    if ratio > 1:
+        causes.append("the profiler's own overhead on every op of the measured step")
+    if name == "communication":
+        causes.append("the link's rate and latency, which the rates give for an idle network")
+    return (
+        f"The measured step took {ratio:.1f}× {way} than predicted; most of the gap is "
+        f"{name} ({_ms(m * 1e6)} measured, {_ms(p * 1e6)} predicted). Likely: "
+        + "; ".join(causes or ["a part of the step the cost model does not see"])
+        + "."
     )
 
 
