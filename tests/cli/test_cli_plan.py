@@ -186,3 +186,21 @@ def test_plan_check_imports_the_workload_before_any_rank_would(tmp_path, capsys)
     wrong_args.write_text(by_file.read_text().replace("n_layer:", "n_layers:"))
     assert main(["plan", "check", str(wrong_args)]) == 2
     assert "workload_args: cannot call" in capsys.readouterr().err
+
+
+def test_plan_check_checks_what_the_plan_names_in_the_model(capsys):
+    """The workload's model is built and the plan's units and tensor-parallel layers looked up
+    in it: `units.classes: [Blok]` was "ok" (issue 50), and `train` found it after launching
+    every rank."""
+    plan = str(EXAMPLES / "zero3.yaml")
+    assert main(["plan", "check", plan]) == 0
+    assert "; model GPT, 808,704 parameters, 5 units" in capsys.readouterr().out
+    assert main(["plan", "check", plan, "--set", "units.classes=[Blok]"]) == 2
+    err = capsys.readouterr().err
+    assert "units.classes: no module of class 'Blok' in the model; its classes are: Block" in err
+    assert main(["plan", "check", plan, "--set", "units.modules=[transformer.x.*]"]) == 2
+    assert "units.modules: pattern 'transformer.x.*' matches no module" in capsys.readouterr().err
+    tp = str(EXAMPLES / "zero3-tp.yaml")
+    layers = "parallel.tp_layers={transformer.h.*.attn.q_proj: colwise}"
+    assert main(["plan", "check", tp, "--set", layers]) == 2
+    assert "matches no module of the model" in capsys.readouterr().err

@@ -260,11 +260,31 @@ def _export(args: argparse.Namespace) -> int:
 
 def _plan_check(args: argparse.Namespace) -> int:
     plan = _checked_plan(args)
-    print(f"{args.plan}: ok ({describe_plan(plan)})")
+    model = _checked_model(plan) if plan.workload is not None else None
+    print(f"{args.plan}: ok ({describe_plan(plan)}){model or ''}")
     if plan.workload is None:  # (a plan for zerocc.compile: fine, but not for `train`)
         print("note: no workload: `zerocc train` needs one (workload: 'module:function'); a "
               "plan given to zerocc.compile in Python does not")  # fmt: skip
     return 0
+
+
+def _checked_model(plan: Plan) -> str:
+    """Call the workload as a rank does (a model too large for this machine belongs on the
+    meta device, where zerocc's examples build theirs) and check what the plan names in its
+    model: units (classes, module globs) and the layers tensor parallelism splits; PlanError
+    naming the field otherwise. Returns a few words on the model."""
+    from zerocc.compiler.capture import describe_model
+    from zerocc.compiler.parallel.tensor_parallel import TensorParallel
+    from zerocc.compiler.passes.partition import assign_units
+    from zerocc.compiler.workload import load_workload
+
+    model = load_workload(plan).model
+    info = describe_model(model)
+    units = plan.units
+    found = assign_units(info, 1, units.classes, units.modules, units.min_mb)
+    TensorParallel.of(model, info, plan)
+    elements = sum(p.numel for p in info.params)
+    return f"; model {type(model).__name__}, {elements:,} parameters, {len(found)} units"
 
 
 def _checked_plan(args: argparse.Namespace) -> Plan:
