@@ -345,6 +345,30 @@ def test_an_exported_checkpoint_is_a_folder_pretrained_reads(tmp_path):
         assert torch.equal(loaded[name], value), name
 
 
+def test_export_copies_the_tokenizer_the_run_trained_with(tmp_path, capsys):
+    """`zerocc export CKPT -o folder/` puts the tokenizer the plan named (relative to the plan's
+    file, which the checkpoint records) beside the model, so the folder loads whole with
+    from_pretrained (issue 50: the exported folder had no tokenizer)."""
+    from zerocc.cli.main import main
+
+    work = _workload()
+    step = zerocc.compile(work.model, PLAN, loss_fn=work.loss_fn, comm=zerocc.FakeComm(1))
+    step(*next(work.batches(0, 1)))
+    step.save(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), "-o", f"{tmp_path / 'hf'}/"]) == 0
+    said = capsys.readouterr().out
+    assert f"tokenizer: tokenizer.json, tokenizer_config.json from {EXAMPLE / 'tokenizer'}" in said
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    original = transformers.AutoTokenizer.from_pretrained(EXAMPLE / "tokenizer")
+    assert exported("zerocc exports")["input_ids"] == original("zerocc exports")["input_ids"]
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "m.safetensors"),
+                 "--tokenizer", str(EXAMPLE / "tokenizer")]) == 2  # fmt: skip
+    assert "--tokenizer: needs a folder --output" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ckpt"), "-o", f"{tmp_path / 'x'}/",
+                 "--tokenizer", str(tmp_path)]) == 2  # fmt: skip
+    assert "holds no tokenizer file" in capsys.readouterr().err
+
+
 def _assert_match_one_process(ranks: list[dict], work, data: int, steps: int) -> None:
     """Each rank's losses and rank 0's final weights against torch.optim.AdamW training
     ``work``'s model on the ``data`` data-parallel ranks' batches (tensor-parallel ranks of one

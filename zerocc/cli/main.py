@@ -247,14 +247,25 @@ def _add_export_command(commands: argparse._SubParsersAction) -> None:
         help="file to write; a folder gets model.safetensors / pytorch_model.bin, the names "
         "Hugging Face's from_pretrained reads (with the model's config.json beside them)",
     )  # fmt: skip
+    export.add_argument(
+        "--tokenizer", metavar="DIR",
+        help="copy this tokenizer folder's files beside the model (with a folder --output; "
+        "default: the tokenizer, or model folder, the run's plan named)",
+    )  # fmt: skip
     export.set_defaults(run=_export)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from zerocc.runtime.checkpoint.export import export_model
+    from zerocc.runtime.checkpoint.export import copy_tokenizer, export_model
 
     written = export_model(args.checkpoint, args.output, args.format)
     print(f"{written}: {human_bytes(written.stat().st_size)}")
+    if written.name != Path(args.output).name:  # (written into a folder: a model's folder)
+        source, copied = copy_tokenizer(args.checkpoint, written.parent, args.tokenizer)
+        if copied:
+            print(f"tokenizer: {', '.join(p.name for p in copied)} from {source}")
+    elif args.tokenizer:
+        raise ZeroccError("--tokenizer: needs a folder --output (the files go beside the model)")
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,12 @@ from zerocc.runtime.checkpoint.layout import weight_name
 from zerocc.runtime.checkpoint.weight_files import SAFETENSORS_DTYPES
 
 FORMATS = {"safetensors": "model.safetensors", "torch": "pytorch_model.bin"}
+# The files of a Hugging Face tokenizer (AutoTokenizer.from_pretrained reads those it finds)
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+    "chat_template.jinja", "generation_config.json",
+)  # fmt: skip
 
 
 def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str) -> Path:
@@ -103,3 +110,47 @@ def _write_safetensors(
             handle.write(as_bytes(tensor.contiguous()))
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def copy_tokenizer(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: str | None = None
+) -> tuple[Path | None, list[Path]]:
+    """Copy a tokenizer's files into the folder ``out``, beside an exported model, so that
+    ``AutoTokenizer.from_pretrained(out)`` loads it: from ``tokenizer`` (a folder) when given,
+    else from the folder the run's plan named (``workload_args.tokenizer``, else a model
+    folder ``workload_args.model``, relative to the plan's file, which the checkpoint
+    records). Returns the folder read (None when the plan names none) and the files copied;
+    CheckpointError for a folder that is not there or holds no tokenizer file."""
+    source = Path(tokenizer) if tokenizer is not None else _tokenizer_of(resolve(checkpoint))
+    if source is None:
+        return None, []
+    if not source.is_dir():
+        raise CheckpointError(f"tokenizer folder {source} does not exist")
+    found = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not found:
+        raise CheckpointError(
+            f"{source} holds no tokenizer file (looked for {', '.join(TOKENIZER_FILES[:3])}, ...)"
+        )
+    copied = []
+    for path in found:
+        target = Path(out) / path.name
+        if path.name == "generation_config.json" and target.exists():
+            continue
+        shutil.copyfile(path, target)
+        copied.append(target)
+    return source, copied
+
+
+def _tokenizer_of(folder: Path) -> Path | None:
+    """The tokenizer folder the plan of the run that saved ``folder`` named, if any."""
+    meta = Manifest.read(folder).meta
+    args = (meta.get("plan") or {}).get("workload_args") or {}
+    named = args.get("tokenizer") or args.get("model")
+    if not isinstance(named, str):
+        return None  # (a model given as a config, with no tokenizer: nothing to copy)
+    path = Path(named)
+    if not path.is_absolute():
+        if not meta.get("plan_file"):
+            return None  # (a plan given as a dict: relative to a folder nobody knows)
+        path = Path(meta["plan_file"]).parent / path
+    return path

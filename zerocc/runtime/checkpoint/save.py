@@ -271,6 +271,8 @@ def run_metadata(runner: Checkpointed) -> dict[str, Any]:
         "buffers": {b.fqn: described(b) for b in info.buffers},
         "state_dict_keys": list(runner.state.state_dict_keys),
         "hf_config": _hf_config(runner.model),
+        # (where the plan's relative paths start: the export finds the tokenizer from it)
+        "plan_file": str(Path(plan.source).resolve()) if plan.source else None,
     }
 
 
