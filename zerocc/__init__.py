@@ -15,7 +15,7 @@ import zerocc.ir.ops  # noqa: F401  (defines the zerocc op library)
 from zerocc.compiler.capture import LossFn
 from zerocc.compiler.materialize import materialize
 from zerocc.compiler.plan import Plan, load_plan
-from zerocc.compiler.workload import Workload, load_workload
+from zerocc.compiler.workload import Workload, load_workload, plan_relative
 from zerocc.engine.comm import Comm, FakeComm, comm_from_environment
 from zerocc.errors import (
     BatchError,
@@ -58,6 +58,7 @@ __all__ = [
     "load_plan",
     "load_workload",
     "materialize",
+    "plan_relative",
     "weights_from",
 ]
 __version__ = "0.1.0"

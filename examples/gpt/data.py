@@ -1,11 +1,16 @@
-"""A tiny char-level dataset: a few thousand characters of public-domain English.
+"""A tiny char-level dataset: a few thousand characters of public-domain English, or your own.
 
 The text is the opening of Charles Dickens' "A Tale of Two Cities" (1859) and Shakespeare's
-Sonnet 18 (1609). Each character is one token.
+Sonnet 18 (1609). Each character is one token. :func:`load` reads another corpus: a text file
+(char-level over its characters) or token files (nanoGPT's ``.bin`` of uint16 ids, ``.npy``
+arrays of ids, or a folder of either, concatenated in name order).
 """
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 TEXT = """\
@@ -68,40 +73,92 @@ def decode(ids: torch.Tensor) -> str:
     return "".join(CHARS[i] for i in ids.tolist())
 
 
-# The last tenth of the text is held back for evaluation: training windows never reach it.
-HELD_BACK = len(tokens) // 10
-_train_tokens, _eval_tokens = tokens[:-HELD_BACK], tokens[-HELD_BACK:]
+@dataclass(frozen=True)
+class Corpus:
+    """Token ids, and how many distinct ids the model's vocabulary must hold. The last tenth
+    is held back for evaluation: training windows never reach it."""
+
+    tokens: torch.Tensor  # (N,) int64
+    vocab_size: int
+
+    @property
+    def train(self) -> torch.Tensor:
+        return self.tokens[: len(self.tokens) - len(self.tokens) // 10]
+
+    @property
+    def held_back(self) -> torch.Tensor:
+        return self.tokens[len(self.tokens) - len(self.tokens) // 10 :]
+
+
+TOKEN_SUFFIXES = (".bin", ".npy")
+
+
+def load(path: Path) -> Corpus:
+    """The corpus at ``path``: token files (``.bin``: raw uint16 ids as nanoGPT's prepare.py
+    writes them; ``.npy``: an array of ids; a folder: its files of those kinds, in name order)
+    or any other file as text, one token per character. ValueError naming the path when it
+    holds nothing to train on."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in TOKEN_SUFFIXES)
+        if not files:
+            raise ValueError(f"data: {path} holds no token files ({', '.join(TOKEN_SUFFIXES)})")
+    elif not path.is_file():
+        raise ValueError(f"data: {path} not found")
+    elif path.suffix in TOKEN_SUFFIXES:
+        files = [path]
+    else:
+        text = path.read_text()
+        if not text:
+            raise ValueError(f"data: {path} is empty")
+        chars = sorted(set(text))
+        index = {ch: i for i, ch in enumerate(chars)}
+        return Corpus(torch.tensor([index[ch] for ch in text], dtype=torch.long), len(chars))
+    parts = [np.fromfile(f, dtype=np.uint16) if f.suffix == ".bin" else np.load(f) for f in files]
+    ids = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+    if ids.numel() == 0 or int(ids.min()) < 0:
+        raise ValueError(f"data: {path} holds no tokens, or a negative id")
+    return Corpus(ids, int(ids.max()) + 1)
+
+
+EMBEDDED = Corpus(tokens, vocab_size)
 
 
 def batches(
-    rank: int, world_size: int, batch_size: int, block_size: int, seed: int = 0
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    block_size: int,
+    seed: int = 0,
+    corpus: Corpus = EMBEDDED,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield this rank's (idx, targets) batches forever, each (batch_size, block_size), from
-    the text less its held-back tail.
+    the corpus (default: the embedded text) less its held-back tail.
 
     Step s draws batch_size * world_size windows from a generator seeded by (seed, s), and rank r
     takes the r-th slice: every rank sees different data, and a run is reproducible.
     """
-    n_windows = len(_train_tokens) - block_size
-    assert n_windows > 0, f"block_size {block_size} >= text length {len(_train_tokens)}"
+    train = corpus.train
+    n_windows = len(train) - block_size
+    assert n_windows > 0, f"block_size {block_size} >= text length {len(train)}"
     step = 0
     while True:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(n_windows, (batch_size * world_size,), generator=gen)
         mine = starts[rank * batch_size : (rank + 1) * batch_size]
-        yield _windows(_train_tokens, mine.tolist(), block_size)
+        yield _windows(train, mine.tolist(), block_size)
         step += 1
 
 
 def eval_batches(
-    rank: int, world_size: int, batch_size: int, block_size: int
+    rank: int, world_size: int, batch_size: int, block_size: int, corpus: Corpus = EMBEDDED
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the held-back tail: its non-overlapping windows, dealt to the ranks
     in turn, in batches of up to batch_size (the same count on every rank)."""
-    starts = list(range(0, len(_eval_tokens) - block_size, block_size))
+    held = corpus.held_back
+    starts = list(range(0, len(held) - block_size, block_size))
     mine = starts[rank : len(starts) - len(starts) % world_size : world_size]
     for i in range(0, len(mine), batch_size):
-        yield _windows(_eval_tokens, mine[i : i + batch_size], block_size)
+        yield _windows(held, mine[i : i + batch_size], block_size)
 
 
 def _windows(text: torch.Tensor, starts: list[int], block_size: int):

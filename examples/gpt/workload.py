@@ -4,7 +4,7 @@ import data
 import torch
 from model import GPT, GPTConfig
 
-from zerocc import Workload
+from zerocc import PlanError, Workload, plan_relative
 
 
 def workload(
@@ -16,13 +16,23 @@ def workload(
     seed: int = 0,
     vocab_size: int | None = None,
     device: str = "cpu",
+    data: str | None = None,
 ) -> Workload:
-    """A char-level GPT on the embedded text; `batch_size` is per rank. ``device: meta`` builds
-    it without memory (zerocc materializes it one unit at a time, or just inspects it);
-    ``vocab_size`` pads the vocabulary beyond the text's characters (as LLM vocabularies are)."""
+    """A GPT on the embedded text, char-level, or on ``data`` (a text file, char-level over its
+    own characters, or token files: ``.bin`` as nanoGPT writes them, ``.npy``, or a folder of
+    them; relative to the plan's folder; ``zerocc train --data PATH``); `batch_size` is per
+    rank. ``device: meta`` builds it without memory (zerocc materializes it one unit at a time,
+    or just inspects it); ``vocab_size`` pads the vocabulary beyond the data's tokens (as LLM
+    vocabularies are)."""
+    corpus = _corpus(data)
+    if vocab_size is not None and vocab_size < corpus.vocab_size:
+        raise PlanError(
+            f"workload_args.vocab_size: {vocab_size} is fewer than the data's "
+            f"{corpus.vocab_size} token ids; leave it out, or give {corpus.vocab_size} or more"
+        )
     torch.manual_seed(seed)  # every rank builds the same initial weights
     config = GPTConfig(
-        vocab_size=vocab_size or data.vocab_size,
+        vocab_size=vocab_size or corpus.vocab_size,
         block_size=block_size,
         n_layer=n_layer,
         n_head=n_head,
@@ -33,11 +43,23 @@ def workload(
     return Workload(
         model,
         loss_fn=None,  # GPT.forward(idx, targets) returns the loss
-        batches=lambda rank, world_size: data.batches(
-            rank, world_size, batch_size=batch_size, block_size=block_size, seed=seed
+        batches=lambda rank, world_size: data_module.batches(
+            rank, world_size, batch_size, block_size, seed=seed, corpus=corpus
         ),
-        eval_batches=lambda rank, world_size: data.eval_batches(
-            rank, world_size, batch_size=batch_size, block_size=block_size
+        eval_batches=lambda rank, world_size: data_module.eval_batches(
+            rank, world_size, batch_size, block_size, corpus=corpus
         ),
         tokens_per_batch=lambda batch: batch[0].numel(),
     )
+
+
+data_module = data  # (the module; ``data`` is also the workload's argument)
+
+
+def _corpus(path: str | None) -> data.Corpus:
+    if path is None:
+        return data.EMBEDDED
+    try:
+        return data.load(plan_relative(path))
+    except (ValueError, OSError) as exc:
+        raise PlanError(f"workload_args.{exc}") from None

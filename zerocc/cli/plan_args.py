@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from zerocc.compiler.plan import Plan, load_plan
 
@@ -20,12 +22,21 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend", metavar="NAME",
         help="the plan's backend.name: eager, inductor, inductor-regions or auto",
     )  # fmt: skip
+    parser.add_argument(
+        "--data", metavar="PATH",
+        help="the workload's data (workload_args.data), from the current folder: the GPT "
+        "example's a text file or token files (.bin, .npy, or a folder of them), the Hugging "
+        "Face workloads' a text or JSONL file",
+    )  # fmt: skip
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
-    """The command line's ``KEY=VALUE`` items, ``--backend`` as ``backend.name``."""
+    """The command line's ``KEY=VALUE`` items, ``--backend`` as ``backend.name``, ``--data`` as
+    ``workload_args.data`` (made absolute: a plan's own relative paths start at its folder)."""
     backend = [f"backend.name={args.backend}"] if args.backend else []
-    return [*args.overrides, *backend]
+    data = getattr(args, "data", None)
+    data = [f"workload_args.data={json.dumps(str(Path(data).resolve()))}"] if data else []
+    return [*args.overrides, *backend, *data]
 
 
 def plan_of(args: argparse.Namespace) -> Plan:
