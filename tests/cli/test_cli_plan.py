@@ -1,4 +1,4 @@
-"""Tests of the `zerocc plan` commands in zerocc/cli/main.py."""
+"""Tests of the `zerocc plan` commands (zerocc/cli/plan.py)."""
 
 import json
 import os

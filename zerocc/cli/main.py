@@ -1,6 +1,7 @@
-"""The `zerocc` command: check a plan, print its schema, train a plan's workload on local ranks,
-calibrate the cost model on them (`zerocc.inspect.calibrate`), inspect what the compiler built and
-estimate what it costs (`zerocc.cli.inspect`).
+"""The `zerocc` command: check a plan, print its schema, import a DeepSpeed config
+(`zerocc.cli.plan`), train a plan's workload on local ranks, calibrate the cost model on them
+(`zerocc.inspect.calibrate`), inspect what the compiler built and estimate what it costs
+(`zerocc.cli.inspect`), export a checkpoint's model.
 
 `zerocc train PLAN --nproc N` (and `zerocc profile`) launches N local ranks with torch's own
 launcher (`torch.distributed.run`, what `torchrun` runs); each rank re-enters this module with
@@ -11,9 +12,7 @@ the command is already a rank and does not launch again.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
-import json
 import os
 import socket
 import sys
@@ -22,11 +21,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from zerocc.cli.inspect import add_commands as add_inspect_commands
-from zerocc.cli.plan_args import add_plan_arguments, forwarded, plan_of
-from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
+from zerocc.cli.plan import add_commands as add_plan_commands
+from zerocc.cli.plan import checked_plan
+from zerocc.cli.plan_args import add_plan_arguments, forwarded
+from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.ir.printing import human_bytes
-from zerocc.runtime.launch import RANK_WORKER_ENV, Nodes, environment, report
+from zerocc.runtime.launch import RANK_WORKER_ENV, Nodes, environment, launched, report
 
 
 def console() -> NoReturn:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
             print(f"zerocc: {where}error: {exc}", file=sys.stderr)
         return 2
     except Exception:
-        if not _launched():
+        if not launched():
             raise
         # A launched rank ends with exit code 1. Raised out of the module, the traceback would
         # keep the rank's objects alive into the interpreter's exit, where a C++ thread left to
@@ -93,33 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    _add_plan_commands(commands)
+    add_plan_commands(commands)
     _add_train_command(commands)
     _add_profile_command(commands)
     _add_export_command(commands)
     add_inspect_commands(commands)
     return parser
-
-
-def _add_plan_commands(commands: argparse._SubParsersAction) -> None:
-    """`zerocc plan check | schema | import`."""
-    plan = commands.add_parser("plan", help="check a plan file or print the plan schema")
-    plan.set_defaults(help_of=plan)
-    plan_commands = plan.add_subparsers(title="commands", metavar="COMMAND")
-    check = plan_commands.add_parser("check", help="validate a plan file and summarize it")
-    add_plan_arguments(check)
-    check.set_defaults(run=_plan_check)
-    schema = plan_commands.add_parser("schema", help="print the JSON Schema of plan files")
-    schema.set_defaults(run=_plan_schema)
-    imported = plan_commands.add_parser(
-        "import", help="convert a DeepSpeed config (ds_config.json) into a plan"
-    )
-    imported.add_argument("config", metavar="DS_CONFIG", help="path of a DeepSpeed JSON config")
-    imported.add_argument("-o", "--output", metavar="PLAN", help="write the plan YAML here")
-    imported.add_argument(
-        "--workload", metavar="MODULE:FUNCTION", help="the plan's workload (DeepSpeed has none)"
-    )
-    imported.set_defaults(run=_plan_import)
 
 
 NPROC_HELP = (
@@ -269,153 +249,6 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_check(args: argparse.Namespace) -> int:
-    plan = _checked_plan(args)
-    model = _checked_model(plan) if plan.workload is not None else None
-    print(f"{args.plan}: ok ({describe_plan(plan)}){model or ''}")
-    if plan.workload is None:  # (a plan for zerocc.compile: fine, but not for `train`)
-        print("note: no workload: `zerocc train` needs one (workload: 'module:function'); a "
-              "plan given to zerocc.compile in Python does not")  # fmt: skip
-    return 0
-
-
-def _checked_model(plan: Plan) -> str:
-    """Call the workload as a rank does (a model too large for this machine belongs on the
-    meta device, where zerocc's examples build theirs) and check what the plan names in its
-    model: units (classes, module globs) and the layers tensor parallelism splits; PlanError
-    naming the field otherwise. Returns a few words on the model."""
-    from zerocc.compiler.capture import describe_model
-    from zerocc.compiler.parallel.tensor_parallel import TensorParallel
-    from zerocc.compiler.passes.partition import assign_units
-    from zerocc.compiler.workload import load_workload
-
-    model = load_workload(plan).model
-    info = describe_model(model)
-    units = plan.units
-    found = assign_units(info, 1, units.classes, units.modules, units.min_mb)
-    TensorParallel.of(model, info, plan)
-    elements = sum(p.numel for p in info.params)
-    return f"; model {type(model).__name__}, {elements:,} parameters, {len(found)} units"
-
-
-def _checked_plan(args: argparse.Namespace) -> Plan:
-    """The command's plan (its file, the command line's `--set`), loaded and checked where it
-    can be before any model is built: its `passes` against the passes' contracts, its backend
-    among the registered ones, its workload importable (not called), and on this machine an
-    NVMe offload folder must exist and take files."""
-    from zerocc.backends import get_backend
-    from zerocc.compiler.driver.pass_manager import check_passes
-
-    plan = plan_of(args)
-    check_passes(plan)
-    get_backend(plan.backend.name)
-    if plan.workload is not None and not _launched():  # (the launcher checked it for the ranks)
-        from zerocc.compiler.workload import workload_function
-
-        workload_function(plan)
-    if plan.offload.uses_nvme:
-        from zerocc.runtime.nvme import check_folder
-
-        check_folder(Path(plan.offload.nvme_path))
-    return plan
-
-
-def _plan_import(args: argparse.Namespace) -> int:
-    """Print what every key of a DeepSpeed config became; write the plan when every key
-    converts (exit 2, listing them, when some are not supported)."""
-    import yaml
-
-    from zerocc.compiler.plan.deepspeed import convert, read_json
-    from zerocc.compiler.plan.messages import plan_origin
-
-    config = read_json(Path(args.config), plan_origin(args.config))
-    if not isinstance(config, dict):
-        raise ZeroccError(f"{args.config}: a DeepSpeed config is a JSON object")
-    plan, outcomes = convert(config)
-    unsupported = [o for o in outcomes if o.kind == "unsupported"]
-    if unsupported:
-        for outcome in outcomes:
-            print(outcome.line())
-        print(f"\n{args.config}: {len(unsupported)} option(s) zerocc does not support "
-              "(above); no plan written", file=sys.stderr)  # fmt: skip
-        return 2  # (as every error of the command line)
-    if args.workload:
-        plan["workload"] = args.workload
-    # DeepSpeed gathers parameter by parameter; a zerocc unit is a module: its layers
-    auto_units = plan.get("zero", {}).get("stage") == 3 and "units" not in plan
-    if auto_units:
-        plan["units"] = "auto"
-    checked = load_plan(plan)  # what zerocc makes of it, checked as any plan
-    fields = checked.model_dump(mode="json")
-    for outcome in outcomes:  # an 'auto' left to zerocc: the value its default gives
-        line = outcome.line()
-        if outcome.default_of is not None:
-            value = functools.reduce(lambda d, k: d[k], outcome.default_of.split("."), fields)
-            line = line.removesuffix(")") + f": {json.dumps(value)})"
-        print(line)
-    mapped = sum(o.kind == "mapped" for o in outcomes)
-    print(f"\n{len(outcomes)} option(s): {mapped} mapped, {len(outcomes) - mapped} without "
-          f"meaning for zerocc; plan: {describe_plan(checked)}")  # fmt: skip
-    if auto_units:
-        print(f"note: {AUTO_UNITS_NOTE}")
-    if args.output:
-        header = (
-            f"# Converted from the DeepSpeed config {args.config} by `zerocc plan import`.\n"
-            "# Options without meaning for zerocc are listed by that command, not here.\n"
-        )
-        if not args.workload:
-            header += "# workload: 'module:function'  (set yours: the model, loss and data)\n"
-        if auto_units:
-            header += f"# units: auto: {AUTO_UNITS_NOTE}\n"
-        Path(args.output).write_text(header + yaml.safe_dump(plan, sort_keys=False))
-        print(f"wrote {args.output}")
-    return 0
-
-
-AUTO_UNITS_NOTE = (
-    "units: auto: each of the model's repeated blocks (its layers) is a unit, gathered one at "
-    "a time (DeepSpeed gathers parameter by parameter); units.classes names others"
-)
-
-
-def _plan_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(plan_json_schema(), indent=2))
-    return 0
-
-
-def describe_plan(plan: Plan) -> str:
-    """A one-line summary of a plan: stage, passes, units, optimizer, workload."""
-    from zerocc.compiler.driver.pass_manager import pass_names
-
-    passes = pass_names(plan)
-    units = [
-        f"class {c}" if c != "auto" else "auto (the repeated block)" for c in plan.units.classes
-    ]
-    units += [f"modules {m}" for m in plan.units.modules]
-    if plan.units.min_mb is not None:
-        units.append(f">= {plan.units.min_mb} MB")
-    opt = plan.optimizer
-    parts = [
-        f"stage {plan.zero.stage}",
-        f"{len(passes)} passes ({' -> '.join(passes)})" if passes else "no passes",
-        f"units: {', '.join(units) or 'whole model'}",
-        _describe_precision(plan),
-        f"{opt.name} lr {opt.lr:g}"
-        + (f" ({opt.schedule.name} schedule)" if opt.schedule.name != "constant" else "")
-        + (f" clip {opt.grad_clip:g}" if opt.grad_clip else ""),
-        f"workload {plan.workload or 'none'}",
-    ]
-    return ", ".join(parts)
-
-
-def _describe_precision(plan: Plan) -> str:
-    p = plan.precision
-    if not p.mixed:
-        return "fp32"
-    scaling = "no loss scaling" if p.scaling == "none" else f"{p.scaling} loss scaling"
-    return f"{p.param} compute, {p.reduce} reduce, {p.master} master, {scaling}"
-
-
 # --- train ----------------------------------------------------------------------------------
 
 
@@ -435,7 +268,7 @@ def _train(args: argparse.Namespace) -> int:
     from zerocc.cli.train import train_rank
     from zerocc.inspect.dumps import DUMP_DIR_ENV
 
-    plan = _with_section_flags(_checked_plan(args), args)  # checked once, here
+    plan = _with_section_flags(checked_plan(args), args)  # checked once, here
     nodes = _nodes_of(args)
     args.nproc = args.nproc or _ranks_the_plan_takes(plan, nodes.count)
     if args.nproc < 1 or args.steps < 1:
@@ -445,7 +278,7 @@ def _train(args: argparse.Namespace) -> int:
     dumps = {DUMP_DIR_ENV: str(Path(args.dump).resolve())} if args.dump else {}
     with environment(dumps):
         restarts = _restarts_of(args, plan)
-        if _launched() or (args.nproc == 1 and nodes.count == 1 and not restarts):
+        if launched() or (args.nproc == 1 and nodes.count == 1 and not restarts):
             return train_rank(plan, args.steps)
         command = ["train", str(args.plan), "--steps", str(args.steps), *forwarded(args)]
         for flags in SECTION_FLAGS.values():
@@ -498,13 +331,13 @@ def _restarts_of(args: argparse.Namespace, plan: Plan) -> int:
                 f"--nproc-min: zero.world_size: {plan.zero.world_size} fixes the ranks; leave "
                 "it out to let the run go on with fewer"
             )
-    if plan.checkpoint.in_memory and not _launched():
+    if plan.checkpoint.in_memory and not launched():
         if not args.max_restarts or args.nnodes > 1:
             raise ZeroccError(
                 "checkpoint.in_memory: saves to this machine's memory serve a restart on it: "
                 "it goes with --max-restarts, on one machine (not --nnodes)"
             )
-    elif args.max_restarts and not plan.checkpoint.every and not _launched():
+    elif args.max_restarts and not plan.checkpoint.every and not launched():
         print("zerocc: note: --max-restarts without --save-every: a restart resumes from the "
               "start of the run (or --resume's checkpoint)", flush=True)  # fmt: skip
     return args.max_restarts
@@ -539,7 +372,7 @@ def _ranks_the_plan_takes(plan: Plan, nodes: int = 1) -> int:
             f"more than this machine's {cores} cores can run; pass --nproc {least} to launch "
             "them here anyway, or `zerocc estimate` the plan"
         )
-    if least > 2 and not _launched():
+    if least > 2 and not launched():
         print(f"zerocc: launching {least} ranks, the fewest the plan's layout takes", flush=True)
     return least
 
@@ -566,11 +399,6 @@ def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
     return plan.model_copy(update=update) if update else plan  # keeps the plan's source
 
 
-def _launched() -> bool:
-    """Whether this process is already a rank (launched by zerocc or an outside torchrun)."""
-    return RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def _launch(
     plan: Plan,
     args: argparse.Namespace,
@@ -595,12 +423,12 @@ def _profile(args: argparse.Namespace) -> int:
     from zerocc.cli.profile import profile_rank
     from zerocc.inspect.calibrate import default_output
 
-    plan = _checked_plan(args)  # as `train`: checked once, before any rank starts
+    plan = checked_plan(args)  # as `train`: checked once, before any rank starts
     args.nproc = args.nproc or _ranks_the_plan_takes(plan)
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
     output = Path(args.output or default_output(args.plan))  # the ranks share this cwd
-    if _launched() or args.nproc == 1:
+    if launched() or args.nproc == 1:
         return profile_rank(plan, output, args.steps)
     command = ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps),
                *forwarded(args)]  # fmt: skip

@@ -34,8 +34,8 @@ from zerocc.compiler.batch import call_arguments
 from zerocc.compiler.opaque import data_dependent_cause, op_of, opaque_modules
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.errors import CaptureError
-from zerocc.ir.fake_values import fake_kernel_logs_quiet
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
+from zerocc.logs import FAKE_KERNELS, quiet
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -374,7 +374,7 @@ def capture(
                 fake_mode,
                 contextlib.nullcontext() if gradients else _in_eval_mode(model),
                 use_lazy_graph_module(True),  # its code is generated where it is read or run
-                fake_kernel_logs_quiet(),
+                quiet(FAKE_KERNELS),  # (the error is said as a CaptureError)
                 opaque_modules(model, opaque, tracker.paused),
             ):
                 gm = make_fx(step, tracing_mode="real", **MAKE_FX_OPTIONS)(*flat)
@@ -447,6 +447,9 @@ def _tracing_failed(e: Exception, stack: list[str], in_region: bool) -> CaptureE
     )
 
 
+_GROUPED_MM = torch.ops.aten._grouped_mm.default  # (looked up once: dispatch runs per op)
+
+
 class CaptureFakeMode(FakeTensorMode):
     """The fake tensors capture traces on. One difference from torch's: ``aten._grouped_mm``
     on the CPU takes fp32 and fp16 as the CPU kernel does (torch's fake kernel checks CUDA's
@@ -454,7 +457,7 @@ class CaptureFakeMode(FakeTensorMode):
 
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._grouped_mm.default and _cpu_grouped_mm(args[0], args[1]):
+        if func is _GROUPED_MM and _cpu_grouped_mm(args[0], args[1]):
             dtype = kwargs.get("out_dtype") or args[0].dtype
             as_bf16 = (args[0].to(torch.bfloat16), args[1].to(torch.bfloat16))
             return func(*as_bf16, *args[2:], **{**kwargs, "out_dtype": None}).to(dtype)

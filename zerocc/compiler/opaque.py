@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,17 +349,18 @@ def _opaque_call(fqn: str, module: nn.Module, reason: str, regions: list[Region]
     return forward
 
 
-def describe_regions(regions: Sequence[Region]) -> str | None:
-    """One line on the opaque regions of a program (None without any): which modules, why,
+def region_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
+    """A line on the opaque regions the programs run (none without any): which modules, why,
     and what it costs."""
+    regions = [r for gm in programs for r in regions_in(gm)]
     if not regions:
-        return None
+        return []
     modules: dict[tuple[str, str], set[str]] = {}
     for r in regions:
         modules.setdefault((r.kind, r.reason), set()).add(r.fqn)
     kinds = "; ".join(f"{kind} ×{len(fqns)} ({why})" for (kind, why), fqns in modules.items())
-    return (
+    return [
         f"opaque regions: {kinds}: each call runs as one op (its parameters sharded, gathered "
         "and reduced as any other's), its forward run again in backward; nothing inside it is "
         "compiled, overlapped or in the predicted step time"
-    )
+    ]

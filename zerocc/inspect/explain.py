@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from zerocc.compiler.opaque import describe_regions, regions_in
+from zerocc.compiler.opaque import region_lines
 from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
@@ -183,13 +183,6 @@ def setup_line(seconds: dict[str, float]) -> str:
     return "setup: " + ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items())
 
 
-def opaque_lines(step: StepRecord) -> list[str]:
-    """The line on the modules the step's programs run as opaque regions (none without)."""
-    regions = {r.key: r for gm in step.programs.values() for r in regions_in(gm)}
-    line = describe_regions(list(regions.values()))
-    return [line] if line else []
-
-
 def explain_step(step: StepRecord) -> str:
     """A plain-text report: units, communication per step (once a program is compiled, at the
     first call), and model-state bytes per rank measured next to ZeRO's formula."""
@@ -202,7 +195,7 @@ def explain_step(step: StepRecord) -> str:
         f"({sum(u.numel for u in step.units if u.trainable):,} without)",
         *mesh_lines(step.mesh),
         *([step.units_note] if step.units_note else []),
-        *opaque_lines(step),
+        *region_lines(step.programs.values()),
         precision_line(step),
         backend_line(step),
         *step.backend_notes,

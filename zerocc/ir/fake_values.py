@@ -13,11 +13,8 @@ parameter): its value would come out as it is.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,20 +25,6 @@ _VERSION = "zerocc_val_version"  # (the value it versions, its version)
 _SOURCE = "zerocc_val_source"  # what the node's value was computed from
 _OPERANDS = "zerocc_val_operands"  # its arguments, each operand as the layout of its value
 _versions = itertools.count()
-
-
-@contextlib.contextmanager
-def fake_kernel_logs_quiet() -> Iterator[None]:
-    """torch's fake-tensor log off in the body: it prints a whole traceback for every fake
-    kernel that raises, an error zerocc turns into one of its own (a CaptureError, an opaque
-    region, a region Inductor leaves to eager) that says what happened."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def propagate_fake_values(gm: fx.GraphModule) -> int:

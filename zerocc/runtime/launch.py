@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import signal
@@ -33,6 +32,7 @@ from typing import Any
 
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
+from zerocc.logs import RANK_PROCESSES, quiet
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"  # set in launched ranks: run the command, do not launch
 RUN_DIR_ENV = "ZEROCC_RUN_DIR"  # the folder where launched ranks leave their reports
@@ -119,7 +119,7 @@ def launch(
     ):
         watcher = _SilentRankKiller(Path(run_dir))
         try:
-            with _process_logs_quiet():
+            with quiet(RANK_PROCESSES):
                 torchrun.run(torchrun.parse_args(launcher_args))
         except ChildFailedError as exc:
             failures = {
@@ -178,6 +178,11 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 
 # --- what a rank reports ------------------------------------------------------------------
+
+
+def launched() -> bool:
+    """Whether this process is already a rank (launched by zerocc or an outside torchrun)."""
+    return RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def report(**fields: Any) -> None:
@@ -244,20 +249,6 @@ class _SilentRankKiller:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-@contextlib.contextmanager
-def _process_logs_quiet() -> Iterator[None]:
-    """torchrun's log of the ranks' processes off in the body ("failed (exitcode: 2) local_rank:
-    0 ...", "Sending process ... closing signal SIGTERM"): the launcher's own report says how
-    each rank ended, and why."""
-    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _alive(pid: int) -> bool:

@@ -47,8 +47,8 @@ from zerocc.backends.inductor.regions import Region, find_regions, outline
 from zerocc.backends.inductor.whole import compile_whole, unsupported
 from zerocc.engine import RuntimeContext
 from zerocc.engine.failures import first_line
-from zerocc.ir.fake_values import fake_kernel_logs_quiet
 from zerocc.ir.nodes import info, placeholders, val
+from zerocc.logs import FAKE_KERNELS, quiet
 
 
 @dataclass
@@ -212,7 +212,7 @@ class InductorExecutable(EagerExecutable):
         example = example_inputs([val(n) for n in placeholders(program)])
         start = time.perf_counter()
         try:
-            with rounding_as_eager(), fake_kernel_logs_quiet(), loaded_modules() as loaded:
+            with rounding_as_eager(), quiet(FAKE_KERNELS), loaded_modules() as loaded:
                 self.compiled_whole = compile_whole(program, example, _numerics())
         except Exception as exc:  # Inductor rejected it: compiled region by region instead
             self.whole_note = f"{type(exc).__name__}: {first_line(exc)[:200]}"
@@ -234,7 +234,7 @@ class InductorExecutable(EagerExecutable):
             with (
                 config.patch(_numerics()),
                 rounding_as_eager(),
-                fake_kernel_logs_quiet(),
+                quiet(FAKE_KERNELS),
                 loaded_modules() as loaded,
             ):
                 compiled = compile_fx(module, example)

@@ -202,13 +202,12 @@ class SequenceSplit:
         outputs = [out] if isinstance(out, torch.Tensor) else []
         if isinstance(out, tuple | list):
             outputs = [o for o in out if isinstance(o, torch.Tensor)]
-        if any(self.is_chunk(t) for t in inputs):
-            for o in outputs:
-                if self.whole is not None and self._length(o) == self.whole // self.parts:
-                    self._mark(o)
         if any(self._is_local(t) for t in inputs):
+            chunked = self.whole is not None and any(self.is_chunk(t) for t in inputs)
             for o in outputs:
                 self._local[id(o)] = o
+                if chunked and self._length(o) == self.whole // self.parts:
+                    self._mark(o)
         elif len(inputs) == 1 and self._is_param(inputs[0]) and len(outputs) == 1:
             if outputs[0].shape == inputs[0].shape:  # (a cast to the compute dtype)
                 self._params[id(outputs[0])] = outputs[0]

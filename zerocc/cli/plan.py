@@ -1,0 +1,183 @@
+"""`zerocc plan check | schema | import`, and the checks every command that reads a plan runs
+before any rank starts (:func:`checked_plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+from zerocc.cli.plan_args import add_plan_arguments, plan_of
+from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
+from zerocc.errors import ZeroccError
+from zerocc.runtime.launch import launched
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """`zerocc plan check | schema | import`."""
+    plan = commands.add_parser("plan", help="check a plan file or print the plan schema")
+    plan.set_defaults(help_of=plan)
+    plan_commands = plan.add_subparsers(title="commands", metavar="COMMAND")
+    check = plan_commands.add_parser("check", help="validate a plan file and summarize it")
+    add_plan_arguments(check)
+    check.set_defaults(run=_check)
+    schema = plan_commands.add_parser("schema", help="print the JSON Schema of plan files")
+    schema.set_defaults(run=_schema)
+    imported = plan_commands.add_parser(
+        "import", help="convert a DeepSpeed config (ds_config.json) into a plan"
+    )
+    imported.add_argument("config", metavar="DS_CONFIG", help="path of a DeepSpeed JSON config")
+    imported.add_argument("-o", "--output", metavar="PLAN", help="write the plan YAML here")
+    imported.add_argument(
+        "--workload", metavar="MODULE:FUNCTION", help="the plan's workload (DeepSpeed has none)"
+    )
+    imported.set_defaults(run=_import)
+
+
+def _check(args: argparse.Namespace) -> int:
+    plan = checked_plan(args)
+    model = _checked_model(plan) if plan.workload is not None else None
+    print(f"{args.plan}: ok ({describe_plan(plan)}){model or ''}")
+    if plan.workload is None:  # (a plan for zerocc.compile: fine, but not for `train`)
+        print("note: no workload: `zerocc train` needs one (workload: 'module:function'); a "
+              "plan given to zerocc.compile in Python does not")  # fmt: skip
+    return 0
+
+
+def _checked_model(plan: Plan) -> str:
+    """Call the workload as a rank does (a model too large for this machine belongs on the
+    meta device, where zerocc's examples build theirs) and check what the plan names in its
+    model: units (classes, module globs) and the layers tensor parallelism splits; PlanError
+    naming the field otherwise. Returns a few words on the model."""
+    from zerocc.compiler.capture import describe_model
+    from zerocc.compiler.parallel.tensor_parallel import TensorParallel
+    from zerocc.compiler.passes.partition import assign_units
+    from zerocc.compiler.workload import load_workload
+
+    model = load_workload(plan).model
+    info = describe_model(model)
+    units = plan.units
+    found = assign_units(info, 1, units.classes, units.modules, units.min_mb)
+    TensorParallel.of(model, info, plan)
+    elements = sum(p.numel for p in info.params)
+    return f"; model {type(model).__name__}, {elements:,} parameters, {len(found)} units"
+
+
+def checked_plan(args: argparse.Namespace) -> Plan:
+    """The command's plan (its file, the command line's `--set`), loaded and checked where it
+    can be before any model is built: its `passes` against the passes' contracts, its backend
+    among the registered ones, its workload importable (not called), and on this machine an
+    NVMe offload folder must exist and take files."""
+    from zerocc.backends import get_backend
+    from zerocc.compiler.driver.pass_manager import check_passes
+
+    plan = plan_of(args)
+    check_passes(plan)
+    get_backend(plan.backend.name)
+    if plan.workload is not None and not launched():  # (the launcher checked it for the ranks)
+        from zerocc.compiler.workload import workload_function
+
+        workload_function(plan)
+    if plan.offload.uses_nvme:
+        from zerocc.runtime.nvme import check_folder
+
+        check_folder(Path(plan.offload.nvme_path))
+    return plan
+
+
+def _import(args: argparse.Namespace) -> int:
+    """Print what every key of a DeepSpeed config became; write the plan when every key
+    converts (exit 2, listing them, when some are not supported)."""
+    import yaml
+
+    from zerocc.compiler.plan.deepspeed import convert, read_json
+    from zerocc.compiler.plan.messages import plan_origin
+
+    config = read_json(Path(args.config), plan_origin(args.config))
+    if not isinstance(config, dict):
+        raise ZeroccError(f"{args.config}: a DeepSpeed config is a JSON object")
+    plan, outcomes = convert(config)
+    unsupported = [o for o in outcomes if o.kind == "unsupported"]
+    if unsupported:
+        for outcome in outcomes:
+            print(outcome.line())
+        print(f"\n{args.config}: {len(unsupported)} option(s) zerocc does not support "
+              "(above); no plan written", file=sys.stderr)  # fmt: skip
+        return 2  # (as every error of the command line)
+    if args.workload:
+        plan["workload"] = args.workload
+    # DeepSpeed gathers parameter by parameter; a zerocc unit is a module: its layers
+    auto_units = plan.get("zero", {}).get("stage") == 3 and "units" not in plan
+    if auto_units:
+        plan["units"] = "auto"
+    checked = load_plan(plan)  # what zerocc makes of it, checked as any plan
+    fields = checked.model_dump(mode="json")
+    for outcome in outcomes:  # an 'auto' left to zerocc: the value its default gives
+        line = outcome.line()
+        if outcome.default_of is not None:
+            value = functools.reduce(lambda d, k: d[k], outcome.default_of.split("."), fields)
+            line = line.removesuffix(")") + f": {json.dumps(value)})"
+        print(line)
+    mapped = sum(o.kind == "mapped" for o in outcomes)
+    print(f"\n{len(outcomes)} option(s): {mapped} mapped, {len(outcomes) - mapped} without "
+          f"meaning for zerocc; plan: {describe_plan(checked)}")  # fmt: skip
+    if auto_units:
+        print(f"note: {AUTO_UNITS_NOTE}")
+    if args.output:
+        header = (
+            f"# Converted from the DeepSpeed config {args.config} by `zerocc plan import`.\n"
+            "# Options without meaning for zerocc are listed by that command, not here.\n"
+        )
+        if not args.workload:
+            header += "# workload: 'module:function'  (set yours: the model, loss and data)\n"
+        if auto_units:
+            header += f"# units: auto: {AUTO_UNITS_NOTE}\n"
+        Path(args.output).write_text(header + yaml.safe_dump(plan, sort_keys=False))
+        print(f"wrote {args.output}")
+    return 0
+
+
+AUTO_UNITS_NOTE = (
+    "units: auto: each of the model's repeated blocks (its layers) is a unit, gathered one at "
+    "a time (DeepSpeed gathers parameter by parameter); units.classes names others"
+)
+
+
+def _schema(args: argparse.Namespace) -> int:
+    print(json.dumps(plan_json_schema(), indent=2))
+    return 0
+
+
+def describe_plan(plan: Plan) -> str:
+    """A one-line summary of a plan: stage, passes, units, optimizer, workload."""
+    from zerocc.compiler.driver.pass_manager import pass_names
+
+    passes = pass_names(plan)
+    units = [
+        f"class {c}" if c != "auto" else "auto (the repeated block)" for c in plan.units.classes
+    ]
+    units += [f"modules {m}" for m in plan.units.modules]
+    if plan.units.min_mb is not None:
+        units.append(f">= {plan.units.min_mb} MB")
+    opt = plan.optimizer
+    parts = [
+        f"stage {plan.zero.stage}",
+        f"{len(passes)} passes ({' -> '.join(passes)})" if passes else "no passes",
+        f"units: {', '.join(units) or 'whole model'}",
+        describe_precision(plan),
+        f"{opt.name} lr {opt.lr:g}"
+        + (f" ({opt.schedule.name} schedule)" if opt.schedule.name != "constant" else "")
+        + (f" clip {opt.grad_clip:g}" if opt.grad_clip else ""),
+        f"workload {plan.workload or 'none'}",
+    ]
+    return ", ".join(parts)
+
+
+def describe_precision(plan: Plan) -> str:
+    p = plan.precision
+    if not p.mixed:
+        return "fp32"
+    scaling = "no loss scaling" if p.scaling == "none" else f"{p.scaling} loss scaling"
+    return f"{p.param} compute, {p.reduce} reduce, {p.master} master, {scaling}"
