@@ -3,7 +3,7 @@ modules, nor packages, import each other in a circle. Every import counts: modul
 inside functions, and under ``TYPE_CHECKING`` (a type is a dependency too). The folders are the
 packages (no ``package-dir`` mapping), so every import between them is seen.
 
-    base (errors, compat) < ir < compiler (+ passes) < cost < engine < backends < runtime
+    base (errors, compat, logs) < ir < compiler (+ passes) < cost < engine < backends < runtime
         < inspect < api (the ``zerocc`` facade, ``zerocc.train_step``) < cli
 
 Within the compiler, packages stack too (:data:`COMPILER_PACKAGES`)::
@@ -42,6 +42,7 @@ LAYERS = [
 LAYER_OF_PREFIX = {  # longest prefix wins
     "zerocc.errors": "base",
     "zerocc.compat": "base",
+    "zerocc.logs": "base",
     "zerocc.ir": "ir",
     "zerocc.compiler": "compiler",
     "zerocc.cost": "cost",
