@@ -85,8 +85,10 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parallel(case: dict[str, Any]) -> dict[str, Any]:
-    """The plan's ``parallel`` section of the case: its tensor and pipeline parallelism."""
+    """The plan's ``parallel`` section of the case: its tensor, pipeline and expert
+    parallelism."""
     parallel: dict[str, Any] = {"pp": case["pp"]} if "pp" in case else {}
+    parallel |= {"ep": case["ep"]} if "ep" in case else {}
     if "tp" in case:
         parallel |= {
             "tp": case["tp"],

@@ -31,7 +31,7 @@ from torch.fx.node import has_side_effect
 
 from zerocc.compat import MAKE_FX_OPTIONS, get_proxy_mode, use_lazy_graph_module
 from zerocc.compiler.batch import call_arguments
-from zerocc.compiler.opaque import data_dependent_cause, op_of, opaque_modules
+from zerocc.compiler.opaque import Body, data_dependent_cause, op_of, opaque_modules
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.errors import CaptureError
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
@@ -312,14 +312,16 @@ def capture(
     casts: Casts | None = None,
     gradients: bool = True,
     loss_check: Callable[[torch.Tensor], None] | None = None,
+    bodies: dict[str, Body] | None = None,
 ) -> fx.GraphModule:
     """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors
     (``gradients=False``: the loss alone, a forward-only graph for evaluation, traced with the
     model in eval mode, as a training loop evaluates: dropout off, norms on running stats).
     ``loss_check``: called with the traced loss (tensor parallelism's check of what it
-    depends on). The graph is what passes read; the module's generated code is not
-    regenerated after dead code is eliminated and placeholders renamed (a second compile of
-    the whole step's code): the pass manager recompiles its result."""
+    depends on). ``bodies``: modules (by FQN) captured as opaque regions that run a body of
+    their own (expert parallelism's experts). The graph is what passes read; the module's
+    generated code is not regenerated after dead code is eliminated and placeholders renamed
+    (a second compile of the whole step's code): the pass manager recompiles its result."""
     casts = casts or Casts()
     loss_fn = loss_fn or default_loss_fn
     wrapper = _Step(model, loss_fn)
@@ -375,7 +377,7 @@ def capture(
                 contextlib.nullcontext() if gradients else _in_eval_mode(model),
                 use_lazy_graph_module(True),  # its code is generated where it is read or run
                 quiet(FAKE_KERNELS),  # (the error is said as a CaptureError)
-                opaque_modules(model, opaque, tracker.paused),
+                opaque_modules(model, opaque, tracker.paused, bodies),
             ):
                 gm = make_fx(step, tracing_mode="real", **MAKE_FX_OPTIONS)(*flat)
             break

@@ -364,14 +364,15 @@ def allocate_state(
     units: list[Unit],
     layout: StateLayout,
     seed: int,
-    rank: int,
+    shard_rank: Callable[[Unit], int],
     device: torch.device,
     empty: Callable[[StateSpec], torch.Tensor],
     store: Any = None,
     from_rank_0: Callable[[torch.Tensor], None] | None = None,
     split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every resident persistent tensor of ``layout`` for ``rank``, keyed as its spec, in the
+    """Every resident persistent tensor of ``layout`` for the rank that holds shard
+    ``shard_rank(unit)`` of each unit, keyed as its spec, in the
     memory ``empty`` gives it (where its spec places it; an NVMe state's host tensor is written
     to its file): weights from the model's initial values (one unit materialized at a time),
     everything else zeros (the step counter and the learning rate on the CPU), and the model's
@@ -383,8 +384,8 @@ def allocate_state(
     rank 0's values whenever the model holds real values for them (ranks seeded differently
     would otherwise train a mix of their starting points). Tensors on the ``meta`` device are
     initialized from ``seed`` (the plan's) and their own name, the same on every rank, so they need
-    no broadcast. ``split`` (tensor parallelism) gives this rank's slices of full values:
-    rank 0's full values are broadcast before they are split."""
+    no broadcast. ``split`` (tensor and expert parallelism) gives this rank's slices of full
+    values: rank 0's full values are broadcast before they are split."""
     specs = list(layout)
     weights = (PARAM_FULL, PARAM_SHARD, MASTER)
     state: dict[str, torch.Tensor] = {}
@@ -401,6 +402,7 @@ def allocate_state(
             state[spec.key] = tensor
 
     for unit in units:
+        rank = shard_rank(unit)
         unit_specs = [s for s in specs if s.unit == unit.name and s.role in weights]
         # Weight files give a unit that is only ever sharded (stage 3) this rank's shard alone.
         shard = flat = None

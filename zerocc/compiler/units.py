@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from zerocc.compiler.capture import ParamInfo
+from zerocc.ir.ops import DP_GROUP
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class Unit:
     """An FSDP unit: parameters flattened into one buffer padded to a multiple of the world size.
 
     ``trainable`` units get gradients and optimizer state; frozen ones (``requires_grad=False``)
-    are only gathered for use.
+    are only gathered for use. ``group``: the mesh's group of ``world_size`` ranks it is
+    sharded, gathered and reduced over (``dp``; an experts unit's: ``edp``).
     """
 
     name: str
@@ -38,9 +40,10 @@ class Unit:
     trainable: bool
     world_size: int
     dtype: torch.dtype
+    group: str = DP_GROUP
 
     @staticmethod
-    def build(name: str, params: list[ParamInfo], world_size: int) -> Unit:
+    def build(name: str, params: list[ParamInfo], world_size: int, group: str = DP_GROUP) -> Unit:
         placed, offset = [], 0
         for p in params:
             placed.append(UnitParam(p, offset))
@@ -48,7 +51,8 @@ class Unit:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"unit {name!r} mixes dtypes {sorted(map(str, dtypes))}")
-        return Unit(name, tuple(placed), params[0].requires_grad, world_size, params[0].dtype)
+        trainable, dtype = params[0].requires_grad, params[0].dtype
+        return Unit(name, tuple(placed), trainable, world_size, dtype, group)
 
     @property
     def numel(self) -> int:
@@ -85,3 +89,12 @@ class Unit:
     def shard_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's shard of a full flat buffer (a view)."""
         return flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
+
+
+@dataclass(frozen=True)
+class ExpertUnits:
+    """The experts modules (by FQN) whose parameters expert parallelism splits, each a unit
+    sharded over ``world_size`` ranks (the mesh's ``edp`` group)."""
+
+    modules: frozenset[str]
+    world_size: int

@@ -58,7 +58,14 @@ from zerocc.cost.memory import tensors_in
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind
 from zerocc.ir.nodes import BATCH, info, op_kind, op_name, val
-from zerocc.ir.ops import DP_GROUP, HOST_TO_HOST, REPLICATE_GROUP, TP_GROUP
+from zerocc.ir.ops import (
+    DP_GROUP,
+    EP_GROUP,
+    EXPERT_DP_GROUP,
+    HOST_TO_HOST,
+    REPLICATE_GROUP,
+    TP_GROUP,
+)
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
@@ -480,6 +487,8 @@ class CostModel:
             DP_GROUP: mesh.shard_size,
             REPLICATE_GROUP: mesh.replicate,
             TP_GROUP: mesh.tp,
+            EP_GROUP: mesh.ep,
+            EXPERT_DP_GROUP: mesh.expert_shard_size,
         }
         self._cache: dict[fx.Node, float] = {}
 

@@ -216,6 +216,22 @@ class Comm(abc.ABC):
         self._count("all_reduce", 2 * tensor.numel(), tensor.element_size())
         return self._all_reduce(tensor)
 
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Work:
+        """Rows ``in_splits[i]`` of ``inp`` go to rank ``i``; ``out`` receives rank ``i``'s
+        ``out_splits[i]`` rows, in rank order (expert parallelism's token exchange)."""
+        self._run_check()
+        row = inp[0].numel() if inp.dim() > 1 and len(inp) else 1
+        sent = (sum(in_splits) - in_splits[self.rank]) * row  # (what leaves this rank)
+        self._count("all_to_all", sent, inp.element_size())
+        return self._all_to_all(out, inp, out_splits, in_splits)
+
+    def _all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Work:
+        raise RuntimeError(f"zerocc: a {type(self).__name__} exchanges no rows (all_to_all)")
+
     def _count(self, kind: str, elements: int, itemsize: int) -> None:
         self.stats.record(reported_kind(kind, self.group_name), elements, itemsize)
 
@@ -435,6 +451,16 @@ class TorchComm(Comm):
             [tensor], lambda a: dist.all_reduce(tensor, group=self.group, async_op=a)
         )
 
+    def _all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Work:
+        return self._issue(
+            [out, inp],
+            lambda a: dist.all_to_all_single(
+                out, inp, out_splits, in_splits, group=self.group, async_op=a
+            ),
+        )
+
 
 class SoloComm(Comm):
     """World size 1: every collective is a copy (or nothing)."""
@@ -449,6 +475,12 @@ class SoloComm(Comm):
         return Work()
 
     def _all_reduce(self, tensor: torch.Tensor) -> Work:
+        return Work()
+
+    def _all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Work:
+        out.copy_(inp)
         return Work()
 
 

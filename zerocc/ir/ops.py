@@ -22,6 +22,9 @@ REPLICATE_GROUP = "replicate"  # the ranks that hold the same shard (hybrid shar
 TP_GROUP = "tp"  # the ranks that split a layer (tensor parallelism)
 PP_GROUP = "pp"  # the ranks that hold the stages of one pipeline, in stage order
 TIE_GROUP = "tie"  # the first and the last of them: a tied embedding's and head's holders
+EP_GROUP = "ep"  # the ranks that split the experts (expert parallelism): tokens exchanged
+EXPERT_DP_GROUP = "edp"  # the ranks holding the same experts: their states sharded over them
+UNIT_GROUPS = (DP_GROUP, EXPERT_DP_GROUP)  # the groups units are gathered and reduced over
 
 
 def reported_kind(kind: str, group: str) -> str:
@@ -52,12 +55,13 @@ SCHEMAS = {
     # Tensor parallelism: this rank's index in ``group`` (a 0-dim int64 tensor on ``like``'s
     # device), for the slice of a split layer it holds; and a gradient's squared norm in which
     # the elements of the ``shared`` (offset, numel) ranges, which every one of the ``parts``
-    # tensor-parallel ranks holds alike, count 1/parts (``sharded``: ranges over the unit's
-    # whole flat, ``grad`` this rank's shard of it), so that the sum over the ranks counts
-    # each element once.
+    # tensor-parallel ranks holds alike, count 1/parts (``shard_group``: ranges over the unit's
+    # whole flat, ``grad`` this rank's shard of it over that group), so that the sum over the
+    # ranks counts each element once.
     "group_rank": "group_rank(Tensor like, str group) -> Tensor",
     "sum_squares_tp": (
-        "sum_squares_tp(Tensor grad, float scale, int[] shared, int parts, bool sharded) -> Tensor"
+        "sum_squares_tp(Tensor grad, float scale, int[] shared, int parts, str? shard_group)"
+        " -> Tensor"
     ),
     # Offload: a host buffer of ``numel`` elements, the same one every step for ``key`` (the
     # runtime's HostBuffers; pinned where a GPU copies it): the staging the host update writes
@@ -79,12 +83,12 @@ SCHEMAS = {
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
         " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
         " float grad_scale, Tensor lr, float beta1, float beta2, float eps, float weight_decay,"
-        " int[] skip, bool sharded) -> ()"
+        " int[] skip, str? shard_group) -> ()"
     ),
     "sgd_": (
         "sgd_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, Tensor? grad_coef,"
         " Tensor? found_inf, Tensor(d!)? param_copy, float grad_scale, Tensor lr,"
-        " float momentum, float weight_decay, int[] skip, bool sharded) -> ()"
+        " float momentum, float weight_decay, int[] skip, str? shard_group) -> ()"
     ),
 }
 COLLECTIVE_STARTS = (
@@ -224,7 +228,7 @@ def _(like, group):
 
 
 @fake("sum_squares_tp")
-def _(grad, scale, shared, parts, sharded):
+def _(grad, scale, shared, parts, shard_group):
     return grad.new_empty((), dtype=torch.float32)
 
 

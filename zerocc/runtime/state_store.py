@@ -24,7 +24,7 @@ from zerocc.engine.comm import Comm
 from zerocc.engine.host_memory import state_tensor
 from zerocc.errors import RankMismatchError
 from zerocc.ir.nodes import GRAD
-from zerocc.ir.ops import DP_GROUP, TP_GROUP
+from zerocc.ir.ops import TP_GROUP
 from zerocc.runtime.nvme import NvmeStore
 
 
@@ -64,15 +64,15 @@ class StateStore(Mapping[str, torch.Tensor]):
         pipeline stage's first rank, to its stage's ranks). Afterwards the store owns the
         weights and the model's own copy is released to ``meta``."""
         keys = list(model.state_dict(keep_vars=True))
-        mesh, tp = session.mesh, session.tensor_parallel
-        split = None if tp is None else partial(my_slices, session, comm.rank)
+        mesh = session.mesh
+        split = partial(my_slices, session, comm.rank) if session.splits else None
         tensors = allocate_state(
             model,
             session.model_info,
             session.units,
             session.layout,
             session.plan.seed,
-            mesh.shard_rank(comm.rank),
+            lambda unit: mesh.group_rank(unit.group, comm.rank),
             device,
             partial(state_tensor, device=device),
             nvme,
@@ -156,7 +156,7 @@ class StateStore(Mapping[str, torch.Tensor]):
             flat = state.get(f"{unit.key}.master", state[f"{unit.key}.param"])
             if flat.numel() != unit.padded_numel:
                 gathered = flat.new_empty(unit.padded_numel)
-                self.comm.on(DP_GROUP).all_gather(gathered, flat).wait()
+                self.comm.on(unit.group).all_gather(gathered, flat).wait()
                 flat = gathered
             for p in unit.params:
                 value = self._joined(p.fqn, unit.unflatten(flat)[p.fqn])
@@ -169,13 +169,14 @@ class StateStore(Mapping[str, torch.Tensor]):
 
     def _joined(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
         """The full value of a parameter of which this rank holds ``value``: gathered from
-        the tp ranks when tensor parallelism splits it (a collective on the ``tp`` group)."""
-        tp = self.session.tensor_parallel
-        split = tp.splits.get(fqn) if tp is not None else None
+        the ranks that split it (a collective on their group: ``tp`` for tensor parallelism's
+        layers, ``ep`` for the experts)."""
+        split = self.session.splits.get(fqn)
         if split is None:
             return value
         parts = value.new_empty((split.parts, *value.shape))
-        self.comm.on(TP_GROUP).all_gather(parts.view(-1), value.contiguous().view(-1)).wait()
+        group = self.comm.on(split.group)
+        group.all_gather(parts.view(-1), value.contiguous().view(-1)).wait()
         return split.join(list(parts))
 
     def materialize_model(self, model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -224,9 +225,14 @@ class StateStore(Mapping[str, torch.Tensor]):
 def my_slices(
     session: CompileSession, rank: int, values: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """``rank``'s slices of full parameter values (tensor parallelism)."""
-    assert session.tensor_parallel is not None
-    return session.tensor_parallel.local_values(values, session.mesh.tp_rank(rank))
+    """``rank``'s slices of full parameter values (tensor and expert parallelism)."""
+    splits, mesh = session.splits, session.mesh
+    return {
+        fqn: splits[fqn].take(v, mesh.group_rank(splits[fqn].group, rank))
+        if fqn in splits
+        else v
+        for fqn, v in values.items()
+    }
 
 
 def align_random_state(comm: Comm, session: CompileSession, device: torch.device) -> None:

@@ -43,6 +43,7 @@ from zerocc.engine.comm import Comm
 from zerocc.engine.failures import describe_node, failing_node
 from zerocc.engine.transfers import TransferStats
 from zerocc.ir.nodes import BATCH
+from zerocc.ir.ops import EP_GROUP
 from zerocc.runtime.agreement import END_OF_DATA, Agreement, RankAgreement, has_peers
 from zerocc.runtime.carried import CarriedUpdate
 from zerocc.runtime.context import open_context
@@ -111,6 +112,8 @@ class StepRunner:
         # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
         # group under hybrid sharding or tensor parallelism, made here: a collective).
         comm.use_mesh(self.mesh)
+        if self.session.expert_parallel is not None:  # the experts' tokens go over `ep`
+            self.session.expert_parallel.bind(comm.on(EP_GROUP))
         self.backend_name = resolve_backend(plan.backend.name, device)
         self.setup = SetupClock()
         opened = open_context(plan, comm, device, self.layout, self.setup)

@@ -22,7 +22,7 @@ from zerocc.backends.kernels import host_kernels, kernel_set, reference
 from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Work
 from zerocc.engine.kernel_set import KernelSet
-from zerocc.ir.ops import DP_GROUP, TO_HOST
+from zerocc.ir.ops import TO_HOST
 
 
 class EagerOps:
@@ -138,13 +138,18 @@ class EagerOps:
         return total
 
     def sum_squares_tp(
-        self, grad: torch.Tensor, scale: float, shared: list[int], parts: int, sharded: bool
+        self,
+        grad: torch.Tensor,
+        scale: float,
+        shared: list[int],
+        parts: int,
+        shard_group: str | None,
     ) -> torch.Tensor:
         """The squared norm of ``grad * scale``, the ``shared`` ranges counting 1/parts (see
         the op's schema in :mod:`zerocc.ir.ops`)."""
         size = grad.numel()
         cuts, lo = [], 0  # (start, end, weight) pieces covering the tensor, in order
-        for start, end in sorted(self._in_this_tensor(shared, size, sharded)):
+        for start, end in sorted(self._in_this_tensor(shared, size, shard_group)):
             cuts += [(lo, start, 1.0), (start, end, 1.0 / parts)]
             lo = end
         cuts.append((lo, size, 1.0))
@@ -188,21 +193,21 @@ class EagerOps:
         return tensor
 
     def _adamw(self, args: tuple) -> None:
-        *update, skip, sharded = args
+        *update, skip, shard_group = args
         param, _, exp_avg, exp_avg_sq, _, _, found_inf, param_copy, _, lr = update[:10]
         kernels = self.kernels_for(param)
         update[6] = self._flag_for(kernels, found_inf, param)
         update[9] = float(lr)  # the schedule's rate: a 0-dim tensor on the CPU, no sync
-        with self._untouched([param, exp_avg, exp_avg_sq], param_copy, skip, sharded):
+        with self._untouched([param, exp_avg, exp_avg_sq], param_copy, skip, shard_group):
             kernels.adamw_(*update)
 
     def _sgd(self, args: tuple) -> None:
-        *update, skip, sharded = args
+        *update, skip, shard_group = args
         param, _, momentum_buffer, _, found_inf, param_copy, _, lr = update[:8]
         kernels = self.kernels_for(param)
         update[4] = self._flag_for(kernels, found_inf, param)
         update[7] = float(lr)
-        with self._untouched([param, momentum_buffer], param_copy, skip, sharded):
+        with self._untouched([param, momentum_buffer], param_copy, skip, shard_group):
             kernels.sgd_(*update)
 
     def kernels_for(self, param: torch.Tensor) -> KernelSet:
@@ -240,7 +245,7 @@ class EagerOps:
         tensors: list[torch.Tensor | None],
         param_copy: torch.Tensor | None,
         skip: list[int],
-        sharded: bool,
+        shard_group: str | None,
     ) -> Iterator[None]:
         """Keep the ``skip`` ranges (flat offset, numel pairs, over the unit's whole flat
         buffer) of these tensors (the weights first) as they were: parameters the loss does
@@ -250,7 +255,7 @@ class EagerOps:
         tensors = [t for t in tensors if t is not None]
         kept = [
             (lo, hi, [t[lo:hi].clone() for t in tensors])
-            for lo, hi in self._in_this_tensor(skip, tensors[0].numel(), sharded)
+            for lo, hi in self._in_this_tensor(skip, tensors[0].numel(), shard_group)
         ]
         yield
         for lo, hi, copies in kept:
@@ -259,11 +264,13 @@ class EagerOps:
             if param_copy is not None:
                 param_copy[lo:hi].copy_(tensors[0][lo:hi])
 
-    def _in_this_tensor(self, ranges: list[int], size: int, sharded: bool) -> list[tuple[int, int]]:
+    def _in_this_tensor(
+        self, ranges: list[int], size: int, shard_group: str | None
+    ) -> list[tuple[int, int]]:
         """``ranges`` ((offset, numel) pairs over a unit's whole flat buffer) as (start, end)
-        in a tensor of ``size`` elements: the whole flat, or (``sharded``) this rank's shard of
-        it; the parts outside the shard are left out."""
-        base = self.ctx.comm.on(DP_GROUP).rank * size if sharded else 0
+        in a tensor of ``size`` elements: the whole flat, or this rank's shard of it over
+        ``shard_group``; the parts outside the shard are left out."""
+        base = self.ctx.comm.on(shard_group).rank * size if shard_group else 0
         within = []
         for offset, numel in zip(ranges[::2], ranges[1::2], strict=True):
             start, end = max(offset, base) - base, min(offset + numel, base + size) - base

@@ -223,8 +223,8 @@ def compile_rank(
     pass_list = bind_passes(plan)
     layout = state_layout(pass_list, units, plan)
     session = CompileSession(
-        model, plan, world_size, loss_fn, mesh, full, tp, held, pass_list, units, layout
-    )
+        model, plan, world_size, loss_fn, mesh, full, tp, None, held, pass_list, units, layout
+    )  # (no expert parallelism in a pipeline: a plan error)
     compiler = RankCompiler(
         plan, world_size, pp_rank, held, units, layout, pass_list, tp,
         tied_units=frozenset(f"tied.{fqn}" for fqn in tied),

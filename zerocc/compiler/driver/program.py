@@ -22,6 +22,7 @@ from zerocc.compat import LazyGraphModule
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.driver.pass_manager import PassContext, PassList, PassRecord, run_passes
 from zerocc.compiler.opaque import regions_in
+from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import NVME, StateLayout
@@ -72,6 +73,7 @@ def compile_program(
     keep_graphs: bool = False,
     training: bool = True,
     tensor_parallel: TensorParallel | None = None,
+    expert_parallel: ExpertParallel | None = None,
 ) -> CompiledProgram:
     """Capture ``model``'s step on ``batch`` and run ``pass_list`` for ``world_size`` ranks;
     ``boundary``: the program ends with the optimizer step. ``units``: the FSDP units the
@@ -80,10 +82,11 @@ def compile_program(
     inspection). ``training=False``: a forward-only program that returns the loss (evaluation;
     the passes find no gradient, so it gathers what forward needs and updates nothing).
     ``tensor_parallel``: the layers the plan splits (``model_info`` then gives each split
-    parameter's slice), captured in their tensor-parallel form."""
+    parameter's slice), captured in their tensor-parallel form; ``expert_parallel``: the
+    experts modules it splits, each call captured as a region exchanging its tokens."""
     start = time.perf_counter()
     casts = Casts.of(plan.precision)
-    tp = tensor_parallel
+    tp, ep = tensor_parallel, expert_parallel
     with tp.applied(model) if tp is not None else contextlib.nullcontext():
         gm = capture(
             model,
@@ -94,6 +97,7 @@ def compile_program(
             casts,
             gradients=training,
             loss_check=tp.check_loss if tp is not None else None,
+            bodies=ep.bodies() if ep is not None else None,
         )
     if tp is not None:
         tag_collectives(gm)
@@ -104,6 +108,7 @@ def compile_program(
         seconds,
         f"Captured by make_fx (took {seconds * 1e3:.1f} ms)"
         + (f"; {tp.describe()}" if tp else "")
+        + (f"; {ep.describe()}" if ep else "")
         + "".join(f"; {r.fqn} ({r.kind}) as an opaque region" for r in regions_in(gm)),
         0,
         n,
@@ -119,6 +124,7 @@ def compile_program(
         boundary=boundary and training,
         units=list(units or []),
         tensor_parallel=tp,
+        expert_parallel=ep,
     )
     gm, records = run_passes(gm, ctx, pass_list, snapshot if keep_graphs else None)
     check_bindings(gm, ctx.layout, model_info)

@@ -22,8 +22,9 @@ from torch import nn
 from zerocc.compiler.capture import LossFn, ModelInfo, describe_model
 from zerocc.compiler.driver.pass_manager import PassList, bind_passes, state_layout
 from zerocc.compiler.driver.program import CompiledProgram, compile_program
+from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.compiler.parallel.tensor_parallel import TensorParallel
+from zerocc.compiler.parallel.tensor_parallel import Split, TensorParallel
 from zerocc.compiler.passes.partition import assign_units, repeated_block
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
@@ -56,6 +57,7 @@ class CompileSession:
     mesh: Mesh
     full_model_info: ModelInfo  # every parameter whole (checkpoints name and shape them so)
     tensor_parallel: TensorParallel | None  # the layers the plan splits, if any
+    expert_parallel: ExpertParallel | None  # the experts modules it splits, if any
     model_info: ModelInfo  # what a rank holds: each split parameter's slice
     pass_list: PassList
     units: list[Unit]
@@ -73,11 +75,14 @@ class CompileSession:
             raise NotSupportedError(PIPELINE_NOT_YET)
         full = describe_model(model)
         tp = TensorParallel.of(model, full, plan)
+        ep = ExpertParallel.of(model, full, plan)
         model_info = tp.local_info(full) if tp is not None else full
+        model_info = ep.local_info(model_info) if ep is not None else model_info
         pass_list = bind_passes(plan)
         units = plan.units
+        experts = ep.units(mesh) if ep is not None else None
         assigned = assign_units(
-            model_info, mesh.shard_size, units.classes, units.modules, units.min_mb
+            model_info, mesh.shard_size, units.classes, units.modules, units.min_mb, experts
         )
         layout = state_layout(pass_list, assigned, plan)
         _warn_if_gathered_whole(plan, model_info, assigned, mesh)
@@ -89,6 +94,7 @@ class CompileSession:
             mesh,
             full,
             tp,
+            ep,
             model_info,
             pass_list,
             assigned,
@@ -125,7 +131,15 @@ class CompileSession:
             keep_graphs=keep_graphs,
             training=training,
             tensor_parallel=self.tensor_parallel,
+            expert_parallel=self.expert_parallel,
         )
+
+    @property
+    def splits(self) -> dict[str, Split]:
+        """Every parameter the ranks split (by FQN, every alias): tensor parallelism's layers
+        and expert parallelism's experts; a rank holds its slice (see :meth:`Split.take`)."""
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        return (tp.splits if tp is not None else {}) | (ep.splits if ep is not None else {})
 
 
 def _warn_if_gathered_whole(plan: Plan, model: ModelInfo, units: list[Unit], mesh: Mesh) -> None:

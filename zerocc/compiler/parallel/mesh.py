@@ -18,6 +18,13 @@ reduce-scatters, and the all-reduces of what every shard group computes alike, t
 and the overflow flag), ``replicate`` (the ranks holding the same shard: the gradient all-reduce)
 and ``tp`` (the ranks splitting a layer: its activations' all-reduces and gathers). Without
 hybrid sharding or tensor parallelism, ``dp`` is every rank and the others are not used.
+
+Expert parallelism (``parallel.ep: E``) splits each experts module's experts over groups of
+``E`` consecutive data-parallel ranks, ``ep`` (the tokens' all-to-alls run there); the ranks
+holding the same experts, one of each ``ep`` group, are ``edp``: the experts' units are sharded
+and their gradients reduced over them (torchtitan's ``efsdp``), every other unit over ``dp``.
+
+    data rank = block * ep + ep_rank        (edp rank = block)
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from dataclasses import dataclass
 
 from zerocc.compiler.plan import Plan, check_layout
 from zerocc.ir.ops import DP_GROUP as DP
+from zerocc.ir.ops import EP_GROUP as EP
+from zerocc.ir.ops import EXPERT_DP_GROUP as EDP
 from zerocc.ir.ops import PP_GROUP as PP
 from zerocc.ir.ops import REPLICATE_GROUP as REPLICATE
 from zerocc.ir.ops import TIE_GROUP as TIE
@@ -35,26 +44,30 @@ from zerocc.ir.ops import TP_GROUP as TP
 @dataclass(frozen=True)
 class Mesh:
     """``world_size`` ranks as ``replicate`` replicas of shard groups of ``shard_size``
-    data-parallel ranks, each of them ``tp`` tensor-parallel ranks."""
+    data-parallel ranks, each of them ``tp`` tensor-parallel ranks; the data-parallel ranks in
+    groups of ``ep`` splitting the experts."""
 
     world_size: int
     replicate: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     @staticmethod
-    def of(world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1) -> Mesh:
+    def of(world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> Mesh:
         """The layout of ``world_size`` ranks for a plan's ``zero.replicate``,
-        ``parallel.tp`` and ``parallel.pp``; a PlanError when the ranks cannot be split so."""
-        check_layout(world_size, replicate, tp, pp)
-        return Mesh(world_size, replicate, tp, pp)
+        ``parallel.tp``, ``parallel.pp`` and ``parallel.ep``; a PlanError when the ranks
+        cannot be split so."""
+        check_layout(world_size, replicate, tp, pp, ep)
+        return Mesh(world_size, replicate, tp, pp, ep)
 
     @staticmethod
     def of_plan(plan: Plan, world_size: int) -> Mesh:
         """The layout of ``world_size`` ranks under ``plan`` (``zero.replicate``,
         ``parallel``); a PlanError when the ranks cannot take it."""
         plan.check_world_size(world_size)
-        return Mesh(world_size, plan.zero.replicate, plan.parallel.tp, plan.parallel.pp)
+        parallel = plan.parallel
+        return Mesh(world_size, plan.zero.replicate, parallel.tp, parallel.pp, parallel.ep)
 
     @property
     def stage_ranks(self) -> int:
@@ -81,10 +94,15 @@ class Mesh:
         return self.replicate > 1
 
     @property
+    def expert_shard_size(self) -> int:
+        """Ranks an experts unit is sharded over: those holding the same experts."""
+        return self.data_parallel // self.ep
+
+    @property
     def split(self) -> bool:
-        """Whether the ranks are split into groups at all (HSDP, tensor or pipeline
+        """Whether the ranks are split into groups at all (HSDP, tensor, pipeline or expert
         parallelism)."""
-        return self.hybrid or self.tp > 1 or self.pp > 1
+        return self.hybrid or self.tp > 1 or self.pp > 1 or self.ep > 1
 
     def data_rank(self, rank: int) -> int:
         """Which data-parallel rank ``rank`` is (whose batch it trains on: the ranks of one
@@ -102,6 +120,21 @@ class Mesh:
     def tp_rank(self, rank: int) -> int:
         """Which slice of each tensor-parallel layer ``rank`` holds."""
         return rank % self.tp
+
+    def ep_rank(self, rank: int) -> int:
+        """Which slice of each experts module's experts ``rank`` holds."""
+        return self.data_rank(rank) % self.ep
+
+    def group_rank(self, name: str, rank: int) -> int:
+        """``rank``'s place in its group of kind ``name`` (the slice or shard it holds)."""
+        places = {
+            DP: self.shard_rank,
+            REPLICATE: self.replica,
+            TP: self.tp_rank,
+            EP: self.ep_rank,
+            EDP: lambda r: self.data_rank(r) // self.ep,
+        }
+        return places[name](rank)
 
     def groups(self, name: str) -> list[list[int]]:
         """The ranks of every group of kind ``name`` (``dp``, ``replicate``, ``tp`` or
@@ -121,15 +154,23 @@ class Mesh:
             stage = [list(range(i * t + j, n, s * t)) for i in range(s) for j in range(t)]
         elif name == TP:
             stage = [list(range(d * t, (d + 1) * t)) for d in range(self.data_parallel)]
+        elif name in (EP, EDP):
+            e, blocks = self.ep, self.data_parallel // self.ep
+            at = lambda b, i, j: (b * e + i) * t + j  # noqa: E731 (data rank b × ep + i, tp j)
+            if name == EP:
+                stage = [[at(b, i, j) for i in range(e)] for b in range(blocks) for j in range(t)]
+            else:
+                stage = [[at(b, i, j) for b in range(blocks)] for i in range(e) for j in range(t)]
         else:
-            known = ", ".join((DP, REPLICATE, TP, PP, TIE))
+            known = ", ".join((DP, REPLICATE, TP, PP, TIE, EP, EDP))
             raise ValueError(f"unknown group {name!r}; known: {known}")
         return [[p * n + r for r in ranks] for p in range(self.pp) for ranks in stage]
 
     def named_groups(self) -> list[str]:
         """The kinds of group this layout splits the ranks into, in the order they are made."""
         pipeline = [PP, TIE] if self.pp > 1 else []
-        return [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1) + pipeline
+        experts = [EP, EDP] if self.ep > 1 else []
+        return [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1) + pipeline + experts
 
     def describe(self) -> str:
         """One line for explain() and the estimate: the layout and its groups (the first two
@@ -146,6 +187,11 @@ class Mesh:
             )
         if self.tp > 1:
             groups.append(f"layers split over the tp groups {_some(self.groups(TP))}")
+        if self.ep > 1:
+            groups.append(
+                f"experts split over the ep groups {_some(self.groups(EP))}, their units "
+                f"sharded over the edp groups {_some(self.groups(EDP))}"
+            )
         if self.pp > 1:
             sizes.insert(0, f"{self.pp} pipeline stages' ranks")
             index = f"pp × {self.stage_ranks} + {index}"

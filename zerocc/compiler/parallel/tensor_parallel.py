@@ -59,12 +59,14 @@ HEAD_COUNTS = ("n_head", "num_attention_heads", "num_key_value_heads", "num_head
 
 @dataclass(frozen=True)
 class Split:
-    """How one parameter is split over ``parts`` ranks: along ``dim``, in ``blocks`` equal
-    blocks side by side (a fused q/k/v weight: 3), each block split alike."""
+    """How one parameter is split over ``parts`` ranks (the mesh's ``group``: ``tp``, or
+    ``ep`` for experts): along ``dim``, in ``blocks`` equal blocks side by side (a fused q/k/v
+    weight: 3), each block split alike."""
 
     dim: int
     parts: int
     blocks: int = 1
+    group: str = TP
 
     def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         local = list(shape)

@@ -34,7 +34,7 @@ from zerocc.compiler.passes.spec import PassContext
 from zerocc.compiler.plan import ZeroConfig
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
-from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, TIE_GROUP, op
+from zerocc.ir.ops import REPLICATE_GROUP, TIE_GROUP, op
 
 aten = torch.ops.aten
 
@@ -178,7 +178,7 @@ class Gradients:
         return emit(self.graph, op("pack"), args, note=note, role=role, **self._at(unit))
 
     def reduce_scatter(self, full: fx.Node, unit: Unit, note: str, role: str | None) -> fx.Node:
-        args = (full, unit.world_size, DP_GROUP)
+        args = (full, unit.world_size, unit.group)
         nbytes = unit.padded_numel * unit.dtype.itemsize
         return unit_collective(
             self.graph, "reduce_scatter_start", args, unit, "backward", nbytes, note, role
@@ -188,7 +188,7 @@ class Gradients:
         nbytes = 2 * unit.padded_numel * unit.dtype.itemsize
         note = f"all-reduce {unit.name}'s gradient (DDP)"
         return unit_collective(
-            self.graph, "all_reduce_start", (full, DP_GROUP), unit, "backward", nbytes, note,
+            self.graph, "all_reduce_start", (full, unit.group), unit, "backward", nbytes, note,
             GRAD_SHARD,
         )  # fmt: skip
 

@@ -148,7 +148,7 @@ def optimizer(
                 if span is not None:  # one parameter's gradient: update its slice of the flat
                     tensors = [_slice(graph, t, span, u.name) for t in tensors]
                 update = _Update(tensors[0], grad, tensors[1:-1], tensors[-1])
-                _emit_update(graph, config, u.name, update, step, lr, coef, found_inf, scale, zero)
+                _emit_update(graph, config, u, update, step, lr, coef, found_inf, scale, zero)
             _after_update(graph, ctx, zero, u, param, by_role)
     return gm
 
@@ -170,7 +170,7 @@ def _after_update(
             graph,
             op("all_gather_into_start"),
             op("wait"),
-            (full, param, DP_GROUP),
+            (full, param, unit.group),
             nbytes=unit.padded_numel * val(full).dtype.itemsize,
             unit=unit.name,
             note=f"all-gather {unit.name}'s updated shards",
@@ -210,7 +210,7 @@ def _slice(graph: fx.Graph, flat: fx.Node | None, span: tuple[int, int], unit: s
 def _emit_update(
     graph: fx.Graph,
     config: OptimizerConfig,
-    unit: str,
+    unit: Unit,
     update: _Update,
     step: fx.Node | None,
     lr: fx.Node,
@@ -221,7 +221,8 @@ def _emit_update(
 ) -> None:
     """One ``adamw_`` / ``sgd_`` of a flat shard (or of one parameter's slice of it)."""
     skip = list(info(update.grad).no_grad)
-    where = {"unit": unit, "phase": "optimizer"}
+    where = {"unit": unit.name, "phase": "optimizer"}
+    shard_group = unit.group if zero.shards_optimizer else None
     if config.name == "adamw":
         m, v = update.states
         args = (
@@ -240,7 +241,7 @@ def _emit_update(
             config.eps,
             config.weight_decay,
             skip,
-            zero.shards_optimizer,
+            shard_group,
         )
         emit(graph, op("adamw_"), args, **where)
     else:
@@ -257,7 +258,7 @@ def _emit_update(
             config.momentum,
             config.weight_decay,
             skip,
-            zero.shards_optimizer,
+            shard_group,
         )
         emit(graph, op("sgd_"), args, **where)
 
@@ -318,7 +319,7 @@ def _split_norm(
             else:  # one parameter's gradient
                 param = next(p for p in u.params if p.offset == span[0])
                 shared = [] if param.fqn in tp.splits else [0, span[1]]
-            args = (grad, scale, shared, tp.parts, zero.shards_optimizer)
+            args = (grad, scale, shared, tp.parts, u.group if zero.shards_optimizer else None)
             parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
     total = parts[0]
     for part in parts[1:]:

@@ -42,7 +42,7 @@ from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import GRAD, info, op_kind, op_name, val
-from zerocc.ir.ops import DP_GROUP, TP_GROUP, op
+from zerocc.ir.ops import TP_GROUP, UNIT_GROUPS, op
 from zerocc.ir.verify import check_well_formed
 
 aten = torch.ops.aten
@@ -65,7 +65,7 @@ class Collective:
         return (
             op_name(self.start.target) == "zerocc.all_gather_start"
             and info(self.start).phase in ("forward", "backward")
-            and self.start.args[-1] == DP_GROUP  # (tensor parallelism's gathers its logits)
+            and self.start.args[-1] in UNIT_GROUPS  # (tensor parallelism's gathers its logits)
         )
 
 

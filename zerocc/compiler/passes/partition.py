@@ -16,9 +16,10 @@ from zerocc.compiler.capture import ModelInfo, ParamInfo
 from zerocc.compiler.names import glob_matches
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan.parallelism import AUTO_UNITS
-from zerocc.compiler.units import Unit
+from zerocc.compiler.units import ExpertUnits, Unit
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import PARAM, info, placeholders, tag
+from zerocc.ir.ops import EXPERT_DP_GROUP
 
 ROOT = ""
 
@@ -82,11 +83,20 @@ def _add_size_roots(model: ModelInfo, roots: set[str], min_mb: float) -> None:
 
 
 def assign_units(
-    model: ModelInfo, world_size: int, classes: list[str], modules: list[str], min_mb: float | None
+    model: ModelInfo,
+    world_size: int,
+    classes: list[str],
+    modules: list[str],
+    min_mb: float | None,
+    experts: ExpertUnits | None = None,
 ) -> list[Unit]:
     """The units of ``model`` for the plan's ``units`` section, ordered as their parameters are
-    (``auto`` among the classes: the model's repeated block, none when it has none)."""
+    (``auto`` among the classes: the model's repeated block, none when it has none).
+    ``experts``: expert parallelism's experts modules, each a unit of its own, sharded over
+    the ranks holding the same experts."""
     roots = _match_roots(model, unit_classes(model, classes), modules)
+    if experts is not None:
+        roots |= set(experts.modules)
     if min_mb is not None:
         _add_size_roots(model, roots, min_mb)
     groups: dict[tuple[str, bool], list[ParamInfo]] = {}
@@ -95,8 +105,13 @@ def assign_units(
     units = []
     for (root, trainable), params in groups.items():
         name = root or "root"
-        units.append(Unit.build(name if trainable else f"{name}[frozen]", params, world_size))
+        name = name if trainable else f"{name}[frozen]"
+        if experts is not None and root in experts.modules:
+            units.append(Unit.build(name, params, experts.world_size, EXPERT_DP_GROUP))
+        else:
+            units.append(Unit.build(name, params, world_size))
     return units
+
 
 
 def unit_classes(model: ModelInfo, classes: list[str]) -> list[str]:
@@ -156,7 +171,10 @@ def partition(
     it before the first call), so it hands the units it allocated for in ``ctx.units``: they are
     built once, here or there, never twice. A compile-only run (inspect, estimate) has none."""
     if not ctx.units:
-        ctx.units = assign_units(ctx.model, ctx.mesh.shard_size, classes, modules, min_mb)
+        experts = ctx.expert_parallel.units(ctx.mesh) if ctx.expert_parallel else None
+        ctx.units = assign_units(
+            ctx.model, ctx.mesh.shard_size, classes, modules, min_mb, experts
+        )
     unit_of = {p.fqn: u.name for u in ctx.units for p in u.params}
     for node in placeholders(gm, PARAM):
         tag(node, unit=unit_of[info(node).key])

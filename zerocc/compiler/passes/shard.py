@@ -55,7 +55,7 @@ from zerocc.ir.nodes import (
     state_placeholder,
     tag,
 )
-from zerocc.ir.ops import DP_GROUP, op
+from zerocc.ir.ops import op
 
 aten = torch.ops.aten
 
@@ -146,7 +146,7 @@ class _ShardRewriter:
         flat = unit_collective(
             self.graph,
             "all_gather_start",
-            (self.state[unit.name]["param"], unit.world_size, DP_GROUP),
+            (self.state[unit.name]["param"], unit.world_size, unit.group),
             unit,
             phase,
             unit.padded_numel * unit.dtype.itemsize,

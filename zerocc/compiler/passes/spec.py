@@ -18,6 +18,7 @@ from torch import fx
 
 from zerocc.compiler.capabilities import Capability, capability
 from zerocc.compiler.capture import ModelInfo
+from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.plan import Plan
@@ -120,6 +121,8 @@ class PassContext:
     layout: StateLayout = field(default_factory=StateLayout)
     # The layers the plan splits over the tp ranks (``model`` gives their slices' shapes).
     tensor_parallel: TensorParallel | None = None
+    # The experts modules the plan splits over the ep ranks (``model`` gives their slices).
+    expert_parallel: ExpertParallel | None = None
     # A pipeline rank's update, after its stages' backward programs accumulated the gradients
     # of these parameters (FQNs): a program with no forward or backward of its own, which
     # reduces the accumulated gradients and updates. None: any other program.

@@ -195,7 +195,7 @@ class Plan(Section):
                 f"parallel: {factors} is {dp * tp * pp} ranks, but the world size is "
                 f"{world_size}; allowed: {product} = {world_size} (or leave dp out)"
             )
-        check_layout(world_size, self.zero.replicate, tp, pp)
+        check_layout(world_size, self.zero.replicate, tp, pp, self.parallel.ep)
 
     def least_world_size(self) -> int:
         """The fewest ranks (2 or more) this plan's layout takes: ``zero.world_size`` when it
@@ -273,6 +273,24 @@ class Plan(Section):
                 f"pipeline.split names {len(pipeline.split)} units, but {stages} stages "
                 f"(parallel.pp {pp} × stages_per_rank {pipeline.stages_per_rank_of()}) begin "
                 f"at {stages - 1} units after the first; name {stages - 1}, or split: auto"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _experts_split_over_data_ranks(self) -> Plan:
+        ep = self.parallel.ep
+        not_yet = {
+            "zero.replicate": self.zero.replicate > 1,
+            "parallel.pp": self.parallel.pp > 1,
+            "parallel.sequence_parallel": self.parallel.sequence_parallel,
+            "zero.stage: 0": self.zero.stage == 0,
+        }
+        taken = [name for name, set_ in not_yet.items() if set_]
+        if ep > 1 and taken:
+            raise ValueError(
+                f"parallel.ep: {ep} with {', '.join(taken)}: expert parallelism composes with "
+                "ZeRO over the data-parallel ranks and with tensor parallelism (tp), not yet "
+                f"with these; drop {' and '.join(taken)} or set parallel.ep: 1"
             )
         return self
 

@@ -94,6 +94,10 @@ class TpLayer(Section):
         return self
 
 
+AUTO_UNITS = "auto"  # units.classes: the model's repeated block
+AUTO_EXPERTS = "auto"  # parallel.experts: every class named *Experts
+
+
 class ParallelConfig(Section):
     """The ranks' mesh beyond ZeRO: tensor parallelism over ``tp`` ranks (Megatron-style) and
     pipeline stages over ``pp``."""
@@ -115,6 +119,20 @@ class ParallelConfig(Section):
         description="module FQN globs ('*' within a dotted name's component, '**' across "
         "dots, e.g. 'transformer.h.*.mlp.c_fc') -> style "
         "(colwise, rowwise, vocab) or {style, fused}; every glob must match a module",
+    )
+
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert-parallel ranks: each experts module's experts split over this many "
+        "data-parallel ranks, its tokens sent to the ranks holding their experts and back "
+        "(all-to-all); the experts' states sharded over the ranks holding the same experts",
+    )
+    experts: list[str] = Field(
+        default_factory=lambda: [AUTO_EXPERTS],
+        description="with ep > 1: the class names of the experts modules (their parameters "
+        "stacked by expert along dim 0, called as (hidden_states, top_k_index, top_k_weights), "
+        "as transformers' MoE models' are); 'auto': every class named *Experts",
     )
 
     sequence_parallel: bool = Field(
@@ -154,7 +172,6 @@ class ParallelConfig(Section):
         }
 
 
-AUTO_UNITS = "auto"  # units.classes: the model's repeated block
 
 
 class UnitsConfig(Section):
@@ -193,10 +210,13 @@ class UnitsConfig(Section):
     )
 
 
-def check_layout(world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1) -> None:
+def check_layout(
+    world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1, ep: int = 1
+) -> None:
     """A PlanError when ``world_size`` ranks cannot be split into ``parallel.pp`` pipeline
     stages' ranks of ``zero.replicate`` replicas of shard groups, each rank of them
-    ``parallel.tp`` tensor-parallel ranks."""
+    ``parallel.tp`` tensor-parallel ranks, their data-parallel ranks in groups of
+    ``parallel.ep`` splitting the experts."""
     if world_size % tp:
         raise PlanError(
             f"parallel.tp: {tp} does not divide the world size {world_size}; allowed: a "
@@ -221,6 +241,11 @@ def check_layout(world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1) 
             f"data-parallel ranks{_of_tp(world_size, tp)}): nothing would be sharded; use "
             "zero.stage: 0 (DDP) for full replicas, or a smaller replicate (a divisor of "
             f"{data} below it)"
+        )
+    if ep > 1 and data % ep:
+        raise PlanError(
+            f"parallel.ep: {ep} does not divide the {data} data-parallel ranks"
+            f"{_of_tp(world_size, tp)}; allowed: a divisor of {data}"
         )
 
 

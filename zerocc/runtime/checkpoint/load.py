@@ -160,17 +160,18 @@ def _load(runner: Checkpointed, folder: Path, manifest: Manifest) -> None:
 def _fill(runner: Checkpointed, flat: FlatState, read: Read) -> None:
     """Fill one flat state from the saved tensors: the pieces this rank holds, cast to the
     flat's dtype, padding zero."""
-    spec, tp = flat.spec, runner.session.tensor_parallel
+    spec, splits, mesh, rank = flat.spec, runner.session.splits, runner.mesh, runner.comm.rank
     values = torch.zeros(spec.shape, dtype=spec.dtype)
-    for piece in flat.pieces(runner.mesh.shard_rank(runner.comm.rank), whole=True):
+    for piece in flat.pieces(mesh.group_rank(flat.unit.group, rank), whole=True):
         name = flat.name(piece.param)
-        split = tp.splits.get(piece.param.fqn) if tp is not None else None
+        split = splits.get(piece.param.fqn)
         if split is None:
             part = read(name, piece.start, piece.stop)
-        else:  # this tp rank's rows of the whole tensor: read their span, keep them
+        else:  # this rank's rows of the whole tensor (its tp slice, or its experts): read
+            # their span, keep them
             row = split.row(piece.param.param.shape)
-            rank = runner.mesh.tp_rank(runner.comm.rank)
-            where = split.to_whole(torch.arange(piece.start, piece.stop), rank, row)
+            at = mesh.group_rank(split.group, rank)
+            where = split.to_whole(torch.arange(piece.start, piece.stop), at, row)
             first, last = int(where[0]), int(where[-1])
             part = read(name, first, last + 1)[where - first]
         values[piece.at : piece.at + piece.stop - piece.start].copy_(part)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerocc.compiler.state import optimizer_states
+from zerocc.ir.ops import TP_GROUP
 from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered, raise_errors
 from zerocc.runtime.checkpoint.files import (
     CheckpointError,
@@ -193,21 +194,21 @@ def _rank_pieces(runner: Checkpointed) -> list[Piece]:
         pieces.append(Piece(name, shape, values, start, stride, runs))
 
     states = saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer))
-    tp, tp_rank = runner.session.tensor_parallel, mesh.tp_rank(rank)
+    splits, tp_rank = runner.session.splits, mesh.tp_rank(rank)
     whole = {p.fqn: list(p.shape) for p in runner.full_model_info.params}
     for flat in states if mesh.replica(rank) == 0 else []:
         values = runner.state.read(flat.spec.key)
-        for piece in flat.pieces(mesh.shard_rank(rank)):
+        for piece in flat.pieces(mesh.group_rank(flat.unit.group, rank)):
             name, fqn = flat.name(piece.param), piece.param.fqn
-            if fqn in elsewhere:
-                continue
-            split = tp.splits.get(fqn) if tp is not None else None
+            split = splits.get(fqn)
+            if fqn in elsewhere or (tp_rank != 0 and (split is None or split.group != TP_GROUP)):
+                continue  # (every tp rank holds what tensor parallelism does not split alike)
             part = values[piece.at : piece.at + piece.stop - piece.start]
-            if split is None and tp_rank == 0:  # (every tp rank holds it alike)
+            if split is None:
                 add(name, whole[fqn], part, piece.start)
-            elif split is not None:  # this tp rank's rows of it
-                row = split.row(piece.param.param.shape)
-                for lo, first, length, runs in split.runs(piece.start, piece.stop, tp_rank, row):
+            else:  # this rank's rows of it (its tp slice, or its experts)
+                row, at = split.row(piece.param.param.shape), mesh.group_rank(split.group, rank)
+                for lo, first, length, runs in split.runs(piece.start, piece.stop, at, row):
                     rows = part[lo - piece.start : lo - piece.start + length * runs]
                     add(name, whole[fqn], rows, first, split.parts * row, runs)
     rng = {"cpu": torch.get_rng_state()}
