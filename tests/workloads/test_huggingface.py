@@ -406,15 +406,23 @@ def test_zerocc_train_fine_tunes_the_example():
 
 def test_a_deepseek_v3_sized_mixture_of_experts_estimates_on_the_meta_device(capsys):
     """examples/huggingface/deepseek-v3.yaml at 4 of its 61 layers (the 4th is the first of
-    experts): compiled on meta, nothing allocated. Without expert parallelism every rank
-    gathers a whole MoE layer's 256 experts at once, 22.5 GiB in bf16, and the estimate says
-    so."""
+    experts), 1024 ranks as ep 64 × dp 16: compiled on meta, nothing allocated. Each rank
+    gathers its 4 experts of the MoE layer from the 16 ranks holding them, and the estimate
+    counts the tokens' all-to-alls. Without expert parallelism every rank gathers the layer's
+    256 experts at once, 22.5 GiB in bf16, and the estimate says so."""
     from zerocc.cli.main import main
 
-    argv = ["estimate", str(EXAMPLE / "deepseek-v3.yaml"), "--world-size", "64",
+    base = ["estimate", str(EXAMPLE / "deepseek-v3.yaml"), "--world-size", "1024",
             "--set", "workload_args.layers=4", "--json"]  # fmt: skip
-    assert main(argv) == 0
+    expert = 3 * 7168 * 2048 * 2  # gate, up and down projections, bf16
+    assert main(base) == 0
     estimate = json.loads(capsys.readouterr().out)
-    experts = 256 * 3 * 7168 * 2048 * 2  # gate, up and down projections, bf16
+    # 4 experts per rank, gathered in forward and again in backward (a multiple of 16 already)
+    assert estimate["comm_bytes_per_step"]["all_gather (edp)"] == 2 * 4 * expert
+    assert estimate["peak"]["gathered"] < 256 * expert / 2  # the dense units, 4 experts
+    assert any("all-to-all (ep 64)" in note for note in estimate["notes"]), estimate["notes"]
+    assert main([*base, "--set", "parallel.ep=1"]) == 0
+    estimate = json.loads(capsys.readouterr().out)
+    experts = 256 * expert
     assert experts <= estimate["peak"]["gathered"] <= 1.5 * experts
     assert estimate["comm_bytes_per_step"]["all_gather"] >= 2 * experts  # forward, backward

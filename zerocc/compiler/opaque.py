@@ -145,8 +145,13 @@ _serial = itertools.count()
 
 def regions_in(gm: fx.GraphModule) -> list[Region]:
     """The regions whose forward ``gm`` runs, in graph order."""
+    return [region for region, _ in calls_in(gm)]
+
+
+def calls_in(gm: fx.GraphModule) -> list[tuple[Region, fx.Node]]:
+    """Each region whose forward ``gm`` runs, with the node that runs it, in graph order."""
     return [
-        _REGIONS[n.args[0]]
+        (_REGIONS[n.args[0]], n)
         for n in gm.graph.nodes
         if n.op == "call_function" and n.target is torch.ops.zerocc_opaque.region_forward.default
     ]

@@ -18,6 +18,7 @@ from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.program import CompiledProgram
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.opaque import region_lines
+from zerocc.compiler.parallel.experts import exchange_lines
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.state import HOST, NVME
@@ -177,7 +178,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         held_gradient_bytes(inspection.stepping.gm),
         sum(u.padded_numel for u in inspection.units if u.trainable),
         gradients_copied_out(inspection.stepping.gm),
-        region_lines([inspection.stepping.gm]),
+        region_lines([inspection.stepping.gm]) + exchange_lines([inspection.stepping.gm]),
     )
 
 

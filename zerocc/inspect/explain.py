@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from zerocc.compiler.opaque import region_lines
+from zerocc.compiler.parallel.experts import exchange_lines
 from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
@@ -196,6 +197,7 @@ def explain_step(step: StepRecord) -> str:
         *mesh_lines(step.mesh),
         *([step.units_note] if step.units_note else []),
         *region_lines(step.programs.values()),
+        *exchange_lines(step.programs.values()),
         precision_line(step),
         backend_line(step),
         *step.backend_notes,

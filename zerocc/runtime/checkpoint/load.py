@@ -202,8 +202,8 @@ def restore_counters(runner: Checkpointed, meta: dict[str, Any]) -> list[str]:
     if meta["stage"] != runner.plan.zero.stage:
         notes.append(f"saved at ZeRO stage {meta['stage']}, resharded for stage "
                      f"{runner.plan.zero.stage}")  # fmt: skip
-    saved_parallel = {"tp": 1, "pp": 1, **meta["plan"].get("parallel", {})}
-    for axis in ("tp", "pp"):
+    saved_parallel = {"tp": 1, "pp": 1, "ep": 1, **meta["plan"].get("parallel", {})}
+    for axis in ("tp", "pp", "ep"):
         theirs, ours = saved_parallel[axis], getattr(runner.plan.parallel, axis)
         if theirs != ours:
             notes.append(f"saved under parallel.{axis}: {theirs}, resharded for {ours}")

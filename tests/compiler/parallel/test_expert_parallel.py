@@ -1,0 +1,115 @@
+"""Expert parallelism (``parallel.ep``): the ranks' layout, the plan's checks, and the program
+of a simulated world (``FakeComm``): each experts module a region exchanging its tokens, its
+parameters each rank's experts, a unit of their own sharded over ``edp``. Training parity on
+real gloo ranks: tests/parity/test_expert_parallel_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import MoECausalLM, _token_batch, tiny_gpt
+
+import zerocc
+from zerocc.compiler.opaque import calls_in
+from zerocc.compiler.parallel.experts import exchange_lines
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.plan import load_plan
+from zerocc.errors import PlanError
+from zerocc.inspect.estimate import estimate, inspect_plan
+from zerocc.ir.nodes import op_name
+
+pytest.importorskip(
+    "transformers", reason='mixture-of-experts models need transformers: pip install "zerocc[hf]"'
+)
+
+
+def _plan(ep: int = 2, **extra) -> dict:
+    return {
+        "zero": {"stage": 3},
+        "parallel": {"ep": ep},
+        "units": {"classes": ["MixtralDecoderLayer"]},
+        "optimizer": {"name": "adamw", "lr": 1e-2, "grad_clip": 1.0},
+        "backend": {"device": "cpu"},
+        **extra,
+    }
+
+
+def _workload() -> zerocc.Workload:
+    torch.manual_seed(0)
+
+    def batches(rank: int, world: int):
+        while True:
+            yield _token_batch(0, rank)
+
+    return zerocc.Workload(MoECausalLM("mixtral", "grouped_mm"), batches=batches)
+
+
+def test_ep_groups_are_neighbouring_data_ranks_and_edp_the_ranks_holding_the_same_experts():
+    mesh = Mesh.of(8, ep=4)
+    assert mesh.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [mesh.ep_rank(r) for r in range(8)] == [0, 1, 2, 3] * 2
+    assert [mesh.group_rank("edp", r) for r in range(8)] == [0] * 4 + [1] * 4
+    assert mesh.expert_shard_size == 2
+    with_tp = Mesh.of(8, tp=2, ep=2)  # ep within each tp slice's ranks
+    assert with_tp.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert with_tp.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert "experts split over the ep groups [0-3], [4-7]" in mesh.describe()
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"zero": {"stage": 0}}, "with zero.stage: 0"),
+        ({"zero": {"stage": 3, "replicate": 2}}, "with zero.replicate"),
+        ({"parallel": {"ep": 2, "pp": 2}}, "with parallel.pp"),
+    ],
+)
+def test_what_expert_parallelism_does_not_compose_with_yet_is_a_plan_error(extra, says):
+    with pytest.raises(PlanError, match=says):
+        load_plan(_plan() | extra)
+
+
+def test_an_ep_that_does_not_divide_the_data_ranks_is_a_plan_error():
+    with pytest.raises(PlanError, match="parallel.ep: 3 does not divide the 4 data-parallel"):
+        zerocc.compile(MoECausalLM("mixtral", "grouped_mm"), _plan(3), comm=zerocc.FakeComm(4))
+
+
+@pytest.mark.parametrize(
+    ("model", "plan", "says"),
+    [
+        # 4 experts over 8 ranks
+        (lambda: MoECausalLM("mixtral", "grouped_mm"), _plan(8),
+         r"does not divide lm.model.layers.0.mlp.experts's 4 experts; allowed: 1, 2, 4"),
+        (tiny_gpt, _plan(2, units={}), "this model has no experts module"),
+        (lambda: MoECausalLM("mixtral", "grouped_mm"),
+         _plan(2, parallel={"ep": 2, "experts": ["MoeExperts"]}),
+         "no module of class 'MoeExperts' in the model"),
+    ],
+)  # fmt: skip
+def test_a_model_expert_parallelism_cannot_split_is_a_plan_error_naming_it(model, plan, says):
+    with pytest.raises(PlanError, match=says):
+        zerocc.compile(model(), plan, comm=zerocc.FakeComm(8))
+
+
+def test_the_program_holds_each_rank_s_experts_and_their_units_over_edp():
+    inspection = inspect_plan(_plan(2), 4, _workload())
+    experts = [u for u in inspection.units if u.name.endswith(".mlp.experts")]
+    assert len(experts) == 2  # one unit per layer's experts, apart from the layer's
+    assert all(u.group == "edp" and u.world_size == 2 for u in experts)
+    # 2 of the 4 experts per rank: gate/up and down projections
+    assert all(p.param.shape[0] == 2 for u in experts for p in u.params)
+    dense = [u for u in inspection.units if u.name.endswith("DecoderLayer") or "layers." in u.name]
+    assert all(u.group == "dp" and u.world_size == 4 for u in dense if u not in experts)
+    gm = inspection.stepping.gm
+    assert len(calls_in(gm)) == 2  # each layer's experts call, a region
+    gathers = [n for n in gm.graph.nodes if op_name(n.target) == "zerocc.all_gather_start"]
+    assert {n.args[-1] for n in gathers} == {"dp", "edp"}
+    assert "all-to-all (ep 2)" in exchange_lines([gm])[0]
+    assert any("all-to-all (ep 2)" in note for note in estimate(inspection).notes)
+
+
+def test_the_same_model_without_ep_has_no_exchange():
+    inspection = inspect_plan(_plan(1), 4, _workload())
+    assert exchange_lines([inspection.stepping.gm]) == []
+    assert all(u.group == "dp" for u in inspection.units)

@@ -1,0 +1,144 @@
+"""Expert parallelism (``parallel.ep``, issue 48) on 4 gloo ranks against one process: each
+experts module's experts split over the ep ranks, every call's tokens exchanged by all-to-all,
+the experts' units sharded over the ranks holding the same experts.
+
+fp32 to 1e-5 relative, the tolerance of the other fp32 parity tests: the ranks sum gradients in
+another order than one process (ulps per step), and each token's expert results are summed in
+expert order where ``grouped_mm`` sums them in top-k order (ulps again). An expert's weights
+moved to the wrong rank, a token sent to the wrong expert, or a gradient reduced over the wrong
+ranks moves the run by orders of magnitude more. bf16 to 1e-2 against the same recipe, as
+test_mixed_precision_parity justifies.
+
+Checkpoints: saved under ep 2, resumed under ep 4 and without expert parallelism (every rank
+all the experts), each against one process trained on the same batches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip(
+    "transformers", reason='mixture-of-experts models need transformers: pip install "zerocc[hf]"'
+)
+
+import torch  # noqa: E402
+from models import build, entry, loss_of  # noqa: E402
+from multirank import run_ranks  # noqa: E402
+
+import zerocc  # noqa: E402
+from parity import (  # noqa: E402
+    assert_matches_reference,
+    batch_of,
+    case_id,
+    relative_difference,
+    train,
+)
+
+TOL = 1e-5
+BF16_TOL = 1e-2
+CLIPPED = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01, "grad_clip": 0.05}
+CASES = [
+    # ep 2 × dp 2: each expert's units sharded over the 2 ranks holding it
+    {"model": "mixtral", "stage": 3, "world": 4, "ep": 2},
+    # ep 4: every rank its own expert, unsharded
+    {"model": "mixtral", "stage": 3, "world": 4, "ep": 4},
+    {"model": "mixtral_grouped", "stage": 1, "world": 4, "ep": 2},
+    # the clip's norm counts each expert once; gradients accumulated over micro-batches
+    {"model": "mixtral_grouped", "stage": 2, "world": 4, "ep": 2, "accum": 2,
+     "optimizer": CLIPPED},
+    {"model": "qwen_moe", "stage": 2, "world": 4, "ep": 4},  # a shared expert beside them
+    {"model": "deepseek", "stage": 3, "world": 4, "ep": 2},  # 8 experts, group routing
+    # dense layers split over tp 2, experts over ep 2 within each tp slice's ranks
+    {"model": "mixtral_grouped", "stage": 3, "world": 4, "ep": 2, "tp": 2,
+     "optimizer": CLIPPED},
+]  # fmt: skip
+BF16 = [{"model": "mixtral", "stage": 3, "world": 4, "ep": 2, "precision": {"param": "bf16"}}]
+
+
+@functools.cache
+def _results() -> dict:
+    return run_ranks(4, train, CASES + BF16, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_unsharded_training(case):
+    results = _results()
+    assert_matches_reference(results, case, TOL)
+    elements = results[0][case_id(case)]["elements"]
+    assert elements.get("all_to_all (ep)", 0) > 0, elements  # tokens were exchanged
+    # the experts' units are gathered or reduced over the ranks holding the same experts
+    assert any(kind.endswith("(edp)") for kind in elements), elements
+
+
+@pytest.mark.parametrize("case", BF16, ids=case_id)
+def test_bf16_matches_the_cast_recipe(case):
+    assert_matches_reference(_results(), case, BF16_TOL)
+
+
+# -- checkpoints across ep -----------------------------------------------------------------------
+
+MODEL, FIRST, THEN = "mixtral_grouped", 2, 2
+OPTIMIZER = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
+
+
+def _plan(ep: int) -> dict:
+    return {
+        "zero": {"stage": 3},
+        "parallel": {"ep": ep},
+        "units": entry(MODEL)[2],
+        "optimizer": OPTIMIZER,
+        "backend": {"name": "eager", "device": "cpu"},
+        "seed": 7,
+    }
+
+
+def _first(rank: int, world: int, folder: str, ep: int) -> dict:
+    step = zerocc.compile(build(MODEL), _plan(ep))
+    losses = [float(step(*batch_of({"model": MODEL}, i, step.data_rank))) for i in range(FIRST)]
+    step.save(folder)
+    return {"losses": losses}
+
+
+def _then(rank: int, world: int, folder: str, ep: int) -> dict:
+    step = zerocc.compile(build(MODEL, seed=123), _plan(ep))  # other weights, then loaded
+    notes = step.load(folder)
+    steps = range(FIRST, FIRST + THEN)
+    losses = [float(step(*batch_of({"model": MODEL}, i, step.data_rank))) for i in steps]
+    return {"losses": losses, "notes": notes, "params": step.full_state_dict()}
+
+
+def _reference(world: int):
+    model = build(MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.01)
+    torch.set_num_threads(1)  # as the ranks
+    losses = {}
+    for s in range(FIRST + THEN):
+        opt.zero_grad()
+        for r in range(world):
+            loss = loss_of(model(*batch_of({"model": MODEL}, s, r)))
+            losses[s, r] = float(loss.detach())
+            (loss / world).backward()
+        opt.step()
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("then_ep", [4, 1], ids=["ep2->ep4", "ep2->ep1"])
+def test_a_checkpoint_saved_under_one_ep_resumes_under_another(tmp_path, then_ep):
+    folder = str(tmp_path / "ckpt")
+    first = run_ranks(4, _first, folder, 2, timeout=300)
+    then = run_ranks(4, _then, folder, then_ep, timeout=300)
+    ref_losses, ref_state = _reference(4)
+    for rank in range(4):
+        assert first[rank]["losses"] == pytest.approx(
+            [ref_losses[i, rank] for i in range(FIRST)], rel=TOL
+        )
+        assert then[rank]["losses"] == pytest.approx(
+            [ref_losses[i, rank] for i in range(FIRST, FIRST + THEN)], rel=TOL
+        )
+    params = then[0]["params"]
+    assert set(params) == set(ref_state)
+    for name, ref in ref_state.items():
+        assert relative_difference(params[name], ref) <= TOL, name
+    assert f"saved under parallel.ep: 2, resharded for {then_ep}" in then[0]["notes"]
