@@ -460,6 +460,51 @@ MOE_MODELS["mixtral_no_router_loss"] = (
 )
 
 
+class OneSidedExperts(nn.Module):
+    """4 experts stacked along dim 0, called as transformers' experts modules are
+    (``hidden_states, top_k_index, top_k_weights``), each hit expert's tokens found with
+    ``nonzero`` (data-dependent: captured as a region); with no token, the output is zeros
+    that depend on nothing."""
+
+    def __init__(self, hidden: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.up = nn.Parameter(torch.randn(experts, 2 * hidden, hidden) / hidden**0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, 2 * hidden) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in index.unique().tolist():  # the experts hit only, as transformers' loop
+            token, slot = torch.nonzero(index == e, as_tuple=True)
+            h = torch.relu(x[token] @ self.up[e].T) @ self.down[e].T
+            out.index_add_(0, token, h * weights[token, slot, None])
+        return out
+
+
+class OneSidedMoE(nn.Module):
+    """A mixture of experts whose router sends every token to expert 0 or 1 (by a learned
+    gate's sign), never 2 or 3: under ``ep 2`` the second rank's experts receive no token at
+    any step, and it must still take part in every exchange, forward and backward."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.gate = nn.Linear(hidden, 1)
+        self.experts = OneSidedExperts(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).flatten(0, 1)
+        score = self.gate(x)
+        index = (score > 0).long()  # expert 0 or 1
+        y = x + self.experts(x, index, torch.sigmoid(score))
+        logits = self.head(y)
+        return nn.functional.cross_entropy(logits[:-1], ids.flatten()[1:])
+
+
+EP_MODELS = {"one_sided_moe": (OneSidedMoE, _token_batch, {"classes": ["OneSidedExperts"]})}
+
+
 # Models deep enough to cut into 4 pipeline stages (tests/parity/test_pipeline_parity.py).
 PIPELINE_MODELS = {"gpt4": (tiny_gpt_4_layers, _gpt_batch, {"classes": ["Block"]})}
 
@@ -467,7 +512,7 @@ PIPELINE_MODELS = {"gpt4": (tiny_gpt_4_layers, _gpt_batch, {"classes": ["Block"]
 def entry(name: str) -> tuple[Callable[[], nn.Module], Callable[..., Any], dict[str, Any]]:
     """The (build, batch, units) of a model of any registry here, by name."""
     registries = (MODELS, MODEL_KINDS, RANDOM_MODELS, RANDOM_KINDS, TP_MODELS, PIPELINE_MODELS,
-                  MOE_MODELS)  # fmt: skip
+                  MOE_MODELS, EP_MODELS)  # fmt: skip
     for registry in registries:
         if name in registry:
             return registry[name]

@@ -16,6 +16,7 @@ all the experts), each against one process trained on the same batches.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 
@@ -35,6 +36,7 @@ from parity import (  # noqa: E402
     relative_difference,
     train,
 )
+from zerocc.errors import NonFiniteError  # noqa: E402
 
 TOL = 1e-5
 BF16_TOL = 1e-2
@@ -53,6 +55,8 @@ CASES = [
     # dense layers split over tp 2, experts over ep 2 within each tp slice's ranks
     {"model": "mixtral_grouped", "stage": 3, "world": 4, "ep": 2, "tp": 2,
      "optimizer": CLIPPED},
+    # every token to experts 0-1: ep rank 1 (and 3) receives none at any step
+    {"model": "one_sided_moe", "stage": 3, "world": 4, "ep": 2},
 ]  # fmt: skip
 BF16 = [{"model": "mixtral", "stage": 3, "world": 4, "ep": 2, "precision": {"param": "bf16"}}]
 
@@ -142,3 +146,47 @@ def test_a_checkpoint_saved_under_one_ep_resumes_under_another(tmp_path, then_ep
     for name, ref in ref_state.items():
         assert relative_difference(params[name], ref) <= TOL, name
     assert f"saved under parallel.ep: 2, resharded for {then_ep}" in then[0]["notes"]
+
+
+# -- a router that emits NaN ---------------------------------------------------------------------
+
+
+class _PoisonedRouter(torch.nn.Module):
+    """Mixtral whose first router reads its input plus ``poison`` (a batch tensor: 0, or NaN
+    on one rank at one step), so that its logits, routing weights and every gradient after
+    them are NaN there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = build(MODEL)
+        gate = self.moe.lm.model.layers[0].mlp.gate
+        poison: list[torch.Tensor] = []  # the call's, read by the router (no module cycle)
+        plain = gate.forward
+        gate.forward = lambda hidden: plain(hidden + poison[-1])
+        self._poison = poison
+
+    def forward(self, ids: torch.Tensor, poison: torch.Tensor) -> torch.Tensor:
+        self._poison[:] = [poison]
+        return self.moe(ids)
+
+
+def _poisoned(rank: int, world: int) -> dict:
+    step = zerocc.compile(_PoisonedRouter(), _plan(2) | {"units": entry(MODEL)[2]})
+    errors, losses = [], []
+    for s in range(3):
+        bad = s == 1 and rank == 1
+        poison = torch.full((1,), float("nan") if bad else 0.0)
+        try:
+            losses.append(float(step(*batch_of({"model": MODEL}, s, rank), poison)))
+        except NonFiniteError as e:
+            errors.append(str(e))
+    return {"errors": errors, "losses": losses}
+
+
+def test_a_router_that_emits_nan_stops_every_rank_naming_the_step():
+    """The NaN reaches other ranks' experts through the all-to-all and every gradient through
+    the reductions: the non-finite guard names it on both ranks, which go on afterwards."""
+    for rank, record in enumerate(run_ranks(2, _poisoned, timeout=300)):
+        (message,) = record["errors"]
+        assert f"rank {rank}, step 2:" in message and "unit" in message, message
+        assert len(record["losses"]) == 2 and all(map(math.isfinite, record["losses"]))

@@ -18,7 +18,8 @@ group), and every call runs as an opaque region (:mod:`zerocc.compiler.opaque`) 
 4. sends the results back (the reverse all-to-all), weights each by its router weight and sums
    each token's in expert order, as the module does on one rank.
 
-A rank that receives no token for its experts still takes part in every exchange. The region's
+A rank that receives no token for its experts still takes part in every exchange, in backward
+too (its results are tied to what it received even then). The region's
 backward runs the body again with autograd (the all-to-alls are differentiable: each one's
 gradient is the reverse exchange), so a step makes 3 exchanges in forward and 5 in backward
 per MoE layer. Tokens are never dropped: the modules' semantics (no capacity) are kept.
@@ -209,6 +210,9 @@ class ExpertParallel:
             done = type(module).forward(module, rows, expert_of_row[:, None], ones)
         finally:
             module.num_experts = held
+        # Backward exchanges on every rank, also one whose experts received no token (whose
+        # results would not depend on what it received): an empty slice's sum, exactly 0.
+        done = done + rows[:0].sum()
         back = _AllToAll.apply(done, exchange, sent_rows, got_rows)
         weighted = (back * top_k_weights.reshape(-1)[order, None]).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, tokens, weighted)
