@@ -502,7 +502,19 @@ class OneSidedMoE(nn.Module):
         return nn.functional.cross_entropy(logits[:-1], ids.flatten()[1:])
 
 
-EP_MODELS = {"one_sided_moe": (OneSidedMoE, _token_batch, {"classes": ["OneSidedExperts"]})}
+def _experts_only() -> OneSidedMoE:
+    """OneSidedMoE fine-tuning its experts and head alone: the experts' input needs no
+    gradient, their weights do."""
+    model = OneSidedMoE()
+    for module in (model.embed, model.gate):
+        module.requires_grad_(False)
+    return model
+
+
+EP_MODELS = {
+    "one_sided_moe": (OneSidedMoE, _token_batch, {"classes": ["OneSidedExperts"]}),
+    "one_sided_experts_only": (_experts_only, _token_batch, {"classes": ["OneSidedExperts"]}),
+}
 
 
 # Models deep enough to cut into 4 pipeline stages (tests/parity/test_pipeline_parity.py).

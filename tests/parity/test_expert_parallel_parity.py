@@ -57,6 +57,8 @@ CASES = [
      "optimizer": CLIPPED},
     # every token to experts 0-1: ep rank 1 (and 3) receives none at any step
     {"model": "one_sided_moe", "stage": 3, "world": 4, "ep": 2},
+    # ... with its experts' input needing no gradient (the experts fine-tuned alone)
+    {"model": "one_sided_experts_only", "stage": 2, "world": 4, "ep": 2},
 ]  # fmt: skip
 BF16 = [{"model": "mixtral", "stage": 3, "world": 4, "ep": 2, "precision": {"param": "bf16"}}]
 

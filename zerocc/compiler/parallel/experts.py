@@ -19,7 +19,7 @@ group), and every call runs as an opaque region (:mod:`zerocc.compiler.opaque`) 
    each token's in expert order, as the module does on one rank.
 
 A rank that receives no token for its experts still takes part in every exchange, in backward
-too (its results are tied to what it received even then). The region's
+too (its results are tied to what it received and to its experts' weights even then). The region's
 backward runs the body again with autograd (the all-to-alls are differentiable: each one's
 gradient is the reverse exchange), so a step makes 3 exchanges in forward and 5 in backward
 per MoE layer. Tokens are never dropped: the modules' semantics (no capacity) are kept.
@@ -211,8 +211,9 @@ class ExpertParallel:
         finally:
             module.num_experts = held
         # Backward exchanges on every rank, also one whose experts received no token (whose
-        # results would not depend on what it received): an empty slice's sum, exactly 0.
-        done = done + rows[:0].sum()
+        # results would depend on neither the rows nor the weights): empty slices' sums, 0.
+        for tensor in (rows, *module.parameters()):
+            done = done + tensor[:0].sum()
         back = _AllToAll.apply(done, exchange, sent_rows, got_rows)
         weighted = (back * top_k_weights.reshape(-1)[order, None]).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, tokens, weighted)
