@@ -1,4 +1,4 @@
-"""examples/torchrun/train.py, the README's own-training-loop example, as a user runs it:
+"""examples/torchrun/train.py, docs/integrations.md's own-training-loop example, as a user runs it:
 `torchrun --nproc_per_node 2` on CPU (gloo), its plan beside it, a checkpoint at the end."""
 
 from __future__ import annotations

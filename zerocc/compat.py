@@ -3,7 +3,7 @@
 Each name here is resolved once, at import, to what the installed torch provides; the rest of
 zerocc imports it from here instead of from torch, so that a release that renamed or moved it
 is handled in one place. The supported range is ``project.dependencies`` in pyproject.toml
-(README, "Supported versions"); every shim says which releases take which branch.
+(docs/versions.md); every shim says which releases take which branch.
 """
 
 from __future__ import annotations
