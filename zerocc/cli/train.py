@@ -18,7 +18,6 @@ from typing import Any
 from zerocc.cli.metrics import Metrics, progress_text
 from zerocc.compiler.plan import Plan
 from zerocc.errors import ZeroccError
-from zerocc.inspect.explain import setup_line
 from zerocc.ir.printing import human_bytes
 from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint import save_checkpoint
@@ -416,8 +415,6 @@ def _print_summary(
             f"pipeline: rank 0 waited {summary['pipeline_waiting_share']:.1%} of the last step "
             f"for a neighbour; predicted peak {human_bytes(summary['predicted_peak_bytes'])}"
         )
-    if summary.get("setup_seconds"):
-        print(setup_line(summary["setup_seconds"]))
     offload = summary.get("offload_bytes_per_step")
     if offload:
         moved = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in sorted(offload.items()))
