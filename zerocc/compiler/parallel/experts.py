@@ -153,14 +153,6 @@ class ExpertParallel:
         )
         return dataclasses.replace(info, params=params)
 
-    def local_values(self, values: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-        """ep rank ``rank``'s experts of each full value that is split; the others as they
-        are."""
-        return {
-            fqn: self.splits[fqn].take(v, rank) if fqn in self.splits else v
-            for fqn, v in values.items()
-        }
-
     def bind(self, exchange: Exchange | None) -> None:
         """The runtime's ``ep`` group, which every call's body exchanges tokens over (None:
         unbound, after the step is closed)."""

@@ -185,13 +185,6 @@ class TensorParallel:
         )
         return dataclasses.replace(info, params=params)
 
-    def local_values(self, values: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-        """Rank ``rank``'s slice of each full value that is split; the others as they are."""
-        return {
-            fqn: self.splits[fqn].take(v, rank) if fqn in self.splits else v
-            for fqn, v in values.items()
-        }
-
     def shared_ranges(self, unit: Unit) -> list[int]:
         """(offset, numel) pairs of ``unit``'s flat buffer that every tp rank holds alike (the
         parameters no layer splits), flattened as the ``sum_squares_tp`` op reads them."""
