@@ -44,7 +44,7 @@ from measure import zero_formula_bytes
 from provenance import cpu_name, source_commit
 from ranks import SystemFailed, SystemRanks
 from report import legend, loss_report, plot, table, targets, write_json
-from systems import System, all_systems
+from systems import System, all_systems, expert_systems
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = "zerocc-z3"
@@ -94,14 +94,19 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def select(wanted: list[str], systems: dict[str, System]) -> list[str]:
-    """Names in ``wanted`` (or all of a family) in the canonical order; unknown names fail."""
+    """Names in ``wanted`` (or all of a family) in the canonical order, then the named systems
+    no family holds (``zerocc-z3-ep``, bench/systems.py's ``expert_systems``) in the order
+    given; unknown names fail."""
     chosen: set[str] = set()
+    named: list[str] = []
     for w in wanted:
         match = [n for n, s in systems.items() if w in ("all", n, s.family)]
-        if not match:
+        if not match and w in expert_systems():
+            named.append(w)
+        elif not match:
             raise SystemExit(f"unknown system {w!r}; known: {', '.join(systems)}")
         chosen.update(match)
-    return [n for n in systems if n in chosen]
+    return [n for n in systems if n in chosen] + named
 
 
 def run_systems(cfg: BenchConfig, names: list[str], timeout: float) -> dict[str, dict[str, Any]]:

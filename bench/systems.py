@@ -63,12 +63,14 @@ def _adamw(params: Any, cfg: BenchConfig) -> torch.optim.AdamW:
 
 def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, stage: int,
                   backend: str = "eager", overlap: dict | None = None, offload: dict | None = None,
-                  recompute: dict | None = None) -> Runner:  # fmt: skip
+                  recompute: dict | None = None,
+                  expert_parallel: bool = False) -> Runner:  # fmt: skip
     """``zerocc.compile`` with one unit per layer (the GPT's Blocks; the embeddings, final LN
     and head: the root);
     ``overlap``, ``offload``, ``recompute``: those sections of the plan (default: the overlap
     pass with its defaults, nothing offloaded, nothing recomputed). NVMe offload without an
-    ``nvme_path`` puts its files under ``cfg.nvme_path``, else the system's temp folder."""
+    ``nvme_path`` puts its files under ``cfg.nvme_path``, else the system's temp folder.
+    ``expert_parallel``: each layer's experts split over every rank (``parallel.ep``)."""
     import zerocc
 
     plan: dict[str, Any] = {
@@ -87,6 +89,8 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
         "recompute": recompute or {},
         "seed": cfg.seed,
     }
+    if expert_parallel:
+        plan["parallel"] = {"ep": cfg.world_size}
     if "nvme" in plan["offload"].values() and not plan["offload"].get("nvme_path"):
         plan["offload"]["nvme_path"] = cfg.nvme_path or tempfile.gettempdir()
     if cfg.dtype != "fp32":
@@ -266,10 +270,11 @@ def _zerocc_backends() -> list[str]:
 
 class Systems(dict[str, System]):
     """Systems by name, in bench/compare.py's order; a name not among them is looked up in
-    :func:`offload_systems`, so that a rank process builds any benchmark's system by name."""
+    :func:`offload_systems` and :func:`expert_systems`, so that a rank process builds any
+    benchmark's system by name."""
 
     def __missing__(self, name: str) -> System:
-        more = offload_systems()
+        more = offload_systems() | expert_systems()
         if name not in more:
             raise KeyError(name)
         return more[name]
@@ -375,3 +380,14 @@ def offload_systems() -> dict[str, System]:
             ("deepspeed",),
         ))  # fmt: skip
     return {s.name: s for s in systems}
+
+
+def expert_systems() -> dict[str, System]:
+    """Expert parallelism, for ``bench/compare.py --model mixtral`` (named, not in ``all``: a
+    dense model has no experts to split): zerocc stage 3 with each layer's experts split over
+    every rank."""
+    system = System(
+        "zerocc-z3-ep", "zerocc", 3, partial(zerocc_runner, stage=3, expert_parallel=True),
+        "zerocc.compile, zero.stage 3, parallel.ep: world size", ("zerocc",),
+    )  # fmt: skip
+    return {system.name: system}
