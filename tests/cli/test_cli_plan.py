@@ -204,3 +204,6 @@ def test_plan_check_checks_what_the_plan_names_in_the_model(capsys):
     layers = "parallel.tp_layers={transformer.h.*.attn.q_proj: colwise}"
     assert main(["plan", "check", tp, "--set", layers]) == 2
     assert "matches no module of the model" in capsys.readouterr().err
+    # expert parallelism of a dense model
+    assert main(["plan", "check", plan, "--set", "parallel.ep=2"]) == 2
+    assert "this model has no experts module" in capsys.readouterr().err

@@ -49,9 +49,11 @@ def _check(args: argparse.Namespace) -> int:
 def _checked_model(plan: Plan) -> str:
     """Call the workload as a rank does (a model too large for this machine belongs on the
     meta device, where zerocc's examples build theirs) and check what the plan names in its
-    model: units (classes, module globs) and the layers tensor parallelism splits; PlanError
-    naming the field otherwise. Returns a few words on the model."""
+    model: units (classes, module globs), the layers tensor parallelism splits and the experts
+    expert parallelism splits; PlanError naming the field otherwise. Returns a few words on
+    the model."""
     from zerocc.compiler.capture import describe_model
+    from zerocc.compiler.parallel.experts import ExpertParallel
     from zerocc.compiler.parallel.tensor_parallel import TensorParallel
     from zerocc.compiler.passes.partition import assign_units
     from zerocc.compiler.workload import load_workload
@@ -61,8 +63,10 @@ def _checked_model(plan: Plan) -> str:
     units = plan.units
     found = assign_units(info, 1, units.classes, units.modules, units.min_mb)
     TensorParallel.of(model, info, plan)
+    experts = ExpertParallel.of(model, info, plan)
     elements = sum(p.numel for p in info.params)
-    return f"; model {type(model).__name__}, {elements:,} parameters, {len(found)} units"
+    split = f"; {experts.describe()}" if experts is not None else ""
+    return f"; model {type(model).__name__}, {elements:,} parameters, {len(found)} units{split}"
 
 
 def checked_plan(args: argparse.Namespace) -> Plan:
