@@ -29,6 +29,7 @@ from parity import relative_difference  # noqa: E402
 import zerocc  # noqa: E402
 from zerocc.compiler.workload import load_workload  # noqa: E402
 from zerocc.errors import InsufficientMemoryError  # noqa: E402
+from zerocc.runtime.machine_memory import host_available  # noqa: E402
 from zerocc.workloads import huggingface as hf  # noqa: E402
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "huggingface"
@@ -101,9 +102,12 @@ def test_bad_workload_args_are_plan_errors(changes, message):
 
 
 def test_a_config_too_large_for_the_host_is_refused_before_anything_is_allocated():
-    """Every field a config leaves out takes its model type's default size: 4000 of Llama's
-    default layers are built on meta (nothing allocated) and refused by the memory check."""
-    work = _workload(model={"model_type": "llama", "num_hidden_layers": 4000})
+    """Every field a config leaves out takes its model type's default size: enough of Llama's
+    default layers (202M parameters, 3.2 GB of fp32 weights and Adam states each) to need twice
+    this host's free memory are built on meta (nothing allocated) and refused by the memory
+    check. (4000 layers, whatever the host, took 100 s to build and check.)"""
+    layers = 2 * host_available() // (16 * 202_000_000) + 1
+    work = _workload(model={"model_type": "llama", "num_hidden_layers": layers})
     assert all(t.is_meta for t in work.model.parameters())
     with pytest.raises(InsufficientMemoryError, match="host"):
         zerocc.compile(work.model, {"zero": {"stage": 3}}, comm=zerocc.FakeComm(1))
