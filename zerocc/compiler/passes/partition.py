@@ -39,8 +39,15 @@ def _common_ancestor(modules: tuple[str, ...]) -> str:
 
 
 def _unit_root_of(param: ParamInfo, roots: set[str]) -> str:
-    home = _common_ancestor(param.owners)
-    return max((r for r in roots if _contains(r, home)), key=lambda r: len(r) + (r != ROOT))
+    """The innermost root containing every module that holds ``param``: the longest dotted
+    prefix of their common ancestor that is a root (a walk up its path, not over the roots:
+    a 4000-layer model has 4000 of them)."""
+    parts = _common_ancestor(param.owners).split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in roots:
+            return prefix
+    return ROOT
 
 
 def _match_roots(model: ModelInfo, classes: list[str], modules: list[str]) -> set[str]:
@@ -135,12 +142,18 @@ def repeated_block(model: ModelInfo) -> str | None:
     """The class of the model's repeated blocks (a transformer's layers), the unit a stage-3
     plan wants: of the classes with two or more instances that hold parameters, torch.nn's own
     left out, the one whose instances hold the most elements; None when there is none."""
+    under: dict[str, int] = {}  # elements of the parameters under each module
+    for p in model.params:
+        parts = p.fqn.split(".")
+        for n in range(1, len(parts)):
+            prefix = ".".join(parts[:n])
+            under[prefix] = under.get(prefix, 0) + p.numel
     held: dict[str, int] = {}
     count: dict[str, int] = {}
     for fqn, cls in model.modules:
         if not fqn or hasattr(torch.nn, cls):
             continue
-        elements = sum(p.numel for p in model.params if p.fqn.startswith(fqn + "."))
+        elements = under.get(fqn, 0)
         if elements:
             held[cls] = held.get(cls, 0) + elements
             count[cls] = count.get(cls, 0) + 1
