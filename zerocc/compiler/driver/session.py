@@ -11,6 +11,7 @@ device compiles any size for any world size.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from zerocc.compiler.driver.pass_manager import PassList, bind_passes, state_lay
 from zerocc.compiler.driver.program import CompiledProgram, compile_program
 from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.compiler.parallel.tensor_parallel import Split, TensorParallel
+from zerocc.compiler.parallel.tensor_parallel import Split, TensorParallel, local_info
 from zerocc.compiler.passes.partition import assign_units, repeated_block
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import StateLayout
@@ -76,8 +77,7 @@ class CompileSession:
         full = describe_model(model)
         tp = TensorParallel.of(model, full, plan)
         ep = ExpertParallel.of(model, full, plan)
-        model_info = tp.local_info(full) if tp is not None else full
-        model_info = ep.local_info(model_info) if ep is not None else model_info
+        model_info = local_info(full, _splits(tp, ep))
         pass_list = bind_passes(plan)
         units = plan.units
         experts = ep.units(mesh) if ep is not None else None
@@ -134,12 +134,16 @@ class CompileSession:
             expert_parallel=self.expert_parallel,
         )
 
-    @property
+    @functools.cached_property
     def splits(self) -> dict[str, Split]:
         """Every parameter the ranks split (by FQN, every alias): tensor parallelism's layers
-        and expert parallelism's experts; a rank holds its slice (see :meth:`Split.take`)."""
-        tp, ep = self.tensor_parallel, self.expert_parallel
-        return (tp.splits if tp is not None else {}) | (ep.splits if ep is not None else {})
+        and expert parallelism's experts; a rank holds its slice (see :meth:`Split.take`).
+        Worked out once: checkpoints and ``full_state_dict`` look up every parameter."""
+        return _splits(self.tensor_parallel, self.expert_parallel)
+
+
+def _splits(tp: TensorParallel | None, ep: ExpertParallel | None) -> dict[str, Split]:
+    return (tp.splits if tp is not None else {}) | (ep.splits if ep is not None else {})
 
 
 def _warn_if_gathered_whole(plan: Plan, model: ModelInfo, units: list[Unit], mesh: Mesh) -> None:

@@ -31,7 +31,6 @@ gradients (a rank's gradient already sums every ``ep`` rank's tokens routed to i
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -142,16 +141,6 @@ class ExpertParallel:
     def units(self, mesh: Mesh) -> ExpertUnits:
         """The experts modules as units of their own, sharded over the ``edp`` ranks."""
         return ExpertUnits(frozenset(self.modules), mesh.expert_shard_size)
-
-    def local_info(self, info: ModelInfo) -> ModelInfo:
-        """``info`` with each experts parameter's shape that of one rank's experts."""
-        params = tuple(
-            dataclasses.replace(p, shape=self.splits[p.fqn].local_shape(p.shape))
-            if p.fqn in self.splits
-            else p
-            for p in info.params
-        )
-        return dataclasses.replace(info, params=params)
 
     def bind(self, exchange: Exchange | None) -> None:
         """The runtime's ``ep`` group, which every call's body exchanges tokens over (None:

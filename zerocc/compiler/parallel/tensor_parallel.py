@@ -109,6 +109,16 @@ class Split:
         return torch.stack(blocks, self.dim + 1).flatten(self.dim, self.dim + 2)
 
 
+def local_info(info: ModelInfo, splits: dict[str, Split]) -> ModelInfo:
+    """``info`` with the shape of each parameter ``splits`` names that of one rank's slice
+    (tensor parallelism's layers, expert parallelism's experts)."""
+    params = tuple(
+        dataclasses.replace(p, shape=splits[p.fqn].local_shape(p.shape)) if p.fqn in splits else p
+        for p in info.params
+    )
+    return dataclasses.replace(info, params=params)
+
+
 @dataclass(frozen=True)
 class SplitLayer:
     """One module the plan splits: its FQN, style and (colwise) fused blocks."""
@@ -177,13 +187,7 @@ class TensorParallel:
 
     def local_info(self, info: ModelInfo) -> ModelInfo:
         """``info`` with each split parameter's shape that of one rank's slice."""
-        params = tuple(
-            dataclasses.replace(p, shape=self.splits[p.fqn].local_shape(p.shape))
-            if p.fqn in self.splits
-            else p
-            for p in info.params
-        )
-        return dataclasses.replace(info, params=params)
+        return local_info(info, self.splits)
 
     def shared_ranges(self, unit: Unit) -> list[int]:
         """(offset, numel) pairs of ``unit``'s flat buffer that every tp rank holds alike (the
