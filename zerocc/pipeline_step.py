@@ -36,7 +36,6 @@ from zerocc.compiler.driver.pipeline import (
     capture_microbatch,
     compile_rank,
     cut_step,
-    program_name,
 )
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import weight_source
@@ -50,7 +49,7 @@ from zerocc.compiler.parallel.pipeline_schedule import (
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.plan.pipeline import describe_zero, less_gathered
+from zerocc.compiler.plan.pipeline import less_gathered
 from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
@@ -60,6 +59,7 @@ from zerocc.cost.pipeline_memory import PipelineMemory, Programs, predict_pipeli
 from zerocc.cost.stage_balance import split_units
 from zerocc.engine.comm import Comm
 from zerocc.errors import BatchError, NotSupportedError, RankMismatchError
+from zerocc.inspect import pipeline_report
 from zerocc.inspect.dumps import dump_dir
 from zerocc.inspect.pipeline_dumps import RankStep, write_pipeline_programs, write_pipeline_run
 from zerocc.inspect.pipeline_estimate import program_seconds
@@ -381,82 +381,23 @@ class PipelineStep(SavesInBackground):
             model_state_bytes_of(layout).get("host", 0),
         )  # fmt: skip
 
-    def sent_bytes(self) -> int:
-        """Bytes this rank sends to other pipeline ranks per step: activations forward,
-        gradients back, for each micro-batch (what goes to a stage of its own is handed over
-        in memory)."""
-        self._built()
-        sent = [
-            slot
-            for s in self.schedule.stages_of(self.pp_rank)
-            for program in (self.staged.stages[s].forward, self.staged.stages[s].backward)
-            for slot in program.outputs
-            if slot.kind == "send" and self.rank_of(slot.peer) != self.pp_rank
-        ]
-        return self.microbatches * sum(math.prod(o.shape) * o.dtype.itemsize for o in sent)
-
-    def waiting_share(self) -> float:
-        """The share of the last step this rank spent waiting for a neighbour's tensor (its
-        bubble, measured): from its first action's start to its last's end."""
-        return self.timeline.waiting_share
-
     def summary(self) -> dict[str, Any]:
-        """Figures of the last step, as :meth:`zerocc.TrainStep.summary` gives them, the
-        bytes sent to neighbours counted as ``send``; and the pipeline's own: the share of the
-        step this rank waited for a neighbour, and its predicted peak."""
-        comm = dict(self.comm.stats.bytes)
-        if sent := self.sent_bytes():
-            comm["send"] = sent
-        return {
-            "comm_bytes_per_step": comm,
-            "model_state_bytes": model_state_bytes_of(self._built().layout)["total"],
-            "offload_bytes_per_step": {},
-            "loss_scale": self.loss_scale,
-            "skipped_steps": self.micro_batches - self.steps,
-            "pipeline_waiting_share": self.waiting_share(),
-            "predicted_peak_bytes": self.memory().peak,
-        }
+        """Figures of the last step, as :meth:`zerocc.TrainStep.summary` gives them, and the
+        pipeline's own (:func:`zerocc.inspect.pipeline_report.summary`)."""
+        self._built()
+        return pipeline_report.summary(self)
 
     def explain(self) -> str:
         """What this pipeline rank runs: the cut, its schedule with the predicted bubble, the
         last step's measured waiting, and its predicted memory."""
         self._built()
-        pipeline = self.plan.pipeline
-        lines = [
-            f"pipeline rank {self.pp_rank} of {self.mesh.pp} (stages "
-            f"{self.schedule.stages_of(self.pp_rank)} of {self.schedule.stages}), data rank "
-            f"{self.data_rank} of {self.data_parallel}; schedule {pipeline.schedule}, "
-            f"{self.microbatches} micro-batches per step",
-            self.mesh.describe(),
-            describe_zero(self.plan.zero.stage, pipeline.gather),
-            "",
-            "what each stage holds and what crosses each cut",
-            self.staged.format(),
-            "",
-            "schedule",
-            self.schedule.format(),
-            f"measured (last step): this rank waited {self.waiting_share():.1%} of it for a "
-            "neighbour",
-            "",
-            f"memory of this rank: {self.memory().format()}",
-            *self._backend_lines(),
-        ]
-        return "\n".join(lines)
+        return pipeline_report.explain(self)
 
     def backend_notes(self) -> dict[str, list[str]]:
         """What the backend made of each of this rank's programs, by program name (``rank0-
-        stage1-F``, ``rank0-update``): compiled whole or by region, and why (the eager backend
-        says nothing)."""
+        stage1-F``, ``rank0-update``): compiled whole or by region, and why."""
         self._built()
-        programs = {program_name(self.pp_rank, key): p for key, p in self.programs.items()}
-        programs[program_name(self.pp_rank, None)] = self.update
-        return {name: p.run.notes() for name, p in programs.items() if p is not None}
-
-    def _backend_lines(self) -> list[str]:
-        said = [f"  {name}: {note}" for name, notes in self.backend_notes().items()
-                for note in notes]  # fmt: skip
-        backend = resolve_backend(self.plan.backend.name, self.device)
-        return ["", f"backend {backend}:", *said] if said else []
+        return pipeline_report.backend_notes(self)
 
     def _lowered(self, gm: fx.GraphModule) -> _Program:
         """``gm`` lowered by the plan's backend onto this rank's context."""
