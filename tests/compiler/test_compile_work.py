@@ -3,8 +3,8 @@ here, in CI, instead of waiting for someone to run bench/compile_time.py.
 
 Times are noisy on a shared machine; counts are not. Compiling the example GPT (ZeRO-3, bf16,
 2 ranks, on meta) is measured by the Python functions it calls, the fake-tensor dispatches it
-makes, the nodes whose fake values the passes compute again, the positions the overlap
-schedule recounts and the Python code fx generates:
+makes, the ops capture traces, the nodes whose fake values the passes compute again, the
+positions the overlap schedule recounts and the Python code fx generates:
 
 - the counts of a 4-layer GPT are held to the ones recorded here for the torch and Python
   releases CI runs (within ``MARGIN``; well under the record asks for a new record, so the
@@ -12,7 +12,8 @@ schedule recounts and the Python code fx generates:
 - each count grows with the depth linearly (what 4 more layers cost is what the 2 before them
   cost, twice), on any release: a pass that became quadratic fails there;
 - no code is generated while compiling (the program's code is made where it is read or run);
-- a plan without tensor parallelism never enters the capture's torch-function mode.
+- a plan without tensor parallelism never enters the capture's torch-function mode;
+- capture traces a repeated block once: what each further block costs it is a few ops.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import pytest
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental import proxy_tensor
 
+from zerocc.compiler.driver import program
 from zerocc.compiler.parallel.capture_mode import CaptureMode
 from zerocc.compiler.passes import overlap
 from zerocc.inspect.estimate import inspect_plan
@@ -34,8 +37,9 @@ from zerocc.inspect.estimate import inspect_plan
 # releases CI runs; a release without a record is held to the linear growth alone.
 RECORDED = {
     ("2.13", "3.11"): {
-        "python calls": 1_081_600,
-        "fake dispatches": 3_642,
+        "python calls": 993_400,
+        "fake dispatches": 3_038,
+        "ops traced by capture": 238,
         "schedule positions recounted": 3_133,
         "propagated after shard": 374,
         "propagated after precision": 277,
@@ -74,6 +78,19 @@ def compile_work(plan: dict, world_size: int = 2) -> collections.Counter:
 
         return counted
 
+    capturing = False
+
+    def in_capture(original):
+        def traced(*args, **kwargs):
+            nonlocal capturing
+            capturing = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                capturing = False
+
+        return traced
+
     def profile(frame, event, arg):
         if event == "call":
             counts["python calls"] += 1
@@ -84,6 +101,12 @@ def compile_work(plan: dict, world_size: int = 2) -> collections.Counter:
             "__torch_dispatch__",
             counting("fake dispatches", FakeTensorMode.__torch_dispatch__),
         ),
+        mock.patch.object(
+            proxy_tensor,
+            "proxy_call",
+            counting("ops traced by capture", proxy_tensor.proxy_call, lambda *a: int(capturing)),
+        ),
+        mock.patch.object(program, "capture", in_capture(program.capture)),
         mock.patch.object(
             fx.GraphModule, "recompile", counting("code generations", fx.GraphModule.recompile)
         ),
@@ -154,6 +177,15 @@ def test_compile_work_grows_linearly_with_depth(counted, name):
     assert second <= 2 * first * 1.1, (
         f"{name}: layers 5-8 cost {second}, layers 3-4 {first}: more than linear in depth"
     )
+
+
+def test_a_repeated_block_is_traced_once(counted):
+    """Capture traces the GPT's Block once and copies it for the others
+    (zerocc.compiler.repeats): each further block costs make_fx its two ops (the copies' forward
+    and backward) and the bf16 casts of its 12 parameters and of their gradients, where tracing
+    it costs ~110 ops."""
+    per_block = (counted[8]["ops traced by capture"] - counted[4]["ops traced by capture"]) / 4
+    assert per_block <= 2 + 2 * 12
 
 
 def test_no_code_is_generated_while_compiling(counted):

@@ -4,7 +4,9 @@ The step is traced by ``make_fx`` on fake tensors: no parameter is ever material
 built on the ``meta`` device captures as well as a real one. Parameters, buffers and the batch's
 tensors become placeholders; the graph returns ``(loss, *grads)``, one gradient per trainable
 parameter (``None`` where a parameter does not reach the loss). Every node is tagged with its
-phase (forward/backward) and the module it came from.
+phase (forward/backward) and the module it came from. A layer whose twins run alike (a
+transformer's blocks) is traced once and copied for its other calls
+(:mod:`zerocc.compiler.repeats`): the same graph, in a fraction of the time.
 
 Under mixed precision (:class:`Casts`) the step is traced as the recipe runs it: every parameter
 is cast to the compute dtype where the model reads it, floating batch tensors are cast on entry,
@@ -27,12 +29,13 @@ import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.node import has_side_effect
 
-from zerocc.compat import MAKE_FX_OPTIONS, get_proxy_mode, use_lazy_graph_module
+from zerocc.compat import MAKE_FX_OPTIONS, use_lazy_graph_module
 from zerocc.compiler.batch import call_arguments
+from zerocc.compiler.module_marks import FORWARD_END, ModuleTracker, mark_node
 from zerocc.compiler.opaque import Body, data_dependent_cause, op_of, opaque_modules
 from zerocc.compiler.plan import PrecisionConfig
+from zerocc.compiler.repeats import RepeatedLayers
 from zerocc.errors import CaptureError
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
 from zerocc.logs import FAKE_KERNELS, quiet
@@ -229,80 +232,6 @@ class _Step(nn.Module):
         return self.loss_fn(self.model, *args, **named)
 
 
-@has_side_effect
-def _mark(kind: str, module: str) -> None:
-    """A node capture writes into the graph it traces where the running module changes
-    (``kind`` "module") and where forward ends ("forward_end"); :func:`_tag` reads and erases
-    them. A side effect, so make_fx's dead-code elimination keeps them where it drops the
-    nodes around them (a count of nodes taken while tracing would then point elsewhere)."""
-
-
-class _ModuleTracker:
-    """Marks in the traced graph which module runs from there on.
-
-    Forward: module pre/post hooks. Backward: a pre-hook on the autograd node of each module's
-    outputs, so the backward ops that follow are attributed to that module.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.stack: list[str] = []
-        self.handles = []
-        self.active = True
-        for fqn, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(self._enter(fqn)))
-            self.handles.append(module.register_forward_hook(self._leave(fqn)))
-
-    @staticmethod
-    def mark(kind: str, module: str = "") -> None:
-        """Append a :func:`_mark` node to the graph being traced (none outside tracing)."""
-        mode = get_proxy_mode()
-        if mode is not None:
-            mode.tracer.graph.create_node("call_function", _mark, (kind, module))
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No marks and no stack changes in the body (an opaque region's forward, run inside
-        its op's fake implementation, is no part of the traced graph)."""
-        self.active = False
-        try:
-            yield
-        finally:
-            self.active = True
-
-    def _enter(self, fqn: str):
-        def hook(module, args):
-            if not self.active:
-                return
-            self.stack.append(fqn)
-            self.mark("module", fqn)
-
-        return hook
-
-    def _leave(self, fqn: str):
-        def hook(module, args, output):
-            if not self.active:
-                return
-            self.stack.pop()
-            self.mark("module", self.stack[-1] if self.stack else "")
-            # Backward tagging: when autograd reaches this module's outputs, its backward begins.
-            for t in torch.utils._pytree.tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                    t.grad_fn.register_prehook(self._backward_of(fqn))
-
-        return hook
-
-    def _backward_of(self, fqn: str):
-        def prehook(grad_outputs):
-            if self.active:
-                self.mark("module", fqn)
-
-        return prehook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def capture(
     model: nn.Module,
     info: ModelInfo,
@@ -313,13 +242,16 @@ def capture(
     gradients: bool = True,
     loss_check: Callable[[torch.Tensor], None] | None = None,
     bodies: dict[str, Body] | None = None,
+    repeated_layers: bool = True,
 ) -> fx.GraphModule:
     """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors
     (``gradients=False``: the loss alone, a forward-only graph for evaluation, traced with the
     model in eval mode, as a training loop evaluates: dropout off, norms on running stats).
     ``loss_check``: called with the traced loss (tensor parallelism's check of what it
     depends on). ``bodies``: modules (by FQN) captured as opaque regions that run a body of
-    their own (expert parallelism's experts). The graph is what passes read; the module's
+    their own (expert parallelism's experts). ``repeated_layers``: a module whose instances run
+    alike is traced once and its other calls copied (:mod:`zerocc.compiler.repeats`); what was,
+    in ``gm.meta["repeated_layers"]``. The graph is what passes read; the module's
     generated code is not regenerated after dead code is eliminated and placeholders renamed
     (a second compile of the whole step's code): the pass manager recompiles its result."""
     casts = casts or Casts()
@@ -353,7 +285,7 @@ def capture(
             loss_check(loss)
         if casts.output is not None:
             loss = loss.to(casts.output)
-        _ModuleTracker.mark("forward_end")
+        ModuleTracker.mark(FORWARD_END)
         if not gradients:
             return (loss.detach(),)
         wanted = [t for p, t in zip(info.params, params, strict=True) if p.requires_grad]
@@ -368,7 +300,8 @@ def capture(
         if casts.loss_scale and gradients:
             with traced_grad_mode(), fake_mode:
                 flat.append(torch.empty((), dtype=torch.float32, device=device))
-        tracker = _ModuleTracker(model)
+        layers = RepeatedLayers(model, repeated_layers)  # (before the tracker's hooks)
+        tracker = ModuleTracker(model)
         try:
             with (
                 traced_grad_mode(),
@@ -378,8 +311,10 @@ def capture(
                 use_lazy_graph_module(True),  # its code is generated where it is read or run
                 quiet(FAKE_KERNELS),  # (the error is said as a CaptureError)
                 opaque_modules(model, opaque, tracker.paused, bodies),
+                layers.patched(tracker),
             ):
                 gm = make_fx(step, tracing_mode="real", **MAKE_FX_OPTIONS)(*flat)
+                layers.expand(gm)
             break
         except CaptureError:
             raise
@@ -393,6 +328,7 @@ def capture(
         finally:
             tracker.remove()
     gm.graph.eliminate_dead_code()
+    gm.meta["repeated_layers"] = layers.summary()
     _tag(gm, info, tensor_positions, casts.loss_scale and gradients)
     _cast_gradients_when_complete(gm)
     return gm  # its code is make_fx's: the pass manager recompiles its own result, once
@@ -525,7 +461,7 @@ def _tag(
     loss_scale: bool,
 ) -> None:
     """Name and tag the placeholders by role; tag every other node with its phase and source
-    module, as the :func:`_mark` nodes before it say, and erase those."""
+    module, as the :func:`mark_node` nodes before it say, and erase those."""
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles = [(PARAM, p.fqn, "p_") for p in info.params]
     roles += [(BUFFER, b.fqn, "b_") for b in info.buffers]
@@ -537,9 +473,9 @@ def _tag(
         tag(node, role=role, key=key, phase="forward")
     phase, module = "forward", ""
     for node in list(gm.graph.nodes):
-        if node.target is _mark:
+        if node.target is mark_node:
             kind, name = node.args
-            if kind == "forward_end":
+            if kind == FORWARD_END:
                 phase = "backward"
             else:
                 module = name

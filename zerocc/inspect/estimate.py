@@ -182,6 +182,13 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
     )
 
 
+def _captured(record: PassRecord) -> str:
+    """The capture row's note: what its header says after the time it took (the layers split,
+    the opaque regions, the repeated layers traced once)."""
+    said = record.header.partition("; ")[2]
+    return f"(the captured step: {said})" if said else "(the captured step)"
+
+
 def pass_table(records: list[PassRecord]) -> list[list[str]]:
     """Rows (header first) of what each pass did: time, node counts, ops inserted/removed."""
     rows = [["pass", "ms", "nodes", "added", "removed", "ops inserted"]]
@@ -197,7 +204,7 @@ def pass_table(records: list[PassRecord]) -> list[list[str]]:
                 str(r.nodes_after),
                 f"+{max(r.nodes_after - r.nodes_before, 0)}" if r.name != "capture" else "",
                 f"-{sum(r.ops_removed.values())}" if r.ops_removed else "",
-                "(the captured step)" if r.name == "capture" else inserted or "-",
+                _captured(r) if r.name == "capture" else inserted or "-",
             ]
         )
     return rows

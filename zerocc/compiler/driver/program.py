@@ -98,6 +98,7 @@ def compile_program(
             gradients=training,
             loss_check=tp.check_loss if tp is not None else None,
             bodies=ep.bodies() if ep is not None else None,
+            repeated_layers=plan.capture.repeated_layers,
         )
     if tp is not None:
         tag_collectives(gm)
@@ -109,7 +110,8 @@ def compile_program(
         f"Captured by make_fx (took {seconds * 1e3:.1f} ms)"
         + (f"; {tp.describe()}" if tp else "")
         + (f"; {ep.describe()}" if ep else "")
-        + "".join(f"; {r.fqn} ({r.kind}) as an opaque region" for r in regions_in(gm)),
+        + "".join(f"; {r.fqn} ({r.kind}) as an opaque region" for r in regions_in(gm))
+        + (f"; {gm.meta['repeated_layers']}" if gm.meta["repeated_layers"] else ""),
         0,
         n,
         count_ops(gm.graph.nodes),

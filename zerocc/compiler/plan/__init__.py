@@ -11,6 +11,7 @@ from zerocc.compiler.plan.base import FP32_TINY, PathStr
 from zerocc.compiler.plan.execution import (
     MAX_TIMEOUT_S,
     BackendConfig,
+    CaptureConfig,
     CheckpointConfig,
     CostConfig,
     DumpsConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "RENAMED_FIELDS",
     "SCHEDULE_FIELDS",
     "BackendConfig",
+    "CaptureConfig",
     "CheckpointConfig",
     "CostConfig",
     "Dtype",

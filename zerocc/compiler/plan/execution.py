@@ -1,5 +1,5 @@
-"""The sections that say how a step runs and what a run writes: backend, overlap, cost,
-offload, recompute, dumps, checkpoint and metrics."""
+"""The sections that say how a step is captured and runs and what a run writes: capture,
+backend, overlap, cost, offload, recompute, dumps, checkpoint and metrics."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ from zerocc.compiler.plan.base import MAX_MB, PathStr, Section
 # The longest collective timeout: a collective that waits a week is hung (and longer ones
 # overflow the process group's millisecond clock for no benefit).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+class CaptureConfig(Section):
+    """How the training step is traced into the graph the passes rewrite."""
+
+    repeated_layers: bool = Field(
+        True,
+        description="trace a module whose instances run alike (a transformer's blocks) once "
+        "and copy that trace for its other calls: the same graph as tracing every call, in a "
+        "fraction of the time; false traces every call (what `zerocc inspect` prints under "
+        "capture says which modules were copied)",
+    )
 
 
 class BackendConfig(Section):

@@ -17,6 +17,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from zerocc.compiler.plan.base import Section
 from zerocc.compiler.plan.execution import (
     BackendConfig,
+    CaptureConfig,
     CheckpointConfig,
     CostConfig,
     DumpsConfig,
@@ -109,6 +110,9 @@ class Plan(Section):
     )
     precision: PrecisionConfig = Field(
         default_factory=PrecisionConfig, description="dtypes of parameters and gradients"
+    )
+    capture: CaptureConfig = Field(
+        default_factory=CaptureConfig, description="how the step is traced: repeated layers"
     )
     backend: BackendConfig = Field(
         default_factory=BackendConfig, description="which backend runs the scheduled graph"
