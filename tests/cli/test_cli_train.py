@@ -35,6 +35,22 @@ def test_train_launches_two_ranks_and_summarizes():
     assert "model state per rank" in out and "(mean over 2 rank(s), up to step 3)" in out
 
 
+def test_train_checks_the_model_before_launching_any_rank(monkeypatch, capsys):
+    """`units.classes: [Blok]` was found by every launched rank, after they started (issue 50):
+    the launcher builds the model once and finds it before launching any."""
+    from zerocc.cli import main as cli
+
+    launches = []
+    monkeypatch.setattr(cli, "_launch", lambda *args: launches.append(args) or 0)
+    bad = ["train", str(PLAN), "--nproc", "2", "--set", "units.classes=[Blok]"]
+    assert cli.main(bad) == 2
+    err = capsys.readouterr().err
+    assert "units.classes: no module of class 'Blok' in the model" in err
+    assert launches == []
+    assert cli.main(["train", str(PLAN), "--nproc", "2"]) == 0
+    assert len(launches) == 1
+
+
 def test_train_in_process_leaves_no_dump_folder_behind(tmp_path, monkeypatch):
     """`--dump` is set for the command only: a later step of the same process (a script that
     calls the CLI, then compiles) does not dump."""

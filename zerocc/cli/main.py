@@ -22,7 +22,7 @@ from typing import NoReturn
 
 from zerocc.cli.inspect import add_commands as add_inspect_commands
 from zerocc.cli.plan import add_commands as add_plan_commands
-from zerocc.cli.plan import checked_plan
+from zerocc.cli.plan import checked_model, checked_plan
 from zerocc.cli.plan_args import add_plan_arguments, forwarded
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError, ZeroccError
@@ -280,6 +280,7 @@ def _train(args: argparse.Namespace) -> int:
         restarts = _restarts_of(args, plan)
         if launched() or (args.nproc == 1 and nodes.count == 1 and not restarts):
             return train_rank(plan, args.steps)
+        checked_model(plan)  # what the plan names in the model, before any rank is launched
         command = ["train", str(args.plan), "--steps", str(args.steps), *forwarded(args)]
         for flags in SECTION_FLAGS.values():
             for flag in flags:

@@ -38,7 +38,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     plan = checked_plan(args)
-    model = _checked_model(plan) if plan.workload is not None else None
+    model = checked_model(plan) if plan.workload is not None else None
     print(f"{args.plan}: ok ({describe_plan(plan)}){model or ''}")
     if plan.workload is None:  # (a plan for zerocc.compile: fine, but not for `train`)
         print("note: no workload: `zerocc train` needs one (workload: 'module:function'); a "
@@ -46,12 +46,12 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checked_model(plan: Plan) -> str:
+def checked_model(plan: Plan) -> str:
     """Call the workload as a rank does (a model too large for this machine belongs on the
     meta device, where zerocc's examples build theirs) and check what the plan names in its
     model: units (classes, module globs), the layers tensor parallelism splits and the experts
     expert parallelism splits; PlanError naming the field otherwise. Returns a few words on
-    the model."""
+    the model. (`zerocc plan check`, and `zerocc train` before it launches any rank.)"""
     from zerocc.compiler.capture import describe_model
     from zerocc.compiler.parallel.experts import ExpertParallel
     from zerocc.compiler.parallel.tensor_parallel import TensorParallel
