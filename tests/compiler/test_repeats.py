@@ -338,3 +338,44 @@ def test_training_with_copies_is_training_without_them(precision):
         header = program.records[0].header
         assert ("4 Block calls traced once (on transformer.h.0)" in header) == repeated
     assert losses[True] == losses[False]
+
+
+@pytest.mark.parametrize("precision", [{}, {"param": "bf16"}], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_tensor_parallel_blocks_are_copies_too(sequence_parallel, precision):
+    """Split layers (their forwards put in place per layer, their collectives' notes naming the
+    layer) and sequence parallelism's gathers (hooks) and chunks (what it knows of each tensor,
+    given to each template's inputs and each copy's outputs): the copies are the traced
+    graph. Under sequence parallelism the first block reads the whole sequence and the others
+    chunks: two templates."""
+    from models import GPT, GPT_TP_LAYERS, GPTConfig
+
+    from zerocc.compiler.parallel.collectives import NOTE
+    from zerocc.compiler.parallel.tensor_parallel import TensorParallel
+    from zerocc.compiler.plan import load_plan
+
+    parallel = {"tp": 2, "tp_layers": GPT_TP_LAYERS, "sequence_parallel": sequence_parallel}
+    plan = load_plan({"parallel": parallel, "precision": precision})
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=3, n_head=4, n_embd=16))
+    full = describe_model(model)
+    tp = TensorParallel.of(model, full, plan)
+
+    def captured(repeated: bool) -> fx.GraphModule:
+        with tp.applied(model):
+            return capture(model, tp.local_info(full), None, _gpt_batch(0, 0), CPU,
+                           Casts.of(plan.precision), loss_check=tp.check_loss,
+                           repeated_layers=repeated, tensor_status=tp.tensor_status())  # fmt: skip
+
+    captured(False)  # (see _both)
+    traced, copied = captured(False), captured(True)
+    _assert_same_graph(traced, copied)
+    expected = (
+        "1 Block calls traced once (on transformer.h.0); 2 Block calls traced once (on "
+        "transformer.h.1)"
+        if sequence_parallel
+        else "3 Block calls traced once (on transformer.h.0)"
+    )
+    assert copied.meta["repeated_layers"] == expected
+    notes = [n.meta.get("custom", {}).get(NOTE, "") for n in copied.graph.nodes]
+    assert any("transformer.h.2.attn.c_proj" in note for note in notes)  # (renamed, not h.0's)
+    assert notes == [n.meta.get("custom", {}).get(NOTE, "") for n in traced.graph.nodes]

@@ -35,7 +35,7 @@ from zerocc.compiler.batch import call_arguments
 from zerocc.compiler.module_marks import FORWARD_END, ModuleTracker, mark_node
 from zerocc.compiler.opaque import Body, data_dependent_cause, op_of, opaque_modules
 from zerocc.compiler.plan import PrecisionConfig
-from zerocc.compiler.repeats import RepeatedLayers
+from zerocc.compiler.repeats import RepeatedLayers, TensorStatus
 from zerocc.errors import CaptureError
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
 from zerocc.logs import FAKE_KERNELS, quiet
@@ -243,6 +243,7 @@ def capture(
     loss_check: Callable[[torch.Tensor], None] | None = None,
     bodies: dict[str, Body] | None = None,
     repeated_layers: bool = True,
+    tensor_status: TensorStatus | None = None,
 ) -> fx.GraphModule:
     """Trace loss and gradients of ``model`` on ``batch`` into one graph, on fake tensors
     (``gradients=False``: the loss alone, a forward-only graph for evaluation, traced with the
@@ -251,7 +252,9 @@ def capture(
     depends on). ``bodies``: modules (by FQN) captured as opaque regions that run a body of
     their own (expert parallelism's experts). ``repeated_layers``: a module whose instances run
     alike is traced once and its other calls copied (:mod:`zerocc.compiler.repeats`); what was,
-    in ``gm.meta["repeated_layers"]``. The graph is what passes read; the module's
+    in ``gm.meta["repeated_layers"]``; ``tensor_status``: what a capture mode knows of each
+    tensor, which their templates and copies must be given (sequence parallelism's). The
+    graph is what passes read; the module's
     generated code is not regenerated after dead code is eliminated and placeholders renamed
     (a second compile of the whole step's code): the pass manager recompiles its result."""
     casts = casts or Casts()
@@ -300,7 +303,7 @@ def capture(
         if casts.loss_scale and gradients:
             with traced_grad_mode(), fake_mode:
                 flat.append(torch.empty((), dtype=torch.float32, device=device))
-        layers = RepeatedLayers(model, repeated_layers)  # (before the tracker's hooks)
+        layers = RepeatedLayers(model, repeated_layers, tensor_status)  # (before the hooks)
         tracker = ModuleTracker(model)
         try:
             with (

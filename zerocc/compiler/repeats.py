@@ -25,8 +25,10 @@ call's structure and non-tensor arguments, and each tensor's shape, strides, dty
 when tracing it changed the module's attributes, it writes into an input, it holds an opaque
 region or a tensor constant, or an argument is a view at an offset or no plain value:
 :meth:`RepeatedLayers.summary` says which and why (``zerocc inspect`` prints it under capture).
-A Hugging Face decoder layer holds its ``layer_idx``, so its twins differ: they are traced one
-by one. What a fingerprint cannot see is state outside the module (a global the forward reads
+Tensor parallelism's split forwards and sequence gathers, put in place per layer, say what
+makes them differ from their twins' (:class:`RepeatKeyed`), and what sequence parallelism knows
+of each tensor is carried through templates and copies (:class:`TensorStatus`). A Hugging Face
+decoder layer holds its ``layer_idx``, so its twins differ: they are traced one by one. What a fingerprint cannot see is state outside the module (a global the forward reads
 and changes): a model whose layers differ that way is compiled with
 ``capture.repeated_layers: false``.
 """
@@ -36,17 +38,17 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import re
 import types
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from zerocc.compat import MAKE_FX_OPTIONS
@@ -65,12 +67,32 @@ _GLOBAL_HOOKS = (
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device, enum.Enum, type)
 
 
+class RepeatKeyed(Protocol):
+    """An object a layer holds (a forward or a hook put in place per layer) that says what
+    makes it differ from its twins' (the same for all of them when it runs alike for each,
+    its layer's name apart): tensor parallelism's split forwards and sequence gathers."""
+
+    def repeat_key(self) -> Hashable: ...
+
+
+class TensorStatus(Protocol):
+    """What a capture mode knows of each tensor beyond its metadata (sequence parallelism:
+    whether it is a chunk of the sequence), which a template's inputs and a copy's outputs
+    must be given as the call's and the template's had."""
+
+    def status_of(self, t: torch.Tensor) -> Hashable: ...
+
+    def set_status(self, t: torch.Tensor, status: Hashable) -> None: ...
+
+
 def _value_key(value: Any) -> Any:
-    """What a fingerprint holds of an attribute's value: the value itself for plain data, the
-    object's identity otherwise (two instances holding the same config object match; two
-    holding equal but distinct tensors do not)."""
+    """What a fingerprint holds of an attribute's value: the value itself for plain data, its
+    repeat key for a :class:`RepeatKeyed`, the object's identity otherwise (two instances
+    holding the same config object match; two holding equal but distinct tensors do not)."""
     if isinstance(value, _PLAIN):
         return (type(value), value)
+    if callable(getattr(value, "repeat_key", None)):  # (see RepeatKeyed)
+        return ("keyed", value.repeat_key())
     if isinstance(value, (tuple, list, frozenset)):
         return (type(value), tuple(_value_key(v) for v in value))
     return ("object", id(value))
@@ -104,8 +126,11 @@ def _attributes(module: nn.Module, own: bool) -> tuple:
     return tuple((k, _value_key(v)) for k, v in sorted(vars(module).items()) if k not in skip)
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    return any(getattr(module, h, None) for h in _HOOKS)
+def _hooks_print(module: nn.Module) -> tuple | None:
+    """The module's hooks by their repeat keys, or None when one has none (a hook a template
+    cannot copy: what it does for one layer, it would do for all)."""
+    keys = tuple(_value_key(h) for name in _HOOKS for h in getattr(module, name, {}).values())
+    return None if any(k[0] == "object" for k in keys) else keys
 
 
 def candidates(model: nn.Module) -> dict[str, nn.Module]:
@@ -127,9 +152,10 @@ def candidates(model: nn.Module) -> dict[str, nn.Module]:
         if fqn not in layers or "forward" in vars(m) or next(m.parameters(), None) is None:
             continue
         subtree = list(m.modules())
-        if any(uses[id(s)] > 1 or _has_hooks(s) for s in subtree):
+        hooks = [_hooks_print(s) for s in subtree]
+        if any(uses[id(s)] > 1 for s in subtree) or None in hooks:
             continue
-        eligible[fqn], prints[fqn] = m, fingerprint(m)
+        eligible[fqn], prints[fqn] = m, (fingerprint(m), tuple(hooks))
     counts = Counter(prints.values())
     repeated = [fqn for fqn in eligible if counts[prints[fqn]] > 1]
     outermost = [
@@ -173,6 +199,7 @@ class Template:
     output_spec: TreeSpec
     differentiable: list[int]  # positions (among tensor outputs) that take a gradient
     input_grads: list[fx.Node | None]  # each input's gradient (None: none reaches it)
+    output_status: list[Hashable] = field(default_factory=list)  # each tensor output's
     calls: int = 0
 
     @property
@@ -190,7 +217,7 @@ class _Call:
     env: dict[fx.Node, fx.Node] = field(default_factory=dict)  # template node -> its copy
     # a template value's storage -> a value of the copy's on the same memory, and the offset
     # of the copy's memory from the template's (non-zero for an argument that is a view)
-    storages: dict[StorageWeakRef, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    storages: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     def bind(self, nodes: Sequence[fx.Node], args: Sequence[fx.Node]) -> None:
         """The template's inputs ``nodes`` are the call's ``args``."""
@@ -198,7 +225,7 @@ class _Call:
             self.env[node] = arg
             mine, theirs = node.meta["val"], arg.meta["val"]
             delta = theirs.storage_offset() - mine.storage_offset()
-            self.storages.setdefault(StorageWeakRef(mine.untyped_storage()), (theirs, delta))
+            self.storages.setdefault(_storage(mine), (theirs, delta))
 
     def seed(self, results: dict[fx.Node, fx.Node]) -> None:
         """The op's outputs (``results``: template node -> the op's output in the step's graph)
@@ -207,7 +234,7 @@ class _Call:
         for node, output in results.items():
             mine, theirs = node.meta["val"], output.meta["val"]
             delta = theirs.storage_offset() - mine.storage_offset()
-            self.storages.setdefault(StorageWeakRef(mine.untyped_storage()), (theirs, delta))
+            self.storages.setdefault(_storage(mine), (theirs, delta))
 
 
 # The calls of the capture under way, by the key their op nodes hold.
@@ -253,12 +280,21 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, list[Any]]:
     template = _CALLS[ctx.call].template
-    given = [
-        _laid_out(grads[i], node.meta["val"])
-        for i, node in zip(template.differentiable, template.grad_inputs, strict=True)
-    ]
-    computed = iter(torch.ops.zerocc_repeat.layer_backward(ctx.call, given))
-    return None, [None if g is None else next(computed) for g in template.input_grads]
+    with _outside_capture_modes():
+        given = [
+            _laid_out(grads[i], node.meta["val"])
+            for i, node in zip(template.differentiable, template.grad_inputs, strict=True)
+        ]
+        computed = iter(torch.ops.zerocc_repeat.layer_backward(ctx.call, given))
+        return None, [None if g is None else next(computed) for g in template.input_grads]
+
+
+def _outside_capture_modes() -> contextlib.AbstractContextManager:
+    """No torch-function mode sees what runs in the body: a repeated layer's bookkeeping
+    (a tensor's shape, strides, storage) and its ops, whose templates' ops each mode saw.
+    (Tensor parallelism's capture mode would fit every one of ~200k calls on the 70B
+    example.)"""
+    return torch._C.DisableTorchFunction()
 
 
 def _laid_out(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -274,6 +310,11 @@ def _laid_out(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 torch.library.register_autograd("zerocc_repeat::layer", _backward, setup_context=_setup_context)
 _LAYER = torch.ops.zerocc_repeat.layer.default
 _LAYER_BACKWARD = torch.ops.zerocc_repeat.layer_backward.default
+# The ops a call of a repeated layer is while the step is traced (a capture mode lets them
+# pass: what it does to each op, the template's ops had done to them)
+LAYER_OPS = frozenset(
+    {torch.ops.zerocc_repeat.layer, torch.ops.zerocc_repeat.layer_backward, _LAYER, _LAYER_BACKWARD}
+)
 _OUTPUT_GRADS = "output_grads"  # a template's mark where backward reaches its outputs' nodes
 _REFUSED_OPS = ("zerocc_opaque", "zerocc_repeat")  # namespaces a template may not hold
 
@@ -306,8 +347,11 @@ def _class_forward(module: nn.Module) -> Iterator[None]:
 class RepeatedLayers:
     """The repeated modules of one capture: the templates traced, and the calls made of them."""
 
-    def __init__(self, model: nn.Module, enabled: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, enabled: bool = True, status: TensorStatus | None = None
+    ) -> None:
         self.modules = candidates(model) if enabled else {}
+        self.status = status
         self.templates: dict[Any, Template | str] = {}  # key -> template, or why refused
         # class -> why its calls are traced one by one (what makes a template refused is the
         # module's code, most often: its twins would be refused alike, each after a trace)
@@ -349,7 +393,8 @@ class RepeatedLayers:
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         names, state = _state(module)
-        key = self._key(module, spec, leaves, [*tensors, *state])
+        with _outside_capture_modes():
+            key = self._key(module, spec, leaves, [*tensors, *state])
         if key is None:
             template: Template | str = "an argument is neither a tensor nor a plain value"
         elif key in self.templates:
@@ -365,7 +410,12 @@ class RepeatedLayers:
         call = f"{fqn}#{next(_serial)}"
         _CALLS[call] = _Call(template, fqn)
         self.calls.append(call)
-        flat = iter(torch.ops.zerocc_repeat.layer(call, [*tensors, *state]))
+        with _outside_capture_modes():
+            outputs = torch.ops.zerocc_repeat.layer(call, [*tensors, *state])
+        if self.status is not None:
+            for t, status in zip(outputs, template.output_status, strict=True):
+                self.status.set_status(t, status)
+        flat = iter(outputs)
         out = [next(flat) if isinstance(o, fx.Node) else o for o in template.outputs]
         return tree_unflatten(out, template.output_spec)
 
@@ -388,7 +438,18 @@ class RepeatedLayers:
                 return None
         metas = tuple(_Meta.of(t) for t in tensors)
         offsets = tuple(t.storage_offset() for t in tensors)
-        return fingerprint(module), spec, tuple(constants), metas, offsets
+        statuses = tuple(self._statuses(tensors))
+        return fingerprint(module), spec, tuple(constants), metas, offsets, statuses
+
+    def _statuses(self, tensors: Sequence[torch.Tensor]) -> list[Hashable]:
+        if self.status is None:
+            return [None] * len(tensors)
+        return [self.status.status_of(t) for t in tensors]
+
+    def _give_statuses(self, tensors: Sequence[torch.Tensor], statuses: list[Hashable]) -> None:
+        if self.status is not None:
+            for t, status in zip(tensors, statuses, strict=True):
+                self.status.set_status(t, status)
 
     def _trace(
         self,
@@ -416,8 +477,11 @@ class RepeatedLayers:
             return tree_flatten(out)
 
         before = fingerprint(module)
+        statuses = self._statuses(tensors)
+        output_status: list[Hashable] = []
         with disable_proxy_modes_tracing():
             fresh = [_fresh_input(t) for t in tensors]
+            self._give_statuses(fresh, statuses)
             probe, out_spec = run(fresh)  # which outputs are tensors, which take a gradient
             if any(not isinstance(o, (torch.Tensor, *_PLAIN)) for o in probe):
                 return "an output is neither a tensor nor a plain value"
@@ -428,9 +492,11 @@ class RepeatedLayers:
 
             def joint(*flat: torch.Tensor) -> tuple[Any, ...]:
                 inputs, grads = flat[: len(fresh)], flat[len(fresh) :]
+                self._give_statuses(inputs, statuses)
                 outs, _ = run(inputs)
                 tracker.mark(FORWARD_END)
                 tensor_outs = [o for o in outs if isinstance(o, torch.Tensor)]
+                output_status.extend(self._statuses(tensor_outs))
                 diff = [tensor_outs[i] for i in differentiable]
                 for o in diff:  # (after the tracker's pre-hooks on them)
                     if o.grad_fn is not None:
@@ -448,11 +514,19 @@ class RepeatedLayers:
         if fingerprint(module) != before:
             return "tracing its forward changed its attributes"
         gm.graph.eliminate_dead_code()
-        return _template_of(gm.graph, fqn, type(module).__name__, probe, out_spec, differentiable)
+        template = _template_of(
+            gm.graph, fqn, type(module).__name__, probe, out_spec, differentiable
+        )
+        if isinstance(template, Template):
+            template.output_status = output_status
+        return template
 
     def expand(self, gm: fx.GraphModule) -> None:
         """Replace each call's op and its backward's in ``gm`` by copies of its template."""
-        graph = gm.graph
+        with _outside_capture_modes():
+            self._expand(gm.graph)
+
+    def _expand(self, graph: fx.Graph) -> None:
         for node in list(graph.nodes):
             if node.target not in (_LAYER, _LAYER_BACKWARD):
                 continue
@@ -517,7 +591,11 @@ def _template_of(
     # The marks before the first _OUTPUT_GRADS come from pre-hooks on the autograd nodes of the
     # module's outputs, where the step's graph has its own (of the module and of any ancestor
     # that returns the same tensor: the last of them names the ops that follow).
-    first = next(i for i, n in enumerate(backward) if _is_mark(n, _OUTPUT_GRADS))
+    first = next((i for i, n in enumerate(backward) if _is_mark(n, _OUTPUT_GRADS)), None)
+    if first is None:  # (no output takes a gradient: nothing ran backward)
+        if any(n.target is not mark_node for n in backward):
+            return "its backward began elsewhere than at its outputs"
+        first = len(backward)
     backward = [n for n in backward[first:] if not _is_mark(n, _OUTPUT_GRADS)]
     (returned,) = graph.output_node().args
     tensor_nodes = iter(returned[:n_tensor_out])
@@ -550,7 +628,7 @@ def _namespace(target: Any) -> str | None:
 
 def _writes_inputs(body: list[fx.Node], inputs: list[fx.Node]) -> bool:
     """Whether an op writes into a tensor that shares memory with one of ``inputs``."""
-    held = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in inputs}
+    held = {_storage(n.meta["val"]) for n in inputs}
     for node in body:
         target = node.target
         if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
@@ -559,7 +637,7 @@ def _writes_inputs(body: list[fx.Node], inputs: list[fx.Node]) -> bool:
             written = arg.alias_info is not None and arg.alias_info.is_write
             if written and isinstance(value, fx.Node):
                 val = value.meta.get("val")
-                if isinstance(val, torch.Tensor) and StorageWeakRef(val.untyped_storage()) in held:
+                if isinstance(val, torch.Tensor) and _storage(val) in held:
                     return True
     return False
 
@@ -577,16 +655,30 @@ def _copy(
     valued = []
     with graph.inserting_before(anchor):
         for node in nodes:
-            copy = graph.node_copy(node, env.__getitem__)
+            copy = env[node] = graph.node_copy(node, env.__getitem__)
             if node.target is mark_node:
                 kind, module = node.args
                 copy.args = (kind, _renamed(module, old, new))
-            elif "val" in node.meta:
+                continue
+            if any(isinstance(a, str) and old in a for a in copy.args):
+                copy.args = tuple(_renamed_in(a, old, new) for a in copy.args)
+            if "custom" in copy.meta:  # (fx's annotations: a collective's note)
+                copy.meta["custom"] = {
+                    k: _renamed_in(v, old, new) for k, v in copy.meta["custom"].items()
+                }
+            if "val" in node.meta:
                 valued.append((copy, node.meta["val"]))
-            env[node] = copy
     if valued:
         _give_values(valued, call)
     return [env[r] for r in results]
+
+
+def _renamed_in(value: Any, old: str, new: str) -> Any:
+    """``value`` with the module ``old`` named ``new`` wherever a text names it or its
+    submodules (a note tensor parallelism's collectives carry, an argument)."""
+    if not isinstance(value, str) or old not in value:
+        return value
+    return re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", new, value)
 
 
 def _renamed(module: str, old: str, new: str) -> str:
@@ -633,7 +725,7 @@ def _wrapped(meta: Any, mode: Any) -> Any:
 
 def _tensor_like(t: torch.Tensor, call: _Call) -> torch.Tensor:
     """On the meta device (in the fake mode's kernel invocation), a tensor like ``t``."""
-    key = StorageWeakRef(t.untyped_storage())
+    key = _storage(t)
     if key not in call.storages:  # memory the template's forward or backward allocates
         whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == _extent(t)
         if whole:
@@ -650,6 +742,11 @@ def _tensor_like(t: torch.Tensor, call: _Call) -> torch.Tensor:
         n = owner.untyped_storage().nbytes() // owner.element_size()
         owner = owner.as_strided((n,), (1,), 0).view(t.dtype)
     return owner.as_strided(t.shape, t.stride(), t.storage_offset() + delta)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Which memory ``t`` is on (the templates' values, which hold it, outlive the capture)."""
+    return t.untyped_storage()._cdata
 
 
 def _extent(t: torch.Tensor) -> int:

@@ -116,6 +116,7 @@ def capture_microbatch(
             casts,
             gradients,
             loss_check=tp.check_loss if tp is not None else None,
+            tensor_status=tp.tensor_status() if tp is not None else None,
             repeated_layers=plan.capture.repeated_layers,
         )
     if tp is not None:

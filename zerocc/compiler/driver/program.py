@@ -97,6 +97,7 @@ def compile_program(
             casts,
             gradients=training,
             loss_check=tp.check_loss if tp is not None else None,
+            tensor_status=tp.tensor_status() if tp is not None else None,
             bodies=ep.bodies() if ep is not None else None,
             repeated_layers=plan.capture.repeated_layers,
         )

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from zerocc.compiler.parallel.collectives import TP, all_gather, all_reduce, chunk
 from zerocc.compiler.parallel.sequence import SequenceSplit
+from zerocc.compiler.repeats import LAYER_OPS
 from zerocc.ir.ops import op
 
 
@@ -102,27 +103,43 @@ class Region:
             held = self._entered[id(x)] = (x, entered)
         return held[1]
 
-    def gather_inputs(self, module: str):
+    def gather_inputs(self, module: str) -> _GatherInputs:
         """A forward pre-hook (with kwargs) for the module holding colwise layers: the chunks
         it is given become the whole sequence (the module reads its length, as attention's
         head views do), and its colwise layers read that as it is."""
+        return _GatherInputs(self, module)
 
-        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            def whole(a: Any) -> Any:
-                if self.sequence is None or not self.sequence.is_chunk(a):
-                    return a
-                gathered = self.sequence.gather(a, f"{module or 'the model'}'s input")
-                self._gathered[id(gathered)] = gathered
-                return gathered
-
-            return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
-
-        return hook
+    def gathered(self, x: torch.Tensor, module: str) -> torch.Tensor:
+        """``x`` as :meth:`gather_inputs`' hook passes it to ``module``."""
+        if self.sequence is None or not self.sequence.is_chunk(x):
+            return x
+        whole = self.sequence.gather(x, f"{module or 'the model'}'s input")
+        self._gathered[id(whole)] = whole
+        return whole
 
     def slice_of(self, logits: Any) -> torch.Tensor | None:
         """This rank's slice of ``logits`` when they are a vocab head's whole logits."""
         held = self.logits.get(id(logits)) if isinstance(logits, torch.Tensor) else None
         return held[1] if held is not None and held[0] is logits else None
+
+
+class _GatherInputs:
+    """:meth:`Region.gather_inputs`' hook. It does for every module what it does for one, its
+    name in the notes apart: a repeated layer's copies may stand for its calls (its
+    :meth:`repeat_key`, :class:`zerocc.compiler.repeats.RepeatKeyed`)."""
+
+    def __init__(self, region: Region, module: str) -> None:
+        self.region, self.module = region, module
+
+    def __call__(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        region, name = self.region, self.module
+        return (
+            tuple(region.gathered(a, name) for a in args),
+            {k: region.gathered(v, name) for k, v in kwargs.items()},
+        )
+
+    def repeat_key(self) -> str:
+        return "gather inputs"
 
 
 # -- the tensor-parallel forwards ----------------------------------------------------------------
@@ -183,6 +200,13 @@ _KEEPS_LOGITS = {
 }  # fmt: skip
 
 
+# What the mode lets pass as it is: a repeated layer's calls (its template's ops were fitted as
+# they were traced) and the call of autograd (its gradients follow from what was fitted; the
+# outputs a layer's template differentiates are chunks, and its inputs are no parameters
+# to sum the gradients of)
+_PASSED = frozenset({*LAYER_OPS, torch.autograd.grad})
+
+
 class CaptureMode(TorchFunctionMode):
     """Active while the step is captured: a cross-entropy of a vocab head's whole logits runs
     on each rank's slice of them (see the module's docstring), and under sequence parallelism
@@ -194,6 +218,8 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _PASSED:
+            return func(*args, **kwargs)
         if self.region.sequence is not None:
             args, kwargs = self.region.sequence.operands(func, args, kwargs)
         mine = self.region.slice_of(args[0]) if args else None

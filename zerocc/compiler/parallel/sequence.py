@@ -108,6 +108,7 @@ class SequenceSplit:
         # What was computed from a chunk and holds a value of this rank's tokens alone (not
         # gathered back into the whole sequence): chunks, and what ops made of them
         self._local: dict[int, torch.Tensor] = {}
+        self._not_params: dict[int, torch.Tensor] = {}  # leaves that stand for computed values
 
     def _length(self, t: Any) -> int | None:
         if not isinstance(t, torch.Tensor) or t.dim() < -self.dim:
@@ -142,7 +143,28 @@ class SequenceSplit:
         return isinstance(t, torch.Tensor) and self._chunks.get(id(t)) is t
 
     def _is_param(self, t: torch.Tensor) -> bool:
+        if self._not_params.get(id(t)) is t:
+            return False
         return (t.is_leaf and t.requires_grad) or self._params.get(id(t)) is t
+
+    def status_of(self, t: torch.Tensor) -> tuple[bool, bool, bool]:
+        """What this split knows of ``t``: whether it is a chunk, holds a value of this rank's
+        tokens, is a parameter (a repeated layer's template is traced on fresh tensors given
+        its call's, and its copies' outputs are given its outputs';
+        :class:`zerocc.compiler.repeats.TensorStatus`)."""
+        return self.is_chunk(t), self._is_local(t), self._is_param(t)
+
+    def set_status(self, t: torch.Tensor, status: tuple[bool, bool, bool]) -> None:
+        """Make ``t`` what :meth:`status_of` said of another tensor."""
+        chunk, local, param = status
+        if chunk:
+            self._chunks[id(t)] = t
+        if local:
+            self._local[id(t)] = t
+        if param:
+            self._params[id(t)] = t
+        else:
+            self._not_params[id(t)] = t
 
     def gather(self, x: torch.Tensor, layer: str) -> torch.Tensor:
         """The whole sequence of chunks ``x``, entering ``layer``: every rank's tokens, no

@@ -32,9 +32,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import types
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +193,12 @@ class TensorParallel:
         parameters no layer splits), flattened as the ``sum_squares_tp`` op reads them."""
         return [x for p in unit.params if p.fqn not in self.splits for x in (p.offset, p.numel)]
 
+    def tensor_status(self) -> SequenceSplit | None:
+        """In :meth:`applied`'s body, what capture gives a repeated layer's template and copies
+        of what sequence parallelism knows of each tensor (None without it)."""
+        region = self._capturing
+        return region.sequence if region is not None else None
+
     def check_loss(self, loss: torch.Tensor) -> None:
         """Called by capture with the loss it traced in :meth:`applied`'s body: under sequence
         parallelism, a CaptureError for a loss that holds a statistic of one rank's chunk of
@@ -212,10 +217,7 @@ class TensorParallel:
         for fqn, layer in self.layers.items():
             module = modules[fqn]
             forward = FORWARDS[(_kind(module), layer.style)]
-            name = f"{layer.style} {fqn}"
-            module.forward = types.MethodType(
-                lambda self, x, _f=forward, _n=name: _f(self, x, region, _n), module
-            )
+            module.forward = _SplitForward(module, forward, region, f"{layer.style} {fqn}")
         hooks = []
         if sequence is not None:  # the sequence is gathered where the colwise layers' module
             # begins (attention and MLP modules read its length)
@@ -237,6 +239,24 @@ class TensorParallel:
                 del modules[fqn].forward
             for hook in hooks:
                 hook.remove()
+
+
+class _SplitForward:
+    """A split layer's forward while the step is captured: ``forward(module, x, region,
+    layer)``. Alike for every layer of one kind and style, its name in the notes apart: a
+    repeated block's copies may stand for its calls (:meth:`repeat_key`,
+    :class:`zerocc.compiler.repeats.RepeatKeyed`)."""
+
+    def __init__(
+        self, module: nn.Module, forward: Callable[..., torch.Tensor], region: Region, layer: str
+    ) -> None:
+        self.module, self.forward, self.region, self.layer = module, forward, region, layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(self.module, x, self.region, self.layer)
+
+    def repeat_key(self) -> Callable[..., torch.Tensor]:
+        return self.forward
 
 
 # -- checks --------------------------------------------------------------------------------------
