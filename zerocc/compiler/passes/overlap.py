@@ -205,10 +205,8 @@ def hoist_gathers(
     schedule = _Schedule(gm, collectives)
     gathers = [c for c in collectives if c.is_prefetch]
     for k, c in enumerate(gathers):
-        earliest = _earliest(schedule, c, roots)
-        if k >= prefetch:
-            earliest = max(earliest, schedule.position[gathers[k - prefetch].wait] + 1)
-        _issue_at(schedule, c, earliest, budget, "prefetched")
+        floor = schedule.position[gathers[k - prefetch].wait] + 1 if k >= prefetch else 0
+        _issue_at(schedule, c, _earliest(schedule, c, roots, floor), budget, "prefetched")
 
 
 def issue_tp_early(
@@ -223,16 +221,17 @@ def issue_tp_early(
             _issue_at(schedule, c, _earliest(schedule, c, roots), budget, "early")
 
 
-def _earliest(schedule: _Schedule, c: Collective, roots: StorageRoots) -> int:
+def _earliest(schedule: _Schedule, c: Collective, roots: StorageRoots, floor: int = 0) -> int:
     """The earliest position a collective (and its leaders) can be issued at: right after the
-    last node it reads or whose access conflicts with its own."""
+    last node it reads or whose access conflicts with its own, and not before ``floor`` (the
+    scan stops there: what lies before does not matter)."""
     flight = roots.collective_access(c.start, c.wait)
     inputs = set(c.start.all_input_nodes)
     for node in c.leaders:
         flight = flight | roots.access(node)
         inputs.update(node.all_input_nodes)
     earliest = schedule.position[(c.leaders or [c.start])[0]]
-    while earliest > 0:
+    while earliest > floor:
         before = schedule.nodes[earliest - 1]
         if before.op == "placeholder" or before in inputs or roots.access(before).conflicts(flight):
             break
