@@ -18,19 +18,20 @@ its backward ends: the same terms, summed in another order.
 **Which calls are copies.** A candidate is a layer (a child of an ``nn.ModuleList`` or
 ``nn.Sequential``) that holds parameters, has the fingerprint of another candidate
 (:func:`fingerprint`: its submodules' classes and attributes, its parameters' and buffers'
-names, shapes and dtypes), shares no submodule with the rest of the model, has no hooks, and
-lies in no other candidate. A call is a copy of a template when the module's fingerprint, the
-call's structure and non-tensor arguments, and each tensor's shape, strides, dtype, device and
-``requires_grad`` are the template's. A template is refused, and its calls traced one by one,
-when tracing it changed the module's attributes, it writes into an input, it holds an opaque
-region or a tensor constant, or an argument is a view at an offset or no plain value:
-:meth:`RepeatedLayers.summary` says which and why (``zerocc inspect`` prints it under capture).
-Tensor parallelism's split forwards and sequence gathers, put in place per layer, say what
-makes them differ from their twins' (:class:`RepeatKeyed`), and what sequence parallelism knows
-of each tensor is carried through templates and copies (:class:`TensorStatus`). A Hugging Face
-decoder layer holds its ``layer_idx``, so its twins differ: they are traced one by one. What a fingerprint cannot see is state outside the module (a global the forward reads
-and changes): a model whose layers differ that way is compiled with
-``capture.repeated_layers: false``.
+names, shapes and dtypes), shares no submodule with the rest of the model, has no hooks but
+ones that say they run alike for each twin, and lies in no other candidate. A call is a copy of
+a template when the module's fingerprint, the call's structure and non-tensor arguments, and
+each tensor's shape, strides, dtype, device and ``requires_grad`` are the template's. A
+template is refused, and its calls traced one by one, when tracing it changed the module's
+attributes, it writes into an input, it holds an opaque region or a tensor constant, or an
+argument is a view at an offset or no plain value: :meth:`RepeatedLayers.summary` says which
+and why (``zerocc inspect`` prints it under capture). Tensor parallelism's split forwards and
+sequence gathers, put in place per layer, say what makes them differ from their twins'
+(:class:`RepeatKeyed`), and what sequence parallelism knows of each tensor is carried through
+templates and copies (:class:`TensorStatus`). A Hugging Face decoder layer holds its
+``layer_idx``, so its twins differ: they are traced one by one. What a fingerprint cannot see
+is state outside the module (a global the forward reads and changes): a model whose layers
+differ that way is compiled with ``capture.repeated_layers: false``.
 """
 
 from __future__ import annotations
@@ -157,12 +158,15 @@ def candidates(model: nn.Module) -> dict[str, nn.Module]:
             continue
         eligible[fqn], prints[fqn] = m, (fingerprint(m), tuple(hooks))
     counts = Counter(prints.values())
-    repeated = [fqn for fqn in eligible if counts[prints[fqn]] > 1]
-    outermost = [
-        fqn for fqn in repeated if not any(fqn.startswith(other + ".") for other in repeated)
-    ]
+    repeated = {fqn for fqn in eligible if counts[prints[fqn]] > 1}
+    outermost = [fqn for fqn in eligible if fqn in repeated and not _ancestors(fqn) & repeated]
     counts = Counter(prints[fqn] for fqn in outermost)  # (a final norm like the blocks' is not)
     return {fqn: eligible[fqn] for fqn in outermost if counts[prints[fqn]] > 1}
+
+
+def _ancestors(fqn: str) -> set[str]:
+    parts = fqn.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
 @dataclass(frozen=True)
