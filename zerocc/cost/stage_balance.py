@@ -72,9 +72,10 @@ def balance_stages(
     alone = StageAssignment(gm, [[u] for u in units])
     seconds = [0.0] * len(units)
     ends = [0.0, 0.0]
+    unit_names = set(units)
     for node, unit in alone.stage.items():
         seconds[unit] += cost(node)
-        if unit_of(info(node).module or "", units) is None and unit in (0, len(units) - 1):
+        if unit_of(info(node).module or "", unit_names) is None and unit in (0, len(units) - 1):
             ends[unit > 0] += cost(node)
     held = _params_held(gm, alone)
     groups = _least_max_partition(seconds, stages)

@@ -31,7 +31,7 @@ batch tensors as in the captured step, :data:`Role.RECEIVED` for what the neighb
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import torch
@@ -60,14 +60,15 @@ _ADD = torch.ops.aten.add.Tensor
 _DETACH = torch.ops.aten.detach.default
 
 
-def unit_of(module: str, units: Iterable[str]) -> str | None:
-    """The unit (a module FQN) ``module`` runs in: the longest that contains it."""
-    found = None
-    for unit in units:
-        inside = module == unit or module.startswith(unit + ".") or unit == ""
-        if inside and (found is None or len(unit) > len(found)):
-            found = unit
-    return found
+def unit_of(module: str, units: Collection[str]) -> str | None:
+    """The unit (a module FQN) ``module`` runs in: the longest that contains it (looked up
+    by the module's own prefixes: ~100k lookups among 127 units on the 405B example)."""
+    parts = module.split(".") if module else []
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in units:
+            return prefix
+    return "" if "" in units else None
 
 
 def cut_stages(
