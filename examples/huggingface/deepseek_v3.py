@@ -33,6 +33,7 @@ def workload(seq_len: int = 4096, batch_size: int = 1, layers: int = 61) -> Work
         while True:
             yield (torch.randint(0, VOCAB, (batch_size, seq_len), generator=g),)
 
-    return Workload(
-        model, loss_fn=lambda m, ids: m(input_ids=ids, labels=ids).loss, batches=batches
-    )
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=ids, labels=ids, use_cache=False).loss  # (training reads no cache)
+
+    return Workload(model, loss_fn=loss_fn, batches=batches)

@@ -96,9 +96,8 @@ def test_the_forward_only_capture_copies_too():
 
 @pytest.mark.parametrize("name", ["numbered", "llama", "mixtral", "lstm_deep"])
 def test_other_models_capture_alike(name):
-    """Small repeated modules (linears of a Sequential), a Hugging Face Llama (its decoder
-    layers differ in ``layer_idx``: traced call by call), a mixture of experts (opaque
-    regions inside the blocks: refused)."""
+    """Small repeated modules (linears of a Sequential), a Hugging Face Llama, a mixture of
+    experts (opaque regions inside the blocks: refused), a deep LSTM (no layers)."""
     model, batch_of, _ = _entry(name)
     torch.manual_seed(0)
     traced, copied = _both(model, batch_of(0, 0))
@@ -135,9 +134,49 @@ def test_numbered_linears_are_copies():
     assert sorted(candidates(model)) == ["2", "3.0"]  # (8 → 8 each; "0" is 6 → 8)
 
 
-def test_hugging_face_llama_layers_differ_in_layer_idx():
-    model, _, _ = _entry("llama")
-    assert candidates(model) == {}
+def test_hugging_face_llama_layers_are_twins_whose_trace_reads_no_layer_idx():
+    """A decoder layer holds its ``layer_idx``: a scalar, which a fingerprint holds by name, and
+    a template by the values its trace read (attention reads it for a KV cache, which training
+    does not pass)."""
+    model, batch_of, _ = _entry("llama")
+    assert sorted(candidates(model)) == ["lm.model.layers.0", "lm.model.layers.1"]
+    _, copied = _both(model, batch_of(0, 0))  # (use_cache: each layer writes the cache)
+    assert copied.meta["repeated_layers"] == (
+        "LlamaDecoderLayer traced per call (an argument is neither a tensor nor a plain "
+        "value: DynamicCache)"
+    )
+    model.lm.config.use_cache = False
+    traced, copied = _both(model, batch_of(0, 0))
+    _assert_same_graph(traced, copied)
+    assert copied.meta["repeated_layers"] == (
+        "2 LlamaDecoderLayer calls traced once (on lm.model.layers.0)"
+    )
+
+
+class _ReadsIndex(nn.Module):
+    """A block whose forward reads its index: odd ones add a tanh."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.lin, self.index = nn.Linear(8, 8), index
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.lin(h)
+        return torch.tanh(h) if self.index % 2 else h
+
+
+def test_a_scalar_the_trace_reads_takes_a_template_per_value():
+    """(Per value read: that only its parity matters is not known.)"""
+    class Net(_Net):
+        def __init__(self) -> None:
+            super().__init__(_Plain)
+            self.blocks = nn.ModuleList(_ReadsIndex(i) for i in range(4))
+
+    traced, copied = _both(Net(), _IDS)
+    _assert_same_graph(traced, copied)
+    assert copied.meta["repeated_layers"] == "; ".join(
+        f"1 _ReadsIndex calls traced once (on blocks.{i})" for i in range(4)
+    )
 
 
 # -- what a template refuses, and what never is one ----------------------------------------------
@@ -226,15 +265,18 @@ def test_an_argument_that_is_no_plain_value_is_traced_per_call():
     traced, copied = _both(Net(_Plain), _IDS)
     _assert_same_graph(traced, copied)
     assert copied.meta["repeated_layers"] == (
-        "_Plain traced per call (an argument is neither a tensor nor a plain value)"
+        "_Plain traced per call (an argument is neither a tensor nor a plain value: object)"
     )
 
 
 def test_blocks_that_differ_hooked_or_sharing_a_module_are_no_candidates():
     differ = _Net(_Plain)
-    differ.blocks[1].layer_idx = 1  # an attribute the others lack
-    differ.blocks[2].layer_idx = 2
+    differ.blocks[0].act, differ.blocks[1].act = torch.tanh, torch.sigmoid  # (objects)
+    differ.blocks[2].act = torch.relu
     assert sorted(candidates(differ)) == []
+    lacks = _Net(_Plain)
+    lacks.blocks[1].index, lacks.blocks[2].index = 1, 2  # (scalars: held by name)
+    assert sorted(candidates(lacks)) == ["blocks.1", "blocks.2"]
 
     hooked = _Net(_Plain)
     hooked.blocks[0].register_forward_hook(lambda *args: None)

@@ -56,8 +56,10 @@ from zerocc.compat import MAKE_FX_OPTIONS
 from zerocc.compiler.module_marks import FORWARD_END, ModuleTracker, mark_node
 from zerocc.errors import CaptureError
 
-# nn.Module's own attributes (parameters, submodules, hooks, mode): a fingerprint reads the rest.
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+# nn.Module's own attributes (parameters, submodules, hooks, mode), and transformers' flag of
+# a module whose weights it initialized (set on some of a model's modules, never read by a
+# forward): a fingerprint reads the rest.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"_is_hf_initialized"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
@@ -99,14 +101,17 @@ def _value_key(value: Any) -> Any:
     return ("object", id(value))
 
 
-def fingerprint(module: nn.Module) -> tuple:
-    """What decides the graph ``module``'s forward traces to, but for its call: every
-    submodule's name, class, mode and attributes (by value for plain data, by identity for
-    objects), and every parameter's and buffer's name, shape, dtype and ``requires_grad``, with
-    which of them are the same tensor. (The module's own ``forward`` attribute, the one capture
-    puts in place of its class's, is no part of it.)"""
+def fingerprint(module: nn.Module, scalars: bool = False) -> tuple:
+    """What decides the graph ``module``'s forward traces to, but for its call and for its
+    scalar attributes (numbers and strings: a Hugging Face layer's ``layer_idx``), whose
+    names and types it holds, not their values (a template says which of them its trace read,
+    :func:`_reads_recorded`): every submodule's name, class, mode and other attributes (by
+    value for plain data, by identity for objects), and every parameter's and buffer's name,
+    shape, dtype and ``requires_grad``, with which of them are the same tensor. (The module's
+    own ``forward`` attribute, the one capture puts in place of its class's, is no part of
+    it.) ``scalars``: their values too."""
     modules = tuple(
-        (name, type(m), m.training, _attributes(m, own=not name))
+        (name, type(m), m.training, _attributes(m, own=not name, scalars=scalars))
         for name, m in module.named_modules(remove_duplicate=False)
     )
     first: dict[int, int] = {}
@@ -122,9 +127,65 @@ def fingerprint(module: nn.Module) -> tuple:
     return modules, tensors
 
 
-def _attributes(module: nn.Module, own: bool) -> tuple:
+def _attributes(module: nn.Module, own: bool, scalars: bool) -> tuple:
     skip = _MODULE_INTERNALS | {"forward"} if own else _MODULE_INTERNALS
-    return tuple((k, _value_key(v)) for k, v in sorted(vars(module).items()) if k not in skip)
+    return tuple(
+        (k, ("scalar", type(v)) if _is_scalar(v) and not scalars else _value_key(v))
+        for k, v in sorted(vars(module).items())
+        if k not in skip
+    )
+
+
+def _is_scalar(value: Any) -> bool:
+    return type(value) in (int, float, str)
+
+
+def _scalars(module: nn.Module) -> dict[str, set[str]]:
+    """The scalar attributes of each submodule of ``module`` (by its name in ``module``)."""
+    found = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        names = {k for k, v in vars(m).items() if k not in _MODULE_INTERNALS and _is_scalar(v)}
+        if names:
+            found[name] = names
+    return found
+
+
+@contextlib.contextmanager
+def _reads_recorded(module: nn.Module) -> Iterator[dict[tuple[str, str], Any]]:
+    """In the body, every read of a scalar attribute of ``module`` or a submodule is recorded
+    (``(submodule, attribute) -> value``): each is made an instance of a subclass of its class
+    whose ``__getattribute__`` notes them. A trace that read none of them is the trace of a
+    twin whose scalars differ."""
+    reads: dict[tuple[str, str], Any] = {}
+    swapped = []
+    for name, names in _scalars(module).items():
+        m = module.get_submodule(name)
+        cls = type(m)
+        m.__class__ = type(cls.__name__, (cls,), {"__getattribute__": _noting(name, names, reads)})
+        swapped.append((m, cls))
+    try:
+        yield reads
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+
+
+def _noting(module: str, names: set[str], reads: dict[tuple[str, str], Any]):
+    def __getattribute__(self: nn.Module, name: str) -> Any:
+        value = object.__getattribute__(self, name)  # (AttributeError: nn.Module's __getattr__)
+        if name in names:
+            reads[(module, name)] = value
+        return value
+
+    return __getattribute__
+
+
+def _reads_match(module: nn.Module, reads: dict[tuple[str, str], Any]) -> bool:
+    """Whether ``module`` holds the values a template's trace read."""
+    return all(
+        getattr(module.get_submodule(name), attribute) == value
+        for (name, attribute), value in reads.items()
+    )
 
 
 def _hooks_print(module: nn.Module) -> tuple | None:
@@ -204,6 +265,9 @@ class Template:
     differentiable: list[int]  # positions (among tensor outputs) that take a gradient
     input_grads: list[fx.Node | None]  # each input's gradient (None: none reaches it)
     output_status: list[Hashable] = field(default_factory=list)  # each tensor output's
+    # the scalar attributes its trace read, by (submodule, attribute): a call is a copy only
+    # where its module holds the same values
+    reads: dict[tuple[str, str], Any] = field(default_factory=dict)
     calls: int = 0
 
     @property
@@ -356,7 +420,8 @@ class RepeatedLayers:
     ) -> None:
         self.modules = candidates(model) if enabled else {}
         self.status = status
-        self.templates: dict[Any, Template | str] = {}  # key -> template, or why refused
+        # key -> the templates of calls of that kind (one per values of the scalars they read)
+        self.templates: dict[Any, list[Template]] = {}
         # class -> why its calls are traced one by one (what makes a template refused is the
         # module's code, most often: its twins would be refused alike, each after a trace)
         self.refused: dict[str, str] = {}
@@ -399,14 +464,17 @@ class RepeatedLayers:
         names, state = _state(module)
         with _outside_capture_modes():
             key = self._key(module, spec, leaves, [*tensors, *state])
-        if key is None:
-            template: Template | str = "an argument is neither a tensor nor a plain value"
-        elif key in self.templates:
-            template = self.templates[key]
+        if isinstance(key, str):
+            template: Template | str = key
         else:
-            template = self.templates[key] = self._trace(
-                module, fqn, tracker, spec, leaves, names, [*tensors, *state]
-            )
+            held = self.templates.setdefault(key, [])
+            template = next((t for t in held if _reads_match(module, t.reads)), None)
+            if template is None:
+                template = self._trace(
+                    module, fqn, tracker, spec, leaves, names, [*tensors, *state]
+                )
+            if isinstance(template, Template) and template not in held:
+                held.append(template)
         if not isinstance(template, Template):
             self.refused[kind.__name__] = template
             return kind.forward(module, *args, **kwargs)
@@ -429,9 +497,10 @@ class RepeatedLayers:
         spec: TreeSpec,
         leaves: list[Any],
         tensors: list[torch.Tensor],
-    ) -> tuple | None:
-        """What a call must share with a template's to be its copy; None when a non-tensor
-        argument is no plain value (it cannot be compared)."""
+    ) -> tuple | str:
+        """What a call must share with a template's to be its copy; why there is none when a
+        non-tensor argument is no plain value (it cannot be compared: a cache object each
+        layer writes into)."""
         constants = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
@@ -439,7 +508,8 @@ class RepeatedLayers:
             elif isinstance(leaf, _PLAIN):
                 constants.append(_value_key(leaf))
             else:
-                return None
+                kind = type(leaf).__name__
+                return f"an argument is neither a tensor nor a plain value: {kind}"
         metas = tuple(_Meta.of(t) for t in tensors)
         offsets = tuple(t.storage_offset() for t in tensors)
         statuses = tuple(self._statuses(tensors))
@@ -480,10 +550,10 @@ class RepeatedLayers:
                 out = torch.func.functional_call(module, named, tuple(args), kwargs)
             return tree_flatten(out)
 
-        before = fingerprint(module)
+        before = fingerprint(module, scalars=True)
         statuses = self._statuses(tensors)
         output_status: list[Hashable] = []
-        with disable_proxy_modes_tracing():
+        with disable_proxy_modes_tracing(), _reads_recorded(module) as reads:
             fresh = [_fresh_input(t) for t in tensors]
             self._give_statuses(fresh, statuses)
             probe, out_spec = run(fresh)  # which outputs are tensors, which take a gradient
@@ -515,14 +585,14 @@ class RepeatedLayers:
                 return (*tensor_outs, *found)
 
             gm = make_fx(joint, tracing_mode="real", **MAKE_FX_OPTIONS)(*fresh, *grads_in)
-        if fingerprint(module) != before:
+        if fingerprint(module, scalars=True) != before:
             return "tracing its forward changed its attributes"
         gm.graph.eliminate_dead_code()
         template = _template_of(
             gm.graph, fqn, type(module).__name__, probe, out_spec, differentiable
         )
         if isinstance(template, Template):
-            template.output_status = output_status
+            template.output_status, template.reads = output_status, reads
         return template
 
     def expand(self, gm: fx.GraphModule) -> None:
@@ -554,8 +624,8 @@ class RepeatedLayers:
         """What was traced once, and which classes were traced call by call and why."""
         parts = [
             f"{t.calls} {t.kind} calls traced once (on {t.fqn})"
-            for t in self.templates.values()
-            if isinstance(t, Template)
+            for held in self.templates.values()
+            for t in held
         ]
         parts += [f"{kind} traced per call ({why})" for kind, why in self.refused.items()]
         return "; ".join(parts)

@@ -64,7 +64,9 @@ def causal_lm(
     train, held = _split(ids, eval_fraction, data)
 
     def loss_fn(m: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        return m(input_ids=input_ids, labels=input_ids).loss
+        # (no KV cache: training reads none, and each layer writing one would keep capture
+        # from tracing the decoder layers once, zerocc.compiler.repeats)
+        return m(input_ids=input_ids, labels=input_ids, use_cache=False).loss
 
     return Workload(
         net,
