@@ -280,7 +280,7 @@ def _train(args: argparse.Namespace) -> int:
         restarts = _restarts_of(args, plan)
         if launched() or (args.nproc == 1 and nodes.count == 1 and not restarts):
             return train_rank(plan, args.steps)
-        checked_model(plan)  # what the plan names in the model, before any rank is launched
+        _preflight(plan, args)
         command = ["train", str(args.plan), "--steps", str(args.steps), *forwarded(args)]
         for flags in SECTION_FLAGS.values():
             for flag in flags:
@@ -398,6 +398,15 @@ def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
             flag = next(f for f, field in flags.items() if field == first["loc"][0])
             raise ZeroccError(f"--{flag.replace('_', '-')}: {first['msg']}") from None
     return plan.model_copy(update=update) if update else plan  # keeps the plan's source
+
+
+def _preflight(plan: Plan, args: argparse.Namespace) -> None:
+    """What `train` checks once before it launches any rank, cheapest first: a device for each
+    local rank, then what the plan names in the model (which builds it)."""
+    from zerocc.runtime.devices import rank_device
+
+    rank_device(plan, local_rank=0, local_ranks=args.nproc)
+    checked_model(plan)
 
 
 def _launch(
