@@ -19,7 +19,7 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerocc.compiler.capture import Casts, capture, describe_model
-from zerocc.compiler.repeats import candidates
+from zerocc.compiler.twins import candidates
 from zerocc.ir.nodes import info
 
 CPU = torch.device("cpu")

@@ -126,7 +126,7 @@ class Region:
 class _GatherInputs:
     """:meth:`Region.gather_inputs`' hook. It does for every module what it does for one, its
     name in the notes apart: a repeated layer's copies may stand for its calls (its
-    :meth:`repeat_key`, :class:`zerocc.compiler.repeats.RepeatKeyed`)."""
+    :meth:`repeat_key`, :class:`zerocc.compiler.twins.RepeatKeyed`)."""
 
     def __init__(self, region: Region, module: str) -> None:
         self.region, self.module = region, module

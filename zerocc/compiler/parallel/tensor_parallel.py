@@ -245,7 +245,7 @@ class _SplitForward:
     """A split layer's forward while the step is captured: ``forward(module, x, region,
     layer)``. Alike for every layer of one kind and style, its name in the notes apart: a
     repeated block's copies may stand for its calls (:meth:`repeat_key`,
-    :class:`zerocc.compiler.repeats.RepeatKeyed`)."""
+    :class:`zerocc.compiler.twins.RepeatKeyed`)."""
 
     def __init__(
         self, module: nn.Module, forward: Callable[..., torch.Tensor], region: Region, layer: str
