@@ -68,6 +68,15 @@ def _both(model: nn.Module, batch, casts: Casts | None = None, gradients: bool =
     return graphs[1:]
 
 
+def _alike(model: nn.Module, batch, casts: Casts | None = None, gradients: bool = True) -> str:
+    """The model captured both ways (:func:`_both`), held to one graph; what the copying
+    capture says it copied."""
+    traced, copied = _both(model, batch, casts, gradients)
+    _assert_same_graph(traced, copied)
+    assert traced.meta["repeated_layers"] == ""
+    return copied.meta["repeated_layers"]
+
+
 def _assert_same_graph(traced: fx.GraphModule, copied: fx.GraphModule) -> None:
     a, b = _signature(traced), _signature(copied)
     assert len(a) == len(b)
@@ -79,19 +88,14 @@ def _assert_same_graph(traced: fx.GraphModule, copied: fx.GraphModule) -> None:
 @pytest.mark.parametrize("make", [tiny_gpt_4_layers, tiny_gpt_dropout], ids=["gpt", "dropout"])
 def test_the_copied_graph_is_the_traced_one(make, casts):
     torch.manual_seed(0)
-    traced, copied = _both(make(), _gpt_batch(0, 0), casts)
-    _assert_same_graph(traced, copied)
-    assert traced.meta["repeated_layers"] == ""
-    blocks = len(make().transformer.h)
-    assert copied.meta["repeated_layers"] == (
-        f"{blocks} Block calls traced once (on transformer.h.0)"
+    model = make()
+    assert _alike(model, _gpt_batch(0, 0), casts) == (
+        f"{len(model.transformer.h)} Block calls traced once (on transformer.h.0)"
     )
 
 
 def test_the_forward_only_capture_copies_too():
-    traced, copied = _both(tiny_gpt(), _gpt_batch(0, 0), gradients=False)
-    _assert_same_graph(traced, copied)
-    assert "traced once" in copied.meta["repeated_layers"]
+    assert "traced once" in _alike(tiny_gpt(), _gpt_batch(0, 0), gradients=False)
 
 
 @pytest.mark.parametrize("name", ["numbered", "llama", "mixtral", "lstm_deep"])
@@ -100,8 +104,7 @@ def test_other_models_capture_alike(name):
     experts (opaque regions inside the blocks: refused), a deep LSTM (no layers)."""
     model, batch_of, _ = _entry(name)
     torch.manual_seed(0)
-    traced, copied = _both(model, batch_of(0, 0))
-    _assert_same_graph(traced, copied)
+    _alike(model, batch_of(0, 0))
 
 
 def test_a_layer_called_twice_sums_its_gradients_later():
@@ -140,15 +143,12 @@ def test_hugging_face_llama_layers_are_twins_whose_trace_reads_no_layer_idx():
     does not pass)."""
     model, batch_of, _ = _entry("llama")
     assert sorted(candidates(model)) == ["lm.model.layers.0", "lm.model.layers.1"]
-    _, copied = _both(model, batch_of(0, 0))  # (use_cache: each layer writes the cache)
-    assert copied.meta["repeated_layers"] == (
+    assert _alike(model, batch_of(0, 0)) == (  # (use_cache: each layer writes the cache)
         "LlamaDecoderLayer traced per call (an argument is neither a tensor nor a plain "
         "value: DynamicCache)"
     )
     model.lm.config.use_cache = False
-    traced, copied = _both(model, batch_of(0, 0))
-    _assert_same_graph(traced, copied)
-    assert copied.meta["repeated_layers"] == (
+    assert _alike(model, batch_of(0, 0)) == (
         "2 LlamaDecoderLayer calls traced once (on lm.model.layers.0)"
     )
 
@@ -167,14 +167,13 @@ class _ReadsIndex(nn.Module):
 
 def test_a_scalar_the_trace_reads_takes_a_template_per_value():
     """(Per value read: that only its parity matters is not known.)"""
+
     class Net(_Net):
         def __init__(self) -> None:
             super().__init__(_Plain)
             self.blocks = nn.ModuleList(_ReadsIndex(i) for i in range(4))
 
-    traced, copied = _both(Net(), _IDS)
-    _assert_same_graph(traced, copied)
-    assert copied.meta["repeated_layers"] == "; ".join(
+    assert _alike(Net(), _IDS) == "; ".join(
         f"1 _ReadsIndex calls traced once (on blocks.{i})" for i in range(4)
     )
 
@@ -232,9 +231,7 @@ _IDS = (torch.arange(12).reshape(3, 4) % 16,)
 
 def test_a_block_changing_its_attributes_is_traced_per_call():
     model = _Net(_Counts)
-    traced, copied = _both(model, _IDS)
-    _assert_same_graph(traced, copied)
-    assert copied.meta["repeated_layers"] == (
+    assert _alike(model, _IDS) == (
         "_Counts traced per call (tracing its forward changed its attributes)"
     )
 
@@ -247,9 +244,7 @@ def test_a_block_writing_into_its_input_is_traced_per_call():
                 h = b(h, calls)
             return h.pow(2).mean() + calls
 
-    traced, copied = _both(Net(_WritesInput), _IDS)
-    _assert_same_graph(traced, copied)
-    assert copied.meta["repeated_layers"] == (
+    assert _alike(Net(_WritesInput), _IDS) == (
         "_WritesInput traced per call (its forward or backward writes into an input)"
     )
 
@@ -262,9 +257,7 @@ def test_an_argument_that_is_no_plain_value_is_traced_per_call():
                 h = b(h, scale=object())
             return h.pow(2).mean()
 
-    traced, copied = _both(Net(_Plain), _IDS)
-    _assert_same_graph(traced, copied)
-    assert copied.meta["repeated_layers"] == (
+    assert _alike(Net(_Plain), _IDS) == (
         "_Plain traced per call (an argument is neither a tensor nor a plain value: object)"
     )
 
@@ -299,9 +292,7 @@ def test_calls_of_another_shape_get_a_template_of_their_own():
             h = self.blocks[1](h[:, :2].contiguous())  # a shorter sequence
             return self.blocks[2](h).pow(2).mean()
 
-    traced, copied = _both(Net(_Plain), _IDS)
-    _assert_same_graph(traced, copied)
-    assert copied.meta["repeated_layers"] == (
+    assert _alike(Net(_Plain), _IDS) == (
         "1 _Plain calls traced once (on blocks.0); 2 _Plain calls traced once (on blocks.1)"
     )
 
@@ -314,11 +305,7 @@ def test_a_view_at_an_offset_is_traced_per_call():
                 h = b(h[:, 1:])  # (a view at an offset, each call shorter)
             return h.pow(2).mean()
 
-    traced, copied = _both(Net(_Plain), _IDS)
-    _assert_same_graph(traced, copied)
-    assert copied.meta["repeated_layers"] == (
-        "_Plain traced per call (an input is a view at an offset)"
-    )
+    assert _alike(Net(_Plain), _IDS) == "_Plain traced per call (an input is a view at an offset)"
 
 
 def test_a_gradient_in_another_layout_is_copied_into_the_traced_one():

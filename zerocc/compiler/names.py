@@ -1,5 +1,5 @@
-"""Globs over dotted names (module FQNs, unit names), as the plan's `units.modules`,
-`units.keep_gathered` and `recompute.units` take them.
+"""Dotted names (module FQNs, unit names): globs over them, as the plan's `units.modules`,
+`units.keep_gathered` and `recompute.units` take them, and the modules a name lies in.
 
 ``*`` matches within one dotted component and ``**`` across dots, as path globs do:
 ``transformer.h.*`` is every block (``transformer.h.0``), not its submodules
@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 
 GLOB_RULE = "'*' matches within a dotted name's component, '**' across dots"
+
+
+def enclosing(fqn: str) -> Iterator[str]:
+    """``fqn`` and each module it lies in, innermost first (``a.b.c``, ``a.b``, ``a``; not the
+    root, ``""``): a walk up one name, where a scan over every unit or layer of a deep model
+    was quadratic."""
+    parts = fqn.split(".") if fqn else []
+    for n in range(len(parts), 0, -1):
+        yield ".".join(parts[:n])
 
 
 def glob_matches(name: str, pattern: str) -> bool:

@@ -46,7 +46,6 @@ class Template:
 
     fqn: str  # the module it was traced on
     kind: str  # its class
-    graph: fx.Graph
     inputs: list[fx.Node]  # the call's tensors, then the module's parameters and buffers
     grad_inputs: list[fx.Node]  # a gradient of each output in ``differentiable``
     forward: list[fx.Node]
@@ -82,18 +81,20 @@ class Call:
         """The template's inputs ``nodes`` are the call's ``args``."""
         for node, arg in zip(nodes, args, strict=True):
             self.env[node] = arg
-            mine, theirs = node.meta["val"], arg.meta["val"]
-            delta = theirs.storage_offset() - mine.storage_offset()
-            self.storages.setdefault(_storage(mine), (theirs, delta))
+            self._shares(node, arg)
 
     def seed(self, results: dict[fx.Node, fx.Node]) -> None:
         """The op's outputs (``results``: template node -> the op's output in the step's graph)
         hold the memory of the template nodes they stand for: what make_fx traced from them
         shares memory with them, so the copies do too."""
         for node, output in results.items():
-            mine, theirs = node.meta["val"], output.meta["val"]
-            delta = theirs.storage_offset() - mine.storage_offset()
-            self.storages.setdefault(_storage(mine), (theirs, delta))
+            self._shares(node, output)
+
+    def _shares(self, node: fx.Node, other: fx.Node) -> None:
+        """The copies' values on the memory of ``node``'s value are on ``other``'s."""
+        mine, theirs = node.meta["val"], other.meta["val"]
+        delta = theirs.storage_offset() - mine.storage_offset()
+        self.storages.setdefault(_storage(mine), (theirs, delta))
 
 
 def template_of(
@@ -140,7 +141,6 @@ def template_of(
     return Template(
         fqn,
         kind,
-        graph,
         inputs,
         grad_inputs,
         forward,

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from zerocc.compiler.names import enclosing
+
 # nn.Module's own attributes (parameters, submodules, hooks, mode), and transformers' flag of
 # a module whose weights it initialized (set on some of a model's modules, never read by a
 # forward): a fingerprint reads the rest.
@@ -171,11 +173,10 @@ def candidates(model: nn.Module) -> dict[str, nn.Module]:
         eligible[fqn], prints[fqn] = m, (fingerprint(m), tuple(hooks))
     counts = Counter(prints.values())
     repeated = {fqn for fqn in eligible if counts[prints[fqn]] > 1}
-    outermost = [fqn for fqn in eligible if fqn in repeated and not _ancestors(fqn) & repeated]
+    outermost = [
+        fqn
+        for fqn in eligible
+        if fqn in repeated and not any(m in repeated for m in enclosing(fqn.rpartition(".")[0]))
+    ]
     counts = Counter(prints[fqn] for fqn in outermost)  # (a final norm like the blocks' is not)
     return {fqn: eligible[fqn] for fqn in outermost if counts[prints[fqn]] > 1}
-
-
-def _ancestors(fqn: str) -> set[str]:
-    parts = fqn.split(".")
-    return {".".join(parts[:i]) for i in range(1, len(parts))}

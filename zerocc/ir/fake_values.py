@@ -8,8 +8,8 @@ value or whose record no longer matches, in program order, so a value that chang
 users run again. Re-running every node after every pass was ~70% of compile time on a 7B model.
 A node whose operands were replaced by values of the same layout need not run either when its
 op makes a new tensor from their layout alone (a matmul of a gathered weight that replaced the
-parameter): its value would come out as it is. A view of such an operand is made again on
-the meta device, on the new operand's storage, without running.
+parameter): its value would come out as it is. A view runs its meta kernel without the fake
+mode's dispatch (:func:`_run`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from torch.fx.node import map_aggregate, map_arg
 _VERSION = "zerocc_val_version"  # (the value it versions, its version)
 _SOURCE = "zerocc_val_source"  # what the node's value was computed from
 _OPERANDS = "zerocc_val_operands"  # its arguments, each operand as the layout of its value
-_VIEWED = "zerocc_val_viewed"  # a view's operand: its layout and offset in its storage
 _versions = itertools.count()
 
 
@@ -50,16 +49,9 @@ def propagate_fake_values(gm: fx.GraphModule) -> int:
                 if node.meta.setdefault(_SOURCE, source) == source:
                     if _OPERANDS not in node.meta:
                         node.meta[_OPERANDS] = _operands(node)
-                        node.meta[_VIEWED] = _viewed(node)
                     continue
                 if _same_operands(node):  # its value would come out as it is: keep it
                     node.meta[_SOURCE] = source
-                    continue
-                moved = _moved_view(node, source, mode)
-                if moved is not None:  # a view of a replaced operand of the same layout
-                    node.meta["val"] = moved
-                    _claim(moved, owned)
-                    node.meta[_SOURCE], node.meta[_VIEWED] = source, _viewed(node)
                     continue
             value = _run(node)
             if copied or not _same_fresh_value(node.meta.get("val"), value, node):
@@ -67,7 +59,6 @@ def propagate_fake_values(gm: fx.GraphModule) -> int:
                 _claim(value, owned)
             node.meta[_SOURCE] = source
             node.meta[_OPERANDS] = _operands(node)
-            node.meta[_VIEWED] = _viewed(node)
             ran += 1
     return ran
 
@@ -90,37 +81,6 @@ def _view(target: Any) -> bool:
         and not arguments[0].alias_info.is_write
         and all("Tensor" not in str(a.type) for a in arguments[1:])
     )
-
-
-def _viewed(node: fx.Node) -> Any:
-    """For a view (:func:`_view`), what it was computed from: its operand's layout and where
-    the operand starts in its storage (None for other ops)."""
-    if not _view(node.target) or not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    base = node.args[0].meta.get("val")
-    if not isinstance(base, torch.Tensor):
-        return None
-    return _layout(base), base.storage_offset()
-
-
-def _moved_view(node: fx.Node, source: tuple, mode: Any) -> Any:
-    """The value of a view whose operand was replaced by one of the same layout, its literal
-    arguments unchanged: the same view, on the new operand's storage, made on the meta device
-    and wrapped (not dispatched: on the 70B tp example ~6k views of replaced parameters);
-    None when that does not hold."""
-    before, old = node.meta.get(_VIEWED), node.meta.get("val")
-    previous = node.meta.get(_SOURCE)
-    if before is None or not isinstance(old, torch.Tensor) or previous is None:
-        return None
-    if previous[0] != source[0] or previous[2] != source[2]:  # (another op, or literals)
-        return None
-    base = node.args[0].meta.get("val")
-    if _layout(base) != before[0] or base.dtype != old.dtype:
-        return None
-    offset = old.storage_offset() - before[1] + base.storage_offset()
-    with in_kernel_invocation_manager(mode):
-        meta = base.as_strided(old.shape, old.stride(), offset)
-    return FakeTensor(mode, meta, old.fake_device)
 
 
 @functools.cache

@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from zerocc.compiler.capture import ModelInfo
+from zerocc.compiler.names import enclosing
 from zerocc.compiler.parallel.stage_programs import (
     Output,
     Stage,
@@ -61,14 +62,9 @@ _DETACH = torch.ops.aten.detach.default
 
 
 def unit_of(module: str, units: Collection[str]) -> str | None:
-    """The unit (a module FQN) ``module`` runs in: the longest that contains it (looked up
-    by the module's own prefixes: ~100k lookups among 127 units on the 405B example)."""
-    parts = module.split(".") if module else []
-    for i in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:i])
-        if prefix in units:
-            return prefix
-    return "" if "" in units else None
+    """The unit (a module FQN) ``module`` runs in: the innermost that contains it (~100k
+    lookups among 127 units on the 405B example)."""
+    return next((m for m in enclosing(module) if m in units), "" if "" in units else None)
 
 
 def cut_stages(

@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from zerocc.compiler.capture import ModelInfo, ParamInfo
-from zerocc.compiler.names import glob_matches
+from zerocc.compiler.names import enclosing, glob_matches
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan.parallelism import AUTO_UNITS
 from zerocc.compiler.units import ExpertUnits, Unit
@@ -42,12 +42,7 @@ def _unit_root_of(param: ParamInfo, roots: set[str]) -> str:
     """The innermost root containing every module that holds ``param``: the longest dotted
     prefix of their common ancestor that is a root (a walk up its path, not over the roots:
     a 4000-layer model has 4000 of them)."""
-    parts = _common_ancestor(param.owners).split(".")
-    for n in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:n])
-        if prefix in roots:
-            return prefix
-    return ROOT
+    return next((m for m in enclosing(_common_ancestor(param.owners)) if m in roots), ROOT)
 
 
 def _match_roots(model: ModelInfo, classes: list[str], modules: list[str]) -> set[str]:
@@ -144,10 +139,8 @@ def repeated_block(model: ModelInfo) -> str | None:
     left out, the one whose instances hold the most elements; None when there is none."""
     under: dict[str, int] = {}  # elements of the parameters under each module
     for p in model.params:
-        parts = p.fqn.split(".")
-        for n in range(1, len(parts)):
-            prefix = ".".join(parts[:n])
-            under[prefix] = under.get(prefix, 0) + p.numel
+        for module in enclosing(p.fqn.rpartition(".")[0]):
+            under[module] = under.get(module, 0) + p.numel
     held: dict[str, int] = {}
     count: dict[str, int] = {}
     for fqn, cls in model.modules:
