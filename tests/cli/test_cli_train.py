@@ -78,3 +78,27 @@ def test_steps_are_optimizer_steps_under_accumulation(tmp_path):
     out = run.stdout + run.stderr
     assert "3 step(s) (6 micro-batches) on 1 rank(s)" in out
     assert "up to step 3)" in out
+
+
+def test_a_rank_ends_as_at_a_normal_exit_but_without_finalizing(tmp_path):
+    """A launched rank ends by os._exit (see `zerocc.cli.main._end_rank`): its non-daemon
+    threads are joined and its exit functions run first, as the interpreter would, and the
+    status is the command's."""
+    script = f"""
+import atexit, pathlib, threading, time
+from zerocc.cli.main import _end_rank
+out = pathlib.Path({str(tmp_path)!r})
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+def late():
+    time.sleep(0.2)
+    (out / "thread").write_text("joined")
+threading.Thread(target=late).start()
+_end_rank(3)
+(out / "after").write_text("not reached")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 3, run.stderr
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "joined"
+    assert not (tmp_path / "after").exists()

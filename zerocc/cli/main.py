@@ -12,10 +12,12 @@ the command is already a rank and does not launch again.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import os
 import socket
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -33,7 +35,28 @@ from zerocc.runtime.launch import RANK_WORKER_ENV, Nodes, environment, launched,
 def console() -> NoReturn:
     """The ``zerocc`` executable (and ``python -m zerocc``): :func:`main` as the process's whole
     work, which then ends."""
-    raise SystemExit(main(ends_process=True))
+    status = main(ends_process=True)
+    if launched():
+        _end_rank(status)
+    raise SystemExit(status)
+
+
+def _end_rank(status: int) -> NoReturn:
+    """End a rank's process once its command is done: its threads joined and its exit
+    functions run, as at a normal exit, then the process ends without finalizing the
+    interpreter. Its work is over by then (checkpoints committed, process groups destroyed),
+    but torch's native threads can still meet the dying interpreter: a gloo worker releasing
+    the tensors of a collective, another library's thread left to the end. Such a rank dies of
+    SIGABRT (``terminate called without an active exception``) after every step succeeded,
+    now and then (CI saw it after a restarted run's last step), and the launcher reports a
+    failed run."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # (what the interpreter runs at exit, before it finalizes)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
