@@ -26,6 +26,7 @@ from torch.fx.node import map_aggregate, map_arg
 _VERSION = "zerocc_val_version"  # (the value it versions, its version)
 _SOURCE = "zerocc_val_source"  # what the node's value was computed from
 _OPERANDS = "zerocc_val_operands"  # its arguments, each operand as the layout of its value
+_LITERALS = "zerocc_val_literals"  # (args, kwargs, their text): see _literals
 _versions = itertools.count()
 
 
@@ -44,7 +45,7 @@ def propagate_fake_values(gm: fx.GraphModule) -> int:
             source = _source(node)
             # A node copied with its meta (recompute's forward copies) holds its original's
             # value object: it needs one of its own, in storage of its own.
-            copied = _claim(node.meta.get("val"), owned)
+            copied = _claim(node.meta.get("val"), owned, node)
             if not copied and "val" in node.meta:
                 if node.meta.setdefault(_SOURCE, source) == source:
                     if _OPERANDS not in node.meta:
@@ -124,12 +125,17 @@ def _layout(value: Any) -> Any:
     return ("tensor", value.shape, value.stride(), value.dtype, value.device, value.layout)
 
 
-def _claim(value: Any, owned: set[int]) -> bool:
-    """Record ``value``'s tensors as a node's own; whether another node's held one already."""
+def _claim(value: Any, owned: set[int], node: fx.Node | None = None) -> bool:
+    """Record ``value``'s tensors as ``node``'s own; whether another node held one already. An
+    op that returns its operand itself (``wait``, ``all_reduce_start``: their schemas alias
+    it) holds its operand's value as its own: not a copy, nothing to run again."""
     ids = [id(t) for t in _tensors(value)]
-    taken = any(i in owned for i in ids)
+    taken = [i for i in ids if i in owned]
     owned.update(ids)
-    return taken
+    if not taken or node is None:
+        return bool(taken)
+    passed = {id(t) for n in node.all_input_nodes for t in _tensors(n.meta.get("val"))}
+    return any(i not in passed for i in taken)
 
 
 def propagate_all_fake_values(gm: fx.GraphModule) -> None:
@@ -166,8 +172,18 @@ def _version(node: fx.Node) -> int:
 
 def _source(node: fx.Node) -> tuple:
     inputs = tuple(_version(n) for n in node.all_input_nodes)
-    literals = repr(map_arg((node.args, node.kwargs), lambda n: n.name))
-    return (node.target, inputs, literals)
+    return (node.target, inputs, _literals(node))
+
+
+def _literals(node: fx.Node) -> str:
+    """``node``'s arguments as text, its operands by name; remembered while its arguments are
+    the same objects (fx gives a node new ones whenever an argument changes)."""
+    args, kwargs = node.args, node.kwargs
+    known = node.meta.get(_LITERALS)
+    if known is None or known[0] is not args or known[1] is not kwargs:
+        known = (args, kwargs, repr(map_arg((args, kwargs), lambda n: n.name)))
+        node.meta[_LITERALS] = known
+    return known[2]
 
 
 def _same_fresh_value(old: Any, new: Any, node: fx.Node) -> bool:
@@ -191,6 +207,8 @@ def _same_fresh_value(old: Any, new: Any, node: fx.Node) -> bool:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # (most values: no walk)
+        return [value]
     found: list[torch.Tensor] = []
     map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
     return found

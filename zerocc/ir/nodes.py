@@ -229,10 +229,10 @@ class StateLike(Protocol):
 
 def state_placeholder(graph: fx.Graph, spec: StateLike, like: torch.Tensor) -> fx.Node:
     """A placeholder the runtime binds to persistent state ``spec``, with a fake value in
-    ``like``'s fake mode and device. Inserted after the existing placeholders."""
-    existing = [n for n in graph.nodes if n.op == "placeholder"]
-    anchor = existing[-1].next if existing else next(iter(graph.nodes), None)
-    if anchor is None or anchor.op == "root":
+    ``like``'s fake mode and device. Inserted after the existing placeholders (which lead the
+    graph: a program's inputs come first)."""
+    anchor = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if anchor is None:
         node = graph.placeholder(spec.key)
     else:
         with graph.inserting_before(anchor):

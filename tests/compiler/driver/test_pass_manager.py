@@ -185,6 +185,23 @@ def test_values_propagated_after_each_pass_are_those_of_a_full_propagation(plan)
         assert predict_memory(gm, {}).peak() == peak
 
 
+def test_a_propagated_program_has_nothing_left_to_run():
+    """Once every pass has propagated, nothing is stale: an op that returns its operand itself
+    (``wait``, as its schema's alias says) holds that operand's value as its own, not a copy
+    of another node's to run again (each wait ran again at every pass: 2888 runs on the 70B
+    tp example)."""
+    from pathlib import Path
+
+    from zerocc.inspect.estimate import inspect_plan
+    from zerocc.ir.fake_values import propagate_fake_values
+
+    plan = zerocc.load_plan(Path(__file__).parents[3] / "examples" / "gpt" / "zero3.yaml")
+    (compiled,) = inspect_plan(plan, 2).programs.values()
+    waits = [n for n in compiled.gm.graph.nodes if op_name(n) == "wait"]
+    assert waits and all(w.meta["val"] is w.args[0].meta["val"] for w in waits)
+    assert propagate_fake_values(compiled.gm) == 0
+
+
 # -- one source of pass order -------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ class ParamUses:
     windows: dict[tuple[str, str], tuple[fx.Node, fx.Node]]  # (unit, phase) -> first, last use
     grads: dict[str, fx.Node | None]  # trainable parameter FQN -> its gradient node
     order: dict[fx.Node, int] = field(default_factory=dict)  # node -> position in the program
+    _window_edges: tuple[dict, dict] | None = field(default=None, repr=False)
 
     def units_used_by(self, node: fx.Node) -> set[str]:
         used: set[str] = set()
@@ -36,10 +37,24 @@ class ParamUses:
         return used
 
     def starting_at(self, node: fx.Node) -> list[str]:
-        return [u for (u, _), (first, _) in self.windows.items() if first is node]
+        """The units whose use window (in some phase) opens at ``node``."""
+        return self._edges()[0].get(node, [])
 
     def ending_at(self, node: fx.Node) -> list[str]:
-        return [u for (u, _), (_, last) in self.windows.items() if last is node]
+        """The units whose use window (in some phase) closes at ``node``."""
+        return self._edges()[1].get(node, [])
+
+    def _edges(self) -> tuple[dict[fx.Node, list[str]], dict[fx.Node, list[str]]]:
+        """Each window's first and last node, to the units whose windows they are (in the
+        windows' order), found once: the shard pass asks at every node."""
+        if self._window_edges is None:
+            starts: dict[fx.Node, list[str]] = {}
+            ends: dict[fx.Node, list[str]] = {}
+            for (unit, _), (first, last) in self.windows.items():
+                starts.setdefault(first, []).append(unit)
+                ends.setdefault(last, []).append(unit)
+            self._window_edges = starts, ends
+        return self._window_edges
 
 
 def _mutates(node: fx.Node) -> bool:
