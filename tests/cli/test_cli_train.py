@@ -51,6 +51,26 @@ def test_train_checks_the_model_before_launching_any_rank(monkeypatch, capsys):
     assert len(launches) == 1
 
 
+def test_train_checks_the_model_states_fit_before_launching_any_rank(monkeypatch, capsys):
+    """Issue 50: a plan whose model states the machine cannot hold was found by every rank
+    after it started; the launcher finds it first, with the ranks' own message (the states of
+    both local ranks against this machine's memory, and the plan changes that would fit)."""
+    from zerocc.cli import main as cli
+    from zerocc.runtime import machine_memory
+
+    launches = []
+    monkeypatch.setattr(cli, "_launch", lambda *args: launches.append(args) or 0)
+    monkeypatch.setattr(machine_memory, "available_memory", lambda device: {"host": 2**20})
+    assert cli.main(["train", str(PLAN), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "the model states of this plan do not fit in memory (rank 0" in err
+    assert "× 2 ranks" in err and "available: 1.0MiB" in err
+    assert launches == []
+    unchecked = ["train", str(PLAN), "--nproc", "2", "--set", "backend.check_memory=false"]
+    assert cli.main(unchecked) == 0
+    assert len(launches) == 1
+
+
 def test_train_in_process_leaves_no_dump_folder_behind(tmp_path, monkeypatch):
     """`--dump` is set for the command only: a later step of the same process (a script that
     calls the CLI, then compiles) does not dump."""

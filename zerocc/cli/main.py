@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import traceback
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -303,7 +304,7 @@ def _train(args: argparse.Namespace) -> int:
         restarts = _restarts_of(args, plan)
         if launched() or (args.nproc == 1 and nodes.count == 1 and not restarts):
             return train_rank(plan, args.steps)
-        _preflight(plan, args)
+        _preflight(plan, args, nodes)
         command = ["train", str(args.plan), "--steps", str(args.steps), *forwarded(args)]
         for flags in SECTION_FLAGS.values():
             for flag in flags:
@@ -423,13 +424,24 @@ def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
     return plan.model_copy(update=update) if update else plan  # keeps the plan's source
 
 
-def _preflight(plan: Plan, args: argparse.Namespace) -> None:
+def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
     """What `train` checks once before it launches any rank, cheapest first: a device for each
-    local rank, then what the plan names in the model (which builds it)."""
+    local rank, what the plan names in the model (which builds it), and on a CPU-only run that
+    the model states of this machine's ranks fit its memory (the ranks check the step's
+    transient memory, which takes a capture, and a GPU's memory)."""
+    from zerocc.compiler.driver.session import CompileSession
+    from zerocc.errors import PlanWarning
     from zerocc.runtime.devices import rank_device
+    from zerocc.runtime.memory_check import check_states_before_launch
 
-    rank_device(plan, local_rank=0, local_ranks=args.nproc)
-    checked_model(plan)
+    device = rank_device(plan, local_rank=0, local_ranks=args.nproc)
+    model, _ = checked_model(plan)
+    if device.type != "cpu" or not plan.backend.check_memory or plan.parallel.pp > 1:
+        return  # (a pipeline's memory is its schedule's: its ranks check it)
+    with warnings.catch_warnings():  # (the ranks say them, once)
+        warnings.simplefilter("ignore", PlanWarning)
+        session = CompileSession.open(model, plan, args.nproc * nodes.count)
+    check_states_before_launch(session, plan, args.nproc, nodes.rank * args.nproc)
 
 
 def _launch(

@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from torch import nn
+
 from zerocc.cli.plan_args import add_plan_arguments, plan_of
 from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
 from zerocc.errors import ZeroccError
@@ -38,7 +40,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     plan = checked_plan(args)
-    model = checked_model(plan) if plan.workload is not None else None
+    model = checked_model(plan)[1] if plan.workload is not None else None
     print(f"{args.plan}: ok ({describe_plan(plan)}){model or ''}")
     if plan.workload is None:  # (a plan for zerocc.compile: fine, but not for `train`)
         print("note: no workload: `zerocc train` needs one (workload: 'module:function'); a "
@@ -46,12 +48,12 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def checked_model(plan: Plan) -> str:
+def checked_model(plan: Plan) -> tuple[nn.Module, str]:
     """Call the workload as a rank does (a model too large for this machine belongs on the
     meta device, where zerocc's examples build theirs) and check what the plan names in its
     model: units (classes, module globs), the layers tensor parallelism splits and the experts
-    expert parallelism splits; PlanError naming the field otherwise. Returns a few words on
-    the model. (`zerocc plan check`, and `zerocc train` before it launches any rank.)"""
+    expert parallelism splits; PlanError naming the field otherwise. Returns the model and a
+    few words on it. (`zerocc plan check`, and `zerocc train` before it launches any rank.)"""
     from zerocc.compiler.capture import describe_model
     from zerocc.compiler.parallel.experts import ExpertParallel
     from zerocc.compiler.parallel.tensor_parallel import TensorParallel
@@ -66,7 +68,8 @@ def checked_model(plan: Plan) -> str:
     experts = ExpertParallel.of(model, info, plan)
     elements = sum(p.numel for p in info.params)
     split = f"; {experts.describe()}" if experts is not None else ""
-    return f"; model {type(model).__name__}, {elements:,} parameters, {len(found)} units{split}"
+    described = f"{elements:,} parameters, {len(found)} units{split}"
+    return model, f"; model {type(model).__name__}, {described}"
 
 
 def checked_plan(args: argparse.Namespace) -> Plan:

@@ -37,6 +37,7 @@ from torch import fx
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.driver.pass_manager import plan_layout
 from zerocc.compiler.driver.plan_changes import MAX_WORLD_SIZE, plan_changes, smallest_world_size
+from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import DEVICE, HOST, NVME, StateLayout
 from zerocc.compiler.units import Unit
@@ -128,8 +129,47 @@ def check_model_states(
     """Raise :class:`InsufficientMemoryError` on every rank when building ``layout``, the
     plan's state, would not fit in some machine's memory (call before any state is
     allocated)."""
+    _check_states(
+        model_info, units, layout, plan, comm.world_size, device,
+        lambda need: _exchange(comm, device, need),
+    )  # fmt: skip
+
+
+def check_states_before_launch(
+    session: CompileSession, plan: Plan, local_ranks: int, first_rank: int = 0
+) -> None:
+    """`zerocc train`'s pre-flight on a CPU-only machine: raise
+    :class:`InsufficientMemoryError` before any rank is launched when the model states of the
+    ``local_ranks`` ranks it is about to start here (global ranks from ``first_rank``) would
+    not fit its memory; the figures and the message of :func:`check_model_states`, which each
+    rank would raise after starting. Every rank would read what this process reads now: none
+    has allocated anything yet. (On a GPU the device's memory is left to the ranks: reading it
+    from here would hold a CUDA context on the GPU for the whole run.)"""
+    device = torch.device("cpu")
+
+    def views(need: dict[str, int]) -> list[RankMemory]:
+        here = machine_memory.available_memory(device)
+        mine = RankMemory(first_rank, socket.gethostname(), str(device), need, here)
+        return [dataclasses.replace(mine, rank=first_rank + r) for r in range(local_ranks)]
+
+    _check_states(
+        session.model_info, session.units, session.layout, plan, session.world_size, device, views
+    )
+
+
+def _check_states(
+    model_info: ModelInfo,
+    units: list[Unit],
+    layout: StateLayout,
+    plan: Plan,
+    world_size: int,
+    device: torch.device,
+    views: Callable[[dict[str, int]], list[RankMemory]],
+) -> None:
+    """:func:`check_model_states` on the figures ``views`` gives every rank (from this
+    rank's need, by pool)."""
     need = model_state_need(model_info, units, layout, device)
-    short = _shortfalls(_exchange(comm, device, _totals(need)))
+    short = _shortfalls(views(_totals(need)))
     if not short:
         return
     budget, sharers = short[0].view.available, short[0].sharing
@@ -140,10 +180,10 @@ def check_model_states(
 
     rows = []
     for change in plan_changes(plan, device, recompute=False):
-        changed = need_of(change.plan, comm.world_size)
+        changed = need_of(change.plan, world_size)
         if _helps(changed, _totals(need)):
             rows.append(_row(change.text, changed, budget, sharers))
-    rows.append(_ranks_row(plan, comm.world_size, partial(need_of, plan), budget, sharers))
+    rows.append(_ranks_row(plan, world_size, partial(need_of, plan), budget, sharers))
     raise InsufficientMemoryError(
         "\n".join(
             [
