@@ -35,6 +35,26 @@ def test_a_pipelines_ranks_hold_what_1f1b_keeps_in_flight_and_gpipe_holds_more()
     json.dumps(e.as_dict())
 
 
+def test_what_stages_send_each_other_is_timed_on_the_pp_link():
+    """The example's stage 0 sends each micro-batch's hidden states ([2, 64, 128] fp32) to
+    stage 1, which sends their gradient back; on a link 1600 times slower
+    (`cost.group_link_gbps: {pp: 0.01}`) each send takes ~52 ms, and the schedule has at
+    least one forward and one backward send on its critical path."""
+    plan = load_plan(EXAMPLES / "zero3-pp.yaml")
+    activation = 2 * 64 * 128 * 4
+    fast = estimate_pipeline(plan, world_size=4)
+    assert fast.ranks[0].sent[0, "F"] == {1: activation}
+    assert fast.ranks[1].sent[1, "B"] == {0: activation}
+    assert "sends per micro-batch: 64.0KiB forward (timed on the pp link)" in fast.format()
+    cost = plan.cost.model_copy(update={"group_link_gbps": {"pp": 0.01}})
+    slow = estimate_pipeline(plan.model_copy(update={"cost": cost}), world_size=4)
+    latency, link = slow.rates.link("send", "pp")
+    assert link == 0.01e9 / 8
+    send_s = latency + activation / link
+    assert slow.timeline.makespan - fast.timeline.makespan > 2 * 0.9 * send_s
+    assert slow.timeline.bubble > fast.timeline.bubble
+
+
 def test_a_70b_pipeline_with_tensor_parallel_stages_estimates_each_rank(monkeypatch):
     """The 70B example's layout (pp 4 × dp 16 × tp 8 on 512 ranks), 8 of its blocks: four
     stages of two, each rank's layers split over tp 8 and sharded over dp 16."""

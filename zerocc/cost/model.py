@@ -63,6 +63,7 @@ from zerocc.ir.ops import (
     EP_GROUP,
     EXPERT_DP_GROUP,
     HOST_TO_HOST,
+    PP_GROUP,
     REPLICATE_GROUP,
     TP_GROUP,
 )
@@ -540,6 +541,14 @@ class CostModel:
             return 0.0
         latency, link = self.rates.link(kind, group)
         return ring_hops(kind, ranks) * latency + (ranks - 1) / ranks * nbytes / link
+
+    def send_time(self, nbytes: float) -> float:
+        """A send of ``nbytes`` from one pipeline rank to another: one hop's latency plus the
+        bytes over the ``pp`` group's link (``cost.group_link_gbps.pp``, else the link's)."""
+        if not nbytes:
+            return 0.0
+        latency, link = self.rates.link("send", PP_GROUP)
+        return latency + nbytes / link
 
     def stolen(self, node: fx.Node) -> float:
         """Compute-stream seconds a collective takes while it runs: the share of its transfer

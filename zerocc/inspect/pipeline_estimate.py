@@ -6,8 +6,10 @@ model, then the schedule simulated with those times (its bubble is what the rank
 The other schedules over the same stages (the same ``stages_per_rank``) are simulated with the
 same times, so the plan's choice can be weighed: where the plan compiles a whole backward and a
 schedule splits it (zero-bubble), each half is counted as half of it, and the other way round
-the halves add up. Sends between pipeline ranks are not timed (an activation per micro-batch:
-small beside the stages' compute at the sizes pipelines are for).
+the halves add up. What a stage program sends to the next stage (activations forward, their
+gradients backward) delays that stage's action by the send's time on the ``pp`` link
+(:meth:`~zerocc.cost.model.CostModel.send_time`); a tensor sent past a neighbour (a skip
+connection over a stage) travels while the stage between runs, and is not timed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import fx
 from zerocc.compiler.driver.pipeline import RankPrograms, compile_rank
 from zerocc.compiler.parallel.pipeline_schedule import (
     Action,
+    Dependency,
     PipelineSchedule,
     Timeline,
     schedules_over,
@@ -30,12 +33,13 @@ from zerocc.compiler.parallel.pipeline_schedule import (
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan.pipeline import describe_zero
 from zerocc.compiler.workload import Workload
-from zerocc.cost.memory import model_state_bytes_of
+from zerocc.cost.memory import model_state_bytes_of, tensors_in
 from zerocc.cost.model import CostModel, DeviceRates, rates_for
 from zerocc.cost.pipeline_memory import PipelineMemory, predict_pipeline_memory
 from zerocc.cost.simulate import simulate
 from zerocc.inspect.explain import comm_bytes
 from zerocc.inspect.pipeline import PipelineInspection, inspect_pipeline
+from zerocc.ir.nodes import op_name, val
 from zerocc.ir.printing import human_bytes, human_seconds
 
 
@@ -50,6 +54,7 @@ class RankEstimate:
     seconds: dict[tuple[int, str], float]  # (stage, kind) -> one micro-batch's program
     update_s: float
     collective_bytes: dict[str, int]  # collective kind -> bytes per step (explain's kinds)
+    sent: dict[tuple[int, str], dict[int, int]]  # (stage, kind) -> stage sent to -> bytes
 
 
 @dataclass
@@ -89,6 +94,9 @@ class PipelineEstimate:
                     "microbatches_in_flight": r.memory.in_flight,
                     "update_s": r.update_s,
                     "collective_bytes": r.collective_bytes,
+                    "sent_bytes_per_microbatch": {
+                        f"{stage}{kind}": sum(b.values()) for (stage, kind), b in r.sent.items()
+                    },
                 }
                 for r in self.ranks
             ],
@@ -122,6 +130,13 @@ class PipelineEstimate:
                 f"{k} {human_bytes(n)}" for k, n in sorted(r.collective_bytes.items())
             )
             lines.append(f"    collectives per step: {moved or 'none'}")
+            sent = {
+                way: sum(sum(b.values()) for (_, k), b in r.sent.items() if (k == "F") == forward)
+                for way, forward in (("forward", True), ("backward", False))
+            }
+            if any(sent.values()):
+                each = ", ".join(f"{human_bytes(n)} {way}" for way, n in sent.items() if n)
+                lines.append(f"    sends per micro-batch: {each} (timed on the pp link)")
         lines += [
             "",
             f"time per step: {human_seconds(self.step_s)} (the schedule "
@@ -165,10 +180,14 @@ def estimate_pipeline(
         times = {k: seconds(gm) if gm is not None else 0.0 for k, gm in compiled.programs.items()}
         update_s = seconds(compiled.update)
         moved = _collective_bytes(compiled, schedule.microbatches)
-        ranks.append(RankEstimate(r, schedule.stages_of(r), states, memory, times, update_s, moved))
+        sent = {k: sent_bytes(gm) for k, gm in compiled.programs.items() if gm is not None}
+        ranks.append(
+            RankEstimate(r, schedule.stages_of(r), states, memory, times, update_s, moved, sent)
+        )
         compiled_ranks.append(compiled)
     times = {key: s for rank in ranks for key, s in rank.seconds.items()}
-    timeline = schedule.simulate(action_seconds(times))
+    transfer = transfer_seconds({k: b for rank in ranks for k, b in rank.sent.items()}, cost)
+    timeline = schedule.simulate(action_seconds(times), transfer)
     peaks = {}
     others = schedules_over(schedule)
     for name, other in others.items():
@@ -180,7 +199,7 @@ def estimate_pipeline(
                 for r, (rank, compiled) in enumerate(zip(ranks, compiled_ranks, strict=True))
             )
     bubbles = {
-        name: other.simulate(action_seconds(times)).bubble
+        name: other.simulate(action_seconds(times), transfer).bubble
         if isinstance(other, PipelineSchedule) else other
         for name, other in others.items()
     }  # fmt: skip
@@ -209,6 +228,34 @@ def _collective_bytes(compiled: RankPrograms, microbatches: int) -> dict[str, in
 def program_seconds(gm: fx.GraphModule, cost: CostModel) -> float:
     """One run of a stage program (or the update) as the cost model simulates it."""
     return simulate(gm, cost, issue_s=cost.issue_s, stolen=cost.stolen).step_s
+
+
+def sent_bytes(gm: fx.GraphModule) -> dict[int, int]:
+    """Bytes a stage program sends, by the stage it sends them to."""
+    sent: Counter[int] = Counter()
+    for node in gm.graph.nodes:
+        if op_name(node.target) == "zerocc.send":
+            tensor, stage = node.args[0], node.args[1]
+            sent[stage] += sum(t.numel() * t.element_size() for t in tensors_in(val(tensor)))
+    return dict(sent)
+
+
+def transfer_seconds(
+    sent: dict[tuple[int, str], dict[int, int]], cost: CostModel
+) -> Callable[[Dependency, Action], float]:
+    """The time what one action sends to the stage of another takes on the ``pp`` link: the
+    action's program's sends to that stage (a whole backward's where the schedule runs its
+    halves, the input gradient's half where it runs it whole)."""
+    other_half = {"B": "I", "I": "B"}
+
+    def of(dependency: Dependency, action: Action) -> float:
+        kind, stage, _ = dependency
+        sends = sent.get((stage, kind))
+        if sends is None:
+            sends = sent.get((stage, other_half.get(kind, kind)), {})
+        return cost.send_time(sends.get(action.stage, 0))
+
+    return of
 
 
 def action_seconds(times: dict[tuple[int, str], float]) -> Callable[[Action], float]:

@@ -32,6 +32,26 @@ def test_every_stage_runs_every_microbatch_once_without_deadlock(name, pp, micro
         )
 
 
+def test_what_crosses_to_another_rank_arrives_after_its_transfer():
+    """One micro-batch over 2 ranks (F 1, B 2): stage 1's forward starts when stage 0's
+    activation has arrived, stage 0's backward when stage 1's gradient has: each transfer
+    (0.5 here) is on the critical path once. Within a rank (a stage's backward after its own
+    forward) nothing travels."""
+    schedule = pipeline_schedule("1f1b", 2, 1)
+    asked = []
+
+    def transfer(dependency, action):
+        asked.append((dependency, str(action)))
+        return 0.5
+
+    timeline = schedule.simulate(transfer=transfer)
+    assert schedule.simulate().makespan == 6.0
+    assert timeline.makespan == 7.0
+    assert sorted(asked) == [(("B", 1, 0), "0B0"), (("F", 0, 0), "1F0")]
+    starts = {str(a): start for rank in timeline.spans for a, start, _ in rank}
+    assert starts == {"0F0": 0.0, "1F0": 1.5, "1B0": 2.5, "0B0": 5.0}
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize(("pp", "microbatches"), [(2, 1), (2, 4), (4, 8), (4, 3), (8, 32)])
 def test_the_bubble_of_gpipe_and_1f1b_is_the_textbook_one(name, pp, microbatches):

@@ -28,6 +28,7 @@ from zerocc.compiler.plan.pipeline import check_schedule
 from zerocc.errors import PlanError
 
 ActionKind = Literal["F", "B", "I", "W"]
+Dependency = tuple[str, int, int]  # (kind, stage, micro-batch) of the action waited for
 # torch.distributed.pipelining's names of the schedules taken from it
 _TORCH_NAMES = {"interleaved-1f1b": "Interleaved1F1B", "zero-bubble": "ZBVZeroBubble"}
 # The cost of each kind of action when none is given: a backward is twice a forward, split
@@ -94,13 +95,18 @@ class PipelineSchedule:
         raise KeyError(f"stage {stage} is on no rank")
 
     def simulate(
-        self, costs: Mapping[str, float] | Callable[[Action], float] = UNIT_COSTS
+        self,
+        costs: Mapping[str, float] | Callable[[Action], float] = UNIT_COSTS,
+        transfer: Callable[[Dependency, Action], float] | None = None,
     ) -> Timeline:
         """Run every rank's actions in order, each as soon as its rank is free and what it
         depends on has ended (``costs``: the time of each kind of action, or of each action:
-        a stage's predicted time). Raises ValueError naming the actions that wait for each
-        other when the order deadlocks."""
+        a stage's predicted time) and, from another rank, arrived (``transfer(dependency,
+        action)``: the seconds what the dependency sends to the action's stage takes on the
+        link; none without it). Raises ValueError naming the actions that wait for each other
+        when the order deadlocks."""
         cost = costs if callable(costs) else (lambda action: costs[action.kind])
+        rank_of = {a.stage: r for r, actions in enumerate(self.actions) for a in actions}
         ends: dict[tuple[str, int, int], float] = {}
         free = [0.0] * self.pp
         cursor = [0] * self.pp
@@ -111,9 +117,15 @@ class PipelineSchedule:
             for rank, actions in enumerate(self.actions):
                 while cursor[rank] < len(actions):
                     action = actions[cursor[rank]]
-                    needed = [ends.get(d) for d in self._dependencies(action)]
+                    dependencies = self._dependencies(action)
+                    needed = [ends.get(d) for d in dependencies]
                     if any(end is None for end in needed):
                         break
+                    if transfer is not None:
+                        needed = [
+                            end + transfer(d, action) if rank_of[d[1]] != rank else end
+                            for d, end in zip(dependencies, needed, strict=True)
+                        ]
                     start = max([free[rank], *needed])  # type: ignore[list-item]
                     end = start + cost(action)
                     ends[action.kind, action.stage, action.microbatch] = end
@@ -134,7 +146,7 @@ class PipelineSchedule:
             self.stages_of(r) == other.stages_of(r) for r in range(other.pp)
         )
 
-    def _dependencies(self, action: Action) -> list[tuple[str, int, int]]:
+    def _dependencies(self, action: Action) -> list[Dependency]:
         s, m, last = action.stage, action.microbatch, self.stages - 1
         if action.kind == "F":
             return [("F", s - 1, m)] if s > 0 else []

@@ -120,11 +120,13 @@ class CostConfig(Section):
     latency_us: float | None = Field(
         None, ge=0, description="per-hop latency of a collective, microseconds (the alpha term)"
     )
-    group_link_gbps: dict[Literal["dp", "replicate", "tp"], Annotated[float, Field(gt=0)]] = Field(
+    group_link_gbps: dict[
+        Literal["dp", "replicate", "tp", "pp"], Annotated[float, Field(gt=0)]
+    ] = Field(
         default_factory=dict,
         description="per mesh group, the link bandwidth of its collectives, Gbit/s (e.g. "
-        "{tp: 7200} for NVLink within a node, {replicate: 400} across nodes); the other "
-        "groups use link_gbps",
+        "{tp: 7200} for NVLink within a node, {replicate: 400} across nodes; pp: the sends "
+        "between pipeline ranks); the other groups use link_gbps",
     )
 
 
