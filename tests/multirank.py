@@ -5,6 +5,12 @@ machine with a GPU, ``auto`` would put them on CUDA) and whose Triton kernels ru
 (``TRITON_INTERPRET=1`` set for them, whatever this process has). ``backend="nccl"`` gives each
 rank the GPU ``cuda:rank`` (tests marked ``cuda``/``two_gpus``, see conftest.py).
 
+CPU ranks are forked from a server process that has imported torch and zerocc once
+(multiprocessing's ``forkserver``): a spawned rank spent ~2.5 s of CPU importing them, ~6
+minutes of the suite on 2 cores. A forked rank starts with this process's environment as of
+the call (not the server's), so what a test sets for its ranks reaches them. GPU ranks are
+spawned (CUDA does not survive a fork).
+
 A rank that raises sends its error back; a run that outlives its timeout is killed and fails
 the test: a hang never reaches CI.
 """
@@ -30,9 +36,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# What the server imports before it forks any rank (zerocc.runtime.step: the TrainStep and
+# what compiling imports; torch._dynamo: capture's).
+PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "zerocc", "zerocc.runtime.step"]
+_servers: dict[str, Any] = {}
+
+
+def _context(backend: str) -> Any:
+    """Where ranks start from: the forkserver for CPU ranks (started on first use, with
+    ``TRITON_INTERPRET=1`` set before it imports triton), spawn for GPU ranks."""
+    if backend != "gloo":
+        return mp.get_context("spawn")
+    if "gloo" not in _servers:
+        from multiprocessing import forkserver
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOADED)
+        with environment({"TRITON_INTERPRET": "1"}):
+            forkserver.ensure_running()
+        _servers["gloo"] = ctx
+    return _servers["gloo"]
+
+
 def _worker(
-    rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue: mp.Queue
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    fn: Callable,
+    args: tuple,
+    queue: mp.Queue,
+    environ: dict[str, str],
 ) -> None:
+    os.environ.clear()  # (a forked rank holds the server's environment: the caller's instead)
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -68,16 +105,16 @@ def run_ranks(
     Raises RuntimeError with the first rank's traceback if any rank failed; ``errors`` of that
     exception holds (type name, message) per failed rank.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     queue = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue))
-        for r in range(world)
-    ]
-    # Spawned ranks inherit this environment when they start (and read it as they import).
     with environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
-        for p in procs:
+        environ = dict(os.environ)
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue, environ))
+            for r in range(world)
+        ]
+        for p in procs:  # (spawned ranks inherit this environment and read it as they import)
             p.start()
     results: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout

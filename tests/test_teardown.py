@@ -75,18 +75,24 @@ def _compile_and_drop(rank: int, world: int, replicate: int = 1) -> tuple[int, i
     import gc
 
     import torch
-    import torch._dynamo  # noqa: F401  (starts the default group's gloo threads: not zerocc's)
 
     import zerocc
 
-    before = _gloo_threads()
-    after_del = []
-    for _ in range(3):
+    def compile_run_and_drop() -> int:
         plan = {"zero": {"replicate": replicate}, "backend": {"device": "cpu"}}
         step = zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=lambda m, x: m(x).sum())
         step(torch.ones(2, 4))
         del step
-        after_del.append(_gloo_threads())  # before any cycle collection
+        return _gloo_threads()  # before any cycle collection
+
+    # The default group's gloo threads start when something first reads the group (importing
+    # torch._dynamo does, in a fresh process): counted after one step was dropped, not zerocc's.
+    compile_run_and_drop()
+    gc.collect()
+    before = _gloo_threads()
+    after_del = []
+    for _ in range(3):
+        after_del.append(compile_run_and_drop())
         gc.collect()
     return before, after_del, _gloo_threads()
 
