@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from zerocc.runtime.launch import Launched
+
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
 # The example's `backend.device: auto` is this machine's: with its GPUs hidden, the ranks run on
 # the CPU wherever the test runs (two ranks need two GPUs otherwise).
@@ -41,7 +43,7 @@ def test_train_checks_the_model_before_launching_any_rank(monkeypatch, capsys):
     from zerocc.cli import main as cli
 
     launches = []
-    monkeypatch.setattr(cli, "_launch", lambda *args: launches.append(args) or 0)
+    monkeypatch.setattr(cli, "_launch", lambda *args: launches.append(args) or Launched(0))
     bad = ["train", str(PLAN), "--nproc", "2", "--set", "units.classes=[Blok]"]
     assert cli.main(bad) == 2
     err = capsys.readouterr().err
@@ -59,7 +61,7 @@ def test_train_checks_the_model_states_fit_before_launching_any_rank(monkeypatch
     from zerocc.runtime import machine_memory
 
     launches = []
-    monkeypatch.setattr(cli, "_launch", lambda *args: launches.append(args) or 0)
+    monkeypatch.setattr(cli, "_launch", lambda *args: launches.append(args) or Launched(0))
     monkeypatch.setattr(machine_memory, "available_memory", lambda device: {"host": 2**20})
     assert cli.main(["train", str(PLAN), "--nproc", "2"]) == 2
     err = capsys.readouterr().err
@@ -69,6 +71,33 @@ def test_train_checks_the_model_states_fit_before_launching_any_rank(monkeypatch
     unchecked = ["train", str(PLAN), "--nproc", "2", "--set", "backend.check_memory=false"]
     assert cli.main(unchecked) == 0
     assert len(launches) == 1
+
+
+def test_fewer_ranks_go_on_only_where_a_rank_was_lost(monkeypatch, tmp_path):
+    """`--nproc-min`: after a lost rank (killed: no error of its own) the run goes on with
+    fewer; after ranks that all raised an error (a plan, a batch) it does not start them again
+    to meet the same error."""
+    from zerocc.cli import main as cli
+    from zerocc.runtime.launch import lost_a_rank
+
+    killed = {0: (1, 11), 1: (-9, 12)}
+    assert lost_a_rank(killed, {0: {"error": "RankStoppedError: rank 1 is gone"}})
+    assert not lost_a_rank(killed, {0: {"error": "PlanError"}, 1: {"error": "PlanError"}})
+    command = ["train", str(PLAN), "--nproc", "2", "--save", str(tmp_path), "--max-restarts",
+               "1", "--nproc-min", "1"]  # fmt: skip
+    for outcomes, launched in (
+        ([Launched(2, lost_a_rank=False)], [2]),
+        ([Launched(2, lost_a_rank=True), Launched(0)], [2, 1]),
+    ):
+        ends, nprocs = iter(outcomes), []
+
+        def fake_launch(plan, args, *rest, ends=ends, nprocs=nprocs):
+            nprocs.append(args.nproc)
+            return next(ends)
+
+        monkeypatch.setattr(cli, "_launch", fake_launch)
+        assert cli.main(command) == outcomes[-1].status
+        assert nprocs == launched
 
 
 def test_train_in_process_leaves_no_dump_folder_behind(tmp_path, monkeypatch):

@@ -30,7 +30,14 @@ from zerocc.cli.plan_args import add_plan_arguments, forwarded
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.ir.printing import human_bytes
-from zerocc.runtime.launch import RANK_WORKER_ENV, Nodes, environment, launched, report
+from zerocc.runtime.launch import (
+    RANK_WORKER_ENV,
+    Launched,
+    Nodes,
+    environment,
+    launched,
+    report,
+)
 
 
 def console() -> NoReturn:
@@ -310,15 +317,17 @@ def _train(args: argparse.Namespace) -> int:
             for flag in flags:
                 if getattr(args, flag) is not None:
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        status = _launch(plan, args, command, nodes, restarts)
-        while status == 2 and (fewer := _fewer_ranks(plan, args)) is not None:
+        ended = _launch(plan, args, command, nodes, restarts)
+        # Fewer ranks where one was lost (killed, crashed); ranks that all raised an error
+        # would meet it again.
+        while ended.lost_a_rank and (fewer := _fewer_ranks(plan, args)) is not None:
             print(f"zerocc: ranks failed after {restarts} restart(s): going on with {fewer} "
                   f"ranks, not {args.nproc} (--nproc-min {args.nproc_min}), from the newest "
                   f"checkpoint in {plan.checkpoint.dir}", file=sys.stderr, flush=True)  # fmt: skip
             args.nproc = fewer
             resumed = [*command, "--resume", str(plan.checkpoint.dir)]  # (the last one counts)
-            status = _launch(plan, args, resumed, nodes, restarts)
-        return status
+            ended = _launch(plan, args, resumed, nodes, restarts)
+        return ended.status
 
 
 def _fewer_ranks(plan: Plan, args: argparse.Namespace) -> int | None:
@@ -450,7 +459,7 @@ def _launch(
     command: list[str],
     nodes: Nodes | None = None,
     max_restarts: int = 0,
-) -> int:
+) -> Launched:
     """Start `args.nproc` local ranks, each running `zerocc COMMAND...` as a rank, once the
     machine has a device for every one of them (one error here, not one per rank)."""
     from zerocc.runtime.devices import rank_device
@@ -477,7 +486,7 @@ def _profile(args: argparse.Namespace) -> int:
         return profile_rank(plan, output, args.steps)
     command = ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps),
                *forwarded(args)]  # fmt: skip
-    return _launch(plan, args, command)
+    return _launch(plan, args, command).status
 
 
 def _free_port() -> int:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
@@ -90,14 +90,22 @@ class Nodes:
         return host.strip("[]"), int(number)
 
 
+class Launched(NamedTuple):
+    """How a launch ended: ``status`` (0, 2 when ranks failed, ``128 + signal`` when a signal
+    stopped them) and whether a rank was lost: it ended without an error of its own (killed,
+    crashed), where ranks that all raised an error would meet it again with fewer ranks."""
+
+    status: int
+    lost_a_rank: bool = False
+
+
 def launch(
     nproc: int, port: int, command: list[str], nodes: Nodes | None = None, max_restarts: int = 0
-) -> int:
+) -> Launched:
     """Start ``nproc`` local ranks through torch.distributed.run, each running ``zerocc
     COMMAND...`` as a rank (of ``nodes.count × nproc`` when the run spans machines); when a
     rank fails, start every rank again, up to ``max_restarts`` times (torchrun's elastic
-    agent; the ranks read ``TORCHELASTIC_RESTART_COUNT``). Returns 0, or 2 when ranks failed
-    (after reporting them)."""
+    agent; the ranks read ``TORCHELASTIC_RESTART_COUNT``). Failed ranks are reported here."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -129,18 +137,24 @@ def launch(
             stopped = _stopped_by(failures, reports)
             if stopped is not None:  # the ranks stopped as a signal asked (zerocc.cli.train)
                 print(f"zerocc: stopped by {stopped.name}", file=sys.stderr)
-                return 128 + stopped
+                return Launched(128 + stopped)
             print(error_once(failures, reports), file=sys.stderr, end="")
             print(failure_report(failures, reports, watcher.killed), file=sys.stderr)
-            return 2
+            return Launched(2, lost_a_rank(failures, reports))
         except SignalException as exc:  # (torchrun passed the signal on to the ranks)
             name = signal.Signals(exc.sigval).name
             print(f"zerocc: stopped by {name}", file=sys.stderr)
-            return 128 + exc.sigval
+            return Launched(128 + exc.sigval)
         finally:
             watcher.stop()
             shutil.rmtree(_memory_folder(run_dir), ignore_errors=True)
-    return 0
+    return Launched(0)
+
+
+def lost_a_rank(failures: dict[int, tuple[int, int]], reports: dict[int, dict[str, Any]]) -> bool:
+    """Whether a failed rank ended without an error of its own (killed, crashed): its peers'
+    errors then only say it is gone."""
+    return any(not reports.get(rank, {}).get("error") for rank in failures)
 
 
 def _stopped_by(
