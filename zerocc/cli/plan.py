@@ -36,6 +36,71 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--workload", metavar="MODULE:FUNCTION", help="the plan's workload (DeepSpeed has none)"
     )
     imported.set_defaults(run=_import)
+    auto = plan_commands.add_parser(
+        "auto",
+        help="search stages, recomputation and offload with the cost model for the fastest "
+        "plan that fits",
+    )
+    add_plan_arguments(auto)
+    auto.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks")
+    auto.add_argument(
+        "--device", choices=("cpu", "cuda"),
+        help="whose rates and memory (default: the plan's backend.device; auto: this machine's)",
+    )  # fmt: skip
+    auto.add_argument(
+        "--memory", type=float, metavar="GIB",
+        help=f"memory per rank in GiB (default: {CUDA_MEMORY_GIB:g} on cuda, an H100's; on cpu "
+        "this machine's available memory shared by --ranks-per-node ranks)",
+    )  # fmt: skip
+    auto.add_argument(
+        "--ranks-per-node", type=int, default=None, metavar="G",
+        help="ranks sharing one machine's memory on cpu (default: every rank)",
+    )  # fmt: skip
+    auto.add_argument(
+        "--calibration", metavar="FILE",
+        help="rates measured by `zerocc profile` (overrides plan.cost.calibration)",
+    )  # fmt: skip
+    auto.add_argument(
+        "-o", "--output", metavar="PLAN",
+        help="write the chosen plan here (default: PLAN's name with .auto.yaml, beside it)",
+    )  # fmt: skip
+    auto.set_defaults(run=_auto)
+
+
+CUDA_MEMORY_GIB = 80.0  # an H100's, what the built-in cuda rates describe
+
+
+def _auto(args: argparse.Namespace) -> int:
+    """`zerocc plan auto`: the fastest candidate plan that fits, written as a plan file."""
+    from zerocc.cost.model import rates_for
+    from zerocc.inspect.plan_search import best_plan_yaml, search_plans
+    from zerocc.runtime.machine_memory import host_available
+
+    plan = checked_plan(args)
+    if plan.workload is None:
+        raise ZeroccError(f"{args.plan}: plan auto compiles the plan's workload: it names none")
+    if args.world_size < 1:
+        raise ZeroccError(f"--world-size {args.world_size}: at least 1")
+    rates = rates_for(plan, args.device, args.calibration)
+    if args.memory is not None:
+        if args.memory <= 0:
+            raise ZeroccError(f"--memory {args.memory:g}: a positive number of GiB")
+        memory = int(args.memory * 2**30)
+    elif rates.device == "cuda":
+        memory = int(CUDA_MEMORY_GIB * 2**30)
+    else:
+        memory = host_available() // (args.ranks_per_node or args.world_size)
+    search = search_plans(plan, args.world_size, memory, rates)
+    print(search.format())
+    if search.best is None:
+        return 2
+    output = Path(args.output) if args.output else Path(args.plan).with_suffix(".auto.yaml")
+    output.write_text(best_plan_yaml(search))
+    print(f"wrote {output}")
+    if plan.source and output.resolve().parent != Path(plan.source).resolve().parent:
+        print(f"note: its workload ({plan.workload}) is found from its own folder, as a plan's "
+              "is: move the module beside it, or name the workload by its file")  # fmt: skip
+    return 0
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -55,25 +55,26 @@ def plan_changes(plan: Plan, device: torch.device, *, recompute: bool) -> list[P
         )
     changes, seen = [], set()
     for option in options:
-        option = {k: v for k, v in option.items() if _get(plan, k) != v}
+        option = {k: v for k, v in option.items() if plan_field(plan, k) != v}
         if "nvme" in option.values() and not offload.nvme_path:
             option["offload.nvme_path"] = NVME_PATH_HINT
         text = ", ".join(f"{k}: {v}" for k, v in option.items())
-        derived = _derive(plan, option) if option else None
+        derived = derive_plan(plan, option) if option else None
         if derived is not None and text not in seen:
             seen.add(text)
             changes.append(PlanChange(text, derived))
     return changes
 
 
-def _get(plan: Plan, path: str) -> Any:
+def plan_field(plan: Plan, path: str) -> Any:
+    """The value of the plan's field at the dotted ``path`` (``zero.stage``)."""
     value: Any = plan
     for name in path.split("."):
         value = getattr(value, name)
     return value
 
 
-def _derive(plan: Plan, option: dict[str, Any]) -> Plan | None:
+def derive_plan(plan: Plan, option: dict[str, Any]) -> Plan | None:
     """``plan`` with the dotted fields of ``option`` set, validated, its `passes` included
     (None if invalid, e.g. a `passes` list that does not name the pass the change needs)."""
     data = plan.model_dump()

@@ -1,0 +1,84 @@
+"""`zerocc plan auto` (issue 52, first part): every candidate of the search space compiled and
+predicted, the fastest that fits chosen and written as a plan, the fields the plan sets kept.
+The figures are the cost model's (deterministic); that they match measured runs is the
+estimate's tests' (tests/inspect/test_estimate.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zerocc.cli.main import main
+from zerocc.compiler.plan import load_plan
+from zerocc.cost.model import rates_for
+from zerocc.errors import PlanError
+from zerocc.inspect.plan_search import best_plan_yaml, search_plans
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+OPEN = {  # the example's zero3.yaml without its stage: stage and recompute are searched
+    "workload": "workload:workload",
+    "workload_args": {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64,
+                      "batch_size": 8},
+    "units": {"classes": ["Block"]},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def searched():
+    plan = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload"})
+    return search_plans(plan, 2, 2**40, rates_for(plan, "cpu"))
+
+
+def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(searched):
+    fields = [c.fields for c in searched.candidates]
+    assert len(fields) == 8 and {f["zero.stage"] for f in fields} == {0, 1, 2, 3}
+    assert {f["recompute.units"] for f in fields} == {"none", "all"}
+    assert all(c.error is None and c.step_s > 0 and c.peak > 0 for c in searched.candidates)
+    times = [c.step_s for c in searched.candidates]
+    assert times == sorted(times)
+    assert searched.best is searched.candidates[0]
+    # recomputation trades time for memory: each stage's is slower and lighter
+    for stage in range(4):
+        none, full = (
+            next(c for c in searched.candidates if c.fields == {"zero.stage": stage,
+                                                                "recompute.units": r})
+            for r in ("none", "all")
+        )  # fmt: skip
+        assert full.step_s > none.step_s and full.peak < none.peak
+
+
+def test_a_rank_with_less_memory_gets_the_fastest_plan_under_it(searched):
+    fastest = searched.candidates[0]
+    tight = dataclasses.replace(searched, memory=fastest.peak - 1)
+    best = tight.best
+    assert best is not fastest and best.peak < fastest.peak
+    assert all(c.peak > tight.memory for c in tight.candidates if c.step_s < best.step_s)
+    assert "faster candidate(s) need" in tight.format()
+    written = yaml.safe_load(best_plan_yaml(tight))
+    assert written["zero"]["stage"] == best.fields["zero.stage"]
+    assert written["recompute"]["units"] == best.fields["recompute.units"]
+    assert written["units"] == {"classes": ["Block"]}  # (the plan's own fields kept)
+    none = dataclasses.replace(searched, memory=1)
+    assert none.best is None
+    assert "no candidate fits (the closest" in none.format()
+
+
+def test_zerocc_plan_auto_writes_a_plan_that_loads_and_keeps_what_the_plan_fixes(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload",
+                                    "zero": {"stage": 2}}))  # fmt: skip
+    assert main(["plan", "auto", str(plan), "--world-size", "2", "--device", "cpu"]) == 0
+    chosen = load_plan(tmp_path / "plan.auto.yaml")
+    assert chosen.zero.stage == 2  # fixed by the plan: not searched
+    assert chosen.recompute.units in ("none", "all")
+    tiny = ["plan", "auto", str(plan), "--world-size", "2", "--device", "cpu", "--memory", "1e-6"]
+    assert main(tiny) == 2
+
+
+def test_a_pipeline_plan_is_refused_naming_the_field():
+    plan = load_plan(EXAMPLES / "zero3-pp.yaml")
+    with pytest.raises(PlanError, match=r"parallel.pp > 1 is not searched yet"):
+        search_plans(plan, 4, 2**40)
