@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from zerocc.cli.main import main
@@ -76,6 +77,55 @@ def test_zerocc_plan_auto_writes_a_plan_that_loads_and_keeps_what_the_plan_fixes
     assert chosen.recompute.units in ("none", "all")
     tiny = ["plan", "auto", str(plan), "--world-size", "2", "--device", "cpu", "--memory", "1e-6"]
     assert main(tiny) == 2
+
+
+@pytest.mark.parametrize(
+    ("base", "fields"),
+    [
+        (None, {"zero.stage": 0}),
+        (None, {"zero.stage": 3, "recompute.units": "all"}),
+        (None, {"zero.stage": 2, "grad_accumulation": 2}),
+        (None, {"zero.stage": 3, "offload.optimizer": "cpu", "backend.device": "cuda"}),
+        ("zero3-tp.yaml", {"zero.stage": 1, "recompute.units": "all"}),
+    ],
+    ids=str,
+)
+def test_a_copied_capture_compiles_what_a_fresh_one_does(base, fields):
+    """The search captures once and runs each candidate's passes on a copy: every program is
+    the one a capture of its own gives, node for node, with its records, values and memory."""
+    from zerocc.compiler.driver.plan_changes import derive_plan
+    from zerocc.compiler.driver.program import CapturedSteps
+    from zerocc.compiler.driver.session import CompileSession
+    from zerocc.compiler.workload import load_workload
+    from zerocc.cost.memory import predict_memory
+    from zerocc.inspect.estimate import first_batch, inspect_plan
+    from zerocc.ir.nodes import info
+
+    if base is None:
+        base = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload"})
+    else:
+        base = load_plan(EXAMPLES / base)
+    world = 2 * base.parallel.tp
+    plan = derive_plan(base, fields)
+    workload = load_workload(plan)
+    captured = CapturedSteps()
+    inspect_plan(base, world, workload, captured=captured)  # (another candidate's, first)
+    reused = inspect_plan(plan, world, workload, captured=captured)
+    session = CompileSession.open(workload.model, plan, world, workload.loss_fn)
+    batch = first_batch(workload, session.mesh.data_parallel)
+    for boundary, program in reused.programs.items():
+        gm = program.gm
+        expected = session.program(batch, boundary=boundary, device=torch.device("cpu")).gm
+        assert "copied from an earlier capture" in program.records[0].header
+        assert str(gm.graph) == str(expected.graph)
+        for a, b in zip(gm.graph.nodes, expected.graph.nodes, strict=True):
+            assert info(a) == info(b), a.name
+            value, other = a.meta.get("val"), b.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                assert (value.shape, value.stride(), value.dtype) == (
+                    other.shape, other.stride(), other.dtype
+                ), a.name  # fmt: skip
+        assert predict_memory(gm, {}).peak() == predict_memory(expected, {}).peak()
 
 
 def test_a_pipeline_plan_is_refused_naming_the_field():

@@ -15,7 +15,7 @@ import torch
 
 from zerocc.compiler.batch import as_batch
 from zerocc.compiler.driver.pass_manager import PassRecord
-from zerocc.compiler.driver.program import CompiledProgram
+from zerocc.compiler.driver.program import CapturedSteps, CompiledProgram
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.opaque import region_lines
 from zerocc.compiler.parallel.experts import exchange_lines
@@ -61,17 +61,25 @@ def inspect_plan(
     workload: Workload | None = None,
     *,
     keep_graphs: bool = False,
+    captured: CapturedSteps | None = None,
 ) -> Inspection:
     """Compile ``plan`` for ``world_size`` ranks (its ``workload`` unless one is given), on fake
-    tensors. ``keep_graphs`` keeps the graph after every pass (for printing one unit, DOT)."""
+    tensors. ``keep_graphs`` keeps the graph after every pass (for printing one unit, DOT).
+    ``captured``: steps captured before (another plan's for the same model), reused where
+    they fit; the programs of gradient accumulation share one capture either way."""
     plan = load_plan(plan)
     workload = workload or load_workload(plan)
     session = CompileSession.open(workload.model, plan, world_size, workload.loss_fn)
     batch = first_batch(workload, session.mesh.data_parallel)
     boundaries = [True] if plan.grad_accumulation == 1 else [True, False]
+    captured = captured or (CapturedSteps() if len(boundaries) > 1 else None)
     programs = {
         boundary: session.program(
-            batch, boundary=boundary, device=torch.device("cpu"), keep_graphs=keep_graphs
+            batch,
+            boundary=boundary,
+            device=torch.device("cpu"),
+            keep_graphs=keep_graphs,
+            captured=captured,
         )
         for boundary in boundaries
     }

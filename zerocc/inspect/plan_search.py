@@ -7,9 +7,9 @@ tensors, as `zerocc estimate` compiles a plan (a meta model of any size), and it
 per rank and step time predicted; those over the memory a rank has are dropped and the rest
 ranked by step time. A candidate that cannot be compiled (a plan error) is listed with why.
 
-Each candidate is captured again: a search over the ~16 candidates of a 7.5B model takes about
-16 of its `zerocc estimate`s. Reusing one capture across candidates, and searching units,
-meshes and micro-batches, are the issue's next steps.
+The candidates differ only in what the passes do, so the step is captured once and each
+candidate's passes run on a copy of it (:class:`~zerocc.compiler.driver.program.CapturedSteps`).
+Searching units, meshes and micro-batches, which change the capture, is the issue's next step.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from zerocc.compiler.driver.plan_changes import derive_plan, plan_field
+from zerocc.compiler.driver.program import CapturedSteps
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.model import DeviceRates, rates_for
@@ -169,24 +170,31 @@ def search_plans(
     rates = rates or rates_for(plan)
     workload = workload or load_workload(plan)
     space, fixed = search_space(plan, rates.device)
+    captured = CapturedSteps()  # (the candidates differ in their passes: one capture serves)
     candidates = []
     for fields in candidate_fields(space):
         changed = {k: v for k, v in fields.items() if plan_field(plan, k) != v}
         derived = derive_plan(plan, changed) if changed else plan
         if derived is None:
             continue  # (a combination the plan's schema refuses, e.g. a `passes` list)
-        candidates.append(_predicted(fields, derived, world_size, rates, workload))
+        candidates.append(_predicted(fields, derived, world_size, rates, workload, captured))
     candidates.sort(key=lambda c: (c.error is not None, c.step_s, c.peak))
     return Search(plan, world_size, memory, rates, candidates, fixed)
 
 
 def _predicted(
-    fields: dict[str, Any], plan: Plan, world_size: int, rates: DeviceRates, workload: Workload
+    fields: dict[str, Any],
+    plan: Plan,
+    world_size: int,
+    rates: DeviceRates,
+    workload: Workload,
+    captured: CapturedSteps,
 ) -> Candidate:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (each candidate's notes: the table says enough)
-            predicted = estimate(inspect_plan(plan, world_size, workload), rates)
+            inspection = inspect_plan(plan, world_size, workload, captured=captured)
+            predicted = estimate(inspection, rates)
     except ZeroccError as exc:
         return Candidate(fields, None, error=str(exc).splitlines()[0])
     step_s = predicted.timing.step_s if predicted.timing is not None else 0.0

@@ -42,6 +42,41 @@ class CompiledProgram:
     layout: StateLayout
 
 
+class CapturedSteps:
+    """Captured steps kept for programs that differ only in what the passes do (the
+    candidates of a plan search: other stages, recomputation, offload), by what a capture
+    depends on: the model, the batch's layout, the precision's casts, the layers split and the
+    capture's options. Each program gets its own copy of the captured graph."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, tuple[fx.GraphModule, str]] = {}
+
+    @staticmethod
+    def key(
+        model: nn.Module, loss_fn: LossFn | None, plan: Plan, batch: Sequence[Any], training: bool
+    ) -> tuple:
+        layout = tuple(
+            (tuple(b.shape), b.dtype, b.device) if isinstance(b, torch.Tensor) else repr(b)
+            for b in batch
+        )
+        sections = (plan.precision, plan.parallel, plan.capture)
+        return (id(model), id(loss_fn), layout, training, *(s.model_dump_json() for s in sections))
+
+    def get(self, key: tuple) -> tuple[fx.GraphModule, str] | None:
+        """A copy of the graph captured under ``key`` and its description, if there is one."""
+        kept = self._graphs.get(key)
+        return None if kept is None else (_copied(kept[0]), kept[1])
+
+    def put(self, key: tuple, gm: fx.GraphModule, described: str) -> None:
+        self._graphs[key] = (_copied(gm), described)
+
+
+def _copied(gm: fx.GraphModule) -> fx.GraphModule:
+    copy = snapshot(gm)
+    copy.meta.update(gm.meta)
+    return copy
+
+
 @contextlib.contextmanager
 def collection_paused() -> Iterator[None]:
     """The cyclic garbage collector off for the body. Compiling makes millions of objects
@@ -74,6 +109,7 @@ def compile_program(
     training: bool = True,
     tensor_parallel: TensorParallel | None = None,
     expert_parallel: ExpertParallel | None = None,
+    captured: CapturedSteps | None = None,
 ) -> CompiledProgram:
     """Capture ``model``'s step on ``batch`` and run ``pass_list`` for ``world_size`` ranks;
     ``boundary``: the program ends with the optimizer step. ``units``: the FSDP units the
@@ -83,43 +119,53 @@ def compile_program(
     the passes find no gradient, so it gathers what forward needs and updates nothing).
     ``tensor_parallel``: the layers the plan splits (``model_info`` then gives each split
     parameter's slice), captured in their tensor-parallel form; ``expert_parallel``: the
-    experts modules it splits, each call captured as a region exchanging its tokens."""
+    experts modules it splits, each call captured as a region exchanging its tokens.
+    ``captured``: steps captured before, reused where this one was (see
+    :class:`CapturedSteps`)."""
     start = time.perf_counter()
-    casts = Casts.of(plan.precision)
     tp, ep = tensor_parallel, expert_parallel
-    with tp.applied(model) if tp is not None else contextlib.nullcontext():
-        gm = capture(
-            model,
-            model_info,
-            loss_fn,
-            batch,
-            device,
-            casts,
-            gradients=training,
-            loss_check=tp.check_loss if tp is not None else None,
-            tensor_status=tp.tensor_status() if tp is not None else None,
-            bodies=ep.bodies() if ep is not None else None,
-            repeated_layers=plan.capture.repeated_layers,
+    key = CapturedSteps.key(model, loss_fn, plan, batch, training) if captured else None
+    kept = captured.get(key) if captured is not None else None
+    if kept is not None:
+        (gm, described), how = kept, "copied from an earlier capture"
+    else:
+        with tp.applied(model) if tp is not None else contextlib.nullcontext():
+            gm = capture(
+                model,
+                model_info,
+                loss_fn,
+                batch,
+                device,
+                Casts.of(plan.precision),
+                gradients=training,
+                loss_check=tp.check_loss if tp is not None else None,
+                tensor_status=tp.tensor_status() if tp is not None else None,
+                bodies=ep.bodies() if ep is not None else None,
+                repeated_layers=plan.capture.repeated_layers,
+            )
+        if tp is not None:
+            tag_collectives(gm)
+        how = "Captured by make_fx"
+        described = (
+            (f"; {tp.describe()}" if tp else "")
+            + (f"; {ep.describe()}" if ep else "")
+            + "".join(f"; {r.fqn} ({r.kind}) as an opaque region" for r in regions_in(gm))
+            + (f"; {gm.meta['repeated_layers']}" if gm.meta["repeated_layers"] else "")
         )
-    if tp is not None:
-        tag_collectives(gm)
+        if captured is not None:
+            captured.put(key, gm, described)
     seconds = time.perf_counter() - start
-    n = len(gm.graph.nodes)
-    captured = PassRecord(
+    record = PassRecord(
         "capture",
         seconds,
-        f"Captured by make_fx (took {seconds * 1e3:.1f} ms)"
-        + (f"; {tp.describe()}" if tp else "")
-        + (f"; {ep.describe()}" if ep else "")
-        + "".join(f"; {r.fqn} ({r.kind}) as an opaque region" for r in regions_in(gm))
-        + (f"; {gm.meta['repeated_layers']}" if gm.meta["repeated_layers"] else ""),
+        f"{how} (took {seconds * 1e3:.1f} ms){described}",
         0,
-        n,
+        len(gm.graph.nodes),
         count_ops(gm.graph.nodes),
         {},
     )
     if keep_graphs:
-        captured.gm = snapshot(gm)
+        record.gm = snapshot(gm)
     ctx = PassContext(
         plan,
         world_size,
@@ -131,7 +177,7 @@ def compile_program(
     )
     gm, records = run_passes(gm, ctx, pass_list, snapshot if keep_graphs else None)
     check_bindings(gm, ctx.layout, model_info)
-    return CompiledProgram(gm, [captured, *records], ctx.units, ctx.layout)
+    return CompiledProgram(gm, [record, *records], ctx.units, ctx.layout)
 
 
 def check_bindings(

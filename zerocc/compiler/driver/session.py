@@ -22,7 +22,7 @@ from torch import nn
 
 from zerocc.compiler.capture import LossFn, ModelInfo, describe_model
 from zerocc.compiler.driver.pass_manager import PassList, bind_passes, state_layout
-from zerocc.compiler.driver.program import CompiledProgram, compile_program
+from zerocc.compiler.driver.program import CapturedSteps, CompiledProgram, compile_program
 from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.tensor_parallel import Split, TensorParallel, local_info
@@ -110,11 +110,12 @@ class CompileSession:
         plan: Plan | None = None,
         keep_graphs: bool = False,
         training: bool = True,
+        captured: CapturedSteps | None = None,
     ) -> CompiledProgram:
         """Capture the step on ``batch`` and run the session's passes for its units (see
-        :func:`~zerocc.compiler.driver.program.compile_program`). ``plan``: another plan for
-        the same model and world (what a plan change would need), with its own passes and
-        units."""
+        :func:`~zerocc.compiler.driver.program.compile_program`; ``captured``: steps captured
+        before, reused where they fit). ``plan``: another plan for the same model and world
+        (what a plan change would need), with its own passes and units."""
         plan = plan or self.plan
         ours = plan is self.plan
         return compile_program(
@@ -132,6 +133,7 @@ class CompileSession:
             training=training,
             tensor_parallel=self.tensor_parallel,
             expert_parallel=self.expert_parallel,
+            captured=captured,
         )
 
     @functools.cached_property
