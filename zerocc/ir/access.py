@@ -16,6 +16,7 @@ writes its output, so :func:`collective_access` charges both to the pair.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import operator
 from dataclasses import dataclass, field
@@ -44,23 +45,49 @@ class Access:
         return bool(self.writes & (other.reads | other.writes) or other.writes & self.reads)
 
 
+class _Roots(dict):
+    """Each node's storage root, found the first time it is asked for (and remembered for the
+    nodes on the way): the node itself, the root of the argument its result aliases, or for a
+    parameter shard (stages 1-2) the full parameter it is a view of."""
+
+    def __init__(self, full_of: dict[str | None, fx.Node]) -> None:
+        super().__init__()
+        self._full_of = full_of
+
+    def __missing__(self, node: fx.Node) -> fx.Node:
+        chain = [node]
+        while True:
+            top = chain[-1]
+            if top.op == "placeholder" and info(top).role == PARAM_SHARD:
+                root = self._full_of.get(info(top).unit, top)
+                break
+            source = _aliased_argument(top)
+            if source is None:
+                root = top
+                break
+            if source in self:
+                root = dict.__getitem__(self, source)
+                break
+            chain.append(source)
+        for n in chain:
+            self[n] = root
+        return root
+
+
 class StorageRoots:
-    """Storage roots and accesses of every node of ``gm`` (computed once, on construction)."""
+    """Storage roots and accesses of the nodes of ``gm``, each found when first asked for, so
+    that a pass that asks about a few nodes pays for those (a node inserted since is found as
+    well; one whose arguments changed since it was asked about keeps its first answer)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
-        full_of = {
-            info(n).unit: n
-            for n in gm.graph.nodes
-            if n.op == "placeholder" and info(n).role == PARAM_FULL
-        }
-        self.root: dict[fx.Node, fx.Node] = {}
+        full_of: dict[str | None, fx.Node] = {}
+        for n in gm.graph.nodes:  # (placeholders lead the graph)
+            if n.op != "placeholder":
+                break
+            if info(n).role == PARAM_FULL:
+                full_of[info(n).unit] = n
+        self.root: dict[fx.Node, fx.Node] = _Roots(full_of)
         self._access: dict[fx.Node, Access] = {}
-        for node in gm.graph.nodes:
-            if node.op == "placeholder" and info(node).role == PARAM_SHARD:
-                self.root[node] = full_of.get(info(node).unit, node)
-            else:
-                source = _aliased_argument(node)
-                self.root[node] = self.root[source] if source is not None else node
 
     def access(self, node: fx.Node) -> Access:
         """What ``node`` itself reads and writes."""
@@ -176,6 +203,23 @@ def last_writes(
     return last
 
 
-def last_write(gm: fx.GraphModule, tensor: fx.Node, before: fx.Node) -> fx.Node:
-    """:func:`last_writes` of one tensor."""
-    return last_writes(gm, [tensor], before)[tensor]
+def last_writes_before(
+    gm: fx.GraphModule, pairs: list[tuple[fx.Node, fx.Node]]
+) -> dict[fx.Node, fx.Node]:
+    """For each ``(tensor, before)``, the last node between ``tensor`` and ``before`` that
+    writes the tensor's storage (the tensor itself if none does), by tensor: what
+    :func:`last_writes` gives each pair, from one walk over the graph."""
+    roots = StorageRoots(gm)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    wanted = {roots.root[t] for t, _ in pairs}
+    writers: dict[fx.Node, list[int]] = {root: [] for root in wanted}
+    nodes = list(gm.graph.nodes)
+    for i, node in enumerate(nodes):
+        for root in roots.access(node).writes & wanted:
+            writers[root].append(i)
+    last = {}
+    for tensor, before in pairs:
+        at = writers[roots.root[tensor]]
+        k = bisect.bisect_left(at, position[before]) - 1
+        last[tensor] = nodes[at[k]] if k >= 0 and at[k] > position[tensor] else tensor
+    return last

@@ -52,7 +52,7 @@ from zerocc.compiler.state import (
     declare_placements,
     placements,
 )
-from zerocc.ir.access import StorageRoots, last_write
+from zerocc.ir.access import StorageRoots, last_writes_before
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import (
     MASTER,
@@ -100,6 +100,7 @@ class _Offloader:
             if op_name(n.target) in UPDATE_ARGS and where[info(n).unit].offloaded
         ]
         self.grads_on_device = config.grads == "device"
+        self.completed: dict[fx.Node, fx.Node] = {}  # gradient -> where it is complete
         self.grads_in_flight = config.grads_in_flight
         self.delayed = config.defer_updates == "delayed"
         self.grad_copies: list[tuple[fx.Node, fx.Node]] = []
@@ -179,6 +180,10 @@ class _Offloader:
     def offload_updates(self) -> None:
         """Rewrite every offloaded unit's update; NVMe reads one unit ahead, writes one behind."""
         nvme = [u for u in self.updates if self.where[info(u).unit].optimizer == NVME]
+        to_host = [u for u in self.updates if self.where[info(u).unit].optimizer != DEVICE]
+        # Where each gradient the host reads is complete, found once: what the rewrites insert
+        # writes no gradient.
+        self.completed = last_writes_before(self.gm, [(u.args[1], u) for u in to_host])
         reads: dict[fx.Node, dict[int, fx.Node]] = {}
         writes: list[fx.Node] = []
         host_scalars: dict[fx.Node, fx.Node] = {}
@@ -283,7 +288,7 @@ class _Offloader:
 
     def _gradient_to_host(self, update: fx.Node, grad: fx.Node) -> fx.Node:
         """Copy the reduced gradient to the host right after its last write."""
-        last = last_write(self.gm, grad, update)
+        last = self.completed[grad]
         unit = info(update).unit
         with self.graph.inserting_before(last.next):
             start = self._start(
@@ -309,7 +314,7 @@ class _Offloader:
         unit, numel = info(update).unit, val(grad).numel()
         previous = self.updates.index(update) - 1
         issue_before = self.updates[previous] if previous >= 0 else update
-        if not comes_after(issue_before, last_write(self.gm, grad, update)):
+        if not comes_after(issue_before, self.completed[grad]):
             issue_before = update
         buffer, _ = self.grad_slots.take(val(grad).dtype, issue_before)
         with self.graph.inserting_before(issue_before):
