@@ -46,7 +46,6 @@ class Candidate:
     take (or why it could not be compiled)."""
 
     fields: dict[str, Any]
-    plan: Plan | None
     peak: int = 0  # bytes per rank at the step's peak (on the device)
     step_s: float = 0.0
     error: str | None = None
@@ -99,11 +98,14 @@ class Search:
                 key=lambda c: c.peak,
                 default=None,
             )
-            over = f" (the closest, {closest.describe()}, needs {human_bytes(closest.peak)})"
+            over = (
+                f" (the closest, {closest.describe()}, needs {human_bytes(closest.peak)})"
+                if closest is not None
+                else ""
+            )
             lines.append(
-                "no candidate fits" + (over if closest else "") + ": more ranks, offload to "
-                "NVMe or a smaller batch would lower the peak (`zerocc estimate` prints the "
-                "figures of each)"
+                f"no candidate fits{over}: more ranks, offload to NVMe or a smaller batch "
+                "would lower the peak (`zerocc estimate` prints the figures of each)"
             )
         else:
             lines.append(f"best: {best.describe()} ({why(best, self.candidates, self.memory)})")
@@ -196,9 +198,9 @@ def _predicted(
             inspection = inspect_plan(plan, world_size, workload, captured=captured)
             predicted = estimate(inspection, rates)
     except ZeroccError as exc:
-        return Candidate(fields, None, error=str(exc).splitlines()[0])
+        return Candidate(fields, error=str(exc).splitlines()[0])
     step_s = predicted.timing.step_s if predicted.timing is not None else 0.0
-    return Candidate(fields, plan, predicted.peak["total"], step_s)
+    return Candidate(fields, predicted.peak["total"], step_s)
 
 
 def best_plan_yaml(search: Search) -> str:
