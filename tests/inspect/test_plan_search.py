@@ -38,6 +38,13 @@ def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(se
     assert len(fields) == 8 and {f["zero.stage"] for f in fields} == {0, 1, 2, 3}
     assert {f["recompute.units"] for f in fields} == {"none", "all"}
     assert all(c.error is None and c.step_s > 0 and c.peak > 0 for c in searched.candidates)
+    assert all(c.bound_by in ("compute", "communication") for c in searched.candidates)
+    # stage 0 all-reduces its gradients, stage 3 gathers and reduce-scatters more on `dp`
+    by_stage = {c.fields["zero.stage"]: c.moved for c in searched.candidates}
+    assert 0 < by_stage[0]["dp"] < by_stage[3]["dp"]
+    # the example counts its tokens: 2 ranks × 8 sequences of 64 per step
+    assert searched.tokens_per_step == 2 * 8 * 64
+    assert f"{2 * 8 * 64 / searched.candidates[0].step_s:,.0f}" in searched.format()
     times = [c.step_s for c in searched.candidates]
     assert times == sorted(times)
     assert searched.best is searched.candidates[0]

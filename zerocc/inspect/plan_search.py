@@ -17,18 +17,19 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from zerocc.compiler.driver.plan_changes import derive_plan, plan_field
 from zerocc.compiler.driver.program import CapturedSteps
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.model import DeviceRates, rates_for
 from zerocc.errors import PlanError, ZeroccError
-from zerocc.inspect.estimate import estimate, inspect_plan
+from zerocc.inspect.estimate import estimate, first_batch, inspect_plan
 from zerocc.ir.printing import human_bytes, human_seconds
 
 # Plan fields the search tries, with their values, where the plan does not set them.
@@ -48,10 +49,15 @@ class Candidate:
     fields: dict[str, Any]
     peak: int = 0  # bytes per rank at the step's peak (on the device)
     step_s: float = 0.0
+    bound_by: str = ""  # what most of the step is: compute, communication or offload copies
+    moved: dict[str, int] = field(default_factory=dict)  # mesh group -> bytes per step
     error: str | None = None
 
     def fits(self, memory: int) -> bool:
         return self.error is None and self.peak <= memory
+
+    def moved_text(self) -> str:
+        return ", ".join(f"{g} {human_bytes(n)}" for g, n in sorted(self.moved.items()) if n)
 
     def describe(self) -> str:
         return ", ".join(f"{k}: {v}" for k, v in self.fields.items()) or "(the plan as it is)"
@@ -67,6 +73,7 @@ class Search:
     rates: DeviceRates
     candidates: list[Candidate]
     fixed: list[str]  # fields of the space the plan sets, not searched
+    tokens_per_step: int | None = None  # every rank's, when the workload counts tokens
 
     @property
     def best(self) -> Candidate | None:
@@ -81,15 +88,20 @@ class Search:
         ]
         if self.fixed:
             lines.append(f"fixed by the plan, not searched: {', '.join(self.fixed)}")
-        lines.append(f"  {'step':>10}  {'peak':>10}  fits  plan")
+        lines.append(
+            f"  {'step':>10}  {'tokens/s':>9}  {'peak':>10}  fits  {'bound by':<13}  plan "
+            "(bytes per step by mesh group)"
+        )
         for c in self.candidates:
             if c.error is not None:
-                lines.append(f"  {'-':>10}  {'-':>10}  -     {c.describe()}: {c.error}")
+                lines.append(f"  {'-':>10}  {'-':>9}  {'-':>10}  -     {'-':<13}  "
+                             f"{c.describe()}: {c.error}")  # fmt: skip
                 continue
             fits = "yes" if c.fits(self.memory) else "no"
+            rate = self.tokens_per_s(c)
             lines.append(
-                f"  {human_seconds(c.step_s):>10}  {human_bytes(c.peak):>10}  {fits:<4}  "
-                f"{c.describe()}"
+                f"  {human_seconds(c.step_s):>10}  {rate:>9}  {human_bytes(c.peak):>10}  "
+                f"{fits:<4}  {c.bound_by:<13}  {c.describe()} ({c.moved_text() or 'none'})"
             )
         best = self.best
         if best is None:
@@ -110,6 +122,14 @@ class Search:
         else:
             lines.append(f"best: {best.describe()} ({why(best, self.candidates, self.memory)})")
         return "\n".join(lines)
+
+
+    def tokens_per_s(self, candidate: Candidate) -> str:
+        """The candidate's predicted tokens per second over every rank ('-' when the workload
+        does not count tokens)."""
+        if not self.tokens_per_step or candidate.step_s <= 0:
+            return "-"
+        return f"{self.tokens_per_step / candidate.step_s:,.0f}"
 
 
 def why(best: Candidate, candidates: list[Candidate], memory: int) -> str:
@@ -181,7 +201,19 @@ def search_plans(
             continue  # (a combination the plan's schema refuses, e.g. a `passes` list)
         candidates.append(_predicted(fields, derived, world_size, rates, workload, captured))
     candidates.sort(key=lambda c: (c.error is not None, c.step_s, c.peak))
-    return Search(plan, world_size, memory, rates, candidates, fixed)
+    tokens = _tokens_per_step(plan, world_size, workload)
+    return Search(plan, world_size, memory, rates, candidates, fixed, tokens)
+
+
+def _tokens_per_step(plan: Plan, world_size: int, workload: Workload) -> int | None:
+    """Tokens one optimizer step trains on over every rank, when the workload counts them:
+    the data-parallel ranks' batches, each of the plan's micro-batches (what the search does
+    not change)."""
+    if workload.tokens_per_batch is None:
+        return None
+    data_ranks = Mesh.of_plan(plan, world_size).data_parallel
+    batch = first_batch(workload, data_ranks)
+    return workload.tokens_per_batch(batch) * data_ranks * plan.grad_accumulation
 
 
 def _predicted(
@@ -199,8 +231,28 @@ def _predicted(
             predicted = estimate(inspection, rates)
     except ZeroccError as exc:
         return Candidate(fields, error=str(exc).splitlines()[0])
-    step_s = predicted.timing.step_s if predicted.timing is not None else 0.0
-    return Candidate(fields, predicted.peak["total"], step_s)
+    timing = predicted.timing
+    if timing is None:  # (the estimate always simulates the step)
+        return Candidate(fields, predicted.peak["total"], moved=_by_group(predicted.comm))
+    parts = {
+        "communication": timing.exposed_s,
+        "offload copies": timing.copy_waited_s,
+    }
+    parts["compute"] = timing.step_s - sum(parts.values())
+    bound_by = max(parts, key=parts.__getitem__)
+    return Candidate(
+        fields, predicted.peak["total"], timing.step_s, bound_by, _by_group(predicted.comm)
+    )
+
+
+def _by_group(comm: dict[str, int]) -> dict[str, int]:
+    """Bytes per step by mesh group, from the estimate's by collective kind (``all_gather``
+    on ``dp``, ``all_gather (tp)`` on ``tp``)."""
+    moved: dict[str, int] = {}
+    for kind, nbytes in comm.items():
+        group = kind.partition(" (")[2].rstrip(")") or "dp"
+        moved[group] = moved.get(group, 0) + nbytes
+    return moved
 
 
 def best_plan_yaml(search: Search) -> str:
