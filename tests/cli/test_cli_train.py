@@ -100,6 +100,37 @@ def test_fewer_ranks_go_on_only_where_a_rank_was_lost(monkeypatch, tmp_path):
         assert nprocs == launched
 
 
+def test_train_auto_searches_first_and_gives_the_ranks_its_choice(monkeypatch, capsys, tmp_path):
+    """`zerocc train PLAN --auto` (issue 52): the plan search's table, then the ranks launched
+    with the choice as `--set` items (the fields the plan leaves open: here the stage and
+    recomputation), the stage the plan fixes kept."""
+    from zerocc.cli import main as cli
+
+    plan = tmp_path / "plan.yaml"
+    data = yaml.safe_load(PLAN.read_text())
+    data["workload"] = f"{PLAN.parent / 'workload.py'}:workload"
+    del data["zero"]
+    plan.write_text(yaml.safe_dump(data))
+    launches = []
+
+    def launch(plan, args, command, *rest):
+        launches.append(command)
+        return Launched(0)
+
+    monkeypatch.setattr(cli, "_launch", launch)
+    assert cli.main(["train", str(plan), "--nproc", "2", "--auto"]) == 0
+    out = capsys.readouterr().out
+    assert "8 candidate plans on 2 ranks" in out
+    (command,) = launches
+    sets = dict(command[i + 1].split("=", 1) for i, flag in enumerate(command) if flag == "--set")
+    assert set(sets) == {"zero.stage", "recompute.units"}
+    stage, recompute = (yaml.safe_load(sets[k]) for k in ("zero.stage", "recompute.units"))
+    assert f"best: zero.stage: {stage}, recompute.units: {recompute} (" in out
+    assert "--auto" not in command
+    assert cli.main(["train", str(plan), "--nproc", "2", "--memory", "1"]) == 2
+    assert "--memory goes with --auto" in capsys.readouterr().err
+
+
 def test_train_in_process_leaves_no_dump_folder_behind(tmp_path, monkeypatch):
     """`--dump` is set for the command only: a later step of the same process (a script that
     calls the CLI, then compiles) does not dump."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
+import json
 import os
 import socket
 import sys
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from zerocc.cli.inspect import add_commands as add_inspect_commands
+from zerocc.cli.plan import CUDA_MEMORY_GIB, checked_model, checked_plan, memory_per_rank
 from zerocc.cli.plan import add_commands as add_plan_commands
-from zerocc.cli.plan import checked_model, checked_plan
 from zerocc.cli.plan_args import add_plan_arguments, forwarded
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError, ZeroccError
@@ -219,6 +220,16 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         help="evaluate the loss on the workload's held-back data every N optimizer steps and "
         "at the end (plan: metrics.eval_every)",
     )  # fmt: skip
+    train.add_argument(
+        "--auto", action="store_true",
+        help="first search the stages, recomputation and (cuda) offload the plan leaves open "
+        "for the fastest that fits these ranks, as `zerocc plan auto` does, and train it",
+    )  # fmt: skip
+    train.add_argument(
+        "--memory", type=float, metavar="GIB",
+        help=f"with --auto: memory per rank in GiB (default: cpu, this machine's available "
+        f"memory over --nproc; cuda, {CUDA_MEMORY_GIB:g}, an H100's)",
+    )  # fmt: skip
     train.set_defaults(run=_train)
 
 
@@ -304,6 +315,10 @@ def _train(args: argparse.Namespace) -> int:
     args.nproc = args.nproc or _ranks_the_plan_takes(plan, nodes.count)
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
+    if args.memory is not None and not args.auto:
+        raise ZeroccError("--memory goes with --auto (the memory the plan search fits)")
+    if args.auto and not launched():  # (launched ranks get the choice as --set items)
+        plan = _with_section_flags(_searched(plan, args, nodes), args)
     # Every rank reads the dump folder (the launched ranks inherit it); set for this command
     # only, so a later step of the same process does not dump.
     dumps = {DUMP_DIR_ENV: str(Path(args.dump).resolve())} if args.dump else {}
@@ -328,6 +343,26 @@ def _train(args: argparse.Namespace) -> int:
             resumed = [*command, "--resume", str(plan.checkpoint.dir)]  # (the last one counts)
             ended = _launch(plan, args, resumed, nodes, restarts)
         return ended.status
+
+
+def _searched(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> Plan:
+    """`train --auto`: the plan search for this run's ranks and device (the table printed);
+    the choice is added to the command's ``--set`` items, which the launched ranks get too,
+    and the plan returned with it."""
+    from zerocc.cost.model import rates_for
+    from zerocc.inspect.plan_search import search_plans
+    from zerocc.runtime.devices import rank_device
+
+    device = rank_device(plan, local_rank=0, local_ranks=args.nproc)
+    rates = rates_for(plan, device.type)
+    memory = memory_per_rank(rates.device, args.memory, args.nproc)
+    search = search_plans(plan, args.nproc * nodes.count, memory, rates)
+    print(search.format(), flush=True)
+    if search.best is None:
+        raise ZeroccError("--auto: no candidate plan fits; see the table above")
+    args.overrides += [f"{path}={json.dumps(v)}" for path, v in search.best.fields.items()]
+    args.auto = False  # (chosen: the ranks train it)
+    return checked_plan(args)
 
 
 def _fewer_ranks(plan: Plan, args: argparse.Namespace) -> int | None:

@@ -70,11 +70,25 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 CUDA_MEMORY_GIB = 80.0  # an H100's, what the built-in cuda rates describe
 
 
+def memory_per_rank(device: str, gib: float | None, ranks_per_machine: int) -> int:
+    """Bytes a rank has for a plan search: ``gib`` when given; on cuda an H100's (what the
+    built-in rates describe); on cpu this machine's available memory over the ranks that share
+    it."""
+    from zerocc.runtime.machine_memory import host_available
+
+    if gib is not None:
+        if gib <= 0:
+            raise ZeroccError(f"--memory {gib:g}: a positive number of GiB")
+        return int(gib * 2**30)
+    if device == "cuda":
+        return int(CUDA_MEMORY_GIB * 2**30)
+    return host_available() // max(ranks_per_machine, 1)
+
+
 def _auto(args: argparse.Namespace) -> int:
     """`zerocc plan auto`: the fastest candidate plan that fits, written as a plan file."""
     from zerocc.cost.model import rates_for
     from zerocc.inspect.plan_search import best_plan_yaml, search_plans
-    from zerocc.runtime.machine_memory import host_available
 
     plan = checked_plan(args)
     if plan.workload is None:
@@ -82,14 +96,7 @@ def _auto(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise ZeroccError(f"--world-size {args.world_size}: at least 1")
     rates = rates_for(plan, args.device, args.calibration)
-    if args.memory is not None:
-        if args.memory <= 0:
-            raise ZeroccError(f"--memory {args.memory:g}: a positive number of GiB")
-        memory = int(args.memory * 2**30)
-    elif rates.device == "cuda":
-        memory = int(CUDA_MEMORY_GIB * 2**30)
-    else:
-        memory = host_available() // (args.ranks_per_node or args.world_size)
+    memory = memory_per_rank(rates.device, args.memory, args.ranks_per_node or args.world_size)
     search = search_plans(plan, args.world_size, memory, rates)
     print(search.format())
     if search.best is None:
