@@ -361,7 +361,6 @@ def _searched(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> Plan:
     if search.best is None:
         raise ZeroccError("--auto: no candidate plan fits; see the table above")
     args.overrides += [f"{path}={json.dumps(v)}" for path, v in search.best.fields.items()]
-    args.auto = False  # (chosen: the ranks train it)
     return checked_plan(args)
 
 
