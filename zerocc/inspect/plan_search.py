@@ -232,8 +232,7 @@ def _predicted(
     except ZeroccError as exc:
         return Candidate(fields, error=str(exc).splitlines()[0])
     timing = predicted.timing
-    if timing is None:  # (the estimate always simulates the step)
-        return Candidate(fields, predicted.peak["total"], moved=_by_group(predicted.comm))
+    assert timing is not None  # (`estimate` simulates the step)
     parts = {
         "communication": timing.exposed_s,
         "offload copies": timing.copy_waited_s,
