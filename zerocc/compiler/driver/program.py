@@ -124,7 +124,7 @@ def compile_program(
     :class:`CapturedSteps`)."""
     start = time.perf_counter()
     tp, ep = tensor_parallel, expert_parallel
-    key = CapturedSteps.key(model, loss_fn, plan, batch, training) if captured else None
+    key = CapturedSteps.key(model, loss_fn, plan, batch, training)
     kept = captured.get(key) if captured is not None else None
     if kept is not None:
         (gm, described), how = kept, "copied from an earlier capture"
