@@ -17,6 +17,7 @@ the test: a hang never reaches CI.
 
 from __future__ import annotations
 
+import functools
 import io
 import multiprocessing as mp
 import os
@@ -39,23 +40,24 @@ def _free_port() -> int:
 # What the server imports before it forks any rank (zerocc.runtime.step: the TrainStep and
 # what compiling imports; torch._dynamo: capture's).
 PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "zerocc", "zerocc.runtime.step"]
-_servers: dict[str, Any] = {}
 
 
 def _context(backend: str) -> Any:
-    """Where ranks start from: the forkserver for CPU ranks (started on first use, with
-    ``TRITON_INTERPRET=1`` set before it imports triton), spawn for GPU ranks."""
-    if backend != "gloo":
-        return mp.get_context("spawn")
-    if "gloo" not in _servers:
-        from multiprocessing import forkserver
+    """Where ranks start from: the forkserver for CPU ranks, spawn for GPU ranks."""
+    return _forkserver() if backend == "gloo" else mp.get_context("spawn")
 
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOADED)
-        with environment({"TRITON_INTERPRET": "1"}):
-            forkserver.ensure_running()
-        _servers["gloo"] = ctx
-    return _servers["gloo"]
+
+@functools.cache
+def _forkserver() -> Any:
+    """The forkserver context, its server started once, with ``TRITON_INTERPRET=1`` set
+    before it imports triton."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    with environment({"TRITON_INTERPRET": "1"}):
+        forkserver.ensure_running()
+    return ctx
 
 
 def _worker(

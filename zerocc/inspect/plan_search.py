@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from zerocc.compiler.driver.plan_changes import derive_plan, plan_field
+from zerocc.compiler.driver.plan_changes import derive_plan, plan_field, set_field
 from zerocc.compiler.driver.program import CapturedSteps
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan
@@ -262,11 +262,7 @@ def best_plan_yaml(search: Search) -> str:
         raise ZeroccError("zerocc plan auto: no candidate fits; nothing to write")
     data = search.plan.model_dump(mode="json", exclude_unset=True)
     for path, value in best.fields.items():
-        *parents, leaf = path.split(".")
-        section = data
-        for name in parents:
-            section = section.setdefault(name, {})
-        section[leaf] = value
+        set_field(data, path, value)
     header = [
         f"# Chosen by `zerocc plan auto` for {search.world_size} ranks, "
         f"{human_bytes(search.memory)} per rank, {search.rates.device} rates:",

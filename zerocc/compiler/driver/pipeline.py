@@ -15,7 +15,6 @@ over the pipeline, and updates.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
+from zerocc.compiler.capture import LossFn, ModelInfo
 from zerocc.compiler.driver.pass_manager import (
     PassContext,
     PassList,
@@ -32,7 +31,7 @@ from zerocc.compiler.driver.pass_manager import (
     run_passes,
     state_layout,
 )
-from zerocc.compiler.driver.program import check_bindings, snapshot
+from zerocc.compiler.driver.program import capture_split, check_bindings, snapshot
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule
@@ -44,7 +43,7 @@ from zerocc.compiler.parallel.stage_programs import (
     step_form,
     update_graph,
 )
-from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
+from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.passes.recompute import recompute
 from zerocc.compiler.plan import Plan
@@ -105,22 +104,7 @@ def capture_microbatch(
     splits (None without), and the model as a rank holds it (each split parameter's slice)."""
     tp = TensorParallel.of(model, full, plan)
     local = tp.local_info(full) if tp is not None else full
-    casts = Casts.of(plan.precision)
-    with tp.applied(model) if tp is not None else contextlib.nullcontext():
-        gm = capture(
-            model,
-            local,
-            loss_fn,
-            microbatch,
-            device,
-            casts,
-            gradients,
-            loss_check=tp.check_loss if tp is not None else None,
-            tensor_status=tp.tensor_status() if tp is not None else None,
-            repeated_layers=plan.capture.repeated_layers,
-        )
-    if tp is not None:
-        tag_collectives(gm)
+    gm = capture_split(model, local, plan, loss_fn, microbatch, device, gradients, tp)
     return gm, tp, local
 
 

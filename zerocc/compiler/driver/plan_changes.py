@@ -74,16 +74,20 @@ def plan_field(plan: Plan, path: str) -> Any:
     return value
 
 
+def set_field(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set the field at the dotted ``path`` of plan data, making its sections where missing."""
+    *parents, leaf = path.split(".")
+    for name in parents:
+        data = data.setdefault(name, {})
+    data[leaf] = value
+
+
 def derive_plan(plan: Plan, option: dict[str, Any]) -> Plan | None:
     """``plan`` with the dotted fields of ``option`` set, validated, its `passes` included
     (None if invalid, e.g. a `passes` list that does not name the pass the change needs)."""
     data = plan.model_dump()
     for path, value in option.items():
-        *parents, leaf = path.split(".")
-        node = data
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
+        set_field(data, path, value)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the plan's own warnings were shown when it loaded
         try:

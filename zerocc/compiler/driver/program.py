@@ -129,22 +129,7 @@ def compile_program(
     if kept is not None:
         (gm, described), how = kept, "copied from an earlier capture"
     else:
-        with tp.applied(model) if tp is not None else contextlib.nullcontext():
-            gm = capture(
-                model,
-                model_info,
-                loss_fn,
-                batch,
-                device,
-                Casts.of(plan.precision),
-                gradients=training,
-                loss_check=tp.check_loss if tp is not None else None,
-                tensor_status=tp.tensor_status() if tp is not None else None,
-                bodies=ep.bodies() if ep is not None else None,
-                repeated_layers=plan.capture.repeated_layers,
-            )
-        if tp is not None:
-            tag_collectives(gm)
+        gm = capture_split(model, model_info, plan, loss_fn, batch, device, training, tp, ep)
         how = "Captured by make_fx"
         described = (
             (f"; {tp.describe()}" if tp else "")
@@ -178,6 +163,41 @@ def compile_program(
     gm, records = run_passes(gm, ctx, pass_list, snapshot if keep_graphs else None)
     check_bindings(gm, ctx.layout, model_info)
     return CompiledProgram(gm, [record, *records], ctx.units, ctx.layout)
+
+
+def capture_split(
+    model: nn.Module,
+    model_info: ModelInfo,
+    plan: Plan,
+    loss_fn: LossFn | None,
+    batch: Sequence[Any],
+    device: torch.device,
+    training: bool = True,
+    tensor_parallel: TensorParallel | None = None,
+    expert_parallel: ExpertParallel | None = None,
+) -> fx.GraphModule:
+    """The step captured as a rank runs it, under the plan's precision and capture options:
+    the layers tensor parallelism splits in their split form (``model_info``: each split
+    parameter's slice), their collectives tagged; each call of an experts module expert
+    parallelism splits as a region exchanging its tokens."""
+    tp, ep = tensor_parallel, expert_parallel
+    with tp.applied(model) if tp is not None else contextlib.nullcontext():
+        gm = capture(
+            model,
+            model_info,
+            loss_fn,
+            batch,
+            device,
+            Casts.of(plan.precision),
+            gradients=training,
+            loss_check=tp.check_loss if tp is not None else None,
+            tensor_status=tp.tensor_status() if tp is not None else None,
+            bodies=ep.bodies() if ep is not None else None,
+            repeated_layers=plan.capture.repeated_layers,
+        )
+    if tp is not None:
+        tag_collectives(gm)
+    return gm
 
 
 def check_bindings(
