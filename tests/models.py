@@ -518,7 +518,16 @@ EP_MODELS = {
 
 
 # Models deep enough to cut into 4 pipeline stages (tests/parity/test_pipeline_parity.py).
-PIPELINE_MODELS = {"gpt4": (tiny_gpt_4_layers, _gpt_batch, {"classes": ["Block"]})}
+def tiny_gpt_4_layers_dropout() -> GPT:
+    """The 4-block tiny GPT with dropout (embeddings, attention, both residuals): a pipeline's
+    draws under ``capture.draws: keyed`` against one process drawing by the same keys."""
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16, dropout=0.1))
+
+
+PIPELINE_MODELS = {
+    "gpt4": (tiny_gpt_4_layers, _gpt_batch, {"classes": ["Block"]}),
+    "gpt4_dropout": (tiny_gpt_4_layers_dropout, _gpt_batch, {"classes": ["Block"]}),
+}
 
 
 def entry(name: str) -> tuple[Callable[[], nn.Module], Callable[..., Any], dict[str, Any]]:

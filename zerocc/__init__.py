@@ -31,6 +31,7 @@ from zerocc.errors import (
     RankStoppedError,
     ZeroccError,
 )
+from zerocc.ir.keyed_draws import keyed_draws
 from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.weight_files import weights_from
 from zerocc.runtime.devices import join_default_group, rank_device, use_device
@@ -55,6 +56,7 @@ __all__ = [
     "Workload",
     "ZeroccError",
     "compile",
+    "keyed_draws",
     "load_plan",
     "load_workload",
     "materialize",

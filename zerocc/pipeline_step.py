@@ -18,6 +18,7 @@ which a pipeline does not do yet, are refused when it is compiled, naming the fi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -63,6 +64,7 @@ from zerocc.inspect import pipeline_report
 from zerocc.inspect.dumps import dump_dir
 from zerocc.inspect.pipeline_dumps import RankStep, write_pipeline_programs, write_pipeline_run
 from zerocc.inspect.pipeline_estimate import program_seconds
+from zerocc.ir.keyed_draws import DrawKey, drawing_under
 from zerocc.ir.nodes import BATCH, placeholders, val
 from zerocc.ir.ops import DP_GROUP, PP_GROUP
 from zerocc.runtime.agreement import (
@@ -273,9 +275,18 @@ class PipelineStep(SavesInBackground):
         def run(microbatch: int) -> Any:
             if program is None:  # a program with nothing to do
                 return None
-            return program.run(*self._bound(program.bindings, micro[microbatch]))
+            with self._keyed(microbatch):
+                return program.run(*self._bound(program.bindings, micro[microbatch]))
 
         return run
+
+    def _keyed(self, microbatch: int) -> contextlib.AbstractContextManager:
+        """Under ``capture.draws: keyed``, the draw key of ``microbatch`` of the step about to
+        run (an evaluation: the next one's), the global batch's ``data_rank * M + m``."""
+        if self.plan.capture.draws != "keyed":
+            return contextlib.nullcontext()
+        place = self.data_rank * self.microbatches + microbatch
+        return drawing_under(DrawKey(self.plan.seed, self.micro_batches, place), self.device)
 
     def _bound(self, bindings: list[tuple[str, str]], batch: tuple) -> list[Any]:
         return detach_inputs(

@@ -56,6 +56,9 @@ def backend_of(case: dict[str, Any]) -> str:
     return case.get("backend", os.environ.get(BACKEND_VARIABLE, "eager"))
 
 
+SEED = 7  # the plans' seed: the keys of their draws (``capture.draws: keyed``)
+
+
 def plan_of(case: dict[str, Any]) -> dict[str, Any]:
     optimizer = case.get(
         "optimizer", {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
@@ -80,7 +83,8 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         "overlap": case.get("overlap", {}),
         "offload": case.get("offload", {}),
         "recompute": case.get("recompute", {}),
-        "seed": 7,
+        "capture": {"draws": "keyed"} if case.get("keyed") else {},
+        "seed": SEED,
     }
 
 
@@ -237,9 +241,15 @@ def _backward_step(
     world, k = data_ranks(case), case.get("accum", 1)
     for micro in range(k):
         for r in range(world):
-            loss = loss_of(model(*_on_device(case, batch_of(case, s * k + micro, r))))
+            batch = _on_device(case, batch_of(case, s * k + micro, r))
+            # (keyed: the draws of rank r's micro-batch, the global batch's r * k + micro)
+            with zerocc.keyed_draws(SEED, s, r * k + micro) if case.get("keyed") else _NONE:
+                loss = loss_of(model(*batch))
             losses[r].append(float(loss.detach()))
             (loss / (world * k)).backward()
+
+
+_NONE = contextlib.nullcontext()
 
 
 def _delayed_reference(case: dict[str, Any], model: torch.nn.Module):

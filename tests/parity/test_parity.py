@@ -49,6 +49,9 @@ def _matrix(world: int) -> list[dict]:
             {"model": "gpt", "stage": 3, "world": 2, "optimizer": {"name": "sgd", "lr": 0.5}},
             {"model": "gpt", "stage": 3, "world": 2, "meta": True},
             {"model": "gpt", "stage": 2, "world": 2, "short_last": True},
+            # dropout drawn by key: each rank's micro-batches draw what one process draws for
+            # them under zerocc.keyed_draws (tests/ir/test_keyed_draws.py holds one rank)
+            {"model": "gpt_dropout", "stage": 3, "world": 2, "accum": 2, "keyed": True},
         ]
     return cases
 

@@ -2,8 +2,9 @@
 4 ranks as 2 data-parallel pipelines of 2, as one pipeline of 4 and as a pipeline of 2 whose
 stages split their layers over tp 2, and 8 ranks as pp 2 × dp 2 × tp 2, match one process
 training on the data-parallel ranks' batches, step by step, for every schedule and ZeRO stage
-inside the stages. Each pipeline rank's batch is the reference's micro-batches of its data
-rank, concatenated; the pipeline cuts it back into them (``pipeline.microbatches``).
+inside the stages, with dropout drawn by key. Each pipeline rank's batch is the reference's
+micro-batches of its data rank, concatenated; the pipeline cuts it back into them
+(``pipeline.microbatches``).
 
 Tolerance 1e-5 relative, as tests/parity/test_parity.py: the stages run the whole step's ops,
 but a stage's gradient accumulates micro-batch by micro-batch in its own buffer, and a tied
@@ -72,6 +73,12 @@ CASES = [
      "optimizer": CLIPPED, "evaluate": True},
     {"model": "gpt4", "stage": 1, "world": 4, "pp": 2, "tp": 2, "sp": True, "accum": 2,
      "schedule": "zero-bubble"},
+    # Dropout, drawn by key (capture.draws: keyed): each micro-batch's masks are the ones one
+    # process draws for it under zerocc.keyed_draws, whichever stage and rank draws them;
+    # recomputed, and with the backward split in two
+    {"model": "gpt4_dropout", "stage": 3, "world": 2, "pp": 2, "accum": 2, "keyed": True,
+     "schedule": "zero-bubble", "optimizer": CLIPPED, "recompute": {"units": "all"}},
+    {"model": "gpt4_dropout", "stage": 2, "world": 4, "pp": 2, "accum": 2, "keyed": True},
 ]  # fmt: skip
 
 # Each stage program lowered by Inductor (C++ on a CPU), region by region: the compute between

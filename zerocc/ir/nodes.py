@@ -115,6 +115,7 @@ _ZEROCC_KINDS = {
     "host_buffer": OpKind.PLUMBING,  # an allocation (once per run), no work
     "rng_state": OpKind.RNG,
     "set_rng_state": OpKind.RNG,
+    "seed_draw": OpKind.RNG,
 }
 
 

@@ -88,16 +88,23 @@ for _op in (RNG_STATE, SET_RNG_STATE):
 
 
 def is_random(node: torch.fx.Node) -> bool:
-    """Whether ``node`` draws from a random generator: an op torch tags
-    ``nondeterministic_seeded`` (dropout, bernoulli, rand*, attention with dropout), except
-    attention whose ``dropout_p`` is a literal 0."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    """Whether ``node`` draws from a random generator (:func:`draws`)."""
+    return draws(node.target, node.args, node.kwargs)
+
+
+def draws(op: object, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of ``op`` on ``args``/``kwargs`` draws from a random generator: an op
+    torch tags ``nondeterministic_seeded`` (dropout, bernoulli, rand*, attention with dropout),
+    except attention whose ``dropout_p`` is 0."""
+    if not isinstance(op, torch._ops.OpOverload):
         return False
-    if torch.Tag.nondeterministic_seeded not in target.tags:
+    if torch.Tag.nondeterministic_seeded not in op.tags:
         return False
-    dropout_p = argument(node, "dropout_p")
-    return not (isinstance(dropout_p, int | float) and dropout_p == 0)
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            dropout_p = kwargs.get("dropout_p", args[i] if i < len(args) else None)
+            return not (isinstance(dropout_p, int | float) and dropout_p == 0)
+    return True
 
 
 def argument(node: torch.fx.Node, name: str, default: object = None) -> object:

@@ -42,6 +42,7 @@ from zerocc.compiler.units import Unit
 from zerocc.engine.comm import Comm
 from zerocc.engine.failures import describe_node, failing_node
 from zerocc.engine.transfers import TransferStats
+from zerocc.ir.keyed_draws import DrawKey, drawing_under
 from zerocc.ir.nodes import BATCH
 from zerocc.ir.ops import EP_GROUP
 from zerocc.runtime.agreement import END_OF_DATA, Agreement, RankAgreement, has_peers
@@ -296,6 +297,7 @@ class StepRunner:
         try:
             with (
                 traced_grad_mode(),  # some kernels' outputs depend on it (an LSTM's, on CPU)
+                self._keyed(),
                 self.comm.checked_before_first_collective(late),
                 self.setup.timed("first run") if first_run else contextlib.nullcontext(),
             ):
@@ -329,6 +331,16 @@ class StepRunner:
         if not agreement.settled:  # (settled before the run, or at its first collective)
             self.agreement.settle(agreement)
         return loss
+
+    def _keyed(self) -> contextlib.AbstractContextManager:
+        """Under ``capture.draws: keyed``, the draw key of the micro-batch about to run (an
+        evaluation: the next one's): micro-batch ``m`` of ``M`` a rank runs per step is the
+        global batch's ``data_rank * M + m``."""
+        if self.plan.capture.draws != "keyed":
+            return contextlib.nullcontext()
+        per_rank, run = self.counts.grad_accumulation, self.counts.micro_batches
+        key = DrawKey(self.plan.seed, run // per_rank, self.data_rank * per_rank + run % per_rank)
+        return drawing_under(key, self.device)
 
     def _on_device(self, batch: tuple) -> tuple:
         """``batch`` with its tensors on the step's device."""
@@ -377,7 +389,7 @@ class StepRunner:
         self.apply_carried_update()  # (after the agreement: under stages 1-2 it all-gathers)
         program = self.programs.get(key) or self._build(batch, boundary=False, training=False)
         try:
-            with traced_grad_mode(), self._stats_kept():
+            with traced_grad_mode(), self._keyed(), self._stats_kept():
                 loss = program.run(*self._bound(program, batch))
         except BaseException as exc:
             program.run.reset()

@@ -25,10 +25,12 @@ from zerocc.ir.nodes import info
 from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
 
 STARTS = frozenset((*COLLECTIVE_STARTS, *TRANSFER_STARTS))
-# zerocc ops whose implementation is registered with their schema: the RNG replay ops read the
-# process's generator (zerocc.ir.rng); a pipeline stage's transfers act on the pipeline rank
-# running the action (zerocc.runtime.pipeline).
-IMPLEMENTED_WITH_SCHEMA = frozenset({"rng_state", "set_rng_state", "send", "recv", "keep", "kept"})
+# zerocc ops whose implementation is registered with their schema: the RNG ops read and set the
+# process's generator (zerocc.ir.rng, zerocc.ir.keyed_draws); a pipeline stage's transfers act
+# on the pipeline rank running the action (zerocc.runtime.pipeline).
+IMPLEMENTED_WITH_SCHEMA = frozenset(
+    {"rng_state", "set_rng_state", "seed_draw", "send", "recv", "keep", "kept"}
+)
 
 
 class EagerExecutable:

@@ -17,8 +17,8 @@ are side-effectful, opaque kernels).
   dropout's decomposition draws) fills a new tensor instead, an empty one when the filled tensor
   came from an ``empty`` factory (the fill reads no value of it), a copy otherwise, and what
   read the filled tensor after the op reads the twin's output.
-- ``rng_state(like, after)`` and ``set_rng_state(state, like, after)``: zerocc's generator-state
-  ops with a token.
+- ``rng_state(like, after)``, ``set_rng_state(state, like, after)`` and
+  ``seed_draw(index, device, after)``: zerocc's generator-state ops with a token.
 
 So a whole graph draws what the eager backend draws, replays included, bit for bit (ATen's
 kernels draw; Inductor does not see them). The FX graph cache keeps such a graph as any other
@@ -38,6 +38,7 @@ import torch
 from torch import fx
 from torch.library import Library
 
+from zerocc.ir.keyed_draws import SEED_DRAW
 from zerocc.ir.nodes import op_name
 from zerocc.ir.rng import RNG_STATE, SET_RNG_STATE, is_random
 
@@ -45,6 +46,7 @@ _lib = Library("zerocc_lowered", "FRAGMENT")
 _lib.define("draw(Tensor[] tensors, str call, Tensor after) -> Tensor[]")
 _lib.define("rng_state(Tensor like, Tensor after) -> (Tensor, Tensor)")
 _lib.define("set_rng_state(Tensor state, Tensor like, Tensor after) -> Tensor")
+_lib.define("seed_draw(int index, Device device, Tensor after) -> Tensor")
 
 # Factories whose tensor holds no value an in-place fill could read.
 _EMPTY = frozenset({"aten.empty_like", "aten.empty", "aten.empty_strided", "aten.new_empty"})
@@ -149,20 +151,35 @@ def _set_rng_state(state: torch.Tensor, like: torch.Tensor, after: torch.Tensor)
     return _token()
 
 
-# The fake implementations are the real ones: under fake tensors the ops draw nothing.
-for _name, _impl in (("draw", _draw), ("rng_state", _rng_state), ("set_rng_state", _set_rng_state)):
+def _seed_draw(index: int, device: torch.device, after: torch.Tensor) -> torch.Tensor:
+    SEED_DRAW(index, device)
+    return _token()
+
+
+def _seed_draw_fake(index: int, device: torch.device, after: torch.Tensor) -> torch.Tensor:
+    return _token()  # (the real one seeds the generator from the run's key: none at compile)
+
+
+# The other fake implementations are the real ones: under fake tensors they draw nothing.
+for _name, _impl, _fake in (
+    ("draw", _draw, _draw),
+    ("rng_state", _rng_state, _rng_state),
+    ("set_rng_state", _set_rng_state, _set_rng_state),
+    ("seed_draw", _seed_draw, _seed_draw_fake),
+):
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"zerocc_lowered::{_name}", lib=_lib)(_impl)
+    torch.library.register_fake(f"zerocc_lowered::{_name}", lib=_lib)(_fake)
     torch.fx.node.has_side_effect(getattr(torch.ops.zerocc_lowered, _name).default)
 
 DRAW = torch.ops.zerocc_lowered.draw.default
 LOWERED_RNG_STATE = torch.ops.zerocc_lowered.rng_state.default
 LOWERED_SET_RNG_STATE = torch.ops.zerocc_lowered.set_rng_state.default
+LOWERED_SEED_DRAW = torch.ops.zerocc_lowered.seed_draw.default
 
 
 def touches_generator(node: fx.Node) -> bool:
     """Whether ``node`` draws from, reads or sets a random number generator."""
-    return is_random(node) or node.target in (RNG_STATE, SET_RNG_STATE)
+    return is_random(node) or node.target in (RNG_STATE, SET_RNG_STATE, SEED_DRAW)
 
 
 def unsupported(graph: fx.Graph) -> str | None:
@@ -193,6 +210,8 @@ def thread_generator(graph: fx.Graph) -> None:
                 node.replace_all_uses_with(outputs[0])
             elif node.target is SET_RNG_STATE:
                 outputs = [graph.call_function(LOWERED_SET_RNG_STATE, (*node.args, after))]
+            elif node.target is SEED_DRAW:
+                outputs = [graph.call_function(LOWERED_SEED_DRAW, (*node.args, after))]
             else:
                 outputs = _draw_node(graph, node, after, order)
         after = outputs[-1]

@@ -41,7 +41,7 @@ from zerocc.ir.nodes import info
 SOURCED = frozenset({"all_gather_into_start", "copy_into_start"})
 
 # zerocc's generator-state ops, which the token chain takes.
-GENERATOR = frozenset({"rng_state", "set_rng_state"})
+GENERATOR = frozenset({"rng_state", "set_rng_state", "seed_draw"})
 
 # Inductor options for the whole graph: the program's order kept (see the module's docstring).
 KEEP_ORDER = {

@@ -28,6 +28,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import NVME, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.errors import InvariantError
+from zerocc.ir.keyed_draws import key_draws
 from zerocc.ir.nodes import BUFFER, STATE_ROLES, count_ops, info, val
 
 
@@ -179,7 +180,8 @@ def capture_split(
     """The step captured as a rank runs it, under the plan's precision and capture options:
     the layers tensor parallelism splits in their split form (``model_info``: each split
     parameter's slice), their collectives tagged; each call of an experts module expert
-    parallelism splits as a region exchanging its tokens."""
+    parallelism splits as a region exchanging its tokens. Under ``capture.draws: keyed`` each
+    random op draws from its own seed (:mod:`zerocc.ir.keyed_draws`)."""
     tp, ep = tensor_parallel, expert_parallel
     with tp.applied(model) if tp is not None else contextlib.nullcontext():
         gm = capture(
@@ -197,6 +199,8 @@ def capture_split(
         )
     if tp is not None:
         tag_collectives(gm)
+    if plan.capture.draws == "keyed":
+        key_draws(gm)
     return gm
 
 

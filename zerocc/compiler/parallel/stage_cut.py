@@ -55,6 +55,7 @@ from zerocc.ir.nodes import (
     info,
     op_kind,
 )
+from zerocc.ir.rng import is_random
 
 _CAST = torch.ops.aten._to_copy.default
 _ADD = torch.ops.aten.add.Tensor
@@ -231,9 +232,12 @@ class _Cut(StageAssignment):
 
     def _is_free(self, node: fx.Node) -> bool:
         """Whether ``node``'s value depends only on batch tensors, buffers and constants (not
-        on a parameter or a gradient): such a value is recomputed where another stage reads it."""
+        on a parameter, a gradient or a draw): such a value is recomputed where another stage
+        reads it."""
         if node not in self.free:
-            if node.op == "placeholder":
+            if is_random(node):  # drawn once: a copy in another stage would draw anew
+                self.free[node] = False
+            elif node.op == "placeholder":
                 self.free[node] = info(node).role in (BATCH, BUFFER)
             else:
                 self.free[node] = info(node).phase == "forward" and all(

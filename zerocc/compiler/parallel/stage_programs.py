@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerocc.compiler.capture import ModelInfo
 from zerocc.errors import PlanError
-from zerocc.ir.kinds import Role
+from zerocc.ir.kinds import OpKind, Role
 from zerocc.ir.nodes import (
     BATCH,
     BUFFER,
@@ -26,8 +26,10 @@ from zerocc.ir.nodes import (
     PARAM,
     copy_node,
     name_placeholder,
+    op_kind,
     tag,
 )
+from zerocc.ir.rng import is_random
 
 # What a program's output slot holds: the loss, a tensor for a neighbour (an activation for the
 # next stage, a gradient for the one before), a tensor the stage's backward reads, a
@@ -127,19 +129,27 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
     """``backward`` as two programs, for a zero-bubble schedule: the input gradient (the nodes
     the gradients sent to the stage before depend on, and those sends) and the weight gradient
     (everything else: the parameters' gradients, but those an op of the first computes beside
-    its input gradient, as a layer norm's backward does). The first receives what the stage
-    after sends and returns, as ``stash``, what the second reads of it and of what it
-    received; the second runs later, while nothing waits for it."""
+    its input gradient, as a layer norm's backward does, and the draws of a recomputed
+    forward, which replay their numbers between generator-state ops). The first receives
+    what the stage after sends and returns, as ``stash``, what the second reads of it and of
+    what it received; the second runs later, while nothing waits for it."""
     nodes = list(backward.gm.graph.nodes)
     values = nodes[-1].args[0]
     slots = list(zip(backward.outputs, values, strict=True))
     needed: set[fx.Node] = set()
-    stack = [v for slot, v in slots if slot.kind == "send"]
-    while stack:
-        node = stack.pop()
-        if node not in needed and node.op != "placeholder":
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
+
+    def need(stack: list[fx.Node]) -> None:
+        while stack:
+            node = stack.pop()
+            if node not in needed and node.op != "placeholder":
+                needed.add(node)
+                stack.extend(node.all_input_nodes)
+
+    need([v for slot, v in slots if slot.kind == "send"])
+    # A recomputed draw replays its forward's numbers between the generator ops around it:
+    # they run in the draw's program.
+    replays = _replays(nodes)
+    need([op for draw in list(needed) for op in replays.get(draw, ())])
     for node in list(needed):  # an op's other results come with it (the stash holds tensors)
         if not isinstance(node.meta.get("val"), torch.Tensor):
             needed.update(u for u in node.users if u.target is operator.getitem)
@@ -181,6 +191,27 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
         [(slot.kind, slot.key, v, slot.peer) for slot, v in slots if v not in needed],
     )
     return input_grad, weight_grad
+
+
+def _replays(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Each draw of a program with the generator ops around it (recompute's replay: the state
+    read and the saved state set before the draw, and the state set back after it, which sets
+    the state read before)."""
+    replays: dict[fx.Node, list[fx.Node]] = {}
+    owner: dict[fx.Node, fx.Node] = {}
+    pending: list[fx.Node] = []
+    for node in nodes:
+        if is_random(node):
+            replays[node] = pending
+            owner.update(dict.fromkeys(pending, node))
+            pending = []
+        elif op_kind(node) is OpKind.RNG:
+            state = node.args[0] if node.args else None
+            if isinstance(state, fx.Node) and state in owner:  # sets back what was read
+                replays[owner[state]].append(node)
+            else:
+                pending.append(node)
+    return replays
 
 
 def stage_model(model: ModelInfo, *stages: Stage) -> ModelInfo:

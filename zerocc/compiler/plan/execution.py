@@ -25,6 +25,14 @@ class CaptureConfig(Section):
         "fraction of the time; false traces every call (what `zerocc inspect` prints under "
         "capture says which modules were copied)",
     )
+    draws: Literal["generator", "keyed"] = Field(
+        "generator",
+        description="how random ops (dropout) draw: generator, from each rank's device "
+        "generator in program order (eager's draws on one process); keyed, each from a "
+        "generator seeded by the plan's seed, the step, the micro-batch's place in the global "
+        "batch and the op's place in the step: the same masks under any pipeline cut, after a "
+        "resume, and in an eager reference run under zerocc.keyed_draws",
+    )
 
 
 class BackendConfig(Section):

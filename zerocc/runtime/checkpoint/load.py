@@ -208,11 +208,16 @@ def restore_counters(runner: Checkpointed, meta: dict[str, Any]) -> list[str]:
         if theirs != ours:
             notes.append(f"saved under parallel.{axis}: {theirs}, resharded for {ours}")
     if meta["world_size"] != runner.comm.world_size:
+        draws = (
+            "random ops draw from their keys (capture.draws: keyed: a micro-batch's dropout "
+            "masks follow its step and place in the global batch)"
+            if runner.plan.capture.draws == "keyed"
+            else "each rank's random number generator goes on from where it is (dropout "
+            "draws differ from a run that did not stop; capture.draws: keyed makes them not)"
+        )
         notes.append(
-            f"saved on {meta['world_size']} ranks, loaded on {runner.comm.world_size}: each "
-            "rank's random number generator goes on from where it is (dropout draws differ "
-            "from a run that did not stop), and each rank's data is what the workload gives "
-            "this world size"
+            f"saved on {meta['world_size']} ranks, loaded on {runner.comm.world_size}: "
+            f"{draws}, and each rank's data is what the workload gives this world size"
         )
     return notes
 
