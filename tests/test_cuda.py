@@ -240,6 +240,18 @@ def test_the_host_link_rate_is_measured_from_pinned_memory():
 
 
 @pytest.mark.cuda
+def test_nvml_reads_the_free_memory_cuda_reports():
+    """The launcher's pre-flight reads a GPU's free memory through NVML (no CUDA context):
+    what torch's CUDA context reports, within what other processes did meanwhile."""
+    from zerocc.runtime.nvml import free_bytes
+
+    free = free_bytes([0])
+    assert free is not None, "NVML did not answer on a machine with a GPU"
+    cuda_free, _ = torch.cuda.mem_get_info(0)
+    assert abs(free[0] - cuda_free) < 2 << 30
+
+
+@pytest.mark.cuda
 def test_collectives_run_on_a_communication_stream_ordered_by_events():
     (result,) = run_ranks(1, _stream_and_events, backend="nccl")
     assert result["backends"] == ["nccl", "gloo"]

@@ -332,3 +332,68 @@ def test_a_pipeline_rank_that_does_not_fit_fails_before_it_allocates(machine, al
     assert not allocations
     off = {"backend": {"device": "cpu", "check_memory": False}}
     zerocc.compile(build("gpt"), _pipeline_plan("gpipe", **off), comm=zerocc.FakeComm(2))
+
+
+def test_gpu_states_are_checked_before_launch_on_nvmls_figures(machine):
+    """`zerocc train` on GPUs checks its local ranks' model states against each GPU's free
+    memory as NVML reports it (no CUDA context: no GPU needed here, NVML's answer is given),
+    and leaves the check to the ranks where NVML cannot answer."""
+    from zerocc.compiler.driver.session import CompileSession
+
+    model, gpu = _meta_gpt(), torch.device("cuda", 0)
+    plan = load_plan({**GPT_PLAN, "zero": {"stage": 3}})
+    need = _states_need(model, GPT_PLAN | {"zero": {"stage": 3}}, 2, gpu)
+    machine({HOST_POOL: 2**40})
+    session = CompileSession.open(model, plan, 2)
+    asked = []
+
+    def nvml_says(free: dict[int, int] | None):
+        return lambda indices: asked.append(indices) or free
+
+    check = memory_check.check_states_before_launch
+    room = need[DEVICE_POOL] * 3 // 2
+    check(session, plan, 2, 0, "cuda", nvml_says({0: room, 1: room}))
+    with pytest.raises(InsufficientMemoryError, match=r"(?s)rank 1, .*memory of cuda:1: per rank"):
+        check(session, plan, 2, 0, "cuda", nvml_says({0: room, 1: need[DEVICE_POOL] * 2 // 3}))
+    check(session, plan, 2, 0, "cuda", nvml_says(None))  # the ranks will check
+    assert asked == [[0, 1]] * 3
+
+
+class FakeNvml:
+    """Stands in for ``libnvidia-ml.so.1``: device ``i`` has ``free[i]`` bytes free."""
+
+    def __init__(self, free: list[int], init: int = 0) -> None:
+        self.free, self.init, self.shut = free, init, False
+
+    def nvmlInit_v2(self) -> int:
+        return self.init
+
+    def nvmlShutdown(self) -> int:
+        self.shut = True
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index: int, handle) -> int:
+        if index >= len(self.free):
+            return 2  # NVML_ERROR_INVALID_ARGUMENT
+        handle._obj.value = index + 1
+        return 0
+
+    def nvmlDeviceGetMemoryInfo(self, handle, memory) -> int:
+        memory._obj.free = self.free[handle.value - 1]
+        memory._obj.total = 2 * memory._obj.free
+        return 0
+
+
+def test_nvml_reads_each_gpus_free_memory_or_says_it_cannot():
+    from zerocc.runtime import nvml
+
+    fake = FakeNvml([5 << 30, 7 << 30])
+    assert nvml.free_bytes([0, 1], lambda: fake) == {0: 5 << 30, 1: 7 << 30}
+    assert fake.shut
+    assert nvml.free_bytes([0, 2], lambda: FakeNvml([1])) is None  # no third GPU
+    assert nvml.free_bytes([0], lambda: FakeNvml([1], init=9)) is None  # no driver loaded
+
+    def missing():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    assert nvml.free_bytes([0], missing) is None

@@ -469,9 +469,9 @@ def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
 
 def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
     """What `train` checks once before it launches any rank, cheapest first: a device for each
-    local rank, what the plan names in the model (which builds it), and on a CPU-only run that
-    the model states of this machine's ranks fit its memory (the ranks check the step's
-    transient memory, which takes a capture, and a GPU's memory)."""
+    local rank, what the plan names in the model (which builds it), and that the model states
+    of this machine's ranks fit its memory and their GPUs' (the ranks check the step's
+    transient memory, which takes a capture)."""
     from zerocc.compiler.driver.session import CompileSession
     from zerocc.errors import PlanWarning
     from zerocc.runtime.devices import rank_device
@@ -479,12 +479,12 @@ def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
 
     device = rank_device(plan, local_rank=0, local_ranks=args.nproc)
     model, _ = checked_model(plan)
-    if device.type != "cpu" or not plan.backend.check_memory or plan.parallel.pp > 1:
+    if not plan.backend.check_memory or plan.parallel.pp > 1:
         return  # (a pipeline's memory is its schedule's: its ranks check it)
     with warnings.catch_warnings():  # (the ranks say them, once)
         warnings.simplefilter("ignore", PlanWarning)
         session = CompileSession.open(model, plan, args.nproc * nodes.count)
-    check_states_before_launch(session, plan, args.nproc, nodes.rank * args.nproc)
+    check_states_before_launch(session, plan, args.nproc, nodes.rank * args.nproc, device.type)
 
 
 def _launch(

@@ -46,7 +46,7 @@ from zerocc.cost.pipeline_memory import PipelineMemory
 from zerocc.engine.comm import Comm
 from zerocc.errors import InsufficientMemoryError
 from zerocc.ir.printing import human_bytes
-from zerocc.runtime import machine_memory
+from zerocc.runtime import machine_memory, nvml
 from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL, pool_names
 
 Need = dict[str, dict[str, int]]  # pool -> part (params, activations, ...) -> bytes per rank
@@ -136,21 +136,40 @@ def check_model_states(
 
 
 def check_states_before_launch(
-    session: CompileSession, plan: Plan, local_ranks: int, first_rank: int = 0
+    session: CompileSession,
+    plan: Plan,
+    local_ranks: int,
+    first_rank: int = 0,
+    device_type: str = "cpu",
+    gpu_free: Callable[[list[int]], dict[int, int] | None] = nvml.free_bytes,
 ) -> None:
-    """`zerocc train`'s pre-flight on a CPU-only machine: raise
-    :class:`InsufficientMemoryError` before any rank is launched when the model states of the
-    ``local_ranks`` ranks it is about to start here (global ranks from ``first_rank``) would
-    not fit its memory; the figures and the message of :func:`check_model_states`, which each
-    rank would raise after starting. Every rank would read what this process reads now: none
-    has allocated anything yet. (On a GPU the device's memory is left to the ranks: reading it
-    from here would hold a CUDA context on the GPU for the whole run.)"""
-    device = torch.device("cpu")
+    """`zerocc train`'s pre-flight: raise :class:`InsufficientMemoryError` before any rank is
+    launched when the model states of the ``local_ranks`` ranks it is about to start here
+    (global ranks from ``first_rank``; on ``device_type`` "cuda" local rank ``r`` on GPU
+    ``r``) would not fit this machine's memory or their GPUs'; the figures and the message of
+    :func:`check_model_states`, which each rank would raise after starting. Every rank would
+    read what this process reads now: none has allocated anything yet. A GPU's free memory
+    comes from NVML (``gpu_free``, which creates no CUDA context); where NVML cannot say, the
+    ranks check it once started."""
+    cuda = device_type == "cuda"
+    free = gpu_free(list(range(local_ranks))) if cuda else {}
+    if free is None:
+        return
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
 
     def views(need: dict[str, int]) -> list[RankMemory]:
-        here = machine_memory.available_memory(device)
-        mine = RankMemory(first_rank, socket.gethostname(), str(device), need, here)
-        return [dataclasses.replace(mine, rank=first_rank + r) for r in range(local_ranks)]
+        host = machine_memory.available_memory(torch.device("cpu"))[HOST_POOL]
+        machine = socket.gethostname()
+        return [
+            RankMemory(
+                first_rank + r,
+                machine,
+                f"cuda:{r}" if cuda else "cpu",
+                need,
+                {HOST_POOL: host, **({DEVICE_POOL: free[r]} if cuda else {})},
+            )
+            for r in range(local_ranks)
+        ]
 
     _check_states(
         session.model_info, session.units, session.layout, plan, session.world_size, device, views
@@ -188,7 +207,7 @@ def _check_states(
         "\n".join(
             [
                 "the model states of this plan do not fit in memory " + _where(short),
-                *_shortfall_lines(short, need, device, "available"),
+                *_shortfall_lines(short, need, "available"),
                 "plan changes, each with its model states per rank "
                 f"(fits: {_budget_text(budget, sharers)}):",
                 *rows,
@@ -244,7 +263,7 @@ def check_step_memory(
             [
                 "the training step of this plan does not fit in memory beside its model states "
                 + _where(short),
-                *_shortfall_lines(short, need, device, "available now"),
+                *_shortfall_lines(short, need, "available now"),
                 f"  (its model states, already allocated: {_figure(held)} per rank)",
                 "plan changes, each with what it needs per rank in all, model states and step "
                 f"(fits: {_budget_text(budget, sharers)}: what is available now plus what this "
@@ -295,7 +314,7 @@ def check_pipeline_memory(
         "\n".join(
             [
                 f"this pipeline rank's stages {stages} do not fit in memory " + _where(short),
-                *_shortfall_lines(short, need, device, "available"),
+                *_shortfall_lines(short, need, "available"),
                 f"  (peak at {memory.at}, with {memory.in_flight} forward(s) awaiting their "
                 "backward)",
                 "what lowers it: another schedule, with this rank's peak under it"
@@ -402,12 +421,12 @@ def _figure(need: dict[str, int]) -> str:
     return ", ".join(f"{p} {human_bytes(b)}" for p, b in sorted(need.items()) if b) or "0B"
 
 
-def _shortfall_lines(
-    short: list[Shortfall], need: Need, device: torch.device, available: str
-) -> list[str]:
-    """Per short pool: the figure per rank by part, × the ranks sharing it, what is there."""
-    names, lines = pool_names(device), []
+def _shortfall_lines(short: list[Shortfall], need: Need, available: str) -> list[str]:
+    """Per short pool (of the short rank's device): the figure per rank by part, × the ranks
+    sharing it, what is there."""
+    lines: list[str] = []
     for s in short:
+        names = pool_names(torch.device(s.view.device))
         parts = " + ".join(f"{part} {human_bytes(b)}" for part, b in need[s.pool].items() if b)
         times = f"× {s.sharers} ranks = {human_bytes(s.needed)}; " if s.sharers > 1 else ""
         have = s.view.available.get(s.pool, 0)
