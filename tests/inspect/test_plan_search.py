@@ -43,7 +43,7 @@ def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(se
     by_stage = {c.fields["zero.stage"]: c.moved for c in searched.candidates}
     assert 0 < by_stage[0]["dp"] < by_stage[3]["dp"]
     # the example counts its tokens: 2 ranks × 8 sequences of 64 per step
-    assert searched.tokens_per_step == 2 * 8 * 64
+    assert searched.counts_tokens and {c.work for c in searched.candidates} == {2 * 8 * 64}
     assert f"{2 * 8 * 64 / searched.candidates[0].step_s:,.0f}" in searched.format()
     times = [c.step_s for c in searched.candidates]
     assert times == sorted(times)
@@ -139,3 +139,29 @@ def test_a_pipeline_plan_is_refused_naming_the_field():
     plan = load_plan(EXAMPLES / "zero3-pp.yaml")
     with pytest.raises(PlanError, match=r"parallel.pp > 1 is not searched yet"):
         search_plans(plan, 4, 2**40)
+
+
+def test_the_mesh_is_searched_within_and_across_machines():
+    """A plan that names its tp layers but no degree gets tp 1 and 2 tried within a machine of 2
+    ranks, and hybrid sharding (a replica per machine) across 2 machines. A tp group trains on
+    one batch, so tp 2 trains half the tokens per step: candidates are ranked by time per
+    token, not per step."""
+    data = yaml.safe_load((EXAMPLES / "zero3-tp.yaml").read_text())
+    del data["parallel"]["tp"], data["zero"]
+    data["workload"] = f"{EXAMPLES / 'workload.py'}:workload"
+    plan = load_plan(data)
+    searched = search_plans(plan, 4, 2**40, rates_for(plan, "cpu"), ranks_per_node=2)
+    fields = [c.fields for c in searched.candidates]
+    # (tp 2 with a replica per machine would shard over one rank: not a candidate)
+    assert {(f["parallel.tp"], f["zero.replicate"]) for f in fields} == {(1, 1), (2, 1), (1, 2)}
+    ok = [c for c in searched.candidates if c.error is None]
+    assert {c.fields["parallel.tp"] for c in ok} == {1, 2}
+    for c in ok:
+        tp, replicate = c.fields["parallel.tp"], c.fields["zero.replicate"]
+        assert c.work == 4 // tp * 8 * 64  # tokens: the data ranks' batches of 8 × 64
+        assert ("tp" in c.moved) == (tp > 1), c.describe()
+        if c.fields["zero.stage"] > 0:  # (stage 0 shards nothing to replicate)
+            assert ("replicate" in c.moved) == (replicate > 1), c.describe()
+    ranked = [c.seconds_per_work for c in ok]
+    assert ranked == sorted(ranked)
+    assert "parallel.tp: 2" in searched.format()

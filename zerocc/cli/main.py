@@ -356,7 +356,7 @@ def _searched(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> Plan:
     device = rank_device(plan, local_rank=0, local_ranks=args.nproc)
     rates = rates_for(plan, device.type)
     memory = memory_per_rank(rates.device, args.memory, args.nproc)
-    search = search_plans(plan, args.nproc * nodes.count, memory, rates)
+    search = search_plans(plan, args.nproc * nodes.count, memory, rates, ranks_per_node=args.nproc)
     print(search.format(), flush=True)
     if search.best is None:
         raise ZeroccError("--auto: no candidate plan fits; see the table above")

@@ -54,7 +54,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     auto.add_argument(
         "--ranks-per-node", type=int, default=None, metavar="G",
-        help="ranks sharing one machine's memory on cpu (default: every rank)",
+        help="ranks per machine: tensor parallelism is searched within one, hybrid sharding "
+        "across them, and on cpu they share its memory (default: every rank on one machine)",
     )  # fmt: skip
     auto.add_argument(
         "--calibration", metavar="FILE",
@@ -97,7 +98,7 @@ def _auto(args: argparse.Namespace) -> int:
         raise ZeroccError(f"--world-size {args.world_size}: at least 1")
     rates = rates_for(plan, args.device, args.calibration)
     memory = memory_per_rank(rates.device, args.memory, args.ranks_per_node or args.world_size)
-    search = search_plans(plan, args.world_size, memory, rates)
+    search = search_plans(plan, args.world_size, memory, rates, ranks_per_node=args.ranks_per_node)
     print(search.format())
     if search.best is None:
         return 2

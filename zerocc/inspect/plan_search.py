@@ -1,15 +1,18 @@
 """`zerocc plan auto`: the fastest plan that fits, found with the cost model (issue 52).
 
 The plan names the workload and whatever the user fixes; every field of the search space that
-the plan leaves out is tried: the ZeRO stage (0-3), recomputation (none, all) and, on a GPU, the
-optimizer's offload to host memory. Each candidate is compiled for the world size on fake
-tensors, as `zerocc estimate` compiles a plan (a meta model of any size), and its peak memory
-per rank and step time predicted; those over the memory a rank has are dropped and the rest
-ranked by step time. A candidate that cannot be compiled (a plan error) is listed with why.
+the plan leaves out is tried: the ZeRO stage (0-3), recomputation (none, all), on a GPU the
+optimizer's offload to host memory, and the mesh: tensor parallelism within a machine
+(``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``) and, over several
+machines, hybrid sharding (``zero.replicate``: shards within a machine, replicas across).
+Each candidate is compiled for the world size on fake tensors, as `zerocc estimate` compiles a
+plan (a meta model of any size), and its peak memory per rank and step time predicted; those
+over the memory a rank has are dropped and the rest ranked by step time. A candidate that
+cannot be compiled (a plan error) is listed with why.
 
-The candidates differ only in what the passes do, so the step is captured once and each
-candidate's passes run on a copy of it (:class:`~zerocc.compiler.driver.program.CapturedSteps`).
-Searching units, meshes and micro-batches, which change the capture, is the issue's next step.
+Candidates that differ only in what the passes do share one capture; each runs its passes on
+a copy of it (:class:`~zerocc.compiler.driver.program.CapturedSteps`): a capture per tp degree.
+Units, micro-batches and pipelines are not searched yet.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -39,6 +42,7 @@ SPACE: dict[str, tuple[Any, ...]] = {
     "offload.optimizer": ("none", "cpu"),
 }
 HOST_ONLY = {"offload.optimizer"}  # fields that mean nothing where host memory is the device's
+TP_DEGREES = (1, 2, 4, 8)  # tensor parallelism within a machine (NVLink's reach)
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,17 @@ class Candidate:
     bound_by: str = ""  # what most of the step is: compute, communication or offload copies
     moved: dict[str, int] = field(default_factory=dict)  # mesh group -> bytes per step
     error: str | None = None
+    # What one step trains on over every rank: tokens where the workload counts them, else
+    # batches (a tp group's ranks share one: tensor parallelism trains on fewer per step)
+    work: int = 1
 
     def fits(self, memory: int) -> bool:
         return self.error is None and self.peak <= memory
+
+    @property
+    def seconds_per_work(self) -> float:
+        """Step time per token (or batch): what the candidates are ranked by."""
+        return self.step_s / self.work
 
     def moved_text(self) -> str:
         return ", ".join(f"{g} {human_bytes(n)}" for g, n in sorted(self.moved.items()) if n)
@@ -73,7 +85,7 @@ class Search:
     rates: DeviceRates
     candidates: list[Candidate]
     fixed: list[str]  # fields of the space the plan sets, not searched
-    tokens_per_step: int | None = None  # every rank's, when the workload counts tokens
+    counts_tokens: bool = False  # the candidates' work is tokens (else batches)
 
     @property
     def best(self) -> Candidate | None:
@@ -127,14 +139,17 @@ class Search:
     def tokens_per_s(self, candidate: Candidate) -> str:
         """The candidate's predicted tokens per second over every rank ('-' when the workload
         does not count tokens)."""
-        if not self.tokens_per_step or candidate.step_s <= 0:
+        if not self.counts_tokens or candidate.step_s <= 0:
             return "-"
-        return f"{self.tokens_per_step / candidate.step_s:,.0f}"
+        return f"{candidate.work / candidate.step_s:,.0f}"
 
 
 def why(best: Candidate, candidates: list[Candidate], memory: int) -> str:
     """Why the best won: its time and peak, and what the faster candidates needed."""
-    faster = [c for c in candidates if c.error is None and c.step_s < best.step_s]
+    faster = [
+        c for c in candidates
+        if c.error is None and c.seconds_per_work < best.seconds_per_work
+    ]  # fmt: skip
     said = f"predicted step {human_seconds(best.step_s)}, peak {human_bytes(best.peak)}"
     if faster:
         least = min(c.peak for c in faster)
@@ -145,10 +160,15 @@ def why(best: Candidate, candidates: list[Candidate], memory: int) -> str:
     return said
 
 
-def search_space(plan: Plan, device: str) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
-    """The fields to try and their values, and the fields the plan fixes (set in its file)."""
+def search_space(
+    plan: Plan, device: str, world_size: int, ranks_per_node: int | None = None
+) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
+    """The fields to try and their values, and the fields the plan fixes (set in its file).
+    ``ranks_per_node``: ranks per machine (None: one machine), which bounds tensor parallelism
+    and places hybrid sharding's replicas."""
+    per_node = min(ranks_per_node or world_size, world_size)
     space, fixed = {}, []
-    for path, values in SPACE.items():
+    for path, values in {**SPACE, **_mesh_space(plan, world_size, per_node)}.items():
         if device != "cuda" and path in HOST_ONLY:
             continue
         if _set_in(plan, path):
@@ -156,6 +176,19 @@ def search_space(plan: Plan, device: str) -> tuple[dict[str, tuple[Any, ...]], l
             continue
         space[path] = values
     return space, fixed
+
+
+def _mesh_space(plan: Plan, world_size: int, per_node: int) -> dict[str, tuple[Any, ...]]:
+    """The mesh's fields worth trying: tp degrees that divide a machine's ranks (where the plan
+    names the layers tp splits), and, over several machines, one replica per machine."""
+    space: dict[str, tuple[Any, ...]] = {}
+    if plan.parallel.tp_layers:
+        degrees = tuple(d for d in TP_DEGREES if d <= per_node and per_node % d == 0)
+        if len(degrees) > 1:
+            space["parallel.tp"] = degrees
+    if world_size > per_node and world_size % per_node == 0:
+        space["zero.replicate"] = (1, world_size // per_node)
+    return space
 
 
 def _set_in(plan: Plan, path: str) -> bool:
@@ -181,9 +214,11 @@ def search_plans(
     memory: int,
     rates: DeviceRates | None = None,
     workload: Workload | None = None,
+    ranks_per_node: int | None = None,
 ) -> Search:
     """Compile every candidate of ``plan``'s search space for ``world_size`` ranks and rank
-    them (see the module's docstring); ``memory``: bytes a rank has on its device."""
+    them (see the module's docstring); ``memory``: bytes a rank has on its device;
+    ``ranks_per_node``: ranks per machine (None: one machine)."""
     if plan.parallel.pp > 1:
         raise PlanError(
             "zerocc plan auto: parallel.pp > 1 is not searched yet; leave parallel.pp out to "
@@ -191,29 +226,39 @@ def search_plans(
         )
     rates = rates or rates_for(plan)
     workload = workload or load_workload(plan)
-    space, fixed = search_space(plan, rates.device)
+    space, fixed = search_space(plan, rates.device, world_size, ranks_per_node)
     captured = CapturedSteps()  # (the candidates differ in their passes: one capture serves)
     candidates = []
     for fields in candidate_fields(space):
         changed = {k: v for k, v in fields.items() if plan_field(plan, k) != v}
         derived = derive_plan(plan, changed) if changed else plan
-        if derived is None:
-            continue  # (a combination the plan's schema refuses, e.g. a `passes` list)
-        candidates.append(_predicted(fields, derived, world_size, rates, workload, captured))
-    candidates.sort(key=lambda c: (c.error is not None, c.step_s, c.peak))
-    tokens = _tokens_per_step(plan, world_size, workload)
-    return Search(plan, world_size, memory, rates, candidates, fixed, tokens)
+        if derived is None or not _takes(derived, world_size):
+            continue  # (a combination the plan's schema or the world refuses)
+        predicted = _predicted(fields, derived, world_size, rates, workload, captured)
+        candidates.append(replace(predicted, work=_work(derived, world_size, workload)))
+    candidates.sort(key=lambda c: (c.error is not None, c.seconds_per_work, c.peak))
+    counts_tokens = workload.tokens_per_batch is not None
+    return Search(plan, world_size, memory, rates, candidates, fixed, counts_tokens)
 
 
-def _tokens_per_step(plan: Plan, world_size: int, workload: Workload) -> int | None:
-    """Tokens one optimizer step trains on over every rank, when the workload counts them:
-    the data-parallel ranks' batches, each of the plan's micro-batches (what the search does
-    not change)."""
-    if workload.tokens_per_batch is None:
-        return None
+def _takes(plan: Plan, world_size: int) -> bool:
+    """Whether ``world_size`` ranks can take the plan's mesh (tp with hybrid sharding may
+    leave shard groups of one rank: not a candidate)."""
+    try:
+        plan.check_world_size(world_size)
+    except PlanError:
+        return False
+    return True
+
+
+def _work(plan: Plan, world_size: int, workload: Workload) -> int:
+    """What one optimizer step of ``plan`` trains on over every rank: the data-parallel ranks'
+    batches, each of the plan's micro-batches, in tokens where the workload counts them."""
     data_ranks = Mesh.of_plan(plan, world_size).data_parallel
-    batch = first_batch(workload, data_ranks)
-    return workload.tokens_per_batch(batch) * data_ranks * plan.grad_accumulation
+    batches = data_ranks * plan.grad_accumulation
+    if workload.tokens_per_batch is None:
+        return batches
+    return workload.tokens_per_batch(first_batch(workload, data_ranks)) * batches
 
 
 def _predicted(
