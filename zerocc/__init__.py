@@ -7,11 +7,13 @@ loss = step(*batch)
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
 import zerocc.ir.ops  # noqa: F401  (defines the zerocc op library)
+from zerocc.auto_plan import searched_plan
 from zerocc.compiler.capture import LossFn
 from zerocc.compiler.materialize import materialize
 from zerocc.compiler.plan import Plan, load_plan
@@ -72,6 +74,8 @@ def compile(
     loss_fn: LossFn | None = None,
     *,
     comm: Comm | None = None,
+    auto: bool = False,
+    example: Any = None,
 ) -> TrainStep | PipelineStep:
     """Compile the training step of ``model`` under ``plan`` (a YAML path, a dict or a Plan);
     a plan with ``parallel.pp`` > 1 gives a :class:`~zerocc.pipeline_step.PipelineStep`.
@@ -81,8 +85,14 @@ def compile(
     mean over ranks (and micro-batches). ``comm`` overrides the process group, e.g.
     ``zerocc.FakeComm(world_size=8)`` to build and run programs for 8 simulated ranks.
     Programs are built on the first call of each batch signature.
+
+    ``plan="auto"`` (or ``auto=True`` beside a plan whose fields are kept) searches the plan
+    as `zerocc plan auto` does, for this run's ranks and device, on ``example`` (one
+    micro-batch as the step takes it); rank 0 prints the candidates and the choice
+    (:mod:`zerocc.auto_plan`). ``step.plan`` is the plan chosen.
     """
-    plan = load_plan(plan)
+    auto = auto or (isinstance(plan, str) and plan == "auto")
+    plan = load_plan({} if isinstance(plan, str) and plan == "auto" else plan)
     device = rank_device(plan)  # checked before anything touches CUDA
     use_device(device)
     made_comm = comm is None
@@ -92,6 +102,8 @@ def compile(
         comm = comm_from_environment(plan.backend.timeout_s, device)
     _check_world_size(plan, comm.world_size)
     try:
+        if auto:
+            plan, _ = searched_plan(model, plan, loss_fn, example, comm, device)
         if plan.parallel.pp > 1:
             return PipelineStep(model, plan, loss_fn, comm, device)
         return TrainStep(model, plan, loss_fn, comm, device)

@@ -165,3 +165,30 @@ def test_the_mesh_is_searched_within_and_across_machines():
     ranked = [c.seconds_per_work for c in ok]
     assert ranked == sorted(ranked)
     assert "parallel.tp: 2" in searched.format()
+
+
+def test_compile_auto_searches_for_this_run_and_trains_the_choice(capsys):
+    """``zerocc.compile(model, "auto", example=batch)``: the search for this run's ranks (one
+    here), on the example micro-batch; the table is printed, the choice trained; fields a plan
+    sets beside ``auto=True`` are kept."""
+    from model import GPT, GPTConfig  # (examples/gpt, on the tests' path)
+
+    import zerocc
+
+    def gpt():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
+
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    step = zerocc.compile(gpt(), "auto", example=batch)
+    table = capsys.readouterr().err
+    assert "candidate plans on 1 ranks" in table and "best: zero.stage:" in table
+    assert step.plan.recompute.units in ("none", "all")
+    losses = [float(step(*batch)) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    kept = zerocc.compile(gpt(), {"zero": {"stage": 1}}, auto=True, example=batch)
+    assert kept.plan.zero.stage == 1
+    assert "fixed by the plan, not searched: zero.stage: 1" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="pass example="):
+        zerocc.compile(gpt(), "auto")
