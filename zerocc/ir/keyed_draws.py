@@ -135,11 +135,9 @@ def _draws_from(node: fx.Node) -> torch.device | None:
     opaque = isinstance(target, torch._ops.OpOverload) and target.name() == _OPAQUE_FORWARD
     if not (opaque or _default_draw(target, node.args, node.kwargs)):
         return None
-    tensors = [t for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
-    if not opaque and not tensors:
-        return torch.device("cpu")
     # (an opaque region's last result is its generator state, a CPU tensor: its first is on
     # its device)
+    tensors = [t for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
     return tensors[0].device if tensors else torch.device("cpu")
 
 
