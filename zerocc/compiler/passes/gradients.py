@@ -72,6 +72,13 @@ def unit_collective(
     )
 
 
+def solo(unit: Unit) -> bool:
+    """Whether ``unit`` is held by one rank of its group (on one rank, or in a one-rank `edp`
+    group: every expert on its own rank): its gradient is complete where backward leaves it,
+    nothing to reduce (hybrid sharding, whose replicas would, never shards over one rank)."""
+    return unit.world_size == 1
+
+
 class Gradients:
     """Emits, into the shard pass's new graph, what happens to each unit's gradient."""
 
@@ -89,7 +96,6 @@ class Gradients:
         self.graph, self.ctx, self.uses, self.env = graph, ctx, uses, env
         self.zero = zero
         self.accumulate = grad_accumulation > 1
-        self.solo = ctx.mesh.data_parallel == 1
         self.replicas = ctx.mesh.replicate  # > 1: shards replicated (HSDP)
         self.accumulators = accumulators  # unit -> its `grad` placeholder (with accumulation)
         self.offloaded = offloaded  # units whose states offload keeps off the device
@@ -103,21 +109,23 @@ class Gradients:
         """After backward produced ``old`` (in the new graph, ``env[old]``): add the parameter
         gradients it is into their views of the full accumulator, where gradients are
         accumulated per parameter (stages 0-1; every stage on one rank)."""
-        if not self.accumulate or (self.zero.shards_gradients and not self.solo):
+        if not self.accumulate:
             return
         for fqn in self.fqns_of.get(old, []):
             unit = self.unit_of[fqn]
+            if self.zero.shards_gradients and not solo(unit):
+                continue  # (reduced into its shard once complete)
             acc = flat_view(self.graph, self.accumulators[unit.name], unit, fqn, "backward")
             emit(self.graph, aten.add_.Tensor, (acc, self.env[old]), **self._at(unit))
 
     def complete(self, unit: Unit) -> None:
         """The unit's gradient of this micro-batch is complete."""
         if not self.accumulate:
-            if self.solo:
+            if solo(unit):
                 self.keep_for_update(unit)
             else:
                 self.reduce_for_update(unit)
-        elif self.solo:
+        elif solo(unit):
             if self.ctx.boundary:  # the update reads the accumulator itself
                 note = f"{unit.name}'s accumulated gradient, complete"
                 grad = (self.accumulators[unit.name],)
@@ -132,12 +140,12 @@ class Gradients:
         """A pipeline rank's update: the unit's gradient, accumulated over the micro-batches by
         the stages' backward programs, reduced for the update (stages 0-1; stage 1 in
         :meth:`after_backward`) or read where it is (reduced already, stages 2-3)."""
-        if self.solo or self.zero.shards_gradients:
+        if solo(unit) or self.zero.shards_gradients:
             note = f"{unit.name}'s accumulated gradient, complete"
             grad = (self.accumulators[unit.name],)
             reduced = emit(self.graph, aten.alias.default, grad, role=GRAD_SHARD, note=note,
                            **self._at(unit))  # fmt: skip
-            if not self.solo:
+            if not solo(unit):
                 reduced = self.across_replicas(reduced, unit)
         elif not self.zero.shards_optimizer:
             reduced = self.reduce_accumulated(unit)
@@ -156,8 +164,8 @@ class Gradients:
     def after_backward(self, reached: list[Unit]) -> None:
         """Stage 1 with accumulation reduces each accumulated gradient once, after backward of
         the micro-batch that steps; then every ``grad_shard`` learns its unreached ranges."""
-        if self.zero.stage == 1 and self.ctx.boundary and self.accumulate and not self.solo:
-            for unit in reached:
+        if self.zero.stage == 1 and self.ctx.boundary and self.accumulate:
+            for unit in (u for u in reached if not solo(u)):
                 reduced = self.reduce_accumulated(unit)
                 if unit.name in self.ctx.tied:
                     self.across_tied_stages(reduced, unit)

@@ -88,9 +88,9 @@ class _Offloader:
         config: OffloadConfig,
     ) -> None:
         self.gm, self.graph, self.where = gm, gm.graph, where
-        self.solo = ctx.mesh.data_parallel == 1
         self.specs = {s.key: s for s in ctx.layout}  # as placed (`declare_placements`)
         self.unit_key = {u.name: u.key for u in ctx.units}
+        self.units = {u.name: u for u in ctx.units}
         self.bound = {info(n).key: n for n in placeholders(gm) if info(n).key in self.specs}
         self.like = next(v for v in map(val, placeholders(gm)) if isinstance(v, torch.Tensor))
         self.device = self.like.device
@@ -473,7 +473,8 @@ class _Offloader:
         for (param, phase), users in uses.items():
             spec = self.specs[info(param).key]
             unit, first = info(param).unit, users[0]
-            use = f"its reads in {phase} (one rank gathers nothing)" if self.solo else None
+            gathered = self.units[unit].world_size > 1
+            use = None if gathered else f"its reads in {phase} (one rank gathers nothing)"
             note = f"copy {unit}'s parameter shard in for {use or 'its all-gather'}"
             with self.graph.inserting_before(previous or first):
                 if spec.location == NVME:

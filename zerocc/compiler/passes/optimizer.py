@@ -164,7 +164,7 @@ def _after_update(
     """After a unit's update: (stages 1-2) all-gather its updated shards into the full
     parameter every rank computes with; reset its gradient accumulator, if it has one."""
     where = {"phase": "optimizer"}
-    if zero.shards_optimizer and not zero.shards_params and ctx.mesh.data_parallel > 1:
+    if zero.shards_optimizer and not zero.shards_params and unit.world_size > 1:
         full = by_role[PARAM_FULL][unit.name]
         emit_collective(
             graph,

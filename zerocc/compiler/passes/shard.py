@@ -74,15 +74,14 @@ class _ShardRewriter:
     ) -> None:
         self.old, self.ctx, self.zero, self.kept = gm, ctx, zero, kept
         self.grad_accumulation = grad_accumulation
-        self.solo = ctx.mesh.data_parallel == 1  # nothing to gather, pack or reduce
-        self.gathers = zero.shards_params and not self.solo
         where = placements(ctx.units, offload)
         self.offloaded = {name for name, place in where.items() if place.offloaded}
         # Parameter values are re-derived per phase where each phase reads its own copy: stage
         # 3's gathers, or at world size 1 the device copies offload makes of shards it keeps off
         # the device (so that forward's copy is not kept alive into backward).
-        self.per_phase = self.gathers or (
-            zero.shards_params and any(place.params != DEVICE for place in where.values())
+        self.per_phase = zero.shards_params and (
+            any(self.gathers(u) for u in ctx.units)
+            or any(place.params != DEVICE for place in where.values())
         )
         self.units = {u.name: u for u in ctx.units}
         self.uses: ParamUses = analyze(gm, [p.fqn for p in ctx.model.trainable])
@@ -92,6 +91,12 @@ class _ShardRewriter:
         self.flat: dict[tuple[str, str], fx.Node] = {}  # (unit, scope) -> gathered flat param
         self.memo: dict[tuple[fx.Node, str], fx.Node] = {}
         self.state: dict[str, dict[str, fx.Node]] = {}  # unit -> {"param", "param_shard", "grad"}
+
+    def gathers(self, unit: Unit) -> bool:
+        """Whether the unit's parameters are gathered for use: stage 3, sharded over more than
+        one rank (a unit of one rank, on one rank or in a one-rank `edp` group, is read where
+        it is kept: nothing to gather, pack or reduce)."""
+        return self.zero.shards_params and unit.world_size > 1
 
     # -- placeholders -----------------------------------------------------------------------
 
@@ -130,9 +135,9 @@ class _ShardRewriter:
 
     def param_view(self, node: fx.Node, phase: str) -> fx.Node:
         unit = self.units[self.uses.unit_of[node]]
-        if self.gathers:
+        if self.gathers(unit):
             flat = self.flat[(unit.name, self.scope(phase, unit.name))]
-        else:  # read where it is kept: the replicated flat, or (world size 1) the whole shard
+        else:  # read where it is kept: the replicated flat, or (one rank) the whole shard
             flat = self.state[unit.name]["param"]
         return flat_view(self.graph, flat, unit, self.param_of[node], phase)
 
@@ -220,15 +225,15 @@ class _ShardRewriter:
                 output = node
                 continue
             phase = info(node).phase
-            if self.gathers:
-                for unit_name in self.uses.starting_at(node):
+            for unit_name in self.uses.starting_at(node):
+                if self.gathers(self.units[unit_name]):
                     self.gather(self.units[unit_name], phase)
             self.env[node] = copy_node(self.graph, node, lambda a, ph=phase: self.value(a, ph))
             gradients.produced(node)
             for unit in complete.get(node, []):
                 gradients.complete(unit)
-            if self.gathers:
-                for unit_name in self.uses.ending_at(node):
+            for unit_name in self.uses.ending_at(node):
+                if self.gathers(self.units[unit_name]):
                     self.free(self.units[unit_name], phase)
         reached = {u.name for units in complete.values() for u in units}
         if self.ctx.update_of is not None:  # a pipeline rank's update: accumulated already
@@ -293,7 +298,7 @@ def shard(
     """Flatten each unit's parameters and insert the gathers, frees and reductions that
     ``zero``'s stage asks for (none on one rank)."""
     kept = kept_gathered(ctx.units, list(keep_gathered), keep_gathered_below_mb, itemsize)
-    gathering = zero.shards_params and ctx.mesh.data_parallel > 1
+    gathering = zero.shards_params and any(u.world_size > 1 for u in ctx.units)
     rewriter = _ShardRewriter(
         gm,
         ctx,
