@@ -40,7 +40,7 @@ from zerocc.ir.nodes import (
     op_name,
     val,
 )
-from zerocc.ir.ops import TO_HOST, UNIT_GROUPS
+from zerocc.ir.ops import PARAM_GATHERS, TO_HOST, UNIT_GROUPS
 
 # As ZeRO counts them: fp32 master weights are optimizer state (2 + 2 + 12 bytes per parameter).
 STATE_CATEGORY = {
@@ -80,7 +80,7 @@ def transient_category(node: fx.Node) -> str:
     """Where a storage a node makes is counted: an all-gather of a unit's shards (on ``dp``),
     or a unit's copy out of a gather bucket, is a gathered unit; tensor parallelism's gathers
     (of activations, on ``tp``) are activations."""
-    unit_gather = op_name(node.target) == "zerocc.all_gather_start" and node.args[-1] in UNIT_GROUPS
+    unit_gather = op_name(node.target) in PARAM_GATHERS and node.args[-1] in UNIT_GROUPS
     return "gathered" if unit_gather or info(node).role == GATHERED else "activations"
 
 

@@ -63,6 +63,7 @@ from zerocc.ir.ops import (
     EP_GROUP,
     EXPERT_DP_GROUP,
     HOST_TO_HOST,
+    PARAM_GATHERS,
     PP_GROUP,
     REPLICATE_GROUP,
     TP_GROUP,
@@ -377,7 +378,7 @@ def _values(x: Any) -> Any:
 
 
 def _ranks(node: fx.Node, name: str) -> int:
-    if name in ("zerocc.all_gather_start", "zerocc.reduce_scatter_start"):
+    if name in (*PARAM_GATHERS, "zerocc.reduce_scatter_start"):
         return int(node.args[1])
     if name == "zerocc.all_gather_into_start":
         out, shard = val(node.args[0]), val(node.args[1])
@@ -573,7 +574,7 @@ def ring_hops(kind: str, ranks: int) -> int:
 def collective_kind(node: fx.Node) -> str:
     """all_gather | reduce_scatter | all_reduce, from a start node's op."""
     name = op_name(node.target).removeprefix("zerocc.")
-    return name.removesuffix("_start").removesuffix("_into")
+    return name.removesuffix("_start").removesuffix("_into").removesuffix("_int8")
 
 
 def device_kind(plan: Plan) -> str:

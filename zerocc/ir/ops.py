@@ -25,6 +25,8 @@ TIE_GROUP = "tie"  # the first and the last of them: a tied embedding's and head
 EP_GROUP = "ep"  # the ranks that split the experts (expert parallelism): tokens exchanged
 EXPERT_DP_GROUP = "edp"  # the ranks holding the same experts: their states sharded over them
 UNIT_GROUPS = (DP_GROUP, EXPERT_DP_GROUP)  # the groups units are gathered and reduced over
+# The all-gathers of a unit's parameters: as they are, or quantized on the wire
+PARAM_GATHERS = ("zerocc.all_gather_start", "zerocc.all_gather_int8_start")
 
 
 def reported_kind(kind: str, group: str) -> str:
@@ -38,6 +40,10 @@ _lib = Library("zerocc", "DEF")
 
 SCHEMAS = {
     "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group) -> Tensor",
+    # (the shard quantized to int8 in blocks, gathered with the blocks' scales, dequantized)
+    "all_gather_int8_start": (
+        "all_gather_int8_start(Tensor shard, int world_size, int block, str group) -> Tensor"
+    ),
     "all_gather_into_start": (
         "all_gather_into_start(Tensor(a!) out, Tensor shard, str group) -> Tensor(a!)"
     ),
@@ -93,6 +99,7 @@ SCHEMAS = {
 }
 COLLECTIVE_STARTS = (
     "all_gather_start",
+    "all_gather_int8_start",
     "all_gather_into_start",
     "reduce_scatter_start",
     "all_reduce_start",
@@ -163,6 +170,11 @@ for _name in ("send", "keep", "recv", "kept"):  # never dropped as dead code, ne
 
 @fake("all_gather_start")
 def _(shard, world_size, group):
+    return shard.new_empty(shard.numel() * world_size)
+
+
+@fake("all_gather_int8_start")
+def _(shard, world_size, block, group):
     return shard.new_empty(shard.numel() * world_size)
 
 

@@ -105,7 +105,7 @@ def test_unsupported_options_are_errors_naming_each():
         "OneBitAdam",
         "amp",
         "zero_hpz_partition_size",
-        "zero_quantized_weights",
+        "zero_quantized_gradients",
         "partition_activations",
         "cpu_checkpointing",
         "some_new_option",
@@ -187,3 +187,16 @@ def test_plan_import_of_zero3_gives_the_plan_auto_units(capsys, tmp_path):
     assert "units: auto (the repeated block)" in printed
     assert "zerocc's default applies (optimizer.lr: 0.001)" in printed
     assert yaml.safe_load(out.read_text())["units"] == "auto"
+
+
+def test_zero_plus_int8_weights_map_to_quantized_gathers():
+    """ZeRO++'s qwZ (``zero_quantized_weights``) is zerocc's int8 weight gather at stage 3;
+    at another stage there is no gather to quantize, and the conversion says so."""
+    config = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
+    plan, outcomes = convert(config)
+    assert plan["zero"]["quantized_weights"] == "int8"
+    assert any("zero.quantized_weights" in o.note for o in outcomes)
+    assert zerocc.load_plan(plan).zero.quantized_weights == "int8"
+    plan, outcomes = convert({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+    assert "quantized_weights" not in plan["zero"]
+    assert any("applies at stage 3" in o.note for o in outcomes)

@@ -22,6 +22,7 @@ from zerocc.backends.kernels import host_kernels, kernel_set, reference
 from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Work
 from zerocc.engine.kernel_set import KernelSet
+from zerocc.engine.quantized_gather import all_gather_int8
 from zerocc.ir.ops import TO_HOST
 
 
@@ -46,6 +47,12 @@ class EagerOps:
     ) -> torch.Tensor:
         out = shard.new_empty(shard.numel() * world_size)
         return self._issue(started, out, self.ctx.comm.on(group).all_gather(out, shard))
+
+    def all_gather_int8_start(
+        self, shard: torch.Tensor, world_size: int, block: int, group: str, *, started: str
+    ) -> torch.Tensor:
+        out, work = all_gather_int8(self.ctx.comm.on(group), shard, world_size, block)
+        return self._issue(started, out, work)
 
     def all_gather_into_start(
         self, out: torch.Tensor, shard: torch.Tensor, group: str, *, started: str

@@ -54,6 +54,10 @@ _lib = Library(NAMESPACE, "DEF")
 MAKING_STARTS = {
     "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group, str started)"
     " -> Tensor",
+    "all_gather_int8_start": (
+        "all_gather_int8_start(Tensor shard, int world_size, int block, str group, str started)"
+        " -> Tensor"
+    ),
     "reduce_scatter_start": (
         "reduce_scatter_start(Tensor full, int world_size, str group, str started) -> Tensor"
     ),

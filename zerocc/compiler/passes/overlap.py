@@ -42,7 +42,7 @@ from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import GRAD, info, op_kind, op_name, val
-from zerocc.ir.ops import TP_GROUP, UNIT_GROUPS, op
+from zerocc.ir.ops import PARAM_GATHERS, TP_GROUP, UNIT_GROUPS, op
 from zerocc.ir.verify import check_well_formed
 
 aten = torch.ops.aten
@@ -63,7 +63,7 @@ class Collective:
     def is_prefetch(self) -> bool:
         """A parameter all-gather into a new buffer (stage 3, forward or backward)."""
         return (
-            op_name(self.start.target) == "zerocc.all_gather_start"
+            op_name(self.start.target) in PARAM_GATHERS
             and info(self.start).phase in ("forward", "backward")
             and self.start.args[-1] in UNIT_GROUPS  # (tensor parallelism's gathers its logits)
         )

@@ -58,6 +58,7 @@ from zerocc.ir.nodes import (
 from zerocc.ir.ops import op
 
 aten = torch.ops.aten
+QUANT_BLOCK = 256  # elements per scale of an int8 gather (zero.quantized_weights)
 
 
 class _ShardRewriter:
@@ -148,14 +149,22 @@ class _ShardRewriter:
         if (unit.name, scope) in self.flat:  # kept gathered since forward
             return
         when = "step" if scope == "step" else phase
+        shard = self.state[unit.name]["param"]
+        if self.zero.quantized_weights == "int8":
+            blocks = -(-unit.shard_numel // QUANT_BLOCK) * unit.world_size  # (a scale each)
+            start, args = "all_gather_int8_start", (shard, unit.world_size, QUANT_BLOCK)
+            nbytes, how = unit.padded_numel + 4 * blocks, " in int8"
+        else:
+            start, args = "all_gather_start", (shard, unit.world_size)
+            nbytes, how = unit.padded_numel * unit.dtype.itemsize, ""
         flat = unit_collective(
             self.graph,
-            "all_gather_start",
-            (self.state[unit.name]["param"], unit.world_size, unit.group),
+            start,
+            (*args, unit.group),
             unit,
             phase,
-            unit.padded_numel * unit.dtype.itemsize,
-            f"gather {unit.name} before its first use in {when}",
+            nbytes,
+            f"gather {unit.name}{how} before its first use in {when}",
             role=GATHERED,
         )
         self.flat[(unit.name, scope)] = flat

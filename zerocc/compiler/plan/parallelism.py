@@ -32,6 +32,14 @@ class ZeroConfig(Section):
         "replicate consecutive ranks and keep this many replicas, gradients all-reduced across "
         "them (stages 1-3; 1: shard over every rank)",
     )
+    quantized_weights: Literal["none", "int8"] = Field(
+        "none",
+        description="stage 3: all-gather the parameters in int8, each rank's shard quantized "
+        "in blocks of 256 with one fp32 scale each (ZeRO++'s qwZ), and dequantized to the "
+        "compute dtype after the gather: 1/4 of fp32's bytes (1/2 of bf16's) and a rounding "
+        "of each gathered weight to 1/254 of its block's largest; the shards the update "
+        "writes keep their precision",
+    )
 
     @property
     def shards_optimizer(self) -> bool:
@@ -57,6 +65,15 @@ class ZeroConfig(Section):
             raise ValueError(
                 f"replicate: {self.replicate} replicates shard groups, but stage 0 shards "
                 "nothing (every rank is a replica already); set zero.stage: 1, 2 or 3"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_weights_are_gathered(self) -> ZeroConfig:
+        if self.quantized_weights != "none" and not self.shards_params:
+            raise ValueError(
+                f"quantized_weights: {self.quantized_weights} quantizes stage 3's all-gathers of "
+                f"the parameters; stage {self.stage} gathers none: set zero.stage: 3 or drop it"
             )
         return self
 

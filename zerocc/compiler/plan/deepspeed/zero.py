@@ -79,7 +79,7 @@ def zero(conv: Conversion, key: str, block: Any) -> None:
     for name, value in block.items():
         sub = f"{key}.{name}"
         if _sharding_option(conv, sub, name, value, stage) or _zero_plus_option(
-            conv, sub, name, value
+            conv, sub, name, value, stage
         ):
             continue
         if name in _ZERO_IGNORED:
@@ -156,19 +156,23 @@ def _sharding_option(conv: Conversion, sub: str, name: str, value: Any, stage: i
     return True
 
 
-def _zero_plus_option(conv: Conversion, sub: str, name: str, value: Any) -> bool:
-    """Converts the zero_optimization option ``name`` of ZeRO++ or MiCS (none of which zerocc
-    has: fine when off); whether it is one."""
+def _zero_plus_option(conv: Conversion, sub: str, name: str, value: Any, stage: int) -> bool:
+    """Converts the zero_optimization option ``name`` of ZeRO++ or MiCS (of which zerocc has
+    the int8 weight gathers; the others are fine when off); whether it is one."""
     if name == "zero_hpz_partition_size":
         if value in (None, 1):
             conv.ignored(sub, value, "no secondary partition")
         else:
             conv.unsupported(sub, value, "ZeRO++ hierarchical partitioning (hpZ) is not in zerocc")
-    elif name in (
-        "zero_quantized_weights",
-        "zero_quantized_gradients",
-        "zero_quantized_nontrainable_weights",
-    ):
+    elif name == "zero_quantized_weights":
+        if not value:
+            conv.ignored(sub, value, "off")
+        elif stage != 3:
+            conv.ignored(sub, value, f"applies at stage 3 (this config: stage {stage})")
+        else:
+            conv.mapped(sub, value, "zero.quantized_weights", "int8",
+                        "stage 3's all-gathers in int8 with block scales (qwZ)")  # fmt: skip
+    elif name in ("zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
         if value:
             conv.unsupported(sub, value, "ZeRO++ quantized communication is not in zerocc")
         else:
