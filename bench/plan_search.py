@@ -248,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{model_name(base)}, gloo ranks × 1 thread, {info['date']}, commit "
           f"{info['commit']}; {args.steps} timed steps per plan\nwrote {path}")  # fmt: skip
     met = all(
-        r["spearman"] >= CORRELATION_TARGET and r["pick_over_best"] <= PICK_TARGET
-        for r in results
+        r["spearman"] >= CORRELATION_TARGET and r["pick_over_best"] <= PICK_TARGET for r in results
     )
     return 0 if met else 1
 

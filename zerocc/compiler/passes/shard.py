@@ -38,7 +38,7 @@ from torch import fx
 
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.names import glob_matches
-from zerocc.compiler.passes.gradients import Gradients, flat_view, unit_collective
+from zerocc.compiler.passes.gradients import Gradients, flat_view, solo, unit_collective
 from zerocc.compiler.passes.param_uses import ParamUses, analyze
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig, ZeroConfig
@@ -97,7 +97,7 @@ class _ShardRewriter:
         """Whether the unit's parameters are gathered for use: stage 3, sharded over more than
         one rank (a unit of one rank, on one rank or in a one-rank `edp` group, is read where
         it is kept: nothing to gather, pack or reduce)."""
-        return self.zero.shards_params and unit.world_size > 1
+        return self.zero.shards_params and not solo(unit)
 
     # -- placeholders -----------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ def shard(
     """Flatten each unit's parameters and insert the gathers, frees and reductions that
     ``zero``'s stage asks for (none on one rank)."""
     kept = kept_gathered(ctx.units, list(keep_gathered), keep_gathered_below_mb, itemsize)
-    gathering = zero.shards_params and any(u.world_size > 1 for u in ctx.units)
+    gathering = zero.shards_params and not all(solo(u) for u in ctx.units)
     rewriter = _ShardRewriter(
         gm,
         ctx,

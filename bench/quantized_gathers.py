@@ -1,0 +1,168 @@
+"""int8 weight gathers (``zero.quantized_weights: int8``, issue 51) against the same run without:
+bytes per step and the loss curve over a few hundred steps of the example GPT.
+
+Two gloo ranks (1 thread each) train the example GPT on its text at ZeRO-3, four ways: fp32 and
+bf16 compute, each with the all-gathers as they are and in int8. Each rank's batches are the
+same in every run. Reported per run: all-gather and reduce-scatter bytes per step (counted at
+the collective calls), median wall and CPU time per step, and the loss curve (mean of both
+ranks' losses, smoothed over 20 steps) beside its unquantized twin's: the largest difference
+of the smoothed curves, and the final smoothed loss. Prints a table; writes
+``bench/results/quantized-gathers-cpu-<date>.json`` and a plot of the curves beside it::
+
+    python bench/quantized_gathers.py              # 300 steps, ~4 minutes here
+    python bench/quantized_gathers.py --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from compare import machine
+from config import BenchConfig, build_model, data, model_name
+from ranks import free_port
+from report import write_json
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SMOOTH = 20  # steps in the moving mean of a loss curve
+RUNS = {  # name -> (precision section, quantized_weights)
+    "fp32": ({}, "none"),
+    "fp32 int8": ({}, "int8"),
+    "bf16": ({"param": "bf16"}, "none"),
+    "bf16 int8": ({"param": "bf16"}, "int8"),
+}
+
+
+def plan_of(cfg: BenchConfig, precision: dict, quantized: str) -> dict[str, Any]:
+    return {
+        "zero": {"stage": 3, "quantized_weights": quantized},
+        "units": {"classes": ["Block"]},
+        "optimizer": {"name": "adamw", "lr": cfg.lr, "eps": cfg.eps,
+                      "weight_decay": cfg.weight_decay},
+        "precision": precision,
+        "backend": {"name": "eager", "device": "cpu", "kernels": "torch"},
+        "seed": cfg.seed,
+    }  # fmt: skip
+
+
+def rank_main(rank: int, cfg: BenchConfig, port: int, steps: int, out: Any) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(cfg.threads)
+    import torch.distributed as dist
+
+    import zerocc
+
+    dist.init_process_group("gloo")
+    results = {}
+    for name, (precision, quantized) in RUNS.items():
+        step = zerocc.compile(build_model(cfg), plan_of(cfg, precision, quantized))
+        batches = data.batches(rank, cfg.world_size, batch_size=cfg.batch_size,
+                               block_size=cfg.block_size, seed=cfg.seed)  # fmt: skip
+        losses, wall, cpu = [], [], []
+        for _, batch in zip(range(steps), batches, strict=False):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            losses.append(float(step(*batch)))
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+        results[name] = {"losses": losses, "wall_s": wall, "cpu_s": cpu,
+                         "bytes": dict(step.comm.stats.bytes)}  # fmt: skip
+        del step
+    out.put((rank, results))
+    dist.destroy_process_group()
+
+
+def smoothed(losses: list[float]) -> list[float]:
+    return [statistics.fmean(losses[max(0, i - SMOOTH + 1) : i + 1]) for i in range(len(losses))]
+
+
+def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    runs = {}
+    for name in RUNS:
+        curves = [r[name]["losses"] for r in per_rank]
+        mean = [statistics.fmean(x) for x in zip(*curves, strict=True)]
+        first = per_rank[0][name]
+        runs[name] = {
+            "curve": mean,
+            "smoothed": smoothed(mean),
+            "all_gather_bytes": first["bytes"].get("all_gather", 0),
+            "reduce_scatter_bytes": first["bytes"].get("reduce_scatter", 0),
+            "wall_s": statistics.median(first["wall_s"][2:]),
+            "cpu_s": statistics.median(first["cpu_s"][2:]),
+        }
+    for name, run in runs.items():
+        twin = runs[name.removesuffix(" int8")]
+        run["max_smoothed_difference"] = max(
+            abs(a - b) for a, b in zip(run["smoothed"], twin["smoothed"], strict=True)
+        )
+        run["gather_bytes_ratio"] = run["all_gather_bytes"] / twin["all_gather_bytes"]
+    return runs
+
+
+def table(runs: dict[str, Any]) -> str:
+    lines = [f"{'run':<10}{'all-gather/step':>17}{'ratio':>7}{'reduce-scatter':>16}"
+             f"{'wall':>9}{'cpu':>9}{'final loss':>12}{'max |Δ| vs twin':>17}"]  # fmt: skip
+    for name, r in runs.items():
+        lines.append(
+            f"{name:<10}{r['all_gather_bytes'] / 2**20:>13.2f}MiB{r['gather_bytes_ratio']:>7.3f}"
+            f"{r['reduce_scatter_bytes'] / 2**20:>12.2f}MiB{1e3 * r['wall_s']:>7.1f}ms"
+            f"{1e3 * r['cpu_s']:>7.1f}ms{r['smoothed'][-1]:>12.4f}"
+            f"{r['max_smoothed_difference']:>17.4f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in runs.items():
+        ax.plot(r["smoothed"], label=name, linestyle="--" if "int8" in name else "-")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss (mean of the ranks, smoothed over {SMOOTH} steps)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and the plot")
+    args = p.parse_args(argv)
+    cfg = replace(BenchConfig(n_layer=args.layers, n_embd=args.embd, n_head=4), threads=1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    info = machine(cfg)
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.spawn(rank_main, args=(cfg, free_port(), args.steps, out), nprocs=cfg.world_size)
+    per_rank = [r for _, r in sorted(out.get() for _ in range(cfg.world_size))]
+    runs = summarize(per_rank)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = args.out / f"quantized-gathers-cpu-{stamp}.json"
+    write_json(path, {"machine": info, "config": asdict(cfg), "steps": args.steps, "runs": runs})
+    plot(runs, path.with_suffix(".png"))
+    print(f"{model_name(cfg)}, {cfg.world_size} gloo ranks × 1 thread, {args.steps} steps, "
+          f"{info['date']}, commit {info['commit']}\n{table(runs)}\nwrote {path} and its "
+          "plot")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
