@@ -62,6 +62,7 @@ from zerocc.ir.ops import (
     DP_GROUP,
     EP_GROUP,
     EXPERT_DP_GROUP,
+    GRAD_REDUCE_SCATTERS,
     HOST_TO_HOST,
     PARAM_GATHERS,
     PP_GROUP,
@@ -378,7 +379,7 @@ def _values(x: Any) -> Any:
 
 
 def _ranks(node: fx.Node, name: str) -> int:
-    if name in (*PARAM_GATHERS, "zerocc.reduce_scatter_start"):
+    if name in (*PARAM_GATHERS, *GRAD_REDUCE_SCATTERS):
         return int(node.args[1])
     if name == "zerocc.all_gather_into_start":
         out, shard = val(node.args[0]), val(node.args[1])

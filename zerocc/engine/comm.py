@@ -506,6 +506,15 @@ class FakeComm(Comm):
         tensor.mul_(self.world_size)
         return Work()
 
+    def _all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Work:
+        if len(set(out_splits) | set(in_splits)) != 1:  # (as if every rank held this one's rows)
+            return super()._all_to_all(out, inp, out_splits, in_splits)
+        mine = inp.view(self.world_size, -1)[self.rank]
+        out.view(self.world_size, -1).copy_(mine.reshape(1, -1).clone())
+        return Work()
+
 
 def comm_from_environment(timeout_s: float, device: torch.device) -> Comm:
     """zerocc's own groups over the default process group when one is initialized

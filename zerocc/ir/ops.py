@@ -27,6 +27,7 @@ EXPERT_DP_GROUP = "edp"  # the ranks holding the same experts: their states shar
 UNIT_GROUPS = (DP_GROUP, EXPERT_DP_GROUP)  # the groups units are gathered and reduced over
 # The all-gathers of a unit's parameters: as they are, or quantized on the wire
 PARAM_GATHERS = ("zerocc.all_gather_start", "zerocc.all_gather_int8_start")
+GRAD_REDUCE_SCATTERS = ("zerocc.reduce_scatter_start", "zerocc.reduce_scatter_int8_start")
 
 
 def reported_kind(kind: str, group: str) -> str:
@@ -49,6 +50,10 @@ SCHEMAS = {
     ),
     "reduce_scatter_start": (
         "reduce_scatter_start(Tensor full, int world_size, str group) -> Tensor"
+    ),
+    # (each destination's chunk quantized to int8 in blocks, exchanged, summed in fp32)
+    "reduce_scatter_int8_start": (
+        "reduce_scatter_int8_start(Tensor full, int world_size, int block, str group) -> Tensor"
     ),
     "all_reduce_start": "all_reduce_start(Tensor(a!) tensor, str group) -> Tensor(a!)",
     "wait": "wait(Tensor(a) tensor) -> Tensor(a)",
@@ -102,6 +107,7 @@ COLLECTIVE_STARTS = (
     "all_gather_int8_start",
     "all_gather_into_start",
     "reduce_scatter_start",
+    "reduce_scatter_int8_start",
     "all_reduce_start",
 )
 
@@ -176,6 +182,11 @@ def _(shard, world_size, group):
 @fake("all_gather_int8_start")
 def _(shard, world_size, block, group):
     return shard.new_empty(shard.numel() * world_size)
+
+
+@fake("reduce_scatter_int8_start")
+def _(full, world_size, block, group):
+    return full.new_empty(full.numel() // world_size)
 
 
 @fake("all_gather_into_start")

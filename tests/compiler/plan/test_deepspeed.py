@@ -105,7 +105,7 @@ def test_unsupported_options_are_errors_naming_each():
         "OneBitAdam",
         "amp",
         "zero_hpz_partition_size",
-        "zero_quantized_gradients",
+        "zero_quantized_nontrainable_weights",
         "partition_activations",
         "cpu_checkpointing",
         "some_new_option",
@@ -189,12 +189,15 @@ def test_plan_import_of_zero3_gives_the_plan_auto_units(capsys, tmp_path):
     assert yaml.safe_load(out.read_text())["units"] == "auto"
 
 
-def test_zero_plus_int8_weights_map_to_quantized_gathers():
-    """ZeRO++'s qwZ (``zero_quantized_weights``) is zerocc's int8 weight gather at stage 3;
-    at another stage there is no gather to quantize, and the conversion says so."""
-    config = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
+def test_zero_plus_int8_weights_and_gradients_map_to_quantized_collectives():
+    """ZeRO++'s qwZ (``zero_quantized_weights``) is zerocc's int8 weight gather at stage 3, its
+    qgZ (``zero_quantized_gradients``) the int8 gradient exchange at stages 1-3; at another
+    stage there is nothing to quantize, and the conversion says so."""
+    config = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                    "zero_quantized_gradients": True}}  # fmt: skip
     plan, outcomes = convert(config)
     assert plan["zero"]["quantized_weights"] == "int8"
+    assert plan["zero"]["quantized_grads"] == "int8"
     assert any("zero.quantized_weights" in o.note for o in outcomes)
     assert zerocc.load_plan(plan).zero.quantized_weights == "int8"
     plan, outcomes = convert({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})

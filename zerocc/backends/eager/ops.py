@@ -22,7 +22,7 @@ from zerocc.backends.kernels import host_kernels, kernel_set, reference
 from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Work
 from zerocc.engine.kernel_set import KernelSet
-from zerocc.engine.quantized_gather import all_gather_int8
+from zerocc.engine.quantized import all_gather_int8, reduce_scatter_int8
 from zerocc.ir.ops import TO_HOST
 
 
@@ -64,6 +64,12 @@ class EagerOps:
     ) -> torch.Tensor:
         out = full.new_empty(full.numel() // world_size)
         return self._issue(started, out, self.ctx.comm.on(group).reduce_scatter(out, full))
+
+    def reduce_scatter_int8_start(
+        self, full: torch.Tensor, world_size: int, block: int, group: str, *, started: str
+    ) -> torch.Tensor:
+        out, work = reduce_scatter_int8(self.ctx.comm.on(group), full, world_size, block)
+        return self._issue(started, out, work)
 
     def all_reduce_start(self, tensor: torch.Tensor, group: str, *, started: str) -> torch.Tensor:
         return self._issue(started, tensor, self.ctx.comm.on(group).all_reduce(tensor))

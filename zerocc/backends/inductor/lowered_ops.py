@@ -61,6 +61,10 @@ MAKING_STARTS = {
     "reduce_scatter_start": (
         "reduce_scatter_start(Tensor full, int world_size, str group, str started) -> Tensor"
     ),
+    "reduce_scatter_int8_start": (
+        "reduce_scatter_int8_start(Tensor full, int world_size, int block, str group, "
+        "str started) -> Tensor"
+    ),
     "copy_start": "copy_start(Tensor src, Device device, str direction, str started) -> Tensor",
 }
 FILLING_STARTS = {

@@ -48,6 +48,9 @@ def flat_view(graph: fx.Graph, flat: fx.Node, unit: Unit, fqn: str, phase: str) 
     return emit(graph, aten.view.default, (sliced, list(placed.param.shape)), **where)
 
 
+QUANT_BLOCK = 256  # elements per scale of an int8 collective (zero.quantized_weights, _grads)
+
+
 def unit_collective(
     graph: fx.Graph,
     start_op: str,
@@ -186,10 +189,15 @@ class Gradients:
         return emit(self.graph, op("pack"), args, note=note, role=role, **self._at(unit))
 
     def reduce_scatter(self, full: fx.Node, unit: Unit, note: str, role: str | None) -> fx.Node:
-        args = (full, unit.world_size, unit.group)
-        nbytes = unit.padded_numel * unit.dtype.itemsize
+        if self.zero.quantized_grads == "int8":  # (a scale per block of each rank's chunk)
+            blocks = -(-unit.shard_numel // QUANT_BLOCK) * unit.world_size
+            start, args = "reduce_scatter_int8_start", (full, unit.world_size, QUANT_BLOCK)
+            nbytes, note = unit.padded_numel + 4 * blocks, f"{note}, in int8"
+        else:
+            start, args = "reduce_scatter_start", (full, unit.world_size)
+            nbytes = unit.padded_numel * unit.dtype.itemsize
         return unit_collective(
-            self.graph, "reduce_scatter_start", args, unit, "backward", nbytes, note, role
+            self.graph, start, (*args, unit.group), unit, "backward", nbytes, note, role
         )
 
     def all_reduce(self, full: fx.Node, unit: Unit) -> fx.Node:

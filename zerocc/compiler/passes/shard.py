@@ -38,7 +38,13 @@ from torch import fx
 
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.names import glob_matches
-from zerocc.compiler.passes.gradients import Gradients, flat_view, solo, unit_collective
+from zerocc.compiler.passes.gradients import (
+    QUANT_BLOCK,
+    Gradients,
+    flat_view,
+    solo,
+    unit_collective,
+)
 from zerocc.compiler.passes.param_uses import ParamUses, analyze
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig, ZeroConfig
@@ -58,7 +64,6 @@ from zerocc.ir.nodes import (
 from zerocc.ir.ops import op
 
 aten = torch.ops.aten
-QUANT_BLOCK = 256  # elements per scale of an int8 gather (zero.quantized_weights)
 
 
 class _ShardRewriter:

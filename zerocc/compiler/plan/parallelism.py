@@ -40,6 +40,13 @@ class ZeroConfig(Section):
         "of each gathered weight to 1/254 of its block's largest; the shards the update "
         "writes keep their precision",
     )
+    quantized_grads: Literal["none", "int8"] = Field(
+        "none",
+        description="stages 1-3: reduce-scatter the gradients in int8 (ZeRO++'s qgZ): each "
+        "rank's chunk for each shard quantized in blocks of 256 with one fp32 scale each, "
+        "exchanged by all-to-all and summed in fp32 on arrival: 1/4 of fp32's bytes (1/2 of "
+        "bf16's), each rank's contribution rounded to 1/254 of its block's largest",
+    )
 
     @property
     def shards_optimizer(self) -> bool:
@@ -74,6 +81,16 @@ class ZeroConfig(Section):
             raise ValueError(
                 f"quantized_weights: {self.quantized_weights} quantizes stage 3's all-gathers of "
                 f"the parameters; stage {self.stage} gathers none: set zero.stage: 3 or drop it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_grads_are_reduce_scattered(self) -> ZeroConfig:
+        if self.quantized_grads != "none" and not self.shards_optimizer:
+            raise ValueError(
+                f"quantized_grads: {self.quantized_grads} quantizes the reduce-scatters of "
+                "stages 1-3; stage 0 all-reduces its gradients: set zero.stage: 1, 2 or 3, or "
+                "drop it"
             )
         return self
 

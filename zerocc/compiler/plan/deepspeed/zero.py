@@ -158,7 +158,8 @@ def _sharding_option(conv: Conversion, sub: str, name: str, value: Any, stage: i
 
 def _zero_plus_option(conv: Conversion, sub: str, name: str, value: Any, stage: int) -> bool:
     """Converts the zero_optimization option ``name`` of ZeRO++ or MiCS (of which zerocc has
-    the int8 weight gathers; the others are fine when off); whether it is one."""
+    the int8 weight gathers and gradient exchanges; the others are fine when off); whether it
+    is one."""
     if name == "zero_hpz_partition_size":
         if value in (None, 1):
             conv.ignored(sub, value, "no secondary partition")
@@ -172,7 +173,15 @@ def _zero_plus_option(conv: Conversion, sub: str, name: str, value: Any, stage: 
         else:
             conv.mapped(sub, value, "zero.quantized_weights", "int8",
                         "stage 3's all-gathers in int8 with block scales (qwZ)")  # fmt: skip
-    elif name in ("zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+    elif name == "zero_quantized_gradients":
+        if not value:
+            conv.ignored(sub, value, "off")
+        elif stage == 0:
+            conv.ignored(sub, value, "applies at stages 1-3 (this config: stage 0)")
+        else:
+            conv.mapped(sub, value, "zero.quantized_grads", "int8",
+                        "gradients reduce-scattered in int8 with block scales (qgZ)")  # fmt: skip
+    elif name == "zero_quantized_nontrainable_weights":
         if value:
             conv.unsupported(sub, value, "ZeRO++ quantized communication is not in zerocc")
         else:
