@@ -134,8 +134,12 @@ def world_rank(rank: int, cfg: BenchConfig, port: int, steps: int, out: Any) -> 
 def run_world(cfg: BenchConfig, steps: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.spawn(world_rank, args=(cfg, free_port(), steps, out), nprocs=cfg.world_size)
-    return out.get()
+    ranks = mp.spawn(world_rank, args=(cfg, free_port(), steps, out), nprocs=cfg.world_size,
+                     join=False)  # fmt: skip
+    result = out.get()  # (before joining: a result larger than the pipe's buffer blocks rank 0)
+    while not ranks.join():
+        pass
+    return result
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -1,16 +1,17 @@
-"""int8 weight gathers (``zero.quantized_weights: int8``, issue 51) against the same run without:
-bytes per step and the loss curve over a few hundred steps of the example GPT.
+"""int8 collectives (issue 51: ``zero.quantized_weights``, ``zero.quantized_grads``) against the
+same run without: bytes per step and the loss curve over a few hundred steps of the example GPT.
 
-Two gloo ranks (1 thread each) train the example GPT on its text at ZeRO-3, four ways: fp32 and
-bf16 compute, each with the all-gathers as they are and in int8. Each rank's batches are the
-same in every run. Reported per run: all-gather and reduce-scatter bytes per step (counted at
-the collective calls), median wall and CPU time per step, and the loss curve (mean of both
-ranks' losses, smoothed over 20 steps) beside its unquantized twin's: the largest difference
-of the smoothed curves, and the final smoothed loss. Prints a table; writes
-``bench/results/quantized-gathers-cpu-<date>.json`` and a plot of the curves beside it::
+Two gloo ranks (1 thread each) train the example GPT on its text at ZeRO-3: fp32 as it is, with
+int8 weight gathers (w8), int8 gradient exchanges (g8) and both, and bf16 as it is and with
+both. Each rank's batches are the same in every run. Reported per run: bytes per step by
+collective (counted at the calls: a reduce-scatter counts its whole input, the int8 exchange's
+all-to-all what leaves the rank), median wall and CPU time per step, and the loss curve (mean of
+both ranks' losses, smoothed over 20 steps) beside its unquantized twin's: the largest
+difference of the smoothed curves, and the final smoothed loss. Prints a table; writes
+``bench/results/quantized-cpu-<date>.json`` and a plot of the curves beside it::
 
-    python bench/quantized_gathers.py              # 300 steps, ~4 minutes here
-    python bench/quantized_gathers.py --steps 100
+    python bench/quantized.py              # 300 steps, ~2 minutes here
+    python bench/quantized.py --steps 100
 """
 
 from __future__ import annotations
@@ -35,17 +36,19 @@ from report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SMOOTH = 20  # steps in the moving mean of a loss curve
-RUNS = {  # name -> (precision section, quantized_weights)
-    "fp32": ({}, "none"),
-    "fp32 int8": ({}, "int8"),
-    "bf16": ({"param": "bf16"}, "none"),
-    "bf16 int8": ({"param": "bf16"}, "int8"),
+RUNS = {  # name -> (precision section, quantized_weights, quantized_grads, the run it is beside)
+    "fp32": ({}, "none", "none", "fp32"),
+    "fp32 w8": ({}, "int8", "none", "fp32"),
+    "fp32 g8": ({}, "none", "int8", "fp32"),
+    "fp32 w8 g8": ({}, "int8", "int8", "fp32"),
+    "bf16": ({"param": "bf16"}, "none", "none", "bf16"),
+    "bf16 w8 g8": ({"param": "bf16"}, "int8", "int8", "bf16"),
 }
 
 
-def plan_of(cfg: BenchConfig, precision: dict, quantized: str) -> dict[str, Any]:
+def plan_of(cfg: BenchConfig, precision: dict, weights: str, grads: str) -> dict[str, Any]:
     return {
-        "zero": {"stage": 3, "quantized_weights": quantized},
+        "zero": {"stage": 3, "quantized_weights": weights, "quantized_grads": grads},
         "units": {"classes": ["Block"]},
         "optimizer": {"name": "adamw", "lr": cfg.lr, "eps": cfg.eps,
                       "weight_decay": cfg.weight_decay},
@@ -66,8 +69,8 @@ def rank_main(rank: int, cfg: BenchConfig, port: int, steps: int, out: Any) -> N
 
     dist.init_process_group("gloo")
     results = {}
-    for name, (precision, quantized) in RUNS.items():
-        step = zerocc.compile(build_model(cfg), plan_of(cfg, precision, quantized))
+    for name, (precision, weights, grads, _) in RUNS.items():
+        step = zerocc.compile(build_model(cfg), plan_of(cfg, precision, weights, grads))
         batches = data.batches(rank, cfg.world_size, batch_size=cfg.batch_size,
                                block_size=cfg.block_size, seed=cfg.seed)  # fmt: skip
         losses, wall, cpu = [], [], []
@@ -97,12 +100,15 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             "curve": mean,
             "smoothed": smoothed(mean),
             "all_gather_bytes": first["bytes"].get("all_gather", 0),
+            # (the int8 exchange's all-to-all counts what leaves the rank; a reduce-scatter
+            # counts its whole input)
             "reduce_scatter_bytes": first["bytes"].get("reduce_scatter", 0),
+            "all_to_all_bytes": first["bytes"].get("all_to_all", 0),
             "wall_s": statistics.median(first["wall_s"][2:]),
             "cpu_s": statistics.median(first["cpu_s"][2:]),
         }
     for name, run in runs.items():
-        twin = runs[name.removesuffix(" int8")]
+        twin = runs[RUNS[name][3]]
         run["max_smoothed_difference"] = max(
             abs(a - b) for a, b in zip(run["smoothed"], twin["smoothed"], strict=True)
         )
@@ -111,12 +117,14 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(runs: dict[str, Any]) -> str:
-    lines = [f"{'run':<10}{'all-gather/step':>17}{'ratio':>7}{'reduce-scatter':>16}"
-             f"{'wall':>9}{'cpu':>9}{'final loss':>12}{'max |Δ| vs twin':>17}"]  # fmt: skip
+    lines = [f"{'run':<12}{'all-gather/step':>17}{'ratio':>7}{'reduce-scatter':>16}"
+             f"{'all-to-all':>14}{'wall':>9}{'cpu':>9}{'final loss':>12}"
+             f"{'max |Δ| vs twin':>17}"]  # fmt: skip
     for name, r in runs.items():
         lines.append(
-            f"{name:<10}{r['all_gather_bytes'] / 2**20:>13.2f}MiB{r['gather_bytes_ratio']:>7.3f}"
-            f"{r['reduce_scatter_bytes'] / 2**20:>12.2f}MiB{1e3 * r['wall_s']:>7.1f}ms"
+            f"{name:<12}{r['all_gather_bytes'] / 2**20:>13.2f}MiB{r['gather_bytes_ratio']:>7.3f}"
+            f"{r['reduce_scatter_bytes'] / 2**20:>12.2f}MiB"
+            f"{r['all_to_all_bytes'] / 2**20:>10.2f}MiB{1e3 * r['wall_s']:>7.1f}ms"
             f"{1e3 * r['cpu_s']:>7.1f}ms{r['smoothed'][-1]:>12.4f}"
             f"{r['max_smoothed_difference']:>17.4f}"
         )
@@ -131,7 +139,7 @@ def plot(runs: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in runs.items():
-        ax.plot(r["smoothed"], label=name, linestyle="--" if "int8" in name else "-")
+        ax.plot(r["smoothed"], label=name, linestyle="--" if "8" in name else "-")
     ax.set_xlabel("step")
     ax.set_ylabel(f"loss (mean of the ranks, smoothed over {SMOOTH} steps)")
     ax.legend()
@@ -151,11 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(cfg)
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.spawn(rank_main, args=(cfg, free_port(), args.steps, out), nprocs=cfg.world_size)
+    ranks = mp.spawn(rank_main, args=(cfg, free_port(), args.steps, out), nprocs=cfg.world_size,
+                     join=False)  # fmt: skip
+    # (read before joining: a result larger than the pipe's buffer blocks its rank until read)
     per_rank = [r for _, r in sorted(out.get() for _ in range(cfg.world_size))]
+    while not ranks.join():
+        pass
     runs = summarize(per_rank)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = args.out / f"quantized-gathers-cpu-{stamp}.json"
+    path = args.out / f"quantized-cpu-{stamp}.json"
     write_json(path, {"machine": info, "config": asdict(cfg), "steps": args.steps, "runs": runs})
     plot(runs, path.with_suffix(".png"))
     print(f"{model_name(cfg)}, {cfg.world_size} gloo ranks × 1 thread, {args.steps} steps, "
