@@ -129,10 +129,10 @@ def split_backward(backward: StageProgram) -> tuple[StageProgram, StageProgram]:
     """``backward`` as two programs, for a zero-bubble schedule: the input gradient (the nodes
     the gradients sent to the stage before depend on, and those sends) and the weight gradient
     (everything else: the parameters' gradients, but those an op of the first computes beside
-    its input gradient, as a layer norm's backward does, and the draws of a recomputed
-    forward, which replay their numbers between generator-state ops). The first receives
-    what the stage after sends and returns, as ``stash``, what the second reads of it and of
-    what it received; the second runs later, while nothing waits for it."""
+    its input gradient, as a layer norm's backward does); a recomputed draw's replay, the
+    generator-state ops around it, goes where the draw goes. The first receives what the
+    stage after sends and returns, as ``stash``, what the second reads of it and of what it
+    received; the second runs later, while nothing waits for it."""
     nodes = list(backward.gm.graph.nodes)
     values = nodes[-1].args[0]
     slots = list(zip(backward.outputs, values, strict=True))

@@ -40,6 +40,7 @@ from torch import fx
 
 from zerocc.compiler.passes.deferred_updates import carry_updates
 from zerocc.compiler.passes.gradient_checks import check_gradients_as_they_complete
+from zerocc.compiler.passes.gradients import solo
 from zerocc.compiler.passes.host_slots import HostSlots
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OffloadConfig
@@ -473,8 +474,8 @@ class _Offloader:
         for (param, phase), users in uses.items():
             spec = self.specs[info(param).key]
             unit, first = info(param).unit, users[0]
-            gathered = self.units[unit].world_size > 1
-            use = None if gathered else f"its reads in {phase} (one rank gathers nothing)"
+            alone = solo(self.units[unit])
+            use = f"its reads in {phase} (one rank gathers nothing)" if alone else None
             note = f"copy {unit}'s parameter shard in for {use or 'its all-gather'}"
             with self.graph.inserting_before(previous or first):
                 if spec.location == NVME:

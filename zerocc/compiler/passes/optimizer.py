@@ -27,6 +27,7 @@ import torch
 from torch import fx
 
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel
+from zerocc.compiler.passes.gradients import solo
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import OptimizerConfig, ZeroConfig
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
@@ -164,7 +165,7 @@ def _after_update(
     """After a unit's update: (stages 1-2) all-gather its updated shards into the full
     parameter every rank computes with; reset its gradient accumulator, if it has one."""
     where = {"phase": "optimizer"}
-    if zero.shards_optimizer and not zero.shards_params and unit.world_size > 1:
+    if zero.shards_optimizer and not zero.shards_params and not solo(unit):
         full = by_role[PARAM_FULL][unit.name]
         emit_collective(
             graph,
