@@ -34,22 +34,17 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+import yaml
 from compare import machine
-from config import BenchConfig, build_model, data, model_name
+from config import EXAMPLE, BenchConfig, build_model, data, model_name
 from ranks import free_port
 from report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORRELATION_TARGET = 0.8
 PICK_TARGET = 0.10  # the pick's measured time per token within 10% of the measured best
-TP_LAYERS = {  # examples/gpt/zero3-tp.yaml's
-    "transformer.h.*.attn.c_attn": {"style": "colwise", "fused": 3},
-    "transformer.h.*.attn.c_proj": "rowwise",
-    "transformer.h.*.mlp.c_fc": "colwise",
-    "transformer.h.*.mlp.c_proj": "rowwise",
-    "transformer.wte": "vocab",
-    "lm_head": "vocab",
-}
+# the example GPT's Megatron split, as examples/gpt/zero3-tp.yaml gives it
+TP_LAYERS = yaml.safe_load((EXAMPLE / "zero3-tp.yaml").read_text())["parallel"]["tp_layers"]
 
 
 def base_plan(cfg: BenchConfig) -> dict[str, Any]:

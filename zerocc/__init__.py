@@ -91,8 +91,9 @@ def compile(
     micro-batch as the step takes it); rank 0 prints the candidates and the choice
     (:mod:`zerocc.auto_plan`). ``step.plan`` is the plan chosen.
     """
-    auto = auto or (isinstance(plan, str) and plan == "auto")
-    plan = load_plan({} if isinstance(plan, str) and plan == "auto" else plan)
+    named_auto = isinstance(plan, str) and plan == "auto"
+    auto = auto or named_auto
+    plan = load_plan({} if named_auto else plan)
     device = rank_device(plan)  # checked before anything touches CUDA
     use_device(device)
     made_comm = comm is None

@@ -7,8 +7,9 @@ optimizer's offload to host memory, and the mesh: tensor parallelism within a ma
 machines, hybrid sharding (``zero.replicate``: shards within a machine, replicas across).
 Each candidate is compiled for the world size on fake tensors, as `zerocc estimate` compiles a
 plan (a meta model of any size), and its peak memory per rank and step time predicted; those
-over the memory a rank has are dropped and the rest ranked by step time. A candidate that
-cannot be compiled (a plan error) is listed with why.
+over the memory a rank has are dropped and the rest ranked by step time per token (a tp group
+trains one batch: fewer tokens per step). A candidate that cannot be compiled (a plan error)
+is listed with why.
 
 Candidates that differ only in what the passes do share one capture; each runs its passes on
 a copy of it (:class:`~zerocc.compiler.driver.program.CapturedSteps`): a capture per tp degree.

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 
 from zerocc.ir.nodes import emit, info
 from zerocc.ir.ops import fake, implements
-from zerocc.ir.rng import draws
+from zerocc.ir.rng import call_argument, draws
 
 _lib = Library("zerocc", "FRAGMENT")
 _lib.define("seed_draw(int index, Device device) -> ()")
@@ -120,12 +120,7 @@ torch.fx.node.has_side_effect(SEED_DRAW)
 def _default_draw(op: object, args: tuple, kwargs: dict) -> bool:
     """Whether a call of ``op`` draws from its device's default generator: a random op not
     given a generator of its own (whose draws the key cannot reach)."""
-    if not draws(op, args, kwargs):
-        return False
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.name == "generator":
-            return kwargs.get("generator", args[i] if i < len(args) else None) is None
-    return True
+    return draws(op, args, kwargs) and call_argument(op, args, kwargs, "generator") is None
 
 
 def _draws_from(node: fx.Node) -> torch.device | None:

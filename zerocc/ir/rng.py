@@ -100,18 +100,23 @@ def draws(op: object, args: tuple, kwargs: dict) -> bool:
         return False
     if torch.Tag.nondeterministic_seeded not in op.tags:
         return False
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.name == "dropout_p":
-            dropout_p = kwargs.get("dropout_p", args[i] if i < len(args) else None)
-            return not (isinstance(dropout_p, int | float) and dropout_p == 0)
-    return True
+    dropout_p = call_argument(op, args, kwargs, "dropout_p")
+    return not (isinstance(dropout_p, int | float) and dropout_p == 0)
 
 
 def argument(node: torch.fx.Node, name: str, default: object = None) -> object:
     """The value ``node`` passes for schema argument ``name`` (positional or keyword)."""
-    for i, arg in enumerate(node.target._schema.arguments):
+    return call_argument(node.target, node.args, node.kwargs, name, default)
+
+
+def call_argument(
+    op: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, default: object = None
+) -> object:
+    """The value a call of ``op`` passes for schema argument ``name`` (positional or keyword;
+    ``default`` where it passes none, or ``op`` has no such argument)."""
+    for i, arg in enumerate(op._schema.arguments):
         if arg.name == name:
-            if name in node.kwargs:
-                return node.kwargs[name]
-            return node.args[i] if i < len(node.args) else default
+            if name in kwargs:
+                return kwargs[name]
+            return args[i] if i < len(args) else default
     return default

@@ -51,6 +51,12 @@ def flat_view(graph: fx.Graph, flat: fx.Node, unit: Unit, fqn: str, phase: str) 
 QUANT_BLOCK = 256  # elements per scale of an int8 collective (zero.quantized_weights, _grads)
 
 
+def int8_bytes(unit: Unit) -> int:
+    """Bytes of the unit's flat in an int8 collective: one per element, and a 4-byte scale
+    per block of each rank's shard."""
+    return unit.padded_numel + 4 * -(-unit.shard_numel // QUANT_BLOCK) * unit.world_size
+
+
 def unit_collective(
     graph: fx.Graph,
     start_op: str,
@@ -189,10 +195,9 @@ class Gradients:
         return emit(self.graph, op("pack"), args, note=note, role=role, **self._at(unit))
 
     def reduce_scatter(self, full: fx.Node, unit: Unit, note: str, role: str | None) -> fx.Node:
-        if self.zero.quantized_grads == "int8":  # (a scale per block of each rank's chunk)
-            blocks = -(-unit.shard_numel // QUANT_BLOCK) * unit.world_size
+        if self.zero.quantized_grads == "int8":
             start, args = "reduce_scatter_int8_start", (full, unit.world_size, QUANT_BLOCK)
-            nbytes, note = unit.padded_numel + 4 * blocks, f"{note}, in int8"
+            nbytes, note = int8_bytes(unit), f"{note}, in int8"
         else:
             start, args = "reduce_scatter_start", (full, unit.world_size)
             nbytes = unit.padded_numel * unit.dtype.itemsize

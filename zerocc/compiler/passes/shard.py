@@ -42,6 +42,7 @@ from zerocc.compiler.passes.gradients import (
     QUANT_BLOCK,
     Gradients,
     flat_view,
+    int8_bytes,
     solo,
     unit_collective,
 )
@@ -156,9 +157,8 @@ class _ShardRewriter:
         when = "step" if scope == "step" else phase
         shard = self.state[unit.name]["param"]
         if self.zero.quantized_weights == "int8":
-            blocks = -(-unit.shard_numel // QUANT_BLOCK) * unit.world_size  # (a scale each)
             start, args = "all_gather_int8_start", (shard, unit.world_size, QUANT_BLOCK)
-            nbytes, how = unit.padded_numel + 4 * blocks, " in int8"
+            nbytes, how = int8_bytes(unit), " in int8"
         else:
             start, args = "all_gather_start", (shard, unit.world_size)
             nbytes, how = unit.padded_numel * unit.dtype.itemsize, ""
