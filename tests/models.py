@@ -389,6 +389,8 @@ TP_LAYERS = {
     "gpt": GPT_TP_LAYERS,
     "gpt4h": GPT_TP_LAYERS,
     "gpt4": GPT_TP_LAYERS,  # (a pipeline's, tests/parity/test_pipeline_parity.py)
+    "gpt_dropout": GPT_TP_LAYERS,  # dropout inside the split attention, drawn by key
+    "gpt4_dropout": GPT_TP_LAYERS,
     "smoothed": {"embed": "vocab", "head": "vocab"},
     "llama": LLAMA_TP_LAYERS,
     "mixtral": MIXTRAL_TP_LAYERS,

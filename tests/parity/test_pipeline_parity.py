@@ -68,11 +68,12 @@ CASES = [
     {"model": "gpt4", "stage": 2, "world": 4, "pp": 4, "accum": 4, "precision": {"param": "bf16"}},
     # Tensor (and sequence) parallelism inside the stages: 8 ranks as pp 2 × dp 2 × tp 2, and
     # the zero-bubble halves of layers split over tp 2 (a rowwise layer's weight gradient
-    # reads the gradient the next stage sends as it comes).
+    # reads the gradient the next stage sends as it comes), with dropout drawn by key in the
+    # split attention and on the sequence's chunks.
     {"model": "gpt4", "stage": 3, "world": 8, "pp": 2, "tp": 2, "accum": 2, "steps": 3,
      "optimizer": CLIPPED, "evaluate": True},
-    {"model": "gpt4", "stage": 1, "world": 4, "pp": 2, "tp": 2, "sp": True, "accum": 2,
-     "schedule": "zero-bubble"},
+    {"model": "gpt4_dropout", "stage": 1, "world": 4, "pp": 2, "tp": 2, "sp": True, "accum": 2,
+     "schedule": "zero-bubble", "keyed": True},
     # Dropout, drawn by key (capture.draws: keyed): each micro-batch's masks are the ones one
     # process draws for it under zerocc.keyed_draws, whichever stage and rank draws them;
     # recomputed, and with the backward split in two

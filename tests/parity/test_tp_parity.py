@@ -2,7 +2,8 @@
 × 2 tensor-parallel and 1 × 4 match one process training on the data-parallel ranks' batches,
 step by step, for every ZeRO stage (4 × 1 is ZeRO alone: tests/parity/test_parity.py), and
 8 ranks as 2 replicas × 2 shards × 2 tensor-parallel. The example GPT and a Hugging Face Llama
-are split as Megatron splits them (``models.TP_LAYERS``).
+are split as Megatron splits them (``models.TP_LAYERS``); the GPT with dropout in its split
+attention too, drawn by key (``capture.draws: keyed``).
 
 Tolerance 1e-5 relative, as tests/parity/test_parity.py: a rowwise layer's output is the sum of
 the tp ranks' partial matmuls, and an input gradient the sum of theirs, another association of
@@ -62,6 +63,10 @@ CASES = [
     {"model": "mixtral_no_router_loss", "stage": 2, "world": 4, "tp": 2, "sp": True},
     # Inductor's whole graph (its fp32 tolerance is the same, see test_inductor_parity.py)
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "backend": "inductor"},
+    # dropout inside the split attention, drawn by key: each rank keeps its heads' part of
+    # the mask one process draws (zerocc/compiler/parallel/split_draws.py); recomputed
+    {"model": "gpt_dropout", "stage": 3, "world": 4, "tp": 2, "keyed": True,
+     "recompute": {"units": "all"}, "optimizer": CLIPPED},
     # a cross-entropy with label smoothing reads the head's gathered logits
     {"model": "smoothed", "stage": 3, "world": 4, "tp": 2},
 ]

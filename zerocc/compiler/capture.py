@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from zerocc.compat import MAKE_FX_OPTIONS, use_lazy_graph_module
 from zerocc.compiler.batch import call_arguments
 from zerocc.compiler.module_marks import FORWARD_END, ModuleTracker, mark_node
-from zerocc.compiler.opaque import Body, data_dependent_cause, op_of, opaque_modules
+from zerocc.compiler.opaque import Body, data_dependent_cause, forget, op_of, opaque_modules
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.compiler.repeats import RepeatedLayers, TensorStatus
 from zerocc.errors import CaptureError
@@ -264,26 +264,11 @@ def capture(
     if not trainable:
         raise CaptureError("the model has no trainable parameter (every requires_grad is False)")
     tensor_positions = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
-    n_params, n_buffers = len(info.params), len(info.buffers)
-    n_batch = len(tensor_positions)
+    n_params = len(info.params)
 
     def step(*flat: torch.Tensor):
-        params, buffers = flat[:n_params], flat[n_params : n_params + n_buffers]
-        batch_tensors = flat[n_params + n_buffers : n_params + n_buffers + n_batch]
-        full_batch = list(batch)
-        for pos, t in zip(tensor_positions, batch_tensors, strict=True):
-            full_batch[pos] = casts.to_compute(t)
-        state = {
-            f"model.{p.fqn}": casts.to_compute(t) for p, t in zip(info.params, params, strict=True)
-        }
-        state.update(
-            {
-                f"model.{b.fqn}": casts.to_buffer(t)
-                for b, t in zip(info.buffers, buffers, strict=True)
-            }
-        )
-        loss = torch.func.functional_call(wrapper, state, tuple(full_batch), tie_weights=True)
-        loss = _check_loss(loss)
+        params = flat[:n_params]
+        loss = _check_loss(_loss_of(wrapper, info, casts, batch, flat))
         if loss_check is not None:
             loss_check(loss)
         if casts.output is not None:
@@ -335,6 +320,61 @@ def capture(
     _tag(gm, info, tensor_positions, casts.loss_scale and gradients)
     _cast_gradients_when_complete(gm)
     return gm  # its code is make_fx's: the pass manager recompiles its own result, once
+
+
+def _loss_of(
+    wrapper: _Step,
+    info: ModelInfo,
+    casts: Casts,
+    batch: Sequence[Any],
+    flat: Sequence[torch.Tensor],
+) -> Any:
+    """What the model's loss function returns for ``batch`` with parameters, buffers and the
+    batch's tensors ``flat`` (:func:`_fake_inputs`' order), cast as ``casts`` says."""
+    n_params, n_buffers = len(info.params), len(info.buffers)
+    params, buffers = flat[:n_params], flat[n_params : n_params + n_buffers]
+    batch_tensors = iter(flat[n_params + n_buffers :])
+    full_batch = [casts.to_compute(next(batch_tensors)) if isinstance(b, torch.Tensor) else b
+                  for b in batch]  # fmt: skip
+    state = {
+        f"model.{p.fqn}": casts.to_compute(t) for p, t in zip(info.params, params, strict=True)
+    }
+    state |= {
+        f"model.{b.fqn}": casts.to_buffer(t) for b, t in zip(info.buffers, buffers, strict=True)
+    }
+    return torch.func.functional_call(wrapper, state, tuple(full_batch), tie_weights=True)
+
+
+def forward_on_fake(
+    model: nn.Module,
+    info: ModelInfo,
+    loss_fn: LossFn | None,
+    batch: Sequence[Any],
+    device: torch.device,
+    within: contextlib.AbstractContextManager[Any],
+    casts: Casts | None = None,
+    opaque: dict[str, str] | None = None,
+    bodies: dict[str, Body] | None = None,
+) -> None:
+    """Run the loss of ``model`` on ``batch`` once on fake tensors, untraced: parameters of
+    ``info``'s shapes, cast as ``casts`` says, the modules of ``opaque``'s classes (and the
+    FQNs of ``bodies``) as opaque regions, as :func:`capture` would have them. ``within`` (a
+    dispatch mode, say) is entered inside the fake mode: what it learns of the forward costs
+    no capture."""
+    fake_mode = CaptureFakeMode()
+    flat = _fake_inputs(fake_mode, info, [b for b in batch if isinstance(b, torch.Tensor)], device)
+    wrapper = _Step(model, loss_fn or default_loss_fn)
+    with (
+        traced_grad_mode(),
+        fake_mode,
+        quiet(FAKE_KERNELS),
+        opaque_modules(model, opaque or {}, contextlib.nullcontext, bodies) as regions,
+        within,
+    ):
+        try:
+            _loss_of(wrapper, info, casts or Casts(), batch, flat)
+        finally:
+            forget(regions)
 
 
 def _fake_inputs(

@@ -393,6 +393,13 @@ def _opaque_call(
     return forward
 
 
+def forget(regions: Iterable[Region]) -> None:
+    """Drop ``regions`` from the registry: calls that ran but are in no program (a forward run
+    to learn its shapes, not traced)."""
+    for r in regions:
+        _REGIONS.pop(r.key, None)
+
+
 def region_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
     """A line on the opaque regions the programs run (none without any): which modules, why,
     and what it costs."""

@@ -117,18 +117,22 @@ SEED_DRAW = torch.ops.zerocc.seed_draw.default
 torch.fx.node.has_side_effect(SEED_DRAW)
 
 
-def _default_draw(op: object, args: tuple, kwargs: dict) -> bool:
+def default_draw(op: object, args: tuple, kwargs: dict) -> bool:
     """Whether a call of ``op`` draws from its device's default generator: a random op not
     given a generator of its own (whose draws the key cannot reach)."""
     return draws(op, args, kwargs) and call_argument(op, args, kwargs, "generator") is None
 
 
-def _draws_from(node: fx.Node) -> torch.device | None:
+def is_opaque_forward(op: object) -> bool:
+    """Whether ``op`` runs an opaque region's forward (which may draw inside: one draw here)."""
+    return isinstance(op, torch._ops.OpOverload) and op.name() == _OPAQUE_FORWARD
+
+
+def draws_from(node: fx.Node) -> torch.device | None:
     """The device whose generator ``node`` draws from (None: it draws nothing): a random op's
     or an opaque region's (which may draw inside), read from its result."""
     target = node.target
-    opaque = isinstance(target, torch._ops.OpOverload) and target.name() == _OPAQUE_FORWARD
-    if not (opaque or _default_draw(target, node.args, node.kwargs)):
+    if not (is_opaque_forward(target) or default_draw(target, node.args, node.kwargs)):
         return None
     # (an opaque region's last result is its generator state, a CPU tensor: its first is on
     # its device)
@@ -141,7 +145,7 @@ def key_draws(gm: fx.GraphModule) -> int:
     numbered in program order; returns how many."""
     index = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or (device := _draws_from(node)) is None:
+        if node.op != "call_function" or (device := draws_from(node)) is None:
             continue
         with gm.graph.inserting_before(node):
             emit(
@@ -166,7 +170,7 @@ class _Keyed(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _default_draw(func, args, kwargs):
+        if default_draw(func, args, kwargs):
             device = next(
                 (t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
                 kwargs.get("device") or torch.device("cpu"),

@@ -23,6 +23,11 @@ from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.driver.pass_manager import PassContext, PassList, PassRecord, run_passes
 from zerocc.compiler.opaque import regions_in
 from zerocc.compiler.parallel.experts import ExpertParallel
+from zerocc.compiler.parallel.split_draws import (
+    draws_outside_regions,
+    take_parts_of_whole_draws,
+    whole_draws,
+)
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel, tag_collectives
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.state import NVME, StateLayout
@@ -200,6 +205,10 @@ def capture_split(
     if tp is not None:
         tag_collectives(gm)
     if plan.capture.draws == "keyed":
+        if tp is not None and draws_outside_regions(gm):
+            whole = whole_draws(model, tp.whole_info(model_info), loss_fn, batch, device,
+                                Casts.of(plan.precision), gm, ep)  # fmt: skip
+            take_parts_of_whole_draws(gm, whole, tp.parts)
         key_draws(gm)
     return gm
 

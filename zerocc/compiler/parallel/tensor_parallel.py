@@ -72,6 +72,12 @@ class Split:
         local[self.dim] //= self.parts
         return tuple(local)
 
+    def whole_shape(self, local: Sequence[int]) -> tuple[int, ...]:
+        """The shape of the whole value whose slice has shape ``local``."""
+        whole = list(local)
+        whole[self.dim] *= self.parts
+        return tuple(whole)
+
     def take(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s slice of the full value (a copy, contiguous)."""
         blocks = full.unflatten(self.dim, (self.blocks, self.parts, -1))
@@ -187,6 +193,16 @@ class TensorParallel:
     def local_info(self, info: ModelInfo) -> ModelInfo:
         """``info`` with each split parameter's shape that of one rank's slice."""
         return local_info(info, self.splits)
+
+    def whole_info(self, info: ModelInfo) -> ModelInfo:
+        """``info`` (:meth:`local_info`'s) with each split parameter's whole shape again."""
+        params = tuple(
+            dataclasses.replace(p, shape=self.splits[p.fqn].whole_shape(p.shape))
+            if p.fqn in self.splits
+            else p
+            for p in info.params
+        )
+        return dataclasses.replace(info, params=params)
 
     def shared_ranges(self, unit: Unit) -> list[int]:
         """(offset, numel) pairs of ``unit``'s flat buffer that every tp rank holds alike (the
