@@ -7,6 +7,7 @@ worker process and the reference in the test process build the same thing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -343,15 +344,17 @@ class SmoothedLM(nn.Module):
 
 class CausalLM(nn.Module):
     """A tiny Hugging Face Llama trained on next-token prediction of its batch (the tokens are
-    their own labels, shifted by the model)."""
+    their own labels, shifted by the model). ``attention_dropout``: the config's dropout on
+    the attention probabilities (transformers' own code draws it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, attention_dropout: float = 0.0) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=32)  # fmt: skip
+                             max_position_embeddings=32,
+                             attention_dropout=attention_dropout)  # fmt: skip
         self.lm = LlamaForCausalLM(config)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -384,6 +387,12 @@ TP_MODELS = {
     "gpt4h": (tiny_gpt_4_heads, _gpt_batch, {"classes": ["Block"]}),
     "smoothed": (SmoothedLM, _gpt_batch, {"modules": ["embed", "mix", "head"]}),
     "llama": (CausalLM, _token_batch, {"classes": ["LlamaDecoderLayer"]}),
+    # (random: compared with one process drawing by key)
+    "llama_dropout": (
+        functools.partial(CausalLM, attention_dropout=0.1),
+        _token_batch,
+        {"classes": ["LlamaDecoderLayer"]},
+    ),
 }
 TP_LAYERS = {
     "gpt": GPT_TP_LAYERS,
@@ -393,6 +402,7 @@ TP_LAYERS = {
     "gpt4_dropout": GPT_TP_LAYERS,
     "smoothed": {"embed": "vocab", "head": "vocab"},
     "llama": LLAMA_TP_LAYERS,
+    "llama_dropout": LLAMA_TP_LAYERS,
     "mixtral": MIXTRAL_TP_LAYERS,
     "mixtral_grouped": MIXTRAL_TP_LAYERS,
     "mixtral_no_router_loss": MIXTRAL_TP_LAYERS,

@@ -26,7 +26,7 @@ needs_triton = pytest.mark.skipif(TRITON_PROBLEM is not None, reason=TRITON_REAS
 
 
 # tests/models.py's models built by transformers
-HF_MODELS = frozenset({"llama", *MOE_MODELS})
+HF_MODELS = frozenset({"llama", "llama_dropout", *MOE_MODELS})
 TRANSFORMERS_PROBLEM = (
     None
     if importlib.util.find_spec("transformers")

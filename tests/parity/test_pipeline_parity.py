@@ -46,7 +46,9 @@ CASES = [
      "gather": "microbatch", "evaluate": True},
     {"model": "gpt4", "stage": 1, "world": 4, "pp": 2, "accum": 4, "schedule": "zero-bubble"},
     {"model": "gpt4", "stage": 3, "world": 4, "pp": 4, "accum": 4, "optimizer": CLIPPED},
-    {"model": "llama", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED},
+    # (transformers' Llama with its attention dropout, drawn by key)
+    {"model": "llama_dropout", "stage": 3, "world": 2, "pp": 2, "accum": 2, "optimizer": CLIPPED,
+     "keyed": True},
     # Mixtral's decoder layers as the stages: eager experts as opaque regions, grouped_mm whole
     {"model": "mixtral", "stage": 3, "world": 2, "pp": 2, "accum": 2},
     {"model": "mixtral_grouped", "stage": 1, "world": 2, "pp": 2, "accum": 2, "schedule": "gpipe"},

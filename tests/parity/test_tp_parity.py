@@ -67,6 +67,7 @@ CASES = [
     # the mask one process draws (zerocc/compiler/parallel/split_draws.py); recomputed
     {"model": "gpt_dropout", "stage": 3, "world": 4, "tp": 2, "keyed": True,
      "recompute": {"units": "all"}, "optimizer": CLIPPED},
+    {"model": "llama_dropout", "stage": 1, "world": 4, "tp": 2, "sp": True, "keyed": True},
     # a cross-entropy with label smoothing reads the head's gathered logits
     {"model": "smoothed", "stage": 3, "world": 4, "tp": 2},
 ]
