@@ -173,7 +173,8 @@ def compare(cfg: BenchConfig, measured: dict[str, Any]) -> dict[str, Any]:
         tokens_per_batch=lambda batch: batch[0].numel(),
     )
     rates = DeviceRates(**measured["rates"])
-    search = search_plans(load_plan(base_plan(cfg)), cfg.world_size, 2**62, rates, workload)
+    search = search_plans(load_plan(base_plan(cfg)), cfg.world_size, 2**62, rates, workload,
+                          exhaustive=True)  # (every candidate's prediction, to compare)
     predicted = {tuple(sorted(c.fields.items())): c for c in search.candidates}
     rows = []
     for row in measured["rows"]:

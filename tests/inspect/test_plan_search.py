@@ -30,7 +30,7 @@ OPEN = {  # the example's zero3.yaml without its stage: stage and recompute are 
 @pytest.fixture(scope="module")
 def searched():
     plan = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload"})
-    return search_plans(plan, 2, 2**40, rates_for(plan, "cpu"))
+    return search_plans(plan, 2, 2**40, rates_for(plan, "cpu"), exhaustive=True)
 
 
 def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(searched):
@@ -150,7 +150,8 @@ def test_the_mesh_is_searched_within_and_across_machines():
     del data["parallel"]["tp"], data["zero"]
     data["workload"] = f"{EXAMPLES / 'workload.py'}:workload"
     plan = load_plan(data)
-    searched = search_plans(plan, 4, 2**40, rates_for(plan, "cpu"), ranks_per_node=2)
+    searched = search_plans(plan, 4, 2**40, rates_for(plan, "cpu"), ranks_per_node=2,
+                            exhaustive=True)  # fmt: skip
     fields = [c.fields for c in searched.candidates]
     # (tp 2 with a replica per machine would shard over one rank: not a candidate)
     assert {(f["parallel.tp"], f["zero.replicate"]) for f in fields} == {(1, 1), (2, 1), (1, 2)}
@@ -192,3 +193,43 @@ def test_compile_auto_searches_for_this_run_and_trains_the_choice(capsys):
     assert "fixed by the plan, not searched: zero.stage: 1" in capsys.readouterr().err
     with pytest.raises(PlanError, match="pass example="):
         zerocc.compile(gpt(), "auto")
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    """The tp example without its stage and degree, on 2 machines of 2 ranks, on cuda's rates
+    (offload searched too): every candidate compiled."""
+    data = yaml.safe_load((EXAMPLES / "zero3-tp.yaml").read_text())
+    del data["parallel"]["tp"], data["zero"]
+    data["workload"] = f"{EXAMPLES / 'workload.py'}:workload"
+    plan = load_plan(data)
+    rates = rates_for(plan, "cuda")
+    return plan, rates, search_plans(plan, 4, 2**40, rates, ranks_per_node=2, exhaustive=True)
+
+
+@pytest.mark.parametrize("tightness", [1.0, 0.7, 0.4, 0.0])
+def test_the_pruned_search_picks_what_compiling_every_candidate_picks(meshes, tightness):
+    """Memory between the least and the most any candidate needs (1.0: all fit, 0.0: one): the
+    search that prunes by the cost model's orders picks the exhaustive search's best and
+    compiles fewer candidates; each pruned one names what rules it out."""
+    plan, rates, every = meshes
+    peaks = sorted(c.peak for c in every.candidates if c.predicted)
+    memory = peaks[round(tightness * (len(peaks) - 1))]
+    best = dataclasses.replace(every, memory=memory).best
+    pruned = search_plans(plan, 4, memory, rates, ranks_per_node=2)
+    assert pruned.best is not None and pruned.best.fields == best.fields
+    assert len(pruned.candidates) == len(every.candidates)
+    compiled = [c for c in pruned.candidates if c.pruned is None]
+    assert len(compiled) < len(every.candidates)
+    assert all(c.pruned.startswith("pruned: ") for c in pruned.candidates if c.pruned)
+    assert f"{len(every.candidates) - len(compiled)} pruned" in pruned.format()
+
+
+def test_where_nothing_fits_the_search_says_so_after_few_compiles(meshes):
+    plan, rates, every = meshes
+    least = min(c.peak for c in every.candidates if c.predicted)
+    pruned = search_plans(plan, 4, least - 1, rates, ranks_per_node=2)
+    assert pruned.best is None and "no candidate fits" in pruned.format()
+    # (each mesh: the first compiled, then the one that saves the most: neither fits)
+    meshes_tried = {(c.fields["parallel.tp"], c.fields["zero.replicate"]) for c in every.candidates}
+    assert sum(c.pruned is None for c in pruned.candidates) <= 2 * len(meshes_tried)

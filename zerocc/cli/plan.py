@@ -65,6 +65,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "-o", "--output", metavar="PLAN",
         help="write the chosen plan here (default: PLAN's name with .auto.yaml, beside it)",
     )  # fmt: skip
+    auto.add_argument(
+        "--exhaustive", action="store_true",
+        help="compile every candidate (default: skip those the cost model's orders rule out)",
+    )  # fmt: skip
     auto.set_defaults(run=_auto)
 
 
@@ -98,7 +102,8 @@ def _auto(args: argparse.Namespace) -> int:
         raise ZeroccError(f"--world-size {args.world_size}: at least 1")
     rates = rates_for(plan, args.device, args.calibration)
     memory = memory_per_rank(rates.device, args.memory, args.ranks_per_node or args.world_size)
-    search = search_plans(plan, args.world_size, memory, rates, ranks_per_node=args.ranks_per_node)
+    search = search_plans(plan, args.world_size, memory, rates, ranks_per_node=args.ranks_per_node,
+                          exhaustive=args.exhaustive)  # fmt: skip
     print(search.format())
     if search.best is None:
         return 2
