@@ -230,6 +230,6 @@ def test_where_nothing_fits_the_search_says_so_after_few_compiles(meshes):
     least = min(c.peak for c in every.candidates if c.predicted)
     pruned = search_plans(plan, 4, least - 1, rates, ranks_per_node=2)
     assert pruned.best is None and "no candidate fits" in pruned.format()
-    # (each mesh: the first compiled, then the one that saves the most: neither fits)
+    # (each mesh: its first, then the most saving of that stage, then of the mesh: none fits)
     meshes_tried = {(c.fields["parallel.tp"], c.fields["zero.replicate"]) for c in every.candidates}
-    assert sum(c.pruned is None for c in pruned.candidates) <= 2 * len(meshes_tried)
+    assert sum(c.pruned is None for c in pruned.candidates) <= 3 * len(meshes_tried)

@@ -29,12 +29,14 @@ orders the cost model keeps (the rest of the plan alike, on one mesh):
 
 The search compiles, among what is left, the candidate whose time has the lowest known bound
 (the slowest of what it goes further than; the orders' roots first), and right after one that
-does not fit, its mesh's candidate that saves the most memory (if that does not fit either,
-nothing of its mesh does); it stops when nothing is left. Pruned candidates are listed with the
-candidate that rules them out. The pick is the exhaustive search's wherever the orders hold (a
-test compares both); ``exhaustive=True`` (`zerocc plan auto --exhaustive`) compiles every
-candidate, as the benchmark that checks the model against measured runs does. A 70B-class GPT
-on 1024 ranks: 36 of 92 candidates compiled, 2 min instead of 6.
+does not fit, the candidate of its mesh and stage that saves the most memory (if that does not
+fit either, nothing of that stage or an earlier one does), then its mesh's (nothing of the mesh,
+then); it stops when nothing is left.
+Pruned candidates are listed with the candidate that rules them out. The pick is the
+exhaustive search's wherever the orders hold (a test compares both); ``exhaustive=True``
+(`zerocc plan auto --exhaustive`) compiles every candidate, as the benchmark that checks the
+model against measured runs does. A 70B-class GPT on 1024 ranks: 35 of 92 candidates compiled,
+2-3 min instead of 5.8 (this machine is shared: noisy).
 """
 
 from __future__ import annotations
@@ -313,13 +315,16 @@ def _pruned_search(
 ) -> list[Candidate]:
     """The candidates of ``space``, each compiled (``predict``) or pruned by the orders (see
     the module's docstring), the one with the lowest bound on its time compiled next."""
-    # Each mesh's candidate that saves the most memory: compiled as soon as one of its mesh
-    # does not fit (if it does not fit either, nothing of its mesh does).
+    # The candidate of each mesh and stage, and of each mesh, that saves the most memory: after
+    # one that does not fit, its stage's (if that does not fit either, nothing of its stage or
+    # an earlier one does), then its mesh's.
     tops: dict[tuple, dict[str, Any]] = {}
     for fields in space:
-        if _mesh(fields) not in tops or _level(fields) > _level(tops[_mesh(fields)]):
-            tops[_mesh(fields)] = fields
+        for key in (_column(fields), _mesh(fields)):
+            if key not in tops or _level(fields) > _level(tops[key]):
+                tops[key] = fields
     done: list[Candidate] = []
+    last: Candidate | None = None  # the last compiled
     left = list(space)
     while left:
         best = min((c.seconds_per_work for c in done if c.fits(memory)), default=None)
@@ -336,22 +341,37 @@ def _pruned_search(
         def bound(fields: dict[str, Any]) -> tuple[float, int]:
             before = [c.seconds_per_work for c in done
                       if c.predicted and _further(c.fields, fields, NO_FASTER)]  # fmt: skip
-            return max(before, default=0.0), _level(fields)
+            return max(before, default=0.0), _time_level(fields)
 
-        last = done[-1] if done else None
-        top = tops[_mesh(last.fields)] if last is not None and last.predicted else None
-        if top is not None and not last.fits(memory) and any(f is top for f in still):
-            chosen = top
-        else:
-            chosen = min(still, key=bound)
-        done.append(predict(chosen))
+        tried = [] if last is None or not last.predicted or last.fits(memory) else [
+            tops[_column(last.fields)], tops[_mesh(last.fields)]
+        ]  # fmt: skip
+        chosen = next((top for top in tried if any(f is top for f in still)), None)
+        chosen = chosen or min(still, key=bound)
+        last = predict(chosen)
+        done.append(last)
         left = [f for f in still if f is not chosen]
     return done
 
 
+def _time_level(fields: dict[str, Any]) -> int:
+    """How far along the time order ``fields`` go, in all; stage 0 counted past stage 3 (it
+    needs the most memory: compiled after stage 1, which rules it out where it does not fit)."""
+    return sum(
+        NO_FASTER[path].index(value) if value in NO_FASTER[path] else len(NO_FASTER[path])
+        for path, value in fields.items()
+        if path in NO_FASTER
+    )
+
+
 def _mesh(fields: dict[str, Any]) -> tuple:
-    """The fields of a candidate outside the orders (its mesh)."""
+    """A candidate's fields outside the orders (its mesh)."""
     return tuple((k, v) for k, v in fields.items() if k not in SAVES_MEMORY)
+
+
+def _column(fields: dict[str, Any]) -> tuple:
+    """A candidate's mesh (its fields outside the orders) and ZeRO stage."""
+    return tuple((k, v) for k, v in fields.items() if k not in SAVES_MEMORY or k == "zero.stage")
 
 
 def _level(fields: dict[str, Any]) -> int:
