@@ -56,6 +56,10 @@ CASES = [
     # dense layers split over tp 2, experts over ep 2 within each tp slice's ranks
     {"model": "mixtral_grouped", "stage": 3, "world": 4, "ep": 2, "tp": 2,
      "optimizer": CLIPPED},
+    # ... and sequence parallelism: each tp rank's chunk of the tokens exchanged over its ep
+    # group, the experts' gradients summed over tp (no router loss: a statistic of a chunk)
+    {"model": "mixtral_no_router_loss", "stage": 1, "world": 4, "ep": 2, "tp": 2, "sp": True,
+     "accum": 2},
     # every token to experts 0-1: ep rank 1 (and 3) receives none at any step
     {"model": "one_sided_moe", "stage": 3, "world": 4, "ep": 2},
     # ... with its experts' input needing no gradient (the experts fine-tuned alone)

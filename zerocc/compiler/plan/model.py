@@ -286,7 +286,6 @@ class Plan(Section):
         not_yet = {
             "zero.replicate": self.zero.replicate > 1,
             "parallel.pp": self.parallel.pp > 1,
-            "parallel.sequence_parallel": self.parallel.sequence_parallel,
             "zero.stage: 0": self.zero.stage == 0,
         }
         taken = [name for name, set_ in not_yet.items() if set_]
