@@ -38,7 +38,7 @@ from zerocc.compiler.driver.pipeline import (
     compile_rank,
     cut_step,
 )
-from zerocc.compiler.driver.session import CompileSession
+from zerocc.compiler.driver.session import CompileSession, ModelSplits
 from zerocc.compiler.materialize import weight_source
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import (
@@ -66,7 +66,7 @@ from zerocc.inspect.pipeline_dumps import RankStep, write_pipeline_programs, wri
 from zerocc.inspect.pipeline_estimate import program_seconds
 from zerocc.ir.keyed_draws import DrawKey, drawing_under
 from zerocc.ir.nodes import BATCH, placeholders, val
-from zerocc.ir.ops import DP_GROUP, PP_GROUP
+from zerocc.ir.ops import DP_GROUP, EP_GROUP, PP_GROUP
 from zerocc.runtime.agreement import (
     END_OF_DATA,
     Agreement,
@@ -124,6 +124,11 @@ class PipelineStep(SavesInBackground):
         self.pp_rank = self.mesh.pp_rank(comm.rank)
         self.pipeline_ranks = next(g for g in self.mesh.groups(PP_GROUP) if comm.rank in g)
         self.full_model_info = describe_model(model)
+        # The layers and experts the ranks split (one object per step: the experts' regions
+        # captured in every program exchange their tokens through the group bound here).
+        self.splits = ModelSplits.of(model, self.full_model_info, plan)
+        if self.splits.expert_parallel is not None:
+            self.splits.expert_parallel.bind(comm.on(EP_GROUP))
         self.steps = 0  # optimizer steps applied (a step skipped for overflow not counted)
         self.micro_batches = 0  # calls (each one optimizer step's batch), skipped ones too
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)
@@ -346,11 +351,11 @@ class PipelineStep(SavesInBackground):
         self, signature: tuple, microbatch: tuple
     ) -> tuple[dict[int, _Program], TorchTransport]:
         """This rank's evaluation programs for batches of ``signature``, and their transport."""
-        gm, _, local = capture_microbatch(
-            self.model, self.full_model_info, self.plan, self.loss_fn, microbatch, self.device,
+        gm = capture_microbatch(
+            self.model, self.splits, self.plan, self.loss_fn, microbatch, self.device,
             gradients=False,
         )  # fmt: skip
-        staged = cut_stages(gm, local, self.stage_units)
+        staged = cut_stages(gm, self.splits.local, self.stage_units)
         mine = self.schedule.stages_of(self.pp_rank)
         programs = {
             s: self._lowered(gm) for s, gm in self.compiler.evaluation(staged, mine).items()
@@ -480,16 +485,16 @@ class PipelineStep(SavesInBackground):
     def _build(self, microbatch: tuple) -> None:
         """Capture the step on ``microbatch``, cut it, compile this rank's programs, lay out and
         allocate its state and lower the programs."""
-        full = self.full_model_info
-        gm, tp, local = capture_microbatch(
-            self.model, full, self.plan, self.loss_fn, microbatch, self.device
+        full, local = self.full_model_info, self.splits.local
+        gm = capture_microbatch(
+            self.model, self.splits, self.plan, self.loss_fn, microbatch, self.device
         )
         stage_units, _ = split_units(self.plan, gm, local, self.mesh.shard_size)
         staged = cut_step(gm, local, stage_units, self.plan, self.comm.world_size)
         dumps = self.dump_dir is not None
         compiled = compile_rank(
-            self.model, self.plan, self.comm.world_size, self.loss_fn, full, tp, staged,
-            self.schedule, self.pp_rank, self.device, keep_graphs=dumps,
+            self.model, self.plan, self.comm.world_size, self.loss_fn, full, self.splits,
+            staged, self.schedule, self.pp_rank, self.device, keep_graphs=dumps,
         )  # fmt: skip
         if dumps and self.comm.rank % self.mesh.stage_ranks == 0:  # the pipeline rank's first
             write_pipeline_programs(self.dump_dir, compiled.records)

@@ -76,6 +76,11 @@ CASES = [
      "optimizer": CLIPPED, "evaluate": True},
     {"model": "gpt4_dropout", "stage": 1, "world": 4, "pp": 2, "tp": 2, "sp": True, "accum": 2,
      "schedule": "zero-bubble", "keyed": True},
+    # Expert parallelism inside the stages: each stage's experts split over its 2 data ranks,
+    # every MoE layer's tokens exchanged over them (eager experts: opaque regions; grouped_mm)
+    {"model": "mixtral_grouped", "stage": 3, "world": 4, "pp": 2, "ep": 2, "accum": 2},
+    {"model": "mixtral", "stage": 1, "world": 4, "pp": 2, "ep": 2, "accum": 2,
+     "schedule": "gpipe"},
     # Dropout, drawn by key (capture.draws: keyed): each micro-batch's masks are the ones one
     # process draws for it under zerocc.keyed_draws, whichever stage and rank draws them;
     # recomputed, and with the backward split in two
@@ -113,6 +118,7 @@ def train_pipeline(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[s
             "data_rank": step.data_rank,
             "params": step.full_state_dict(),
             "backend_notes": step.backend_notes(),
+            "elements": dict(step.comm.stats.elements),
         }
     return out
 
@@ -140,6 +146,8 @@ def test_a_pipeline_matches_unsharded_training(case):
                 value, ref_state[name], rtol=_tolerance(case), atol=1e-6, msg=name
             )
             held[name] = value
+    if "ep" in case:  # tokens were exchanged over the ep ranks, by every pipeline rank
+        assert all(got["elements"].get("all_to_all (ep)", 0) > 0 for got in ranks)
     names = dict(_model(case).named_parameters(remove_duplicate=False))
     assert held.keys() == {n for n in ref_state if n in names}  # every parameter is held
 

@@ -16,11 +16,10 @@ import torch
 
 from zerocc.compiler.capture import ModelInfo, describe_model
 from zerocc.compiler.driver.pipeline import capture_microbatch, cut_step
-from zerocc.compiler.driver.session import PIPELINE_STATUS
+from zerocc.compiler.driver.session import PIPELINE_STATUS, ModelSplits
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from zerocc.compiler.parallel.stage_programs import StagedStep
-from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.stage_balance import StageSplit, split_units
@@ -40,7 +39,7 @@ class PipelineInspection:
     schedule: PipelineSchedule
     workload: Workload  # its model and loss, what the ranks' programs compile
     full: ModelInfo  # the model, every parameter whole
-    tensor_parallel: TensorParallel | None  # the layers the stages split, if any
+    splits: ModelSplits  # the layers and experts the ranks split
 
     def format(self) -> str:
         pipeline = self.plan.pipeline
@@ -72,11 +71,11 @@ def inspect_pipeline(
     microbatches = pipeline.microbatches_of(pp)
     batch = microbatches_of(first_batch(workload, mesh.data_parallel), microbatches)[0]
     full = describe_model(workload.model)
-    gm, tp, local = capture_microbatch(
-        workload.model, full, plan, workload.loss_fn, batch, torch.device("cpu")
-    )
-    stage_units, split = split_units(plan, gm, local, mesh.shard_size)
-    staged = cut_step(gm, local, stage_units, plan, world_size)
+    splits = ModelSplits.of(workload.model, full, plan)
+    gm = capture_microbatch(workload.model, splits, plan, workload.loss_fn, batch,
+                            torch.device("cpu"))  # fmt: skip
+    stage_units, split = split_units(plan, gm, splits.local, mesh.shard_size)
+    staged = cut_step(gm, splits.local, stage_units, plan, world_size)
     schedule = pipeline_schedule(pipeline.schedule, pp, microbatches, pipeline.stages_per_rank_of())
     shapes = tuple(tuple(b.shape) for b in batch if isinstance(b, torch.Tensor))
-    return PipelineInspection(plan, mesh, shapes, split, staged, schedule, workload, full, tp)
+    return PipelineInspection(plan, mesh, shapes, split, staged, schedule, workload, full, splits)

@@ -173,7 +173,7 @@ def estimate_pipeline(
     for r in range(inspection.mesh.pp):
         compiled = compile_rank(
             work.model, inspection.plan, world_size, work.loss_fn, inspection.full,
-            inspection.tensor_parallel, inspection.staged, schedule, r, torch.device("cpu"),
+            inspection.splits, inspection.staged, schedule, r, torch.device("cpu"),
         )  # fmt: skip
         states = model_state_bytes_of(compiled.session.layout)
         memory = predict_pipeline_memory(schedule.actions[r], compiled.programs, states["total"])

@@ -62,7 +62,6 @@ def test_ep_groups_are_neighbouring_data_ranks_and_edp_the_ranks_holding_the_sam
     [
         ({"zero": {"stage": 0}}, "with zero.stage: 0"),
         ({"zero": {"stage": 3, "replicate": 2}}, "with zero.replicate"),
-        ({"parallel": {"ep": 2, "pp": 2}}, "with parallel.pp"),
     ],
 )
 def test_what_expert_parallelism_does_not_compose_with_yet_is_a_plan_error(extra, says):

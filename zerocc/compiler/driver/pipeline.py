@@ -1,8 +1,9 @@
 """A pipeline rank's programs, compiled without running anything (issue 47): what a
 :class:`zerocc.PipelineStep` lowers and runs, and what ``zerocc estimate`` predicts.
 
-The step is captured once on one micro-batch (:func:`capture_microbatch`: under tensor
-parallelism in its split form, each split parameter as a rank's slice) and cut into stages
+The step is captured once on one micro-batch (:func:`capture_microbatch`: under tensor and
+expert parallelism in its split form, each split parameter as a rank's slice, each experts
+module's call a region exchanging its tokens over ``ep``) and cut into stages
 (:mod:`zerocc.compiler.parallel.stage_cut`; the split is the caller's, balanced by the cost
 model). :func:`compile_rank` then compiles what one pipeline rank runs: the rank holds the
 parameters its stages read, in units of its own (a parameter another pipeline rank holds too,
@@ -32,7 +33,8 @@ from zerocc.compiler.driver.pass_manager import (
     state_layout,
 )
 from zerocc.compiler.driver.program import capture_split, check_bindings, snapshot
-from zerocc.compiler.driver.session import CompileSession
+from zerocc.compiler.driver.session import CompileSession, ModelSplits
+from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule
 from zerocc.compiler.parallel.stage_cut import cut_stages
@@ -92,20 +94,18 @@ def cut_step(
 
 def capture_microbatch(
     model: nn.Module,
-    full: ModelInfo,
+    splits: ModelSplits,
     plan: Plan,
     loss_fn: LossFn | None,
     microbatch: Sequence[Any],
     device: torch.device,
     gradients: bool = True,
-) -> tuple[fx.GraphModule, TensorParallel | None, ModelInfo]:
-    """The step of one micro-batch captured as a rank runs it (``gradients=False``: its
-    forward alone, in eval mode, for evaluation): the graph, the layers tensor parallelism
-    splits (None without), and the model as a rank holds it (each split parameter's slice)."""
-    tp = TensorParallel.of(model, full, plan)
-    local = tp.local_info(full) if tp is not None else full
-    gm = capture_split(model, local, plan, loss_fn, microbatch, device, gradients, tp)
-    return gm, tp, local
+) -> fx.GraphModule:
+    """The step of one micro-batch captured as a rank runs it, with its ``splits`` (its
+    layers' and experts' slices; ``gradients=False``: its forward alone, in eval mode, for
+    evaluation)."""
+    return capture_split(model, splits.local, plan, loss_fn, microbatch, device, gradients,
+                         splits.tensor_parallel, splits.expert_parallel)  # fmt: skip
 
 
 @dataclass
@@ -138,6 +138,7 @@ class RankCompiler:
     layout: StateLayout
     pass_list: PassList
     tensor_parallel: TensorParallel | None
+    expert_parallel: ExpertParallel | None
     tied_units: frozenset[str]
     counts_tied: bool  # this rank counts the tied units in the clipping norm
     keep_graphs: bool
@@ -154,7 +155,7 @@ class RankCompiler:
         ctx = PassContext(
             self.plan, self.world_size, self.held, boundary=key is None, units=self.units,
             update_of=update_of, tied=self.tied_units, tied_norm=self.counts_tied,
-            tensor_parallel=self.tensor_parallel,
+            tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
         )  # fmt: skip
         gm, self.records[program_name(self.pp_rank, key)] = run_passes(
             graph, ctx, self.pass_list, snapshot if self.keep_graphs else None
@@ -184,7 +185,7 @@ def compile_rank(
     world_size: int,
     loss_fn: LossFn | None,
     full: ModelInfo,
-    tp: TensorParallel | None,
+    splits: ModelSplits,
     staged: StagedStep,
     schedule: PipelineSchedule,
     pp_rank: int,
@@ -192,12 +193,12 @@ def compile_rank(
     keep_graphs: bool = False,
 ) -> RankPrograms:
     """Compile what pipeline rank ``pp_rank`` runs of ``staged`` (cut from the step of
-    ``full``, as :func:`capture_microbatch` gave it) under ``plan`` (the user's) on
-    ``world_size`` ranks; ``keep_graphs`` keeps a copy of each program after every pass in
-    its records (for the dumps)."""
+    ``full`` split as ``splits``, as :func:`capture_microbatch` captured it) under ``plan``
+    (the user's) on ``world_size`` ranks; ``keep_graphs`` keeps a copy of each program after
+    every pass in its records (for the dumps)."""
     mesh = Mesh.of_plan(plan, world_size)
     plan = stage_plan(plan)
-    local = tp.local_info(full) if tp is not None else full
+    tp, ep, local = splits.tensor_parallel, splits.expert_parallel, splits.local
     mine = schedule.stages_of(pp_rank)
     held = stage_model(local, *(staged.stages[s] for s in mine))
     holds = {p.fqn for p in held.params}
@@ -205,14 +206,14 @@ def compile_rank(
         fqn for fqn, stages in staged.tied.items()
         if len({schedule.rank_of(s) for s in stages}) > 1 and fqn in holds
     )  # fmt: skip
-    units = _units(held, tied, mesh.shard_size, plan)
+    units = _units(held, tied, mesh, plan, ep)
     pass_list = bind_passes(plan)
     layout = state_layout(pass_list, units, plan)
     session = CompileSession(
-        model, plan, world_size, loss_fn, mesh, full, tp, None, held, pass_list, units, layout
-    )  # (no expert parallelism in a pipeline: a plan error)
+        model, plan, world_size, loss_fn, mesh, full, tp, ep, held, pass_list, units, layout
+    )
     compiler = RankCompiler(
-        plan, world_size, pp_rank, held, units, layout, pass_list, tp,
+        plan, world_size, pp_rank, held, units, layout, pass_list, tp, ep,
         tied_units=frozenset(f"tied.{fqn}" for fqn in tied),
         # One of the pipeline ranks holding a tied unit counts it in the norm: the first.
         counts_tied=all(pp_rank <= schedule.rank_of(s) for f in tied for s in staged.tied[f]),
@@ -241,13 +242,18 @@ def compile_rank(
     return RankPrograms(session, programs, update, compiler)
 
 
-def _units(held: ModelInfo, tied: frozenset[str], shard_size: int, plan: Plan) -> list[Unit]:
-    """A rank's units as the plan groups its parameters, but a parameter another pipeline
-    rank holds too: in a unit of its own, laid out alike on both (its gradient is summed
-    between them)."""
+def _units(
+    held: ModelInfo, tied: frozenset[str], mesh: Mesh, plan: Plan, ep: ExpertParallel | None
+) -> list[Unit]:
+    """A rank's units as the plan groups its parameters (experts modules apart, on their
+    ``edp`` ranks, under expert parallelism), but a parameter another pipeline rank holds
+    too: in a unit of its own, laid out alike on both (its gradient is summed between
+    them)."""
+    shard_size = mesh.shard_size
     rest = ModelInfo(tuple(p for p in held.params if p.fqn not in tied), held.buffers,
                      held.modules)  # fmt: skip
+    experts = ep.units(mesh) if ep is not None else None
     units = assign_units(rest, shard_size, plan.units.classes, plan.units.modules,
-                         plan.units.min_mb)  # fmt: skip
+                         plan.units.min_mb, experts)  # fmt: skip
     by_fqn = {p.fqn: p for p in held.params}
     return units + [Unit.build(f"tied.{fqn}", [by_fqn[fqn]], shard_size) for fqn in sorted(tied)]

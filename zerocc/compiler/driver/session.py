@@ -48,6 +48,26 @@ PIPELINE_STATUS = (
 
 
 @dataclass(frozen=True)
+class ModelSplits:
+    """What the ranks split of one model under a plan: the layers tensor parallelism splits
+    and the experts expert parallelism does (None without either), and the model as a rank
+    holds it (each split parameter's slice). The experts' regions exchange tokens through the
+    ``ep`` object the runtime binds: capture and runtime share one."""
+
+    tensor_parallel: TensorParallel | None
+    expert_parallel: ExpertParallel | None
+    local: ModelInfo
+
+    @staticmethod
+    def of(model: nn.Module, full: ModelInfo, plan: Plan) -> ModelSplits:
+        """The splits of ``model`` (described whole as ``full``) under ``plan``; PlanError for
+        layers or experts it cannot split."""
+        tp = TensorParallel.of(model, full, plan)
+        ep = ExpertParallel.of(model, full, plan)
+        return ModelSplits(tp, ep, local_info(full, _splits(tp, ep)))
+
+
+@dataclass(frozen=True)
 class CompileSession:
     """What the programs of one model, plan and world size share (see the module's doc)."""
 
@@ -75,9 +95,8 @@ class CompileSession:
         if mesh.pp > 1:
             raise NotSupportedError(PIPELINE_NOT_YET)
         full = describe_model(model)
-        tp = TensorParallel.of(model, full, plan)
-        ep = ExpertParallel.of(model, full, plan)
-        model_info = local_info(full, _splits(tp, ep))
+        split = ModelSplits.of(model, full, plan)
+        tp, ep, model_info = split.tensor_parallel, split.expert_parallel, split.local
         pass_list = bind_passes(plan)
         units = plan.units
         experts = ep.units(mesh) if ep is not None else None

@@ -285,7 +285,6 @@ class Plan(Section):
         ep = self.parallel.ep
         not_yet = {
             "zero.replicate": self.zero.replicate > 1,
-            "parallel.pp": self.parallel.pp > 1,
             "zero.stage: 0": self.zero.stage == 0,
         }
         taken = [name for name, set_ in not_yet.items() if set_]
