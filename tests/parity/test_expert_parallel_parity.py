@@ -60,6 +60,11 @@ CASES = [
     # group, the experts' gradients summed over tp (no router loss: a statistic of a chunk)
     {"model": "mixtral_no_router_loss", "stage": 1, "world": 4, "ep": 2, "tp": 2, "sp": True,
      "accum": 2},
+    # hybrid sharding: dense units sharded in 2 shard groups and all-reduced across the 2
+    # replicas, the experts' units sharded over their edp ranks alone (no replica of them);
+    # the clip's norm and the overflow flags summed across the replicas for the experts
+    {"model": "mixtral", "stage": 2, "world": 4, "ep": 2, "replicate": 2, "accum": 2,
+     "optimizer": CLIPPED},
     # every token to experts 0-1: ep rank 1 (and 3) receives none at any step
     {"model": "one_sided_moe", "stage": 3, "world": 4, "ep": 2},
     # ... with its experts' input needing no gradient (the experts fine-tuned alone)

@@ -61,7 +61,6 @@ def test_ep_groups_are_neighbouring_data_ranks_and_edp_the_ranks_holding_the_sam
     ("extra", "says"),
     [
         ({"zero": {"stage": 0}}, "with zero.stage: 0"),
-        ({"zero": {"stage": 3, "replicate": 2}}, "with zero.replicate"),
     ],
 )
 def test_what_expert_parallelism_does_not_compose_with_yet_is_a_plan_error(extra, says):

@@ -34,7 +34,7 @@ from zerocc.compiler.passes.spec import PassContext
 from zerocc.compiler.plan import ZeroConfig
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
-from zerocc.ir.ops import REPLICATE_GROUP, TIE_GROUP, op
+from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, TIE_GROUP, op
 
 aten = torch.ops.aten
 
@@ -215,8 +215,9 @@ class Gradients:
 
     def across_replicas(self, shard: fx.Node, unit: Unit) -> fx.Node:
         """Hybrid sharding: the reduced gradient ``shard`` all-reduced across the ranks that
-        hold the same shard (what the update reads; ``shard`` itself without replicas)."""
-        if self.replicas == 1:
+        hold the same shard (what the update reads; ``shard`` itself without replicas, and
+        for an experts' unit, whose ``edp`` group holds every rank with its experts)."""
+        if self.replicas == 1 or unit.group != DP_GROUP:
             return shard
         note = f"all-reduce {unit.name}'s gradient shard across its {self.replicas} replicas"
         return self._summed_over(shard, unit, REPLICATE_GROUP, unit.shard_numel, note)

@@ -50,7 +50,7 @@ from zerocc.ir.nodes import (
     tag,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, PP_GROUP, TP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, PP_GROUP, REPLICATE_GROUP, TP_GROUP, op
 
 aten = torch.ops.aten
 
@@ -116,18 +116,26 @@ def optimizer(
         total = None
         clip, tp = config.grad_clip is not None, ctx.tensor_parallel
         stages = ctx.mesh.pp > 1  # pipeline ranks each hold some units: agree across them
-        if check_nonfinite:  # (the norm from the same read, unless tp ranks or stages hold parts)
+        # Hybrid sharding's dp group is a shard group: an experts' unit (sharded over edp, not
+        # replicated) has shards beyond it, on the other replicas' ranks.
+        beyond = {u.name for u in units if ctx.mesh.hybrid and u.group != DP_GROUP}
+        if check_nonfinite:  # (the norm from the same read, unless tp ranks, stages or
+            # experts beyond the dp group hold parts)
             found_inf, total = _check_nonfinite(
-                graph, output, grads, scale, clip and tp is None and not stages, sliced,
-                tp is not None,
+                graph, output, grads, scale, clip and tp is None and not stages and not beyond,
+                sliced, tp is not None, bool(beyond),
             )  # fmt: skip
         # A tied unit's norm is counted by one of the pipeline ranks holding it.
         counted = [u for u in units if ctx.tied_norm or u.name not in ctx.tied]
         if clip and tp is not None:
-            total = _split_norm(graph, counted, grad_shards, scale, tp, zero, sliced)
+            total = _split_norm(graph, counted, grad_shards, scale, tp, zero, sliced, beyond)
         elif clip and total is None:
-            counted_grads = [g for u in counted for g in grad_shards[u.name]]
-            total = emit(graph, op("sum_squares"), (counted_grads, scale), **where)
+            parts = [
+                emit(graph, op("sum_squares"), ([g for u in part for g in grad_shards[u.name]],
+                                                scale), **where)
+                for part in _dense_and_beyond(counted, beyond) if part
+            ]  # fmt: skip
+            total = _summed(graph, parts, any(u.name in beyond for u in counted))
             if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
                 total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
         if stages and check_nonfinite:
@@ -298,6 +306,25 @@ def _agree_across_stages(
     return found, norm
 
 
+def _dense_and_beyond(units: list[Unit], beyond: set[str]) -> tuple[list[Unit], list[Unit]]:
+    """``units`` as those of the dp group and those with shards beyond it (see ``beyond``)."""
+    return [u for u in units if u.name not in beyond], [u for u in units if u.name in beyond]
+
+
+def _summed(graph: fx.Graph, parts: list[fx.Node], last_beyond: bool) -> fx.Node:
+    """The sum of the squared-norm ``parts`` (the dense units', then the experts' with shards
+    beyond the dp group): the experts' part first summed over the replicas, so that the dp
+    group's all-reduce after counts each of their shards once."""
+    where = {"phase": "optimizer"}
+    if last_beyond:
+        note = "all-reduce the experts' squared grad norm across the replicas"
+        parts[-1] = _all_reduce(graph, parts[-1], 1, note, REPLICATE_GROUP)
+    total = parts[0]
+    for part in parts[1:]:
+        total = emit(graph, aten.add.Tensor, (total, part), **where)
+    return total
+
+
 def _split_norm(
     graph: fx.Graph,
     units: list[Unit],
@@ -306,25 +333,30 @@ def _split_norm(
     tp: TensorParallel,
     zero: ZeroConfig,
     sliced: bool,
+    beyond: set[str],
 ) -> fx.Node:
     """The squared gradient norm under tensor parallelism: each rank's part, in which the
     parameters every tp rank holds alike count 1/tp, summed over the ranks of ``dp`` (when
-    they hold slices of the gradient) and ``tp``, so that every element counts once."""
+    they hold slices of the gradient) and ``tp``, so that every element counts once (the
+    experts' units of ``beyond`` over the replicas first)."""
     where = {"phase": "optimizer"}
-    parts = []
-    for u in units:
-        for grad in grad_shards[u.name]:
-            span = info(grad).span
-            if span is None:  # the unit's flat gradient (or this rank's shard of it)
-                shared = tp.shared_ranges(u)
-            else:  # one parameter's gradient
-                param = next(p for p in u.params if p.offset == span[0])
-                shared = [] if param.fqn in tp.splits else [0, span[1]]
-            args = (grad, scale, shared, tp.parts, u.group if zero.shards_optimizer else None)
-            parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
-    total = parts[0]
-    for part in parts[1:]:
-        total = emit(graph, aten.add.Tensor, (total, part), **where)
+    totals = []
+    for part in _dense_and_beyond(units, beyond):
+        parts = []
+        for u in part:
+            for grad in grad_shards[u.name]:
+                span = info(grad).span
+                if span is None:  # the unit's flat gradient (or this rank's shard of it)
+                    shared = tp.shared_ranges(u)
+                else:  # one parameter's gradient
+                    param = next(p for p in u.params if p.offset == span[0])
+                    shared = [] if param.fqn in tp.splits else [0, span[1]]
+                args = (grad, scale, shared, tp.parts,
+                        u.group if zero.shards_optimizer else None)  # fmt: skip
+                parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
+        if parts:
+            totals.append(_summed(graph, parts, False))
+    total = _summed(graph, totals, any(u.name in beyond for u in units))
     if sliced:
         total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm (dp)")
     note = "all-reduce the squared grad norm over the tp ranks' slices"
@@ -339,6 +371,7 @@ def _check_nonfinite(
     clip: bool,
     sliced: bool,
     split: bool,
+    beyond: bool = False,
 ) -> tuple[fx.Node, fx.Node | None]:
     """Flag every unit whose reduced gradient holds an inf or NaN, on every rank; returns the
     flag that gates the updates (returned by the program after the flags) and, when ``clip``,
@@ -365,6 +398,9 @@ def _check_nonfinite(
     if split:
         note = "all-reduce the non-finite flags over the tp ranks' slices"
         flags = _all_reduce(graph, flags, len(grads) + clip, note, TP_GROUP)
+    if beyond:  # experts' shards beyond the dp group: every replica skips alike
+        note = "all-reduce the non-finite flags across the replicas (the experts' shards)"
+        flags = _all_reduce(graph, flags, len(grads) + clip, note, REPLICATE_GROUP)
     units = emit(graph, aten.slice.Tensor, (flags, 0, 0, len(grads)), **where)
     found_inf = emit(
         graph,

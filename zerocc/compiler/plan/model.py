@@ -283,16 +283,12 @@ class Plan(Section):
     @model_validator(mode="after")
     def _experts_split_over_data_ranks(self) -> Plan:
         ep = self.parallel.ep
-        not_yet = {
-            "zero.replicate": self.zero.replicate > 1,
-            "zero.stage: 0": self.zero.stage == 0,
-        }
-        taken = [name for name, set_ in not_yet.items() if set_]
-        if ep > 1 and taken:
+        if ep > 1 and self.zero.stage == 0:
             raise ValueError(
-                f"parallel.ep: {ep} with {', '.join(taken)}: expert parallelism composes with "
-                "ZeRO over the data-parallel ranks and with tensor parallelism (tp), not yet "
-                f"with these; drop {' and '.join(taken)} or set parallel.ep: 1"
+                f"parallel.ep: {ep} with zero.stage: 0: expert parallelism composes with ZeRO "
+                "stages 1-3 over the data-parallel ranks (hybrid sharding too), tensor, "
+                "sequence and pipeline parallelism, not yet with stage 0; set zero.stage: 1 "
+                "(less memory than stage 0: the optimizer's states sharded) or parallel.ep: 1"
             )
         return self
 
