@@ -60,6 +60,11 @@ CASES = [
     # group, the experts' gradients summed over tp (no router loss: a statistic of a chunk)
     {"model": "mixtral_no_router_loss", "stage": 1, "world": 4, "ep": 2, "tp": 2, "sp": True,
      "accum": 2},
+    # stage 0: each rank holds its experts whole, all-reduced over edp; the clip's norm sums
+    # the experts' part over ep (every other expert is on another ep rank)
+    {"model": "mixtral_grouped", "stage": 0, "world": 4, "ep": 2, "optimizer": CLIPPED},
+    {"model": "mixtral", "stage": 0, "world": 4, "ep": 2, "tp": 2, "accum": 2,
+     "optimizer": CLIPPED},
     # hybrid sharding: dense units sharded in 2 shard groups and all-reduced across the 2
     # replicas, the experts' units sharded over their edp ranks alone (no replica of them);
     # the clip's norm and the overflow flags summed across the replicas for the experts
@@ -101,9 +106,9 @@ MODEL, FIRST, THEN = "mixtral_grouped", 2, 2
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
 
 
-def _plan(ep: int) -> dict:
+def _plan(ep: int, stage: int = 3) -> dict:
     return {
-        "zero": {"stage": 3},
+        "zero": {"stage": stage},
         "parallel": {"ep": ep},
         "units": entry(MODEL)[2],
         "optimizer": OPTIMIZER,
@@ -112,8 +117,8 @@ def _plan(ep: int) -> dict:
     }
 
 
-def _first(rank: int, world: int, folder: str, ep: int) -> dict:
-    step = zerocc.compile(build(MODEL), _plan(ep))
+def _first(rank: int, world: int, folder: str, ep: int, stage: int) -> dict:
+    step = zerocc.compile(build(MODEL), _plan(ep, stage))
     losses = [float(step(*batch_of({"model": MODEL}, i, step.data_rank))) for i in range(FIRST)]
     step.save(folder)
     return {"losses": losses}
@@ -143,15 +148,16 @@ def _reference(world: int):
 
 
 @pytest.mark.parametrize(
-    "then_ep",
+    ("saved_stage", "then_ep"),
     # ep 1 with --slow: its load (rows of whole tensors into whole tensors) is the tp -> no tp
-    # reshard's of test_checkpoint_reshard_parity.py
-    [4, pytest.param(1, marks=pytest.mark.slow)],
-    ids=["ep2->ep4", "ep2->ep1"],
+    # reshard's of test_checkpoint_reshard_parity.py; at stage 0 each ep rank's experts are
+    # whole on both its edp ranks, saved once
+    [(3, 4), pytest.param(3, 1, marks=pytest.mark.slow), (0, 4)],
+    ids=["ep2->ep4", "ep2->ep1", "ep2 stage 0->ep4"],
 )
-def test_a_checkpoint_saved_under_one_ep_resumes_under_another(tmp_path, then_ep):
+def test_a_checkpoint_saved_under_one_ep_resumes_under_another(tmp_path, saved_stage, then_ep):
     folder = str(tmp_path / "ckpt")
-    first = run_ranks(4, _first, folder, 2, timeout=300)
+    first = run_ranks(4, _first, folder, 2, saved_stage, timeout=300)
     then = run_ranks(4, _then, folder, then_ep, timeout=300)
     ref_losses, ref_state = _reference(4)
     for rank in range(4):
@@ -190,8 +196,8 @@ class _PoisonedRouter(torch.nn.Module):
         return self.moe(ids)
 
 
-def _poisoned(rank: int, world: int) -> dict:
-    step = zerocc.compile(_PoisonedRouter(), _plan(2) | {"units": entry(MODEL)[2]})
+def _poisoned(rank: int, world: int, stage: int) -> dict:
+    step = zerocc.compile(_PoisonedRouter(), _plan(2, stage) | {"units": entry(MODEL)[2]})
     errors, losses = [], []
     for s in range(3):
         bad = s == 1 and rank == 1
@@ -203,10 +209,12 @@ def _poisoned(rank: int, world: int) -> dict:
     return {"errors": errors, "losses": losses}
 
 
-def test_a_router_that_emits_nan_stops_every_rank_naming_the_step():
+@pytest.mark.parametrize("stage", [3, 0])
+def test_a_router_that_emits_nan_stops_every_rank_naming_the_step(stage):
     """The NaN reaches other ranks' experts through the all-to-all and every gradient through
-    the reductions: the non-finite guard names it on both ranks, which go on afterwards."""
-    for rank, record in enumerate(run_ranks(2, _poisoned, timeout=300)):
+    the reductions: the non-finite guard names it on both ranks, which go on afterwards (at
+    stage 0 the experts' flags agreed over ep: no reduction sums them)."""
+    for rank, record in enumerate(run_ranks(2, _poisoned, stage, timeout=300)):
         (message,) = record["errors"]
         assert f"rank {rank}, step 2:" in message and "unit" in message, message
         assert len(record["losses"]) == 2 and all(map(math.isfinite, record["losses"]))

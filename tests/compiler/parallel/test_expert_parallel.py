@@ -13,7 +13,6 @@ import zerocc
 from zerocc.compiler.opaque import calls_in
 from zerocc.compiler.parallel.experts import exchange_lines
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.compiler.plan import load_plan
 from zerocc.errors import PlanError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import op_name
@@ -55,17 +54,6 @@ def test_ep_groups_are_neighbouring_data_ranks_and_edp_the_ranks_holding_the_sam
     assert with_tp.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert with_tp.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert "experts split over the ep groups [0-3], [4-7]" in mesh.describe()
-
-
-@pytest.mark.parametrize(
-    ("extra", "says"),
-    [
-        ({"zero": {"stage": 0}}, "with zero.stage: 0"),
-    ],
-)
-def test_what_expert_parallelism_does_not_compose_with_yet_is_a_plan_error(extra, says):
-    with pytest.raises(PlanError, match=says):
-        load_plan(_plan() | extra)
 
 
 def test_an_ep_that_does_not_divide_the_data_ranks_is_a_plan_error():

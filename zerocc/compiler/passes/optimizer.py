@@ -50,7 +50,7 @@ from zerocc.ir.nodes import (
     tag,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, PP_GROUP, REPLICATE_GROUP, TP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, EP_GROUP, PP_GROUP, REPLICATE_GROUP, TP_GROUP, op
 
 aten = torch.ops.aten
 
@@ -116,26 +116,32 @@ def optimizer(
         total = None
         clip, tp = config.grad_clip is not None, ctx.tensor_parallel
         stages = ctx.mesh.pp > 1  # pipeline ranks each hold some units: agree across them
-        # Hybrid sharding's dp group is a shard group: an experts' unit (sharded over edp, not
-        # replicated) has shards beyond it, on the other replicas' ranks.
-        beyond = {u.name for u in units if ctx.mesh.hybrid and u.group != DP_GROUP}
+        # Experts' units whose gradients lie beyond what the norm and flags are summed over:
+        # under hybrid sharding (dp: a shard group) their shards on the other replicas' ranks;
+        # at stage 0 (nothing summed) the other experts, on the other ep ranks.
+        beyond_group = EP_GROUP if not zero.shards_optimizer else REPLICATE_GROUP
+        beyond = {
+            u.name for u in units
+            if u.group != DP_GROUP and (ctx.mesh.hybrid or not zero.shards_optimizer)
+        }  # fmt: skip
         if check_nonfinite:  # (the norm from the same read, unless tp ranks, stages or
             # experts beyond the dp group hold parts)
             found_inf, total = _check_nonfinite(
                 graph, output, grads, scale, clip and tp is None and not stages and not beyond,
-                sliced, tp is not None, bool(beyond),
+                sliced, tp is not None, beyond_group if beyond else None,
             )  # fmt: skip
         # A tied unit's norm is counted by one of the pipeline ranks holding it.
         counted = [u for u in units if ctx.tied_norm or u.name not in ctx.tied]
         if clip and tp is not None:
-            total = _split_norm(graph, counted, grad_shards, scale, tp, zero, sliced, beyond)
+            total = _split_norm(graph, counted, grad_shards, scale, tp, zero, sliced, beyond,
+                                beyond_group)  # fmt: skip
         elif clip and total is None:
             parts = [
                 emit(graph, op("sum_squares"), ([g for u in part for g in grad_shards[u.name]],
                                                 scale), **where)
                 for part in _dense_and_beyond(counted, beyond) if part
             ]  # fmt: skip
-            total = _summed(graph, parts, any(u.name in beyond for u in counted))
+            total = _summed(graph, parts, any(u.name in beyond for u in counted), beyond_group)
             if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
                 total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
         if stages and check_nonfinite:
@@ -311,14 +317,16 @@ def _dense_and_beyond(units: list[Unit], beyond: set[str]) -> tuple[list[Unit], 
     return [u for u in units if u.name not in beyond], [u for u in units if u.name in beyond]
 
 
-def _summed(graph: fx.Graph, parts: list[fx.Node], last_beyond: bool) -> fx.Node:
-    """The sum of the squared-norm ``parts`` (the dense units', then the experts' with shards
-    beyond the dp group): the experts' part first summed over the replicas, so that the dp
-    group's all-reduce after counts each of their shards once."""
+def _summed(
+    graph: fx.Graph, parts: list[fx.Node], last_beyond: bool, group: str = REPLICATE_GROUP
+) -> fx.Node:
+    """The sum of the squared-norm ``parts`` (the dense units', then, ``last_beyond``, the
+    experts' whose gradients lie beyond the dp group): the experts' part first summed over
+    ``group``, so that every expert's gradient is counted once in the sum over dp after."""
     where = {"phase": "optimizer"}
     if last_beyond:
-        note = "all-reduce the experts' squared grad norm across the replicas"
-        parts[-1] = _all_reduce(graph, parts[-1], 1, note, REPLICATE_GROUP)
+        note = f"all-reduce the experts' squared grad norm over {group}"
+        parts[-1] = _all_reduce(graph, parts[-1], 1, note, group)
     total = parts[0]
     for part in parts[1:]:
         total = emit(graph, aten.add.Tensor, (total, part), **where)
@@ -334,6 +342,7 @@ def _split_norm(
     zero: ZeroConfig,
     sliced: bool,
     beyond: set[str],
+    beyond_group: str,
 ) -> fx.Node:
     """The squared gradient norm under tensor parallelism: each rank's part, in which the
     parameters every tp rank holds alike count 1/tp, summed over the ranks of ``dp`` (when
@@ -356,7 +365,7 @@ def _split_norm(
                 parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
         if parts:
             totals.append(_summed(graph, parts, False))
-    total = _summed(graph, totals, any(u.name in beyond for u in units))
+    total = _summed(graph, totals, any(u.name in beyond for u in units), beyond_group)
     if sliced:
         total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm (dp)")
     note = "all-reduce the squared grad norm over the tp ranks' slices"
@@ -371,7 +380,7 @@ def _check_nonfinite(
     clip: bool,
     sliced: bool,
     split: bool,
-    beyond: bool = False,
+    beyond: str | None = None,
 ) -> tuple[fx.Node, fx.Node | None]:
     """Flag every unit whose reduced gradient holds an inf or NaN, on every rank; returns the
     flag that gates the updates (returned by the program after the flags) and, when ``clip``,
@@ -398,9 +407,9 @@ def _check_nonfinite(
     if split:
         note = "all-reduce the non-finite flags over the tp ranks' slices"
         flags = _all_reduce(graph, flags, len(grads) + clip, note, TP_GROUP)
-    if beyond:  # experts' shards beyond the dp group: every replica skips alike
-        note = "all-reduce the non-finite flags across the replicas (the experts' shards)"
-        flags = _all_reduce(graph, flags, len(grads) + clip, note, REPLICATE_GROUP)
+    if beyond is not None:  # experts' gradients beyond the dp group: all skip alike
+        note = f"all-reduce the non-finite flags over {beyond} (the experts' gradients)"
+        flags = _all_reduce(graph, flags, len(grads) + clip, note, beyond)
     units = emit(graph, aten.slice.Tensor, (flags, 0, 0, len(grads)), **where)
     found_inf = emit(
         graph,

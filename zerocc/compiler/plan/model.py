@@ -281,18 +281,6 @@ class Plan(Section):
         return self
 
     @model_validator(mode="after")
-    def _experts_split_over_data_ranks(self) -> Plan:
-        ep = self.parallel.ep
-        if ep > 1 and self.zero.stage == 0:
-            raise ValueError(
-                f"parallel.ep: {ep} with zero.stage: 0: expert parallelism composes with ZeRO "
-                "stages 1-3 over the data-parallel ranks (hybrid sharding too), tensor, "
-                "sequence and pipeline parallelism, not yet with stage 0; set zero.stage: 1 "
-                "(less memory than stage 0: the optimizer's states sharded) or parallel.ep: 1"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _kernels_update_fp32_masters(self) -> Plan:
         if self.backend.kernels == "triton" and self.precision.master != "fp32":
             raise ValueError(
