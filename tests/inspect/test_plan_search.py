@@ -233,3 +233,17 @@ def test_where_nothing_fits_the_search_says_so_after_few_compiles(meshes):
     # (each mesh: its first, then the most saving of that stage, then of the mesh: none fits)
     meshes_tried = {(c.fields["parallel.tp"], c.fields["zero.replicate"]) for c in every.candidates}
     assert sum(c.pruned is None for c in pruned.candidates) <= 3 * len(meshes_tried)
+
+
+def test_a_mixture_of_experts_gets_its_ep_degrees_searched():
+    """Expert parallelism is tried for a model with experts modules (1, 2 and 4 on 4 ranks),
+    its exchanges in the predicted time; a dense model gets no ep."""
+    pytest.importorskip("transformers")
+    plan = load_plan(EXAMPLES.parent / "huggingface" / "mixtral-tiny.yaml")
+    searched = search_plans(plan, 4, 2**40, rates_for(plan, "cpu"), exhaustive=True)
+    assert {c.fields["parallel.ep"] for c in searched.candidates} == {1, 2, 4}
+    assert all(c.predicted for c in searched.candidates)
+    assert "parallel.ep: 2" in searched.format()
+    dense = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload"})
+    candidates = search_plans(dense, 2, 2**40, rates_for(dense, "cpu")).candidates
+    assert all("parallel.ep" not in c.fields for c in candidates)

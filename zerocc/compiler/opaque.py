@@ -148,6 +148,18 @@ def regions_in(gm: fx.GraphModule) -> list[Region]:
     return [region for region, _ in calls_in(gm)]
 
 
+def region_of(node: fx.Node) -> tuple[Region, bool] | None:
+    """The region whose forward (True) or backward (False) ``node`` runs; None for any other
+    node."""
+    if node.op != "call_function":
+        return None
+    if node.target is torch.ops.zerocc_opaque.region_forward.default:
+        return _REGIONS[node.args[0]], True
+    if node.target is torch.ops.zerocc_opaque.region_backward.default:
+        return _REGIONS[node.args[0]], False
+    return None
+
+
 def calls_in(gm: fx.GraphModule) -> list[tuple[Region, fx.Node]]:
     """Each region whose forward ``gm`` runs, with the node that runs it, in graph order."""
     return [
@@ -413,5 +425,6 @@ def region_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
     return [
         f"opaque regions: {kinds}: each call runs as one op (its parameters sharded, gathered "
         "and reduced as any other's), its forward run again in backward; nothing inside it is "
-        "compiled, overlapped or in the predicted step time"
+        "compiled or overlapped, and its compute is not in the predicted step time (expert "
+        "parallelism's token exchanges are)"
     ]

@@ -52,6 +52,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from zerocc.compiler.parallel.experts import Exchanges, exchanges_of
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.state import HOST
 from zerocc.cost.memory import tensors_in
@@ -315,6 +316,8 @@ class NodeWork:
     group: str = DP_GROUP  # collective: the group of the mesh it runs on
     collective: str = ""  # collective: all_gather | ...; transfer: to_host | nvme_read | ...
     host: bool = field(default=False, compare=False)  # compute on host tensors only
+    # compute: the experts' token exchanges it waits for inside (expert parallelism's regions)
+    exchanges: Exchanges | None = None
 
 
 _WORK_KEY = "zerocc_work"
@@ -371,7 +374,8 @@ def _work_of(node: fx.Node) -> NodeWork:
     on_cpu = bool(inputs) and all(t.device.type == "cpu" for t in inputs)
     host = info(node).pool == HOST or (on_cpu and _device_of(node.graph) != "cpu")
     moved = _bytes_moved(node, args, kwargs)
-    return NodeWork(COMPUTE, flops=flops, bytes=moved, dtype=dtype, host=host)
+    return NodeWork(COMPUTE, flops=flops, bytes=moved, dtype=dtype, host=host,
+                    exchanges=exchanges_of(node))  # fmt: skip
 
 
 def _values(x: Any) -> Any:
@@ -514,12 +518,19 @@ class CostModel:
         if work.kind == COMPUTE and work.host and self.rates.device != "cpu":
             return self.rates.overhead_s + work.bytes / self.rates.host_memory_bytes_per_s
         if work.kind == COMPUTE:
-            return self.compute_time(work.flops, work.bytes, work.dtype)
+            return self.compute_time(work.flops, work.bytes, work.dtype) + self._exchanged(work)
         if work.kind == COLLECTIVE:
             return self.collective_time(work.collective, work.bytes, self.ranks(work), work.group)
         if work.kind == TRANSFER:
             return self.transfer_time(work.collective, work.bytes)
         return 0.0
+
+    def _exchanged(self, work: NodeWork) -> float:
+        """The experts' all-to-alls a compute node waits for inside (0 for most)."""
+        x = work.exchanges
+        if x is None:
+            return 0.0
+        return x.count * self.collective_time("all_to_all", x.nbytes, x.parts, EP_GROUP)
 
     def transfer_time(self, direction: str, nbytes: float) -> float:
         """A copy between device and host (``to_host``, ``to_device``) or an NVMe read or

@@ -3,8 +3,10 @@
 The plan names the workload and whatever the user fixes; every field of the search space that
 the plan leaves out is tried: the ZeRO stage (0-3), recomputation (none, all), on a GPU the
 optimizer's offload to host memory, and the mesh: tensor parallelism within a machine
-(``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``) and, over several
-machines, hybrid sharding (``zero.replicate``: shards within a machine, replicas across).
+(``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``), over several machines
+hybrid sharding (``zero.replicate``: shards within a machine, replicas across), and for a
+model with experts modules expert parallelism (``parallel.ep`` 1, 2, 4, ... dividing the
+ranks; its token exchanges timed by the cost model).
 Each candidate is compiled for the world size on fake tensors, as `zerocc estimate` compiles a
 plan (a meta model of any size), and its peak memory per rank and step time predicted; those
 over the memory a rank has are dropped and the rest ranked by step time per token (a tp group
@@ -51,6 +53,7 @@ import yaml
 
 from zerocc.compiler.driver.plan_changes import derive_plan, plan_field, set_field
 from zerocc.compiler.driver.program import CapturedSteps
+from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import Workload, load_workload
@@ -75,6 +78,7 @@ SAVES_MEMORY: dict[str, tuple[Any, ...]] = {
 NO_FASTER: dict[str, tuple[Any, ...]] = {**SAVES_MEMORY, "zero.stage": (1, 2, 3)}
 HOST_ONLY = {"offload.optimizer"}  # fields that mean nothing where host memory is the device's
 TP_DEGREES = (1, 2, 4, 8)  # tensor parallelism within a machine (NVLink's reach)
+EP_DEGREES = (1, 2, 4, 8, 16, 32, 64)  # expert parallelism (DeepSeek-V3 trains at ep 64)
 
 
 @dataclass(frozen=True)
@@ -201,14 +205,20 @@ def why(best: Candidate, candidates: list[Candidate], memory: int) -> str:
 
 
 def search_space(
-    plan: Plan, device: str, world_size: int, ranks_per_node: int | None = None
+    plan: Plan,
+    device: str,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    experts: bool = False,
 ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
     """The fields to try and their values, and the fields the plan fixes (set in its file).
     ``ranks_per_node``: ranks per machine (None: one machine), which bounds tensor parallelism
-    and places hybrid sharding's replicas."""
+    and places hybrid sharding's replicas; ``experts``: the model has experts modules, which
+    expert parallelism may split."""
     per_node = min(ranks_per_node or world_size, world_size)
     space, fixed = {}, []
-    for path, values in {**SPACE, **_mesh_space(plan, world_size, per_node)}.items():
+    mesh = _mesh_space(plan, world_size, per_node, experts)
+    for path, values in {**SPACE, **mesh}.items():
         if device != "cuda" and path in HOST_ONLY:
             continue
         if _set_in(plan, path):
@@ -218,10 +228,17 @@ def search_space(
     return space, fixed
 
 
-def _mesh_space(plan: Plan, world_size: int, per_node: int) -> dict[str, tuple[Any, ...]]:
+def _mesh_space(
+    plan: Plan, world_size: int, per_node: int, experts: bool
+) -> dict[str, tuple[Any, ...]]:
     """The mesh's fields worth trying: tp degrees that divide a machine's ranks (where the plan
-    names the layers tp splits), and, over several machines, one replica per machine."""
+    names the layers tp splits), over several machines one replica per machine, and for a
+    mixture of experts the ep degrees that divide the ranks (those that do not divide the data
+    ranks of a candidate's mesh are no candidates; those that do not divide its experts, plan
+    errors listed as such)."""
     space: dict[str, tuple[Any, ...]] = {}
+    if experts:
+        space["parallel.ep"] = tuple(d for d in EP_DEGREES if world_size % d == 0)
     if plan.parallel.tp_layers:
         degrees = tuple(d for d in TP_DEGREES if d <= per_node and per_node % d == 0)
         if len(degrees) > 1:
@@ -268,7 +285,8 @@ def search_plans(
         )
     rates = rates or rates_for(plan)
     workload = workload or load_workload(plan)
-    space, fixed = search_space(plan, rates.device, world_size, ranks_per_node)
+    experts = ExpertParallel.holds_experts(workload.model, plan)
+    space, fixed = search_space(plan, rates.device, world_size, ranks_per_node, experts)
     captured = CapturedSteps()  # (the candidates differ in their passes: one capture serves)
     plans = {}
     for fields in candidate_fields(space):

@@ -11,8 +11,9 @@ from models import MoECausalLM, _token_batch, tiny_gpt
 
 import zerocc
 from zerocc.compiler.opaque import calls_in
-from zerocc.compiler.parallel.experts import exchange_lines
+from zerocc.compiler.parallel.experts import exchange_lines, exchanges_of
 from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.cost.model import CostModel, node_work, rates_for
 from zerocc.errors import PlanError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import op_name
@@ -93,6 +94,24 @@ def test_the_program_holds_each_rank_s_experts_and_their_units_over_edp():
     assert {n.args[-1] for n in gathers} == {"dp", "edp"}
     assert "all-to-all (ep 2)" in exchange_lines([gm])[0]
     assert any("all-to-all (ep 2)" in note for note in estimate(inspection).notes)
+
+
+def test_the_predicted_step_waits_for_the_exchanges():
+    """Each experts call's region costs its all-to-alls (2 in forward, 4 in backward: the
+    recompute's and the gradients'), uniform routing taken, over the ep link: the estimate's
+    step is longer by that much, and longer again on a slower ep link."""
+    inspection = inspect_plan(_plan(2), 4, _workload())
+    gm = inspection.stepping.gm
+    found = [x for n in gm.graph.nodes if (x := exchanges_of(n)) is not None]
+    assert sorted(x.count for x in found) == [2, 2, 4, 4]  # 2 layers' forward and backward
+    rates = rates_for(inspection.plan, "cpu")
+    cost = CostModel(rates, 4, Mesh.of_plan(inspection.plan, 4))
+    one = cost.collective_time("all_to_all", found[0].nbytes, 2, "ep")
+    region = next(n for n in gm.graph.nodes if exchanges_of(n) is not None)
+    plain = cost.compute_time(node_work(region).flops, node_work(region).bytes)
+    assert cost(region) == pytest.approx(plain + exchanges_of(region).count * one)
+    slow = rates.replace("test", group_links={"ep": rates.link_bytes_per_s / 100})
+    assert estimate(inspection, slow).timing.step_s > estimate(inspection, rates).timing.step_s
 
 
 def test_the_same_model_without_ep_has_no_exchange():

@@ -40,7 +40,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from zerocc.compiler.capture import ModelInfo
-from zerocc.compiler.opaque import Body, calls_in
+from zerocc.compiler.opaque import Body, region_of
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.tensor_parallel import Split
 from zerocc.compiler.plan import Plan
@@ -90,6 +90,17 @@ class ExpertParallel:
         self.splits = splits  # parameter FQN (every alias) -> split along the experts
         self._fqn_of = fqn_of  # id of each experts module -> its FQN
         self.exchange: Exchange | None = None
+
+    @staticmethod
+    def holds_experts(model: nn.Module, plan: Plan) -> bool:
+        """Whether ``model`` has a module ``plan.parallel.experts`` names (by class, or any
+        ``*Experts`` class under ``auto``): what expert parallelism could split."""
+        classes = set(plan.parallel.experts)
+        auto = AUTO_EXPERTS in classes
+        return any(
+            type(m).__name__ in classes or (auto and type(m).__name__.endswith(EXPERTS_SUFFIX))
+            for m in model.modules()
+        )
 
     @staticmethod
     def of(model: nn.Module, info: ModelInfo, plan: Plan) -> ExpertParallel | None:
@@ -262,7 +273,39 @@ def _with_aliases(info: ModelInfo, splits: dict[str, Split]) -> dict[str, Split]
 
 # Row exchanges per call of an experts module in a training step: forward's 2 (tokens out,
 # results back), backward's recompute of them, and their gradients' 2 the reverse way.
-EXCHANGES_PER_CALL = 6
+FORWARD_EXCHANGES, BACKWARD_EXCHANGES = 2, 4
+EXCHANGES_PER_CALL = FORWARD_EXCHANGES + BACKWARD_EXCHANGES
+
+
+@dataclass(frozen=True)
+class Exchanges:
+    """The all-to-alls one node of a program makes for an experts module: ``count`` of them,
+    each of ``nbytes`` (the call's ``tokens × top-k`` rows, every rank's share of which the
+    routing decides: taken as uniform), over the ``parts`` ranks of ``ep``."""
+
+    count: int
+    nbytes: int
+    parts: int
+
+    @property
+    def sent(self) -> float:
+        """Bytes this rank sends in all: ``(ep - 1) / ep`` of each exchange's rows."""
+        return self.count * self.nbytes * (self.parts - 1) / self.parts
+
+
+def exchanges_of(node: fx.Node) -> Exchanges | None:
+    """What ``node`` exchanges if it runs an experts module's region split by expert
+    parallelism (its forward: 2 exchanges, its backward: 4); None for any other node."""
+    found = region_of(node)
+    ep = getattr(found[0].body, "__self__", None) if found is not None else None
+    if not isinstance(ep, ExpertParallel):
+        return None
+    forward = found[1]
+    tensors = node.args[1] if forward else node.args[2]  # (backward: key, wanted, tensors, …)
+    hidden, index = (val(t) for t in tensors[:2])
+    rows = hidden.shape[0] * index.shape[-1]
+    count = FORWARD_EXCHANGES if forward else BACKWARD_EXCHANGES
+    return Exchanges(count, rows * hidden.shape[-1] * hidden.element_size(), ep.parts)
 
 
 def exchange_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
@@ -270,15 +313,13 @@ def exchange_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
     bytes a rank sends per step, with the routing taken as uniform (``(ep - 1) / ep`` of each
     call's ``tokens × top-k`` rows leave the rank), since the real sizes depend on the data."""
     sent, calls, parts = 0.0, 0, 0
-    for region, node in (c for gm in programs for c in calls_in(gm)):
-        ep = getattr(region.body, "__self__", None)
-        if not isinstance(ep, ExpertParallel):
-            continue
-        hidden, index = (val(t) for t in node.args[1][:2])
-        rows = hidden.shape[0] * index.shape[-1]
-        row_bytes = hidden.shape[-1] * hidden.element_size()
-        sent += EXCHANGES_PER_CALL * rows * row_bytes * (ep.parts - 1) / ep.parts
-        calls, parts = calls + 1, ep.parts
+    for gm in programs:
+        for node in gm.graph.nodes:
+            exchanges = exchanges_of(node)
+            if exchanges is not None:
+                sent += exchanges.sent
+                calls += node.target is torch.ops.zerocc_opaque.region_forward.default
+                parts = exchanges.parts
     if not calls:
         return []
     return [
@@ -286,6 +327,6 @@ def exchange_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
         f"taken as uniform ({calls} call{'s' * (calls != 1)} of experts, "
         f"{EXCHANGES_PER_CALL} row exchanges each: "
         "tokens out and results back in forward, again in backward's recompute, and their "
-        "gradients); each call runs them inside its opaque region, not in the predicted step "
-        "time"
+        "gradients); each call runs them inside its opaque region, on the compute stream: "
+        "the predicted step waits for them"
     ]
