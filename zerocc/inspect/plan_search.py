@@ -1,12 +1,12 @@
 """`zerocc plan auto`: the fastest plan that fits, found with the cost model (issue 52).
 
 The plan names the workload and whatever the user fixes; every field of the search space that
-the plan leaves out is tried: the ZeRO stage (0-3), recomputation (none, all), on a GPU the
-optimizer's offload to host memory, and the mesh: tensor parallelism within a machine
-(``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``), over several machines
-hybrid sharding (``zero.replicate``: shards within a machine, replicas across), and for a
-model with experts modules expert parallelism (``parallel.ep`` 1, 2, 4, ... dividing the
-ranks; its token exchanges timed by the cost model).
+the plan leaves out is tried: the ZeRO stage (0-3), recomputation (none, every other unit,
+all), on a GPU the optimizer's offload to host memory, and the mesh: tensor parallelism within
+a machine (``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``), over several
+machines hybrid sharding (``zero.replicate``: shards within a machine, replicas across), and
+for a model with experts modules expert parallelism (``parallel.ep`` 1, 2, 4, ... dividing
+the ranks; its token exchanges timed by the cost model).
 Each candidate is compiled for the world size on fake tensors, as `zerocc estimate` compiles a
 plan (a meta model of any size), and its peak memory per rank and step time predicted; those
 over the memory a rank has are dropped and the rest ranked by step time per token (a tp group
@@ -53,8 +53,10 @@ import yaml
 
 from zerocc.compiler.driver.plan_changes import derive_plan, plan_field, set_field
 from zerocc.compiler.driver.program import CapturedSteps
+from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.passes.recompute import chosen_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.model import DeviceRates, rates_for
@@ -68,10 +70,12 @@ SPACE: dict[str, tuple[Any, ...]] = {
     "recompute.units": ("none", "all"),
     "offload.optimizer": ("none", "cpu"),
 }
+# Recomputing some of the units (every other one, a list of their names): between none and all.
+SOME = "some"
 # How each field's values save memory, least first (see Pruning above) ...
 SAVES_MEMORY: dict[str, tuple[Any, ...]] = {
     "zero.stage": (0, 1, 2, 3),
-    "recompute.units": ("none", "all"),
+    "recompute.units": ("none", SOME, "all"),
     "offload.optimizer": ("none", "cpu"),
 }
 # ... and cost time, fastest first (stage 0 is in no order with the others).
@@ -114,7 +118,16 @@ class Candidate:
         return ", ".join(f"{g} {human_bytes(n)}" for g, n in sorted(self.moved.items()) if n)
 
     def describe(self) -> str:
-        return ", ".join(f"{k}: {v}" for k, v in self.fields.items()) or "(the plan as it is)"
+        return ", ".join(f"{k}: {_shown(v)}" for k, v in self.fields.items()) or (
+            "(the plan as it is)"
+        )
+
+
+def _shown(value: Any) -> str:
+    """A field's value in the table: a list of units by its count and first ones."""
+    if isinstance(value, list) and len(value) > 2:
+        return f"[{value[0]}, {value[1]}, … {len(value)} units]"
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -210,15 +223,17 @@ def search_space(
     world_size: int,
     ranks_per_node: int | None = None,
     experts: bool = False,
+    some: list[str] | None = None,
 ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
     """The fields to try and their values, and the fields the plan fixes (set in its file).
     ``ranks_per_node``: ranks per machine (None: one machine), which bounds tensor parallelism
     and places hybrid sharding's replicas; ``experts``: the model has experts modules, which
-    expert parallelism may split."""
+    expert parallelism may split; ``some``: units to recompute between none and all."""
     per_node = min(ranks_per_node or world_size, world_size)
     space, fixed = {}, []
+    recompute = {"recompute.units": ("none", some, "all")} if some else {}
     mesh = _mesh_space(plan, world_size, per_node, experts)
-    for path, values in {**SPACE, **mesh}.items():
+    for path, values in {**SPACE, **recompute, **mesh}.items():
         if device != "cuda" and path in HOST_ONLY:
             continue
         if _set_in(plan, path):
@@ -286,7 +301,8 @@ def search_plans(
     rates = rates or rates_for(plan)
     workload = workload or load_workload(plan)
     experts = ExpertParallel.holds_experts(workload.model, plan)
-    space, fixed = search_space(plan, rates.device, world_size, ranks_per_node, experts)
+    space, fixed = search_space(plan, rates.device, world_size, ranks_per_node, experts,
+                                every_other_unit(plan, workload, world_size))  # fmt: skip
     captured = CapturedSteps()  # (the candidates differ in their passes: one capture serves)
     plans = {}
     for fields in candidate_fields(space):
@@ -312,7 +328,15 @@ def search_plans(
 
 
 def _key(fields: dict[str, Any]) -> tuple:
-    return tuple(fields.items())
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields.items())
+
+
+def _position(order: dict[str, tuple[Any, ...]], path: str, value: Any) -> int | None:
+    """Where ``value`` of field ``path`` lies along ``order`` (None: outside it); a list of
+    units to recompute at :data:`SOME`."""
+    chain = order.get(path, ())
+    value = SOME if isinstance(value, list) else value
+    return chain.index(value) if value in chain else None
 
 
 def _further(a: dict[str, Any], b: dict[str, Any], order: dict[str, tuple[Any, ...]]) -> bool:
@@ -320,10 +344,10 @@ def _further(a: dict[str, Any], b: dict[str, Any], order: dict[str, tuple[Any, .
     if a == b:
         return False
     for path, value in a.items():
-        other, chain = b[path], order.get(path, ())
-        if other != value and not (
-            value in chain and other in chain and chain.index(other) > chain.index(value)
-        ):
+        if b[path] == value:
+            continue
+        mine, theirs = _position(order, path, value), _position(order, path, b[path])
+        if mine is None or theirs is None or theirs <= mine:
             return False
     return True
 
@@ -376,7 +400,7 @@ def _time_level(fields: dict[str, Any]) -> int:
     """How far along the time order ``fields`` go, in all; stage 0 counted past stage 3 (it
     needs the most memory: compiled after stage 1, which rules it out where it does not fit)."""
     return sum(
-        NO_FASTER[path].index(value) if value in NO_FASTER[path] else len(NO_FASTER[path])
+        len(NO_FASTER[path]) if (at := _position(NO_FASTER, path, value)) is None else at
         for path, value in fields.items()
         if path in NO_FASTER
     )
@@ -394,11 +418,7 @@ def _column(fields: dict[str, Any]) -> tuple:
 
 def _level(fields: dict[str, Any]) -> int:
     """How far along the memory order ``fields`` go, in all (the orders' roots: 0)."""
-    return sum(
-        SAVES_MEMORY[path].index(value)
-        for path, value in fields.items()
-        if value in SAVES_MEMORY.get(path, ())
-    )
+    return sum(_position(SAVES_MEMORY, path, value) or 0 for path, value in fields.items())
 
 
 def _ruled_out(
@@ -415,6 +435,17 @@ def _ruled_out(
             return (f"pruned: needs more than {c.describe()}, which needs "
                     f"{human_bytes(c.peak)}")  # fmt: skip
     return None
+
+
+def every_other_unit(plan: Plan, workload: Workload, world_size: int) -> list[str] | None:
+    """Every other unit ``recompute.units: all`` would recompute (the first, the third, ...):
+    half the activations kept, at about half the recompute's cost; None for fewer than 2."""
+    try:
+        session = CompileSession.open(workload.model, plan, world_size, workload.loss_fn)
+    except ZeroccError:
+        return None  # (the plan as it is cannot be laid out: each candidate says why)
+    names = [u.key for u in chosen_units(session.units, "all") if u.trainable]
+    return names[::2] if len(names) >= 2 else None
 
 
 def _takes(plan: Plan, world_size: int) -> bool:
