@@ -43,6 +43,7 @@ from zerocc.ir.fake_values import propagate_fake_values
 from zerocc.ir.keyed_draws import default_draw, draws_from, is_opaque_forward
 from zerocc.ir.nodes import info, op_name, tag, val
 from zerocc.ir.ops import TP_GROUP
+from zerocc.ir.rng import argument
 
 aten = torch.ops.aten
 
@@ -144,7 +145,7 @@ def take_parts_of_whole_draws(
     for node, shape in zip(drawn, whole, strict=True):
         if shape is None or (part := _drawn_shape(val(node))) == shape:
             continue  # a region, or a tensor every tp rank holds whole: one draw, alike
-        if node.target is aten.native_dropout.default and not _argument(node, 2, "train"):
+        if node.target is aten.native_dropout.default and not argument(node, "train"):
             continue  # (no draw: the input as it is)
         dim = _split_dim(node, part, shape, parts)
         with gm.graph.inserting_before(node):
@@ -154,10 +155,6 @@ def take_parts_of_whole_draws(
         gm.graph.eliminate_dead_code()
         propagate_fake_values(gm)
     return taken
-
-
-def _argument(node: fx.Node, index: int, name: str) -> Any:
-    return node.kwargs[name] if name in node.kwargs else node.args[index]
 
 
 def _split_dim(node: fx.Node, part: tuple[int, ...], whole: tuple[int, ...], parts: int) -> int:
@@ -213,7 +210,7 @@ class _DrawWhole:
         """``native_dropout(x, p)``: the mask drawn for the whole tensor, this rank's chunk of
         it, and ``x * (mask * 1/(1-p))`` in ``x``'s dtype, as the CPU kernel computes it."""
         node = self.node
-        x, p = node.args[0], _argument(node, 1, "p")
+        x, p = node.args[0], argument(node, "p")
         drawn = self._call(aten.native_dropout.default, (self._empty(), p, True))
         mask = self._chunk(self._call(operator.getitem, (drawn, 1)))
         scale = self._call(aten.mul.Tensor, (self._call(aten._to_copy.default, (mask,),

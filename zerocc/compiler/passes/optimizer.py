@@ -317,9 +317,7 @@ def _dense_and_beyond(units: list[Unit], beyond: set[str]) -> tuple[list[Unit], 
     return [u for u in units if u.name not in beyond], [u for u in units if u.name in beyond]
 
 
-def _summed(
-    graph: fx.Graph, parts: list[fx.Node], last_beyond: bool, group: str = REPLICATE_GROUP
-) -> fx.Node:
+def _summed(graph: fx.Graph, parts: list[fx.Node], last_beyond: bool, group: str) -> fx.Node:
     """The sum of the squared-norm ``parts`` (the dense units', then, ``last_beyond``, the
     experts' whose gradients lie beyond the dp group): the experts' part first summed over
     ``group``, so that every expert's gradient is counted once in the sum over dp after."""
@@ -347,7 +345,7 @@ def _split_norm(
     """The squared gradient norm under tensor parallelism: each rank's part, in which the
     parameters every tp rank holds alike count 1/tp, summed over the ranks of ``dp`` (when
     they hold slices of the gradient) and ``tp``, so that every element counts once (the
-    experts' units of ``beyond`` over the replicas first)."""
+    experts' units of ``beyond`` over ``beyond_group`` first)."""
     where = {"phase": "optimizer"}
     totals = []
     for part in _dense_and_beyond(units, beyond):
@@ -364,7 +362,7 @@ def _split_norm(
                         u.group if zero.shards_optimizer else None)  # fmt: skip
                 parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
         if parts:
-            totals.append(_summed(graph, parts, False))
+            totals.append(_summed(graph, parts, False, beyond_group))
     total = _summed(graph, totals, any(u.name in beyond for u in units), beyond_group)
     if sliced:
         total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm (dp)")
