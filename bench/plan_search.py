@@ -175,7 +175,13 @@ def compare(cfg: BenchConfig, measured: dict[str, Any]) -> dict[str, Any]:
     rates = DeviceRates(**measured["rates"])
     search = search_plans(load_plan(base_plan(cfg)), cfg.world_size, 2**62, rates, workload,
                           exhaustive=True)  # (every candidate's prediction, to compare)
-    predicted = {tuple(sorted(c.fields.items())): c for c in search.candidates}
+    # (the measured grid is the search's space without every-other-unit recompute, whose list
+    # of units is no dict key: those predictions are left out of the comparison)
+    predicted = {
+        tuple(sorted(c.fields.items())): c
+        for c in search.candidates
+        if not any(isinstance(v, list) for v in c.fields.values())
+    }
     rows = []
     for row in measured["rows"]:
         c = predicted[tuple(sorted(row["fields"].items()))]
