@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from zerocc.compiler.opaque import region_lines
-from zerocc.compiler.parallel.experts import exchange_lines
+from zerocc.compiler.parallel.experts import exchange_lines, exchanges_of
 from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
@@ -21,7 +21,7 @@ from zerocc.compiler.state import (
 )
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, info, nodes_with_role, op_name, val
-from zerocc.ir.ops import TO_HOST, reported_kind
+from zerocc.ir.ops import EP_GROUP, TO_HOST, reported_kind
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.record import StepRecord
 
@@ -140,13 +140,21 @@ def comm_bytes_per_step(step: StepRecord) -> dict[str, int]:
 
 def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
     """Bytes per collective kind per optimizer step, from the programs that step (``True``) and
-    accumulate (``False``), as their collectives record them."""
+    accumulate (``False``), as their collectives record them; and the experts' token
+    exchanges inside their regions (``all_to_all (ep)``, routing taken as uniform)."""
 
     def kind(node: fx.Node) -> str:
         name = op_name(node.target).removeprefix("zerocc.")
         return reported_kind(name.removesuffix("_start").removesuffix("_into"), node.args[-1])
 
-    return _bytes_per_step(programs, grad_accumulation, "comm", kind)
+    moved = _bytes_per_step(programs, grad_accumulation, "comm", kind)
+    for boundary, gm in programs.items():
+        times = 1 if boundary else grad_accumulation - 1
+        for node in gm.graph.nodes:
+            if times and (exchanges := exchanges_of(node)) is not None:
+                key = reported_kind("all_to_all", EP_GROUP)
+                moved[key] = moved.get(key, 0) + times * exchanges.count * exchanges.nbytes
+    return moved
 
 
 def unit_rows(units: list[Unit]) -> list[list[str]]:

@@ -112,6 +112,8 @@ def test_the_predicted_step_waits_for_the_exchanges():
     assert cost(region) == pytest.approx(plain + exchanges_of(region).count * one)
     slow = rates.replace("test", group_links={"ep": rates.link_bytes_per_s / 100})
     assert estimate(inspection, slow).timing.step_s > estimate(inspection, rates).timing.step_s
+    # ... and the bytes per step count them (2 layers × 6 exchanges of a call's rows)
+    assert estimate(inspection).comm["all_to_all (ep)"] == sum(x.count * x.nbytes for x in found)
 
 
 def test_the_same_model_without_ep_has_no_exchange():
