@@ -425,6 +425,6 @@ def region_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
     return [
         f"opaque regions: {kinds}: each call runs as one op (its parameters sharded, gathered "
         "and reduced as any other's), its forward run again in backward; nothing inside it is "
-        "compiled or overlapped, and its compute is not in the predicted step time (expert "
-        "parallelism's token exchanges are)"
+        "compiled or overlapped, and its compute is not in the predicted step time (an experts "
+        "module's matmuls and token exchanges are)"
     ]

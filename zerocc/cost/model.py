@@ -52,7 +52,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from zerocc.compiler.parallel.experts import Exchanges, exchanges_of
+from zerocc.compiler.parallel.experts import Exchanges, exchanges_of, experts_flops
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.state import HOST
 from zerocc.cost.memory import tensors_in
@@ -374,6 +374,8 @@ def _work_of(node: fx.Node) -> NodeWork:
     on_cpu = bool(inputs) and all(t.device.type == "cpu" for t in inputs)
     host = info(node).pool == HOST or (on_cpu and _device_of(node.graph) != "cpu")
     moved = _bytes_moved(node, args, kwargs)
+    if (experts := experts_flops(node)) is not None:  # a region: no FLOPs of its own to _flops
+        flops, dtype = experts[0], DTYPE_NAMES.get(experts[1])
     return NodeWork(COMPUTE, flops=flops, bytes=moved, dtype=dtype, host=host,
                     exchanges=exchanges_of(node))  # fmt: skip
 

@@ -11,7 +11,7 @@ from models import MoECausalLM, _token_batch, tiny_gpt
 
 import zerocc
 from zerocc.compiler.opaque import calls_in
-from zerocc.compiler.parallel.experts import exchange_lines, exchanges_of
+from zerocc.compiler.parallel.experts import exchange_lines, exchanges_of, experts_flops
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.cost.model import CostModel, node_work, rates_for
 from zerocc.errors import PlanError
@@ -34,14 +34,14 @@ def _plan(ep: int = 2, **extra) -> dict:
     }
 
 
-def _workload() -> zerocc.Workload:
+def _workload(experts: str = "grouped_mm") -> zerocc.Workload:
     torch.manual_seed(0)
 
     def batches(rank: int, world: int):
         while True:
             yield _token_batch(0, rank)
 
-    return zerocc.Workload(MoECausalLM("mixtral", "grouped_mm"), batches=batches)
+    return zerocc.Workload(MoECausalLM("mixtral", experts), batches=batches)
 
 
 def test_ep_groups_are_neighbouring_data_ranks_and_edp_the_ranks_holding_the_same_experts():
@@ -108,12 +108,29 @@ def test_the_predicted_step_waits_for_the_exchanges():
     cost = CostModel(rates, 4, Mesh.of_plan(inspection.plan, 4))
     one = cost.collective_time("all_to_all", found[0].nbytes, 2, "ep")
     region = next(n for n in gm.graph.nodes if exchanges_of(n) is not None)
-    plain = cost.compute_time(node_work(region).flops, node_work(region).bytes)
+    work = node_work(region)
+    plain = cost.compute_time(work.flops, work.bytes, work.dtype)
     assert cost(region) == pytest.approx(plain + exchanges_of(region).count * one)
     slow = rates.replace("test", group_links={"ep": rates.link_bytes_per_s / 100})
     assert estimate(inspection, slow).timing.step_s > estimate(inspection, rates).timing.step_s
     # ... and the bytes per step count them (2 layers × 6 exchanges of a call's rows)
     assert estimate(inspection).comm["all_to_all (ep)"] == sum(x.count * x.nbytes for x in found)
+
+
+@pytest.mark.parametrize(("ep", "experts"), [(1, "eager"), (2, "grouped_mm")])
+def test_an_experts_region_counts_its_matmuls(ep, experts):
+    """Opaque to the FLOP counter, an experts module's region (its eager experts kept opaque
+    for their routing, or split by ep) counts every stacked expert weight [E, a, b] once per
+    routed row (tokens × top-k, 2·a·b each) in forward, 3 times that in backward."""
+    inspection = inspect_plan(_plan(ep), 4, _workload(experts))
+    regions = [n for n in inspection.stepping.gm.graph.nodes if experts_flops(n) is not None]
+    assert len(regions) == 4  # 2 layers' forward and backward
+    experts = _workload().model.lm.model.layers[0].mlp.experts
+    per_row = sum(2 * p.shape[1] * p.shape[2] for p in experts.parameters() if p.dim() == 3)
+    rows = 2 * 16 * 2  # the batch's 2 × 16 tokens, each to its top 2
+    flops = sorted(node_work(n).flops for n in regions)
+    assert flops == [rows * per_row] * 2 + [3 * rows * per_row] * 2
+    assert all(node_work(n).dtype == "fp32" for n in regions)
 
 
 def test_the_same_model_without_ep_has_no_exchange():

@@ -308,6 +308,28 @@ def exchanges_of(node: fx.Node) -> Exchanges | None:
     return Exchanges(count, rows * hidden.shape[-1] * hidden.element_size(), ep.parts)
 
 
+def experts_flops(node: fx.Node) -> tuple[float, torch.dtype] | None:
+    """FLOPs of ``node``, and their dtype (the hidden states'), if it runs an experts module's
+    region (split by expert parallelism or kept opaque for its routing), else None: every
+    stacked expert weight ``[experts, a, b]`` applied to each of the call's ``tokens × top-k``
+    rows (``2·a·b`` FLOPs a row; which expert a row meets does not change its count), in
+    forward; 3 times that in backward (the forward recomputed, then the gradients of its
+    inputs and of the weights)."""
+    found = region_of(node)
+    if found is None or not type(found[0].module).__name__.endswith(EXPERTS_SUFFIX):
+        return None
+    region, forward = found
+    tensors = node.args[1] if forward else node.args[2]  # (backward: key, wanted, tensors, …)
+    if len(tensors) < 2:
+        return None
+    hidden, index = val(tensors[0]), val(tensors[1])
+    if index.dim() != 2 or index.dtype.is_floating_point:  # (not called as (hidden, top_k, …))
+        return None
+    per_row = sum(2 * p.shape[1] * p.shape[2] for p in region.module.parameters() if p.dim() == 3)
+    rows = hidden.shape[0] * index.shape[-1]
+    return float(rows * per_row * (1 if forward else 3)), hidden.dtype
+
+
 def exchange_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
     """A line on the experts' all-to-alls the programs make (none without expert parallelism):
     bytes a rank sends per step, with the routing taken as uniform (``(ep - 1) / ep`` of each
