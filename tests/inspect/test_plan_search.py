@@ -228,6 +228,11 @@ def test_the_pruned_search_picks_what_compiling_every_candidate_picks(meshes, ti
     assert len(compiled) < len(every.candidates)
     assert all(c.pruned.startswith("pruned: ") for c in pruned.candidates if c.pruned)
     assert f"{len(every.candidates) - len(compiled)} pruned" in pruned.format()
+    # a candidate pruned for its model states: they are a lower bound of its compiled peak
+    peaks = {str(c.fields): c.peak for c in every.candidates}
+    for c in pruned.candidates:
+        if c.pruned and "model states alone" in c.pruned:
+            assert memory < c.peak <= peaks[str(c.fields)], c.describe()
 
 
 def test_where_nothing_fits_the_search_says_so_after_few_compiles(meshes):
@@ -235,6 +240,7 @@ def test_where_nothing_fits_the_search_says_so_after_few_compiles(meshes):
     least = min(c.peak for c in every.candidates if c.predicted)
     pruned = search_plans(plan, 4, least - 1, rates, ranks_per_node=2)
     assert pruned.best is None and "no candidate fits" in pruned.format()
+    assert any("model states alone need" in (c.pruned or "") for c in pruned.candidates)
     # (each mesh: its first, then the most saving of that stage, then of the mesh: none fits)
     meshes_tried = {(c.fields["parallel.tp"], c.fields["zero.replicate"]) for c in every.candidates}
     assert sum(c.pruned is None for c in pruned.candidates) <= 3 * len(meshes_tried)

@@ -29,7 +29,10 @@ orders the cost model keeps (the rest of the plan alike, on one mesh):
   than stage 1's sharded update): a candidate that goes further than one already slower than
   the best that fits is not faster than that best.
 
-The search compiles, among what is left, the candidate whose time has the lowest known bound
+First, a candidate whose model states alone (parameters, gradients and optimizer states on the
+device, from the layout its plan declares: no compile) are over the memory is pruned: they
+are a lower bound of its peak, which the memory order then uses as a compiled peak. Then the
+search compiles, among what is left, the candidate whose time has the lowest known bound
 (the slowest of what it goes further than; the orders' roots first), and right after one that
 does not fit, the candidate of its mesh and stage that saves the most memory (if that does not
 fit either, nothing of that stage or an earlier one does), then its mesh's (nothing of the mesh,
@@ -59,6 +62,7 @@ from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.passes.recompute import chosen_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import Workload, load_workload
+from zerocc.cost.memory import model_state_bytes_of
 from zerocc.cost.model import DeviceRates, rates_for
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.inspect.estimate import estimate, first_batch, inspect_plan
@@ -316,11 +320,19 @@ def search_plans(
         predicted = _predicted(fields, derived, world_size, rates, workload, captured)
         return replace(predicted, work=_work(derived, world_size, workload))
 
+    def states(fields: dict[str, Any]) -> int:
+        derived = plans[_key(fields)][1]
+        try:
+            session = CompileSession.open(workload.model, derived, world_size, workload.loss_fn)
+        except ZeroccError:
+            return 0  # (compiling it says why)
+        return model_state_bytes_of(session.layout)["total"]
+
     fields_of = [fields for fields, _ in plans.values()]
     if exhaustive:
         candidates = [predict(fields) for fields in fields_of]
     else:
-        candidates = _pruned_search(fields_of, predict, memory)
+        candidates = _pruned_search(fields_of, predict, states, memory)
     candidates.sort(key=lambda c: (c.pruned is not None, c.error is not None,
                                    c.seconds_per_work, c.peak))  # fmt: skip
     counts_tokens = workload.tokens_per_batch is not None
@@ -353,10 +365,15 @@ def _further(a: dict[str, Any], b: dict[str, Any], order: dict[str, tuple[Any, .
 
 
 def _pruned_search(
-    space: list[dict[str, Any]], predict: Callable[[dict[str, Any]], Candidate], memory: int
+    space: list[dict[str, Any]],
+    predict: Callable[[dict[str, Any]], Candidate],
+    states: Callable[[dict[str, Any]], int],
+    memory: int,
 ) -> list[Candidate]:
-    """The candidates of ``space``, each compiled (``predict``) or pruned by the orders (see
-    the module's docstring), the one with the lowest bound on its time compiled next."""
+    """The candidates of ``space``, each compiled (``predict``) or pruned (see the module's
+    docstring): first those whose model states alone (``states``: bytes per rank on the
+    device, from the layout, no compile) are over ``memory``; then by the orders, the one
+    with the lowest bound on its time compiled next."""
     # The candidate of each mesh and stage, and of each mesh, that saves the most memory: after
     # one that does not fit, its stage's (if that does not fit either, nothing of its stage or
     # an earlier one does), then its mesh's.
@@ -366,8 +383,15 @@ def _pruned_search(
             if key not in tops or _level(fields) > _level(tops[key]):
                 tops[key] = fields
     done: list[Candidate] = []
+    left = []
+    for fields in space:
+        held = states(fields)
+        if held > memory:  # (a lower bound of its peak: what the memory rule reads below)
+            why = f"pruned: its model states alone need {human_bytes(held)} per rank"
+            done.append(Candidate(fields, peak=held, pruned=why))
+        else:
+            left.append(fields)
     last: Candidate | None = None  # the last compiled
-    left = list(space)
     while left:
         best = min((c.seconds_per_work for c in done if c.fits(memory)), default=None)
         still = []
@@ -426,11 +450,12 @@ def _ruled_out(
 ) -> str | None:
     """Why the candidate ``fields`` needs no compiling (None: it does)."""
     for c in done:
-        if not c.predicted:
+        if c.error is not None:
             continue
-        if best is not None and c.seconds_per_work > best and _further(c.fields, fields,
-                                                                        NO_FASTER):  # fmt: skip
+        if (c.predicted and best is not None and c.seconds_per_work > best
+                and _further(c.fields, fields, NO_FASTER)):  # fmt: skip
             return f"pruned: no faster than {c.describe()}, slower than the best"
+        # (a candidate pruned for its model states: its peak is their bytes, a lower bound)
         if c.peak > memory and _further(fields, c.fields, SAVES_MEMORY):
             return (f"pruned: needs more than {c.describe()}, which needs "
                     f"{human_bytes(c.peak)}")  # fmt: skip
