@@ -212,7 +212,10 @@ def meshes():
     return plan, rates, search_plans(plan, 4, 2**40, rates, ranks_per_node=2, exhaustive=True)
 
 
-@pytest.mark.parametrize("tightness", [1.0, 0.7, 0.4, 0.0])
+@pytest.mark.parametrize(
+    "tightness", [1.0, pytest.param(0.7, marks=pytest.mark.slow),
+                  pytest.param(0.4, marks=pytest.mark.slow), 0.0]
+)  # fmt: skip
 def test_the_pruned_search_picks_what_compiling_every_candidate_picks(meshes, tightness):
     """Memory between the least and the most any candidate needs (1.0: all fit, 0.0: one): the
     search that prunes by the cost model's orders picks the exhaustive search's best and
