@@ -69,15 +69,11 @@ from zerocc.errors import PlanError, ZeroccError
 from zerocc.inspect.estimate import estimate, first_batch, inspect_plan
 from zerocc.ir.printing import human_bytes, human_seconds
 
-# Plan fields the search tries, with their values, where the plan does not set them.
-SPACE: dict[str, tuple[Any, ...]] = {
-    "zero.stage": (0, 1, 2, 3),
-    "recompute.units": ("none", "all"),
-    "offload.optimizer": ("none", "cpu"),
-}
 # Recomputing some of the units (every other one, a list of their names): between none and all.
 SOME = "some"
-# How each field's values save memory, least first (see Pruning above) ...
+# Plan fields the search tries, with their values, where the plan does not set them (SOME: the
+# units' list, where there are 2 or more), in the order each saves memory, least first (see
+# Pruning above) ...
 SAVES_MEMORY: dict[str, tuple[Any, ...]] = {
     "zero.stage": (0, 1, 2, 3),
     "recompute.units": ("none", SOME, "all"),
@@ -236,9 +232,11 @@ def search_space(
     expert parallelism may split; ``some``: units to recompute between none and all."""
     per_node = min(ranks_per_node or world_size, world_size)
     space, fixed = {}, []
-    recompute = {"recompute.units": ("none", some, "all")} if some else {}
-    mesh = _mesh_space(plan, world_size, per_node, experts)
-    for path, values in {**SPACE, **recompute, **mesh}.items():
+    chains = {
+        path: tuple(some if v == SOME else v for v in values if v != SOME or some)
+        for path, values in SAVES_MEMORY.items()
+    }
+    for path, values in {**chains, **_mesh_space(plan, world_size, per_node, experts)}.items():
         if device != "cuda" and path in HOST_ONLY:
             continue
         if _set_in(plan, path):
