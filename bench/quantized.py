@@ -1,16 +1,18 @@
-"""int8 collectives (issue 51: ``zero.quantized_weights``, ``zero.quantized_grads``) against the
-same run without: bytes per step and the loss curve over a few hundred steps of the example GPT.
+"""Quantized collectives (issue 51: ``zero.quantized_weights``, ``zero.quantized_grads``) against
+the same run without: bytes per step and the loss curve over a few hundred steps of the example
+GPT.
 
 Two gloo ranks (1 thread each) train the example GPT on its text at ZeRO-3: fp32 as it is, with
-int8 weight gathers (w8), int8 gradient exchanges (g8) and both, and bf16 as it is and with
-both. Each rank's batches are the same in every run. Reported per run: bytes per step by
-collective (counted at the calls: a reduce-scatter counts its whole input, the int8 exchange's
-all-to-all what leaves the rank), median wall and CPU time per step, and the loss curve (mean of
+int8 weight gathers (w8), fp8 ones (wf8), int8 gradient exchanges (g8), int4 ones (g4) and w8 +
+g8, and bf16 as it is, with w8 + g8 and with wf8 + g4. Each rank's batches are the same in
+every run. Reported per run: bytes per step by collective (counted at the calls: a
+reduce-scatter counts its whole input, the quantized exchange's all-to-all what leaves the
+rank), median wall and CPU time per step, and the loss curve (mean of
 both ranks' losses, smoothed over 20 steps) beside its unquantized twin's: the largest
 difference of the smoothed curves, and the final smoothed loss. Prints a table; writes
 ``bench/results/quantized-cpu-<date>.json`` and a plot of the curves beside it::
 
-    python bench/quantized.py              # 300 steps, ~2 minutes here
+    python bench/quantized.py              # 300 steps, ~3 minutes here
     python bench/quantized.py --steps 100
 """
 
@@ -39,10 +41,13 @@ SMOOTH = 20  # steps in the moving mean of a loss curve
 RUNS = {  # name -> (precision section, quantized_weights, quantized_grads, the run it is beside)
     "fp32": ({}, "none", "none", "fp32"),
     "fp32 w8": ({}, "int8", "none", "fp32"),
+    "fp32 wf8": ({}, "fp8", "none", "fp32"),
     "fp32 g8": ({}, "none", "int8", "fp32"),
+    "fp32 g4": ({}, "none", "int4", "fp32"),
     "fp32 w8 g8": ({}, "int8", "int8", "fp32"),
     "bf16": ({"param": "bf16"}, "none", "none", "bf16"),
     "bf16 w8 g8": ({"param": "bf16"}, "int8", "int8", "bf16"),
+    "bf16 wf8 g4": ({"param": "bf16"}, "fp8", "int4", "bf16"),
 }
 
 
@@ -100,7 +105,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             "curve": mean,
             "smoothed": smoothed(mean),
             "all_gather_bytes": first["bytes"].get("all_gather", 0),
-            # (the int8 exchange's all-to-all counts what leaves the rank; a reduce-scatter
+            # (the quantized exchange's all-to-all counts what leaves the rank; a reduce-scatter
             # counts its whole input)
             "reduce_scatter_bytes": first["bytes"].get("reduce_scatter", 0),
             "all_to_all_bytes": first["bytes"].get("all_to_all", 0),
@@ -139,7 +144,7 @@ def plot(runs: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in runs.items():
-        ax.plot(r["smoothed"], label=name, linestyle="--" if "8" in name else "-")
+        ax.plot(r["smoothed"], label=name, linestyle="--" if " " in name else "-")
     ax.set_xlabel("step")
     ax.set_ylabel(f"loss (mean of the ranks, smoothed over {SMOOTH} steps)")
     ax.legend()

@@ -61,6 +61,10 @@ def nodes() -> dict[str, fx.Node]:
         start = call("all_gather_start", torch.ops.zerocc.all_gather_start.default, x, 4, "dp")
         tag(start, stream="comm", bytes=4 * 64 * 32 * 4)
         call("wait", torch.ops.zerocc.wait.default, start)
+        quantized = torch.ops.zerocc.all_gather_quantized_start.default
+        tag(call("gather_fp8", quantized, x, 4, 256, "fp8", "dp"), stream="comm", bytes=1000)
+        quantized = torch.ops.zerocc.reduce_scatter_quantized_start.default
+        tag(call("scatter_int4", quantized, x, 4, 256, "int4", "dp"), stream="comm", bytes=1000)
 
     return _graph(build)
 
@@ -82,6 +86,24 @@ def test_matmuls_count_flops_and_the_rest_bytes(nodes):
         COLLECTIVE, 4 * 64 * 32 * 4, 4, "all_gather")  # fmt: skip
     assert node_work(nodes["wait"]).kind == "wait"
     assert nodes["mm"].meta["zerocc_work"] is mm  # computed once
+
+
+def test_a_quantized_collective_takes_its_coding_passes_from_the_compute_stream(nodes):
+    """Its quantize and dequantize passes read and write the whole flat in its dtype, twice
+    in fp32 and once in the wire format: memory-bound compute-stream time beside the share of
+    the transfer that cannot overlap (here all of it, ``comm_overlap`` 0)."""
+    gathered, full = 4 * 64 * 32, 64 * 32  # the fp8 gather's result; the int4 reduction's input
+    gather, scatter = node_work(nodes["gather_fp8"]), node_work(nodes["scatter_int4"])
+    assert gather.coded == gathered * (4 + 8 + 1)
+    assert scatter.coded == full * (4 + 8) + full // 2
+    assert node_work(nodes["all_gather_start"]).coded == 0
+    rates = DeviceRates("cpu", {"fp32": 1e9}, 1e8, 1e-5, 1e9, 1e-6, 0.0)
+    model = CostModel(rates, 4)
+    for name, work in (("gather_fp8", gather), ("scatter_int4", scatter)):
+        transfer = 3 / 4 * 1000 / 1e9
+        coding = 2e-5 + work.coded / 1e8  # two passes' overhead, their bytes at memory speed
+        assert model.stolen(nodes[name]) == pytest.approx(transfer + coding)
+    assert model.stolen(nodes["all_gather_start"]) == pytest.approx(3 / 4 * 4 * 64 * 32 * 4 / 1e9)
 
 
 def test_time_is_overhead_plus_the_roofline():

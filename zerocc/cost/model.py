@@ -67,9 +67,11 @@ from zerocc.ir.ops import (
     HOST_TO_HOST,
     PARAM_GATHERS,
     PP_GROUP,
+    QUANTIZED_STARTS,
     REPLICATE_GROUP,
     TP_GROUP,
 )
+from zerocc.ir.wire import wire_format
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
@@ -318,6 +320,8 @@ class NodeWork:
     host: bool = field(default=False, compare=False)  # compute on host tensors only
     # compute: the experts' token exchanges it waits for inside (expert parallelism's regions)
     exchanges: Exchanges | None = None
+    # collective: bytes its quantize and dequantize passes read and write (quantized ones)
+    coded: int = 0
 
 
 _WORK_KEY = "zerocc_work"
@@ -354,6 +358,7 @@ def _work_of(node: fx.Node) -> NodeWork:
             ranks=ranks,
             collective=collective_kind(node),
             group=node.args[-1],
+            coded=_coded_bytes(node),
         )
     if kind is OpKind.TRANSFER and node.args[-1] == HOST_TO_HOST:  # a pass over host memory
         dst, src = val(node.args[0]), val(node.args[1])
@@ -567,17 +572,32 @@ class CostModel:
 
     def stolen(self, node: fx.Node) -> float:
         """Compute-stream seconds a collective takes while it runs: the share of its transfer
-        that cannot overlap compute (``1 - comm_overlap`` of the bandwidth term)."""
+        that cannot overlap compute (``1 - comm_overlap`` of the bandwidth term), and a
+        quantized one's quantize and dequantize passes (memory-bound, on the compute stream)."""
         work = node_work(node)
         if work.kind == TRANSFER:  # on a CPU-only machine a copy is an inline memcpy
             inline = self.rates.device == "cpu" and not work.collective.startswith("nvme")
             return self(node) if inline else 0.0
-        ranks = self.ranks(work)
-        if work.kind != COLLECTIVE or ranks <= 1 or self.rates.comm_overlap >= 1:
+        if work.kind != COLLECTIVE:
             return 0.0
+        coding = self.compute_time(0.0, work.coded) + self.rates.overhead_s if work.coded else 0.0
+        ranks = self.ranks(work)
+        if ranks <= 1 or self.rates.comm_overlap >= 1:
+            return coding
         _, link = self.rates.link(work.collective, work.group)
         transfer = (ranks - 1) / ranks * work.bytes / link
-        return (1 - self.rates.comm_overlap) * transfer
+        return (1 - self.rates.comm_overlap) * transfer + coding
+
+
+def _coded_bytes(node: fx.Node) -> int:
+    """Bytes a quantized collective's quantize and dequantize passes read and write (0 for
+    another): the whole flat once in its dtype (the gather's result, the reduction's input), in
+    fp32 twice (the scaled values written, then read), and in the wire format once."""
+    if op_name(node.target) not in QUANTIZED_STARTS:
+        return 0
+    full = val(node) if op_name(node.target) in PARAM_GATHERS else val(node.args[0])
+    wire = wire_format(node.args[3])
+    return full.numel() * (full.element_size() + 8) + wire.payload_bytes(full.numel())
 
 
 def ring_hops(kind: str, ranks: int) -> int:
@@ -588,7 +608,7 @@ def ring_hops(kind: str, ranks: int) -> int:
 def collective_kind(node: fx.Node) -> str:
     """all_gather | reduce_scatter | all_reduce, from a start node's op."""
     name = op_name(node.target).removeprefix("zerocc.")
-    return name.removesuffix("_start").removesuffix("_into").removesuffix("_int8")
+    return name.removesuffix("_start").removesuffix("_into").removesuffix("_quantized")
 
 
 def device_kind(plan: Plan) -> str:

@@ -20,8 +20,9 @@ from zerocc.compiler.state import (
     placements,
 )
 from zerocc.compiler.units import Unit
+from zerocc.cost.model import collective_kind
 from zerocc.ir.nodes import GRAD_SHARD, info, nodes_with_role, op_name, val
-from zerocc.ir.ops import EP_GROUP, TO_HOST, reported_kind
+from zerocc.ir.ops import EP_GROUP, QUANTIZED_STARTS, TO_HOST, reported_kind
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.record import StepRecord
 
@@ -144,8 +145,9 @@ def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> 
     exchanges inside their regions (``all_to_all (ep)``, routing taken as uniform)."""
 
     def kind(node: fx.Node) -> str:
-        name = op_name(node.target).removeprefix("zerocc.")
-        return reported_kind(name.removesuffix("_start").removesuffix("_into"), node.args[-1])
+        name = op_name(node.target)
+        how = f" in {node.args[3]}" if name in QUANTIZED_STARTS else ""  # (its wire format)
+        return reported_kind(collective_kind(node), node.args[-1]) + how
 
     moved = _bytes_per_step(programs, grad_accumulation, "comm", kind)
     for boundary, gm in programs.items():

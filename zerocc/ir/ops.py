@@ -26,8 +26,9 @@ EP_GROUP = "ep"  # the ranks that split the experts (expert parallelism): tokens
 EXPERT_DP_GROUP = "edp"  # the ranks holding the same experts: their states sharded over them
 UNIT_GROUPS = (DP_GROUP, EXPERT_DP_GROUP)  # the groups units are gathered and reduced over
 # The all-gathers of a unit's parameters: as they are, or quantized on the wire
-PARAM_GATHERS = ("zerocc.all_gather_start", "zerocc.all_gather_int8_start")
-GRAD_REDUCE_SCATTERS = ("zerocc.reduce_scatter_start", "zerocc.reduce_scatter_int8_start")
+PARAM_GATHERS = ("zerocc.all_gather_start", "zerocc.all_gather_quantized_start")
+GRAD_REDUCE_SCATTERS = ("zerocc.reduce_scatter_start", "zerocc.reduce_scatter_quantized_start")
+QUANTIZED_STARTS = ("zerocc.all_gather_quantized_start", "zerocc.reduce_scatter_quantized_start")
 
 
 def reported_kind(kind: str, group: str) -> str:
@@ -41,9 +42,11 @@ _lib = Library("zerocc", "DEF")
 
 SCHEMAS = {
     "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group) -> Tensor",
-    # (the shard quantized to int8 in blocks, gathered with the blocks' scales, dequantized)
-    "all_gather_int8_start": (
-        "all_gather_int8_start(Tensor shard, int world_size, int block, str group) -> Tensor"
+    # (the shard quantized in blocks, in the wire format ``wire`` (zerocc.ir.wire), gathered
+    # with the blocks' scales, dequantized)
+    "all_gather_quantized_start": (
+        "all_gather_quantized_start(Tensor shard, int world_size, int block, str wire, "
+        "str group) -> Tensor"
     ),
     "all_gather_into_start": (
         "all_gather_into_start(Tensor(a!) out, Tensor shard, str group) -> Tensor(a!)"
@@ -51,9 +54,11 @@ SCHEMAS = {
     "reduce_scatter_start": (
         "reduce_scatter_start(Tensor full, int world_size, str group) -> Tensor"
     ),
-    # (each destination's chunk quantized to int8 in blocks, exchanged, summed in fp32)
-    "reduce_scatter_int8_start": (
-        "reduce_scatter_int8_start(Tensor full, int world_size, int block, str group) -> Tensor"
+    # (each destination's chunk quantized in blocks, in the wire format ``wire``, exchanged,
+    # summed in fp32)
+    "reduce_scatter_quantized_start": (
+        "reduce_scatter_quantized_start(Tensor full, int world_size, int block, str wire, "
+        "str group) -> Tensor"
     ),
     "all_reduce_start": "all_reduce_start(Tensor(a!) tensor, str group) -> Tensor(a!)",
     "wait": "wait(Tensor(a) tensor) -> Tensor(a)",
@@ -104,10 +109,10 @@ SCHEMAS = {
 }
 COLLECTIVE_STARTS = (
     "all_gather_start",
-    "all_gather_int8_start",
+    "all_gather_quantized_start",
     "all_gather_into_start",
     "reduce_scatter_start",
-    "reduce_scatter_int8_start",
+    "reduce_scatter_quantized_start",
     "all_reduce_start",
 )
 
@@ -179,13 +184,13 @@ def _(shard, world_size, group):
     return shard.new_empty(shard.numel() * world_size)
 
 
-@fake("all_gather_int8_start")
-def _(shard, world_size, block, group):
+@fake("all_gather_quantized_start")
+def _(shard, world_size, block, wire, group):
     return shard.new_empty(shard.numel() * world_size)
 
 
-@fake("reduce_scatter_int8_start")
-def _(full, world_size, block, group):
+@fake("reduce_scatter_quantized_start")
+def _(full, world_size, block, wire, group):
     return full.new_empty(full.numel() // world_size)
 
 

@@ -22,8 +22,9 @@ from zerocc.backends.kernels import host_kernels, kernel_set, reference
 from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Work
 from zerocc.engine.kernel_set import KernelSet
-from zerocc.engine.quantized import all_gather_int8, reduce_scatter_int8
+from zerocc.engine.quantized import all_gather_quantized, reduce_scatter_quantized
 from zerocc.ir.ops import TO_HOST
+from zerocc.ir.wire import wire_format
 
 
 class EagerOps:
@@ -48,10 +49,18 @@ class EagerOps:
         out = shard.new_empty(shard.numel() * world_size)
         return self._issue(started, out, self.ctx.comm.on(group).all_gather(out, shard))
 
-    def all_gather_int8_start(
-        self, shard: torch.Tensor, world_size: int, block: int, group: str, *, started: str
+    def all_gather_quantized_start(
+        self,
+        shard: torch.Tensor,
+        world_size: int,
+        block: int,
+        wire: str,
+        group: str,
+        *,
+        started: str,
     ) -> torch.Tensor:
-        out, work = all_gather_int8(self.ctx.comm.on(group), shard, world_size, block)
+        comm, how = self.ctx.comm.on(group), wire_format(wire)
+        out, work = all_gather_quantized(comm, shard, world_size, block, how)
         return self._issue(started, out, work)
 
     def all_gather_into_start(
@@ -65,10 +74,18 @@ class EagerOps:
         out = full.new_empty(full.numel() // world_size)
         return self._issue(started, out, self.ctx.comm.on(group).reduce_scatter(out, full))
 
-    def reduce_scatter_int8_start(
-        self, full: torch.Tensor, world_size: int, block: int, group: str, *, started: str
+    def reduce_scatter_quantized_start(
+        self,
+        full: torch.Tensor,
+        world_size: int,
+        block: int,
+        wire: str,
+        group: str,
+        *,
+        started: str,
     ) -> torch.Tensor:
-        out, work = reduce_scatter_int8(self.ctx.comm.on(group), full, world_size, block)
+        comm, how = self.ctx.comm.on(group), wire_format(wire)
+        out, work = reduce_scatter_quantized(comm, full, world_size, block, how)
         return self._issue(started, out, work)
 
     def all_reduce_start(self, tensor: torch.Tensor, group: str, *, started: str) -> torch.Tensor:

@@ -54,16 +54,16 @@ _lib = Library(NAMESPACE, "DEF")
 MAKING_STARTS = {
     "all_gather_start": "all_gather_start(Tensor shard, int world_size, str group, str started)"
     " -> Tensor",
-    "all_gather_int8_start": (
-        "all_gather_int8_start(Tensor shard, int world_size, int block, str group, str started)"
-        " -> Tensor"
+    "all_gather_quantized_start": (
+        "all_gather_quantized_start(Tensor shard, int world_size, int block, str wire, "
+        "str group, str started) -> Tensor"
     ),
     "reduce_scatter_start": (
         "reduce_scatter_start(Tensor full, int world_size, str group, str started) -> Tensor"
     ),
-    "reduce_scatter_int8_start": (
-        "reduce_scatter_int8_start(Tensor full, int world_size, int block, str group, "
-        "str started) -> Tensor"
+    "reduce_scatter_quantized_start": (
+        "reduce_scatter_quantized_start(Tensor full, int world_size, int block, str wire, "
+        "str group, str started) -> Tensor"
     ),
     "copy_start": "copy_start(Tensor src, Device device, str direction, str started) -> Tensor",
 }

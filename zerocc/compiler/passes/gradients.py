@@ -35,6 +35,7 @@ from zerocc.compiler.plan import ZeroConfig
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
 from zerocc.ir.ops import DP_GROUP, REPLICATE_GROUP, TIE_GROUP, op
+from zerocc.ir.wire import QUANT_BLOCK, wire_format
 
 aten = torch.ops.aten
 
@@ -48,13 +49,10 @@ def flat_view(graph: fx.Graph, flat: fx.Node, unit: Unit, fqn: str, phase: str) 
     return emit(graph, aten.view.default, (sliced, list(placed.param.shape)), **where)
 
 
-QUANT_BLOCK = 256  # elements per scale of an int8 collective (zero.quantized_weights, _grads)
-
-
-def int8_bytes(unit: Unit) -> int:
-    """Bytes of the unit's flat in an int8 collective: one per element, and a 4-byte scale
-    per block of each rank's shard."""
-    return unit.padded_numel + 4 * -(-unit.shard_numel // QUANT_BLOCK) * unit.world_size
+def quantized_bytes(unit: Unit, wire: str) -> int:
+    """Bytes of the unit's flat in a collective quantized to the wire format ``wire``: every
+    rank's shard, its values and a 4-byte scale per block."""
+    return wire_format(wire).shard_bytes(unit.shard_numel) * unit.world_size
 
 
 def unit_collective(
@@ -195,9 +193,10 @@ class Gradients:
         return emit(self.graph, op("pack"), args, note=note, role=role, **self._at(unit))
 
     def reduce_scatter(self, full: fx.Node, unit: Unit, note: str, role: str | None) -> fx.Node:
-        if self.zero.quantized_grads == "int8":
-            start, args = "reduce_scatter_int8_start", (full, unit.world_size, QUANT_BLOCK)
-            nbytes, note = int8_bytes(unit), f"{note}, in int8"
+        if (wire := self.zero.quantized_grads) != "none":
+            start = "reduce_scatter_quantized_start"
+            args = (full, unit.world_size, QUANT_BLOCK, wire)
+            nbytes, note = quantized_bytes(unit, wire), f"{note}, in {wire}"
         else:
             start, args = "reduce_scatter_start", (full, unit.world_size)
             nbytes = unit.padded_numel * unit.dtype.itemsize

@@ -59,7 +59,11 @@ aten = torch.ops.aten
 
 
 # Ops whose result has their first argument's dtype (besides views and in-place ops).
-_KEEPS_DTYPE = (aten.clone.default, op("reduce_scatter_start"), op("reduce_scatter_int8_start"))
+_KEEPS_DTYPE = (
+    aten.clone.default,
+    op("reduce_scatter_start"),
+    op("reduce_scatter_quantized_start"),
+)
 
 
 def _retype(node: fx.Node, dtype: torch.dtype) -> None:

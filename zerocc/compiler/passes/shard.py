@@ -39,10 +39,9 @@ from torch import fx
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.names import glob_matches
 from zerocc.compiler.passes.gradients import (
-    QUANT_BLOCK,
     Gradients,
     flat_view,
-    int8_bytes,
+    quantized_bytes,
     solo,
     unit_collective,
 )
@@ -63,6 +62,7 @@ from zerocc.ir.nodes import (
     tag,
 )
 from zerocc.ir.ops import op
+from zerocc.ir.wire import QUANT_BLOCK
 
 aten = torch.ops.aten
 
@@ -156,9 +156,10 @@ class _ShardRewriter:
             return
         when = "step" if scope == "step" else phase
         shard = self.state[unit.name]["param"]
-        if self.zero.quantized_weights == "int8":
-            start, args = "all_gather_int8_start", (shard, unit.world_size, QUANT_BLOCK)
-            nbytes, how = int8_bytes(unit), " in int8"
+        if (wire := self.zero.quantized_weights) != "none":
+            start = "all_gather_quantized_start"
+            args = (shard, unit.world_size, QUANT_BLOCK, wire)
+            nbytes, how = quantized_bytes(unit, wire), f" in {wire}"
         else:
             start, args = "all_gather_start", (shard, unit.world_size)
             nbytes, how = unit.padded_numel * unit.dtype.itemsize, ""

@@ -32,20 +32,21 @@ class ZeroConfig(Section):
         "replicate consecutive ranks and keep this many replicas, gradients all-reduced across "
         "them (stages 1-3; 1: shard over every rank)",
     )
-    quantized_weights: Literal["none", "int8"] = Field(
+    quantized_weights: Literal["none", "int8", "fp8"] = Field(
         "none",
-        description="stage 3: all-gather the parameters in int8, each rank's shard quantized "
-        "in blocks of 256 with one fp32 scale each (ZeRO++'s qwZ), and dequantized to the "
-        "compute dtype after the gather: 1/4 of fp32's bytes (1/2 of bf16's) and a rounding "
-        "of each gathered weight to 1/254 of its block's largest; the shards the update "
-        "writes keep their precision",
+        description="stage 3: all-gather the parameters in 8 bits (ZeRO++'s qwZ), each rank's "
+        "shard quantized in blocks of 256 with one fp32 scale each, and dequantized to the "
+        "compute dtype after the gather: 1/4 of fp32's bytes (1/2 of bf16's). int8 rounds each "
+        "gathered weight to 1/254 of its block's largest; fp8 (float8 e4m3) to 1/16 of its "
+        "own magnitude, finer near zero. The shards the update writes keep their precision",
     )
-    quantized_grads: Literal["none", "int8"] = Field(
+    quantized_grads: Literal["none", "int8", "int4"] = Field(
         "none",
-        description="stages 1-3: reduce-scatter the gradients in int8 (ZeRO++'s qgZ): each "
+        description="stages 1-3: reduce-scatter the gradients quantized (ZeRO++'s qgZ): each "
         "rank's chunk for each shard quantized in blocks of 256 with one fp32 scale each, "
-        "exchanged by all-to-all and summed in fp32 on arrival: 1/4 of fp32's bytes (1/2 of "
-        "bf16's), each rank's contribution rounded to 1/254 of its block's largest",
+        "exchanged by all-to-all and summed in fp32 on arrival. int8: 1/4 of fp32's bytes "
+        "(1/2 of bf16's), each rank's contribution rounded to 1/254 of its block's largest; "
+        "int4: 1/8 of fp32's (1/4 of bf16's), rounded to 1/14 of it",
     )
 
     @property
@@ -204,8 +205,6 @@ class ParallelConfig(Section):
             glob: TpLayer(style=layer) if isinstance(layer, str) else layer
             for glob, layer in self.tp_layers.items()
         }
-
-
 
 
 class UnitsConfig(Section):
