@@ -68,7 +68,11 @@ def plan_of(case: dict[str, Any]) -> dict[str, Any]:
         pipeline = {"schedule": case.get("schedule", "1f1b"), "microbatches": case["accum"]}
         pipeline |= {"gather": case["gather"]} if "gather" in case else {}
     return {
-        "zero": {"stage": case["stage"], "replicate": case.get("replicate", 1)},
+        "zero": {
+            "stage": case["stage"],
+            "replicate": case.get("replicate", 1),
+            "secondary_group": case.get("secondary", 1),
+        },
         "parallel": _parallel(case),
         "pipeline": pipeline,
         "units": {**entry(case["model"])[2], **case.get("units", {})},

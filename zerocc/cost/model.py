@@ -69,6 +69,7 @@ from zerocc.ir.ops import (
     PP_GROUP,
     QUANTIZED_STARTS,
     REPLICATE_GROUP,
+    SECONDARY_GROUP,
     TP_GROUP,
 )
 from zerocc.ir.wire import wire_format
@@ -503,6 +504,7 @@ class CostModel:
             TP_GROUP: mesh.tp,
             EP_GROUP: mesh.ep,
             EXPERT_DP_GROUP: mesh.expert_shard_size,
+            SECONDARY_GROUP: mesh.secondary,
         }
         self._cache: dict[fx.Node, float] = {}
 

@@ -22,7 +22,14 @@ from zerocc.compiler.state import (
 from zerocc.compiler.units import Unit
 from zerocc.cost.model import collective_kind
 from zerocc.ir.nodes import GRAD_SHARD, info, nodes_with_role, op_name, val
-from zerocc.ir.ops import EP_GROUP, QUANTIZED_STARTS, TO_HOST, reported_kind
+from zerocc.ir.ops import (
+    EP_GROUP,
+    PARAM_GATHERS,
+    QUANTIZED_STARTS,
+    SECONDARY_GROUP,
+    TO_HOST,
+    reported_kind,
+)
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.record import StepRecord
 
@@ -241,11 +248,30 @@ def explain_step(step: StepRecord) -> str:
         stepping = programs[True]
         held, leave = held_gradient_bytes(stepping), gradients_copied_out(stepping)
         lines.append(held_gradients_line(held, psi, n, leave=leave))
+    if plan.zero.secondary_group > 1 and True in programs:
+        lines += ["", secondary_line(programs[True], plan.zero.secondary_group, psi)]
     if step.plan.recompute.enabled:
         lines += ["", recompute_line(step)]
     if step.plan.offload.enabled:
         lines += ["", *offload_lines(step)]
     return "\n".join(lines)
+
+
+def secondary_line(gm: fx.GraphModule, group: int, psi: int) -> str:
+    """What the secondary partition holds: the parts of forward's gathers each rank keeps
+    until backward gathers from them (what those gathers read)."""
+    kept = [
+        val(n.args[0])
+        for n in gm.graph.nodes
+        if op_name(n.target) in PARAM_GATHERS and n.args[-1] == SECONDARY_GROUP
+    ]
+    nbytes = sum(t.numel() * t.element_size() for t in kept)
+    return (
+        f"secondary partition (zero.secondary_group {group}, hpZ): {len(kept)} units' "
+        f"1/{group} kept from forward to backward, {human_bytes(nbytes)} per rank at most "
+        f"({nbytes / max(psi, 1):.2f} bytes per Ψ, in the gathered units' memory); backward "
+        f"gathers them over the secondary groups of {group} ranks instead of the shard group"
+    )
 
 
 def no_communication(world_size: int) -> str:

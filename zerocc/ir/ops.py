@@ -24,7 +24,11 @@ PP_GROUP = "pp"  # the ranks that hold the stages of one pipeline, in stage orde
 TIE_GROUP = "tie"  # the first and the last of them: a tied embedding's and head's holders
 EP_GROUP = "ep"  # the ranks that split the experts (expert parallelism): tokens exchanged
 EXPERT_DP_GROUP = "edp"  # the ranks holding the same experts: their states sharded over them
-UNIT_GROUPS = (DP_GROUP, EXPERT_DP_GROUP)  # the groups units are gathered and reduced over
+# Consecutive ranks of a shard group (a node's) that hold a second copy of stage 3's
+# parameters for backward's all-gathers (zero.secondary_group, ZeRO++'s hpZ)
+SECONDARY_GROUP = "secondary"
+# The groups units are gathered (and, but for the secondary one, reduced) over
+UNIT_GROUPS = (DP_GROUP, EXPERT_DP_GROUP, SECONDARY_GROUP)
 # The all-gathers of a unit's parameters: as they are, or quantized on the wire
 PARAM_GATHERS = ("zerocc.all_gather_start", "zerocc.all_gather_quantized_start")
 GRAD_REDUCE_SCATTERS = ("zerocc.reduce_scatter_start", "zerocc.reduce_scatter_quantized_start")

@@ -104,7 +104,6 @@ def test_unsupported_options_are_errors_naming_each():
     for key in (
         "OneBitAdam",
         "amp",
-        "zero_hpz_partition_size",
         "zero_quantized_nontrainable_weights",
         "partition_activations",
         "cpu_checkpointing",
@@ -169,7 +168,7 @@ def test_plan_import_of_unsupported_options_fails_and_writes_nothing(tmp_path):
     command = [sys.executable, "-m", "zerocc", "plan", "import", config]
     run = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and not out.exists()
-    assert "7 option(s) zerocc does not support" in run.stderr
+    assert "6 option(s) zerocc does not support" in run.stderr
     assert "unsupported some_new_option = 1" in run.stdout
 
 
@@ -191,15 +190,19 @@ def test_plan_import_of_zero3_gives_the_plan_auto_units(capsys, tmp_path):
 
 def test_zero_plus_int8_weights_and_gradients_map_to_quantized_collectives():
     """ZeRO++'s qwZ (``zero_quantized_weights``) is zerocc's int8 weight gather at stage 3, its
-    qgZ (``zero_quantized_gradients``) the int8 gradient exchange at stages 1-3; at another
-    stage there is nothing to quantize, and the conversion says so."""
+    qgZ (``zero_quantized_gradients``) the int8 gradient exchange at stages 1-3, its hpZ
+    (``zero_hpz_partition_size``) the secondary partition at stage 3; at another stage there is
+    nothing to quantize or copy, and the conversion says so."""
     config = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
-                                    "zero_quantized_gradients": True}}  # fmt: skip
+                                    "zero_quantized_gradients": True,
+                                    "zero_hpz_partition_size": 8}}  # fmt: skip
     plan, outcomes = convert(config)
     assert plan["zero"]["quantized_weights"] == "int8"
     assert plan["zero"]["quantized_grads"] == "int8"
+    assert plan["zero"]["secondary_group"] == 8
     assert any("zero.quantized_weights" in o.note for o in outcomes)
     assert zerocc.load_plan(plan).zero.quantized_weights == "int8"
-    plan, outcomes = convert({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
-    assert "quantized_weights" not in plan["zero"]
-    assert any("applies at stage 3" in o.note for o in outcomes)
+    plan, outcomes = convert({"zero_optimization": {"stage": 2, "zero_quantized_weights": True,
+                                                    "zero_hpz_partition_size": 8}})  # fmt: skip
+    assert "quantized_weights" not in plan["zero"] and "secondary_group" not in plan["zero"]
+    assert sum("applies at stage 3" in o.note for o in outcomes) == 2

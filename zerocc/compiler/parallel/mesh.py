@@ -25,6 +25,12 @@ holding the same experts, one of each ``ep`` group, are ``edp``: the experts' un
 and their gradients reduced over them (torchtitan's ``efsdp``), every other unit over ``dp``.
 
     data rank = block * ep + ep_rank        (edp rank = block)
+
+A secondary partition (``zero.secondary_group: G``, ZeRO++'s hpZ) splits each shard group into
+groups of ``G`` consecutive shard ranks, ``secondary`` (a node's, under the usual placement):
+backward gathers a unit over them from the copy each kept of its part of forward's gather.
+
+    shard rank = block * G + secondary rank
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from zerocc.ir.ops import EP_GROUP as EP
 from zerocc.ir.ops import EXPERT_DP_GROUP as EDP
 from zerocc.ir.ops import PP_GROUP as PP
 from zerocc.ir.ops import REPLICATE_GROUP as REPLICATE
+from zerocc.ir.ops import SECONDARY_GROUP as SECONDARY
 from zerocc.ir.ops import TIE_GROUP as TIE
 from zerocc.ir.ops import TP_GROUP as TP
 
@@ -45,29 +52,40 @@ from zerocc.ir.ops import TP_GROUP as TP
 class Mesh:
     """``world_size`` ranks as ``replicate`` replicas of shard groups of ``shard_size``
     data-parallel ranks, each of them ``tp`` tensor-parallel ranks; the data-parallel ranks in
-    groups of ``ep`` splitting the experts."""
+    groups of ``ep`` splitting the experts; each shard group in groups of ``secondary``."""
 
     world_size: int
     replicate: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    secondary: int = 1
 
     @staticmethod
-    def of(world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> Mesh:
+    def of(
+        world_size: int,
+        replicate: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        secondary: int = 1,
+    ) -> Mesh:
         """The layout of ``world_size`` ranks for a plan's ``zero.replicate``,
-        ``parallel.tp``, ``parallel.pp`` and ``parallel.ep``; a PlanError when the ranks
-        cannot be split so."""
-        check_layout(world_size, replicate, tp, pp, ep)
-        return Mesh(world_size, replicate, tp, pp, ep)
+        ``parallel.tp``, ``parallel.pp``, ``parallel.ep`` and ``zero.secondary_group``; a
+        PlanError when the ranks cannot be split so."""
+        check_layout(world_size, replicate, tp, pp, ep, secondary)
+        return Mesh(world_size, replicate, tp, pp, ep, secondary)
 
     @staticmethod
     def of_plan(plan: Plan, world_size: int) -> Mesh:
         """The layout of ``world_size`` ranks under ``plan`` (``zero.replicate``,
         ``parallel``); a PlanError when the ranks cannot take it."""
         plan.check_world_size(world_size)
-        parallel = plan.parallel
-        return Mesh(world_size, plan.zero.replicate, parallel.tp, parallel.pp, parallel.ep)
+        parallel, zero = plan.parallel, plan.zero
+        return Mesh(
+            world_size, zero.replicate, parallel.tp, parallel.pp, parallel.ep,
+            zero.secondary_group,
+        )  # fmt: skip
 
     @property
     def stage_ranks(self) -> int:
@@ -101,8 +119,8 @@ class Mesh:
     @property
     def split(self) -> bool:
         """Whether the ranks are split into groups at all (HSDP, tensor, pipeline or expert
-        parallelism)."""
-        return self.hybrid or self.tp > 1 or self.pp > 1 or self.ep > 1
+        parallelism, a secondary partition)."""
+        return self.hybrid or self.tp > 1 or self.pp > 1 or self.ep > 1 or self.secondary > 1
 
     def data_rank(self, rank: int) -> int:
         """Which data-parallel rank ``rank`` is (whose batch it trains on: the ranks of one
@@ -133,6 +151,7 @@ class Mesh:
             TP: self.tp_rank,
             EP: self.ep_rank,
             EDP: lambda r: self.data_rank(r) // self.ep,
+            SECONDARY: lambda r: self.shard_rank(r) % self.secondary,
         }
         return places[name](rank)
 
@@ -154,6 +173,14 @@ class Mesh:
             stage = [list(range(i * t + j, n, s * t)) for i in range(s) for j in range(t)]
         elif name == TP:
             stage = [list(range(d * t, (d + 1) * t)) for d in range(self.data_parallel)]
+        elif name == SECONDARY:  # G consecutive shard ranks of each shard group
+            g = self.secondary
+            stage = [
+                [(r * s + b * g + i) * t + j for i in range(g)]
+                for r in range(self.replicate)
+                for b in range(s // g)
+                for j in range(t)
+            ]
         elif name in (EP, EDP):
             e, blocks = self.ep, self.data_parallel // self.ep
             at = lambda b, i, j: (b * e + i) * t + j  # noqa: E731 (data rank b × ep + i, tp j)
@@ -162,7 +189,7 @@ class Mesh:
             else:
                 stage = [[at(b, i, j) for b in range(blocks)] for i in range(e) for j in range(t)]
         else:
-            known = ", ".join((DP, REPLICATE, TP, PP, TIE, EP, EDP))
+            known = ", ".join((DP, REPLICATE, TP, PP, TIE, EP, EDP, SECONDARY))
             raise ValueError(f"unknown group {name!r}; known: {known}")
         return [[p * n + r for r in ranks] for p in range(self.pp) for ranks in stage]
 
@@ -170,7 +197,11 @@ class Mesh:
         """The kinds of group this layout splits the ranks into, in the order they are made."""
         pipeline = [PP, TIE] if self.pp > 1 else []
         experts = [EP, EDP] if self.ep > 1 else []
-        return [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1) + pipeline + experts
+        secondary = [SECONDARY] if self.secondary > 1 else []
+        return (
+            [DP] + [REPLICATE] * self.hybrid + [TP] * (self.tp > 1) + pipeline + experts
+            + secondary
+        )  # fmt: skip
 
     def describe(self) -> str:
         """One line for explain() and the estimate: the layout and its groups (the first two
@@ -191,6 +222,11 @@ class Mesh:
             groups.append(
                 f"experts split over the ep groups {_some(self.groups(EP))}, their units "
                 f"sharded over the edp groups {_some(self.groups(EDP))}"
+            )
+        if self.secondary > 1:
+            groups.append(
+                f"backward gathers stage 3's parameters over the secondary groups "
+                f"{_some(self.groups(SECONDARY))} from a copy kept since forward"
             )
         if self.pp > 1:
             sizes.insert(0, f"{self.pp} pipeline stages' ranks")

@@ -6,7 +6,11 @@ Parameters become one flat buffer per unit, padded to a multiple of the world si
   after its last, gathered again before its first use in backward and freed after its last;
   its gradient is reduce-scattered right after its last contribution and added to the rank's
   gradient shard. A unit the plan keeps gathered (``units.keep_gathered``) is gathered once,
-  before its first use, and freed after its last use in the step.
+  before its first use, and freed after its last use in the step. With a secondary partition
+  (``zero.secondary_group: G``, ZeRO++'s hpZ), before forward frees a unit each rank copies
+  its 1/G of it (by its place in its ``secondary`` group), and backward gathers the unit over
+  that group of G ranks from those copies, not over the shard group from the shards: the same
+  values forward computed with (quantized ones too), with no traffic beyond the G ranks.
 - 2: parameters replicated; gradients reduce-scattered as they are produced, each rank keeping
   only its gradient shard.
 - 1: parameters and full gradients replicated; gradients accumulate over micro-batches and are
@@ -61,7 +65,7 @@ from zerocc.ir.nodes import (
     state_placeholder,
     tag,
 )
-from zerocc.ir.ops import op
+from zerocc.ir.ops import DP_GROUP, SECONDARY_GROUP, op
 from zerocc.ir.wire import QUANT_BLOCK
 
 aten = torch.ops.aten
@@ -98,6 +102,7 @@ class _ShardRewriter:
         self.flat: dict[tuple[str, str], fx.Node] = {}  # (unit, scope) -> gathered flat param
         self.memo: dict[tuple[fx.Node, str], fx.Node] = {}
         self.state: dict[str, dict[str, fx.Node]] = {}  # unit -> {"param", "param_shard", "grad"}
+        self.secondary: dict[str, fx.Node] = {}  # unit -> its copy kept for backward (hpZ)
 
     def gathers(self, unit: Unit) -> bool:
         """Whether the unit's parameters are gathered for use: stage 3, sharded over more than
@@ -156,6 +161,9 @@ class _ShardRewriter:
             return
         when = "step" if scope == "step" else phase
         shard = self.state[unit.name]["param"]
+        if unit.name in self.secondary and phase == "backward":
+            self.flat[(unit.name, scope)] = self.gather_secondary(unit)
+            return
         if (wire := self.zero.quantized_weights) != "none":
             start = "all_gather_quantized_start"
             args = (shard, unit.world_size, QUANT_BLOCK, wire)
@@ -175,10 +183,59 @@ class _ShardRewriter:
         )
         self.flat[(unit.name, scope)] = flat
 
+    def keeps_secondary(self, unit: Unit, phase: str) -> bool:
+        """Whether forward, ending with ``unit``, keeps a copy of its part for backward (a
+        secondary partition: a unit of the shard group, gathered again in backward)."""
+        return (
+            self.zero.secondary_group > 1
+            and phase == "forward"
+            and unit.group == DP_GROUP
+            and self.scope(phase, unit.name) == "forward"
+            and (unit.name, "backward") in self.uses.windows
+        )
+
+    def keep_secondary(self, unit: Unit, flat: fx.Node) -> None:
+        """This rank's 1/G of forward's gathered ``flat``, copied (by its place in its
+        ``secondary`` group) for backward's gather."""
+        g = self.zero.secondary_group
+        where = {"phase": "forward", "unit": unit.name}
+        place = emit(self.graph, op("group_rank"), (flat, SECONDARY_GROUP), **where)
+        index = emit(self.graph, aten.view.default, (place, [1]), **where)
+        rows = emit(self.graph, aten.view.default, (flat, [g, unit.padded_numel // g]), **where)
+        part = emit(
+            self.graph,
+            aten.index_select.default,
+            (rows, 0, index),
+            role=GATHERED,
+            note=f"keep this rank's 1/{g} of {unit.name} for backward's gather over its "
+            "secondary group (hpZ)",
+            **where,
+        )
+        self.secondary[unit.name] = emit(
+            self.graph, aten.view.default, (part, [unit.padded_numel // g]), **where
+        )
+
+    def gather_secondary(self, unit: Unit) -> fx.Node:
+        """Backward's gather of ``unit`` over its secondary group, from the parts forward kept."""
+        g = self.zero.secondary_group
+        return unit_collective(
+            self.graph,
+            "all_gather_start",
+            (self.secondary.pop(unit.name), g, SECONDARY_GROUP),
+            unit,
+            "backward",
+            unit.padded_numel * unit.dtype.itemsize,
+            f"gather {unit.name} over its secondary group of {g} (hpZ) before its first use "
+            "in backward",
+            role=GATHERED,
+        )
+
     def free(self, unit: Unit, phase: str) -> None:
         scope = self.scope(phase, unit.name)
         if scope == "step" and phase == "forward" and (unit.name, "backward") in self.uses.windows:
             return  # kept gathered for its use in backward
+        if self.keeps_secondary(unit, phase):
+            self.keep_secondary(unit, self.flat[(unit.name, scope)])
         flat = self.flat.pop((unit.name, scope))
         when = "step" if scope == "step" else phase
         emit(

@@ -129,12 +129,14 @@ class CostConfig(Section):
         None, ge=0, description="per-hop latency of a collective, microseconds (the alpha term)"
     )
     group_link_gbps: dict[
-        Literal["dp", "replicate", "tp", "pp"], Annotated[float, Field(gt=0)]
+        Literal["dp", "replicate", "tp", "pp", "ep", "edp", "secondary"],
+        Annotated[float, Field(gt=0)],
     ] = Field(
         default_factory=dict,
         description="per mesh group, the link bandwidth of its collectives, Gbit/s (e.g. "
         "{tp: 7200} for NVLink within a node, {replicate: 400} across nodes; pp: the sends "
-        "between pipeline ranks); the other groups use link_gbps",
+        "between pipeline ranks; secondary: backward's gathers under zero.secondary_group, "
+        "within a node); the other groups use link_gbps",
     )
 
 

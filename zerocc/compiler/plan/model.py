@@ -199,7 +199,8 @@ class Plan(Section):
                 f"parallel: {factors} is {dp * tp * pp} ranks, but the world size is "
                 f"{world_size}; allowed: {product} = {world_size} (or leave dp out)"
             )
-        check_layout(world_size, self.zero.replicate, tp, pp, self.parallel.ep)
+        zero = self.zero
+        check_layout(world_size, zero.replicate, tp, pp, self.parallel.ep, zero.secondary_group)
 
     def least_world_size(self) -> int:
         """The fewest ranks (2 or more) this plan's layout takes: ``zero.world_size`` when it

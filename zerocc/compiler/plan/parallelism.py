@@ -40,6 +40,14 @@ class ZeroConfig(Section):
         "gathered weight to 1/254 of its block's largest; fp8 (float8 e4m3) to 1/16 of its "
         "own magnitude, finer near zero. The shards the update writes keep their precision",
     )
+    secondary_group: int = Field(
+        1,
+        ge=1,
+        description="stage 3: keep a second copy of each unit's parameters over groups of this "
+        "many consecutive ranks of its shard group (ZeRO++'s hpZ; the ranks of a node): "
+        "forward all-gathers over the whole shard group and each rank keeps its 1/G of what "
+        "it gathered, from which backward all-gathers inside its group of G. 1: off",
+    )
     quantized_grads: Literal["none", "int8", "int4"] = Field(
         "none",
         description="stages 1-3: reduce-scatter the gradients quantized (ZeRO++'s qgZ): each "
@@ -82,6 +90,16 @@ class ZeroConfig(Section):
             raise ValueError(
                 f"quantized_weights: {self.quantized_weights} quantizes stage 3's all-gathers of "
                 f"the parameters; stage {self.stage} gathers none: set zero.stage: 3 or drop it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _secondary_group_is_gathered_from(self) -> ZeroConfig:
+        if self.secondary_group > 1 and not self.shards_params:
+            raise ValueError(
+                f"secondary_group: {self.secondary_group} keeps a second copy of stage 3's "
+                f"parameter shards for backward's all-gathers; stage {self.stage} gathers none: "
+                "set zero.stage: 3 or drop it"
             )
         return self
 
@@ -244,12 +262,18 @@ class UnitsConfig(Section):
 
 
 def check_layout(
-    world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1, ep: int = 1
+    world_size: int,
+    replicate: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    secondary: int = 1,
 ) -> None:
     """A PlanError when ``world_size`` ranks cannot be split into ``parallel.pp`` pipeline
     stages' ranks of ``zero.replicate`` replicas of shard groups, each rank of them
     ``parallel.tp`` tensor-parallel ranks, their data-parallel ranks in groups of
-    ``parallel.ep`` splitting the experts."""
+    ``parallel.ep`` splitting the experts, and each shard group in groups of
+    ``zero.secondary_group``."""
     if world_size % tp:
         raise PlanError(
             f"parallel.tp: {tp} does not divide the world size {world_size}; allowed: a "
@@ -279,6 +303,20 @@ def check_layout(
         raise PlanError(
             f"parallel.ep: {ep} does not divide the {data} data-parallel ranks"
             f"{_of_tp(world_size, tp)}; allowed: a divisor of {data}"
+        )
+    shard = data // replicate
+    if secondary > 1 and (shard % secondary or secondary == shard):
+        allowed = [g for g in range(2, shard) if shard % g == 0]
+        raise PlanError(
+            f"zero.secondary_group: {secondary} must divide the shard group of {shard} ranks and "
+            f"be smaller (at {shard} backward would gather over the same ranks as forward); "
+            f"allowed: {', '.join(map(str, allowed)) or 'none: the shard group is too small'}"
+        )
+    if secondary > 1 and pp > 1:
+        raise PlanError(
+            f"zero.secondary_group: {secondary} with parallel.pp: {pp}: a pipeline stage's "
+            "forward and backward are separate programs per micro-batch, and the secondary "
+            "copy is not carried between them yet; drop one of the two"
         )
 
 

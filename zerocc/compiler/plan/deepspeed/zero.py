@@ -158,13 +158,17 @@ def _sharding_option(conv: Conversion, sub: str, name: str, value: Any, stage: i
 
 def _zero_plus_option(conv: Conversion, sub: str, name: str, value: Any, stage: int) -> bool:
     """Converts the zero_optimization option ``name`` of ZeRO++ or MiCS (of which zerocc has
-    the int8 weight gathers and gradient exchanges; the others are fine when off); whether it
+    the int8 weight gathers and gradient exchanges and the secondary partition; the others are
+    fine when off); whether it
     is one."""
     if name == "zero_hpz_partition_size":
         if value in (None, 1):
             conv.ignored(sub, value, "no secondary partition")
+        elif stage != 3:
+            conv.ignored(sub, value, f"applies at stage 3 (this config: stage {stage})")
         else:
-            conv.unsupported(sub, value, "ZeRO++ hierarchical partitioning (hpZ) is not in zerocc")
+            conv.mapped(sub, value, "zero.secondary_group", value,
+                        "backward gathers over groups of this many ranks (hpZ)")  # fmt: skip
     elif name == "zero_quantized_weights":
         if not value:
             conv.ignored(sub, value, "off")
