@@ -39,6 +39,7 @@ from zerocc.compiler.driver.pipeline import (
     cut_step,
 )
 from zerocc.compiler.driver.session import CompileSession, ModelSplits
+from zerocc.compiler.float8 import Float8Layers
 from zerocc.compiler.materialize import weight_source
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import (
@@ -123,6 +124,9 @@ class PipelineStep(SavesInBackground):
         )
         self.pp_rank = self.mesh.pp_rank(comm.rank)
         self.pipeline_ranks = next(g for g in self.mesh.groups(PP_GROUP) if comm.rank in g)
+        self.float8 = Float8Layers.convert(model, plan)  # (before its layers are described)
+        if self.float8 is not None:
+            self.float8.check_device(device)
         self.full_model_info = describe_model(model)
         # The layers and experts the ranks split (one object per step: the experts' regions
         # captured in every program exchange their tokens through the group bound here).

@@ -78,16 +78,23 @@ if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
 
 CALIBRATION_FORMAT = "zerocc-calibration/1"
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8",  # (precision.matmul: fp8's _scaled_mm, by its first operand)
+    torch.float8_e5m2: "fp8",
+}
 
 # Built-in rates, used where neither the plan nor a calibration file gives one. Achievable
 # rates, not datasheet peaks: what eager ops reach on such a device.
 DEFAULT_RATES: dict[str, dict[str, Any]] = {
     # One core of a recent x86 server (the CPU backend runs each rank on its share of the
     # cores): ~80 GFLOP/s in fp32 and bf16 matmuls, ~8 GB/s through eager elementwise ops,
-    # ~10 us of dispatch per op through the interpreter; gloo over loopback.
+    # ~10 us of dispatch per op through the interpreter; gloo over loopback. float8 matmuls
+    # run torch's reference _scaled_mm, element by element: 0.06 GFLOP/s measured (128²).
     "cpu": {
-        "compute_flops": {"fp32": 80e9, "bf16": 80e9, "fp16": 20e9},
+        "compute_flops": {"fp32": 80e9, "bf16": 80e9, "fp16": 20e9, "fp8": 0.05e9},
         "memory_bytes_per_s": 8e9,
         "overhead_s": 10e-6,
         "link_bytes_per_s": 2e9,
@@ -97,11 +104,12 @@ DEFAULT_RATES: dict[str, dict[str, Any]] = {
         "nvme_bytes_per_s": 2e9,
         "host_memory_bytes_per_s": 8e9,
     },
-    # One H100/H200-class GPU: ~70% of the 989 TFLOP/s bf16/fp16 dense peak, plain fp32 (no TF32)
-    # ~50 TFLOP/s, ~3 TB/s of HBM, ~5 us per eagerly launched op; one 400 Gbit/s NDR InfiniBand
-    # link per GPU (a ring across nodes runs at that), ~5 us per hop.
+    # One H100/H200-class GPU: ~70% of the 989 TFLOP/s bf16/fp16 dense peak (and of fp8's
+    # 1979), plain fp32 (no TF32) ~50 TFLOP/s, ~3 TB/s of HBM, ~5 us per eagerly launched op;
+    # one 400 Gbit/s NDR InfiniBand link per GPU (a ring across nodes runs at that), ~5 us per
+    # hop.
     "cuda": {
-        "compute_flops": {"fp32": 50e12, "bf16": 700e12, "fp16": 700e12},
+        "compute_flops": {"fp32": 50e12, "bf16": 700e12, "fp16": 700e12, "fp8": 1400e12},
         "memory_bytes_per_s": 3.0e12,
         "overhead_s": 5e-6,
         "link_bytes_per_s": 400e9 / 8,

@@ -216,6 +216,7 @@ def explain_step(step: StepRecord) -> str:
         *region_lines(step.programs.values()),
         *exchange_lines(step.programs.values()),
         precision_line(step),
+        *([step.float8_note] if step.float8_note else []),
         backend_line(step),
         *step.backend_notes,
         *([step.initial_weights] if step.initial_weights else []),

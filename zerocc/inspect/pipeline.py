@@ -17,6 +17,7 @@ import torch
 from zerocc.compiler.capture import ModelInfo, describe_model
 from zerocc.compiler.driver.pipeline import capture_microbatch, cut_step
 from zerocc.compiler.driver.session import PIPELINE_STATUS, ModelSplits
+from zerocc.compiler.float8 import Float8Layers
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from zerocc.compiler.parallel.stage_programs import StagedStep
@@ -70,6 +71,7 @@ def inspect_pipeline(
     pipeline, pp = plan.pipeline, plan.parallel.pp
     microbatches = pipeline.microbatches_of(pp)
     batch = microbatches_of(first_batch(workload, mesh.data_parallel), microbatches)[0]
+    Float8Layers.convert(workload.model, plan)  # (before its layers are described)
     full = describe_model(workload.model)
     splits = ModelSplits.of(workload.model, full, plan)
     gm = capture_microbatch(workload.model, splits, plan, workload.loss_fn, batch,

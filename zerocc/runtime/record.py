@@ -45,6 +45,7 @@ class StepRecord:
     skipped_steps: int  # optimizer steps skipped for a non-finite gradient
     initial_weights: str | None = None  # where the initial weights came from (a WeightSource)
     units_note: str | None = None  # what `units: auto` chose (None: the plan named its units)
+    float8_note: str | None = None  # the layers it multiplies in float8 (None: none)
     # Seconds spent before training, by phase: model states (built, placed, pinned), host
     # update kernels (compiled), capture and passes, lowering (the backend), first run (each
     # program's, with what its backend compiles then); summed over the programs built.

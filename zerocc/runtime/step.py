@@ -110,6 +110,8 @@ class StepRunner:
         # program exists (a checkpoint loads into it before the first call), and a plan that
         # cannot partition this model (a pattern that matches nothing) is an error here.
         self.session = CompileSession.open(model, plan, comm.world_size, loss_fn)
+        if self.session.float8 is not None:  # a GPU without float8 matmuls: a clear error
+            self.session.float8.check_device(device)
         # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
         # group under hybrid sharding or tensor parallelism, made here: a collective).
         comm.use_mesh(self.mesh)
@@ -514,6 +516,7 @@ class StepRunner:
     def record(self) -> StepRecord:
         """A plain record of this compiled step, for inspection (:mod:`zerocc.runtime.record`)."""
         last, first = self._shown, next(iter(self.programs), (None,))[0]
+        float8 = self.session.float8
         return StepRecord(
             plan=self.plan,
             world_size=self.comm.world_size,
@@ -538,6 +541,7 @@ class StepRunner:
             skipped_steps=self.skipped_steps,
             initial_weights=self.initial_weights,
             units_note=auto_units_note(self.session.model_info, self.plan.units.classes),
+            float8_note=float8.describe(self.device.type) if float8 is not None else None,
             setup_seconds=dict(self.setup_seconds),
         )
 

@@ -23,6 +23,7 @@ from torch import nn
 from zerocc.compiler.capture import LossFn, ModelInfo, describe_model
 from zerocc.compiler.driver.pass_manager import PassList, bind_passes, state_layout
 from zerocc.compiler.driver.program import CapturedSteps, CompiledProgram, compile_program
+from zerocc.compiler.float8 import Float8Layers
 from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.tensor_parallel import Split, TensorParallel, local_info
@@ -83,6 +84,7 @@ class CompileSession:
     pass_list: PassList
     units: list[Unit]
     layout: StateLayout  # the state every program of the session binds
+    float8: Float8Layers | None = None  # the layers it computes in float8, if any
 
     @classmethod
     def open(
@@ -94,6 +96,7 @@ class CompileSession:
         mesh = Mesh.of_plan(plan, world_size)
         if mesh.pp > 1:
             raise NotSupportedError(PIPELINE_NOT_YET)
+        float8 = Float8Layers.convert(model, plan)  # (before capture describes its layers)
         full = describe_model(model)
         split = ModelSplits.of(model, full, plan)
         tp, ep, model_info = split.tensor_parallel, split.expert_parallel, split.local
@@ -118,6 +121,7 @@ class CompileSession:
             pass_list,
             assigned,
             layout,
+            float8,
         )
 
     def program(

@@ -36,6 +36,7 @@ from zerocc.compiler.plan.precision import (
     DTYPES,
     MAX_LOSS_SCALE,
     Dtype,
+    Float8Config,
     LossScaleConfig,
     PrecisionConfig,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "Dtype",
     "DumpsConfig",
     "Location",
+    "Float8Config",
     "LossScaleConfig",
     "MetricsConfig",
     "OffloadConfig",

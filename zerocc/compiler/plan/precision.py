@@ -68,6 +68,25 @@ class LossScaleConfig(Section):
         return self
 
 
+class Float8Config(Section):
+    """float8 matmuls (``precision.matmul: fp8``): the scaling recipe and the layers."""
+
+    recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise",
+        description="how values are scaled into float8, torchao's recipes: tensorwise (one "
+        "scale per tensor; e4m3 inputs and weights, e5m2 gradients) or rowwise (one scale per "
+        "row along the dimension a matmul sums over, e4m3 throughout: more accurate, slower "
+        "kernels)",
+    )
+    layers: list[str] = Field(
+        default_factory=list,
+        description="globs of the nn.Linear layers (by FQN) computed in float8; each must "
+        "match a layer whose in and out features are multiples of 16 (the float8 kernels' "
+        "requirement). Empty: every nn.Linear with such features but the model's last (its "
+        "output head, whose logits the loss is most sensitive to)",
+    )
+
+
 class PrecisionConfig(Section):
     """Mixed precision: compute, reduction and master dtypes, and loss scaling."""
 
@@ -92,6 +111,15 @@ class PrecisionConfig(Section):
         None, description="dtype of floating buffers; default: follow `param`"
     )
     output: Dtype = Field("fp32", description="dtype of the loss the step returns")
+    matmul: Literal["param", "fp8"] = Field(
+        "param",
+        description="what the linear layers multiply in: param (the compute dtype) or fp8 "
+        "(float8 with scales, torchao's Float8Linear, for the layers precision.fp8 chooses; "
+        "weights and their masters stay as they are)",
+    )
+    fp8: Float8Config = Field(
+        default_factory=Float8Config, description="the recipe and layers of matmul: fp8"
+    )
     loss_scale: Literal["dynamic", "none"] | float | None = Field(
         None,
         description="'dynamic', a fixed number (a normal fp32 number at most 2^32, as "
