@@ -13,7 +13,8 @@ checkpointed as before, their FQNs unchanged), and the masters keep their precis
 The layers are converted in place, before capture, once per model (a later session on the same
 model finds them converted, with the same recipe or a PlanError). Which layers: those
 ``precision.fp8.layers`` names, else every ``nn.Linear`` whose in and out features are
-multiples of 16 (what the float8 kernels take) but the model's last (its output head). A
+multiples of 16 (what the float8 kernels take) but the model's last (its output head) and
+those tensor parallelism splits (its styles compute a split layer themselves). A
 subclass of ``nn.Linear`` is converted when its forward is ``nn.Linear``'s (one that only
 initializes its weights its own way keeps that initialization: a model built on the meta
 device is initialized by each module's ``reset_parameters`` after this).
@@ -68,8 +69,12 @@ class Float8Layers:
         fp8 = plan.precision.fp8
         config = Float8LinearConfig.from_recipe_name(fp8.recipe)
 
-        def why_not(m: nn.Linear) -> str | None:
+        split = list(plan.parallel.tp_layers) if plan.parallel.tp > 1 else []
+
+        def why_not(fqn: str, m: nn.Linear) -> str | None:
             """Why ``m`` cannot be converted (None: it can, or is already, by this recipe)."""
+            if any(glob_matches(fqn, pattern) for pattern in split):
+                return "split by tensor parallelism (its style computes the layer itself)"
             if isinstance(m, Float8Linear) and m.config != config:
                 return f"converted already, under another recipe than {fp8.recipe}"
             if not isinstance(m, Float8Linear) and type(m).forward is not nn.Linear.forward:
@@ -126,7 +131,9 @@ class Float8Layers:
 
 
 def _chosen(
-    linears: dict[str, nn.Linear], patterns: list[str], why_not: Callable[[nn.Linear], str | None]
+    linears: dict[str, nn.Linear],
+    patterns: list[str],
+    why_not: Callable[[str, nn.Linear], str | None],
 ) -> tuple[list[str], list[tuple[str, str]]]:
     """The linear layers to convert (in model order), and those left with why."""
     if patterns:
@@ -140,7 +147,7 @@ def _chosen(
                 )
             named |= hits
         for fqn in named:
-            if (why := why_not(linears[fqn])) is not None:
+            if (why := why_not(fqn, linears[fqn])) is not None:
                 raise PlanError(f"precision.fp8.layers: {fqn} is {why}; leave it out")
         kept = [(fqn, "not in precision.fp8.layers") for fqn in linears if fqn not in named]
         return [fqn for fqn in linears if fqn in named], kept
@@ -150,11 +157,17 @@ def _chosen(
     kept = [(head, "the output head")]
     chosen = []
     for fqn in body:
-        why = why_not(linears[fqn])
+        why = why_not(fqn, linears[fqn])
         if why is None:
             chosen.append(fqn)
         else:
             kept.append((fqn, why))
+    if not chosen:
+        reasons = "; ".join(f"{fqn}: {why}" for fqn, why in kept[:4])
+        raise PlanError(
+            f"precision.matmul: fp8 finds no linear layer to multiply in float8 ({reasons}); "
+            "name some in precision.fp8.layers, or drop precision.matmul"
+        )
     return chosen, kept
 
 
