@@ -16,7 +16,7 @@ from zerocc.cli.main import main
 from zerocc.compiler.plan import load_plan
 from zerocc.cost.model import rates_for
 from zerocc.errors import PlanError
-from zerocc.inspect.plan_search import best_plan_yaml, search_plans
+from zerocc.inspect.plan_search import best_plan_yaml, search_plans, search_space
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 OPEN = {  # the example's zero3.yaml without its stage: stage and recompute are searched
@@ -247,6 +247,30 @@ def test_where_nothing_fits_the_search_says_so_after_few_compiles(meshes):
     # (each mesh: its first, then the most saving of that stage, then of the mesh: none fits)
     meshes_tried = {(c.fields["parallel.tp"], c.fields["zero.replicate"]) for c in every.candidates}
     assert sum(c.pruned is None for c in pruned.candidates) <= 3 * len(meshes_tried)
+
+
+def test_a_secondary_partition_is_searched_where_a_machine_has_a_link_of_its_own():
+    """Across 2 machines of 2 ranks, a slow network between them and NVLink-class links inside
+    each (the plan's ``cost.group_link_gbps.secondary``), stage 3 with backward's gathers
+    inside a machine is tried, and is faster than plain stage 3 at the cost of Ψ/2 held (on a
+    fast network, this small model's step is its ops' overhead: the parts' copies cost more
+    than the gathers they save); without that link it is not tried."""
+    data = yaml.safe_load((EXAMPLES / "zero3.yaml").read_text())
+    data["workload"] = f"{EXAMPLES / 'workload.py'}:workload"
+    data["cost"] = {"link_gbps": 1, "group_link_gbps": {"secondary": 7200}}
+    plan = load_plan(data)
+    searched = search_plans(plan, 4, 2**40, rates_for(plan, "cuda"), ranks_per_node=2,
+                            exhaustive=True)  # fmt: skip
+    tried = {(c.fields["zero.replicate"], c.fields["zero.secondary_group"])
+             for c in searched.candidates}  # fmt: skip
+    assert tried == {(1, 1), (2, 1), (1, 2)}  # (2 replicas shard over 2: none to split)
+    plain = {str(c.fields): c for c in searched.candidates if c.fields["zero.secondary_group"] == 1}
+    for c in searched.candidates:
+        if c.fields["zero.secondary_group"] == 2:
+            twin = plain[str({**c.fields, "zero.secondary_group": 1})]
+            assert c.step_s < twin.step_s and c.peak > twin.peak, c.describe()
+    del data["cost"]["group_link_gbps"]
+    assert "zero.secondary_group" not in search_space(load_plan(data), "cuda", 4, 2)[0]
 
 
 def test_a_mixture_of_experts_gets_its_ep_degrees_searched():

@@ -4,7 +4,9 @@ The plan names the workload and whatever the user fixes; every field of the sear
 the plan leaves out is tried: the ZeRO stage (0-3), recomputation (none, every other unit,
 all), on a GPU the optimizer's offload to host memory, and the mesh: tensor parallelism within
 a machine (``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``), over several
-machines hybrid sharding (``zero.replicate``: shards within a machine, replicas across), and
+machines hybrid sharding (``zero.replicate``: shards within a machine, replicas across) and,
+where ``cost.group_link_gbps`` gives the machine's link, stage 3's secondary partition
+(``zero.secondary_group``: a machine's ranks, hpZ), and
 for a model with experts modules expert parallelism (``parallel.ep`` 1, 2, 4, ... dividing
 the ranks; its token exchanges timed by the cost model).
 Each candidate is compiled for the world size on fake tensors, as `zerocc estimate` compiles a
@@ -250,7 +252,9 @@ def _mesh_space(
     plan: Plan, world_size: int, per_node: int, experts: bool
 ) -> dict[str, tuple[Any, ...]]:
     """The mesh's fields worth trying: tp degrees that divide a machine's ranks (where the plan
-    names the layers tp splits), over several machines one replica per machine, and for a
+    names the layers tp splits), over several machines one replica per machine, or a secondary
+    partition within each where the plan gives the ``secondary`` group a link of its own
+    (stage 3's backward gathers inside a machine), and for a
     mixture of experts the ep degrees that divide the ranks (those that do not divide the data
     ranks of a candidate's mesh are no candidates; those that do not divide its experts, plan
     errors listed as such)."""
@@ -263,6 +267,11 @@ def _mesh_space(
             space["parallel.tp"] = degrees
     if world_size > per_node and world_size % per_node == 0:
         space["zero.replicate"] = (1, world_size // per_node)
+        if "secondary" in plan.cost.group_link_gbps:
+            # stage 3 across machines, backward's gathers kept inside one (hpZ), where the plan
+            # says a machine's link is its own (on one link for all it only costs memory); a
+            # candidate whose shard group it cannot divide, or at another stage, is none
+            space["zero.secondary_group"] = (1, per_node)
     return space
 
 
