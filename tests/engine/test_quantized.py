@@ -70,6 +70,19 @@ def test_a_round_trip_is_within_the_formats_bound_in_each_block(numel, wire):
     assert not out[numel : numel + min(numel, 300)].any()
 
 
+@pytest.mark.parametrize("wire", sorted(WIRE_FORMATS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_comes_back_non_finite_for_the_guard_to_see(wire, bad):
+    """Its block's scale is non-finite, so the block comes back so: the non-finite check after
+    the reduction still stops the step (a finite garbage value would train on)."""
+    shard = torch.randn(300)
+    shard[5] = bad
+    payload, scales = quantize(shard, 256, wire_format(wire))
+    out = torch.empty(300)
+    dequantize_into(out, payload, scales, 1, 256, wire_format(wire))
+    assert not torch.isfinite(out[:256]).any() and torch.isfinite(out[256:]).all()
+
+
 def test_int4_packs_two_values_to_a_byte_low_nibble_first():
     how = wire_format("int4")
     payload, scales = quantize(torch.tensor([7.0, -7.0, 0.0]), 256, how)

@@ -159,11 +159,11 @@ class _ShardRewriter:
         scope = self.scope(phase, unit.name)
         if (unit.name, scope) in self.flat:  # kept gathered since forward
             return
-        when = "step" if scope == "step" else phase
-        shard = self.state[unit.name]["param"]
         if unit.name in self.secondary and phase == "backward":
             self.flat[(unit.name, scope)] = self.gather_secondary(unit)
             return
+        when = "step" if scope == "step" else phase
+        shard = self.state[unit.name]["param"]
         if (wire := self.zero.quantized_weights) != "none":
             start = "all_gather_quantized_start"
             args = (shard, unit.world_size, QUANT_BLOCK, wire)
