@@ -157,7 +157,7 @@ def test_rates_come_from_the_plan_over_the_calibration_over_the_defaults(tmp_pat
     alone = rates_for(load_plan({}), calibration=tmp_path / "cal.json")
     assert alone.link("all_gather") == (1e-3, 2e7) and alone.link("all_reduce")[1] == 1e8
     cuda = rates_for(load_plan({"cost": {"compute_tflops": 100, "latency_us": 0}}), "cuda")
-    assert cuda.compute_flops == {"fp32": 1e14, "bf16": 1e14, "fp16": 1e14}
+    assert cuda.compute_flops == {"fp32": 1e14, "bf16": 1e14, "fp16": 1e14, "fp8": 1e14}
     assert cuda.latency_s == 0 and cuda.sources["memory_bytes_per_s"] == "default"
 
 

@@ -16,6 +16,7 @@ from zerocc.cli.main import main
 from zerocc.compiler.plan import load_plan
 from zerocc.cost.model import rates_for
 from zerocc.errors import PlanError
+from zerocc.inspect.pipeline_estimate import estimate_pipeline
 from zerocc.inspect.plan_search import best_plan_yaml, search_plans, search_space
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
@@ -140,10 +141,32 @@ def test_a_copied_capture_compiles_what_a_fresh_one_does(base, fields):
         assert predict_memory(gm, {}).peak() == predict_memory(expected, {}).peak()
 
 
-def test_a_pipeline_plan_is_refused_naming_the_field():
-    plan = load_plan(EXAMPLES / "zero3-pp.yaml")
-    with pytest.raises(PlanError, match=r"parallel.pp > 1 is not searched yet"):
-        search_plans(plan, 4, 2**40)
+def test_pipelines_are_searched_and_timed_by_their_schedule():
+    """With ``pipelines``, the example GPT (4 blocks, 5 units) on 4 ranks with its stage and
+    recomputation fixed: pipelines of 2 and 4 stages' ranks are tried beside none, each with
+    1f1b and zero-bubble (ZBV needs two stages a rank: 8 stages of 5 units is a plan error,
+    listed); each pipeline candidate's figures are `zerocc estimate`'s for its plan; a plan
+    that fixes its pipeline is searched around it, with or without the flag."""
+    data = yaml.safe_load((EXAMPLES / "zero3.yaml").read_text())
+    data["workload"] = f"{EXAMPLES / 'workload.py'}:workload"
+    data["recompute"] = {"units": "none"}
+    plan = load_plan(data)
+    rates = rates_for(plan, "cpu")
+    searched = search_plans(plan, 4, 2**40, rates, exhaustive=True, pipelines=True)
+    tried = {(c.fields["parallel.pp"], c.fields["pipeline.schedule"]) for c in searched.candidates}
+    assert tried == {(1, "1f1b"), (2, "1f1b"), (2, "zero-bubble"), (4, "1f1b"),
+                     (4, "zero-bubble")}  # fmt: skip
+    by = {(c.fields["parallel.pp"], c.fields["pipeline.schedule"]): c for c in searched.candidates}
+    assert by[4, "zero-bubble"].error is not None
+    pipeline = by[2, "1f1b"]
+    derived = load_plan({**data, "parallel": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})
+    expected = estimate_pipeline(derived, 4, rates=rates)
+    assert pipeline.step_s == pytest.approx(expected.step_s)
+    assert pipeline.peak == max(r.memory.peak for r in expected.ranks)
+    assert pipeline.moved["pp"] > 0 and pipeline.work == by[1, "1f1b"].work // 2
+    assert "parallel.pp: 2" in searched.format()
+    fixed = search_plans(derived, 4, 2**40, rates, exhaustive=True)  # (its stage fixed too)
+    assert [c.step_s for c in fixed.candidates] == [pytest.approx(expected.step_s)]
 
 
 def test_the_mesh_is_searched_within_and_across_machines():

@@ -20,8 +20,10 @@ import copy
 import os
 from typing import Any
 
+import pytest
 import torch
 from models import TP_LAYERS, build, entry, loss_of
+from optional_deps import marked, runnable
 from tp_emulation import emulated
 
 import zerocc
@@ -41,9 +43,30 @@ def case_id(case: dict[str, Any]) -> str:
     extras = [
         f"{k}={_show(v)}"
         for k, v in sorted(case.items())
-        if k not in ("model", "stage", "world", "steps")
+        if k not in ("model", "stage", "world", "steps", "slow")
     ]
     return "-".join([case["model"], f"zero{case['stage']}", f"ws{case['world']}", *extras])
+
+
+def sweep(cases: list[dict[str, Any]]) -> list[Any]:
+    """``cases`` for ``parametrize``: those this machine cannot run marked to skip with why
+    (tests/optional_deps.py), and those a sweep's other cases cover (``"slow": True``) marked
+    slow, run with ``pytest --slow``. Each of the two kinds trains in a run of its own
+    (:func:`of_speed`), so that the default run trains none of the slow ones."""
+    out = []
+    for case, param in zip(cases, marked(cases), strict=True):
+        marks = list(getattr(param, "marks", ())) + [pytest.mark.slow] * bool(case.get("slow"))
+        out.append(pytest.param(case, marks=marks) if marks else case)
+    return out
+
+
+def of_speed(cases: list[dict[str, Any]], slow: bool) -> list[dict[str, Any]]:
+    """The cases of ``cases`` this machine can run that are slow (or not)."""
+    return [c for c in runnable(cases) if bool(c.get("slow")) == slow]
+
+
+def is_slow(case: dict[str, Any]) -> bool:
+    return bool(case.get("slow"))
 
 
 # The backend of the cases that name none: the run's (``pytest --backend``, tests/conftest.py),

@@ -11,6 +11,9 @@ test_mixed_precision_parity justifies.
 
 Checkpoints: saved under ep 2, resumed under ep 4 and without expert parallelism (every rank
 all the experts), each against one process trained on the same batches.
+
+Cases marked ``slow`` (run with ``pytest --slow``) are covered by the others of the default run
+(each schedule, stage and offload kind is trained by another case).
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ from parity import (  # noqa: E402
     batch_of,
     case_id,
     data_ranks,
+    is_slow,
+    of_speed,
     relative_difference,
+    sweep,
     train,
 )
 from zerocc.errors import NonFiniteError  # noqa: E402
@@ -47,7 +53,7 @@ CASES = [
     {"model": "mixtral", "stage": 3, "world": 4, "ep": 2},
     # ep 4: every rank its own expert, unsharded
     {"model": "mixtral", "stage": 3, "world": 4, "ep": 4},
-    {"model": "mixtral_grouped", "stage": 1, "world": 4, "ep": 2},
+    {"model": "mixtral_grouped", "stage": 1, "world": 4, "ep": 2, "slow": True},
     # the clip's norm counts each expert once; gradients accumulated over micro-batches
     {"model": "mixtral_grouped", "stage": 2, "world": 4, "ep": 2, "accum": 2,
      "optimizer": CLIPPED},
@@ -62,7 +68,8 @@ CASES = [
      "accum": 2},
     # stage 0: each rank holds its experts whole, all-reduced over edp; the clip's norm sums
     # the experts' part over ep (every other expert is on another ep rank)
-    {"model": "mixtral_grouped", "stage": 0, "world": 4, "ep": 2, "optimizer": CLIPPED},
+    {"model": "mixtral_grouped", "stage": 0, "world": 4, "ep": 2, "optimizer": CLIPPED,
+     "slow": True},
     {"model": "mixtral", "stage": 0, "world": 4, "ep": 2, "tp": 2, "accum": 2,
      "optimizer": CLIPPED},
     # hybrid sharding: dense units sharded in 2 shard groups and all-reduced across the 2
@@ -79,13 +86,13 @@ BF16 = [{"model": "mixtral", "stage": 3, "world": 4, "ep": 2, "precision": {"par
 
 
 @functools.cache
-def _results() -> dict:
-    return run_ranks(4, train, CASES + BF16, timeout=600)
+def _results(slow: bool = False) -> dict:
+    return run_ranks(4, train, of_speed(CASES, slow) + ([] if slow else BF16), timeout=600)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", sweep(CASES), ids=case_id)
 def test_matches_unsharded_training(case):
-    results = _results()
+    results = _results(is_slow(case))
     assert_matches_reference(results, case, TOL)
     elements = results[0][case_id(case)]["elements"]
     assert elements.get("all_to_all (ep)", 0) > 0, elements  # tokens were exchanged

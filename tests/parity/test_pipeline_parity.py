@@ -12,6 +12,9 @@ embedding's two parts (first and last stage) are summed after backward, where th
 adds every contribution into one ``.grad`` as autograd produces it: the same sums in another
 association, a few ulps per step. A wrong pipeline (a gradient not sent back, a tied part not
 summed, a norm or an overflow flag not agreed over the stages) differs by 1e-3 or more.
+
+Cases marked ``slow`` (run with ``pytest --slow``) are covered by the others of the default run
+(each schedule, stage and offload kind is trained by another case).
 """
 
 from __future__ import annotations
@@ -23,10 +26,9 @@ from typing import Any
 import pytest
 import torch
 from multirank import run_ranks
-from optional_deps import HF_MODELS
 
 import zerocc
-from parity import _model, batch_of, case_id, plan_of, reference
+from parity import _model, batch_of, case_id, is_slow, of_speed, plan_of, reference, sweep
 
 TOL = 1e-5
 BF16_TOL = 1e-2  # bf16 against the recipe: test_mixed_precision_parity.py says why
@@ -36,8 +38,9 @@ CASES = [
     # ("evaluate": step.evaluate(batch) before every other step, held to that step's loss)
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 4, "evaluate": True},
     {"model": "gpt4", "stage": 1, "world": 2, "pp": 2, "accum": 2, "schedule": "gpipe",
-     "optimizer": CLIPPED},
-    {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 4, "schedule": "zero-bubble"},
+     "optimizer": CLIPPED, "slow": True},
+    {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 4, "schedule": "zero-bubble",
+     "slow": True},
     {"model": "gpt4", "stage": 0, "world": 2, "pp": 2, "accum": 4,
      "schedule": "interleaved-1f1b", "optimizer": SGD},
     # ZeRO-3 stages gather once per step by default (compiled as ZeRO-2 holds parameters);
@@ -56,7 +59,7 @@ CASES = [
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "precision": {"param": "bf16"}},
     # The optimizer's states (and at stage 3 the parameters) offloaded to the host
     {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 2,
-     "offload": {"optimizer": "cpu"}},
+     "offload": {"optimizer": "cpu"}, "slow": True},
     {"model": "gpt4", "stage": 3, "world": 2, "pp": 2, "accum": 2, "gather": "microbatch",
      "offload": {"optimizer": "cpu", "params": "cpu"}},
     # Every unit's forward recomputed in its stage's backward (nothing but its input kept)
@@ -124,15 +127,14 @@ def train_pipeline(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[s
 
 
 @functools.cache
-def _results(world: int) -> list[dict]:
-    return run_ranks(world, train_pipeline, [c for c in CASES if c["world"] == world])
+def _results(world: int, slow: bool = False) -> list[dict]:
+    cases = [c for c in of_speed(CASES, slow) if c["world"] == world]
+    return run_ranks(world, train_pipeline, cases)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", sweep(CASES), ids=case_id)
 def test_a_pipeline_matches_unsharded_training(case):
-    if case["model"] in HF_MODELS:
-        pytest.importorskip("transformers")
-    ranks = [r[case_id(case)] for r in _results(case["world"])]
+    ranks = [r[case_id(case)] for r in _results(case["world"], is_slow(case))]
     ref_losses, ref_state = reference(case)
     k = case["accum"]
     for got in ranks:

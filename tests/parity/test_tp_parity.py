@@ -11,6 +11,9 @@ the same float32 sums, a few ulps per step, and the vocabulary-parallel cross-en
 exponentials per rank. A wrong split (a missing all-reduce, a rank holding the wrong slice, a
 replicated weight counted twice in the clip's norm) differs by 1e-3 or more.
 
+Cases marked ``slow`` (run with ``pytest --slow``) are covered by the others: each stage, tp
+degree, bf16 and the passes are trained by another case of the default run.
+
 bf16 compute: the tp all-reduces sum bf16 partial results, each rounded on its rank, where the
 unsplit recipe rounds one fp32-accumulated matmul once, and the vocabulary-parallel loss
 computes in fp32 where torch's cross-entropy of bf16 logits rounds: against the plain bf16
@@ -28,32 +31,32 @@ import functools
 
 import pytest
 from multirank import run_ranks
-from optional_deps import marked, runnable
 
-from parity import assert_matches_reference, case_id, train
+from parity import assert_matches_reference, case_id, is_slow, of_speed, sweep, train
 
 TOL = 1e-5
 CLIPPED = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
 CASES = [
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "optimizer": CLIPPED},
-    {"model": "gpt", "stage": 2, "world": 4, "tp": 2, "accum": 2},
-    {"model": "gpt", "stage": 1, "world": 4, "tp": 2, "optimizer": SGD},
+    {"model": "gpt", "stage": 2, "world": 4, "tp": 2, "accum": 2, "slow": True},
+    {"model": "gpt", "stage": 1, "world": 4, "tp": 2, "optimizer": SGD, "slow": True},
     {"model": "gpt", "stage": 0, "world": 4, "tp": 2, "optimizer": CLIPPED},
     {"model": "gpt4h", "stage": 3, "world": 4, "tp": 4, "optimizer": CLIPPED},
-    {"model": "gpt4h", "stage": 0, "world": 4, "tp": 4},
+    {"model": "gpt4h", "stage": 0, "world": 4, "tp": 4, "slow": True},
     # composes with the other passes
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "recompute": {"units": "all"}},
-    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "overlap": {"bucket_mb": 64}},
+    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "overlap": {"bucket_mb": 64}, "slow": True},
     {"model": "gpt", "stage": 2, "world": 4, "tp": 2, "offload": {"optimizer": "cpu"}},
     # sequence parallelism: between the split layers each rank holds its chunk of the tokens
     {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "optimizer": CLIPPED},
     {"model": "gpt", "stage": 1, "world": 4, "tp": 2, "sp": True, "accum": 2},
     {"model": "gpt4h", "stage": 2, "world": 4, "tp": 4, "sp": True},
     # bf16 compute, against a reference that rounds the tp ranks' partial sums as they do
-    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "precision": {"param": "bf16"}},
+    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "precision": {"param": "bf16"},
+     "slow": True},
     # a Hugging Face Llama (transformers' code as it is), every stage, bf16 too
-    {"model": "llama", "stage": 0, "world": 4, "tp": 2, "optimizer": CLIPPED},
+    {"model": "llama", "stage": 0, "world": 4, "tp": 2, "optimizer": CLIPPED, "slow": True},
     {"model": "llama", "stage": 1, "world": 4, "tp": 2, "sp": True},
     {"model": "llama", "stage": 2, "world": 4, "tp": 2, "accum": 2},
     {"model": "llama", "stage": 3, "world": 4, "tp": 2, "precision": {"param": "bf16"}},
@@ -74,13 +77,13 @@ CASES = [
 
 
 @functools.cache
-def _results() -> list[dict]:
-    return run_ranks(4, train, runnable(CASES))
+def _results(slow: bool = False) -> list[dict]:
+    return run_ranks(4, train, of_speed(CASES, slow))
 
 
-@pytest.mark.parametrize("case", marked(CASES), ids=case_id)
+@pytest.mark.parametrize("case", sweep(CASES), ids=case_id)
 def test_tensor_parallelism_matches_unsharded_training(case):
-    assert_matches_reference(_results(), case, TOL)
+    assert_matches_reference(_results(is_slow(case)), case, TOL)
 
 
 def test_inductor_compiles_a_tensor_parallel_step_as_one_graph():

@@ -69,6 +69,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--exhaustive", action="store_true",
         help="compile every candidate (default: skip those the cost model's orders rule out)",
     )  # fmt: skip
+    auto.add_argument(
+        "--pipelines", action="store_true",
+        help="also try pipelines (parallel.pp 2, 4, 8 with 1f1b and zero-bubble): each compiles "
+        "every pipeline rank, several times a candidate without one",
+    )  # fmt: skip
     auto.set_defaults(run=_auto)
 
 
@@ -103,7 +108,7 @@ def _auto(args: argparse.Namespace) -> int:
     rates = rates_for(plan, args.device, args.calibration)
     memory = memory_per_rank(rates.device, args.memory, args.ranks_per_node or args.world_size)
     search = search_plans(plan, args.world_size, memory, rates, ranks_per_node=args.ranks_per_node,
-                          exhaustive=args.exhaustive)  # fmt: skip
+                          exhaustive=args.exhaustive, pipelines=args.pipelines)  # fmt: skip
     print(search.format())
     if search.best is None:
         return 2

@@ -154,7 +154,7 @@ def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> 
     def kind(node: fx.Node) -> str:
         name = op_name(node.target)
         how = f" in {node.args[3]}" if name in QUANTIZED_STARTS else ""  # (its wire format)
-        return reported_kind(collective_kind(node), node.args[-1]) + how
+        return reported_kind(collective_kind(node) + how, node.args[-1])
 
     moved = _bytes_per_step(programs, grad_accumulation, "comm", kind)
     for boundary, gm in programs.items():

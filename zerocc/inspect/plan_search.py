@@ -17,7 +17,13 @@ is listed with why.
 
 Candidates that differ only in what the passes do share one capture; each runs its passes on
 a copy of it (:class:`~zerocc.compiler.driver.program.CapturedSteps`): a capture per tp degree.
-Units, micro-batches and pipelines are not searched yet.
+With ``pipelines`` (`zerocc plan auto --pipelines`), pipelines are tried too (``parallel.pp``
+2, 4, 8, as far as the model has units, with 1f1b and zero-bubble schedules), each compiled
+rank by rank and timed by its schedule, as `zerocc estimate` times a pipeline plan
+(:func:`~zerocc.inspect.pipeline_estimate.estimate_pipeline`): the highest rank's peak, the
+schedule's makespan and the slowest update. They are opt-in because each compiles every
+pipeline rank's programs, several times a candidate without one, and the space grows by a
+mesh per degree and schedule. Units' granularity and micro-batch counts are not searched yet.
 
 **Pruning.** Compiling a candidate of a 70B-class model for 1024 ranks takes ~2.5 s on this
 machine's CPU, and the space above holds 128 of them. Most need not be compiled, given two
@@ -69,6 +75,7 @@ from zerocc.cost.memory import model_state_bytes_of
 from zerocc.cost.model import DeviceRates, rates_for
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.inspect.estimate import estimate, first_batch, inspect_plan
+from zerocc.inspect.pipeline_estimate import PipelineEstimate, estimate_pipeline
 from zerocc.ir.printing import human_bytes, human_seconds
 
 # Recomputing some of the units (every other one, a list of their names): between none and all.
@@ -85,6 +92,10 @@ SAVES_MEMORY: dict[str, tuple[Any, ...]] = {
 NO_FASTER: dict[str, tuple[Any, ...]] = {**SAVES_MEMORY, "zero.stage": (1, 2, 3)}
 HOST_ONLY = {"offload.optimizer"}  # fields that mean nothing where host memory is the device's
 TP_DEGREES = (1, 2, 4, 8)  # tensor parallelism within a machine (NVLink's reach)
+PP_DEGREES = (1, 2, 4, 8)  # pipeline stages' ranks (each stage at least one unit)
+# Pipeline schedules tried where the plan names none: 1f1b (one stage a rank) and ZBV (two, the
+# backward split: the smaller bubble, the activations of more micro-batches held)
+PP_SCHEDULES = ("1f1b", "zero-bubble")
 EP_DEGREES = (1, 2, 4, 8, 16, 32, 64)  # expert parallelism (DeepSeek-V3 trains at ep 64)
 
 
@@ -227,18 +238,21 @@ def search_space(
     ranks_per_node: int | None = None,
     experts: bool = False,
     some: list[str] | None = None,
+    units: int = 0,
 ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
     """The fields to try and their values, and the fields the plan fixes (set in its file).
     ``ranks_per_node``: ranks per machine (None: one machine), which bounds tensor parallelism
     and places hybrid sharding's replicas; ``experts``: the model has experts modules, which
-    expert parallelism may split; ``some``: units to recompute between none and all."""
+    expert parallelism may split; ``some``: units to recompute between none and all;
+    ``units``: the model's trainable units, which a pipeline's stages divide."""
     per_node = min(ranks_per_node or world_size, world_size)
     space, fixed = {}, []
     chains = {
         path: tuple(some if v == SOME else v for v in values if v != SOME or some)
         for path, values in SAVES_MEMORY.items()
     }
-    for path, values in {**chains, **_mesh_space(plan, world_size, per_node, experts)}.items():
+    mesh = _mesh_space(plan, world_size, per_node, experts, units)
+    for path, values in {**chains, **mesh}.items():
         if device != "cuda" and path in HOST_ONLY:
             continue
         if _set_in(plan, path):
@@ -249,7 +263,7 @@ def search_space(
 
 
 def _mesh_space(
-    plan: Plan, world_size: int, per_node: int, experts: bool
+    plan: Plan, world_size: int, per_node: int, experts: bool, units: int
 ) -> dict[str, tuple[Any, ...]]:
     """The mesh's fields worth trying: tp degrees that divide a machine's ranks (where the plan
     names the layers tp splits), over several machines one replica per machine, or a secondary
@@ -257,10 +271,16 @@ def _mesh_space(
     (stage 3's backward gathers inside a machine), and for a
     mixture of experts the ep degrees that divide the ranks (those that do not divide the data
     ranks of a candidate's mesh are no candidates; those that do not divide its experts, plan
-    errors listed as such)."""
+    errors listed as such), and for a model of ``units`` units pipelines of up to as many
+    stages' ranks, with each schedule of :data:`PP_SCHEDULES`."""
     space: dict[str, tuple[Any, ...]] = {}
     if experts:
         space["parallel.ep"] = tuple(d for d in EP_DEGREES if world_size % d == 0)
+    if units >= 2:  # a pipeline: each of its stages at least one unit
+        degrees = tuple(d for d in PP_DEGREES if world_size % d == 0 and d <= units)
+        if len(degrees) > 1:
+            space["parallel.pp"] = degrees
+            space["pipeline.schedule"] = PP_SCHEDULES
     if plan.parallel.tp_layers:
         degrees = tuple(d for d in TP_DEGREES if d <= per_node and per_node % d == 0)
         if len(degrees) > 1:
@@ -300,24 +320,25 @@ def search_plans(
     workload: Workload | None = None,
     ranks_per_node: int | None = None,
     exhaustive: bool = False,
+    pipelines: bool = False,
 ) -> Search:
     """Compile the candidates of ``plan``'s search space for ``world_size`` ranks and rank
     them (see the module's docstring); ``memory``: bytes a rank has on its device;
     ``ranks_per_node``: ranks per machine (None: one machine); ``exhaustive``: compile every
-    candidate, none pruned."""
-    if plan.parallel.pp > 1:
-        raise PlanError(
-            "zerocc plan auto: parallel.pp > 1 is not searched yet; leave parallel.pp out to "
-            "search the stages, recomputation and offload of a plan without a pipeline"
-        )
+    candidate, none pruned; ``pipelines``: try pipelines too (a plan that sets
+    ``parallel.pp`` is searched around its pipeline either way)."""
     rates = rates or rates_for(plan)
     workload = workload or load_workload(plan)
     experts = ExpertParallel.holds_experts(workload.model, plan)
-    space, fixed = search_space(plan, rates.device, world_size, ranks_per_node, experts,
-                                every_other_unit(plan, workload, world_size))  # fmt: skip
+    units = trainable_units(plan, workload, world_size)
+    some = units[::2] if len(units) >= 2 else None  # (every other unit)
+    space, fixed = search_space(plan, rates.device, world_size, ranks_per_node, experts, some,
+                                len(units) if pipelines else 0)  # fmt: skip
     captured = CapturedSteps()  # (the candidates differ in their passes: one capture serves)
     plans = {}
     for fields in candidate_fields(space):
+        if _no_pipeline_but_its_schedule(plan, fields):
+            continue
         changed = {k: v for k, v in fields.items() if plan_field(plan, k) != v}
         derived = derive_plan(plan, changed) if changed else plan
         if derived is not None and _takes(derived, world_size):
@@ -470,15 +491,25 @@ def _ruled_out(
     return None
 
 
-def every_other_unit(plan: Plan, workload: Workload, world_size: int) -> list[str] | None:
-    """Every other unit ``recompute.units: all`` would recompute (the first, the third, ...):
-    half the activations kept, at about half the recompute's cost; None for fewer than 2."""
+def trainable_units(plan: Plan, workload: Workload, world_size: int) -> list[str]:
+    """The units ``recompute.units: all`` would recompute, by name: every other one of them is
+    the search's recompute between none and all (half the activations kept, at about half the
+    recompute's cost), and a pipeline's stages divide them. Where the plan (without its
+    pipeline) cannot be laid out (each candidate says why): none."""
+    flat = (derive_plan(plan, {"parallel.pp": 1}) if plan.parallel.pp > 1 else plan) or plan
     try:
-        session = CompileSession.open(workload.model, plan, world_size, workload.loss_fn)
+        session = CompileSession.open(workload.model, flat, world_size, workload.loss_fn)
     except ZeroccError:
-        return None  # (the plan as it is cannot be laid out: each candidate says why)
-    names = [u.key for u in chosen_units(session.units, "all") if u.trainable]
-    return names[::2] if len(names) >= 2 else None
+        return []
+    return [u.key for u in chosen_units(session.units, "all") if u.trainable]
+
+
+def _no_pipeline_but_its_schedule(plan: Plan, fields: dict[str, Any]) -> bool:
+    """Whether ``fields`` set a pipeline schedule without a pipeline (the same candidate as the
+    plan's schedule: not tried twice)."""
+    pp = fields.get("parallel.pp", plan.parallel.pp)
+    schedule = fields.get("pipeline.schedule", plan.pipeline.schedule)
+    return pp == 1 and schedule != plan.pipeline.schedule
 
 
 def _takes(plan: Plan, world_size: int) -> bool:
@@ -512,6 +543,9 @@ def _predicted(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (each candidate's notes: the table says enough)
+            if plan.parallel.pp > 1:
+                return _predicted_pipeline(fields, estimate_pipeline(plan, world_size, workload,
+                                                                     rates))  # fmt: skip
             inspection = inspect_plan(plan, world_size, workload, captured=captured)
             predicted = estimate(inspection, rates)
     except ZeroccError as exc:
@@ -527,6 +561,23 @@ def _predicted(
     return Candidate(
         fields, predicted.peak["total"], timing.step_s, bound_by, _by_group(predicted.comm)
     )
+
+
+def _predicted_pipeline(fields: dict[str, Any], predicted: PipelineEstimate) -> Candidate:
+    """A pipeline candidate: its highest rank's peak, its step (the schedule, then the slowest
+    update), bound by its bubble where the ranks wait for a neighbour more than they work."""
+    timeline = predicted.timeline
+    bound_by = "pipeline bubble" if timeline.bubble > 0.5 else "compute"
+    moved: dict[str, int] = {}
+    for rank in predicted.ranks:
+        for group, nbytes in _by_group(rank.collective_bytes).items():
+            moved[group] = moved.get(group, 0) + nbytes
+    microbatches = predicted.inspection.schedule.microbatches
+    moved["pp"] = microbatches * sum(
+        sum(sent.values()) for rank in predicted.ranks for sent in rank.sent.values()
+    )
+    peak = max(rank.memory.peak for rank in predicted.ranks)
+    return Candidate(fields, peak, predicted.step_s, bound_by, moved)
 
 
 def _by_group(comm: dict[str, int]) -> dict[str, int]:

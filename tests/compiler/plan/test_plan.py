@@ -472,7 +472,7 @@ def test_plan_error_is_a_zerocc_error_and_a_value_error():
 def test_schema_describes_every_property():
     schema = plan_json_schema()
     models = [schema, *schema["$defs"].values()]
-    assert len(models) == 19  # Plan and the eighteen models under it
+    assert len(models) == 20  # Plan and the nineteen models under it
     for model in models:
         assert model["additionalProperties"] is False
         for name, prop in model["properties"].items():
