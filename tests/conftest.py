@@ -50,6 +50,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # The spawned ranks read it too (tests/parity/__init__.py, BACKEND_VARIABLE).
     os.environ["ZEROCC_TEST_BACKEND"] = config.getoption("--backend")
+    if config.getoption("--slow"):  # (modules that size a sweep read it: test_teardown.py)
+        os.environ["ZEROCC_SLOW"] = "1"
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "two_gpus: needs two CUDA GPUs (skipped with fewer)")
     config.addinivalue_line("markers", "slow: a long sweep's extra case (run with --slow)")

@@ -176,7 +176,11 @@ def _slow_compile(
     return losses, step.record().backend_notes
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor", "inductor-regions"])
+# (Inductor's lowering waited for as the eager one is: the same agreement, a longer compile)
+@pytest.mark.parametrize(
+    "backend",
+    ["eager", *(pytest.param(b, marks=pytest.mark.slow) for b in ("inductor", "inductor-regions"))],
+)
 def test_compiling_does_not_count_against_the_timeout(backend):
     """Rank 1 traces, or Inductor compiles, for twice ``backend.timeout_s``: rank 0 waits for
     it (before the program's agreement, or after its lowering, also when a step profiled on

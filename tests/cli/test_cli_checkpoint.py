@@ -70,7 +70,12 @@ def test_a_corrupt_checkpoint_is_said_once_not_by_every_rank(tmp_path):
 
 @pytest.mark.parametrize(
     ("signum", "nproc"),
-    [(signal.SIGTERM, 1), (signal.SIGTERM, 2), (signal.SIGINT, 1), (signal.SIGINT, 2)],
+    [
+        (signal.SIGTERM, 1),
+        pytest.param(signal.SIGTERM, 2, marks=pytest.mark.slow),  # (ctrl-c-2: the launcher's)
+        pytest.param(signal.SIGINT, 1, marks=pytest.mark.slow),  # (sigterm-1: one rank's)
+        (signal.SIGINT, 2),
+    ],
     ids=["sigterm-1", "sigterm-2", "ctrl-c-1", "ctrl-c-2"],
 )
 def test_a_signal_saves_a_checkpoint_before_the_ranks_exit(tmp_path, signum, nproc):
@@ -141,7 +146,10 @@ def _digests(folder: Path) -> dict[str, list[str]]:
     return {name: [c["digest"] for c in entry["chunks"]] for name, entry in tensors.items()}
 
 
-@pytest.mark.parametrize("in_memory", [False, True], ids=["from-disk", "in-memory"])
+# (from disk: the same restart as from memory, and the same load as a resumed run: slow)
+@pytest.mark.parametrize(
+    "in_memory", [pytest.param(False, marks=pytest.mark.slow), True], ids=["from-disk", "in-memory"]
+)
 def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_path, in_memory):
     """`--max-restarts 1`: rank 1 is killed by SIGKILL reading its 6th batch (after step 5,
     saved every 2 steps); every rank starts again from step 4 on disk (with

@@ -163,6 +163,8 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Each case on this rank: losses per micro-batch, comm of the last step, full params."""
     out = {}
     for case in cases:
+        if case_id(case) in out:  # (a twin several pairs share: trained once)
+            continue
         step = zerocc.compile(_model(case, rank), plan_of(case))
         k, losses = case.get("accum", 1), []
         for i in range(case.get("steps", 5) * k):

@@ -17,9 +17,8 @@ import functools
 
 import pytest
 from multirank import run_ranks
-from optional_deps import marked, runnable
 
-from parity import assert_matches_reference, case_id, train
+from parity import assert_matches_reference, case_id, is_slow, of_speed, sweep, train
 
 TOL = 1e-2
 FP16 = {"param": "fp16", "dynamic": {"hysteresis": 1}}  # GradScaler's rule, for the reference
@@ -27,8 +26,9 @@ BF16_GRADS = {"param": "bf16", "reduce": "bf16", "grad": "bf16"}
 
 
 def _matrix(world: int) -> list[dict]:
-    cases = [
+    cases = [  # (one rank's Triton cases: the two ranks' cover them, slow)
         {"model": "gpt", "stage": s, "world": world, "precision": p, "kernels": k}
+        | ({"slow": True} if world == 1 and k == "triton" else {})
         for s in range(4)
         for p in ({"param": "bf16"}, FP16)
         for k in ("torch", "triton")
@@ -61,16 +61,16 @@ def _matrix(world: int) -> list[dict]:
 
 
 @functools.cache
-def _results(world: int) -> list[dict]:
-    return run_ranks(world, train, runnable(_matrix(world)))
+def _results(world: int, slow: bool = False) -> list[dict]:
+    return run_ranks(world, train, of_speed(_matrix(world), slow))
 
 
 CASES = [c for w in (1, 2) for c in _matrix(w)]
 
 
-@pytest.mark.parametrize("case", marked(CASES), ids=case_id)
+@pytest.mark.parametrize("case", sweep(CASES), ids=case_id)
 def test_matches_the_mixed_precision_recipe(case):
-    assert_matches_reference(_results(case["world"]), case, TOL)
+    assert_matches_reference(_results(case["world"], is_slow(case)), case, TOL)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
