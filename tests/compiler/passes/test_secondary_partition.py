@@ -15,7 +15,7 @@ from zerocc.compiler.workload import Workload
 from zerocc.cost.memory import predict_memory
 from zerocc.errors import PlanError
 from zerocc.inspect.estimate import inspect_plan
-from zerocc.ir.nodes import info, op_name
+from zerocc.ir.nodes import info, op_name, val
 from zerocc.ir.ops import PARAM_GATHERS
 
 WORLD, G = 4, 2
@@ -38,7 +38,7 @@ def _program(**zero):
 def _gathers(gm) -> list[tuple[str, str, int]]:
     """(phase, group, elements gathered) of each parameter gather, in program order."""
     return [
-        (info(n).phase, n.args[-1], n.args[0].meta["val"].numel())
+        (info(n).phase, n.args[-1], val(n.args[0]).numel())
         for n in gm.graph.nodes
         if n.op == "call_function" and op_name(n.target) in PARAM_GATHERS
     ]
