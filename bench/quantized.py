@@ -12,8 +12,9 @@ both ranks' losses, smoothed over 20 steps) beside its unquantized twin's: the l
 difference of the smoothed curves, and the final smoothed loss. Prints a table; writes
 ``bench/results/quantized-cpu-<date>.json`` and a plot of the curves beside it::
 
-    python bench/quantized.py              # 300 steps, ~3 minutes here
+    python bench/quantized.py              # 300 steps, ~4 minutes here
     python bench/quantized.py --steps 100
+    python bench/quantized.py --float8 --layers 2 --embd 64 --block 32 --batch 4   # ~17 min
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ RUNS = {  # name -> (precision section, quantized_weights, quantized_grads, the 
     "bf16 w8 g8": ({"param": "bf16"}, "int8", "int8", "bf16"),
     "bf16 wf8 g4": ({"param": "bf16"}, "fp8", "int4", "bf16"),
 }
+# --float8: the linear layers multiplied in float8 (precision.matmul: fp8, torchao's layers) beside
+# the same runs without; on a CPU torch's reference _scaled_mm is ~1000x slower than an fp32
+# matmul, so these run on a smaller GPT (--layers 2 --embd 64 --block 32 --batch 4: ~1 s a step)
+FLOAT8_RUNS = {
+    "fp32": ({}, "none", "none", "fp32"),
+    "fp32 mm8": ({"matmul": "fp8"}, "none", "none", "fp32"),
+    "fp32 mm8 rowwise": ({"matmul": "fp8", "fp8": {"recipe": "rowwise"}}, "none", "none", "fp32"),
+    "bf16": ({"param": "bf16"}, "none", "none", "bf16"),
+    "bf16 mm8": ({"param": "bf16", "matmul": "fp8"}, "none", "none", "bf16"),
+}
 
 
 def plan_of(cfg: BenchConfig, precision: dict, weights: str, grads: str) -> dict[str, Any]:
@@ -63,7 +74,9 @@ def plan_of(cfg: BenchConfig, precision: dict, weights: str, grads: str) -> dict
     }  # fmt: skip
 
 
-def rank_main(rank: int, cfg: BenchConfig, port: int, steps: int, out: Any) -> None:
+def rank_main(
+    rank: int, cfg: BenchConfig, port: int, steps: int, out: Any, runs: dict[str, tuple]
+) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
@@ -74,7 +87,7 @@ def rank_main(rank: int, cfg: BenchConfig, port: int, steps: int, out: Any) -> N
 
     dist.init_process_group("gloo")
     results = {}
-    for name, (precision, weights, grads, _) in RUNS.items():
+    for name, (precision, weights, grads, _) in runs.items():
         step = zerocc.compile(build_model(cfg), plan_of(cfg, precision, weights, grads))
         batches = data.batches(rank, cfg.world_size, batch_size=cfg.batch_size,
                                block_size=cfg.block_size, seed=cfg.seed)  # fmt: skip
@@ -95,9 +108,9 @@ def smoothed(losses: list[float]) -> list[float]:
     return [statistics.fmean(losses[max(0, i - SMOOTH + 1) : i + 1]) for i in range(len(losses))]
 
 
-def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(per_rank: list[dict[str, Any]], plans: dict[str, tuple]) -> dict[str, Any]:
     runs = {}
-    for name in RUNS:
+    for name in plans:
         curves = [r[name]["losses"] for r in per_rank]
         mean = [statistics.fmean(x) for x in zip(*curves, strict=True)]
         first = per_rank[0][name]
@@ -113,7 +126,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_s": statistics.median(first["cpu_s"][2:]),
         }
     for name, run in runs.items():
-        twin = runs[RUNS[name][3]]
+        twin = runs[plans[name][3]]
         run["max_smoothed_difference"] = max(
             abs(a - b) for a, b in zip(run["smoothed"], twin["smoothed"], strict=True)
         )
@@ -157,22 +170,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--block", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--float8", action="store_true",
+                   help="float8 matmuls (precision.matmul: fp8) beside the runs without")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and the plot")
     args = p.parse_args(argv)
-    cfg = replace(BenchConfig(n_layer=args.layers, n_embd=args.embd, n_head=4), threads=1)
+    cfg = replace(BenchConfig(n_layer=args.layers, n_embd=args.embd, n_head=4,
+                              block_size=args.block, batch_size=args.batch), threads=1)
+    plans = FLOAT8_RUNS if args.float8 else RUNS
     os.environ["OMP_NUM_THREADS"] = "1"
     info = machine(cfg)
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    ranks = mp.spawn(rank_main, args=(cfg, free_port(), args.steps, out), nprocs=cfg.world_size,
-                     join=False)  # fmt: skip
+    ranks = mp.spawn(rank_main, args=(cfg, free_port(), args.steps, out, plans),
+                     nprocs=cfg.world_size, join=False)  # fmt: skip
     # (read before joining: a result larger than the pipe's buffer blocks its rank until read)
     per_rank = [r for _, r in sorted(out.get() for _ in range(cfg.world_size))]
     while not ranks.join():
         pass
-    runs = summarize(per_rank)
+    runs = summarize(per_rank, plans)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = args.out / f"quantized-cpu-{stamp}.json"
+    path = args.out / f"{'float8' if args.float8 else 'quantized'}-cpu-{stamp}.json"
     write_json(path, {"machine": info, "config": asdict(cfg), "steps": args.steps, "runs": runs})
     plot(runs, path.with_suffix(".png"))
     print(f"{model_name(cfg)}, {cfg.world_size} gloo ranks × 1 thread, {args.steps} steps, "
