@@ -164,7 +164,7 @@ def compare(cfg: BenchConfig, measured: dict[str, Any]) -> dict[str, Any]:
     """The search with the world's calibration, each candidate beside its measurement."""
     from zerocc.compiler.plan import load_plan
     from zerocc.compiler.workload import Workload
-    from zerocc.cost.model import DeviceRates
+    from zerocc.cost.rates import DeviceRates
     from zerocc.inspect.plan_search import search_plans
 
     workload = Workload(

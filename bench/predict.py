@@ -119,7 +119,7 @@ def program_of(plan: Any, cfg: BenchConfig) -> Any:
 
 
 def _predict(program: Any, rates: dict[str, Any], world_size: int) -> dict[str, float]:
-    from zerocc.cost.model import DeviceRates
+    from zerocc.cost.rates import DeviceRates
     from zerocc.cost.simulate import predict_step
 
     fitted = DeviceRates(**rates)

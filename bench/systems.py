@@ -104,7 +104,7 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
         return loss, recorder.timeline.peak()[1]
 
     def reported() -> dict[str, Any]:
-        from zerocc.cost.model import rates_for
+        from zerocc.cost.rates import rates_for
         from zerocc.cost.simulate import predict_step
         from zerocc.inspect.explain import transfer_bytes_per_step
 

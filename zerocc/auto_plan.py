@@ -21,7 +21,7 @@ from zerocc.compiler.capture import LossFn
 from zerocc.compiler.driver.plan_changes import derive_plan
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import Workload
-from zerocc.cost.model import rates_for
+from zerocc.cost.rates import rates_for
 from zerocc.engine.comm import Comm
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.inspect.plan_search import Search, search_plans

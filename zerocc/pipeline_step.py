@@ -56,8 +56,9 @@ from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.cost.memory import model_state_bytes_of
-from zerocc.cost.model import CostModel, rates_for
+from zerocc.cost.model import CostModel
 from zerocc.cost.pipeline_memory import PipelineMemory, Programs, predict_pipeline_memory
+from zerocc.cost.rates import rates_for
 from zerocc.cost.stage_balance import split_units
 from zerocc.engine.comm import Comm
 from zerocc.errors import BatchError, NotSupportedError, RankMismatchError

@@ -142,7 +142,7 @@ def test_estimate_of_hybrid_sharding_draws_the_mesh_and_bytes_per_group(capsys):
 
 
 def test_estimate_predicts_the_step_time_with_the_flags_rates(capsys, tmp_path):
-    from zerocc.cost.model import DeviceRates
+    from zerocc.cost.rates import DeviceRates
 
     flags = ["--link-gbps", "400", "--latency-us", "2", "--device", "cuda"]
     fast = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "8", "--json", *flags))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from zerocc.cli.main import main
-from zerocc.cost.model import DeviceRates
+from zerocc.cost.rates import DeviceRates
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "batch_size": 2}

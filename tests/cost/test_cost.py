@@ -13,15 +13,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from zerocc.compiler.plan import load_plan
 from zerocc.cost.fit import nnls
-from zerocc.cost.model import (
-    COLLECTIVE,
-    COMPUTE,
-    CostModel,
-    DeviceRates,
-    NodeWork,
-    node_work,
-    rates_for,
-)
+from zerocc.cost.model import COLLECTIVE, COMPUTE, CostModel, NodeWork, node_work
+from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.errors import PlanError
 from zerocc.inspect.calibrate import fit_compute
 from zerocc.inspect.link_rates import fit_link

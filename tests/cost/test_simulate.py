@@ -11,7 +11,8 @@ from torch import fx
 
 from zerocc.compiler.workload import Workload
 from zerocc.cost.memory import model_state_bytes_of, predict_memory
-from zerocc.cost.model import CostModel, DeviceRates
+from zerocc.cost.model import CostModel
+from zerocc.cost.rates import DeviceRates
 from zerocc.cost.simulate import simulate, simulate_step
 from zerocc.cost.timeline import exposed_us
 from zerocc.inspect.estimate import inspect_plan

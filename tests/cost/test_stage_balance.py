@@ -7,7 +7,8 @@ import pytest
 from models import GPT, GPTConfig, _gpt_batch
 from staging import captured
 
-from zerocc.cost.model import CostModel, DeviceRates
+from zerocc.cost.model import CostModel
+from zerocc.cost.rates import DeviceRates
 from zerocc.cost.stage_balance import _least_max_partition, balance_stages
 from zerocc.errors import PlanError
 

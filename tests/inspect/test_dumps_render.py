@@ -303,7 +303,7 @@ def test_report_section_checks_kind_and_body():
 
 
 def test_trace_puts_the_predicted_run_under_each_measured_rank(program, tmp_path):
-    from zerocc.cost.model import DeviceRates
+    from zerocc.cost.rates import DeviceRates
     from zerocc.cost.simulate import predict_step
     from zerocc.inspect.dumps import write_trace
 
@@ -325,7 +325,7 @@ def test_the_report_says_why_predicted_and_measured_time_differ():
     """report.html's Time section: agreement said as such; a gap said with its size, the part
     that holds most of it, and what makes predictions miss (issue 50: "predicted 47.8 ms"
     beside "measured 1919.5 ms" with no word on why)."""
-    from zerocc.cost.model import DeviceRates
+    from zerocc.cost.rates import DeviceRates
     from zerocc.inspect.dumps import why_they_differ
 
     defaults = DeviceRates.defaults("cpu")

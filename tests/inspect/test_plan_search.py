@@ -14,7 +14,7 @@ import yaml
 
 from zerocc.cli.main import main
 from zerocc.compiler.plan import load_plan
-from zerocc.cost.model import rates_for
+from zerocc.cost.rates import rates_for
 from zerocc.errors import PlanError
 from zerocc.inspect.pipeline_estimate import estimate_pipeline
 from zerocc.inspect.plan_search import best_plan_yaml, search_plans, search_space

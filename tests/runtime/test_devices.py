@@ -11,7 +11,7 @@ import torch
 import zerocc
 from zerocc.cli.main import main
 from zerocc.compiler.plan import load_plan
-from zerocc.cost.model import device_kind
+from zerocc.cost.rates import device_kind
 from zerocc.errors import DeviceError, PlanError
 from zerocc.runtime.devices import rank_device
 

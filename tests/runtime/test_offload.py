@@ -361,7 +361,7 @@ def test_more_gradients_in_flight_hold_more_device_memory_and_wait_less():
     from workload import workload
 
     from zerocc.cli.inspect import _estimate_text
-    from zerocc.cost.model import DeviceRates
+    from zerocc.cost.rates import DeviceRates
     from zerocc.inspect.estimate import estimate, inspect_plan
     from zerocc.ir.ops import TO_HOST
 

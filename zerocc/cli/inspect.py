@@ -16,7 +16,7 @@ from zerocc.cli.plan_args import add_plan_arguments, plan_of
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
 from zerocc.compiler.plan import OffloadConfig, Plan
-from zerocc.cost.model import RATE_FIELDS, DeviceRates, rates_for
+from zerocc.cost.rates import RATE_FIELDS, DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation
 from zerocc.errors import ZeroccError
 from zerocc.inspect.estimate import Estimate, Inspection, estimate, inspect_plan, pass_table

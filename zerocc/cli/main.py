@@ -349,7 +349,7 @@ def _searched(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> Plan:
     """`train --auto`: the plan search for this run's ranks and device (the table printed);
     the choice is added to the command's ``--set`` items, which the launched ranks get too,
     and the plan returned with it."""
-    from zerocc.cost.model import rates_for
+    from zerocc.cost.rates import rates_for
     from zerocc.inspect.plan_search import search_plans
     from zerocc.runtime.devices import rank_device
 

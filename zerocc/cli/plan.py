@@ -97,7 +97,7 @@ def memory_per_rank(device: str, gib: float | None, ranks_per_machine: int) -> i
 
 def _auto(args: argparse.Namespace) -> int:
     """`zerocc plan auto`: the fastest candidate plan that fits, written as a plan file."""
-    from zerocc.cost.model import rates_for
+    from zerocc.cost.rates import rates_for
     from zerocc.inspect.plan_search import best_plan_yaml, search_plans
 
     plan = checked_plan(args)

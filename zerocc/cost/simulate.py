@@ -42,14 +42,8 @@ from torch import fx
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.state import HOST
 from zerocc.cost.memory import predict_memory
-from zerocc.cost.model import (
-    COMPUTE,
-    TRANSFER,
-    CostModel,
-    DeviceRates,
-    collective_kind,
-    node_work,
-)
+from zerocc.cost.model import COMPUTE, TRANSFER, CostModel, collective_kind, node_work
+from zerocc.cost.rates import DeviceRates
 from zerocc.cost.timeline import EXPOSED, MemoryTimeline, TraceEvent
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import info, op_kind, op_name

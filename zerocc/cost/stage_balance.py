@@ -21,7 +21,8 @@ from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.parallel.stage_cut import StageAssignment, unit_of
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
-from zerocc.cost.model import CostModel, rates_for
+from zerocc.cost.model import CostModel
+from zerocc.cost.rates import rates_for
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import PARAM, info
 from zerocc.ir.printing import human_bytes

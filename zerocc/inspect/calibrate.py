@@ -53,13 +53,8 @@ from torch import fx
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.cost.fit import nnls
 from zerocc.cost.memory import model_state_bytes_of
-from zerocc.cost.model import (
-    COMPUTE,
-    CostModel,
-    DeviceRates,
-    NodeWork,
-    node_work,
-)
+from zerocc.cost.model import COMPUTE, CostModel, NodeWork, node_work
+from zerocc.cost.rates import DeviceRates
 from zerocc.cost.simulate import Simulation, predict_step
 from zerocc.engine.comm import Comm, Work
 from zerocc.inspect.host_rates import host_link_rate, host_update_rate

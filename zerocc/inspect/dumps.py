@@ -32,7 +32,7 @@ from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan
 from zerocc.cost.memory import model_state_bytes_of, predict_memory
-from zerocc.cost.model import DeviceRates, rates_for
+from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation, predict_step
 from zerocc.cost.timeline import MemoryTimeline, TraceEvent, exposed_us
 from zerocc.inspect.chrome_trace import chrome_trace

@@ -25,7 +25,7 @@ from zerocc.compiler.state import HOST, NVME
 from zerocc.compiler.units import Unit
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.memory import model_state_bytes_of, predict_memory
-from zerocc.cost.model import DeviceRates, rates_for
+from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation, predict_step
 from zerocc.cost.timeline import MemoryTimeline
 from zerocc.inspect.explain import (
@@ -145,7 +145,7 @@ class Estimate:
 def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estimate:
     """Model states from the plan's state layout; transient memory by liveness over the
     stepping program; bytes per collective kind per step (accumulating programs included);
-    the step's time, simulated with ``rates`` (default: :func:`zerocc.cost.model.rates_for` the
+    the step's time, simulated with ``rates`` (default: :func:`zerocc.cost.rates.rates_for` the
     plan)."""
     plan = inspection.plan
     states = model_state_bytes_of(inspection.stepping.layout)

@@ -380,7 +380,7 @@ def offload_lines(step: StepRecord) -> list[str]:
 def predicted_time_line(step: StepRecord) -> str:
     """The step's time as the cost model predicts it (``zerocc estimate``'s simulation of the
     compiled programs, with the plan's rates: ``plan.cost``, a calibration, or defaults)."""
-    from zerocc.cost.model import rates_for
+    from zerocc.cost.rates import rates_for
     from zerocc.cost.simulate import predict_step
 
     programs = step.programs

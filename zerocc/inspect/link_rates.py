@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from zerocc.compiler.plan import Plan
 from zerocc.cost.fit import nnls
-from zerocc.cost.model import CostModel, DeviceRates, ring_hops
+from zerocc.cost.model import CostModel, ring_hops
+from zerocc.cost.rates import DeviceRates
 from zerocc.engine.comm import Comm
 
 MESSAGE_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)  # per rank

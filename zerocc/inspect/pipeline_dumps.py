@@ -32,7 +32,7 @@ from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, Timeline
 from zerocc.compiler.plan import Plan
-from zerocc.cost.model import DeviceRates
+from zerocc.cost.rates import DeviceRates
 from zerocc.cost.timeline import TraceEvent
 from zerocc.inspect.chrome_trace import chrome_trace
 from zerocc.inspect.dumps import (

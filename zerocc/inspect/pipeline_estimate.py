@@ -34,8 +34,9 @@ from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan.pipeline import describe_zero
 from zerocc.compiler.workload import Workload
 from zerocc.cost.memory import model_state_bytes_of, tensors_in
-from zerocc.cost.model import CostModel, DeviceRates, rates_for
+from zerocc.cost.model import CostModel
 from zerocc.cost.pipeline_memory import PipelineMemory, predict_pipeline_memory
+from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.cost.simulate import simulate
 from zerocc.inspect.explain import comm_bytes
 from zerocc.inspect.pipeline import PipelineInspection, inspect_pipeline

@@ -13,7 +13,8 @@ import zerocc
 from zerocc.compiler.opaque import calls_in
 from zerocc.compiler.parallel.experts import exchange_lines, exchanges_of, experts_flops
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.cost.model import CostModel, node_work, rates_for
+from zerocc.cost.model import CostModel, node_work
+from zerocc.cost.rates import rates_for
 from zerocc.errors import PlanError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import op_name
