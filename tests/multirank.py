@@ -38,8 +38,10 @@ def _free_port() -> int:
 
 
 # What the server imports before it forks any rank (zerocc.runtime.step: the TrainStep and
-# what compiling imports; torch._dynamo: capture's).
-PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "zerocc", "zerocc.runtime.step"]
+# what compiling imports; torch._dynamo: capture's; transformers' modeling code, ~3 s of CPU
+# in each rank that builds one of the Hugging Face models of tests/models.py, once here).
+PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "zerocc", "zerocc.runtime.step",
+             "transformers.models.mixtral.modeling_mixtral"]  # fmt: skip
 
 
 def _context(backend: str) -> Any:

@@ -120,7 +120,8 @@ def test_train_auto_searches_first_and_gives_the_ranks_its_choice(monkeypatch, c
     monkeypatch.setattr(cli, "_launch", launch)
     assert cli.main(["train", str(plan), "--nproc", "2", "--auto"]) == 0
     out = capsys.readouterr().out
-    assert "12 candidate plans on 2 ranks" in out  # (stages 0-3 × recompute none, half, all)
+    # (stages 0-3 × recompute none, half, all; and the pick's collectives in buckets)
+    assert "13 candidate plans on 2 ranks" in out
     (command,) = launches
     sets = dict(command[i + 1].split("=", 1) for i, flag in enumerate(command) if flag == "--set")
     assert set(sets) == {"zero.stage", "recompute.units"}

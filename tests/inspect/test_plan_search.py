@@ -17,7 +17,7 @@ from zerocc.compiler.plan import load_plan
 from zerocc.cost.rates import rates_for
 from zerocc.errors import PlanError
 from zerocc.inspect.pipeline_estimate import estimate_pipeline
-from zerocc.inspect.plan_search import best_plan_yaml, search_plans, search_space
+from zerocc.inspect.plan_search import REFINED, best_plan_yaml, search_plans, search_space
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 OPEN = {  # the example's zero3.yaml without its stage: stage and recompute are searched
@@ -28,6 +28,11 @@ OPEN = {  # the example's zero3.yaml without its stage: stage and recompute are 
 }  # fmt: skip
 
 
+def grid(search):
+    """The candidates of the search space, without the pick's refinements (REFINED)."""
+    return [c for c in search.candidates if not set(c.fields) & set(REFINED)]
+
+
 @pytest.fixture(scope="module")
 def searched():
     plan = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload"})
@@ -35,7 +40,7 @@ def searched():
 
 
 def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(searched):
-    fields = [c.fields for c in searched.candidates]
+    fields = [c.fields for c in grid(searched)]
     assert len(fields) == 12 and {f["zero.stage"] for f in fields} == {0, 1, 2, 3}
     # recomputing none, every other block (the first and third of 4) or all
     half = ["transformer.h.0", "transformer.h.2"]
@@ -62,6 +67,25 @@ def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(se
         assert full.step_s > some.step_s > none.step_s
         assert full.peak < some.peak < none.peak
     assert "recompute.units: ['transformer.h.0', 'transformer.h.2']" in searched.format()
+
+
+def test_the_pick_is_tried_with_buckets_and_deeper_prefetch(searched):
+    """Around the grid's fastest (stage 1 here): its collectives in buckets of two blocks (the
+    example's 0.79 MB blocks: 2 MB); the stage-3 pick of a plan that fixes the stage also with
+    a second unit prefetched. On CPU rates the bucket's copies cost more than they save."""
+    first = grid(searched)[0]
+    refined = [c for c in searched.candidates if c not in grid(searched)]
+    assert [c.fields for c in refined] == [{**first.fields, "overlap.bucket_mb": 2.0}]
+    assert refined[0].step_s > first.step_s and searched.best is first
+    plan = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload",
+                      "zero": {"stage": 3}, "overlap": {"bucket_mb": 0}})  # fmt: skip
+    fixed = search_plans(plan, 2, 2**40, rates_for(plan, "cpu"), exhaustive=True)
+    best = min(fixed.candidates[:3], key=lambda c: c.step_s)
+    deeper = [c for c in fixed.candidates if "overlap.prefetch" in c.fields]
+    assert len(fixed.candidates) == 4 and len(deeper) == 1
+    assert deeper[0].fields == {**fixed.best.fields, "overlap.prefetch": 2} or (
+        fixed.best is deeper[0] and best.step_s >= deeper[0].step_s
+    )
 
 
 def test_a_rank_with_less_memory_gets_the_fastest_plan_under_it(searched):
@@ -153,20 +177,35 @@ def test_pipelines_are_searched_and_timed_by_their_schedule():
     plan = load_plan(data)
     rates = rates_for(plan, "cpu")
     searched = search_plans(plan, 4, 2**40, rates, exhaustive=True, pipelines=True)
-    tried = {(c.fields["parallel.pp"], c.fields["pipeline.schedule"]) for c in searched.candidates}
-    assert tried == {(1, "1f1b"), (2, "1f1b"), (2, "zero-bubble"), (4, "1f1b"),
-                     (4, "zero-bubble")}  # fmt: skip
-    by = {(c.fields["parallel.pp"], c.fields["pipeline.schedule"]): c for c in searched.candidates}
-    assert by[4, "zero-bubble"].error is not None
-    pipeline = by[2, "1f1b"]
+    by = {
+        (c.fields["parallel.pp"], c.fields["pipeline.schedule"],
+         c.fields["pipeline.microbatches"]): c
+        for c in grid(searched)
+    }  # fmt: skip
+    # each pipeline also with 2 and 4 times its default micro-batches, where the rank's batch
+    # of 8 divides into them (ZBV's default is 4 on 2 ranks: 8; 16 does not divide)
+    assert set(by) == {(1, "1f1b", None), (2, "1f1b", None), (2, "1f1b", 4), (2, "1f1b", 8),
+                       (2, "zero-bubble", None), (2, "zero-bubble", 8), (4, "1f1b", None),
+                       (4, "1f1b", 8), (4, "zero-bubble", None)}  # fmt: skip
+    assert by[4, "zero-bubble", None].error is not None
+    pipeline = by[2, "1f1b", None]
     derived = load_plan({**data, "parallel": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})
     expected = estimate_pipeline(derived, 4, rates=rates)
     assert pipeline.step_s == pytest.approx(expected.step_s)
     assert pipeline.peak == max(r.memory.peak for r in expected.ranks)
-    assert pipeline.moved["pp"] > 0 and pipeline.work == by[1, "1f1b"].work // 2
+    assert pipeline.moved["pp"] > 0 and pipeline.work == by[1, "1f1b", None].work // 2
     assert "parallel.pp: 2" in searched.format()
+    # more micro-batches: the same work, each figure `zerocc estimate`'s; 1F1B holds the
+    # activations of fewer rows at a time
+    more = load_plan({**data, "parallel": {"pp": 2}, "pipeline": {"microbatches": 8}})
+    assert by[2, "1f1b", 8].step_s == pytest.approx(estimate_pipeline(more, 4, rates=rates).step_s)
+    assert by[2, "1f1b", 8].work == pipeline.work
+    assert by[2, "1f1b", 8].peak < by[2, "1f1b", 4].peak < pipeline.peak
     fixed = search_plans(derived, 4, 2**40, rates, exhaustive=True)  # (its stage fixed too)
-    assert [c.step_s for c in fixed.candidates] == [pytest.approx(expected.step_s)]
+    assert [c.fields["pipeline.microbatches"] for c in grid(fixed)] == [None, 4, 8]
+    assert grid(fixed)[0].step_s == pytest.approx(expected.step_s)
+    counted = search_plans(more, 4, 2**40, rates, exhaustive=True)  # (the count fixed too)
+    assert len(grid(counted)) == 1
 
 
 def test_the_mesh_is_searched_within_and_across_machines():
@@ -249,11 +288,11 @@ def test_the_pruned_search_picks_what_compiling_every_candidate_picks(meshes, ti
     best = dataclasses.replace(every, memory=memory).best
     pruned = search_plans(plan, 4, memory, rates, ranks_per_node=2)
     assert pruned.best is not None and pruned.best.fields == best.fields
-    assert len(pruned.candidates) == len(every.candidates)
-    compiled = [c for c in pruned.candidates if c.pruned is None]
-    assert len(compiled) < len(every.candidates)
+    assert len(grid(pruned)) == len(grid(every))
+    compiled = [c for c in grid(pruned) if c.pruned is None]
+    assert len(compiled) < len(grid(every))
     assert all(c.pruned.startswith("pruned: ") for c in pruned.candidates if c.pruned)
-    assert f"{len(every.candidates) - len(compiled)} pruned" in pruned.format()
+    assert f"{len(grid(every)) - len(compiled)} pruned" in pruned.format()
     # a candidate pruned for its model states: they are a lower bound of its compiled peak
     peaks = {str(c.fields): c.peak for c in every.candidates}
     for c in pruned.candidates:
@@ -287,8 +326,8 @@ def test_a_secondary_partition_is_searched_where_a_machine_has_a_link_of_its_own
     tried = {(c.fields["zero.replicate"], c.fields["zero.secondary_group"])
              for c in searched.candidates}  # fmt: skip
     assert tried == {(1, 1), (2, 1), (1, 2)}  # (2 replicas shard over 2: none to split)
-    plain = {str(c.fields): c for c in searched.candidates if c.fields["zero.secondary_group"] == 1}
-    for c in searched.candidates:
+    plain = {str(c.fields): c for c in grid(searched) if c.fields["zero.secondary_group"] == 1}
+    for c in grid(searched):
         if c.fields["zero.secondary_group"] == 2:
             twin = plain[str({**c.fields, "zero.secondary_group": 1})]
             assert c.step_s < twin.step_s and c.peak > twin.peak, c.describe()

@@ -74,6 +74,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="also try pipelines (parallel.pp 2, 4, 8 with 1f1b and zero-bubble): each compiles "
         "every pipeline rank, several times a candidate without one",
     )  # fmt: skip
+    auto.add_argument(
+        "--whole", action="store_true",
+        help="compile every candidate at the model's depth (default: a model of 16 or more "
+        "repeated blocks has its candidates drawn from copies cut to 4 and 6 blocks, and the "
+        "pick compiled whole)",
+    )  # fmt: skip
     auto.set_defaults(run=_auto)
 
 
@@ -108,7 +114,8 @@ def _auto(args: argparse.Namespace) -> int:
     rates = rates_for(plan, args.device, args.calibration)
     memory = memory_per_rank(rates.device, args.memory, args.ranks_per_node or args.world_size)
     search = search_plans(plan, args.world_size, memory, rates, ranks_per_node=args.ranks_per_node,
-                          exhaustive=args.exhaustive, pipelines=args.pipelines)  # fmt: skip
+                          exhaustive=args.exhaustive, pipelines=args.pipelines,
+                          whole=args.whole)  # fmt: skip
     print(search.format())
     if search.best is None:
         return 2

@@ -3,7 +3,8 @@
 The plan names the workload and whatever the user fixes; every field of the search space that
 the plan leaves out is tried: the ZeRO stage (0-3), recomputation (none, every other unit,
 all), on a GPU the optimizer's offload to host memory, and the mesh: tensor parallelism within
-a machine (``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``), over several
+a machine (``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``, each with
+and without sequence parallelism), over several
 machines hybrid sharding (``zero.replicate``: shards within a machine, replicas across) and,
 where ``cost.group_link_gbps`` gives the machine's link, stage 3's secondary partition
 (``zero.secondary_group``: a machine's ranks, hpZ), and
@@ -23,21 +24,29 @@ rank by rank and timed by its schedule, as `zerocc estimate` times a pipeline pl
 (:func:`~zerocc.inspect.pipeline_estimate.estimate_pipeline`): the highest rank's peak, the
 schedule's makespan and the slowest update. They are opt-in because each compiles every
 pipeline rank's programs, several times a candidate without one, and the space grows by a
-mesh per degree and schedule. Units' granularity and micro-batch counts are not searched yet.
+mesh per degree and schedule. A pipeline is also tried with 2 and 4 times its default
+micro-batches (one per stage), where each rank's batch divides into them: a smaller bubble
+and fewer activations in flight, at smaller ops.
 
 Most candidates are not compiled: the cost model's orders rule them out
 (:mod:`zerocc.inspect.plan_pruning`); ``exhaustive=True`` (`zerocc plan auto --exhaustive`)
-compiles every one.
+compiles every one. A deep model's candidates are drawn from compiles of shallow copies of it
+and the pick compiled whole (:mod:`zerocc.inspect.plan_depth`). Last, the knobs that move a
+step by a few percent are tuned around the pick (:data:`REFINED`): its collectives in
+buckets of two of its largest units (``overlap.bucket_mb``: what units of two blocks would
+send, each unit still freed on its own) and, at stage 3, a second unit prefetched.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import yaml
 
 from zerocc.compiler.driver.plan_changes import derive_plan, plan_field, set_field
@@ -53,16 +62,27 @@ from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.inspect.estimate import estimate, first_batch, inspect_plan
 from zerocc.inspect.pipeline_estimate import PipelineEstimate, estimate_pipeline
+from zerocc.inspect.plan_depth import DEPTHS, BlockStack, confirmed, extrapolated
 from zerocc.inspect.plan_pruning import SAVES_MEMORY, SOME, Candidate, pruned_search
 from zerocc.ir.printing import human_bytes, human_seconds
 
 HOST_ONLY = {"offload.optimizer"}  # fields that mean nothing where host memory is the device's
+SEQUENCE_PARALLEL = "parallel.sequence_parallel"  # (tried where the plan names tp_layers)
 TP_DEGREES = (1, 2, 4, 8)  # tensor parallelism within a machine (NVLink's reach)
 PP_DEGREES = (1, 2, 4, 8)  # pipeline stages' ranks (each stage at least one unit)
 # Pipeline schedules tried where the plan names none: 1f1b (one stage a rank) and ZBV (two, the
 # backward split: the smaller bubble, the activations of more micro-batches held)
 PP_SCHEDULES = ("1f1b", "zero-bubble")
 EP_DEGREES = (1, 2, 4, 8, 16, 32, 64)  # expert parallelism (DeepSeek-V3 trains at ep 64)
+MICROBATCHES = "pipeline.microbatches"
+# Knobs tuned around the pick, not across the space (:func:`_refinements`): each moves a step
+# by a few percent (on the 70B example's estimate at 1024 ranks, buckets of two blocks -1.5%,
+# a second unit prefetched +0.5%; on the 4-block example on either rates, buckets cost more
+# than they save), where trying them everywhere would multiply the candidates by 4
+BUCKETS, PREFETCH = "overlap.bucket_mb", "overlap.prefetch"
+REFINED = (BUCKETS, PREFETCH)
+# A pipeline's micro-batches tried beyond its default (one per stage): 2 and 4 times as many
+MICROBATCH_FACTORS = (2, 4)
 
 
 @dataclass(frozen=True)
@@ -76,6 +96,7 @@ class Search:
     candidates: list[Candidate]
     fixed: list[str]  # fields of the space the plan sets, not searched
     counts_tokens: bool = False  # the candidates' work is tokens (else batches)
+    stack: BlockStack | None = None  # the model's blocks, cut to screen candidates (plan_depth)
 
     @property
     def best(self) -> Candidate | None:
@@ -103,9 +124,16 @@ class Search:
                 continue
             fits = "yes" if c.fits(self.memory) else "no"
             rate = self.tokens_per_s(c)
+            near = "≈" if c.extrapolated else ""
             lines.append(
-                f"  {human_seconds(c.step_s):>10}  {rate:>9}  {human_bytes(c.peak):>10}  "
+                f"  {near + human_seconds(c.step_s):>10}  {rate:>9}  "
+                f"{near + human_bytes(c.peak):>10}  "
                 f"{fits:<4}  {c.bound_by:<13}  {c.describe()} ({c.moved_text() or 'none'})"
+            )
+        if self.stack is not None and any(c.extrapolated for c in self.candidates):
+            lines.append(
+                f"≈: the line through compiles of the model cut to {self.stack.describe()}; "
+                "the others compiled whole"
             )
         best = self.best
         if best is None:
@@ -176,6 +204,8 @@ def search_space(
     for path, values in {**chains, **mesh}.items():
         if device != "cuda" and path in HOST_ONLY:
             continue
+        if path == SEQUENCE_PARALLEL and not plan.parallel.tp_layers:
+            continue  # (nothing to split the sequence beside)
         if _set_in(plan, path):
             fixed.append(f"{path}: {plan_field(plan, path)}")
             continue
@@ -242,12 +272,15 @@ def search_plans(
     ranks_per_node: int | None = None,
     exhaustive: bool = False,
     pipelines: bool = False,
+    whole: bool = False,
 ) -> Search:
     """Compile the candidates of ``plan``'s search space for ``world_size`` ranks and rank
     them (see the module's docstring); ``memory``: bytes a rank has on its device;
     ``ranks_per_node``: ranks per machine (None: one machine); ``exhaustive``: compile every
     candidate, none pruned; ``pipelines``: try pipelines too (a plan that sets
-    ``parallel.pp`` is searched around its pipeline either way)."""
+    ``parallel.pp`` is searched around its pipeline either way); ``whole``: compile every
+    candidate at the model's depth (by default a deep model's are drawn from shallow copies
+    of it, :mod:`zerocc.inspect.plan_depth`, and the pick compiled whole)."""
     rates = rates or rates_for(plan)
     workload = workload or load_workload(plan)
     experts = ExpertParallel.holds_experts(workload.model, plan)
@@ -255,20 +288,49 @@ def search_plans(
     some = units[::2] if len(units) >= 2 else None  # (every other unit)
     space, fixed = search_space(plan, rates.device, world_size, ranks_per_node, experts, some,
                                 len(units) if pipelines else 0)  # fmt: skip
+    bucket_mb = two_units_mb(plan, workload, world_size)
     captured = CapturedSteps()  # (the candidates differ in their passes: one capture serves)
+    microbatches = _searches_microbatches(plan, space)
+    if microbatches:
+        space[MICROBATCHES] = (None,)  # (the default; more for each pipeline, below)
     plans = {}
-    for fields in candidate_fields(space):
-        if _no_pipeline_but_its_schedule(plan, fields):
+    for base in candidate_fields(space):
+        if _no_pipeline_but_its_schedule(plan, base):
             continue
-        changed = {k: v for k, v in fields.items() if plan_field(plan, k) != v}
-        derived = derive_plan(plan, changed) if changed else plan
-        if derived is not None and _takes(derived, world_size):
-            plans[_key(fields)] = (fields, derived)  # (else the schema or the world refuses it)
+        derived = _derived(plan, base, world_size)
+        if derived is None:
+            continue  # (the schema or the world refuses it)
+        plans[_key(base)] = (base, derived)
+        for count in _more_microbatches(derived, workload, world_size) if microbatches else ():
+            fields = {**base, MICROBATCHES: count}
+            if (more := _derived(plan, fields, world_size)) is not None:
+                plans[_key(fields)] = (fields, more)
 
-    def predict(fields: dict[str, Any]) -> Candidate:
+    def predict_whole(fields: dict[str, Any]) -> Candidate:
         derived = plans[_key(fields)][1]
         predicted = _predicted(fields, derived, world_size, rates, workload, captured)
         return replace(predicted, work=_work(derived, world_size, workload))
+
+    stack = None if whole else BlockStack.of(workload.model)
+    copies = _shallow_copies(plan, workload, world_size, stack) if stack is not None else []
+
+    def predict(fields: dict[str, Any]) -> Candidate:
+        derived = plans[_key(fields)][1]
+        if stack is None or derived.parallel.pp > 1:  # (a pipeline's stages split the units)
+            return predict_whole(fields)
+        points = []
+        for shallow in copies:
+            at = shallow.fields(fields)
+            changed = {k: v for k, v in at.items() if plan_field(plan, k) != v}
+            cut = derive_plan(plan, changed) if changed else plan
+            if cut is None:
+                return predict_whole(fields)
+            point = _predicted(at, cut, world_size, rates, shallow.workload, shallow.captured)
+            if point.error is not None:  # (say, the plan names a block beyond the cut)
+                return predict_whole(fields)
+            points.append(point)
+        line = extrapolated(points, DEPTHS, stack.depth)
+        return replace(line, fields=fields, work=_work(derived, world_size, workload))
 
     def states(fields: dict[str, Any]) -> int:
         derived = plans[_key(fields)][1]
@@ -283,10 +345,48 @@ def search_plans(
         candidates = [predict(fields) for fields in fields_of]
     else:
         candidates = pruned_search(fields_of, predict, states, memory)
+    if stack is not None:
+        candidates = confirmed(candidates, predict_whole, memory)
+    best = _fastest_that_fits(candidates, memory)
+    if best is not None:  # (the knobs tuned around the pick)
+        for fields in _refinements(plan, best.fields, plans[_key(best.fields)][1], bucket_mb):
+            if (derived := _derived(plan, fields, world_size)) is not None:
+                plans[_key(fields)] = (fields, derived)
+                candidates.append(predict(fields))
+        if stack is not None:
+            candidates = confirmed(candidates, predict_whole, memory)
     candidates.sort(key=lambda c: (c.pruned is not None, c.error is not None,
                                    c.seconds_per_work, c.peak))  # fmt: skip
     counts_tokens = workload.tokens_per_batch is not None
-    return Search(plan, world_size, memory, rates, candidates, fixed, counts_tokens)
+    return Search(plan, world_size, memory, rates, candidates, fixed, counts_tokens, stack)
+
+
+@dataclass(frozen=True)
+class _ShallowCopy:
+    """The workload with the model's stack cut to ``depth`` blocks, its own captures, and its
+    every-other-unit recompute (the search's :data:`SOME` at this depth)."""
+
+    depth: int
+    workload: Workload
+    captured: CapturedSteps
+    some: list[str] | None
+
+    def fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """A candidate's fields for this copy: its every-other-unit list, this copy's."""
+        if isinstance(fields.get("recompute.units"), list):
+            return {**fields, "recompute.units": self.some}
+        return fields
+
+
+def _shallow_copies(
+    plan: Plan, workload: Workload, world_size: int, stack: BlockStack
+) -> list[_ShallowCopy]:
+    copies = []
+    for depth in DEPTHS:
+        cut = replace(workload, model=stack.cut(workload.model, depth))
+        units = trainable_units(plan, cut, world_size)
+        copies.append(_ShallowCopy(depth, cut, CapturedSteps(), units[::2] or None))
+    return copies
 
 
 def _key(fields: dict[str, Any]) -> tuple:
@@ -304,6 +404,67 @@ def trainable_units(plan: Plan, workload: Workload, world_size: int) -> list[str
     except ZeroccError:
         return []
     return [u.key for u in chosen_units(session.units, "all") if u.trainable]
+
+
+def _derived(plan: Plan, fields: dict[str, Any], world_size: int) -> Plan | None:
+    """``plan`` with ``fields`` set; None where the schema or the world refuses it."""
+    changed = {k: v for k, v in fields.items() if plan_field(plan, k) != v}
+    derived = derive_plan(plan, changed) if changed else plan
+    return derived if derived is not None and _takes(derived, world_size) else None
+
+
+def _searches_microbatches(plan: Plan, space: dict[str, tuple[Any, ...]]) -> bool:
+    """Whether a pipeline's micro-batch count is searched: pipelines are tried (or the plan
+    has one) and the plan does not set the count."""
+    pipelines = "parallel.pp" in space or plan.parallel.pp > 1
+    return pipelines and not _set_in(plan, MICROBATCHES)
+
+
+def _more_microbatches(plan: Plan, workload: Workload, world_size: int) -> list[int]:
+    """Micro-batch counts beyond a pipeline's default (one per stage) worth trying:
+    :data:`MICROBATCH_FACTORS` times it, where each rank's batch divides into them (more
+    micro-batches, a smaller bubble and fewer activations in flight, at smaller ops); none
+    without a pipeline."""
+    if plan.parallel.pp == 1:
+        return []
+    default = plan.pipeline.microbatches_of(plan.parallel.pp)
+    batch = first_batch(workload, Mesh.of_plan(plan, world_size).data_parallel)
+    rows = next((t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim()), 0)
+    return [f * default for f in MICROBATCH_FACTORS if rows and rows % (f * default) == 0]
+
+
+def _fastest_that_fits(candidates: list[Candidate], memory: int) -> Candidate | None:
+    fitting = [c for c in candidates if c.fits(memory)]
+    return min(fitting, key=lambda c: (c.seconds_per_work, c.peak), default=None)
+
+
+def _refinements(
+    plan: Plan, fields: dict[str, Any], picked: Plan, bucket_mb: float
+) -> list[dict[str, Any]]:
+    """The pick's ``fields`` (its plan: ``picked``) with each of :data:`REFINED` changed,
+    where the plan leaves it: its collectives in buckets of two of its largest units
+    (``bucket_mb``; 0: too few units) and, at stage 3, one more unit gathered ahead."""
+    out = []
+    if bucket_mb and not _set_in(plan, BUCKETS):
+        out.append({**fields, BUCKETS: bucket_mb})
+    if picked.zero.stage == 3 and not _set_in(plan, PREFETCH):
+        out.append({**fields, PREFETCH: picked.overlap.prefetch + 1})
+    return out
+
+
+def two_units_mb(plan: Plan, workload: Workload, world_size: int) -> float:
+    """A bucket (``overlap.bucket_mb``) that two of the model's largest trainable units fill,
+    gathered in the compute dtype, whole MB rounded up: their collectives as one, what units
+    of two blocks would send (each unit still freed on its own); 0 for fewer than 2 units."""
+    try:
+        session = CompileSession.open(workload.model, plan, world_size, workload.loss_fn)
+    except ZeroccError:
+        return 0.0
+    sizes = sorted(u.numel for u in chosen_units(session.units, "all") if u.trainable)
+    if len(sizes) < 2:
+        return 0.0
+    itemsize = plan.precision.dtype("param").itemsize
+    return float(math.ceil(2 * sizes[-1] * itemsize / 2**20))
 
 
 def _no_pipeline_but_its_schedule(plan: Plan, fields: dict[str, Any]) -> bool:
