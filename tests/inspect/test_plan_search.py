@@ -69,23 +69,25 @@ def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(se
     assert "recompute.units: ['transformer.h.0', 'transformer.h.2']" in searched.format()
 
 
-def test_the_pick_is_tried_with_buckets_and_deeper_prefetch(searched):
-    """Around the grid's fastest (stage 1 here): its collectives in buckets of two blocks (the
-    example's 0.79 MB blocks: 2 MB); the stage-3 pick of a plan that fixes the stage also with
-    a second unit prefetched. On CPU rates the bucket's copies cost more than they save."""
+def test_the_pick_is_tried_with_units_of_two_blocks_buckets_and_deeper_prefetch(searched):
+    """Around the grid's fastest (stage 1 here): its blocks two to a unit, and its
+    collectives in buckets of two blocks (the example's 0.79 MB blocks: 2 MB; on CPU rates
+    their copies cost more than they save). The stage-3 pick of a plan that fixes its units
+    and buckets is tried with a second unit prefetched instead."""
     first = grid(searched)[0]
-    refined = [c for c in searched.candidates if c not in grid(searched)]
-    assert [c.fields for c in refined] == [{**first.fields, "overlap.bucket_mb": 2.0}]
-    assert refined[0].step_s > first.step_s and searched.best is first
+    refined = {str(c.fields): c for c in searched.candidates if c not in grid(searched)}
+    two_blocks = str({**first.fields, "units.blocks_per_unit": 2})
+    bucketed = str({**first.fields, "overlap.bucket_mb": 2.0})
+    assert set(refined) == {two_blocks, bucketed}
+    assert refined[bucketed].step_s > first.step_s and refined[two_blocks].predicted
+    assert searched.best is min(searched.candidates, key=lambda c: (c.step_s, c.peak))
     plan = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload",
-                      "zero": {"stage": 3}, "overlap": {"bucket_mb": 0}})  # fmt: skip
+                      "zero": {"stage": 3}, "overlap": {"bucket_mb": 0},
+                      "units": {"classes": ["Block"], "blocks_per_unit": 1}})  # fmt: skip
     fixed = search_plans(plan, 2, 2**40, rates_for(plan, "cpu"), exhaustive=True)
-    best = min(fixed.candidates[:3], key=lambda c: c.step_s)
-    deeper = [c for c in fixed.candidates if "overlap.prefetch" in c.fields]
-    assert len(fixed.candidates) == 4 and len(deeper) == 1
-    assert deeper[0].fields == {**fixed.best.fields, "overlap.prefetch": 2} or (
-        fixed.best is deeper[0] and best.step_s >= deeper[0].step_s
-    )
+    pick = min(grid(fixed), key=lambda c: (c.step_s, c.peak))
+    deeper = [c.fields for c in fixed.candidates if c not in grid(fixed)]
+    assert deeper == [{**pick.fields, "overlap.prefetch": 2}]
 
 
 def test_a_rank_with_less_memory_gets_the_fastest_plan_under_it(searched):

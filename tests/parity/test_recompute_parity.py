@@ -27,7 +27,11 @@ REFERENCE = [
     ({"model": "gpt", "stage": 3, "recompute": LAST_BLOCK}, 1e-5),
     ({"model": "twice", "stage": 3, "recompute": ALL}, 1e-5),  # a unit called twice
     ({"model": "gpt", "stage": 3, "precision": BF16, "recompute": ALL}, 1e-2),
+    # one unit of both blocks (units.blocks_per_unit): each block's calls recomputed alike
+    ({"model": "gpt", "stage": 3, "units": {"blocks_per_unit": 2}, "recompute": ALL}, 1e-5),
 ]
+# Units of two blocks against units of one, exactly: the same sums (2 ranks), in larger flats.
+GROUPED = [{"model": "gpt", "stage": s, "units": {"blocks_per_unit": 2}} for s in (1, 3)]
 # Against the same run without recompute, exactly.
 ON_OFF = [
     {"model": "gpt_dropout", "stage": 0, "recompute": ALL},
@@ -54,7 +58,12 @@ def _train(rank: int, world: int, cases: list[dict]) -> dict:
 def _results() -> list[dict]:
     cases = [_full(c) for c, _ in REFERENCE]
     cases += [c for case in ON_OFF for c in (_full(case), _off(case)) if c not in cases]
+    cases += [c for case in GROUPED for c in (_full(case), _ungrouped(case)) if c not in cases]
     return run_ranks(2, _train, cases)
+
+
+def _ungrouped(case: dict) -> dict:
+    return {k: v for k, v in _full(case).items() if k != "units"}
 
 
 @pytest.mark.parametrize("case,tol", REFERENCE, ids=[case_id(_full(c)) for c, _ in REFERENCE])
@@ -65,6 +74,11 @@ def test_checkpointed_training_matches_unsharded_training(case, tol):
 @pytest.mark.parametrize("case", ON_OFF, ids=[case_id(_full(c)) for c in ON_OFF])
 def test_recompute_is_bit_identical_to_saving_activations(case):
     assert_bit_identical(_results(), _full(case), _off(case))
+
+
+@pytest.mark.parametrize("case", GROUPED, ids=[case_id(_full(c)) for c in GROUPED])
+def test_units_of_two_blocks_train_as_units_of_one(case):
+    assert_bit_identical(_results(), _full(case), _ungrouped(case))
 
 
 def test_the_dropout_model_draws_masks():

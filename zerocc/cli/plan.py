@@ -153,7 +153,8 @@ def checked_model(plan: Plan) -> tuple[nn.Module, str]:
     model = load_workload(plan).model
     info = describe_model(model)
     units = plan.units
-    found = assign_units(info, 1, units.classes, units.modules, units.min_mb)
+    found = assign_units(info, 1, units.classes, units.modules, units.min_mb,
+                         blocks_per_unit=units.blocks_per_unit)  # fmt: skip
     TensorParallel.of(model, info, plan)
     experts = ExpertParallel.of(model, info, plan)
     elements = sum(p.numel for p in info.params)

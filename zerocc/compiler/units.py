@@ -9,6 +9,9 @@ import torch
 from zerocc.compiler.capture import ParamInfo
 from zerocc.ir.ops import DP_GROUP
 
+ROOT = "root"  # the name of the model's own unit (its parameters outside every unit root)
+FROZEN = "[frozen]"  # the suffix of a unit of frozen parameters
+
 
 @dataclass(frozen=True)
 class UnitParam:
@@ -32,7 +35,10 @@ class Unit:
 
     ``trainable`` units get gradients and optimizer state; frozen ones (``requires_grad=False``)
     are only gathered for use. ``group``: the mesh's group of ``world_size`` ranks it is
-    sharded, gathered and reduced over (``dp``; an experts unit's: ``edp``).
+    sharded, gathered and reduced over (``dp``; an experts unit's: ``edp``). ``modules``: the
+    unit roots (module FQNs, "" for the model) whose parameters it holds, where it holds
+    several (``units.blocks_per_unit``: ``transformer.h.0-1`` holds ``transformer.h.0`` and
+    ``transformer.h.1``); empty for a unit of one module, its name.
     """
 
     name: str
@@ -41,9 +47,16 @@ class Unit:
     world_size: int
     dtype: torch.dtype
     group: str = DP_GROUP
+    modules: tuple[str, ...] = ()
 
     @staticmethod
-    def build(name: str, params: list[ParamInfo], world_size: int, group: str = DP_GROUP) -> Unit:
+    def build(
+        name: str,
+        params: list[ParamInfo],
+        world_size: int,
+        group: str = DP_GROUP,
+        modules: tuple[str, ...] = (),
+    ) -> Unit:
         placed, offset = [], 0
         for p in params:
             placed.append(UnitParam(p, offset))
@@ -52,7 +65,15 @@ class Unit:
         if len(dtypes) != 1:
             raise ValueError(f"unit {name!r} mixes dtypes {sorted(map(str, dtypes))}")
         trainable, dtype = params[0].requires_grad, params[0].dtype
-        return Unit(name, tuple(placed), trainable, world_size, dtype, group)
+        return Unit(name, tuple(placed), trainable, world_size, dtype, group, modules)
+
+    @property
+    def roots(self) -> tuple[str, ...]:
+        """The module FQNs whose parameters the unit holds ("" for the model's root)."""
+        if self.modules:
+            return self.modules
+        name = self.key.removesuffix(FROZEN)
+        return ("" if name == ROOT else name,)
 
     @property
     def numel(self) -> int:

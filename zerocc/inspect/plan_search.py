@@ -32,9 +32,11 @@ Most candidates are not compiled: the cost model's orders rule them out
 (:mod:`zerocc.inspect.plan_pruning`); ``exhaustive=True`` (`zerocc plan auto --exhaustive`)
 compiles every one. A deep model's candidates are drawn from compiles of shallow copies of it
 and the pick compiled whole (:mod:`zerocc.inspect.plan_depth`). Last, the knobs that move a
-step by a few percent are tuned around the pick (:data:`REFINED`): its collectives in
-buckets of two of its largest units (``overlap.bucket_mb``: what units of two blocks would
-send, each unit still freed on its own) and, at stage 3, a second unit prefetched.
+step by a few percent are tuned around the pick (:data:`REFINED`): its blocks two to a unit
+(``units.blocks_per_unit``: a gather and a reduction for two blocks, both held at once), its
+collectives in buckets of two of its largest units (``overlap.bucket_mb``: the same messages,
+each unit still freed on its own, at the cost of copies in and out) and, at stage 3, a second
+unit prefetched.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ MICROBATCHES = "pipeline.microbatches"
 # Knobs tuned around the pick, not across the space (:func:`_refinements`): each moves a step
 # by a few percent (on the 70B example's estimate at 1024 ranks, buckets of two blocks -1.5%,
 # a second unit prefetched +0.5%; on the 4-block example on either rates, buckets cost more
-# than they save), where trying them everywhere would multiply the candidates by 4
+# than they save), where trying them everywhere would multiply the candidates by 8
+BLOCKS = "units.blocks_per_unit"
 BUCKETS, PREFETCH = "overlap.bucket_mb", "overlap.prefetch"
-REFINED = (BUCKETS, PREFETCH)
+REFINED = (BLOCKS, BUCKETS, PREFETCH)
 # A pipeline's micro-batches tried beyond its default (one per stage): 2 and 4 times as many
 MICROBATCH_FACTORS = (2, 4)
 
@@ -442,9 +445,13 @@ def _refinements(
     plan: Plan, fields: dict[str, Any], picked: Plan, bucket_mb: float
 ) -> list[dict[str, Any]]:
     """The pick's ``fields`` (its plan: ``picked``) with each of :data:`REFINED` changed,
-    where the plan leaves it: its collectives in buckets of two of its largest units
-    (``bucket_mb``; 0: too few units) and, at stage 3, one more unit gathered ahead."""
+    where the plan leaves it: its blocks two to a unit (unless it recomputes units it names),
+    its collectives in buckets of two of its largest units (``bucket_mb``; 0: fewer than two
+    units, neither) and, at stage 3, one more unit gathered ahead."""
     out = []
+    named = isinstance(picked.recompute.units, list)  # (units by name: grouping renames them)
+    if bucket_mb and not named and not _set_in(plan, BLOCKS):
+        out.append({**fields, BLOCKS: 2})
     if bucket_mb and not _set_in(plan, BUCKETS):
         out.append({**fields, BUCKETS: bucket_mb})
     if picked.zero.stage == 3 and not _set_in(plan, PREFETCH):

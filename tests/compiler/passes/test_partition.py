@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+from pathlib import Path
 
 import pytest
 import torch
+from model import GPT, GPTConfig
 from models import build, tiny_gpt
 
 from zerocc.compiler.capture import ModelInfo, ParamInfo, describe_model
 from zerocc.compiler.passes.partition import assign_units
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "gpt"
 
 
 def units_of(model, world=2, classes=(), modules=(), min_mb=None):
@@ -52,6 +56,64 @@ def test_size_threshold_wraps_bottom_up():
     assert "transformer.h.0" in names and "transformer.h.1" in names
     names, _ = units_of(tiny_gpt(), min_mb=1000)
     assert list(names) == ["root"]
+
+
+def test_blocks_are_grouped_k_to_a_unit_in_model_order():
+    """``units.blocks_per_unit``: 5 blocks 2 to a unit are 0-1, 2-3 and 4 alone; a nested
+    unit root keeps its own parameters; the root unit is never grouped."""
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=5, n_head=2, n_embd=16))
+    info = describe_model(model)
+    units = assign_units(info, 2, ["Block", "MLP"], [], None, blocks_per_unit=2)
+    by_name = {u.name: u for u in units}
+    blocks = ["transformer.h.0-1", "transformer.h.2-3", "transformer.h.4"]
+    assert [n for n in by_name if n.startswith("transformer.h.") and "mlp" not in n] == blocks
+    assert by_name["transformer.h.0-1"].roots == ("transformer.h.0", "transformer.h.1")
+    assert by_name["transformer.h.4"].roots == ("transformer.h.4",)
+    assert by_name["root"].roots == ("",)
+    held = {p.fqn for p in by_name["transformer.h.0-1"].params}
+    assert "transformer.h.1.attn.c_attn.weight" in held and not any(".mlp." in f for f in held)
+    # the MLPs, one class under each block (their parents differ): each its own unit
+    assert by_name["transformer.h.0.mlp"].roots == ("transformer.h.0.mlp",)
+    assert sum(u.numel for u in units) == sum(p.numel for p in info.params)
+
+
+def test_a_unit_of_two_blocks_is_gathered_and_reduced_once():
+    """At stage 3 the example GPT's 4 blocks 2 to a unit: half the blocks' gathers and
+    reduce-scatters, recompute of every unit kept (each block's calls)."""
+    from zerocc.compiler.plan import load_plan
+    from zerocc.inspect.estimate import inspect_plan
+    from zerocc.ir.nodes import info as record
+    from zerocc.ir.nodes import op_name
+
+    def collectives(k: int) -> dict[str, int]:
+        plan = load_plan({
+            "workload": f"{EXAMPLES / 'workload.py'}:workload",
+            "workload_args": {"n_layer": 4, "n_embd": 32, "n_head": 2, "block_size": 16,
+                              "batch_size": 2},
+            "units": {"classes": ["Block"], "blocks_per_unit": k}, "zero": {"stage": 3},
+            "recompute": {"units": "all"},
+        })  # fmt: skip
+        program = inspect_plan(plan, 2).programs[True]
+        counts: dict[str, int] = {}
+        for node in program.gm.graph.nodes:
+            name = op_name(node.target) if node.op == "call_function" else ""
+            if name in ("zerocc.all_gather_start", "zerocc.reduce_scatter_start"):
+                key = f"{name} {record(node).unit}"
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    one, two = collectives(1), collectives(2)
+    for kind in ("zerocc.all_gather_start", "zerocc.reduce_scatter_start"):
+        assert two[f"{kind} transformer.h.0-1"] == one[f"{kind} transformer.h.0"] > 0
+        assert two[f"{kind} transformer.h.2-3"] == one[f"{kind} transformer.h.2"]
+    def blocks(counts: dict[str, int]) -> int:
+        return sum(v for k, v in counts.items() if not k.endswith("root"))
+
+    assert blocks(two) * 2 == blocks(one)  # (the root unit's alike)
+    assert {k: v for k, v in two.items() if k.endswith("root")} == {
+        k: v for k, v in one.items() if k.endswith("root")
+    }
+    assert not any(k.endswith(("transformer.h.1", "transformer.h.3")) for k in two)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 7])

@@ -58,6 +58,10 @@ def test_a_pipeline_defaults_to_1f1b_with_a_micro_batch_per_stage():
             {"parallel": {"pp": 2}, "zero": {"stage": 3}, "offload": {"params": "cpu"}},
             "offload.params: cpu with pipeline.gather: step",
         ),
+        (
+            {"parallel": {"pp": 2}, "units": {"classes": ["Block"], "blocks_per_unit": 2}},
+            "units.blocks_per_unit: 2 with parallel.pp: 2: a pipeline's stages are cut",
+        ),
     ],
 )
 def test_a_pipeline_the_ranks_cannot_run_is_a_plan_error_naming_the_field(fields, message):

@@ -104,7 +104,8 @@ class CompileSession:
         units = plan.units
         experts = ep.units(mesh) if ep is not None else None
         assigned = assign_units(
-            model_info, mesh.shard_size, units.classes, units.modules, units.min_mb, experts
+            model_info, mesh.shard_size, units.classes, units.modules, units.min_mb, experts,
+            units.blocks_per_unit,
         )
         layout = state_layout(pass_list, assigned, plan)
         _warn_if_gathered_whole(plan, model_info, assigned, mesh)

@@ -5,6 +5,10 @@ A parameter belongs to the innermost unit root that contains every module holdin
 parameter (embedding and output head) lands in one unit covering all its uses, at their lowest
 common ancestor, as FSDP does. Frozen parameters (``requires_grad=False``) form units of their
 own (``<name>[frozen]``): no gradient communication and no optimizer state.
+
+``units.blocks_per_unit: k`` puts the roots of one class under one parent (a transformer's
+blocks) k to a unit, in model order: ``transformer.h.0-1`` holds blocks 0 and 1, gathered,
+freed and reduced together (a k-th of the collectives, k blocks gathered at once).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from zerocc.compiler.capture import ModelInfo, ParamInfo
 from zerocc.compiler.names import enclosing, glob_matches
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan.parallelism import AUTO_UNITS
-from zerocc.compiler.units import ExpertUnits, Unit
+from zerocc.compiler.units import FROZEN, ExpertUnits, Unit
+from zerocc.compiler.units import ROOT as ROOT_UNIT
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import PARAM, info, placeholders, tag
 from zerocc.ir.ops import EXPERT_DP_GROUP
@@ -91,28 +96,57 @@ def assign_units(
     modules: list[str],
     min_mb: float | None,
     experts: ExpertUnits | None = None,
+    blocks_per_unit: int = 1,
 ) -> list[Unit]:
     """The units of ``model`` for the plan's ``units`` section, ordered as their parameters are
     (``auto`` among the classes: the model's repeated block, none when it has none).
     ``experts``: expert parallelism's experts modules, each a unit of its own, sharded over
-    the ranks holding the same experts."""
+    the ranks holding the same experts; ``blocks_per_unit``: sibling roots of one class
+    grouped that many to a unit (experts modules are not)."""
     roots = _match_roots(model, unit_classes(model, classes), modules)
-    if experts is not None:
-        roots |= set(experts.modules)
     if min_mb is not None:
         _add_size_roots(model, roots, min_mb)
+    named = _grouped(model, roots, blocks_per_unit)
+    if experts is not None:
+        roots |= set(experts.modules)
+        named |= {m: m for m in experts.modules}
     groups: dict[tuple[str, bool], list[ParamInfo]] = {}
+    members: dict[str, list[str]] = {}
     for p in model.params:
-        groups.setdefault((_unit_root_of(p, roots), p.requires_grad), []).append(p)
+        root = _unit_root_of(p, roots)
+        groups.setdefault((named.get(root, root), p.requires_grad), []).append(p)
+        held = members.setdefault(named.get(root, root), [])
+        held += [] if root in held else [root]
     units = []
-    for (root, trainable), params in groups.items():
-        name = root or "root"
-        name = name if trainable else f"{name}[frozen]"
-        if experts is not None and root in experts.modules:
+    for (group, trainable), params in groups.items():
+        name = group or ROOT_UNIT
+        name = name if trainable else f"{name}{FROZEN}"
+        held = tuple(members[group]) if members[group] != [group] else ()
+        if experts is not None and group in experts.modules:
             units.append(Unit.build(name, params, experts.world_size, EXPERT_DP_GROUP))
         else:
-            units.append(Unit.build(name, params, world_size))
+            units.append(Unit.build(name, params, world_size, modules=held))
     return units
+
+
+def _grouped(model: ModelInfo, roots: set[str], k: int) -> dict[str, str]:
+    """The unit each root's parameters go to: with ``k`` > 1 the roots of one class under one
+    parent, in model order, grouped ``k`` to a unit named by its first and last
+    (``transformer.h.0-1``), a last group of fewer where ``k`` does not divide them; else
+    each root its own."""
+    named = {r: r for r in roots}
+    if k == 1:
+        return named
+    runs: dict[tuple[str, str], list[str]] = {}
+    for fqn, cls in model.modules:
+        if fqn in roots and fqn != ROOT:
+            runs.setdefault((fqn.rpartition(".")[0], cls), []).append(fqn)
+    for run in runs.values():
+        for at in range(0, len(run), k):
+            group = run[at : at + k]
+            name = group[0] if len(group) == 1 else f"{group[0]}-{group[-1].rpartition('.')[2]}"
+            named |= dict.fromkeys(group, name)
+    return named
 
 
 
@@ -161,6 +195,7 @@ def repeated_block(model: ModelInfo) -> str | None:
         "classes": plan.units.classes,
         "modules": plan.units.modules,
         "min_mb": plan.units.min_mb,
+        "blocks_per_unit": plan.units.blocks_per_unit,
     },
 )
 def partition(
@@ -170,6 +205,7 @@ def partition(
     classes: list[str],
     modules: list[str],
     min_mb: float | None,
+    blocks_per_unit: int,
 ) -> fx.GraphModule:
     """Split parameters into FSDP units; tags each parameter placeholder with its unit.
 
@@ -179,7 +215,7 @@ def partition(
     if not ctx.units:
         experts = ctx.expert_parallel.units(ctx.mesh) if ctx.expert_parallel else None
         ctx.units = assign_units(
-            ctx.model, ctx.mesh.shard_size, classes, modules, min_mb, experts
+            ctx.model, ctx.mesh.shard_size, classes, modules, min_mb, experts, blocks_per_unit
         )
     unit_of = {p.fqn: u.name for u in ctx.units for p in u.params}
     for node in placeholders(gm, PARAM):

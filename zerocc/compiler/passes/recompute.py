@@ -44,7 +44,6 @@ from zerocc.ir.rng import RNG_STATE, SET_RNG_STATE, argument, is_random
 from zerocc.ir.verify import check_well_formed
 
 aten = torch.ops.aten
-ROOT_NAME = "root"  # the root unit, left out of "all": its forward ends where backward begins
 
 
 def chosen_units(units: list[Unit], spec: str | list[str]) -> list[Unit]:
@@ -53,7 +52,8 @@ def chosen_units(units: list[Unit], spec: str | list[str]) -> list[Unit]:
     if spec == "none":
         return []
     if spec == "all":
-        return [u for u in units if u.key.removesuffix("[frozen]") != ROOT_NAME]
+        # (the root unit left out: its forward ends where backward begins)
+        return [u for u in units if u.roots != ("",)]
     chosen = []
     for pattern in spec:
         hits = [u for u in units if glob_matches(u.key, pattern)]
@@ -64,11 +64,6 @@ def chosen_units(units: list[Unit], spec: str | list[str]) -> list[Unit]:
             )
         chosen += [u for u in hits if u not in chosen]
     return chosen
-
-
-def _root_module(unit: Unit) -> str:
-    name = unit.key.removesuffix("[frozen]")
-    return "" if name == ROOT_NAME else name
 
 
 def owner_of(module: str, roots: list[str]) -> str:
@@ -287,10 +282,11 @@ def recompute(gm: fx.GraphModule, ctx: PassContext, *, units: str | list[str]) -
     """Recompute the forward of the chosen units in backward instead of saving it."""
     chosen: dict[str, str] = {}  # unit root module -> the unit named in notes (trainable first)
     for unit in sorted(chosen_units(ctx.units, units), key=lambda u: not u.trainable):
-        chosen.setdefault(_root_module(unit), unit.name)
+        for root in unit.roots:  # (a unit of several blocks: each block's calls its own runs)
+            chosen.setdefault(root, unit.name)
     if not chosen:
         return gm
-    roots = sorted({_root_module(u) for u in ctx.units})
+    roots = sorted({r for u in ctx.units for r in u.roots})
     owners = {
         n: owner_of(info(n).module or "", roots) for n in gm.graph.nodes if n.op == "call_function"
     }

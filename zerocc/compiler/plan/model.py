@@ -244,6 +244,12 @@ class Plan(Section):
         check_schedule(
             pipeline.schedule, pp, pipeline.microbatches_of(pp), pipeline.stages_per_rank_of()
         )
+        if self.units.blocks_per_unit > 1:
+            raise ValueError(
+                f"units.blocks_per_unit: {self.units.blocks_per_unit} with parallel.pp: {pp}: "
+                "a pipeline's stages are cut at units of one module each; drop it (the "
+                "stages' units are gathered once a step already, pipeline.gather: step)"
+            )
         if self.grad_accumulation > 1:
             raise ValueError(
                 f"grad_accumulation: {self.grad_accumulation} with parallel.pp: {pp}: a "

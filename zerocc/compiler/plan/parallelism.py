@@ -246,6 +246,14 @@ class UnitsConfig(Section):
         description="size-based wrapping: a module whose not-yet-assigned parameters reach this "
         "many MB becomes a unit, bottom-up",
     )
+    blocks_per_unit: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="the units of one class under one parent (a transformer's blocks) grouped "
+        "this many to a unit, in model order ('transformer.h.0-1'): one gather, free and "
+        "reduction for k blocks, k gathered at once; not with parallel.pp",
+    )
     keep_gathered: list[str] = Field(
         default_factory=list,
         description="stage 3: globs over unit names ('root' is the root unit; '*' stops at "
