@@ -44,7 +44,7 @@ from measure import zero_formula_bytes
 from provenance import cpu_name, source_commit
 from ranks import SystemFailed, SystemRanks
 from report import legend, loss_report, plot, table, targets, write_json
-from systems import System, all_systems, expert_systems
+from systems import System, all_systems, expert_systems, float8_systems
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = "zerocc-z3"
@@ -60,6 +60,10 @@ COMPILED_RTOL = {"fp32": 1e-4, "bf16": 1e-2}
 # eager experts): zerocc against torch within 4e-8 for 7 steps, then 1.6e-5 growing to 4.5e-3,
 # FSDP2 and torch identical (2026-11-28). Any system, any dtype.
 MOE_RTOL = 1e-2
+# float8 matmuls round each operand to 3 mantissa bits (e4m3) against bf16's 7: their losses
+# are their own. 300 steps of the example GPT (bench/quantized.py --float8, BENCHMARKS.md):
+# every fp8 curve within 0.008 of its bf16 twin's, ~0.5% of the loss; held to 3e-2 here.
+FLOAT8_RTOL = 3e-2
 QUICK = dict(n_layer=2, n_embd=128, n_head=4, warmup=2, rounds=2, steps=2)
 SEQUENTIAL = "; systems one after another"  # a title's note for --sequential
 PEAK_TFLOPS = {"H100": 989.5, "H200": 989.5, "A100": 312.0, "L40S": 362.0}  # bf16 dense
@@ -95,13 +99,13 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
 
 def select(wanted: list[str], systems: dict[str, System]) -> list[str]:
     """Names in ``wanted`` (or all of a family) in the canonical order, then the named systems
-    no family holds (``zerocc-z3-ep``, bench/systems.py's ``expert_systems``) in the order
-    given; unknown names fail."""
+    no family holds (``zerocc-z3-ep``, ``torch-compiled-fp8-rowwise``: bench/systems.py's
+    ``expert_systems`` and ``float8_systems``) in the order given; unknown names fail."""
     chosen: set[str] = set()
     named: list[str] = []
     for w in wanted:
         match = [n for n, s in systems.items() if w in ("all", n, s.family)]
-        if not match and w in expert_systems():
+        if not match and w in expert_systems() | float8_systems():
             named.append(w)
         elif not match:
             raise SystemExit(f"unknown system {w!r}; known: {', '.join(systems)}")
@@ -181,7 +185,8 @@ def summarize(cfg: BenchConfig, system: System, run: dict[str, Any],
               peak_flops: float | None) -> dict[str, Any]:  # fmt: skip
     """One system's row: medians, maxima over ranks, the loss curve (mean over ranks)."""
     out: dict[str, Any] = {"name": system.name, "family": system.family, "stage": system.stage,
-                           "what": system.what, "compiled": system.compiled}  # fmt: skip
+                           "what": system.what, "compiled": system.compiled,
+                           "float8": system.float8}  # fmt: skip
     if "error" in run:
         return out | {"status": "failed", "error": run["error"]}
     answers = run["answers"]  # [warm-up, round 1, ...], each a list by rank
@@ -271,6 +276,7 @@ def compare_losses(
         rel = [abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True)]
         r["loss_rel_diff"], r["max_rel_diff_steps"] = rel[-1], max(rel)
         default = MOE_RTOL if moe else (COMPILED_RTOL if r["compiled"] else RTOL)[dtype]
+        default = max(default, FLOAT8_RTOL) if r["float8"] else default
         r["rtol"] = rtol or default
     return ref["name"] if ref else None
 

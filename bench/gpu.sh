@@ -8,8 +8,8 @@
 #              pydantic-core annotated-types typing-inspection`), then zerocc, editable,
 #              without fetching its dependencies
 #   versions   GPU, driver, torch, CUDA, Triton, NCCL
-#   tests      the tests marked cuda / two_gpus, tests/backends/kernels launched for real, and the
-#              16-bit rounding of the Inductor backend (its Triton case too)
+#   tests      the tests marked cuda / two_gpus, tests/backends/kernels launched for real, the
+#              16-bit rounding of the Inductor backend (its Triton case too), float8 matmuls
 #   kernels    bench/kernels.py: the fused AdamW kernel's bandwidth against a copy and torch
 #   compare    bench/compare.py --gpu: zerocc (eager and Inductor backends) beside FSDP2 and
 #              unsharded torch, eager and compiled (SYSTEMS overrides the list)
@@ -21,6 +21,10 @@
 #   7b         examples/gpt/7b-offload.yaml, 3 steps on one GPU (issue 22's 7B run): trains, or
 #              stops before allocating with the memory check's error; the peak resident set
 #              of the rank and the metrics of each step (OUT_DIR/7b-metrics.jsonl)
+#   float8     bench/compare.py --gpu on a 1.3B GPT (24 × 2048, 8 sequences of 1024): zerocc
+#              stage 3 on Inductor and torch.compile, each in bf16 and with float8 matmuls
+#              (torchao's rowwise recipe; issue 51's tokens/s: fp8 >= 1.2x bf16 and >= torch's)
+#              (FLOAT8_SYSTEMS overrides the list; tensorwise: *-fp8-tensorwise)
 #
 # Usage: bench/gpu.sh OUT_DIR [STEP ...]   (default: every step, in the order above)
 # LIMIT_<STEP>=SECONDS changes a step's time limit; OFFLOAD_ARGS adds bench/offload.py arguments
@@ -33,6 +37,7 @@ export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 here=$(cd "$(dirname "$0")" && pwd)
 systems=${SYSTEMS:-zerocc-z3 zerocc-z3-inductor fsdp2-z3 fsdp2-z3-compiled torch torch-compiled}
+float8=${FLOAT8_SYSTEMS:-zerocc-z3-inductor zerocc-z3-inductor-fp8-rowwise torch-compiled torch-compiled-fp8-rowwise}
 offload=${OFFLOAD_SYSTEMS:-zerocc-z3-opt-par-cpu-rc zerocc-z3-opt-par-cpu-rc-next zerocc-z3-opt-cpu-delayed zerocc-z3-opt-par-cpu-rc-gdev}
 
 step() {  # step NAME SECONDS COMMAND...: run it, keep its output, print how it ended
@@ -46,7 +51,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its output, print how it 
 }
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(install versions tests kernels compare host offload 7b)
+[ ${#steps[@]} -gt 0 ] || steps=(install versions tests kernels compare host offload 7b float8)
 for s in "${steps[@]}"; do
     case $s in
     install)
@@ -66,7 +71,8 @@ for s in "${steps[@]}"; do
             torch.version.cuda, triton.__version__, torch.cuda.nccl.version())"' ;;
     tests)
         step tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-            tests/backends/kernels tests/backends/test_eager_casts.py ;;
+            tests/backends/kernels tests/backends/test_eager_casts.py \
+            tests/test_float8.py::test_on_a_gpu_the_float8_kernels_train_as_torchao_does ;;
     kernels)
         step kernels 120 python3 "$here/kernels.py" --sizes 24 26 28 --out "$out" ;;
     compare)
@@ -87,8 +93,13 @@ peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
 print(f"peak resident set of a rank: {peak:.1f} GiB; exit {code}")
 sys.exit(code)' python3 -m zerocc train "$here/../examples/gpt/7b-offload.yaml" --nproc 1 --steps 3 \
             --metrics "$out/7b-metrics.jsonl" ;;
+    float8)
+        # shellcheck disable=SC2086  # the system names are words
+        step float8 540 python3 "$here/compare.py" --gpu --systems $float8 --layers 24 \
+            --embd 2048 --heads 16 --batch 8 --out "$out" ;;
     *)
-        echo "unknown step $s (install, versions, tests, kernels, compare, host, offload, 7b)" >&2
+        echo "unknown step $s (install, versions, tests, kernels, compare, host, offload, 7b," \
+            "float8)" >&2
         exit 2 ;;
     esac
 done

@@ -47,6 +47,7 @@ class System:
     what: str  # one line for the table's legend
     imports: tuple[str, ...] = ()  # imported before the model is built: not counted as memory
     compiled: bool = False  # its compute compiled by Inductor, which rounds otherwise than eager
+    float8: bool = False  # its matmuls in float8: a loss of its own (compare.py's FLOAT8_RTOL)
 
 
 def cpu_seconds() -> dict[str, Any]:
@@ -63,14 +64,16 @@ def _adamw(params: Any, cfg: BenchConfig) -> torch.optim.AdamW:
 
 def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, stage: int,
                   backend: str = "eager", overlap: dict | None = None, offload: dict | None = None,
-                  recompute: dict | None = None,
-                  expert_parallel: bool = False) -> Runner:  # fmt: skip
+                  recompute: dict | None = None, expert_parallel: bool = False,
+                  float8: str | None = None) -> Runner:  # fmt: skip
     """``zerocc.compile`` with one unit per layer (the GPT's Blocks; the embeddings, final LN
     and head: the root);
     ``overlap``, ``offload``, ``recompute``: those sections of the plan (default: the overlap
     pass with its defaults, nothing offloaded, nothing recomputed). NVMe offload without an
     ``nvme_path`` puts its files under ``cfg.nvme_path``, else the system's temp folder.
-    ``expert_parallel``: each layer's experts split over every rank (``parallel.ep``)."""
+    ``expert_parallel``: each layer's experts split over every rank (``parallel.ep``);
+    ``float8``: ``precision.matmul: fp8`` with this recipe (its default layers: every linear
+    layer but the head)."""
     import zerocc
 
     plan: dict[str, Any] = {
@@ -95,6 +98,9 @@ def zerocc_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *, s
         plan["offload"]["nvme_path"] = cfg.nvme_path or tempfile.gettempdir()
     if cfg.dtype != "fp32":
         plan["precision"] = {"param": cfg.dtype, "reduce": "fp32", "master": "fp32"}
+    if float8 is not None:
+        plan["precision"] = plan.get("precision", {}) | {"matmul": "fp8",
+                                                         "fp8": {"recipe": float8}}  # fmt: skip
     step = zerocc.compile(model, plan)
     host_rates: dict[str, dict[str, float]] = {}  # measured at the first report (offload, GPU)
 
@@ -208,19 +214,38 @@ def _train_step(forward, optimizer, device: torch.device, autocast=None):
 
 
 def torch_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
-                 compiled: bool) -> Runner:  # fmt: skip
+                 compiled: bool, float8: str | None = None) -> Runner:  # fmt: skip
     """Unsharded: the whole model on every rank (``DistributedDataParallel`` beyond one rank),
     optionally ``torch.compile``; below fp32, ``torch.autocast`` to the compute dtype with fp32
     weights and optimizer: what a user gets without sharding, the speed a sharded step at world
-    size 1 is held to."""
+    size 1 is held to. ``float8``: torchao's float8 training of that recipe first
+    (``convert_to_float8_training``), on the layers zerocc's fp8 plans convert by default."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if float8 is not None:
+        _torchao_float8(model, float8)
     model.to(device)
     wrapped = model if cfg.world_size == 1 else DistributedDataParallel(model)
     optimizer = _adamw(model.parameters(), cfg)
     forward = torch.compile(wrapped) if compiled else wrapped
     autocast = torch.autocast(device.type, DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
     return Runner(_train_step(forward, optimizer, device, autocast), reported=cpu_seconds)
+
+
+def _torchao_float8(model: nn.Module, recipe: str) -> None:
+    """torchao's float8 layers in ``model`` as its README converts them, on every linear layer
+    whose dimensions are multiples of 16 but the last (the output head)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+    def chosen(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or fqn == linears[-1]:
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=chosen)
 
 
 def deepspeed_runner(model: nn.Module, cfg: BenchConfig, device: torch.device, *,
@@ -270,11 +295,11 @@ def _zerocc_backends() -> list[str]:
 
 class Systems(dict[str, System]):
     """Systems by name, in bench/compare.py's order; a name not among them is looked up in
-    :func:`offload_systems` and :func:`expert_systems`, so that a rank process builds any
-    benchmark's system by name."""
+    :func:`offload_systems`, :func:`expert_systems` and :func:`float8_systems`, so that a rank
+    process builds any benchmark's system by name."""
 
     def __missing__(self, name: str) -> System:
-        more = offload_systems() | expert_systems()
+        more = offload_systems() | expert_systems() | float8_systems()
         if name not in more:
             raise KeyError(name)
         return more[name]
@@ -391,3 +416,25 @@ def expert_systems() -> dict[str, System]:
         "zerocc.compile, zero.stage 3, parallel.ep: world size", ("zerocc",),
     )  # fmt: skip
     return {system.name: system}
+
+
+def float8_systems() -> dict[str, System]:
+    """float8 matmuls (issue 51), named, for ``compare.py --gpu --dtype bf16``, each beside its
+    bf16 twin: zerocc stage 3 on Inductor with ``precision.matmul: fp8`` (``zerocc-z3-inductor``
+    its twin), and torchao's float8 layers under ``torch.compile`` (``torch-compiled``), for
+    both of torchao's recipes."""
+    systems = []
+    for recipe in ("tensorwise", "rowwise"):
+        systems.append(System(
+            f"zerocc-z3-inductor-fp8-{recipe}", "zerocc", 3,
+            partial(zerocc_runner, stage=3, backend="inductor", float8=recipe),
+            f"zerocc.compile, zero.stage 3, backend inductor, precision.matmul: fp8 ({recipe})",
+            ("zerocc", "torchao.float8"), compiled=True, float8=True,
+        ))  # fmt: skip
+        systems.append(System(
+            f"torch-compiled-fp8-{recipe}", "torch", 0,
+            partial(torch_runner, compiled=True, float8=recipe),
+            f"unsharded, torchao convert_to_float8_training ({recipe}), torch.compile(model)",
+            ("torch._inductor.compile_fx", "torchao.float8"), compiled=True, float8=True,
+        ))  # fmt: skip
+    return {s.name: s for s in systems}

@@ -37,13 +37,13 @@ OPTIMIZER = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}
 CONVERTED = 8  # the tiny GPT's linear layers but its head: 2 blocks × (q/k/v, out, up, down)
 
 
-def _plan(recipe: str, stage: int = 0, **fp8) -> dict:
+def _plan(recipe: str, stage: int = 0, device: str = "cpu", **fp8) -> dict:
     return {
         "zero": {"stage": stage},
         "units": {"classes": ["Block"]},
         "optimizer": OPTIMIZER,
         "precision": {"matmul": "fp8", "fp8": {"recipe": recipe, **fp8}},
-        "backend": {"device": "cpu", "kernels": "torch"},
+        "backend": {"device": device, "kernels": "torch"},
     }
 
 
@@ -57,17 +57,17 @@ def _torchao(model: nn.Module, recipe: str) -> nn.Module:
     )
 
 
-def _reference(recipe: str, world: int, convert: bool = True) -> list[float]:
+def _reference(recipe: str, world: int, convert: bool = True, device: str = "cpu") -> list:
     """Losses of one process training the converted model on every rank's batches."""
     torch.manual_seed(0)
     model = tiny_gpt()
-    model = _torchao(model, recipe) if convert else model
+    model = (_torchao(model, recipe) if convert else model).to(device)
     settings = {k: v for k, v in OPTIMIZER.items() if k != "name"}
     opt = torch.optim.AdamW(model.parameters(), **settings)
     losses = []
     for i in range(STEPS):
         opt.zero_grad()
-        per_rank = [model(*_gpt_batch(i, r)) for r in range(world)]
+        per_rank = [model(*(t.to(device) for t in _gpt_batch(i, r))) for r in range(world)]
         total = sum(per_rank) / world
         total.backward()
         opt.step()
@@ -75,11 +75,11 @@ def _reference(recipe: str, world: int, convert: bool = True) -> list[float]:
     return losses
 
 
-def _train(rank: int, world: int, recipe: str, stage: int) -> dict:
+def _train(rank: int, world: int, recipe: str, stage: int, device: str = "cpu") -> dict:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    step = zerocc.compile(tiny_gpt(), _plan(recipe, stage))
-    losses = [float(step(*_gpt_batch(i, rank))) for i in range(STEPS)]
+    step = zerocc.compile(tiny_gpt(), _plan(recipe, stage, device))
+    losses = [float(step(*(t.to(device) for t in _gpt_batch(i, rank)))) for i in range(STEPS)]
     scaled = [n for n in step.program.graph.nodes if n.target is torch.ops.aten._scaled_mm.default]
     timed = {(node_work(n).dtype, node_work(n).flops > 0) for n in scaled}
     return {"losses": losses, "scaled_mm": len(scaled), "timed": timed, "explain": step.explain()}
@@ -117,6 +117,22 @@ def test_two_ranks_at_stage_3_train_as_torchao_on_both_batches(recipe):
         want = [r[rank] for r in reference]
         assert run["losses"] == pytest.approx(want, rel=1e-5)
         assert run["losses"] != pytest.approx([r[rank] for r in unconverted], rel=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_on_a_gpu_the_float8_kernels_train_as_torchao_does(recipe):
+    """On a GPU with float8 matmuls (H100, H200, L4: compute capability 8.9 and on)
+    ``_scaled_mm`` is cuBLAS's float8 GEMM: one rank trains as torchao does on the same GPU,
+    to 1e-5 (the same kernels on the same operands; the eager backend's elementwise ops and
+    torch's are the same kernels too), and three float8 matmuls run per layer."""
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip(f"{torch.cuda.get_device_name(0)} has no float8 matmuls (8.9 and on)")
+    run = _train(0, 1, recipe, 0, "cuda")
+    assert run["losses"] == pytest.approx([r[0] for r in _reference(recipe, 1, device="cuda")],
+                                          rel=1e-5)  # fmt: skip
+    assert run["scaled_mm"] == 3 * CONVERTED
+    assert "emulated" not in run["explain"]
 
 
 class _Odd(nn.Module):
