@@ -16,7 +16,7 @@ from zerocc.compiler.plan import load_plan
 from zerocc.compiler.workload import load_workload
 from zerocc.cost.rates import rates_for
 from zerocc.inspect.plan_depth import DEPTHS, BlockStack, confirmed
-from zerocc.inspect.plan_search import REFINED, search_plans
+from zerocc.inspect.plan_search import search_plans
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 DEEP = {  # the example GPT, 16 blocks deep and narrow: stage and recompute searched
@@ -25,11 +25,6 @@ DEEP = {  # the example GPT, 16 blocks deep and narrow: stage and recompute sear
                       "batch_size": 2},
     "units": {"classes": ["Block"]},
 }  # fmt: skip
-
-
-def grid(search):
-    """The candidates of the search space, without the pick's refinements (REFINED)."""
-    return [c for c in search.candidates if not set(c.fields) & set(REFINED)]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +59,7 @@ def test_each_line_is_the_whole_compile_and_the_pick_is_compiled_whole(both):
     candidates are compiled whole."""
     _, _, whole, lines = both
     by_fields = {str(c.fields): c for c in whole.candidates}
-    assert len(grid(lines)) == len(grid(whole)) == 12
+    assert len(lines.grid) == len(whole.grid) == 12
     drawn = [c for c in lines.candidates if c.extrapolated]
     assert len(drawn) >= len(lines.candidates) - 2  # (at most 2 compiled whole)
     for c in drawn:

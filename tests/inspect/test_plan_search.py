@@ -17,7 +17,7 @@ from zerocc.compiler.plan import load_plan
 from zerocc.cost.rates import rates_for
 from zerocc.errors import PlanError
 from zerocc.inspect.pipeline_estimate import estimate_pipeline
-from zerocc.inspect.plan_search import REFINED, best_plan_yaml, search_plans, search_space
+from zerocc.inspect.plan_search import best_plan_yaml, search_plans, search_space
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 OPEN = {  # the example's zero3.yaml without its stage: stage and recompute are searched
@@ -28,11 +28,6 @@ OPEN = {  # the example's zero3.yaml without its stage: stage and recompute are 
 }  # fmt: skip
 
 
-def grid(search):
-    """The candidates of the search space, without the pick's refinements (REFINED)."""
-    return [c for c in search.candidates if not set(c.fields) & set(REFINED)]
-
-
 @pytest.fixture(scope="module")
 def searched():
     plan = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload"})
@@ -40,7 +35,7 @@ def searched():
 
 
 def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(searched):
-    fields = [c.fields for c in grid(searched)]
+    fields = [c.fields for c in searched.grid]
     assert len(fields) == 12 and {f["zero.stage"] for f in fields} == {0, 1, 2, 3}
     # recomputing none, every other block (the first and third of 4) or all
     half = ["transformer.h.0", "transformer.h.2"]
@@ -74,8 +69,8 @@ def test_the_pick_is_tried_with_units_of_two_blocks_buckets_and_deeper_prefetch(
     collectives in buckets of two blocks (the example's 0.79 MB blocks: 2 MB; on CPU rates
     their copies cost more than they save). The stage-3 pick of a plan that fixes its units
     and buckets is tried with a second unit prefetched instead."""
-    first = grid(searched)[0]
-    refined = {str(c.fields): c for c in searched.candidates if c not in grid(searched)}
+    first = searched.grid[0]
+    refined = {str(c.fields): c for c in searched.candidates if c not in searched.grid}
     two_blocks = str({**first.fields, "units.blocks_per_unit": 2})
     bucketed = str({**first.fields, "overlap.bucket_mb": 2.0})
     assert set(refined) == {two_blocks, bucketed}
@@ -85,8 +80,8 @@ def test_the_pick_is_tried_with_units_of_two_blocks_buckets_and_deeper_prefetch(
                       "zero": {"stage": 3}, "overlap": {"bucket_mb": 0},
                       "units": {"classes": ["Block"], "blocks_per_unit": 1}})  # fmt: skip
     fixed = search_plans(plan, 2, 2**40, rates_for(plan, "cpu"), exhaustive=True)
-    pick = min(grid(fixed), key=lambda c: (c.step_s, c.peak))
-    deeper = [c.fields for c in fixed.candidates if c not in grid(fixed)]
+    pick = min(fixed.grid, key=lambda c: (c.step_s, c.peak))
+    deeper = [c.fields for c in fixed.candidates if c not in fixed.grid]
     assert deeper == [{**pick.fields, "overlap.prefetch": 2}]
 
 
@@ -182,7 +177,7 @@ def test_pipelines_are_searched_and_timed_by_their_schedule():
     by = {
         (c.fields["parallel.pp"], c.fields["pipeline.schedule"],
          c.fields["pipeline.microbatches"]): c
-        for c in grid(searched)
+        for c in searched.grid
     }  # fmt: skip
     # each pipeline also with 2 and 4 times its default micro-batches, where the rank's batch
     # of 8 divides into them (ZBV's default is 4 on 2 ranks: 8; 16 does not divide)
@@ -204,10 +199,10 @@ def test_pipelines_are_searched_and_timed_by_their_schedule():
     assert by[2, "1f1b", 8].work == pipeline.work
     assert by[2, "1f1b", 8].peak < by[2, "1f1b", 4].peak < pipeline.peak
     fixed = search_plans(derived, 4, 2**40, rates, exhaustive=True)  # (its stage fixed too)
-    assert [c.fields["pipeline.microbatches"] for c in grid(fixed)] == [None, 4, 8]
-    assert grid(fixed)[0].step_s == pytest.approx(expected.step_s)
+    assert [c.fields["pipeline.microbatches"] for c in fixed.grid] == [None, 4, 8]
+    assert fixed.grid[0].step_s == pytest.approx(expected.step_s)
     counted = search_plans(more, 4, 2**40, rates, exhaustive=True)  # (the count fixed too)
-    assert len(grid(counted)) == 1
+    assert len(counted.grid) == 1
 
 
 def test_the_mesh_is_searched_within_and_across_machines():
@@ -290,11 +285,11 @@ def test_the_pruned_search_picks_what_compiling_every_candidate_picks(meshes, ti
     best = dataclasses.replace(every, memory=memory).best
     pruned = search_plans(plan, 4, memory, rates, ranks_per_node=2)
     assert pruned.best is not None and pruned.best.fields == best.fields
-    assert len(grid(pruned)) == len(grid(every))
-    compiled = [c for c in grid(pruned) if c.pruned is None]
-    assert len(compiled) < len(grid(every))
+    assert len(pruned.grid) == len(every.grid)
+    compiled = [c for c in pruned.grid if c.pruned is None]
+    assert len(compiled) < len(every.grid)
     assert all(c.pruned.startswith("pruned: ") for c in pruned.candidates if c.pruned)
-    assert f"{len(grid(every)) - len(compiled)} pruned" in pruned.format()
+    assert f"{len(every.grid) - len(compiled)} pruned" in pruned.format()
     # a candidate pruned for its model states: they are a lower bound of its compiled peak
     peaks = {str(c.fields): c.peak for c in every.candidates}
     for c in pruned.candidates:
@@ -328,8 +323,8 @@ def test_a_secondary_partition_is_searched_where_a_machine_has_a_link_of_its_own
     tried = {(c.fields["zero.replicate"], c.fields["zero.secondary_group"])
              for c in searched.candidates}  # fmt: skip
     assert tried == {(1, 1), (2, 1), (1, 2)}  # (2 replicas shard over 2: none to split)
-    plain = {str(c.fields): c for c in grid(searched) if c.fields["zero.secondary_group"] == 1}
-    for c in grid(searched):
+    plain = {str(c.fields): c for c in searched.grid if c.fields["zero.secondary_group"] == 1}
+    for c in searched.grid:
         if c.fields["zero.secondary_group"] == 2:
             twin = plain[str({**c.fields, "zero.secondary_group": 1})]
             assert c.step_s < twin.step_s and c.peak > twin.peak, c.describe()

@@ -105,13 +105,21 @@ class Search:
     def best(self) -> Candidate | None:
         return next((c for c in self.candidates if c.fits(self.memory)), None)
 
+    @property
+    def grid(self) -> list[Candidate]:
+        """The candidates of the search space, without those tried around the pick
+        (:data:`REFINED`)."""
+        return [c for c in self.candidates if not set(c.fields) & set(REFINED)]
+
     def format(self) -> str:
         """The table of candidates and the choice, or why none fits."""
         pruned = sum(c.pruned is not None for c in self.candidates)
+        around = len(self.candidates) - len(self.grid)
         lines = [
             f"{self.plan.source or 'plan'}: {len(self.candidates)} candidate plans on "
             f"{self.world_size} ranks, {human_bytes(self.memory)} per rank "
             f"({self.rates.device} rates)"
+            + (f"; {around} of them around the pick" if around else "")
             + (f"; {pruned} pruned, {len(self.candidates) - pruned} compiled" if pruned else ""),
         ]
         if self.fixed:
@@ -157,7 +165,6 @@ class Search:
         else:
             lines.append(f"best: {best.describe()} ({why(best, self.candidates, self.memory)})")
         return "\n".join(lines)
-
 
     def tokens_per_s(self, candidate: Candidate) -> str:
         """The candidate's predicted tokens per second over every rank ('-' when the workload
