@@ -109,7 +109,8 @@ def test_zerocc_plan_auto_writes_a_plan_that_loads_and_keeps_what_the_plan_fixes
     chosen = load_plan(tmp_path / "plan.auto.yaml")
     assert chosen.zero.stage == 2  # fixed by the plan: not searched
     assert chosen.recompute.units in ("none", "all")
-    tiny = ["plan", "auto", str(plan), "--world-size", "2", "--device", "cpu", "--memory", "1e-6"]
+    tiny = ["plan", "auto", str(plan), "--world-size", "2", "--device", "cpu", "--memory", "1e-6",
+            "--gpus-per-node", "2"]  # fmt: skip  (issue 52's name of --ranks-per-node)
     assert main(tiny) == 2
 
 

@@ -53,12 +53,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "this machine's available memory shared by --ranks-per-node ranks)",
     )  # fmt: skip
     auto.add_argument(
-        "--ranks-per-node", type=int, default=None, metavar="G",
+        "--ranks-per-node", "--gpus-per-node", type=int, default=None, metavar="G",
         help="ranks per machine: tensor parallelism is searched within one, hybrid sharding "
         "across them, and on cpu they share its memory (default: every rank on one machine)",
     )  # fmt: skip
     auto.add_argument(
-        "--calibration", metavar="FILE",
+        "--calibration", "--rates", metavar="FILE",
         help="rates measured by `zerocc profile` (overrides plan.cost.calibration)",
     )  # fmt: skip
     auto.add_argument(

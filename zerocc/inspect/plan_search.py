@@ -2,14 +2,14 @@
 
 The plan names the workload and whatever the user fixes; every field of the search space that
 the plan leaves out is tried: the ZeRO stage (0-3), recomputation (none, every other unit,
-all), on a GPU the optimizer's offload to host memory, and the mesh: tensor parallelism within
-a machine (``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``, each with
-and without sequence parallelism), over several
-machines hybrid sharding (``zero.replicate``: shards within a machine, replicas across) and,
-where ``cost.group_link_gbps`` gives the machine's link, stage 3's secondary partition
-(``zero.secondary_group``: a machine's ranks, hpZ), and
-for a model with experts modules expert parallelism (``parallel.ep`` 1, 2, 4, ... dividing
-the ranks; its token exchanges timed by the cost model).
+all), on a GPU the optimizer's offload to host memory, and the mesh: tensor parallelism
+within a machine (``parallel.tp`` 1, 2, 4, 8, where the plan names its ``tp_layers``, each
+with and without sequence parallelism), over several machines hybrid sharding
+(``zero.replicate``: shards within a machine, replicas across) and, where
+``cost.group_link_gbps`` gives the machine's link, stage 3's secondary partition
+(``zero.secondary_group``: a machine's ranks, hpZ), and for a model with experts modules
+expert parallelism (``parallel.ep`` 1, 2, 4, ... dividing the ranks; its token exchanges
+timed by the cost model).
 Each candidate is compiled for the world size on fake tensors, as `zerocc estimate` compiles a
 plan (a meta model of any size), and its peak memory per rank and step time predicted; those
 over the memory a rank has are dropped and the rest ranked by step time per token (a tp group
@@ -35,8 +35,9 @@ and the pick compiled whole (:mod:`zerocc.inspect.plan_depth`). Last, the knobs 
 step by a few percent are tuned around the pick (:data:`REFINED`): its blocks two to a unit
 (``units.blocks_per_unit``: a gather and a reduction for two blocks, both held at once), its
 collectives in buckets of two of its largest units (``overlap.bucket_mb``: the same messages,
-each unit still freed on its own, at the cost of copies in and out) and, at stage 3, a second
-unit prefetched.
+each unit still freed on its own, at the cost of copies in and out), at stage 3 a second
+unit prefetched, and where it offloads, half its units' states offloaded instead of all
+(``offload.ratio``: faster where the memory allows).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ MICROBATCHES = "pipeline.microbatches"
 # than they save), where trying them everywhere would multiply the candidates by 8
 BLOCKS = "units.blocks_per_unit"
 BUCKETS, PREFETCH = "overlap.bucket_mb", "overlap.prefetch"
-REFINED = (BLOCKS, BUCKETS, PREFETCH)
+RATIO = "offload.ratio"  # (a pick that offloads: half its units' states offloaded instead)
+REFINED = (BLOCKS, BUCKETS, PREFETCH, RATIO)
 # A pipeline's micro-batches tried beyond its default (one per stage): 2 and 4 times as many
 MICROBATCH_FACTORS = (2, 4)
 
@@ -454,7 +456,8 @@ def _refinements(
     """The pick's ``fields`` (its plan: ``picked``) with each of :data:`REFINED` changed,
     where the plan leaves it: its blocks two to a unit (unless it recomputes units it names),
     its collectives in buckets of two of its largest units (``bucket_mb``; 0: fewer than two
-    units, neither) and, at stage 3, one more unit gathered ahead."""
+    units, neither), at stage 3 one more unit gathered ahead, and where it offloads, half
+    its units offloaded (faster, where the memory allows it)."""
     out = []
     named = isinstance(picked.recompute.units, list)  # (units by name: grouping renames them)
     if bucket_mb and not named and not _set_in(plan, BLOCKS):
@@ -463,6 +466,9 @@ def _refinements(
         out.append({**fields, BUCKETS: bucket_mb})
     if picked.zero.stage == 3 and not _set_in(plan, PREFETCH):
         out.append({**fields, PREFETCH: picked.overlap.prefetch + 1})
+    offloads = picked.offload.optimizer != "none" or picked.offload.params != "none"
+    if offloads and picked.offload.ratio == 1 and not _set_in(plan, RATIO):
+        out.append({**fields, RATIO: 0.5})
     return out
 
 
