@@ -70,7 +70,7 @@ for s in "${steps[@]}"; do
             --format=csv; python3 -c "import torch, triton; print(torch.__version__, \
             torch.version.cuda, triton.__version__, torch.cuda.nccl.version())"' ;;
     tests)
-        step tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+        step tests 420 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_cuda.py \
             tests/backends/kernels tests/backends/test_eager_casts.py \
             tests/test_float8.py::test_on_a_gpu_the_float8_kernels_train_as_torchao_does ;;
     kernels)

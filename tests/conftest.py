@@ -93,6 +93,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist, a worker hands what it collected to the controller, which prints
+    the summary (every worker collects every test: any one's lists are whole)."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["zerocc_collected"] = (_SLOW_LEFT_OUT, _EAGER_PARITY)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """The controller's side (pytest-xdist): the lists the first worker to end collected."""
+    slow, parity = getattr(node, "workeroutput", {}).get("zerocc_collected", ([], []))
+    _SLOW_LEFT_OUT[:] = _SLOW_LEFT_OUT or slow
+    _EAGER_PARITY[:] = _EAGER_PARITY or parity
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if config.getoption("--backend") != "eager":
         terminalreporter.write_line(
