@@ -333,8 +333,7 @@ def search_plans(
         points = []
         for shallow in copies:
             at = shallow.fields(fields)
-            changed = {k: v for k, v in at.items() if plan_field(plan, k) != v}
-            cut = derive_plan(plan, changed) if changed else plan
+            cut = _derived(plan, at, world_size)
             if cut is None:
                 return predict_whole(fields)
             point = _predicted(at, cut, world_size, rates, shallow.workload, shallow.captured)

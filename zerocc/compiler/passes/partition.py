@@ -114,9 +114,11 @@ def assign_units(
     members: dict[str, list[str]] = {}
     for p in model.params:
         root = _unit_root_of(p, roots)
-        groups.setdefault((named.get(root, root), p.requires_grad), []).append(p)
-        held = members.setdefault(named.get(root, root), [])
-        held += [] if root in held else [root]
+        group = named.get(root, root)
+        groups.setdefault((group, p.requires_grad), []).append(p)
+        held = members.setdefault(group, [])
+        if root not in held:
+            held.append(root)
     units = []
     for (group, trainable), params in groups.items():
         name = group or ROOT_UNIT
