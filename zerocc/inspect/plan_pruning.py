@@ -26,7 +26,7 @@ exhaustive search's wherever the orders hold (a test compares both); ``exhaustiv
 (`zerocc plan auto --exhaustive`) compiles every candidate, as the benchmark that checks the
 model against measured runs does. A 70B-class GPT on 1024 ranks: 17 of 138 candidates
 compiled, 1 min 42 s (the 92 without every-other-unit recompute took 5 min 46 s compiled one
-by one); each compiled on shallow copies of the model (:mod:`zerocc.inspect.plan_depth`), 31 s
+by one); each compiled on shallow copies of the model (:mod:`zerocc.inspect.plan_depth`), 22 s
 for the 238 of a space with sequence parallelism.
 """
 
