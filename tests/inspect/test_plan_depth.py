@@ -9,11 +9,12 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from zerocc.cli.main import main
 from zerocc.compiler.plan import load_plan
-from zerocc.compiler.workload import load_workload
+from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.rates import rates_for
 from zerocc.inspect.plan_depth import DEPTHS, BlockStack, confirmed
 from zerocc.inspect.plan_search import search_plans
@@ -111,3 +112,44 @@ def test_plan_auto_whole_compiles_every_candidate_at_depth(tmp_path, capsys):
     assert "≈" not in capsys.readouterr().out
     assert main(["plan", "auto", str(plan), "--world-size", "2"]) == 0
     assert "≈" in capsys.readouterr().out
+
+
+class _Llama(nn.Module):
+    """A Hugging Face Llama 16 layers deep (4 heads of 8, 2 key/value heads), its own labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=16, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+        self.lm = LlamaForCausalLM(config)
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+def _tokens(rank: int, world: int):
+    generator = torch.Generator().manual_seed(rank)
+    while True:
+        yield (torch.randint(0, 64, (2, 16), generator=generator),)
+
+
+def test_a_hugging_face_llama_is_cut_and_drawn_alike():
+    """transformers' Llama (its layers under ``lm.model.layers``, each with its own
+    ``layer_idx``, the mask and rotary embeddings built from its config): every stage's line
+    equals its whole compile, peaks to the byte."""
+    pytest.importorskip("transformers")
+    workload = Workload(_Llama(), batches=_tokens)
+    assert BlockStack.of(workload.model) == BlockStack("lm.model.layers", "LlamaDecoderLayer", 16)
+    plan = load_plan({"units": {"classes": ["LlamaDecoderLayer"]}, "recompute": {"units": "all"}})
+    rates = rates_for(plan, "cpu")
+    whole = search_plans(plan, 2, 2**40, rates, workload, exhaustive=True, whole=True)
+    lines = search_plans(plan, 2, 2**40, rates, workload, exhaustive=True)
+    by_fields = {str(c.fields): c for c in whole.grid}
+    drawn = [c for c in lines.grid if c.extrapolated]
+    assert len(drawn) >= 3
+    for c in drawn:
+        twin = by_fields[str(c.fields)]
+        assert c.peak == twin.peak and c.step_s == pytest.approx(twin.step_s, rel=1e-9)
