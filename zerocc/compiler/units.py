@@ -93,7 +93,7 @@ class Unit:
     @property
     def key(self) -> str:
         """Prefix of the unit's state keys (``<key>.param``, ``<key>.grad``, ...)."""
-        return self.name or "root"
+        return self.name or ROOT
 
     def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The padded flat buffer of the given full parameter values (by FQN)."""

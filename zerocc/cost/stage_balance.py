@@ -21,6 +21,7 @@ from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.parallel.stage_cut import StageAssignment, unit_of
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.units import FROZEN, ROOT
 from zerocc.cost.model import CostModel
 from zerocc.cost.rates import rates_for
 from zerocc.errors import PlanError
@@ -149,7 +150,7 @@ def split_units(
         for u in assign_units(
             model, shard_size, plan.units.classes, plan.units.modules, plan.units.min_mb
         )
-        if u.name != "root" and not u.name.endswith("[frozen]")
+        if u.name != ROOT and not u.name.endswith(FROZEN)
     ]
     stages = plan.parallel.pp * pipeline.stages_per_rank_of()
     if pipeline.split == "auto":

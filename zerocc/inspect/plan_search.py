@@ -59,6 +59,7 @@ from zerocc.compiler.parallel.experts import ExpertParallel
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.passes.recompute import chosen_units
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.units import Unit
 from zerocc.compiler.workload import Workload, load_workload
 from zerocc.cost.memory import model_state_bytes_of
 from zerocc.cost.rates import DeviceRates, rates_for
@@ -297,10 +298,10 @@ def search_plans(
     workload = workload or load_workload(plan)
     experts = ExpertParallel.holds_experts(workload.model, plan)
     units = trainable_units(plan, workload, world_size)
-    some = units[::2] if len(units) >= 2 else None  # (every other unit)
+    some = [u.key for u in units[::2]] if len(units) >= 2 else None  # (every other unit)
     space, fixed = search_space(plan, rates.device, world_size, ranks_per_node, experts, some,
                                 len(units) if pipelines else 0)  # fmt: skip
-    bucket_mb = two_units_mb(plan, workload, world_size)
+    bucket_mb = two_units_mb(plan, units)
     captured = CapturedSteps()  # (the candidates differ in their passes: one capture serves)
     microbatches = _searches_microbatches(plan, space)
     if microbatches:
@@ -340,7 +341,7 @@ def search_plans(
             if point.error is not None:  # (say, the plan names a block beyond the cut)
                 return predict_whole(fields)
             points.append(point)
-        line = extrapolated(points, DEPTHS, stack.depth)
+        line = extrapolated(points, [shallow.depth for shallow in copies], stack.depth)
         return replace(line, fields=fields, work=_work(derived, world_size, workload))
 
     def states(fields: dict[str, Any]) -> int:
@@ -363,7 +364,9 @@ def search_plans(
         for fields in _refinements(plan, best.fields, plans[_key(best.fields)][1], bucket_mb):
             if (derived := _derived(plan, fields, world_size)) is not None:
                 plans[_key(fields)] = (fields, derived)
-                candidates.append(predict(fields))
+                tried = predict(fields)
+                if tried.error is None:  # (a knob that does not apply: not a candidate)
+                    candidates.append(tried)
         if stack is not None:
             candidates = confirmed(candidates, predict_whole, memory)
     candidates.sort(key=lambda c: (c.pruned is not None, c.error is not None,
@@ -395,8 +398,8 @@ def _shallow_copies(
     copies = []
     for depth in DEPTHS:
         cut = replace(workload, model=stack.cut(workload.model, depth))
-        units = trainable_units(plan, cut, world_size)
-        copies.append(_ShallowCopy(depth, cut, CapturedSteps(), units[::2] or None))
+        some = [u.key for u in trainable_units(plan, cut, world_size)[::2]]
+        copies.append(_ShallowCopy(depth, cut, CapturedSteps(), some or None))
     return copies
 
 
@@ -404,8 +407,8 @@ def _key(fields: dict[str, Any]) -> tuple:
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields.items())
 
 
-def trainable_units(plan: Plan, workload: Workload, world_size: int) -> list[str]:
-    """The units ``recompute.units: all`` would recompute, by name: every other one of them is
+def trainable_units(plan: Plan, workload: Workload, world_size: int) -> list[Unit]:
+    """The units ``recompute.units: all`` would recompute: every other one of them is
     the search's recompute between none and all (half the activations kept, at about half the
     recompute's cost), and a pipeline's stages divide them. Where the plan (without its
     pipeline) cannot be laid out (each candidate says why): none."""
@@ -414,7 +417,7 @@ def trainable_units(plan: Plan, workload: Workload, world_size: int) -> list[str
         session = CompileSession.open(workload.model, flat, world_size, workload.loss_fn)
     except ZeroccError:
         return []
-    return [u.key for u in chosen_units(session.units, "all") if u.trainable]
+    return [u for u in chosen_units(session.units, "all") if u.trainable]
 
 
 def _derived(plan: Plan, fields: dict[str, Any], world_size: int) -> Plan | None:
@@ -471,19 +474,15 @@ def _refinements(
     return out
 
 
-def two_units_mb(plan: Plan, workload: Workload, world_size: int) -> float:
-    """A bucket (``overlap.bucket_mb``) that two of the model's largest trainable units fill,
-    gathered in the compute dtype, whole MB rounded up: their collectives as one, what units
-    of two blocks would send (each unit still freed on its own); 0 for fewer than 2 units."""
-    try:
-        session = CompileSession.open(workload.model, plan, world_size, workload.loss_fn)
-    except ZeroccError:
-        return 0.0
-    sizes = sorted(u.numel for u in chosen_units(session.units, "all") if u.trainable)
-    if len(sizes) < 2:
+def two_units_mb(plan: Plan, units: list[Unit]) -> float:
+    """A bucket (``overlap.bucket_mb``) that two of the largest of ``units`` (the model's
+    trainable ones) fill, gathered in the compute dtype, whole MB rounded up: their
+    collectives as one, what units of two blocks would send (each unit still freed on its
+    own); 0 for fewer than 2 units."""
+    if len(units) < 2:
         return 0.0
     itemsize = plan.precision.dtype("param").itemsize
-    return float(math.ceil(2 * sizes[-1] * itemsize / 2**20))
+    return float(math.ceil(2 * max(u.numel for u in units) * itemsize / 2**20))
 
 
 def _no_pipeline_but_its_schedule(plan: Plan, fields: dict[str, Any]) -> bool:

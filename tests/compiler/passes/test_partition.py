@@ -13,6 +13,7 @@ from models import build, tiny_gpt
 
 from zerocc.compiler.capture import ModelInfo, ParamInfo, describe_model
 from zerocc.compiler.passes.partition import assign_units
+from zerocc.errors import PlanError
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "gpt"
 
@@ -75,6 +76,16 @@ def test_blocks_are_grouped_k_to_a_unit_in_model_order():
     # the MLPs, one class under each block (their parents differ): each its own unit
     assert by_name["transformer.h.0.mlp"].roots == ("transformer.h.0.mlp",)
     assert sum(u.numel for u in units) == sum(p.numel for p in info.params)
+
+
+def test_blocks_per_unit_that_would_group_nothing_is_a_plan_error():
+    """No two units of one class under one parent (only the root, or units of other kinds):
+    the option would do nothing, said."""
+    info = describe_model(tiny_gpt())
+    with pytest.raises(PlanError, match=r"blocks_per_unit: 2 groups .*\(the root unit alone\)"):
+        assign_units(info, 2, [], [], None, blocks_per_unit=2)
+    with pytest.raises(PlanError, match=r"no two units are \(lm_head, transformer.wte\)"):
+        assign_units(info, 2, [], ["transformer.wte", "lm_head"], None, blocks_per_unit=2)
 
 
 def test_a_unit_of_two_blocks_is_gathered_and_reduced_once():

@@ -135,7 +135,7 @@ def _grouped(model: ModelInfo, roots: set[str], k: int) -> dict[str, str]:
     """The unit each root's parameters go to: with ``k`` > 1 the roots of one class under one
     parent, in model order, grouped ``k`` to a unit named by its first and last
     (``transformer.h.0-1``), a last group of fewer where ``k`` does not divide them; else
-    each root its own."""
+    each root its own. PlanError where ``k`` > 1 would group nothing."""
     named = {r: r for r in roots}
     if k == 1:
         return named
@@ -143,6 +143,14 @@ def _grouped(model: ModelInfo, roots: set[str], k: int) -> dict[str, str]:
     for fqn, cls in model.modules:
         if fqn in roots and fqn != ROOT:
             runs.setdefault((fqn.rpartition(".")[0], cls), []).append(fqn)
+    if all(len(run) == 1 for run in runs.values()):
+        units = sorted(roots - {ROOT})
+        shown = ", ".join(units[:4]) + (", ..." if len(units) > 4 else "")
+        raise PlanError(
+            f"units.blocks_per_unit: {k} groups units of one class under one parent, and no "
+            f"two units are ({shown or 'the root unit alone'}); name the blocks' class in "
+            "units.classes (or units: auto), or drop it"
+        )
     for run in runs.values():
         for at in range(0, len(run), k):
             group = run[at : at + k]
