@@ -68,7 +68,7 @@ from zerocc.inspect.pipeline_dumps import RankStep, write_pipeline_programs, wri
 from zerocc.inspect.pipeline_estimate import program_seconds
 from zerocc.ir.keyed_draws import DrawKey, drawing_under
 from zerocc.ir.nodes import BATCH, placeholders, val
-from zerocc.ir.ops import DP_GROUP, EP_GROUP, PP_GROUP
+from zerocc.ir.ops import DP_GROUP, PP_GROUP
 from zerocc.runtime.agreement import (
     END_OF_DATA,
     Agreement,
@@ -129,11 +129,7 @@ class PipelineStep(SavesInBackground):
         if self.float8 is not None:
             self.float8.check_device(device)
         self.full_model_info = describe_model(model)
-        # The layers and experts the ranks split (one object per step: the experts' regions
-        # captured in every program exchange their tokens through the group bound here).
-        self.splits = ModelSplits.of(model, self.full_model_info, plan)
-        if self.splits.expert_parallel is not None:
-            self.splits.expert_parallel.bind(comm.on(EP_GROUP))
+        self.splits = ModelSplits.of(model, self.full_model_info, plan)  # (layers, experts)
         self.steps = 0  # optimizer steps applied (a step skipped for overflow not counted)
         self.micro_batches = 0  # calls (each one optimizer step's batch), skipped ones too
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)

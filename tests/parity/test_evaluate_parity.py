@@ -45,6 +45,8 @@ CASES = [
     },
     {"model": "gpt", "stage": 3, "world": 2, "recompute": {"units": "all"}},
     {"model": "buffers", "stage": 1, "world": 2, "accum": 2},
+    # Expert parallelism: a forward-only program's exchanges keep nothing for a backward
+    {"model": "mixtral_grouped", "stage": 3, "world": 2, "ep": 2},
 ]
 STEPS = 4
 

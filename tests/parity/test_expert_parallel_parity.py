@@ -77,6 +77,9 @@ CASES = [
     # the clip's norm and the overflow flags summed across the replicas for the experts
     {"model": "mixtral", "stage": 2, "world": 4, "ep": 2, "replicate": 2, "accum": 2,
      "optimizer": CLIPPED},
+    # recomputed layers: the exchanges and the experts' ops are not recomputed (what they
+    # received is kept by the runtime until the experts' backward), the rest of the layer is
+    {"model": "mixtral", "stage": 3, "world": 4, "ep": 2, "recompute": {"units": "all"}},
     # every token to experts 0-1: ep rank 1 (and 3) receives none at any step
     {"model": "one_sided_moe", "stage": 3, "world": 4, "ep": 2},
     # ... with its experts' input needing no gradient (the experts fine-tuned alone)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from zerocc.compat import MAKE_FX_OPTIONS, use_lazy_graph_module
 from zerocc.compiler.batch import call_arguments
 from zerocc.compiler.module_marks import FORWARD_END, ModuleTracker, mark_node
-from zerocc.compiler.opaque import Body, data_dependent_cause, forget, op_of, opaque_modules
+from zerocc.compiler.opaque import data_dependent_cause, forget, op_of, opaque_modules
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.compiler.repeats import RepeatedLayers, TensorStatus
 from zerocc.errors import CaptureError
@@ -41,6 +42,8 @@ from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, na
 from zerocc.logs import FAKE_KERNELS, quiet
 
 LossFn = Callable[..., torch.Tensor]
+# Modules (by FQN) whose forward capture replaces: each a function of the module and its call.
+Forwards = Mapping[str, Callable[..., Any]]
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ def capture(
     casts: Casts | None = None,
     gradients: bool = True,
     loss_check: Callable[[torch.Tensor], None] | None = None,
-    bodies: dict[str, Body] | None = None,
+    forwards: Forwards | None = None,
     repeated_layers: bool = True,
     tensor_status: TensorStatus | None = None,
 ) -> fx.GraphModule:
@@ -249,12 +252,12 @@ def capture(
     (``gradients=False``: the loss alone, a forward-only graph for evaluation, traced with the
     model in eval mode, as a training loop evaluates: dropout off, norms on running stats).
     ``loss_check``: called with the traced loss (tensor parallelism's check of what it
-    depends on). ``bodies``: modules (by FQN) captured as opaque regions that run a body of
-    their own (expert parallelism's experts). ``repeated_layers``: a module whose instances run
-    alike is traced once and its other calls copied (:mod:`zerocc.compiler.repeats`); what was,
-    in ``gm.meta["repeated_layers"]``; ``tensor_status``: what a capture mode knows of each
-    tensor, which their templates and copies must be given (sequence parallelism's). The
-    graph is what passes read; the module's
+    depends on). ``forwards``: modules (by FQN) traced running a function of their own in
+    place of their forward (expert parallelism's experts, exchanging their tokens).
+    ``repeated_layers``: a module whose instances run alike is traced once and its other calls
+    copied (:mod:`zerocc.compiler.repeats`); what was, in ``gm.meta["repeated_layers"]``;
+    ``tensor_status``: what a capture mode knows of each tensor, which their templates and
+    copies must be given (sequence parallelism's). The graph is what passes read; the module's
     generated code is not regenerated after dead code is eliminated and placeholders renamed
     (a second compile of the whole step's code): the pass manager recompiles its result."""
     casts = casts or Casts()
@@ -298,7 +301,8 @@ def capture(
                 contextlib.nullcontext() if gradients else _in_eval_mode(model),
                 use_lazy_graph_module(True),  # its code is generated where it is read or run
                 quiet(FAKE_KERNELS),  # (the error is said as a CaptureError)
-                opaque_modules(model, opaque, tracker.paused, bodies),
+                opaque_modules(model, opaque, tracker.paused),
+                forwards_replaced(model, forwards),
                 layers.patched(tracker),
             ):
                 gm = make_fx(step, tracing_mode="real", **MAKE_FX_OPTIONS)(*flat)
@@ -345,6 +349,21 @@ def _loss_of(
     return torch.func.functional_call(wrapper, state, tuple(full_batch), tie_weights=True)
 
 
+@contextlib.contextmanager
+def forwards_replaced(model: nn.Module, forwards: Forwards | None) -> Iterator[None]:
+    """Each module of ``forwards`` calls its function in place of its forward (its hooks
+    still fire around it), until the context ends."""
+    modules = dict(model.named_modules())
+    replaced = [modules[fqn] for fqn in forwards or {}]
+    for module, function in zip(replaced, (forwards or {}).values(), strict=True):
+        module.forward = types.MethodType(function, module)
+    try:
+        yield
+    finally:
+        for module in replaced:
+            del module.forward  # the class's forward again
+
+
 def forward_on_fake(
     model: nn.Module,
     info: ModelInfo,
@@ -354,13 +373,13 @@ def forward_on_fake(
     within: contextlib.AbstractContextManager[Any],
     casts: Casts | None = None,
     opaque: dict[str, str] | None = None,
-    bodies: dict[str, Body] | None = None,
+    forwards: Forwards | None = None,
 ) -> None:
     """Run the loss of ``model`` on ``batch`` once on fake tensors, untraced: parameters of
     ``info``'s shapes, cast as ``casts`` says, the modules of ``opaque``'s classes (and the
-    FQNs of ``bodies``) as opaque regions, as :func:`capture` would have them. ``within`` (a
-    dispatch mode, say) is entered inside the fake mode: what it learns of the forward costs
-    no capture."""
+    ``forwards``' modules running their functions), as :func:`capture` would have them.
+    ``within`` (a dispatch mode, say) is entered inside the fake mode: what it learns of the
+    forward costs no capture."""
     fake_mode = CaptureFakeMode()
     flat = _fake_inputs(fake_mode, info, [b for b in batch if isinstance(b, torch.Tensor)], device)
     wrapper = _Step(model, loss_fn or default_loss_fn)
@@ -368,7 +387,8 @@ def forward_on_fake(
         traced_grad_mode(),
         fake_mode,
         quiet(FAKE_KERNELS),
-        opaque_modules(model, opaque or {}, contextlib.nullcontext, bodies) as regions,
+        opaque_modules(model, opaque or {}, contextlib.nullcontext) as regions,
+        forwards_replaced(model, forwards),
         within,
     ):
         try:

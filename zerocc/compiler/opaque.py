@@ -19,17 +19,12 @@ data as zero. A layer whose output shape does not depend on its data (a mixture-
 layer returns its input's shape) gets its true shapes that way; every real call checks its
 outputs against them and raises :class:`~zerocc.errors.CaptureError` where they differ, so a
 region whose output shape does depend on the data is never run on wrong shapes.
-
-A region may also run a body of its own in place of the module's forward (:class:`Body`):
-expert parallelism's experts modules send their tokens to the ranks holding their experts and
-back (:mod:`zerocc.compiler.parallel.experts`), all-to-alls whose sizes depend on the routing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from zerocc.errors import CaptureError
+from zerocc.ir.expert_calls import autograd_inside_op
 from zerocc.ir.rng import generator_state, set_generator_state, state_numel
 
 # Exceptions by which fake tensors say that a value, not a shape, decides what comes next.
@@ -67,16 +63,6 @@ def op_of(error: BaseException) -> str:
     return str(func) if isinstance(func, torch._ops.OpOverload) else str(error).split("\n")[0]
 
 
-@dataclass(frozen=True)
-class Body:
-    """What a module runs as its opaque region in place of its forward: ``run(module, *args,
-    **kwargs)``, called with the module's parameters and buffers those of the call (on fake
-    tensors too, while capture finds the outputs' shapes); ``reason``, for explain()."""
-
-    reason: str
-    run: Callable[..., Any]
-
-
 @dataclass
 class Region:
     """One call of an opaque module, as the graph's op node refers to it by ``key``."""
@@ -90,7 +76,6 @@ class Region:
     state: list[tuple[str, ...]]  # names (every alias) of each parameter and buffer passed
     outputs: TreeSpec | None = None
     output_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
-    body: Callable[..., Any] | None = None  # what runs in place of the forward (Body.run)
 
     @property
     def kind(self) -> str:
@@ -107,7 +92,7 @@ class Region:
             leaves[i] = t
         args, kwargs = tree_unflatten(leaves, self.call)
         named = {name: t for names, t in zip(self.state, state, strict=True) for name in names}
-        with _own_forward(self.module, self.body):
+        with _own_forward(self.module):
             output = torch.func.functional_call(self.module, named, tuple(args), kwargs)
         flat, spec = tree_flatten(output)
         if any(not isinstance(t, torch.Tensor) for t in flat):
@@ -121,17 +106,13 @@ class Region:
 
 
 @contextlib.contextmanager
-def _own_forward(module: nn.Module, body: Callable[..., Any] | None = None) -> Iterator[None]:
-    """``module`` calls its class's forward in the body (or ``body``), not the op that capture
-    put in its place (whose fake implementation runs the region)."""
+def _own_forward(module: nn.Module) -> Iterator[None]:
+    """``module`` calls its class's forward in the body, not the op that capture put in its
+    place (whose fake implementation runs the region)."""
     patched = module.__dict__.pop("forward", None)
-    if body is not None:
-        module.forward = types.MethodType(body, module)
     try:
         yield
     finally:
-        if body is not None:
-            del module.forward
         if patched is not None:
             module.forward = patched
 
@@ -233,7 +214,7 @@ def opaque_backward(
     now = generator_state(device)
     set_generator_state(state, device)
     try:
-        with _autograd_inside_op(), torch.enable_grad():
+        with autograd_inside_op(), torch.enable_grad():
             outputs = r.run(inputs)
     finally:
         set_generator_state(now, device)
@@ -249,18 +230,6 @@ def opaque_backward(
         for i, g in zip(wanted, found, strict=True)
     ]
     return _fresh(result, [*tensors, *grads])
-
-
-@contextlib.contextmanager
-def _autograd_inside_op() -> Iterator[None]:
-    """Autograd records again in the body, inside an op's kernel (which the dispatcher runs
-    below autograd: without this, the recomputed forward would have no graph to
-    differentiate)."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    include = torch._C._dispatch_tls_local_include_set()
-    recording = exclude.remove(torch._C.DispatchKey.AutogradFunctionality)
-    with torch._C._ForceDispatchKeyGuard(include, recording):
-        yield
 
 
 @opaque_backward.register_fake
@@ -346,25 +315,16 @@ def opaque_modules(
     model: nn.Module,
     classes: dict[str, str],
     hooks_paused: Any,
-    bodies: dict[str, Body] | None = None,
 ) -> Iterator[list[Region]]:
     """While capture traces: each module of ``model`` whose class is a key of ``classes``
-    (the class name, and the reason), or whose FQN is a key of ``bodies`` (running that body),
-    calls itself as one ``zerocc_opaque.region_forward`` op. ``hooks_paused()``: a context in
-    which capture's module hooks mark nothing (they would fire inside the fake
-    implementation). Yields the regions its calls register."""
+    (the class name, and the reason) calls itself as one ``zerocc_opaque.region_forward`` op.
+    ``hooks_paused()``: a context in which capture's module hooks mark nothing (they would
+    fire inside the fake implementation). Yields the regions its calls register."""
     regions: list[Region] = []
-    bodies = bodies or {}
-    patched = [
-        (fqn, m)
-        for fqn, m in model.named_modules()
-        if type(m).__name__ in classes or fqn in bodies
-    ]
+    patched = [(fqn, m) for fqn, m in model.named_modules() if type(m).__name__ in classes]
     for fqn, module in patched:
-        body = bodies.get(fqn)
-        reason = body.reason if body is not None else classes[type(module).__name__]
-        module.forward = _opaque_call(fqn, module, reason, regions, hooks_paused,
-                                      body.run if body is not None else None)  # fmt: skip
+        reason = classes[type(module).__name__]
+        module.forward = _opaque_call(fqn, module, reason, regions, hooks_paused)
     try:
         yield regions
     finally:
@@ -378,7 +338,6 @@ def _opaque_call(
     reason: str,
     regions: list[Region],
     hooks_paused: Any,
-    body: Callable[..., Any] | None,
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         leaves, call = tree_flatten((args, kwargs))
@@ -393,7 +352,7 @@ def _opaque_call(
             by_id.setdefault(id(t), ([], t))[0].append(name)
         key = f"{fqn}#{next(_serial)}"
         state = [tuple(n) for n, _ in by_id.values()]
-        r = Region(key, fqn, module, reason, call, constants, state, body=body)
+        r = Region(key, fqn, module, reason, call, constants, state)
         _REGIONS[key] = r
         regions.append(r)
         with hooks_paused():
@@ -426,5 +385,5 @@ def region_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
         f"opaque regions: {kinds}: each call runs as one op (its parameters sharded, gathered "
         "and reduced as any other's), its forward run again in backward; nothing inside it is "
         "compiled or overlapped, and its compute is not in the predicted step time (an experts "
-        "module's matmuls and token exchanges are)"
+        "module's matmuls are)"
     ]

@@ -16,9 +16,12 @@ from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manag
 from torch.utils._pytree import TreeSpec
 
 from zerocc.compiler.module_marks import FORWARD_END, mark_node
+from zerocc.ir.nodes import op_name
+from zerocc.ir.ops import EXPERT_OPS
 
 OUTPUT_GRADS = "output_grads"  # a template's mark where backward reaches its outputs' nodes
 _REFUSED_OPS = ("zerocc_opaque", "zerocc_repeat")  # namespaces a template may not hold
+_EXPERTS = frozenset(f"zerocc.{name}" for name in EXPERT_OPS)  # ops it may not hold either
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,9 @@ def template_of(
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
     if any(n.op != "call_function" for n in body):
         return "it holds a tensor constant or a submodule call"
-    refused = [n for n in body if _namespace(n.target) in _REFUSED_OPS]
+    refused = [
+        n for n in body if _namespace(n.target) in _REFUSED_OPS or op_name(n.target) in _EXPERTS
+    ]
     if refused:
         return f"it holds {refused[0].target}"
     if _writes_inputs(body, inputs_all):

@@ -9,9 +9,11 @@ keeps them); ``zerocc.free`` releases a gathered unit at once. In-place ops and 
 nothing. Storages made by an all-gather count as *gathered*; every other transient (activations
 saved for backward, gradients, packed buckets) as *activations*: without gradient accumulation
 no gradient is model state, and the reduced gradients the update reads are transients from
-their reduction to the update. What offload keeps in host memory or on NVMe (states, and the
-host buffers of its copies) is not device memory: it is reported apart (model states ``host``,
-``nvme``; the host buffers' peak).
+their reduction to the update. The rows expert parallelism's exchanges receive, which the
+runtime keeps outside the program's values, count as activations from the op that puts them to
+the one that takes them, at a uniform routing's share. What offload keeps in host memory or on
+NVMe (states, and the host buffers of its copies) is not device memory: it is reported apart
+(model states ``host``, ``nvme``; the host buffers' peak).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from zerocc.compiler.parallel.experts import payloads
 from zerocc.compiler.state import DEVICE, HOST, StateLayout
 from zerocc.cost.timeline import MemoryTimeline
 from zerocc.ir.kinds import OpKind, Stream
@@ -149,6 +152,10 @@ def predict_memory(gm: fx.GraphModule, model_states: dict[str, int]) -> MemoryTi
         release = freed_at.get(key, last_use.get(key, start) + 1)
         events[start].append((category, nbytes))
         events[release].append((category, -nbytes))
+    for made, taken, nbytes in payloads(gm):  # (expert parallelism's received rows)
+        events[position[made] if made is not None else 0].append(("activations", nbytes))
+        end = position[_done(taken)] + 1 if taken is not None else len(nodes)
+        events[end].append(("activations", -nbytes))
     live = {c: model_states.get(c, 0) for c in ("params", "grads", "optimizer")}
     live.update(gathered=0, activations=0, host=0)
     timeline = MemoryTimeline()

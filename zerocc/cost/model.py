@@ -46,7 +46,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from zerocc.compiler.parallel.experts import Exchanges, exchanges_of, experts_flops
+from zerocc.compiler.parallel.experts import experts_flops
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.state import HOST
 from zerocc.cost.memory import tensors_in
@@ -101,8 +101,6 @@ class NodeWork:
     group: str = DP_GROUP  # collective: the group of the mesh it runs on
     collective: str = ""  # collective: all_gather | ...; transfer: to_host | nvme_read | ...
     host: bool = field(default=False, compare=False)  # compute on host tensors only
-    # compute: the experts' token exchanges it waits for inside (expert parallelism's regions)
-    exchanges: Exchanges | None = None
     # collective: bytes its quantize and dequantize passes read and write (quantized ones)
     coded: int = 0
 
@@ -162,10 +160,9 @@ def _work_of(node: fx.Node) -> NodeWork:
     on_cpu = bool(inputs) and all(t.device.type == "cpu" for t in inputs)
     host = info(node).pool == HOST or (on_cpu and _device_of(node.graph) != "cpu")
     moved = _bytes_moved(node, args, kwargs)
-    if (experts := experts_flops(node)) is not None:  # a region: no FLOPs of its own to _flops
+    if (experts := experts_flops(node)) is not None:  # no FLOPs of its own to _flops
         flops, dtype = experts[0], DTYPE_NAMES.get(experts[1])
-    return NodeWork(COMPUTE, flops=flops, bytes=moved, dtype=dtype, host=host,
-                    exchanges=exchanges_of(node))  # fmt: skip
+    return NodeWork(COMPUTE, flops=flops, bytes=moved, dtype=dtype, host=host)
 
 
 def _values(x: Any) -> Any:
@@ -309,19 +306,12 @@ class CostModel:
         if work.kind == COMPUTE and work.host and self.rates.device != "cpu":
             return self.rates.overhead_s + work.bytes / self.rates.host_memory_bytes_per_s
         if work.kind == COMPUTE:
-            return self.compute_time(work.flops, work.bytes, work.dtype) + self._exchanged(work)
+            return self.compute_time(work.flops, work.bytes, work.dtype)
         if work.kind == COLLECTIVE:
             return self.collective_time(work.collective, work.bytes, self.ranks(work), work.group)
         if work.kind == TRANSFER:
             return self.transfer_time(work.collective, work.bytes)
         return 0.0
-
-    def _exchanged(self, work: NodeWork) -> float:
-        """The experts' all-to-alls a compute node waits for inside (0 for most)."""
-        x = work.exchanges
-        if x is None:
-            return 0.0
-        return x.count * self.collective_time("all_to_all", x.nbytes, x.parts, EP_GROUP)
 
     def transfer_time(self, direction: str, nbytes: float) -> float:
         """A copy between device and host (``to_host``, ``to_device``) or an NVMe read or
@@ -390,6 +380,9 @@ def ring_hops(kind: str, ranks: int) -> int:
 
 
 def collective_kind(node: fx.Node) -> str:
-    """all_gather | reduce_scatter | all_reduce, from a start node's op."""
+    """all_gather | reduce_scatter | all_reduce | all_to_all, from a start node's op (expert
+    parallelism's exchanges of rows are all-to-alls)."""
     name = op_name(node.target).removeprefix("zerocc.")
+    if name.startswith("all_to_all"):
+        return "all_to_all"
     return name.removesuffix("_start").removesuffix("_into").removesuffix("_quantized")

@@ -13,6 +13,7 @@ import torch
 from zerocc.engine.comm import Comm
 from zerocc.engine.host_worker import HostWorker
 from zerocc.engine.kernel_set import KernelSet
+from zerocc.engine.payloads import Payloads
 from zerocc.engine.transfers import Transfers
 
 
@@ -21,10 +22,12 @@ class RuntimeContext:
     """The runtime an executable's ops run on. ``kernels``: the kernel set of the plan's
     ``backend.kernels`` (:func:`zerocc.backends.kernels.kernel_set`); ``device``: the device
     the step computes on (CUDA streams belong to the comm and the copy engine); ``host``: the
-    worker that runs the host updates an offload defers (``offload.defer_updates``)."""
+    worker that runs the host updates an offload defers (``offload.defer_updates``);
+    ``payloads``: what expert parallelism's exchanges received, kept between its ops."""
 
     comm: Comm
     transfers: Transfers
     kernels: KernelSet
     device: torch.device
     host: HostWorker = field(default_factory=HostWorker)
+    payloads: Payloads = field(default_factory=Payloads)

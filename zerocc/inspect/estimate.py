@@ -186,7 +186,8 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         held_gradient_bytes(inspection.stepping.gm),
         sum(u.padded_numel for u in inspection.units if u.trainable),
         gradients_copied_out(inspection.stepping.gm),
-        region_lines([inspection.stepping.gm]) + exchange_lines([inspection.stepping.gm]),
+        region_lines([inspection.stepping.gm])
+        + exchange_lines([inspection.stepping.gm], plan.parallel.ep),
     )
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from zerocc.compiler.opaque import region_lines
-from zerocc.compiler.parallel.experts import exchange_lines, exchanges_of
+from zerocc.compiler.parallel.experts import exchange_lines
 from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
@@ -23,7 +23,6 @@ from zerocc.compiler.units import Unit
 from zerocc.cost.model import collective_kind
 from zerocc.ir.nodes import GRAD_SHARD, info, nodes_with_role, op_name, val
 from zerocc.ir.ops import (
-    EP_GROUP,
     PARAM_GATHERS,
     QUANTIZED_STARTS,
     SECONDARY_GROUP,
@@ -148,22 +147,15 @@ def comm_bytes_per_step(step: StepRecord) -> dict[str, int]:
 
 def comm_bytes(programs: dict[bool, fx.GraphModule], grad_accumulation: int) -> dict[str, int]:
     """Bytes per collective kind per optimizer step, from the programs that step (``True``) and
-    accumulate (``False``), as their collectives record them; and the experts' token
-    exchanges inside their regions (``all_to_all (ep)``, routing taken as uniform)."""
+    accumulate (``False``), as their collectives record them (the experts' exchanges of rows
+    as their calls' rows: routing taken as uniform)."""
 
     def kind(node: fx.Node) -> str:
         name = op_name(node.target)
         how = f" in {node.args[3]}" if name in QUANTIZED_STARTS else ""  # (its wire format)
         return reported_kind(collective_kind(node) + how, node.args[-1])
 
-    moved = _bytes_per_step(programs, grad_accumulation, "comm", kind)
-    for boundary, gm in programs.items():
-        times = 1 if boundary else grad_accumulation - 1
-        for node in gm.graph.nodes:
-            if times and (exchanges := exchanges_of(node)) is not None:
-                key = reported_kind("all_to_all", EP_GROUP)
-                moved[key] = moved.get(key, 0) + times * exchanges.count * exchanges.nbytes
-    return moved
+    return _bytes_per_step(programs, grad_accumulation, "comm", kind)
 
 
 def unit_rows(units: list[Unit]) -> list[list[str]]:
@@ -214,7 +206,7 @@ def explain_step(step: StepRecord) -> str:
         *mesh_lines(step.mesh),
         *([step.units_note] if step.units_note else []),
         *region_lines(step.programs.values()),
-        *exchange_lines(step.programs.values()),
+        *exchange_lines(step.programs.values(), plan.parallel.ep),
         precision_line(step),
         *([step.float8_note] if step.float8_note else []),
         backend_line(step),

@@ -99,6 +99,35 @@ SCHEMAS = {
     "recv": "recv(SymInt[] shape, ScalarType dtype, Device device, int stage, str name) -> Tensor",
     "keep": "keep(Tensor tensor, str name) -> ()",
     "kept": "kept(SymInt[] shape, ScalarType dtype, Device device, str name) -> Tensor",
+    # Expert parallelism (zerocc.compiler.parallel.experts). ``all_to_all_start``: equal
+    # chunks of ``tensor`` exchanged (each rank's count of rows per expert). The rows of an
+    # experts call go to the ranks holding their experts (``all_to_all_experts_start``: rows
+    # ``sent[e]`` to expert ``e``, ``got`` those received), and come back
+    # (``all_to_all_tokens_start``). How many rows a rank receives depends on the routing, so
+    # the received rows are no value of the program: the runtime keeps them under a key
+    # (``into``; ``take`` reads and drops them) and the op returns a one-element ticket that
+    # orders what reads them. ``experts_forward`` runs the experts module of ``call`` on the rows
+    # its exchange received (its ticket; kept for the backward when ``keep``, else dropped),
+    # keeping its results; ``experts_backward`` their
+    # gradient: a ticket for the received rows' gradients (kept when ``rows_grad``), then each
+    # state tensor's.
+    "all_to_all_start": "all_to_all_start(Tensor tensor, str group) -> Tensor",
+    "all_to_all_experts_start": (
+        "all_to_all_experts_start(Tensor rows, Tensor sent, Tensor got, str into, str group)"
+        " -> Tensor"
+    ),
+    "all_to_all_tokens_start": (
+        "all_to_all_tokens_start(Tensor ticket, Tensor sent, Tensor got, SymInt[] shape, "
+        "ScalarType dtype, str take, str group) -> Tensor"
+    ),
+    "experts_forward": (
+        "experts_forward(Tensor ticket, Tensor got, Tensor[] state, bool keep, str call)"
+        " -> Tensor"
+    ),
+    "experts_backward": (
+        "experts_backward(Tensor ticket, Tensor got, Tensor[] state, bool rows_grad, str call)"
+        " -> Tensor[]"
+    ),
     "adamw_": (
         "adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq,"
         " Tensor step, Tensor? grad_coef, Tensor? found_inf, Tensor(d!)? param_copy,"
@@ -118,6 +147,19 @@ COLLECTIVE_STARTS = (
     "reduce_scatter_start",
     "reduce_scatter_quantized_start",
     "all_reduce_start",
+    "all_to_all_start",
+    "all_to_all_experts_start",
+    "all_to_all_tokens_start",
+)
+# An experts call's rows going to the ranks of their experts, and coming back
+TO_EXPERTS, TO_TOKENS = "zerocc.all_to_all_experts_start", "zerocc.all_to_all_tokens_start"
+# Expert parallelism's ops: their results and what the runtime keeps follow the call that made
+# them, so they are never recomputed, copied into a repeated layer's template or dropped.
+EXPERT_OPS = (
+    "all_to_all_experts_start",
+    "all_to_all_tokens_start",
+    "experts_forward",
+    "experts_backward",
 )
 
 TRANSFER_SCHEMAS = {
@@ -180,6 +222,35 @@ def _(shape, dtype, device, name):
 
 
 for _name in ("send", "keep", "recv", "kept"):  # never dropped as dead code, never reordered
+    torch.fx.node.has_side_effect(getattr(torch.ops.zerocc, _name).default)
+
+
+@fake("all_to_all_start")
+def _(tensor, group):
+    return torch.empty_like(tensor)
+
+
+@fake("all_to_all_experts_start")
+def _(rows, sent, got, into, group):
+    return rows.new_empty((1,))
+
+
+@fake("all_to_all_tokens_start")
+def _(ticket, sent, got, shape, dtype, take, group):
+    return torch.empty(tuple(shape), dtype=dtype, device=ticket.device)
+
+
+@fake("experts_forward")
+def _(ticket, got, state, keep, call):
+    return torch.empty_like(ticket)
+
+
+@fake("experts_backward")
+def _(ticket, got, state, rows_grad, call):
+    return [torch.empty_like(ticket), *(torch.empty_like(t) for t in state)]
+
+
+for _name in EXPERT_OPS:
     torch.fx.node.has_side_effect(getattr(torch.ops.zerocc, _name).default)
 
 

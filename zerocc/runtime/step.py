@@ -44,7 +44,6 @@ from zerocc.engine.failures import describe_node, failing_node
 from zerocc.engine.transfers import TransferStats
 from zerocc.ir.keyed_draws import DrawKey, drawing_under
 from zerocc.ir.nodes import BATCH
-from zerocc.ir.ops import EP_GROUP
 from zerocc.runtime.agreement import END_OF_DATA, Agreement, RankAgreement, has_peers
 from zerocc.runtime.carried import CarriedUpdate
 from zerocc.runtime.context import open_context
@@ -115,8 +114,6 @@ class StepRunner:
         # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
         # group under hybrid sharding or tensor parallelism, made here: a collective).
         comm.use_mesh(self.mesh)
-        if self.session.expert_parallel is not None:  # the experts' tokens go over `ep`
-            self.session.expert_parallel.bind(comm.on(EP_GROUP))
         self.backend_name = resolve_backend(plan.backend.name, device)
         self.setup = SetupClock()
         opened = open_context(plan, comm, device, self.layout, self.setup)
@@ -264,6 +261,7 @@ class StepRunner:
             self.programs[key] = program
         if (recorder.executable if recorder is not None else program.run).in_flight():
             raise RuntimeError("a program finished with collectives still in flight")
+        self._check_payloads_taken()
         self.micro_batches += 1
         self._last_program = program
         overflow, flags = False, None
@@ -277,6 +275,15 @@ class StepRunner:
             self._account_step(overflow, flags)
             self.health.set_status(f"after step {self.counts.step_number - 1}")
         return loss
+
+    def _check_payloads_taken(self) -> None:
+        """Every row an experts' exchange received was taken by the program that ran (in its
+        backward, or right after the experts ran on them without one)."""
+        if self.context.payloads:
+            raise RuntimeError(
+                f"zerocc: a program finished with {len(self.context.payloads)} rows of "
+                "expert parallelism's exchanges still kept"
+            )
 
     def _run(
         self,
@@ -393,6 +400,7 @@ class StepRunner:
         try:
             with traced_grad_mode(), self._keyed(), self._stats_kept():
                 loss = program.run(*self._bound(program, batch))
+            self._check_payloads_taken()
         except BaseException as exc:
             program.run.reset()
             if self.comm.failure is not None:

@@ -48,10 +48,12 @@ class EagerExecutable:
         return len(self.ops.in_flight)
 
     def reset(self) -> None:
-        """Drop the handles a failed run left in flight, so the next run starts clean (host
-        updates still running are waited out first: they write the states)."""
+        """Drop the handles a failed run left in flight and the rows its exchanges kept, so the
+        next run starts clean (host updates still running are waited out first: they write
+        the states)."""
         self.ops.ctx.host.settle()
         self.ops.in_flight.clear()
+        self.ops.ctx.payloads.clear()
 
     def lowering(self) -> str:
         """Every op as written."""

@@ -23,6 +23,8 @@ from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Work
 from zerocc.engine.kernel_set import KernelSet
 from zerocc.engine.quantized import all_gather_quantized, reduce_scatter_quantized
+from zerocc.ir import expert_calls
+from zerocc.ir.expert_calls import results_grad_key, results_key, rows_grad_key, rows_key
 from zerocc.ir.ops import TO_HOST
 from zerocc.ir.wire import wire_format
 
@@ -90,6 +92,81 @@ class EagerOps:
 
     def all_reduce_start(self, tensor: torch.Tensor, group: str, *, started: str) -> torch.Tensor:
         return self._issue(started, tensor, self.ctx.comm.on(group).all_reduce(tensor))
+
+    # -- expert parallelism's exchanges (their rows kept in the context's payloads) -------------
+
+    def all_to_all_start(self, tensor: torch.Tensor, group: str, *, started: str) -> torch.Tensor:
+        comm = self.ctx.comm.on(group)
+        out, rows = torch.empty_like(tensor), [len(tensor) // comm.world_size] * comm.world_size
+        return self._issue(started, out, comm.all_to_all(out, tensor, rows, rows))
+
+    def all_to_all_experts_start(
+        self,
+        rows: torch.Tensor,
+        sent: torch.Tensor,
+        got: torch.Tensor,
+        into: str,
+        group: str,
+        *,
+        started: str,
+    ) -> torch.Tensor:
+        """Each row to the rank holding its expert; what arrives kept under ``into``."""
+        comm = self.ctx.comm.on(group)
+        to_each, from_each = _per_rank(sent, comm.world_size), _per_rank(got, comm.world_size)
+        out = rows.new_empty((sum(from_each), *rows.shape[1:]))
+        work = comm.all_to_all(out, rows.contiguous(), from_each, to_each)
+        self.ctx.payloads.put(into, out)
+        return self._issue(started, rows.new_zeros((1,)), work)
+
+    def all_to_all_tokens_start(
+        self,
+        ticket: torch.Tensor,
+        sent: torch.Tensor,
+        got: torch.Tensor,
+        shape: list[int],
+        dtype: torch.dtype,
+        take: str,
+        group: str,
+        *,
+        started: str,
+    ) -> torch.Tensor:
+        """The rows kept under ``take`` back to the ranks their tokens are on, in the order
+        those ranks sent them."""
+        comm = self.ctx.comm.on(group)
+        to_each, from_each = _per_rank(got, comm.world_size), _per_rank(sent, comm.world_size)
+        rows = self.ctx.payloads.take(take).to(dtype)
+        out = torch.empty(tuple(shape), dtype=dtype, device=ticket.device)
+        work = comm.all_to_all(out, rows.contiguous(), from_each, to_each)
+        return self._issue(started, out, work)
+
+    def experts_forward(
+        self,
+        ticket: torch.Tensor,
+        got: torch.Tensor,
+        state: list[torch.Tensor],
+        keep: bool,
+        call: str,
+    ) -> torch.Tensor:
+        payloads = self.ctx.payloads
+        rows = payloads.newest(rows_key(call)) if keep else payloads.take(rows_key(call))
+        results = expert_calls.experts_forward(call, rows, got, state)
+        self.ctx.payloads.put(results_key(call), results)
+        return torch.zeros_like(ticket)
+
+    def experts_backward(
+        self,
+        ticket: torch.Tensor,
+        got: torch.Tensor,
+        state: list[torch.Tensor],
+        rows_grad: bool,
+        call: str,
+    ) -> list[torch.Tensor]:
+        rows = self.ctx.payloads.take(rows_key(call))
+        grad = self.ctx.payloads.take(results_grad_key(call))
+        found, state_grads = expert_calls.experts_backward(call, rows, got, state, grad)
+        if rows_grad:  # (sent back next; not when what the call was given takes no gradient)
+            self.ctx.payloads.put(rows_grad_key(call), found)
+        return [torch.zeros_like(ticket), *state_grads]
 
     def wait(self, tensor: torch.Tensor, *, started: str) -> torch.Tensor:
         work = self.in_flight.pop(started, None)
@@ -307,3 +384,8 @@ class EagerOps:
             if start < end:
                 within.append((start, end))
         return within
+
+
+def _per_rank(counts: torch.Tensor, ranks: int) -> list[int]:
+    """Rows per rank of a count per expert, the experts laid out rank by rank."""
+    return counts.view(ranks, -1).sum(1).tolist()

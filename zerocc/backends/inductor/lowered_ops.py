@@ -66,6 +66,15 @@ MAKING_STARTS = {
         "str group, str started) -> Tensor"
     ),
     "copy_start": "copy_start(Tensor src, Device device, str direction, str started) -> Tensor",
+    "all_to_all_start": "all_to_all_start(Tensor tensor, str group, str started) -> Tensor",
+    "all_to_all_experts_start": (
+        "all_to_all_experts_start(Tensor rows, Tensor sent, Tensor got, str into, str group, "
+        "str started) -> Tensor"
+    ),
+    "all_to_all_tokens_start": (
+        "all_to_all_tokens_start(Tensor ticket, Tensor sent, Tensor got, SymInt[] shape, "
+        "ScalarType dtype, str take, str group, str started) -> Tensor"
+    ),
 }
 FILLING_STARTS = {
     "all_gather_into_start": (
@@ -80,6 +89,7 @@ COMPUTE = (
     "pack", "unscale_check_", "sum_squares", "clip_coef", "adamw_", "sgd_",
     "group_rank", "sum_squares_tp",  # (tensor parallelism's)
     "host_buffer",  # (offload's staging)
+    "experts_forward", "experts_backward",  # (expert parallelism's, on the rows received)
 )  # fmt: skip
 # Twins made of torch ops (the torch reference's), which Inductor traces and compiles: the
 # non-finite checks (and the clip's sum of squares), one fused pass over the gradients, 7 ms
@@ -235,7 +245,8 @@ def register_lowerings() -> None:
         def lower_start(inp: Any, *args: Any, _op: Any = op.default) -> Any:
             return ir.TensorBox.create(ir._CollectiveKernel.create_out_of_place(_op, inp, *args))
 
-        register_lowering(op)(lower_start)
+        # (no type promotion: expert parallelism's starts read int64 counts beside the rows)
+        register_lowering(op, type_promotion_kind=None)(lower_start)
 
     for name in ("wait", "host_wait"):
         op = getattr(getattr(torch.ops, NAMESPACE), name)
@@ -243,4 +254,4 @@ def register_lowerings() -> None:
         def lower_wait(inp: Any, reads: list, started: str, _op: Any = op.default) -> None:
             Wait.create_named(_op, inp, reads, started)
 
-        register_lowering(op)(lower_wait)
+        register_lowering(op, type_promotion_kind=None)(lower_wait)

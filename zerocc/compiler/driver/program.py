@@ -22,7 +22,7 @@ from zerocc.compat import LazyGraphModule
 from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.driver.pass_manager import PassContext, PassList, PassRecord, run_passes
 from zerocc.compiler.opaque import regions_in
-from zerocc.compiler.parallel.experts import ExpertParallel
+from zerocc.compiler.parallel.experts import ExpertParallel, tag_exchanges
 from zerocc.compiler.parallel.split_draws import (
     draws_outside_regions,
     take_parts_of_whole_draws,
@@ -199,11 +199,13 @@ def capture_split(
             gradients=training,
             loss_check=tp.check_loss if tp is not None else None,
             tensor_status=tp.tensor_status() if tp is not None else None,
-            bodies=ep.bodies() if ep is not None else None,
+            forwards=ep.forwards(training) if ep is not None else None,
             repeated_layers=plan.capture.repeated_layers,
         )
     if tp is not None:
         tag_collectives(gm)
+    if ep is not None:
+        tag_exchanges(gm)
     if plan.capture.draws == "keyed":
         if tp is not None and draws_outside_regions(gm):
             whole = whole_draws(model, tp.whole_info(model_info), loss_fn, batch, device,

@@ -6,23 +6,32 @@ An experts module (transformers' ``MixtralExperts``, ``Qwen2MoeExperts``,
 ``experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` by its MoE block,
 after the router. Under ``parallel.ep: E`` each of ``E`` consecutive data-parallel ranks holds
 ``num_experts / E`` of them (a :class:`~.tensor_parallel.Split` along dim 0 on the ``ep``
-group), and every call runs as an opaque region (:mod:`zerocc.compiler.opaque`) whose body:
+group), and every call is traced as ops of the program:
 
-1. sorts the call's ``T × K`` (token, expert) pairs by expert, so that each rank's pairs are
-   one run, and exchanges the count per expert (an all-to-all of ``num_experts`` integers);
-2. sends each pair's hidden state to the rank holding its expert (an all-to-all whose sizes
-   the counts give: they depend on the routing, which is why this is a region and not ops of
-   the graph);
-3. runs the module's own forward (its ``experts_implementation``) on what it received, with
-   its local experts;
-4. sends the results back (the reverse all-to-all), weights each by its router weight and sums
-   each token's in expert order, as the module does on one rank.
+1. the call's ``T × K`` (token, expert) pairs sorted by expert, so that each rank's pairs are
+   one run, and their count per expert exchanged (``all_to_all_start``: ``num_experts``
+   integers);
+2. each pair's hidden state sent to the rank holding its expert (``all_to_all_experts_start``);
+3. the module's own forward (its ``experts_implementation``) run there on what arrived, with
+   its local experts (``experts_forward``);
+4. the results sent back (``all_to_all_tokens_start``), each weighted by its router weight, and
+   each token's summed in expert order, as the module does on one rank.
 
-A rank that receives no token for its experts still takes part in every exchange, in backward
-too (its results are tied to what it received and to its experts' weights even then). The region's
-backward runs the body again with autograd (the all-to-alls are differentiable: each one's
-gradient is the reverse exchange), so a step makes 3 exchanges in forward and 5 in backward
-per MoE layer. Tokens are never dropped: the modules' semantics (no capacity) are kept.
+How many rows a rank receives depends on the routing, and a program's shapes are fixed when
+it is traced: the rows received (and the experts' results) are no values of the program but
+payloads the runtime keeps (:mod:`zerocc.engine.payloads`), which the ops name by key and
+order by a one-element ticket. Every other value is shaped as usual: the rows sent and the rows
+that come back are a call's ``T × K``. So the exchanges are collectives like the others:
+printed, counted, costed on the communication stream, and waited on where their result is
+first read (the overlap pass moves each wait down: the results' return runs beside what
+follows that does not read it, a shared expert).
+
+In backward the results' gradients go to the experts' ranks, the experts' backward runs there
+(``experts_backward``: their forward again with autograd, on the rows kept since forward, so
+nothing inside them is kept) and the rows' gradients come back: 4 row exchanges per call and
+step. A rank that receives no token for its experts still takes part in every exchange, and
+its experts' gradients are zeros. Tokens are never dropped: the modules' semantics (no
+capacity) are kept.
 
 The experts' parameters are not sharded over ``dp``: every experts module is an FSDP unit of its
 own, sharded over the ``edp`` ranks (those holding the same experts), which also reduce its
@@ -31,38 +40,34 @@ gradients (a rank's gradient already sums every ``ep`` rank's tokens routed to i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from zerocc.compiler.capture import ModelInfo
-from zerocc.compiler.opaque import Body, region_of
+from zerocc.compiler.opaque import region_of
 from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.parallel.sequence import gradient_summed
 from zerocc.compiler.parallel.tensor_parallel import Split
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan.parallelism import AUTO_EXPERTS
 from zerocc.compiler.units import ExpertUnits
 from zerocc.errors import PlanError
-from zerocc.ir.nodes import val
-from zerocc.ir.ops import EP_GROUP
+from zerocc.ir import expert_calls
+from zerocc.ir.expert_calls import results_grad_key, results_key, rows_grad_key, rows_key
+from zerocc.ir.kinds import Stream
+from zerocc.ir.nodes import info, op_name, tag, val
+from zerocc.ir.ops import EP_GROUP, TO_EXPERTS, TO_TOKENS
+from zerocc.ir.ops import op as zerocc_op
 
 EP = EP_GROUP
 # What the experts modules' classes are called, for experts: auto.
 EXPERTS_SUFFIX = "Experts"
-
-
-class Exchange(Protocol):
-    """What the body needs of the ranks' ``ep`` group (the runtime's comm on it)."""
-
-    def all_to_all(
-        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
-    ) -> Any:
-        """Send rows ``in_splits[i]`` of ``inp`` to rank ``i`` of the group and receive rank
-        ``i``'s ``out_splits[i]`` rows into ``out``, in rank order; returns a work to wait."""
 
 
 @dataclass(frozen=True)
@@ -84,12 +89,14 @@ class ExpertParallel:
         modules: dict[str, ExpertsModule],
         splits: dict[str, Split],
         fqn_of: dict[int, str],
+        sequence_parallel: bool = False,
     ) -> None:
         self.parts = parts
         self.modules = modules  # FQN -> module
         self.splits = splits  # parameter FQN (every alias) -> split along the experts
         self._fqn_of = fqn_of  # id of each experts module -> its FQN
-        self.exchange: Exchange | None = None
+        # Each tp rank's chunk of the tokens exchanged: the experts' gradients summed over tp
+        self.sequence_parallel = sequence_parallel
 
     @staticmethod
     def holds_experts(model: nn.Module, plan: Plan) -> bool:
@@ -137,7 +144,9 @@ class ExpertParallel:
                 f"{parallel.experts}: classes named *{EXPERTS_SUFFIX}, or the names given); "
                 "set parallel.ep: 1 for a dense model, or name its experts classes"
             )
-        return ExpertParallel(parallel.ep, modules, _with_aliases(info, splits), fqn_of)
+        return ExpertParallel(
+            parallel.ep, modules, _with_aliases(info, splits), fqn_of, parallel.sequence_parallel
+        )
 
     def describe(self) -> str:
         """What the capture split, for its pass record and explain()."""
@@ -153,85 +162,116 @@ class ExpertParallel:
         """The experts modules as units of their own, sharded over the ``edp`` ranks."""
         return ExpertUnits(frozenset(self.modules), mesh.expert_shard_size)
 
-    def bind(self, exchange: Exchange | None) -> None:
-        """The runtime's ``ep`` group, which every call's body exchanges tokens over (None:
-        unbound, after the step is closed)."""
-        self.exchange = exchange
+    def forwards(self, training: bool) -> dict[str, Callable[..., torch.Tensor]]:
+        """What each experts module runs in place of its forward while the step is traced
+        (for capture): its tokens exchanged by the program's own all-to-alls. ``training``:
+        the step has a backward, for which each call keeps the rows it received."""
+        exchanged = functools.partial(self._exchanged, training=training)
+        return dict.fromkeys(self.modules, exchanged)
 
-    def bodies(self) -> dict[str, Body]:
-        """What each experts module runs as its opaque region (for capture)."""
-        reason = f"expert parallelism: its tokens exchanged with the ep {self.parts} ranks"
-        return {fqn: Body(reason, self._dispatched) for fqn in self.modules}
-
-    def _dispatched(
+    def _exchanged(
         self,
         module: nn.Module,
         hidden_states: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
+        *,
+        training: bool,
     ) -> torch.Tensor:
         """The experts module's output for this rank's tokens, computed by the ranks holding
-        their experts (see the module's doc); on fake tensors (capture) its shape alone."""
-        if isinstance(hidden_states, FakeTensor) or hidden_states.device.type == "meta":
-            return torch.zeros_like(hidden_states)
-        if self.exchange is None:
-            raise RuntimeError(
-                "zerocc: an expert-parallel step ran without its ep group: it runs through "
-                "zerocc.compile (a TrainStep), which binds it"
-            )
-        exchange, parts = self.exchange, self.parts
-        experts = self.modules[self._fqn_of[id(module)]].experts
-        local = experts // parts
+        their experts (see the module's doc), traced as ops of the program."""
+        fqn = self._fqn_of[id(module)]
+        experts = self.modules[fqn].experts
+        call = f"{fqn}#{next(_calls)}"
+        names = [name for name, _ in module.named_parameters()]
+        expert_calls.register(call, functools.partial(_on_local_experts, module, names, self.parts))
         k = top_k_index.shape[-1]
         ids = top_k_index.reshape(-1)
         order = torch.argsort(ids, stable=True)  # each rank's pairs one run, experts ascending
         tokens = order // k
-        counts = torch.bincount(ids, minlength=experts)
-        received = torch.empty_like(counts)
-        exchange.all_to_all(received, counts, [local] * parts, [local] * parts).wait()
-        sent_rows = counts.view(parts, local).sum(1).tolist()
-        got_rows = received.view(parts, local).sum(1).tolist()
-        rows = _AllToAll.apply(hidden_states[tokens], exchange, got_rows, sent_rows)
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=ids.device).repeat(parts), received
-        )
-        ones = rows.new_ones((rows.shape[0], 1), dtype=top_k_weights.dtype)
-        held = module.num_experts
-        module.num_experts = local  # (the module's own forward, over its local experts)
-        try:
-            done = type(module).forward(module, rows, expert_of_row[:, None], ones)
-        finally:
-            module.num_experts = held
-        # Backward exchanges on every rank, also one whose experts received no token (whose
-        # results would depend on neither the rows nor the weights): empty slices' sums, 0.
-        for tensor in (rows, *module.parameters()):
-            done = done + tensor[:0].sum()
-        back = _AllToAll.apply(done, exchange, sent_rows, got_rows)
+        sent = torch.zeros(experts, dtype=torch.long, device=ids.device)
+        sent = sent.index_add(0, ids, torch.ones_like(ids))
+        got = zerocc_op("wait")(zerocc_op("all_to_all_start")(sent, EP))
+        state = [t for _, t in module.named_parameters()]
+        if self.sequence_parallel:  # (the ops inside _Exchanged are no operands of the capture)
+            state = [gradient_summed(t) for t in state]
+        rows = hidden_states[tokens]
+        # Kept for the experts' backward where it runs (no backward: the rows are dropped once
+        # the experts have run on them)
+        keep = training and any(t.requires_grad for t in (rows, *state))
+        back = _Exchanged.apply(call, keep, sent, got, rows, *state)
         weighted = (back * top_k_weights.reshape(-1)[order, None]).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, tokens, weighted)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows exchanged over the ``ep`` group; the gradient goes back the reverse way."""
+_calls = itertools.count()
+
+
+def _on_local_experts(
+    module: nn.Module,
+    names: list[str],
+    parts: int,
+    rows: torch.Tensor,
+    got: torch.Tensor,
+    state: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """The experts module's own forward (its ``experts_implementation``) on the ``rows`` this
+    rank received, with its local experts (``state``, in ``names``' order): ``got`` counts the
+    rows from each rank for each of them, in that order, each row weighted 1."""
+    local = module.num_experts // parts
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(local, device=rows.device).repeat(parts), got
+    )
+    ones = rows.new_ones((rows.shape[0], 1))
+    held = module.num_experts
+    module.num_experts = local
+    try:
+        return torch.func.functional_call(
+            module, dict(zip(names, state, strict=True)), (rows, expert_of_row[:, None], ones)
+        )
+    finally:
+        module.num_experts = held
+
+
+class _Exchanged(torch.autograd.Function):
+    """An experts call's rows sent to the ranks holding their experts, computed there and sent
+    back (3 ops of the program and their waits); in backward the results' gradients go the same
+    way, the experts' backward runs where they are and the rows' gradients come back."""
 
     @staticmethod
     def forward(
-        ctx: Any, rows: torch.Tensor, exchange: Exchange, got: list[int], sent: list[int]
+        ctx: Any,
+        call: str,
+        keep: bool,
+        sent: torch.Tensor,
+        got: torch.Tensor,
+        rows: torch.Tensor,
+        *state: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.exchange, ctx.got, ctx.sent = exchange, got, sent
-        return _exchanged(rows, exchange, got, sent)
+        ctx.call, ctx.shape, ctx.dtype = call, list(rows.shape), rows.dtype
+        ctx.save_for_backward(sent, got, *state)
+        wait = zerocc_op("wait")
+        ticket = wait(zerocc_op("all_to_all_experts_start")(rows, sent, got, rows_key(call), EP))
+        done = zerocc_op("experts_forward")(ticket, got, list(state), keep, call)
+        return wait(zerocc_op("all_to_all_tokens_start")(
+            done, sent, got, ctx.shape, ctx.dtype, results_key(call), EP
+        ))  # fmt: skip
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _exchanged(grad, ctx.exchange, ctx.sent, ctx.got), None, None, None
-
-
-def _exchanged(
-    rows: torch.Tensor, exchange: Exchange, got: Sequence[int], sent: Sequence[int]
-) -> torch.Tensor:
-    out = rows.new_empty((sum(got), *rows.shape[1:]))
-    exchange.all_to_all(out, rows.contiguous(), list(got), list(sent)).wait()
-    return out
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        sent, got, *state = ctx.saved_tensors
+        call, wait = ctx.call, zerocc_op("wait")
+        ticket = wait(zerocc_op("all_to_all_experts_start")(
+            grad, sent, got, results_grad_key(call), EP
+        ))  # fmt: skip
+        wanted = ctx.needs_input_grad[4]  # (the same on every rank: one program)
+        done, *state_grads = zerocc_op("experts_backward")(ticket, got, state, wanted, call)
+        if not wanted:
+            return None, None, None, None, None, *state_grads
+        rows_grad = wait(zerocc_op("all_to_all_tokens_start")(
+            done, sent, got, ctx.shape, ctx.dtype, rows_grad_key(call), EP
+        ))  # fmt: skip
+        return None, None, None, None, rows_grad, *state_grads
 
 
 def _checked(fqn: str, module: nn.Module, parts: int) -> ExpertsModule:
@@ -271,50 +311,91 @@ def _with_aliases(info: ModelInfo, splits: dict[str, Split]) -> dict[str, Split]
     return out
 
 
-# Row exchanges per call of an experts module in a training step: forward's 2 (tokens out,
-# results back), backward's recompute of them, and their gradients' 2 the reverse way.
-FORWARD_EXCHANGES, BACKWARD_EXCHANGES = 2, 4
-EXCHANGES_PER_CALL = FORWARD_EXCHANGES + BACKWARD_EXCHANGES
+# The all-to-alls an expert-parallel step holds: each call's count of rows per expert, then its
+# rows to the ranks of their experts and back (in forward its tokens and their results, in
+# backward the results' gradients and the rows').
+COUNTS = "zerocc.all_to_all_start"
+EXPERTS_FORWARD, EXPERTS_BACKWARD = "zerocc.experts_forward", "zerocc.experts_backward"
+_NOTES = {
+    COUNTS: "expert parallelism: the count of this call's rows for each expert, exchanged",
+    TO_EXPERTS: (
+        "expert parallelism: rows to the ranks holding their experts (as many arrive as the "
+        "routing sends; bytes counted as the rows sent)"
+    ),
+    TO_TOKENS: "expert parallelism: the experts' rows back to the ranks of their tokens",
+}
 
 
-@dataclass(frozen=True)
-class Exchanges:
-    """The all-to-alls one node of a program makes for an experts module: ``count`` of them,
-    each of ``nbytes`` (the call's ``tokens × top-k`` rows, every rank's share of which the
-    routing decides: taken as uniform), over the ``parts`` ranks of ``ep``."""
+def tag_exchanges(gm: fx.GraphModule) -> None:
+    """Give the all-to-alls capture recorded what the passes and the cost model read of a
+    collective: the comm stream, the bytes it moves (a call's rows, which the routing shares
+    out between the ranks: the cost model takes it as uniform) and why it is there."""
+    for node in gm.graph.nodes:
+        name = op_name(node.target)
+        if name not in _NOTES:
+            continue
+        moved = val(node.args[0]) if name == TO_EXPERTS else val(node)
+        tag(node, stream=Stream.COMM, bytes=moved.numel() * moved.element_size(),
+            note=_NOTES[name])  # fmt: skip
+        for user in node.users:
+            tag(user, stream=Stream.COMM)
 
-    count: int
-    nbytes: int
-    parts: int
 
-    @property
-    def sent(self) -> float:
-        """Bytes this rank sends in all: ``(ep - 1) / ep`` of each exchange's rows."""
-        return self.count * self.nbytes * (self.parts - 1) / self.parts
+def payloads(gm: fx.GraphModule) -> list[tuple[fx.Node | None, fx.Node | None, int]]:
+    """What the runtime keeps for ``gm``'s experts calls (the rows an exchange received, the
+    experts' results, and their gradients in backward): the node that puts each, the node that
+    takes it and its bytes, a call's rows (the share of a uniform routing). None where another
+    program puts or takes it: a pipeline stage's backward takes the rows its forward kept."""
+    spans: list[tuple[fx.Node | None, fx.Node | None, int]] = []
+    held: dict[str, tuple[fx.Node, int]] = {}
+
+    def take(key: str, node: fx.Node, nbytes: int) -> None:
+        made, size = held.pop(key, (None, nbytes))
+        spans.append((made, node, size))
+
+    for node in gm.graph.nodes:
+        name = op_name(node.target)
+        if name == TO_EXPERTS:
+            held[node.args[3]] = (node, _nbytes(val(node.args[0])))
+        elif name == EXPERTS_FORWARD:
+            call, nbytes = node.args[4], _nbytes(_rows_of(node))
+            if not node.args[3]:  # (not kept for a backward)
+                take(rows_key(call), node, nbytes)
+            held[results_key(call)] = (node, nbytes)
+        elif name == EXPERTS_BACKWARD:
+            call, nbytes = node.args[4], _nbytes(_rows_of(node))
+            take(rows_key(call), node, nbytes)
+            take(results_grad_key(call), node, nbytes)
+            if node.args[3]:
+                held[rows_grad_key(call)] = (node, nbytes)
+        elif name == TO_TOKENS:
+            take(node.args[5], node, _nbytes(val(node)))
+    return spans + [(made, None, nbytes) for made, nbytes in held.values()]
 
 
-def exchanges_of(node: fx.Node) -> Exchanges | None:
-    """What ``node`` exchanges if it runs an experts module's region split by expert
-    parallelism (its forward: 2 exchanges, its backward: 4); None for any other node."""
-    found = region_of(node)
-    ep = getattr(found[0].body, "__self__", None) if found is not None else None
-    if not isinstance(ep, ExpertParallel):
-        return None
-    forward = found[1]
-    tensors = node.args[1] if forward else node.args[2]  # (backward: key, wanted, tensors, …)
-    hidden, index = (val(t) for t in tensors[:2])
-    rows = hidden.shape[0] * index.shape[-1]
-    count = FORWARD_EXCHANGES if forward else BACKWARD_EXCHANGES
-    return Exchanges(count, rows * hidden.shape[-1] * hidden.element_size(), ep.parts)
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _rows_of(node: fx.Node) -> torch.Tensor:
+    """The rows an experts node's exchange sent (its ticket's wait, that wait's start)."""
+    start = node.args[0].args[0]
+    return val(start.args[0])
 
 
 def experts_flops(node: fx.Node) -> tuple[float, torch.dtype] | None:
-    """FLOPs of ``node``, and their dtype (the hidden states'), if it runs an experts module's
-    region (split by expert parallelism or kept opaque for its routing), else None: every
-    stacked expert weight ``[experts, a, b]`` applied to each of the call's ``tokens × top-k``
-    rows (``2·a·b`` FLOPs a row; which expert a row meets does not change its count), in
-    forward; 3 times that in backward (the forward recomputed, then the gradients of its
-    inputs and of the weights)."""
+    """FLOPs of ``node``, and their dtype (the rows'), if it runs an experts module: on the rows
+    an exchange brought (expert parallelism: taken as a call's ``tokens × top-k``, the share
+    of a uniform routing) or in a region kept opaque for its routing. Every stacked expert
+    weight ``[experts, a, b]`` is applied to each row (``2·a·b`` FLOPs a row; which expert a
+    row meets does not change its count), in forward; 3 times that in backward (the forward
+    recomputed, then the gradients of its inputs and of the weights). None for other nodes."""
+    name = op_name(node.target)
+    if name in (EXPERTS_FORWARD, EXPERTS_BACKWARD):
+        rows = _rows_of(node)
+        weights = [val(t) for t in node.args[2]]
+        times = 1 if name == EXPERTS_FORWARD else 3
+        return _flops(rows.shape[0], weights) * times, rows.dtype
     found = region_of(node)
     if found is None or not type(found[0].module).__name__.endswith(EXPERTS_SUFFIX):
         return None
@@ -325,30 +406,32 @@ def experts_flops(node: fx.Node) -> tuple[float, torch.dtype] | None:
     hidden, index = val(tensors[0]), val(tensors[1])
     if index.dim() != 2 or index.dtype.is_floating_point:  # (not called as (hidden, top_k, …))
         return None
-    per_row = sum(2 * p.shape[1] * p.shape[2] for p in region.module.parameters() if p.dim() == 3)
     rows = hidden.shape[0] * index.shape[-1]
-    return float(rows * per_row * (1 if forward else 3)), hidden.dtype
+    return _flops(rows, list(region.module.parameters())) * (1 if forward else 3), hidden.dtype
 
 
-def exchange_lines(programs: Iterable[fx.GraphModule]) -> list[str]:
+def _flops(rows: int, weights: Sequence[torch.Tensor]) -> float:
+    return float(rows * sum(2 * w.shape[1] * w.shape[2] for w in weights if w.dim() == 3))
+
+
+def exchange_lines(programs: Iterable[fx.GraphModule], parts: int) -> list[str]:
     """A line on the experts' all-to-alls the programs make (none without expert parallelism):
     bytes a rank sends per step, with the routing taken as uniform (``(ep - 1) / ep`` of each
     call's ``tokens × top-k`` rows leave the rank), since the real sizes depend on the data."""
-    sent, calls, parts = 0.0, 0, 0
+    sent, calls = 0.0, 0
     for gm in programs:
         for node in gm.graph.nodes:
-            exchanges = exchanges_of(node)
-            if exchanges is not None:
-                sent += exchanges.sent
-                calls += node.target is torch.ops.zerocc_opaque.region_forward.default
-                parts = exchanges.parts
+            name = op_name(node.target)
+            if name in _NOTES:
+                sent += info(node).bytes * (parts - 1) / parts
+            calls += name == EXPERTS_FORWARD
     if not calls:
         return []
     return [
         f"all-to-all (ep {parts}): ~{sent / 2**20:,.2f} MiB sent per rank per step, routing "
-        f"taken as uniform ({calls} call{'s' * (calls != 1)} of experts, "
-        f"{EXCHANGES_PER_CALL} row exchanges each: "
-        "tokens out and results back in forward, again in backward's recompute, and their "
-        "gradients); each call runs them inside its opaque region, on the compute stream: "
-        "the predicted step waits for them"
+        f"taken as uniform ({calls} call{'s' * (calls != 1)} of experts, each a count of rows "
+        "per expert and 4 row exchanges: tokens out and results back in forward, the results' "
+        "gradients out and the rows' back in backward); ops of the program on the "
+        "communication stream, each waited on where its result is first read. The rows a call "
+        "receives are kept from its forward to its backward (as an activation would be)"
     ]

@@ -92,6 +92,12 @@ class _SumGradient(torch.autograd.Function):
         return all_reduce(grad, why)
 
 
+def gradient_summed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as it is, its gradient summed over the tp ranks (each computed it from its own
+    tokens); ``x`` itself when it needs no gradient."""
+    return _SumGradient.apply(x) if x.requires_grad else x
+
+
 class SequenceSplit:
     """The sequence's split during one capture: ``dim`` (from the end), over ``parts`` ranks.
 

@@ -113,11 +113,13 @@ def whole_draws(
     """The shapes the unsplit model's forward draws, in order (None: an opaque region), run on
     fake tensors with ``whole_info``'s parameters and the opaque regions ``gm`` (the split
     capture) holds: its modules' classes, and the experts ``expert_parallel`` runs so."""
-    opaque = {r.kind: r.reason for r in regions_in(gm) if r.body is None}
-    bodies = expert_parallel.bodies() if expert_parallel is not None else None
+    opaque = {r.kind: r.reason for r in regions_in(gm)}
+    forwards = expert_parallel.forwards(True) if expert_parallel is not None else None
     recorder = _WholeDraws()
     try:
-        forward_on_fake(model, whole_info, loss_fn, batch, device, recorder, casts, opaque, bodies)
+        forward_on_fake(
+            model, whole_info, loss_fn, batch, device, recorder, casts, opaque, forwards
+        )
     except Exception as e:
         raise CaptureError(
             "capture.draws: keyed under tensor parallelism runs the model's forward unsplit on "

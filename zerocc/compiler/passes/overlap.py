@@ -1,8 +1,9 @@
 """overlap: hide communication behind compute by moving collective starts up and waits down.
 
 The shard and optimizer passes emit every collective as a start right before its wait. This pass
-reschedules the pairs; it never moves compute relative to compute, so losses stay bit-identical
-to the unoverlapped program:
+reschedules the pairs; it moves compute relative to compute only across expert parallelism's
+exchanges (step 5), ops that read and write disjoint storage, so losses stay bit-identical to the
+unoverlapped program:
 
 1. **Buckets** (``bucket_mb`` > 0): runs of consecutive small units' all-gathers, and of their
    gradient reduce-scatters, become one collective each (see
@@ -23,6 +24,12 @@ to the unoverlapped program:
    collectives hold nothing: stage 0's all-reduces finish behind the rest of backward, stages
    1-2's all-gathers of updated shards behind the remaining updates.
 
+5. **Expert parallelism's exchanges**: each experts call's rows go out before the compute
+   above them that they do not need (a shared expert computed before the router), which moves
+   below the exchange's start and runs while the rows are in flight; and the ops that read the
+   rows that come back (their weighting and sum) move, with the wait, below the compute that
+   does not read them, down to the first op that reads both.
+
 The budget, ``max_inflight_mb``, bounds the bytes held by collectives in flight (issued, not
 yet waited on) at every point of the program: a prefetched unit's gathered buffer, a gradient
 bucket and its reduced shard. In-place collectives (stage 0's all-reduce, stages 1-2's gathers
@@ -42,7 +49,7 @@ from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import GRAD, info, op_kind, op_name, val
-from zerocc.ir.ops import PARAM_GATHERS, TP_GROUP, UNIT_GROUPS, op
+from zerocc.ir.ops import PARAM_GATHERS, TO_EXPERTS, TO_TOKENS, TP_GROUP, UNIT_GROUPS, op
 from zerocc.ir.verify import check_well_formed
 
 aten = torch.ops.aten
@@ -287,6 +294,87 @@ def sink_waits(
             schedule.move_before(moving, target)
 
 
+def send_expert_rows_early(collectives: list[Collective], roots: StorageRoots) -> None:
+    """Expert parallelism: each experts call's rows go out (an all-to-all) while the compute
+    before it that it does not need runs (a shared expert computed before the router). That
+    compute moves down, in its order, to right after the exchange's start; what the start
+    needs (the router, the sort, the counts' exchange) stays above it. Ops that read and write
+    disjoint storage compute the same values in either order."""
+    for c in collectives:
+        if op_name(c.start.target) != TO_EXPERTS:
+            continue
+        # Found last first: what the start needs stays (the chain), what it does not moves
+        # below it, past the chain's nodes found so far (those it must not conflict with).
+        chain, passed = {c.start}, []
+        chain_access = roots.access(c.start)
+        node = c.start.prev
+        while node.op == "call_function" and info(node).phase == info(c.start).phase:
+            access = roots.access(node)
+            if any(node in n.all_input_nodes for n in chain):
+                chain.add(node)
+                chain_access = chain_access | access
+            elif _plain(node, c.start) and not access.conflicts(chain_access):
+                passed.append(node)
+            else:
+                break
+            node = node.prev
+        after = c.start
+        for moving in reversed(passed):  # (found last first)
+            after.append(moving)
+            after = moving
+        if passed:
+            info(c.start).note = (
+                f"{info(c.start).note}; issued before {len(passed)} ops that it does not need "
+                f"(from {passed[-1]})"
+            )
+
+
+def defer_expert_results(collectives: list[Collective], roots: StorageRoots) -> None:
+    """Expert parallelism: each experts call's rows come back (an all-to-all) while what follows
+    and does not read them runs (a shared expert after the experts, in forward or backward).
+    The wait and the ops that read what it brought (their weighting and sum) move down past the
+    compute that does not, to the first op that reads both."""
+    for c in collectives:
+        if op_name(c.start.target) != TO_TOKENS:
+            continue
+        # What reads the wait's result moves (the chain), what does not stays, the chain's
+        # nodes found so far moving below it (what it must not conflict with).
+        chain, passed = [c.wait], []
+        chain_access = roots.collective_access(c.start, c.wait)
+        node = c.wait.next
+        while node.op != "output" and _plain(node, c.wait):
+            access = roots.access(node)
+            if any(a in chain for a in node.all_input_nodes):
+                if any(a in passed for a in node.all_input_nodes):
+                    break  # the first op that reads both
+                chain.append(node)
+                chain_access = chain_access | access
+            elif access.conflicts(chain_access):
+                break
+            else:
+                passed.append(node)
+            node = node.next
+        if passed:
+            for moving in chain:
+                node.prepend(moving)
+            info(c.wait).note = (
+                f"waited on late: after {len(passed)} ops that do not read the experts' results "
+                f"(from {passed[0]}), right before {node}"
+            )
+
+
+def _plain(node: fx.Node, wait: fx.Node) -> bool:
+    """Compute (or a free) of the exchange's phase on the compute stream, without side
+    effects: what may run on either side of an exchange's start or wait."""
+    return (
+        op_kind(node) in (OpKind.COMPUTE, OpKind.VIEW, OpKind.PLUMBING, OpKind.FREE)
+        and node.op == "call_function"
+        and info(node).stream == Stream.COMPUTE
+        and info(node).phase == info(wait).phase
+        and not node.is_impure()
+    )
+
+
 def inflight_peak(gm: fx.GraphModule) -> int:
     """The most bytes held by collectives in flight at any point of ``gm``."""
     collectives = find_collectives(gm, StorageRoots(gm))
@@ -323,7 +411,8 @@ def overlap(
     bucket_mb: float,
 ) -> fx.GraphModule:
     """Bucket small units' collectives, prefetch all-gathers under a memory budget, and wait
-    on every collective as late as possible, without reordering compute."""
+    on every collective as late as possible; compute moves only across expert parallelism's
+    exchanges, to run while they are in flight."""
     if bucket_mb > 0:
         bucket_collectives(gm, bucket_mb * MB)
     budget = float("inf") if max_inflight_mb is None else max_inflight_mb * MB
@@ -332,5 +421,7 @@ def overlap(
     hoist_gathers(gm, collectives, roots, prefetch, budget)
     issue_tp_early(gm, collectives, roots, budget)
     sink_waits(gm, collectives, roots, budget)
+    send_expert_rows_early(collectives, roots)
+    defer_expert_results(collectives, roots)
     check_well_formed(gm, after="overlap")
     return gm

@@ -9,7 +9,8 @@ checkpoints one call:
   placeholders, parameters and what is computed from them alone (the shard pass re-derives
   those next to each use, from the gathered copy live there), the run's outputs (what forward
   nodes outside it read), random ops drawing from a generator of their own, and ops with side
-  effects outside the run (batch norm's running statistics), which are never duplicated.
+  effects outside the run (batch norm's running statistics; expert parallelism's exchanges and
+  experts, with their waits), which are never duplicated.
 - **Recomputed**: every other value of the run that a backward node reads. The forward nodes it
   needs are copied, in program order, right before the first backward node that reads any of
   them, tagged ``phase="backward"`` with a note naming the unit; backward reads the copies, so
@@ -160,6 +161,8 @@ class _Analysis:
             return True  # an output of the run: read by forward outside it, or returned
         if node.target is operator.getitem:
             return node.args[0] in kept or node.args[0] not in members
+        if op_name(node.target) == "zerocc.wait" and node.args[0].is_impure():
+            return True  # what a start never duplicated made (expert parallelism's exchanges)
         if is_random(node) and (
             argument(node, "generator") is not None or not _tensor_inputs(node)
         ):
