@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lost_node_workload import LOSE_THIS_NODE
 
 from zerocc.cli.main import main
 
@@ -21,7 +23,9 @@ CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _zerocc(*args: str) -> list[str]:
-    return [sys.executable, "-m", "zerocc", "train", str(PLAN), "--steps", "3", *args]
+    """The train command; ``--steps 3`` unless ``args`` say how many."""
+    steps = [] if "--steps" in args else ["--steps", "3"]
+    return [sys.executable, "-m", "zerocc", "train", str(PLAN), *steps, *args]
 
 
 def _final_loss(out: str) -> str:
@@ -91,3 +95,54 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
 def test_a_multi_node_launch_that_cannot_work_is_refused_before_it_starts(flags, error, capsys):
     assert main(["train", str(PLAN), "--steps", "1", *flags]) == 2
     assert error in capsys.readouterr().err
+
+
+def _digests(folder: Path) -> dict[str, list[str]]:
+    tensors = json.loads((folder / "manifest.json").read_text())["tensors"]
+    return {name: [c["digest"] for c in entry["chunks"]] for name, entry in tensors.items()}
+
+
+def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path):
+    """`--max-restarts 1` over two nodes meets at torchrun's c10d rendezvous. Node 1 is lost
+    at its rank's 6th batch (after step 5, saved every 2 steps): its launcher and its rank are
+    killed by SIGKILL. Node 0's rank fails on its next collective and, restarted, waits for the
+    run's second node; a new launcher, node 1's replacement, joins, and both ranks start again
+    from step 4 of the shared folder (the replacement's at restart 0, its peer's at 1: they
+    agree). The final checkpoint is the uninterrupted run's, every tensor bit for bit."""
+    import yaml
+
+    plan = yaml.safe_load(PLAN.read_text())
+    plan["workload"] = f"{Path(__file__).parent / 'lost_node_workload.py'}:workload"
+    plan["workload_args"]["kill_at"] = 5
+    losing = tmp_path / "losing.yaml"
+    losing.write_text(yaml.safe_dump(plan))
+    endpoint = f"127.0.0.1:{_free_port()}"
+    saves = tmp_path / "shared"
+    train = [sys.executable, "-m", "zerocc", "train", str(losing), "--steps", "8",
+             "--save-every", "2", "--max-restarts", "1"]  # fmt: skip
+
+    one_thread = {**CPU_ONLY, "OMP_NUM_THREADS": "1"}  # (as the 2 ranks of one machine have)
+
+    def node(rank: int, lose: bool = False) -> subprocess.Popen:
+        command = [*train, "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
+                   "--rdzv-endpoint", endpoint, "--save", str(saves)]  # fmt: skip
+        env = {**one_thread, LOSE_THIS_NODE: "1"} if lose else one_thread
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)  # fmt: skip
+
+    first, lost = node(0), node(1, lose=True)
+    lost.communicate(timeout=600)
+    assert lost.returncode == -signal.SIGKILL
+    replacement = node(1)
+    outs = [p.communicate(timeout=600)[0] for p in (first, replacement)]
+    for process, out in zip((first, replacement), outs, strict=True):
+        assert process.returncode == 0, out[-3000:]
+    said = "".join(outs)
+    assert f"every rank starts again from {saves / 'step-00000004'}" in said, said[-3000:]
+    plan["workload_args"]["kill_at"] = 10**6  # never
+    losing.write_text(yaml.safe_dump(plan))
+    straight = tmp_path / "straight"
+    whole = subprocess.run([*train, "--nproc", "2", "--save", str(straight)],
+                           capture_output=True, text=True, timeout=600, env=one_thread)  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert _digests(saves / "step-00000008") == _digests(straight / "step-00000008")

@@ -103,7 +103,7 @@ def _train_steps(
     workload = load_workload(plan)
     step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
     closing.callback(step.comm.close)
-    resume = _resume_point(plan, rank)
+    resume = _resume_point(plan, rank, _restarted(step))
     if resume is not None:
         _resume(step, resume, rank)
     accum = plan.grad_accumulation
@@ -244,13 +244,19 @@ class _Run:
                 print(f"  {GRAPHVIZ_HINT}")
 
 
-def _resume_point(plan: Plan, rank: int) -> str | None:
+def _restarted(step) -> int:
+    """The restart the ranks are at (``zerocc train --max-restarts``): the highest of theirs,
+    for a node that replaces a lost one starts its ranks at restart 0 among peers past it."""
+    mine = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return max(step.comm.all_gather_object(mine)) if step.comm.world_size > 1 else mine
+
+
+def _resume_point(plan: Plan, rank: int, restart: int) -> str | None:
     """Where the ranks start from: after a restart (``zerocc train --max-restarts``, a rank
     died) the newest checkpoint of ``checkpoint.dir`` where it holds one, else
     ``checkpoint.resume``."""
     from zerocc.runtime.checkpoint.files import saved_checkpoints
 
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not restart:
         return plan.checkpoint.resume
     folders = [Path(plan.checkpoint.dir)] if plan.checkpoint.dir else []

@@ -17,11 +17,11 @@ from torch.utils._pytree import TreeSpec
 
 from zerocc.compiler.module_marks import FORWARD_END, mark_node
 from zerocc.ir.nodes import op_name
-from zerocc.ir.ops import EXPERT_OPS
+from zerocc.ir.ops import EXPERT_OP_NAMES
 
 OUTPUT_GRADS = "output_grads"  # a template's mark where backward reaches its outputs' nodes
-_REFUSED_OPS = ("zerocc_opaque", "zerocc_repeat")  # namespaces a template may not hold
-_EXPERTS = frozenset(f"zerocc.{name}" for name in EXPERT_OPS)  # ops it may not hold either
+# Namespaces a template may not hold (nor expert parallelism's ops, whose keys are a call's)
+_REFUSED_OPS = ("zerocc_opaque", "zerocc_repeat")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,9 @@ def template_of(
     if any(n.op != "call_function" for n in body):
         return "it holds a tensor constant or a submodule call"
     refused = [
-        n for n in body if _namespace(n.target) in _REFUSED_OPS or op_name(n.target) in _EXPERTS
+        n
+        for n in body
+        if _namespace(n.target) in _REFUSED_OPS or op_name(n.target) in EXPERT_OP_NAMES
     ]
     if refused:
         return f"it holds {refused[0].target}"

@@ -161,6 +161,7 @@ EXPERT_OPS = (
     "experts_forward",
     "experts_backward",
 )
+EXPERT_OP_NAMES = frozenset(f"zerocc.{name}" for name in EXPERT_OPS)  # (as op_name says them)
 
 TRANSFER_SCHEMAS = {
     "copy_start": "copy_start(Tensor src, Device device, str direction) -> Tensor",

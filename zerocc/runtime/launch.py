@@ -55,8 +55,10 @@ def _memory_folder(run_dir: str) -> Path:
 class Nodes:
     """Where this launcher's ranks sit among the run's machines, by torchrun's names: node
     ``rank`` of ``count``, meeting at ``endpoint`` (``HOST:PORT`` of node 0, where its
-    launcher keeps the store the ranks rendezvous at; torchrun's static rendezvous). Global
-    ranks are node-major: node ``i``'s ``nproc`` ranks are ``i × nproc`` onwards."""
+    launcher keeps the store the ranks rendezvous at). Global ranks are node-major: node
+    ``i``'s ``nproc`` ranks are ``i × nproc`` onwards (torchrun's static rendezvous); a run
+    that restarts (``--max-restarts``) meets at torchrun's c10d rendezvous instead, where a node
+    that replaces a lost one joins the next round, and ranks go by the order the nodes join."""
 
     count: int = 1
     rank: int = 0
@@ -112,18 +114,33 @@ def launch(
 
     nodes = nodes or Nodes()
     host, port = nodes.address(port)
+    elastic = nodes.count > 1 and max_restarts  # (a node replacing a lost one joins a round)
+    if elastic:
+        meeting = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
+                   "--rdzv-id", f"zerocc-{port}",
+                   # node 0 keeps the store the rounds meet at (the others' loss it outlives)
+                   "--rdzv-conf", f"is_host={str(nodes.rank == 0).lower()}"]  # fmt: skip
+    else:
+        meeting = ["--node-rank", str(nodes.rank), "--master-addr", host,
+                   "--master-port", str(port)]  # fmt: skip
     launcher_args = [
         "--nproc-per-node", str(nproc),
         "--nnodes", str(nodes.count),
-        "--node-rank", str(nodes.rank),
-        "--master-addr", host,
-        "--master-port", str(port),
+        *meeting,
         "--max-restarts", str(max_restarts),
         "-m", "zerocc", *command,
     ]  # fmt: skip
     with (
         tempfile.TemporaryDirectory(prefix="zerocc-run-") as run_dir,
         _rank_environment(nproc, run_dir),
+        # Each round's ranks meet at a store of their own, not the agents' (shared across
+        # rounds, it holds the last round's addresses: the nodes' attempts differ, a
+        # replacement's is 0, so no attempt prefix can keep them apart)
+        (
+            environment({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+            if elastic
+            else contextlib.nullcontext()
+        ),
     ):
         watcher = _SilentRankKiller(Path(run_dir))
         try:

@@ -5,8 +5,10 @@ context's comm (on the group of the mesh each names), offload copies on its copy
 compute ops (``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags``, ``pack``) with its
 kernel set (``backend.kernels``: the torch reference or fused Triton kernels, see
 :mod:`zerocc.backends.kernels`). What is in flight is the executable's: each start's handle,
-keyed by the start node's name, until the wait that names it. The skip ranges of parameters
-the loss does not reach are handled here, the same for every kernel set.
+keyed by the start node's name, until the wait that names it. The rows expert parallelism's
+exchanges receive are the context's (its payloads, shared by a pipeline stage's programs). The
+skip ranges of parameters the loss does not reach are handled here, the same for every kernel
+set.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ class EagerOps:
 
     def all_to_all_start(self, tensor: torch.Tensor, group: str, *, started: str) -> torch.Tensor:
         comm = self.ctx.comm.on(group)
-        out, rows = torch.empty_like(tensor), [len(tensor) // comm.world_size] * comm.world_size
-        return self._issue(started, out, comm.all_to_all(out, tensor, rows, rows))
+        out, each = torch.empty_like(tensor), [len(tensor) // comm.world_size] * comm.world_size
+        return self._issue(started, out, comm.all_to_all(out, tensor, each, each))
 
     def all_to_all_experts_start(
         self,
@@ -150,7 +152,7 @@ class EagerOps:
         payloads = self.ctx.payloads
         rows = payloads.newest(rows_key(call)) if keep else payloads.take(rows_key(call))
         results = expert_calls.experts_forward(call, rows, got, state)
-        self.ctx.payloads.put(results_key(call), results)
+        payloads.put(results_key(call), results)
         return torch.zeros_like(ticket)
 
     def experts_backward(

@@ -49,7 +49,15 @@ from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import GRAD, info, op_kind, op_name, val
-from zerocc.ir.ops import PARAM_GATHERS, TO_EXPERTS, TO_TOKENS, TP_GROUP, UNIT_GROUPS, op
+from zerocc.ir.ops import (
+    EXPERT_OP_NAMES,
+    PARAM_GATHERS,
+    TO_EXPERTS,
+    TO_TOKENS,
+    TP_GROUP,
+    UNIT_GROUPS,
+    op,
+)
 from zerocc.ir.verify import check_well_formed
 
 aten = torch.ops.aten
@@ -308,9 +316,13 @@ def send_expert_rows_early(collectives: list[Collective], roots: StorageRoots) -
         chain, passed = {c.start}, []
         chain_access = roots.access(c.start)
         node = c.start.prev
-        while node.op == "call_function" and info(node).phase == info(c.start).phase:
+        while (
+            node.op == "call_function"
+            and info(node).phase == info(c.start).phase
+            and op_name(node.target) not in EXPERT_OP_NAMES  # (the call before: as far as it goes)
+        ):
             access = roots.access(node)
-            if any(node in n.all_input_nodes for n in chain):
+            if any(user in chain for user in node.users):
                 chain.add(node)
                 chain_access = chain_access | access
             elif _plain(node, c.start) and not access.conflicts(chain_access):
@@ -339,7 +351,7 @@ def defer_expert_results(collectives: list[Collective], roots: StorageRoots) -> 
             continue
         # What reads the wait's result moves (the chain), what does not stays, the chain's
         # nodes found so far moving below it (what it must not conflict with).
-        chain, passed = [c.wait], []
+        chain, passed = [c.wait], set()
         chain_access = roots.collective_access(c.start, c.wait)
         node = c.wait.next
         while node.op != "output" and _plain(node, c.wait):
@@ -352,26 +364,27 @@ def defer_expert_results(collectives: list[Collective], roots: StorageRoots) -> 
             elif access.conflicts(chain_access):
                 break
             else:
-                passed.append(node)
+                passed.add(node)
             node = node.next
         if passed:
             for moving in chain:
                 node.prepend(moving)
             info(c.wait).note = (
-                f"waited on late: after {len(passed)} ops that do not read the experts' results "
-                f"(from {passed[0]}), right before {node}"
+                f"waited on late: after {len(passed)} ops that do not read the experts' results, "
+                f"right before {node}"
             )
 
 
 def _plain(node: fx.Node, wait: fx.Node) -> bool:
     """Compute (or a free) of the exchange's phase on the compute stream, without side
     effects: what may run on either side of an exchange's start or wait."""
+    kind = op_kind(node)
     return (
-        op_kind(node) in (OpKind.COMPUTE, OpKind.VIEW, OpKind.PLUMBING, OpKind.FREE)
+        kind in (OpKind.COMPUTE, OpKind.VIEW, OpKind.PLUMBING, OpKind.FREE)
         and node.op == "call_function"
         and info(node).stream == Stream.COMPUTE
         and info(node).phase == info(wait).phase
-        and not node.is_impure()
+        and (kind is OpKind.FREE or not node.is_impure())  # (a free: what it frees is checked)
     )
 
 
