@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from zerocc.errors import CaptureError
-from zerocc.ir.expert_calls import autograd_inside_op
+from zerocc.ir.autograd_inside import autograd_inside_op
 from zerocc.ir.rng import generator_state, set_generator_state, state_numel
 
 # Exceptions by which fake tensors say that a value, not a shape, decides what comes next.

@@ -11,10 +11,11 @@ Registered for the life of the process, as opaque regions are.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+from zerocc.ir.autograd_inside import autograd_inside_op
 
 ExpertsForward = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
 _CALLS: dict[str, ExpertsForward] = {}
@@ -78,14 +79,3 @@ def experts_backward(
     pairs = zip(found, inputs, strict=True)
     grads = [g if g is not None else torch.zeros_like(t) for g, t in pairs]
     return grads[0], grads[1:]
-
-
-@contextlib.contextmanager
-def autograd_inside_op() -> Iterator[None]:
-    """Autograd records again in the body, inside an op's kernel (which the dispatcher runs
-    below autograd: without this, a forward run there would have no graph to differentiate)."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    include = torch._C._dispatch_tls_local_include_set()
-    recording = exclude.remove(torch._C.DispatchKey.AutogradFunctionality)
-    with torch._C._ForceDispatchKeyGuard(include, recording):
-        yield
