@@ -170,7 +170,9 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--max-restarts", type=int, default=0, metavar="N",
         help="when a rank dies, start every rank again from the last checkpoint, up to N "
-        "times (needs --save; saves every --save-every steps bound the steps lost)",
+        "times (needs --save; saves every --save-every steps bound the steps lost); with "
+        "--nnodes, a launcher started on another machine with the same flags replaces a lost "
+        "one (torchrun's c10d rendezvous; node 0 must stay up)",
     )  # fmt: skip
     train.add_argument(
         "--nproc-min", type=int, metavar="M",
