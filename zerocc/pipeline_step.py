@@ -185,6 +185,7 @@ class PipelineStep(SavesInBackground):
                 end = time.perf_counter() - start
                 timeline.actions.append((action, began, end, rank.waited - waited))
             self.transport.finish()
+            self.context.payloads.check_taken()  # (every micro-batch's backward took its rows)
             began = time.perf_counter() - start
             # (loss, found_inf) under loss scaling; (loss, per-unit flags, found_inf) without
             _, *flags, found_inf = self.update.run(*self._bound(self.update.bindings, ()))

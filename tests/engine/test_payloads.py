@@ -17,10 +17,12 @@ def test_a_key_is_a_queue_the_newest_read_the_oldest_taken():
     held.put("call:rows", first)
     held.put("call:rows", second)
     assert held.newest("call:rows") is second and len(held) == 2
-    assert held.nbytes() == (6 + 12) * 4
+    with pytest.raises(RuntimeError, match=r"2 rows .* still kept \(under call:rows\)"):
+        held.check_taken()
     assert held.take("call:rows") is first
     assert held.take("call:rows") is second
     assert len(held) == 0
+    held.check_taken()
 
 
 def test_reading_what_was_never_kept_names_the_key():

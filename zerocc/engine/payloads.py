@@ -37,9 +37,15 @@ class Payloads:
             del self._held[key]
         return tensor
 
-    def nbytes(self) -> int:
-        """Bytes of everything kept."""
-        return sum(t.numel() * t.element_size() for q in self._held.values() for t in q)
+    def check_taken(self) -> None:
+        """RuntimeError unless every payload put was taken: after a program (or a pipeline
+        stage's schedule) has run, its backward took every row an exchange received, or its
+        experts did without a backward."""
+        if self._held:
+            raise RuntimeError(
+                f"zerocc: a program finished with {len(self)} rows of expert parallelism's "
+                f"exchanges still kept (under {', '.join(sorted(self._held))})"
+            )
 
     def clear(self) -> None:
         """Drop everything kept (what a failed run left)."""

@@ -261,7 +261,7 @@ class StepRunner:
             self.programs[key] = program
         if (recorder.executable if recorder is not None else program.run).in_flight():
             raise RuntimeError("a program finished with collectives still in flight")
-        self._check_payloads_taken()
+        self.context.payloads.check_taken()
         self.micro_batches += 1
         self._last_program = program
         overflow, flags = False, None
@@ -275,15 +275,6 @@ class StepRunner:
             self._account_step(overflow, flags)
             self.health.set_status(f"after step {self.counts.step_number - 1}")
         return loss
-
-    def _check_payloads_taken(self) -> None:
-        """Every row an experts' exchange received was taken by the program that ran (in its
-        backward, or right after the experts ran on them without one)."""
-        if self.context.payloads:
-            raise RuntimeError(
-                f"zerocc: a program finished with {len(self.context.payloads)} rows of "
-                "expert parallelism's exchanges still kept"
-            )
 
     def _run(
         self,
@@ -400,7 +391,7 @@ class StepRunner:
         try:
             with traced_grad_mode(), self._keyed(), self._stats_kept():
                 loss = program.run(*self._bound(program, batch))
-            self._check_payloads_taken()
+            self.context.payloads.check_taken()
         except BaseException as exc:
             program.run.reset()
             if self.comm.failure is not None:

@@ -183,7 +183,7 @@ class ExpertParallel:
         fqn = self._fqn_of[id(module)]
         experts = self.modules[fqn].experts
         call = f"{fqn}#{next(_calls)}"
-        names = [name for name, _ in module.named_parameters()]
+        names, state = zip(*module.named_parameters(), strict=True)  # (checked: it has some)
         expert_calls.register(call, functools.partial(_on_local_experts, module, names, self.parts))
         k = top_k_index.shape[-1]
         ids = top_k_index.reshape(-1)
@@ -192,7 +192,6 @@ class ExpertParallel:
         sent = torch.zeros(experts, dtype=torch.long, device=ids.device)
         sent = sent.index_add(0, ids, torch.ones_like(ids))
         got = zerocc_op("wait")(zerocc_op("all_to_all_start")(sent, EP))
-        state = [t for _, t in module.named_parameters()]
         if self.sequence_parallel:  # (the ops inside _Exchanged are no operands of the capture)
             state = [gradient_summed(t) for t in state]
         rows = hidden_states[tokens]
@@ -209,7 +208,7 @@ _calls = itertools.count()
 
 def _on_local_experts(
     module: nn.Module,
-    names: list[str],
+    names: Sequence[str],
     parts: int,
     rows: torch.Tensor,
     got: torch.Tensor,
