@@ -102,13 +102,19 @@ def _digests(folder: Path) -> dict[str, list[str]]:
     return {name: [c["digest"] for c in entry["chunks"]] for name, entry in tensors.items()}
 
 
-def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path):
+# (from disk: the restart of test_cli_checkpoint.py's from-disk case, on c10d: slow)
+@pytest.mark.parametrize(
+    "in_memory", [pytest.param(False, marks=pytest.mark.slow), True], ids=["from-disk", "in-memory"]
+)
+def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path, in_memory):
     """`--max-restarts 1` over two nodes meets at torchrun's c10d rendezvous. Node 1 is lost
-    at its rank's 6th batch (after step 5, saved every 2 steps): its launcher and its rank are
-    killed by SIGKILL. Node 0's rank fails on its next collective and, restarted, waits for the
-    run's second node; a new launcher, node 1's replacement, joins, and both ranks start again
-    from step 4 of the shared folder (the replacement's at restart 0, its peer's at 1: they
-    agree). The final checkpoint is the uninterrupted run's, every tensor bit for bit."""
+    at its rank's 6th batch (after step 5, saved every 2 steps): its memory is cleared, its
+    launcher and its rank are killed by SIGKILL. Node 0's rank fails on its next collective
+    and, restarted, waits for the run's second node; a new launcher, node 1's replacement,
+    joins, and both ranks start again (the replacement's at restart 0, its peer's at 1: they
+    agree) from step 4 of the shared folder, or with `checkpoint.in_memory` from step 5 in
+    memory: node 0 kept a copy of node 1's rank's state, which the replacement receives. The
+    final checkpoint is the uninterrupted run's, every tensor bit for bit."""
     import yaml
 
     plan = yaml.safe_load(PLAN.read_text())
@@ -120,12 +126,13 @@ def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path):
     saves = tmp_path / "shared"
     train = [sys.executable, "-m", "zerocc", "train", str(losing), "--steps", "8",
              "--save-every", "2", "--max-restarts", "1"]  # fmt: skip
+    memory = ["--set", "checkpoint.in_memory=true"] if in_memory else []
 
     one_thread = {**CPU_ONLY, "OMP_NUM_THREADS": "1"}  # (as the 2 ranks of one machine have)
 
     def node(rank: int, lose: bool = False) -> subprocess.Popen:
         command = [*train, "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
-                   "--rdzv-endpoint", endpoint, "--save", str(saves)]  # fmt: skip
+                   "--rdzv-endpoint", endpoint, "--save", str(saves), *memory]  # fmt: skip
         env = {**one_thread, LOSE_THIS_NODE: "1"} if lose else one_thread
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env)  # fmt: skip
@@ -138,7 +145,14 @@ def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path):
     for process, out in zip((first, replacement), outs, strict=True):
         assert process.returncode == 0, out[-3000:]
     said = "".join(outs)
-    assert f"every rank starts again from {saves / 'step-00000004'}" in said, said[-3000:]
+    if in_memory:
+        start = re.search(r"starts again from step 5 in memory \((\S+); 1 rank\(s\) from a "
+                          r"peer's copy\)", said)  # fmt: skip
+        assert start and "resumed from memory at micro-batch 5" in said, said[-3000:]
+        assert "checkpoints in memory: every step, each copied to the next machine" in said
+        assert not Path(start.group(1)).exists()  # (the launcher removed it at the end)
+    else:
+        assert f"every rank starts again from {saves / 'step-00000004'}" in said, said[-3000:]
     plan["workload_args"]["kill_at"] = 10**6  # never
     losing.write_text(yaml.safe_dump(plan))
     straight = tmp_path / "straight"

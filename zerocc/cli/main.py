@@ -402,10 +402,10 @@ def _restarts_of(args: argparse.Namespace, plan: Plan) -> int:
                 "it out to let the run go on with fewer"
             )
     if plan.checkpoint.in_memory and not launched():
-        if not args.max_restarts or args.nnodes > 1:
+        if not args.max_restarts:
             raise ZeroccError(
-                "checkpoint.in_memory: saves to this machine's memory serve a restart on it: "
-                "it goes with --max-restarts, on one machine (not --nnodes)"
+                "checkpoint.in_memory: the saves to memory serve a restart: it goes with "
+                "--max-restarts"
             )
     elif args.max_restarts and not plan.checkpoint.every and not launched():
         print("zerocc: note: --max-restarts without --save-every: a restart resumes from the "

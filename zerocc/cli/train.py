@@ -20,9 +20,9 @@ from zerocc.compiler.plan import Plan
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.pipeline_step import PipelineStep
-from zerocc.runtime.checkpoint import save_checkpoint
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
 from zerocc.runtime.checkpoint.files import resolve
+from zerocc.runtime.checkpoint.in_memory import MemoryCheckpoints
 from zerocc.runtime.launch import in_memory_folder, report
 
 
@@ -103,9 +103,12 @@ def _train_steps(
     workload = load_workload(plan)
     step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
     closing.callback(step.comm.close)
-    resume = _resume_point(plan, rank, _restarted(step))
-    if resume is not None:
-        _resume(step, resume, rank)
+    memory = _memory_checkpoints(step, plan)
+    restart = _restarted(step)
+    if not (restart and memory is not None and _restored_from_memory(step, plan, memory, restart)):
+        resume = _resume_point(plan, rank, restart)
+        if resume is not None:
+            _resume(step, resume, rank)
     accum = plan.grad_accumulation
     done = step.micro_batches  # micro-batches before this run (those of a resumed checkpoint)
     wanted = steps * accum  # --steps counts optimizer steps, each of `accum` micro-batches
@@ -114,7 +117,7 @@ def _train_steps(
             print(f"the checkpoint is at optimizer step {done // accum}, --steps is {steps}: "
                   "nothing to train")  # fmt: skip
         return 0
-    run = _Run(step, plan, workload, rank)
+    run = _Run(step, plan, workload, rank, memory)
     closing.callback(run.stop.restore)
     closing.callback(run.saver.settle)  # (before the comm closes)
     run.first_micro_batch()
@@ -128,7 +131,9 @@ class _Run:
     """One rank's training run from its first micro-batch on: the batches (by data-parallel
     rank: the ranks of a tensor-parallel group train on one batch), the metrics, the saves."""
 
-    def __init__(self, step, plan: Plan, workload, rank: int) -> None:
+    def __init__(
+        self, step, plan: Plan, workload, rank: int, memory: MemoryCheckpoints | None
+    ) -> None:
         self.step, self.plan, self.rank = step, plan, rank
         self.accum = plan.grad_accumulation
         data_rank, data_ranks = step.data_rank, step.data_parallel
@@ -138,7 +143,7 @@ class _Run:
             workload.batches(data_rank, data_ranks), self.done, data_rank, data_ranks
         )
         self.stop = _StopRequest(save_on_sigterm=plan.checkpoint.dir is not None)
-        self.saver = _Saver(step, plan, rank)
+        self.saver = _Saver(step, plan, rank, memory)
         self.metrics = Metrics(step, plan, workload, rank)
         self.lr = step.lr  # the rate of the optimizer step the next micro-batches make
         self.ran = self.total = 0  # micro-batches run, and to run
@@ -251,19 +256,47 @@ def _restarted(step) -> int:
     return max(step.comm.all_gather_object(mine)) if step.comm.world_size > 1 else mine
 
 
+def _memory_checkpoints(step, plan: Plan) -> MemoryCheckpoints | None:
+    """The in-memory checkpoints of a launched run with ``checkpoint.in_memory``, else None."""
+    folder = in_memory_folder() if plan.checkpoint.in_memory else None
+    if folder is None:
+        return None
+    ranks_per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", step.comm.world_size))
+    return MemoryCheckpoints(folder, step.comm, ranks_per_machine)
+
+
+def _restored_from_memory(step, plan: Plan, memory: MemoryCheckpoints, restart: int) -> bool:
+    """After a restart, load the snapshots in memory where some machine holds every rank's
+    of a step at least as new as the disk's newest checkpoint; whether they were."""
+    done, everyone = memory.newest()
+    on_disk = _newest_on_disk(plan)
+    if done is None or (on_disk is not None and int(on_disk.name.removeprefix("step-")) > done):
+        return False
+    fetched = memory.restore(step, done, everyone)
+    if step.comm.rank == 0:
+        copies = f"; {fetched} rank(s) from a peer's copy" if fetched else ""
+        print(f"zerocc: restart {restart}: a rank failed; every rank starts again from step "
+              f"{done} in memory ({memory.folder}{copies})", flush=True)  # fmt: skip
+        print(f"resumed from memory at micro-batch {step.micro_batches} ({step.steps} "
+              "optimizer steps applied)")  # fmt: skip
+    return True
+
+
+def _newest_on_disk(plan: Plan) -> Path | None:
+    from zerocc.runtime.checkpoint.files import saved_checkpoints
+
+    folder = Path(plan.checkpoint.dir) if plan.checkpoint.dir else None
+    saved = saved_checkpoints(folder) if folder is not None and folder.is_dir() else []
+    return saved[-1] if saved else None
+
+
 def _resume_point(plan: Plan, rank: int, restart: int) -> str | None:
     """Where the ranks start from: after a restart (``zerocc train --max-restarts``, a rank
     died) the newest checkpoint of ``checkpoint.dir`` where it holds one, else
     ``checkpoint.resume``."""
-    from zerocc.runtime.checkpoint.files import saved_checkpoints
-
     if not restart:
         return plan.checkpoint.resume
-    folders = [Path(plan.checkpoint.dir)] if plan.checkpoint.dir else []
-    if plan.checkpoint.in_memory and (memory := in_memory_folder()) is not None:
-        folders.append(memory)
-    saved = [c for folder in folders if folder.is_dir() for c in saved_checkpoints(folder)]
-    newest = max(saved, key=lambda c: c.name, default=None)  # (step-<n>: by name)
+    newest = _newest_on_disk(plan)
     start = str(newest) if newest is not None else plan.checkpoint.resume
     if rank == 0:
         print(f"zerocc: restart {restart}: a rank failed; every rank starts again from "
@@ -297,13 +330,12 @@ class _Saver:
     between steps are written in the background where ``checkpoint.async_save`` says (decided
     at the first save); the save on a stop and the last one are waited for."""
 
-    def __init__(self, step, plan: Plan, rank: int) -> None:
-        self.step, self.config, self.rank = step, plan.checkpoint, rank
+    def __init__(self, step, plan: Plan, rank: int, memory: MemoryCheckpoints | None) -> None:
+        self.step, self.config, self.rank, self.memory = step, plan.checkpoint, rank, memory
         self.accum = plan.grad_accumulation
         self.last: Path | None = None  # the newest committed checkpoint
         self.background: bool | None = None
         self.saves, self.blocked_s, self.written_s = 0, 0.0, 0.0
-        self.in_memory_s = 0.0  # seconds the in-memory saves took, all told
         self._saved_at = -1
         self._pending: PendingSave | None = None
 
@@ -317,10 +349,10 @@ class _Saver:
             self._save()
         if stopping:
             self.finish()
-        elif self.config.in_memory and (memory := in_memory_folder()) is not None:
-            started = time.perf_counter()  # (the step's state as of now: written before it goes on)
-            save_checkpoint(self.step, memory, keep=1)
-            self.in_memory_s += time.perf_counter() - started
+        elif self.memory is not None:
+            started = time.perf_counter()  # (the step's state as of now: taken before it goes on)
+            self.memory.save(self.step)
+            self.memory.saved_s += time.perf_counter() - started
 
     def final(self) -> None:
         """The save at the end of the run, waited for."""
@@ -377,8 +409,10 @@ class _Saver:
                          f"{self.blocked_s / self.saves:.2f} s per save")  # fmt: skip
         if self.saves and self.background:
             lines[-1] += f" (written in {self.written_s / self.saves:.2f} s each)"
-        if self.in_memory_s:
-            lines.append(f"checkpoints in memory: every step, {self.in_memory_s:.2f} s in all")
+        if self.memory is not None and self.memory.saved_s:
+            copied = ", each copied to the next machine" if self.memory.copy_to is not None else ""
+            lines.append(f"checkpoints in memory: every step{copied}, "
+                         f"{self.memory.saved_s:.2f} s in all")  # fmt: skip
         return "\n".join(lines) or None
 
 

@@ -262,6 +262,16 @@ class Comm(abc.ABC):
         the state is built, not per step). Without peers there is nothing to do."""
         return None
 
+    def send_receive(
+        self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]
+    ) -> None:
+        """Send each tensor of ``sends`` to its rank and fill each of ``receives`` from its
+        rank, all at once, returning when all have gone and arrived: CPU tensors the ranks
+        hand each other outside the programs (a checkpoint's copies in memory), not counted.
+        Without peers there is nothing to send."""
+        if sends or receives:
+            raise RuntimeError(f"zerocc: a {type(self).__name__} has no peers to send to")
+
     def close(self) -> None:
         """Release the process group's resources (nothing to release but for TorchComm)."""
         return None
@@ -400,6 +410,24 @@ class TorchComm(Comm):
             self.failure = exc
             raise
         return everyone
+
+    def send_receive(
+        self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]
+    ) -> None:
+        """On the gloo control group (see :meth:`Comm.send_receive`); a failure (a peer gone)
+        is recorded in ``failure`` and raised."""
+        try:
+            works = [
+                dist.irecv(t, group=self.control_group, group_src=r) for r, t in receives.items()
+            ]
+            works += [
+                dist.isend(t, group=self.control_group, group_dst=r) for r, t in sends.items()
+            ]
+            for work in works:
+                work.wait()
+        except Exception as exc:
+            self.failure = exc
+            raise
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         work = self._issue(

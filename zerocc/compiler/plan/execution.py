@@ -279,10 +279,13 @@ class CheckpointConfig(Section):
     )
     in_memory: bool = Field(
         False,
-        description="also save every step to host memory (a tmpfs folder under /dev/shm the "
-        "launcher removes at the end), so that a restart (`zerocc train --max-restarts`) "
-        "loses no step: a copy of each rank's state in memory and a write at memory speed "
-        "per step; one machine",
+        description="also keep every step's state in host memory (a tmpfs folder under "
+        "/dev/shm the launcher removes at the end), so that a restart (`zerocc train "
+        "--max-restarts`) loses no step: each rank's state once in its machine's memory and, "
+        "over several machines (--nnodes), once more in the next machine's, so a lost machine's "
+        "ranks are restored from its neighbour's copies; a write at memory speed (and a send "
+        "of each rank's state) per step. A restart on another number of ranks loads the disk "
+        "checkpoint",
     )
     async_save: Literal["auto"] | bool = Field(
         "auto",

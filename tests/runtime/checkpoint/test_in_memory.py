@@ -1,0 +1,77 @@
+"""Checkpoints in memory (``checkpoint.in_memory``): each rank's state after every step in its
+machine's memory and a copy on the next machine, so that a lost machine's ranks are restored
+from their neighbour's memory, bit for bit, wherever the restart puts them. (The restart
+itself, by `zerocc train --max-restarts`, is tested in tests/cli.)"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from models import build
+from multirank import run_ranks
+from parity import batch_of
+
+import zerocc
+from zerocc.runtime.checkpoint.in_memory import MemoryCheckpoints
+
+CASE = {"model": "gpt"}
+PLAN = {
+    "zero": {"stage": 3},
+    "units": {"classes": ["Block"]},
+    "backend": {"device": "cpu", "kernels": "torch"},
+}
+RANKS_PER_MACHINE = 2
+
+
+def _train(step, indices, rank: int) -> list[float]:
+    return [float(step(*batch_of(CASE, i, rank))) for i in indices]
+
+
+def _machine_folder(root: Path, rank: int, swapped: bool) -> Path:
+    machine = rank // RANKS_PER_MACHINE
+    return root / f"machine-{1 - machine if swapped else machine}"
+
+
+def _lose_a_machine_and_restore(rank: int, world: int, root: Path) -> dict:
+    step = zerocc.compile(build("gpt"), PLAN)
+    folder = _machine_folder(root, rank, swapped=False)
+    memory = MemoryCheckpoints(folder, step.comm, RANKS_PER_MACHINE)
+    _train(step, [0, 1], rank)
+    memory.save(step)
+    _train(step, [2], rank)
+    memory.save(step)
+    held = sorted((h.step, h.rank) for h in memory.held())
+    saved = {k: v.clone() for k, v in step.state_dict().items() if isinstance(v, torch.Tensor)}
+    expected = _train(step, [3], rank)
+    step.comm.all_gather_object(None)  # (every rank has trained on before machine 1 goes)
+    if rank == 0:
+        shutil.rmtree(root / "machine-1")  # machine 1 is lost, and its memory with it
+    step.comm.all_gather_object(None)
+    step.comm.close()
+
+    # The restart puts ranks 0-1 on machine 1's replacement (empty), ranks 2-3 on machine 0.
+    restarted = zerocc.compile(build("gpt", seed=123), PLAN)
+    folder = _machine_folder(root, rank, swapped=True)
+    memory = MemoryCheckpoints(folder, restarted.comm, RANKS_PER_MACHINE)
+    done, everyone = memory.newest()
+    fetched = memory.restore(restarted, done, everyone)
+    state = restarted.state_dict()
+    same = all(torch.equal(state[k], v) for k, v in saved.items())
+    return {"held": held, "done": done, "fetched": fetched, "same": same,
+            "losses": (expected, _train(restarted, [3], rank))}  # fmt: skip
+
+
+def test_a_lost_machines_ranks_are_restored_from_the_next_machines_copies(tmp_path):
+    """4 ranks as 2 machines of 2. After each save a machine holds its ranks' snapshots and
+    the other machine's copies, of the newest step only. Machine 1 is lost; after the restart
+    ranks 0-1 run on its empty replacement, ranks 2-3 on machine 0: ranks 2-3 read theirs from
+    machine 0's memory, ranks 0-1 receive theirs from machine 0's ranks. Every rank's state
+    is the one it saved, and the next step's loss is the uninterrupted run's, bit for bit."""
+    results = run_ranks(4, _lose_a_machine_and_restore, tmp_path)
+    for rank, result in enumerate(results):
+        assert result["held"] == [(3, r) for r in range(4)], rank  # (its own and the copies)
+        assert result["done"] == 3 and result["fetched"] == 2
+        assert result["same"], rank
+        assert result["losses"][0] == result["losses"][1], rank
