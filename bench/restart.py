@@ -8,7 +8,14 @@ every ``--save-every`` steps; the kill comes from tests/cli/dying_workload.py (r
 itself reading a batch, on the first attempt only). The restart's own cost is the difference
 of the two runs' wall times less the steps trained again.
 
+With ``--nodes 2`` the ranks run as two launchers on this machine acting as two machines
+(``--nnodes 2``, ``--nproc`` ranks in all), and what is lost is node 1: its rank clears the
+node's memory and kills its launcher and itself (tests/cli/lost_node_workload.py); a
+replacement launcher is started at once, and from memory its ranks receive their states from
+node 0's copies.
+
     python bench/restart.py                  # 2 ranks, 12 steps, killed after 7, saves every 4
+    python bench/restart.py --nodes 2        # the same, node 1 of 2 lost
 
 Prints a table and writes ``bench/results/restart-<date>.json``.
 """
@@ -20,6 +27,7 @@ import datetime
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -33,30 +41,75 @@ from provenance import provenance
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 NEVER = 10**9
+CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+LOSE_THIS_NODE = "ZEROCC_TEST_LOSE_THIS_NODE"  # (tests/cli/lost_node_workload.py's)
 
 
-def _run(
-    plan: dict, folder: Path, args: argparse.Namespace, kill_at: int, in_memory: bool = False
-) -> dict:
+def _command(plan: dict, folder: Path, args: argparse.Namespace, kill_at: int,
+             in_memory: bool) -> list[str]:  # fmt: skip
+    """The train command of ``plan`` killed at ``kill_at``, saving into a folder of its own."""
     plan = {**plan, "workload_args": {**plan["workload_args"], "kill_at": kill_at}}
     path = folder / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     saves = folder / f"ckpt-{kill_at}-{time.monotonic_ns()}"
     command = [
-        sys.executable, "-m", "zerocc", "train", str(path), "--nproc", str(args.nproc),
+        sys.executable, "-m", "zerocc", "train", str(path),
         "--steps", str(args.steps), "--save-every", str(args.save_every), "--save", str(saves),
         "--max-restarts", "1", "--set", f"checkpoint.in_memory={str(in_memory).lower()}",
     ]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return command
+
+
+def _run(
+    plan: dict, folder: Path, args: argparse.Namespace, kill_at: int, in_memory: bool = False
+) -> dict:
+    command = _command(plan, folder, args, kill_at, in_memory)
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run([*command, "--nproc", str(args.nproc)], capture_output=True, text=True,
+                          env=CPU_ONLY)  # fmt: skip
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
-    rate = re.search(r"([\d.]+) steps/s after it", done.stdout)
-    restarted = "zerocc: restart 1" in done.stdout
-    memory = re.search(r"checkpoints in memory: every step, ([\d.]+) s in all", done.stdout)
-    return {"wall_s": wall, "steps_per_s": float(rate.group(1)), "restarted": restarted,
+    return {"wall_s": wall, **_said(done.stdout)}
+
+
+def _run_nodes(
+    plan: dict, folder: Path, args: argparse.Namespace, kill_at: int, in_memory: bool = False
+) -> dict:
+    """As :func:`_run` over two launchers acting as two nodes; node 1 lost at ``kill_at``
+    and replaced at once."""
+    command = _command(plan, folder, args, kill_at, in_memory)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+
+    def node(rank: int, lose: bool = False) -> subprocess.Popen:
+        env = {**CPU_ONLY, "OMP_NUM_THREADS": "1", **({LOSE_THIS_NODE: "1"} if lose else {})}
+        return subprocess.Popen(
+            [*command, "--nproc", str(args.nproc // 2), "--nnodes", "2", "--node-rank",
+             str(rank), "--rdzv-endpoint", endpoint],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+
+    started = time.perf_counter()
+    first, second = node(0), node(1, lose=kill_at != NEVER)
+    if kill_at != NEVER:
+        second.communicate()
+        second = node(1)
+    outs = [p.communicate()[0] for p in (first, second)]
+    wall = time.perf_counter() - started
+    for process, out in zip((first, second), outs, strict=True):
+        if process.returncode != 0:
+            raise SystemExit(out[-3000:])
+    return {"wall_s": wall, **_said("".join(outs))}
+
+
+def _said(out: str) -> dict:
+    """What a run printed: its training rate, whether it restarted, its saves to memory."""
+    rate = re.search(r"([\d.]+) steps/s after it", out)
+    restarted = "zerocc: restart 1" in out
+    memory = re.search(r"checkpoints in memory: every step(?:, each \D+)?, ([\d.]+) s in all", out)
+    return {"steps_per_s": float(rate.group(1)), "restarted": restarted,
             "in_memory_s": float(memory.group(1)) if memory else 0.0}  # fmt: skip
 
 
@@ -66,11 +119,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill-after", type=int, default=7, help="steps done when rank 1 dies")
     p.add_argument("--save-every", type=int, default=4)
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="2: two launchers as two nodes, node 1 lost")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = p.parse_args()
     plan = yaml.safe_load((ROOT / "examples" / "gpt" / "zero3.yaml").read_text())
-    plan["workload"] = f"{ROOT / 'tests' / 'cli' / 'dying_workload.py'}:workload"
+    dying = "lost_node_workload.py" if args.nodes == 2 else "dying_workload.py"
+    plan["workload"] = f"{ROOT / 'tests' / 'cli' / dying}:workload"
+    run = _run_nodes if args.nodes == 2 else _run
     kinds = {  # name: (killed at, in memory)
         "never killed": (NEVER, False),
         "never killed, in memory": (NEVER, True),
@@ -81,7 +138,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.repeat):  # interleaved: the machine's load hits every kind alike
             for name, (kill_at, in_memory) in kinds.items():
-                runs[name].append(_run(plan, Path(folder), args, kill_at, in_memory))
+                runs[name].append(run(plan, Path(folder), args, kill_at, in_memory))
     for name, (kill_at, _) in kinds.items():
         assert all(r["restarted"] == (kill_at != NEVER) for r in runs[name]), name
     saved = args.kill_after // args.save_every * args.save_every
@@ -93,7 +150,8 @@ def main() -> None:
         for name, base in (("killed, from disk", "never killed"),
                            ("killed, from memory", "never killed, in memory"))
     }  # fmt: skip
-    print(f"\na rank killed after step {args.kill_after} of {args.steps}, saves every "
+    lost_what = "node 1 of 2 lost" if args.nodes == 2 else "a rank killed"
+    print(f"\n{lost_what} after step {args.kill_after} of {args.steps}, saves every "
           f"{args.save_every}, {args.nproc} gloo ranks, median of {args.repeat}")  # fmt: skip
     print(f"{'run':<26}{'wall s':>9}{'steps lost':>12}{'restart s':>11}")
     for name in kinds:
@@ -105,7 +163,7 @@ def main() -> None:
           f"{args.steps} steps; restart: stop, start, rendezvous, compile, load")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out / f"restart-{stamp}.json"
+    out = args.out / f"restart{'-nodes' if args.nodes == 2 else ''}-{stamp}.json"
     report = {**provenance(), **vars(args), "out": str(args.out), "runs": runs,
               "steps_lost": lost, "restart_s": restart_s, "wall_s": wall}  # fmt: skip
     out.write_text(json.dumps(report, indent=1))
