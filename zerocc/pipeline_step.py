@@ -77,10 +77,14 @@ from zerocc.runtime.agreement import (
     batch_disagreement,
     has_peers,
 )
-from zerocc.runtime.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
+from zerocc.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from zerocc.runtime.checkpoint.background import PendingSave, SavesInBackground
 from zerocc.runtime.checkpoint.load import fill_state, open_checkpoint, restore_counters
-from zerocc.runtime.checkpoint.rank_state import load_rank_state_dict, rank_state_dict
+from zerocc.runtime.checkpoint.rank_state import (
+    load_rank_state_dict,
+    rank_state_dict,
+    restore_rank_counters,
+)
 from zerocc.runtime.context import open_context
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.memory_check import check_pipeline_memory
@@ -148,7 +152,7 @@ class PipelineStep(SavesInBackground):
         # What an earlier pipeline rank holds too and saves (known once the step is cut).
         self.saved_elsewhere: frozenset[str] = frozenset()
         # A checkpoint loaded before the first call: read into the state once it exists.
-        self._resume_from: tuple[Path, Manifest] | None = None
+        self._resume_from: Callable[[], None] | None = None
         self.timeline = StepTimeline()  # what this rank did in the last step, and when
 
     # -- the step ---------------------------------------------------------------------------
@@ -465,7 +469,7 @@ class PipelineStep(SavesInBackground):
             _, notes = load_checkpoint(self, path)
             return notes
         folder, manifest = open_checkpoint(self, path)
-        self._resume_from = folder, manifest
+        self._resume_from = lambda: fill_state(self, folder, manifest)
         return restore_counters(self, manifest.meta)
 
     def state_dict(self) -> dict[str, Any]:
@@ -475,9 +479,13 @@ class PipelineStep(SavesInBackground):
         return rank_state_dict(self)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` gave."""
-        self._built()
-        load_rank_state_dict(self, sd)
+        """Restore what :meth:`state_dict` gave; before the first call, the counters now and
+        the tensors once the first batch has cut the stages (as :meth:`load`)."""
+        if self.staged is not None:
+            load_rank_state_dict(self, sd)
+            return
+        restore_rank_counters(self, sd)
+        self._resume_from = lambda: self.state.load_state_dict(sd)
 
     def apply_carried_update(self) -> None:
         """(A pipeline defers no update: offload is refused.)"""
@@ -529,7 +537,7 @@ class PipelineStep(SavesInBackground):
         self.saved_elsewhere = self._held_earlier(staged)
         self.staged = staged
         if self._resume_from is not None:
-            fill_state(self, *self._resume_from)
+            self._resume_from()
             self._resume_from = None
 
     def _held_earlier(self, staged: StagedStep) -> frozenset[str]:

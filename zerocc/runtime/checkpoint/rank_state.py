@@ -35,6 +35,14 @@ def load_rank_state_dict(runner: Checkpointed, sd: dict[str, Any]) -> None:
     """Restore into ``runner`` what :func:`rank_state_dict` gave (after
     ``dcp.load(sd, ...)`` filled it in): RankMismatchError when it was saved sharded otherwise
     (world size, stage, replicas, tp) or lacks a tensor of this rank."""
+    restore_rank_counters(runner, sd)
+    runner.state.load_state_dict(sd)
+
+
+def restore_rank_counters(runner: Checkpointed, sd: dict[str, Any]) -> None:
+    """The counters and loss scale of what :func:`rank_state_dict` gave, once checked to be
+    of ``runner``'s sharding (its tensors not yet: a pipeline has none before its first
+    call)."""
     runner.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
     # (saved before hybrid sharding, tensor or pipeline parallelism: no replicas, no split)
     saved = {"replicate": 1, "tp": 1, "pp": 1, **sd["zerocc"]}
@@ -43,7 +51,6 @@ def load_rank_state_dict(runner: Checkpointed, sd: dict[str, Any]) -> None:
             raise RankMismatchError(
                 f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
             )
-    runner.state.load_state_dict(sd)
     runner.steps, runner.micro_batches = saved["steps"], saved["micro_batches"]
     if runner.loss_scaler is not None:
         runner.loss_scaler.load_state_dict(saved["loss_scaler"])
