@@ -21,7 +21,7 @@ from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
-from zerocc.runtime.checkpoint.files import resolve
+from zerocc.runtime.checkpoint.files import PREFIX, resolve, saved_checkpoints
 from zerocc.runtime.checkpoint.in_memory import MemoryCheckpoints
 from zerocc.runtime.launch import in_memory_folder, report
 
@@ -270,7 +270,7 @@ def _restored_from_memory(step, plan: Plan, memory: MemoryCheckpoints, restart: 
     of a step at least as new as the disk's newest checkpoint; whether they were."""
     done, everyone = memory.newest()
     on_disk = _newest_on_disk(plan)
-    if done is None or (on_disk is not None and int(on_disk.name.removeprefix("step-")) > done):
+    if done is None or (on_disk is not None and int(on_disk.name.removeprefix(PREFIX)) > done):
         return False
     fetched = memory.restore(step, done, everyone)
     if step.comm.rank == 0:
@@ -283,8 +283,6 @@ def _restored_from_memory(step, plan: Plan, memory: MemoryCheckpoints, restart: 
 
 
 def _newest_on_disk(plan: Plan) -> Path | None:
-    from zerocc.runtime.checkpoint.files import saved_checkpoints
-
     folder = Path(plan.checkpoint.dir) if plan.checkpoint.dir else None
     saved = saved_checkpoints(folder) if folder is not None and folder.is_dir() else []
     return saved[-1] if saved else None
@@ -350,9 +348,7 @@ class _Saver:
         if stopping:
             self.finish()
         elif self.memory is not None:
-            started = time.perf_counter()  # (the step's state as of now: taken before it goes on)
-            self.memory.save(self.step)
-            self.memory.saved_s += time.perf_counter() - started
+            self.memory.save(self.step)  # (the step's state as of now: taken before it goes on)
 
     def final(self) -> None:
         """The save at the end of the run, waited for."""

@@ -25,6 +25,7 @@ rendezvous numbers the machines as they join).
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,13 +68,14 @@ class MemoryCheckpoints:
         copies = world > ranks_per_machine and world % ranks_per_machine == 0
         self.copy_to = (rank + ranks_per_machine) % world if copies else None
         self.copy_from = (rank - ranks_per_machine) % world if copies else None
-        self.saved_s = 0.0  # seconds the saves took, all told (set by the caller)
+        self.saved_s = 0.0  # seconds the saves took, all told
 
     def save(self, step) -> None:
         """Snapshot ``step`` (every rank, after an optimizer step): this rank's own file, its
         copy on the next machine and the copy it keeps of the previous one's; then the older
         step's files go. Any rank's failure fails it on every rank (CheckpointError), a peer
         gone mid-copy is a RankStoppedError."""
+        started = time.perf_counter()
         done = step.micro_batches // step.plan.grad_accumulation
         rank, world = self.comm.rank, self.comm.world_size
         mine = self.folder / snapshot_name(done, rank, world)
@@ -87,6 +89,7 @@ class MemoryCheckpoints:
                 (self.folder / snapshot_name(held.step, held.rank, held.world_size)).unlink(
                     missing_ok=True  # (the machine's other ranks clear the same files)
                 )
+        self.saved_s += time.perf_counter() - started
 
     def held(self) -> list[Held]:
         """The snapshots this machine's folder holds."""
