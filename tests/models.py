@@ -419,12 +419,13 @@ class MoECausalLM(nn.Module):
     and Qwen2-MoE, unless ``router_loss`` is False), with a coefficient large enough for its
     gradient to matter."""
 
-    def __init__(self, kind: str, impl: str, router_loss: bool = True) -> None:
+    def __init__(self, kind: str, impl: str, router_loss: bool = True, layers: int = 2) -> None:
         super().__init__()
         import transformers as hf
 
-        common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+        common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=32)  # fmt: skip
         if kind == "mixtral":
             config = hf.MixtralConfig(**common, intermediate_size=48, num_local_experts=4,
                                       num_experts_per_tok=2, output_router_logits=True,
@@ -467,6 +468,14 @@ MOE_MODELS = {
 # parallelism can split)
 MOE_MODELS["mixtral_no_router_loss"] = (
     lambda: MoECausalLM("mixtral", "grouped_mm", router_loss=False),
+    _token_batch,
+    {"classes": ["MixtralDecoderLayer"]},
+)
+
+
+# 4 decoder layers: a zero-bubble pipeline of 2 ranks cuts 4 stages, a unit each
+MOE_MODELS["mixtral4_grouped"] = (
+    lambda: MoECausalLM("mixtral", "grouped_mm", layers=4),
     _token_batch,
     {"classes": ["MixtralDecoderLayer"]},
 )

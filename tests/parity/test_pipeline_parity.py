@@ -84,6 +84,11 @@ CASES = [
     {"model": "mixtral_grouped", "stage": 3, "world": 4, "pp": 2, "ep": 2, "accum": 2},
     {"model": "mixtral", "stage": 1, "world": 4, "pp": 2, "ep": 2, "accum": 2,
      "schedule": "gpipe"},
+    # ... with the backward split in two (zero-bubble: 4 stages of one MoE layer each): the
+    # experts' backward computes the rows' gradients, which go back to the tokens' ranks, and
+    # the experts' weight gradients in one op, so both are the input gradient's half
+    {"model": "mixtral4_grouped", "stage": 3, "world": 4, "pp": 2, "ep": 2, "accum": 2,
+     "schedule": "zero-bubble"},
     # Dropout, drawn by key (capture.draws: keyed): each micro-batch's masks are the ones one
     # process draws for it under zerocc.keyed_draws, whichever stage and rank draws them;
     # recomputed, and with the backward split in two
