@@ -416,13 +416,14 @@ class TorchComm(Comm):
     ) -> None:
         """On the gloo control group (see :meth:`Comm.send_receive`); a failure (a peer gone)
         is recorded in ``failure`` and raised."""
+        group = self.control_group
+
+        def peer(rank: int) -> int:  # (src= and dst= take global ranks on every release)
+            return dist.get_global_rank(group, rank) if group is not None else rank
+
         try:
-            works = [
-                dist.irecv(t, group=self.control_group, group_src=r) for r, t in receives.items()
-            ]
-            works += [
-                dist.isend(t, group=self.control_group, group_dst=r) for r, t in sends.items()
-            ]
+            works = [dist.irecv(t, peer(r), group=group) for r, t in receives.items()]
+            works += [dist.isend(t, peer(r), group=group) for r, t in sends.items()]
             for work in works:
                 work.wait()
         except Exception as exc:
