@@ -204,6 +204,8 @@ def test_calibration_times_every_op_of_a_compiled_program(backend):
     ours, step = _calibrated(backend)
     assert ours["nodes"] == eager["nodes"] and "FLOP/s" in ours["fitted"]
     assert len(step.builder.lowered_again) == 2  # op by op (eager), and the backend's own code
+    calibrate(step, (_gpt_batch(i, 0) for i in range(100)), steps=1, warmup=1, profiled=1)
+    assert len(step.builder.lowered_again) == 2  # (the first calibration's, on its comm, gone)
 
 
 def test_regions_keep_zerocc_ops_in_their_scheduled_order_and_hold_none():

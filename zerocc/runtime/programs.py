@@ -107,9 +107,10 @@ class ProgramBuilder:
         self.backend_name, self.backend = backend_name, get_backend(backend_name)
         self.builds = 0  # programs compiled, the failed ones too: the same on every rank
         # Programs lowered again on another comm or by another backend (profiling), kept for
-        # the next profile of the same program there (a first run costs more than the others):
-        # the same on every rank.
+        # the next profile of the same program there (a first run costs more than the others),
+        # for the last comm asked for (each calibration makes its own): the same on every rank.
         self.lowered_again: dict[tuple[str, Comm, str | None], Executable] = {}
+        self.relowerings = 0  # programs lowered again, all told (the ranks meet after each)
 
     def compile(
         self,
@@ -213,13 +214,17 @@ class ProgramBuilder:
         """``program`` lowered again by ``backend`` (default: the plan's), its collectives
         bound to ``comm``, or as it was the last time it was asked for; the ranks meet after a
         lowering, as after the program's first (Inductor: a cache hit on one rank may be a full
-        compile on another)."""
+        compile on another). What was lowered for another comm goes (an earlier
+        calibration's)."""
         key = (program.digest, comm, backend)
         if key in self.lowered_again:
             return self.lowered_again[key]
         lower = self.backend if backend is None else get_backend(backend)
         executable = lower(program.gm, program.example_inputs, replace(self.context, comm=comm))
+        self.lowered_again = {k: e for k, e in self.lowered_again.items() if k[1] is comm}
         self.lowered_again[key] = executable
-        tag = f"relowered-{len(self.lowered_again)}"
-        self.agreement.health.wait_for_ranks(tag, "a program to be lowered")
+        self.relowerings += 1
+        self.agreement.health.wait_for_ranks(
+            f"relowered-{self.relowerings}", "a program to be lowered"
+        )
         return executable
