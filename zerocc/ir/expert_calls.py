@@ -6,19 +6,24 @@ the experts module's own forward on those rows (:mod:`zerocc.compiler.parallel.e
 ops ``experts_forward`` and ``experts_backward`` (:mod:`zerocc.ir.ops`) run it, wherever a
 backend calls them; the backward runs it again with autograd and differentiates it (nothing
 inside the experts is kept between forward and backward but the rows they received).
-Registered for the life of the process, as opaque regions are.
+Registered for the life of the experts module it runs (the step's model holds it): a step
+dropped, its calls go with its model.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from zerocc.ir.autograd_inside import autograd_inside_op
 
 ExpertsForward = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
-_CALLS: dict[str, ExpertsForward] = {}
+# call -> (its experts module, weakly; what the call computes given that module first)
+_CALLS: dict[str, tuple[weakref.ref, Callable[..., torch.Tensor]]] = {}
 
 
 def rows_key(call: str) -> str:
@@ -41,16 +46,22 @@ def rows_grad_key(call: str) -> str:
     return f"{call}:rows_grad"
 
 
-def register(call: str, forward: ExpertsForward) -> None:
-    """``forward`` is what the experts call ``call`` computes."""
-    _CALLS[call] = forward
+def register(call: str, module: Any, forward: Callable[..., torch.Tensor]) -> None:
+    """``forward(module, rows, got, state)`` is what the experts call ``call`` computes; the
+    call is known as long as ``module`` lives."""
+    _CALLS[call] = (weakref.ref(module), forward)
+    weakref.finalize(module, _CALLS.pop, call, None)
 
 
 def _of(call: str) -> ExpertsForward:
     found = _CALLS.get(call)
-    if found is None:
-        raise RuntimeError(f"zerocc: no experts call {call!r} was captured in this process")
-    return found
+    module = found[0]() if found is not None else None
+    if found is None or module is None:
+        raise RuntimeError(
+            f"zerocc: no experts call {call!r} is known: it was not captured in this process, "
+            "or the model of its step is gone"
+        )
+    return functools.partial(found[1], module)
 
 
 def experts_forward(

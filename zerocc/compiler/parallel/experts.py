@@ -184,7 +184,8 @@ class ExpertParallel:
         experts = self.modules[fqn].experts
         call = f"{fqn}#{next(_calls)}"
         names, state = zip(*module.named_parameters(), strict=True)  # (checked: it has some)
-        expert_calls.register(call, functools.partial(_on_local_experts, module, names, self.parts))
+        forward = functools.partial(_on_local_experts, names=names, parts=self.parts)
+        expert_calls.register(call, module, forward)
         k = top_k_index.shape[-1]
         ids = top_k_index.reshape(-1)
         order = torch.argsort(ids, stable=True)  # each rank's pairs one run, experts ascending
@@ -208,11 +209,12 @@ _calls = itertools.count()
 
 def _on_local_experts(
     module: nn.Module,
-    names: Sequence[str],
-    parts: int,
     rows: torch.Tensor,
     got: torch.Tensor,
     state: Sequence[torch.Tensor],
+    *,
+    names: Sequence[str],
+    parts: int,
 ) -> torch.Tensor:
     """The experts module's own forward (its ``experts_implementation``) on the ``rows`` this
     rank received, with its local experts (``state``, in ``names``' order): ``got`` counts the
