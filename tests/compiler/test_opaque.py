@@ -122,6 +122,25 @@ def test_a_step_with_opaque_regions_trains_as_eager_training_does_and_says_so():
     assert "opaque regions: LoopedExperts ×1 (aten.bincount" in step.explain()
 
 
+def test_the_registry_of_regions_does_not_keep_a_dropped_model_alive():
+    """The op finds a region by key in a registry that holds its module weakly: a model
+    dropped (plan auto compiles a step per candidate) is freed, and its program can still be
+    inspected."""
+    import gc
+    import weakref
+
+    model, x = _model(), _batch(0)
+    gm = capture(model, describe_model(model), None, (x,), torch.device("cpu"))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+    (region,) = regions_in(gm)
+    assert region.kind == "LoopedExperts"
+    with pytest.raises(RuntimeError, match="the model of its step is gone"):
+        _ = region.module
+
+
 def test_data_dependence_in_the_model_itself_names_the_op_and_the_way_out():
     class Masked(nn.Module):
         def __init__(self) -> None:

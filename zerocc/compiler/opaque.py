@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,8 @@ class Region:
 
     key: str
     fqn: str  # the module's name in the model
-    module: nn.Module
+    kind: str  # the module's class
+    owner: weakref.ref  # the module: its step's model holds it, the registry does not
     reason: str  # why it is opaque: the op whose result depends on the data
     call: TreeSpec  # of (args, kwargs), tensors replaced by their position
     constants: list[Any]  # the call's leaves that are no tensors (_TENSOR where one is)
@@ -78,8 +80,11 @@ class Region:
     output_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
 
     @property
-    def kind(self) -> str:
-        return type(self.module).__name__
+    def module(self) -> nn.Module:
+        module = self.owner()
+        if module is None:
+            raise RuntimeError(f"zerocc: opaque region {self.key}: the model of its step is gone")
+        return module
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The module's forward on ``tensors`` (the call's tensors, then its state's), its
@@ -118,8 +123,9 @@ def _own_forward(module: nn.Module) -> Iterator[None]:
 
 
 _TENSOR = object()  # a tensor's place among a call's constants
-# Every region captured in this process, by key: the op's implementations find it here. Held
-# for the life of the process (a module and its call's constants per region).
+# Every region captured in this process, by key: the op's implementations find it here, and
+# inspection after its step is gone. Its module is held weakly (a step's model dropped, plan
+# auto's candidates, goes), the rest of it (names, the call's constants) for the process.
 _REGIONS: dict[str, Region] = {}
 _serial = itertools.count()
 
@@ -352,7 +358,8 @@ def _opaque_call(
             by_id.setdefault(id(t), ([], t))[0].append(name)
         key = f"{fqn}#{next(_serial)}"
         state = [tuple(n) for n, _ in by_id.values()]
-        r = Region(key, fqn, module, reason, call, constants, state)
+        kind = type(module).__name__
+        r = Region(key, fqn, kind, weakref.ref(module), reason, call, constants, state)
         _REGIONS[key] = r
         regions.append(r)
         with hooks_paused():

@@ -398,17 +398,20 @@ def experts_flops(node: fx.Node) -> tuple[float, torch.dtype] | None:
         times = 1 if name == EXPERTS_FORWARD else 3
         return _flops(rows.shape[0], weights) * times, rows.dtype
     found = region_of(node)
-    if found is None or not type(found[0].module).__name__.endswith(EXPERTS_SUFFIX):
+    if found is None or not found[0].kind.endswith(EXPERTS_SUFFIX):
         return None
     region, forward = found
     tensors = node.args[1] if forward else node.args[2]  # (backward: key, wanted, tensors, …)
-    if len(tensors) < 2:
+    split = len(tensors) - len(region.state)  # (the call's tensors, then the module's state)
+    call, state = tensors[:split], tensors[split:]
+    if len(call) < 2:
         return None
-    hidden, index = val(tensors[0]), val(tensors[1])
+    hidden, index = val(call[0]), val(call[1])
     if index.dim() != 2 or index.dtype.is_floating_point:  # (not called as (hidden, top_k, …))
         return None
     rows = hidden.shape[0] * index.shape[-1]
-    return _flops(rows, list(region.module.parameters())) * (1 if forward else 3), hidden.dtype
+    weights = [val(t) for t in state]
+    return _flops(rows, weights) * (1 if forward else 3), hidden.dtype
 
 
 def _flops(rows: int, weights: Sequence[torch.Tensor]) -> float:
