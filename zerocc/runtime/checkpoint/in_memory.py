@@ -5,9 +5,10 @@ machine, so that a restart loses no step and reads no disk, even when a whole ma
 A snapshot is one rank's state as ``step.state_dict()`` gives it (its shards, optimizer state,
 counters and loss scale) with its random number generators: what that rank needs to go on
 under the same plan and world size. (A run that goes on with fewer ranks loads the disk
-checkpoint, which reshards.) It is a file of the machine's folder in ``/dev/shm``, named by
-step, rank and world size and written by a rename, so a file seen is whole; the same bytes
-go to the peer, which receives them straight into its file.
+checkpoint, which reshards.) It is a file of the machine's folder in ``/dev/shm``
+(:mod:`.snapshot_file`: raw bytes copied into its pages), named by step, rank and world size
+and written by a rename, so a file seen is whole; the same bytes go to the peer, which
+receives them straight into its file.
 
 **Saving.** Each rank writes its own snapshot, sends it to the rank ``ranks per machine``
 further round the ring (the same local rank of the next machine), keeps the one it receives
@@ -35,11 +36,13 @@ import torch
 from zerocc.engine.failures import peer_failure
 from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered
 from zerocc.runtime.checkpoint.files import CheckpointError
+from zerocc.runtime.checkpoint.snapshot_file import read_snapshot, write_snapshot
 
 if TYPE_CHECKING:
     from zerocc.engine.comm import Comm
 
 KEPT = "the step before stays in memory"
+_RNG = "rng/"  # a snapshot's tensors named so are its random number generators' states
 _NAME = re.compile(r"step-(\d+)\.rank-(\d+)-of-(\d+)\.snapshot")
 
 
@@ -79,7 +82,7 @@ class MemoryCheckpoints:
         done = step.micro_batches // step.plan.grad_accumulation
         rank, world = self.comm.rank, self.comm.world_size
         mine = self.folder / snapshot_name(done, rank, world)
-        error = attempt(lambda: _write(mine, _state_of(step, done)))
+        error = attempt(lambda: _write(mine, step, done))
         if self.copy_to is not None and self.copy_from is not None:
             theirs = self.folder / snapshot_name(done, self.copy_from, world)
             error = self._swap(mine if error is None else None, theirs) or error
@@ -204,28 +207,26 @@ def _mapped(path: Path, nbytes: int | None = None, shared: bool = False) -> torc
     return torch.from_file(str(path), shared=shared, size=size, dtype=torch.uint8)
 
 
-def _state_of(step, done: int) -> dict:
-    rng = {"cpu": torch.get_rng_state()}
+def _write(path: Path, step, done: int) -> None:
+    """This rank's snapshot of ``step`` after step ``done``: its state dict's tensors and its
+    random number generators', its counters in the header."""
+    sd = step.state_dict()
+    tensors = {k: t for k, t in sd.items() if isinstance(t, torch.Tensor)}
+    tensors[_RNG + "cpu"] = torch.get_rng_state()
     if step.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(step.device)
-    return {"step": done, "rank": step.comm.rank, "state": step.state_dict(), "rng": rng}
-
-
-def _write(path: Path, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = _partial(path)
-    torch.save(state, partial)
-    partial.replace(path)
+        tensors[_RNG + "cuda"] = torch.cuda.get_rng_state(step.device)
+    write_snapshot(path, tensors, {"step": done, "rank": step.comm.rank, "zerocc": sd["zerocc"]})
 
 
 def _load(step, path: Path, done: int) -> None:
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    if (saved["step"], saved["rank"]) != (done, step.comm.rank):
+    tensors, meta = read_snapshot(path)
+    if (meta["step"], meta["rank"]) != (done, step.comm.rank):
         raise CheckpointError(
-            f"{path} holds rank {saved['rank']}'s state after step {saved['step']}, not rank "
+            f"{path} holds rank {meta['rank']}'s state after step {meta['step']}, not rank "
             f"{step.comm.rank}'s after step {done}"
         )
-    step.load_state_dict(saved["state"])
-    torch.set_rng_state(saved["rng"]["cpu"])
-    if "cuda" in saved["rng"] and step.device.type == "cuda":
-        torch.cuda.set_rng_state(saved["rng"]["cuda"], step.device)
+    rng = {k.removeprefix(_RNG): tensors.pop(k) for k in list(tensors) if k.startswith(_RNG)}
+    step.load_state_dict({**tensors, "zerocc": meta["zerocc"]})
+    torch.set_rng_state(rng["cpu"].clone())
+    if "cuda" in rng and step.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"].clone(), step.device)
