@@ -36,7 +36,12 @@ import torch
 from zerocc.engine.failures import peer_failure
 from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered
 from zerocc.runtime.checkpoint.files import CheckpointError
-from zerocc.runtime.checkpoint.snapshot_file import read_snapshot, write_snapshot
+from zerocc.runtime.checkpoint.snapshot_file import (
+    emptied,
+    partial_path,
+    read_snapshot,
+    write_snapshot,
+)
 
 if TYPE_CHECKING:
     from zerocc.engine.comm import Comm
@@ -140,12 +145,14 @@ class MemoryCheckpoints:
         receives, error = {}, None
         if rank in sources:
             nbytes = next(
-                h.nbytes for h in everyone[sources[rank]] if (h.step, h.rank) == (done, rank)
+                h.nbytes
+                for h in everyone[sources[rank]]
+                if (h.step, h.rank, h.world_size) == (done, rank, world)
             )
             receives[sources[rank]], error = _receiving(mine, nbytes)
         self._exchange(sends, receives, "the restore from a peer's memory")
         if receives and error is None:
-            _partial(mine).replace(mine)
+            partial_path(mine).replace(mine)
         loaded = error or attempt(lambda: _load(step, mine, done))
         agree(self.comm, loaded, "restore from memory", "nothing was loaded")
         return len(sources)
@@ -166,7 +173,7 @@ class MemoryCheckpoints:
             "the copy to a peer",
         )
         if error is None and into.numel():
-            _partial(theirs).replace(theirs)
+            partial_path(theirs).replace(theirs)
         return error
 
     def _exchange(self, sends: dict, receives: dict, what: str) -> None:
@@ -180,24 +187,15 @@ def _holds(holds: list[Held], step: int, rank: int, world: int) -> bool:
     return any((h.step, h.rank, h.world_size) == (step, rank, world) for h in holds)
 
 
-def _partial(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
-
-
 def _receiving(path: Path, nbytes: int) -> tuple[torch.Tensor, str | None]:
     """Where ``nbytes`` for file ``path`` are received: its partial file's pages, or where that
     cannot be made a buffer of its own (the bytes must still be taken off the wire), with the
     error."""
-    partial = _partial(path)
-    error = attempt(lambda: _emptied(partial))
+    partial = partial_path(path)
+    error = attempt(lambda: emptied(partial))
     if error is not None or not nbytes:
         return torch.empty(nbytes, dtype=torch.uint8), error
     return _mapped(partial, nbytes, shared=True), None
-
-
-def _emptied(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"")  # (a partial file an earlier attempt left may be longer)
 
 
 def _mapped(path: Path, nbytes: int | None = None, shared: bool = False) -> torch.Tensor:

@@ -33,9 +33,8 @@ def write_snapshot(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str,
         size += t.numel() * t.element_size()
     header = json.dumps({"meta": meta, "tensors": entries}).encode()
     start = _aligned(_LENGTH + len(header))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_bytes(b"")  # (one an earlier attempt left may be longer)
+    partial = partial_path(path)
+    emptied(partial)
     data = torch.from_file(str(partial), shared=True, size=start + size, dtype=torch.uint8)
     data[:_LENGTH].copy_(torch.tensor([len(header)], dtype=torch.int64).view(torch.uint8))
     data[_LENGTH : _LENGTH + len(header)].copy_(
@@ -69,6 +68,17 @@ def read_snapshot(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             )
         tensors[name] = data[at : at + nbytes].view(dtype).view(shape)
     return tensors, header["meta"]
+
+
+def partial_path(path: Path) -> Path:
+    """Where the file ``path`` is written until it is whole."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def emptied(path: Path) -> None:
+    """``path`` made an empty file (one an earlier attempt left may be longer)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
 
 
 def _aligned(offset: int) -> int:
