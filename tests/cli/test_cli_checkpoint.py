@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from train_runs import CPU_ONLY, checkpoint_digests, final_loss
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
-CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _train(*flags: str, nproc: int = 2) -> str:
@@ -24,10 +24,6 @@ def _train(*flags: str, nproc: int = 2) -> str:
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=CPU_ONLY)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout + run.stderr
-
-
-def _final_loss(out: str) -> str:
-    return re.search(r"final loss: (\S+)", out).group(1)
 
 
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
@@ -46,7 +42,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
     assert "checkpoints: 1 saved in the foreground, training blocked" in resumed
     assert (again / "latest").read_text().strip() == "step-00000006"
     assert "2 step(s) on 2 rank(s)" in resumed
-    assert _final_loss(resumed) == _final_loss(_train("--steps", "6"))
+    assert final_loss(resumed) == final_loss(_train("--steps", "6"))
 
 
 def test_a_corrupt_checkpoint_is_said_once_not_by_every_rank(tmp_path):
@@ -141,11 +137,6 @@ def test_a_second_ctrl_c_stops_a_rank_at_once(monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def _digests(folder: Path) -> dict[str, list[str]]:
-    tensors = json.loads((folder / "manifest.json").read_text())["tensors"]
-    return {name: [c["digest"] for c in entry["chunks"]] for name, entry in tensors.items()}
-
-
 # (from disk: the same restart as from memory, and the same load as a resumed run: slow)
 @pytest.mark.parametrize(
     "in_memory", [pytest.param(False, marks=pytest.mark.slow), True], ids=["from-disk", "in-memory"]
@@ -186,8 +177,8 @@ def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "zerocc: restart" not in whole.stdout
     last = "step-00000008"
-    assert _digests(restarted / last) == _digests(straight / last)
-    assert _final_loss(out) == _final_loss(whole.stdout)
+    assert checkpoint_digests(restarted / last) == checkpoint_digests(straight / last)
+    assert final_loss(out) == final_loss(whole.stdout)
 
 
 def test_a_rank_that_cannot_come_back_leaves_the_run_to_fewer_ranks(tmp_path):

@@ -5,7 +5,6 @@ the one-machine run of the same world size, and saves into a folder both see."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -15,21 +14,17 @@ from pathlib import Path
 
 import pytest
 from lost_node_workload import LOSE_THIS_NODE
+from train_runs import CPU_ONLY, checkpoint_digests, final_loss
 
 from zerocc.cli.main import main
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
-CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _zerocc(*args: str) -> list[str]:
     """The train command; ``--steps 3`` unless ``args`` say how many."""
     steps = [] if "--steps" in args else ["--steps", "3"]
     return [sys.executable, "-m", "zerocc", "train", str(PLAN), *steps, *args]
-
-
-def _final_loss(out: str) -> str:
-    return re.search(r"final loss: (\S+)", out).group(1)
 
 
 def _free_port() -> int:
@@ -73,7 +68,7 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
     one_machine = subprocess.run(_zerocc("--nproc", "2"), capture_output=True, text=True,
                                  timeout=600, env=CPU_ONLY)  # fmt: skip
     assert one_machine.returncode == 0, one_machine.stderr[-3000:]
-    assert _final_loss(outs[0]) == _final_loss(one_machine.stdout)
+    assert final_loss(outs[0]) == final_loss(one_machine.stdout)
     manifest = json.loads((saves / "step-00000003" / "manifest.json").read_text())
     assert manifest["meta"]["world_size"] == 2
     assert sorted(manifest["files"]) == ["rank-00000.bin", "rank-00001.bin"]
@@ -95,11 +90,6 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
 def test_a_multi_node_launch_that_cannot_work_is_refused_before_it_starts(flags, error, capsys):
     assert main(["train", str(PLAN), "--steps", "1", *flags]) == 2
     assert error in capsys.readouterr().err
-
-
-def _digests(folder: Path) -> dict[str, list[str]]:
-    tensors = json.loads((folder / "manifest.json").read_text())["tensors"]
-    return {name: [c["digest"] for c in entry["chunks"]] for name, entry in tensors.items()}
 
 
 # (from disk: the restart of test_cli_checkpoint.py's from-disk case, on c10d: slow)
@@ -159,4 +149,5 @@ def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path, in_memory):
     whole = subprocess.run([*train, "--nproc", "2", "--save", str(straight)],
                            capture_output=True, text=True, timeout=600, env=one_thread)  # fmt: skip
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert _digests(saves / "step-00000008") == _digests(straight / "step-00000008")
+    last = "step-00000008"
+    assert checkpoint_digests(saves / last) == checkpoint_digests(straight / last)

@@ -6,14 +6,14 @@ process does: tests/parity/test_pipeline_parity.py.)"""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from train_runs import CPU_ONLY
+
 EXAMPLES = Path(__file__).parents[2] / "examples" / "gpt"
-CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _train(plan: str, *flags: str, nproc: int) -> str:

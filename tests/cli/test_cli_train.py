@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 
 import yaml
+from train_runs import CPU_ONLY
 
 from zerocc.inspect.plan_search import REFINED
 from zerocc.runtime.launch import Launched
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
-# The example's `backend.device: auto` is this machine's: with its GPUs hidden, the ranks run on
-# the CPU wherever the test runs (two ranks need two GPUs otherwise).
-CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_train_launches_two_ranks_and_summarizes():
