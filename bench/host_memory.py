@@ -74,7 +74,7 @@ for _ in range(3):
 gc.collect()
 states = step.state.bytes_by_location()
 device = torch.device(args["device"])
-need = step_need(step._last_program.gm, device)
+need = step_need(step._last_program.gm, device, gloo=step.comm.on_gloo)
 host_states = states["host"]["total"] + (states["device"]["total"] if device.type == "cpu" else 0)
 predicted = host_states + sum(need.get("host", {{}}).values())
 print(json.dumps({{

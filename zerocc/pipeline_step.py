@@ -385,7 +385,9 @@ class PipelineStep(SavesInBackground):
         self, schedule: PipelineSchedule, programs: Programs, layout: StateLayout
     ) -> PipelineMemory:
         states = model_state_bytes_of(layout)["total"]
-        return predict_pipeline_memory(schedule.actions[self.pp_rank], programs, states)
+        return predict_pipeline_memory(
+            schedule.actions[self.pp_rank], programs, states, gloo=self.comm.on_gloo
+        )
 
     def _check_memory(self, compiled: RankPrograms) -> None:
         """Before anything is allocated: this rank's predicted peak fits its machine, or an

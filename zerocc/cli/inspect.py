@@ -290,6 +290,7 @@ ROWS = (
     ("  + on NVMe", lambda e: e.offloaded["nvme"]),
     ("gathered units (peak)", lambda e: e.peak["gathered"]),
     ("activations (peak)", lambda e: e.peak["activations"]),
+    ("gloo buffers (peak)", lambda e: e.peak["comm"]),
     ("peak", lambda e: e.peak["total"]),
     ("  + host buffers (peak)", lambda e: e.peak["host_buffers"]),
 )

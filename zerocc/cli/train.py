@@ -174,7 +174,8 @@ class _Run:
         if isinstance(step, PipelineStep):  # its schedule's kept tensors on its programs'
             peak = step.memory().peak
         else:
-            timeline = predict_memory(step.program, model_state_bytes_of(step.layout))
+            states = model_state_bytes_of(step.layout)
+            timeline = predict_memory(step.program, states, gloo=step.comm.on_gloo)
             peak = timeline.peak()[1] + timeline.host_peak
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         report(predicted_peak_bytes=peak, local_ranks=local_ranks)

@@ -65,13 +65,14 @@ def kept_bytes(gm: fx.GraphModule | None) -> int:
 
 
 def predict_pipeline_memory(
-    actions: Sequence[Action], programs: Programs, model_states: int
+    actions: Sequence[Action], programs: Programs, model_states: int, *, gloo: bool = False
 ) -> PipelineMemory:
     """Walk one rank's ``actions`` in order: before each, what is held (model states and the
     tensors kept by earlier actions not yet released) plus the action's program's transient
-    peak; the highest of these is the rank's peak."""
+    peak (``gloo``: its collectives' buffers on gloo counted, see
+    :func:`zerocc.cost.memory.predict_memory`); the highest of these is the rank's peak."""
     transient = {
-        key: predict_memory(gm, {}).peak()[1] if gm is not None else 0
+        key: predict_memory(gm, {}, gloo=gloo).peak()[1] if gm is not None else 0
         for key, gm in programs.items()
     }
     keeps = {key: kept_bytes(gm) for key, gm in programs.items()}

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Categories of live bytes, in the order plots stack them.
-CATEGORIES = ("params", "grads", "optimizer", "gathered", "activations")
+# Categories of live bytes, in the order plots stack them (``comm``: the process group's own
+# buffers, see zerocc.cost.memory).
+CATEGORIES = ("params", "grads", "optimizer", "gathered", "activations", "comm")
 
 
 @dataclass

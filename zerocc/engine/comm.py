@@ -141,6 +141,12 @@ class Comm(abc.ABC):
     heartbeat: Heartbeat | None = None
     failure: BaseException | None = None
 
+    @property
+    def on_gloo(self) -> bool:
+        """Whether the programs' collectives run on gloo, which holds buffers of its own while
+        they run (predicted as ``comm`` memory, see :mod:`zerocc.cost.memory`)."""
+        return False
+
     def __init__(self) -> None:
         self.stats = CommStats()
         self._before_next_collective: Callable[[], None] | None = None
@@ -348,6 +354,10 @@ class TorchComm(Comm):
         comm._owned, comm._timeout = [group, control], timeout
         comm._release = weakref.finalize(comm, _release_groups, comm._owned, comm.heartbeat)
         return comm
+
+    @property
+    def on_gloo(self) -> bool:
+        return dist.get_backend(self.group) == "gloo"
 
     def _make_group(self, ranks: list[int]) -> Comm | None:
         """A group of ``ranks`` (global ranks of this comm's group) on its backend and with its

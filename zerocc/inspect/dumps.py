@@ -107,7 +107,7 @@ def write_run_dumps(
     simulated = predict_step({True: program}, 1, rates, step.world_size, mesh=step.mesh)
     ranks = sorted({e.rank for e in events})
     write_trace(events, simulated.events, ranks, root / "trace.json")
-    predicted = predict_memory(program, states)
+    predicted = predict_memory(program, states, gloo=step.on_gloo)
     plot_memory(
         root / "memory.png",
         predicted,
@@ -324,10 +324,15 @@ def _sections(
 
 def _memory_caption(predicted: MemoryTimeline, measured: MemoryTimeline) -> str:
     (_, p), (_, m) = predicted.peak(), measured.peak()
+    gloo = (
+        " gloo's own buffers (comm) are predicted only: the run measures the program's tensors."
+        if any(predicted.series["comm"])
+        else ""
+    )
     return (
         f"live bytes of rank 0 over the program, by category: predicted from the scheduled "
         f"program (areas), measured in this run (line). Peak: predicted {human_bytes(p)}, "
-        f"measured {human_bytes(m)}."
+        f"measured {human_bytes(m)}.{gloo}"
     )
 
 
@@ -338,6 +343,7 @@ def _estimate_text(step: StepRecord, predicted: MemoryTimeline) -> str:
     lines += [
         f"  {'gathered peak':<14}{human_bytes(max(predicted.series['gathered'])):>12}",
         f"  {'activ. peak':<14}{human_bytes(max(predicted.series['activations'])):>12}",
+        f"  {'gloo peak':<14}{human_bytes(max(predicted.series['comm'])):>12}",
         f"  {'peak':<14}{human_bytes(predicted.peak()[1]):>12}",
         "communication per optimizer step, per rank:",
     ]

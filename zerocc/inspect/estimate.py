@@ -148,13 +148,16 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
     the step's time, simulated with ``rates`` (default: :func:`zerocc.cost.rates.rates_for` the
     plan)."""
     plan = inspection.plan
+    rates = rates or rates_for(plan)
     states = model_state_bytes_of(inspection.stepping.layout)
-    timeline = predict_memory(inspection.stepping.gm, states)
+    gloo = rates.device == "cpu"  # (a CPU run's collectives run on gloo)
+    timeline = predict_memory(inspection.stepping.gm, states, gloo=gloo)
     index, total = timeline.peak()
     peak = {
         "total": total,
         "gathered": max(timeline.series["gathered"], default=0),
         "activations": max(timeline.series["activations"], default=0),
+        "comm": max(timeline.series["comm"], default=0),
         "host_buffers": timeline.host_peak,
         "at": index,
     }
@@ -162,7 +165,6 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
     comm = comm_bytes(programs, plan.grad_accumulation)
     transfers = transfer_bytes(programs, plan.grad_accumulation)
     offloaded = {where: states.get(where, 0) for where in (HOST, NVME)}
-    rates = rates or rates_for(plan)
     timing = predict_step(
         programs,
         plan.grad_accumulation,

@@ -166,6 +166,7 @@ def estimate_pipeline(
     rates = rates or rates_for(inspection.plan)
     cost = CostModel(rates, world_size, inspection.mesh)
     schedule, work = inspection.schedule, inspection.workload
+    gloo = rates.device == "cpu"  # (a CPU run's collectives run on gloo)
 
     def seconds(gm: fx.GraphModule) -> float:
         return program_seconds(gm, cost)
@@ -177,7 +178,9 @@ def estimate_pipeline(
             inspection.splits, inspection.staged, schedule, r, torch.device("cpu"),
         )  # fmt: skip
         states = model_state_bytes_of(compiled.session.layout)
-        memory = predict_pipeline_memory(schedule.actions[r], compiled.programs, states["total"])
+        memory = predict_pipeline_memory(
+            schedule.actions[r], compiled.programs, states["total"], gloo=gloo
+        )
         times = {k: seconds(gm) if gm is not None else 0.0 for k, gm in compiled.programs.items()}
         update_s = seconds(compiled.update)
         moved = _collective_bytes(compiled, schedule.microbatches)
@@ -195,7 +198,7 @@ def estimate_pipeline(
         if isinstance(other, PipelineSchedule) and other.runs_the_programs_of(schedule):
             peaks[name] = max(
                 predict_pipeline_memory(
-                    other.actions[r], compiled.programs, rank.model_states["total"]
+                    other.actions[r], compiled.programs, rank.model_states["total"], gloo=gloo
                 ).peak
                 for r, (rank, compiled) in enumerate(zip(ranks, compiled_ranks, strict=True))
             )

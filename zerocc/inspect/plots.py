@@ -25,6 +25,7 @@ CATEGORY_COLORS = {
     "optimizer": "#55a868",
     "gathered": "#c44e52",
     "activations": "#8172b3",
+    "comm": "#937860",
 }
 PHASE_COLORS = {"forward": "#d6eaf8", "backward": "#d5f5e3", "optimizer": "#fcf3cf"}
 _UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))

@@ -32,6 +32,7 @@ UNIT_GROUPS = (DP_GROUP, EXPERT_DP_GROUP, SECONDARY_GROUP)
 # The all-gathers of a unit's parameters: as they are, or quantized on the wire
 PARAM_GATHERS = ("zerocc.all_gather_start", "zerocc.all_gather_quantized_start")
 GRAD_REDUCE_SCATTERS = ("zerocc.reduce_scatter_start", "zerocc.reduce_scatter_quantized_start")
+ALL_REDUCE = "zerocc.all_reduce_start"
 QUANTIZED_STARTS = ("zerocc.all_gather_quantized_start", "zerocc.reduce_scatter_quantized_start")
 
 

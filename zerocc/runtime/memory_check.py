@@ -93,15 +93,18 @@ def model_state_need(
     return need
 
 
-def step_need(gm: fx.GraphModule, device: torch.device) -> Need:
+def step_need(gm: fx.GraphModule, device: torch.device, *, gloo: bool) -> Need:
     """The transient memory of one run of ``gm`` per rank and pool, at its predicted peak:
-    activations and gathered units where the device's peak is, offload's host buffers at their
-    own peak (on a CPU-only machine both in host memory: an upper bound)."""
-    timeline = predict_memory(gm, {})  # without model states: the totals are the transient
+    activations, gathered units and (``gloo``: its collectives run there) gloo's collective
+    buffers where the device's peak is, offload's host buffers at their own peak (on a
+    CPU-only machine both in host memory: an upper bound)."""
+    timeline = predict_memory(gm, {}, gloo=gloo)  # without model states: the transient alone
     index, _ = timeline.peak()
     need: Need = {}
     device_pool = pool_of(DEVICE, device)
-    for part, series in (("activations", "activations"), ("gathered units", "gathered")):
+    parts = (("activations", "activations"), ("gathered units", "gathered"),
+             ("collective buffers", "comm"))  # fmt: skip
+    for part, series in parts:
         _add(need, device_pool, part, timeline.series[series][index] if timeline.labels else 0)
     _add(need, HOST_POOL, "host buffers", timeline.host_peak)
     return need
@@ -233,7 +236,8 @@ def check_step_memory(
     program ``gm`` would not fit beside the state already allocated (``layout``; call before
     it first runs). ``recompile(plan)`` compiles another plan's program for the same batch:
     the figures of the changes the error proposes come from it (only on the error path)."""
-    need = step_need(gm, device)
+    gloo = comm.on_gloo
+    need = step_need(gm, device, gloo=gloo)
     short = _shortfalls(_exchange(comm, device, _totals(need)))
     if not short:
         return
@@ -249,7 +253,7 @@ def check_step_memory(
             if _helps(states, current):
                 rows.append(_row(change.text, states, budget, sharers, "model states alone"))
             continue
-        changed = _sum(states, _totals(step_need(recompile(change.plan), device)))
+        changed = _sum(states, _totals(step_need(recompile(change.plan), device, gloo=gloo)))
         if _helps(changed, current):
             rows.append(_row(change.text, changed, budget, sharers))
 

@@ -26,6 +26,7 @@ class StepRecord:
     world_size: int
     rank: int
     device_type: str  # "cpu" | "cuda": the rates a prediction uses
+    on_gloo: bool  # whether its collectives run on gloo (its buffers are predicted memory)
     units: list[Unit]
     layout: StateLayout  # the persistent state its programs bind
     # The compiled programs of the first batch shape, by whether they step (empty before the

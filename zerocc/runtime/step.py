@@ -521,6 +521,7 @@ class StepRunner:
             world_size=self.comm.world_size,
             rank=self.comm.rank,
             device_type=self.device.type,
+            on_gloo=self.comm.on_gloo,
             units=self.units,
             layout=self.layout,
             programs={b: p.gm for (sig, b), p in self.programs.items() if sig == first},
