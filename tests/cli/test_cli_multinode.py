@@ -17,6 +17,7 @@ from lost_node_workload import LOSE_THIS_NODE
 from train_runs import CPU_ONLY, checkpoint_digests, final_loss
 
 from zerocc.cli.main import main
+from zerocc.runtime.launch import Nodes
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
 
@@ -84,12 +85,31 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
         (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--master-port", "5"],
          "--master-port is for one machine"),
         (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "2 ranks, which 3 machines cannot share"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "keep_alive_interval=1"],
+         "--rdzv-conf 'keep_alive_interval=1' sets the rendezvous of a run that restarts"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/tmp/x",
+          "--rdzv-conf", "keep_alive_intervl=1"],
+         "'keep_alive_intervl' is not a setting zerocc passes on; known: join_timeout"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/tmp/x",
+          "--rdzv-conf", "is_host=true"], "(zerocc sets is_host: node 0 keeps the store)"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/tmp/x",
+          "--rdzv-conf", "keep_alive_interval=0.5"],
+         "keep_alive_interval is '0.5', not a whole number of at least 1"),
     ],
-    ids=["no-endpoint", "node-rank", "endpoint", "master-port", "uneven"],
+    ids=["no-endpoint", "node-rank", "endpoint", "master-port", "uneven", "conf-static",
+         "conf-unknown", "conf-is-host", "conf-value"],
 )  # fmt: skip
 def test_a_multi_node_launch_that_cannot_work_is_refused_before_it_starts(flags, error, capsys):
     assert main(["train", str(PLAN), "--steps", "1", *flags]) == 2
     assert error in capsys.readouterr().err
+
+
+def test_the_rendezvous_settings_go_to_torchrun_beside_zeroccs_own():
+    conf = "keep_alive_interval=2, keep_alive_max_attempt=3"
+    assert Nodes(2, 0, "h:1", conf).rendezvous_conf() == (
+        "is_host=true,keep_alive_interval=2,keep_alive_max_attempt=3"
+    )
+    assert Nodes(2, 1, "h:1").rendezvous_conf() == "is_host=false"
 
 
 # (from disk: the restart of test_cli_checkpoint.py's from-disk case, on c10d: slow)
@@ -121,8 +141,10 @@ def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path, in_memory):
     one_thread = {**CPU_ONLY, "OMP_NUM_THREADS": "1"}  # (as the 2 ranks of one machine have)
 
     def node(rank: int, lose: bool = False) -> subprocess.Popen:
+        # (a lost node counts as lost after 3 keep-alives 2 s apart, not torchrun's 3 × 5 s)
         command = [*train, "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
-                   "--rdzv-endpoint", endpoint, "--save", str(saves), *memory]  # fmt: skip
+                   "--rdzv-endpoint", endpoint, "--save", str(saves), *memory,
+                   "--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=3"]  # fmt: skip
         env = {**one_thread, LOSE_THIS_NODE: "1"} if lose else one_thread
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env)  # fmt: skip

@@ -168,6 +168,12 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         help="where the machines meet: node 0's address and a free port on it",
     )  # fmt: skip
     train.add_argument(
+        "--rdzv-conf", metavar="KEY=VALUE,...",
+        help="with --nnodes and --max-restarts, settings of torchrun's c10d rendezvous, e.g. "
+        "keep_alive_interval=2,keep_alive_max_attempt=2 to count a lost machine as lost "
+        "after 4 s instead of 15",
+    )  # fmt: skip
+    train.add_argument(
         "--max-restarts", type=int, default=0, metavar="N",
         help="when a rank dies, start every rank again from the last checkpoint, up to N "
         "times (needs --save; saves every --save-every steps bound the steps lost); with "
@@ -414,12 +420,18 @@ def _restarts_of(args: argparse.Namespace, plan: Plan) -> int:
 
 
 def _nodes_of(args: argparse.Namespace) -> Nodes:
-    """The machines the run spans (``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``)."""
+    """The machines the run spans (``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``,
+    ``--rdzv-conf``)."""
     if args.nnodes > 1 and args.master_port:
         raise ZeroccError(
             "--master-port is for one machine; with --nnodes the port is --rdzv-endpoint's"
         )
-    return Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    if args.rdzv_conf is not None and not (args.nnodes > 1 and args.max_restarts):
+        raise ZeroccError(
+            f"--rdzv-conf {args.rdzv_conf!r} sets the rendezvous of a run that restarts over "
+            "machines (--nnodes N with --max-restarts); this run meets at a fixed address"
+        )
+    return Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_conf)
 
 
 def _ranks_the_plan_takes(plan: Plan, nodes: int = 1) -> int:

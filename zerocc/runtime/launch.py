@@ -51,6 +51,19 @@ def _memory_folder(run_dir: str) -> Path:
     return SHARED_MEMORY / Path(run_dir).name  # (zerocc-run-<random>, the launch's own)
 
 
+# What `--rdzv-conf` may set of torchrun's c10d rendezvous, and its default (``is_host`` is
+# zerocc's: node 0 keeps the store).
+RENDEZVOUS_CONF = {
+    "join_timeout": "seconds the nodes have to meet (600)",
+    "last_call_timeout": "seconds a round waits for more nodes once enough have met (30)",
+    "close_timeout": "seconds a round has to close (30)",
+    "heartbeat_timeout": "seconds a keep-alive may take",
+    "keep_alive_interval": "seconds between a node's keep-alives (5)",
+    "keep_alive_max_attempt": "keep-alives missed before a node counts as lost (3)",
+    "read_timeout": "seconds a read of the store may take (60)",
+}
+
+
 @dataclass(frozen=True)
 class Nodes:
     """Where this launcher's ranks sit among the run's machines, by torchrun's names: node
@@ -58,11 +71,15 @@ class Nodes:
     launcher keeps the store the ranks rendezvous at). Global ranks are node-major: node
     ``i``'s ``nproc`` ranks are ``i × nproc`` onwards (torchrun's static rendezvous); a run
     that restarts (``--max-restarts``) meets at torchrun's c10d rendezvous instead, where a node
-    that replaces a lost one joins the next round, and ranks go by the order the nodes join."""
+    that replaces a lost one joins the next round, and ranks go by the order the nodes join;
+    ``conf`` sets that rendezvous (``KEY=VALUE,...`` of :data:`RENDEZVOUS_CONF`: a lost node
+    counts as lost after ``keep_alive_interval × keep_alive_max_attempt`` seconds, 15 by
+    default)."""
 
     count: int = 1
     rank: int = 0
     endpoint: str | None = None
+    conf: str | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -78,6 +95,29 @@ class Nodes:
             )
         if self.endpoint is not None:
             self.address()  # (checked now)
+        if self.conf is not None:
+            self.rendezvous_conf()  # (checked now)
+
+    def rendezvous_conf(self) -> str:
+        """torchrun's ``--rdzv-conf`` for the c10d rendezvous: node 0 hosts the store, and
+        what ``conf`` sets (each key one of :data:`RENDEZVOUS_CONF`, each value a positive
+        integer)."""
+        items = [f"is_host={str(self.rank == 0).lower()}"]
+        for item in self.conf.split(",") if self.conf else []:
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key not in RENDEZVOUS_CONF:
+                known = "; ".join(f"{k}: {what}" for k, what in RENDEZVOUS_CONF.items())
+                raise ZeroccError(
+                    f"--rdzv-conf {self.conf!r}: {key!r} is not a setting zerocc passes on"
+                    + (" (zerocc sets is_host: node 0 keeps the store)" if key == "is_host" else "")
+                    + f"; known: {known}"
+                )
+            if not value.strip().isdigit() or int(value) < 1:
+                raise ZeroccError(f"--rdzv-conf {self.conf!r}: {key} is {value!r}, not a whole "
+                                  "number of at least 1")  # fmt: skip
+            items.append(f"{key}={int(value)}")
+        return ",".join(items)
 
     def address(self, port: int = 0) -> tuple[str, int]:
         """The rendezvous host and port: the endpoint's, else this machine and ``port``."""
@@ -119,7 +159,7 @@ def launch(
         meeting = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
                    "--rdzv-id", f"zerocc-{port}",
                    # node 0 keeps the store the rounds meet at (the others' loss it outlives)
-                   "--rdzv-conf", f"is_host={str(nodes.rank == 0).lower()}"]  # fmt: skip
+                   "--rdzv-conf", nodes.rendezvous_conf()]  # fmt: skip
     else:
         meeting = ["--node-rank", str(nodes.rank), "--master-addr", host,
                    "--master-port", str(port)]  # fmt: skip
