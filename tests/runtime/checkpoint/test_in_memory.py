@@ -15,6 +15,7 @@ from parity import _model, batch_of, plan_of
 
 import zerocc
 from zerocc.runtime.checkpoint.in_memory import MemoryCheckpoints, snapshot_name
+from zerocc.runtime.checkpoint.snapshot_file import read_snapshot
 
 CASE = {"model": "gpt"}
 PLAN = {
@@ -44,6 +45,7 @@ def _lose_a_machine_and_restore(rank: int, world: int, root: Path) -> dict:
     memory.save(step)
     _train(step, [2], rank)
     memory.save(step)
+    step.comm.all_gather_object(None)  # (each rank clears the older files it looks after)
     held = sorted((h.step, h.rank) for h in memory.held())
     saved = {k: v.clone() for k, v in step.state_dict().items() if isinstance(v, torch.Tensor)}
     expected = _train(step, [3], rank)
@@ -80,6 +82,46 @@ def test_a_lost_machines_ranks_are_restored_from_the_next_machines_copies(tmp_pa
         assert result["done"] == 3 and result["fetched"] == 2
         assert result["same"], rank
         assert result["losses"][0] == result["losses"][1], rank
+
+
+def _save_three_steps(rank: int, world: int, root: Path) -> dict:
+    """Two ranks, each its own machine (a folder), each keeping the other's copy: three steps
+    saved, with the files' inodes after each."""
+    step = zerocc.compile(build("gpt"), PLAN)
+    folder = root / f"machine-{rank}"
+    memory = MemoryCheckpoints(folder, step.comm, ranks_per_machine=1)
+    inodes = []
+    for i in range(3):
+        _train(step, [i], rank)
+        memory.save(step)
+        files = {k: f.path for k, f in memory.newest_files.items()}
+        inodes.append({k: p.stat().st_ino for k, p in files.items()})
+    state = {k: v for k, v in step.state_dict().items() if isinstance(v, torch.Tensor)}
+    tensors, _ = read_snapshot(folder / snapshot_name(3, rank, world))
+    return {
+        "inodes": inodes,
+        "spares": {k: f.path.stat().st_ino for k, f in memory.spares.items()},
+        "names": sorted(p.name for p in folder.iterdir()),
+        "same": all(torch.equal(tensors[k], v) for k, v in state.items()),
+    }
+
+
+def test_a_save_writes_into_the_pages_of_the_step_before_the_last(tmp_path):
+    """After each save a rank keeps its newest files mapped and the step before's as spares:
+    the third step is written (and its copy received) into the first step's files, which take
+    no new pages, and the folder holds the newest step's snapshots and the two spares, not
+    the older steps'. What is written reads back as the state saved."""
+    for rank, result in enumerate(run_ranks(2, _save_three_steps, tmp_path)):
+        first, second, third = result["inodes"]
+        assert first.keys() == {"own", "copy"}
+        assert third == first and second != first, rank
+        assert result["spares"] == second, rank
+        peer = 1 - rank
+        assert result["names"] == sorted([
+            snapshot_name(3, rank, 2), snapshot_name(3, peer, 2),
+            f".rank-{rank:05d}.own.spare", f".rank-{rank:05d}.copy.spare",
+        ]), rank  # fmt: skip
+        assert result["same"], rank
 
 
 def _pipeline_steps(step, indices: range) -> list[float]:

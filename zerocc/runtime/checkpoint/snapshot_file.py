@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,40 @@ _ALIGN = 64
 _LENGTH = 8  # bytes of the header's length
 
 
-def write_snapshot(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class MappedFile:
+    """A snapshot's file and its pages, mapped into this process and written through: kept
+    for a later snapshot to be written into (or received into), which then takes no new pages.
+    Copying into a file's pages mapped before ran at memory speed here (12 GB/s), into a new
+    file's at 3 GB/s (each page allocated and zeroed on first touch)."""
+
+    path: Path
+    data: torch.Tensor  # uint8, at least the file's bytes
+
+
+def mapped_for(path: Path, nbytes: int, reused: MappedFile | None = None) -> torch.Tensor:
+    """Pages for ``nbytes`` of the file ``path``, mapped to be written (the first ``nbytes``
+    of the tensor returned): ``reused``'s, its file renamed to ``path`` (grown where short),
+    else a new file's."""
+    if reused is None:
+        emptied(path)
+    else:
+        reused.path.replace(path)
+        if reused.data.numel() >= nbytes:
+            return reused.data
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def write_snapshot(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    reused: MappedFile | None = None,
+) -> MappedFile:
     """``tensors`` and the JSON-able ``meta`` as the file ``path``, made whole by a rename (a
-    file seen is complete)."""
+    file seen is complete), written into ``reused``'s pages where given (its file is renamed:
+    a longer one keeps bytes past the snapshot's end, which reading ignores). Returns the
+    file, mapped, for a later write to reuse."""
     entries, size = {}, 0
     for name, t in tensors.items():
         size = _aligned(size)
@@ -34,8 +66,7 @@ def write_snapshot(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str,
     header = json.dumps({"meta": meta, "tensors": entries}).encode()
     start = _aligned(_LENGTH + len(header))
     partial = partial_path(path)
-    emptied(partial)
-    data = torch.from_file(str(partial), shared=True, size=start + size, dtype=torch.uint8)
+    data = mapped_for(partial, start + size, reused)
     data[:_LENGTH].copy_(torch.tensor([len(header)], dtype=torch.int64).view(torch.uint8))
     data[_LENGTH : _LENGTH + len(header)].copy_(
         torch.frombuffer(bytearray(header), dtype=torch.uint8)
@@ -43,8 +74,8 @@ def write_snapshot(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str,
     for name, t in tensors.items():
         at, nbytes = start + entries[name][2], t.numel() * t.element_size()
         data[at : at + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-    del data  # (unmapped: its pages are the file's)
     partial.replace(path)
+    return MappedFile(path, data)
 
 
 def read_snapshot(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
