@@ -3,8 +3,8 @@ modules, nor packages, import each other in a circle. Every import counts: modul
 inside functions, and under ``TYPE_CHECKING`` (a type is a dependency too). The folders are the
 packages (no ``package-dir`` mapping), so every import between them is seen.
 
-    base (errors, compat, logs) < ir < compiler (+ passes) < cost < engine < backends < runtime
-        < inspect < api (the ``zerocc`` facade, ``zerocc.train_step``) < cli
+    base (errors, compat, logs, local_ranks) < ir < compiler (+ passes) < cost < engine
+        < backends < runtime < inspect < api (the ``zerocc`` facade, ``zerocc.train_step``) < cli
 
 Within the compiler, packages stack too (:data:`COMPILER_PACKAGES`)::
 
@@ -43,6 +43,7 @@ LAYER_OF_PREFIX = {  # longest prefix wins
     "zerocc.errors": "base",
     "zerocc.compat": "base",
     "zerocc.logs": "base",
+    "zerocc.local_ranks": "base",
     "zerocc.ir": "ir",
     "zerocc.compiler": "compiler",
     "zerocc.cost": "cost",

@@ -9,7 +9,6 @@ every rank chooses the same plan; rank 0 prints the table and the choice.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -25,6 +24,7 @@ from zerocc.cost.rates import rates_for
 from zerocc.engine.comm import Comm
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.inspect.plan_search import Search, search_plans
+from zerocc.local_ranks import ranks_on_this_machine
 from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL, available_memory
 
 
@@ -47,7 +47,7 @@ def searched_plan(
     batch = as_batch(example)
     workload = Workload(model, loss_fn=loss_fn, batches=lambda rank, world: iter([batch]))
     # (ranks on this machine: torchrun's count, else every rank on one machine)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(comm.world_size)))
+    local_ranks = ranks_on_this_machine(unknown=comm.world_size)
     memory = min(comm.all_gather_object(_memory_per_rank(device, local_ranks)))
     rates = rates_for(plan, device.type)
     search = search_plans(plan, comm.world_size, memory, rates, workload, local_ranks)

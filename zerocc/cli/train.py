@@ -19,6 +19,7 @@ from zerocc.cli.metrics import Metrics, progress_text
 from zerocc.compiler.plan import Plan
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
+from zerocc.local_ranks import ranks_on_this_machine
 from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
 from zerocc.runtime.checkpoint.files import PREFIX, resolve, saved_checkpoints
@@ -177,8 +178,7 @@ class _Run:
             states = model_state_bytes_of(step.layout)
             timeline = predict_memory(step.program, states, gloo=step.comm.on_gloo)
             peak = timeline.peak()[1] + timeline.host_peak
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        report(predicted_peak_bytes=peak, local_ranks=local_ranks)
+        report(predicted_peak_bytes=peak, local_ranks=ranks_on_this_machine(unknown=1))
         if self.rank == 0:
             print(step.explain(), flush=True)  # explains the program the first step built
 
@@ -262,7 +262,7 @@ def _memory_checkpoints(step, plan: Plan) -> MemoryCheckpoints | None:
     folder = in_memory_folder() if plan.checkpoint.in_memory else None
     if folder is None:
         return None
-    ranks_per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", step.comm.world_size))
+    ranks_per_machine = ranks_on_this_machine(unknown=step.comm.world_size)
     return MemoryCheckpoints(folder, step.comm, ranks_per_machine)
 
 

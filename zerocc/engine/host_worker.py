@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from zerocc.local_ranks import local_rank, ranks_on_this_machine
+
 
 class HostWork:
     """The handle of one issued host update."""
@@ -74,9 +76,8 @@ def host_update_cores() -> tuple[list[int], bool]:
     count = os.cpu_count() or 1
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cores = cores or list(range(count))
-    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    share = max(1, len(cores) // local_world)
-    first = (int(os.environ.get("LOCAL_RANK", "0")) * share) % len(cores)
+    share = max(1, len(cores) // ranks_on_this_machine(unknown=1))
+    first = (local_rank() * share) % len(cores)
     return cores[first : first + share], len(cores) == count and hasattr(os, "sched_setaffinity")
 
 

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from zerocc.compiler.plan import Plan
 from zerocc.errors import DeviceError
+from zerocc.local_ranks import local_rank as launcher_local_rank
+from zerocc.local_ranks import ranks_on_this_machine
 
 
 def rank_device(
@@ -45,9 +47,9 @@ def rank_device(
             "allowed here: auto, cpu"
         )
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = launcher_local_rank()
     if local_ranks is None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+        local_ranks = ranks_on_this_machine(unknown=local_rank + 1)
     gpus = torch.cuda.device_count()
     if max(local_ranks, local_rank + 1) > gpus:
         asked = "'auto' (this machine has a GPU)" if wanted == "auto" else "'cuda'"

@@ -26,7 +26,6 @@ and, for the step's transient memory, the other plan's program compiled (on fake
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 from collections.abc import Callable
 from functools import partial
@@ -46,6 +45,7 @@ from zerocc.cost.pipeline_memory import PipelineMemory
 from zerocc.engine.comm import Comm
 from zerocc.errors import InsufficientMemoryError
 from zerocc.ir.printing import human_bytes
+from zerocc.local_ranks import ranks_on_this_machine
 from zerocc.runtime import machine_memory, nvml
 from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL, pool_names
 
@@ -373,7 +373,7 @@ def _sharers(views: list[RankMemory], view: RankMemory, pool: str) -> int:
     GPU's for device memory. Without a process group to count them: torchrun's
     LOCAL_WORLD_SIZE for host memory."""
     if len(views) == 1:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if pool == HOST_POOL else 1
+        return ranks_on_this_machine(unknown=1) if pool == HOST_POOL else 1
     return sum(
         v.machine == view.machine and (pool == HOST_POOL or v.device == view.device) for v in views
     )

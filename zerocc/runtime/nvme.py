@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerocc.errors import OffloadError
+from zerocc.local_ranks import ranks_on_this_machine
 
 if TYPE_CHECKING:
     from zerocc.compiler.plan import Plan
@@ -410,7 +411,7 @@ def open_store(plan: Plan, rank: int, specs: list[StateSpec]) -> NvmeStore | Non
     if not specs:
         return None
     store = NvmeStore(plan.offload.nvme_path, rank)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_ranks = ranks_on_this_machine(unknown=1)
     largest = max(s.nbytes for s in specs)
     store.check_capacity(local_ranks * sum(s.nbytes for s in specs), largest=largest)
     return store
