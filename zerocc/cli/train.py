@@ -358,7 +358,10 @@ class _Saver:
         self.finish()
 
     def finish(self) -> None:
-        """Wait for the save in flight (its error, if it failed, is raised here)."""
+        """Wait for the save in flight and the in-memory copies in flight (an error, if one
+        failed, is raised here)."""
+        if self.memory is not None:
+            self.memory.wait()
         pending, self._pending = self._pending, None
         if pending is not None:
             self.last = pending.wait()
@@ -406,10 +409,15 @@ class _Saver:
                          f"{self.blocked_s / self.saves:.2f} s per save")  # fmt: skip
         if self.saves and self.background:
             lines[-1] += f" (written in {self.written_s / self.saves:.2f} s each)"
-        if self.memory is not None and self.memory.saved_s:
-            copied = ", each copied to the next machine" if self.memory.copy_to is not None else ""
-            lines.append(f"checkpoints in memory: every step{copied}, "
-                         f"{self.memory.saved_s:.2f} s in all")  # fmt: skip
+        memory = self.memory
+        if memory is not None and memory.saved_s:
+            copied = (
+                f", each copied to the next machine on a thread ({memory.copied_s:.2f} s)"
+                if memory.copy_to is not None
+                else ""
+            )
+            lines.append(f"checkpoints in memory: every step{copied}, training blocked "
+                         f"{memory.saved_s:.2f} s in all")  # fmt: skip
         return "\n".join(lines) or None
 
 

@@ -45,6 +45,7 @@ def _lose_a_machine_and_restore(rank: int, world: int, root: Path) -> dict:
     memory.save(step)
     _train(step, [2], rank)
     memory.save(step)
+    memory.wait()  # (the copies travel on a thread)
     step.comm.all_gather_object(None)  # (each rank clears the older files it looks after)
     held = sorted((h.step, h.rank) for h in memory.held())
     saved = {k: v.clone() for k, v in step.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -94,6 +95,7 @@ def _save_three_steps(rank: int, world: int, root: Path) -> dict:
     for i in range(3):
         _train(step, [i], rank)
         memory.save(step)
+        memory.wait()
         files = {k: f.path for k, f in memory.newest_files.items()}
         inodes.append({k: p.stat().st_ino for k, p in files.items()})
     state = {k: v for k, v in step.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -122,6 +124,33 @@ def test_a_save_writes_into_the_pages_of_the_step_before_the_last(tmp_path):
             f".rank-{rank:05d}.own.spare", f".rank-{rank:05d}.copy.spare",
         ]), rank  # fmt: skip
         assert result["same"], rank
+
+
+def _save_while_the_peer_trains(rank: int, world: int, root: Path) -> dict:
+    """Rank 1 saves only once rank 0's save has returned: with the copies on a thread, rank
+    0's returns with rank 1's copy not yet there (a save that waited for its copies would wait
+    for rank 1, which waits for it: the run would time out)."""
+    step = zerocc.compile(build("gpt"), PLAN)
+    folder = root / f"machine-{rank}"
+    memory = MemoryCheckpoints(folder, step.comm, ranks_per_machine=1)
+    _train(step, [0], rank)
+    peer_copy = folder / snapshot_name(1, 1 - rank, world)
+    if rank == 0:
+        memory.save(step)
+        before = peer_copy.exists()
+        step.comm.all_gather_object(None)
+    else:
+        step.comm.all_gather_object(None)
+        memory.save(step)
+        before = None
+    memory.wait()
+    return {"before": before, "after": peer_copy.exists()}
+
+
+def test_the_copies_travel_while_training_goes_on(tmp_path):
+    first, second = run_ranks(2, _save_while_the_peer_trains, tmp_path, timeout=120)
+    assert first == {"before": False, "after": True}
+    assert second["after"]
 
 
 def _pipeline_steps(step, indices: range) -> list[float]:

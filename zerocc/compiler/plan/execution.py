@@ -281,10 +281,11 @@ class CheckpointConfig(Section):
         False,
         description="also keep every step's state in host memory (a tmpfs folder under "
         "/dev/shm the launcher removes at the end), so that a restart (`zerocc train "
-        "--max-restarts`) loses no step: each rank's state once in its machine's memory and, "
-        "over several machines (--nnodes), once more in the next machine's, so a lost machine's "
-        "ranks are restored from its neighbour's copies; a write at memory speed (and a send "
-        "of each rank's state) per step. A restart on another number of ranks loads the disk "
+        "--max-restarts`) loses no step: each rank's state in its machine's memory and, "
+        "over several machines (--nnodes), in the next machine's, so a lost machine's ranks "
+        "are restored from its neighbour's copies (sent on a thread during the next step: a "
+        "machine lost before they arrive loses that step too); a write at memory speed per "
+        "step, two of each held. A restart on another number of ranks loads the disk "
         "checkpoint",
     )
     async_save: Literal["auto"] | bool = Field(

@@ -1,6 +1,7 @@
 """Checkpoints in memory (``checkpoint.in_memory``): after every step each rank keeps its own
 state in its machine's shared memory and, over several machines, a copy on a rank of the next
-machine, so that a restart loses no step and reads no disk, even when a whole machine is lost.
+machine, so that a restart loses no step and reads no disk (at most one when a whole machine
+is lost: see Saving).
 
 A snapshot is one rank's state as ``step.state_dict()`` gives it (its shards, optimizer state,
 counters and loss scale) with its random number generators: what that rank needs to go on
@@ -13,11 +14,15 @@ receives them straight into its file.
 **Saving.** Each rank writes its own snapshot, sends it to the rank ``ranks per machine``
 further round the ring (the same local rank of the next machine), keeps the one it receives
 from the rank as far behind, and once every rank has both, the older step's files go: a
-machine lost mid-save leaves the step before whole on the others. Each rank keeps the files it
-wrote and received mapped, and the step before's (own and copy) as spares that the next save
-renames and writes into: a step's snapshot then takes no new pages, at memory speed (4× a new
-file's), for two snapshots and two copies held between saves instead of one each (what a save
-held at its peak before).
+machine lost mid-save leaves the step before whole on the others. The copies travel on a
+thread, on a gloo group of their own (:meth:`~zerocc.engine.comm.Comm.side_channel`), while
+the next step trains; the next save waits for them first. A machine lost while they travel
+loses that step too: the restart takes the step before, which the thread had made whole.
+
+Each rank keeps the files it wrote and received mapped, and the step before's (own and copy)
+as spares that the next save renames and writes into: a step's snapshot then takes no new
+pages, at memory speed (4× a new file's), for two snapshots and two copies held between saves
+instead of one each (what a save held at its peak before).
 
 **Restoring.** The ranks tell each other what their machine's folder holds, and the newest
 step whose every rank's snapshot is held somewhere is loaded: each rank reads its own from its
@@ -30,6 +35,7 @@ rendezvous numbers the machines as they join).
 from __future__ import annotations
 
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +79,8 @@ class Held:
 
 class MemoryCheckpoints:
     """The snapshots of one rank's machine (``folder``, shared by its ranks) and the ring of
-    copies between machines of ``ranks_per_machine`` ranks each (none on one machine)."""
+    copies between machines of ``ranks_per_machine`` ranks each (none on one machine). Made
+    on every rank at the same point (over several machines it makes a process group)."""
 
     def __init__(self, folder: Path, comm: Comm, ranks_per_machine: int) -> None:
         self.folder, self.comm = folder, comm
@@ -86,7 +93,13 @@ class MemoryCheckpoints:
         first = rank - rank % ranks_per_machine if copies else 0
         mine = range(first, first + ranks_per_machine) if copies else range(world)
         self.looked_after = {*mine, *((r - ranks_per_machine) % world for r in mine if copies)}
-        self.saved_s = 0.0  # seconds the saves took, all told
+        self.saved_s = 0.0  # seconds the saves kept training waiting, all told
+        self.copied_s = 0.0  # seconds the copies took on their thread, all told
+        # The side channel the copies travel on (making it is a collective: every rank makes
+        # its MemoryCheckpoints at the same point)
+        self._copies = comm.side_channel() if copies else None
+        self._copying: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
         # This rank's newest files (its own snapshot, the copy it keeps) and the older ones
         # kept to be written into next, all mapped; by kind ("own", "copy").
         self.newest_files: dict[str, MappedFile] = {}
@@ -97,31 +110,68 @@ class MemoryCheckpoints:
     def save(self, step) -> None:
         """Snapshot ``step`` (every rank, after an optimizer step): this rank's own file, its
         copy on the next machine and the copy it keeps of the previous one's; then the older
-        step's files go. Any rank's failure fails it on every rank (CheckpointError), a peer
-        gone mid-copy is a RankStoppedError."""
+        step's files go. Over several machines the copies and what follows them run on a
+        thread (:meth:`wait`); the previous step's are waited for first. Any rank's failure
+        fails it on every rank (CheckpointError), a peer gone mid-copy is a RankStoppedError,
+        raised here or, from the thread, where it is waited for."""
         started = time.perf_counter()
+        self.wait()
         done = step.micro_batches // step.plan.grad_accumulation
-        rank, world = self.comm.rank, self.comm.world_size
-        mine = self.folder / snapshot_name(done, rank, world)
+        mine = self.folder / snapshot_name(done, self.comm.rank, self.comm.world_size)
         written: dict[str, MappedFile] = {}
 
         def write() -> None:
             written["own"] = _write(mine, step, done, self.spares.pop("own", None))
 
         error = attempt(write)
-        if self.copy_to is not None and self.copy_from is not None:
-            theirs = self.folder / snapshot_name(done, self.copy_from, world)
-            received, swap_error = self._swap(mine if error is None else None, theirs)
+        if self.copy_to is None:
+            agree(self.comm, error, "save to memory", KEPT)
+            self._settle(done, written)
+        else:
+            mine_or_none = mine if error is None else None
+            self._copying = threading.Thread(
+                target=self._copy, args=(done, mine_or_none, written, error),
+                name=f"zerocc-memory-copy-{done}",
+            )  # fmt: skip
+            self._copying.start()
+        self.saved_s += time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Wait for the copies in flight (and the agreement after them); their error, if they
+        failed, is raised here. Call before the process groups close."""
+        thread, self._copying = self._copying, None
+        if thread is None:
+            return
+        thread.join()
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            raise error
+
+    def _copy(
+        self, done: int, mine: Path | None, written: dict[str, MappedFile], error: str | None
+    ) -> None:
+        """The thread of a save over several machines: swap the copies, agree, settle."""
+        started = time.perf_counter()
+        assert self._copies is not None and self.copy_from is not None
+        try:
+            theirs = self.folder / snapshot_name(done, self.copy_from, self.comm.world_size)
+            received, swap_error = self._swap(self._copies, mine, theirs)
             if received is not None:
                 written["copy"] = received
-            error = swap_error or error
-        agree(self.comm, error, "save to memory", KEPT)
+            agree(self._copies, swap_error or error, "save to memory", KEPT)
+            self._settle(done, written)
+        except BaseException as exc:  # raised where the save is waited for
+            self._copy_error = exc
+        self.copied_s += time.perf_counter() - started
+
+    def _settle(self, done: int, written: dict[str, MappedFile]) -> None:
+        """Once step ``done`` is whole everywhere: its files are the newest, the ones they
+        replace become spares, and the older step's go."""
         for kind, file in written.items():
             if (older := self.newest_files.get(kind)) is not None:
                 self._keep_spare(kind, older)
             self.newest_files[kind] = file
         self._clear_before(done)
-        self.saved_s += time.perf_counter() - started
 
     def held(self) -> list[Held]:
         """The snapshots this machine's folder holds."""
@@ -175,7 +225,7 @@ class MemoryCheckpoints:
             )
             pages, error = _receiving(mine, nbytes)
             receives[sources[rank]] = pages[:nbytes]
-        self._exchange(sends, receives, "the restore from a peer's memory")
+        _exchange(self.comm, sends, receives, "the restore from a peer's memory")
         if receives and error is None:
             partial_path(mine).replace(mine)
         loaded = error or attempt(lambda: _load(step, mine, done))
@@ -209,21 +259,24 @@ class MemoryCheckpoints:
             if int(spare.name.split(".")[1].removeprefix("rank-")) not in self.looked_after:
                 spare.unlink(missing_ok=True)
 
-    def _swap(self, mine: Path | None, theirs: Path) -> tuple[MappedFile | None, str | None]:
+    def _swap(
+        self, comm: Comm, mine: Path | None, theirs: Path
+    ) -> tuple[MappedFile | None, str | None]:
         """Send this rank's snapshot ``mine`` (None where it could not be written: nothing
         goes) to the next machine's rank and receive the previous machine's into ``theirs``
-        (into the spare copy's pages where there is one): the file received (None where
-        nothing was), and the error keeping it, or None."""
+        (into the spare copy's pages where there is one), on ``comm``: the file received
+        (None where nothing was), and the error keeping it, or None."""
         assert self.copy_to is not None and self.copy_from is not None
         sent = _mapped(mine) if mine is not None else torch.empty(0, dtype=torch.uint8)
         size = torch.zeros(1, dtype=torch.int64)
-        self._exchange({self.copy_to: torch.tensor([sent.numel()])}, {self.copy_from: size},
-                       "the copy to a peer")  # fmt: skip
+        _exchange(comm, {self.copy_to: torch.tensor([sent.numel()])}, {self.copy_from: size},
+                  "the copy to a peer")  # fmt: skip
         nbytes = int(size)
         reused = self.spares.pop("copy", None) if nbytes else None
         pages, error = _receiving(theirs, nbytes, reused)
         into = pages[:nbytes]
-        self._exchange(
+        _exchange(
+            comm,
             {self.copy_to: sent} if sent.numel() else {},
             {self.copy_from: into} if into.numel() else {},
             "the copy to a peer",
@@ -233,11 +286,13 @@ class MemoryCheckpoints:
         partial_path(theirs).replace(theirs)
         return MappedFile(theirs, pages), None
 
-    def _exchange(self, sends: dict, receives: dict, what: str) -> None:
-        try:
-            self.comm.send_receive(sends, receives)
-        except Exception as exc:
-            raise peer_failure(self.comm, exc, f"the in-memory checkpoint's {what}") from exc
+
+
+def _exchange(comm: Comm, sends: dict, receives: dict, what: str) -> None:
+    try:
+        comm.send_receive(sends, receives)
+    except Exception as exc:
+        raise peer_failure(comm, exc, f"the in-memory checkpoint's {what}") from exc
 
 
 def _holds(holds: list[Held], step: int, rank: int, world: int) -> bool:
