@@ -16,6 +16,7 @@ node 0's copies.
 
     python bench/restart.py                  # 2 ranks, 12 steps, killed after 7, saves every 4
     python bench/restart.py --nodes 2        # the same, node 1 of 2 lost
+    python bench/restart.py --nodes 2 --rdzv-conf keep_alive_interval=2,keep_alive_max_attempt=3
 
 Prints a table and writes ``bench/results/restart-<date>.json``.
 """
@@ -70,7 +71,7 @@ def _run(
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
-    return {"wall_s": wall, **_said(done.stdout)}
+    return {"wall_s": wall, **_said(done.stdout, in_memory)}
 
 
 def _run_nodes(
@@ -87,7 +88,8 @@ def _run_nodes(
         env = {**CPU_ONLY, "OMP_NUM_THREADS": "1", **({LOSE_THIS_NODE: "1"} if lose else {})}
         return subprocess.Popen(
             [*command, "--nproc", str(args.nproc // 2), "--nnodes", "2", "--node-rank",
-             str(rank), "--rdzv-endpoint", endpoint],
+             str(rank), "--rdzv-endpoint", endpoint,
+             *(["--rdzv-conf", args.rdzv_conf] if args.rdzv_conf else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
 
@@ -101,16 +103,23 @@ def _run_nodes(
     for process, out in zip((first, second), outs, strict=True):
         if process.returncode != 0:
             raise SystemExit(out[-3000:])
-    return {"wall_s": wall, **_said("".join(outs))}
+    return {"wall_s": wall, **_said("".join(outs), in_memory)}
 
 
-def _said(out: str) -> dict:
-    """What a run printed: its training rate, whether it restarted, its saves to memory."""
+def _said(out: str, in_memory: bool) -> dict:
+    """What a run printed: its training rate, whether it restarted and the optimizer steps
+    it resumed with, the seconds its saves to memory blocked training and (over machines) the
+    seconds their copies took on their thread."""
     rate = re.search(r"([\d.]+) steps/s after it", out)
-    restarted = "zerocc: restart 1" in out
-    memory = re.search(r"checkpoints in memory: every step(?:, each \D+)?, ([\d.]+) s in all", out)
-    return {"steps_per_s": float(rate.group(1)), "restarted": restarted,
-            "in_memory_s": float(memory.group(1)) if memory else 0.0}  # fmt: skip
+    resumed = re.search(r"resumed from .* \((\d+) optimizer steps applied\)", out)
+    memory = re.search(r"checkpoints in memory: every step(?:, each copied to the next machine "
+                       r"on a thread \(([\d.]+) s\))?, training blocked ([\d.]+) s in all", out)
+    if in_memory and memory is None:
+        raise SystemExit(f"no line on the saves to memory in:\n{out[-3000:]}")
+    return {"steps_per_s": float(rate.group(1)), "restarted": "zerocc: restart 1" in out,
+            "resumed_at": int(resumed.group(1)) if resumed else None,
+            "in_memory_s": float(memory.group(2)) if memory else 0.0,
+            "copied_s": float(memory.group(1) or 0) if memory else 0.0}  # fmt: skip
 
 
 def main() -> None:
@@ -121,6 +130,7 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=4)
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                    help="2: two launchers as two nodes, node 1 lost")  # fmt: skip
+    p.add_argument("--rdzv-conf", help="with --nodes 2: zerocc train's --rdzv-conf")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = p.parse_args()
@@ -141,8 +151,10 @@ def main() -> None:
                 runs[name].append(run(plan, Path(folder), args, kill_at, in_memory))
     for name, (kill_at, _) in kinds.items():
         assert all(r["restarted"] == (kill_at != NEVER) for r in runs[name]), name
-    saved = args.kill_after // args.save_every * args.save_every
-    lost = {"killed, from disk": args.kill_after - saved, "killed, from memory": 0}
+    lost = {  # the steps trained again: those after the step each run resumed with
+        name: statistics.median(args.kill_after - r["resumed_at"] for r in runs[name])
+        for name in ("killed, from disk", "killed, from memory")
+    }
     wall = {name: statistics.median(r["wall_s"] for r in runs[name]) for name in kinds}
     step_s = 1 / statistics.median(r["steps_per_s"] for r in runs["never killed"])
     restart_s = {
@@ -155,12 +167,15 @@ def main() -> None:
           f"{args.save_every}, {args.nproc} gloo ranks, median of {args.repeat}")  # fmt: skip
     print(f"{'run':<26}{'wall s':>9}{'steps lost':>12}{'restart s':>11}")
     for name in kinds:
-        extra = (f"{lost[name]:>12}{restart_s[name]:>11.2f}" if name in lost
+        extra = (f"{lost[name]:>12g}{restart_s[name]:>11.2f}" if name in lost
                  else f"{'-':>12}{'-':>11}")  # fmt: skip
         print(f"{name:<26}{wall[name]:>9.2f}{extra}")
     memory_s = statistics.median(r["in_memory_s"] for r in runs["never killed, in memory"])
-    print(f"step {step_s * 1000:.1f} ms; the saves to memory took {memory_s:.2f} s over "
-          f"{args.steps} steps; restart: stop, start, rendezvous, compile, load")  # fmt: skip
+    copied_s = statistics.median(r["copied_s"] for r in runs["never killed, in memory"])
+    copies = f" (their copies {copied_s:.2f} s on a thread)" if args.nodes == 2 else ""
+    print(f"step {step_s * 1000:.1f} ms; the saves to memory blocked training {memory_s:.2f} s "
+          f"over {args.steps} steps{copies}; restart: stop, start, rendezvous, compile, "
+          "load")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out / f"restart{'-nodes' if args.nodes == 2 else ''}-{stamp}.json"
