@@ -287,7 +287,6 @@ class MemoryCheckpoints:
         return MappedFile(theirs, pages), None
 
 
-
 def _exchange(comm: Comm, sends: dict, receives: dict, what: str) -> None:
     try:
         comm.send_receive(sends, receives)
@@ -305,9 +304,11 @@ def _receiving(
     """Where ``nbytes`` for file ``path`` are received (the first ``nbytes`` of the tensor
     returned): its partial file's pages (``reused``'s where given), or where that cannot be
     made a buffer of its own (the bytes must still be taken off the wire), with the error."""
+    if not nbytes:  # (the peer sent nothing: its snapshot failed, and the agreement says so)
+        return torch.empty(0, dtype=torch.uint8), None
     pages: list[torch.Tensor] = []
     error = attempt(lambda: pages.append(mapped_for(partial_path(path), nbytes, reused)))
-    if error is not None or not nbytes:
+    if error is not None:
         return torch.empty(nbytes, dtype=torch.uint8), error
     return pages[0], None
 
