@@ -126,6 +126,19 @@ def test_estimate_table_shows_the_four_stages(capsys):
     assert states == sorted(states, reverse=True) and states[0] > 4 * states[3]
 
 
+def test_estimate_shows_gloos_buffers_for_cpu_ranks_only(capsys):
+    """CPU ranks' collectives run on gloo, whose buffers are a row of their own (none at stage
+    0: an all-reduce works in place); a GPU's NCCL has none, and the row is left out."""
+    on_cpu = run(capsys, "estimate", ZERO3, "--world-size", "4", "--table", "--device", "cpu")
+    row = next(line for line in on_cpu.splitlines() if line.startswith("gloo buffers (peak)"))
+    assert row.split()[3] == "0B" and all(v != "0B" for v in row.split()[4:])
+    on_gpu = run(capsys, "estimate", ZERO3, "--world-size", "4", "--device", "cuda")
+    assert "gloo buffers" not in on_gpu
+    cpu = ("--device", "cpu")
+    figures = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "4", "--json", *cpu))
+    assert figures["peak"]["comm"] > 0
+
+
 def test_estimate_of_hybrid_sharding_draws_the_mesh_and_bytes_per_group(capsys):
     hsdp = str(EXAMPLES / "zero3-hsdp.yaml")
     out = run(capsys, "estimate", hsdp, "--world-size", "8")

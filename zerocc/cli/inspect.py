@@ -10,6 +10,7 @@ import argparse
 import difflib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from zerocc.cli.plan_args import add_plan_arguments, plan_of
@@ -281,6 +282,7 @@ def _with_stage(plan: Plan, stage: int) -> Plan:
     return copy
 
 
+GLOO_ROW = "gloo buffers (peak)"  # (shown where there are any: ranks on gloo)
 ROWS = (
     ("params", lambda e: e.model_states.get("params", 0)),
     ("grads", lambda e: e.model_states.get("grads", 0)),
@@ -290,10 +292,20 @@ ROWS = (
     ("  + on NVMe", lambda e: e.offloaded["nvme"]),
     ("gathered units (peak)", lambda e: e.peak["gathered"]),
     ("activations (peak)", lambda e: e.peak["activations"]),
-    ("gloo buffers (peak)", lambda e: e.peak["comm"]),
+    (GLOO_ROW, lambda e: e.peak["comm"]),
     ("peak", lambda e: e.peak["total"]),
     ("  + host buffers (peak)", lambda e: e.peak["host_buffers"]),
 )
+
+
+def _shown(
+    name: str, plan: Plan, estimates: list[Estimate], get: Callable[[Estimate], int]
+) -> bool:
+    """Whether a row of :data:`ROWS` is shown: offload's where the plan offloads, gloo's
+    where an estimate has its buffers (ranks on a GPU have none), the others always."""
+    if name.startswith("  +"):
+        return plan.offload.enabled
+    return name != GLOO_ROW or any(get(e) for e in estimates)
 
 
 def _host_memory_line(plan: Plan, e: Estimate) -> str:
@@ -319,7 +331,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     lines += [
         f"  {name:<24}{human_bytes(get(e)):>12}"
         for name, get in ROWS
-        if plan.offload.enabled or not name.startswith("  +")
+        if _shown(name, plan, [e], get)
     ]
     if e.offloaded["host"]:
         lines.append(_host_memory_line(plan, e))
@@ -417,7 +429,7 @@ def _estimate_table(plan: Plan, estimates: list[Estimate]) -> str:
         "-" * len(header),
     ]
     for name, get in ROWS:
-        if plan.offload.enabled or not name.startswith("  +"):
+        if _shown(name, plan, estimates, get):
             row = "".join(f"{human_bytes(get(e)):>12}" for e in estimates)
             lines.append(f"{name:<26}{row}")
     for kind in kinds or ["communication"]:  # one rank: a row of 0B
