@@ -50,7 +50,7 @@ def test_the_memory_check_counts_gloos_buffers_for_ranks_on_gloo():
 
 
 def _measured_and_predicted(rank: int, world: int) -> dict[int, tuple[int, int, int]]:
-    """Per stage: the most tensor memory 3 steps allocated beyond what was live before each
+    """Per stage: the most tensor memory 5 steps allocated beyond what was live before each
     (the allocator's, gloo's thread included), and the peak predicted with and without gloo's
     buffers."""
     return {stage: _one_stage(rank, stage) for stage in (2, 3)}
@@ -62,7 +62,7 @@ def _one_stage(rank: int, stage: int) -> tuple[int, int, int]:
     assert step.comm.on_gloo
     for i in range(2):
         step(*_gpt_batch(i, rank))
-    batches = [_gpt_batch(2 + i, rank) for i in range(3)]
+    batches = [_gpt_batch(2 + i, rank) for i in range(5)]
     measured = max(peak_allocated(lambda b=b: step(*b), CPU)[1] for b in batches)
     with_gloo, without = (predict_memory(step.program, {}, gloo=g).peak()[1] for g in (True, False))
     return measured, with_gloo, without
@@ -87,7 +87,8 @@ def test_what_gloo_ranks_allocate_stays_within_the_prediction(two_gloo_ranks, st
 def test_without_gloos_buffers_the_prediction_of_stage_3_falls_short(two_gloo_ranks):
     """What the category mends: the program's values alone were 7-19% under what stage 3
     allocated on gloo ranks (its gathered units are prefetched, so one is in flight while the
-    step peaks)."""
+    step peaks). gloo's thread takes the buffer when it runs the gather: the most of 10 steps
+    (5 on each rank) is held to it, each of the 12 measured so far was over."""
     measured = max(rank[3][0] for rank in two_gloo_ranks)
     without = two_gloo_ranks[0][3][2]
     assert measured > without * 1.05, (measured, without)
