@@ -117,7 +117,7 @@ def _said(out: str, in_memory: bool) -> dict:
     if in_memory and memory is None:
         raise SystemExit(f"no line on the saves to memory in:\n{out[-3000:]}")
     return {"steps_per_s": float(rate.group(1)), "restarted": "zerocc: restart 1" in out,
-            "resumed_at": int(resumed.group(1)) if resumed else None,
+            "resumed_at": int(resumed.group(1)) if resumed else 0,  # (0: from the start)
             "in_memory_s": float(memory.group(2)) if memory else 0.0,
             "copied_s": float(memory.group(1) or 0) if memory else 0.0}  # fmt: skip
 

@@ -170,8 +170,8 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--rdzv-conf", metavar="KEY=VALUE,...",
         help="with --nnodes and --max-restarts, settings of torchrun's c10d rendezvous, e.g. "
-        "keep_alive_interval=2,keep_alive_max_attempt=2 to count a lost machine as lost "
-        "after 4 s instead of 15",
+        "keep_alive_interval=2,keep_alive_max_attempt=3 to count a lost machine as lost "
+        "after 6 s instead of 15",
     )  # fmt: skip
     train.add_argument(
         "--max-restarts", type=int, default=0, metavar="N",

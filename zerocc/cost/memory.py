@@ -18,17 +18,16 @@ NVMe (states, and the host buffers of its copies) is not device memory: it is re
 **Collective buffers** (``comm``) are what the process group allocates itself. On a CPU the
 collectives run on gloo (torch 2.13), which moves an all-gather, a reduce-scatter or an
 all-to-all through a flat tensor of its own, the whole size the collective moves (an
-all-reduce works in place): a reduce-scatter's from when it is issued (an all-to-all's
-too), an all-gather's while
-one of the group's two worker threads runs it. The prediction holds the first from its start
-to its wait and counts the largest two all-gathers in flight on each group: an upper bound,
-since gloo drops a buffer as soon as its collective is done. Measured on 2 gloo ranks, what a
-step allocated (gloo's thread included) against this bound: the tests' tiny GPT 0.3% over
-it at stage 3 (the few hundred bytes of scalars made outside the program, 0.6% at stage 0;
-19% over the program's values alone), 15% under it at stage 2; the example
-GPT at 31.6M 4-6% under it at stages 1-3 (2-6% over the values alone). A bound, because the
-memory check must not pass a step that does not fit. NCCL's buffers are its own, not
-tensors: on a GPU the category is empty.
+all-reduce works in place): a reduce-scatter's (and an all-to-all's) from when it is issued,
+an all-gather's while one of the group's two worker threads runs it. The prediction holds the
+first from its start to its wait and counts the largest two all-gathers in flight on each
+group: an upper bound, since gloo drops a buffer as soon as its collective is done. Measured
+on 2 gloo ranks, what a step allocated (gloo's thread included) against this bound: the
+tests' tiny GPT 0.3% over it at stage 3 (the few hundred bytes of scalars made outside the
+program, 0.6% at stage 0; 19% over the program's values alone), 15% under it at stage 2; the
+example GPT at 31.6M 4-6% under it at stages 1-3 (2-6% over the values alone). A bound,
+because the memory check must not pass a step that does not fit. NCCL's buffers are its own,
+not tensors: on a GPU the category is empty.
 """
 
 from __future__ import annotations
@@ -207,24 +206,32 @@ def _gloo_buffers(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[in
     start to its wait (gloo flattens what it sends when the collective is issued); an
     all-gather's while it runs, which on each group is at most :data:`GLOO_THREADS` at once
     (its worker threads), counted as the largest of those in flight."""
+    sizes = {node: nbytes for node in nodes if (nbytes := _gloo_buffer_bytes(node))}
     starting: dict[int, list[fx.Node]] = defaultdict(list)
     ending: dict[int, list[fx.Node]] = defaultdict(list)
-    for node in nodes:
-        if _gloo_buffer_bytes(node):
-            starting[position[node]].append(node)
-            ending[position[_done(node)]].append(node)
-    held, issued, gathers = [0] * len(nodes), 0, defaultdict(set)
+    for node in sizes:
+        starting[position[node]].append(node)
+        ending[position[_done(node)]].append(node)
+    gathers: dict[str, set[fx.Node]] = defaultdict(set)  # in flight, by group
+
+    def running() -> int:  # (the largest all-gathers in flight, on each group)
+        return sum(sum(sorted(sizes[n] for n in g)[-GLOO_THREADS:]) for g in gathers.values())
+
+    held, reductions, gathered = [0] * len(nodes), 0, 0
     for i in range(len(nodes)):
         for node in starting[i]:
             if op_name(node.target) in _GATHERS:
                 gathers[node.args[-1]].add(node)
             else:
-                issued += _gloo_buffer_bytes(node)
-        running = (sorted(map(_gloo_buffer_bytes, g))[-GLOO_THREADS:] for g in gathers.values())
-        held[i] = issued + sum(sum(r) for r in running)
+                reductions += sizes[node]
+        if starting[i]:
+            gathered = running()
+        held[i] = reductions + gathered
         for node in ending[i]:
             if op_name(node.target) in _GATHERS:
                 gathers[node.args[-1]].discard(node)
             else:
-                issued -= _gloo_buffer_bytes(node)
+                reductions -= sizes[node]
+        if ending[i]:
+            gathered = running()
     return held

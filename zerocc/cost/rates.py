@@ -103,6 +103,12 @@ class DeviceRates:
         rates["compute_flops"] = dict(rates["compute_flops"])
         return cls(device, **rates, sources=dict.fromkeys(RATE_FIELDS, "default"))
 
+    @property
+    def on_gloo(self) -> bool:
+        """Whether the device's collectives run on gloo (a CPU's), whose buffers a prediction
+        counts (:func:`zerocc.cost.memory.predict_memory`)."""
+        return self.device == "cpu"
+
     def uncalibrated(self) -> str | None:
         """A warning when the rates that set compute time (compute, memory, per-op overhead)
         are built-in defaults rather than measured here or given by the plan, else None.

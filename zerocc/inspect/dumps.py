@@ -343,7 +343,10 @@ def _estimate_text(step: StepRecord, predicted: MemoryTimeline) -> str:
     lines += [
         f"  {'gathered peak':<14}{human_bytes(max(predicted.series['gathered'])):>12}",
         f"  {'activ. peak':<14}{human_bytes(max(predicted.series['activations'])):>12}",
-        f"  {'gloo peak':<14}{human_bytes(max(predicted.series['comm'])):>12}",
+    ]
+    if gloo := max(predicted.series["comm"], default=0):  # (ranks on gloo only)
+        lines.append(f"  {'gloo peak':<14}{human_bytes(gloo):>12}")
+    lines += [
         f"  {'peak':<14}{human_bytes(predicted.peak()[1]):>12}",
         "communication per optimizer step, per rank:",
     ]

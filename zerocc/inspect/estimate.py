@@ -150,8 +150,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
     plan = inspection.plan
     rates = rates or rates_for(plan)
     states = model_state_bytes_of(inspection.stepping.layout)
-    gloo = rates.device == "cpu"  # (a CPU run's collectives run on gloo)
-    timeline = predict_memory(inspection.stepping.gm, states, gloo=gloo)
+    timeline = predict_memory(inspection.stepping.gm, states, gloo=rates.on_gloo)
     index, total = timeline.peak()
     peak = {
         "total": total,

@@ -166,7 +166,7 @@ def estimate_pipeline(
     rates = rates or rates_for(inspection.plan)
     cost = CostModel(rates, world_size, inspection.mesh)
     schedule, work = inspection.schedule, inspection.workload
-    gloo = rates.device == "cpu"  # (a CPU run's collectives run on gloo)
+    gloo = rates.on_gloo
 
     def seconds(gm: fx.GraphModule) -> float:
         return program_seconds(gm, cost)
