@@ -10,10 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from lost_node_workload import LOSE_THIS_NODE
+from torch.distributed import TCPStore
 from train_runs import CPU_ONLY, checkpoint_digests, final_loss
 
 from zerocc.cli.main import main
@@ -86,18 +89,25 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
          "--master-port is for one machine"),
         (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "2 ranks, which 3 machines cannot share"),
         (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "keep_alive_interval=1"],
-         "--rdzv-conf 'keep_alive_interval=1' sets the rendezvous of a run that restarts"),
+         "--rdzv-conf sets the rendezvous of a run that restarts"),
         (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/tmp/x",
           "--rdzv-conf", "keep_alive_intervl=1"],
          "'keep_alive_intervl' is not a setting zerocc passes on; known: join_timeout"),
         (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/tmp/x",
           "--rdzv-conf", "is_host=true"], "(zerocc sets is_host: node 0 keeps the store)"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-standalone"],
+         "--rdzv-standalone sets the rendezvous of a run that restarts"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-id", "a"],
+         "--rdzv-id sets the rendezvous of a run that restarts"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/tmp/x",
+          "--rdzv-id", "job 7"], "--rdzv-id 'job 7': letters, digits"),
         (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/tmp/x",
           "--rdzv-conf", "keep_alive_interval=0.5"],
          "keep_alive_interval is '0.5', not a whole number of at least 1"),
     ],
     ids=["no-endpoint", "node-rank", "endpoint", "master-port", "uneven", "conf-static",
-         "conf-unknown", "conf-is-host", "conf-value"],
+         "conf-unknown", "conf-is-host", "standalone-fixed", "id-fixed", "id-spaces",
+         "conf-value"],
 )  # fmt: skip
 def test_a_multi_node_launch_that_cannot_work_is_refused_before_it_starts(flags, error, capsys):
     assert main(["train", str(PLAN), "--steps", "1", *flags]) == 2
@@ -110,13 +120,16 @@ def test_the_rendezvous_settings_go_to_torchrun_beside_zeroccs_own():
         "is_host=true,keep_alive_interval=2,keep_alive_max_attempt=3"
     )
     assert Nodes(2, 1, "h:1").rendezvous_conf() == "is_host=false"
+    assert Nodes(2, 0, "h:1", standalone=True).rendezvous_conf() == "is_host=false"
 
 
 # (from disk: the restart of test_cli_checkpoint.py's from-disk case, on c10d: slow)
 @pytest.mark.parametrize(
-    "in_memory", [pytest.param(False, marks=pytest.mark.slow), True], ids=["from-disk", "in-memory"]
+    ("in_memory", "standalone"),
+    [pytest.param(False, False, marks=pytest.mark.slow), (True, False), (True, True)],
+    ids=["from-disk", "in-memory", "node-0-at-a-standalone-rendezvous"],
 )
-def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path, in_memory):
+def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path, in_memory, standalone):
     """`--max-restarts 1` over two nodes meets at torchrun's c10d rendezvous. Node 1 is lost
     at its rank's 6th batch (after step 5, saved every 2 steps): its memory is cleared, its
     launcher and its rank are killed by SIGKILL. Node 0's rank fails on its next collective
@@ -126,7 +139,11 @@ def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path, in_memory):
     0 kept a copy of node 1's rank's state, which the replacement receives. That is step 5's
     where its copies (on a thread) were through before the loss, else step 4's: the loss comes
     right after step 5's save returned. The final checkpoint is the uninterrupted run's, every
-    tensor bit for bit."""
+    tensor bit for bit.
+
+    At a `zerocc rendezvous` (``--rdzv-standalone``) node 0 is the one lost, whose launcher
+    would otherwise keep the store: the run goes on all the same. The uninterrupted run then
+    meets at the same rendezvous, as the next run under the same name (two nodes there too)."""
     import yaml
 
     plan = yaml.safe_load(PLAN.read_text())
@@ -134,45 +151,95 @@ def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path, in_memory):
     plan["workload_args"]["kill_at"] = 5
     losing = tmp_path / "losing.yaml"
     losing.write_text(yaml.safe_dump(plan))
-    endpoint = f"127.0.0.1:{_free_port()}"
+    port = _free_port()
+    endpoint = f"127.0.0.1:{port}"
     saves = tmp_path / "shared"
     train = [sys.executable, "-m", "zerocc", "train", str(losing), "--steps", "8",
              "--save-every", "2", "--max-restarts", "1"]  # fmt: skip
     memory = ["--set", "checkpoint.in_memory=true"] if in_memory else []
+    meeting = ["--rdzv-standalone"] if standalone else []
+    lost_rank = 0 if standalone else 1
 
     one_thread = {**CPU_ONLY, "OMP_NUM_THREADS": "1"}  # (as the 2 ranks of one machine have)
 
-    def node(rank: int, lose: bool = False) -> subprocess.Popen:
+    def node(rank: int, save: Path, lose: bool = False) -> subprocess.Popen:
         # (a lost node counts as lost after 3 keep-alives 2 s apart, not torchrun's 3 × 5 s)
         command = [*train, "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
-                   "--rdzv-endpoint", endpoint, "--save", str(saves), *memory,
+                   "--rdzv-endpoint", endpoint, "--save", str(save), *memory, *meeting,
                    "--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=3"]  # fmt: skip
         env = {**one_thread, LOSE_THIS_NODE: "1"} if lose else one_thread
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env)  # fmt: skip
 
-    first, lost = node(0), node(1, lose=True)
-    lost.communicate(timeout=600)
-    assert lost.returncode == -signal.SIGKILL
-    replacement = node(1)
-    outs = [p.communicate(timeout=600)[0] for p in (first, replacement)]
-    for process, out in zip((first, replacement), outs, strict=True):
-        assert process.returncode == 0, out[-3000:]
-    said = "".join(outs)
-    if in_memory:
-        start = re.search(r"starts again from step ([45]) in memory \((\S+); 1 rank\(s\) "
-                          r"from a peer's copy\)", said)  # fmt: skip
-        assert start, said[-3000:]
-        assert f"resumed from memory at micro-batch {start.group(1)}" in said, said[-3000:]
-        assert "checkpoints in memory: every step, each copied to the next machine on a " in said
-        assert not Path(start.group(2)).exists()  # (the launcher removed it at the end)
-    else:
-        assert f"every rank starts again from {saves / 'step-00000004'}" in said, said[-3000:]
-    plan["workload_args"]["kill_at"] = 10**6  # never
-    losing.write_text(yaml.safe_dump(plan))
-    straight = tmp_path / "straight"
-    whole = subprocess.run([*train, "--nproc", "2", "--save", str(straight)],
-                           capture_output=True, text=True, timeout=600, env=one_thread)  # fmt: skip
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    store = None
+    if standalone:
+        store = subprocess.Popen([sys.executable, "-m", "zerocc", "rendezvous", "--port",
+                                  str(port)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert "listening on" in store.stdout.readline()
+    try:
+        nodes = {rank: node(rank, saves, lose=rank == lost_rank) for rank in (0, 1)}
+        lost = nodes[lost_rank]
+        lost.communicate(timeout=600)
+        assert lost.returncode == -signal.SIGKILL
+        nodes[lost_rank] = node(lost_rank, saves)  # (the replacement)
+        outs = [p.communicate(timeout=600)[0] for p in nodes.values()]
+        for process, out in zip(nodes.values(), outs, strict=True):
+            assert process.returncode == 0, out[-3000:]
+        said = "".join(outs)
+        if in_memory:
+            start = re.search(r"starts again from step ([45]) in memory \((\S+); 1 rank\(s\) "
+                              r"from a peer's copy\)", said)  # fmt: skip
+            assert start, said[-3000:]
+            assert f"resumed from memory at micro-batch {start.group(1)}" in said, said[-3000:]
+            copied = "checkpoints in memory: every step, each copied to the next machine on a "
+            assert copied in said
+            assert not Path(start.group(2)).exists()  # (the launcher removed it at the end)
+        else:
+            assert f"every rank starts again from {saves / 'step-00000004'}" in said, said[-3000:]
+        plan["workload_args"]["kill_at"] = 10**6  # never
+        losing.write_text(yaml.safe_dump(plan))
+        straight = tmp_path / "straight"
+        if standalone:  # (the next run at the same rendezvous, under the same name)
+            twice = [node(rank, straight) for rank in (0, 1)]
+            for process in twice:
+                out = process.communicate(timeout=600)[0]
+                assert process.returncode == 0, out[-3000:]
+        else:
+            whole = subprocess.run([*train, "--nproc", "2", "--save", str(straight)],
+                                   capture_output=True, text=True, timeout=600,
+                                   env=one_thread)  # fmt: skip
+            assert whole.returncode == 0, whole.stderr[-3000:]
+    finally:
+        if store is not None:
+            store.terminate()
+            store.wait(timeout=30)
     last = "step-00000008"
     assert checkpoint_digests(saves / last) == checkpoint_digests(straight / last)
+
+
+def test_a_node_whose_rendezvous_is_gone_says_so_and_ends(tmp_path):
+    """A node waits at a `zerocc rendezvous` for the run's second node, and the rendezvous is
+    killed: the node's launcher ends (2) naming the rendezvous, not with torch's traceback."""
+    port = _free_port()
+    store = subprocess.Popen([sys.executable, "-m", "zerocc", "rendezvous", "--port", str(port)],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert "listening on" in store.stdout.readline()
+        waiting = subprocess.Popen(
+            _zerocc("--nproc", "1", "--nnodes", "2", "--max-restarts", "1", "--rdzv-standalone",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--save", str(tmp_path)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CPU_ONLY,
+        )  # fmt: skip
+        joined = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        deadline = time.monotonic() + 120
+        while not joined.check([f"torch.rendezvous.zerocc-{port}.0"]):  # (its join's state)
+            assert time.monotonic() < deadline and waiting.poll() is None, waiting.stdout.read()
+            time.sleep(0.5)
+    finally:
+        store.kill()
+        store.wait()
+    out = waiting.communicate(timeout=120)[0]
+    assert waiting.returncode == 2, out[-3000:]
+    assert f"zerocc: the rendezvous at 127.0.0.1:{port} is gone, which ends the run: the " \
+           "`zerocc rendezvous` there stopped" in out  # fmt: skip
+    assert "Traceback" not in out

@@ -130,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_train_command(commands)
     _add_profile_command(commands)
     _add_export_command(commands)
+    _add_rendezvous_command(commands)
     add_inspect_commands(commands)
     return parser
 
@@ -165,7 +166,19 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     train.add_argument(
         "--rdzv-endpoint", metavar="HOST:PORT",
-        help="where the machines meet: node 0's address and a free port on it",
+        help="where the machines meet: node 0's address and a free port on it (or a "
+        "`zerocc rendezvous`'s, with --rdzv-standalone)",
+    )  # fmt: skip
+    train.add_argument(
+        "--rdzv-standalone", action="store_true",
+        help="with --nnodes and --max-restarts: --rdzv-endpoint is a `zerocc rendezvous` on a "
+        "machine of its own, which no node holds, so node 0 can be lost and replaced too",
+    )  # fmt: skip
+    train.add_argument(
+        "--rdzv-id", metavar="NAME",
+        help="with --nnodes and --max-restarts, the run's name at the rendezvous, the same on "
+        "every machine (default zerocc-PORT; Slurm: $SLURM_JOB_ID): runs that share a `zerocc "
+        "rendezvous` at once need names of their own",
     )  # fmt: skip
     train.add_argument(
         "--rdzv-conf", metavar="KEY=VALUE,...",
@@ -178,7 +191,7 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         help="when a rank dies, start every rank again from the last checkpoint, up to N "
         "times (needs --save; saves every --save-every steps bound the steps lost); with "
         "--nnodes, a launcher started on another machine with the same flags replaces a lost "
-        "one (torchrun's c10d rendezvous; node 0 must stay up)",
+        "one (torchrun's c10d rendezvous; node 0 must stay up, unless --rdzv-standalone)",
     )  # fmt: skip
     train.add_argument(
         "--nproc-min", type=int, metavar="M",
@@ -296,6 +309,31 @@ def _export(args: argparse.Namespace) -> int:
             print(f"tokenizer: {', '.join(p.name for p in copied)} from {source}")
     elif args.tokenizer:
         raise ZeroccError("--tokenizer: needs a folder --output (the files go beside the model)")
+    return 0
+
+
+def _add_rendezvous_command(commands: argparse._SubParsersAction) -> None:
+    """`zerocc rendezvous` and its options."""
+    from zerocc.runtime.rendezvous import DEFAULT_PORT
+
+    meet = commands.add_parser(
+        "rendezvous",
+        help="keep the store where a restarting run's machines meet, on a machine of its own "
+        "(`zerocc train --rdzv-standalone`): no training machine holds it, so any can be lost",
+    )
+    meet.add_argument(
+        "--port", type=int, default=DEFAULT_PORT,
+        help=f"port to listen on, every address of this machine (default {DEFAULT_PORT})",
+    )  # fmt: skip
+    meet.set_defaults(run=_rendezvous)
+
+
+def _rendezvous(args: argparse.Namespace) -> int:
+    from zerocc.runtime.rendezvous import serve
+
+    if not 0 < args.port < 65536:
+        raise ZeroccError(f"--port {args.port}: from 1 to 65535")
+    serve(args.port)
     return 0
 
 
@@ -420,18 +458,32 @@ def _restarts_of(args: argparse.Namespace, plan: Plan) -> int:
 
 
 def _nodes_of(args: argparse.Namespace) -> Nodes:
-    """The machines the run spans (``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``,
-    ``--rdzv-conf``)."""
+    """The machines the run spans (``--nnodes``, ``--node-rank``) and where they meet
+    (``--rdzv-endpoint``, ``--rdzv-conf``, ``--rdzv-standalone``, ``--rdzv-id``)."""
     if args.nnodes > 1 and args.master_port:
         raise ZeroccError(
             "--master-port is for one machine; with --nnodes the port is --rdzv-endpoint's"
         )
-    if args.rdzv_conf is not None and not (args.nnodes > 1 and args.max_restarts):
+    restarting = args.nnodes > 1 and args.max_restarts
+    given = {
+        "--rdzv-conf": args.rdzv_conf is not None,
+        "--rdzv-standalone": args.rdzv_standalone,
+        "--rdzv-id": args.rdzv_id is not None,
+    }
+    needless = [flag for flag, set_ in given.items() if set_ and not restarting]
+    if needless:
         raise ZeroccError(
-            f"--rdzv-conf {args.rdzv_conf!r} sets the rendezvous of a run that restarts over "
-            "machines (--nnodes N with --max-restarts); this run meets at a fixed address"
+            f"{needless[0]} sets the rendezvous of a run that restarts over machines (--nnodes N "
+            "with --max-restarts); this run meets at a fixed address"
         )
-    return Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_conf)
+    return Nodes(
+        args.nnodes,
+        args.node_rank,
+        args.rdzv_endpoint,
+        args.rdzv_conf,
+        standalone=args.rdzv_standalone,
+        name=args.rdzv_id,
+    )
 
 
 def _ranks_the_plan_takes(plan: Plan, nodes: int = 1) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.logs import RANK_PROCESSES, quiet
+from zerocc.runtime import rendezvous
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"  # set in launched ranks: run the command, do not launch
 RUN_DIR_ENV = "ZEROCC_RUN_DIR"  # the folder where launched ranks leave their reports
@@ -74,12 +76,16 @@ class Nodes:
     that replaces a lost one joins the next round, and ranks go by the order the nodes join;
     ``conf`` sets that rendezvous (``KEY=VALUE,...`` of :data:`RENDEZVOUS_CONF`: a lost node
     counts as lost after ``keep_alive_interval × keep_alive_max_attempt`` seconds, 15 by
-    default)."""
+    default). ``standalone``: the endpoint is a `zerocc rendezvous` of its own
+    (:mod:`zerocc.runtime.rendezvous`), which no node holds, so node 0 may be lost too; ``name``
+    is the run's there (torchrun's ``--rdzv-id``, ``zerocc-PORT`` by default)."""
 
     count: int = 1
     rank: int = 0
     endpoint: str | None = None
     conf: str | None = None
+    standalone: bool = False
+    name: str | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -97,21 +103,23 @@ class Nodes:
             self.address()  # (checked now)
         if self.conf is not None:
             self.rendezvous_conf()  # (checked now)
+        if self.name is not None and not re.fullmatch(r"[\w.-]+", self.name):
+            raise ZeroccError(f"--rdzv-id {self.name!r}: letters, digits, '_', '.' and '-' only")
 
     def rendezvous_conf(self) -> str:
         """torchrun's ``--rdzv-conf`` for the c10d rendezvous: node 0 hosts the store, and
         what ``conf`` sets (each key one of :data:`RENDEZVOUS_CONF`, each value a positive
         integer)."""
-        items = [f"is_host={str(self.rank == 0).lower()}"]
+        items = [f"is_host={str(self.rank == 0 and not self.standalone).lower()}"]
         for item in self.conf.split(",") if self.conf else []:
             key, _, value = item.partition("=")
             key = key.strip()
             if key not in RENDEZVOUS_CONF:
                 known = "; ".join(f"{k}: {what}" for k, what in RENDEZVOUS_CONF.items())
+                why = " (zerocc sets is_host: node 0 keeps the store)" if key == "is_host" else ""
                 raise ZeroccError(
-                    f"--rdzv-conf {self.conf!r}: {key!r} is not a setting zerocc passes on"
-                    + (" (zerocc sets is_host: node 0 keeps the store)" if key == "is_host" else "")
-                    + f"; known: {known}"
+                    f"--rdzv-conf {self.conf!r}: {key!r} is not a setting zerocc passes on{why}; "
+                    f"known: {known}"
                 )
             if not value.strip().isdigit() or int(value) < 1:
                 raise ZeroccError(f"--rdzv-conf {self.conf!r}: {key} is {value!r}, not a whole "
@@ -151,14 +159,16 @@ def launch(
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     nodes = nodes or Nodes()
     host, port = nodes.address(port)
     elastic = nodes.count > 1 and max_restarts  # (a node replacing a lost one joins a round)
     if elastic:
         meeting = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
-                   "--rdzv-id", f"zerocc-{port}",
-                   # node 0 keeps the store the rounds meet at (the others' loss it outlives)
+                   "--rdzv-id", _run_name(nodes, host, port),
+                   # node 0 keeps the store the rounds meet at (the others' loss it outlives),
+                   # or `zerocc rendezvous` does (--rdzv-standalone)
                    "--rdzv-conf", nodes.rendezvous_conf()]  # fmt: skip
     else:
         meeting = ["--node-rank", str(nodes.rank), "--master-addr", host,
@@ -183,6 +193,8 @@ def launch(
         ),
     ):
         watcher = _SilentRankKiller(Path(run_dir))
+        # (torchrun closes the rendezvous for good when its run ends, but not on a signal)
+        closes = elastic and nodes.standalone
         try:
             with quiet(RANK_PROCESSES):
                 torchrun.run(torchrun.parse_args(launcher_args))
@@ -198,14 +210,53 @@ def launch(
             print(error_once(failures, reports), file=sys.stderr, end="")
             print(failure_report(failures, reports, watcher.killed), file=sys.stderr)
             return Launched(2, lost_a_rank(failures, reports))
+        except RendezvousConnectionError:  # (the store the nodes meet at is gone)
+            closes = False
+            print(f"zerocc: the rendezvous at {host}:{port} is gone, which ends the run: "
+                  + _why_the_store_is_gone(nodes), file=sys.stderr)  # fmt: skip
+            return Launched(2)
         except SignalException as exc:  # (torchrun passed the signal on to the ranks)
+            closes = False
             name = signal.Signals(exc.sigval).name
             print(f"zerocc: stopped by {name}", file=sys.stderr)
             return Launched(128 + exc.sigval)
         finally:
             watcher.stop()
             shutil.rmtree(_memory_folder(run_dir), ignore_errors=True)
+            if closes:
+                rendezvous.ended(host, port, _name(nodes, port))
     return Launched(0)
+
+
+def _why_the_store_is_gone(nodes: Nodes) -> str:
+    if nodes.standalone:
+        return "the `zerocc rendezvous` there stopped (start it again, then the nodes)"
+    return (
+        "node 0's launcher kept its store, and node 0 was lost; so that node 0 can be replaced "
+        "too, keep the store on a machine of its own (`zerocc rendezvous`, and every node with "
+        "--rdzv-standalone: docs/gpus.md)"
+    )
+
+
+def _name(nodes: Nodes, port: int) -> str:
+    return nodes.name or f"zerocc-{port}"
+
+
+def _run_name(nodes: Nodes, host: str, port: int) -> str:
+    """This launch's ``--rdzv-id``: the run's name, and at a `zerocc rendezvous` (which
+    outlives runs) the number of launches that ended under it there (checked to answer first).
+    Node 0 keeping the store where a `zerocc rendezvous` answers is an error: it would keep a
+    store of its own, which nobody else reads."""
+    name = _name(nodes, port)
+    if nodes.standalone:
+        rendezvous.wait_for(host, port)
+        return rendezvous.run_id(host, port, name)
+    if nodes.rank == 0 and rendezvous.answers(host, port):
+        raise ZeroccError(
+            f"a `zerocc rendezvous` answers at --rdzv-endpoint {host}:{port}, where node 0 would "
+            "keep the store itself: pass --rdzv-standalone on every machine to meet there"
+        )
+    return name
 
 
 def lost_a_rank(failures: dict[int, tuple[int, int]], reports: dict[int, dict[str, Any]]) -> bool:

@@ -1,0 +1,92 @@
+"""`zerocc rendezvous`: a store where a restarting run's machines meet that no training machine
+holds (zerocc.runtime.rendezvous). The train flags that meet there are tested with the lost
+node in tests/cli/test_cli_multinode.py."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from zerocc.errors import ZeroccError
+from zerocc.runtime import rendezvous
+from zerocc.runtime.launch import Nodes, _run_name
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def served():
+    """A `zerocc rendezvous` on a free port, as its own process: (port, process)."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "zerocc", "rendezvous", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    said = process.stdout.readline()
+    assert f"listening on {socket.getfqdn()}:{port}" in said, said
+    yield port, process
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_a_rendezvous_answers_numbers_its_runs_and_stops_on_sigterm(served):
+    port, process = served
+    assert rendezvous.answers("127.0.0.1", port)
+    rendezvous.wait_for("127.0.0.1", port, timeout=5)
+    assert rendezvous.run_id("127.0.0.1", port, "job") == "job.0"
+    rendezvous.ended("127.0.0.1", port, "job")
+    rendezvous.ended("127.0.0.1", port, "job")  # (each machine's launcher counts its end)
+    assert rendezvous.run_id("127.0.0.1", port, "job") == "job.2"
+    assert rendezvous.run_id("127.0.0.1", port, "other") == "other.0"
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    assert process.returncode == 0
+    assert "stopped by SIGTERM" in out
+
+
+def test_only_a_zerocc_rendezvous_answers():
+    with socket.socket() as listening:  # (something else listens: it is not a rendezvous)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert not rendezvous.answers("127.0.0.1", listening.getsockname()[1], timeout=1)
+    assert not rendezvous.answers("127.0.0.1", _free_port())  # (nothing listens)
+
+
+def test_a_standalone_run_with_no_rendezvous_says_where_it_looked():
+    port = _free_port()
+    said = (f"no `zerocc rendezvous` answers at 127.0.0.1:{port} after 1 s; start `zerocc "
+            f"rendezvous --port {port}` on 127.0.0.1")  # fmt: skip
+    with pytest.raises(ZeroccError, match=re.escape(said)):
+        rendezvous.wait_for("127.0.0.1", port, timeout=1)
+
+
+def test_a_second_rendezvous_on_a_port_in_use_is_refused(served):
+    port, _ = served
+    again = subprocess.run(
+        [sys.executable, "-m", "zerocc", "rendezvous", "--port", str(port)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert again.returncode == 2
+    assert f"zerocc rendezvous: cannot listen on port {port}" in again.stderr
+
+
+def test_node_0_does_not_keep_a_store_where_a_rendezvous_answers(served):
+    port, _ = served
+    endpoint = f"127.0.0.1:{port}"
+    with pytest.raises(ZeroccError, match="pass --rdzv-standalone on every machine"):
+        _run_name(Nodes(2, 0, endpoint), "127.0.0.1", port)
+    assert _run_name(Nodes(2, 1, endpoint), "127.0.0.1", port) == f"zerocc-{port}"  # (a client)
+    standalone = Nodes(2, 0, endpoint, standalone=True, name="job")
+    assert _run_name(standalone, "127.0.0.1", port) == "job.0"
