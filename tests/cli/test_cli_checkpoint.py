@@ -162,7 +162,7 @@ def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_
                          text=True, timeout=600, env=CPU_ONLY)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout + run.stderr
-    assert "zerocc: restart 1: a rank failed; every rank starts again from" in out
+    assert "zerocc: restart 1: every rank starts again from" in out
     if in_memory:
         start = re.search(r"starts again from step 5 in memory \((/dev/shm/zerocc-run-\w+)\)", out)
         assert start and "resumed from memory at micro-batch 5" in out, out[-3000:]

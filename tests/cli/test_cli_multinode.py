@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 from train_runs import CPU_ONLY, checkpoint_digests, final_loss
 
 from zerocc.cli.main import main
-from zerocc.runtime.launch import Nodes
+from zerocc.runtime.launch import RUN_DIR_ENV, Nodes, started_before
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
 
@@ -104,14 +104,44 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
         (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/tmp/x",
           "--rdzv-conf", "keep_alive_interval=0.5"],
          "keep_alive_interval is '0.5', not a whole number of at least 1"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1"],
+         "--nnodes 1:2 goes on with fewer machines after a restart: it goes with --max-restarts"),
+        (["--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/x"],
+         "--nnodes 3:2: MIN from 1 to 2"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/x",
+          "--set", "zero.world_size=2"], "zero.world_size: 2 fixes the ranks"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--save", "/x",
+          "--nproc", "1", "--set", "zero.replicate=2"],
+         "--nnodes 1:2: on 1 machine(s) the run would have 1 ranks, which the plan's layout "
+         "cannot take"),
     ],
     ids=["no-endpoint", "node-rank", "endpoint", "master-port", "uneven", "conf-static",
          "conf-unknown", "conf-is-host", "standalone-fixed", "id-fixed", "id-spaces",
-         "conf-value"],
+         "conf-value", "fewer-fixed", "fewer-min", "fewer-world-size", "fewer-layout"],
 )  # fmt: skip
 def test_a_multi_node_launch_that_cannot_work_is_refused_before_it_starts(flags, error, capsys):
     assert main(["train", str(PLAN), "--steps", "1", *flags]) == 2
     assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["a:2", "1:", "1:2:3", "-1"])
+def test_nnodes_is_a_count_or_a_range(value, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", str(PLAN), "--nnodes", value])
+    assert f"argument --nnodes: {value!r}: N or MIN:N, whole numbers" in capsys.readouterr().err
+
+
+def test_a_rank_its_launch_started_before_counts_as_restarted(tmp_path, monkeypatch):
+    """(torchrun starts a round after the machines changed without counting a restart.)"""
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for before in (False, True):
+        started_before.cache_clear()  # (a new process of local rank 1)
+        assert started_before() is before
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    started_before.cache_clear()
+    assert not started_before()  # (another local rank's first start)
+    started_before.cache_clear()
 
 
 def test_the_rendezvous_settings_go_to_torchrun_beside_zeroccs_own():
@@ -243,3 +273,50 @@ def test_a_node_whose_rendezvous_is_gone_says_so_and_ends(tmp_path):
     assert f"zerocc: the rendezvous at 127.0.0.1:{port} is gone, which ends the run: the " \
            "`zerocc rendezvous` there stopped" in out  # fmt: skip
     assert "Traceback" not in out
+
+
+def test_a_lost_node_not_replaced_leaves_the_run_on_fewer_machines(tmp_path):
+    """`--nnodes 1:2`: node 1 is lost at its rank's 6th batch (after step 5, saved every 2
+    steps) and nobody replaces it. Node 0's rank, restarted, meets alone once the rendezvous's
+    last call is over, and resumes from step 4 of the shared folder, resharded from 2 ranks to
+    1 (its snapshots in memory are of 2 ranks: not taken). The final checkpoint is that of a
+    run of 2 ranks to step 4 resumed on 1 rank, bit for bit. (The first round waits the same
+    last call, 15 s, for the second node, which the two launchers started together meet.)"""
+    import yaml
+
+    plan = yaml.safe_load(PLAN.read_text())
+    plan["workload"] = f"{Path(__file__).parent / 'lost_node_workload.py'}:workload"
+    plan["workload_args"]["kill_at"] = 5
+    losing = tmp_path / "losing.yaml"
+    losing.write_text(yaml.safe_dump(plan))
+    saves = tmp_path / "shared"
+    one_thread = {**CPU_ONLY, "OMP_NUM_THREADS": "1"}
+    train = [sys.executable, "-m", "zerocc", "train", str(losing), "--steps", "8"]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [*train, "--save-every", "2", "--max-restarts", "1", "--nproc", "1", "--nnodes",
+             "1:2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--save", str(saves),
+             "--set", "checkpoint.in_memory=true",
+             "--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=15"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**one_thread, LOSE_THIS_NODE: "1"} if rank else one_thread,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert nodes[1].returncode == -signal.SIGKILL
+    assert nodes[0].returncode == 0, outs[0][-3000:]
+    assert f"every rank starts again from {saves / 'step-00000004'}" in outs[0], outs[0][-3000:]
+    assert "4 step(s) on 1 rank(s)" in outs[0], outs[0][-3000:]  # (steps 5 to 8)
+
+    plan["workload_args"]["kill_at"] = 10**6  # never
+    losing.write_text(yaml.safe_dump(plan))
+    before, after = tmp_path / "two", tmp_path / "one"
+    for command in ([*train[:-1], "4", "--nproc", "2", "--save", str(before)],
+                    [*train, "--nproc", "1", "--save", str(after), "--resume",
+                     str(before / "step-00000004")]):  # fmt: skip
+        ran = subprocess.run(command, capture_output=True, text=True, timeout=600, env=one_thread)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+    last = "step-00000008"
+    assert checkpoint_digests(saves / last) == checkpoint_digests(after / last)

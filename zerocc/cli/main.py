@@ -156,9 +156,11 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
     )
     train.add_argument(
-        "--nnodes", type=int, default=1, metavar="N",
+        "--nnodes", action=_NodeCount, default=1, metavar="N|MIN:N",
         help="machines the run spans: start `zerocc train` on each, with the same plan, "
-        "--nproc, --nnodes and --rdzv-endpoint (checkpoint folders must be shared)",
+        "--nproc, --nnodes and --rdzv-endpoint (checkpoint folders must be shared); MIN:N, "
+        "with --max-restarts: a machine lost and not replaced, the run goes on with fewer, "
+        "down to MIN, from the last checkpoint (resharded)",
     )  # fmt: skip
     train.add_argument(
         "--node-rank", type=int, default=0, metavar="I",
@@ -251,7 +253,18 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         help=f"with --auto: memory per rank in GiB (default: cpu, this machine's available "
         f"memory over --nproc; cuda, {CUDA_MEMORY_GIB:g}, an H100's)",
     )  # fmt: skip
-    train.set_defaults(run=_train)
+    train.set_defaults(run=_train, nnodes_min=None)
+
+
+class _NodeCount(argparse.Action):
+    """``--nnodes N`` or ``MIN:N`` (torchrun's form): ``args.nnodes`` is N, the most machines,
+    and ``args.nnodes_min`` MIN (N where none is given)."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        least, _, most = value.rpartition(":")
+        if not most.isdigit() or not (least or most).isdigit():
+            parser.error(f"argument --nnodes: {value!r}: N or MIN:N, whole numbers")
+        namespace.nnodes, namespace.nnodes_min = int(most), int(least or most)
 
 
 def _add_profile_command(commands: argparse._SubParsersAction) -> None:
@@ -361,6 +374,7 @@ def _train(args: argparse.Namespace) -> int:
     args.nproc = args.nproc or _ranks_the_plan_takes(plan, nodes.count)
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
+    _check_fewer_nodes(plan, nodes, args.nproc)
     if args.memory is not None and not args.auto:
         raise ZeroccError("--memory goes with --auto (the memory the plan search fits)")
     if args.auto and not launched():  # (launched ranks get the choice as --set items)
@@ -408,6 +422,27 @@ def _searched(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> Plan:
         raise ZeroccError("--auto: no candidate plan fits; see the table above")
     args.overrides += [f"{path}={json.dumps(v)}" for path, v in search.best.fields.items()]
     return checked_plan(args)
+
+
+def _check_fewer_nodes(plan: Plan, nodes: Nodes, nproc: int) -> None:
+    """``--nnodes MIN:N``: the plan must take every world of MIN to N machines' ranks, since
+    the run goes on with any of them."""
+    if nodes.fewest == nodes.count:
+        return
+    flag = f"--nnodes {nodes.fewest}:{nodes.count}"
+    if plan.zero.world_size is not None:
+        raise ZeroccError(
+            f"{flag}: zero.world_size: {plan.zero.world_size} fixes the ranks; leave it out to "
+            "let the run go on with fewer machines"
+        )
+    for machines in range(nodes.fewest, nodes.count):
+        try:
+            plan.check_world_size(machines * nproc)
+        except PlanError as exc:
+            raise ZeroccError(
+                f"{flag}: on {machines} machine(s) the run would have {machines * nproc} ranks, "
+                f"which the plan's layout cannot take: {exc}"
+            ) from None
 
 
 def _fewer_ranks(plan: Plan, args: argparse.Namespace) -> int | None:
@@ -465,6 +500,12 @@ def _nodes_of(args: argparse.Namespace) -> Nodes:
             "--master-port is for one machine; with --nnodes the port is --rdzv-endpoint's"
         )
     restarting = args.nnodes > 1 and args.max_restarts
+    fewest = args.nnodes if args.nnodes_min is None else args.nnodes_min
+    if fewest < args.nnodes and not restarting:
+        raise ZeroccError(
+            f"--nnodes {fewest}:{args.nnodes} goes on with fewer machines after a restart: it "
+            "goes with --max-restarts (and a checkpoint folder, which reshards)"
+        )
     given = {
         "--rdzv-conf": args.rdzv_conf is not None,
         "--rdzv-standalone": args.rdzv_standalone,
@@ -483,6 +524,7 @@ def _nodes_of(args: argparse.Namespace) -> Nodes:
         args.rdzv_conf,
         standalone=args.rdzv_standalone,
         name=args.rdzv_id,
+        fewest=fewest,
     )
 
 

@@ -24,7 +24,7 @@ from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
 from zerocc.runtime.checkpoint.files import PREFIX, resolve, saved_checkpoints
 from zerocc.runtime.checkpoint.in_memory import MemoryCheckpoints
-from zerocc.runtime.launch import in_memory_folder, report
+from zerocc.runtime.launch import in_memory_folder, report, started_before
 
 
 def train_rank(plan: Plan, steps: int) -> int:
@@ -252,8 +252,10 @@ class _Run:
 
 def _restarted(step) -> int:
     """The restart the ranks are at (``zerocc train --max-restarts``): the highest of theirs,
-    for a node that replaces a lost one starts its ranks at restart 0 among peers past it."""
-    mine = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for a node that replaces a lost one starts its ranks at restart 0 among peers past it. A
+    rank its launch started before counts at least 1: torchrun starts a new round without
+    counting a restart where the machines changed (``--nnodes MIN:N``)."""
+    mine = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(started_before())
     return max(step.comm.all_gather_object(mine)) if step.comm.world_size > 1 else mine
 
 
@@ -276,7 +278,7 @@ def _restored_from_memory(step, plan: Plan, memory: MemoryCheckpoints, restart: 
     fetched = memory.restore(step, done, everyone)
     if step.comm.rank == 0:
         copies = f"; {fetched} rank(s) from a peer's copy" if fetched else ""
-        print(f"zerocc: restart {restart}: a rank failed; every rank starts again from step "
+        print(f"zerocc: restart {restart}: every rank starts again from step "
               f"{done} in memory ({memory.folder}{copies})", flush=True)  # fmt: skip
         print(f"resumed from memory at micro-batch {step.micro_batches} ({step.steps} "
               "optimizer steps applied)")  # fmt: skip
@@ -298,7 +300,7 @@ def _resume_point(plan: Plan, rank: int, restart: int) -> str | None:
     newest = _newest_on_disk(plan)
     start = str(newest) if newest is not None else plan.checkpoint.resume
     if rank == 0:
-        print(f"zerocc: restart {restart}: a rank failed; every rank starts again from "
+        print(f"zerocc: restart {restart}: every rank starts again from "
               f"{start or 'the beginning (no checkpoint saved yet)'}", flush=True)  # fmt: skip
     return start
 

@@ -16,6 +16,7 @@ reads them:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 
 from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
+from zerocc.local_ranks import local_rank
 from zerocc.logs import RANK_PROCESSES, quiet
 from zerocc.runtime import rendezvous
 
@@ -78,7 +80,9 @@ class Nodes:
     counts as lost after ``keep_alive_interval × keep_alive_max_attempt`` seconds, 15 by
     default). ``standalone``: the endpoint is a `zerocc rendezvous` of its own
     (:mod:`zerocc.runtime.rendezvous`), which no node holds, so node 0 may be lost too; ``name``
-    is the run's there (torchrun's ``--rdzv-id``, ``zerocc-PORT`` by default)."""
+    is the run's there (torchrun's ``--rdzv-id``, ``zerocc-PORT`` by default). ``fewest``: the
+    fewest machines the run goes on with (``--nnodes MIN:N``), once one is lost and not
+    replaced (``count`` where None)."""
 
     count: int = 1
     rank: int = 0
@@ -86,10 +90,15 @@ class Nodes:
     conf: str | None = None
     standalone: bool = False
     name: str | None = None
+    fewest: int | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise ZeroccError(f"--nnodes {self.count}: at least 1")
+        if self.fewest is None:
+            object.__setattr__(self, "fewest", self.count)
+        if not 1 <= self.fewest <= self.count:
+            raise ZeroccError(f"--nnodes {self.fewest}:{self.count}: MIN from 1 to {self.count}")
         if not 0 <= self.rank < self.count:
             raise ZeroccError(
                 f"--node-rank {self.rank}: a node of --nnodes {self.count} is 0 to {self.count - 1}"
@@ -175,7 +184,7 @@ def launch(
                    "--master-port", str(port)]  # fmt: skip
     launcher_args = [
         "--nproc-per-node", str(nproc),
-        "--nnodes", str(nodes.count),
+        "--nnodes", f"{nodes.fewest}:{nodes.count}" if elastic else str(nodes.count),
         *meeting,
         "--max-restarts", str(max_restarts),
         "-m", "zerocc", *command,
@@ -300,6 +309,22 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 
 # --- what a rank reports ------------------------------------------------------------------
+
+
+@functools.cache
+def started_before() -> bool:
+    """Whether this launch started this local rank before: a restart after a failure, or a new
+    round after the machines changed (one joined, or a lost one was not replaced:
+    ``--nnodes MIN:N``), which torchrun starts without counting a restart. Marked in the run
+    folder, once per process; False outside zerocc's launcher."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return False
+    marker = Path(run_dir) / f"started.local-rank-{local_rank()}"
+    if marker.exists():
+        return True
+    marker.touch()
+    return False
 
 
 def launched() -> bool:
