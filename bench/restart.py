@@ -12,11 +12,14 @@ With ``--nodes 2`` the ranks run as two launchers on this machine acting as two 
 (``--nnodes 2``, ``--nproc`` ranks in all), and what is lost is node 1: its rank clears the
 node's memory and kills its launcher and itself (tests/cli/lost_node_workload.py); a
 replacement launcher is started at once, and from memory its ranks receive their states from
-node 0's copies.
+node 0's copies. With ``--standalone`` the nodes meet at a `zerocc rendezvous` of its own
+(``--rdzv-standalone``), and the node lost is node 0, whose launcher would otherwise keep the
+store.
 
     python bench/restart.py                  # 2 ranks, 12 steps, killed after 7, saves every 4
     python bench/restart.py --nodes 2        # the same, node 1 of 2 lost
     python bench/restart.py --nodes 2 --rdzv-conf keep_alive_interval=2,keep_alive_max_attempt=3
+    python bench/restart.py --nodes 2 --standalone   # node 0 of 2 lost, at a zerocc rendezvous
 
 Prints a table and writes ``bench/results/restart-<date>.json``.
 """
@@ -77,30 +80,42 @@ def _run(
 def _run_nodes(
     plan: dict, folder: Path, args: argparse.Namespace, kill_at: int, in_memory: bool = False
 ) -> dict:
-    """As :func:`_run` over two launchers acting as two nodes; node 1 lost at ``kill_at``
-    and replaced at once."""
+    """As :func:`_run` over two launchers acting as two nodes; node 1 (with ``--standalone``
+    node 0) lost at ``kill_at`` and replaced at once."""
     command = _command(plan, folder, args, kill_at, in_memory)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+        port = sock.getsockname()[1]
+    lost = 0 if args.standalone else 1
 
     def node(rank: int, lose: bool = False) -> subprocess.Popen:
         env = {**CPU_ONLY, "OMP_NUM_THREADS": "1", **({LOSE_THIS_NODE: "1"} if lose else {})}
         return subprocess.Popen(
             [*command, "--nproc", str(args.nproc // 2), "--nnodes", "2", "--node-rank",
-             str(rank), "--rdzv-endpoint", endpoint,
+             str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
+             *(["--rdzv-standalone"] if args.standalone else []),
              *(["--rdzv-conf", args.rdzv_conf] if args.rdzv_conf else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
 
-    started = time.perf_counter()
-    first, second = node(0), node(1, lose=kill_at != NEVER)
-    if kill_at != NEVER:
-        second.communicate()
-        second = node(1)
-    outs = [p.communicate()[0] for p in (first, second)]
-    wall = time.perf_counter() - started
-    for process, out in zip((first, second), outs, strict=True):
+    store = None
+    if args.standalone:
+        store = subprocess.Popen([sys.executable, "-m", "zerocc", "rendezvous", "--port",
+                                  str(port)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        store.stdout.readline()  # (it listens)
+    try:
+        started = time.perf_counter()
+        nodes = {rank: node(rank, lose=rank == lost and kill_at != NEVER) for rank in (0, 1)}
+        if kill_at != NEVER:
+            nodes[lost].communicate()
+            nodes[lost] = node(lost)
+        outs = [p.communicate()[0] for p in nodes.values()]
+        wall = time.perf_counter() - started
+    finally:
+        if store is not None:
+            store.terminate()
+            store.wait()
+    for process, out in zip(nodes.values(), outs, strict=True):
         if process.returncode != 0:
             raise SystemExit(out[-3000:])
     return {"wall_s": wall, **_said("".join(outs), in_memory)}
@@ -131,9 +146,13 @@ def main() -> None:
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                    help="2: two launchers as two nodes, node 1 lost")  # fmt: skip
     p.add_argument("--rdzv-conf", help="with --nodes 2: zerocc train's --rdzv-conf")
+    p.add_argument("--standalone", action="store_true",
+                   help="with --nodes 2: meet at a `zerocc rendezvous`; node 0 lost")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = p.parse_args()
+    if args.standalone and args.nodes != 2:
+        p.error("--standalone goes with --nodes 2")
     plan = yaml.safe_load((ROOT / "examples" / "gpt" / "zero3.yaml").read_text())
     dying = "lost_node_workload.py" if args.nodes == 2 else "dying_workload.py"
     plan["workload"] = f"{ROOT / 'tests' / 'cli' / dying}:workload"
@@ -162,7 +181,10 @@ def main() -> None:
         for name, base in (("killed, from disk", "never killed"),
                            ("killed, from memory", "never killed, in memory"))
     }  # fmt: skip
-    lost_what = "node 1 of 2 lost" if args.nodes == 2 else "a rank killed"
+    lost_what = "a rank killed"
+    if args.nodes == 2:
+        lost_what = ("node 0 of 2 lost, at a zerocc rendezvous" if args.standalone
+                     else "node 1 of 2 lost")  # fmt: skip
     print(f"\n{lost_what} after step {args.kill_after} of {args.steps}, saves every "
           f"{args.save_every}, {args.nproc} gloo ranks, median of {args.repeat}")  # fmt: skip
     print(f"{'run':<26}{'wall s':>9}{'steps lost':>12}{'restart s':>11}")
