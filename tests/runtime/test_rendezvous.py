@@ -14,7 +14,7 @@ import pytest
 
 from zerocc.errors import ZeroccError
 from zerocc.runtime import rendezvous
-from zerocc.runtime.launch import Nodes, _run_name
+from zerocc.runtime.launch import Nodes, _rendezvous_id
 
 
 def _free_port() -> int:
@@ -86,7 +86,7 @@ def test_node_0_does_not_keep_a_store_where_a_rendezvous_answers(served):
     port, _ = served
     endpoint = f"127.0.0.1:{port}"
     with pytest.raises(ZeroccError, match="pass --rdzv-standalone on every machine"):
-        _run_name(Nodes(2, 0, endpoint), "127.0.0.1", port)
-    assert _run_name(Nodes(2, 1, endpoint), "127.0.0.1", port) == f"zerocc-{port}"  # (a client)
+        _rendezvous_id(Nodes(2, 0, endpoint), "127.0.0.1", port)
+    assert _rendezvous_id(Nodes(2, 1, endpoint), "127.0.0.1", port) == f"zerocc-{port}"
     standalone = Nodes(2, 0, endpoint, standalone=True, name="job")
-    assert _run_name(standalone, "127.0.0.1", port) == "job.0"
+    assert _rendezvous_id(standalone, "127.0.0.1", port) == "job.0"

@@ -136,6 +136,10 @@ class Nodes:
             items.append(f"{key}={int(value)}")
         return ",".join(items)
 
+    def run_name(self, port: int) -> str:
+        """The run's name at its rendezvous on ``port``: ``name``, else ``zerocc-PORT``."""
+        return self.name or f"zerocc-{port}"
+
     def address(self, port: int = 0) -> tuple[str, int]:
         """The rendezvous host and port: the endpoint's, else this machine and ``port``."""
         if self.endpoint is None:
@@ -175,7 +179,7 @@ def launch(
     elastic = nodes.count > 1 and max_restarts  # (a node replacing a lost one joins a round)
     if elastic:
         meeting = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
-                   "--rdzv-id", _run_name(nodes, host, port),
+                   "--rdzv-id", _rendezvous_id(nodes, host, port),
                    # node 0 keeps the store the rounds meet at (the others' loss it outlives),
                    # or `zerocc rendezvous` does (--rdzv-standalone)
                    "--rdzv-conf", nodes.rendezvous_conf()]  # fmt: skip
@@ -233,7 +237,7 @@ def launch(
             watcher.stop()
             shutil.rmtree(_memory_folder(run_dir), ignore_errors=True)
             if closes:
-                rendezvous.ended(host, port, _name(nodes, port))
+                rendezvous.ended(host, port, nodes.run_name(port))
     return Launched(0)
 
 
@@ -247,16 +251,12 @@ def _why_the_store_is_gone(nodes: Nodes) -> str:
     )
 
 
-def _name(nodes: Nodes, port: int) -> str:
-    return nodes.name or f"zerocc-{port}"
-
-
-def _run_name(nodes: Nodes, host: str, port: int) -> str:
+def _rendezvous_id(nodes: Nodes, host: str, port: int) -> str:
     """This launch's ``--rdzv-id``: the run's name, and at a `zerocc rendezvous` (which
     outlives runs) the number of launches that ended under it there (checked to answer first).
     Node 0 keeping the store where a `zerocc rendezvous` answers is an error: it would keep a
     store of its own, which nobody else reads."""
-    name = _name(nodes, port)
+    name = nodes.run_name(port)
     if nodes.standalone:
         rendezvous.wait_for(host, port)
         return rendezvous.run_id(host, port, name)
