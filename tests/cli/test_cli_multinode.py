@@ -320,3 +320,48 @@ def test_a_lost_node_not_replaced_leaves_the_run_on_fewer_machines(tmp_path):
         assert ran.returncode == 0, ran.stderr[-3000:]
     last = "step-00000008"
     assert checkpoint_digests(saves / last) == checkpoint_digests(after / last)
+
+
+@pytest.mark.slow
+def test_a_machine_joining_a_smaller_run_resumes_it_on_more_ranks(tmp_path):
+    """`--nnodes 1:2` with node 1 late: node 0 meets alone once the last call (1 s) is over
+    and trains on 1 rank. Node 1 starts once that run has saved step 4; torchrun then starts a
+    round of both without counting a restart (each rank at restart 0): node 0's rank, which its
+    launch started before, counts as restarted, so the ranks stop, save, and resume on 2 ranks
+    from that save rather than from the beginning. The final checkpoint is that of a run of 1
+    rank to the step resumed from, resumed on 2 ranks, bit for bit."""
+    saves = tmp_path / "shared"
+    one_thread = {**CPU_ONLY, "OMP_NUM_THREADS": "1"}
+    train = [sys.executable, "-m", "zerocc", "train", str(PLAN)]
+    endpoint = f"127.0.0.1:{_free_port()}"
+
+    def node(rank: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*train, "--steps", "300", "--save-every", "2", "--max-restarts", "1", "--nproc", "1",
+             "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--save",
+             str(saves), "--rdzv-conf", "last_call_timeout=1"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=one_thread,
+        )  # fmt: skip
+
+    alone = node(0)
+    deadline = time.monotonic() + 300
+    while not (saves / "step-00000004").exists():
+        assert time.monotonic() < deadline and alone.poll() is None, alone.stdout.read()
+        time.sleep(0.2)
+    late = node(1)
+    outs = [p.communicate(timeout=600)[0] for p in (alone, late)]
+    for process, out in zip((alone, late), outs, strict=True):
+        assert process.returncode == 0, out[-3000:]
+    start = re.search(r"zerocc: restart 1: every rank starts again from \S+step-0*(\d+)", outs[0])
+    assert start, outs[0][-3000:]
+    resumed = int(start.group(1))
+    assert resumed >= 4 and "on 2 rank(s)" in outs[0], outs[0][-3000:]
+
+    before, after = tmp_path / "one", tmp_path / "two"
+    for command in ([*train, "--steps", str(resumed), "--nproc", "1", "--save", str(before)],
+                    [*train, "--steps", "300", "--nproc", "2", "--save", str(after), "--resume",
+                     str(before / f"step-{resumed:08d}")]):  # fmt: skip
+        ran = subprocess.run(command, capture_output=True, text=True, timeout=600, env=one_thread)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+    last = "step-00000300"
+    assert checkpoint_digests(saves / last) == checkpoint_digests(after / last)
