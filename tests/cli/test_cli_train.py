@@ -119,8 +119,9 @@ def test_train_auto_searches_first_and_gives_the_ranks_its_choice(monkeypatch, c
     monkeypatch.setattr(cli, "_launch", launch)
     assert cli.main(["train", str(plan), "--nproc", "2", "--auto"]) == 0
     out = capsys.readouterr().out
-    # (stages 0-3 × recompute none, half, all; the pick with units of two blocks, in buckets)
-    assert "14 candidate plans on 2 ranks" in out
+    # (stages 0-3 × recompute none, half, all; the pick with units of two blocks, in buckets,
+    # and the faster of those, units of two blocks, in buckets of two such units)
+    assert "15 candidate plans on 2 ranks" in out
     (command,) = launches
     sets = dict(command[i + 1].split("=", 1) for i, flag in enumerate(command) if flag == "--set")
     # (and the knobs tried around the pick, where it is one of those)

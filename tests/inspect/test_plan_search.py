@@ -67,14 +67,19 @@ def test_every_stage_and_recompute_choice_is_predicted_and_the_fastest_chosen(se
 def test_the_pick_is_tried_with_units_of_two_blocks_buckets_and_deeper_prefetch(searched):
     """Around the grid's fastest (stage 1 here): its blocks two to a unit, and its
     collectives in buckets of two blocks (the example's 0.79 MB blocks: 2 MB; on CPU rates
-    their copies cost more than they save). The stage-3 pick of a plan that fixes its units
-    and buckets is tried with a second unit prefetched instead."""
+    their copies cost more than they save). Two blocks to a unit is faster here, so the
+    search climbs on from it: its units, now two blocks each, in buckets of two (4 MB), which
+    is slower, and the climb ends. The stage-3 pick of a plan that fixes its units and
+    buckets is tried with a second unit prefetched instead."""
     first = searched.grid[0]
     refined = {str(c.fields): c for c in searched.candidates if c not in searched.grid}
-    two_blocks = str({**first.fields, "units.blocks_per_unit": 2})
+    two_blocks = {**first.fields, "units.blocks_per_unit": 2}
     bucketed = str({**first.fields, "overlap.bucket_mb": 2.0})
-    assert set(refined) == {two_blocks, bucketed}
-    assert refined[bucketed].step_s > first.step_s and refined[two_blocks].predicted
+    climbed = str({**two_blocks, "overlap.bucket_mb": 4.0})
+    assert set(refined) == {str(two_blocks), bucketed, climbed}
+    assert refined[bucketed].step_s > first.step_s
+    assert refined[str(two_blocks)].step_s < first.step_s
+    assert refined[climbed].step_s > refined[str(two_blocks)].step_s
     assert searched.best is min(searched.candidates, key=lambda c: (c.step_s, c.peak))
     plan = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload",
                       "zero": {"stage": 3}, "overlap": {"bucket_mb": 0},

@@ -37,7 +37,8 @@ step by a few percent are tuned around the pick (:data:`REFINED`): its blocks tw
 collectives in buckets of two of its largest units (``overlap.bucket_mb``: the same messages,
 each unit still freed on its own, at the cost of copies in and out), at stage 3 a second
 unit prefetched, and where it offloads, half its units' states offloaded instead of all
-(``offload.ratio``: faster where the memory allows).
+(``offload.ratio``: faster where the memory allows); where one of them is faster, again
+around it, until none is (:data:`MAX_CLIMBS` rounds at most).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ BLOCKS = "units.blocks_per_unit"
 BUCKETS, PREFETCH = "overlap.bucket_mb", "overlap.prefetch"
 RATIO = "offload.ratio"  # (a pick that offloads: half its units' states offloaded instead)
 REFINED = (BLOCKS, BUCKETS, PREFETCH, RATIO)
+# Rounds of the knobs' tuning at most (each a faster pick: a second knob on the first, ...)
+MAX_CLIMBS = 4
 # A pipeline's micro-batches tried beyond its default (one per stage): 2 and 4 times as many
 MICROBATCH_FACTORS = (2, 4)
 
@@ -359,16 +362,31 @@ def search_plans(
         candidates = pruned_search(fields_of, predict, states, memory)
     if stack is not None:
         candidates = confirmed(candidates, predict_whole, memory)
-    best = _fastest_that_fits(candidates, memory)
-    if best is not None:  # (the knobs tuned around the pick)
-        for fields in _refinements(plan, best.fields, plans[_key(best.fields)][1], bucket_mb):
+    # The knobs tuned around the pick, each changed on its own, and again around a faster
+    # one found so (a hill-climb: a second knob on top of the first, prefetch one deeper),
+    # until none is faster.
+    best, tried = _fastest_that_fits(candidates, memory), set(plans)
+    for _ in range(MAX_CLIMBS):
+        if best is None:
+            break
+        picked = plans[_key(best.fields)][1]
+        if BLOCKS in best.fields:  # (buckets of two of its own, larger, units)
+            bucket_mb = two_units_mb(picked, trainable_units(picked, workload, world_size))
+        for fields in _refinements(plan, best.fields, picked, bucket_mb):
+            if _key(fields) in tried:
+                continue
+            tried.add(_key(fields))
             if (derived := _derived(plan, fields, world_size)) is not None:
                 plans[_key(fields)] = (fields, derived)
-                tried = predict(fields)
-                if tried.error is None:  # (a knob that does not apply: not a candidate)
-                    candidates.append(tried)
+                refined = predict(fields)
+                if refined.error is None:  # (a knob that does not apply: not a candidate)
+                    candidates.append(refined)
         if stack is not None:
             candidates = confirmed(candidates, predict_whole, memory)
+        climbed = _fastest_that_fits(candidates, memory)
+        if climbed is None or climbed.fields == best.fields:
+            break
+        best = climbed
     candidates.sort(key=lambda c: (c.pruned is not None, c.error is not None,
                                    c.seconds_per_work, c.peak))  # fmt: skip
     counts_tokens = workload.tokens_per_batch is not None
