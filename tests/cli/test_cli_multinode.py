@@ -275,6 +275,41 @@ def test_a_node_whose_rendezvous_is_gone_says_so_and_ends(tmp_path):
     assert "Traceback" not in out
 
 
+def test_a_rendezvous_lost_mid_run_stops_the_ranks_where_they_can_resume(tmp_path):
+    """Two nodes train at a `zerocc rendezvous`, which is killed once step 2 is saved: every
+    rank stops at the end of its step and saves it (as on SIGTERM), and both launchers end (2)
+    naming the rendezvous. The run goes on from that save with --resume."""
+    port = _free_port()
+    store = subprocess.Popen([sys.executable, "-m", "zerocc", "rendezvous", "--port", str(port)],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    saves = tmp_path / "shared"
+    try:
+        assert "listening on" in store.stdout.readline()
+        nodes = [
+            subprocess.Popen(
+                _zerocc("--steps", "1000", "--nproc", "1", "--nnodes", "2", "--node-rank",
+                        str(rank), "--max-restarts", "1", "--rdzv-standalone", "--rdzv-endpoint",
+                        f"127.0.0.1:{port}", "--save", str(saves), "--save-every", "2"),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CPU_ONLY,
+            )  # fmt: skip
+            for rank in (0, 1)
+        ]
+        deadline = time.monotonic() + 300
+        while not (saves / "step-00000002").exists():
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes)
+            time.sleep(0.2)
+    finally:
+        store.kill()
+        store.wait()
+    outs = [node.communicate(timeout=120)[0] for node in nodes]
+    for node, out in zip(nodes, outs, strict=True):
+        assert node.returncode == 2, out[-3000:]
+        assert f"the rendezvous at 127.0.0.1:{port} is gone, which ends the run" in out
+    stopped = re.search(r"stopped by SIGTERM after micro-batch (\d+): (\S+);", "".join(outs))
+    assert stopped, outs[0][-3000:]
+    assert int(stopped.group(1)) < 1000 and Path(stopped.group(2)).is_dir()
+
+
 def test_a_lost_node_not_replaced_leaves_the_run_on_fewer_machines(tmp_path):
     """`--nnodes 1:2`: node 1 is lost at its rank's 6th batch (after step 5, saved every 2
     steps) and nobody replaces it. Node 0's rank, restarted, meets alone once the rendezvous's

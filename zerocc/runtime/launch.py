@@ -243,7 +243,8 @@ def launch(
 
 def _why_the_store_is_gone(nodes: Nodes) -> str:
     if nodes.standalone:
-        return "the `zerocc rendezvous` there stopped (start it again, then the nodes)"
+        return ("the `zerocc rendezvous` there stopped (start it again, then the nodes, with "
+                "--resume: ranks that were training saved where they stopped)")  # fmt: skip
     return (
         "node 0's launcher kept its store, and node 0 was lost; so that node 0 can be replaced "
         "too, keep the store on a machine of its own (`zerocc rendezvous`, and every node with "
