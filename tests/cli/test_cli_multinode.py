@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -245,6 +246,26 @@ def test_a_lost_node_is_replaced_and_the_run_goes_on(tmp_path, in_memory, standa
             store.wait(timeout=30)
     last = "step-00000008"
     assert checkpoint_digests(saves / last) == checkpoint_digests(straight / last)
+
+
+def test_a_node_waiting_for_the_others_says_so():
+    """Node 0 of 2 started alone (its peer never comes): its launcher says where it waits and
+    what the other machines must run, instead of torchrun's silence."""
+    alone = subprocess.Popen(
+        _zerocc("--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=CPU_ONLY,
+    )  # fmt: skip
+    give_up = threading.Timer(120, alone.kill)  # (the notice is due after 10 s)
+    give_up.start()
+    try:
+        said = next((line for line in alone.stderr if line.startswith("zerocc: waiting")), "")
+    finally:
+        give_up.cancel()
+        alone.kill()
+        alone.wait()
+    assert said.startswith("zerocc: waiting at 127.0.0.1:"), said
+    assert "for the run's other machines (--nnodes 2: each starts `zerocc train` with the same " \
+           "plan and flags, and its own --node-rank); 10 s so far" in said  # fmt: skip
 
 
 def test_a_node_whose_rendezvous_is_gone_says_so_and_ends(tmp_path):

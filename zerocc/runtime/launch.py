@@ -37,6 +37,7 @@ from zerocc.ir.printing import human_bytes
 from zerocc.local_ranks import local_rank
 from zerocc.logs import RANK_PROCESSES, quiet
 from zerocc.runtime import rendezvous
+from zerocc.runtime.meeting import WaitNotices
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"  # set in launched ranks: run the command, do not launch
 RUN_DIR_ENV = "ZEROCC_RUN_DIR"  # the folder where launched ranks leave their reports
@@ -206,6 +207,7 @@ def launch(
         ),
     ):
         watcher = _SilentRankKiller(Path(run_dir))
+        notices = _wait_notices(nodes, host, port, elastic) if nodes.count > 1 else None
         # (torchrun closes the rendezvous for good when its run ends, but not on a signal)
         closes = elastic and nodes.standalone
         try:
@@ -235,10 +237,28 @@ def launch(
             return Launched(128 + exc.sigval)
         finally:
             watcher.stop()
+            if notices is not None:
+                notices.stop()
             shutil.rmtree(_memory_folder(run_dir), ignore_errors=True)
             if closes:
                 rendezvous.ended(host, port, nodes.run_name(port))
     return Launched(0)
+
+
+def _wait_notices(nodes: Nodes, host: str, port: int, elastic: bool) -> WaitNotices:
+    """What this launcher says while it waits at the rendezvous for the run's other machines."""
+    own = "" if elastic else ", and its own --node-rank"
+    fewer = (
+        f"; the run goes on with fewer, down to {nodes.fewest}, after the rendezvous's last call"
+        if nodes.fewest < nodes.count
+        else ""
+    )
+    return WaitNotices(
+        first=f"waiting at {host}:{port} for the run's other machines (--nnodes "
+        f"{nodes.count}: each starts `zerocc train` with the same plan and flags{own})",
+        again=f"waiting at {host}:{port} for the run's machines to meet again (a lost one is "
+        f"replaced by `zerocc train` with the same flags on another machine{fewer})",
+    )
 
 
 def _why_the_store_is_gone(nodes: Nodes) -> str:
