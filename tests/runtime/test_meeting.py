@@ -25,19 +25,24 @@ def test_a_process_has_children_while_one_runs():
     assert not meeting.has_children(parent.pid)  # (gone)
 
 
-def test_a_wait_is_said_first_as_for_the_others_then_as_meeting_again(monkeypatch, capsys):
-    monkeypatch.setattr(meeting, "WAIT_NOTICE_S", 0.3)
-    monkeypatch.setattr(meeting, "WAIT_REPEAT_S", 0.4)
-    notices = meeting.WaitNotices("first wait", "second wait", poll_s=0.05)
-    try:
-        time.sleep(1.5)  # (no child: the first wait, said at 0.3 s, again at 0.7 s and 1.1 s)
-        rank = subprocess.Popen(["sleep", "0.5"])  # (a rank runs, then ends: a restart)
-        rank.wait()
-        time.sleep(0.8)
-    finally:
-        notices.stop()
-    said = capsys.readouterr().err.splitlines()
+# (in a process of its own: a test process may have children of other tests' left)
+SCRIPT = """
+import subprocess, time
+from zerocc.runtime import meeting
+meeting.WAIT_NOTICE_S, meeting.WAIT_REPEAT_S = 0.3, 0.4
+notices = meeting.WaitNotices("first wait", "second wait", poll_s=0.05)
+time.sleep(1.5)  # (no child: the first wait, said at 0.3 s, again at 0.7 s and 1.1 s)
+subprocess.run(["sleep", "0.5"])  # (a rank runs, then ends: a restart)
+time.sleep(0.8)
+notices.stop()
+"""
+
+
+def test_a_wait_is_said_first_as_for_the_others_then_as_meeting_again():
+    ran = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    said = ran.stderr.splitlines()
     firsts = [line for line in said if line.startswith("zerocc: first wait; ")]
     seconds = [line for line in said if line.startswith("zerocc: second wait; ")]
-    assert len(firsts) >= 2 and seconds, said
+    assert ran.returncode == 0 and len(firsts) >= 2 and seconds, said
     assert said.index(seconds[0]) > said.index(firsts[-1])

@@ -371,8 +371,11 @@ class _Saver:
 
     def settle(self) -> None:
         """On the way out, after an error too: let the save in flight commit (a peer that
-        left fails it at once) before the process groups close. Its own failure was printed
-        where it happened; the run's error is the one raised."""
+        left fails it at once) before the process groups close, and the copies to memory in
+        flight a few seconds (a peer gone may never answer: MemoryCheckpoints.abandon). Its
+        own failure was printed where it happened; the run's error is the one raised."""
+        if self.memory is not None:
+            self.memory.abandon()
         with contextlib.suppress(Exception):
             self.finish()
 

@@ -6,6 +6,7 @@ itself, by `zerocc train --max-restarts`, is tested in tests/cli.)"""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -185,3 +186,33 @@ def test_a_pipeline_restores_from_memory_before_its_first_call(tmp_path):
     did not stop (pp 2, ZeRO-3 within each stage), bit for bit."""
     for expected, resumed in run_ranks(2, _restore_a_pipeline, tmp_path):
         assert resumed == expected
+
+
+def _abandon_a_copy_whose_peer_never_answers(rank: int, world: int, root: Path) -> dict:
+    step = zerocc.compile(build("gpt"), PLAN)
+    memory = MemoryCheckpoints(root / f"machine-{rank}", step.comm, ranks_per_machine=1)
+    _train(step, [0], rank)
+    said = {}
+    if rank == 0:  # (rank 1 never saves: its half of the copy never comes, its link stays up)
+        memory.save(step)
+        started = time.monotonic()
+        memory.abandon(grace_s=0.5)
+        said["abandoned_s"] = time.monotonic() - started
+        step.comm.failure = RuntimeError("rank 1 stopped answering")  # (as a collective's)
+        step.comm.close()  # (the side channel's exchange still pending)
+        said["closed_s"] = time.monotonic() - started
+        (root / "rank-0-closed").touch()
+    else:
+        while not (root / "rank-0-closed").exists():
+            time.sleep(0.1)
+        step.comm.close()
+    return said
+
+
+def test_a_copy_whose_peer_never_answers_is_left_on_the_way_out(tmp_path):
+    """A rank whose peer stopped answering mid-copy (its connection open: gloo would wait out
+    the collective timeout, 10 minutes by default) leaves the copy after its grace, and its
+    groups close at once: it gets back to the launcher, which restarts the ranks."""
+    first, _ = run_ranks(2, _abandon_a_copy_whose_peer_never_answers, tmp_path, timeout=120)
+    assert 0.4 < first["abandoned_s"] < 5, first
+    assert first["closed_s"] < 20, first

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from zerocc.engine.comm import Comm
 
 KEPT = "the step before stays in memory"
+ABANDON_GRACE_S = 5.0  # seconds the copies in flight get once the run failed (abandon)
 _RNG = "rng/"  # a snapshot's tensors named so are its random number generators' states
 _NAME = re.compile(r"step-(\d+)\.rank-(\d+)-of-(\d+)\.snapshot")
 
@@ -131,7 +132,7 @@ class MemoryCheckpoints:
             mine_or_none = mine if error is None else None
             self._copying = threading.Thread(
                 target=self._copy, args=(done, mine_or_none, written, error),
-                name=f"zerocc-memory-copy-{done}",
+                name=f"zerocc-memory-copy-{done}", daemon=True,  # (see abandon)
             )  # fmt: skip
             self._copying.start()
         self.saved_s += time.perf_counter() - started
@@ -146,6 +147,17 @@ class MemoryCheckpoints:
         error, self._copy_error = self._copy_error, None
         if error is not None:
             raise error
+
+    def abandon(self, grace_s: float = ABANDON_GRACE_S) -> None:
+        """On the way out after an error: give the copies in flight ``grace_s`` seconds, then
+        leave them to end with the process (a daemon thread). A peer that is gone may never
+        answer its half of the exchange (its connection can stay open: gloo then waits out the
+        collective timeout, 10 minutes by default), and the rank would not end until then:
+        torchrun restarts nobody meanwhile. Their step is not whole anywhere; a restart takes
+        an earlier one."""
+        thread, self._copying = self._copying, None
+        if thread is not None:
+            thread.join(grace_s)
 
     def _copy(
         self, done: int, mine: Path | None, written: dict[str, MappedFile], error: str | None
