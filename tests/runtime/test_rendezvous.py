@@ -79,7 +79,7 @@ def test_a_second_rendezvous_on_a_port_in_use_is_refused(served):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert again.returncode == 2
-    assert f"zerocc rendezvous: cannot listen on port {port}" in again.stderr
+    assert f"zerocc: error: cannot listen on port {port}: " in again.stderr
 
 
 def test_node_0_does_not_keep_a_store_where_a_rendezvous_answers(served):

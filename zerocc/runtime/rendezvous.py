@@ -29,9 +29,9 @@ ENDED = "zerocc/ended/"  # + run name: launches ended under that name (a counter
 DEFAULT_PORT = 29500  # (torchrun's)
 
 
-def serve(port: int = DEFAULT_PORT, *, ready: bool = True) -> None:
+def serve(port: int = DEFAULT_PORT) -> None:
     """Keep a rendezvous store on ``port`` of this machine (every address) until SIGINT or
-    SIGTERM; ``ready``: say where once it listens."""
+    SIGTERM, saying where once it listens."""
     from torch.distributed import TCPStore
 
     stop = {signal.SIGINT, signal.SIGTERM}
@@ -39,13 +39,12 @@ def serve(port: int = DEFAULT_PORT, *, ready: bool = True) -> None:
     try:
         store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, use_libuv=True)
     except Exception as exc:  # (torch's DistNetworkError, or a RuntimeError: port in use)
-        raise ZeroccError(f"zerocc rendezvous: cannot listen on port {port}: {exc}") from None
+        raise ZeroccError(f"cannot listen on port {port}: {exc}") from None
     store.set(MARK, "1")
-    if ready:
-        host = socket.getfqdn()
-        print(f"zerocc rendezvous: listening on {host}:{port}; start `zerocc train` on every "
-              f"machine with --rdzv-endpoint {host}:{port} --rdzv-standalone (and --nnodes, "
-              "--max-restarts); Ctrl-C ends it", flush=True)  # fmt: skip
+    host = socket.getfqdn()
+    print(f"zerocc rendezvous: listening on {host}:{port}; start `zerocc train` on every "
+          f"machine with --rdzv-endpoint {host}:{port} --rdzv-standalone (and --nnodes, "
+          "--max-restarts); Ctrl-C ends it", flush=True)  # fmt: skip
     caught = signal.sigwait(stop)
     print(f"zerocc rendezvous: stopped by {signal.Signals(caught).name}", flush=True)
 
