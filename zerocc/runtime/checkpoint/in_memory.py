@@ -151,10 +151,10 @@ class MemoryCheckpoints:
     def abandon(self, grace_s: float = ABANDON_GRACE_S) -> None:
         """On the way out after an error: give the copies in flight ``grace_s`` seconds, then
         leave them to end with the process (a daemon thread). A peer that is gone may never
-        answer its half of the exchange (its connection can stay open: gloo then waits out the
-        collective timeout, 10 minutes by default), and the rank would not end until then:
-        torchrun restarts nobody meanwhile. Their step is not whole anywhere; a restart takes
-        an earlier one."""
+        answer its half of the exchange (seen once after a lost machine, cause not found: gloo
+        fails it only at the collective timeout, 10 minutes by default), and the rank would
+        not end until then: torchrun restarts nobody meanwhile. Their step is not whole
+        anywhere; a restart takes an earlier one."""
         thread, self._copying = self._copying, None
         if thread is not None:
             thread.join(grace_s)
