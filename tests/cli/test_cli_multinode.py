@@ -20,7 +20,7 @@ from lost_node_workload import LOSE_THIS_NODE
 from torch.distributed import TCPStore
 from train_runs import CPU_ONLY, checkpoint_digests, final_loss
 
-from zerocc.cli.main import main
+from zerocc.cli.main import _nodes_of, _parser, main
 from zerocc.runtime.launch import RUN_DIR_ENV, Nodes, started_before
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
@@ -130,6 +130,24 @@ def test_nnodes_is_a_count_or_a_range(value, capsys):
     with pytest.raises(SystemExit):
         main(["train", str(PLAN), "--nnodes", value])
     assert f"argument --nnodes: {value!r}: N or MIN:N, whole numbers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "slurm", "rank"),
+    [([], {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, 1),  # srun, one task per machine
+     (["--node-rank", "0"], {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, 0),  # given: kept
+     ([], {"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, 0),  # tasks are not machines
+     ([], {}, 0)],
+    ids=["srun", "given", "tasks-per-machine", "no-slurm"],
+)  # fmt: skip
+def test_the_node_rank_defaults_to_slurms_task_under_srun(flags, slurm, rank, monkeypatch):
+    for name in ("SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    args = _parser().parse_args(["train", str(PLAN), "--nnodes", "2", "--rdzv-endpoint", "h:1",
+                                 *flags])  # fmt: skip
+    assert _nodes_of(args).rank == rank
 
 
 def test_a_rank_its_launch_started_before_counts_as_restarted(tmp_path, monkeypatch):

@@ -163,8 +163,9 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         "down to MIN, from the last checkpoint (resharded)",
     )  # fmt: skip
     train.add_argument(
-        "--node-rank", type=int, default=0, metavar="I",
-        help="this machine's place among --nnodes, 0 to N-1 (Slurm: $SLURM_NODEID)",
+        "--node-rank", type=int, metavar="I",
+        help="this machine's place among --nnodes, 0 to N-1 (default: $SLURM_PROCID under "
+        "srun with one task per machine, else 0)",
     )  # fmt: skip
     train.add_argument(
         "--rdzv-endpoint", metavar="HOST:PORT",
@@ -519,13 +520,24 @@ def _nodes_of(args: argparse.Namespace) -> Nodes:
         )
     return Nodes(
         args.nnodes,
-        args.node_rank,
+        _node_rank(args),
         args.rdzv_endpoint,
         args.rdzv_conf,
         standalone=args.rdzv_standalone,
         name=args.rdzv_id,
         fewest=fewest,
     )
+
+
+def _node_rank(args: argparse.Namespace) -> int:
+    """``--node-rank``; where none is given, Slurm's task number under `srun` with one task
+    per machine (``$SLURM_NTASKS`` equal to ``--nnodes``), else 0."""
+    if args.node_rank is not None:
+        return args.node_rank
+    task, tasks = os.environ.get("SLURM_PROCID"), os.environ.get("SLURM_NTASKS")
+    if args.nnodes > 1 and task is not None and tasks == str(args.nnodes) and task.isdigit():
+        return int(task)
+    return 0
 
 
 def _ranks_the_plan_takes(plan: Plan, nodes: int = 1) -> int:
