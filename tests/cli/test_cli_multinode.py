@@ -20,7 +20,8 @@ from lost_node_workload import LOSE_THIS_NODE
 from torch.distributed import TCPStore
 from train_runs import CPU_ONLY, checkpoint_digests, final_loss
 
-from zerocc.cli.main import _nodes_of, _parser, main
+from zerocc.cli.machines import nodes_of
+from zerocc.cli.main import _parser, main
 from zerocc.runtime.launch import RUN_DIR_ENV, Nodes, started_before
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
@@ -147,7 +148,7 @@ def test_the_node_rank_defaults_to_slurms_task_under_srun(flags, slurm, rank, mo
         monkeypatch.setenv(name, value)
     args = _parser().parse_args(["train", str(PLAN), "--nnodes", "2", "--rdzv-endpoint", "h:1",
                                  *flags])  # fmt: skip
-    assert _nodes_of(args).rank == rank
+    assert nodes_of(args).rank == rank
 
 
 def test_a_rank_its_launch_started_before_counts_as_restarted(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 from train_runs import CPU_ONLY
 
-from zerocc.inspect.plan_search import REFINED
+from zerocc.inspect.plan_refine import REFINED
 from zerocc.runtime.launch import Launched
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"

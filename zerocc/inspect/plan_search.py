@@ -32,19 +32,18 @@ Most candidates are not compiled: the cost model's orders rule them out
 (:mod:`zerocc.inspect.plan_pruning`); ``exhaustive=True`` (`zerocc plan auto --exhaustive`)
 compiles every one. A deep model's candidates are drawn from compiles of shallow copies of it
 and the pick compiled whole (:mod:`zerocc.inspect.plan_depth`). Last, the knobs that move a
-step by a few percent are tuned around the pick (:data:`REFINED`): its blocks two to a unit
-(``units.blocks_per_unit``: a gather and a reduction for two blocks, both held at once), its
-collectives in buckets of two of its largest units (``overlap.bucket_mb``: the same messages,
-each unit still freed on its own, at the cost of copies in and out), at stage 3 a second
-unit prefetched, and where it offloads, half its units' states offloaded instead of all
-(``offload.ratio``: faster where the memory allows); where one of them is faster, again
-around it, until none is (:data:`MAX_CLIMBS` rounds at most).
+step by a few percent are tuned around the pick (:mod:`zerocc.inspect.plan_refine`): its
+blocks two to a unit (``units.blocks_per_unit``: a gather and a reduction for two blocks,
+both held at once), its collectives in buckets of two of its largest units
+(``overlap.bucket_mb``: the same messages, each unit still freed on its own, at the cost of
+copies in and out), at stage 3 a second unit prefetched, and where it offloads, half its
+units' states offloaded instead of all (``offload.ratio``: faster where the memory allows);
+where one of them is faster, again around it, until none is (4 rounds at most).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -53,7 +52,7 @@ from typing import Any
 import torch
 import yaml
 
-from zerocc.compiler.driver.plan_changes import derive_plan, plan_field, set_field
+from zerocc.compiler.driver.plan_changes import derive_plan, plan_field, plan_sets, set_field
 from zerocc.compiler.driver.program import CapturedSteps
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.parallel.experts import ExpertParallel
@@ -69,6 +68,7 @@ from zerocc.inspect.estimate import estimate, first_batch, inspect_plan
 from zerocc.inspect.pipeline_estimate import PipelineEstimate, estimate_pipeline
 from zerocc.inspect.plan_depth import DEPTHS, BlockStack, confirmed, extrapolated
 from zerocc.inspect.plan_pruning import SAVES_MEMORY, SOME, Candidate, pruned_search
+from zerocc.inspect.plan_refine import BLOCKS, REFINED, climb, refinements, two_units_mb
 from zerocc.ir.printing import human_bytes, human_seconds
 
 HOST_ONLY = {"offload.optimizer"}  # fields that mean nothing where host memory is the device's
@@ -80,16 +80,6 @@ PP_DEGREES = (1, 2, 4, 8)  # pipeline stages' ranks (each stage at least one uni
 PP_SCHEDULES = ("1f1b", "zero-bubble")
 EP_DEGREES = (1, 2, 4, 8, 16, 32, 64)  # expert parallelism (DeepSeek-V3 trains at ep 64)
 MICROBATCHES = "pipeline.microbatches"
-# Knobs tuned around the pick, not across the space (:func:`_refinements`): each moves a step
-# by a few percent (on the 70B example's estimate at 1024 ranks, buckets of two blocks -1.5%,
-# a second unit prefetched +0.5%; on the 4-block example on either rates, buckets cost more
-# than they save), where trying them everywhere would multiply the candidates by 8
-BLOCKS = "units.blocks_per_unit"
-BUCKETS, PREFETCH = "overlap.bucket_mb", "overlap.prefetch"
-RATIO = "offload.ratio"  # (a pick that offloads: half its units' states offloaded instead)
-REFINED = (BLOCKS, BUCKETS, PREFETCH, RATIO)
-# Rounds of the knobs' tuning at most (each a faster pick: a second knob on the first, ...)
-MAX_CLIMBS = 4
 # A pipeline's micro-batches tried beyond its default (one per stage): 2 and 4 times as many
 MICROBATCH_FACTORS = (2, 4)
 
@@ -222,7 +212,7 @@ def search_space(
             continue
         if path == SEQUENCE_PARALLEL and not plan.parallel.tp_layers:
             continue  # (nothing to split the sequence beside)
-        if _set_in(plan, path):
+        if plan_sets(plan, path):
             fixed.append(f"{path}: {plan_field(plan, path)}")
             continue
         space[path] = values
@@ -260,17 +250,6 @@ def _mesh_space(
             # candidate whose shard group it cannot divide, or at another stage, is none
             space["zero.secondary_group"] = (1, per_node)
     return space
-
-
-def _set_in(plan: Plan, path: str) -> bool:
-    """Whether the plan's data set the field at ``path`` (not its default)."""
-    *parents, leaf = path.split(".")
-    section: Any = plan
-    for name in parents:
-        if name not in section.model_fields_set:
-            return False
-        section = getattr(section, name)
-    return leaf in section.model_fields_set
 
 
 def candidate_fields(space: dict[str, tuple[Any, ...]]) -> Iterator[dict[str, Any]]:
@@ -360,33 +339,30 @@ def search_plans(
         candidates = [predict(fields) for fields in fields_of]
     else:
         candidates = pruned_search(fields_of, predict, states, memory)
-    if stack is not None:
-        candidates = confirmed(candidates, predict_whole, memory)
-    # The knobs tuned around the pick, each changed on its own, and again around a faster
-    # one found so (a hill-climb: a second knob on top of the first, prefetch one deeper),
-    # until none is faster.
-    best, tried = _fastest_that_fits(candidates, memory), set(plans)
-    for _ in range(MAX_CLIMBS):
-        if best is None:
-            break
+    tried = set(plans)
+
+    def around(best: Candidate) -> list[Candidate]:
+        """The candidates the knobs make of ``best``, each new one predicted (one that does
+        not apply is not a candidate)."""
         picked = plans[_key(best.fields)][1]
+        bucket = bucket_mb
         if BLOCKS in best.fields:  # (buckets of two of its own, larger, units)
-            bucket_mb = two_units_mb(picked, trainable_units(picked, workload, world_size))
-        for fields in _refinements(plan, best.fields, picked, bucket_mb):
+            bucket = two_units_mb(picked, trainable_units(picked, workload, world_size))
+        out = []
+        for fields in refinements(plan, best.fields, picked, bucket):
             if _key(fields) in tried:
                 continue
             tried.add(_key(fields))
             if (derived := _derived(plan, fields, world_size)) is not None:
                 plans[_key(fields)] = (fields, derived)
-                refined = predict(fields)
-                if refined.error is None:  # (a knob that does not apply: not a candidate)
-                    candidates.append(refined)
-        if stack is not None:
-            candidates = confirmed(candidates, predict_whole, memory)
-        climbed = _fastest_that_fits(candidates, memory)
-        if climbed is None or climbed.fields == best.fields:
-            break
-        best = climbed
+                if (refined := predict(fields)).error is None:
+                    out.append(refined)
+        return out
+
+    def confirm(candidates: list[Candidate]) -> list[Candidate]:
+        return confirmed(candidates, predict_whole, memory) if stack is not None else candidates
+
+    candidates = climb(confirm(candidates), memory, around, confirm)
     candidates.sort(key=lambda c: (c.pruned is not None, c.error is not None,
                                    c.seconds_per_work, c.peak))  # fmt: skip
     counts_tokens = workload.tokens_per_batch is not None
@@ -449,7 +425,7 @@ def _searches_microbatches(plan: Plan, space: dict[str, tuple[Any, ...]]) -> boo
     """Whether a pipeline's micro-batch count is searched: pipelines are tried (or the plan
     has one) and the plan does not set the count."""
     pipelines = "parallel.pp" in space or plan.parallel.pp > 1
-    return pipelines and not _set_in(plan, MICROBATCHES)
+    return pipelines and not plan_sets(plan, MICROBATCHES)
 
 
 def _more_microbatches(plan: Plan, workload: Workload, world_size: int) -> list[int]:
@@ -463,44 +439,6 @@ def _more_microbatches(plan: Plan, workload: Workload, world_size: int) -> list[
     batch = first_batch(workload, Mesh.of_plan(plan, world_size).data_parallel)
     rows = next((t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim()), 0)
     return [f * default for f in MICROBATCH_FACTORS if rows and rows % (f * default) == 0]
-
-
-def _fastest_that_fits(candidates: list[Candidate], memory: int) -> Candidate | None:
-    fitting = [c for c in candidates if c.fits(memory)]
-    return min(fitting, key=lambda c: (c.seconds_per_work, c.peak), default=None)
-
-
-def _refinements(
-    plan: Plan, fields: dict[str, Any], picked: Plan, bucket_mb: float
-) -> list[dict[str, Any]]:
-    """The pick's ``fields`` (its plan: ``picked``) with each of :data:`REFINED` changed,
-    where the plan leaves it: its blocks two to a unit (unless it recomputes units it names),
-    its collectives in buckets of two of its largest units (``bucket_mb``; 0: fewer than two
-    units, neither), at stage 3 one more unit gathered ahead, and where it offloads, half
-    its units offloaded (faster, where the memory allows it)."""
-    out = []
-    named = isinstance(picked.recompute.units, list)  # (units by name: grouping renames them)
-    if bucket_mb and not named and not _set_in(plan, BLOCKS):
-        out.append({**fields, BLOCKS: 2})
-    if bucket_mb and not _set_in(plan, BUCKETS):
-        out.append({**fields, BUCKETS: bucket_mb})
-    if picked.zero.stage == 3 and not _set_in(plan, PREFETCH):
-        out.append({**fields, PREFETCH: picked.overlap.prefetch + 1})
-    offloads = picked.offload.optimizer != "none" or picked.offload.params != "none"
-    if offloads and picked.offload.ratio == 1 and not _set_in(plan, RATIO):
-        out.append({**fields, RATIO: 0.5})
-    return out
-
-
-def two_units_mb(plan: Plan, units: list[Unit]) -> float:
-    """A bucket (``overlap.bucket_mb``) that two of the largest of ``units`` (the model's
-    trainable ones) fill, gathered in the compute dtype, whole MB rounded up: their
-    collectives as one, what units of two blocks would send (each unit still freed on its
-    own); 0 for fewer than 2 units."""
-    if len(units) < 2:
-        return 0.0
-    itemsize = plan.precision.dtype("param").itemsize
-    return float(math.ceil(2 * max(u.numel for u in units) * itemsize / 2**20))
 
 
 def _no_pipeline_but_its_schedule(plan: Plan, fields: dict[str, Any]) -> bool:

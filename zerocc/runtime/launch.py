@@ -81,9 +81,9 @@ class Nodes:
     counts as lost after ``keep_alive_interval × keep_alive_max_attempt`` seconds, 15 by
     default). ``standalone``: the endpoint is a `zerocc rendezvous` of its own
     (:mod:`zerocc.runtime.rendezvous`), which no node holds, so node 0 may be lost too; ``name``
-    is the run's there (torchrun's ``--rdzv-id``, ``zerocc-PORT`` by default). ``fewest``: the
+    is the run's there (torchrun's ``--rdzv-id``, ``zerocc-PORT`` by default). ``least``: the
     fewest machines the run goes on with (``--nnodes MIN:N``), once one is lost and not
-    replaced (``count`` where None)."""
+    replaced (:attr:`fewest`: ``count`` where None)."""
 
     count: int = 1
     rank: int = 0
@@ -91,13 +91,11 @@ class Nodes:
     conf: str | None = None
     standalone: bool = False
     name: str | None = None
-    fewest: int | None = None
+    least: int | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise ZeroccError(f"--nnodes {self.count}: at least 1")
-        if self.fewest is None:
-            object.__setattr__(self, "fewest", self.count)
         if not 1 <= self.fewest <= self.count:
             raise ZeroccError(f"--nnodes {self.fewest}:{self.count}: MIN from 1 to {self.count}")
         if not 0 <= self.rank < self.count:
@@ -136,6 +134,11 @@ class Nodes:
                                   "number of at least 1")  # fmt: skip
             items.append(f"{key}={int(value)}")
         return ",".join(items)
+
+    @property
+    def fewest(self) -> int:
+        """The fewest machines the run goes on with: ``least``, else ``count``."""
+        return self.count if self.least is None else self.least
 
     def run_name(self, port: int) -> str:
         """The run's name at its rendezvous on ``port``: ``name``, else ``zerocc-PORT``."""

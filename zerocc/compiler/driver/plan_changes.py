@@ -74,6 +74,17 @@ def plan_field(plan: Plan, path: str) -> Any:
     return value
 
 
+def plan_sets(plan: Plan, path: str) -> bool:
+    """Whether the plan's data set the field at the dotted ``path`` (not its default)."""
+    *parents, leaf = path.split(".")
+    section: Any = plan
+    for name in parents:
+        if name not in section.model_fields_set:
+            return False
+        section = getattr(section, name)
+    return leaf in section.model_fields_set
+
+
 def set_field(data: dict[str, Any], path: str, value: Any) -> None:
     """Set the field at the dotted ``path`` of plan data, making its sections where missing."""
     *parents, leaf = path.split(".")
