@@ -351,17 +351,21 @@ def test_a_rendezvous_lost_mid_run_stops_the_ranks_where_they_can_resume(tmp_pat
 
 
 def test_a_lost_node_not_replaced_leaves_the_run_on_fewer_machines(tmp_path):
-    """`--nnodes 1:2`: node 1 is lost at its rank's 6th batch (after step 5, saved every 2
-    steps) and nobody replaces it. Node 0's rank, restarted, meets alone once the rendezvous's
-    last call is over, and resumes from step 4 of the shared folder, resharded from 2 ranks to
-    1 (its snapshots in memory are of 2 ranks: not taken). The final checkpoint is that of a
-    run of 2 ranks to step 4 resumed on 1 rank, bit for bit. (The first round waits the same
-    last call, 15 s, for the second node, which the two launchers started together meet.)"""
+    """`--nnodes 1:2` with `checkpoint.in_memory`: node 1 is lost at its rank's 7th batch
+    (after step 6; saved on disk every 4 steps) and nobody replaces it. Node 0's rank,
+    restarted, meets alone once the rendezvous's last call is over. Its machine's memory
+    holds both ranks' states of step 5 or 6 (its own, and its copy of node 1's: step 6's
+    where its copies, on a thread, were through before the loss; step 6's save waited for
+    step 5's), newer than the disk's step 4: they are written out as a checkpoint of the
+    shared folder, from which the rank resumes, resharded from 2 ranks to 1. The final
+    checkpoint is that of a run of 2 ranks to that step resumed on 1 rank, bit for bit. (The
+    first round waits the same last call, 15 s, for the second node, which the two launchers
+    started together meet.)"""
     import yaml
 
     plan = yaml.safe_load(PLAN.read_text())
     plan["workload"] = f"{Path(__file__).parent / 'lost_node_workload.py'}:workload"
-    plan["workload_args"]["kill_at"] = 5
+    plan["workload_args"]["kill_at"] = 6
     losing = tmp_path / "losing.yaml"
     losing.write_text(yaml.safe_dump(plan))
     saves = tmp_path / "shared"
@@ -370,7 +374,7 @@ def test_a_lost_node_not_replaced_leaves_the_run_on_fewer_machines(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [
         subprocess.Popen(
-            [*train, "--save-every", "2", "--max-restarts", "1", "--nproc", "1", "--nnodes",
+            [*train, "--save-every", "4", "--max-restarts", "1", "--nproc", "1", "--nnodes",
              "1:2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--save", str(saves),
              "--set", "checkpoint.in_memory=true",
              "--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=15"],
@@ -382,15 +386,20 @@ def test_a_lost_node_not_replaced_leaves_the_run_on_fewer_machines(tmp_path):
     outs = [node.communicate(timeout=600)[0] for node in nodes]
     assert nodes[1].returncode == -signal.SIGKILL
     assert nodes[0].returncode == 0, outs[0][-3000:]
-    assert f"every rank starts again from {saves / 'step-00000004'}" in outs[0], outs[0][-3000:]
-    assert "4 step(s) on 1 rank(s)" in outs[0], outs[0][-3000:]  # (steps 5 to 8)
+    written = re.search(r"the snapshots of step ([56]) in memory are of 2 ranks, not 1: written "
+                        r"out to (\S+) to load resharded", outs[0])  # fmt: skip
+    assert written, outs[0][-3000:]
+    resumed = int(written.group(1))
+    assert written.group(2) == str(saves / f"step-{resumed:08d}")
+    assert f"every rank starts again from {written.group(2)}" in outs[0], outs[0][-3000:]
+    assert f"{8 - resumed} step(s) on 1 rank(s)" in outs[0], outs[0][-3000:]
 
     plan["workload_args"]["kill_at"] = 10**6  # never
     losing.write_text(yaml.safe_dump(plan))
     before, after = tmp_path / "two", tmp_path / "one"
-    for command in ([*train[:-1], "4", "--nproc", "2", "--save", str(before)],
+    for command in ([*train[:-1], str(resumed), "--nproc", "2", "--save", str(before)],
                     [*train, "--nproc", "1", "--save", str(after), "--resume",
-                     str(before / "step-00000004")]):  # fmt: skip
+                     str(before / f"step-{resumed:08d}")]):  # fmt: skip
         ran = subprocess.run(command, capture_output=True, text=True, timeout=600, env=one_thread)
         assert ran.returncode == 0, ran.stderr[-3000:]
     last = "step-00000008"

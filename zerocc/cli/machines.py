@@ -60,7 +60,7 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc-min", type=int, metavar="M",
         help="when ranks still fail after --max-restarts, go on with fewer, down to M, from "
-        "the last checkpoint (resharded on load; one machine only)",
+        "the last checkpoint or step in memory (resharded on load; one machine only)",
     )  # fmt: skip
     parser.set_defaults(nnodes_min=None)
 

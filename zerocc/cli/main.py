@@ -46,6 +46,7 @@ from zerocc.runtime.launch import (
     Nodes,
     environment,
     launched,
+    memory_folder,
     report,
 )
 
@@ -321,16 +322,20 @@ def _train(args: argparse.Namespace) -> int:
             for flag in flags:
                 if getattr(args, flag) is not None:
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        ended = _launch(plan, args, command, nodes, restarts)
-        # Fewer ranks where one was lost (killed, crashed); ranks that all raised an error
-        # would meet it again.
-        while ended.lost_a_rank and (fewer := fewer_ranks(plan, args)) is not None:
-            print(f"zerocc: ranks failed after {restarts} restart(s): going on with {fewer} "
-                  f"ranks, not {args.nproc} (--nproc-min {args.nproc_min}), from the newest "
-                  f"checkpoint in {plan.checkpoint.dir}", file=sys.stderr, flush=True)  # fmt: skip
-            args.nproc = fewer
-            resumed = [*command, "--resume", str(plan.checkpoint.dir)]  # (the last one counts)
-            ended = _launch(plan, args, resumed, nodes, restarts)
+        with memory_folder() as memory:  # (the smaller run's ranks read the larger one's)
+            ended = _launch(plan, args, command, nodes, restarts, memory)
+            # Fewer ranks where one was lost (killed, crashed); ranks that all raised an error
+            # would meet it again.
+            while ended.lost_a_rank and (fewer := fewer_ranks(plan, args)) is not None:
+                newest = "newest checkpoint in " + str(plan.checkpoint.dir)
+                if plan.checkpoint.in_memory:
+                    newest = "newest step in memory, or the " + newest
+                print(f"zerocc: ranks failed after {restarts} restart(s): going on with {fewer} "
+                      f"ranks, not {args.nproc} (--nproc-min {args.nproc_min}), from the "
+                      f"{newest}", file=sys.stderr, flush=True)  # fmt: skip
+                args.nproc = fewer
+                resumed = [*command, "--resume", str(plan.checkpoint.dir)]  # (the last counts)
+                ended = _launch(plan, args, resumed, nodes, restarts, memory)
         return ended.status
 
 
@@ -401,14 +406,17 @@ def _launch(
     command: list[str],
     nodes: Nodes | None = None,
     max_restarts: int = 0,
+    memory: Path | None = None,
 ) -> Launched:
     """Start `args.nproc` local ranks, each running `zerocc COMMAND...` as a rank, once the
-    machine has a device for every one of them (one error here, not one per rank)."""
+    machine has a device for every one of them (one error here, not one per rank); their
+    in-memory checkpoints in ``memory`` where given (see :func:`launch`)."""
     from zerocc.runtime.devices import rank_device
     from zerocc.runtime.launch import launch
 
     rank_device(plan, local_rank=0, local_ranks=args.nproc)
-    return launch(args.nproc, args.master_port or _free_port(), command, nodes, max_restarts)
+    port = args.master_port or _free_port()
+    return launch(args.nproc, port, command, nodes, max_restarts, memory)
 
 
 # --- profile ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 
 from zerocc.cli.metrics import Metrics, progress_text
 from zerocc.compiler.plan import Plan
-from zerocc.errors import ZeroccError
+from zerocc.errors import CheckpointError, ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.local_ranks import ranks_on_this_machine
 from zerocc.pipeline_step import PipelineStep
@@ -106,7 +106,7 @@ def _train_steps(
     closing.callback(step.comm.close)
     memory = _memory_checkpoints(step, plan)
     restart = _restarted(step)
-    if not (restart and memory is not None and _restored_from_memory(step, plan, memory, restart)):
+    if not (memory is not None and _restored_from_memory(step, plan, memory, restart)):
         resume = _resume_point(plan, rank, restart)
         if resume is not None:
             _resume(step, resume, rank)
@@ -269,20 +269,54 @@ def _memory_checkpoints(step, plan: Plan) -> MemoryCheckpoints | None:
 
 
 def _restored_from_memory(step, plan: Plan, memory: MemoryCheckpoints, restart: int) -> bool:
-    """After a restart, load the snapshots in memory where some machine holds every rank's
-    of a step at least as new as the disk's newest checkpoint; whether they were."""
-    done, everyone = memory.newest()
+    """Load the snapshots in memory (after a restart, or in the smaller run ``--nproc-min``
+    starts) where some machine holds every rank's of a step at least as new as the disk's
+    newest checkpoint; whether they were. Snapshots of another number of ranks (a machine
+    lost or one more with ``--nnodes MIN:N``, ``--nproc-min``'s fewer ranks) newer than the
+    disk's are written out as a checkpoint of ``checkpoint.dir`` first, which the run then
+    loads resharded: no step is lost."""
+    done, world, everyone = memory.newest()
     on_disk = _newest_on_disk(plan)
-    if done is None or (on_disk is not None and int(on_disk.name.removeprefix(PREFIX)) > done):
+    saved = int(on_disk.name.removeprefix(PREFIX)) if on_disk is not None else None
+    if done is None or (saved is not None and saved > done):
+        return False
+    if world != step.comm.world_size:
+        if saved != done and plan.checkpoint.dir is not None:
+            _write_out(step, plan, memory, (done, world, everyone), restart)
         return False
     fetched = memory.restore(step, done, everyone)
     if step.comm.rank == 0:
         copies = f"; {fetched} rank(s) from a peer's copy" if fetched else ""
-        print(f"zerocc: restart {restart}: every rank starts again from step "
+        print(f"{_said_by(restart)}every rank starts again from step "
               f"{done} in memory ({memory.folder}{copies})", flush=True)  # fmt: skip
         print(f"resumed from memory at micro-batch {step.micro_batches} ({step.steps} "
               "optimizer steps applied)")  # fmt: skip
     return True
+
+
+def _write_out(step, plan: Plan, memory: MemoryCheckpoints, newest: tuple, restart: int) -> None:
+    """Write the snapshots of another number of ranks (``newest``: what
+    :meth:`MemoryCheckpoints.newest` found) out as a checkpoint, saying so; where that fails,
+    say why: the restart loads the disk's newest instead."""
+    done, world, everyone = newest
+    try:
+        path = memory.write_out(done, world, everyone, Path(plan.checkpoint.dir),
+                                plan.checkpoint.keep)  # fmt: skip
+    except CheckpointError as exc:
+        if step.comm.rank == 0:
+            print(f"{_said_by(restart)}the snapshots of step {done} in memory, of "
+                  f"{world} ranks, could not be written out ({exc}): the disk's newest "
+                  "checkpoint is loaded instead", flush=True)  # fmt: skip
+        return
+    if step.comm.rank == 0:
+        print(f"{_said_by(restart)}the snapshots of step {done} in memory are of "
+              f"{world} ranks, not {step.comm.world_size}: written out to {path} to load "
+              "resharded", flush=True)  # fmt: skip
+
+
+def _said_by(restart: int) -> str:
+    """How a line of the restart ``restart`` begins (0: the first attempt of a launch)."""
+    return f"zerocc: restart {restart}: " if restart else "zerocc: "
 
 
 def _newest_on_disk(plan: Plan) -> Path | None:

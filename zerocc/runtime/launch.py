@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -41,19 +42,28 @@ from zerocc.runtime.meeting import WaitNotices
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"  # set in launched ranks: run the command, do not launch
 RUN_DIR_ENV = "ZEROCC_RUN_DIR"  # the folder where launched ranks leave their reports
+MEMORY_DIR_ENV = "ZEROCC_MEMORY_DIR"  # where launched ranks keep their in-memory checkpoints
 SHARED_MEMORY = Path("/dev/shm")  # tmpfs: host memory as files, outliving a rank's process
 
 
 def in_memory_folder() -> Path | None:
     """Where a launched rank keeps its in-memory checkpoints (``checkpoint.in_memory``): a
-    folder of this launch in shared memory, the same for every attempt of a restarted rank,
-    removed by the launcher at the end; None outside zerocc's launcher."""
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    return _memory_folder(run_dir) if run_dir else None
+    folder in shared memory, the same for every attempt of a restarted rank and every launch
+    of one command (the smaller run ``--nproc-min`` starts reads the larger one's), removed
+    at its end (:func:`memory_folder`); None outside zerocc's launcher."""
+    folder = os.environ.get(MEMORY_DIR_ENV)
+    return Path(folder) if folder else None
 
 
-def _memory_folder(run_dir: str) -> Path:
-    return SHARED_MEMORY / Path(run_dir).name  # (zerocc-run-<random>, the launch's own)
+@contextlib.contextmanager
+def memory_folder() -> Iterator[Path]:
+    """A folder of shared memory for one run's in-memory checkpoints (its ranks make it as
+    they save), removed with what it holds at the end."""
+    folder = SHARED_MEMORY / f"zerocc-run-{secrets.token_hex(6)}"
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # What `--rdzv-conf` may set of torchrun's c10d rendezvous, and its default (``is_host`` is
@@ -167,12 +177,19 @@ class Launched(NamedTuple):
 
 
 def launch(
-    nproc: int, port: int, command: list[str], nodes: Nodes | None = None, max_restarts: int = 0
+    nproc: int,
+    port: int,
+    command: list[str],
+    nodes: Nodes | None = None,
+    max_restarts: int = 0,
+    memory: Path | None = None,
 ) -> Launched:
     """Start ``nproc`` local ranks through torch.distributed.run, each running ``zerocc
     COMMAND...`` as a rank (of ``nodes.count × nproc`` when the run spans machines); when a
     rank fails, start every rank again, up to ``max_restarts`` times (torchrun's elastic
-    agent; the ranks read ``TORCHELASTIC_RESTART_COUNT``). Failed ranks are reported here."""
+    agent; the ranks read ``TORCHELASTIC_RESTART_COUNT``). Failed ranks are reported here.
+    The ranks keep their in-memory checkpoints in ``memory`` (:func:`memory_folder`, kept
+    for a later launch), else in a folder of this launch's."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -199,7 +216,8 @@ def launch(
     ]  # fmt: skip
     with (
         tempfile.TemporaryDirectory(prefix="zerocc-run-") as run_dir,
-        _rank_environment(nproc, run_dir),
+        memory_folder() if memory is None else contextlib.nullcontext(memory) as kept_in,
+        _rank_environment(nproc, run_dir, kept_in),
         # Each round's ranks meet at a store of their own, not the agents' (shared across
         # rounds, it holds the last round's addresses: the nodes' attempts differ, a
         # replacement's is 0, so no attempt prefix can keep them apart)
@@ -242,7 +260,6 @@ def launch(
             watcher.stop()
             if notices is not None:
                 notices.stop()
-            shutil.rmtree(_memory_folder(run_dir), ignore_errors=True)
             if closes:
                 rendezvous.ended(host, port, nodes.run_name(port))
     return Launched(0)
@@ -310,11 +327,13 @@ def _stopped_by(
     return signal.Signals(codes.pop() - 128)
 
 
-def _rank_environment(nproc: int, run_dir: str) -> contextlib.AbstractContextManager:
+def _rank_environment(nproc: int, run_dir: str, memory: Path) -> contextlib.AbstractContextManager:
     """The variables the launched ranks inherit: they run the command instead of launching
-    again, report to ``run_dir``, and share the cores (torchrun would give each one thread)."""
+    again, report to ``run_dir``, keep in-memory checkpoints in ``memory``, and share the
+    cores (torchrun would give each one thread)."""
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
-    return environment({RANK_WORKER_ENV: "1", RUN_DIR_ENV: run_dir, "OMP_NUM_THREADS": threads})
+    return environment({RANK_WORKER_ENV: "1", RUN_DIR_ENV: run_dir, MEMORY_DIR_ENV: str(memory),
+                        "OMP_NUM_THREADS": threads})  # fmt: skip
 
 
 @contextlib.contextmanager

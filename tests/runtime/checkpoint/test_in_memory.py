@@ -63,7 +63,7 @@ def _lose_a_machine_and_restore(rank: int, world: int, root: Path) -> dict:
     restarted = zerocc.compile(build("gpt", seed=123), PLAN)
     folder = _machine_folder(root, rank, swapped=True)
     memory = MemoryCheckpoints(folder, restarted.comm, RANKS_PER_MACHINE)
-    done, everyone = memory.newest()
+    done, _, everyone = memory.newest()
     fetched = memory.restore(restarted, done, everyone)
     state = restarted.state_dict()
     same = all(torch.equal(state[k], v) for k, v in saved.items())
@@ -175,7 +175,7 @@ def _restore_a_pipeline(rank: int, world: int, root: Path) -> tuple[list[float],
         _model({**PIPELINE, "rank_seeds": True}, rank + 1), plan_of(PIPELINE)
     )
     memory = MemoryCheckpoints(root, restarted.comm, ranks_per_machine=world)
-    done, everyone = memory.newest()
+    done, _, everyone = memory.newest()
     assert memory.restore(restarted, done, everyone) == 0  # (one machine: each its own)
     return expected, _pipeline_steps(restarted, range(2, 4))
 
@@ -216,3 +216,59 @@ def test_a_copy_whose_peer_never_answers_is_left_on_the_way_out(tmp_path):
     first, _ = run_ranks(2, _abandon_a_copy_whose_peer_never_answers, tmp_path, timeout=120)
     assert 0.4 < first["abandoned_s"] < 5, first
     assert first["closed_s"] < 20, first
+
+
+def _save_in_memory_and_on_disk(rank: int, world: int, root: Path) -> None:
+    """Two ranks, each its own machine: two steps saved in memory, the second on disk too."""
+    step = zerocc.compile(build("gpt"), PLAN)
+    memory = MemoryCheckpoints(root / f"machine-{rank}", step.comm, ranks_per_machine=1)
+    for i in range(2):
+        _train(step, [i], rank)
+        memory.save(step)
+    memory.wait()
+    step.save(root / "disk")
+    step.comm.all_gather_object(None)  # (each rank cleared the older files it looks after)
+
+
+def _write_out_on_one_rank(rank: int, world: int, root: Path) -> dict:
+    """Machine 0 alone (machine 1 lost): its snapshots of 2 ranks written out and loaded."""
+    step = zerocc.compile(build("gpt", seed=123), PLAN)
+    memory = MemoryCheckpoints(root / "machine-0", step.comm, ranks_per_machine=1)
+    done, taken_by, everyone = memory.newest()
+    path = memory.write_out(done, taken_by, everyone, root / "written", keep=None)
+    notes = step.load(path)
+    from_disk = zerocc.compile(build("gpt", seed=7), PLAN)
+    from_disk.load(root / "disk")
+    theirs = from_disk.state_dict()
+    return {
+        "newest": (done, taken_by),
+        "path": path,
+        "notes": notes,
+        "same": all(
+            torch.equal(t, theirs[k])
+            for k, t in step.state_dict().items()
+            if isinstance(t, torch.Tensor)
+        ),  # fmt: skip
+        "losses": (_train(step, [2], rank), _train(from_disk, [2], rank)),
+    }
+
+
+def test_snapshots_of_more_ranks_are_written_out_as_a_checkpoint_that_reshards(tmp_path):
+    """2 ranks, each its own machine, keep their snapshots and each other's copies; machine 1
+    is lost, and the run goes on with 1 rank (``--nnodes 1:2``). Machine 0's memory holds
+    every rank's state of step 2 (its own, and its copy of rank 1's), of 2 ranks: written out
+    as a checkpoint it is the one the 2 ranks saved of the same step, every tensor's bytes and
+    the run's metadata, and it loads on 1 rank resharded as that one does."""
+    import json
+
+    run_ranks(2, _save_in_memory_and_on_disk, tmp_path)
+    shutil.rmtree(tmp_path / "machine-1")
+    (result,) = run_ranks(1, _write_out_on_one_rank, tmp_path)
+    assert result["newest"] == (2, 2)
+    assert result["path"] == tmp_path / "written" / "step-00000002"
+    written, saved = (json.loads((folder / "step-00000002" / "manifest.json").read_text())
+                      for folder in (tmp_path / "written", tmp_path / "disk"))  # fmt: skip
+    assert written == saved
+    assert any("2 ranks" in note for note in result["notes"]), result["notes"]
+    assert result["same"]
+    assert result["losses"][0] == result["losses"][1]

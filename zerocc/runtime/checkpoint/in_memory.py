@@ -37,15 +37,25 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from zerocc.engine.failures import peer_failure
-from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered
-from zerocc.runtime.checkpoint.files import CheckpointError
+from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered, raise_errors
+from zerocc.runtime.checkpoint.files import CheckpointError, checkpoint_name
+from zerocc.runtime.checkpoint.save import (
+    Piece,
+    Slice,
+    pieces_of,
+    rng_pieces,
+    rng_states,
+    run_metadata,
+    state_slices,
+    write_files,
+)
 from zerocc.runtime.checkpoint.snapshot_file import (
     MappedFile,
     mapped_for,
@@ -105,6 +115,10 @@ class MemoryCheckpoints:
         # kept to be written into next, all mapped; by kind ("own", "copy").
         self.newest_files: dict[str, MappedFile] = {}
         self.spares: dict[str, MappedFile] = {}
+        # What a snapshot records to be written out as a checkpoint (write_out), taken at
+        # the first save: this rank's slices, and on rank 0 the run's metadata.
+        self._slices: list[Slice] | None = None
+        self._run: dict | None = None
         for kind in ("own", "copy"):  # (an earlier attempt's, unmapped: no use)
             self._spare_path(kind, rank).unlink(missing_ok=True)
 
@@ -120,9 +134,13 @@ class MemoryCheckpoints:
         done = step.micro_batches // step.plan.grad_accumulation
         mine = self.folder / snapshot_name(done, self.comm.rank, self.comm.world_size)
         written: dict[str, MappedFile] = {}
+        if self._slices is None:
+            self._slices = state_slices(step)
+            self._run = run_metadata(step) if self.comm.rank == 0 else None
 
         def write() -> None:
-            written["own"] = _write(mine, step, done, self.spares.pop("own", None))
+            spare = self.spares.pop("own", None)
+            written["own"] = _write(mine, step, done, spare, self._slices, self._run)
 
         error = attempt(write)
         if self.copy_to is None:
@@ -198,18 +216,21 @@ class MemoryCheckpoints:
                 found.append(Held(step, rank, world, nbytes))
         return found
 
-    def newest(self) -> tuple[int | None, list[list[Held]]]:
-        """The newest step whose every rank's snapshot some machine holds (None: none), and
-        what each rank's machine holds (a collective: every rank calls it)."""
-        world = self.comm.world_size
+    def newest(self) -> tuple[int | None, int, list[list[Held]]]:
+        """The newest step whose every rank's snapshot some machine holds (None: none), the
+        number of ranks of the run that took it (this run's where two are as new: another
+        number's is written out before it loads, :meth:`write_out`), and what each rank's
+        machine holds (a collective: every rank calls it)."""
         everyone = gathered(self.comm, self.held(), "look in memory")
-        ranks_by_step: dict[int, set[int]] = {}
+        ranks_by_step: dict[tuple[int, int], set[int]] = {}
         for holds in everyone:
             for held in holds:
-                if held.world_size == world:
-                    ranks_by_step.setdefault(held.step, set()).add(held.rank)
-        whole = [s for s, ranks in ranks_by_step.items() if len(ranks) == world]
-        return max(whole, default=None), everyone
+                ranks_by_step.setdefault((held.step, held.world_size), set()).add(held.rank)
+        whole = [taken for taken, ranks in ranks_by_step.items() if len(ranks) == taken[1]]
+        if not whole:
+            return None, self.comm.world_size, everyone
+        done, world = max(whole, key=lambda t: (t[0], t[1] == self.comm.world_size))
+        return done, world, everyone
 
     def restore(self, step, done: int, everyone: list[list[Held]]) -> int:
         """Load the snapshots of step ``done`` into ``step`` on every rank, each rank's from
@@ -243,6 +264,36 @@ class MemoryCheckpoints:
         loaded = error or attempt(lambda: _load(step, mine, done))
         agree(self.comm, loaded, "restore from memory", "nothing was loaded")
         return len(sources)
+
+    def write_out(
+        self, done: int, world: int, everyone: list[list[Held]], root: Path, keep: int | None
+    ) -> Path:
+        """Write the snapshots of step ``done`` of a run of ``world`` ranks (a number other
+        than this run's: a machine lost, or one more) as checkpoint ``step-<done>`` under
+        ``root``, which loads resharded under this run's ranks; its folder. Each rank's
+        snapshot is written by one rank whose machine holds it, spread over them, from the
+        slices the snapshot records (``everyone``: what :meth:`newest` gathered). A collective;
+        a rank's failure fails it on every rank (CheckpointError, nothing committed)."""
+        writers = {}
+        for old in range(world):
+            holders = [r for r, holds in enumerate(everyone) if _holds(holds, done, old, world)]
+            writers[old] = holders[old % len(holders)]
+        files: dict[int, list[Piece]] = {}
+        run: list[dict] = []
+
+        def read() -> None:
+            for saved_by in (r for r, writer in writers.items() if writer == self.comm.rank):
+                path = self.folder / snapshot_name(done, saved_by, world)
+                tensors, meta = read_snapshot(path)
+                files[saved_by] = _checkpoint_pieces(path, tensors, meta)
+                if saved_by == 0:
+                    run.append(_run_of(meta, done))
+
+        found = gathered(self.comm, (attempt(read), run), "read of the snapshots")
+        errors = {r: e for r, (e, _) in enumerate(found) if e is not None}
+        raise_errors(errors, "write-out of the snapshots in memory", "nothing was written")
+        meta = next(m[0] for _, m in found if m)
+        return write_files(self.comm, Path(root), checkpoint_name(done), keep, files, meta)
 
     def _keep_spare(self, kind: str, file: MappedFile) -> None:
         """Keep ``file`` (an older step's, no longer needed) to be written into next."""
@@ -330,17 +381,50 @@ def _mapped(path: Path) -> torch.Tensor:
     return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
 
 
-def _write(path: Path, step, done: int, reused: MappedFile | None) -> MappedFile:
+def _write(
+    path: Path,
+    step,
+    done: int,
+    reused: MappedFile | None,
+    slices: list[Slice],
+    run: dict | None,
+) -> MappedFile:
     """This rank's snapshot of ``step`` after step ``done`` (into ``reused``'s pages where
     given): its state dict's tensors and its random number generators', its counters in the
-    header."""
+    header with its ``slices`` and (rank 0) the ``run``'s metadata, which write it out as a
+    checkpoint (:meth:`MemoryCheckpoints.write_out`)."""
     sd = step.state_dict()
     tensors = {k: t for k, t in sd.items() if isinstance(t, torch.Tensor)}
-    tensors[_RNG + "cpu"] = torch.get_rng_state()
-    if step.device.type == "cuda":
-        tensors[_RNG + "cuda"] = torch.cuda.get_rng_state(step.device)
-    meta = {"step": done, "rank": step.comm.rank, "zerocc": sd["zerocc"]}
+    tensors |= {_RNG + kind: state for kind, state in rng_states(step.device).items()}
+    meta = {"step": done, "rank": step.comm.rank, "zerocc": sd["zerocc"],
+            "slices": [astuple(s) for s in slices], "run": run}  # fmt: skip
     return write_snapshot(path, tensors, meta, reused)
+
+
+def _checkpoint_pieces(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> list[Piece]:
+    """What the rank whose snapshot ``path`` is (``tensors`` and ``meta`` read from it) would
+    have written of a checkpoint of its step: its slices and its RNG states."""
+    if "slices" not in meta:
+        raise CheckpointError(
+            f"{path} records no slices (an earlier zerocc's): it loads only under the world "
+            "that took it"
+        )
+    rank, slices = meta["rank"], [Slice(*s) for s in meta["slices"]]
+    pieces = pieces_of(slices, lambda key: tensors[f"rank{rank}/{key}"])
+    rng = {k.removeprefix(_RNG): t for k, t in tensors.items() if k.startswith(_RNG)}
+    return pieces + rng_pieces(rank, rng)
+
+
+def _run_of(meta: dict, done: int) -> dict:
+    """The checkpoint metadata of rank 0's snapshot ``meta`` of step ``done``: the run's, as
+    of its first save, with the step's counters."""
+    counters = meta["zerocc"]
+    return meta["run"] | {
+        "step": done,
+        "optimizer_steps": counters["steps"],
+        "micro_batches": counters["micro_batches"],
+        "loss_scaler": counters.get("loss_scaler"),
+    }
 
 
 def _load(step, path: Path, done: int) -> None:

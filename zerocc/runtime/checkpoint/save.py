@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,26 +120,41 @@ def rank_checkpoint_bytes(runner: Checkpointed) -> int:
 def write_checkpoint(comm: Comm, staged: StagedSave) -> Path:
     """Write every rank's ``staged`` part, rank 0 the manifest, and commit the checkpoint;
     its folder. Every rank calls it with its own part; any rank's failure fails it on all."""
-    root, name = staged.root, staged.name
+    files = {comm.rank: staged.pieces}
+    return write_files(comm, staged.root, staged.name, staged.keep, files, staged.meta)
+
+
+def write_files(
+    comm: Comm,
+    root: Path,
+    name: str,
+    keep: int | None,
+    files: dict[int, list[Piece]],
+    meta: dict[str, Any],
+) -> Path:
+    """Write checkpoint ``name`` under ``root``: this rank's data ``files`` (by the rank of
+    the run that saved them: in a save, its own; where snapshots in memory are written out,
+    ranks of an earlier world's, each written by one rank), rank 0 the manifest (``meta``)
+    of every rank's files, and commit it; its folder. A collective; any rank's failure fails
+    it on all."""
     staging = staging_folder(root, name)
     prepared = attempt(lambda: _fresh_folder(staging)) if comm.rank == 0 else None
     agree(comm, prepared, "prepare", INTACT)
-    written: Written = {}
-    size = 0
+    written: dict[int, Written] = {}
+    sizes: dict[int, int] = {}
 
     def write() -> None:
-        nonlocal size
-        writer = DataWriter(staging / data_file(comm.rank))
-        for piece in staged.pieces:
-            chunk = writer.add(piece.values, piece.start, piece.stride, piece.runs)
-            entry = written.setdefault(
-                piece.name, (piece.shape, dtype_name(piece.values.dtype), [])
-            )
-            entry[2].append(asdict(chunk))
-        writer.close()
-        size = writer.bytes
+        for saved_by, pieces in files.items():
+            writer = DataWriter(staging / data_file(saved_by))
+            mine = written.setdefault(saved_by, {})
+            for piece in pieces:
+                chunk = writer.add(piece.values, piece.start, piece.stride, piece.runs)
+                dtype = dtype_name(piece.values.dtype)
+                mine.setdefault(piece.name, (piece.shape, dtype, []))[2].append(asdict(chunk))
+            writer.close()
+            sizes[saved_by] = writer.bytes
 
-    everyone = gathered(comm, (attempt(write), written, size), "writes")
+    everyone = gathered(comm, (attempt(write), written, sizes), "writes")
     errors = {rank: e for rank, (e, _, _) in enumerate(everyone) if e is not None}
     if errors and comm.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -147,21 +163,23 @@ def write_checkpoint(comm: Comm, staged: StagedSave) -> Path:
 
     def finish() -> None:
         nonlocal final
-        sizes = [s for *_, s in everyone]
-        _check_every_file_is_here(staging, sizes)
-        manifest = _manifest(staged.meta, [w for _, w, _ in everyone], sizes)
+        # (by the rank whose file it is; a FakeComm's simulated ranks: rank 0's alone)
+        all_written = {r: w for _, by_rank, _ in everyone for r, w in by_rank.items()}
+        all_sizes = {r: n for *_, by_rank in everyone for r, n in by_rank.items()}
+        _check_every_file_is_here(staging, all_sizes)
+        manifest = _manifest(meta, all_written, all_sizes)
         (staging / "manifest.json").write_text(manifest.to_json())
-        final = commit(root, staging, name, staged.keep)
+        final = commit(root, staging, name, keep)
 
     agree(comm, attempt(finish) if comm.rank == 0 else None, "commit", INTACT)
     return root / name if final is None else final
 
 
-def _check_every_file_is_here(staging: Path, sizes: list[int]) -> None:
+def _check_every_file_is_here(staging: Path, sizes: dict[int, int]) -> None:
     """Every rank's file is in ``staging`` as rank 0 sees it, as large as its rank wrote it:
     a folder on each host's own disk would otherwise commit a checkpoint of rank 0's file
     alone, which no load could read."""
-    for rank, size in enumerate(sizes):
+    for rank, size in sizes.items():
         file = staging / data_file(rank)
         seen = file.stat().st_size if file.is_file() else None
         if seen != size:
@@ -178,63 +196,105 @@ def _fresh_folder(staging: Path) -> None:
     staging.mkdir(parents=True)
 
 
-def _rank_pieces(runner: Checkpointed) -> list[Piece]:
-    """This rank's slices: its range of each unit's weights and optimizer states (under
-    hybrid sharding, the first replica's ranks only: the others hold the same shards), its RNG
-    states, on the first rank of each pipeline stage (rank 0 without one) its buffers, and on
-    rank 0 the step counter (the loss scaler's state is in the manifest). What an earlier
-    pipeline rank holds too, it writes."""
+@dataclass(frozen=True)
+class Slice:
+    """Where one piece a rank saves lies in its state: elements ``[at, at + numel)`` of state
+    ``key``'s flattened elements are elements ``start``.. of tensor ``name``'s (``runs`` runs
+    of them, ``stride`` apart: see :class:`Piece`). A rank's slices depend on its layout alone:
+    an in-memory snapshot records them beside its state, to be written out as a checkpoint
+    of its world (:meth:`~zerocc.runtime.checkpoint.in_memory.MemoryCheckpoints.write_out`)."""
+
+    name: str
+    shape: list[int]
+    key: str
+    at: int
+    numel: int
+    start: int = 0
+    stride: int = 0
+    runs: int = 1
+
+
+def state_slices(runner: Checkpointed) -> list[Slice]:
+    """This rank's slices of its state: its range of each unit's weights and optimizer states
+    (under hybrid sharding, the first replica's ranks only: the others hold the same shards),
+    on the first rank of each pipeline stage (rank 0 without one) its buffers, and on rank 0
+    the step counter (the loss scaler's state is in the manifest). What an earlier pipeline
+    rank holds too, it writes."""
     rank, mesh, elsewhere = runner.comm.rank, runner.mesh, runner.saved_elsewhere
-    pieces: list[Piece] = []
-
-    def add(
-        name: str, shape: list[int], values: torch.Tensor, start: int = 0, stride: int = 0,
-        runs: int = 1,
-    ) -> None:  # fmt: skip
-        pieces.append(Piece(name, shape, values, start, stride, runs))
-
+    slices: list[Slice] = []
     states = saved_states(runner.units, runner.layout, optimizer_states(runner.plan.optimizer))
     splits, tp_rank = runner.session.splits, mesh.tp_rank(rank)
     whole = {p.fqn: list(p.shape) for p in runner.full_model_info.params}
     for flat in states if mesh.replica(rank) == 0 else []:
-        values = runner.state.read(flat.spec.key)
+        key = flat.spec.key
         for piece in flat.pieces(mesh.group_rank(flat.unit.group, rank)):
             name, fqn = flat.name(piece.param), piece.param.fqn
             split = splits.get(fqn)
             if fqn in elsewhere or (tp_rank != 0 and (split is None or split.group != TP_GROUP)):
                 continue  # (every tp rank holds what tensor parallelism does not split alike)
-            part = values[piece.at : piece.at + piece.stop - piece.start]
+            numel = piece.stop - piece.start
             if split is None:
-                add(name, whole[fqn], part, piece.start)
-            else:  # this rank's rows of it (its tp slice, or its experts)
-                row, at = split.row(piece.param.param.shape), mesh.group_rank(split.group, rank)
-                for lo, first, length, runs in split.runs(piece.start, piece.stop, at, row):
-                    rows = part[lo - piece.start : lo - piece.start + length * runs]
-                    add(name, whole[fqn], rows, first, split.parts * row, runs)
-    rng = {"cpu": torch.get_rng_state()}
-    if runner.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(runner.device)
-    for device_type, state in rng.items():
-        add(rng_name(rank, device_type), list(state.shape), state)
+                slices.append(Slice(name, whole[fqn], key, piece.at, numel, piece.start))
+                continue
+            # this rank's rows of it (its tp slice, or its experts)
+            row, at = split.row(piece.param.param.shape), mesh.group_rank(split.group, rank)
+            for lo, first, length, runs in split.runs(piece.start, piece.stop, at, row):
+                slices.append(Slice(name, whole[fqn], key, piece.at + lo - piece.start,
+                                    length * runs, first, split.parts * row, runs))  # fmt: skip
     if rank % mesh.stage_ranks:
-        return pieces
+        return slices
     for buffer in runner.session.model_info.buffers:
         if buffer.fqn in runner.state and buffer.fqn not in elsewhere:
-            add(weight_name(buffer.fqn), list(buffer.shape), runner.state[buffer.fqn])
+            numel = runner.state[buffer.fqn].numel()
+            slices.append(Slice(weight_name(buffer.fqn), list(buffer.shape), buffer.fqn, 0, numel))
     if rank == 0 and "optim.step" in runner.state:
-        add(STEP_TENSOR, [], runner.state["optim.step"])
+        slices.append(Slice(STEP_TENSOR, [], "optim.step", 0, 1))
+    return slices
+
+
+def pieces_of(slices: list[Slice], state: Callable[[str], torch.Tensor]) -> list[Piece]:
+    """The pieces ``slices`` name, as views of the tensors ``state`` gives by key (each
+    asked for once)."""
+    flats: dict[str, torch.Tensor] = {}
+    pieces = []
+    for s in slices:
+        if s.key not in flats:
+            flats[s.key] = state(s.key).reshape(-1)
+        values = flats[s.key][s.at : s.at + s.numel]
+        pieces.append(Piece(s.name, s.shape, values, s.start, s.stride, s.runs))
     return pieces
 
 
-def _manifest(meta: dict[str, Any], written: list[Written], sizes: list[int]) -> Manifest:
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random number generators' states, by device type."""
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def rng_pieces(rank: int, rng: dict[str, torch.Tensor]) -> list[Piece]:
+    """The pieces of rank ``rank``'s random number generators' states (by device type)."""
+    return [Piece(rng_name(rank, kind), list(state.shape), state) for kind, state in rng.items()]
+
+
+def _rank_pieces(runner: Checkpointed) -> list[Piece]:
+    """This rank's slices of its state (:func:`state_slices`) and its RNG states."""
+    pieces = pieces_of(state_slices(runner), runner.state.read)
+    return pieces + rng_pieces(runner.comm.rank, rng_states(runner.device))
+
+
+def _manifest(
+    meta: dict[str, Any], written: dict[int, Written], sizes: dict[int, int]
+) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
-    for rank_written in written:
+    for _, rank_written in sorted(written.items()):
         for name, (shape, dtype, chunks) in rank_written.items():
             entry = tensors.setdefault(name, TensorEntry(shape, dtype, []))
             entry.chunks += [Chunk(**c) for c in chunks]
     for entry in tensors.values():
         entry.chunks.sort(key=lambda c: c.start)
-    files = {data_file(rank): size for rank, size in enumerate(sizes)}
+    files = {data_file(rank): size for rank, size in sorted(sizes.items())}
     return Manifest(meta, tensors, files)
 
 
