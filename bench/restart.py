@@ -14,12 +14,15 @@ node's memory and kills its launcher and itself (tests/cli/lost_node_workload.py
 replacement launcher is started at once, and from memory its ranks receive their states from
 node 0's copies. With ``--standalone`` the nodes meet at a `zerocc rendezvous` of its own
 (``--rdzv-standalone``), and the node lost is node 0, whose launcher would otherwise keep the
-store.
+store. With ``--fewer`` nobody replaces node 1 (``--nnodes 1:2``): node 0 goes on alone after
+the rendezvous's last call, resharded, from disk or from the snapshots in memory written out
+as a checkpoint; its rate after the loss is one rank's, so only the steps lost compare.
 
     python bench/restart.py                  # 2 ranks, 12 steps, killed after 7, saves every 4
     python bench/restart.py --nodes 2        # the same, node 1 of 2 lost
     python bench/restart.py --nodes 2 --rdzv-conf keep_alive_interval=2,keep_alive_max_attempt=3
     python bench/restart.py --nodes 2 --standalone   # node 0 of 2 lost, at a zerocc rendezvous
+    python bench/restart.py --nodes 2 --fewer        # node 1 of 2 lost, not replaced
 
 Prints a table and writes ``bench/results/restart-<date>.json``.
 """
@@ -91,7 +94,8 @@ def _run_nodes(
     def node(rank: int, lose: bool = False) -> subprocess.Popen:
         env = {**CPU_ONLY, "OMP_NUM_THREADS": "1", **({LOSE_THIS_NODE: "1"} if lose else {})}
         return subprocess.Popen(
-            [*command, "--nproc", str(args.nproc // 2), "--nnodes", "2", "--node-rank",
+            [*command, "--nproc", str(args.nproc // 2), "--nnodes",
+             "1:2" if args.fewer else "2", "--node-rank",
              str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
              *(["--rdzv-standalone"] if args.standalone else []),
              *(["--rdzv-conf", args.rdzv_conf] if args.rdzv_conf else [])],
@@ -108,14 +112,15 @@ def _run_nodes(
         nodes = {rank: node(rank, lose=rank == lost and kill_at != NEVER) for rank in (0, 1)}
         if kill_at != NEVER:
             nodes[lost].communicate()
-            nodes[lost] = node(lost)
-        outs = [p.communicate()[0] for p in nodes.values()]
+            nodes[lost] = None if args.fewer else node(lost)
+        running = [p for p in nodes.values() if p is not None]
+        outs = [p.communicate()[0] for p in running]
         wall = time.perf_counter() - started
     finally:
         if store is not None:
             store.terminate()
             store.wait()
-    for process, out in zip(nodes.values(), outs, strict=True):
+    for process, out in zip(running, outs, strict=True):
         if process.returncode != 0:
             raise SystemExit(out[-3000:])
     return {"wall_s": wall, **_said("".join(outs), in_memory)}
@@ -148,11 +153,15 @@ def main() -> None:
     p.add_argument("--rdzv-conf", help="with --nodes 2: zerocc train's --rdzv-conf")
     p.add_argument("--standalone", action="store_true",
                    help="with --nodes 2: meet at a `zerocc rendezvous`; node 0 lost")  # fmt: skip
+    p.add_argument("--fewer", action="store_true",
+                   help="with --nodes 2: nobody replaces node 1 (--nnodes 1:2)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = p.parse_args()
-    if args.standalone and args.nodes != 2:
-        p.error("--standalone goes with --nodes 2")
+    if (args.standalone or args.fewer) and args.nodes != 2:
+        p.error("--standalone and --fewer go with --nodes 2")
+    if args.standalone and args.fewer:
+        p.error("--fewer loses node 1, --standalone node 0: one of them")
     plan = yaml.safe_load((ROOT / "examples" / "gpt" / "zero3.yaml").read_text())
     dying = "lost_node_workload.py" if args.nodes == 2 else "dying_workload.py"
     plan["workload"] = f"{ROOT / 'tests' / 'cli' / dying}:workload"
@@ -176,21 +185,23 @@ def main() -> None:
     }
     wall = {name: statistics.median(r["wall_s"] for r in runs[name]) for name in kinds}
     step_s = 1 / statistics.median(r["steps_per_s"] for r in runs["never killed"])
-    restart_s = {
+    restart_s = {  # (none where the run goes on with fewer ranks, at another rate)
         name: wall[name] - wall[base] - lost[name] * step_s
         for name, base in (("killed, from disk", "never killed"),
                            ("killed, from memory", "never killed, in memory"))
+        if not args.fewer
     }  # fmt: skip
     lost_what = "a rank killed"
     if args.nodes == 2:
         lost_what = ("node 0 of 2 lost, at a zerocc rendezvous" if args.standalone
+                     else "node 1 of 2 lost, not replaced" if args.fewer
                      else "node 1 of 2 lost")  # fmt: skip
     print(f"\n{lost_what} after step {args.kill_after} of {args.steps}, saves every "
           f"{args.save_every}, {args.nproc} gloo ranks, median of {args.repeat}")  # fmt: skip
     print(f"{'run':<26}{'wall s':>9}{'steps lost':>12}{'restart s':>11}")
     for name in kinds:
-        extra = (f"{lost[name]:>12g}{restart_s[name]:>11.2f}" if name in lost
-                 else f"{'-':>12}{'-':>11}")  # fmt: skip
+        restart = f"{restart_s[name]:>11.2f}" if name in restart_s else f"{'-':>11}"
+        extra = f"{lost[name]:>12g}{restart}" if name in lost else f"{'-':>12}{'-':>11}"
         print(f"{name:<26}{wall[name]:>9.2f}{extra}")
     memory_s = statistics.median(r["in_memory_s"] for r in runs["never killed, in memory"])
     copied_s = statistics.median(r["copied_s"] for r in runs["never killed, in memory"])

@@ -5,11 +5,11 @@ is lost: see Saving).
 
 A snapshot is one rank's state as ``step.state_dict()`` gives it (its shards, optimizer state,
 counters and loss scale) with its random number generators: what that rank needs to go on
-under the same plan and world size. (A run that goes on with fewer ranks loads the disk
-checkpoint, which reshards.) It is a file of the machine's folder in ``/dev/shm``
-(:mod:`.snapshot_file`: raw bytes copied into its pages), named by step, rank and world size
-and written by a rename, so a file seen is whole; the same bytes go to the peer, which
-receives them straight into its file.
+under the same plan and world size. A run that goes on with another number of ranks writes
+the snapshots out as a disk checkpoint, which reshards (see Writing out). It is a file of
+the machine's folder in ``/dev/shm`` (:mod:`.snapshot_file`: raw bytes copied into its pages),
+named by step, rank and world size and written by a rename, so a file seen is whole; the same
+bytes go to the peer, which receives them straight into its file.
 
 **Saving.** Each rank writes its own snapshot, sends it to the rank ``ranks per machine``
 further round the ring (the same local rank of the next machine), keeps the one it receives
@@ -30,6 +30,13 @@ machine's memory, or receives it from a rank that holds it (a machine that repla
 one holds nothing; its ranks' snapshots come from the copies on the next machine). A snapshot
 goes by the rank whose state it is, wherever that rank runs after the restart (torchrun's c10d
 rendezvous numbers the machines as they join).
+
+**Writing out.** Where the newest whole step is of another number of ranks (a machine lost
+that nobody replaces, one more, ``--nproc-min``'s fewer ranks), a rank holding each snapshot
+writes it as that rank's file of a disk checkpoint (:meth:`MemoryCheckpoints.write_out`):
+each snapshot records where the slices its rank's disk save writes lie in its tensors
+(:func:`~zerocc.runtime.checkpoint.save.state_slices`), and rank 0's the run's metadata, so
+the checkpoint is the one those ranks would have saved, and it loads resharded.
 """
 
 from __future__ import annotations
@@ -279,7 +286,7 @@ class MemoryCheckpoints:
             holders = [r for r, holds in enumerate(everyone) if _holds(holds, done, old, world)]
             writers[old] = holders[old % len(holders)]
         files: dict[int, list[Piece]] = {}
-        run: list[dict] = []
+        run: dict = {}  # (the checkpoint's metadata, from rank 0's snapshot)
 
         def read() -> None:
             for saved_by in (r for r, writer in writers.items() if writer == self.comm.rank):
@@ -287,12 +294,12 @@ class MemoryCheckpoints:
                 tensors, meta = read_snapshot(path)
                 files[saved_by] = _checkpoint_pieces(path, tensors, meta)
                 if saved_by == 0:
-                    run.append(_run_of(meta, done))
+                    run.update(_run_of(meta, done))
 
         found = gathered(self.comm, (attempt(read), run), "read of the snapshots")
         errors = {r: e for r, (e, _) in enumerate(found) if e is not None}
         raise_errors(errors, "write-out of the snapshots in memory", "nothing was written")
-        meta = next(m[0] for _, m in found if m)
+        meta = next(m for _, m in found if m)
         return write_files(self.comm, Path(root), checkpoint_name(done), keep, files, meta)
 
     def _keep_spare(self, kind: str, file: MappedFile) -> None:
