@@ -15,6 +15,7 @@ from multirank import run_ranks
 from parity import _model, batch_of, plan_of
 
 import zerocc
+from zerocc.errors import CheckpointError
 from zerocc.runtime.checkpoint.in_memory import MemoryCheckpoints, snapshot_name
 from zerocc.runtime.checkpoint.snapshot_file import read_snapshot
 
@@ -272,3 +273,26 @@ def test_snapshots_of_more_ranks_are_written_out_as_a_checkpoint_that_reshards(t
     assert any("2 ranks" in note for note in result["notes"]), result["notes"]
     assert result["same"]
     assert result["losses"][0] == result["losses"][1]
+
+
+def _write_out_a_snapshot_cut_short(rank: int, world: int, root: Path) -> str:
+    step = zerocc.compile(build("gpt"), PLAN)
+    memory = MemoryCheckpoints(root / "machine-0", step.comm, ranks_per_machine=1)
+    done, taken_by, everyone = memory.newest()
+    try:
+        memory.write_out(done, taken_by, everyone, root / "written", keep=None)
+    except CheckpointError as exc:
+        return str(exc)
+    return "written"
+
+
+def test_a_snapshot_that_cannot_be_written_out_fails_the_write_out_naming_it(tmp_path):
+    """A snapshot cut short fails the write-out on every rank, naming its file, and nothing
+    is committed (the restart then loads the disk's newest checkpoint, and says why)."""
+    run_ranks(2, _save_in_memory_and_on_disk, tmp_path)
+    shutil.rmtree(tmp_path / "machine-1")
+    cut = tmp_path / "machine-0" / snapshot_name(2, 1, 2)
+    cut.write_bytes(cut.read_bytes()[:100])
+    (said,) = run_ranks(1, _write_out_a_snapshot_cut_short, tmp_path)
+    assert "write-out of the snapshots in memory failed" in said and str(cut) in said, said
+    assert not (tmp_path / "written" / "step-00000002").exists()
