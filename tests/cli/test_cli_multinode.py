@@ -173,6 +173,20 @@ def test_the_rendezvous_settings_go_to_torchrun_beside_zeroccs_own():
     assert Nodes(2, 0, "h:1", standalone=True).rendezvous_conf() == "is_host=false"
 
 
+def test_node_0_on_a_machine_that_is_not_the_endpoints_host_is_told_so():
+    """Node 0 keeps the store at the endpoint's host: started elsewhere (every machine left at
+    the default --node-rank 0), the launcher says so before it waits. 192.0.2.1 is reserved
+    for documentation (RFC 5737): no machine has it."""
+    elsewhere = Nodes(2, 0, "192.0.2.1:29500").store_elsewhere()
+    assert elsewhere is not None
+    assert "is node 0 (--node-rank 0)" in elsewhere and "192.0.2.1 is not an address" in elsewhere
+    assert "its own --node-rank (1 to 1)" in elsewhere
+    for here in (Nodes(2, 0, "127.0.0.1:29500"), Nodes(2, 0, f"{socket.gethostname()}:1"),
+                 Nodes(2, 1, "192.0.2.1:29500"),  # (node 1 keeps nothing)
+                 Nodes(2, 0, "192.0.2.1:29500", standalone=True), Nodes()):  # fmt: skip
+        assert here.store_elsewhere() is None, here
+
+
 # (from disk: the restart of test_cli_checkpoint.py's from-disk case, on c10d: slow)
 @pytest.mark.parametrize(
     ("in_memory", "standalone"),

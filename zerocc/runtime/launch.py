@@ -166,6 +166,42 @@ class Nodes:
             )
         return host.strip("[]"), int(number)
 
+    def store_elsewhere(self) -> str | None:
+        """A note where this launcher is to keep the store the machines meet at (node 0, not
+        at a `zerocc rendezvous`) but the endpoint's host is not this machine: every machine
+        started as node 0 (``--node-rank`` forgotten) would wait for the others forever. None
+        where it is, or nothing is kept. A note, not an error: a host reached through NAT
+        names this machine by an address it cannot see."""
+        if self.count == 1 or self.rank != 0 or self.standalone:
+            return None
+        host, _ = self.address()
+        if _names_this_machine(host):
+            return None
+        return (
+            f"zerocc: note: this machine ({socket.gethostname()}) is node 0 (--node-rank 0), "
+            f"which keeps the store the machines meet at --rdzv-endpoint {self.endpoint}, but "
+            f"{host} is not an address of this machine: where it is another one, start node 0 "
+            f"there and this one with its own --node-rank (1 to {self.count - 1}), or the "
+            "machines wait for each other in vain"
+        )
+
+
+def _names_this_machine(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (one it resolves to can be bound here);
+    True where it does not resolve (torchrun says so itself)."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return True
+    for family, _, _, _, address in found:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
+
 
 class Launched(NamedTuple):
     """How a launch ended: ``status`` (0, 2 when ranks failed, ``128 + signal`` when a signal
@@ -197,6 +233,8 @@ def launch(
 
     nodes = nodes or Nodes()
     host, port = nodes.address(port)
+    if (note := nodes.store_elsewhere()) is not None:
+        print(note, file=sys.stderr, flush=True)
     elastic = nodes.count > 1 and max_restarts  # (a node replacing a lost one joins a round)
     if elastic:
         meeting = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
