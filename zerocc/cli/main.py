@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
+from zerocc.cli.checkpoint import add_checkpoint_command
 from zerocc.cli.inspect import add_commands as add_inspect_commands
 from zerocc.cli.machines import (
     add_machine_arguments,
@@ -140,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_train_command(commands)
     _add_profile_command(commands)
     _add_export_command(commands)
+    add_checkpoint_command(commands)
     add_rendezvous_command(commands)
     add_inspect_commands(commands)
     return parser

@@ -1,0 +1,97 @@
+"""`zerocc checkpoint PATH [--verify]`: a folder's checkpoints listed, what one holds, and
+every byte checked against its digest, each damage named (no model built, no rank)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from models import build
+
+import zerocc
+from zerocc.cli.main import main
+
+PLAN = {"zero": {"stage": 3}, "units": {"classes": ["Block"]},
+        "backend": {"device": "cpu", "kernels": "torch"}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory) -> Path:
+    """Two checkpoints of one rank (steps 1 and 2) and a save of step 3 that did not finish."""
+    root = tmp_path_factory.mktemp("saves")
+    step = zerocc.compile(build("gpt"), PLAN)
+    x = torch.randint(0, 32, (2, 8))
+    for _ in range(2):
+        step(x, x)
+        step.save(root)
+    shutil.copytree(root / "step-00000002", root / ".step-00000003.partial")
+    return root
+
+
+def test_a_folder_lists_its_checkpoints_and_says_what_the_latest_holds(saves, capsys):
+    assert main(["checkpoint", str(saves)]) == 0
+    out = capsys.readouterr().out
+    assert f"{saves}: 2 checkpoint(s)" in out
+    listed = [line for line in out.splitlines() if line.startswith("  step-")]
+    assert [line.split()[0] for line in listed] == ["step-00000001", "step-00000002"]
+    assert "(latest)" in listed[1] and "(latest)" not in listed[0]
+    assert ".step-00000003.partial: a save that did not finish" in out
+    latest = saves / "step-00000002"
+    assert f"{latest}: after optimizer step 2 (step 2, micro-batch 2), saved by 1 rank at " in out
+    params = sum(p.numel() for p in build("gpt").parameters())
+    assert f"parameters, {params:,} elements ({params:,} trainable)" in out
+    assert "optimizer: adamw (exp_avg, exp_avg_sq); loss scale: none" in out
+
+
+def test_verify_reads_every_chunk_of_an_intact_checkpoint(saves, capsys):
+    assert main(["checkpoint", str(saves / "step-00000001"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000002" not in out  # (one checkpoint named: no list)
+    manifest = json.loads((saves / "step-00000001" / "manifest.json").read_text())
+    chunks = sum(len(t["chunks"]) for t in manifest["tensors"].values())
+    assert f"verified: {chunks} chunks of {len(manifest['tensors'])} tensors" in out
+
+
+def _damaged(saves: Path, tmp_path: Path, damage) -> Path:
+    folder = tmp_path / "step-00000002"
+    shutil.copytree(saves / "step-00000002", folder)
+    damage(folder)
+    return folder
+
+
+def _flip_a_byte(folder: Path) -> None:
+    data = bytearray((folder / "rank-00000.bin").read_bytes())
+    data[100] ^= 0xFF
+    (folder / "rank-00000.bin").write_bytes(data)
+
+
+def _drop_a_chunk(folder: Path) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    name = next(n for n, t in manifest["tensors"].items() if n.startswith("model/"))
+    manifest["tensors"][name]["chunks"].pop()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (_flip_a_byte, "rank-00000.bin: checksum mismatch in "),
+        (lambda f: (f / "rank-00000.bin").unlink(), "rank-00000.bin: missing (saved by rank 0)"),
+        (_drop_a_chunk, "(a rank's part is missing from the manifest)"),
+    ],
+    ids=["a-byte-flipped", "a-file-missing", "a-chunk-dropped"],
+)
+def test_verify_names_what_is_damaged(saves, tmp_path, capsys, damage, said):
+    folder = _damaged(saves, tmp_path, damage)
+    assert main(["checkpoint", str(folder), "--verify"]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_folder_without_a_checkpoint_is_an_error(tmp_path, capsys):
+    assert main(["checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert "no such checkpoint or checkpoint folder" in capsys.readouterr().err
+    assert main(["checkpoint", str(tmp_path)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err

@@ -1,0 +1,140 @@
+"""What a checkpoint folder holds, said without loading it (``zerocc checkpoint``): the
+checkpoints under a folder, what one of them was saved by, and whether every byte of it is
+as the save wrote it.
+
+Reads the manifests and, to verify, every chunk of every data file against its digest, one
+chunk in memory at a time: no model, no ranks, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerocc.ir.printing import human_bytes
+from zerocc.runtime.checkpoint.files import (
+    LATEST,
+    PREFIX,
+    CheckpointError,
+    DataReader,
+    Manifest,
+    dtype_of,
+    saved_checkpoints,
+)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One checkpoint of a folder: its folder, its manifest, whether ``latest`` names it."""
+
+    folder: Path
+    manifest: Manifest
+    latest: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.manifest.files.values())
+
+
+def checkpoints_in(root: Path) -> tuple[list[Saved], list[str]]:
+    """The checkpoints of ``root`` (a folder of them, or one checkpoint), oldest first, and a
+    line for each folder there that is not one it loads: a save that did not finish, a
+    manifest it cannot read."""
+    if (root / "manifest.json").is_file():
+        return [Saved(root, Manifest.read(root), latest=False)], []
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint or checkpoint folder")
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    found, other = [], []
+    for folder in saved_checkpoints(root):
+        try:
+            found.append(Saved(folder, Manifest.read(folder), folder.name == latest))
+        except CheckpointError as exc:
+            other.append(f"{folder.name}: not loaded ({exc})")
+    for partial in sorted(root.glob(f".{PREFIX}*.partial")):
+        other.append(
+            f"{partial.name}: a save that did not finish (never loaded; the next save of its "
+            "step replaces it)"
+        )
+    if not found and not other:
+        raise CheckpointError(f"{root}: holds no checkpoint (no {PREFIX}*/manifest.json)")
+    return found, other
+
+
+def summary_line(saved: Saved) -> str:
+    """One checkpoint in a line: its name, step, ranks, stage, size and when it was saved."""
+    meta = saved.manifest.meta
+    when = datetime.datetime.fromtimestamp((saved.folder / "manifest.json").stat().st_mtime)
+    return (
+        f"{saved.folder.name}  step {meta['step']:>6}  {_ranks(meta['world_size']):>9}  "
+        f"ZeRO-{meta['stage']}  {human_bytes(saved.nbytes):>10}  {when:%Y-%m-%d %H:%M}"
+        + ("  (latest)" if saved.latest else "")
+    )
+
+
+def details(saved: Saved) -> list[str]:
+    """What a checkpoint holds and what saved it, a line each."""
+    meta, tensors = saved.manifest.meta, saved.manifest.tensors
+    params = meta.get("params", {})
+    elements = sum(math.prod(p["shape"]) for p in params.values())
+    trainable = sum(math.prod(p["shape"]) for p in params.values() if p.get("trainable", True))
+    weights = {tensors[n].dtype for n in tensors if n.startswith("model/") and n[6:] in params}
+    plan = meta.get("plan", {})
+    optimizer = meta.get("optimizer", {})
+    scaler = meta.get("loss_scaler")
+    return [
+        f"{saved.folder}: after optimizer step {meta['optimizer_steps']} (step {meta['step']}, "
+        f"micro-batch {meta['micro_batches']}), saved by {_ranks(meta['world_size'])} at "
+        f"ZeRO-{meta['stage']} (zerocc {meta.get('zerocc', '?')}, torch {meta.get('torch', '?')})",
+        f"  model: {len(params)} parameters, {elements:,} elements ({trainable:,} trainable), "
+        f"weights in {', '.join(sorted(weights)) or '-'}; {len(meta.get('buffers', {}))} buffers",
+        f"  optimizer: {optimizer.get('name', '?')} "
+        f"({', '.join(optimizer.get('states', [])) or 'no state'}); "
+        f"loss scale: {scaler['scale'] if scaler else 'none'}",
+        f"  plan: {meta.get('plan_file') or 'given in code'} (precision "
+        f"{plan.get('precision', {}).get('param', '?')}, units "
+        f"{', '.join(plan.get('units', {}).get('classes') or []) or 'default'})",
+        f"  files: {len(saved.manifest.files)} ({human_bytes(saved.nbytes)}), each chunk with a "
+        f"{saved.manifest.checksum.upper()} digest",
+    ]
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank" + "s" * (count != 1)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What a verification read: ``chunks`` chunks of ``tensors`` tensors, ``nbytes`` bytes."""
+
+    tensors: int
+    chunks: int
+    nbytes: int
+
+
+def verify(saved: Saved) -> Verified:
+    """Read every chunk of ``saved``'s data files and check it against its digest, and that
+    the chunks of every tensor hold all of its elements; CheckpointError naming the file and
+    tensor of the first that does not (as a load would, but without loading it)."""
+    manifest = saved.manifest
+    manifest.check_files(saved.folder)
+    reader = DataReader(saved.folder, manifest.checksum)
+    chunks = nbytes = 0
+    try:
+        for name, entry in manifest.tensors.items():
+            dtype = dtype_of(entry.dtype)
+            held = 0
+            for chunk in entry.chunks:
+                nbytes += reader.read(chunk, dtype, name).nbytes
+                held += chunk.numel
+                chunks += 1
+            if held != entry.numel:
+                raise CheckpointError(
+                    f"{saved.folder}: {name} has {entry.numel:,} elements, its chunks hold "
+                    f"{held:,} (a rank's part is missing from the manifest)"
+                )
+    finally:
+        reader.close()
+    return Verified(len(manifest.tensors), chunks, nbytes)
