@@ -95,3 +95,23 @@ def test_a_folder_without_a_checkpoint_is_an_error(tmp_path, capsys):
     assert "no such checkpoint or checkpoint folder" in capsys.readouterr().err
     assert main(["checkpoint", str(tmp_path)]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_train_refuses_to_resume_a_checkpoint_of_another_model_before_any_rank_starts(
+    saves, monkeypatch, capsys
+):
+    """`zerocc train --resume` checks the checkpoint against the plan's model and optimizer
+    before it launches ranks (each would compile first, then fail alike)."""
+    from zerocc.cli import main as cli
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks launched")
+
+    monkeypatch.setattr(cli, "_launch", no_launch)
+    example = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
+    train = ["train", str(example), "--nproc", "2", "--steps", "1", "--resume"]
+    assert main([*train, str(saves)]) == 2
+    said = capsys.readouterr().err
+    assert f"--resume {saves / 'step-00000002'}: the checkpoint is of another model" in said
+    assert main([*train, str(saves / "nowhere")]) == 2
+    assert "no such checkpoint or checkpoint folder" in capsys.readouterr().err

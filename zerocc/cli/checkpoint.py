@@ -10,8 +10,6 @@ from pathlib import Path
 
 from zerocc.errors import CheckpointError
 from zerocc.ir.printing import human_bytes
-from zerocc.runtime.checkpoint.describe import checkpoints_in, details, summary_line, verify
-from zerocc.runtime.checkpoint.files import resolve
 
 
 def add_checkpoint_command(commands: argparse._SubParsersAction) -> None:
@@ -35,6 +33,9 @@ def add_checkpoint_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
+    from zerocc.runtime.checkpoint.describe import checkpoints_in, details, summary_line, verify
+    from zerocc.runtime.checkpoint.files import resolve
+
     found, other = checkpoints_in(Path(args.path))
     if len(found) > 1 or other:
         print(f"{args.path}: {len(found)} checkpoint(s)")

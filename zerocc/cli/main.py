@@ -22,7 +22,7 @@ import threading
 import traceback
 import warnings
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from zerocc.cli.checkpoint import add_checkpoint_command
 from zerocc.cli.inspect import add_commands as add_inspect_commands
@@ -39,7 +39,7 @@ from zerocc.cli.plan import CUDA_MEMORY_GIB, checked_model, checked_plan, memory
 from zerocc.cli.plan import add_commands as add_plan_commands
 from zerocc.cli.plan_args import add_plan_arguments, forwarded
 from zerocc.compiler.plan import Plan
-from zerocc.errors import ZeroccError
+from zerocc.errors import CheckpointError, ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.launch import (
     RANK_WORKER_ENV,
@@ -50,6 +50,9 @@ from zerocc.runtime.launch import (
     memory_folder,
     report,
 )
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def console() -> NoReturn:
@@ -384,9 +387,10 @@ def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
 
 def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
     """What `train` checks once before it launches any rank, cheapest first: a device for each
-    local rank, what the plan names in the model (which builds it), and that the model states
-    of this machine's ranks fit its memory and their GPUs' (the ranks check the step's
-    transient memory, which takes a capture)."""
+    local rank, what the plan names in the model (which builds it), that the checkpoint it
+    resumes from is of this model and optimizer, and that the model states of this machine's
+    ranks fit its memory and their GPUs' (the ranks check the step's transient memory, which
+    takes a capture)."""
     from zerocc.compiler.driver.session import CompileSession
     from zerocc.errors import PlanWarning
     from zerocc.runtime.devices import rank_device
@@ -394,12 +398,30 @@ def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
 
     device = rank_device(plan, local_rank=0, local_ranks=args.nproc)
     model, _ = checked_model(plan)
+    _check_resumable(plan, model)
     if not plan.backend.check_memory or plan.parallel.pp > 1:
         return  # (a pipeline's memory is its schedule's: its ranks check it)
     with warnings.catch_warnings():  # (the ranks say them, once)
         warnings.simplefilter("ignore", PlanWarning)
         session = CompileSession.open(model, plan, args.nproc * nodes.count)
     check_states_before_launch(session, plan, args.nproc, nodes.rank * args.nproc, device.type)
+
+
+def _check_resumable(plan: Plan, model: nn.Module) -> None:
+    """The checkpoint ``checkpoint.resume`` names is there, and of ``model`` and the plan's
+    optimizer: what every rank's load would say after its compile (CheckpointError naming
+    it)."""
+    from zerocc.compiler.capture import describe_model
+    from zerocc.runtime.checkpoint.files import Manifest, resolve
+    from zerocc.runtime.checkpoint.load import check_compatible
+
+    if plan.checkpoint.resume is None:
+        return
+    folder = resolve(plan.checkpoint.resume)
+    try:
+        check_compatible(describe_model(model), plan.optimizer, Manifest.read(folder))
+    except CheckpointError as exc:
+        raise CheckpointError(f"--resume {folder}: {exc}") from None
 
 
 def _launch(
