@@ -296,3 +296,33 @@ def test_a_snapshot_that_cannot_be_written_out_fails_the_write_out_naming_it(tmp
     (said,) = run_ranks(1, _write_out_a_snapshot_cut_short, tmp_path)
     assert "write-out of the snapshots in memory failed" in said and str(cut) in said, said
     assert not (tmp_path / "written" / "step-00000002").exists()
+
+
+def _save_where_memory_is_short(rank: int, world: int, root: Path) -> tuple[str, list[str]]:
+    from zerocc.runtime.checkpoint import in_memory
+
+    in_memory._room = lambda folder: 10_000  # (what each machine has: less than a snapshot)
+    step = zerocc.compile(build("gpt"), PLAN)
+    folder = root / f"machine-{rank}"
+    memory = MemoryCheckpoints(folder, step.comm, ranks_per_machine=1)
+    _train(step, [0], rank)
+    try:
+        memory.save(step)
+        memory.wait()  # (over machines the save's agreement comes with the copies)
+    except CheckpointError as exc:
+        return str(exc), sorted(p.name for p in folder.glob("*")) if folder.is_dir() else []
+    return "saved", []
+
+
+def test_snapshots_that_would_not_fit_in_memory_are_refused_before_any_is_written(tmp_path):
+    """A tmpfs written past its size kills the writer by SIGBUS (and host memory short, the
+    out-of-memory killer does): the first save checks that its machine's snapshots fit before
+    it writes, and every rank raises the error naming the machine, what it needs and what it
+    has."""
+    said = run_ranks(2, _save_where_memory_is_short, tmp_path)
+    (error, written), _ = said
+    assert said[0][0] == said[1][0] and written == []
+    assert "checkpoint.in_memory: the snapshots " in error, error
+    assert "'s 1 rank(s) keep (" in error and "and its copy of the previous machine's" in error
+    assert "do not fit in its memory (9.8KiB free in" in error
+    assert "turn checkpoint.in_memory off" in error

@@ -42,6 +42,8 @@ the checkpoint is the one those ranks would have saved, and it loads resharded.
 from __future__ import annotations
 
 import re
+import shutil
+import socket
 import threading
 import time
 from dataclasses import astuple, dataclass
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerocc.engine.failures import peer_failure
+from zerocc.ir.printing import human_bytes
 from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered, raise_errors
 from zerocc.runtime.checkpoint.files import CheckpointError, checkpoint_name
 from zerocc.runtime.checkpoint.save import (
@@ -70,6 +73,7 @@ from zerocc.runtime.checkpoint.snapshot_file import (
     read_snapshot,
     write_snapshot,
 )
+from zerocc.runtime.machine_memory import host_available
 
 if TYPE_CHECKING:
     from zerocc.engine.comm import Comm
@@ -101,7 +105,7 @@ class MemoryCheckpoints:
     on every rank at the same point (over several machines it makes a process group)."""
 
     def __init__(self, folder: Path, comm: Comm, ranks_per_machine: int) -> None:
-        self.folder, self.comm = folder, comm
+        self.folder, self.comm, self.ranks_per_machine = folder, comm, ranks_per_machine
         rank, world = comm.rank, comm.world_size
         copies = world > ranks_per_machine and world % ranks_per_machine == 0
         self.copy_to = (rank + ranks_per_machine) % world if copies else None
@@ -141,13 +145,16 @@ class MemoryCheckpoints:
         done = step.micro_batches // step.plan.grad_accumulation
         mine = self.folder / snapshot_name(done, self.comm.rank, self.comm.world_size)
         written: dict[str, MappedFile] = {}
-        if self._slices is None:
+        first = self._slices is None
+        if first:
             self._slices = state_slices(step)
             self._run = run_metadata(step) if self.comm.rank == 0 else None
 
         def write() -> None:
-            spare = self.spares.pop("own", None)
-            written["own"] = _write(mine, step, done, spare, self._slices, self._run)
+            tensors, meta = _snapshot(step, done, self._slices, self._run)
+            if first:
+                self._check_room(sum(t.nbytes for t in tensors.values()))
+            written["own"] = write_snapshot(mine, tensors, meta, self.spares.pop("own", None))
 
         error = attempt(write)
         if self.copy_to is None:
@@ -161,6 +168,27 @@ class MemoryCheckpoints:
             )  # fmt: skip
             self._copying.start()
         self.saved_s += time.perf_counter() - started
+
+    def _check_room(self, nbytes: int) -> None:
+        """That the snapshots this machine's ranks keep fit in its memory, each rank's
+        ``nbytes`` as this one's (a tmpfs written past its size kills the writer by SIGBUS;
+        host memory short, the out-of-memory killer does): CheckpointError naming what they
+        need and what the machine has, which the save's agreement tells every rank. At the
+        first save, before anything is written."""
+        copies = self.copy_to is not None
+        ranks = min(self.ranks_per_machine, self.comm.world_size)
+        need, room = 2 * ranks * nbytes * (2 if copies else 1), _room(self.folder)
+        if need <= room:
+            return
+        copied = " and its copy of the previous machine's" if copies else ""
+        raise CheckpointError(
+            f"checkpoint.in_memory: the snapshots {socket.gethostname()}'s {ranks} rank(s) keep "
+            f"({human_bytes(need)}: each rank's state{copied}, of the newest step and the step "
+            f"before) do not fit in its memory ({human_bytes(room)} free in "
+            f"{self.folder.parent} and host memory): turn checkpoint.in_memory off (disk "
+            "checkpoints alone), free host memory, or grow /dev/shm (a tmpfs, half the RAM by "
+            "default)"
+        )
 
     def wait(self) -> None:
         """Wait for the copies in flight (and the agreement after them); their error, if they
@@ -357,6 +385,15 @@ class MemoryCheckpoints:
         return MappedFile(theirs, pages), None
 
 
+def _room(folder: Path) -> int:
+    """Bytes the snapshots of ``folder`` may take: the room left in its filesystem (a tmpfs)
+    and in host memory, whichever is less, with what its files take now (an earlier attempt's:
+    cleared, or written into, by the saves to come)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    held = sum(f.stat().st_size for f in folder.iterdir()) if folder.is_dir() else 0
+    return min(shutil.disk_usage(existing).free, host_available()) + held
+
+
 def _exchange(comm: Comm, sends: dict, receives: dict, what: str) -> None:
     try:
         comm.send_receive(sends, receives)
@@ -388,24 +425,18 @@ def _mapped(path: Path) -> torch.Tensor:
     return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
 
 
-def _write(
-    path: Path,
-    step,
-    done: int,
-    reused: MappedFile | None,
-    slices: list[Slice],
-    run: dict | None,
-) -> MappedFile:
-    """This rank's snapshot of ``step`` after step ``done`` (into ``reused``'s pages where
-    given): its state dict's tensors and its random number generators', its counters in the
-    header with its ``slices`` and (rank 0) the ``run``'s metadata, which write it out as a
-    checkpoint (:meth:`MemoryCheckpoints.write_out`)."""
+def _snapshot(
+    step, done: int, slices: list[Slice], run: dict | None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's snapshot of ``step`` after step ``done``: its state dict's tensors and its
+    random number generators', and its header: its counters, its ``slices`` and (rank 0) the
+    ``run``'s metadata, which write it out as a checkpoint (:meth:`MemoryCheckpoints.write_out`)."""
     sd = step.state_dict()
     tensors = {k: t for k, t in sd.items() if isinstance(t, torch.Tensor)}
     tensors |= {_RNG + kind: state for kind, state in rng_states(step.device).items()}
     meta = {"step": done, "rank": step.comm.rank, "zerocc": sd["zerocc"],
             "slices": [astuple(s) for s in slices], "run": run}  # fmt: skip
-    return write_snapshot(path, tensors, meta, reused)
+    return tensors, meta
 
 
 def _checkpoint_pieces(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> list[Piece]:
