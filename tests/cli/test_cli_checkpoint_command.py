@@ -115,3 +115,13 @@ def test_train_refuses_to_resume_a_checkpoint_of_another_model_before_any_rank_s
     assert f"--resume {saves / 'step-00000002'}: the checkpoint is of another model" in said
     assert main([*train, str(saves / "nowhere")]) == 2
     assert "no such checkpoint or checkpoint folder" in capsys.readouterr().err
+
+
+def test_a_latest_checkpoint_that_cannot_be_read_is_said(saves, tmp_path, capsys):
+    folder = tmp_path / "saves"
+    shutil.copytree(saves, folder)
+    (folder / "step-00000002" / "manifest.json").write_text("{not json")
+    assert main(["checkpoint", str(folder)]) == 2
+    said = capsys.readouterr()
+    assert "step-00000002: not loaded (" in said.out and "not valid JSON" in said.out
+    assert "step-00000002, the checkpoint a resume would load, cannot be read" in said.err

@@ -44,7 +44,9 @@ def _checkpoint(args: argparse.Namespace) -> int:
     if not found:
         raise CheckpointError(f"{args.path}: holds no complete checkpoint")
     folder = resolve(args.path)
-    saved = next(s for s in found if s.folder == folder)
+    saved = next((s for s in found if s.folder == folder), None)
+    if saved is None:  # (`latest` names one whose manifest is there but unreadable)
+        raise CheckpointError(f"{folder}, the checkpoint a resume would load, cannot be read")
     print("\n".join(details(saved)))
     if args.verify:
         read = verify(saved)

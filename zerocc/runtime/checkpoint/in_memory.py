@@ -390,7 +390,12 @@ def _room(folder: Path) -> int:
     and in host memory, whichever is less, with what its files take now (an earlier attempt's:
     cleared, or written into, by the saves to come)."""
     existing = next(p for p in (folder, *folder.parents) if p.exists())
-    held = sum(f.stat().st_size for f in folder.iterdir()) if folder.is_dir() else 0
+    held = 0
+    for file in folder.iterdir() if folder.is_dir() else []:
+        try:
+            held += file.stat().st_size
+        except FileNotFoundError:  # (renamed or cleared by another rank of the machine)
+            continue
     return min(shutil.disk_usage(existing).free, host_available()) + held
 
 
