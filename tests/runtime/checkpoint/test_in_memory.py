@@ -89,9 +89,12 @@ def test_a_lost_machines_ranks_are_restored_from_the_next_machines_copies(tmp_pa
 
 def _save_three_steps(rank: int, world: int, root: Path) -> dict:
     """Two ranks, each its own machine (a folder), each keeping the other's copy: three steps
-    saved, with the files' inodes after each."""
+    saved, with the files' inodes after each. Each machine's folder first holds the spare the
+    other rank left there before a restart renumbered the ranks."""
     step = zerocc.compile(build("gpt"), PLAN)
     folder = root / f"machine-{rank}"
+    folder.mkdir(parents=True)
+    (folder / f".rank-{1 - rank:05d}.own.spare").write_bytes(b"\0" * 4096)
     memory = MemoryCheckpoints(folder, step.comm, ranks_per_machine=1)
     inodes = []
     for i in range(3):
@@ -114,7 +117,9 @@ def test_a_save_writes_into_the_pages_of_the_step_before_the_last(tmp_path):
     """After each save a rank keeps its newest files mapped and the step before's as spares:
     the third step is written (and its copy received) into the first step's files, which take
     no new pages, and the folder holds the newest step's snapshots and the two spares, not
-    the older steps'. What is written reads back as the state saved."""
+    the older steps' nor a spare of the rank that ran there before (a spare is its own rank's:
+    that rank, elsewhere now, writes into new pages there). What is written reads back as the
+    state saved."""
     for rank, result in enumerate(run_ranks(2, _save_three_steps, tmp_path)):
         first, second, third = result["inodes"]
         assert first.keys() == {"own", "copy"}

@@ -113,8 +113,11 @@ class MemoryCheckpoints:
         # The ranks whose files this machine's ranks look after: their own, and the copies
         # they keep (the machine's ranks are consecutive: torchrun numbers them node-major).
         first = rank - rank % ranks_per_machine if copies else 0
-        mine = range(first, first + ranks_per_machine) if copies else range(world)
-        self.looked_after = {*mine, *((r - ranks_per_machine) % world for r in mine if copies)}
+        self.machine_ranks = range(first, first + ranks_per_machine) if copies else range(world)
+        self.looked_after = {
+            *self.machine_ranks,
+            *((r - ranks_per_machine) % world for r in self.machine_ranks if copies),
+        }
         self.saved_s = 0.0  # seconds the saves kept training waiting, all told
         self.copied_s = 0.0  # seconds the copies took on their thread, all told
         # The side channel the copies travel on (making it is a collective: every rank makes
@@ -345,7 +348,9 @@ class MemoryCheckpoints:
     def _clear_before(self, done: int) -> None:
         """Remove the files of steps before ``done`` this rank looks after (its own, the copies
         it keeps) and any that no rank of this machine does (an earlier attempt's, of ranks
-        now elsewhere or of another world size), with their spares."""
+        now elsewhere or of another world size), and the spares of ranks this machine no
+        longer runs (a spare is its rank's own, by its name: a rank renumbered elsewhere by a
+        restart writes into new pages there)."""
         rank, world = self.comm.rank, self.comm.world_size
         for held in self.held():
             ours = held.world_size == world and held.rank in self.looked_after
@@ -354,7 +359,7 @@ class MemoryCheckpoints:
                     missing_ok=True  # (another rank may clear the same stray file)
                 )
         for spare in self.folder.glob(".rank-*.spare"):
-            if int(spare.name.split(".")[1].removeprefix("rank-")) not in self.looked_after:
+            if int(spare.name.split(".")[1].removeprefix("rank-")) not in self.machine_ranks:
                 spare.unlink(missing_ok=True)
 
     def _swap(
