@@ -14,6 +14,7 @@ from models import build
 import zerocc
 from zerocc.cli.main import main
 
+EXAMPLE = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
 PLAN = {"zero": {"stage": 3}, "units": {"classes": ["Block"]},
         "backend": {"device": "cpu", "kernels": "torch"}}  # fmt: skip
 
@@ -125,3 +126,56 @@ def test_a_latest_checkpoint_that_cannot_be_read_is_said(saves, tmp_path, capsys
     said = capsys.readouterr()
     assert "step-00000002: not loaded (" in said.out and "not valid JSON" in said.out
     assert "step-00000002, the checkpoint a resume would load, cannot be read" in said.err
+
+
+@pytest.fixture(scope="module")
+def example_saves(tmp_path_factory) -> Path:
+    """A checkpoint of the example GPT (examples/gpt/zero3.yaml's model) on one rank."""
+    from zerocc.compiler.plan import load_plan
+    from zerocc.compiler.workload import load_workload
+
+    root = tmp_path_factory.mktemp("example")
+    plan = load_plan(EXAMPLE, ["backend.device=cpu"])
+    workload = load_workload(plan)
+    step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
+    step(*next(workload.batches(0, 1)))
+    step.save(root)
+    return root
+
+
+def test_a_plan_that_resumes_the_checkpoint_is_told_what_it_does_otherwise(
+    example_saves, capsys
+):
+    shown = ["checkpoint", str(example_saves), "--plan", str(EXAMPLE)]
+    assert main(shown) == 0
+    said = capsys.readouterr().out
+    goes_on = "on 1 rank(s) resumes from it (its model and optimizer), and goes on as the run"
+    assert f"{goes_on} that saved it would" in said
+    assert main([*shown, "--world-size", "3", "--set", "zero.stage=1"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert len(notes) == 2, notes
+    assert "saved at ZeRO stage 3, resharded for stage 1" in notes[0]
+    assert "saved on 1 ranks, loaded on 3" in notes[1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--set", "optimizer.name=sgd"], "--plan {}: the checkpoint's optimizer is adamw"),
+        (["--set", "workload_args.n_layer=2"], "--plan {}: the checkpoint is of another model"),
+        (["--world-size", "0"], "--world-size 0: at least 1"),
+        (["--set", "zero.world_size=4", "--world-size", "3"], "the plan's zero.world_size is 4"),
+    ],
+    ids=["another-optimizer", "another-model", "no-ranks", "a-fixed-world"],
+)
+def test_a_plan_that_cannot_resume_the_checkpoint_is_told_why(
+    example_saves, capsys, flags, said
+):
+    shown = ["checkpoint", str(example_saves), "--plan", str(EXAMPLE), *flags]
+    assert main(shown) == 2
+    assert said.format(example_saves / "step-00000001") in capsys.readouterr().err
+
+
+def test_plan_flags_without_a_plan_are_refused(saves, capsys):
+    assert main(["checkpoint", str(saves), "--world-size", "2"]) == 2
+    assert "--set and --world-size go with --plan" in capsys.readouterr().err

@@ -1,15 +1,23 @@
-"""`zerocc checkpoint PATH [--verify]`: the checkpoints of a folder and what one holds (its
-step, the ranks and stage that saved it, the model, optimizer and plan), and with
-``--verify`` whether every byte is as the save wrote it, before a run (or `zerocc export`)
-relies on it."""
+"""`zerocc checkpoint PATH [--verify] [--plan PLAN]`: the checkpoints of a folder and what one
+holds (its step, the ranks and stage that saved it, the model, optimizer and plan); with
+``--verify`` whether every byte is as the save wrote it, and with ``--plan`` whether a run of
+that plan resumes from it and what it does otherwise, before a run (or `zerocc export`)
+relies on it. Also the check `zerocc train --resume` makes before it launches any rank."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from zerocc.errors import CheckpointError
+from zerocc.errors import CheckpointError, PlanError
 from zerocc.ir.printing import human_bytes
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from zerocc.compiler.plan import Plan
+    from zerocc.runtime.checkpoint.files import Manifest
 
 
 def add_checkpoint_command(commands: argparse._SubParsersAction) -> None:
@@ -29,13 +37,46 @@ def add_checkpoint_command(commands: argparse._SubParsersAction) -> None:
         help="read every chunk of the checkpoint's files and check it against its digest, as "
         "a load would (exit 2 naming the first file and tensor that differs)",
     )  # fmt: skip
-    shown.set_defaults(run=_checkpoint)
+    shown.add_argument(
+        "--plan", metavar="PLAN",
+        help="say whether a run of this plan resumes from the checkpoint (its model and "
+        "optimizer), and what it does otherwise than the run that saved it",
+    )  # fmt: skip
+    shown.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="with --plan: set a field of it (repeatable), as `zerocc train --set`",
+    )  # fmt: skip
+    shown.add_argument(
+        "--world-size", type=int, metavar="N",
+        help="with --plan: the ranks the run would have (default: the plan's zero.world_size, "
+        "else the checkpoint's)",
+    )  # fmt: skip
+    shown.set_defaults(run=_checkpoint, backend=None, data=None)
+
+
+def check_resumable(plan: Plan, model: nn.Module, path: str | Path, named_by: str) -> Manifest:
+    """The checkpoint ``path`` names, whose manifest is returned, is there and of ``model``
+    and ``plan``'s optimizer, as every rank's load would find after its compile; else a
+    CheckpointError naming ``named_by`` (the flag that names it) and the checkpoint."""
+    from zerocc.compiler.capture import describe_model
+    from zerocc.runtime.checkpoint.files import Manifest, resolve
+    from zerocc.runtime.checkpoint.load import check_compatible
+
+    folder = resolve(path)
+    manifest = Manifest.read(folder)
+    try:
+        check_compatible(describe_model(model), plan.optimizer, manifest)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{named_by} {folder}: {exc}") from None
+    return manifest
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
     from zerocc.runtime.checkpoint.describe import checkpoints_in, details, summary_line, verify
     from zerocc.runtime.checkpoint.files import resolve
 
+    if args.plan is None and (args.overrides or args.world_size is not None):
+        raise CheckpointError("--set and --world-size go with --plan (the run they describe)")
     found, other = checkpoints_in(Path(args.path))
     if len(found) > 1 or other:
         print(f"{args.path}: {len(found)} checkpoint(s)")
@@ -53,4 +94,31 @@ def _checkpoint(args: argparse.Namespace) -> int:
         print(f"verified: {read.chunks} chunks of {read.tensors} tensors "
               f"({human_bytes(read.nbytes)}), each as its digest says, every tensor "
               "whole")  # fmt: skip
+    if args.plan is not None:
+        _resumed_by(args, saved.folder)
     return 0
+
+
+def _resumed_by(args: argparse.Namespace, folder: Path) -> None:
+    """Whether a run of ``args.plan`` on ``args.world_size`` ranks resumes from the checkpoint
+    ``folder``, and what it does otherwise than the run that saved it."""
+    from zerocc.cli.plan import checked_model, checked_plan
+    from zerocc.runtime.checkpoint.load import resume_notes
+
+    plan = checked_plan(args)
+    model, _ = checked_model(plan)
+    meta = check_resumable(plan, model, folder, "--plan").meta
+    world = args.world_size
+    if world is None:
+        world = plan.zero.world_size or meta["world_size"]
+    if world < 1:
+        raise PlanError(f"--world-size {world}: at least 1")
+    if plan.zero.world_size not in (None, world):
+        raise PlanError(f"--world-size {world}: the plan's zero.world_size is "
+                        f"{plan.zero.world_size}")  # fmt: skip
+    plan.check_world_size(world)  # (PlanError where the plan's layout does not take it)
+    notes = resume_notes(plan, world, meta)
+    goes_on = ", and goes on as the run that saved it would" if not notes else "; then:"
+    print(f"{args.plan} on {world} rank(s) resumes from it (its model and optimizer){goes_on}")
+    for note in notes:
+        print(f"  note: {note}")

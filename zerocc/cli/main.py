@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from zerocc.cli.checkpoint import add_checkpoint_command
+from zerocc.cli.checkpoint import add_checkpoint_command, check_resumable
 from zerocc.cli.inspect import add_commands as add_inspect_commands
 from zerocc.cli.machines import (
     add_machine_arguments,
@@ -39,7 +39,7 @@ from zerocc.cli.plan import CUDA_MEMORY_GIB, checked_model, checked_plan, memory
 from zerocc.cli.plan import add_commands as add_plan_commands
 from zerocc.cli.plan_args import add_plan_arguments, forwarded
 from zerocc.compiler.plan import Plan
-from zerocc.errors import CheckpointError, ZeroccError
+from zerocc.errors import ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.launch import (
     RANK_WORKER_ENV,
@@ -408,20 +408,10 @@ def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
 
 
 def _check_resumable(plan: Plan, model: nn.Module) -> None:
-    """The checkpoint ``checkpoint.resume`` names is there, and of ``model`` and the plan's
-    optimizer: what every rank's load would say after its compile (CheckpointError naming
-    it)."""
-    from zerocc.compiler.capture import describe_model
-    from zerocc.runtime.checkpoint.files import Manifest, resolve
-    from zerocc.runtime.checkpoint.load import check_compatible
-
-    if plan.checkpoint.resume is None:
-        return
-    folder = resolve(plan.checkpoint.resume)
-    try:
-        check_compatible(describe_model(model), plan.optimizer, Manifest.read(folder))
-    except CheckpointError as exc:
-        raise CheckpointError(f"--resume {folder}: {exc}") from None
+    """The checkpoint ``checkpoint.resume`` names (if any) is there, and of ``model`` and the
+    plan's optimizer: what every rank's load would say after its compile."""
+    if plan.checkpoint.resume is not None:
+        check_resumable(plan, model, plan.checkpoint.resume, "--resume")
 
 
 def _launch(

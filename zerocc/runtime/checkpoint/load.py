@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerocc.compiler.capture import ModelInfo
-from zerocc.compiler.plan import OptimizerConfig
+from zerocc.compiler.plan import OptimizerConfig, Plan
+from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import optimizer_states
 from zerocc.engine.comm import Comm
 from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered
@@ -180,43 +181,52 @@ def _fill(runner: Checkpointed, flat: FlatState, read: Read) -> None:
 
 def restore_counters(runner: Checkpointed, meta: dict[str, Any]) -> list[str]:
     """Step counters and the loss scaler from a checkpoint's ``meta``; notes on what differs
-    from the run that saved it, and what could not be carried over."""
-    notes = []
-    accum = runner.plan.grad_accumulation
+    from the run that saved it, and what could not be carried over (:func:`resume_notes`)."""
     runner.steps = meta["optimizer_steps"]
-    runner.micro_batches = meta["step"] * accum
+    runner.micro_batches = meta["step"] * runner.plan.grad_accumulation
+    scaler = meta["loss_scaler"]
+    if runner.loss_scaler is not None and scaler is not None:
+        runner.loss_scaler.load_state_dict(scaler)
+    return resume_notes(runner.plan, runner.comm.world_size, meta)
+
+
+def resume_notes(plan: Plan, world_size: int, meta: dict[str, Any]) -> list[str]:
+    """What a run of ``plan`` on ``world_size`` ranks that resumes from a checkpoint (its
+    ``meta``) does otherwise than the run that saved it, and what it cannot carry over: a
+    line each (none: it goes on as that run would)."""
+    notes = []
+    accum = plan.grad_accumulation
     if accum != meta["plan"]["grad_accumulation"]:
         notes.append(
             f"grad_accumulation {meta['plan']['grad_accumulation']} -> {accum}: step "
             f"{meta['step']} goes on with {accum} micro-batches per step"
         )
-    scaler = meta["loss_scaler"]
-    if runner.loss_scaler is not None and scaler is not None:
-        runner.loss_scaler.load_state_dict(scaler)
-    elif runner.loss_scaler is not None:
+    scaler, scales = meta["loss_scaler"], plan.precision.scaling != "none"
+    if scales and scaler is None:
         notes.append("the checkpoint had no loss scaling: the scale starts at the plan's initial")
-    elif scaler is not None:
+    elif scaler is not None and not scales:
         notes.append(f"the checkpoint's loss scale ({scaler['scale']:g}) is dropped: this plan "
                      "scales no loss")  # fmt: skip
-    notes.extend(_schedule_notes(runner, meta["plan"]["optimizer"]))
-    if meta["stage"] != runner.plan.zero.stage:
+    saved_optimizer = meta["plan"]["optimizer"]
+    notes.extend(_schedule_notes(plan.optimizer, meta["optimizer_steps"], saved_optimizer))
+    if meta["stage"] != plan.zero.stage:
         notes.append(f"saved at ZeRO stage {meta['stage']}, resharded for stage "
-                     f"{runner.plan.zero.stage}")  # fmt: skip
+                     f"{plan.zero.stage}")  # fmt: skip
     saved_parallel = {"tp": 1, "pp": 1, "ep": 1, **meta["plan"].get("parallel", {})}
     for axis in ("tp", "pp", "ep"):
-        theirs, ours = saved_parallel[axis], getattr(runner.plan.parallel, axis)
+        theirs, ours = saved_parallel[axis], getattr(plan.parallel, axis)
         if theirs != ours:
             notes.append(f"saved under parallel.{axis}: {theirs}, resharded for {ours}")
-    if meta["world_size"] != runner.comm.world_size:
+    if meta["world_size"] != world_size:
         draws = (
             "random ops draw from their keys (capture.draws: keyed: a micro-batch's dropout "
             "masks follow its step and place in the global batch)"
-            if runner.plan.capture.draws == "keyed"
+            if plan.capture.draws == "keyed"
             else "each rank's random number generator goes on from where it is (dropout "
             "draws differ from a run that did not stop; capture.draws: keyed makes them not)"
         )
         notes.append(
-            f"saved on {meta['world_size']} ranks, loaded on {runner.comm.world_size}: "
+            f"saved on {meta['world_size']} ranks, loaded on {world_size}: "
             f"{draws}, and each rank's data is what the workload gives this world size"
         )
     return notes
@@ -234,14 +244,14 @@ def _restore_random_state(runner: Checkpointed, manifest: Manifest, read: Read) 
         torch.cuda.set_rng_state(read(rng_name(rank, "cuda")), runner.device)
 
 
-def _schedule_notes(runner: Checkpointed, saved: dict[str, Any]) -> list[str]:
-    """The schedule goes on from the applied-step count; a note when this plan's rates
-    differ from the saving run's (another schedule, or another peak rate)."""
-    ours, theirs = runner.plan.optimizer, OptimizerConfig.model_validate(saved)
+def _schedule_notes(ours: OptimizerConfig, steps: int, saved: dict[str, Any]) -> list[str]:
+    """The schedule goes on from the applied-step count (``steps``); a note when this plan's
+    rates (``ours``) differ from the saving run's (another schedule, or another peak rate)."""
+    theirs = OptimizerConfig.model_validate(saved)
     if (ours.lr, ours.schedule) == (theirs.lr, theirs.schedule):
         return []
     return [
         f"the learning rate differs from the saving run's (lr {theirs.lr:g}, schedule "
         f"{theirs.schedule.name} -> lr {ours.lr:g}, schedule {ours.schedule.name}): step "
-        f"{runner.steps + 1} runs at {runner.lr:g}, this plan's rate at that step"
+        f"{steps + 1} runs at {lr_at(ours, steps):g}, this plan's rate at that step"
     ]
