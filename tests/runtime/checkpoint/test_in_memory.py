@@ -9,6 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from models import build
 from multirank import run_ranks
@@ -331,3 +332,38 @@ def test_snapshots_that_would_not_fit_in_memory_are_refused_before_any_is_writte
     assert "'s 1 rank(s) keep (" in error and "and its copy of the previous machine's" in error
     assert "do not fit in its memory (9.8KiB free in" in error
     assert "turn checkpoint.in_memory off" in error
+
+
+SPLIT = {  # states split otherwise than by the units' shards: a rank's slices differ
+    "pipeline": PIPELINE,
+    "tensor-parallel": {"model": "gpt", "stage": 3, "world": 2, "tp": 2, "backend": "eager"},
+}
+
+
+def _write_out_beside_a_save(rank: int, world: int, root: Path, case: dict) -> None:
+    step = zerocc.compile(_model(case), plan_of(case))
+    memory = MemoryCheckpoints(root / "machine", step.comm, ranks_per_machine=world)
+    if "pp" in case:
+        _pipeline_steps(step, range(2))
+    else:
+        for i in range(2):
+            step(*batch_of(case, i, step.data_rank))
+    memory.save(step)
+    step.save(root / "disk")
+    done, taken_by, everyone = memory.newest()
+    memory.write_out(done, taken_by, everyone, root / "written", keep=None)
+
+
+@pytest.mark.parametrize("case", SPLIT.values(), ids=SPLIT.keys())
+def test_a_pipeline_or_tensor_parallel_ranks_snapshots_write_out_as_their_save(tmp_path, case):
+    """A pipeline rank's snapshot holds its stages' units, a tensor-parallel rank's its rows of
+    the split layers (strided runs): written out, each is the checkpoint the ranks saved."""
+    import json
+
+    run_ranks(2, _write_out_beside_a_save, tmp_path, case)
+    name = "step-00000002"
+    written, saved = (json.loads((tmp_path / folder / name / "manifest.json").read_text())
+                      for folder in ("written", "disk"))  # fmt: skip
+    assert written == saved
+    strided = any(c.get("runs", 1) > 1 for t in saved["tensors"].values() for c in t["chunks"])
+    assert strided == ("tp" in case)  # (a tp rank's rows of a split layer: strided runs)
