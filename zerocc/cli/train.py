@@ -294,7 +294,9 @@ def _restored_from_memory(step, plan: Plan, memory: MemoryCheckpoints, restart: 
     return True
 
 
-def _write_out(step, plan: Plan, memory: MemoryCheckpoints, newest: tuple, restart: int) -> None:
+def _write_out(
+    step, plan: Plan, memory: MemoryCheckpoints, newest: tuple[int, int, list], restart: int
+) -> None:
     """Write the snapshots of another number of ranks (``newest``: what
     :meth:`MemoryCheckpoints.newest` found) out as a checkpoint, saying so; where that fails,
     say why: the restart loads the disk's newest instead."""

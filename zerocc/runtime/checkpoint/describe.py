@@ -16,6 +16,7 @@ from pathlib import Path
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.checkpoint.files import (
     LATEST,
+    MANIFEST,
     PREFIX,
     CheckpointError,
     DataReader,
@@ -42,7 +43,7 @@ def checkpoints_in(root: Path) -> tuple[list[Saved], list[str]]:
     """The checkpoints of ``root`` (a folder of them, or one checkpoint), oldest first, and a
     line for each folder there that is not one it loads: a save that did not finish, a
     manifest it cannot read."""
-    if (root / "manifest.json").is_file():
+    if (root / MANIFEST).is_file():
         return [Saved(root, Manifest.read(root), latest=False)], []
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint or checkpoint folder")
@@ -59,14 +60,14 @@ def checkpoints_in(root: Path) -> tuple[list[Saved], list[str]]:
             "step replaces it)"
         )
     if not found and not other:
-        raise CheckpointError(f"{root}: holds no checkpoint (no {PREFIX}*/manifest.json)")
+        raise CheckpointError(f"{root}: holds no checkpoint (no {PREFIX}*/{MANIFEST})")
     return found, other
 
 
 def summary_line(saved: Saved) -> str:
     """One checkpoint in a line: its name, step, ranks, stage, size and when it was saved."""
     meta = saved.manifest.meta
-    when = datetime.datetime.fromtimestamp((saved.folder / "manifest.json").stat().st_mtime)
+    when = datetime.datetime.fromtimestamp((saved.folder / MANIFEST).stat().st_mtime)
     return (
         f"{saved.folder.name}  step {meta['step']:>6}  {_ranks(meta['world_size']):>9}  "
         f"ZeRO-{meta['stage']}  {human_bytes(saved.nbytes):>10}  {when:%Y-%m-%d %H:%M}"
