@@ -280,13 +280,13 @@ class CheckpointConfig(Section):
     in_memory: bool = Field(
         False,
         description="also keep every step's state in host memory (a tmpfs folder under "
-        "/dev/shm the launcher removes at the end), so that a restart (`zerocc train "
+        "/dev/shm, removed when `zerocc train` ends), so that a restart (`zerocc train "
         "--max-restarts`) loses no step: each rank's state in its machine's memory and, "
         "over several machines (--nnodes), in the next machine's, so a lost machine's ranks "
         "are restored from its neighbour's copies (sent on a thread during the next step: a "
         "machine lost before they arrive loses that step too); a write at memory speed per "
-        "step, two of each held. A restart on another number of ranks loads the disk "
-        "checkpoint",
+        "step, two of each held. A restart on another number of ranks (--nnodes MIN:N, "
+        "--nproc-min) writes them out as a disk checkpoint and loads it resharded",
     )
     async_save: Literal["auto"] | bool = Field(
         "auto",
