@@ -179,3 +179,18 @@ def test_a_plan_that_cannot_resume_the_checkpoint_is_told_why(
 def test_plan_flags_without_a_plan_are_refused(saves, capsys):
     assert main(["checkpoint", str(saves), "--world-size", "2"]) == 2
     assert "--set and --world-size go with --plan" in capsys.readouterr().err
+
+
+def test_json_says_it_all_for_scripts(example_saves, capsys):
+    shown = ["checkpoint", str(example_saves), "--json", "--verify", "--plan", str(EXAMPLE),
+             "--world-size", "2"]  # fmt: skip
+    assert main(shown) == 0
+    said = json.loads(capsys.readouterr().out)
+    (only,) = said["checkpoints"]
+    assert only["name"] == "step-00000001" and only["step"] == 1 and only["latest"]
+    assert only["world_size"] == 1 and only["stage"] == 3
+    assert only["bytes"] == sum(p.stat().st_size for p in Path(only["folder"]).glob("rank-*"))
+    assert said["shown"] == only["folder"] and said["other"] == []
+    assert said["verified"]["chunks"] > 0 and said["verified"]["bytes"] == only["bytes"]
+    assert said["resumes"]["world_size"] == 2
+    assert [n[:25] for n in said["resumes"]["notes"]] == ["saved on 1 ranks, loaded "]

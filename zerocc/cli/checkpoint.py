@@ -7,6 +7,7 @@ relies on it. Also the check `zerocc train --resume` makes before it launches an
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,11 @@ def add_checkpoint_command(commands: argparse._SubParsersAction) -> None:
         help="with --plan: the ranks the run would have (default: the plan's zero.world_size, "
         "else the checkpoint's)",
     )  # fmt: skip
+    shown.add_argument(
+        "--json", action="store_true",
+        help="print it all as one JSON object (checkpoints, the one shown, what --verify read, "
+        "what --plan would do), for scripts",
+    )  # fmt: skip
     shown.set_defaults(run=_checkpoint, backend=None, data=None)
 
 
@@ -72,36 +78,53 @@ def check_resumable(plan: Plan, model: nn.Module, path: str | Path, named_by: st
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from zerocc.runtime.checkpoint.describe import checkpoints_in, details, summary_line, verify
+    from zerocc.runtime.checkpoint.describe import (
+        checkpoints_in,
+        details,
+        record,
+        summary_line,
+        verify,
+    )
     from zerocc.runtime.checkpoint.files import resolve
 
     if args.plan is None and (args.overrides or args.world_size is not None):
         raise CheckpointError("--set and --world-size go with --plan (the run they describe)")
     found, other = checkpoints_in(Path(args.path))
+    lines = []
     if len(found) > 1 or other:
-        print(f"{args.path}: {len(found)} checkpoint(s)")
-        for line in [*map(summary_line, found), *other]:
-            print(f"  {line}")
+        lines.append(f"{args.path}: {len(found)} checkpoint(s)")
+        lines += [f"  {line}" for line in [*map(summary_line, found), *other]]
     if not found:
+        print("\n".join(lines))
         raise CheckpointError(f"{args.path}: holds no complete checkpoint")
     folder = resolve(args.path)
     saved = next((s for s in found if s.folder == folder), None)
     if saved is None:  # (`latest` names one whose manifest is there but unreadable)
+        print("\n".join(lines))
         raise CheckpointError(f"{folder}, the checkpoint a resume would load, cannot be read")
-    print("\n".join(details(saved)))
+    said = {"checkpoints": [record(s) for s in found], "other": other, "shown": str(folder)}
+    lines += details(saved)
     if args.verify:
         read = verify(saved)
-        print(f"verified: {read.chunks} chunks of {read.tensors} tensors "
-              f"({human_bytes(read.nbytes)}), each as its digest says, every tensor "
-              "whole")  # fmt: skip
+        said["verified"] = {"chunks": read.chunks, "tensors": read.tensors, "bytes": read.nbytes}
+        lines.append(f"verified: {read.chunks} chunks of {read.tensors} tensors "
+                     f"({human_bytes(read.nbytes)}), each as its digest says, every tensor "
+                     "whole")  # fmt: skip
     if args.plan is not None:
-        _resumed_by(args, saved.folder)
+        world, notes = _resumed_by(args, saved.folder)
+        said["resumes"] = {"plan": args.plan, "world_size": world, "notes": notes}
+        goes_on = ", and goes on as the run that saved it would" if not notes else "; then:"
+        lines.append(f"{args.plan} on {world} rank(s) resumes from it (its model and "
+                     f"optimizer){goes_on}")  # fmt: skip
+        lines += [f"  note: {note}" for note in notes]
+    print(json.dumps(said, indent=1) if args.json else "\n".join(lines))
     return 0
 
 
-def _resumed_by(args: argparse.Namespace, folder: Path) -> None:
+def _resumed_by(args: argparse.Namespace, folder: Path) -> tuple[int, list[str]]:
     """Whether a run of ``args.plan`` on ``args.world_size`` ranks resumes from the checkpoint
-    ``folder``, and what it does otherwise than the run that saved it."""
+    ``folder`` (an error says why not): its world size, and the notes on what it does
+    otherwise than the run that saved it."""
     from zerocc.cli.plan import checked_model, checked_plan
     from zerocc.runtime.checkpoint.load import resume_notes
 
@@ -117,8 +140,4 @@ def _resumed_by(args: argparse.Namespace, folder: Path) -> None:
         raise PlanError(f"--world-size {world}: the plan's zero.world_size is "
                         f"{plan.zero.world_size}")  # fmt: skip
     plan.check_world_size(world)  # (PlanError where the plan's layout does not take it)
-    notes = resume_notes(plan, world, meta)
-    goes_on = ", and goes on as the run that saved it would" if not notes else "; then:"
-    print(f"{args.plan} on {world} rank(s) resumes from it (its model and optimizer){goes_on}")
-    for note in notes:
-        print(f"  note: {note}")
+    return world, resume_notes(plan, world, meta)

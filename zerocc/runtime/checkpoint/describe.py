@@ -66,13 +66,30 @@ def checkpoints_in(root: Path) -> tuple[list[Saved], list[str]]:
 
 def summary_line(saved: Saved) -> str:
     """One checkpoint in a line: its name, step, ranks, stage, size and when it was saved."""
+    said = record(saved)
+    return (
+        f"{said['name']}  step {said['step']:>6}  {_ranks(said['world_size']):>9}  "
+        f"ZeRO-{said['stage']}  {human_bytes(said['bytes']):>10}  "
+        f"{said['saved_at'].replace('T', ' ')[:16]}" + ("  (latest)" if saved.latest else "")
+    )
+
+
+def record(saved: Saved) -> dict:
+    """One checkpoint as a JSON-able record: its folder and name, counters, ranks, stage,
+    bytes, when it was saved, whether ``latest`` names it, and what saved it."""
     meta = saved.manifest.meta
     when = datetime.datetime.fromtimestamp((saved.folder / MANIFEST).stat().st_mtime)
-    return (
-        f"{saved.folder.name}  step {meta['step']:>6}  {_ranks(meta['world_size']):>9}  "
-        f"ZeRO-{meta['stage']}  {human_bytes(saved.nbytes):>10}  {when:%Y-%m-%d %H:%M}"
-        + ("  (latest)" if saved.latest else "")
-    )
+    return {
+        "folder": str(saved.folder),
+        "name": saved.folder.name,
+        **{key: meta[key] for key in ("step", "optimizer_steps", "micro_batches", "world_size",
+                                      "stage")},  # fmt: skip
+        "bytes": saved.nbytes,
+        "saved_at": when.isoformat(timespec="seconds"),
+        "latest": saved.latest,
+        "zerocc": meta.get("zerocc"),
+        "torch": meta.get("torch"),
+    }
 
 
 def details(saved: Saved) -> list[str]:
