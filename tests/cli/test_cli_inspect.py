@@ -13,6 +13,7 @@ import pydot
 import pytest
 
 from zerocc.cli.main import main
+from zerocc.ir.printing import human_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated - use:DeprecationWarning")
 
@@ -137,6 +138,18 @@ def test_estimate_shows_gloos_buffers_for_cpu_ranks_only(capsys):
     cpu = ("--device", "cpu")
     figures = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "4", "--json", *cpu))
     assert figures["peak"]["comm"] > 0
+
+
+def test_estimate_counts_in_memory_checkpoints_where_the_plan_keeps_them(capsys):
+    """`checkpoint.in_memory` keeps two snapshots of each rank's state in /dev/shm (host
+    memory): a row of its own, twice the snapshot (its size against a rank's state dict:
+    tests/runtime/test_offload.py), said only where the plan keeps them."""
+    figures = json.loads(run(capsys, "estimate", ZERO3, "--world-size", "2", "--json"))
+    kept = run(capsys, "estimate", ZERO3, "--world-size", "2", "--set", "checkpoint.in_memory=true")
+    row = next(line for line in kept.splitlines() if "in-memory checkpoints" in line)
+    assert row.split()[2] == human_bytes(2 * figures["snapshot_bytes"])
+    assert human_bytes(4 * figures["snapshot_bytes"]) + " over several machines" in row
+    assert "in-memory checkpoints" not in run(capsys, "estimate", ZERO3, "--world-size", "2")
 
 
 def test_estimate_of_hybrid_sharding_draws_the_mesh_and_bytes_per_group(capsys):

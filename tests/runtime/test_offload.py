@@ -317,6 +317,9 @@ def test_estimate_predicts_the_pools_and_traffic_a_run_measures(tmp_path):
     nvme_states = predicted.offloaded["nvme"]
     headers = 512 * len(step.state.nvme_specs)
     assert nvme_states <= measured["nvme"]["total"] <= nvme_states + headers
+    # An in-memory snapshot holds every state, wherever it is (checkpoint.in_memory's row).
+    snapshot = sum(t.nbytes for t in step.state_dict().values() if isinstance(t, torch.Tensor))
+    assert predicted.snapshot_bytes == snapshot
     assert predicted.transfers == describe(step.record())["transfer_bytes_per_step"]
     # Host buffers at their peak: the offloaded units' fp32 gradient shards (copied out as they
     # complete, kept until their updates) and at most three units' states read from NVMe.

@@ -317,6 +317,18 @@ def _host_memory_line(plan: Plan, e: Estimate) -> str:
     return f"  {'  = host memory (peak)':<24}{human_bytes(held):>12}  ({note})"
 
 
+def _in_memory_line(e: Estimate) -> str:
+    """The host memory ``checkpoint.in_memory`` takes per rank: two snapshots of its state
+    (the newest step's and the step before's, whose pages the next is written into), and over
+    several machines two of the copy it keeps of another machine's rank."""
+    two = 2 * e.snapshot_bytes
+    return (
+        f"  {'in-memory checkpoints':<24}{human_bytes(two):>12}  (checkpoint.in_memory, in "
+        f"/dev/shm: two snapshots of the rank's state; {human_bytes(2 * two)} over several "
+        "machines, with the copies of another machine's)"
+    )
+
+
 def _estimate_text(plan: Plan, e: Estimate) -> str:
     p = plan.precision
     grads = p.kept_gradient(plan.zero)  # e is the estimate of this plan
@@ -335,6 +347,8 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     ]
     if e.offloaded["host"]:
         lines.append(_host_memory_line(plan, e))
+    if plan.checkpoint.in_memory:
+        lines.append(_in_memory_line(e))
     if plan.grad_accumulation == 1:
         leave = e.grads_copied_out
         lines.append(held_gradients_line(e.held_grads, e.psi, e.world_size, width=24, leave=leave))

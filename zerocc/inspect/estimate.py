@@ -117,6 +117,12 @@ class Estimate:
     grads_copied_out: bool = False  # offloaded gradients leave the device during backward
     notes: list[str] = field(default_factory=list)  # what the figures leave out (opaque regions)
 
+    @property
+    def snapshot_bytes(self) -> int:
+        """One in-memory snapshot of a rank's state (``checkpoint.in_memory``): every state it
+        keeps, on the device, in host memory and on NVMe (its header and RNG states aside)."""
+        return self.model_states["total"] + self.offloaded[HOST] + self.offloaded[NVME]
+
     def as_dict(self) -> dict[str, Any]:
         """The figures as plain data (``zerocc estimate --json``)."""
         out = {
@@ -129,6 +135,7 @@ class Estimate:
             "transfer_bytes_per_step": self.transfers,
             "recompute": self.recompute,
             "held_gradient_bytes": self.held_grads,
+            "snapshot_bytes": self.snapshot_bytes,
             "notes": self.notes,
         }
         if self.timing is not None and self.rates is not None:
