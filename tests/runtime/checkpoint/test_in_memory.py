@@ -5,6 +5,7 @@ itself, by `zerocc train --max-restarts`, is tested in tests/cli.)"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -266,8 +267,6 @@ def test_snapshots_of_more_ranks_are_written_out_as_a_checkpoint_that_reshards(t
     every rank's state of step 2 (its own, and its copy of rank 1's), of 2 ranks: written out
     as a checkpoint it is the one the 2 ranks saved of the same step, every tensor's bytes and
     the run's metadata, and it loads on 1 rank resharded as that one does."""
-    import json
-
     run_ranks(2, _save_in_memory_and_on_disk, tmp_path)
     shutil.rmtree(tmp_path / "machine-1")
     (result,) = run_ranks(1, _write_out_on_one_rank, tmp_path)
@@ -358,8 +357,6 @@ def _write_out_beside_a_save(rank: int, world: int, root: Path, case: dict) -> N
 def test_a_pipeline_or_tensor_parallel_ranks_snapshots_write_out_as_their_save(tmp_path, case):
     """A pipeline rank's snapshot holds its stages' units, a tensor-parallel rank's its rows of
     the split layers (strided runs): written out, each is the checkpoint the ranks saved."""
-    import json
-
     run_ranks(2, _write_out_beside_a_save, tmp_path, case)
     name = "step-00000002"
     written, saved = (json.loads((tmp_path / folder / name / "manifest.json").read_text())
