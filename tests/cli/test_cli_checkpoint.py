@@ -202,7 +202,7 @@ def test_a_rank_that_cannot_come_back_leaves_the_run_to_fewer_ranks(tmp_path, in
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=CPU_ONLY)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout + run.stderr
-    assert "going on with 1 ranks, not 2 (--nproc-min 1)" in out
+    assert "going on with 1 rank(s), not 2 (--nproc-min 1)" in out
     if in_memory:
         assert ("zerocc: the snapshots of step 5 in memory are of 2 ranks, not 1: written out to "
                 f"{saves / 'step-00000005'} to load resharded") in out, out[-3000:]  # fmt: skip

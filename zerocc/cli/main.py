@@ -336,7 +336,7 @@ def _train(args: argparse.Namespace) -> int:
                 if plan.checkpoint.in_memory:
                     newest = "newest step in memory, or the " + newest
                 print(f"zerocc: ranks failed after {restarts} restart(s): going on with {fewer} "
-                      f"ranks, not {args.nproc} (--nproc-min {args.nproc_min}), from the "
+                      f"rank(s), not {args.nproc} (--nproc-min {args.nproc_min}), from the "
                       f"{newest}", file=sys.stderr, flush=True)  # fmt: skip
                 args.nproc = fewer
                 resumed = [*command, "--resume", str(plan.checkpoint.dir)]  # (the last counts)
