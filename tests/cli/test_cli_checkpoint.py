@@ -228,3 +228,28 @@ def test_restart_flags_that_cannot_work_are_refused_before_any_rank_starts(flags
 
     assert main(["train", str(PLAN), "--steps", "1", "--nproc", "2", *flags]) == 2
     assert error in capsys.readouterr().err
+
+
+def test_snapshots_that_would_not_fit_in_shared_memory_are_refused_before_launch(
+    monkeypatch, capsys, tmp_path
+):
+    """`checkpoint.in_memory` keeps each rank's state twice in /dev/shm, a tmpfs that kills
+    the writer by SIGBUS once full: `zerocc train` refuses before it launches any rank where
+    the machine's ranks' snapshots would not fit (host memory is checked at the first save,
+    once the ranks hold their states)."""
+    import shutil
+    from collections import namedtuple
+
+    from zerocc.cli import main as cli
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks launched")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cli, "_launch", no_launch)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 0, 10**6))
+    flags = ["--max-restarts", "1", "--save", str(tmp_path), "--set", "checkpoint.in_memory=true"]
+    assert cli.main(["train", str(PLAN), "--steps", "1", "--nproc", "2", *flags]) == 2
+    said = capsys.readouterr().err
+    assert "checkpoint.in_memory: the snapshots " in said and "'s 2 rank(s) keep (" in said
+    assert "do not fit in its memory (976.6KiB free in /dev/shm)" in said, said

@@ -16,6 +16,7 @@ import atexit
 import gc
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -392,8 +393,11 @@ def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
     ranks fit its memory and their GPUs' (the ranks check the step's transient memory, which
     takes a capture)."""
     from zerocc.compiler.driver.session import CompileSession
+    from zerocc.cost.memory import model_state_bytes_of, snapshot_bytes_of
     from zerocc.errors import PlanWarning
+    from zerocc.runtime.checkpoint.in_memory import check_room
     from zerocc.runtime.devices import rank_device
+    from zerocc.runtime.launch import SHARED_MEMORY
     from zerocc.runtime.memory_check import check_states_before_launch
 
     device = rank_device(plan, local_rank=0, local_ranks=args.nproc)
@@ -405,6 +409,13 @@ def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
         warnings.simplefilter("ignore", PlanWarning)
         session = CompileSession.open(model, plan, args.nproc * nodes.count)
     check_states_before_launch(session, plan, args.nproc, nodes.rank * args.nproc, device.type)
+    if plan.checkpoint.in_memory:  # (host memory as well, at the first save: the states there)
+        if not SHARED_MEMORY.is_dir():
+            raise CheckpointError(f"checkpoint.in_memory keeps its snapshots in {SHARED_MEMORY} "
+                                  "(Linux's shared memory), which this machine has not")  # fmt: skip
+        snapshot = snapshot_bytes_of(model_state_bytes_of(session.layout))
+        free = shutil.disk_usage(SHARED_MEMORY).free
+        check_room(snapshot, args.nproc, nodes.count > 1, free, SHARED_MEMORY)
 
 
 def _check_resumable(plan: Plan, model: nn.Module) -> None:

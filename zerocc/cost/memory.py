@@ -39,7 +39,7 @@ import torch
 from torch import fx
 
 from zerocc.compiler.parallel.experts import payloads
-from zerocc.compiler.state import DEVICE, HOST, StateLayout
+from zerocc.compiler.state import DEVICE, HOST, NVME, StateLayout
 from zerocc.cost.timeline import MemoryTimeline
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import (
@@ -86,6 +86,13 @@ def model_state_bytes_of(layout: StateLayout) -> dict[str, int]:
             out[spec.location] += spec.nbytes
     out["total"] = sum(out[c] for c in ("params", "grads", "optimizer"))
     return dict(out)
+
+
+def snapshot_bytes_of(states: dict[str, int]) -> int:
+    """Bytes of every state :func:`model_state_bytes_of` counted (``states``), on the device,
+    in host memory and on NVMe: what an in-memory snapshot of the rank holds
+    (``checkpoint.in_memory``; its header and RNG states aside)."""
+    return states["total"] + states.get(HOST, 0) + states.get(NVME, 0)
 
 
 def node_label(node: fx.Node) -> str:

@@ -24,7 +24,7 @@ from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.state import HOST, NVME
 from zerocc.compiler.units import Unit
 from zerocc.compiler.workload import Workload, load_workload
-from zerocc.cost.memory import model_state_bytes_of, predict_memory
+from zerocc.cost.memory import model_state_bytes_of, predict_memory, snapshot_bytes_of
 from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation, predict_step
 from zerocc.cost.timeline import MemoryTimeline
@@ -121,7 +121,7 @@ class Estimate:
     def snapshot_bytes(self) -> int:
         """One in-memory snapshot of a rank's state (``checkpoint.in_memory``): every state it
         keeps, on the device, in host memory and on NVMe (its header and RNG states aside)."""
-        return self.model_states["total"] + self.offloaded[HOST] + self.offloaded[NVME]
+        return snapshot_bytes_of({**self.model_states, **self.offloaded})
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as plain data (``zerocc estimate --json``)."""

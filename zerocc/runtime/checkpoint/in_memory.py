@@ -178,20 +178,9 @@ class MemoryCheckpoints:
         host memory short, the out-of-memory killer does): CheckpointError naming what they
         need and what the machine has, which the save's agreement tells every rank. At the
         first save, before anything is written."""
-        copies = self.copy_to is not None
         ranks = min(self.ranks_per_machine, self.comm.world_size)
-        need, room = 2 * ranks * nbytes * (2 if copies else 1), _room(self.folder)
-        if need <= room:
-            return
-        copied = " and its copy of the previous machine's" if copies else ""
-        raise CheckpointError(
-            f"checkpoint.in_memory: the snapshots {socket.gethostname()}'s {ranks} rank(s) keep "
-            f"({human_bytes(need)}: each rank's state{copied}, of the newest step and the step "
-            f"before) do not fit in its memory ({human_bytes(room)} free in "
-            f"{self.folder.parent} and host memory): turn checkpoint.in_memory off (disk "
-            "checkpoints alone), free host memory, or grow /dev/shm (a tmpfs, half the RAM by "
-            "default)"
-        )
+        check_room(nbytes, ranks, self.copy_to is not None, _room(self.folder), self.folder.parent,
+                   "and host memory")  # fmt: skip
 
     def wait(self) -> None:
         """Wait for the copies in flight (and the agreement after them); their error, if they
@@ -388,6 +377,25 @@ class MemoryCheckpoints:
             return None, error
         partial_path(theirs).replace(theirs)
         return MappedFile(theirs, pages), None
+
+
+def check_room(
+    nbytes: int, ranks: int, copies: bool, room: int, where: Path, also: str = ""
+) -> None:
+    """CheckpointError where the snapshots of a machine's ``ranks`` ranks, each ``nbytes``
+    (two of each, and two of the copy of another machine's rank with ``copies``), need more
+    than ``room`` bytes of ``where`` (``also``: what else the room counts)."""
+    need = 2 * ranks * nbytes * (2 if copies else 1)
+    if need <= room:
+        return
+    copied = " and its copy of the previous machine's" if copies else ""
+    raise CheckpointError(
+        f"checkpoint.in_memory: the snapshots {socket.gethostname()}'s {ranks} rank(s) keep "
+        f"({human_bytes(need)}: each rank's state{copied}, of the newest step and the step "
+        f"before) do not fit in its memory ({human_bytes(room)} free in {where}"
+        f"{' ' + also if also else ''}): turn checkpoint.in_memory off (disk checkpoints "
+        "alone), free host memory, or grow /dev/shm (a tmpfs, half the RAM by default)"
+    )
 
 
 def _room(folder: Path) -> int:
