@@ -40,7 +40,7 @@ from zerocc.cli.plan import CUDA_MEMORY_GIB, checked_model, checked_plan, memory
 from zerocc.cli.plan import add_commands as add_plan_commands
 from zerocc.cli.plan_args import add_plan_arguments, forwarded
 from zerocc.compiler.plan import Plan
-from zerocc.errors import ZeroccError
+from zerocc.errors import CheckpointError, ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.runtime.launch import (
     RANK_WORKER_ENV,
@@ -411,8 +411,10 @@ def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
     check_states_before_launch(session, plan, args.nproc, nodes.rank * args.nproc, device.type)
     if plan.checkpoint.in_memory:  # (host memory as well, at the first save: the states there)
         if not SHARED_MEMORY.is_dir():
-            raise CheckpointError(f"checkpoint.in_memory keeps its snapshots in {SHARED_MEMORY} "
-                                  "(Linux's shared memory), which this machine has not")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint.in_memory keeps its snapshots in {SHARED_MEMORY} (Linux's shared "
+                "memory), which this machine has not"
+            )
         snapshot = snapshot_bytes_of(model_state_bytes_of(session.layout))
         free = shutil.disk_usage(SHARED_MEMORY).free
         check_room(snapshot, args.nproc, nodes.count > 1, free, SHARED_MEMORY)
