@@ -22,7 +22,8 @@ from train_runs import CPU_ONLY, checkpoint_digests, final_loss
 
 from zerocc.cli.machines import nodes_of
 from zerocc.cli.main import _parser, main
-from zerocc.runtime.launch import RUN_DIR_ENV, Nodes, started_before
+from zerocc.runtime.launch import RUN_DIR_ENV, started_before
+from zerocc.runtime.nodes import Nodes
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
 

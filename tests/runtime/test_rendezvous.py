@@ -14,7 +14,8 @@ import pytest
 
 from zerocc.errors import ZeroccError
 from zerocc.runtime import rendezvous
-from zerocc.runtime.launch import Nodes, _rendezvous_id
+from zerocc.runtime.launch import _rendezvous_id
+from zerocc.runtime.nodes import Nodes
 
 
 def _free_port() -> int:

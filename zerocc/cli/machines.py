@@ -11,7 +11,8 @@ import os
 
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError, ZeroccError
-from zerocc.runtime.launch import Nodes, launched
+from zerocc.runtime.launch import launched
+from zerocc.runtime.nodes import Nodes
 
 
 def add_machine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -45,12 +45,12 @@ from zerocc.ir.printing import human_bytes
 from zerocc.runtime.launch import (
     RANK_WORKER_ENV,
     Launched,
-    Nodes,
     environment,
     launched,
     memory_folder,
     report,
 )
+from zerocc.runtime.nodes import Nodes
 
 if TYPE_CHECKING:
     from torch import nn
