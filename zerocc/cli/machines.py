@@ -22,7 +22,7 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
         help="machines the run spans: start `zerocc train` on each, with the same plan, "
         "--nproc, --nnodes and --rdzv-endpoint (checkpoint folders must be shared); MIN:N, "
         "with --max-restarts: a machine lost and not replaced, the run goes on with fewer, "
-        "down to MIN, from the last checkpoint (resharded)",
+        "down to MIN, from the last checkpoint or step in memory (resharded)",
     )  # fmt: skip
     parser.add_argument(
         "--node-rank", type=int, metavar="I",

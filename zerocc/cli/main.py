@@ -53,7 +53,7 @@ from zerocc.runtime.launch import (
 from zerocc.runtime.nodes import Nodes
 
 if TYPE_CHECKING:
-    from torch import nn
+    from zerocc.compiler.driver.session import CompileSession
 
 
 def console() -> NoReturn:
@@ -389,42 +389,44 @@ def _with_section_flags(plan: Plan, args: argparse.Namespace) -> Plan:
 def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
     """What `train` checks once before it launches any rank, cheapest first: a device for each
     local rank, what the plan names in the model (which builds it), that the checkpoint it
-    resumes from is of this model and optimizer, and that the model states of this machine's
+    resumes from is of this model and optimizer, that the model states of this machine's
     ranks fit its memory and their GPUs' (the ranks check the step's transient memory, which
-    takes a capture)."""
+    takes a capture), and that their in-memory snapshots fit /dev/shm."""
     from zerocc.compiler.driver.session import CompileSession
-    from zerocc.cost.memory import model_state_bytes_of, snapshot_bytes_of
     from zerocc.errors import PlanWarning
-    from zerocc.runtime.checkpoint.in_memory import check_room
     from zerocc.runtime.devices import rank_device
-    from zerocc.runtime.launch import SHARED_MEMORY
     from zerocc.runtime.memory_check import check_states_before_launch
 
     device = rank_device(plan, local_rank=0, local_ranks=args.nproc)
     model, _ = checked_model(plan)
-    _check_resumable(plan, model)
+    if plan.checkpoint.resume is not None:
+        check_resumable(plan, model, plan.checkpoint.resume, "--resume")
     if not plan.backend.check_memory or plan.parallel.pp > 1:
         return  # (a pipeline's memory is its schedule's: its ranks check it)
     with warnings.catch_warnings():  # (the ranks say them, once)
         warnings.simplefilter("ignore", PlanWarning)
         session = CompileSession.open(model, plan, args.nproc * nodes.count)
     check_states_before_launch(session, plan, args.nproc, nodes.rank * args.nproc, device.type)
-    if plan.checkpoint.in_memory:  # (host memory as well, at the first save: the states there)
-        if not SHARED_MEMORY.is_dir():
-            raise CheckpointError(
-                f"checkpoint.in_memory keeps its snapshots in {SHARED_MEMORY} (Linux's shared "
-                "memory), which this machine has not"
-            )
-        snapshot = snapshot_bytes_of(model_state_bytes_of(session.layout))
-        free = shutil.disk_usage(SHARED_MEMORY).free
-        check_room(snapshot, args.nproc, nodes.count > 1, free, SHARED_MEMORY)
+    if plan.checkpoint.in_memory:
+        _check_snapshot_room(session, args.nproc, copies=nodes.count > 1)
 
 
-def _check_resumable(plan: Plan, model: nn.Module) -> None:
-    """The checkpoint ``checkpoint.resume`` names (if any) is there, and of ``model`` and the
-    plan's optimizer: what every rank's load would say after its compile."""
-    if plan.checkpoint.resume is not None:
-        check_resumable(plan, model, plan.checkpoint.resume, "--resume")
+def _check_snapshot_room(session: CompileSession, local_ranks: int, copies: bool) -> None:
+    """That ``checkpoint.in_memory``'s snapshots of this machine's ranks fit /dev/shm (a tmpfs
+    written past its size kills the writer by SIGBUS); host memory the first save checks, once
+    the ranks hold their states."""
+    from zerocc.cost.memory import model_state_bytes_of, snapshot_bytes_of
+    from zerocc.runtime.checkpoint.in_memory import check_room
+    from zerocc.runtime.launch import SHARED_MEMORY
+
+    if not SHARED_MEMORY.is_dir():
+        raise CheckpointError(
+            f"checkpoint.in_memory keeps its snapshots in {SHARED_MEMORY} (Linux's shared "
+            "memory), which this machine has not"
+        )
+    snapshot = snapshot_bytes_of(model_state_bytes_of(session.layout))
+    free = shutil.disk_usage(SHARED_MEMORY).free
+    check_room(snapshot, local_ranks, copies, free, SHARED_MEMORY)
 
 
 def _launch(
