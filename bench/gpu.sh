@@ -10,7 +10,7 @@
 #   versions   GPU, driver, torch, CUDA, Triton, NCCL
 #   tests      the tests marked cuda / two_gpus, tests/backends/kernels launched for real, the
 #              16-bit rounding of the Inductor backend (its Triton case too), float8 matmuls
-#   kernels    bench/kernels.py: the fused AdamW kernel's bandwidth against a copy and torch
+#   kernels    bench/adamw_bandwidth.py: the fused AdamW kernel's bandwidth against a copy and torch
 #   compare    bench/compare.py --gpu: zerocc (eager and Inductor backends) beside FSDP2 and
 #              unsharded torch, eager and compiled (SYSTEMS overrides the list)
 #   host       bench/host_update.py (the host's update loop against torch and a copy) and
@@ -74,7 +74,7 @@ for s in "${steps[@]}"; do
             tests/backends/kernels tests/backends/test_eager_casts.py \
             tests/test_float8.py::test_on_a_gpu_the_float8_kernels_train_as_torchao_does ;;
     kernels)
-        step kernels 120 python3 "$here/kernels.py" --sizes 24 26 28 --out "$out" ;;
+        step kernels 120 python3 "$here/adamw_bandwidth.py" --sizes 24 26 28 --out "$out" ;;
     compare)
         # shellcheck disable=SC2086  # the system names are words
         step compare 540 python3 "$here/compare.py" --gpu --systems $systems \

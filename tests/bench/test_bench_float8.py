@@ -6,19 +6,20 @@ timing needs a GPU: float8 matmuls on the CPU are torch's reference kernel."""
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
-from bench_runs import BENCH
+from bench_runs import bench_modules
 from model import GPT, GPTConfig
 
 import zerocc
 from zerocc.compiler.float8 import Float8Layers
 
 pytest.importorskip("torchao", reason="the float8 layers are torchao's: pip install zerocc[fp8]")
-sys.path.insert(0, str(BENCH))
-from compare import FLOAT8_RTOL, compare_losses  # noqa: E402
-from systems import _torchao_float8, all_systems, float8_systems  # noqa: E402
+compare, systems = bench_modules("compare", "systems")
+FLOAT8_RTOL, compare_losses = compare.FLOAT8_RTOL, compare.compare_losses
+_torchao_float8, all_systems, float8_systems = (
+    systems._torchao_float8, systems.all_systems, systems.float8_systems
+)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
