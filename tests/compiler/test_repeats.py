@@ -229,6 +229,39 @@ class _Plain(nn.Module):
 _IDS = (torch.arange(12).reshape(3, 4) % 16,)
 
 
+class _Rotate(nn.Module):
+    """A function as a module with no state, as Hugging Face's ``kernels`` wraps one."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.roll(1, dims=-1)
+
+
+class _HoldsItsFunction(_Plain):
+    """A block holding its own instance of ``_Rotate`` outside its submodules (what
+    ``kernels.use_kernelized_func`` gives a Llama attention: ``_kernel_funcs``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._funcs = {"rotate": _Rotate()}
+
+    def forward(self, h: torch.Tensor, scale: object = None) -> torch.Tensor:
+        return self._funcs["rotate"](super().forward(h))
+
+
+def test_blocks_holding_their_own_stateless_module_are_twins():
+    assert _alike(_Net(_HoldsItsFunction), _IDS) == (
+        "3 _HoldsItsFunction calls traced once (on blocks.0)"
+    )
+
+
+def test_blocks_holding_their_own_module_with_a_parameter_are_not():
+    """(Its parameter is not the model's: each block's would be read as the template's.)"""
+    model = _Net(_HoldsItsFunction)
+    for block in model.blocks:
+        block._funcs["rotate"].scale = nn.Parameter(torch.ones(()))
+    assert candidates(model) == {}
+
+
 def test_a_block_changing_its_attributes_is_traced_per_call():
     model = _Net(_Counts)
     assert _alike(model, _IDS) == (

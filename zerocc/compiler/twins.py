@@ -41,17 +41,39 @@ class RepeatKeyed(Protocol):
     def repeat_key(self) -> Hashable: ...
 
 
-def value_key(value: Any) -> Any:
+def value_key(value: Any, _within: frozenset[int] = frozenset()) -> Any:
     """What a fingerprint holds of an attribute's value: the value itself for plain data, its
-    repeat key for a :class:`RepeatKeyed`, the object's identity otherwise (two instances
-    holding the same config object match; two holding equal but distinct tensors do not)."""
+    repeat key for a :class:`RepeatKeyed`, a container's items' keys, a module that holds no
+    state (:func:`_stateless`) by its class and attributes' keys, the object's identity
+    otherwise (two instances holding the same config object match; two holding equal but
+    distinct tensors do not).
+
+    A stateless module that a layer holds outside its submodules is what Hugging Face's
+    ``kernels`` gives each instance of a layer calling a hub-replaceable function (a Llama
+    attention's ``_kernel_funcs``: a fresh wrapper of ``apply_rotary_pos_emb`` per layer); by
+    identity it would make every layer differ from its twins."""
     if isinstance(value, PLAIN):
         return (type(value), value)
     if callable(getattr(value, "repeat_key", None)):  # (see RepeatKeyed)
         return ("keyed", value.repeat_key())
     if isinstance(value, (tuple, list, frozenset)):
-        return (type(value), tuple(value_key(v) for v in value))
+        return (type(value), tuple(value_key(v, _within) for v in value))
+    if type(value) is dict:
+        return (dict, tuple((value_key(k), value_key(v, _within)) for k, v in value.items()))
+    if isinstance(value, nn.Module) and id(value) not in _within and _stateless(value):
+        within = _within | {id(value)}
+        attributes = sorted((k, v) for k, v in vars(value).items() if k not in _MODULE_INTERNALS)
+        return ("module", type(value), value.training,
+                tuple((k, value_key(v, within)) for k, v in attributes))  # fmt: skip
     return ("object", id(value))
+
+
+def _stateless(module: nn.Module) -> bool:
+    """Whether ``module`` holds no parameter, buffer, submodule or hook: what its forward
+    computes is its class's and its attributes'."""
+    return not (module._parameters or module._buffers or module._modules) and not any(
+        getattr(module, name) for name in _HOOKS
+    )
 
 
 def fingerprint(module: nn.Module, scalars: bool = False) -> tuple:
