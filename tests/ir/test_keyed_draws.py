@@ -72,15 +72,19 @@ def test_every_random_op_is_seeded_in_forward_order():
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_one_rank_draws_what_one_process_draws_by_key(backend):
-    """ZeRO-3 with gradient accumulation and every unit recomputed (the recompute replays its
-    forward's draw); the reference is torch.optim on the same model, its forwards under
-    ``zerocc.keyed_draws``."""
+    """ZeRO-3 with every unit recomputed (the recompute replays its forward's draw), eager with
+    gradient accumulation (each micro-batch's own key); the reference is torch.optim on the
+    same model, its forwards under ``zerocc.keyed_draws``. Inductor compiles one program, not
+    accumulation's two (a micro-batch's, the step's): one whole-graph compile is ~50 s of this
+    2-core machine's suite, and the keys' micro-batch index is the eager case's."""
     model = build("gpt_dropout")
     reference = copy.deepcopy(model)
-    plan = {**PLAN, "recompute": {"units": "all"}, "backend": {"name": backend}}
+    accum = 2 if backend == "eager" else 1
+    plan = {**PLAN, "recompute": {"units": "all"}, "backend": {"name": backend},
+            "grad_accumulation": accum}  # fmt: skip
     step = zerocc.compile(model, plan)
     losses = [float(step(*BATCH(i, 0))) for i in range(6)]
-    assert losses == pytest.approx(_reference(reference, 3, 2), rel=TOL, abs=0)
+    assert losses == pytest.approx(_reference(reference, 6 // accum, accum), rel=TOL, abs=0)
     if backend == "inductor":  # the seeds in its chain of draws, the program compiled whole
         said = step.record().backend_notes
         assert said[0].startswith("inductor: the whole program compiled"), said
