@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -67,6 +70,25 @@ def of_speed(cases: list[dict[str, Any]], slow: bool) -> list[dict[str, Any]]:
 
 def is_slow(case: dict[str, Any]) -> bool:
     return bool(case.get("slow"))
+
+
+Run = TypeVar("Run", bound=Callable[..., Any])
+
+
+def run_once(function: Run) -> Run:
+    """``function`` called once per set of arguments, its defaults filled in first:
+    ``functools.cache`` keys ``_results()`` and ``_results(False)`` apart, and ran a test
+    file's batch of ranks twice where one test passed the default and another named it."""
+    signature = inspect.signature(function)
+    cached = functools.cache(function)
+
+    @functools.wraps(function)
+    def called(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return cached(*bound.args, **bound.kwargs)
+
+    return called  # type: ignore[return-value]
 
 
 # The backend of the cases that name none: the run's (``pytest --backend``, tests/conftest.py),

@@ -18,7 +18,6 @@ Cases marked ``slow`` (run with ``pytest --slow``) are covered by the others of 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -40,6 +39,7 @@ from parity import (  # noqa: E402
     is_slow,
     of_speed,
     relative_difference,
+    run_once,
     sweep,
     train,
 )
@@ -88,7 +88,7 @@ CASES = [
 BF16 = [{"model": "mixtral", "stage": 3, "world": 4, "ep": 2, "precision": {"param": "bf16"}}]
 
 
-@functools.cache
+@run_once
 def _results(slow: bool = False) -> dict:
     return run_ranks(4, train, of_speed(CASES, slow) + ([] if slow else BF16), timeout=600)
 

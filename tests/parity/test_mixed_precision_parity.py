@@ -13,12 +13,10 @@ sqrt in a few elements) stay below 6e-3 after five steps.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from multirank import run_ranks
 
-from parity import assert_matches_reference, case_id, is_slow, of_speed, sweep, train
+from parity import assert_matches_reference, case_id, is_slow, of_speed, run_once, sweep, train
 
 TOL = 1e-2
 FP16 = {"param": "fp16", "dynamic": {"hysteresis": 1}}  # GradScaler's rule, for the reference
@@ -60,7 +58,7 @@ def _matrix(world: int) -> list[dict]:
     return cases
 
 
-@functools.cache
+@run_once
 def _results(world: int, slow: bool = False) -> list[dict]:
     return run_ranks(world, train, of_speed(_matrix(world), slow))
 

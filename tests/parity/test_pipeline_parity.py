@@ -19,7 +19,6 @@ Cases marked ``slow`` (run with ``pytest --slow``) are covered by the others of 
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from multirank import run_ranks
 
 import zerocc
-from parity import _model, batch_of, case_id, is_slow, of_speed, plan_of, reference, sweep
+from parity import _model, batch_of, case_id, is_slow, of_speed, plan_of, reference, run_once, sweep
 
 TOL = 1e-5
 BF16_TOL = 1e-2  # bf16 against the recipe: test_mixed_precision_parity.py says why
@@ -131,7 +130,7 @@ def train_pipeline(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[s
     return out
 
 
-@functools.cache
+@run_once
 def _results(world: int, slow: bool = False) -> list[dict]:
     cases = [c for c in of_speed(CASES, slow) if c["world"] == world]
     return run_ranks(world, train_pipeline, cases)

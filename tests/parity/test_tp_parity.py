@@ -27,12 +27,10 @@ the emulation does not round alike.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from multirank import run_ranks
 
-from parity import assert_matches_reference, case_id, is_slow, of_speed, sweep, train
+from parity import assert_matches_reference, case_id, is_slow, of_speed, run_once, sweep, train
 
 TOL = 1e-5
 CLIPPED = {"name": "adamw", "lr": 1e-2, "eps": 1e-3, "grad_clip": 0.05}
@@ -76,7 +74,7 @@ CASES = [
 ]
 
 
-@functools.cache
+@run_once
 def _results(slow: bool = False) -> list[dict]:
     return run_ranks(4, train, of_speed(CASES, slow))
 
