@@ -15,11 +15,7 @@ import zerocc
 from zerocc.compiler.float8 import Float8Layers
 
 pytest.importorskip("torchao", reason="the float8 layers are torchao's: pip install zerocc[fp8]")
-compare, systems = bench_modules("compare", "systems")
-FLOAT8_RTOL, compare_losses = compare.FLOAT8_RTOL, compare.compare_losses
-_torchao_float8, all_systems, float8_systems = (
-    systems._torchao_float8, systems.all_systems, systems.float8_systems
-)
+compare, bench_systems = bench_modules("compare", "systems")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -29,7 +25,7 @@ def test_the_torchao_baseline_converts_the_layers_zerocc_does(recipe):
     # 64 wide, a vocabulary of 64: every linear layer aligned, the head too (left out by both)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=64))
     theirs = copy.deepcopy(model)
-    _torchao_float8(theirs, recipe)
+    bench_systems._torchao_float8(theirs, recipe)
     plan = zerocc.load_plan({"precision": {"matmul": "fp8", "fp8": {"recipe": recipe}}})
     ours = Float8Layers.convert(model, plan)
     converted = {fqn for fqn, m in theirs.named_modules() if isinstance(m, Float8Linear)}
@@ -38,8 +34,8 @@ def test_the_torchao_baseline_converts_the_layers_zerocc_does(recipe):
 
 
 def test_each_float8_system_is_found_by_name_and_held_to_its_tolerance():
-    systems = all_systems()
-    names = list(float8_systems())
+    systems = bench_systems.all_systems()
+    names = list(bench_systems.float8_systems())
     assert names == ["zerocc-z3-inductor-fp8-tensorwise", "torch-compiled-fp8-tensorwise",
                      "zerocc-z3-inductor-fp8-rowwise", "torch-compiled-fp8-rowwise"]  # fmt: skip
     assert all(systems[n].float8 and systems[n].compiled for n in names)
@@ -47,5 +43,5 @@ def test_each_float8_system_is_found_by_name_and_held_to_its_tolerance():
         {"name": "zerocc-z3", "status": "ok", "losses": [2.0], "compiled": False, "float8": False},
         {"name": names[0], "status": "ok", "losses": [2.02], "compiled": True, "float8": True},
     ]
-    compare_losses(rows, "bf16")
-    assert rows[1]["rtol"] == FLOAT8_RTOL and rows[1]["loss_rel_diff"] <= rows[1]["rtol"]
+    compare.compare_losses(rows, "bf16")
+    assert rows[1]["rtol"] == compare.FLOAT8_RTOL and rows[1]["loss_rel_diff"] <= rows[1]["rtol"]
