@@ -65,6 +65,10 @@ def console() -> NoReturn:
     raise SystemExit(status)
 
 
+# Seconds a rank's exit waits on its threads before it says which it waits on.
+EXIT_NOTICE_S = 30.0
+
+
 def _end_rank(status: int) -> NoReturn:
     """End a rank's process once its command is done: its threads joined and its exit
     functions run, as at a normal exit, then the process ends without finalizing the
@@ -73,14 +77,32 @@ def _end_rank(status: int) -> NoReturn:
     the tensors of a collective, another library's thread left to the end. Such a rank dies of
     SIGABRT (``terminate called without an active exception``) after every step succeeded,
     now and then (CI saw it after a restarted run's last step), and the launcher reports a
-    failed run."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # (what the interpreter runs at exit, before it finalizes)
+    failed run.
+
+    The order is the interpreter's own (``Py_FinalizeEx``): ``threading._shutdown`` runs the
+    threading exit hooks (a ``ThreadPoolExecutor``'s shutdown, which wakes its idle workers)
+    and then joins the non-daemon threads; then the exit functions. Joining first waited
+    forever on the idle workers of Inductor's compile pool, after any compile that was not a
+    cache hit. A thread that keeps the exit waiting longer is named (:func:`_say_who_waits`):
+    a rank that ends late does so visibly, not in silence."""
+    notice = threading.Timer(EXIT_NOTICE_S, _say_who_waits)
+    notice.daemon = True
+    notice.start()
+    threading._shutdown()  # type: ignore[attr-defined]
+    notice.cancel()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _say_who_waits() -> None:
+    waited = [t.name for t in threading.enumerate() if not t.daemon and t.is_alive()]
+    waited = [name for name in waited if name != threading.main_thread().name]
+    rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "this rank"
+    print(f"zerocc: {rank} is done and has waited {EXIT_NOTICE_S:g} s for its threads to "
+          f"end: {', '.join(waited) or 'none left'} (a thread the workload started that has "
+          "not ended keeps the run from ending)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
