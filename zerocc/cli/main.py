@@ -97,12 +97,13 @@ def _end_rank(status: int) -> NoReturn:
 
 
 def _say_who_waits() -> None:
-    waited = [t.name for t in threading.enumerate() if not t.daemon and t.is_alive()]
-    waited = [name for name in waited if name != threading.main_thread().name]
+    """Name the threads a rank's exit still waits on, on stderr."""
+    main = threading.main_thread()
+    waited = [t.name for t in threading.enumerate() if t is not main and not t.daemon]
     rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "this rank"
     print(f"zerocc: {rank} is done and has waited {EXIT_NOTICE_S:g} s for its threads to "
-          f"end: {', '.join(waited) or 'none left'} (a thread the workload started that has "
-          "not ended keeps the run from ending)", file=sys.stderr, flush=True)  # fmt: skip
+          f"end: {', '.join(waited) or 'none left'} (the run ends when they do)",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
