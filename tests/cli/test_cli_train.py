@@ -194,16 +194,20 @@ _end_rank(3)
 def test_a_rank_whose_exit_waits_on_a_thread_names_it(tmp_path):
     """A thread of the workload's that outlives the rank's work keeps the exit waiting (its
     work is not cut off), and the rank says which after `EXIT_NOTICE_S`."""
-    script = """
-import threading, time
+    script = f"""
+import pathlib, threading, time
 import zerocc.cli.main as main
 main.EXIT_NOTICE_S = 0.2
-threading.Thread(target=time.sleep, args=(1.0,), name="uploader").start()
+def upload():
+    time.sleep(1.0)
+    (pathlib.Path({str(tmp_path)!r}) / "uploaded").write_text("done")
+threading.Thread(target=upload, name="uploader").start()
 main._end_rank(0)
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "RANK": "1"})  # fmt: skip
     assert run.returncode == 0, run.stderr
+    assert (tmp_path / "uploaded").read_text() == "done"
     assert "zerocc: rank 1 is done and has waited 0.2 s for its threads to end: uploader" in (
         run.stderr
     )
