@@ -168,18 +168,24 @@ def test_a_copied_capture_compiles_what_a_fresh_one_does(base, fields):
         assert predict_memory(gm, {}).peak() == predict_memory(expected, {}).peak()
 
 
-def test_pipelines_are_searched_and_timed_by_their_schedule():
+def test_pipelines_are_searched_and_timed_by_their_schedule(monkeypatch):
     """With ``pipelines``, the example GPT (4 blocks, 5 units) on 4 ranks with its stage and
     recomputation fixed: pipelines of 2 and 4 stages' ranks are tried beside none, each with
     1f1b and zero-bubble (ZBV needs two stages a rank: 8 stages of 5 units is a plan error,
     listed); each pipeline candidate's figures are `zerocc estimate`'s for its plan; a plan
-    that fixes its pipeline is searched around it, with or without the flag."""
+    that fixes its pipeline is searched around it, with or without the flag. The search
+    captures a micro-batch's step once per pipeline degree and micro-batch count, not once
+    per candidate."""
     data = yaml.safe_load((EXAMPLES / "zero3.yaml").read_text())
     data["workload"] = f"{EXAMPLES / 'workload.py'}:workload"
     data["recompute"] = {"units": "none"}
     plan = load_plan(data)
     rates = rates_for(plan, "cpu")
+    captures = _counted_pipeline_captures(monkeypatch)
     searched = search_plans(plan, 4, 2**40, rates, exhaustive=True, pipelines=True)
+    pipelines = [c for c in searched.candidates if c.fields["parallel.pp"] > 1]
+    shapes = {(c.fields["parallel.pp"], _microbatches(c.fields)) for c in pipelines}
+    assert len(pipelines) > len(shapes) and len(captures) == len(shapes), captures
     by = {
         (c.fields["parallel.pp"], c.fields["pipeline.schedule"],
          c.fields["pipeline.microbatches"]): c
@@ -350,3 +356,57 @@ def test_a_mixture_of_experts_gets_its_ep_degrees_searched():
     dense = load_plan({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload"})
     candidates = search_plans(dense, 2, 2**40, rates_for(dense, "cpu")).candidates
     assert all("parallel.ep" not in c.fields for c in candidates)
+
+
+def _counted_pipeline_captures(monkeypatch) -> list[tuple[int, ...]]:
+    """The micro-batch shapes of each pipeline capture from now on (a list that grows)."""
+    import zerocc.inspect.pipeline as inspect_pipeline
+
+    captures: list[tuple[int, ...]] = []
+    capture = inspect_pipeline.capture_microbatch
+
+    def counted(model, splits, plan, loss_fn, batch, device):
+        captures.append(tuple(batch[0].shape))
+        return capture(model, splits, plan, loss_fn, batch, device)
+
+    monkeypatch.setattr(inspect_pipeline, "capture_microbatch", counted)
+    return captures
+
+
+def _microbatches(fields: dict) -> int:
+    """A pipeline candidate's micro-batch count: its own, else its schedule's default."""
+    from zerocc.compiler.plan.pipeline import PipelineConfig
+
+    if fields["pipeline.microbatches"] is not None:
+        return fields["pipeline.microbatches"]
+    pipeline = PipelineConfig(schedule=fields["pipeline.schedule"])
+    return pipeline.microbatches_of(fields["parallel.pp"])
+
+
+def test_a_copied_pipeline_capture_estimates_what_a_fresh_one_does(monkeypatch):
+    """A pipeline candidate whose micro-batch step another captured (same pipeline degree and
+    micro-batch count; another stage and recomputation) is cut from a copy of that capture:
+    its stages, programs' times, memory and bytes are those of a capture of its own."""
+    from zerocc.compiler.driver.plan_changes import derive_plan
+    from zerocc.compiler.driver.program import CapturedSteps
+    from zerocc.compiler.workload import load_workload
+
+    data = yaml.safe_load((EXAMPLES / "zero3-pp.yaml").read_text())
+    data["workload"] = f"{EXAMPLES / 'workload.py'}:workload"
+    other = derive_plan(load_plan(data), {"zero.stage": 1, "recompute.units": "none"})
+    plan = derive_plan(load_plan(data), {"zero.stage": 3, "recompute.units": "all"})
+    workload = load_workload(plan)
+    rates = rates_for(plan, "cpu")
+    captures = _counted_pipeline_captures(monkeypatch)
+    captured = CapturedSteps()
+    estimate_pipeline(other, 4, workload, rates, captured)
+    reused = estimate_pipeline(plan, 4, workload, rates, captured)
+    assert len(captures) == 1
+    fresh = estimate_pipeline(plan, 4, workload, rates)
+    assert len(captures) == 2
+    assert reused.inspection.staged.format() == fresh.inspection.staged.format()
+    assert reused.format() == fresh.format()
+    for a, b in zip(reused.ranks, fresh.ranks, strict=True):
+        assert (a.seconds, a.update_s, a.memory.peak, a.collective_bytes, a.sent) == (
+            b.seconds, b.update_s, b.memory.peak, b.collective_bytes, b.sent
+        )

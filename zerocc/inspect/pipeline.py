@@ -16,6 +16,7 @@ import torch
 
 from zerocc.compiler.capture import ModelInfo, describe_model
 from zerocc.compiler.driver.pipeline import capture_microbatch, cut_step
+from zerocc.compiler.driver.program import CapturedSteps
 from zerocc.compiler.driver.session import PIPELINE_STATUS, ModelSplits
 from zerocc.compiler.float8 import Float8Layers
 from zerocc.compiler.parallel.mesh import Mesh
@@ -61,10 +62,15 @@ class PipelineInspection:
 
 
 def inspect_pipeline(
-    plan: Plan | str | dict, world_size: int, workload: Workload | None = None
+    plan: Plan | str | dict,
+    world_size: int,
+    workload: Workload | None = None,
+    captured: CapturedSteps | None = None,
 ) -> PipelineInspection:
     """Cut ``plan``'s workload into its pipeline stages and schedule them for ``world_size``
-    ranks, on fake tensors."""
+    ranks, on fake tensors; ``captured``: micro-batch steps captured before, a copy of one
+    cut where this plan's capture would be the same (a plan search's candidates that differ
+    in their schedule or passes, not in their micro-batch or split)."""
     plan = load_plan(plan)
     workload = workload or load_workload(plan)
     mesh = Mesh.of_plan(plan, world_size)
@@ -74,8 +80,15 @@ def inspect_pipeline(
     Float8Layers.convert(workload.model, plan)  # (before its layers are described)
     full = describe_model(workload.model)
     splits = ModelSplits.of(workload.model, full, plan)
-    gm = capture_microbatch(workload.model, splits, plan, workload.loss_fn, batch,
-                            torch.device("cpu"))  # fmt: skip
+    key = CapturedSteps.key(workload.model, workload.loss_fn, plan, batch, training=True)
+    kept = captured.get(key) if captured is not None else None
+    if kept is not None:
+        gm = kept[0]
+    else:
+        gm = capture_microbatch(workload.model, splits, plan, workload.loss_fn, batch,
+                                torch.device("cpu"))  # fmt: skip
+        if captured is not None:
+            captured.put(key, gm, "")
     stage_units, split = split_units(plan, gm, splits.local, mesh.shard_size)
     staged = cut_step(gm, splits.local, stage_units, plan, world_size)
     schedule = pipeline_schedule(pipeline.schedule, pp, microbatches, pipeline.stages_per_rank_of())

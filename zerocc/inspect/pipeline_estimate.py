@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from zerocc.compiler.driver.pipeline import RankPrograms, compile_rank
+from zerocc.compiler.driver.program import CapturedSteps
 from zerocc.compiler.parallel.pipeline_schedule import (
     Action,
     Dependency,
@@ -158,11 +159,16 @@ class PipelineEstimate:
 
 
 def estimate_pipeline(
-    plan: Plan, world_size: int, workload: Workload | None = None, rates: DeviceRates | None = None
+    plan: Plan,
+    world_size: int,
+    workload: Workload | None = None,
+    rates: DeviceRates | None = None,
+    captured: CapturedSteps | None = None,
 ) -> PipelineEstimate:
     """Compile every pipeline rank of ``plan`` for ``world_size`` ranks (fake tensors: a meta
-    model of any size) and predict its memory and the step's time."""
-    inspection = inspect_pipeline(plan, world_size, workload)
+    model of any size) and predict its memory and the step's time; ``captured``: see
+    :func:`inspect_pipeline`."""
+    inspection = inspect_pipeline(plan, world_size, workload, captured)
     rates = rates or rates_for(inspection.plan)
     cost = CostModel(rates, world_size, inspection.mesh)
     schedule, work = inspection.schedule, inspection.workload

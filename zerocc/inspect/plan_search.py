@@ -481,8 +481,8 @@ def _predicted(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (each candidate's notes: the table says enough)
             if plan.parallel.pp > 1:
-                return _predicted_pipeline(fields, estimate_pipeline(plan, world_size, workload,
-                                                                     rates))  # fmt: skip
+                predicted_pipeline = estimate_pipeline(plan, world_size, workload, rates, captured)
+                return _predicted_pipeline(fields, predicted_pipeline)
             inspection = inspect_plan(plan, world_size, workload, captured=captured)
             predicted = estimate(inspection, rates)
     except ZeroccError as exc:
