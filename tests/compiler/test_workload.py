@@ -144,3 +144,40 @@ def test_gpt_example_loss_starts_near_uniform():
     vocab = workload.model.lm_head.out_features
     assert workload.model.lm_head.weight is workload.model.transformer.wte.weight
     assert abs(workload.model(idx, targets).item() - math.log(vocab)) < 0.5
+
+
+NOISY_IMPORT_PY = """
+import logging
+import torch
+from zerocc.compiler.workload import Workload
+
+# what importing torchao says where its kernel libraries do not load (transformers imports it)
+logging.getLogger("torchao").warning("Failed to load _C_mxfp8.so: at import")
+logging.getLogger("torch.utils._pytree").warning("register_constant() on Enum subclasses")
+logging.getLogger("user_code").warning("the workload's own warning")
+
+def make():
+    logging.getLogger("torchao").warning("Failed to load _C_cutlass_90a.so: at the call")
+    logging.getLogger("torchao").error("an error of torchao's")
+    return Workload(torch.nn.Linear(3, 1), batches=lambda rank, world_size: iter([]))
+"""
+
+
+def test_the_warnings_of_torchaos_first_import_are_held_back(tmp_path, monkeypatch, caplog):
+    """A workload whose import (or call) imports torchao for the first time, as transformers
+    does where torchao is installed: torchao's warnings of kernel libraries that do not load
+    and torch's pytree notes are held back, in every rank and the launcher; its errors, and
+    every other logger's warnings, are not; the loggers' levels are as they were after."""
+    monkeypatch.delitem(sys.modules, "torchao", raising=False)  # (not imported yet)
+    write(tmp_path, NOISY_IMPORT_PY, "noisy_workload.py")
+    plan = load_plan(write(tmp_path, "workload: noisy_workload:make\n"))
+    with caplog.at_level("WARNING"):
+        load_workload(plan)
+    said = [(r.name, r.getMessage()) for r in caplog.records]
+    assert said == [
+        ("user_code", "the workload's own warning"),
+        ("torchao", "an error of torchao's"),
+    ]
+    import logging
+
+    assert logging.getLogger("torchao").level == logging.NOTSET

@@ -22,10 +22,8 @@ device is initialized by each module's ``reset_parameters`` after this).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +32,7 @@ from torch import nn
 from zerocc.compiler.names import glob_matches
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError
+from zerocc.logs import torchao_import_quiet
 
 ALIGN = 16  # the float8 matmul kernels need both dimensions of a weight to be multiples of it
 # The GPUs with float8 matmuls: compute capability 8.9 (Ada: L4, L40, RTX 40xx) and 9.0 (H100,
@@ -60,7 +59,7 @@ class Float8Layers:
         if plan.precision.matmul != "fp8":
             return None
         try:
-            with _quiet("torchao", "torch.utils._pytree"):  # (its CUDA-only kernels unloaded)
+            with torchao_import_quiet():
                 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
                 from torchao.float8.float8_linear import Float8Linear
         except ImportError as e:
@@ -169,20 +168,6 @@ def _chosen(
             "name some in precision.fp8.layers, or drop precision.matmul"
         )
     return chosen, kept
-
-
-@contextlib.contextmanager
-def _quiet(*loggers: str) -> Iterator[None]:
-    """The named loggers' warnings held back (what importing torchao says on a machine without
-    its CUDA kernels)."""
-    held = [(logging.getLogger(name), logging.getLogger(name).level) for name in loggers]
-    for logger, _ in held:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in held:
-            logger.setLevel(level)
 
 
 def _some(names: tuple[str, ...], shown: int = 4) -> str:

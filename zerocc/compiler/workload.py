@@ -19,6 +19,7 @@ from torch import nn
 
 from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError
+from zerocc.logs import torchao_import_quiet
 
 __all__ = ["Workload", "load_workload", "plan_relative", "workload_function"]
 
@@ -74,7 +75,7 @@ def load_workload(plan: Plan) -> Workload:
     returns no Workload.
     """
     function, plan_dir = workload_function(plan)
-    with _search_path(_folder_of(plan, plan_dir)):
+    with _search_path(_folder_of(plan, plan_dir)), torchao_import_quiet():
         token = _PLAN_DIR.set(plan_dir)
         try:
             workload = function(**plan.workload_args)
@@ -95,7 +96,9 @@ def workload_function(plan: Plan) -> tuple[Callable, Path | None]:
         raise PlanError("workload: the plan names no workload; set workload: 'module:function'")
     module_name, function_name = plan.workload.rsplit(":", 1)
     plan_dir = Path(plan.source).resolve().parent if plan.source else None
-    with _search_path(_folder_of(plan, plan_dir)) as searched:
+    # (torchao_import_quiet: a module importing transformers imports torchao where it is
+    # installed, whose import warns of kernel libraries no zerocc run uses)
+    with _search_path(_folder_of(plan, plan_dir)) as searched, torchao_import_quiet():
         if module_name.endswith(".py"):
             module = _import_file(plan_relative_to(plan_dir, module_name))
         else:
