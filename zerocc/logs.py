@@ -1,4 +1,5 @@
-"""torch's loggers that zerocc silences where it reports the same failure itself."""
+"""Loggers zerocc holds back: torch's where zerocc reports the same failure itself, torchao's of
+kernel libraries no zerocc run uses."""
 
 from __future__ import annotations
 
