@@ -1,6 +1,7 @@
 """Tests of zerocc/compiler/workload.py: the workload a plan names, looked up next to the plan
 file before installed packages, never in the current directory."""
 
+import logging
 import math
 import sys
 from pathlib import Path
@@ -178,6 +179,4 @@ def test_the_warnings_of_torchaos_first_import_are_held_back(tmp_path, monkeypat
         ("user_code", "the workload's own warning"),
         ("torchao", "an error of torchao's"),
     ]
-    import logging
-
     assert logging.getLogger("torchao").level == logging.NOTSET
