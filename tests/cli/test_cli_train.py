@@ -18,17 +18,24 @@ from zerocc.runtime.launch import Launched
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
 
 
-def test_train_launches_two_ranks_and_summarizes():
-    """... with a plan field set on the command line, which the launched ranks read too."""
+def test_train_launches_two_ranks_and_summarizes(tmp_path):
+    """... with a plan field set on the command line, which the launched ranks read too; and
+    leaves nothing of its own in the temporary folder (torchrun's agent made a
+    `torchelastic_*` folder there per launch unless given one)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     run = subprocess.run(
         [sys.executable, "-m", "zerocc", "train", str(PLAN), "--nproc", "2", "--steps", "3",
          "--set", "grad_accumulation=2"],
         capture_output=True,
         text=True,
         timeout=600,
-        env=CPU_ONLY,
+        env={**CPU_ONLY, "TMPDIR": str(temporary)},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    # (Inductor's cache folder, kept across runs by design, is all that may stay)
+    left = [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == []
     out = run.stdout + run.stderr
     assert "world size 2" in out and "all_gather" in out and "reduce_scatter" in out
     assert "grad_accumulation 2" in out  # the explain of rank 0, a launched rank

@@ -107,13 +107,6 @@ def launch(
     else:
         meeting = ["--node-rank", str(nodes.rank), "--master-addr", host,
                    "--master-port", str(port)]  # fmt: skip
-    launcher_args = [
-        "--nproc-per-node", str(nproc),
-        "--nnodes", f"{nodes.fewest}:{nodes.count}" if elastic else str(nodes.count),
-        *meeting,
-        "--max-restarts", str(max_restarts),
-        "-m", "zerocc", *command,
-    ]  # fmt: skip
     with (
         tempfile.TemporaryDirectory(prefix="zerocc-run-") as run_dir,
         memory_folder() if memory is None else contextlib.nullcontext(memory) as kept_in,
@@ -127,6 +120,16 @@ def launch(
             else contextlib.nullcontext()
         ),
     ):
+        launcher_args = [
+            "--nproc-per-node", str(nproc),
+            "--nnodes", f"{nodes.fewest}:{nodes.count}" if elastic else str(nodes.count),
+            *meeting,
+            "--max-restarts", str(max_restarts),
+            # (the agent's folder for the ranks' error files, a new /tmp/torchelastic_* per
+            # launch left behind unless it is given one: this launch's, removed with it)
+            "--log-dir", str(Path(run_dir) / "agent"),
+            "-m", "zerocc", *command,
+        ]  # fmt: skip
         watcher = _SilentRankKiller(Path(run_dir))
         notices = _wait_notices(nodes, host, port, elastic) if nodes.count > 1 else None
         # (torchrun closes the rendezvous for good when its run ends, but not on a signal)
