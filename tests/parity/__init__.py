@@ -487,27 +487,74 @@ def assert_trained_alike(
     """Case ``case`` of every rank's results trained as ``losses`` (per rank, micro-batch by
     micro-batch) and ``state`` (the final weights, the same keys as ``model.state_dict()``) say,
     within ``tol`` relative (raised for a compiling backend, see :data:`COMPILED_FP32`)."""
-    together = compiled(case) and _low_precision(case)  # vector parameters held as one vector
-    tol = tolerance_of(case, tol)
-    key = case_id(case)
+    key, loss_tol = case_id(case), tolerance_of(case, tol)
     for rank, result in enumerate(ranks):
         ours, theirs = result[key]["losses"], losses[rank]
         assert len(ours) == len(theirs)
         for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
+            assert abs(a - b) <= loss_tol * abs(b), f"rank {rank} micro-batch {i}: {a} vs {b}"
     params = ranks[0][key]["params"]
     assert set(params) == set(state), "full_state_dict keys differ from model.state_dict()"
-    vectors = [name for name, value in state.items() if together and value.dim() < 2]
-    for name, value in state.items():
-        assert params[name].dtype == value.dtype, name
-        if name not in vectors:
-            assert relative_difference(params[name], value) <= tol, name
-    if vectors:
-        ours_all, theirs_all = (
-            torch.cat([s[n].flatten() for n in vectors]) for s in (params, state)
-        )
-        difference = relative_difference(ours_all, theirs_all)
-        assert difference <= tol, f"vector parameters as one: {difference:.2e}"
+    assert_weights_alike(params, state, case, tol)
+
+
+def assert_weights_alike(
+    params: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    case: dict[str, Any],
+    tol: float,
+) -> None:
+    """Each of ``params`` within ``tol`` relative (raised for a compiling backend, see
+    :data:`COMPILED_FP32`) of the same name's weight in ``state``, by norm: under a compiling
+    backend in 16-bit compute, the vector parameters as one vector, and in bf16 a weight whose
+    own rounding moves it further (:func:`_bf16_footprint`) within twice that."""
+    together = compiled(case) and _low_precision(case)
+    compiled_bf16 = compiled(case) and plan_of(case)["precision"].get("param") == "bf16"
+    tol = tolerance_of(case, tol)
+    vectors = [name for name in params if together and state[name].dim() < 2]
+    groups = [[name] for name in params if name not in vectors] + ([vectors] if vectors else [])
+    for names in groups:
+        for name in names:
+            assert params[name].dtype == state[name].dtype, name
+        difference = relative_difference(_joined(params, names), _joined(state, names))
+        bound = tol
+        if difference > tol and compiled_bf16:
+            bound = max(tol, 2 * _bf16_footprint(case, names))
+        what = names[0] if len(names) == 1 else "vector parameters as one"
+        assert difference <= bound, f"{what}: {difference:.2e} (bound {bound:.2e})"
+
+
+# A weight of a compiled bf16 run is held to COMPILED_LOW, or where it is larger to twice its
+# bf16 footprint: its distance, after the case's steps, between the bf16 recipe and the same
+# training in fp32 arithmetic. A compiled program is another bf16 rounding of the recipe (fused
+# ops keep their intermediates in fp32): where bf16's rounding itself moves a weight more than
+# 1e-2 from exact arithmetic, another rounding lands as far from it, and the two roundings lie
+# within the sum of their footprints of each other (Inductor's measured 0.7-1.3 times the
+# recipe's). So it is for a mixture of experts' router: its top-2 picks flip on near ties, and
+# Adam turns the flipped tokens' gradients into steps of lr. Measured (Mixtral, ZeRO-3, 2
+# ranks, 5 AdamW steps): the routers lie 7.0e-2 and 7.7e-2 from fp32 in the recipe and 3.4e-2
+# and 3.8e-2 from the recipe under Inductor, the experts' weights 1.4-1.7e-2 and 1.1-1.4e-2;
+# the largest against its footprint, 1.44 times it, an expert-parallel router's (4.96e-2;
+# tests/parity/test_expert_parallel_parity.py). Such a router's bound (0.15) exceeds its last
+# step's move (0.11 of 0.37 in all): a lost step of it is the eager backend's comparisons' to
+# catch (bit for bit against the recipe). fp16 keeps 1e-2: its loss scaling skips steps that
+# fp32 training takes, so its footprint bounds nothing.
+_FOOTPRINT_STATES: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+
+
+def _bf16_footprint(case: dict[str, Any], names: list[str]) -> float:
+    """The relative distance of weights ``names`` (as one vector) between the bf16 recipe of
+    ``case`` and the same training in fp32 arithmetic (both computed once per case)."""
+    key = case_id(case)
+    if key not in _FOOTPRINT_STATES:
+        exact = {**case, "precision": {}}
+        _FOOTPRINT_STATES[key] = (reference(case)[1], reference(exact)[1])
+    recipe, exact = _FOOTPRINT_STATES[key]
+    return relative_difference(_joined(recipe, names), _joined(exact, names))
+
+
+def _joined(state: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([state[name].flatten() for name in names])
 
 
 def assert_matches_reference(ranks: list[dict[str, Any]], case: dict[str, Any], tol: float) -> None:

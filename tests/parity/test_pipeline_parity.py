@@ -27,7 +27,19 @@ import torch
 from multirank import run_ranks
 
 import zerocc
-from parity import _model, batch_of, case_id, is_slow, of_speed, plan_of, reference, run_once, sweep
+from parity import (
+    _model,
+    assert_weights_alike,
+    batch_of,
+    case_id,
+    compiled,
+    is_slow,
+    of_speed,
+    plan_of,
+    reference,
+    run_once,
+    sweep,
+)
 
 TOL = 1e-5
 BF16_TOL = 1e-2  # bf16 against the recipe: test_mixed_precision_parity.py says why
@@ -147,11 +159,17 @@ def test_a_pipeline_matches_unsharded_training(case):
         assert got["losses"] == pytest.approx(expected, rel=_tolerance(case))
     held = {}
     for got in ranks:
-        for name, value in got["params"].items():
-            torch.testing.assert_close(
-                value, ref_state[name], rtol=_tolerance(case), atol=1e-6, msg=name
-            )
-            held[name] = value
+        if compiled(case) and case.get("precision"):
+            # Compiled 16-bit kernels round otherwise than the recipe's: held by norm, as every
+            # parity case then is (tests/parity/__init__.py, COMPILED_LOW), not element by
+            # element, where an element's last bf16 bit is 4e-3 to 8e-3 of it
+            assert_weights_alike(got["params"], ref_state, case, _tolerance(case))
+        else:
+            for name, value in got["params"].items():
+                torch.testing.assert_close(
+                    value, ref_state[name], rtol=_tolerance(case), atol=1e-6, msg=name
+                )
+        held |= got["params"]
     if "ep" in case:  # tokens were exchanged over the ep ranks, by every pipeline rank
         assert all(got["elements"].get("all_to_all (ep)", 0) > 0 for got in ranks)
     names = dict(_model(case).named_parameters(remove_duplicate=False))
