@@ -70,6 +70,33 @@ def test_load_workload_errors(tmp_path, plan_text, expected):
         load_workload(plan)
 
 
+def test_an_error_of_the_workloads_own_code_names_it_with_its_traceback(tmp_path):
+    """... not zerocc's frames, which the user did not write (a model whose arguments do not
+    fit printed 11 of zerocc's frames above its own)."""
+    write(tmp_path, WORKLOAD_PY + "\ndef broken(width=3):\n    return _check(width)\n\n"
+          "def _check(width):\n    raise ValueError(f'width {width} is odd')\n", "workload.py")
+    plan = load_plan(write(tmp_path, "workload: workload:broken\nworkload_args: {width: 5}\n"))
+    with pytest.raises(PlanError) as raised:
+        load_workload(plan)
+    said = str(raised.value)
+    assert said.startswith(
+        "workload: calling workload:broken(**workload_args) raised ValueError: width 5 is odd\n"
+    )
+    assert "in broken\n    return _check(width)" in said and "in _check\n    raise" in said
+    assert "zerocc" not in said.split("\n", 1)[1]  # (the traceback: the workload's frames only)
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_a_workload_file_that_fails_to_import_is_said_and_imported_again_once_mended(tmp_path):
+    write(tmp_path, "import torch\nwidth = undefined_name\n", "model_file.py")
+    plan = load_plan(write(tmp_path, "workload: model_file.py:make\n"))
+    with pytest.raises(PlanError, match=r"(?s)importing .*model_file.py raised NameError: name "
+                       r"'undefined_name' is not defined\n.*line 2, in <module>"):
+        load_workload(plan)
+    write(tmp_path, WORKLOAD_PY, "model_file.py")
+    assert isinstance(load_workload(plan), Workload)
+
+
 @pytest.fixture
 def cwd_elsewhere(tmp_path, monkeypatch):
     """Folders a/ (the plan's) and b/ (the current directory, first on sys.path as `python -m`

@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from types import ModuleType
 from torch import nn
 
 from zerocc.compiler.plan import Plan
-from zerocc.errors import PlanError
+from zerocc.errors import PlanError, ZeroccError
 from zerocc.logs import torchao_import_quiet
 
 __all__ = ["Workload", "load_workload", "plan_relative", "workload_function"]
@@ -72,13 +73,18 @@ def load_workload(plan: Plan) -> Workload:
     file relative to the current directory). The function runs with the same search path, so
     its own imports resolve the same way. Raises PlanError naming the module or function when
     it cannot be imported (with where it searched), found, called with the arguments, or
-    returns no Workload.
+    returns no Workload; and when its own code raises, importing or calling it: the exception
+    and the traceback of the workload's frames (the exception as the error's cause).
     """
     function, plan_dir = workload_function(plan)
     with _search_path(_folder_of(plan, plan_dir)), torchao_import_quiet():
         token = _PLAN_DIR.set(plan_dir)
         try:
             workload = function(**plan.workload_args)
+        except ZeroccError:
+            raise
+        except Exception as exc:
+            raise _raised(f"calling {plan.workload}(**workload_args)", exc) from exc
         finally:
             _PLAN_DIR.reset(token)
     if not isinstance(workload, Workload):
@@ -110,6 +116,10 @@ def workload_function(plan: Plan) -> tuple[Callable, Path | None]:
                     f"workload: cannot import module {module_name!r}: {exc}; searched "
                     f"{searched}{_cwd_hint(module_name, plan_dir)}"
                 ) from None
+            except ZeroccError:
+                raise
+            except Exception as exc:
+                raise _raised(f"importing module {module_name!r}", exc) from exc
     function = getattr(module, function_name, None)
     if not callable(function):
         raise PlanError(
@@ -156,9 +166,30 @@ def _import_file(path: Path) -> ModuleType:
     sys.modules[name] = module  # (dataclasses and pickling look modules up by name)
     try:
         spec.loader.exec_module(module)
-    except ImportError as exc:
-        raise PlanError(f"workload: {path}: {exc}") from None
+    except BaseException as exc:
+        sys.modules.pop(name, None)  # (not kept half run: importing it again runs it again)
+        if isinstance(exc, ImportError):
+            raise PlanError(f"workload: {path}: {exc}") from None
+        if isinstance(exc, Exception) and not isinstance(exc, ZeroccError):
+            raise _raised(f"importing {path}", exc) from exc
+        raise
     return module
+
+
+def _raised(doing: str, exc: Exception) -> PlanError:
+    """The error of the workload's own code raising ``exc`` while zerocc was ``doing``: the
+    exception and the traceback of the workload's frames (below zerocc's call; importlib's
+    left out), as a Python traceback shows them."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)[1:]
+        if not frame.filename.startswith("<frozen importlib")
+    ]
+    said = "".join(traceback.format_exception_only(exc)).strip()
+    return PlanError(
+        f"workload: {doing} raised {said}\nTraceback of the workload's code (most recent call "
+        f"last):\n{''.join(traceback.format_list(frames)).rstrip()}"
+    )
 
 
 @contextlib.contextmanager
