@@ -24,6 +24,8 @@ def workload(
     rank. ``device: meta`` builds it without memory (zerocc materializes it one unit at a time,
     or just inspects it); ``vocab_size`` pads the vocabulary beyond the data's tokens (as LLM
     vocabularies are)."""
+    if batch_size < 1:
+        raise PlanError(f"workload_args.batch_size: {batch_size}; give 1 or more (per rank)")
     corpus = _corpus(data)
     if vocab_size is not None and vocab_size < corpus.vocab_size:
         raise PlanError(

@@ -83,18 +83,28 @@ def test_an_error_of_the_workloads_own_code_names_it_with_its_traceback(tmp_path
         "workload: calling workload:broken(**workload_args) raised ValueError: width 5 is odd\n"
     )
     assert "in broken\n    return _check(width)" in said and "in _check\n    raise" in said
-    assert "zerocc" not in said.split("\n", 1)[1]  # (the traceback: the workload's frames only)
+    traceback = said.split("\n", 1)[1]  # the workload's frames only, not zerocc's
+    assert "load_workload" not in traceback and "workload_code" not in traceback
     assert isinstance(raised.value.__cause__, ValueError)
 
 
-def test_a_workload_file_that_fails_to_import_is_said_and_imported_again_once_mended(tmp_path):
-    write(tmp_path, "import torch\nwidth = undefined_name\n", "model_file.py")
-    plan = load_plan(write(tmp_path, "workload: model_file.py:make\n"))
-    with pytest.raises(PlanError, match=r"(?s)importing .*model_file.py raised NameError: name "
-                       r"'undefined_name' is not defined\n.*line 2, in <module>"):
-        load_workload(plan)
-    write(tmp_path, WORKLOAD_PY, "model_file.py")
-    assert isinstance(load_workload(plan), Workload)
+def _batches_that_fail(rank, world_size):
+    raise ValueError(f"shard {rank} of {world_size} is missing")
+    yield
+
+
+def test_an_error_drawing_the_workloads_batches_names_them():
+    """... as the commands that compile on rank 0's first batch draw it (and the ranks of
+    `zerocc train` theirs, under the same `workload_code`)."""
+    from zerocc.inspect.estimate import first_batch
+
+    workload = Workload(nn.Linear(2, 1), batches=_batches_that_fail)
+    with pytest.raises(PlanError) as raised:
+        first_batch(workload, 2)
+    said = str(raised.value)
+    assert said.startswith("workload: batches(0, 2) raised ValueError: shard 0 of 2 is missing\n")
+    assert said.endswith('in _batches_that_fail\n    raise ValueError(f"shard {rank} of '
+                         '{world_size} is missing")')
 
 
 @pytest.fixture

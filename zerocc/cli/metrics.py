@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.workload import Workload
+from zerocc.compiler.workload import Workload, workload_code
 from zerocc.cost.model import node_work
 from zerocc.errors import NotSupportedError
 from zerocc.ir.nodes import info
@@ -203,8 +203,9 @@ class Metrics:
             comm = self.step.comm
             mine = []
             if made is not None:
-                dealt = made(self.step.data_rank, self.step.data_parallel)  # one per tp group
-                mine = list(islice(dealt, self.config.eval_batches))
+                ranks = (self.step.data_rank, self.step.data_parallel)  # one per tp group
+                with workload_code(f"eval_batches{ranks}"):
+                    mine = list(islice(made(*ranks), self.config.eval_batches))
             counts = comm.all_gather_object(len(mine))
             if len(set(counts)) > 1 and self.rank == 0:
                 print(f"eval: the ranks hold {counts} eval batches; each evaluates {min(counts)}")

@@ -17,6 +17,7 @@ from typing import Any
 
 from zerocc.cli.metrics import Metrics, progress_text
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.workload import workload_code
 from zerocc.errors import CheckpointError, ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.local_ranks import ranks_on_this_machine
@@ -154,7 +155,8 @@ class _Run:
     def next_batch(self) -> tuple | None:
         """This rank's next batch; None once every rank has run out at this step (a rank
         that runs out while others go on stops them all: DataExhaustedError)."""
-        batch = next(self.batches, None)
+        with workload_code(self.where):
+            batch = next(self.batches, None)
         if batch is None:
             self.step.end_of_data()
         return batch
@@ -353,7 +355,9 @@ def _resume(step, path: str, rank: int) -> None:
 def _batches_from(batches: Iterator[tuple], done: int, rank: int, world: int) -> Iterator[tuple]:
     """This rank's batches after the first ``done`` (those a resumed run already trained on)."""
     for skipped in range(done):
-        if next(batches, None) is None:
+        with workload_code(f"batches({rank}, {world})"):
+            skipped_to = next(batches, None)
+        if skipped_to is None:
             raise ZeroccError(
                 f"resume: the workload gives rank {rank} of {world} {skipped} batch(es), the "
                 f"checkpoint was saved after {done}"

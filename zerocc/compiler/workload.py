@@ -22,7 +22,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.logs import torchao_import_quiet
 
-__all__ = ["Workload", "load_workload", "plan_relative", "workload_function"]
+__all__ = ["Workload", "load_workload", "plan_relative", "workload_code", "workload_function"]
 
 # The folder of the plan whose workload function is running (None outside one, or for a plan
 # given as a dict): the workload's relative paths are read from there.
@@ -80,11 +80,8 @@ def load_workload(plan: Plan) -> Workload:
     with _search_path(_folder_of(plan, plan_dir)), torchao_import_quiet():
         token = _PLAN_DIR.set(plan_dir)
         try:
-            workload = function(**plan.workload_args)
-        except ZeroccError:
-            raise
-        except Exception as exc:
-            raise _raised(f"calling {plan.workload}(**workload_args)", exc) from exc
+            with workload_code(f"calling {plan.workload}(**workload_args)"):
+                workload = function(**plan.workload_args)
         finally:
             _PLAN_DIR.reset(token)
     if not isinstance(workload, Workload):
@@ -110,16 +107,13 @@ def workload_function(plan: Plan) -> tuple[Callable, Path | None]:
         else:
             try:
                 _forget_if_found_elsewhere(module_name)
-                module = importlib.import_module(module_name)
+                with workload_code(f"importing module {module_name!r}"):
+                    module = importlib.import_module(module_name)
             except ImportError as exc:
                 raise PlanError(
                     f"workload: cannot import module {module_name!r}: {exc}; searched "
                     f"{searched}{_cwd_hint(module_name, plan_dir)}"
                 ) from None
-            except ZeroccError:
-                raise
-            except Exception as exc:
-                raise _raised(f"importing module {module_name!r}", exc) from exc
     function = getattr(module, function_name, None)
     if not callable(function):
         raise PlanError(
@@ -165,31 +159,40 @@ def _import_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # (dataclasses and pickling look modules up by name)
     try:
-        spec.loader.exec_module(module)
+        with workload_code(f"importing {path}"):
+            spec.loader.exec_module(module)
     except BaseException as exc:
-        sys.modules.pop(name, None)  # (not kept half run: importing it again runs it again)
+        sys.modules.pop(name, None)  # (not kept half run: imported again, it runs again)
         if isinstance(exc, ImportError):
             raise PlanError(f"workload: {path}: {exc}") from None
-        if isinstance(exc, Exception) and not isinstance(exc, ZeroccError):
-            raise _raised(f"importing {path}", exc) from exc
         raise
     return module
 
 
-def _raised(doing: str, exc: Exception) -> PlanError:
-    """The error of the workload's own code raising ``exc`` while zerocc was ``doing``: the
-    exception and the traceback of the workload's frames (below zerocc's call; importlib's
-    left out), as a Python traceback shows them."""
-    frames = [
-        frame
-        for frame in traceback.extract_tb(exc.__traceback__)[1:]
-        if not frame.filename.startswith("<frozen importlib")
-    ]
-    said = "".join(traceback.format_exception_only(exc)).strip()
-    return PlanError(
-        f"workload: {doing} raised {said}\nTraceback of the workload's code (most recent call "
-        f"last):\n{''.join(traceback.format_list(frames)).rstrip()}"
-    )
+@contextlib.contextmanager
+def workload_code(doing: str) -> Iterator[None]:
+    """Where zerocc runs the workload's own code (``doing`` says what: importing or calling
+    it, drawing its batches): an exception that code raises becomes a PlanError naming
+    ``doing`` and the exception, with the traceback of the workload's frames (zerocc's calls
+    down to it and importlib's left out), the exception as its cause. zerocc's errors, and
+    an ImportError (said with where the module was searched), pass as they are."""
+    try:
+        yield
+    except (ZeroccError, ImportError):
+        raise
+    except Exception as exc:
+        # (the first two frames: this one's, and zerocc's that runs the workload's code in it)
+        frames = traceback.extract_tb(exc.__traceback__)[2:]
+        shown = [f for f in frames if not _importlib_frame(f.filename)]
+        said = "".join(traceback.format_exception_only(exc)).strip()
+        raise PlanError(
+            f"workload: {doing} raised {said}\nTraceback of the workload's code (most recent "
+            f"call last):\n{''.join(traceback.format_list(shown)).rstrip()}"
+        ) from exc
+
+
+def _importlib_frame(filename: str) -> bool:
+    return filename.startswith("<frozen importlib") or filename == importlib.__file__
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.state import HOST, NVME
 from zerocc.compiler.units import Unit
-from zerocc.compiler.workload import Workload, load_workload
+from zerocc.compiler.workload import Workload, load_workload, workload_code
 from zerocc.cost.memory import model_state_bytes_of, predict_memory, snapshot_bytes_of
 from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation, predict_step
@@ -88,7 +88,8 @@ def inspect_plan(
 
 def first_batch(workload: Workload, data_ranks: int) -> tuple[Any, ...]:
     """Rank 0's first batch of ``data_ranks`` (what a compile-only run captures on)."""
-    batch = next(iter(workload.batches(0, data_ranks)), None)
+    with workload_code(f"batches(0, {data_ranks})"):
+        batch = next(iter(workload.batches(0, data_ranks)), None)
     if batch is None:
         raise ValueError(f"the workload's batches(0, {data_ranks}) yielded no batch")
     return as_batch(batch)
