@@ -9,7 +9,7 @@ from typing import Any
 
 import zerocc
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.workload import load_workload
+from zerocc.compiler.workload import load_workload, workload_code
 from zerocc.inspect.calibrate import calibrate
 from zerocc.runtime.rank import first_batch, joined_group, to_device
 
@@ -39,8 +39,9 @@ def _endless(batches: Iterator, workload: Any, rank: int, world_size: int) -> It
     fresh = False
     while True:
         count = 0
-        for count, batch in enumerate(batches, 1):  # noqa: B007 (count is read below)
-            yield batch
+        with workload_code(f"batches({rank}, {world_size})"):
+            for count, batch in enumerate(batches, 1):  # noqa: B007 (count is read below)
+                yield batch
         if fresh and count == 0:
             raise RuntimeError(f"batches({rank}, {world_size}) yielded no batch")
         batches, fresh = workload.batches(rank, world_size), True

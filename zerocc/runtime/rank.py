@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from zerocc.compiler.batch import as_batch
 from zerocc.compiler.plan import Plan
+from zerocc.compiler.workload import workload_code
 from zerocc.errors import ZeroccError
 from zerocc.runtime.devices import join_default_group, rank_device
 
@@ -43,7 +44,9 @@ def to_device(batch: Sequence[Any] | Mapping[str, Any], device: torch.device | s
 
 def first_batch(batches: Iterator[Sequence[Any]], plan: Plan, rank: int, world_size: int):
     """The first of this rank's batches; a workload that yields none is a clear error."""
-    first = next(batches, None)
+    where = f"{plan.workload}: batches({rank}, {world_size})"
+    with workload_code(where):
+        first = next(batches, None)
     if first is None:
-        raise ZeroccError(f"{plan.workload}: batches({rank}, {world_size}) yielded no batch")
+        raise ZeroccError(f"{where} yielded no batch")
     return first
