@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -100,6 +101,45 @@ def test_data_dependent_control_flow_is_a_clear_error():
     model = Branchy()
     with pytest.raises(CaptureError, match="control flow on a tensor's value"):
         capture(model, describe_model(model), None, (torch.randn(2, 4),), torch.device("cpu"))
+
+
+def test_an_error_in_the_model_names_its_module_and_the_models_own_lines():
+    """... not torch's frames, nor zerocc's (a batch of another shape than the model's loss
+    reshapes to said only "RuntimeError: shape '[504]' is invalid for input of size 512")."""
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self._flat(self.lin(x))
+
+        def _flat(self, y):
+            return y.reshape(5)  # (2, 3): 6 elements
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = Head()
+
+        def forward(self, x):
+            return self.head(x).sum()
+
+    model = Model()
+    with pytest.raises(CaptureError) as raised:
+        capture(model, describe_model(model), None, (torch.randn(2, 4),), torch.device("cpu"))
+    said = str(raised.value)
+    assert said.startswith(
+        "tracing the training step failed in module 'head': RuntimeError: shape '[5]' is "
+    )
+    code = said.split("where the model's code raised it (most recent call last):\n")[1]
+    assert "in forward\n    return self.head(x).sum()" in code
+    assert "in forward\n    return self._flat(self.lin(x))" in code
+    assert code.endswith("in _flat\n    return y.reshape(5)  # (2, 3): 6 elements\n"
+                         "           ^^^^^^^^^^^^")
+    for package in (torch, zerocc):
+        assert str(Path(package.__file__).parent) not in code
 
 
 def test_default_loss_reads_the_loss_attribute_of_model_outputs():

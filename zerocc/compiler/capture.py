@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sysconfig
+import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -427,7 +431,10 @@ def _tracing_failed(e: Exception, stack: list[str], in_region: bool) -> CaptureE
     is captured as an opaque region)."""
     cause = data_dependent_cause(e)
     if cause is None:
-        return CaptureError(f"tracing the training step failed: {type(e).__name__}: {e}")
+        where = f" in module {stack[-1]!r}" if stack and stack[-1] else ""
+        return CaptureError(
+            f"tracing the training step failed{where}: {type(e).__name__}: {e}{_model_code(e)}"
+        )
     what = f"{op_of(cause)} depends on the values of tensors ({type(cause).__name__})"
     module = stack[-1] if stack else ""
     if in_region:
@@ -446,6 +453,36 @@ def _tracing_failed(e: Exception, stack: list[str], in_region: bool) -> CaptureE
         "Move that part into a submodule, or compute it with fixed shapes "
         "(torch.where(mask, x, 0) instead of x[mask])"
     )
+
+
+# Frames of neither the model nor its loss: torch's, zerocc's, the standard library's (but
+# its site-packages, where transformers' models are), and code fx and make_fx generate.
+_NOT_MODEL_CODE = tuple(
+    str(folder.resolve()) + os.sep
+    for folder in (Path(torch.__file__).parent, Path(__file__).parents[1])
+)
+_INSTALLED = tuple(
+    str(Path(sysconfig.get_paths()[key]).resolve()) + os.sep for key in ("purelib", "platlib")
+)
+_STANDARD = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
+_GENERATED = ("<string>", "<eval_with_key")
+
+
+def _is_model_code(filename: str) -> bool:
+    path = str(Path(filename).resolve())
+    if filename.startswith(_GENERATED) or path.startswith(_NOT_MODEL_CODE):
+        return False
+    return path.startswith(_INSTALLED) or not path.startswith(_STANDARD)
+
+
+def _model_code(e: Exception, most: int = 8) -> str:
+    """The frames of the model's (and the loss's) own code in ``e``'s traceback, the
+    innermost ``most`` of them, as a Python traceback shows them (``""`` where none)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_model_code(f.filename)]
+    if not frames:
+        return ""
+    shown = "".join(traceback.format_list(frames[-most:])).rstrip()
+    return f"\nwhere the model's code raised it (most recent call last):\n{shown}"
 
 
 _GROUPED_MM = torch.ops.aten._grouped_mm.default  # (looked up once: dispatch runs per op)
