@@ -105,6 +105,9 @@ def test_an_error_drawing_the_workloads_batches_names_them():
     assert said.startswith("workload: batches(0, 2) raised ValueError: shard 0 of 2 is missing\n")
     assert said.endswith('in _batches_that_fail\n    raise ValueError(f"shard {rank} of '
                          '{world_size} is missing")')
+    none = Workload(nn.Linear(2, 1), batches=lambda rank, world_size: iter([]))
+    with pytest.raises(PlanError, match=r"workload: batches\(0, 2\) yielded no batch"):
+        first_batch(none, 2)  # (a ValueError `zerocc estimate` printed as a traceback)
 
 
 @pytest.fixture

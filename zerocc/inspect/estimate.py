@@ -28,6 +28,7 @@ from zerocc.cost.memory import model_state_bytes_of, predict_memory, snapshot_by
 from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation, predict_step
 from zerocc.cost.timeline import MemoryTimeline
+from zerocc.errors import PlanError
 from zerocc.inspect.explain import (
     comm_bytes,
     gradients_copied_out,
@@ -91,7 +92,7 @@ def first_batch(workload: Workload, data_ranks: int) -> tuple[Any, ...]:
     with workload_code(f"batches(0, {data_ranks})"):
         batch = next(iter(workload.batches(0, data_ranks)), None)
     if batch is None:
-        raise ValueError(f"the workload's batches(0, {data_ranks}) yielded no batch")
+        raise PlanError(f"workload: batches(0, {data_ranks}) yielded no batch")
     return as_batch(batch)
 
 
