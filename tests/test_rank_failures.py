@@ -8,6 +8,7 @@ misbehave on purpose (WORKLOAD below).
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -96,13 +97,20 @@ def test_every_rank_out_of_data_at_once_ends_training(tmp_path):
 
 
 def test_a_rank_that_dies_is_named_with_its_error(tmp_path):
+    """... its workload's data loader raised: said as the workload's error, with the frames of
+    the workload's code only."""
     run = _train(tmp_path, raise_rank=1, stop_at=2)
     assert run.returncode == 2, run.stderr
     report = run.stderr.split("rank(s) failed:")[1]
-    assert "rank 1 (pid" in report and "exit code 1" in report
-    assert "last error: the error above (ValueError)" in report
+    assert "rank 1 (pid" in report and "exit code 2" in report
+    assert "last error: the error above (PlanError)" in report
     assert "rank 0 (pid" in report and "stopped by the launcher after rank 1 failed" in report
-    assert "zerocc: rank 1's error:\nTraceback (most recent call last)" in run.stderr
+    said = run.stderr.split("zerocc: rank 1: error: ")[1].split("\nzerocc: ")[0]
+    assert said.startswith(
+        "workload: workload:workload: batches(1, 2) raised ValueError: the data loader broke\n"
+        "Traceback of the workload's code (most recent call last):\n"
+    )
+    assert said.endswith('in make\n    raise ValueError("the data loader broke")'), said
 
 
 def test_a_workload_that_raises_on_every_rank_shows_its_traceback_once(tmp_path):
@@ -110,10 +118,13 @@ def test_a_workload_that_raises_on_every_rank_shows_its_traceback_once(tmp_path)
     the launcher), then a line per rank."""
     run = _train(tmp_path, raise_rank='"all"', stop_at=2)
     assert run.returncode == 2, run.stderr
-    assert run.stderr.count("Traceback (most recent call last)") == 1, run.stderr
+    assert run.stderr.count("Traceback of the workload's code") == 1, run.stderr
     assert 'raise ValueError("the data loader broke")' in run.stderr
     report = run.stderr.split("rank(s) failed:")[1]
-    assert report.count("last error: the error above (ValueError)") == 2
+    # (the other rank's error differs by its rank: `batches(r, 2)`, said in a line)
+    assert report.count("last error: the error above (PlanError)") == 1
+    assert re.search(r"last error: PlanError: workload: workload:workload: batches\([01], 2\) "
+                     r"raised ValueError: the data loader broke\n", report), report
 
 
 def _leave_early(rank: int, world: int) -> str:
