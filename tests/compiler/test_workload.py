@@ -88,6 +88,17 @@ def test_an_error_of_the_workloads_own_code_names_it_with_its_traceback(tmp_path
     assert isinstance(raised.value.__cause__, ValueError)
 
 
+def test_a_workload_that_imports_what_is_not_installed_when_called_says_so(tmp_path):
+    """An ImportError of the workload's call (a dependency imported inside its function) is
+    its error like any other; importing the workload's own module says where it searched."""
+    write(tmp_path, WORKLOAD_PY + "\ndef late():\n    import not_installed_here\n", "workload.py")
+    plan = load_plan(write(tmp_path, "workload: workload:late\n"))
+    with pytest.raises(PlanError, match=r"(?s)calling workload:late\(\*\*workload_args\) "
+                       r"raised ModuleNotFoundError: No module named 'not_installed_here'\n.*"
+                       r"in late\n    import not_installed_here"):
+        load_workload(plan)
+
+
 def _batches_that_fail(rank, world_size):
     raise ValueError(f"shard {rank} of {world_size} is missing")
     yield

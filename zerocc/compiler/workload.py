@@ -107,7 +107,7 @@ def workload_function(plan: Plan) -> tuple[Callable, Path | None]:
         else:
             try:
                 _forget_if_found_elsewhere(module_name)
-                with workload_code(f"importing module {module_name!r}"):
+                with workload_code(f"importing module {module_name!r}", importing=True):
                     module = importlib.import_module(module_name)
             except ImportError as exc:
                 raise PlanError(
@@ -159,7 +159,7 @@ def _import_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # (dataclasses and pickling look modules up by name)
     try:
-        with workload_code(f"importing {path}"):
+        with workload_code(f"importing {path}", importing=True):
             spec.loader.exec_module(module)
     except BaseException as exc:
         sys.modules.pop(name, None)  # (not kept half run: imported again, it runs again)
@@ -170,17 +170,19 @@ def _import_file(path: Path) -> ModuleType:
 
 
 @contextlib.contextmanager
-def workload_code(doing: str) -> Iterator[None]:
+def workload_code(doing: str, *, importing: bool = False) -> Iterator[None]:
     """Where zerocc runs the workload's own code (``doing`` says what: importing or calling
     it, drawing its batches): an exception that code raises becomes a PlanError naming
     ``doing`` and the exception, with the traceback of the workload's frames (zerocc's calls
-    down to it and importlib's left out), the exception as its cause. zerocc's errors, and
-    an ImportError (said with where the module was searched), pass as they are."""
+    down to it and importlib's left out), the exception as its cause. zerocc's errors pass as
+    they are, and while ``importing`` an ImportError (the importer says where it searched)."""
     try:
         yield
-    except (ZeroccError, ImportError):
+    except ZeroccError:
         raise
     except Exception as exc:
+        if importing and isinstance(exc, ImportError):
+            raise
         # (the first two frames: this one's, and zerocc's that runs the workload's code in it)
         frames = traceback.extract_tb(exc.__traceback__)[2:]
         shown = [f for f in frames if not _importlib_frame(f.filename)]
