@@ -119,7 +119,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             f"tests/parity: {len(_EAGER_PARITY)} cases, under the eager backend where a case "
             "names none (test_inductor_parity.py holds a subset to Inductor); `pytest "
             "tests/parity --backend inductor` (or inductor-regions) trains them all under "
-            "Inductor, 15-50 min on 2 cores"
+            "Inductor, 14-50 min on 2 cores"
         )
     if _SLOW_LEFT_OUT:
         terminalreporter.write_line(
