@@ -135,7 +135,9 @@ def launch(
         # (torchrun closes the rendezvous for good when its run ends, but not on a signal)
         closes = elastic and nodes.standalone
         try:
-            with quiet(RANK_PROCESSES):
+            # (the store kept here, on the loopback interface for one machine, or checked
+            # for the run's shared secret: rendezvous.meeting_place)
+            with quiet(RANK_PROCESSES), rendezvous.meeting_place(nodes, host, port):
                 torchrun.run(torchrun.parse_args(launcher_args))
         except ChildFailedError as exc:
             failures = {

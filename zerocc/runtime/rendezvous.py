@@ -11,39 +11,56 @@ rendezvous reads as a client (``is_host=false`` on every node), plus two keys of
 - a count per run name of the launches that ended on it: torchrun closes a rendezvous for good
   when its run ends, so each run on a store that outlives it meets under a name of its own,
   ``NAME.K`` (:func:`run_id`).
+
+Every store a launcher keeps is made here (:func:`meeting_place`): a one-machine run's on the
+loopback interface only (torch's ``TCPStore`` listens on every address whatever host it is
+given; it is handed a socket bound to 127.0.0.1, and torchrun's agent, asking for a store on
+the same port in the same process, gets that one: ``multi_tenant``). A store machines meet
+at listens on every address, and torch's store has no authentication: the run's shared
+secret (:mod:`zerocc.runtime.rendezvous_secret`) makes a launcher started without it, or
+with another, stop before it joins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 from zerocc.errors import ZeroccError
+from zerocc.runtime import rendezvous_secret
+from zerocc.runtime.nodes import Nodes
 
 MARK = "zerocc/rendezvous"  # set by `zerocc rendezvous`: what a node checks it meets at
 ENDED = "zerocc/ended/"  # + run name: launches ended under that name (a counter)
 DEFAULT_PORT = 29500  # (torchrun's)
+JOIN_TIMEOUT_S = 600.0  # how long a node waits for node 0's store (torchrun's static rendezvous's)
 
 
 def serve(port: int = DEFAULT_PORT) -> None:
     """Keep a rendezvous store on ``port`` of this machine (every address) until SIGINT or
-    SIGTERM, saying where once it listens."""
+    SIGTERM, saying where once it listens; signed with the run's shared secret where one is
+    set (:mod:`zerocc.runtime.rendezvous_secret`)."""
     from torch.distributed import TCPStore
 
+    secret = rendezvous_secret.shared_secret()
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # (taken below, not by a handler)
     try:
         store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, use_libuv=True)
     except Exception as exc:  # (torch's DistNetworkError, or a RuntimeError: port in use)
         raise ZeroccError(f"cannot listen on port {port}: {exc}") from None
+    rendezvous_secret.sign(store, secret)
     store.set(MARK, "1")
     host = socket.getfqdn()
-    print(f"zerocc rendezvous: listening on {host}:{port}; start `zerocc train` on every "
-          f"machine with --rdzv-endpoint {host}:{port} --rdzv-standalone (and --nnodes, "
+    guarded = f" (shared secret: {rendezvous_secret.SECRET_ENV})" if secret else ""
+    print(f"zerocc rendezvous: listening on {host}:{port}{guarded}; start `zerocc train` on "
+          f"every machine with --rdzv-endpoint {host}:{port} --rdzv-standalone (and --nnodes, "
           "--max-restarts); Ctrl-C ends it", flush=True)  # fmt: skip
     caught = signal.sigwait(stop)
     print(f"zerocc rendezvous: stopped by {signal.Signals(caught).name}", flush=True)
@@ -87,7 +104,8 @@ def answers(host: str, port: int, timeout: float = 2.0) -> bool:
 
 def wait_for(host: str, port: int, timeout: float = 60.0) -> None:
     """Wait up to ``timeout`` seconds for a `zerocc rendezvous` at ``host:port`` (the machines
-    of a job may start with it); a ZeroccError naming the address when none answers."""
+    of a job may start with it); a ZeroccError naming the address when none answers, or when
+    it was started with another shared secret than this launcher's."""
     deadline = time.monotonic() + timeout
     while not answers(host, port):
         if time.monotonic() > deadline:
@@ -97,6 +115,86 @@ def wait_for(host: str, port: int, timeout: float = 60.0) -> None:
                 "leave --rdzv-standalone out: node 0's launcher then keeps the store)"
             )
         time.sleep(1.0)
+    where = f"the `zerocc rendezvous` at {host}:{port}"
+    rendezvous_secret.check(_store(host, port, 10.0), rendezvous_secret.shared_secret(), where)
+
+
+@contextlib.contextmanager
+def meeting_place(nodes: Nodes, host: str, port: int) -> Iterator[None]:
+    """The store this launcher's ranks meet at, for the body (torchrun's launch): kept here
+    where this launcher is to keep it, on the loopback interface for a run on one machine and
+    on every address, signed with the shared secret, for node 0 of several; else checked, as
+    node 0's, to be signed with this launcher's secret before the body joins it (a
+    `zerocc rendezvous` is checked as it answers: :func:`wait_for`)."""
+    if nodes.count == 1:
+        with _loopback_store(port):
+            yield
+        return
+    secret = rendezvous_secret.shared_secret()
+    if nodes.standalone:
+        yield
+    elif nodes.rank == 0:
+        store = _server(host, port, listen_fd=None)
+        rendezvous_secret.sign(store, secret)
+        yield
+    else:
+        where = f"node 0's store at --rdzv-endpoint {host}:{port}"
+        rendezvous_secret.check(_node_0_store(host, port, JOIN_TIMEOUT_S), secret, where)
+        yield
+
+
+@contextlib.contextmanager
+def _loopback_store(port: int) -> Iterator[None]:
+    """A store on 127.0.0.1:``port`` only, for the body: the socket is bound here and handed to
+    torch, whose own would listen on every address."""
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(("127.0.0.1", port))
+        listening.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listening.close()
+        raise ZeroccError(
+            f"cannot keep the rendezvous store on 127.0.0.1:{port}: {exc.strerror}; pass "
+            "another --master-port (0: a free one)"
+        ) from None
+    store = _server("127.0.0.1", port, listen_fd=listening.detach())
+    try:
+        yield
+    finally:
+        del store
+
+
+def _server(host: str, port: int, listen_fd: int | None):
+    """torch's store server on ``port`` (on ``listen_fd`` where given), shared by every store
+    this process asks for on that port (torchrun's agent's among them: ``multi_tenant``)."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(host, port, is_master=True, wait_for_workers=False,
+                        multi_tenant=True, master_listen_fd=listen_fd)  # fmt: skip
+    except Exception as exc:  # (torch's DistNetworkError: port in use)
+        raise ZeroccError(f"cannot keep the rendezvous store on port {port}: {exc}") from None
+
+
+def _node_0_store(host: str, port: int, timeout: float):
+    """A client of node 0's store at ``host:port`` once it listens and holds zerocc's
+    secret key, waiting up to ``timeout`` seconds (node 0 may start after this node)."""
+    deadline = time.monotonic() + timeout
+    while not _listening(host, port, 2.0):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    try:
+        store = _store(host, port, max(1.0, deadline - time.monotonic()))
+        store.wait([rendezvous_secret.SECRET_KEY])
+    except Exception:  # (torch's DistStoreError: timed out; or a DistNetworkError)
+        raise ZeroccError(
+            f"no zerocc launcher keeps a store at --rdzv-endpoint {host}:{port} after "
+            f"{timeout:.0f} s: start node 0 (`zerocc train ... --node-rank 0`) on {host} with "
+            "the same flags"
+        ) from None
+    return store
 
 
 def run_id(host: str, port: int, name: str) -> str:
