@@ -296,7 +296,7 @@ def test_every_float_field_must_be_finite(path, value):
     ("text", "expected"),
     [
         ("optimizer: {lr: .inf}", "optimizer.lr: inf is not allowed; allowed: a finite number"),
-        ("optimizer: {lr: 1e40}", "optimizer.lr: '1e40' is too large"),
+        ("optimizer: {lr: 1e40}", "optimizer.lr: 1e+40 is too large"),
         ("optimizer: {weight_decay: .inf}", "optimizer.weight_decay: inf is not allowed"),
         ("optimizer: {eps: .inf}", "optimizer.eps: inf is not allowed"),
         ("optimizer: {eps: .nan}", "optimizer.eps: nan is not allowed"),
@@ -347,6 +347,56 @@ def test_yaml_infinities_and_huge_numbers_are_plan_errors(tmp_path, text, expect
 )
 def test_numbers_out_of_their_meaningful_range(data, expected):
     assert expected in plan_error(data)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        # Values that pass as numbers and train nothing (issue 77, case 9): eps is inf in fp32
+        # (no weight moves); a peak rate of 1e-300 is 0 there; a warmup longer than any run.
+        ({"optimizer": {"eps": 1e300}}, "optimizer.eps: 1e+300 is not allowed; allowed: a "
+         "finite number >= 1.18e-38 and <= 1"),
+        ({"optimizer": {"schedule": {"name": "warmup_lr", "warmup_max_lr": 1e-300}}},
+         "optimizer.schedule.warmup_max_lr: 1e-300 is not allowed; allowed: a finite number "
+         ">= 1.18e-38"),
+        ({"optimizer": {"schedule": {"warmup_steps": 10**15}}},
+         "optimizer.schedule.warmup_steps: 1000000000000000 is not allowed; allowed: an "
+         "integer >= 0 and <= 1000000000"),
+        ({"optimizer": {"schedule": {"name": "warmup_lr", "warmup_num_steps": 10**15}}},
+         "<= 1000000000"),
+        ({"optimizer": {"schedule": {"name": "cosine", "total_steps": 10**15}}}, "<= 1000000000"),
+        # (case 10) a collective timeout no healthy run meets: the range is said
+        ({"backend": {"timeout_s": 1e-9}},
+         "backend.timeout_s: 1e-09 is not allowed; allowed: a finite number >= 1 and <= 604800"),
+    ],
+)  # fmt: skip
+def test_values_that_train_nothing_or_fail_at_launch_are_refused(data, expected):
+    assert expected in plan_error(data)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('optimizer: {lr: "1e-3"}', "optimizer.lr: '1e-3' is a string (quoted), not a number; "
+         "write the number without quotes: 1e-3"),
+        ("grad_accumulation: '2'", "grad_accumulation: '2' is a string (quoted), not a number"),
+        ('optimizer: {betas: ["0.9", 0.99]}', "optimizer.betas: '0.9' is a string (quoted)"),
+        ('cost: {group_link_gbps: {tp: "400"}}', "cost.group_link_gbps: '400' is a string"),
+        ('precision: {param: fp16, loss_scale: "1024"}', "precision.loss_scale: '1024' is a str"),
+    ],
+)  # fmt: skip
+def test_quoted_numbers_are_refused_not_coerced(tmp_path, text, expected):
+    """(issue 77, case 9) pydantic read ``lr: "1e-3"`` as 0.001 without a word."""
+    assert expected in plan_error(write(tmp_path, text + "\n"))
+
+
+def test_numbers_yaml_1_1_reads_as_strings_are_numbers(tmp_path):
+    """PyYAML reads ``1e-3`` (no dot) as a string; a plan reads it as YAML 1.2 does, a float,
+    in files and in --set items alike, so that refusing quoted numbers refuses only those."""
+    plan = load_plan(write(tmp_path, "optimizer: {lr: 1e-3, eps: 1E-6}\ngrad_accumulation: 2\n"))
+    assert (plan.optimizer.lr, plan.optimizer.eps, plan.grad_accumulation) == (1e-3, 1e-6, 2)
+    assert load_plan({}, ["optimizer.lr=3e-4"]).optimizer.lr == 3e-4
+    assert load_plan({"precision": {"loss_scale": "dynamic"}}).precision.loss_scale == "dynamic"
 
 
 def test_numbers_at_the_edges_of_their_ranges_are_accepted(tmp_path):

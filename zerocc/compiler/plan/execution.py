@@ -13,6 +13,10 @@ from zerocc.compiler.plan.base import MAX_MB, PathStr, Section
 # The longest collective timeout: a collective that waits a week is hung (and longer ones
 # overflow the process group's millisecond clock for no benefit).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# The shortest: the ranks' first meeting and every collective wait on the network and on the
+# slowest rank, so a timeout below a second fails healthy runs (1e-9 failed the first meeting
+# with torch's DistStoreError before any step ran).
+MIN_TIMEOUT_S = 1.0
 
 
 class CaptureConfig(Section):
@@ -64,11 +68,12 @@ class BackendConfig(Section):
     )
     timeout_s: float = Field(
         600,
-        gt=0,
+        ge=MIN_TIMEOUT_S,
         le=MAX_TIMEOUT_S,
         description="seconds a collective may wait for its peers before every rank still "
         "running stops with an error naming the ranks that stopped answering (compilation "
-        "does not count against it); > 0 and at most a week (604800)",
+        "does not count against it); from 1 (shorter waits fail healthy runs, the ranks' "
+        "first meeting included) to a week (604800)",
     )
     check_memory: bool = Field(
         True,

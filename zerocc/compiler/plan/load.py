@@ -82,8 +82,8 @@ def with_overrides(data: dict, overrides: Sequence[str]) -> dict:
                 "(e.g. --set optimizer.lr=3e-4)"
             )
         try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as exc:
+            value = load_yaml(text) if text.strip() else None
+        except (yaml.YAMLError, PlanDataError) as exc:
             raise PlanError(f"--set {item}: the value is not YAML: {exc}") from None
         section = data
         for i, name in enumerate(path[:-1]):

@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from zerocc.compiler.plan.base import FP32_TINY, Section
+from zerocc.compiler.plan.base import FP32_TINY, Section, refuse_quoted_numbers
 from zerocc.compiler.plan.messages import show
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -26,6 +26,17 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 # own size each step: what `lr: 1e3` meaning 1e-3 (a dropped minus sign) looks like. An SGD step
 # is lr times the gradient, whose scale is the loss's: large-batch recipes reach lr ~3-10.
 MAX_LR = {"adamw": 1.0, "sgd": 10.0}
+
+# The largest AdamW epsilon: eps is added to the root of the second moment, so a step moves a
+# weight by about lr * gradient / eps once eps outweighs the gradient's scale; recipes use
+# 1e-8 to 1e-6, and 1 (TensorFlow's advice for Inception) is the largest in use. Above it the
+# update shrinks toward nothing (1e300 is inf in fp32: no weight moves at all).
+MAX_EPS = 1.0
+
+# The most optimizer steps a schedule may count (warmup, decay): a billion steps, 31 years at a
+# step a second; a schedule longer than any run is a typo (warmup_steps: 1e15 warms up forever,
+# its rate within 1e-15 of 0 through any run).
+MAX_STEPS = 10**9
 
 
 # The fields each learning-rate schedule reads (any other set field is an error): the first
@@ -69,12 +80,18 @@ class ScheduleConfig(Section):
         "WarmupDecayLR and WarmupCosineLR with their parameters and step-for-step values",
     )
     warmup_steps: int = Field(
-        0, ge=0, description="constant, linear, cosine: steps of linear warmup from 0 to lr"
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="constant, linear, cosine: steps of linear warmup from 0 to lr (at most "
+        "10^9, more steps than any run takes)",
     )
     total_steps: int | None = Field(
         None,
         ge=1,
-        description="linear, cosine: the step at which the decay reaches min_lr (required)",
+        le=MAX_STEPS,
+        description="linear, cosine: the step at which the decay reaches min_lr (required; at "
+        "most 10^9)",
     )
     min_lr: float = Field(
         0.0, ge=0, description="linear, cosine: the rate the decay ends at (< optimizer.lr)"
@@ -84,13 +101,18 @@ class ScheduleConfig(Section):
     )
     warmup_max_lr: float | None = Field(
         None,
-        gt=0,
-        description="warmup_lr, warmup_decay_lr: the rate warmup ends at; default optimizer.lr "
+        ge=FP32_TINY,
+        description="warmup_lr, warmup_decay_lr: the rate warmup ends at, as lr at least the "
+        "smallest normal fp32 number (1.2e-38: below it the update's rate is 0); default "
+        "optimizer.lr "
         "(DeepSpeed's WarmupDecayLR defaults to 0.001 whatever the optimizer's rate: a plan has "
         "one peak rate; `zerocc plan import` writes DeepSpeed's value out)",
     )
     warmup_num_steps: int = Field(
-        1000, ge=1, description="DeepSpeed's schedules: warmup steps (at least 2 are taken)"
+        1000,
+        ge=1,
+        le=MAX_STEPS,
+        description="DeepSpeed's schedules: warmup steps (at least 2 are taken; at most 10^9)",
     )
     warmup_type: Literal["log", "linear"] = Field(
         "log", description="DeepSpeed's schedules: the warmup curve, log or linear"
@@ -98,7 +120,9 @@ class ScheduleConfig(Section):
     total_num_steps: int | None = Field(
         None,
         ge=1,
-        description="warmup_decay_lr, warmup_cosine_lr: the step the decay ends at (required)",
+        le=MAX_STEPS,
+        description="warmup_decay_lr, warmup_cosine_lr: the step the decay ends at (required; "
+        "at most 10^9)",
     )
     warmup_min_ratio: float = Field(
         0.0, ge=0, le=1, description="warmup_cosine_lr: the warmup's start, a fraction of lr"
@@ -158,9 +182,12 @@ class OptimizerConfig(Section):
     eps: float = Field(
         1e-8,
         ge=FP32_TINY,
+        le=MAX_EPS,
         description="AdamW epsilon, added to the denominator; at least the smallest normal fp32 "
         "number (1.2e-38): below it, it is a subnormal that GPU kernels flush to 0 (or 0 "
-        "itself), and a weight whose gradient is 0 becomes NaN (0/0)",
+        "itself), and a weight whose gradient is 0 becomes NaN (0/0); at most 1: the step is "
+        "about lr * gradient / eps once eps outweighs the gradients, and shrinks toward nothing "
+        "above it (1e300 is inf in fp32, and no weight moves)",
     )
     weight_decay: float = Field(
         0.0,
@@ -196,6 +223,7 @@ class OptimizerConfig(Section):
         # own bounds are the loosest, those of any optimizer).
         name = info.data.get("name")
         largest = MAX_LR.get(name, max(MAX_LR.values()))
+        refuse_quoted_numbers(lr)
         try:
             value = handler(lr)
         except ValidationError:

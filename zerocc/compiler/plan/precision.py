@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from zerocc.compiler.plan.base import FP32_TINY, Section
+from zerocc.compiler.plan.base import FP32_TINY, Section, refuse_quoted_numbers
 from zerocc.compiler.plan.messages import show
 from zerocc.compiler.plan.parallelism import ZeroConfig
 from zerocc.errors import PlanWarning
@@ -143,11 +143,7 @@ class PrecisionConfig(Section):
         # member of the union ("should be 'dynamic' or 'none'", "should be finite").
         if scale is None or scale in ("dynamic", "none"):
             return scale
-        if isinstance(scale, str):  # YAML reads 1e4 (no dot) as a string, as other floats take it
-            try:
-                scale = float(scale)
-            except ValueError:
-                pass
+        refuse_quoted_numbers(scale)  # (a plan's YAML reads 1e4 as a number already)
         number = isinstance(scale, int | float) and not isinstance(scale, bool)
         if number and FP32_TINY <= scale <= MAX_LOSS_SCALE:  # NaN and inf fail it too
             return float(scale)

@@ -10,6 +10,7 @@ lines, and documents nested deeper than ``MAX_NESTING`` levels or holding more t
 
 from __future__ import annotations
 
+import re
 from typing import IO, Any
 
 import yaml
@@ -69,8 +70,18 @@ class _PlanLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_yaml(stream: IO[str]) -> Any:
-    """The YAML document of ``stream``; PlanDataError for a duplicate key or deep nesting,
+# YAML 1.2's floats without a dot (1e-3, 3E4), which PyYAML's YAML 1.1 reads as strings: a plan
+# writes learning rates so, and a quoted number is an error (Section), so they must be numbers.
+_PlanLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(stream: IO[str] | str) -> Any:
+    """The YAML document of ``stream`` (a number such as ``1e-3`` read as YAML 1.2 reads it, a
+    float); PlanDataError for a duplicate key or deep nesting,
     yaml.YAMLError for anything else YAML rejects."""
     return yaml.load(stream, Loader=_PlanLoader)  # noqa: S506 (a SafeLoader subclass)
 
