@@ -61,6 +61,9 @@ def test_load_workload_prefers_the_plan_directory_over_a_cached_module(tmp_path)
             "returned int, not a zerocc.Workload",
         ),
         ("{workload: 'workload:make', workload_args: {depth: 2}}", "workload_args"),
+        # (issue 77, case 10) names longer than a file's may be: OSError from plan check
+        (f"workload: {'a' * 300}:make", f"cannot import module '{'a' * 300}'"),
+        (f"workload: {'a' * 300}.py:make", "cannot be a file: File name too long"),
     ],
 )
 def test_load_workload_errors(tmp_path, plan_text, expected):

@@ -147,7 +147,11 @@ def _folder_of(plan: Plan, plan_dir: Path | None) -> Path | None:
 def _import_file(path: Path) -> ModuleType:
     """The module of a workload file, imported once per process (a module of the same name
     from another file is replaced)."""
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as exc:  # a name no file may have (too long)
+        raise PlanError(f"workload: {path} cannot be a file: {exc.strerror}") from None
+    if not found:
         raise PlanError(f"workload: {path} is not a file")
     name = f"zerocc_workload_{path.stem}"
     cached = sys.modules.get(name)
@@ -238,8 +242,11 @@ def _cwd_hint(module_name: str, plan_dir: Path | None) -> str:
 def _module_file(folder: Path, top: str) -> Path | None:
     """The file a top-level module ``top`` would be imported from in ``folder``, if any."""
     for candidate in (folder / f"{top}.py", folder / top / "__init__.py"):
-        if candidate.exists():
-            return candidate
+        try:
+            if candidate.exists():
+                return candidate
+        except OSError:  # a name no file may have (too long): no such module there
+            continue
     return None
 
 
