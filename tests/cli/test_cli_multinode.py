@@ -24,6 +24,7 @@ from zerocc.cli.machines import nodes_of
 from zerocc.cli.main import _parser, main
 from zerocc.runtime.launch import RUN_DIR_ENV, started_before
 from zerocc.runtime.nodes import Nodes
+from zerocc.runtime.rendezvous_secret import SECRET_ENV, SECRET_FILE_ENV
 
 PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
 
@@ -41,9 +42,10 @@ def _free_port() -> int:
 
 
 def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
-    """Node 0 and node 1, one rank each, meet at node 0's endpoint: rank 0 (on node 0) reports
-    a run of 2 ranks whose final loss is the 2-rank run's on one machine, and the checkpoint in
-    the shared folder holds both ranks' files."""
+    """Node 0 and node 1, one rank each, meet at node 0's endpoint (with the run's shared
+    secret, ZEROCC_RDZV_SECRET): rank 0 (on node 0) reports a run of 2 ranks whose final loss
+    is the 2-rank run's on one machine, and the checkpoint in the shared folder holds both
+    ranks' files."""
     endpoint = f"127.0.0.1:{_free_port()}"
     saves = tmp_path / "shared"
     nodes = [
@@ -63,7 +65,7 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=CPU_ONLY,
+            env={**CPU_ONLY, SECRET_ENV: "s3cret"},
         )  # fmt: skip
         for rank in (0, 1)
     ]
@@ -79,6 +81,38 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
     manifest = json.loads((saves / "step-00000003" / "manifest.json").read_text())
     assert manifest["meta"]["world_size"] == 2
     assert sorted(manifest["files"]) == ["rank-00000.bin", "rank-00001.bin"]
+
+
+def test_a_node_without_the_runs_secret_is_refused_before_it_joins():
+    """Node 0 keeps its store with the run's shared secret: node 1 started without it, then
+    with another, ends at once (2) with an error naming ZEROCC_RDZV_SECRET, each time before
+    it joins (node 0 still waits for its peer)."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    flags = ("--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint)
+    node_0 = subprocess.Popen(
+        _zerocc(*flags, "--node-rank", "0"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, env={**CPU_ONLY, SECRET_ENV: "s3cret"},
+    )  # fmt: skip
+    try:
+        for secret, said in [
+            (None, "asks for the run's shared secret, and this launcher has none: set "
+                   "ZEROCC_RDZV_SECRET"),
+            ("guess", "was started with another shared secret than this launcher's "
+                      "ZEROCC_RDZV_SECRET"),
+        ]:  # fmt: skip
+            env = {k: v for k, v in CPU_ONLY.items() if k != SECRET_ENV}
+            node_1 = subprocess.run(
+                _zerocc(*flags, "--node-rank", "1"), capture_output=True, text=True,
+                timeout=300, env=env if secret is None else {**env, SECRET_ENV: secret},
+            )  # fmt: skip
+            assert node_1.returncode == 2, node_1.stderr[-3000:]
+            assert f"zerocc: error: node 0's store at --rdzv-endpoint {endpoint} {said}" \
+                in node_1.stderr, node_1.stderr[-3000:]  # fmt: skip
+            assert "Traceback" not in node_1.stderr
+            assert node_0.poll() is None  # (still waiting for its peer)
+    finally:
+        node_0.kill()
+        node_0.wait()
 
 
 @pytest.mark.parametrize(
@@ -125,6 +159,14 @@ def test_two_launchers_as_two_nodes_train_as_one_machine_does(tmp_path):
 def test_a_multi_node_launch_that_cannot_work_is_refused_before_it_starts(flags, error, capsys):
     assert main(["train", str(PLAN), "--steps", "1", *flags]) == 2
     assert error in capsys.readouterr().err
+
+
+def test_a_secret_file_that_cannot_be_read_is_said_before_the_launch(monkeypatch, capsys):
+    monkeypatch.setenv(SECRET_FILE_ENV, "/nonexistent/secret")
+    assert main(["train", str(PLAN), "--steps", "1", "--nnodes", "2", "--rdzv-endpoint",
+                 "h:1"]) == 2  # fmt: skip
+    said = "ZEROCC_RDZV_SECRET_FILE=/nonexistent/secret: cannot read it: No such file"
+    assert said in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["a:2", "1:", "1:2:3", "-1"])

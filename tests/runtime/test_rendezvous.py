@@ -1,6 +1,7 @@
 """`zerocc rendezvous`: a store where a restarting run's machines meet that no training machine
-holds (zerocc.runtime.rendezvous). The train flags that meet there are tested with the lost
-node in tests/cli/test_cli_multinode.py."""
+holds (zerocc.runtime.rendezvous); and where a launcher keeps its own: a one-machine run's on
+the loopback interface only. The train flags that meet there are tested with the lost node in
+tests/cli/test_cli_multinode.py; the shared secret in tests/runtime/test_rendezvous_secret.py."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from zerocc.errors import ZeroccError
 from zerocc.runtime import rendezvous
-from zerocc.runtime.launch import _rendezvous_id
+from zerocc.runtime.launch import _rendezvous_id, launch
 from zerocc.runtime.nodes import Nodes
+
+PLAN = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
 
 
 def _free_port() -> int:
@@ -91,3 +96,65 @@ def test_node_0_does_not_keep_a_store_where_a_rendezvous_answers(served):
     assert _rendezvous_id(Nodes(2, 1, endpoint), "127.0.0.1", port) == f"zerocc-{port}"
     standalone = Nodes(2, 0, endpoint, standalone=True, name="job")
     assert _rendezvous_id(standalone, "127.0.0.1", port) == "job.0"
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The addresses something on this machine listens on at ``port``, read from
+    /proc/net/tcp and tcp6 (``0.0.0.0`` and ``::`` are every address)."""
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, number = local.partition(":")
+            if state != "0A" or int(number, 16) != port:  # (0A: LISTEN)
+                continue
+            # (the kernel prints each 32-bit word of the address in host byte order)
+            words = bytes.fromhex(address)
+            raw = b"".join(words[i : i + 4][::-1] for i in range(0, len(words), 4))
+            found.add(socket.inet_ntop(family, raw))
+    return found
+
+
+def test_a_one_machine_launch_keeps_its_store_on_the_loopback_interface_only():
+    """A launch of 2 local ranks (each checking the example plan): while it runs, its store,
+    torchrun's agent's, listens on 127.0.0.1 and no other address (it listened on every
+    address, ``*:PORT``: torch's TCPStore binds all, whatever host it is given)."""
+    port = _free_port()
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            seen.update(listening_addresses(port))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        ended = launch(2, port, ["plan", "check", str(PLAN)])
+    finally:
+        done.set()
+        watcher.join()
+    assert ended.status == 0
+    assert seen == {"127.0.0.1"}
+
+
+def test_a_one_machine_store_on_a_port_in_use_is_refused_by_name():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ZeroccError, match=re.escape(
+            f"cannot keep the rendezvous store on 127.0.0.1:{port}: Address already in use; "
+            "pass another --master-port (0: a free one)"
+        )):  # fmt: skip
+            with rendezvous.meeting_place(Nodes(), "127.0.0.1", port):
+                pass
+
+
+def test_node_0_of_several_keeps_its_store_on_every_address():
+    """The machines meet at node 0's store: it listens on every address (torch's own), which
+    the shared secret and docs/gpus.md's firewall note are for."""
+    port = _free_port()
+    with rendezvous.meeting_place(Nodes(2, 0, f"127.0.0.1:{port}"), "127.0.0.1", port):
+        assert listening_addresses(port) & {"0.0.0.0", "::"}
+    assert not listening_addresses(port)

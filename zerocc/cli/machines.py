@@ -13,6 +13,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.errors import PlanError, ZeroccError
 from zerocc.runtime.launch import launched
 from zerocc.runtime.nodes import Nodes
+from zerocc.runtime.rendezvous_secret import shared_secret
 
 
 def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +33,10 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rdzv-endpoint", metavar="HOST:PORT",
         help="where the machines meet: node 0's address and a free port on it (or a "
-        "`zerocc rendezvous`'s, with --rdzv-standalone)",
+        "`zerocc rendezvous`'s, with --rdzv-standalone); its store listens on every address, "
+        "unauthenticated: set the run's shared secret in $ZEROCC_RDZV_SECRET (or a file's "
+        "name in $ZEROCC_RDZV_SECRET_FILE) on every machine, and a launcher without it is "
+        "refused before it joins (docs/gpus.md)",
     )  # fmt: skip
     parser.add_argument(
         "--rdzv-standalone", action="store_true",
@@ -88,7 +92,9 @@ def add_rendezvous_command(commands: argparse._SubParsersAction) -> None:
     )
     meet.add_argument(
         "--port", type=int, default=DEFAULT_PORT,
-        help=f"port to listen on, every address of this machine (default {DEFAULT_PORT})",
+        help=f"port to listen on, every address of this machine (default {DEFAULT_PORT}); "
+        "with $ZEROCC_RDZV_SECRET (or $ZEROCC_RDZV_SECRET_FILE) set, a node that has not the "
+        "same secret is refused before it joins",
     )  # fmt: skip
     meet.set_defaults(run=_rendezvous)
 
@@ -172,7 +178,8 @@ def restarts_of(args: argparse.Namespace, plan: Plan) -> int:
 
 def nodes_of(args: argparse.Namespace) -> Nodes:
     """The machines the run spans (``--nnodes``, ``--node-rank``) and where they meet
-    (``--rdzv-endpoint``, ``--rdzv-conf``, ``--rdzv-standalone``, ``--rdzv-id``)."""
+    (``--rdzv-endpoint``, ``--rdzv-conf``, ``--rdzv-standalone``, ``--rdzv-id``; the shared
+    secret, read from the environment, checked to be had)."""
     if args.nnodes > 1 and args.master_port:
         raise ZeroccError(
             "--master-port is for one machine; with --nnodes the port is --rdzv-endpoint's"
@@ -195,6 +202,8 @@ def nodes_of(args: argparse.Namespace) -> Nodes:
             f"{needless[0]} sets the rendezvous of a run that restarts over machines (--nnodes N "
             "with --max-restarts); this run meets at a fixed address"
         )
+    if args.nnodes > 1:
+        shared_secret()  # (a secret file that cannot be read: said now, not after the preflight)
     return Nodes(
         args.nnodes,
         _node_rank(args),
