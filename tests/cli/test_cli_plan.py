@@ -4,11 +4,13 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 from zerocc.cli.main import main
+from zerocc.errors import PlanWarning
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 
@@ -70,8 +72,19 @@ def test_no_command_prints_help(capsys, argv):
     assert "usage: zerocc" in capsys.readouterr().out
 
 
+def example_plans() -> list[Path]:
+    """The example plans git tracks: not what a user's own commands leave beside them
+    (`zerocc plan auto examples/gpt/zero3.yaml` writes zero3.auto.yaml there)."""
+    root = EXAMPLES.parents[1]
+    listed = subprocess.run(["git", "ls-files", "examples/**.yaml", "examples/*.yaml"],
+                            cwd=root, capture_output=True, text=True, check=True)  # fmt: skip
+    return sorted(root / line for line in set(listed.stdout.split()))
+
+
 def test_plan_check_accepts_every_example_plan(capsys):
-    for path in sorted(EXAMPLES.parent.glob("**/*.yaml")):
+    tracked = set(example_plans())
+    assert {EXAMPLES / "zero3.yaml", EXAMPLES.parent / "torchrun" / "plan.yaml"} <= tracked
+    for path in example_plans():
         assert main(["plan", "check", str(path)]) == 0, capsys.readouterr().err
         assert f"{path}: ok" in capsys.readouterr().out
 
@@ -207,3 +220,72 @@ def test_plan_check_checks_what_the_plan_names_in_the_model(capsys):
     # expert parallelism of a dense model
     assert main(["plan", "check", plan, "--set", "parallel.ep=2"]) == 2
     assert "this model has no experts module" in capsys.readouterr().err
+
+
+# --- what can be known before any rank starts (issue 77, cases 5, 10 and 11) ---------------
+
+
+@pytest.mark.parametrize("command", ["plan check", "train"])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["units.keep_gathered=['[']"],
+         "units.keep_gathered: pattern '[' matches no unit; units are: root, transformer.h.0"),
+        (["parallel.pp=2", "pipeline.microbatches=3"],
+         "pipeline.microbatches: 3 micro-batches cut each batch tensor along its first "
+         "dimension, which must be one size for all and divide by 3; the batch's tensors are "
+         "[[8, 64], [8, 64]]"),
+        (["dumps.dir=/proc/self"],
+         "dumps.dir: /proc/self: dumps cannot be written there (No such file or directory)"),
+        (["cost.calibration=/etc/passwd"],
+         "cost.calibration: calibration file /etc/passwd: not a zerocc calibration"),
+        (["cost.calibration=/"], "cost.calibration: calibration file /: cannot be read: Is a "
+         "directory"),
+    ],
+    ids=["keep_gathered", "microbatches", "dumps.dir", "calibration", "calibration-folder"],
+)  # fmt: skip
+def test_what_failed_after_launch_fails_before_any_rank_starts(capsys, command, overrides,
+                                                               expected):  # fmt: skip
+    """Refused 9 s into `zerocc train` by every rank (keep_gathered, micro-batches), or by rank
+    0 alone with a traceback (dumps.dir, cost.calibration): now by `plan check`, and by
+    `train` before it launches any rank (its preflight runs the same checks)."""
+    plan = str(EXAMPLES / "zero3.yaml")
+    sets = [item for o in overrides for item in ("--set", o)]
+    argv = [*command.split(), plan, *sets] + (["--nproc", "2"] if command == "train" else [])
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert expected in captured.err and "Traceback" not in captured.err
+    assert captured.err.count("\n") == 1 and "step" not in captured.out
+
+
+def test_train_dump_flag_is_checked_before_any_rank_starts(capsys):
+    plan = str(EXAMPLES / "zero3.yaml")
+    assert main(["train", plan, "--nproc", "2", "--dump", "/proc/self/x"]) == 2
+    assert "--dump: /proc/self/x: dumps cannot be written there" in capsys.readouterr().err
+
+
+def test_keep_gathered_and_microbatches_that_fit_pass(capsys):
+    plan = str(EXAMPLES / "zero3.yaml")
+    assert main(["plan", "check", plan, "--set", "units.keep_gathered=[transformer.h.*]"]) == 0
+    assert main(["plan", "check", str(EXAMPLES / "zero3-pp.yaml")]) == 0
+    pp = ["--set", "parallel.pp=2", "--set", "pipeline.microbatches=8"]
+    assert main(["plan", "check", plan, *pp]) == 0
+
+
+def test_a_schedule_longer_than_the_run_is_warned_of(capsys):
+    """(case 9) every field in range, and the run's rates all within a millionth of 0."""
+    from zerocc.cli.plan import warn_if_the_run_trains_nothing
+    from zerocc.compiler.plan import load_plan
+
+    plan = load_plan({"optimizer": {"schedule": {"warmup_steps": 10**9}}})
+    with pytest.warns(PlanWarning, match=r"over its 100 step\(s\) this run's learning rate "
+                      r"reaches at most 9.9e-11, under a millionth of the schedule's peak 0.001 "
+                      r"\(constant: warmup_steps 1000000000\)"):  # fmt: skip
+        warn_if_the_run_trains_nothing(plan, 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_the_run_trains_nothing(plan.model_copy(update={"optimizer": load_plan(
+            {"optimizer": {"schedule": {"warmup_steps": 10}}}).optimizer}), 100)  # fmt: skip
+        slow_log_warmup = {"name": "warmup_lr", "warmup_num_steps": 10**9}  # 2e-4 at step 99
+        slow = load_plan({"optimizer": {"schedule": slow_log_warmup}})
+        warn_if_the_run_trains_nothing(slow, 100)

@@ -89,21 +89,10 @@ def _model_checked(folder: str, read: str, plan) -> Outcome:
     return _MODEL_CHECKS[folder, read]
 
 
-def _batch_error_of_microbatches(plan: FuzzPlan, outcome: Outcome) -> bool:
-    """Micro-batches that do not divide the workload's batch, said as a BatchError."""
-    return "BatchError: pipeline.microbatches" in outcome.detail
-
-
 # Findings known and being fixed elsewhere: name -> (reason, what matches a fuzzed plan's
-# traceback, a plan that shows it).
-KNOWN_CHECK_FINDINGS = {
-    "microbatches_not_dividing_the_batch": (
-        "known open finding: pipeline.microbatches that do not divide the workload's batch "
-        "are a BatchError (a ZeroccError, not a PlanError) from plan check's model check",
-        _batch_error_of_microbatches,
-        FuzzPlan("examples/gpt/zero3-pp.yaml", ("pipeline.microbatches=3",)),
-    ),
-}
+# traceback, a plan that shows it). (Micro-batches not dividing the workload's batch are a
+# PlanError of plan check's model check now: tests/cli/test_cli_plan.py.)
+KNOWN_CHECK_FINDINGS: dict = {}
 
 
 def _known(plan: FuzzPlan, outcome: Outcome) -> str | None:
@@ -227,13 +216,9 @@ def test_an_accepted_fuzzed_plan_trains_or_says_why_not(index):
 
 
 # Known findings of spot training: accepted by plan check, a raw traceback in training.
-KNOWN_TRAIN_FINDINGS = {
-    "dumps_dir_proc_self": (
-        FuzzPlan("examples/gpt/zero3.yaml", ("dumps.dir=/proc/self",)),
-        "known open finding: dumps.dir /proc/self is accepted; each rank then fails writing "
-        "/proc/self/programs, a raw FileNotFoundError traceback",
-    ),
-}
+# (dumps.dir /proc/self is refused by plan check and before any rank starts now:
+# tests/cli/test_cli_plan.py.)
+KNOWN_TRAIN_FINDINGS: dict = {}
 
 
 @pytest.mark.slow

@@ -7,13 +7,18 @@ import argparse
 import functools
 import json
 import sys
+import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+if TYPE_CHECKING:
+    from zerocc.compiler.workload import Workload
+
 from zerocc.cli.plan_args import add_plan_arguments, plan_of
-from zerocc.compiler.plan import Plan, load_plan, plan_json_schema
-from zerocc.errors import ZeroccError
+from zerocc.compiler.plan import OptimizerConfig, Plan, load_plan, plan_json_schema
+from zerocc.errors import PlanError, PlanWarning, ZeroccError
 from zerocc.runtime.launch import launched
 
 
@@ -32,6 +37,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     imported.add_argument("config", metavar="DS_CONFIG", help="path of a DeepSpeed JSON config")
     imported.add_argument("-o", "--output", metavar="PLAN", help="write the plan YAML here")
+    imported.add_argument(
+        "--overwrite", action="store_true", help="replace --output where it exists (else refused)"
+    )
     imported.add_argument(
         "--workload", metavar="MODULE:FUNCTION", help="the plan's workload (DeepSpeed has none)"
     )
@@ -141,26 +149,63 @@ def _check(args: argparse.Namespace) -> int:
 def checked_model(plan: Plan) -> tuple[nn.Module, str]:
     """Call the workload as a rank does (a model too large for this machine belongs on the
     meta device, where zerocc's examples build theirs) and check what the plan names in its
-    model: units (classes, module globs), the layers tensor parallelism splits and the experts
-    expert parallelism splits; PlanError naming the field otherwise. Returns the model and a
-    few words on it. (`zerocc plan check`, and `zerocc train` before it launches any rank.)"""
+    model: units (classes, module globs, those kept gathered), the layers tensor parallelism
+    splits and the experts expert parallelism splits; and, for a pipeline, that its
+    micro-batches divide the workload's first batch; PlanError naming the field otherwise. Returns the model and a few words on it. (`zerocc plan
+    check`, and `zerocc train` before it launches any rank.)"""
     from zerocc.compiler.capture import describe_model
     from zerocc.compiler.parallel.experts import ExpertParallel
     from zerocc.compiler.parallel.tensor_parallel import TensorParallel
     from zerocc.compiler.passes.partition import assign_units
     from zerocc.compiler.workload import load_workload
 
-    model = load_workload(plan).model
+    workload = load_workload(plan)
+    model = workload.model
     info = describe_model(model)
     units = plan.units
     found = assign_units(info, 1, units.classes, units.modules, units.min_mb,
                          blocks_per_unit=units.blocks_per_unit)  # fmt: skip
     TensorParallel.of(model, info, plan)
     experts = ExpertParallel.of(model, info, plan)
+    # (experts modules are units of their own under the mesh)
+    _check_keep_gathered(plan, [u.key for u in found] + list(experts.modules if experts else ()))
+    if plan.parallel.pp > 1:
+        _check_microbatches(plan, workload)
     elements = sum(p.numel for p in info.params)
     split = f"; {experts.describe()}" if experts is not None else ""
     described = f"{elements:,} parameters, {len(found)} units{split}"
     return model, f"; model {type(model).__name__}, {described}"
+
+
+def _check_keep_gathered(plan: Plan, unit_names: list[str]) -> None:
+    """That each ``units.keep_gathered`` pattern matches a unit (the shard pass refuses it
+    in every rank, after the step is captured)."""
+    from zerocc.compiler.names import glob_matches
+
+    for pattern in plan.units.keep_gathered:
+        if not any(glob_matches(name, pattern) for name in unit_names):
+            raise PlanError(
+                f"units.keep_gathered: pattern {pattern!r} matches no unit; units are: "
+                f"{', '.join(unit_names[:6])}{', ...' if len(unit_names) > 6 else ''}"
+            )
+
+
+def _check_microbatches(plan: Plan, workload: Workload) -> None:
+    """That ``pipeline.microbatches`` divide rank 0's first batch (drawn for the fewest ranks
+    the plan takes), as each pipeline rank cuts its batches; PlanError naming the field and
+    the batch's shapes otherwise (a rank's own check says BatchError: there it is the batch
+    that does not fit)."""
+    from zerocc.compiler.parallel.mesh import Mesh
+    from zerocc.errors import BatchError
+    from zerocc.inspect.estimate import first_batch
+    from zerocc.runtime.pipeline import microbatches_of
+
+    mesh = Mesh.of_plan(plan, plan.least_world_size())
+    batch = first_batch(workload, mesh.data_parallel)
+    try:
+        microbatches_of(batch, plan.pipeline.microbatches_of(plan.parallel.pp))
+    except BatchError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def checked_plan(args: argparse.Namespace) -> Plan:
@@ -170,6 +215,7 @@ def checked_plan(args: argparse.Namespace) -> Plan:
     NVMe offload folder must exist and take files."""
     from zerocc.backends import get_backend
     from zerocc.compiler.driver.pass_manager import check_passes
+    from zerocc.cost.rates import check_calibration
 
     plan = plan_of(args)
     check_passes(plan)
@@ -182,7 +228,62 @@ def checked_plan(args: argparse.Namespace) -> Plan:
         from zerocc.runtime.nvme import check_folder
 
         check_folder(Path(plan.offload.nvme_path))
+    _check_dump_folder(plan, getattr(args, "dump", None))
+    profiles = getattr(getattr(args, "run", None), "__name__", "") == "_profile"
+    if not profiles:  # (profile writes the calibration, and reads none)
+        check_calibration(plan)
+    steps = getattr(args, "steps", None)
+    resumes = getattr(args, "resume", None) or plan.checkpoint.resume
+    if hasattr(args, "resume") and steps and not resumes and not launched():  # `zerocc train`
+        warn_if_the_run_trains_nothing(plan, steps)
     return plan
+
+
+# A run whose every rate is below this share of its schedule's peak moves its weights by a
+# millionth of what one step at the peak would: a schedule longer than the run by as much.
+NEGLIGIBLE_RATE = 1e-6
+
+
+def warn_if_the_run_trains_nothing(plan: Plan, steps: int) -> None:
+    """A PlanWarning when the learning rates the schedule gives the first ``steps`` optimizer
+    steps are all below a millionth of its peak (0 included: a warmup's first step): the run
+    trains next to nothing, though every field is in its range (``warmup_steps: 1e8`` with
+    ``--steps 100``). A warning, not an error: a short trial run of a long recipe is one."""
+    from zerocc.compiler.schedule import lr_at
+
+    optimizer = plan.optimizer
+    schedule = optimizer.schedule
+    # Warmups rise and decays fall: the run's largest rate is at its last step or where its
+    # warmup ends (DeepSpeed's steps are one behind: both sides of it).
+    ends = (schedule.warmup_steps, schedule.warmup_num_steps, schedule.warmup_num_steps + 1)
+    candidates = {0, steps - 1, *(step for step in ends if step < steps)}
+    largest = max(lr_at(optimizer, step) for step in candidates)
+    if largest < NEGLIGIBLE_RATE * optimizer.peak_lr:
+        warnings.warn(
+            f"optimizer.schedule: over its {steps} step(s) this run's learning rate reaches at "
+            f"most {largest:.3g}, under a millionth of the schedule's peak {optimizer.peak_lr:g} "
+            f"({optimizer.schedule.name}: {_schedule_fields(optimizer)}): it trains next to "
+            "nothing; run more steps (--steps) or shorten the warmup",
+            PlanWarning,
+            stacklevel=2,
+        )
+
+
+def _schedule_fields(optimizer: OptimizerConfig) -> str:
+    """The schedule's own fields as ``name value`` pairs."""
+    schedule = optimizer.schedule
+    return ", ".join(f"{name} {getattr(schedule, name)}" for name in schedule.fields())
+
+
+def _check_dump_folder(plan: Plan, flag: str | None) -> None:
+    """That the folder the dumps go to (``--dump``, else ZEROCC_DUMP_DIR or ``dumps.dir``)
+    takes them, when there is one."""
+    from zerocc.inspect.dumps import check_dump_folder, dump_dir, dump_dir_named
+
+    if flag:
+        check_dump_folder(Path(flag), "--dump")
+    elif (root := dump_dir(plan)) is not None:
+        check_dump_folder(root, dump_dir_named(plan))
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -193,6 +294,8 @@ def _import(args: argparse.Namespace) -> int:
     from zerocc.compiler.plan.deepspeed import convert, read_json
     from zerocc.compiler.plan.messages import plan_origin
 
+    if args.output and Path(args.output).exists() and not args.overwrite:
+        raise ZeroccError(f"{args.output}: exists; --overwrite replaces it, or name another -o")
     config = read_json(Path(args.config), plan_origin(args.config))
     if not isinstance(config, dict):
         raise ZeroccError(f"{args.config}: a DeepSpeed config is a JSON object")

@@ -214,7 +214,9 @@ class DeviceRates:
                          collectives=rates.get("collectives", {}))  # fmt: skip
         except FileNotFoundError:
             raise PlanError(f"calibration file {path}: not found") from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except OSError as exc:
+            raise PlanError(f"calibration file {path}: cannot be read: {exc.strerror}") from None
+        except (ValueError, KeyError, TypeError) as exc:
             raise PlanError(f"calibration file {path}: not a zerocc calibration: {exc}") from None
         loaded.sources = dict.fromkeys(RATE_FIELDS, "calibration")
         return loaded
@@ -227,11 +229,7 @@ def rates_for(
     (``calibration``, else the plan's ``cost.calibration``, relative to the plan file) over the
     defaults of ``device`` (default: the plan's backend device; ``auto`` is this machine's)."""
     cost = plan.cost
-    path = Path(calibration) if calibration is not None else None
-    if path is None and cost.calibration is not None:
-        path = Path(cost.calibration)
-        if not path.is_absolute() and plan.source:
-            path = Path(plan.source).resolve().parent / path
+    path = Path(calibration) if calibration is not None else calibration_path(plan)
     if path is not None and device is None:
         rates = DeviceRates.load(path)
     else:
@@ -249,6 +247,29 @@ def rates_for(
         latency_s=cost.latency_us * 1e-6 if cost.latency_us is not None else None,
         group_links={g: gbps * 1e9 / 8 for g, gbps in cost.group_link_gbps.items()} or None,
     )
+
+
+def calibration_path(plan: Plan) -> Path | None:
+    """The plan's ``cost.calibration``, relative to the plan file (None when it names none)."""
+    if plan.cost.calibration is None:
+        return None
+    path = Path(plan.cost.calibration)
+    if not path.is_absolute() and plan.source:
+        path = Path(plan.source).resolve().parent / path
+    return path
+
+
+def check_calibration(plan: Plan) -> None:
+    """PlanError naming ``cost.calibration`` when the file it names cannot be read as a
+    calibration (missing, unreadable, another format): what every command checks before a
+    rank starts, since only rank 0 reads it (for the dumps' predicted trace)."""
+    path = calibration_path(plan)
+    if path is None:
+        return
+    try:
+        DeviceRates.load(path)
+    except PlanError as exc:
+        raise PlanError(f"cost.calibration: {exc}") from None
 
 
 def device_kind(plan: Plan) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ from zerocc.cost.memory import model_state_bytes_of, predict_memory
 from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation, predict_step
 from zerocc.cost.timeline import MemoryTimeline, TraceEvent, exposed_us
+from zerocc.errors import PlanError
 from zerocc.inspect.chrome_trace import chrome_trace
 from zerocc.inspect.dot import GRAPHVIZ_HINT, program_to_dot, render_svg
 from zerocc.inspect.estimate import pass_table
@@ -57,11 +59,49 @@ def dump_dir(plan: Plan) -> Path | None:
     return Path(where) if where else None
 
 
+def dump_dir_named(plan: Plan) -> str:
+    """How messages name the dump folder's setting: the variable when it is set, else the
+    plan's field."""
+    return DUMP_DIR_ENV if os.environ.get(DUMP_DIR_ENV) else "dumps.dir"
+
+
+def check_dump_folder(root: Path, named: str) -> None:
+    """PlanError unless dumps can be written under ``root`` (``named``: the setting that gave
+    it, for the message): an existing folder that takes files, or one its nearest existing
+    parent folder can hold. What every command checks before a rank starts (a rank failing
+    to write its dumps fails after the step compiled, on rank 0 alone)."""
+    existing = root
+    try:
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise PlanError(f"{named}: {root}: {existing} is a file, not a folder")
+        fd, probe = tempfile.mkstemp(prefix=".zerocc-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise PlanError(
+            f"{named}: {root}: dumps cannot be written there ({exc.strerror or exc}); name a "
+            "folder this user can write"
+        ) from None
+
+
+def _made(folder: Path) -> Path:
+    """``folder``, made with its parents; PlanError naming it when it cannot be."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PlanError(
+            f"dumps: cannot make the folder {folder} ({exc.strerror or exc}); set dumps.dir "
+            f"or {DUMP_DIR_ENV} to a folder this user can write"
+        ) from None
+    return folder
+
+
 def write_program_dumps(root: Path, name: str, records: list[PassRecord]) -> list[Path]:
     """The program after each pass as ``.py`` and ``.dot`` (and ``.svg`` when Graphviz is
     installed); returns the files written."""
-    folder = root / "programs" / name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = _made(root / "programs" / name)
     written = []
     for i, record in enumerate(records):
         stem = folder / f"{i:02d}-{record.name}"
@@ -100,7 +140,7 @@ def write_run_dumps(
         return None
     from zerocc.inspect.plots import plot_memory  # matplotlib: only when dumping
 
-    root.mkdir(parents=True, exist_ok=True)
+    _made(root)
     program = step.program
     states = model_state_bytes_of(step.layout)
     rates = rates_for(step.plan, step.device_type)
