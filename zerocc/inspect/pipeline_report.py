@@ -102,8 +102,8 @@ def explain(step: PipelineRankView) -> str:
         "",
         "schedule",
         step.schedule.format(),
-        f"measured (last step): this rank waited {step.timeline.waiting_share:.1%} of it for a "
-        "neighbour",
+        f"measured (the last step, step {step.micro_batches}): this rank waited "
+        f"{step.timeline.waiting_share:.1%} of it for a neighbour",
         "",
         f"memory of this rank: {step.memory().format()}",
         *_backend_lines(step),
