@@ -317,6 +317,58 @@ def test_blocks_that_differ_hooked_or_sharing_a_module_are_no_candidates():
     assert sorted(candidates(frozen)) == ["blocks.1", "blocks.2"]
 
 
+class _KeepsOutputs(_Net):
+    """Blocks whose linears' outputs the loss reads through hooks the forward registers on its
+    first call, as transformers' output capturing keeps a mixture of experts' router logits
+    for the load-balancing loss (issue 77: ``zerocc train examples/huggingface/mixtral-tiny.yaml
+    --set parallel.ep=2``, and the example with grouped_mm experts, failed in their first step
+    on a fake tensor the template's trace had kept)."""
+
+    def __init__(self) -> None:
+        super().__init__(_Plain)
+        self.hooked, self.kept = False, []
+
+    def _keep(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.kept.append(output)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.hooked:
+            self.hooked = True
+            for block in self.blocks:
+                block.lin.register_forward_hook(self._keep)
+        self.kept = []
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        return h.pow(2).mean() + sum(k.mean() for k in self.kept) / len(self.kept)
+
+
+def test_a_hook_the_forward_registers_makes_its_layers_traced_per_call():
+    torch.manual_seed(0)
+    model = _KeepsOutputs()
+    gm = capture(model, describe_model(model), None, _IDS, CPU)
+    assert gm.meta["repeated_layers"] == (
+        "_Plain traced per call (the model's forward registered a hook in it)"
+    )
+    assert [n for n in gm.graph.nodes if n.op == "get_attr"] == []
+    _check_numbers(model, gm)  # (each block's output read once, through its own call)
+
+
+def test_a_tensor_another_trace_kept_is_a_capture_error(monkeypatch):
+    """Were a template traced with such a hook, the tensor it keeps is the template trace's:
+    no value of the step, said when the step is captured (it failed in the program's first
+    run, in the first op reading it, with torch's "Please convert all Tensors to
+    FakeTensors")."""
+    from zerocc.compiler import repeats
+    from zerocc.errors import CaptureError
+
+    monkeypatch.setattr(repeats, "hook_ids", lambda module: frozenset())
+    model = _KeepsOutputs()
+    with pytest.raises(CaptureError, match=r"the model's forward or loss reads a tensor of "
+                       r"shape \(3, 4, 8\) that the traced step did not compute"):  # fmt: skip
+        capture(model, describe_model(model), None, _IDS, CPU)
+
+
 def test_calls_of_another_shape_get_a_template_of_their_own():
     class Net(_Net):
         def forward(self, ids):

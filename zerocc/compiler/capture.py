@@ -42,6 +42,7 @@ from zerocc.compiler.opaque import data_dependent_cause, forget, op_of, opaque_m
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.compiler.repeats import RepeatedLayers, TensorStatus
 from zerocc.errors import CaptureError
+from zerocc.ir.fake_values import fake_constants
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
 from zerocc.logs import FAKE_KERNELS, quiet
 
@@ -326,6 +327,7 @@ def capture(
     gm.graph.eliminate_dead_code()
     gm.meta["repeated_layers"] = layers.summary()
     _tag(gm, info, tensor_positions, casts.loss_scale and gradients)
+    check_no_fake_constants(gm)
     _cast_gradients_when_complete(gm)
     return gm  # its code is make_fx's: the pass manager recompiles its own result, once
 
@@ -532,6 +534,20 @@ def _in_eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for module, mode in modes.items():
             module.training = mode
+
+
+def check_no_fake_constants(gm: fx.GraphModule) -> None:
+    """CaptureError where the step reads a constant of the graph that is a fake tensor
+    (:func:`~zerocc.ir.fake_values.fake_constants`): it has no value when the program runs."""
+    for readers, shape in fake_constants(gm)[:1]:
+        where = ", ".join(repr(m) if m else "the model's forward or loss" for m in readers)
+        raise CaptureError(
+            f"tracing the training step: {where} reads a tensor of shape {shape} that the "
+            "traced step did not compute: Python state kept it from another trace of the "
+            "model (a hook's list, a cache), and it has no value when the program runs. "
+            "Compute it within the step; if a layer's hook keeps it, set "
+            "capture.repeated_layers: false"
+        )
 
 
 def _check_loss(loss: Any) -> torch.Tensor:

@@ -24,7 +24,8 @@ its backward ends: the same terms, summed in another order.
 (:func:`~zerocc.compiler.twins.fingerprint`: its submodules' classes and attributes, its
 parameters' and buffers' names, shapes and dtypes; scalar attributes by name), shares no
 submodule with the rest of the model, has no hooks but ones that say they run alike for each
-twin, and lies in no other candidate. A call is a copy of a template when the module's
+twin (none registered since the step began, checked at each call: a forward may register hooks
+on its first call), and lies in no other candidate. A call is a copy of a template when the module's
 fingerprint, the call's structure and non-tensor arguments, each tensor's shape, strides,
 dtype, device and ``requires_grad``, and the scalar attributes the template's trace read are
 the template's (a Hugging Face decoder layer's ``layer_idx`` differs per layer, and training
@@ -68,6 +69,7 @@ from zerocc.compiler.twins import (
     PLAIN,
     candidates,
     fingerprint,
+    hook_ids,
     reads_match,
     reads_recorded,
     value_key,
@@ -204,12 +206,16 @@ class RepeatedLayers:
         # module's code, most often: its twins would be refused alike, each after a trace)
         self.refused: dict[str, str] = {}
         self.calls: list[str] = []
+        self.hooks: dict[str, frozenset[int]] = {}  # FQN -> its hooks' ids as the step began
 
     @contextlib.contextmanager
     def patched(self, tracker: ModuleTracker) -> Iterator[None]:
         """Each candidate module calls :meth:`_call` in place of its forward while in the
         body."""
         mine = {f: m for f, m in self.modules.items() if "forward" not in vars(m)}  # (not opaque)
+        # The hooks each holds as the step begins (the tracker's among them): one the model's
+        # forward registers later is checked at its call (see :meth:`_call`)
+        self.hooks = {fqn: hook_ids(module) for fqn, module in mine.items()}
         for fqn, module in mine.items():
             module.forward = types.MethodType(self._forward_of(fqn, tracker), module)
         try:
@@ -235,6 +241,12 @@ class RepeatedLayers:
         kwargs: dict[str, Any],
     ) -> Any:
         kind = type(module)
+        if kind.__name__ not in self.refused and hook_ids(module) - self.hooks[fqn]:
+            # A hook registered by the forward itself, after the candidates were chosen (as
+            # transformers' output capturing does, on its first call that records outputs, the
+            # routers' logits of a mixture of experts): what it does for one call (keep a
+            # tensor), a template would do once, on its own trace's tensors, for every copy
+            self.refused[kind.__name__] = "the model's forward registered a hook in it"
         if kind.__name__ in self.refused:  # (once refused, a class is traced call by call)
             return kind.forward(module, *args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))

@@ -170,6 +170,13 @@ def _hooks_print(module: nn.Module) -> tuple | None:
     return None if any(k[0] == "object" for k in keys) else keys
 
 
+def hook_ids(module: nn.Module) -> frozenset[int]:
+    """The ids of the hooks registered on ``module`` and its submodules (a handle's ``id``)."""
+    return frozenset(
+        key for s in module.modules() for name in _HOOKS for key in getattr(s, name, {})
+    )
+
+
 def candidates(model: nn.Module) -> dict[str, nn.Module]:
     """The modules of ``model`` (by FQN) whose calls may be copies of a template (see the
     module's docstring); none when global module hooks are registered."""

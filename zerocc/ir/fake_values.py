@@ -23,6 +23,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx.node import map_aggregate, map_arg
 
+from zerocc.ir.nodes import info
+
 _VERSION = "zerocc_val_version"  # (the value it versions, its version)
 _SOURCE = "zerocc_val_source"  # what the node's value was computed from
 _OPERANDS = "zerocc_val_operands"  # its arguments, each operand as the layout of its value
@@ -147,6 +149,21 @@ def propagate_all_fake_values(gm: fx.GraphModule) -> None:
     FakeTensorProp(gm, _fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
     for node in gm.graph.nodes:
         node.meta.pop(_SOURCE, None)
+
+
+def fake_constants(gm: fx.GraphModule) -> list[tuple[list[str], tuple[int, ...]]]:
+    """The constants of ``gm`` (``get_attr`` nodes) that are fake tensors, each as the modules
+    of the nodes that read it and its shape: tensors a trace kept that it did not compute
+    (made on fake tensors elsewhere, by another trace of the model), with no value to run on."""
+    found = []
+    for node in gm.graph.nodes:
+        value: Any = gm
+        for name in str(node.target).split(".") if node.op == "get_attr" else ():
+            value = getattr(value, name, None)
+        if node.op == "get_attr" and isinstance(value, FakeTensor):
+            readers = sorted({info(u).module or "" for u in node.users})
+            found.append((readers, tuple(value.shape)))
+    return found
 
 
 def example_value(graph: fx.Graph) -> torch.Tensor:
