@@ -8,6 +8,8 @@ misbehave on purpose (WORKLOAD below).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -27,8 +29,30 @@ from torch import nn
 from zerocc.compiler.workload import Workload
 
 
-def workload(stop_rank=-1, stop_at=3, batches=100, short_rank=-1, raise_rank=-1):
+def workload(stop_rank=-1, stop_at=3, batches=100, short_rank=-1, raise_rank=-1,
+             between_rank=-1, between_at=3, between_signal="SIGSTOP", pace=0.0,
+             first_attempt_only=False):
     torch.manual_seed(0)
+    counted = [0]
+
+    def tokens(batch):  # called after each micro-batch, between the step and the metrics
+        counted[0] += 1
+        if counted[0] == 1:
+            with open(f"pid-{os.environ['RANK']}", "w") as f:
+                f.write(str(os.getpid()))
+        time.sleep(pace)
+        again = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        if int(os.environ["RANK"]) == between_rank and counted[0] == between_at and not (
+            again and first_attempt_only
+        ):
+            time.sleep(1)  # (as loading a batch would: its heartbeat tells it is after step 3)
+            with open(f"stopped-{between_rank}", "w") as f:
+                f.write(str(time.time()))
+            if between_signal == "raise":
+                raise ValueError("the token counter broke")
+            os.kill(os.getpid(), getattr(signal, between_signal))
+        return batch[0].shape[0]
+
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def make(rank, world):
@@ -42,22 +66,33 @@ def workload(stop_rank=-1, stop_at=3, batches=100, short_rank=-1, raise_rank=-1)
             g = torch.Generator().manual_seed(rank * 1000 + i)
             yield torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
-    return Workload(model, loss_fn=lambda m, x, y: ((m(x) - y) ** 2).mean(), batches=make)
+    return Workload(model, loss_fn=lambda m, x, y: ((m(x) - y) ** 2).mean(), batches=make,
+                    tokens_per_batch=tokens)
 """
 
 
-def _train(tmp_path: Path, timeout_s: float = 30, **workload_args) -> subprocess.CompletedProcess:
+def _train(
+    tmp_path: Path, timeout_s: float | None = 30, extra: str = "", dry: bool = False,
+    flags: tuple[str, ...] = (), **workload_args,
+) -> subprocess.CompletedProcess | None:
+    """``timeout_s`` None: the plan's default (600 s); ``extra``: more plan lines; ``dry``:
+    write the files only; ``flags``: more flags of `zerocc train`."""
     (tmp_path / "workload.py").write_text(WORKLOAD)
     args = ", ".join(f"{k}: {v}" for k, v in workload_args.items())
+    timeout = f", timeout_s: {timeout_s}" if timeout_s is not None else ""
     (tmp_path / "plan.yaml").write_text(
         textwrap.dedent(f"""\
             workload: "workload:workload"
             workload_args: {{{args}}}
             zero: {{stage: 3}}
-            backend: {{device: cpu, timeout_s: {timeout_s}}}
+            backend: {{device: cpu{timeout}}}
             """)
+        + extra
     )
+    if dry:
+        return None
     command = [sys.executable, "-m", "zerocc", "train", "plan.yaml", "--nproc", "2", "--steps", "8"]
+    command += flags
     return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180)
 
 
@@ -74,6 +109,120 @@ def test_a_stopped_rank_stops_the_job_within_the_timeout(tmp_path):
     assert "agreement on the next batch" in error and "backend.timeout_s (5 s)" in error
     assert "rank 1 (pid" in run.stderr.split("rank(s) failed:")[1]
     assert "the launcher killed it" in run.stderr
+
+
+def test_ranks_end_with_their_launcher(tmp_path):
+    """`kill -9` of `zerocc train`: its ranks end with it (they trained on as orphans)."""
+
+    def running(pid: int) -> bool:  # (not gone, not a zombie)
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    _train(tmp_path, batches=100000, pace=0.05, dry=True)
+    command = [sys.executable, "-m", "zerocc", "train", "plan.yaml", "--nproc", "2",
+               "--steps", "100000"]  # fmt: skip
+    with (tmp_path / "output").open("w") as output:
+        launcher = subprocess.Popen(command, cwd=tmp_path, stdout=output, stderr=output)
+    pids = []
+    try:
+        deadline = time.monotonic() + 150
+        while len(pids) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.2)
+            pids = [int(p.read_text()) for p in tmp_path.glob("pid-*") if p.read_text()]
+        assert len(pids) == 2, (tmp_path / "output").read_text()
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(running(p) for p in pids):
+            time.sleep(0.1)
+        left = [p for p in pids if running(p)]
+        assert not left, f"ranks {left} outlived their launcher by 10 s"
+    finally:
+        launcher.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_restart_names_the_lost_rank_and_the_summary_counts_restarts_and_steps_recomputed(
+    tmp_path,
+):
+    """Rank 1 is killed (SIGKILL, from outside) after step 5 of the first attempt; saved every
+    2 steps, every rank starts again from step 4: the restart's line says which rank was lost
+    and how, and the summary says 1 restart and 1 step recomputed (step 5)."""
+    flags = ("--max-restarts", "1", "--save", "ckpt", "--save-every", "2")
+    run = _train(tmp_path, flags=flags, between_rank=1, between_at=5,
+                 between_signal="SIGKILL", first_attempt_only=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    out = run.stdout + run.stderr
+    lost = re.search(r"zerocc: restart 1: the attempt before lost rank 1 \(pid \d+\): killed by "
+                     r"SIGKILL: killed without an error of its own, not by this launcher's (.*)",
+                     out)  # fmt: skip
+    assert lost and "rank 0" not in lost.group(1), out  # (rank 0 only met rank 1's absence)
+    assert "restarts: 1; 1 step(s) recomputed" in run.stdout, out
+
+
+def _error_of(run: subprocess.CompletedProcess, rank: int) -> str:
+    said = f"zerocc: rank {rank}: error"
+    return next(ln for ln in run.stderr.splitlines() if ln.startswith(said))
+
+
+def test_a_rank_stopped_between_steps_is_named_within_a_minute_at_default_settings(tmp_path):
+    """Rank 1 stops (SIGSTOP) after step 3, before the metrics' gather that rank 0 waits in,
+    under the default backend.timeout_s (600 s): the heartbeats' watch names it (rank, pid,
+    what it last did) after 30 silent seconds, the launcher kills it and says so; no raw
+    process-group traceback, no 600 s wait and no 30 s of torchrun's grace."""
+    run = _train(tmp_path, None, between_rank=1, between_at=3)
+    ended = time.time()
+    stopped = float((tmp_path / "stopped-1").read_text())
+    assert run.returncode == 2, run.stderr
+    assert ended - stopped < 60, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    error = _error_of(run, 0)
+    assert "rank 0, step 4: rank 1 (pid" in error and "stopped answering" in error, error
+    assert "last seen after step 3" in error, error
+    assert "gave up in the metrics' gather after step 3" in error, error
+    assert "after rank 1's heartbeat stood still for 30 s" in error, error
+    report = run.stderr.split("rank(s) failed:")[1]
+    assert "rank 1 (pid" in report and "killed by SIGKILL: it stopped answering its peers (rank 0 "\
+        "reported it silent), and the launcher killed it" in report, report
+
+
+def test_a_rank_killed_between_steps_is_named_not_a_connection_reset(tmp_path):
+    """Rank 1 is SIGKILLed (not by the launcher) after step 3: rank 0, in the metrics' gather,
+    names it, or the launcher stops it first and says after what; no raw gloo error either
+    way, and the report does not claim the launcher killed rank 1."""
+    run = _train(tmp_path, between_rank=1, between_at=3, between_signal="SIGKILL")
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and "Connection" not in run.stderr, run.stderr
+    report = run.stderr.split("rank(s) failed:")[1]
+    assert "rank 1 (pid" in report and "killed by SIGKILL" in report, report
+    assert "not by this launcher's watch" in report, report
+    assert "the launcher killed it" not in report, report
+    if "zerocc: rank 0: error" in run.stderr:  # (rank 0 named it before torchrun's SIGTERM)
+        error = _error_of(run, 0)
+        assert "rank 1 (pid" in error and "gave up in the metrics' gather after step 3" in error
+    else:
+        assert "stopped by the launcher after rank 1 (killed by SIGKILL) ended" in report, report
+
+
+def test_an_error_of_rank_0_alone_between_steps_is_said_once_not_as_a_peers_traceback(tmp_path):
+    """Rank 0's workload raises between steps (its token count), rank 1 waits in the metrics'
+    gather: the run says rank 0's error (the workload's, a PlanError), and rank 1 no raw
+    process-group traceback: it names rank 0 as gone, or the launcher stops it first."""
+    run = _train(tmp_path, between_rank=0, between_at=3, between_signal='"raise"')
+    assert run.returncode == 2, run.stderr
+    assert "Traceback (most recent call last)" not in run.stderr, run.stderr
+    assert "Connection" not in run.stderr, run.stderr
+    error = _error_of(run, 0)
+    assert "tokens_per_batch(batch) raised ValueError: the token counter broke" in error, error
+    rank_1 = run.stderr.split("rank(s) failed:")[1].split("rank 1 (pid")[1]
+    assert "killed by SIGTERM: stopped by the launcher after rank 0 failed" in rank_1 or (
+        "last error: RankStoppedError: rank 1, step 4: rank 0 (pid" in rank_1
+        and "exited" in rank_1
+    ), rank_1
 
 
 def test_a_rank_out_of_data_stops_every_rank(tmp_path):
@@ -386,3 +535,4 @@ def test_collective_logs_name_the_first_difference_or_the_ranks_behind():
     assert "rank 1 at 6 (all_gather of 6.0MiB): behind" in behind
     assert describe_divergence([rank(0, (7, *gather)), rank(1, (7, *gather))]) == ""
     assert describe_divergence([rank(0, (7, *gather)), rank(1)]) == ""  # (no log to compare)
+

@@ -218,3 +218,14 @@ main._end_rank(0)
     assert "zerocc: rank 1 is done and has waited 0.2 s for its threads to end: uploader" in (
         run.stderr
     )
+
+
+def test_the_pipeline_summary_names_the_step_its_waiting_share_is_of(capsys):
+    """A resumed pipeline run's summary: the waiting share is of the last step, said by its
+    number (step 8, counted on from the checkpoint), not of the run."""
+    from zerocc.cli.train import _print_summary
+
+    summary = {"pipeline_waiting_share": 0.207, "predicted_peak_bytes": 2**20}
+    _print_summary(summary, 4, 1, None, 0.0, 1.0, 4, last_step=8)
+    out = capsys.readouterr().out
+    assert "pipeline: rank 0 waited 20.7% of the last step (step 8) for a neighbour" in out

@@ -1,12 +1,13 @@
 """What `zerocc train` reports while it trains (the plan's ``metrics`` section).
 
 Every ``every`` optimizer steps the ranks pool what they saw since the last record (one small
-object gather on the control group): the loss as the mean over ranks and micro-batches (the
-loss the step's gradient is the mean of), the tokens every rank trained on per second of wall
-time, the learning rate the last step ran with, and on GPUs the model FLOPs utilization and the
-peak memory of the busiest rank. Rank 0 shows it on the progress line and appends it to a JSONL
-file and TensorBoard when asked. An evaluation loss on the workload's held-back data runs every
-``eval_every`` steps and at the end, through the step's forward-only program.
+object gather on the control group, where a peer gone is named as in a step): the loss as the
+mean over ranks and micro-batches (the loss the step's gradient is the mean of), the tokens every
+rank trained on per second of wall time, the learning rate the last step ran with, and on GPUs
+the model FLOPs utilization and the peak memory of the busiest rank. Rank 0 shows it on the
+progress line and appends it to a JSONL file and TensorBoard when asked. An evaluation loss on
+the workload's held-back data runs every ``eval_every`` steps and at the end, through the step's
+forward-only program.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from zerocc.cost.model import node_work
 from zerocc.errors import NotSupportedError
 from zerocc.ir.nodes import info
 from zerocc.pipeline_step import PipelineStep
+from zerocc.runtime.failures import gathered
 
 # Dense peak TFLOP/s by compute dtype, from the datasheets (SXM parts; fp32 without TF32, as
 # torch computes fp32 matmuls by default). A device not listed shows no MFU unless the plan
@@ -70,6 +72,7 @@ class Metrics:
     def __init__(self, step: Any, plan: Plan, workload: Workload, rank: int) -> None:
         self.step, self.config, self.workload, self.rank = step, plan.metrics, workload, rank
         self.accum = plan.grad_accumulation
+        self._counting = f"{plan.workload}: tokens_per_batch(batch)"
         self.peak = peak_flops(step.device, plan.precision.param, self.config.peak_tflops)
         self._flops: float | None = None
         self._losses: list[float] = []
@@ -109,7 +112,8 @@ class Metrics:
         self._losses.append(loss)
         self._timed += 1
         if self.workload.tokens_per_batch is not None:
-            self._tokens += self.workload.tokens_per_batch(batch)
+            with workload_code(self._counting):  # (the workload's code: said as its error)
+                self._tokens += self.workload.tokens_per_batch(batch)
 
     def after_step(self, lr: float) -> dict[str, Any] | None:
         """After each optimizer step (``lr``: the rate it ran with): the pooled record when
@@ -148,7 +152,7 @@ class Metrics:
             memory = torch.cuda.max_memory_allocated(self.step.device)
             torch.cuda.reset_peak_memory_stats(self.step.device)
         mine = (math.fsum(self._losses), len(self._losses), self._timed, self._tokens, memory)
-        pooled = self.step.comm.all_gather_object(mine)
+        pooled = self._gathered(mine, f"the metrics' gather after step {steps}")
         count, timed = sum(p[1] for p in pooled), sum(p[2] for p in pooled)
         record: dict[str, Any] = {
             "step": steps,
@@ -194,23 +198,30 @@ class Metrics:
         total = math.fsum(
             float(self.step.evaluate(*to_device(b, self.step.device))) for b in batches
         )
-        pooled = self.step.comm.all_gather_object((total, len(batches)))
+        steps = self.step.micro_batches // self.accum
+        where = f"the evaluation's gather after step {steps}"
+        pooled = self._gathered((total, len(batches)), where)
         return math.fsum(p[0] for p in pooled) / sum(p[1] for p in pooled)
 
     def _eval_batches(self) -> list[tuple]:
         if self._eval is None:
             made = self.workload.eval_batches
-            comm = self.step.comm
             mine = []
             if made is not None:
                 ranks = (self.step.data_rank, self.step.data_parallel)  # one per tp group
                 with workload_code(f"eval_batches{ranks}"):
                     mine = list(islice(made(*ranks), self.config.eval_batches))
-            counts = comm.all_gather_object(len(mine))
+            counts = self._gathered(len(mine), "the ranks' count of eval batches")
             if len(set(counts)) > 1 and self.rank == 0:
                 print(f"eval: the ranks hold {counts} eval batches; each evaluates {min(counts)}")
             self._eval = mine[: min(counts)]
         return self._eval
+
+    def _gathered(self, value: Any, where: str) -> list[Any]:
+        """Every rank's ``value``: a peer gone or silent meanwhile is named as in a step
+        (``zerocc.runtime.failures.gathered``), not the process group's own error."""
+        health = getattr(self.step, "health", None)  # (a pipeline's step has none of its own)
+        return gathered(self.step.comm, value, where, health)
 
     def _write(self, record: dict[str, Any]) -> None:
         if "loss" in record:

@@ -25,7 +25,9 @@ from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
 from zerocc.runtime.checkpoint.files import PREFIX, resolve, saved_checkpoints
 from zerocc.runtime.checkpoint.in_memory import MemoryCheckpoints
+from zerocc.runtime.failures import gathered
 from zerocc.runtime.launch import in_memory_folder, report, started_before
+from zerocc.runtime.restarts import StepProgress, lost_before, note_resumed, restart_summary
 
 
 def train_rank(plan: Plan, steps: int) -> int:
@@ -84,8 +86,11 @@ class _StopRequest:
 
     def agreed(self, step) -> signal.Signals | None:
         """The signal any rank was asked to stop by (a collective: every rank calls it at
-        each step's end), None while none was."""
-        asked = [s for s in step.comm.all_gather_object(self.signal) if s is not None]
+        each step's end), None while none was. A peer gone or silent meanwhile is named as in
+        a step (RankStoppedError)."""
+        where = f"the ranks' agreement to stop or go on after step {step.steps}"
+        told = gathered(step.comm, self.signal, where, getattr(step, "health", None))
+        asked = [s for s in told if s is not None]
         return asked[0] if asked else None
 
     def restore(self) -> None:
@@ -107,11 +112,17 @@ def _train_steps(
     closing.callback(step.comm.close)
     memory = _memory_checkpoints(step, plan)
     restart = _restarted(step)
+    if restart and rank == 0:
+        print(f"zerocc: restart {restart}: the attempt before lost "
+              f"{lost_before(restart) or 'a rank (on another machine, or how is not known)'}",
+              flush=True)  # fmt: skip
     if not (memory is not None and _restored_from_memory(step, plan, memory, restart)):
         resume = _resume_point(plan, rank, restart)
         if resume is not None:
             _resume(step, resume, rank)
     accum = plan.grad_accumulation
+    if rank == 0:
+        note_resumed(restart, step.micro_batches // accum)
     done = step.micro_batches  # micro-batches before this run (those of a resumed checkpoint)
     wanted = steps * accum  # --steps counts optimizer steps, each of `accum` micro-batches
     if done >= wanted:
@@ -120,6 +131,8 @@ def _train_steps(
                   "nothing to train")  # fmt: skip
         return 0
     run = _Run(step, plan, workload, rank, memory)
+    run.restart = restart
+    closing.callback(run.progress.close)
     closing.callback(run.stop.restore)
     closing.callback(run.saver.settle)  # (before the comm closes)
     run.first_micro_batch()
@@ -151,6 +164,8 @@ class _Run:
         self.ran = self.total = 0  # micro-batches run, and to run
         self.stopped: signal.Signals | None = None  # the signal the ranks agreed to stop by
         self.started = self.first_done = 0.0
+        self.progress = StepProgress()  # (the steps a restart would train again)
+        self.restart = 0  # which restart of a launch this run is
 
     def next_batch(self) -> tuple | None:
         """This rank's next batch; None once every rank has run out at this step (a rank
@@ -214,6 +229,7 @@ class _Run:
         """Records and saves where a step ended; the signal the run must stop by, if any."""
         if self.step.micro_batches % self.accum:
             return None
+        self.progress.note(self.step.micro_batches // self.accum)
         progress.update()
         record = self.metrics.after_step(self.lr)
         if record is not None:
@@ -236,7 +252,8 @@ class _Run:
         elif ran < self.total:
             print(f"the data ran out on every rank after {_counted(ran, accum)}")
         last = self.metrics.last
-        _print_summary(step.summary(), ran, accum, last, self.started, self.first_done, world_size)
+        _print_summary(step.summary(), ran, accum, last, self.started, self.first_done,
+                       world_size, step.micro_batches // accum)  # fmt: skip
         if self.metrics.last_eval is not None:
             at, value = self.metrics.last_eval
             print(f"eval loss after step {at} (mean over the held-back batches): {value:.4f}")
@@ -244,6 +261,8 @@ class _Run:
             print(f"checkpoint: {saver.last}")
         if (saves := saver.summary()) is not None:
             print(saves)
+        if (restarts := restart_summary(self.restart)) is not None:
+            print(restarts)
         if step.dump_dir is not None:
             print(f"dumps: {step.dump_dir} (open {step.dump_dir / 'report.html'})")
             if not shutil.which("dot"):
@@ -258,7 +277,10 @@ def _restarted(step) -> int:
     rank its launch started before counts at least 1: torchrun starts a new round without
     counting a restart where the machines changed (``--nnodes MIN:N``)."""
     mine = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(started_before())
-    return max(step.comm.all_gather_object(mine)) if step.comm.world_size > 1 else mine
+    if step.comm.world_size == 1:
+        return mine
+    told = gathered(step.comm, mine, "the ranks' count of restarts", getattr(step, "health", None))
+    return max(told)
 
 
 def _memory_checkpoints(step, plan: Plan) -> MemoryCheckpoints | None:
@@ -481,8 +503,10 @@ def _print_summary(
     started: float,
     first_done: float,
     world: int,
+    last_step: int,
 ) -> None:
-    """``ran``: micro-batches run, ``accum`` to an optimizer step."""
+    """``ran``: micro-batches run, ``accum`` to an optimizer step; ``last_step``: the number of
+    the last optimizer step (a resumed run's count on from its checkpoint's)."""
     later = ran - 1  # the first micro-batch also captured and compiled: timed apart
     what = "step" if accum == 1 else "micro-batch"
     first = f"the first {what} took {first_done - started:.2f} s, capture included"
@@ -503,7 +527,8 @@ def _print_summary(
     if "pipeline_waiting_share" in summary:
         print(
             f"pipeline: rank 0 waited {summary['pipeline_waiting_share']:.1%} of the last step "
-            f"for a neighbour; predicted peak {human_bytes(summary['predicted_peak_bytes'])}"
+            f"(step {last_step}) for a neighbour; predicted peak "
+            f"{human_bytes(summary['predicted_peak_bytes'])}"
         )
     offload = summary.get("offload_bytes_per_step")
     if offload:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import pickle
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from zerocc.compat import all_gather_single, let_gloo_workers_finish, reduce_scatter_single
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.engine.watchdog import Heartbeat
+from zerocc.engine.watchdog import SILENT_S, Heartbeat, wait_watched
 from zerocc.ir.ops import DP_GROUP, reported_kind
 
 RECENT = 8  # collectives each rank keeps in its log for a hang's diagnosis
@@ -105,7 +106,8 @@ class Work:
     handle is the event recorded on the communication stream after the collective, and waiting
     makes the current (compute) stream wait for it, without blocking the host. A wait that
     fails (a peer that stopped answering for the group's timeout, or left) is recorded on the
-    comm (``comm.failure``) before it raises."""
+    comm (``comm.failure``) before it raises; a CPU wait gives up as soon as the comm's
+    heartbeat names a silent peer (:func:`zerocc.engine.watchdog.wait_watched`)."""
 
     def __init__(
         self,
@@ -120,7 +122,7 @@ class Work:
     def wait(self) -> None:
         if self._handle is not None:
             try:
-                self._handle.wait()
+                wait_watched(self._handle, self._comm.heartbeat if self._comm else None)
             except Exception as exc:
                 if self._comm is not None:
                     self._comm.root.failure = exc
@@ -349,7 +351,13 @@ class TorchComm(Comm):
         control = dist.new_group(backend="gloo", timeout=timeout)
         comm = cls(group, control)
         store = dist.distributed_c10d._get_default_store()
-        comm.heartbeat = Heartbeat(store, f"zerocc/{group.group_name}", comm.rank, comm.world_size)
+        comm.heartbeat = Heartbeat(
+            store,
+            f"zerocc/{group.group_name}",
+            comm.rank,
+            comm.world_size,
+            silence_s=min(timeout_s, SILENT_S),
+        )
         comm.heartbeat.recent = comm.stats.recent  # (the log, not the comm: no cycle)
         comm._owned, comm._timeout = [group, control], timeout
         comm._release = weakref.finalize(comm, _release_groups, comm._owned, comm.heartbeat)
@@ -409,17 +417,33 @@ class TorchComm(Comm):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank, over the gloo control group (on NCCL, objects
         would be pickled into CUDA tensors and the host synced). A failure (a peer that
-        stopped answering, or left) is recorded in ``failure`` and raised."""
+        stopped answering, or left) is recorded in ``failure`` and raised. Pickled and
+        gathered as ``dist.all_gather_object`` does (the sizes, then the padded bytes), but on
+        async work waited for through the heartbeat's watch: torch's blocking gather would
+        wait out the group's timeout for a peer the watch already names."""
         if self.world_size == 1:
             return [obj]
-        everyone: list[Any] = [None] * self.world_size
         self.stats.log("agreement", 0)  # (an object gather on the control group)
+        data = pickle.dumps(obj)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64)
         try:
-            dist.all_gather_object(everyone, obj, group=self.control_group)
+            self._wait_control(sizes, torch.tensor([len(data)], dtype=torch.int64))
+            longest = int(sizes.max())
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            if data:
+                mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            everyone = torch.empty(self.world_size * longest, dtype=torch.uint8)
+            self._wait_control(everyone, mine)
         except Exception as exc:
             self.failure = exc
             raise
-        return everyone
+        rows = everyone.view(self.world_size, longest)
+        return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(len(rows))]
+
+    def _wait_control(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        """All-gather ``mine`` into ``out`` on the control group, waited for under the watch."""
+        work = all_gather_single(out, mine, group=self.control_group, async_op=True)
+        wait_watched(work, self.heartbeat)
 
     def send_receive(
         self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]
@@ -435,7 +459,7 @@ class TorchComm(Comm):
             works = [dist.irecv(t, peer(r), group=group) for r, t in receives.items()]
             works += [dist.isend(t, peer(r), group=group) for r, t in sends.items()]
             for work in works:
-                work.wait()
+                wait_watched(work, self.heartbeat)
         except Exception as exc:
             self.failure = exc
             raise

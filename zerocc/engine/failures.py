@@ -16,7 +16,12 @@ from types import TracebackType
 from torch import fx
 
 from zerocc.engine.comm import Comm
-from zerocc.engine.watchdog import describe_divergence, describe_silence, silent_peers
+from zerocc.engine.watchdog import (
+    PeersSilent,
+    describe_divergence,
+    describe_silence,
+    silent_peers,
+)
 from zerocc.errors import RankStoppedError
 from zerocc.ir.nodes import info
 
@@ -106,11 +111,22 @@ def peer_failure(
         alike = [s for s in survey if mesh.pp_rank(s.rank) == mesh.pp_rank(comm.rank)]
     parted = describe_divergence(alike)
     parted = f"; {parted}" if parted else ""
+    silent = silent_peers(survey, comm.rank)
+    said = describe_silence(survey, comm.rank)
+    if isinstance(exc, PeersSilent):  # the watch named them: say them as it saw them
+        if not silent:  # (back since, or the store no longer answers the survey)
+            silent, said = exc.silent, "; ".join(s.describe() for s in exc.silent)
+        whose = " and ".join(f"rank {s.rank}" for s in exc.silent)
+        gave_up = (
+            f"after {whose}'s heartbeat stood still for {exc.silence_s:g} s (the heartbeats' "
+            f"watch; {timeout} bounds any collective)"
+        )
+    else:
+        gave_up = f"after {timeout} or when the peer left ({type(exc).__name__}: {first_line(exc)})"
     return RankStoppedError(
-        f"{at}: {describe_silence(survey, comm.rank)}{parted}. This rank gave up in {where} after "
-        f"{timeout} or when the peer left ({type(exc).__name__}: {first_line(exc)}). Training "
+        f"{at}: {said}{parted}. This rank gave up in {where} {gave_up}. Training "
         "stopped; start the ranks again and load the last checkpoint",
-        silent_peers(survey, comm.rank),
+        silent,
     )
 
 

@@ -8,12 +8,19 @@ attribute writes, no store traffic on the hot path). A rank whose sequence numbe
 stopped answering: it was stopped (SIGSTOP, a debugger), is hung in native code holding the
 interpreter, was killed, or exited. Sequence numbers, not clocks, so hosts need not agree on time.
 
-Two uses:
+Three uses:
+- the watch: each beat the thread also reads the peers it watches (rank 0: every other rank;
+  the others: rank 0, and the word rank 0 posts) and keeps who has been silent for
+  ``silence_s`` (:attr:`Heartbeat.lost`). A rank blocked in a collective waits in slices
+  (:func:`wait_watched`) and gives up with :class:`PeersSilent` once the watch names a peer,
+  wherever it waits: in a step, in the metrics' gather, in a checkpoint's agreement. That is
+  within ``silence_s`` (``SILENT_S``, 30 s, or ``backend.timeout_s`` where it is shorter),
+  not after the process group's own timeout (600 s by default).
 - :meth:`Heartbeat.survey`: after a collective failed or timed out, which peers are silent and
   what each was last doing (two readings a few beats apart).
 - :meth:`Heartbeat.wait_for_all`: a rendezvous that waits for every rank however long it takes
   while it is alive (one compiling a new program), but stops with an error once a missing rank
-  has been silent for the timeout.
+  has been silent for ``silence_s``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from zerocc.errors import RankStoppedError
@@ -34,6 +42,24 @@ BEAT_S = 1.0  # seconds between two records of a rank
 MIN_BEAT_S = 0.2  # a new status is written at once, but never more often than this
 STOP_TIMEOUT_S = 10.0  # how long stopping waits for a beat in progress (a store call)
 STORE_ANSWER_S = 5.0  # how long a survey waits for the store itself before saying it is silent
+# How long a peer's heartbeat may stand still before the ranks waiting on it give up (at most
+# backend.timeout_s): a live rank beats every second whatever it runs (the beat is a thread of
+# its own; compiling, loading and long kernels release the interpreter), so 30 silent seconds
+# are a stopped, hung or killed process, named long before the collectives' own timeout.
+SILENT_S = 30.0
+WAIT_SLICE_S = 1.0  # a watched wait looks at the watch this often
+
+
+class PeersSilent(RuntimeError):
+    """A watched wait gave up: the watch found ``silent`` peers (PeerStates) that had not
+    beaten for ``silence_s`` seconds. Raised where a collective's own failure would be, so
+    every caller's peer-failure path (``zerocc.engine.failures.peer_failure``) names them."""
+
+    def __init__(self, silent: list[PeerState], silence_s: float) -> None:
+        super().__init__(
+            "; ".join(s.describe() for s in silent) + f", silent for {silence_s:g} s"
+        )
+        self.silent, self.silence_s = silent, silence_s
 
 
 @dataclass(frozen=True)
@@ -62,8 +88,13 @@ class PeerState:
 class Heartbeat:
     """A background thread that records this rank as alive in ``store`` under ``prefix``."""
 
-    def __init__(self, store: Any, prefix: str, rank: int, world_size: int) -> None:
+    def __init__(
+        self, store: Any, prefix: str, rank: int, world_size: int, silence_s: float = SILENT_S
+    ) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
+        self.silence_s = silence_s  # how long a watched peer may stand still (see SILENT_S)
+        self.lost: list[PeerState] = []  # the watched peers silent for silence_s, once found
+        self._watched: dict[int, tuple[int, float]] = {}  # rank -> (seq, when it last moved)
         self._status = "setting up the training step"
         self.recent: Iterable = ()  # this rank's last collectives (CommStats.recent)
         self._seq = 0
@@ -107,9 +138,30 @@ class Heartbeat:
                 return
             try:
                 self._beat()
+                if not self.lost and self.world_size > 1:
+                    self._watch()
             except Exception:  # the store is gone (the job is ending): nothing left to tell
                 return
             self._stop.wait(MIN_BEAT_S)
+
+    def _watch(self) -> None:
+        """One look at the watched peers (rank 0: every other rank, posting what it finds for
+        the others; the others: rank 0 and rank 0's post): ``lost`` once one has stood still
+        for ``silence_s`` (an exited peer is left to its collectives, which fail at once)."""
+        lost_key = f"{self.prefix}/lost"
+        if self.rank != 0 and self.store.check([lost_key]):
+            posted = json.loads(self.store.get(lost_key))
+            self.lost = [PeerState(**{**p, "recent": tuple(p["recent"])}) for p in posted]
+            return
+        now = time.monotonic()
+        silent = [
+            s
+            for s in self._silent_for(self.silence_s, self._watched, now)
+            if not s.exited and s.pid is not None
+        ]
+        if silent and self.rank == 0:
+            self.store.set(lost_key, json.dumps([vars(s) for s in silent]))
+        self.lost = silent
 
     def stop(self, exiting: bool = True) -> None:
         """Stop beating; the last record says the process exited (``exiting``), so a survey
@@ -174,18 +226,19 @@ class Heartbeat:
         self.store.add(count_key, 1)
         watched: dict[int, tuple[int, float]] = {}  # rank -> (seq, when it last moved)
         pause, next_look = 0.005, time.monotonic() + BEAT_S
+        limit_s = min(timeout_s, self.silence_s)
         while self.store.add(count_key, 0) < self.world_size:
             if self.store.check([failure_key]):
                 raise RankStoppedError(self.store.get(failure_key).decode())
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + BEAT_S
-                silent = self._silent_for(timeout_s, watched, now)
+                silent = self._silent_for(limit_s, watched, now)
                 if silent:
                     message = (
                         "; ".join(s.describe() for s in silent)
-                        + f", while the other ranks waited for {doing} "
-                        f"(backend.timeout_s: {timeout_s:g} s)"
+                        + f", while the other ranks waited for {doing} (silent for "
+                        f"{limit_s:g} s; backend.timeout_s: {timeout_s:g} s)"
                     )
                     self.store.set(failure_key, message)
                     raise RankStoppedError(message, silent)
@@ -207,6 +260,25 @@ class Heartbeat:
             if record["exited"] or now - watched[rank][1] > timeout_s:
                 silent.append(_state(rank, record, answering=False))
         return silent
+
+
+def wait_watched(work: Any, heartbeat: Heartbeat | None) -> None:
+    """``work.wait()`` for a process group's work handle, in slices of ``WAIT_SLICE_S``: once
+    the heartbeat's watch names a silent peer, raise :class:`PeersSilent` instead of waiting
+    out the group's timeout. Without a heartbeat (no peers), a plain wait. A wait that ended
+    is not looked at again: the hot path pays one wait call when the answer is there."""
+    if heartbeat is None:
+        work.wait()
+        return
+    while True:
+        try:
+            if work.wait(timeout=timedelta(seconds=WAIT_SLICE_S)) is not False:
+                return
+        except Exception:  # gloo: "Operation timed out!", the work still pending
+            if work.is_completed():  # (it failed: a peer left, or the group's own timeout)
+                raise
+        if heartbeat.lost:
+            raise PeersSilent(heartbeat.lost, heartbeat.silence_s)
 
 
 def _state(rank: int, record: dict | None, answering: bool) -> PeerState:

@@ -25,6 +25,7 @@ from torch import fx, nn
 from zerocc.compiler.materialize import WeightSource
 from zerocc.compiler.plan import Plan
 from zerocc.engine.comm import Comm, TorchComm
+from zerocc.engine.watchdog import wait_watched
 from zerocc.errors import DataExhaustedError, RankMismatchError, ZeroccError
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.nodes import BATCH, info, op_name, placeholders
@@ -85,7 +86,7 @@ class Agreement:
         if work is None:
             return self._views
         try:
-            work.wait()
+            wait_watched(work, self.comm.heartbeat)
             if not all(torch.equal(t[:1], self._mine[:1]) for t in self._everyone):
                 self._views = self.comm.all_gather_object(self.detail)
         except Exception as exc:

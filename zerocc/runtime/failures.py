@@ -5,12 +5,14 @@ program run that raised.
 its process group can still run anything, the meeting points where ranks wait for each other
 while they compile, and the error a peer's failure is here. :func:`run_failure` is the error
 a program run that raised becomes (the step rolled back to its accumulation window's start
-where the run may go on).
+where the run may go on). :func:`gathered` is what the ranks tell each other between steps (the
+metrics, the agreement to stop) on the same path: a peer gone is named, not gloo's message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import fx
@@ -59,11 +61,33 @@ class RankHealth:
         answering, as the heartbeats tell; the process group is closed."""
         return peer_failure(self.comm, exc, where, self.step_number(), self.timeout_s)
 
+    def gathered(self, value: Any, where: str) -> list[Any]:
+        """Every rank's ``value``, by rank, for what the ranks tell each other outside the
+        step (the metrics, the agreement to stop): see :func:`gathered`."""
+        return gathered(self.comm, value, where, self)
+
     def wait_for_ranks(self, tag: str, doing: str) -> None:
         """Return once every rank got here: compiling takes what it takes, while ranks live
         (their heartbeats); a rank silent for ``timeout_s`` stops every rank."""
         if self.comm.heartbeat is not None:
             self.comm.heartbeat.wait_for_all(tag, self.timeout_s, doing)
+
+
+def gathered(comm: Comm, value: Any, where: str, health: RankHealth | None = None) -> list[Any]:
+    """Every rank's ``value`` on ``comm``, by rank (an object gather on its control group); a
+    peer that left, or that the heartbeats' watch found silent, while this rank waited is the
+    same RankStoppedError as in a step, naming it (``where``: the gather, for the message),
+    through ``health`` where the caller has one (its step number and timeout), else through
+    :func:`zerocc.engine.failures.peer_failure` alone. An error of this rank's own (a value
+    that does not pickle) is raised as it is."""
+    try:
+        return comm.all_gather_object(value)
+    except Exception as exc:
+        if comm.failure is None:
+            raise
+        if health is not None:
+            raise health.peer_failure(exc, where) from exc
+        raise peer_failure(comm, exc, where) from exc
 
 
 def run_failure(

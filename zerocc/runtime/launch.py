@@ -38,10 +38,12 @@ from zerocc.logs import RANK_PROCESSES, quiet
 from zerocc.runtime import rendezvous
 from zerocc.runtime.meeting import WaitNotices
 from zerocc.runtime.nodes import Nodes
+from zerocc.runtime.restarts import RUN_DIR_ENV, losses_recorded
 
 RANK_WORKER_ENV = "ZEROCC_RANK_WORKER"  # set in launched ranks: run the command, do not launch
-RUN_DIR_ENV = "ZEROCC_RUN_DIR"  # the folder where launched ranks leave their reports
 MEMORY_DIR_ENV = "ZEROCC_MEMORY_DIR"  # where launched ranks keep their in-memory checkpoints
+LAUNCHER_PID_ENV = "ZEROCC_LAUNCHER_PID"  # the launcher whose end ends the ranks
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread ends
 SHARED_MEMORY = Path("/dev/shm")  # tmpfs: host memory as files, outliving a rank's process
 
 
@@ -134,10 +136,18 @@ def launch(
         notices = _wait_notices(nodes, host, port, elastic) if nodes.count > 1 else None
         # (torchrun closes the rendezvous for good when its run ends, but not on a signal)
         closes = elastic and nodes.standalone
+
+        def lost(failures: dict[int, tuple[int, int]]) -> list[str]:  # (a restart's line)
+            return restart_cause(failures, read_reports(Path(run_dir)), watcher)
+
         try:
             # (the store kept here, on the loopback interface for one machine, or checked
             # for the run's shared secret: rendezvous.meeting_place)
-            with quiet(RANK_PROCESSES), rendezvous.meeting_place(nodes, host, port):
+            with (
+                quiet(RANK_PROCESSES),
+                rendezvous.meeting_place(nodes, host, port),
+                losses_recorded(Path(run_dir), lost),
+            ):
                 torchrun.run(torchrun.parse_args(launcher_args))
         except ChildFailedError as exc:
             failures = {
@@ -149,7 +159,8 @@ def launch(
                 print(f"zerocc: stopped by {stopped.name}", file=sys.stderr)
                 return Launched(128 + stopped)
             print(error_once(failures, reports), file=sys.stderr, end="")
-            print(failure_report(failures, reports, watcher.killed), file=sys.stderr)
+            print(failure_report(failures, reports, watcher.killed, why=watcher.why),
+                  file=sys.stderr)  # fmt: skip
             return Launched(2, lost_a_rank(failures, reports))
         except RendezvousConnectionError:  # (the store the nodes meet at is gone)
             closes = False
@@ -238,6 +249,7 @@ def _rank_environment(nproc: int, run_dir: str, memory: Path) -> contextlib.Abst
     cores (torchrun would give each one thread)."""
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     return environment({RANK_WORKER_ENV: "1", RUN_DIR_ENV: run_dir, MEMORY_DIR_ENV: str(memory),
+                        LAUNCHER_PID_ENV: str(os.getpid()),
                         "OMP_NUM_THREADS": threads})  # fmt: skip
 
 
@@ -275,6 +287,27 @@ def started_before() -> bool:
     return False
 
 
+def end_with_launcher() -> None:
+    """In a rank that zerocc's launcher started (``ZEROCC_LAUNCHER_PID``), on Linux: have the
+    kernel SIGKILL this process when the launcher ends (``prctl(PR_SET_PDEATHSIG)``), and end
+    it now if the launcher ended already (it was given to another parent before the call). A
+    launcher killed with SIGKILL cannot stop its ranks itself: they trained on as orphans.
+    Elsewhere, or where prctl fails, nothing changes (the collectives' timeout ends them)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # (ended before the call: no death signal will come)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def launched() -> bool:
     """Whether this process is already a rank (launched by zerocc or an outside torchrun)."""
     return RANK_WORKER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
@@ -310,14 +343,18 @@ def read_reports(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 class _SilentRankKiller:
-    """Kills, on this machine, the ranks another rank reported as silent (stopped or hung):
-    torchrun's SIGTERM stays pending on a stopped process until its SIGKILL 30 s later. It waits
-    for the reporting rank to exit first (at most a few seconds), so that the launcher learns of
-    the failure from the rank that saw it."""
+    """Kills, on this machine, the ranks another rank reported as silent (stopped or hung), and
+    a rank still stopped (SIGSTOP) once another rank has ended: torchrun's SIGTERM stays
+    pending on a stopped process until its SIGKILL 30 s later. It waits for the reporting rank
+    to exit first (at most a few seconds), so that the launcher learns of the failure from the
+    rank that saw it. Only a process still there is killed and counted as this launcher's
+    kill (``killed``, with why in ``why``): one already dead (a SIGKILL from elsewhere, which
+    made its peers report it) is not."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.killed: dict[int, int] = {}  # rank -> pid
+        self.why: dict[int, str] = {}  # rank -> why the launcher killed it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zerocc-launch-watch", daemon=True)
         self._thread.start()
@@ -326,20 +363,42 @@ class _SilentRankKiller:
         host = socket.gethostname()
         first_seen: dict[int, float] = {}  # reporting pid -> when its report named silent peers
         while not self._stop.wait(0.2):
-            for data in read_reports(self.run_dir).values():
+            reports = read_reports(self.run_dir)
+            for data in reports.values():
                 if not data.get("silent"):
                     continue
                 first_seen.setdefault(data["pid"], time.monotonic())
                 if _alive(data["pid"]) and time.monotonic() - first_seen[data["pid"]] < 3:
                     continue
                 for peer in data["silent"]:
-                    rank, pid = peer["rank"], peer.get("pid")
-                    if pid and peer.get("host") == host and pid not in self.killed.values():
-                        self.killed[rank] = pid
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
+                    if peer.get("pid") and peer.get("host") == host:
+                        self._kill(peer["rank"], peer["pid"],
+                                   f"it stopped answering its peers (rank {data['rank']} "
+                                   "reported it silent), and the launcher killed it")  # fmt: skip
+            self._kill_stopped(reports)
+
+    def _kill_stopped(self, reports: dict[int, dict[str, Any]]) -> None:
+        """A rank stopped (SIGSTOP, Ctrl-Z) while another rank of this launch has ended: the
+        run is over, and only SIGKILL reaches a stopped process."""
+        states = {rank: _process_state(data["pid"]) for rank, data in reports.items()}
+        ended = sorted(rank for rank, state in states.items() if state in ("Z", None))
+        if not ended:
+            return
+        for rank, state in states.items():
+            if state == "T":
+                self._kill(rank, reports[rank]["pid"],
+                           f"it was stopped (SIGSTOP) when rank {ended[0]} ended, and the "
+                           "launcher killed it")  # fmt: skip
+
+    def _kill(self, rank: int, pid: int, why: str) -> None:
+        """SIGKILL ``pid`` (rank ``rank``) if it still runs or is stopped, and count it."""
+        if pid in self.killed.values() or _process_state(pid) in ("Z", None):
+            return  # (killed already, or dead: not this launcher's doing)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.killed[rank], self.why[rank] = pid, why
 
     def stop(self) -> None:
         self._stop.set()
@@ -347,13 +406,28 @@ class _SilentRankKiller:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (or is stopped): not gone, not a zombie waiting to be
+    reaped."""
+    return _process_state(pid) not in ("Z", None)
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` (``R``, ``S``, ``T``: stopped, ``Z``: ended, not yet
+    reaped, ...), None when there is no such process. Where /proc is missing, ``?`` for a
+    process that exists."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
 
 
 # --- the failure report -------------------------------------------------------------------
@@ -387,9 +461,11 @@ def failure_report(
     reports: dict[int, dict[str, Any]],
     killed: dict[int, int],
     memory_total: int | None = None,
+    why: dict[int, str] | None = None,
 ) -> str:
     """One line per failed rank (``failures``: rank -> (exit code, pid)): how it ended, the
-    likely cause, its last error line (or that it is the one :func:`error_once` printed)."""
+    likely cause, its last error line (or that it is the one :func:`error_once` printed).
+    ``killed``: the ranks this launcher killed (rank -> pid), ``why`` it did."""
     lines = [f"zerocc: {len(failures)} rank(s) failed:"]
     first_error = min((r for r in failures if reports.get(r, {}).get("error")), default=None)
     printed = _first_failed(failures, reports)  # (its error printed by :func:`error_once`)
@@ -399,6 +475,8 @@ def failure_report(
         error = data.get("error")
         how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
         cause = _likely_cause(rank, code, data, killed, first_error, failures, memory_total)
+        if cause and killed.get(rank) == pid and why and rank in why:
+            cause = why[rank]
         text = f"  rank {rank} (pid {pid}): {how}"
         if cause:
             text += f": {cause}"
@@ -408,6 +486,30 @@ def failure_report(
             text += f"\n    last error: {error}"
         lines.append(text)
     return "\n".join(lines)
+
+
+def restart_cause(
+    failures: dict[int, tuple[int, int]],
+    reports: dict[int, dict[str, Any]],
+    watcher: _SilentRankKiller,
+) -> list[str]:
+    """What ended an attempt that torchrun restarts from, a phrase per rank: the ranks lost
+    without an error of their own (killed, crashed), as the failure report says them, else
+    every failed rank with its error (the ranks that met a lost peer's absence are not the
+    cause)."""
+    lost = {r: f for r, f in failures.items() if not reports.get(r, {}).get("error")}
+    if lost:
+        report = failure_report(lost, reports, watcher.killed, why=watcher.why)
+        return [line.strip() for line in report.splitlines()[1:]]
+    return [
+        f"rank {r} (pid {pid}): {_ended(code)}: {reports[r]['error']}"
+        for r, (code, pid) in sorted(failures.items())
+    ]
+
+
+def _ended(code: int) -> str:
+    """How a rank ended, in a few words: ``killed by SIGKILL``, ``exit code 1``."""
+    return f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
 
 
 def _signal_name(number: int) -> str:
@@ -432,6 +534,11 @@ def _likely_cause(
         return _out_of_memory(data, len(failures), memory_total)
     if code == -signal.SIGTERM and first_error is not None and first_error != rank:
         return f"stopped by the launcher after rank {first_error} failed"
+    if code == -signal.SIGTERM and not data.get("error"):
+        others = sorted(r for r, (c, _) in failures.items() if r != rank and c != -signal.SIGTERM)
+        if others:
+            ended = ", ".join(f"rank {r} ({_ended(failures[r][0])})" for r in others)
+            return f"stopped by the launcher after {ended} ended"
     if code == -signal.SIGABRT and not data.get("error"):
         return "aborted in native code (a crash in a library, or C++ std::terminate)"
     if code == -signal.SIGSEGV:
@@ -453,8 +560,11 @@ def _out_of_memory(data: dict[str, Any], ranks: int, memory_total: int | None) -
     if total:
         figures.append(f"this machine has {human_bytes(total)}")
     shown = f" ({'; '.join(figures)})" if figures else ""
-    text = "killed without an error of its own, by the out-of-memory killer or by a person or a "
-    text += "scheduler (SIGKILL does not say who)" + shown
+    text = "killed without an error of its own, not by this launcher's watch: by the "
+    text += "out-of-memory killer or by a person or a scheduler"
+    if ranks > 1:  # (torchrun's own SIGKILL ends a rank that outlives its SIGTERM by 30 s)
+        text += ", or by torchrun 30 s after its SIGTERM"
+    text += " (SIGKILL does not say who)" + shown
     if peak and local and total:
         if peak * local > total:
             return text + ": the prediction exceeds the machine; see `zerocc estimate` for plans "

@@ -1,6 +1,6 @@
-"""What a rank launched by a zerocc command (`train`, `profile`) does around its work: resolve the
-plan's device (:mod:`zerocc.runtime.devices`), join the process group the launcher set up, move
-batches to the device."""
+"""What a rank launched by a zerocc command (`train`, `profile`) does around its work: end with its
+launcher, resolve the plan's device (:mod:`zerocc.runtime.devices`), join the process group the
+launcher set up, move batches to the device."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import workload_code
 from zerocc.errors import ZeroccError
 from zerocc.runtime.devices import join_default_group, rank_device
+from zerocc.runtime.launch import end_with_launcher
 
 
 @contextlib.contextmanager
@@ -24,7 +25,9 @@ def joined_group(plan: Plan) -> Iterator[tuple[int, int]]:
     ``WORLD_SIZE`` > 1 (NCCL on CUDA, gloo on CPU: the plan's device for this rank, checked
     before anything touches CUDA, see :func:`zerocc.runtime.devices.rank_device`), a world of one
     otherwise; the group is left at the end. ``zerocc.compile`` resolves the same device: use
-    the step's ``device`` for batches."""
+    the step's ``device`` for batches. A rank of zerocc's launcher ends with it, however the
+    launcher ends (:func:`zerocc.runtime.launch.end_with_launcher`)."""
+    end_with_launcher()
     join_default_group(rank_device(plan))
     try:
         if dist.is_initialized():
