@@ -77,6 +77,28 @@ def check_resumable(plan: Plan, model: nn.Module, path: str | Path, named_by: st
     return manifest
 
 
+def prepare_save_folder(plan: Plan, overwrite: bool, named_by: str) -> None:
+    """Before a run starts: the folder it saves to (``plan.checkpoint.dir``, named by the
+    flag or field ``named_by``) holds no checkpoint of another run, nor one later than the one
+    it resumes from there; with ``overwrite`` those are deleted, said on a line. Else a
+    CheckpointError naming them (see :mod:`zerocc.runtime.checkpoint.save_folder`)."""
+    from zerocc.runtime.checkpoint.save_folder import (
+        mixed_checkpoints,
+        refusal,
+        replace_checkpoints,
+    )
+
+    mixed = mixed_checkpoints(plan.checkpoint.dir, plan.checkpoint.resume)
+    if mixed is None:
+        return
+    if not overwrite:
+        raise refusal(mixed, named_by)
+    replace_checkpoints(mixed)
+    whose = "another run's" if mixed.resumed is None else f"later than {mixed.resumed.name}"
+    print(f"zerocc: --overwrite: deleted {mixed.said()} from {mixed.root} ({whose})",
+          flush=True)  # fmt: skip
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     from zerocc.runtime.checkpoint.describe import (
         checkpoints_in,
@@ -97,7 +119,11 @@ def _checkpoint(args: argparse.Namespace) -> int:
     if not found:
         print("\n".join(lines))
         raise CheckpointError(f"{args.path}: holds no complete checkpoint")
-    folder = resolve(args.path)
+    try:
+        folder = resolve(args.path)
+    except CheckpointError:  # (`latest` names one that is not there: the list says so too)
+        print("\n".join(lines))
+        raise
     saved = next((s for s in found if s.folder == folder), None)
     if saved is None:  # (`latest` names one whose manifest is there but unreadable)
         print("\n".join(lines))

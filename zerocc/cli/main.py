@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from zerocc.cli.checkpoint import add_checkpoint_command, check_resumable
+from zerocc.cli.checkpoint import add_checkpoint_command, check_resumable, prepare_save_folder
 from zerocc.cli.inspect import add_commands as add_inspect_commands
 from zerocc.cli.machines import (
     add_machine_arguments,
@@ -220,6 +220,11 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         "checkpoint.resume); --steps counts the steps it already trained",
     )  # fmt: skip
     train.add_argument(
+        "--overwrite", action="store_true",
+        help="save into a --save folder that holds another run's checkpoints (or ones later "
+        "than --resume's there): delete those first, saying which (without it: refused)",
+    )  # fmt: skip
+    train.add_argument(
         "--log-every", type=int, metavar="N",
         help="optimizer steps per metrics record (plan: metrics.every, default 1)",
     )  # fmt: skip
@@ -292,13 +297,17 @@ def _add_export_command(commands: argparse._SubParsersAction) -> None:
         help="copy this tokenizer folder's files beside the model (with a folder --output; "
         "default: the tokenizer, or model folder, the run's plan named)",
     )  # fmt: skip
+    export.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the model file (and config.json) where --output holds them (else refused)",
+    )  # fmt: skip
     export.set_defaults(run=_export)
 
 
 def _export(args: argparse.Namespace) -> int:
     from zerocc.runtime.checkpoint.export import copy_tokenizer, export_model
 
-    written = export_model(args.checkpoint, args.output, args.format)
+    written = export_model(args.checkpoint, args.output, args.format, args.overwrite)
     print(f"{written}: {human_bytes(written.stat().st_size)}")
     if written.name != Path(args.output).name:  # (written into a folder: a model's folder)
         source, copied = copy_tokenizer(args.checkpoint, written.parent, args.tokenizer)
@@ -341,6 +350,8 @@ def _train(args: argparse.Namespace) -> int:
     # Every rank reads the dump folder (the launched ranks inherit it); set for this command
     # only, so a later step of the same process does not dump.
     dumps = {DUMP_DIR_ENV: str(Path(args.dump).resolve())} if args.dump else {}
+    if not launched() and nodes.rank == 0:  # (a later node joins the run node 0 started)
+        prepare_save_folder(plan, args.overwrite, "--save" if args.save else "checkpoint.dir")
     with environment(dumps):
         restarts = restarts_of(args, plan)
         if launched() or (args.nproc == 1 and nodes.count == 1 and not restarts):

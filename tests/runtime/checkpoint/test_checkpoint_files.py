@@ -274,7 +274,8 @@ def test_checkpoints_of_earlier_format_versions_load_and_a_newer_one_is_refused(
     writer = DataWriter(tmp_path / "rank-00000.bin")
     chunk = writer.add(values, 0)
     writer.close()
-    written = json.loads(Manifest({}, {"w": TensorEntry([8], "float32", [chunk])}, {}).to_json())
+    files = {"rank-00000.bin": writer.bytes}  # (every chunk's file listed, as a save lists it)
+    written = json.loads(Manifest({}, {"w": TensorEntry([8], "float32", [chunk])}, files).to_json())
     assert (written["version"], written["checksum"]) == (3, "blake3")
     assert (
         written["tensors"]["w"]["chunks"][0]["digest"]
@@ -300,3 +301,44 @@ def test_checkpoints_of_earlier_format_versions_load_and_a_newer_one_is_refused(
     (tmp_path / "manifest.json").write_text(json.dumps(written | {"version": 4}))
     with pytest.raises(CheckpointError, match="format version 4, this zerocc reads 1, 2 and 3"):
         Manifest.read(tmp_path)
+
+
+def _edit_shape(folder, *, params: bool) -> str:
+    """Take one column off a 2-D weight's shape in the manifest's tensors (and, with
+    ``params``, in its params too, alike): the weight's name."""
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    name = next(n for n, t in manifest["tensors"].items()
+                if n.startswith("model/") and len(t["shape"]) == 2)  # fmt: skip
+    manifest["tensors"][name]["shape"][1] -= 1
+    if params:
+        manifest["meta"]["params"][name.removeprefix("model/")]["shape"][1] -= 1
+    path.write_text(json.dumps(manifest))
+    return name
+
+
+@pytest.mark.parametrize(
+    ("params", "said"),
+    [
+        (False, r"{name} is \[\d+, \d+\] in its tensors, \[\d+, \d+\] in its params \(the "
+                r"manifest was edited"),
+        (True, r"{name} is \[\d+, \d+\] \(\d+ elements\), a chunk holds elements "
+               r"\[0:\d+\] \(the manifest was edited\)"),
+    ],
+    ids=["tensors-only", "tensors-and-params"],
+)
+def test_a_manifest_edited_to_another_shape_is_refused_by_load_and_verify_alike(
+    tmp_path, params, said
+):
+    """Issue 77: a weight's shape edited in the manifest ([56, 127] for [56, 128]): `zerocc
+    checkpoint --verify` refused it, a load (`zerocc train --resume`) loaded it without a word.
+    Both read it through one check now and refuse it with the same error."""
+    from zerocc.runtime.checkpoint.describe import checkpoints_in, verify
+
+    folder = _trained().save(tmp_path)
+    name = _edit_shape(folder, params=params)
+    with pytest.raises(CheckpointError, match=said.format(name=name)) as loaded:
+        zerocc.compile(build("gpt", seed=123), PLAN).load(folder)
+    with pytest.raises(CheckpointError) as verified:
+        verify(checkpoints_in(folder)[0][0])
+    assert str(loaded.value) == str(verified.value)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from zerocc.errors import ZeroccError
 from zerocc.runtime.checkpoint.files import (
     CheckpointError,
     DataReader,
@@ -41,21 +42,34 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 
 
-def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str) -> Path:
+def export_model(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str, overwrite: bool = False
+) -> Path:
     """Write the model of ``checkpoint`` (a checkpoint, or a folder of them: its newest) to
     ``out`` in ``fmt`` (``safetensors`` or ``torch``); ``out`` an existing folder (or one
     ending in '/') gets the file under the name Hugging Face looks for, and a Hugging Face
-    model's ``config.json`` beside it. Returns the file."""
+    model's ``config.json`` beside it. A file it would write that exists is an error naming
+    it, unless ``overwrite``. Returns the file."""
     if fmt not in FORMATS:
         raise CheckpointError(f"format {fmt!r}: choose one of {', '.join(FORMATS)}")
     folder = resolve(checkpoint)
     manifest = Manifest.read(folder)
     as_folder = os.fspath(out).endswith(os.sep)  # (Path drops the trailing separator)
     out = Path(out)
+    config = manifest.meta.get("hf_config")  # (a Hugging Face model's: its folder's config.json)
+    if as_folder or out.is_dir():
+        written = [out / FORMATS[fmt]] + [out / "config.json"] * (config is not None)
+    else:
+        written = [out]
+    if existing := [p for p in written if p.exists()] if not overwrite else []:
+        raise ZeroccError(
+            f"{', '.join(map(str, existing))}: exist{'s' * (len(existing) == 1)}; "
+            "--overwrite replaces it, or name another -o"
+        )
     if as_folder or out.is_dir():
         out.mkdir(parents=True, exist_ok=True)
-        if manifest.meta.get("hf_config") is not None:  # a Hugging Face model's folder
-            (out / "config.json").write_text(json.dumps(manifest.meta["hf_config"], indent=2))
+        if config is not None:
+            (out / "config.json").write_text(json.dumps(config, indent=2))
         out = out / FORMATS[fmt]
     partial = out.with_name(f".{out.name}.partial")
     sources = _sources(manifest)

@@ -236,6 +236,7 @@ class Manifest:
         }
         manifest = cls(body["meta"], tensors, body["files"], algorithm)
         manifest.check_files(folder)
+        manifest.check_tensors(path)
         return manifest
 
     def check_files(self, folder: Path) -> None:
@@ -246,6 +247,47 @@ class Manifest:
                 raise CheckpointError(f"{path}: missing (saved by rank {_rank_of(name)})")
             if path.stat().st_size != size:
                 raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the save wrote {size}")
+
+    def check_tensors(self, path: Path) -> None:
+        """Every tensor's chunks hold each of its elements once, within its shape and within
+        the files the manifest lists, and a weight's shape is its parameter's in ``meta``: the
+        checks every reader of a checkpoint makes (a load, ``zerocc checkpoint``, an export)
+        before it reads a byte; CheckpointError naming ``path`` (the manifest) and the tensor."""
+        shapes = {f"model/{fqn}": d["shape"] for key in ("params", "buffers")
+                  for fqn, d in self.meta.get(key, {}).items()}  # fmt: skip
+        for name, entry in self.tensors.items():
+            if name in shapes and list(entry.shape) != list(shapes[name]):
+                raise CheckpointError(
+                    f"{path}: {name} is {entry.shape} in its tensors, {shapes[name]} in its "
+                    "params (the manifest was edited: it is not as the save wrote it)"
+                )
+            itemsize = dtype_of(entry.dtype).itemsize
+            held = 0
+            for chunk in entry.chunks:
+                last = chunk.stop + (chunk.runs - 1) * chunk.stride  # (past its last element)
+                size = self.files.get(chunk.file)
+                if size is None:
+                    raise CheckpointError(f"{path}: {name} names {chunk.file}, which its files "
+                                          "do not list (the manifest was edited)")  # fmt: skip
+                if chunk.start < 0 or chunk.stop < chunk.start or last > entry.numel:
+                    raise CheckpointError(
+                        f"{path}: {name} is {entry.shape} ({entry.numel:,} elements), a chunk "
+                        f"holds elements [{chunk.start}:{last}] (the manifest was edited)"
+                    )
+                if chunk.offset + chunk.numel * itemsize > size:
+                    raise CheckpointError(
+                        f"{path}: {name} [{chunk.start}:{chunk.stop}] ends at byte "
+                        f"{chunk.offset + chunk.numel * itemsize} of {chunk.file}, which holds "
+                        f"{size} (the manifest was edited)"
+                    )
+                held += chunk.numel
+            if held != entry.numel:
+                why = ("a rank's part is missing from the manifest" if held < entry.numel
+                       else "the manifest was edited")  # fmt: skip
+                raise CheckpointError(
+                    f"{path}: {name} is {entry.shape} ({entry.numel:,} elements), its chunks "
+                    f"hold {held:,} ({why})"
+                )
 
 
 def read_elements(
@@ -336,7 +378,10 @@ def commit(root: Path, staging: Path, name: str, keep: int | None) -> Path:
     _fsync_folder(root)
     write_atomically(root / LATEST, name + "\n")
     if keep is not None:
-        for stale in saved_checkpoints(root)[:-keep]:
+        # Only checkpoints older than this one: a later one (a run that went further, saved
+        # here) is not this save's to delete, and this one is never deleted by its own keep.
+        older = [p for p in saved_checkpoints(root) if p.name < name]
+        for stale in older[: max(len(older) - (keep - 1), 0)]:
             shutil.rmtree(stale)
     return final
 
@@ -355,11 +400,14 @@ def resolve(path: str | os.PathLike) -> Path:
         return path
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint or checkpoint folder")
-    latest = path / LATEST
-    if latest.is_file():
-        named = path / latest.read_text().strip()
-        if (named / MANIFEST).is_file():
-            return named
+    named = latest_named(path)
+    if named is not None:
+        if (path / named / MANIFEST).is_file():
+            return path / named
+        raise CheckpointError(
+            f"{path / LATEST} names {named}, {gone(path / named)}: name the checkpoint to "
+            f"load ({_listed(saved_checkpoints(path))})"
+        )
     found = saved_checkpoints(path)
     if not found:
         raise CheckpointError(
@@ -367,3 +415,24 @@ def resolve(path: str | os.PathLike) -> Path:
             "not finish leaves only a .partial folder)"
         )
     return found[-1]
+
+
+def latest_named(root: Path) -> str | None:
+    """The checkpoint ``root``'s ``latest`` file names (None without one)."""
+    latest = root / LATEST
+    return (latest.read_text().strip() or None) if latest.is_file() else None
+
+
+def gone(named: Path) -> str:
+    """Why the checkpoint ``named`` (the one a ``latest`` file names) cannot be loaded."""
+    if named.is_dir():
+        return f"which has no {MANIFEST} (a damaged folder)"
+    return "which is not there (deleted since it was saved)"
+
+
+def _listed(found: list[Path]) -> str:
+    """The checkpoints a user may name instead, said in a few words."""
+    if not found:
+        return "the folder holds none"
+    names = ", ".join(p.name for p in found[-3:])
+    return f"it holds {len(found)}, the newest {names}" if len(found) > 3 else f"it holds {names}"
