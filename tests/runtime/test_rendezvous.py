@@ -158,3 +158,19 @@ def test_node_0_of_several_keeps_its_store_on_every_address():
     with rendezvous.meeting_place(Nodes(2, 0, f"127.0.0.1:{port}"), "127.0.0.1", port):
         assert listening_addresses(port) & {"0.0.0.0", "::"}
     assert not listening_addresses(port)
+
+
+def test_a_node_that_finds_no_zerocc_store_at_the_endpoint_says_so(monkeypatch):
+    """Node 1 checks node 0's store for the secret's key before it joins: where nothing
+    listens, or a store that is not a zerocc launcher's, it ends naming the endpoint once
+    its wait is over (600 s; 2 here)."""
+    monkeypatch.setattr(rendezvous, "JOIN_TIMEOUT_S", 2.0)
+    from torch.distributed import TCPStore
+
+    other = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for port in (_free_port(), other.port):
+        said = (f"no zerocc launcher keeps a store at --rdzv-endpoint 127.0.0.1:{port} after "
+                "2 s: start node 0")  # fmt: skip
+        with pytest.raises(ZeroccError, match=re.escape(said)):
+            with rendezvous.meeting_place(Nodes(2, 1, f"127.0.0.1:{port}"), "127.0.0.1", port):
+                pass
