@@ -16,6 +16,7 @@ from pathlib import Path
 from zerocc.cli.plan_args import add_plan_arguments, plan_of
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
+from zerocc.compiler.parallel.router_loss import router_loss_lines
 from zerocc.compiler.plan import OffloadConfig, Plan
 from zerocc.cost.rates import RATE_FIELDS, DeviceRates, rates_for
 from zerocc.cost.simulate import Simulation
@@ -217,7 +218,10 @@ def _pass_table_text(inspection: Inspection) -> str:
         lines.append("  ".join(cells).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    said = router_loss_lines([inspection.stepping.gm], plan.grad_accumulation,
+                             Mesh.of_plan(plan, inspection.world_size).data_parallel,
+                             pipeline=False)  # fmt: skip
+    return "\n".join([*lines, *([""] + said if said else [])])
 
 
 # --- estimate ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from torch import fx
 from zerocc.compiler.opaque import region_lines
 from zerocc.compiler.parallel.experts import exchange_lines
 from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
+from zerocc.compiler.parallel.router_loss import router_loss_lines
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
     DEVICE,
@@ -207,6 +208,12 @@ def explain_step(step: StepRecord) -> str:
         *([step.units_note] if step.units_note else []),
         *region_lines(step.programs.values()),
         *exchange_lines(step.programs.values(), plan.parallel.ep),
+        *router_loss_lines(  # (one program: the accumulating one is the same capture)
+            list(step.programs.values())[:1],
+            plan.grad_accumulation,
+            step.mesh.data_parallel,
+            pipeline=False,
+        ),
         precision_line(step),
         *([step.float8_note] if step.float8_note else []),
         backend_line(step),

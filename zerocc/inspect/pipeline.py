@@ -21,6 +21,7 @@ from zerocc.compiler.driver.session import PIPELINE_STATUS, ModelSplits
 from zerocc.compiler.float8 import Float8Layers
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
+from zerocc.compiler.parallel.router_loss import router_loss_lines
 from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan, load_plan
 from zerocc.compiler.workload import Workload, load_workload
@@ -57,6 +58,12 @@ class PipelineInspection:
         if self.split is not None:
             lines.append(self.split.format())
         lines += ["", "what each stage holds and what crosses each cut", self.staged.format()]
+        lines += router_loss_lines(
+            [s.forward.gm for s in self.staged.stages],
+            self.schedule.microbatches,
+            self.mesh.data_parallel,
+            pipeline=True,
+        )
         lines += ["", "schedule", self.schedule.format(), "", PIPELINE_STATUS]
         return "\n".join(lines)
 

@@ -14,6 +14,7 @@ from zerocc.backends import resolve_backend
 from zerocc.compiler.driver.pipeline import program_name
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule
+from zerocc.compiler.parallel.router_loss import router_loss_lines
 from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.plan.pipeline import describe_zero
@@ -96,6 +97,12 @@ def explain(step: PipelineRankView) -> str:
         f"{step.microbatches} micro-batches per step",
         step.mesh.describe(),
         describe_zero(step.plan.zero.stage, pipeline.gather),
+        *router_loss_lines(
+            [s.forward.gm for s in step.staged.stages],
+            step.microbatches,
+            step.data_parallel,
+            pipeline=True,
+        ),
         "",
         "what each stage holds and what crosses each cut",
         step.staged.format(),
