@@ -34,11 +34,12 @@ from zerocc.workloads import huggingface as hf  # noqa: E402
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "huggingface"
 PLAN = EXAMPLE / "llama-tiny.yaml"
+MIXTRAL = EXAMPLE / "mixtral-tiny.yaml"
 TINY = zerocc.load_plan(PLAN).workload_args["model"]
 
 
-def _workload(**changes):
-    plan = zerocc.load_plan(PLAN)
+def _workload(plan_file: Path = PLAN, **changes):
+    plan = zerocc.load_plan(plan_file)
     args = {**plan.workload_args, **changes}
     return load_workload(plan.model_copy(update={"workload_args": args}))
 
@@ -280,10 +281,15 @@ EVEN_VOCAB = {"model": {**TINY, "vocab_size": 258}}
 
 
 def _train(
-    rank: int, world: int, steps: int, parallel: dict | None = None, changes: dict | None = None
+    rank: int,
+    world: int,
+    steps: int,
+    parallel: dict | None = None,
+    changes: dict | None = None,
+    plan_file: Path = PLAN,
 ) -> dict:
-    work = _workload(**(changes or {}))
-    plan = zerocc.load_plan(PLAN).model_copy(update={"optimizer": zerocc.load_plan({
+    work = _workload(plan_file, **(changes or {}))
+    plan = zerocc.load_plan(plan_file).model_copy(update={"optimizer": zerocc.load_plan({
         "optimizer": {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.01}}).optimizer})  # fmt: skip
     if parallel:
         plan = plan.model_copy(update={"parallel": zerocc.load_plan(parallel).parallel})
@@ -309,6 +315,16 @@ def test_ranks_match_one_process(world, parallel, changes):
     steps = 4
     ranks = run_ranks(world, _train, steps, parallel, changes, timeout=600)
     _assert_match_one_process(ranks, _workload(**changes), data=2, steps=steps)
+
+
+def test_the_mixtral_example_under_expert_parallelism_matches_one_process():
+    """The Mixtral example as it ships (eager experts, the router's load-balancing loss, its
+    own data) with ``parallel.ep: 2`` on 2 ranks: each rank holds 2 of each layer's 4 experts
+    and exchanges its tokens with the other. Issue 77: it failed in its first step on every
+    rank (the router logits transformers' hooks keep, see tests/compiler/test_repeats.py)."""
+    steps = 3
+    ranks = run_ranks(2, _train, steps, {"parallel": {"ep": 2}}, {}, MIXTRAL, timeout=600)
+    _assert_match_one_process(ranks, _workload(MIXTRAL), data=2, steps=steps)
 
 
 @pytest.mark.parametrize(
@@ -406,6 +422,18 @@ def test_zerocc_train_fine_tunes_the_example():
     first = float(out.split("loss=")[1].split(",")[0])
     final = float(out.split("final loss: ")[1].split()[0])
     assert final < first - 0.5  # a byte-level LM learns the text's characters fast
+
+
+def test_zerocc_train_runs_the_mixtral_example_under_expert_parallelism():
+    """As a user runs it (issue 77: every rank failed in its first step); its numbers against
+    one process: test_the_mixtral_example_under_expert_parallelism_matches_one_process."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "zerocc", "train", str(MIXTRAL), "--nproc", "2",
+               "--steps", "3", "--set", "parallel.ep=2"]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    assert "3 step(s) on 2 rank(s)" in out and "all_to_all (ep)" in out, out[-3000:]
 
 
 def test_a_deepseek_v3_sized_mixture_of_experts_estimates_on_the_meta_device(capsys):
