@@ -73,6 +73,17 @@ def test_no_command_prints_help(capsys, argv):
     assert "usage: zerocc" in capsys.readouterr().out
 
 
+def test_help_names_every_plan_command(capsys):
+    """`zerocc --help` said "check a plan file or print the plan schema": no import, no auto."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "plan check a plan file, search for the fastest plan that fits (auto), convert a "
+        "DeepSpeed config (import), or print the plan schema" in out
+    )
+
+
 def test_plan_check_accepts_every_example_plan(capsys):
     """Every example plan git tracks (not a zero3.auto.yaml a user's plan auto left there)."""
     plans = tracked(EXAMPLES.parent, "**/*.yaml")

@@ -1,4 +1,4 @@
-"""`zerocc plan check | schema | import`, and the checks every command that reads a plan runs
+"""`zerocc plan check | schema | import | auto`, and the checks every command that reads a plan runs
 before any rank starts (:func:`checked_plan`)."""
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ from zerocc.runtime.launch import launched
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    """`zerocc plan check | schema | import`."""
-    plan = commands.add_parser("plan", help="check a plan file or print the plan schema")
+    """`zerocc plan check | schema | import | auto`."""
+    plan = commands.add_parser(
+        "plan",
+        help="check a plan file, search for the fastest plan that fits (auto), convert a "
+        "DeepSpeed config (import), or print the plan schema",
+    )
     plan.set_defaults(help_of=plan)
     plan_commands = plan.add_subparsers(title="commands", metavar="COMMAND")
     check = plan_commands.add_parser("check", help="validate a plan file and summarize it")
