@@ -156,3 +156,59 @@ def test_two_ranks_save_in_background_and_resume_exactly(tmp_path):
         assert resumed == expected
         assert meta == {"world": 2}
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001", "step-00000002"]
+
+
+def test_a_save_committed_before_a_peer_left_says_it_was_committed(tmp_path, monkeypatch, capsys):
+    """Issue 77: a rank killed during a background save, after rank 0 committed it and before
+    the commit's agreement: the run said the save failed, yet it was committed, `latest` named
+    it and it verified. The error and rank 0's line now say it was committed, and why the
+    save did not end cleanly; the checkpoint loads."""
+    from zerocc.errors import RankStoppedError
+    from zerocc.runtime.checkpoint import agreement
+    from zerocc.runtime.checkpoint.describe import checkpoints_in, verify
+
+    real = agreement.gathered
+
+    def peer_gone_at_commit(comm, value, what):
+        if what == "commit":  # (rank 0 committed: a peer killed meanwhile never answers)
+            raise RankStoppedError("rank 0: rank 1 (pid 4242) exited. This rank gave up in the "
+                                   "checkpoint's commit when the peer left")  # fmt: skip
+        return real(comm, value, what)
+
+    step = zerocc.compile(build("gpt"), PLAN)
+    _losses(step, [0])
+    step.save(tmp_path)
+    _losses(step, [1])
+    monkeypatch.setattr(agreement, "gathered", peer_gone_at_commit)
+    pending = step.save_async(tmp_path)
+    with pytest.raises(CheckpointError) as raised:
+        pending.wait()
+    monkeypatch.undo()
+    folder = tmp_path / "step-00000002"
+    said = (
+        f"{folder} was committed whole (latest names it; it loads), but the save did not end "
+        "cleanly: rank 0: rank 1 (pid 4242) exited. This rank gave up in the checkpoint's "
+        "commit when the peer left"
+    )
+    assert str(raised.value) == said
+    assert f"zerocc: the background save of step-00000002: {said}" in capsys.readouterr().err
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    (saved,) = [s for s in checkpoints_in(tmp_path)[0] if s.latest]
+    assert saved.folder == folder and verify(saved).chunks > 0
+    resumed = zerocc.compile(build("gpt", seed=123), PLAN)
+    resumed.load(tmp_path)
+    assert resumed.steps == 2
+
+
+def test_a_save_not_committed_when_a_peer_left_is_not_said_committed(tmp_path):
+    """What a rank finds when the commit's agreement fails: committed only where the staging
+    folder is gone, the checkpoint is there and `latest` names it."""
+    from zerocc.runtime.checkpoint.save import _committed
+
+    step = zerocc.compile(build("gpt"), PLAN)
+    _losses(step, [0])
+    step.save(tmp_path)
+    assert _committed(tmp_path, "step-00000001")
+    (tmp_path / ".step-00000001.partial").mkdir()  # (rank 0 left before its rename)
+    assert not _committed(tmp_path, "step-00000001")
+    assert not _committed(tmp_path, "step-00000002")

@@ -12,7 +12,9 @@ One save is in flight at a time: the next one, a synchronous save, a load and th
 run wait for it first. The thread is not a daemon: a process that ends (even by an exception)
 finishes the save it started before it exits. A rank killed mid-write leaves the staging folder
 behind and the last committed checkpoint as it was (the commit is one rename, after every rank
-wrote). A save that failed raises its error where it is waited for.
+wrote); one killed after rank 0 committed leaves that checkpoint whole, and the save's error
+says so (:class:`~zerocc.runtime.checkpoint.save.SaveCommittedError`). A save that failed
+raises its error where it is waited for.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from zerocc.runtime.checkpoint.save import (
     Piece,
+    SaveCommittedError,
     StagedSave,
     rank_checkpoint_bytes,
     stage_checkpoint,
@@ -70,8 +73,10 @@ class PendingSave:
             self._path = write_checkpoint(comm, staged)
         except BaseException as exc:  # raised where the save is waited for
             self._error = exc
+            # (committed, a peer left after: the checkpoint is there, said as it is)
+            how = ":" if isinstance(exc, SaveCommittedError) else " failed:"
             if comm.rank == 0:
-                print(f"zerocc: the background save of {staged.name} failed: {exc}",
+                print(f"zerocc: the background save of {staged.name}{how} {exc}",
                       file=sys.stderr, flush=True)  # fmt: skip
         self.times.written_s = time.perf_counter() - started
 

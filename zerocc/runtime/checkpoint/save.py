@@ -26,9 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerocc.compiler.state import optimizer_states
+from zerocc.engine.failures import first_line
+from zerocc.errors import ZeroccError
 from zerocc.ir.ops import TP_GROUP
 from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered, raise_errors
 from zerocc.runtime.checkpoint.files import (
+    LATEST,
+    MANIFEST,
     CheckpointError,
     Chunk,
     DataWriter,
@@ -38,6 +42,7 @@ from zerocc.runtime.checkpoint.files import (
     commit,
     data_file,
     dtype_name,
+    latest_named,
     staging_folder,
 )
 from zerocc.runtime.checkpoint.layout import (
@@ -171,8 +176,40 @@ def write_files(
         (staging / "manifest.json").write_text(manifest.to_json())
         final = commit(root, staging, name, keep)
 
-    agree(comm, attempt(finish) if comm.rank == 0 else None, "commit", INTACT)
+    try:
+        agree(comm, attempt(finish) if comm.rank == 0 else None, "commit", INTACT)
+    except ZeroccError as exc:  # (a peer that left: RankStoppedError)
+        if not _committed(root, name):
+            raise
+        raise SaveCommittedError(root / name, exc) from exc
     return root / name if final is None else final
+
+
+class SaveCommittedError(CheckpointError):
+    """A save whose checkpoint was committed (renamed into place, ``latest`` naming it: it
+    loads) although its last agreement failed: a rank left or failed after rank 0 committed
+    (killed mid-save, say), or rank 0's pruning of older checkpoints failed. The run's error
+    all the same; ``folder`` is the checkpoint, whole; ``silent``: the peers the cause found
+    silent (a RankStoppedError's, for the launcher's report)."""
+
+    def __init__(self, folder: Path, cause: BaseException) -> None:
+        self.folder = folder
+        self.silent = list(getattr(cause, "silent", []))
+        super().__init__(
+            f"{folder} was committed whole ({LATEST} names it; it loads), but the save did "
+            f"not end cleanly: {first_line(cause).removesuffix(f'; {INTACT}')}"
+        )
+
+
+def _committed(root: Path, name: str) -> bool:
+    """Whether checkpoint ``name`` of this save is committed under ``root``: renamed into
+    place from its staging folder (gone), ``latest`` naming it."""
+    staged = staging_folder(root, name)
+    return (
+        not staged.exists()
+        and (root / name / MANIFEST).is_file()
+        and latest_named(root) == name
+    )
 
 
 def _check_every_file_is_here(staging: Path, sizes: dict[int, int]) -> None:
