@@ -11,10 +11,11 @@ import inspect
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from torch import nn
 
@@ -23,6 +24,9 @@ from zerocc.errors import PlanError, ZeroccError
 from zerocc.logs import torchao_import_quiet
 
 __all__ = ["Workload", "load_workload", "plan_relative", "workload_code", "workload_function"]
+
+# A workload's batch: values passed as step(*batch), or a mapping of them by name, step(**batch).
+Batch = Sequence[Any] | Mapping[str, Any]
 
 # The folder of the plan whose workload function is running (None outside one, or for a plan
 # given as a dict): the workload's relative paths are read from there.
@@ -42,8 +46,9 @@ def plan_relative(path: str | os.PathLike) -> Path:
 class Workload:
     """What `zerocc train` trains: a model, an optional loss, and each rank's batches.
 
-    `batches(rank, world_size)` yields this rank's local batches, each a tuple of tensors passed
-    as `step(*batch)`; every rank must get different data, as under DDP. `loss_fn(model, *batch)`
+    `batches(rank, world_size)` yields this rank's local batches, each a tuple (or list) of
+    tensors passed as `step(*batch)`, or a mapping of them by name (a tokenizer's output) passed
+    as `step(**batch)`; every rank must get different data, as under DDP. `loss_fn(model, *batch)`
     returns a scalar; None means `model(*batch)` (or its `.loss`). Only `model` may be passed
     positionally, so `Workload(model, loss_fn, batches)` fails loudly instead of mixing them up.
     `eval_batches(rank, world_size)`, when given, yields this rank's share of held-back data
@@ -55,9 +60,9 @@ class Workload:
     model: nn.Module
     _: KW_ONLY
     loss_fn: Callable | None = None
-    batches: Callable[[int, int], Iterator[tuple]]
-    eval_batches: Callable[[int, int], Iterator[tuple]] | None = None
-    tokens_per_batch: Callable[[tuple], int] | None = None
+    batches: Callable[[int, int], Iterator[Batch]]
+    eval_batches: Callable[[int, int], Iterator[Batch]] | None = None
+    tokens_per_batch: Callable[[Batch], int] | None = None
 
 
 def load_workload(plan: Plan) -> Workload:
