@@ -316,3 +316,23 @@ def test_estimate_says_whose_rates_it_uses(capsys):
     assert main(["estimate", plan, "--device", "cuda"]) == 0
     captured = capsys.readouterr()
     assert "cpu rates" not in captured.err and "an H100's datasheet figures" in captured.out
+
+
+def test_inspect_and_estimate_default_to_the_fewest_ranks_the_layout_takes(capsys):
+    """Without --world-size they simulated 2 ranks, which a layout of more refused (the
+    DeepSeek-V3 example's ep 64 until given --world-size 1024, its header saying it is for
+    inspect): now the fewest ranks the layout takes, as `zerocc train`'s --nproc."""
+    out = run(capsys, "inspect", ZERO3, "--set", "zero.replicate=3")
+    assert "ZeRO stage 3, 6 ranks, 5 units" in out
+
+
+def test_estimate_says_when_the_peak_does_not_fit_the_gpu_it_times(capsys):
+    """`zerocc estimate --device cuda` of the DeepSeek-V3 example printed `peak 676.6GiB` and
+    nothing more: a peak over the 80 GiB of the GPU the cuda rates describe says so."""
+    plan = str(EXAMPLES / "7b.yaml")
+    out = run(capsys, "estimate", plan, "--device", "cuda", "--set", "zero.stage=0")
+    assert re.search(r"peak memory +110\.\dGiB\n  does not fit: the peak is 1\.4x an H100's 80 "
+                     r"GiB per rank \(the cuda rates' GPU\); `zerocc plan auto PLAN --world-size "
+                     r"2 --device cuda` searches for a plan that fits", out)  # fmt: skip
+    fits = run(capsys, "estimate", plan, "--device", "cuda", "--world-size", "8")
+    assert "peak memory" in fits and "does not fit" not in fits

@@ -91,13 +91,14 @@ def _world_size(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="ranks to simulate (default: the plan's zero.world_size, else 2)",
+        help="ranks to simulate (default: the plan's zero.world_size, else the fewest ranks "
+        "its layout takes, 2 or more)",
     )
 
 
 def _inspection(args: argparse.Namespace, plan: Plan | None = None) -> Inspection:
     plan = plan or plan_of(args)
-    world_size = args.world_size or plan.zero.world_size or 2
+    world_size = args.world_size or plan.least_world_size()
     if world_size < 1:
         raise ZeroccError("--world-size must be at least 1")
     # The graph after each pass is kept only for the options that print one: copying it after
@@ -387,12 +388,29 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
             *(_copy_lines(t, plan.offload) if e.transfers else []),
             *host_line,
             f"  {'peak memory':<24}{human_bytes(e.peak['total']):>12}",
+            *_fit_line(e),
             "",
             f"rates ({_sources(e.rates)}):",
             f"  {e.rates.describe()}",
             *_uncalibrated(e.rates),
         ]
     return "\n".join(lines)
+
+
+def _fit_line(e: Estimate) -> list[str]:
+    """A line saying the predicted peak does not fit the memory the cuda rates describe (an
+    H100's, as `zerocc plan auto` takes it), where it does not; none on cpu (its memory is this
+    machine's, which `zerocc train` checks before it starts)."""
+    from zerocc.cli.plan import CUDA_MEMORY_GIB
+
+    memory = int(CUDA_MEMORY_GIB * 2**30)
+    if e.rates.device != "cuda" or e.peak["total"] <= memory:
+        return []
+    return [
+        f"  does not fit: the peak is {e.peak['total'] / memory:.1f}x an H100's "
+        f"{CUDA_MEMORY_GIB:g} GiB per rank (the cuda rates' GPU); `zerocc plan auto PLAN "
+        f"--world-size {e.world_size} --device cuda` searches for a plan that fits"
+    ]
 
 
 def _copy_lines(t: Simulation, offload: OffloadConfig) -> list[str]:
