@@ -15,7 +15,8 @@ pytest.importorskip(
 )
 
 import torch  # noqa: E402
-from models import MoECausalLM, _gpt_batch, _token_batch, tiny_gpt  # noqa: E402
+from models import MoECausalLM, _gpt_batch, _token_batch, build, tiny_gpt  # noqa: E402
+from multirank import run_ranks  # noqa: E402
 
 import zerocc  # noqa: E402
 from zerocc.compiler.capture import capture, describe_model  # noqa: E402
@@ -63,8 +64,30 @@ def test_zerocc_inspect_of_the_mixtral_example_says_it(capsys):
 
     assert main(["inspect", str(MIXTRAL), "--set", "parallel.pp=2"]) == 0
     said = capsys.readouterr().out
-    assert "router load-balancing loss (2 routers): a statistic of the tokens, computed per " \
-        "micro-batch (" in said and ": pipeline.microbatches)" in said and SAID in said, said
+    line = next(x for x in said.splitlines() if x.startswith("router load-balancing loss"))
+    assert line.startswith(
+        "router load-balancing loss (2 routers): a statistic of the tokens, computed per "
+        "micro-batch ("
+    ), said
+    assert ": pipeline.microbatches)" in line and SAID in line, line
     assert main(["inspect", str(MIXTRAL), "--set", "grad_accumulation=2"]) == 0
     said = capsys.readouterr().out
     assert "per micro-batch (2: grad_accumulation) and on each of the 2 data ranks' " in said
+
+
+def _pipeline_explained(rank: int, world: int) -> str:
+    plan = {"zero": {"stage": 3}, "parallel": {"pp": 2}, "pipeline": {"microbatches": 2},
+            "units": {"classes": ["MixtralDecoderLayer"]},
+            "backend": {"name": "eager", "device": "cpu"}}  # fmt: skip
+    step = zerocc.compile(build("mixtral_grouped"), plan)
+    step(*_token_batch(0, 0, batch=4))
+    return step.explain()
+
+
+def test_a_pipeline_ranks_explain_says_it():
+    """The issue's case: a Mixtral at pp 2 with 2 micro-batches, each rank's explain()."""
+    for text in run_ranks(2, _pipeline_explained, timeout=300):
+        assert (
+            "computed per micro-batch (2: pipeline.microbatches) and the losses averaged, "
+            f"{SAID}" in text
+        ), text
