@@ -267,12 +267,34 @@ def _fits(row: Row, limit: int) -> bool:
 def covering_rows() -> tuple[Row, ...]:
     """Rows that cover every accepted pair, by the greedy of the module's docstring."""
     refused = pair_refusals()
-    uncovered = [k for k, why in refused.items() if why is None]
-    left = set(uncovered)
+    return _greedy([k for k, why in refused.items() if why is None], ())
+
+
+def repair_rows(failing: tuple[Row, ...], avoid: tuple[frozenset[str], ...]) -> tuple[Row, ...]:
+    """More rows, for the accepted pairs only ``failing`` rows cover: by the same greedy,
+    none holding every level of a set of ``avoid`` (``pp=*``: any level of pp), where rows
+    are known to fail."""
+    passing = [row for row in covering_rows() if row not in failing]
+    covered = set().union(*(row.covers() for row in passing))
+    orphans = [k for k, why in pair_refusals().items() if why is None and k not in covered]
+    return _greedy(orphans, avoid)
+
+
+def _avoided(row: Row, avoid: tuple[frozenset[str], ...]) -> bool:
+    names = {str(lv) for lv in row.levels} | {f"{lv.factor}=*" for lv in row.levels}
+    return any(combination <= names for combination in avoid)
+
+
+def _greedy(targets: list[tuple[str, str]], avoid: tuple[frozenset[str], ...]) -> tuple[Row, ...]:
+    refused = pair_refusals()
+    left = set(targets)
     rows = []
     while left:
-        first = next(k for k in uncovered if k in left)
+        first = next(k for k in targets if k in left)
         row = row_of(map(level, first))
+        left.discard(first)
+        if _avoided(row, avoid):  # (the pair itself fails: its failing row says so)
+            continue
         fixed = {level(text).factor for text in first}
         limit = max(MAX_WORLD, case_of(row)["world"])
         while True:  # the level that covers the most uncovered pairs, until none adds any
@@ -286,7 +308,7 @@ def covering_rows() -> tuple[Row, ...]:
                 if gain > 0 and not any(refused.get(_key(candidate, lv)) for lv in others):
                     trials.append((-gain, str(candidate), trial, candidate))
             for _, _, trial, candidate in sorted(trials, key=lambda t: t[:2]):
-                if _fits(trial, limit) and refusal(trial) is None:
+                if _fits(trial, limit) and not _avoided(trial, avoid) and refusal(trial) is None:
                     row = trial
                     fixed.add(candidate.factor)
                     break

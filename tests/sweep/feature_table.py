@@ -11,7 +11,15 @@ ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":  # (as a script: the tests' helper modules by name, as conftest.py)
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples" / "gpt")]
 
-from feature_cells import STEPS, case_of, covering_rows, pair_refusals  # noqa: E402
+from feature_cells import (  # noqa: E402
+    STEPS,
+    case_of,
+    covering_rows,
+    level,
+    pair_refusals,
+    repair_rows,
+    row_of,
+)
 
 TABLE = ROOT / "docs" / "feature-pairs.md"
 
@@ -34,10 +42,42 @@ KNOWN_FAILURES: dict[str, str] = {
     "with parallel.tp on the Mixtral is refused after launch (compile: 'fp8 finds no linear layer "
     "to multiply in float8': tp splits every linear but the head, the experts are no nn.Linear); "
     "plan check's model check does not choose the float8 layers",
+    "stage=0,model=gpt,pp=zero-bubble,fp8=matmul,in_memory=on": "a zero-bubble pipeline of the "
+    "GPT with float8 matmuls trains its tied embedding (transformer.wte.weight) 5.65e-4 away "
+    "from one process converted alike (bound 1e-5; its losses agree)",
+    "stage=2,model=gpt,tp=2,sp=on,fp8=matmul,async_save=on,eval=on": "precision.matmul: fp8 with "
+    "parallel.tp on the GPT is refused after launch, as on the Mixtral (tp splits every linear "
+    "layer but the head: 'fp8 finds no linear layer to multiply in float8')",
     "stage=3,model=mixtral,tp=2,sp=on,ep=2": "parallel.sequence_parallel on the Mixtral with its "
     "router loss is refused after launch, at capture (CaptureError: the loss depends on a "
     "statistic of each tp rank's chunk of the sequence), not by plan check",
 }
+
+# Where rows are known to fail (the rows above and more): sets of levels no repair row holds
+# (``pp=*``: any level of pp).
+AVOID: tuple[frozenset[str], ...] = tuple(
+    frozenset(text.split(","))
+    for text in (
+        "model=mixtral,pp=*,recompute=all,precision=bf16",
+        "model=llama,pp=*,recompute=all,precision=bf16",
+        "pp=zero-bubble,recompute=all,precision=bf16,fp8=matmul",
+        "tp=*,fp8=matmul",
+        "sp=*,fp8=matmul",
+        "pp=zero-bubble,fp8=matmul",
+        "model=mixtral,sp=*",
+    )
+)
+
+
+def all_rows() -> tuple:
+    """The covering array's rows, then the rows that cover again the pairs only failing rows
+    cover (:func:`feature_cells.repair_rows`)."""
+    rows = covering_rows()
+    failing = tuple(row for row in rows if str(row) in KNOWN_FAILURES)
+    rows += repair_rows(failing, AVOID)
+    found = (row_of(map(level, text.split(","))) for text in KNOWN_FAILURES)
+    return rows + tuple(row for row in found if row not in rows)  # (found in repair rows)
+
 
 # The rows of the default run: a cheap handful across stages, models and features (~60 s on 2
 # cores together); the others run with --slow.
@@ -54,12 +94,12 @@ CHEAP_ROWS: tuple[str, ...] = (
 
 def cheap_rows() -> set[int]:
     """Indices of the rows the default run trains."""
-    return {i for i, row in enumerate(covering_rows()) if str(row) in CHEAP_ROWS}
+    return {i for i, row in enumerate(all_rows()) if str(row) in CHEAP_ROWS}
 
 
 def table() -> str:
     """The markdown of docs/feature-pairs.md."""
-    rows = covering_rows()
+    rows = all_rows()
     refused = {k: why for k, why in pair_refusals().items() if why}
     lines = [
         "# Feature pairs: what trains with what",
@@ -75,6 +115,11 @@ def table() -> str:
         "Face Mixtral with its router loss (4 layers in a pipeline row). `checkpoint.in_memory`",
         "acts under `zerocc train`'s launcher only: its cells hold that it changes nothing else.",
         "The default run trains the rows not marked --slow; `pytest --slow` trains them all.",
+        "",
+        "Rows known to fail are marked xfail with why; the pairs they alone would cover are",
+        "covered again by repair rows that avoid the failing combinations (tests/sweep/",
+        "feature_table.py, AVOID), so that each accepted pair but those of a failing",
+        "combination of two (sequence parallelism on the Mixtral) also trains in a passing row.",
         "",
         f"## Trained cells ({len(rows)} rows covering {len(pair_refusals()) - len(refused)} pairs)",
         "",

@@ -17,11 +17,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-from feature_cells import LEVELS, case_of, covering_rows, pair_refusals, pairs, row_of
+from feature_cells import LEVELS, case_of, level, pair_refusals, pairs, row_of
 from feature_rows import assert_row_trained_alike, run_row
-from feature_table import KNOWN_FAILURES, TABLE, cheap_rows, table
+from feature_table import AVOID, KNOWN_FAILURES, TABLE, all_rows, cheap_rows, table
 
-ROWS = covering_rows()
+ROWS = all_rows()
 
 
 def test_every_pair_of_levels_is_refused_or_in_a_trained_row():
@@ -32,10 +32,20 @@ def test_every_pair_of_levels_is_refused_or_in_a_trained_row():
     assert {lv.factor for lv in LEVELS} == {lv.factor for row in ROWS for lv in row.levels}
 
 
+def test_every_accepted_pair_is_in_a_row_not_known_to_fail_unless_it_fails_itself():
+    """The rows known to fail (xfail) leave no pair untested: each accepted pair lies in a
+    passing row too, but the pairs of a known failing combination of two levels."""
+    passing = [row for row in ROWS if str(row) not in KNOWN_FAILURES]
+    covered = set().union(*(row.covers() for row in passing))
+    orphans = {k for k, why in pair_refusals().items() if why is None and k not in covered}
+    for pair in orphans:  # (the pair's row: an ep pair's model is the Mixtral)
+        levels = row_of(map(level, pair)).levels
+        names = {str(lv) for lv in levels} | {f"{lv.factor}=*" for lv in levels}
+        assert any(c <= names for c in AVOID), f"{pair} is only in rows known to fail"
+
+
 @pytest.mark.parametrize("pair", [k for k, why in pair_refusals().items() if why], ids="+".join)
 def test_a_refused_pair_is_a_plan_error_naming_both_fields(pair):
-    from feature_cells import level
-
     a, b = map(level, pair)
     why = pair_refusals()[pair]
     said = why + " " + why.replace(": ", ".")  # (a section's error: 'zero: replicate: 2 ...')
