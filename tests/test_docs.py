@@ -70,3 +70,17 @@ def test_inspect_md_shows_the_estimate_table_zerocc_prints():
     printed = zerocc(*command.split()[1:]).splitlines()
     for line in shown("inspect.md", command):
         assert line == "..." or line in printed, line
+
+
+def test_parallelism_md_shows_the_70b_estimate_zerocc_prints():
+    """docs/parallelism.md's bytes per collective of the 70B tp example, as printed (its mesh
+    line cut with '...')."""
+    command = "zerocc estimate examples/gpt/70b-tp.yaml --world-size 1024"
+    text = (ROOT / "docs" / "parallelism.md").read_text()
+    block = text.split(command, 1)[1].split("\n", 1)[1].split("```", 1)[0]
+    printed = zerocc(*command.split()[1:]).splitlines()
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert len(lines) >= 5
+    for line in lines:
+        cut = line.removesuffix("...").rstrip("; ")
+        assert any(p.startswith(cut) for p in printed), line
