@@ -155,8 +155,9 @@ def checked_model(plan: Plan) -> tuple[nn.Module, str]:
     meta device, where zerocc's examples build theirs) and check what the plan names in its
     model: units (classes, module globs, those kept gathered), the layers tensor parallelism
     splits and the experts expert parallelism splits; and, for a pipeline, that its
-    micro-batches divide the workload's first batch; PlanError naming the field otherwise. Returns the model and a few words on it. (`zerocc plan
-    check`, and `zerocc train` before it launches any rank.)"""
+    micro-batches divide the workload's first batch; PlanError naming the field otherwise.
+    Returns the model and a few words on it. (`zerocc plan check`, and `zerocc train` before
+    it launches any rank.)"""
     from zerocc.compiler.capture import describe_model
     from zerocc.compiler.parallel.experts import ExpertParallel
     from zerocc.compiler.parallel.tensor_parallel import TensorParallel
