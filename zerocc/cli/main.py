@@ -333,6 +333,17 @@ SECTION_FLAGS = {
 }
 
 
+def _joins_a_run_under_way(nodes: Nodes, args: argparse.Namespace) -> bool:
+    """Whether this launcher replaces a lost node of an elastic run still under way at a
+    `zerocc rendezvous` (``--rdzv-standalone``, the one place such a run outlives node 0)."""
+    from zerocc.runtime import rendezvous
+
+    if not (nodes.standalone and nodes.count > 1 and args.max_restarts):
+        return False
+    host, port = nodes.address()  # (the endpoint's: a standalone run has one)
+    return rendezvous.under_way(host, port, nodes.run_name(port))
+
+
 def _train(args: argparse.Namespace) -> int:
     from zerocc.cli.train import train_rank
     from zerocc.inspect.dumps import DUMP_DIR_ENV
@@ -350,7 +361,9 @@ def _train(args: argparse.Namespace) -> int:
     # Every rank reads the dump folder (the launched ranks inherit it); set for this command
     # only, so a later step of the same process does not dump.
     dumps = {DUMP_DIR_ENV: str(Path(args.dump).resolve())} if args.dump else {}
-    if not launched() and nodes.rank == 0:  # (a later node joins the run node 0 started)
+    # (a later node joins the run node 0 started; so does node 0's replacement, at a
+    # `zerocc rendezvous` where that run is under way: its folder holds the run's own saves)
+    if not launched() and nodes.rank == 0 and not _joins_a_run_under_way(nodes, args):
         prepare_save_folder(plan, args.overwrite, "--save" if args.save else "checkpoint.dir")
     with environment(dumps):
         restarts = restarts_of(args, plan)

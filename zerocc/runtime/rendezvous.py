@@ -39,6 +39,7 @@ from zerocc.runtime.nodes import Nodes
 MARK = "zerocc/rendezvous"  # set by `zerocc rendezvous`: what a node checks it meets at
 ENDED = "zerocc/ended/"  # + run name: launches ended under that name (a counter)
 DEFAULT_PORT = 29500  # (torchrun's)
+RENDEZVOUS_STATE = "torch.rendezvous."  # + run id: torchrun's c10d rendezvous state (its key)
 JOIN_TIMEOUT_S = 600.0  # how long a node waits for node 0's store (torchrun's static rendezvous's)
 
 
@@ -202,6 +203,16 @@ def run_id(host: str, port: int, name: str) -> str:
     launches that ended under ``name`` there so far. The machines of one run agree on it: they
     all start, or a replacement joins, before any of them ends."""
     return f"{name}.{_store(host, port, 10.0).add(ENDED + name, 0)}"
+
+
+def under_way(host: str, port: int, name: str) -> bool:
+    """Whether a run under ``name`` meets at the `zerocc rendezvous` at ``host:port`` now
+    (torchrun's rendezvous state of its ``NAME.K`` is there): a launcher started now joins
+    it, as a lost node's replacement does, rather than starting a run of its own."""
+    if not answers(host, port):
+        return False
+    store = _store(host, port, 10.0)
+    return store.check([RENDEZVOUS_STATE + run_id(host, port, name)])
 
 
 def ended(host: str, port: int, name: str) -> None:
