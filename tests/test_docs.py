@@ -14,14 +14,11 @@ from tracked import tracked
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVELOPER_DOCS = {"design-notes.md"}
-# Written by tests/sweep/feature_table.py, whose text names the sweep's issue: that file's
-# owner drops it there (then this exemption goes).
-PENDING = {"feature-pairs.md"}
 
 
 def user_docs() -> list[Path]:
     return [ROOT / "README.md"] + [
-        p for p in tracked(ROOT / "docs", "*.md") if p.name not in DEVELOPER_DOCS | PENDING
+        p for p in tracked(ROOT / "docs", "*.md") if p.name not in DEVELOPER_DOCS
     ]
 
 
