@@ -148,14 +148,21 @@ def verify(saved: Saved) -> Verified:
     manifest = saved.manifest
     manifest.check_files(saved.folder)
     reader = DataReader(saved.folder, manifest.checksum)
-    manifest.check_tensors(saved.folder / MANIFEST)  # (as Manifest.read did: a load's checks)
     chunks = nbytes = 0
     try:
         for name, entry in manifest.tensors.items():
             dtype = dtype_of(entry.dtype)
+            held = 0
             for chunk in entry.chunks:
                 nbytes += reader.read(chunk, dtype, name).nbytes
+                held += chunk.numel
                 chunks += 1
+            # (a load finds a missing part as it reads the elements it lacks: read_elements)
+            if held != entry.numel:
+                raise CheckpointError(
+                    f"{saved.folder}: {name} has {entry.numel:,} elements, its chunks hold "
+                    f"{held:,} (a rank's part is missing from the manifest)"
+                )
     finally:
         reader.close()
     return Verified(len(manifest.tensors), chunks, nbytes)
