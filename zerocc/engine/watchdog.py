@@ -131,6 +131,7 @@ class Heartbeat:
         self._news.set()  # told within MIN_BEAT_S, so the last record is what the rank did
 
     def _run(self) -> None:
+        next_watch = 0.0
         while not self._stop.is_set():
             self._news.wait(BEAT_S)
             self._news.clear()
@@ -138,7 +139,9 @@ class Heartbeat:
                 return
             try:
                 self._beat()
-                if not self.lost and self.world_size > 1:
+                # (the watch once a beat, not once a status: rank 0 reads every rank's record)
+                if not self.lost and self.world_size > 1 and time.monotonic() >= next_watch:
+                    next_watch = time.monotonic() + BEAT_S
                     self._watch()
             except Exception:  # the store is gone (the job is ending): nothing left to tell
                 return
