@@ -8,26 +8,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from models import build
+from train_runs import one_rank_saves
 
 import zerocc
 from zerocc.cli.main import main
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
-PLAN = {"zero": {"stage": 3}, "units": {"classes": ["Block"]},
-        "backend": {"device": "cpu", "kernels": "torch"}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory) -> Path:
     """Two checkpoints of one rank (steps 1 and 2) and a save of step 3 that did not finish."""
-    root = tmp_path_factory.mktemp("saves")
-    step = zerocc.compile(build("gpt"), PLAN)
-    x = torch.randint(0, 32, (2, 8))
-    for _ in range(2):
-        step(x, x)
-        step.save(root)
+    root = one_rank_saves(tmp_path_factory.mktemp("saves"))
     shutil.copytree(root / "step-00000002", root / ".step-00000003.partial")
     return root
 

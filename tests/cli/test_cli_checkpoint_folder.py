@@ -8,10 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from models import build
+from train_runs import one_rank_saves
 
-import zerocc
 from zerocc.cli.main import main
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
@@ -72,20 +70,10 @@ def test_a_run_resumed_from_its_save_folder_goes_on_there(tmp_path, capsys):
            "this run resumes from" in capsys.readouterr().err  # fmt: skip
 
 
-PLAN = {"zero": {"stage": 3}, "units": {"classes": ["Block"]},
-        "backend": {"device": "cpu", "kernels": "torch"}}  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory) -> Path:
     """Two checkpoints of one rank (steps 1 and 2)."""
-    root = tmp_path_factory.mktemp("saves")
-    step = zerocc.compile(build("gpt"), PLAN)
-    x = torch.randint(0, 32, (2, 8))
-    for _ in range(2):
-        step(x, x)
-        step.save(root)
-    return root
+    return one_rank_saves(tmp_path_factory.mktemp("saves"))
 
 
 def test_a_latest_that_names_no_checkpoint_is_said(saves, tmp_path, capsys):

@@ -23,3 +23,23 @@ def checkpoint_digests(folder: Path) -> dict[str, list[str]]:
     equal bit for bit."""
     tensors = json.loads((folder / "manifest.json").read_text())["tensors"]
     return {name: [c["digest"] for c in entry["chunks"]] for name, entry in tensors.items()}
+
+
+ONE_RANK_PLAN = {"zero": {"stage": 3}, "units": {"classes": ["Block"]},
+                 "backend": {"device": "cpu", "kernels": "torch"}}  # fmt: skip
+
+
+def one_rank_saves(root: Path) -> Path:
+    """Two checkpoints of one rank in ``root`` (steps 1 and 2 of the test GPT), for the
+    commands that read a checkpoint folder."""
+    import torch
+    from models import build
+
+    import zerocc
+
+    step = zerocc.compile(build("gpt"), ONE_RANK_PLAN)
+    x = torch.randint(0, 32, (2, 8))
+    for _ in range(2):
+        step(x, x)
+        step.save(root)
+    return root
