@@ -90,6 +90,7 @@ from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.memory_check import check_pipeline_memory
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.pipeline import PipelineRank, StepTimeline, TorchTransport, microbatches_of
+from zerocc.runtime.pipeline_state import whole_model
 from zerocc.runtime.programs import SetupClock, batch_signature, bindings_of
 from zerocc.runtime.rank import to_device
 from zerocc.runtime.state_store import StateStore, align_random_state
@@ -107,9 +108,9 @@ class _Program:
 class PipelineStep(SavesInBackground):
     """One rank of a pipeline-parallel training step: ``step(*batch)`` trains on the rank's
     batch (the same on every rank of one pipeline), cut into ``pipeline.microbatches``, and
-    returns the mean loss; ``full_state_dict()`` gathers the parameters this rank's stages
-    hold (a collective over its stage's data-parallel ranks); ``save``/``load`` checkpoint it
-    as :class:`zerocc.TrainStep` does."""
+    returns the mean loss; ``full_state_dict()`` and ``materialize_model()`` give the whole
+    model on every rank, and ``save``/``load`` checkpoint it, as :class:`zerocc.TrainStep`
+    does."""
 
     def __init__(
         self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
@@ -314,10 +315,21 @@ class PipelineStep(SavesInBackground):
         return loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{fqn: full tensor}`` of the parameters and buffers this rank's stages hold (a
-        collective over the stage's data-parallel ranks)."""
+        """``{fqn: full tensor on CPU}`` for every key of ``model.state_dict()``, as a
+        TrainStep gives it: the whole model on every rank, each stage's part gathered over its
+        ranks and handed over the pipeline (:mod:`zerocc.runtime.pipeline_state`). A
+        collective: call it on every rank."""
         self._built()
-        return self.state.full_state_dict()
+        with self.comm.stats.paused():  # the last step's figures stay its own
+            mine = self.state.full_state_dict()
+            return whole_model(self.comm, self.device, self.pipeline_ranks, mine,
+                               self.state.state_dict_keys)  # fmt: skip
+
+    def materialize_model(self, device: str | torch.device = "cpu") -> nn.Module:
+        """The model given to ``compile`` with the step's current weights and buffers, on
+        ``device``: the whole model on every rank (see :meth:`zerocc.TrainStep.
+        materialize_model`). A collective: call it on every rank."""
+        return self.state.materialize_model(self.model, device, self.full_state_dict())
 
     def evaluate(self, *batch: Any, **named: Any) -> torch.Tensor:
         """The mean loss of this rank's ``batch`` (the same on every rank of one pipeline)
@@ -502,10 +514,10 @@ class PipelineStep(SavesInBackground):
             self.model, self.splits, self.plan, self.loss_fn, microbatch, self.device
         )
         stage_units, _ = split_units(self.plan, gm, local, self.mesh.shard_size)
-        staged = cut_step(gm, local, stage_units, self.plan, self.comm.world_size)
+        staged = cut_step(gm, local, stage_units, self.plan, self.mesh)
         dumps = self.dump_dir is not None
         compiled = compile_rank(
-            self.model, self.plan, self.comm.world_size, self.loss_fn, full, self.splits,
+            self.model, self.plan, self.mesh, self.loss_fn, full, self.splits,
             staged, self.schedule, self.pp_rank, self.device, keep_graphs=dumps,
         )  # fmt: skip
         if dumps and self.comm.rank % self.mesh.stage_ranks == 0:  # the pipeline rank's first

@@ -179,11 +179,17 @@ class StateStore(Mapping[str, torch.Tensor]):
         group.all_gather(parts.view(-1), value.contiguous().view(-1)).wait()
         return split.join(list(parts))
 
-    def materialize_model(self, model: nn.Module, device: str | torch.device) -> nn.Module:
+    def materialize_model(
+        self,
+        model: nn.Module,
+        device: str | torch.device,
+        full: dict[str, torch.Tensor] | None = None,
+    ) -> nn.Module:
         """``model`` (on ``meta`` once the store owns its weights) given the current weights
         and buffers, on ``device``; a collective where they are sharded (see
-        :meth:`full_state_dict`)."""
-        full = self.full_state_dict()
+        :meth:`full_state_dict`). ``full``: the whole model's state dict when this store holds
+        a part of it (a pipeline rank's stages), gathered by the caller."""
+        full = self.full_state_dict() if full is None else full
         buffers = {
             b.fqn: self.tensors[b.fqn]
             for b in self.session.model_info.buffers
