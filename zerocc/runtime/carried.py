@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from zerocc.backends import get_backend
 from zerocc.compiler.capture import detach_inputs, traced_grad_mode
-from zerocc.compiler.passes.deferred_updates import (
+from zerocc.compiler.passes.support.deferred_updates import (
     CARRIED_LR,
     CARRIED_SCALARS,
     CARRIED_SKIP,

@@ -1,5 +1,5 @@
 """The optimizer pass (zerocc/compiler/passes/optimizer.py) and the gradient pass it reads
-(zerocc/compiler/passes/gradients.py), graph-level on four simulated ranks: one update per
+(zerocc/compiler/passes/support/gradients.py), graph-level on four simulated ranks: one update per
 trainable unit where a program steps, none where it only accumulates, one reduction per unit as
 its stage prescribes, gradient state only where micro-batches accumulate."""
 

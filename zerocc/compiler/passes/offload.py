@@ -38,11 +38,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerocc.compiler.passes.deferred_updates import carry_updates
-from zerocc.compiler.passes.gradient_checks import check_gradients_as_they_complete
-from zerocc.compiler.passes.gradients import solo
-from zerocc.compiler.passes.host_slots import HostSlots
 from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.passes.support.deferred_updates import carry_updates
+from zerocc.compiler.passes.support.gradient_checks import check_gradients_as_they_complete
+from zerocc.compiler.passes.support.gradients import solo
+from zerocc.compiler.passes.support.host_slots import HostSlots
 from zerocc.compiler.plan import OffloadConfig
 from zerocc.compiler.state import (
     DEVICE,

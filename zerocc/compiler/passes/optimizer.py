@@ -27,8 +27,8 @@ import torch
 from torch import fx
 
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel
-from zerocc.compiler.passes.gradients import solo
 from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.passes.support.gradients import solo
 from zerocc.compiler.plan import OptimizerConfig, ZeroConfig
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
 from zerocc.compiler.units import Unit

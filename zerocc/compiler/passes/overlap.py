@@ -7,7 +7,7 @@ unoverlapped program:
 
 1. **Buckets** (``bucket_mb`` > 0): runs of consecutive small units' all-gathers, and of their
    gradient reduce-scatters, become one collective each (see
-   :mod:`zerocc.compiler.passes.bucketing`).
+   :mod:`zerocc.compiler.passes.support.bucketing`).
 2. **Prefetch**: each parameter all-gather (forward and backward) is issued as early as
    (a) its inputs allow: never above a node that writes the shard it reads, (b) ``prefetch``
    allows: no earlier than the wait of the gather ``prefetch`` units before it, so at most that
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from zerocc.compiler.passes.bucketing import bucket_collectives
 from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.passes.support.bucketing import bucket_collectives
 from zerocc.ir.access import StorageRoots
 from zerocc.ir.kinds import OpKind, Stream
 from zerocc.ir.nodes import GRAD, info, op_kind, op_name, val

@@ -35,8 +35,8 @@ from torch import fx
 
 import zerocc.ir.rng  # noqa: F401  (registers the RNG ops the copies use)
 from zerocc.compiler.names import glob_matches
-from zerocc.compiler.passes.param_uses import analyze
 from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.passes.support.param_uses import analyze
 from zerocc.compiler.units import Unit
 from zerocc.errors import PlanError
 from zerocc.ir.access import StorageRoots, written_arguments

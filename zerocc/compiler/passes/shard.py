@@ -42,15 +42,15 @@ from torch import fx
 
 from zerocc.compat import LazyGraphModule
 from zerocc.compiler.names import glob_matches
-from zerocc.compiler.passes.gradients import (
+from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.passes.support.gradients import (
     Gradients,
     flat_view,
     quantized_bytes,
     solo,
     unit_collective,
 )
-from zerocc.compiler.passes.param_uses import ParamUses, analyze
-from zerocc.compiler.passes.spec import PassContext, register_pass
+from zerocc.compiler.passes.support.param_uses import ParamUses, analyze
 from zerocc.compiler.plan import OffloadConfig, ZeroConfig
 from zerocc.compiler.state import DEVICE, declare_params, placements
 from zerocc.compiler.units import Unit

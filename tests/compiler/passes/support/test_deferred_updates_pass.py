@@ -1,5 +1,5 @@
-"""offload.defer_updates, graph-level (zerocc/compiler/passes/deferred_updates.py): where the
-carried updates, their waits and their compute copies go. (Numbers:
+"""offload.defer_updates, graph-level (zerocc/compiler/passes/support/deferred_updates.py):
+where the carried updates, their waits and their compute copies go. (Numbers:
 tests/runtime/test_deferred_updates.py, tests/parity.)"""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from torch import fx
 
 import zerocc
-from zerocc.compiler.passes.deferred_updates import carried_program
+from zerocc.compiler.passes.support.deferred_updates import carried_program
 from zerocc.cost.simulate import simulate
 from zerocc.inspect.estimate import inspect_plan
 from zerocc.ir.access import StorageRoots

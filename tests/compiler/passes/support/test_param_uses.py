@@ -1,6 +1,6 @@
-"""The analysis the shard pass acts on (zerocc/compiler/passes/param_uses.py), on the captured tiny
-GPT after partition: which nodes are re-derivable from parameters alone, each unit's use window
-per phase, and each trainable parameter's gradient."""
+"""The analysis the shard pass acts on (zerocc/compiler/passes/support/param_uses.py), on the
+captured tiny GPT after partition: which nodes are re-derivable from parameters alone, each
+unit's use window per phase, and each trainable parameter's gradient."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from models import _gpt_batch, tiny_gpt, tiny_gpt_dropout
 
 import zerocc
 from zerocc.compiler.capture import describe_model
-from zerocc.compiler.passes.param_uses import analyze
+from zerocc.compiler.passes.support.param_uses import analyze
 from zerocc.compiler.workload import Workload
 from zerocc.inspect.estimate import inspect_plan
 from zerocc.ir.nodes import PARAM, info, placeholders, val

@@ -26,11 +26,13 @@ with the flat ranges of parameters the loss does not reach (``no_grad``).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import fx
 
-from zerocc.compiler.passes.param_uses import ParamUses
-from zerocc.compiler.passes.spec import PassContext
+from zerocc.compiler.parallel.mesh import Mesh
+from zerocc.compiler.passes.support.param_uses import ParamUses
 from zerocc.compiler.plan import ZeroConfig
 from zerocc.compiler.units import Unit
 from zerocc.ir.nodes import GRAD_SHARD, emit, emit_collective, info, tag, val
@@ -79,6 +81,22 @@ def unit_collective(
     )
 
 
+class GradientContext(Protocol):
+    """What the gradient routing reads of the shard pass's context (a ``PassContext``). A
+    protocol, not the class: the helpers sit below the passes and import nothing of them."""
+
+    @property
+    def mesh(self) -> Mesh: ...
+    @property
+    def units(self) -> list[Unit]: ...
+    @property
+    def boundary(self) -> bool: ...
+    @property
+    def tied(self) -> frozenset[str]: ...
+    @property
+    def update_of(self) -> frozenset[str] | None: ...
+
+
 def solo(unit: Unit) -> bool:
     """Whether ``unit`` is held by one rank of its group (on one rank, or in a one-rank `edp`
     group: every expert on its own rank): its gradient is complete where backward leaves it,
@@ -92,7 +110,7 @@ class Gradients:
     def __init__(
         self,
         graph: fx.Graph,
-        ctx: PassContext,
+        ctx: GradientContext,
         zero: ZeroConfig,
         grad_accumulation: int,
         uses: ParamUses,

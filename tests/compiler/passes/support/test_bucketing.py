@@ -1,5 +1,6 @@
-"""Bucketing (zerocc/compiler/passes/bucketing.py, run by the overlap pass): small collectives
-merged into buckets of about ``overlap.bucket_mb``, moving the same bytes in fewer calls."""
+"""Bucketing (zerocc/compiler/passes/support/bucketing.py, run by the overlap pass): small
+collectives merged into buckets of about ``overlap.bucket_mb``, moving the same bytes in fewer
+calls."""
 
 from __future__ import annotations
 
