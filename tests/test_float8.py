@@ -153,14 +153,14 @@ def test_the_default_leaves_the_head_and_layers_float8_cannot_take():
 def test_layers_tensor_parallelism_splits_stay_in_the_compute_dtype():
     plan = _plan("tensorwise")
     plan["parallel"] = {"tp": 2, "tp_layers": {"mid": "colwise", "up": "rowwise"}}
-    with pytest.raises(PlanError, match="up: split by tensor parallelism"):
+    with pytest.raises(PlanError, match="up: split by parallel.tp"):
         Float8Layers.convert(_Odd(), zerocc.load_plan(plan))  # (nothing left to convert)
     plan["parallel"]["tp_layers"] = {"mid": "colwise"}
     model = _Odd()
     model.mid = nn.Linear(32, 16)
     layers = Float8Layers.convert(model, zerocc.load_plan(plan))
     assert layers.layers == ("up",)
-    assert dict(layers.kept)["mid"].startswith("split by tensor parallelism")
+    assert dict(layers.kept)["mid"].startswith("split by parallel.tp")
 
 
 @pytest.mark.parametrize(

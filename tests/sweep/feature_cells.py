@@ -83,12 +83,14 @@ def _levels() -> list[Level]:
         *(L("model", m, names=("model", "workload")) for m in MODELS),
         L("hsdp", "replicate2", {"replicate": 2}, names=("zero.replicate",)),
         L("tp", "2", {"tp": 2}, names=("parallel.tp",)),
-        L("sp", "on", {"tp": 2, "sp": True}, names=("parallel.sequence_parallel",)),
+        # (sequence parallelism is tp's: a refusal of tp names it; an ep row's model is the
+        # Mixtral, the one with experts: a refusal of that model names the model)
+        L("sp", "on", {"tp": 2, "sp": True}, names=("parallel.sequence_parallel", "parallel.tp")),
         *(
             L("pp", s, {"pp": 2, "schedule": s, "accum": 2}, names=("parallel.pp", "pipeline"))
             for s in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
         ),  # fmt: skip
-        L("ep", "2", {"ep": 2}, names=("parallel.ep", "parallel.experts")),
+        L("ep", "2", {"ep": 2}, names=("parallel.ep", "parallel.experts", "model")),
         L("recompute", "all", {"recompute": {"units": "all"}}, names=("recompute",)),
         L("offload", "optimizer", {"offload": {"optimizer": "cpu"}}, names=("offload",)),
         L("precision", "bf16", {"precision": {"param": "bf16"}}, names=("precision",)),

@@ -11,9 +11,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from zerocc.compiler.driver.session import ModelSplits
     from zerocc.compiler.workload import Workload
 
 from zerocc.cli.plan_args import add_plan_arguments, plan_of
@@ -154,13 +156,15 @@ def checked_model(plan: Plan) -> tuple[nn.Module, str]:
     """Call the workload as a rank does (a model too large for this machine belongs on the
     meta device, where zerocc's examples build theirs) and check what the plan names in its
     model: units (classes, module globs, those kept gathered), the layers tensor parallelism
-    splits and the experts expert parallelism splits; and, for a pipeline, that its
-    micro-batches divide the workload's first batch; PlanError naming the field otherwise.
-    Returns the model and a few words on it. (`zerocc plan check`, and `zerocc train` before
-    it launches any rank.)"""
+    splits, the experts expert parallelism splits and the layers float8 matmuls convert;
+    for a pipeline, that its micro-batches divide the workload's first batch; under sequence
+    parallelism, that the loss is no statistic of each tp rank's chunk of the sequence (the
+    forward captured on the first batch, on fake tensors, as a rank captures it); PlanError
+    naming the field otherwise. Returns the model and a few words on it. (`zerocc plan
+    check`, and `zerocc train` before it launches any rank.)"""
     from zerocc.compiler.capture import describe_model
-    from zerocc.compiler.parallel.experts import ExpertParallel
-    from zerocc.compiler.parallel.tensor_parallel import TensorParallel
+    from zerocc.compiler.driver.session import ModelSplits
+    from zerocc.compiler.float8 import Float8Layers
     from zerocc.compiler.passes.partition import assign_units
     from zerocc.compiler.workload import load_workload
 
@@ -170,12 +174,15 @@ def checked_model(plan: Plan) -> tuple[nn.Module, str]:
     units = plan.units
     found = assign_units(info, 1, units.classes, units.modules, units.min_mb,
                          blocks_per_unit=units.blocks_per_unit)  # fmt: skip
-    TensorParallel.of(model, info, plan)
-    experts = ExpertParallel.of(model, info, plan)
+    splits = ModelSplits.of(model, info, plan)
+    experts = splits.expert_parallel
     # (experts modules are units of their own under the mesh)
     _check_keep_gathered(plan, [u.key for u in found] + list(experts.modules if experts else ()))
+    Float8Layers.chosen(model, plan)
     if plan.parallel.pp > 1:
         _check_microbatches(plan, workload)
+    if plan.parallel.sequence_parallel:
+        _check_sequence_parallel_loss(plan, workload, splits)
     elements = sum(p.numel for p in info.params)
     split = f"; {experts.describe()}" if experts is not None else ""
     described = f"{elements:,} parameters, {len(found)} units{split}"
@@ -195,17 +202,35 @@ def _check_keep_gathered(plan: Plan, unit_names: list[str]) -> None:
             )
 
 
+def _check_sequence_parallel_loss(plan: Plan, workload: Workload, splits: ModelSplits) -> None:
+    """That the loss is no statistic of each tp rank's chunk of the sequence (a mixture of
+    experts' load-balancing loss): the loss captured on rank 0's first batch as a rank
+    captures it, forward only (the check reads the loss, not its gradients), on fake tensors;
+    PlanError naming ``parallel.sequence_parallel`` otherwise (a rank refuses it alike)."""
+    from zerocc.compiler.driver.program import capture_split
+    from zerocc.compiler.driver.session import plan_mesh
+    from zerocc.inspect.estimate import first_batch
+
+    mesh = plan_mesh(plan, plan.least_world_size())  # (plan check opens no session)
+    batch = first_batch(workload, mesh.data_parallel)
+    capture_split(
+        workload.model, splits.local, plan, workload.loss_fn, batch, torch.device("cpu"),
+        training=False, tensor_parallel=splits.tensor_parallel,
+        expert_parallel=splits.expert_parallel,
+    )  # fmt: skip
+
+
 def _check_microbatches(plan: Plan, workload: Workload) -> None:
     """That ``pipeline.microbatches`` divide rank 0's first batch (drawn for the fewest ranks
     the plan takes), as each pipeline rank cuts its batches; PlanError naming the field and
     the batch's shapes otherwise (a rank's own check says BatchError: there it is the batch
     that does not fit)."""
-    from zerocc.compiler.parallel.mesh import Mesh
+    from zerocc.compiler.driver.session import plan_mesh
     from zerocc.errors import BatchError
     from zerocc.inspect.estimate import first_batch
     from zerocc.runtime.pipeline import microbatches_of
 
-    mesh = Mesh.of_plan(plan, plan.least_world_size())
+    mesh = plan_mesh(plan, plan.least_world_size())  # (plan check opens no session)
     batch = first_batch(workload, mesh.data_parallel)
     try:
         microbatches_of(batch, plan.pipeline.microbatches_of(plan.parallel.pp))

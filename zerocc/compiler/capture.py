@@ -41,7 +41,7 @@ from zerocc.compiler.module_marks import FORWARD_END, ModuleTracker, mark_node
 from zerocc.compiler.opaque import data_dependent_cause, forget, op_of, opaque_modules
 from zerocc.compiler.plan import PrecisionConfig
 from zerocc.compiler.repeats import RepeatedLayers, TensorStatus
-from zerocc.errors import CaptureError
+from zerocc.errors import CaptureError, PlanError
 from zerocc.ir.fake_values import fake_constants
 from zerocc.ir.nodes import BATCH, BUFFER, LOSS_SCALE, LOSS_SCALE_KEY, PARAM, name_placeholder, tag
 from zerocc.logs import FAKE_KERNELS, quiet
@@ -313,7 +313,7 @@ def capture(
                 gm = make_fx(step, tracing_mode="real", **MAKE_FX_OPTIONS)(*flat)
                 layers.expand(gm)
             break
-        except CaptureError:
+        except (CaptureError, PlanError):  # zerocc's own, said already (a capture mode's check)
             raise
         except Exception as e:  # an error inside the user's model: say where it surfaced
             cause = data_dependent_cause(e)

@@ -53,14 +53,38 @@ class Float8Layers:
     @staticmethod
     def convert(model: nn.Module, plan: Plan) -> Float8Layers | None:
         """Convert ``model``'s chosen linear layers to float8 under ``plan`` (None without
-        ``precision.matmul: fp8``); PlanError for a glob that matches no linear layer, a
-        layer the float8 kernels cannot take, a model converted under another recipe, and a
-        machine without torchao."""
+        ``precision.matmul: fp8``); PlanError as :meth:`chosen` says."""
+        layers = Float8Layers.chosen(model, plan)
+        if layers is None:
+            return None
+        with torchao_import_quiet():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            from torchao.float8.float8_linear import Float8Linear
+        config = Float8LinearConfig.from_recipe_name(layers.recipe)
+        before = dict(model.named_modules())
+        fresh = {fqn for fqn in layers.layers if not isinstance(before[fqn], Float8Linear)}
+        convert_to_float8_training(
+            model, module_filter_fn=lambda m, fqn: fqn in fresh, config=config
+        )
+        modules = dict(model.named_modules())
+        for fqn in fresh:  # a subclass's own initialization stays (a meta model's is run later)
+            init = type(before[fqn]).reset_parameters
+            if init is not nn.Linear.reset_parameters:
+                modules[fqn].reset_parameters = types.MethodType(init, modules[fqn])
+        return layers
+
+    @staticmethod
+    def chosen(model: nn.Module, plan: Plan) -> Float8Layers | None:
+        """The layers :meth:`convert` would convert, ``model`` left as it is (``zerocc plan
+        check``'s question; None without ``precision.matmul: fp8``); PlanError for a glob that
+        matches no linear layer, a layer the float8 kernels cannot take (one tensor
+        parallelism splits among them), no layer to convert at all, a model converted under
+        another recipe, and a machine without torchao."""
         if plan.precision.matmul != "fp8":
             return None
         try:
             with torchao_import_quiet():
-                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+                from torchao.float8 import Float8LinearConfig
                 from torchao.float8.float8_linear import Float8Linear
         except ImportError as e:
             raise PlanError(f"precision.matmul: fp8 computes with torchao's float8 layers: "
@@ -73,7 +97,7 @@ class Float8Layers:
         def why_not(fqn: str, m: nn.Linear) -> str | None:
             """Why ``m`` cannot be converted (None: it can, or is already, by this recipe)."""
             if any(glob_matches(fqn, pattern) for pattern in split):
-                return "split by tensor parallelism (its style computes the layer itself)"
+                return "split by parallel.tp (its style computes the layer itself)"
             if isinstance(m, Float8Linear) and m.config != config:
                 return f"converted already, under another recipe than {fp8.recipe}"
             if not isinstance(m, Float8Linear) and type(m).forward is not nn.Linear.forward:
@@ -87,15 +111,6 @@ class Float8Layers:
 
         linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
         chosen, kept = _chosen(linears, fp8.layers, why_not)
-        fresh = {fqn for fqn in chosen if not isinstance(linears[fqn], Float8Linear)}
-        convert_to_float8_training(
-            model, module_filter_fn=lambda m, fqn: fqn in fresh, config=config
-        )
-        modules = dict(model.named_modules())
-        for fqn in fresh:  # a subclass's own initialization stays (a meta model's is run later)
-            init = type(linears[fqn]).reset_parameters
-            if init is not nn.Linear.reset_parameters:
-                modules[fqn].reset_parameters = types.MethodType(init, modules[fqn])
         return Float8Layers(fp8.recipe, tuple(chosen), tuple(kept))
 
     def check_device(self, device: torch.device) -> None:

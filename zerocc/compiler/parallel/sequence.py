@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from zerocc.compiler.parallel.collectives import all_gather, all_reduce, chunk, reduce_scatter
-from zerocc.errors import CaptureError
+from zerocc.errors import CaptureError, PlanError
 
 
 class _Gather(torch.autograd.Function):
@@ -136,11 +136,11 @@ class SequenceSplit:
         load-balancing loss: each expert's share of the tokens) is this chunk's, not the
         sequence's, and each tp rank would train on its own."""
         if self._is_local(loss):
-            raise CaptureError(
-                "sequence parallelism: the loss depends on a value computed over the tokens of "
-                "each tp rank's chunk of the sequence outside the split layers (such as a "
-                "mixture-of-experts router's load-balancing loss), which would differ between "
-                "the tp ranks and not be the whole sequence's: set "
+            raise PlanError(
+                "parallel.sequence_parallel: the model's loss depends on a value computed over "
+                "the tokens of each tp rank's chunk of the sequence outside the split layers "
+                "(such as a mixture-of-experts router's load-balancing loss), which would differ "
+                "between the tp ranks and not be the whole sequence's: set "
                 "parallel.sequence_parallel: false for this model"
             )
 
