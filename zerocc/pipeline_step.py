@@ -31,17 +31,15 @@ from torch import fx, nn
 
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.compiler.batch import batch_from
-from zerocc.compiler.capture import LossFn, describe_model, detach_inputs, traced_grad_mode
+from zerocc.compiler.capture import LossFn, detach_inputs, traced_grad_mode
 from zerocc.compiler.driver.pipeline import (
     RankPrograms,
     capture_microbatch,
     compile_rank,
     cut_step,
 )
-from zerocc.compiler.driver.session import CompileSession, ModelSplits
-from zerocc.compiler.float8 import Float8Layers
+from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import weight_source
-from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import (
     Action,
     PipelineSchedule,
@@ -121,7 +119,10 @@ class PipelineStep(SavesInBackground):
         )  # fmt: skip
         if has_peers(comm):  # before any group is made or a weight sent
             agree_on_start(comm, plan, weight_source(model), model)
-        self.mesh = Mesh.of_plan(plan, comm.world_size)
+        # The model converted (float8), described and split once, and the mesh, as any step's
+        # session; each pipeline rank's units and programs once the first batch cuts the step.
+        self.opened = CompileSession.open(model, plan, comm.world_size, loss_fn)
+        self.mesh = self.opened.mesh
         comm.use_mesh(self.mesh)
         pipeline, pp = plan.pipeline, plan.parallel.pp
         self.microbatches = pipeline.microbatches_of(pp)
@@ -130,11 +131,11 @@ class PipelineStep(SavesInBackground):
         )
         self.pp_rank = self.mesh.pp_rank(comm.rank)
         self.pipeline_ranks = next(g for g in self.mesh.groups(PP_GROUP) if comm.rank in g)
-        self.float8 = Float8Layers.convert(model, plan)  # (before its layers are described)
+        self.float8 = self.opened.float8
         if self.float8 is not None:
             self.float8.check_device(device)
-        self.full_model_info = describe_model(model)
-        self.splits = ModelSplits.of(model, self.full_model_info, plan)  # (layers, experts)
+        self.full_model_info = self.opened.full_model_info
+        self.splits = self.opened.model_splits  # (layers, experts)
         self.steps = 0  # optimizer steps applied (a step skipped for overflow not counted)
         self.micro_batches = 0  # calls (each one optimizer step's batch), skipped ones too
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)
@@ -509,7 +510,7 @@ class PipelineStep(SavesInBackground):
     def _build(self, microbatch: tuple) -> None:
         """Capture the step on ``microbatch``, cut it, compile this rank's programs, lay out and
         allocate its state and lower the programs."""
-        full, local = self.full_model_info, self.splits.local
+        local = self.splits.local
         gm = capture_microbatch(
             self.model, self.splits, self.plan, self.loss_fn, microbatch, self.device
         )
@@ -517,9 +518,8 @@ class PipelineStep(SavesInBackground):
         staged = cut_step(gm, local, stage_units, self.plan, self.mesh)
         dumps = self.dump_dir is not None
         compiled = compile_rank(
-            self.model, self.plan, self.mesh, self.loss_fn, full, self.splits,
-            staged, self.schedule, self.pp_rank, self.device, keep_graphs=dumps,
-        )  # fmt: skip
+            self.opened, staged, self.schedule, self.pp_rank, self.device, keep_graphs=dumps
+        )
         if dumps and self.comm.rank % self.mesh.stage_ranks == 0:  # the pipeline rank's first
             write_pipeline_programs(self.dump_dir, compiled.records)
         # The programs stay as compiled: this rank's memory, walked once.

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zerocc.compiler.capture import ModelInfo, describe_model
+from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.driver.pipeline import capture_microbatch, cut_step
 from zerocc.compiler.driver.program import CapturedSteps
-from zerocc.compiler.driver.session import PIPELINE_STATUS, ModelSplits
-from zerocc.compiler.float8 import Float8Layers
+from zerocc.compiler.driver.session import PIPELINE_STATUS, CompileSession, ModelSplits
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, pipeline_schedule
 from zerocc.compiler.parallel.router_loss import router_loss_lines
@@ -43,6 +42,7 @@ class PipelineInspection:
     workload: Workload  # its model and loss, what the ranks' programs compile
     full: ModelInfo  # the model, every parameter whole
     splits: ModelSplits  # the layers and experts the ranks split
+    session: CompileSession  # what every pipeline rank's session is narrowed from
 
     def format(self) -> str:
         pipeline = self.plan.pipeline
@@ -80,13 +80,12 @@ def inspect_pipeline(
     in their schedule or passes, not in their micro-batch or split)."""
     plan = load_plan(plan)
     workload = workload or load_workload(plan)
-    mesh = Mesh.of_plan(plan, world_size)
+    # The model converted (float8), described and split once, and the mesh: the session's.
+    session = CompileSession.open(workload.model, plan, world_size, workload.loss_fn)
+    mesh, full, splits = session.mesh, session.full_model_info, session.model_splits
     pipeline, pp = plan.pipeline, plan.parallel.pp
     microbatches = pipeline.microbatches_of(pp)
     batch = microbatches_of(first_batch(workload, mesh.data_parallel), microbatches)[0]
-    Float8Layers.convert(workload.model, plan)  # (before its layers are described)
-    full = describe_model(workload.model)
-    splits = ModelSplits.of(workload.model, full, plan)
     key = CapturedSteps.key(workload.model, workload.loss_fn, plan, batch, training=True)
     kept = captured.get(key) if captured is not None else None
     if kept is not None:
@@ -97,7 +96,8 @@ def inspect_pipeline(
         if captured is not None:
             captured.put(key, gm, "")
     stage_units, split = split_units(plan, gm, splits.local, mesh.shard_size)
-    staged = cut_step(gm, splits.local, stage_units, plan, world_size)
+    staged = cut_step(gm, splits.local, stage_units, plan, mesh)
     schedule = pipeline_schedule(pipeline.schedule, pp, microbatches, pipeline.stages_per_rank_of())
     shapes = tuple(tuple(b.shape) for b in batch if isinstance(b, torch.Tensor))
-    return PipelineInspection(plan, mesh, shapes, split, staged, schedule, workload, full, splits)
+    return PipelineInspection(plan, mesh, shapes, split, staged, schedule, workload, full, splits,
+                              session)  # fmt: skip

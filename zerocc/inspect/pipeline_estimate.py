@@ -171,7 +171,7 @@ def estimate_pipeline(
     inspection = inspect_pipeline(plan, world_size, workload, captured)
     rates = rates or rates_for(inspection.plan)
     cost = CostModel(rates, world_size, inspection.mesh)
-    schedule, work = inspection.schedule, inspection.workload
+    schedule = inspection.schedule
     gloo = rates.on_gloo
 
     def seconds(gm: fx.GraphModule) -> float:
@@ -180,9 +180,8 @@ def estimate_pipeline(
     ranks, compiled_ranks = [], []
     for r in range(inspection.mesh.pp):
         compiled = compile_rank(
-            work.model, inspection.plan, world_size, work.loss_fn, inspection.full,
-            inspection.splits, inspection.staged, schedule, r, torch.device("cpu"),
-        )  # fmt: skip
+            inspection.session, inspection.staged, schedule, r, torch.device("cpu")
+        )
         states = model_state_bytes_of(compiled.session.layout)
         memory = predict_pipeline_memory(
             schedule.actions[r], compiled.programs, states["total"], gloo=gloo

@@ -75,7 +75,7 @@ def cut_step(
     local: ModelInfo,
     stage_units: Sequence[Sequence[str]],
     plan: Plan,
-    world_size: int,
+    mesh: Mesh,
 ) -> StagedStep:
     """The captured step ``gm`` cut into the stages of ``stage_units``, the units
     ``recompute.units`` names recomputed first: their forward copied into their backward (the
@@ -84,9 +84,9 @@ def cut_step(
     what its forward kept, not the forward's nodes.)"""
     if plan.recompute.units != "none":
         units = plan.units
-        shard_size = Mesh.of_plan(plan, world_size).shard_size
-        assigned = assign_units(local, shard_size, units.classes, units.modules, units.min_mb)
-        ctx = PassContext(plan, world_size, local, boundary=False, units=assigned)
+        assigned = assign_units(local, mesh.shard_size, units.classes, units.modules,
+                                units.min_mb)  # fmt: skip
+        ctx = PassContext(plan, mesh, local, boundary=False, units=assigned)
         gm = recompute(gm, ctx, units=plan.recompute.units)
         propagate_fake_values(gm)  # (the generator states it saves for the replay)
     return cut_stages(gm, local, stage_units)
@@ -131,7 +131,7 @@ class RankCompiler:
     and layout, the units it shares with another pipeline rank, and the passes."""
 
     plan: Plan  # the stage plan (stage_plan)
-    world_size: int
+    mesh: Mesh  # the ranks' layout (the user's plan's)
     pp_rank: int
     held: ModelInfo
     units: list[Unit]
@@ -153,7 +153,7 @@ class RankCompiler:
         """``graph`` (a stage program in step form, or the update's for ``key`` None) through
         the passes, its bindings checked against the rank's layout."""
         ctx = PassContext(
-            self.plan, self.world_size, self.held, boundary=key is None, units=self.units,
+            self.plan, self.mesh, self.held, boundary=key is None, units=self.units,
             update_of=update_of, tied=self.tied_units, tied_norm=self.counts_tied,
             tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
         )  # fmt: skip
@@ -180,12 +180,7 @@ def program_name(pp_rank: int, key: tuple[int, str] | None) -> str:
 
 
 def compile_rank(
-    model: nn.Module,
-    plan: Plan,
-    world_size: int,
-    loss_fn: LossFn | None,
-    full: ModelInfo,
-    splits: ModelSplits,
+    session: CompileSession,
     staged: StagedStep,
     schedule: PipelineSchedule,
     pp_rank: int,
@@ -193,12 +188,12 @@ def compile_rank(
     keep_graphs: bool = False,
 ) -> RankPrograms:
     """Compile what pipeline rank ``pp_rank`` runs of ``staged`` (cut from the step of
-    ``full`` split as ``splits``, as :func:`capture_microbatch` captured it) under ``plan``
-    (the user's) on ``world_size`` ranks; ``keep_graphs`` keeps a copy of each program after
-    every pass in its records (for the dumps)."""
-    mesh = Mesh.of_plan(plan, world_size)
-    plan = stage_plan(plan)
-    tp, ep, local = splits.tensor_parallel, splits.expert_parallel, splits.local
+    ``session``'s model, split as it splits it, as :func:`capture_microbatch` captured it)
+    under ``session``'s plan (the user's) on the ranks of its mesh (the run's);
+    ``keep_graphs`` keeps a copy of each program after every pass in its records (for the
+    dumps). The rank's session is ``session`` narrowed to its stages."""
+    mesh, plan = session.mesh, stage_plan(session.plan)
+    tp, ep, local = session.tensor_parallel, session.expert_parallel, session.model_info
     mine = schedule.stages_of(pp_rank)
     held = stage_model(local, *(staged.stages[s] for s in mine))
     holds = {p.fqn for p in held.params}
@@ -209,11 +204,9 @@ def compile_rank(
     units = _units(held, tied, mesh, plan, ep)
     pass_list = bind_passes(plan)
     layout = state_layout(pass_list, units, plan)
-    session = CompileSession(
-        model, plan, world_size, loss_fn, mesh, full, tp, ep, held, pass_list, units, layout
-    )
+    session = session.of_rank(plan, held, pass_list, units, layout)
     compiler = RankCompiler(
-        plan, world_size, pp_rank, held, units, layout, pass_list, tp, ep,
+        plan, mesh, pp_rank, held, units, layout, pass_list, tp, ep,
         tied_units=frozenset(f"tied.{fqn}" for fqn in tied),
         # One of the pipeline ranks holding a tied unit counts it in the norm: the first.
         counts_tied=all(pp_rank <= schedule.rank_of(s) for f in tied for s in staged.tied[f]),

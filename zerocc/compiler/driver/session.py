@@ -11,6 +11,7 @@ device compiles any size for any world size.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Sequence
@@ -33,16 +34,15 @@ from zerocc.compiler.state import StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.errors import NotSupportedError, PlanWarning
 
-# What a plan can ask of a pipeline today (issue 47): `zerocc train` and zerocc.compile (a
-# PipelineStep) train it, `zerocc inspect` and `zerocc estimate` show it; a session compiles
-# whole steps only (a pipeline's are compiled per pipeline rank: zerocc.compiler.driver.pipeline).
+# A pipeline's session (parallel.pp > 1) is opened as any other, but its programs are compiled
+# per pipeline rank, once the step is cut (zerocc.compiler.driver.pipeline.compile_rank).
 PIPELINE_NOT_YET = (
     "parallel.pp > 1: a pipeline's programs are compiled per pipeline rank, not as one whole "
     "step: `zerocc inspect PLAN` and `zerocc estimate PLAN` show them, and `zerocc train` (or "
-    "zerocc.compile(model, plan), a PipelineStep) trains them"
+    "zerocc.compile(model, plan)) trains them"
 )
 PIPELINE_STATUS = (
-    "a pipeline trains with `zerocc train` or zerocc.compile(model, plan) (a PipelineStep, "
+    "a pipeline trains with `zerocc train` or zerocc.compile(model, plan) (a TrainStep, "
     "called with each rank's batch); `zerocc estimate PLAN` predicts each rank's memory and "
     "the step's time"
 )
@@ -70,7 +70,12 @@ class ModelSplits:
 
 @dataclass(frozen=True)
 class CompileSession:
-    """What the programs of one model, plan and world size share (see the module's doc)."""
+    """What the programs of one model, plan and world size share (see the module's doc).
+
+    A pipeline plan's session (``parallel.pp`` > 1) holds the model converted, described and
+    split, and the mesh, as any other; its units, layout and programs are each pipeline
+    rank's, known once the step is cut: :func:`zerocc.compiler.driver.pipeline.compile_rank`
+    narrows it to a rank (:meth:`of_rank`), and until then it holds none."""
 
     model: nn.Module
     plan: Plan
@@ -85,6 +90,7 @@ class CompileSession:
     units: list[Unit]
     layout: StateLayout  # the state every program of the session binds
     float8: Float8Layers | None = None  # the layers it computes in float8, if any
+    model_splits: ModelSplits | None = None  # the model as split whole (a pipeline cuts it)
 
     @classmethod
     def open(
@@ -92,15 +98,17 @@ class CompileSession:
     ) -> CompileSession:
         """The session of ``model`` under ``plan`` on ``world_size`` ranks; raises PlanError
         for a mesh the world cannot take, layers it cannot split, passes it cannot run in
-        order, or units it cannot form."""
-        mesh = Mesh.of_plan(plan, world_size)
-        if mesh.pp > 1:
-            raise NotSupportedError(PIPELINE_NOT_YET)
+        order, or units it cannot form. Under a pipeline plan, the session every pipeline rank's
+        is narrowed from (see the class): no units yet."""
+        mesh = plan_mesh(plan, world_size)
         float8 = Float8Layers.convert(model, plan)  # (before capture describes its layers)
         full = describe_model(model)
         split = ModelSplits.of(model, full, plan)
         tp, ep, model_info = split.tensor_parallel, split.expert_parallel, split.local
         pass_list = bind_passes(plan)
+        if mesh.pp > 1:  # (each pipeline rank's units and layout: once the step is cut)
+            return cls(model, plan, world_size, loss_fn, mesh, full, tp, ep, model_info,
+                       pass_list, [], StateLayout(), float8, split)  # fmt: skip
         units = plan.units
         experts = ep.units(mesh) if ep is not None else None
         assigned = assign_units(
@@ -123,6 +131,23 @@ class CompileSession:
             assigned,
             layout,
             float8,
+            split,
+        )
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether the plan is a pipeline's (its programs compiled per pipeline rank)."""
+        return self.mesh.pp > 1
+
+    def of_rank(
+        self, plan: Plan, held: ModelInfo, pass_list: PassList, units: list[Unit],
+        layout: StateLayout,
+    ) -> CompileSession:
+        """This pipeline session narrowed to one pipeline rank: the model as its stages hold it
+        (``held``), compiled under ``plan`` (the stages' plan) by ``pass_list`` into ``units``
+        laid out as ``layout``; the mesh, the model described whole and its splits shared."""
+        return dataclasses.replace(
+            self, plan=plan, model_info=held, pass_list=pass_list, units=units, layout=layout
         )
 
     def program(
@@ -139,7 +164,10 @@ class CompileSession:
         """Capture the step on ``batch`` and run the session's passes for its units (see
         :func:`~zerocc.compiler.driver.program.compile_program`; ``captured``: steps captured
         before, reused where they fit). ``plan``: another plan for the same model and world
-        (what a plan change would need), with its own passes and units."""
+        (what a plan change would need), with its own passes and units. Not for a pipeline's
+        session (NotSupportedError): its programs are compiled per pipeline rank."""
+        if self.pipeline:
+            raise NotSupportedError(PIPELINE_NOT_YET)
         plan = plan or self.plan
         ours = plan is self.plan
         return compile_program(
@@ -150,7 +178,7 @@ class CompileSession:
             batch,
             loss_fn=self.loss_fn,
             device=device,
-            world_size=self.world_size,
+            mesh=self.mesh,
             boundary=boundary,
             units=self.units if ours else None,
             keep_graphs=keep_graphs,
@@ -166,6 +194,14 @@ class CompileSession:
         and expert parallelism's experts; a rank holds its slice (see :meth:`Split.take`).
         Worked out once: checkpoints and ``full_state_dict`` look up every parameter."""
         return _splits(self.tensor_parallel, self.expert_parallel)
+
+
+def plan_mesh(plan: Plan, world_size: int) -> Mesh:
+    """The ranks' mesh ``plan`` lays out on ``world_size`` ranks (PlanError where they cannot
+    take it), computed here alone: every session's, and the one an entry that opens no session
+    builds once and passes on (plan check, the plan search's candidates, a pipeline's
+    inspection). tests/compiler/parallel/test_mesh_once.py holds it so."""
+    return Mesh.of_plan(plan, world_size)
 
 
 def _splits(tp: TensorParallel | None, ep: ExpertParallel | None) -> dict[str, Split]:
