@@ -110,7 +110,7 @@ def test_plan_auto_whole_compiles_every_candidate_at_depth(tmp_path, capsys):
     )
     assert main(["plan", "auto", str(plan), "--world-size", "2", "--whole"]) == 0
     assert "≈" not in capsys.readouterr().out
-    assert main(["plan", "auto", str(plan), "--world-size", "2"]) == 0
+    assert main(["plan", "auto", str(plan), "--world-size", "2", "--overwrite"]) == 0
     assert "≈" in capsys.readouterr().out
 
 

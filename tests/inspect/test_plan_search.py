@@ -115,8 +115,22 @@ def test_zerocc_plan_auto_writes_a_plan_that_loads_and_keeps_what_the_plan_fixes
     assert chosen.zero.stage == 2  # fixed by the plan: not searched
     assert chosen.recompute.units in ("none", "all")
     tiny = ["plan", "auto", str(plan), "--world-size", "2", "--device", "cpu", "--memory", "1e-6",
-            "--gpus-per-node", "2"]  # fmt: skip  (issue 52's name of --ranks-per-node)
+            "--gpus-per-node", "2", "--overwrite"]  # fmt: skip  (issue 52's --ranks-per-node)
     assert main(tiny) == 2
+
+
+def test_zerocc_plan_auto_refuses_an_existing_output_before_it_searches(tmp_path, capsys):
+    """A plan auto run again does not replace the plan the last one wrote (perhaps edited
+    since) without --overwrite; it says so before compiling any candidate."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({**OPEN, "workload": f"{EXAMPLES / 'workload.py'}:workload"}))
+    written = tmp_path / "plan.auto.yaml"
+    written.write_text("# edited by hand\n")
+    assert main(["plan", "auto", str(plan), "--world-size", "2", "--device", "cpu"]) == 2
+    said = capsys.readouterr()
+    assert f"{written}: exists; --overwrite replaces it" in said.err
+    assert "candidate" not in said.out  # (no search ran)
+    assert written.read_text() == "# edited by hand\n"
 
 
 @pytest.mark.parametrize(

@@ -80,6 +80,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="write the chosen plan here (default: PLAN's name with .auto.yaml, beside it)",
     )  # fmt: skip
     auto.add_argument(
+        "--overwrite", action="store_true", help="replace the output file where it exists "
+        "(else refused before the search)",
+    )  # fmt: skip
+    auto.add_argument(
         "--exhaustive", action="store_true",
         help="compile every candidate (default: skip those the cost model's orders rule out)",
     )  # fmt: skip
@@ -125,6 +129,9 @@ def _auto(args: argparse.Namespace) -> int:
         raise ZeroccError(f"{args.plan}: plan auto compiles the plan's workload: it names none")
     if args.world_size < 1:
         raise ZeroccError(f"--world-size {args.world_size}: at least 1")
+    output = Path(args.output) if args.output else Path(args.plan).with_suffix(".auto.yaml")
+    if output.exists() and not args.overwrite:
+        raise ZeroccError(f"{output}: exists; --overwrite replaces it, or name another -o")
     rates = rates_for(plan, args.device, args.calibration)
     memory = memory_per_rank(rates.device, args.memory, args.ranks_per_node or args.world_size)
     search = search_plans(plan, args.world_size, memory, rates, ranks_per_node=args.ranks_per_node,
@@ -133,7 +140,6 @@ def _auto(args: argparse.Namespace) -> int:
     print(search.format())
     if search.best is None:
         return 2
-    output = Path(args.output) if args.output else Path(args.plan).with_suffix(".auto.yaml")
     output.write_text(best_plan_yaml(search))
     print(f"wrote {output}")
     if plan.source and output.resolve().parent != Path(plan.source).resolve().parent:
