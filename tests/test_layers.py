@@ -183,7 +183,12 @@ COMPILER_PACKAGES = [
 
 def test_compiler_packages_import_only_those_below_them():
     graph = package_graph()
-    assert set(COMPILER_PACKAGES) == {p for p in graph if p.startswith("zerocc.compiler")}
+    found = {p for p in graph if p.startswith("zerocc.compiler")}
+    assert set(COMPILER_PACKAGES) == found, (
+        f"compiler packages not in tests/test_layers.py's COMPILER_PACKAGES: "
+        f"{sorted(found - set(COMPILER_PACKAGES))} (add each where it sits in the stack); "
+        f"listed but gone: {sorted(set(COMPILER_PACKAGES) - found)}"
+    )
     upward = [
         f"{package} imports {target}"
         for package in COMPILER_PACKAGES

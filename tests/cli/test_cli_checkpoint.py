@@ -241,12 +241,13 @@ def test_snapshots_that_would_not_fit_in_shared_memory_are_refused_before_launch
     from collections import namedtuple
 
     from zerocc.cli import main as cli
+    from zerocc.cli import train_command
 
     def no_launch(*args, **kwargs):
         raise AssertionError("ranks launched")
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(cli, "_launch", no_launch)
+    monkeypatch.setattr(train_command, "launch_ranks", no_launch)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 0, 10**6))
     flags = ["--max-restarts", "1", "--save", str(tmp_path), "--set", "checkpoint.in_memory=true"]
     assert cli.main(["train", str(PLAN), "--steps", "1", "--nproc", "2", *flags]) == 2

@@ -96,12 +96,12 @@ def test_train_refuses_to_resume_a_checkpoint_of_another_model_before_any_rank_s
 ):
     """`zerocc train --resume` checks the checkpoint against the plan's model and optimizer
     before it launches ranks (each would compile first, then fail alike)."""
-    from zerocc.cli import main as cli
+    from zerocc.cli import train_command
 
     def no_launch(*args, **kwargs):
         raise AssertionError("ranks launched")
 
-    monkeypatch.setattr(cli, "_launch", no_launch)
+    monkeypatch.setattr(train_command, "launch_ranks", no_launch)
     example = Path(__file__).parents[2] / "examples" / "gpt" / "zero3.yaml"
     train = ["train", str(example), "--nproc", "2", "--steps", "1", "--resume"]
     assert main([*train, str(saves)]) == 2

@@ -47,9 +47,12 @@ def test_train_checks_the_model_before_launching_any_rank(monkeypatch, capsys):
     """`units.classes: [Blok]` was found by every launched rank, after they started (issue 50):
     the launcher builds the model once and finds it before launching any."""
     from zerocc.cli import main as cli
+    from zerocc.cli import train_command
 
     launches = []
-    monkeypatch.setattr(cli, "_launch", lambda *args: launches.append(args) or Launched(0))
+    monkeypatch.setattr(
+        train_command, "launch_ranks", lambda *args: launches.append(args) or Launched(0)
+    )
     bad = ["train", str(PLAN), "--nproc", "2", "--set", "units.classes=[Blok]"]
     assert cli.main(bad) == 2
     err = capsys.readouterr().err
@@ -64,10 +67,13 @@ def test_train_checks_the_model_states_fit_before_launching_any_rank(monkeypatch
     after it started; the launcher finds it first, with the ranks' own message (the states of
     both local ranks against this machine's memory, and the plan changes that would fit)."""
     from zerocc.cli import main as cli
+    from zerocc.cli import train_command
     from zerocc.runtime import machine_memory
 
     launches = []
-    monkeypatch.setattr(cli, "_launch", lambda *args: launches.append(args) or Launched(0))
+    monkeypatch.setattr(
+        train_command, "launch_ranks", lambda *args: launches.append(args) or Launched(0)
+    )
     monkeypatch.setattr(machine_memory, "available_memory", lambda device: {"host": 2**20})
     assert cli.main(["train", str(PLAN), "--nproc", "2"]) == 2
     err = capsys.readouterr().err
@@ -84,6 +90,7 @@ def test_fewer_ranks_go_on_only_where_a_rank_was_lost(monkeypatch, tmp_path):
     fewer; after ranks that all raised an error (a plan, a batch) it does not start them again
     to meet the same error."""
     from zerocc.cli import main as cli
+    from zerocc.cli import train_command
     from zerocc.runtime.launch import lost_a_rank
 
     killed = {0: (1, 11), 1: (-9, 12)}
@@ -101,7 +108,7 @@ def test_fewer_ranks_go_on_only_where_a_rank_was_lost(monkeypatch, tmp_path):
             nprocs.append(args.nproc)
             return next(ends)
 
-        monkeypatch.setattr(cli, "_launch", fake_launch)
+        monkeypatch.setattr(train_command, "launch_ranks", fake_launch)
         assert cli.main(command) == outcomes[-1].status
         assert nprocs == launched
 
@@ -111,6 +118,7 @@ def test_train_auto_searches_first_and_gives_the_ranks_its_choice(monkeypatch, c
     with the choice as `--set` items (the fields the plan leaves open: here the stage and
     recomputation), the stage the plan fixes kept."""
     from zerocc.cli import main as cli
+    from zerocc.cli import train_command
 
     plan = tmp_path / "plan.yaml"
     data = yaml.safe_load(PLAN.read_text())
@@ -123,7 +131,7 @@ def test_train_auto_searches_first_and_gives_the_ranks_its_choice(monkeypatch, c
         launches.append(command)
         return Launched(0)
 
-    monkeypatch.setattr(cli, "_launch", launch)
+    monkeypatch.setattr(train_command, "launch_ranks", launch)
     assert cli.main(["train", str(plan), "--nproc", "2", "--auto"]) == 0
     out = capsys.readouterr().out
     # (stages 0-3 × recompute none, half, all; the pick with units of two blocks, in buckets,

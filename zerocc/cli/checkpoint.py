@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from zerocc.runtime.checkpoint.files import Manifest
 
 
-def add_checkpoint_command(commands: argparse._SubParsersAction) -> None:
+def add_commands(commands: argparse._SubParsersAction) -> None:
     """`zerocc checkpoint PATH` and its flag."""
     shown = commands.add_parser(
         "checkpoint",

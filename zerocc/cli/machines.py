@@ -81,7 +81,7 @@ class _NodeCount(argparse.Action):
         namespace.nnodes, namespace.nnodes_min = int(most), int(least or most)
 
 
-def add_rendezvous_command(commands: argparse._SubParsersAction) -> None:
+def add_commands(commands: argparse._SubParsersAction) -> None:
     """`zerocc rendezvous` and its options."""
     from zerocc.runtime.rendezvous import DEFAULT_PORT
 

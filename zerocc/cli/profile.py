@@ -1,17 +1,57 @@
-"""``zerocc profile``: one rank's part, run under the launcher. Its rank 0 writes the
-calibration that ``zerocc estimate --calibration`` and a plan's ``cost.calibration`` read."""
+"""``zerocc profile PLAN``: the command (its options; the launcher's side, as ``zerocc train``'s)
+and one rank's part, run under the launcher. Its rank 0 writes the calibration that
+``zerocc estimate --calibration`` and a plan's ``cost.calibration`` read."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import zerocc
+from zerocc.cli.machines import ranks_the_plan_takes
+from zerocc.cli.plan import checked_plan
+from zerocc.cli.plan_args import add_plan_arguments, forwarded
+from zerocc.cli.train_command import NPROC_HELP, launch_ranks
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import load_workload, workload_code
-from zerocc.inspect.calibrate import calibrate
+from zerocc.errors import ZeroccError
+from zerocc.inspect.calibrate import calibrate, default_output
+from zerocc.runtime.launch import launched
 from zerocc.runtime.rank import first_batch, joined_group, to_device
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """`zerocc profile PLAN` and its options."""
+    profile = commands.add_parser(
+        "profile", help="measure this machine and fit the cost model's rates (a calibration)"
+    )
+    add_plan_arguments(profile)
+    profile.add_argument(
+        "-o", "--output", metavar="FILE",
+        help="calibration JSON to write (default: <plan>.calibration.json next to the plan)",
+    )  # fmt: skip
+    profile.add_argument("--nproc", type=int, help=NPROC_HELP)
+    profile.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    profile.add_argument(
+        "--master-port", type=int, default=0, help="rendezvous port (default 0: a free port)"
+    )
+    profile.set_defaults(run=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """`zerocc profile`: launch the plan's ranks (as `train` does) to calibrate the cost model."""
+    plan = checked_plan(args)  # as `train`: checked once, before any rank starts
+    args.nproc = args.nproc or ranks_the_plan_takes(plan)
+    if args.nproc < 1 or args.steps < 1:
+        raise ZeroccError("--nproc and --steps must be at least 1")
+    output = Path(args.output or default_output(args.plan))  # the ranks share this cwd
+    if launched() or args.nproc == 1:
+        return profile_rank(plan, output, args.steps)
+    command = ["profile", str(args.plan), "-o", str(output), "--steps", str(args.steps),
+               *forwarded(args)]  # fmt: skip
+    return launch_ranks(plan, args, command).status
 
 
 def profile_rank(plan: Plan, output: Path, steps: int) -> int:
