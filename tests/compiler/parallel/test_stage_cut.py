@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import CausalLM, _gpt_batch, _token_batch
+from models import CausalLM, MoECausalLM, _gpt_batch, _token_batch
 from staging import CPU, blocks, captured, gpt, whole
 from torch import nn
 
 from zerocc.compiler.capture import Casts
 from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes
+from zerocc.compiler.driver.pipeline import cut_step
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import (
     StagedStep,
@@ -135,6 +137,30 @@ def test_a_hugging_face_llama_recomputes_its_rotary_tables_in_each_stage():
     assert sent.shape == (2, 16, 32)
 
 
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
+def test_a_hugging_face_model_recomputed_in_bf16_is_cut_with_its_norms_casts(model):
+    """Recompute under bf16 copies each layer's RMSNorm, whose first op casts its input (the
+    residual stream the stage before computed) up to fp32, into the layer's backward: the
+    copy runs with its layer, not with the stage whose value it casts (it was taken for a
+    gradient's cast: PlanError 'lm.model.layers.1.input_layernorm (stage 1) reads the
+    gradient _to_copy_74 of lm.model.layers.1.input_layernorm (stage 0)'). The stages compute
+    the recomputed step's loss and gradients, bit for bit; the residual stream is received in
+    forward and kept for the recompute, and the last stage's backward receives nothing."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    net = CausalLM() if model == "llama" else MoECausalLM("mixtral", "eager")
+    batch, layer = _token_batch(0, 0), type(net.lm.model.layers[0]).__name__
+    gm, info = captured(net, batch, Casts(torch.bfloat16, torch.bfloat16, torch.float32))
+    plan = Plan.model_validate({"recompute": {"units": "all"}, "units": {"classes": [layer]}})
+    staged = cut_step(gm, info, [["lm.model.layers.0"], ["lm.model.layers.1"]], plan, Mesh(1))
+    notes = [n.meta["zerocc"].note or "" for n in gm.graph.nodes if "zerocc" in n.meta]
+    assert any(note.startswith("recomputed") for note in notes)
+    _assert_same(whole(gm, info, net, batch), _pipelined(staged, net, batch))
+    received = staged.stages[1].forward.reads(Role.RECEIVED)
+    assert set(received) & set(staged.stages[1].forward.writes("stash"))
+    assert not staged.stages[1].backward.reads(Role.RECEIVED)  # (no gradient comes to the last)
+
+
 class _Skip(nn.Module):
     """Three layers and a skip connection from the first one's output to the last's."""
 
@@ -201,7 +227,7 @@ def test_stage_programs_compile_through_the_plans_passes_with_explicit_transfers
         held = stage_model(info, stage)
         units = assign_units(held, 2, ["Block"], [], None)
         for program in (stage.forward, stage.backward):
-            ctx = PassContext(plan, 2, held, boundary=False, units=units)
+            ctx = PassContext(plan, Mesh(2), held, boundary=False, units=units)
             compiled, _ = run_passes(step_form(program, held), ctx, bind_passes(plan))
             verify_program(compiled, f"stage {stage.index} {program.phase}")
             ops = count_ops(compiled.graph.nodes)
@@ -236,7 +262,7 @@ def test_a_pipeline_ranks_update_reduces_what_its_stages_accumulated(zero):
     )
     units = assign_units(held, 2, ["Block"], [], None)
     reached = frozenset(p.fqn for p in held.trainable)
-    ctx = PassContext(plan, 2, held, boundary=True, units=units, update_of=reached)
+    ctx = PassContext(plan, Mesh(2), held, boundary=True, units=units, update_of=reached)
     compiled, _ = run_passes(update_graph(held, CPU, False), ctx, bind_passes(plan))
     verify_program(compiled, "update")
     ops = count_ops(compiled.graph.nodes)

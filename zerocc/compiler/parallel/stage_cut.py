@@ -10,7 +10,9 @@ capture tagged it with:
 - **backward**: autograd reaches the units in reverse, and capture marks where each unit's
   backward begins: a node belongs to the stage of the last unit whose backward began before
   it, and what runs before any (the loss's and the head's backward) to the last stage. A
-  gradient's cast that only reads one gradient goes with that gradient.
+  gradient's cast that only reads one gradient goes with that gradient; the recompute pass's
+  copy of a forward cast (a norm's cast of the residual stream the stage before computed,
+  under bf16) is no gradient's: it runs with its unit.
 
 Everything a node reads from another stage is sent to it: an activation from a stage before
 (sent in forward, kept by the receiver for its backward) or a gradient from a stage after
@@ -143,12 +145,23 @@ class StageAssignment:
         for node in self.backward:
             stage = self._unit_stage(node)
             current = current if stage is None else stage
-            inputs = node.all_input_nodes
-            if node.target is _CAST and len(inputs) == 1 and inputs[0] in self.stage:
-                self.stage[node] = self.stage[inputs[0]]  # a gradient's cast goes with it
+            if self._casts_a_gradient(node):
+                self.stage[node] = self.stage[node.all_input_nodes[0]]  # it goes with it
             else:
                 self.stage[node] = current
         self._check_order(self.backward, "backward", increasing=False)
+
+    def _casts_a_gradient(self, node: fx.Node) -> bool:
+        """Whether backward ``node`` casts one gradient and nothing else. A recomputed cast
+        of a forward value (the recompute pass's copy of a norm's cast of its input, which the
+        stage before computed) is not one: it runs with its unit, as its module says."""
+        inputs = node.all_input_nodes
+        return (
+            node.target is _CAST
+            and len(inputs) == 1
+            and inputs[0] in self.stage
+            and info(inputs[0]).phase != "forward"
+        )
 
     def _check_order(self, nodes: list[fx.Node], phase: str, increasing: bool) -> None:
         """The units ran in the order the split gives them (forward) and in reverse (backward)."""
