@@ -5,6 +5,7 @@ tests/cli/test_cli_multinode.py; the shared secret in tests/runtime/test_rendezv
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -136,6 +137,19 @@ def test_a_one_machine_launch_keeps_its_store_on_the_loopback_interface_only():
         watcher.join()
     assert ended.status == 0
     assert seen == {"127.0.0.1"}
+
+
+def test_a_one_machine_run_keeps_its_ranks_gloo_on_the_loopback_interface(monkeypatch):
+    """The ranks inherit GLOO_SOCKET_IFNAME=lo from a one-machine launch (gloo listened on the
+    address the hostname resolves to, which on most machines is the network's); a value the
+    user set is kept, and the variable is gone again after the run."""
+    monkeypatch.delenv(rendezvous.GLOO_INTERFACE, raising=False)
+    with rendezvous.meeting_place(Nodes(), "127.0.0.1", _free_port()):
+        assert os.environ[rendezvous.GLOO_INTERFACE] == "lo"
+    assert rendezvous.GLOO_INTERFACE not in os.environ
+    monkeypatch.setenv(rendezvous.GLOO_INTERFACE, "eth7")
+    with rendezvous.meeting_place(Nodes(), "127.0.0.1", _free_port()):
+        assert os.environ[rendezvous.GLOO_INTERFACE] == "eth7"
 
 
 def test_a_one_machine_store_on_a_port_in_use_is_refused_by_name():

@@ -15,7 +15,8 @@ rendezvous reads as a client (``is_host=false`` on every node), plus two keys of
 Every store a launcher keeps is made here (:func:`meeting_place`): a one-machine run's on the
 loopback interface only (torch's ``TCPStore`` listens on every address whatever host it is
 given; it is handed a socket bound to 127.0.0.1, and torchrun's agent, asking for a store on
-the same port in the same process, gets that one: ``multi_tenant``). A store machines meet
+the same port in the same process, gets that one: ``multi_tenant``), and its ranks' gloo
+connections on that interface too (``GLOO_SOCKET_IFNAME``, unless set). A store machines meet
 at listens on every address, and torch's store has no authentication: the run's shared
 secret (:mod:`zerocc.runtime.rendezvous_secret`) makes a launcher started without it, or
 with another, stop before it joins.
@@ -24,6 +25,7 @@ with another, stop before it joins.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -128,7 +130,7 @@ def meeting_place(nodes: Nodes, host: str, port: int) -> Iterator[None]:
     node 0's, to be signed with this launcher's secret before the body joins it (a
     `zerocc rendezvous` is checked as it answers: :func:`wait_for`)."""
     if nodes.count == 1:
-        with _loopback_store(port):
+        with _loopback_store(port), _gloo_on_loopback():
             yield
         return
     secret = rendezvous_secret.shared_secret()
@@ -164,6 +166,27 @@ def _loopback_store(port: int) -> Iterator[None]:
         yield
     finally:
         del store
+
+
+GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"  # the interface gloo's connections use (gloo's variable)
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback() -> Iterator[None]:
+    """The ranks' gloo connections on the loopback interface, for the body (the ranks inherit
+    it): gloo listens on the address the machine's hostname resolves to otherwise, reachable
+    from the network and unauthenticated, for a run no other machine takes part in. A value
+    the user set is kept, and nothing set where no loopback interface is found."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)  # (Linux, macOS)
+    if GLOO_INTERFACE in os.environ or loopback is None:
+        yield
+        return
+    os.environ[GLOO_INTERFACE] = loopback
+    try:
+        yield
+    finally:
+        os.environ.pop(GLOO_INTERFACE, None)
 
 
 def _server(host: str, port: int, listen_fd: int | None):
