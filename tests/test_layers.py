@@ -8,13 +8,15 @@ packages (no ``package-dir`` mapping), so every import between them is seen.
 
 Within the compiler, packages stack too (:data:`COMPILER_PACKAGES`)::
 
-    compiler.plan.deepspeed < compiler.plan < compiler < compiler.parallel
+    compiler.plan.deepspeed < compiler.plan < compiler < compiler.parallel.dims
+        < compiler.parallel
         < compiler.passes.support < compiler.passes < compiler.driver
 
 The plan (with the DeepSpeed import under it) is data and its checks, at the bottom: it
 imports only the base and the IR. The compiler's own modules (capture, units, state, ...) read
-the plan. Parallelism (the ranks' mesh, tensor parallelism) captures and splits the model's
-layers, so it sits on capture and units; the passes' helpers (``passes.support``: analyses
+the plan. The parallel dimensions (``parallel.dims``: each one's degree, groups and rank
+order) read only the plan; parallelism (the ranks' mesh, tensor parallelism) captures and
+splits the model's layers, so it sits on capture and units; the passes' helpers (``passes.support``: analyses
 and emitters that register no pass) on those; the passes (and ``passes.spec``, what a pass is and
 the context it reads: the mesh, the layers split) sit on all of them; the driver (the pass
 manager and ``compile_program``) on top.
@@ -174,6 +176,7 @@ COMPILER_PACKAGES = [
     "zerocc.compiler.plan.deepspeed",
     "zerocc.compiler.plan",
     "zerocc.compiler",
+    "zerocc.compiler.parallel.dims",
     "zerocc.compiler.parallel",
     "zerocc.compiler.passes.support",
     "zerocc.compiler.passes",

@@ -21,6 +21,7 @@ from zerocc.compiler.capture import describe_model
 from zerocc.compiler.driver.pass_manager import bind_passes, plan_layout
 from zerocc.compiler.driver.plan_changes import NVME_PATH_HINT
 from zerocc.compiler.driver.program import compile_program
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import load_plan
 from zerocc.errors import InsufficientMemoryError
@@ -99,7 +100,7 @@ def _step_program(plan, world: int):
         BATCH,
         loss_fn=None,
         device=CPU,
-        world_size=world,
+        mesh=Mesh.of_plan(plan, world),
         boundary=True,
     ).gm
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from zerocc.cli.plan_args import add_plan_arguments, plan_of
 from zerocc.compiler.driver.pass_manager import PassRecord
-from zerocc.compiler.parallel.mesh import Mesh, mesh_lines
+from zerocc.compiler.parallel.mesh import mesh_lines
 from zerocc.compiler.parallel.router_loss import router_loss_lines
 from zerocc.compiler.plan import OffloadConfig, Plan
 from zerocc.cost.rates import RATE_FIELDS, DeviceRates, rates_for
@@ -220,7 +220,7 @@ def _pass_table_text(inspection: Inspection) -> str:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     said = router_loss_lines([inspection.stepping.gm], plan.grad_accumulation,
-                             Mesh.of_plan(plan, inspection.world_size).data_parallel,
+                             inspection.mesh.data_parallel,
                              pipeline=False)  # fmt: skip
     return "\n".join([*lines, *([""] + said if said else [])])
 
@@ -340,7 +340,7 @@ def _estimate_text(plan: Plan, e: Estimate) -> str:
     lines = [
         f"{plan.source or 'plan'}: ZeRO stage {e.stage}, {e.world_size} ranks, "
         f"compute {p.param}, reduce {p.reduce}, master {p.master}, grads {grads}",
-        *mesh_lines(Mesh.of_plan(plan, e.world_size)),
+        *(mesh_lines(e.mesh) if e.mesh is not None else []),
         *e.notes,
         "",
         "memory per rank (predicted from the scheduled program):",

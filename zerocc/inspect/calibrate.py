@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.cost.fit import nnls
 from zerocc.cost.memory import model_state_bytes_of
 from zerocc.cost.model import COMPUTE, CostModel, NodeWork, node_work
@@ -409,7 +408,7 @@ def _predicted_step_s(step: TrainStep, rates: DeviceRates) -> Simulation:
         rates,
         world_size,
         model_states=model_state_bytes_of(step.layout),
-        mesh=Mesh.of_plan(step.plan, world_size),
+        mesh=step.mesh,
     )
 
 

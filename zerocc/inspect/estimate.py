@@ -45,6 +45,7 @@ class Inspection:
 
     plan: Plan
     world_size: int
+    mesh: Mesh  # the ranks' layout, the session's
     programs: dict[bool, CompiledProgram]  # boundary -> program
 
     @property
@@ -84,7 +85,7 @@ def inspect_plan(
         )
         for boundary in boundaries
     }
-    return Inspection(plan, world_size, programs)
+    return Inspection(plan, world_size, session.mesh, programs)
 
 
 def first_batch(workload: Workload, data_ranks: int) -> tuple[Any, ...]:
@@ -118,6 +119,7 @@ class Estimate:
     psi: int = 0  # trainable elements, with padding
     grads_copied_out: bool = False  # offloaded gradients leave the device during backward
     notes: list[str] = field(default_factory=list)  # what the figures leave out (opaque regions)
+    mesh: Mesh | None = field(default=None, repr=False)  # the ranks' layout (the session's)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -178,7 +180,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         plan.grad_accumulation,
         rates,
         inspection.world_size,
-        mesh=Mesh.of_plan(plan, inspection.world_size),
+        mesh=inspection.mesh,
     )
     timing.peak_bytes, timing.memory = total, timeline
     return Estimate(
@@ -198,6 +200,7 @@ def estimate(inspection: Inspection, rates: DeviceRates | None = None) -> Estima
         gradients_copied_out(inspection.stepping.gm),
         region_lines([inspection.stepping.gm])
         + exchange_lines([inspection.stepping.gm], plan.parallel.ep),
+        inspection.mesh,
     )
 
 

@@ -45,13 +45,15 @@ def formula_bytes(step: StepRecord, location: str = DEVICE) -> dict[str, float]:
     state only where they are accumulated over micro-batches: with ``grad_accumulation: 1``
     each lives from its reduction to its update, within the step, and the formula counts none
     (:func:`held_gradient_bytes` says what ZeRO would count)."""
-    return zero_formula(step.units, step.plan, step.world_size, location)
+    return zero_formula(step.units, step.plan, step.mesh, location)
 
 
-def zero_formula(units: list[Unit], plan: Plan, n: int, location: str = DEVICE) -> dict[str, float]:
-    """:func:`formula_bytes` of ``plan`` for ``units`` on ``n`` ranks."""
+def zero_formula(
+    units: list[Unit], plan: Plan, mesh: Mesh, location: str = DEVICE
+) -> dict[str, float]:
+    """:func:`formula_bytes` of ``plan`` for ``units`` on the ranks of ``mesh``."""
     zero = plan.zero
-    n = Mesh.of_plan(plan, n).shard_size  # the ranks a unit is sharded over
+    n = mesh.shard_size  # the ranks a unit is sharded over
     states = len(optimizer_states(plan.optimizer))
     where = placements(units, plan.offload)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}

@@ -54,9 +54,8 @@ import yaml
 
 from zerocc.compiler.driver.plan_changes import derive_plan, plan_field, plan_sets, set_field
 from zerocc.compiler.driver.program import CapturedSteps
-from zerocc.compiler.driver.session import CompileSession
+from zerocc.compiler.driver.session import CompileSession, plan_mesh
 from zerocc.compiler.parallel.experts import ExpertParallel
-from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.passes.recompute import chosen_units
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.units import Unit
@@ -436,7 +435,7 @@ def _more_microbatches(plan: Plan, workload: Workload, world_size: int) -> list[
     if plan.parallel.pp == 1:
         return []
     default = plan.pipeline.microbatches_of(plan.parallel.pp)
-    batch = first_batch(workload, Mesh.of_plan(plan, world_size).data_parallel)
+    batch = first_batch(workload, _data_ranks(plan, world_size))
     rows = next((t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim()), 0)
     return [f * default for f in MICROBATCH_FACTORS if rows and rows % (f * default) == 0]
 
@@ -459,10 +458,16 @@ def _takes(plan: Plan, world_size: int) -> bool:
     return True
 
 
+def _data_ranks(plan: Plan, world_size: int) -> int:
+    """How many batches one step of candidate ``plan`` trains on (its mesh's data-parallel
+    ranks): the plan search's entry, where no session is open yet."""
+    return plan_mesh(plan, world_size).data_parallel
+
+
 def _work(plan: Plan, world_size: int, workload: Workload) -> int:
     """What one optimizer step of ``plan`` trains on over every rank: the data-parallel ranks'
     batches, each of the plan's micro-batches, in tokens where the workload counts them."""
-    data_ranks = Mesh.of_plan(plan, world_size).data_parallel
+    data_ranks = _data_ranks(plan, world_size)
     batches = data_ranks * plan.grad_accumulation
     if workload.tokens_per_batch is None:
         return batches

@@ -24,6 +24,7 @@ class StepRecord:
 
     plan: Plan
     world_size: int
+    mesh: Mesh  # the ranks' layout, the session's (hybrid sharding, tp, pp, ep)
     rank: int
     device_type: str  # "cpu" | "cuda": the rates a prediction uses
     on_gloo: bool  # whether its collectives run on gloo (its buffers are predicted memory)
@@ -51,11 +52,6 @@ class StepRecord:
     # update kernels (compiled), capture and passes, lowering (the backend), first run (each
     # program's, with what its backend compiles then); summed over the programs built.
     setup_seconds: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def mesh(self) -> Mesh:
-        """The ranks' layout (hybrid sharding, tensor parallelism)."""
-        return Mesh.of_plan(self.plan, self.world_size)
 
     @property
     def model_state_bytes(self) -> dict[str, int]:

@@ -519,6 +519,7 @@ class StepRunner:
         return StepRecord(
             plan=self.plan,
             world_size=self.comm.world_size,
+            mesh=self.mesh,
             rank=self.comm.rank,
             device_type=self.device.type,
             on_gloo=self.comm.on_gloo,

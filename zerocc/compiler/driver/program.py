@@ -23,6 +23,7 @@ from zerocc.compiler.capture import Casts, LossFn, ModelInfo, capture
 from zerocc.compiler.driver.pass_manager import PassContext, PassList, PassRecord, run_passes
 from zerocc.compiler.opaque import regions_in
 from zerocc.compiler.parallel.experts import ExpertParallel, tag_exchanges
+from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.split_draws import (
     draws_outside_regions,
     take_parts_of_whole_draws,
@@ -108,7 +109,7 @@ def compile_program(
     *,
     loss_fn: LossFn | None,
     device: torch.device,
-    world_size: int,
+    mesh: Mesh,
     boundary: bool,
     units: list[Unit] | None = None,
     keep_graphs: bool = False,
@@ -117,9 +118,10 @@ def compile_program(
     expert_parallel: ExpertParallel | None = None,
     captured: CapturedSteps | None = None,
 ) -> CompiledProgram:
-    """Capture ``model``'s step on ``batch`` and run ``pass_list`` for ``world_size`` ranks;
-    ``boundary``: the program ends with the optimizer step. ``units``: the FSDP units the
-    caller's state is laid out in (the partition pass assigns them when there are none).
+    """Capture ``model``'s step on ``batch`` and run ``pass_list`` for the ranks of ``mesh``
+    (the session's); ``boundary``: the program ends with the optimizer step. ``units``: the
+    FSDP units the caller's state is laid out in (the partition pass assigns them when there
+    are none).
     ``keep_graphs`` keeps a copy of the graph after every pass in its record (for
     inspection). ``training=False``: a forward-only program that returns the loss (evaluation;
     the passes find no gradient, so it gathers what forward needs and updates nothing).
@@ -159,7 +161,7 @@ def compile_program(
         record.gm = snapshot(gm)
     ctx = PassContext(
         plan,
-        world_size,
+        mesh,
         model_info,
         boundary=boundary and training,
         units=list(units or []),

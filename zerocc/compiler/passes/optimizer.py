@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from zerocc.compiler.parallel.dims import Spread
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.passes.support.gradients import solo
@@ -50,7 +51,7 @@ from zerocc.ir.nodes import (
     tag,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, EP_GROUP, PP_GROUP, REPLICATE_GROUP, TP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, op
 
 aten = torch.ops.aten
 
@@ -107,49 +108,36 @@ def optimizer(
     step = state_placeholder(graph, step_spec, like) if step_spec is not None else None
     lr = state_placeholder(graph, layout.get(LR_SPEC.key), like)  # the schedule's, per step
     scale = 1.0 / (ctx.mesh.data_parallel * grad_accumulation)
-    # Ranks hold slices of the gradient (stages 1-3): its checks are summed over ranks.
-    sliced = zero.shards_optimizer and ctx.mesh.data_parallel > 1
+    # Where each unit's gradient lies in parts, as the mesh says (its shards, tp slices,
+    # other stages, other experts): the checks are summed over those groups.
+    sums = _Sums.of(ctx, units, zero)
     where = {"phase": "optimizer"}
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
         coef, grads = None, [g for u in units for g in grad_shards[u.name]]
         total = None
         clip, tp = config.grad_clip is not None, ctx.tensor_parallel
-        stages = ctx.mesh.pp > 1  # pipeline ranks each hold some units: agree across them
-        # Experts' units whose gradients lie beyond what the norm and flags are summed over:
-        # under hybrid sharding (dp: a shard group) their shards on the other replicas' ranks;
-        # at stage 0 (nothing summed) the other experts, on the other ep ranks.
-        beyond_group = EP_GROUP if not zero.shards_optimizer else REPLICATE_GROUP
-        beyond = {
-            u.name for u in units
-            if u.group != DP_GROUP and (ctx.mesh.hybrid or not zero.shards_optimizer)
-        }  # fmt: skip
-        if check_nonfinite:  # (the norm from the same read, unless tp ranks, stages or
-            # experts beyond the dp group hold parts)
-            found_inf, total = _check_nonfinite(
-                graph, output, grads, scale, clip and tp is None and not stages and not beyond,
-                sliced, tp is not None, beyond_group if beyond else None,
-            )  # fmt: skip
+        if check_nonfinite:  # (the norm from the same read, unless it counts shared elements
+            # once (tp), or other ranks hold other units or parts beyond the common groups)
+            from_flags = clip and tp is None and not sums.across and not sums.beyond
+            found_inf, total = _check_nonfinite(graph, output, grads, scale, from_flags, sums)
         # A tied unit's norm is counted by one of the pipeline ranks holding it.
         counted = [u for u in units if ctx.tied_norm or u.name not in ctx.tied]
         if clip and tp is not None:
-            total = _split_norm(graph, counted, grad_shards, scale, tp, zero, sliced, beyond,
-                                beyond_group)  # fmt: skip
+            total = _split_norm(graph, counted, grad_shards, scale, tp, zero, sums)
         elif clip and total is None:
             parts = [
-                emit(graph, op("sum_squares"), ([g for u in part for g in grad_shards[u.name]],
-                                                scale), **where)
-                for part in _dense_and_beyond(counted, beyond) if part
+                (emit(graph, op("sum_squares"), ([g for u in part for g in grad_shards[u.name]],
+                                                 scale), **where), extras)
+                for extras, part in sums.parts(counted)
             ]  # fmt: skip
-            total = _summed(graph, parts, any(u.name in beyond for u in counted), beyond_group)
-            if sliced:  # each rank holds a slice of the gradient: sum the squares over ranks
-                total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm")
-        if stages and check_nonfinite:
-            found_inf, total = _agree_across_stages(graph, output, found_inf, total)
-        elif stages and total is not None:
-            total = _all_reduce(
-                graph, total, 1, "sum the squared grad norm of every stage", PP_GROUP
-            )
+            total = _summed(graph, parts, sums.within)
+        for spread in sums.across:  # other ranks hold other units: agree on the whole model's
+            if check_nonfinite:
+                found_inf, total = _agree_across(graph, output, found_inf, total, spread)
+            elif total is not None:
+                note = f"sum the squared grad norm over {spread.what}"
+                total = _all_reduce(graph, total, 1, note, spread.group)
         if clip:
             coef = emit(graph, op("clip_coef"), (total, config.grad_clip), **where)
         for u in units:
@@ -292,18 +280,61 @@ def _all_reduce(
     )
 
 
-def _agree_across_stages(
-    graph: fx.Graph, output: fx.Node, found_inf: fx.Node, total: fx.Node | None
+@dataclass(frozen=True)
+class _Sums:
+    """The groups the optimizer's checks are summed over, from the mesh
+    (:meth:`~zerocc.compiler.parallel.mesh.Mesh.gradient_groups`): ``within``, those over
+    which every unit's gradient lies in parts (its shards, its tp slices); ``across``, those
+    whose ranks hold other units (a pipeline's other stages); ``beyond``, by unit, the groups
+    over which its gradient lies beyond those (an experts unit's other shards or experts)."""
+
+    within: tuple[Spread, ...]
+    across: tuple[Spread, ...]
+    beyond: dict[str, tuple[Spread, ...]]
+
+    @staticmethod
+    def of(ctx: PassContext, units: list[Unit], zero: ZeroConfig) -> _Sums:
+        spreads = {u.name: ctx.mesh.gradient_groups(u.group, zero.shards_optimizer) for u in units}
+        first = spreads[units[0].name]
+        common = tuple(s for s in first if all(s in v for v in spreads.values()))
+        beyond = {n: extra for n, v in spreads.items() if (extra := _minus(v, common))}
+        return _Sums(
+            tuple(s for s in common if s.holds == "parts"),
+            tuple(s for s in common if s.holds == "units"),
+            beyond,
+        )
+
+    @property
+    def extras(self) -> tuple[Spread, ...]:
+        """The groups beyond the common ones of any unit, once each, in the order first met."""
+        return tuple(dict.fromkeys(s for extra in self.beyond.values() for s in extra))
+
+    def parts(self, units: list[Unit]) -> list[tuple[tuple[Spread, ...], list[Unit]]]:
+        """``units`` by the groups beyond the common ones their gradients lie over: those with
+        none first, then each other kind (an experts unit's), in the order first met."""
+        kinds: dict[tuple[Spread, ...], list[Unit]] = {(): []}
+        for u in units:
+            kinds.setdefault(self.beyond.get(u.name, ()), []).append(u)
+        return [(extras, part) for extras, part in kinds.items() if part]
+
+
+def _minus(spreads: tuple[Spread, ...], common: tuple[Spread, ...]) -> tuple[Spread, ...]:
+    return tuple(s for s in spreads if s not in common)
+
+
+def _agree_across(
+    graph: fx.Graph, output: fx.Node, found_inf: fx.Node, total: fx.Node | None, spread: Spread
 ) -> tuple[fx.Node, fx.Node | None]:
-    """Pipeline ranks each checked (and measured) the gradients of their own stages: one
-    all-reduce over the ``pp`` group makes the overflow flag (and the squared norm) the whole
-    model's, so that every stage skips the same steps and clips by the same norm."""
+    """Ranks holding other units (a pipeline's other stages) each checked (and measured) the
+    gradients of their own: one all-reduce over ``spread``'s group makes the overflow flag (and
+    the squared norm) the whole model's, so that every rank skips the same steps and clips by
+    the same norm."""
     where = {"phase": "optimizer"}
     zero = emit(graph, aten.zeros_like.default, (found_inf,), **where)
     parts = emit(graph, aten.stack.default, ([found_inf, total if total is not None else zero],),
                  **where)  # fmt: skip
-    note = "all-reduce the overflow flag and the squared norm over the pipeline's stages"
-    agreed = _all_reduce(graph, parts, 2, note, PP_GROUP)
+    note = f"all-reduce the overflow flag and the squared norm over {spread.what}"
+    agreed = _all_reduce(graph, parts, 2, note, spread.group)
     tag(found_inf, role=None)
     found = emit(graph, aten.select.int, (agreed, 0, 0), role=FOUND_INF, **where)
     loss, flags, _ = output.args[0]
@@ -312,22 +343,25 @@ def _agree_across_stages(
     return found, norm
 
 
-def _dense_and_beyond(units: list[Unit], beyond: set[str]) -> tuple[list[Unit], list[Unit]]:
-    """``units`` as those of the dp group and those with shards beyond it (see ``beyond``)."""
-    return [u for u in units if u.name not in beyond], [u for u in units if u.name in beyond]
-
-
-def _summed(graph: fx.Graph, parts: list[fx.Node], last_beyond: bool, group: str) -> fx.Node:
-    """The sum of the squared-norm ``parts`` (the dense units', then, ``last_beyond``, the
-    experts' whose gradients lie beyond the dp group): the experts' part first summed over
-    ``group``, so that every expert's gradient is counted once in the sum over dp after."""
+def _summed(
+    graph: fx.Graph, parts: list[tuple[fx.Node, tuple[Spread, ...]]], within: tuple[Spread, ...]
+) -> fx.Node:
+    """The sum of the squared-norm ``parts``, each first summed over the groups beyond the
+    common ones its units' gradients lie over (an experts unit's: so that every expert's
+    gradient is counted once), then over the common groups ``within``."""
     where = {"phase": "optimizer"}
-    if last_beyond:
-        note = f"all-reduce the experts' squared grad norm over {group}"
-        parts[-1] = _all_reduce(graph, parts[-1], 1, note, group)
-    total = parts[0]
-    for part in parts[1:]:
+    summed = []
+    for node, extras in parts:
+        for spread in extras:
+            note = f"all-reduce the squared grad norm over {spread.what}"
+            node = _all_reduce(graph, node, 1, note, spread.group)
+        summed.append(node)
+    total = summed[0]
+    for part in summed[1:]:
         total = emit(graph, aten.add.Tensor, (total, part), **where)
+    for spread in within:  # each rank holds a part of the gradient: sum the squares over ranks
+        note = f"all-reduce the squared grad norm over {spread.what}"
+        total = _all_reduce(graph, total, 1, note, spread.group)
     return total
 
 
@@ -338,17 +372,14 @@ def _split_norm(
     scale: float,
     tp: TensorParallel,
     zero: ZeroConfig,
-    sliced: bool,
-    beyond: set[str],
-    beyond_group: str,
+    sums: _Sums,
 ) -> fx.Node:
     """The squared gradient norm under tensor parallelism: each rank's part, in which the
-    parameters every tp rank holds alike count 1/tp, summed over the ranks of ``dp`` (when
-    they hold slices of the gradient) and ``tp``, so that every element counts once (the
-    experts' units of ``beyond`` over ``beyond_group`` first)."""
+    parameters every tp rank holds alike count 1/tp, summed over the groups the gradients lie
+    over (``sums``), so that every element counts once."""
     where = {"phase": "optimizer"}
     totals = []
-    for part in _dense_and_beyond(units, beyond):
+    for extras, part in sums.parts(units):
         parts = []
         for u in part:
             for grad in grad_shards[u.name]:
@@ -360,14 +391,9 @@ def _split_norm(
                     shared = [] if param.fqn in tp.splits else [0, span[1]]
                 args = (grad, scale, shared, tp.parts,
                         u.group if zero.shards_optimizer else None)  # fmt: skip
-                parts.append(emit(graph, op("sum_squares_tp"), args, unit=u.name, **where))
-        if parts:
-            totals.append(_summed(graph, parts, False, beyond_group))
-    total = _summed(graph, totals, any(u.name in beyond for u in units), beyond_group)
-    if sliced:
-        total = _all_reduce(graph, total, 1, "all-reduce the squared grad norm (dp)")
-    note = "all-reduce the squared grad norm over the tp ranks' slices"
-    return _all_reduce(graph, total, 1, note, TP_GROUP)
+                parts.append((emit(graph, op("sum_squares_tp"), args, unit=u.name, **where), ()))
+        totals.append((_summed(graph, parts, ()), extras))
+    return _summed(graph, totals, sums.within)
 
 
 def _check_nonfinite(
@@ -376,14 +402,12 @@ def _check_nonfinite(
     grads: list[fx.Node],
     scale: float,
     clip: bool,
-    sliced: bool,
-    split: bool,
-    beyond: str | None = None,
+    sums: _Sums,
 ) -> tuple[fx.Node, fx.Node | None]:
     """Flag every unit whose reduced gradient holds an inf or NaN, on every rank; returns the
     flag that gates the updates (returned by the program after the flags) and, when ``clip``,
-    the squared norm from the same read. ``split``: tensor parallelism, whose ranks each
-    check their slices: the flags are summed over the ``tp`` group too."""
+    the squared norm from the same read. The flags are summed over the groups the gradients
+    lie over in parts (``sums``: shards, tp slices, an experts unit's beyond them)."""
     where = {"phase": "optimizer"}
     flags = emit(
         graph,
@@ -393,21 +417,12 @@ def _check_nonfinite(
         + ("; last, the squared norm the clip reads" if clip else ""),
         **where,
     )
-    if sliced:  # each rank checked its slice of the gradient
-        flags = _all_reduce(
-            graph,
-            flags,
-            len(grads) + clip,
-            "all-reduce the non-finite flags"
-            + (" and the squared norm" if clip else "")
-            + ": every rank skips or stops at the same step",
-        )
-    if split:
-        note = "all-reduce the non-finite flags over the tp ranks' slices"
-        flags = _all_reduce(graph, flags, len(grads) + clip, note, TP_GROUP)
-    if beyond is not None:  # experts' gradients beyond the dp group: all skip alike
-        note = f"all-reduce the non-finite flags over {beyond} (the experts' gradients)"
-        flags = _all_reduce(graph, flags, len(grads) + clip, note, beyond)
+    for spread in (*sums.within, *sums.extras):  # every rank skips or stops at the same step
+        note = (
+            "all-reduce the non-finite flags" + (" and the squared norm" if clip else "")
+            + f" over {spread.what}"
+        )  # fmt: skip
+        flags = _all_reduce(graph, flags, len(grads) + clip, note, spread.group)
     units = emit(graph, aten.slice.Tensor, (flags, 0, 0, len(grads)), **where)
     found_inf = emit(
         graph,

@@ -113,7 +113,9 @@ class PassContext:
     """What every pass may read (and analysis passes may fill): the run's fixed facts."""
 
     plan: Plan
-    world_size: int
+    # The ranks' layout, the session's (computed once, from the plan and the world size): the
+    # groups units are sharded over, replicated across, split by and reduced over.
+    mesh: Mesh
     model: ModelInfo
     boundary: bool = True  # whether this program ends with the optimizer step
     units: list[Unit] = field(default_factory=list)  # filled by the partition pass
@@ -133,8 +135,11 @@ class PassContext:
     tied: frozenset[str] = frozenset()
     tied_norm: bool = True
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):  # (a world size where the mesh goes: a caller's slip)
+            raise TypeError(f"PassContext.mesh: a Mesh (the session's), not {self.mesh!r}")
+
     @property
-    def mesh(self) -> Mesh:
-        """The ranks' layout: the groups units are sharded over, replicated across and
-        splitting layers."""
-        return Mesh.of_plan(self.plan, self.world_size)
+    def world_size(self) -> int:
+        """The ranks the program is compiled for (the mesh's)."""
+        return self.mesh.world_size
