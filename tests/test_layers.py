@@ -16,10 +16,10 @@ The plan (with the DeepSpeed import under it) is data and its checks, at the bot
 imports only the base and the IR. The compiler's own modules (capture, units, state, ...) read
 the plan. The parallel dimensions (``parallel.dims``: each one's degree, groups and rank
 order) read only the plan; parallelism (the ranks' mesh, tensor parallelism) captures and
-splits the model's layers, so it sits on capture and units; the passes' helpers (``passes.support``: analyses
-and emitters that register no pass) on those; the passes (and ``passes.spec``, what a pass is and
-the context it reads: the mesh, the layers split) sit on all of them; the driver (the pass
-manager and ``compile_program``) on top.
+splits the model's layers, so it sits on capture and units; the passes' helpers
+(``passes.support``: analyses and emitters that register no pass) on those; the passes (and
+``passes.spec``, what a pass is and the context it reads: the mesh, the layers split) sit on
+all of them; the driver (the pass manager and ``compile_program``) on top.
 """
 
 from __future__ import annotations

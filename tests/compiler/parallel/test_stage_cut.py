@@ -18,7 +18,6 @@ from zerocc.compiler.capture import Casts
 from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes
 from zerocc.compiler.driver.pipeline import cut_step
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import (
     StagedStep,
