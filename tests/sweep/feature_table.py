@@ -25,16 +25,6 @@ TABLE = ROOT / "docs" / "feature-pairs.md"
 
 # Rows that fail, found by the sweep: row -> what fails (each an xfail(strict=True) case).
 KNOWN_FAILURES: dict[str, str] = {
-    "stage=0,model=mixtral,pp=interleaved-1f1b,recompute=all,precision=bf16,async_save=on,"
-    "eval=on": "a pipeline of the Hugging Face Mixtral with recompute.units: all and "
-    "precision.param: bf16 is refused after launch, by the stage cut: PlanError 'pipeline.split: "
-    "lm.model.layers.3.input_layernorm (stage 3) reads the gradient _to_copy_176 of "
-    "lm.model.layers.3.input_layernorm (stage 2)' (each pair alone trains; so does the GPT's "
-    "pipeline with both, and 1f1b fails alike)",
-    "stage=0,model=llama,pp=1f1b,recompute=all,precision=bf16,keyed=on,inductor=on": "the same "
-    "with the Hugging Face Llama: a pipeline with recompute.units: all and precision.param: bf16 "
-    "is refused after launch by the stage cut ('pipeline.split: lm.model.layers.2."
-    "input_layernorm (stage 1) reads the gradient _to_copy_130 of ... (stage 0)')",
     "stage=0,model=gpt,pp=zero-bubble,recompute=all,precision=bf16,fp8=matmul,in_memory=on": "a "
     "zero-bubble pipeline of the GPT with recompute, bf16 and float8 matmuls fails in its first "
     "step with a raw KeyError: '_to_copy_155' (a stage program's binding, runtime/pipeline.py)",
@@ -48,8 +38,6 @@ KNOWN_FAILURES: dict[str, str] = {
 AVOID: tuple[frozenset[str], ...] = tuple(
     frozenset(text.split(","))
     for text in (
-        "model=mixtral,pp=*,recompute=all,precision=bf16",
-        "model=llama,pp=*,recompute=all,precision=bf16",
         "pp=zero-bubble,recompute=all,precision=bf16,fp8=matmul",
         "pp=zero-bubble,fp8=matmul",
     )
