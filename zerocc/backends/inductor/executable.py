@@ -30,7 +30,7 @@ import contextlib
 import functools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from zerocc.backends.eager.executable import EagerExecutable
 from zerocc.backends.inductor.eager_casts import mend_note, rounding_as_eager
 from zerocc.backends.inductor.generated_calls import GeneratedCalls, calls_in
 from zerocc.backends.inductor.lowered_ops import running
+from zerocc.backends.inductor.region_keys import region_key
 from zerocc.backends.inductor.regions import Region, find_regions, outline
 from zerocc.backends.inductor.whole import compile_whole, unsupported
 from zerocc.engine import RuntimeContext
@@ -61,6 +62,7 @@ class RegionReport:
     seconds: float
     fallback: str | None = None  # "TypeError: ..." when Inductor could not compile it
     code: str | None = None  # the Python (and kernels) Inductor generated for it
+    same_as: str | None = None  # the region of the same key whose compiled code it runs
 
     @functools.cached_property
     def calls(self) -> GeneratedCalls | None:
@@ -198,8 +200,15 @@ class InductorExecutable(EagerExecutable):
                 self._compile_whole(program)
         if self.compiled_whole is None:
             regions = find_regions(self.gm)
-            modules = [self._compile(self.gm, region) for region in regions]
+            by_key: dict[Hashable, tuple[str, Any, str | None]] = {}
+            modules = [self._compile(self.gm, region, by_key) for region in regions]
             self.gm = outline(self.gm, regions, modules)
+
+    @property
+    def compilations(self) -> int:
+        """How many graphs were handed to Inductor: 1 for the whole program, else one per
+        distinct region (a repeated layer's copies share theirs), compiled or rejected."""
+        return sum(r.same_as is None for r in self.reports)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled_whole is None:
@@ -222,13 +231,31 @@ class InductorExecutable(EagerExecutable):
         seconds = time.perf_counter() - start
         self.reports.append(RegionReport(WHOLE, None, ops, seconds, None, code))
 
-    def _compile(self, root: fx.GraphModule, region: Region) -> CompiledRegion:
+    def _compile(
+        self,
+        root: fx.GraphModule,
+        region: Region,
+        by_key: dict[Hashable, tuple[str, Any, str | None]],
+    ) -> CompiledRegion:
+        """``region`` as a module run by Inductor's code: compiled now, or the code of an
+        earlier region with its key (``by_key``: key -> that region's name, its compiled
+        callable and fallback, filled here)."""
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
         module = region.graph_module(root)
-        example = example_inputs([node.meta["val"] for node in region.inputs])
+        phase = info(region.nodes[0]).phase
         start = time.perf_counter()
+        key, named = region_key(module)
+        if key in by_key:
+            first, compiled, fallback = by_key[key]
+            code = next(r.code for r in self.reports if r.name == first)
+            seconds = time.perf_counter() - start
+            report = RegionReport(region.name, phase, len(region.nodes), seconds, fallback, code)
+            report.same_as = first
+            self.reports.append(report)
+            return CompiledRegion(module, compiled)
+        example = example_inputs([node.meta["val"] for node in region.inputs])
         compiled, fallback = None, None
         try:
             with (
@@ -237,12 +264,12 @@ class InductorExecutable(EagerExecutable):
                 quiet(FAKE_KERNELS),
                 loaded_modules() as loaded,
             ):
-                compiled = compile_fx(module, example)
+                compiled = compile_fx(named, example)
         except Exception as exc:  # Inductor rejected it: the region runs eagerly
             fallback = f"{type(exc).__name__}: {first_line(exc)[:200]}"
         seconds = time.perf_counter() - start
         code = generated_code(loaded) if compiled is not None else None
-        phase = info(region.nodes[0]).phase
+        by_key[key] = (region.name, compiled, fallback)
         self.reports.append(
             RegionReport(region.name, phase, len(region.nodes), seconds, fallback, code)
         )
@@ -280,7 +307,8 @@ class InductorExecutable(EagerExecutable):
         if self.whole_note is not None:
             lines.append(f"inductor: compiled region by region, not whole: {self.whole_note}")
         lines.append(
-            f"inductor: {compiled} of {len(self.reports)} compute regions compiled "
+            f"inductor: {compiled} of {len(self.reports)} compute regions compiled, "
+            f"{self.compilations} distinct (the others copies of them: a repeated layer's) "
             f"({counted}{seconds:.1f} s, cached ones included)"
         )
         lines += [
@@ -298,20 +326,22 @@ class InductorExecutable(EagerExecutable):
 
     def artifacts(self) -> dict[str, str]:
         """Files for the dumps: ``regions.txt`` (each region, or the whole program: phase, ops,
-        the calls of its generated code by kind, compile time, how it runs; then every call by
-        name) and the code Inductor generated for each (``region_<i>.py``, ``whole.py``)."""
+        the calls of its generated code by kind, compile time, how it runs, whose code it runs;
+        then every call by name) and the code Inductor generated for each distinct one
+        (``region_<i>.py``, ``whole.py``)."""
         calls_header = "".join(f"{kind:>9}" for kind in ("kernels", "library", "ATen", "zerocc"))
         rows = [f"{'region':<12}{'phase':<10}{'ops':>5}{calls_header}{'compile s':>11}  runs"]
         for r in self.reports:
             counts = "".join(f"{n:>9}" for n in (r.calls.totals() if r.calls else "----"))
-            rows.append(
-                f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{counts}{r.seconds:>11.2f}  "
-                + ("compiled" if r.fallback is None else f"eagerly: {r.fallback}")
-            )
+            runs = "compiled" if r.fallback is None else f"eagerly: {r.fallback}"
+            if r.same_as is not None:
+                runs += f" (the code of {r.same_as})"
+            head = f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{counts}{r.seconds:>11.2f}"
+            rows.append(f"{head}  {runs}")
         calls = self._calls()
         if calls is not None:
             rows += ["", "calls of the generated code, all regions:"]
             rows += [f"  {line}" for line in calls.by_name()]
         files = {"regions.txt": "\n".join(rows) + "\n"}
-        files.update({f"{r.name}.py": r.code for r in self.reports if r.code is not None})
+        files.update({f"{r.name}.py": r.code for r in self.reports if r.code and r.same_as is None})
         return files

@@ -10,6 +10,11 @@ which decomposes dropout into draws of another op); so do the ops Inductor lower
 (:mod:`zerocc.backends.inductor.unlowerable`). A region reads values from before it and
 returns those read after it (or by the program's output). Runs too small to gain from compiling
 (views alone, or fewer compute ops than ``min_ops``) stay inline.
+
+A run is also cut where the layer its nodes come from changes (:func:`layer_of`: the numbered
+child of a ``ModuleList`` or ``Sequential`` a node's module lies in, as repeated layers are),
+so that each layer's compute is regions of its own, the same in every copy of the layer: the
+executable compiles each distinct one once (:mod:`zerocc.backends.inductor.region_keys`).
 """
 
 from __future__ import annotations
@@ -66,14 +71,53 @@ def _counts(node: fx.Node) -> bool:
     return op_kind(node) not in (OpKind.VIEW, OpKind.PLUMBING)
 
 
+def layer_of(node: fx.Node) -> str | None:
+    """The layer ``node`` comes from: the shortest prefix of its module's name that ends in an
+    index (``transformer.h.3`` of ``transformer.h.3.attn.c_proj``); ``""`` outside every
+    layer; None where the node names no module (views of a flat parameter, casts the passes
+    added)."""
+    module = info(node).module
+    if module is None:
+        return None
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def layers(gm: fx.GraphModule) -> dict[fx.Node, str | None]:
+    """Each node's layer (:func:`layer_of`); a node that names no module takes the layer of its
+    first reader that has one (a view of the next unit's flat parameter, made before that
+    unit's compute, belongs with it, not with the layer before), else None: it joins whatever
+    layer its run is in."""
+    found: dict[fx.Node, str | None] = {}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in reversed(gm.graph.nodes):
+        layer = layer_of(node)
+        if layer is None:
+            readers = sorted(node.users, key=position.__getitem__)
+            layer = next((found[u] for u in readers if found.get(u) is not None), None)
+        found[node] = layer
+    return found
+
+
 def find_regions(gm: fx.GraphModule, min_ops: int = 2) -> list[Region]:
-    """The program's compute regions worth compiling, in program order."""
+    """The program's compute regions worth compiling, in program order, each within one
+    layer (or outside every layer)."""
     runs: list[list[fx.Node]] = [[]]
     pulled: set[fx.Node] = set()
+    layer: str | None = None  # the layer of the run being gathered
+    layer_by_node = layers(gm)
     for node in gm.graph.nodes:
         if node in pulled:
             continue
         if _compute(node):
+            here = layer_by_node[node]
+            if here is not None and layer is not None and here != layer and runs[-1]:
+                runs.append([])
+            if here is not None:
+                layer = here
             runs[-1].append(node)
             # A multi-output op's getitems go with it, even those the program reads later
             # (after a collective): a region returns tensors, never a tuple with holes.
@@ -82,6 +126,7 @@ def find_regions(gm: fx.GraphModule, min_ops: int = 2) -> list[Region]:
             pulled.update(items)
         elif runs[-1]:
             runs.append([])
+            layer = None
     regions = []
     for run in runs:
         if sum(map(_counts, run)) < min_ops:
