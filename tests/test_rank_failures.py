@@ -71,6 +71,11 @@ def workload(stop_rank=-1, stop_at=3, batches=100, short_rank=-1, raise_rank=-1,
 """
 
 
+# A pipeline of the workload's two layers on the 2 ranks (each a stage, the batch theirs both):
+# the safeguards of a pipeline step are a TrainStep's.
+PIPELINE = "parallel: {pp: 2}\npipeline: {microbatches: 2}\nunits: {classes: [Linear]}\n"
+
+
 def _train(
     tmp_path: Path, timeout_s: float | None = 30, extra: str = "", dry: bool = False,
     flags: tuple[str, ...] = (), **workload_args,
@@ -169,12 +174,16 @@ def _error_of(run: subprocess.CompletedProcess, rank: int) -> str:
     return next(ln for ln in run.stderr.splitlines() if ln.startswith(said))
 
 
-def test_a_rank_stopped_between_steps_is_named_within_a_minute_at_default_settings(tmp_path):
+@pytest.mark.parametrize("extra", ["", pytest.param(PIPELINE, marks=pytest.mark.slow)],
+                         ids=["zero3", "pipeline"])  # fmt: skip
+def test_a_rank_stopped_between_steps_is_named_within_a_minute_at_default_settings(
+    tmp_path, extra
+):
     """Rank 1 stops (SIGSTOP) after step 3, before the metrics' gather that rank 0 waits in,
     under the default backend.timeout_s (600 s): the heartbeats' watch names it (rank, pid,
     what it last did) after 30 silent seconds, the launcher kills it and says so; no raw
     process-group traceback, no 600 s wait and no 30 s of torchrun's grace."""
-    run = _train(tmp_path, None, between_rank=1, between_at=3)
+    run = _train(tmp_path, None, extra, between_rank=1, between_at=3)
     ended = time.time()
     stopped = float((tmp_path / "stopped-1").read_text())
     assert run.returncode == 2, run.stderr
@@ -190,11 +199,12 @@ def test_a_rank_stopped_between_steps_is_named_within_a_minute_at_default_settin
         "reported it silent), and the launcher killed it" in report, report
 
 
-def test_a_rank_killed_between_steps_is_named_not_a_connection_reset(tmp_path):
+@pytest.mark.parametrize("extra", ["", PIPELINE], ids=["zero3", "pipeline"])
+def test_a_rank_killed_between_steps_is_named_not_a_connection_reset(tmp_path, extra):
     """Rank 1 is SIGKILLed (not by the launcher) after step 3: rank 0, in the metrics' gather,
     names it, or the launcher stops it first and says after what; no raw gloo error either
     way, and the report does not claim the launcher killed rank 1."""
-    run = _train(tmp_path, between_rank=1, between_at=3, between_signal="SIGKILL")
+    run = _train(tmp_path, 30, extra, between_rank=1, between_at=3, between_signal="SIGKILL")
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr and "Connection" not in run.stderr, run.stderr
     report = run.stderr.split("rank(s) failed:")[1]
@@ -276,13 +286,17 @@ def test_a_workload_that_raises_on_every_rank_shows_its_traceback_once(tmp_path)
                      r"raised ValueError: the data loader broke\n", report), report
 
 
-def _leave_early(rank: int, world: int) -> str:
+def _leave_early(rank: int, world: int, pp: int = 1) -> str:
     import torch
 
     import zerocc
 
     model = torch.nn.Linear(4, 1)
     plan = {"zero": {"stage": 3}, "backend": {"device": "cpu", "timeout_s": 60}}
+    if pp > 1:  # (a pipeline of two layers, a stage each)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        plan |= {"parallel": {"pp": pp}, "pipeline": {"microbatches": 2},
+                 "units": {"classes": ["Linear"]}}  # fmt: skip
     step = zerocc.compile(model, plan, loss_fn=lambda m, x: m(x).pow(2).mean())
     for _ in range(2):
         step(torch.ones(2, 4))
@@ -297,10 +311,11 @@ def _leave_early(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_a_rank_that_left_is_named_at_once_not_after_the_timeout():
+@pytest.mark.parametrize("pp", [1, 2], ids=["zero3", "pipeline"])
+def test_a_rank_that_left_is_named_at_once_not_after_the_timeout(pp):
     from multirank import run_ranks
 
-    waited, message = run_ranks(2, _leave_early)[0].split(" s: ", 1)
+    waited, message = run_ranks(2, _leave_early, pp)[0].split(" s: ", 1)
     assert float(waited) < 20, message  # the timeout is 60 s
     assert "rank 1 (pid" in message and "exited (after step 2)" in message
 

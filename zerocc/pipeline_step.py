@@ -1,19 +1,13 @@
 """A pipeline rank's training step (``parallel.pp`` > 1, issue 47): the step cut into stages,
 the rank's stages compiled by the plan's passes, their actions walked, then one update.
 
-On the first call the step is captured on one micro-batch, the units are split into stages
-(``pipeline.split``, balanced by the cost model), the step cut there and the rank's programs
-compiled (:mod:`zerocc.compiler.driver.pipeline`); the rank's state is allocated, sharded over
-its stage's data-parallel ranks as the plan's ZeRO stage says, and the programs lowered. Each
-call walks the rank's schedule (:class:`zerocc.runtime.pipeline.PipelineRank`), then runs its
-one update. The loss is the mean over the micro-batches of the last stage's, on every rank.
-
-Checkpoints are a TrainStep's (:mod:`zerocc.runtime.checkpoint`): each rank writes what its
-stages hold, named as the model names it, so one saved under any pipeline loads under any
-other, or none. ``evaluate(*batch)`` runs a batch forward through the stages, compiled apart
-(eval mode). The dumps (``dumps.dir``) draw every rank's step beside the predicted one
-(:mod:`zerocc.inspect.pipeline_dumps`). Deferred host updates (``offload.defer_updates``),
-which a pipeline does not do yet, are refused when it is compiled, naming the field.
+On the first call the step is captured on one micro-batch, split into stages and cut, and the
+rank's programs compiled from the session (:mod:`zerocc.compiler.driver.pipeline`); its state
+is allocated and the programs lowered. Each call walks the rank's schedule
+(:class:`zerocc.runtime.pipeline.PipelineRank`), then runs its one update; the loss is the
+mean of the last stage's over the micro-batches, on every rank. The ranks agree, and a peer
+that stops answering is named, as for a TrainStep (:mod:`zerocc.runtime.agreement`,
+:mod:`zerocc.runtime.failures`). Checkpoints are a TrainStep's, by model name.
 """
 
 from __future__ import annotations
@@ -21,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.distributed import DistError
 
 from zerocc.backends import Executable, get_backend, resolve_backend
 from zerocc.compiler.batch import batch_from
@@ -54,27 +49,18 @@ from zerocc.compiler.schedule import lr_at
 from zerocc.compiler.state import LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.cost.memory import model_state_bytes_of
-from zerocc.cost.model import CostModel
 from zerocc.cost.pipeline_memory import PipelineMemory, Programs, predict_pipeline_memory
-from zerocc.cost.rates import rates_for
 from zerocc.cost.stage_balance import split_units
 from zerocc.engine.comm import Comm
-from zerocc.errors import BatchError, NotSupportedError, RankMismatchError
+from zerocc.engine.watchdog import PeersSilent
+from zerocc.errors import BatchError, NotSupportedError
 from zerocc.inspect import pipeline_report
 from zerocc.inspect.dumps import dump_dir
-from zerocc.inspect.pipeline_dumps import RankStep, write_pipeline_programs, write_pipeline_run
-from zerocc.inspect.pipeline_estimate import program_seconds
+from zerocc.inspect.pipeline_dumps import write_pipeline_programs, write_step_run
 from zerocc.ir.keyed_draws import DrawKey, drawing_under
 from zerocc.ir.nodes import BATCH, placeholders, val
 from zerocc.ir.ops import DP_GROUP, PP_GROUP
-from zerocc.runtime.agreement import (
-    END_OF_DATA,
-    Agreement,
-    agree_on_start,
-    batch_digest,
-    batch_disagreement,
-    has_peers,
-)
+from zerocc.runtime.agreement import END_OF_DATA, RankAgreement, has_peers
 from zerocc.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from zerocc.runtime.checkpoint.background import PendingSave, SavesInBackground
 from zerocc.runtime.checkpoint.load import fill_state, open_checkpoint, restore_counters
@@ -84,11 +70,13 @@ from zerocc.runtime.checkpoint.rank_state import (
     restore_rank_counters,
 )
 from zerocc.runtime.context import open_context
+from zerocc.runtime.counts import StepCounts
+from zerocc.runtime.failures import RankHealth
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.memory_check import check_pipeline_memory
 from zerocc.runtime.nonfinite import nonfinite_error
 from zerocc.runtime.pipeline import PipelineRank, StepTimeline, TorchTransport, microbatches_of
-from zerocc.runtime.pipeline_state import whole_model
+from zerocc.runtime.pipeline_state import held_earlier, whole_model
 from zerocc.runtime.programs import SetupClock, batch_signature, bindings_of
 from zerocc.runtime.rank import to_device
 from zerocc.runtime.state_store import StateStore, align_random_state
@@ -117,8 +105,13 @@ class PipelineStep(SavesInBackground):
         self.model, self.plan, self.loss_fn, self.comm, self.device = (
             model, plan, loss_fn, comm, device
         )  # fmt: skip
+        # The runtime's counters, health watch and agreement, as a TrainStep's (each call is
+        # one optimizer step's batch, its micro-batches the pipeline's).
+        self.counts = StepCounts(1)
+        self.health = RankHealth(comm, plan.backend.timeout_s, self.counts)
+        self.agreement = RankAgreement(self.health)
         if has_peers(comm):  # before any group is made or a weight sent
-            agree_on_start(comm, plan, weight_source(model), model)
+            self.agreement.agree_on_start(plan, weight_source(model), model)
         # The model converted (float8), described and split once, and the mesh, as any step's
         # session; each pipeline rank's units and programs once the first batch cuts the step.
         self.opened = CompileSession.open(model, plan, comm.world_size, loss_fn)
@@ -136,8 +129,6 @@ class PipelineStep(SavesInBackground):
             self.float8.check_device(device)
         self.full_model_info = self.opened.full_model_info
         self.splits = self.opened.model_splits  # (layers, experts)
-        self.steps = 0  # optimizer steps applied (a step skipped for overflow not counted)
-        self.micro_batches = 0  # calls (each one optimizer step's batch), skipped ones too
         self.staged: StagedStep | None = None  # built at the first call (a batch's shapes)
         self.signature: tuple = ()  # the first batch's, which the stages are compiled for
         self.dump_dir = dump_dir(plan)  # (zerocc.inspect.pipeline_dumps)
@@ -150,7 +141,7 @@ class PipelineStep(SavesInBackground):
             scale = torch.zeros((), dtype=torch.float32, device=device)
             self.loss_scaler = LossScaler.of(plan.precision, scale)
         # Its programs' and its update's predicted seconds, for the dumps (simulated once).
-        self._predicted: tuple[dict[tuple[int, str], float], float] | None = None
+        self.predicted_seconds: tuple[dict[tuple[int, str], float], float] | None = None
         # What an earlier pipeline rank holds too and saves (known once the step is cut).
         self.saved_elsewhere: frozenset[str] = frozenset()
         # A checkpoint loaded before the first call: read into the state once it exists.
@@ -162,8 +153,10 @@ class PipelineStep(SavesInBackground):
     def __call__(self, *batch: Any, **named: Any) -> torch.Tensor:
         """Train one step on this rank's ``batch`` (positional, by name or one mapping, as a
         TrainStep takes it); returns the mean loss of its micro-batches."""
+        self.health.check_usable()
         batch = to_device(batch_from(batch, named), self.device)
         signature = batch_signature(batch)
+        self.health.set_status(f"in step {self.counts.step_number}")
         self._agree_on(("next batch", signature), batch)
         self.comm.stats.reset()
         micro = microbatches_of(batch, self.microbatches)
@@ -183,16 +176,19 @@ class PipelineStep(SavesInBackground):
         runners = {key: self._runner(program, micro) for key, program in self.programs.items()}
         rank = PipelineRank(runners, self.transport)
         timeline = self.timeline = StepTimeline(time.time())
-        with traced_grad_mode():
+        where = "its update"
+        with traced_grad_mode(), self._peers_named(lambda: where):
             start = time.perf_counter()
             for action in self.schedule.actions[self.pp_rank]:
+                where = f"its action {action.stage}{action.kind}{action.microbatch}"
                 began, waited = time.perf_counter() - start, rank.waited
                 rank.run(action)
                 end = time.perf_counter() - start
                 timeline.actions.append((action, began, end, rank.waited - waited))
+            where = "its sends"
             self.transport.finish()
             self.context.payloads.check_taken()  # (every micro-batch's backward took its rows)
-            began = time.perf_counter() - start
+            began, where = time.perf_counter() - start, "its update"
             # (loss, found_inf) under loss scaling; (loss, per-unit flags, found_inf) without
             _, *flags, found_inf = self.update.run(*self._bound(self.update.bindings, ()))
             timeline.update = (began, time.perf_counter() - start)
@@ -208,15 +204,33 @@ class PipelineStep(SavesInBackground):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.micro_batches += 1
-        loss = self._loss(rank.losses)
+        with self._peers_named(lambda: "the step's loss"):
+            loss = self._loss(rank.losses)
+        self.health.set_status(f"after step {self.counts.step_number - 1}")
         if self.dump_dir is not None and self.micro_batches <= 2:
-            self._dump_run()
+            write_step_run(self)
         return loss
+
+    @contextlib.contextmanager
+    def _peers_named(self, where: Callable[[], str]) -> Iterator[None]:
+        """A collective or transfer of the body that fails is a peer that stopped answering:
+        the RankStoppedError a TrainStep's run raises, naming it (``where()``: what this rank
+        was running); the process group is unusable after it."""
+        try:
+            yield
+        except BaseException as exc:  # (gloo's lost peer: a DistError, or a RuntimeError)
+            peer = isinstance(exc, DistError | PeersSilent) or "Connection" in str(exc)
+            if self.comm.failure is None and not peer:
+                raise
+            self.comm.failure = self.comm.failure or exc
+            raise self.health.peer_failure(exc, where()) from exc
 
     def end_of_data(self) -> None:
         """Call instead of ``step(*batch)`` when this rank has no batch left: returns when every
         rank ran out at this step, else raises DataExhaustedError here and, in their call, on
         every rank that still had one (see :meth:`zerocc.TrainStep.end_of_data`)."""
+        self.health.check_usable()
+        self.health.set_status(f"out of data at step {self.counts.step_number}")
         self._agree_on(END_OF_DATA, None)
 
     def _agree_on(self, what: tuple, batch: tuple | None) -> None:
@@ -224,22 +238,29 @@ class PipelineStep(SavesInBackground):
         and the ranks of one pipeline on the same batch: an error on every rank, naming the
         ranks, when not (a rank out of data would otherwise leave its pipeline's neighbours
         waiting on a tensor it never sends, and a pipeline whose first and last stages read
-        different batches trains a wrong model without any other error)."""
-        if not has_peers(self.comm):  # (a FakeComm's ranks are simulated: none to agree with)
-            return
-        within = (self.data_rank, batch_digest(batch) if batch is not None else "")
-        agreement = Agreement(self.comm, what, repr(what), within)
-        views = agreement.views_if_they_differ()
-        step = self.micro_batches + 1
-        if views is not None:
-            raise batch_disagreement(views, self.comm.rank, step)
-        if split := agreement.split_groups():
-            groups = "; ".join(" vs ".join(map(str, ranks)) for group in split for ranks in group)
-            raise RankMismatchError(
-                f"rank {self.comm.rank}, step {step}: the ranks of a pipeline were given "
-                f"different batches (ranks {groups}); its stages train on one batch: give each "
-                "rank the batch of its data-parallel rank, step.data_rank of step.data_parallel"
-            )
+        different batches trains a wrong model without any other error): the runtime's
+        agreement (:class:`~zerocc.runtime.agreement.RankAgreement`), as a TrainStep's."""
+        if has_peers(self.comm):  # (a FakeComm's ranks are simulated: none to agree with)
+            proposed = self.agreement.propose(what, batch, self.data_rank, "pipeline")
+            self.agreement.settle(proposed)
+
+    @property
+    def micro_batches(self) -> int:
+        """Calls run (each one optimizer step's batch), skipped steps too."""
+        return self.counts.micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, value: int) -> None:
+        self.counts.micro_batches = value
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps applied (a step skipped for an overflow not counted)."""
+        return self.counts.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.counts.steps = value
 
     @property
     def data_rank(self) -> int:
@@ -359,12 +380,12 @@ class PipelineStep(SavesInBackground):
         )
         runners = {(s, "F"): self._runner(p, micro) for s, p in programs.items()}
         rank = PipelineRank(runners, transport)
-        with traced_grad_mode():
+        with traced_grad_mode(), self._peers_named(lambda: "its evaluation"):
             for s in sorted(programs):  # what a stage receives comes from an earlier stage
                 for m in range(len(micro)):
                     rank.run(Action("F", s, m))
             transport.finish()
-        return self._loss(rank.losses)
+            return self._loss(rank.losses)
 
     def _build_evaluation(
         self, signature: tuple, microbatch: tuple
@@ -380,12 +401,26 @@ class PipelineStep(SavesInBackground):
             s: self._lowered(gm) for s, gm in self.compiler.evaluation(staged, mine).items()
         }
         transport = TorchTransport(
-            staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)]
-        )
+            staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)],
+            heartbeat=self.comm.heartbeat,
+        )  # fmt: skip
         self._evaluations[signature] = programs, transport
         return programs, transport
 
     # -- what it did ------------------------------------------------------------------------
+
+    def predicted_peak_bytes(self) -> int:
+        """This rank's predicted device peak over its schedule (:meth:`memory`'s), as
+        :meth:`zerocc.TrainStep.predicted_peak_bytes` gives a step's: what ``zerocc train``
+        reports to its launcher."""
+        return self.memory().peak
+
+    def counted_programs(self) -> list[tuple[fx.GraphModule, int]]:
+        """The programs whose model FLOPs one call counts, each with how many times a call runs
+        it: this rank's stages' forwards, once per micro-batch (the ranks' calls sum to the
+        model's work)."""
+        return [(p.gm, self.microbatches) for (_, kind), p in self.programs.items()
+                if kind == "F" and p is not None]  # fmt: skip
 
     def memory(self) -> PipelineMemory:
         """This rank's predicted device peak: its model states, what its stages keep for
@@ -441,23 +476,6 @@ class PipelineStep(SavesInBackground):
         lower = get_backend(resolve_backend(self.plan.backend.name, self.device))
         return _Program(gm, bindings_of(gm), lower(gm, [val(n) for n in placeholders(gm)],
                                                    self.context))  # fmt: skip
-
-    def _dump_run(self) -> None:
-        """The last step of every rank drawn beside the predicted one (a collective; see
-        :mod:`zerocc.inspect.pipeline_dumps`): after the first step, and the second."""
-        rates = rates_for(self.plan, self.device.type)
-        if self._predicted is None:
-            cost = CostModel(rates, self.comm.world_size, self.mesh)
-            seconds = {key: program_seconds(p.gm, cost) if p is not None else 0.0
-                       for key, p in self.programs.items()}  # fmt: skip
-            self._predicted = seconds, program_seconds(self.update.gm, cost)
-        mine = RankStep(self.comm.rank, self.pp_rank, self.schedule.stages_of(self.pp_rank),
-                        self.timeline, *self._predicted)  # fmt: skip
-        write_pipeline_run(
-            self.dump_dir, self.comm, mine, self.micro_batches, plan=self.plan, mesh=self.mesh,
-            schedule=self.schedule, rates=rates,
-            explain=self.explain() if self.comm.rank == 0 else "",
-        )  # fmt: skip
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -546,29 +564,16 @@ class PipelineStep(SavesInBackground):
         self.update = self._lowered(compiled.update)
         self.stage_units, self.compiler = stage_units, compiled.compiler
         self.transport = TorchTransport(
-            staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)]
+            staged, self.microbatches, lambda stage: self.pipeline_ranks[self.rank_of(stage)],
+            heartbeat=self.comm.heartbeat,
+        )  # fmt: skip
+        self.saved_elsewhere = held_earlier(
+            staged, self.schedule, self.pp_rank, self.full_model_info.buffers
         )
-        self.saved_elsewhere = self._held_earlier(staged)
         self.staged = staged
         if self._resume_from is not None:
             self._resume_from()
             self._resume_from = None
-
-    def _held_earlier(self, staged: StagedStep) -> frozenset[str]:
-        """What of this rank's state an earlier pipeline rank holds too, and so saves: a tied
-        parameter, and the buffers (every rank holds them all) but those this rank is the
-        first to read (one no stage reads: pipeline rank 0's)."""
-
-        def reads(rank: int) -> set[str]:
-            stages = [staged.stages[s] for s in self.schedule.stages_of(rank)]
-            return {fqn for stage in stages for fqn in (*stage.params, *stage.buffers)}
-
-        read = [reads(r) for r in range(self.mesh.pp)]
-        buffers = {b.fqn for b in self.full_model_info.buffers}
-        mine = read[self.pp_rank] - set().union(*read[: self.pp_rank])
-        if self.pp_rank == 0:
-            mine |= buffers - set().union(*read)
-        return frozenset((read[self.pp_rank] | buffers) - mine)
 
 
 def _shapes(signature: tuple) -> str:

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from zerocc.compiler.capture import LossFn
 from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.plan import Plan
+from zerocc.cost.memory import model_state_bytes_of, predict_memory
 from zerocc.engine.comm import Comm
 from zerocc.inspect.dumps import (
     RunDumps,
@@ -106,6 +107,19 @@ class TrainStep(StepRunner, SavesInBackground):
             "skipped_steps": self.skipped_steps,
             "setup_seconds": dict(self.setup_seconds),
         }
+
+    def predicted_peak_bytes(self) -> int:
+        """The predicted device peak of the last program run (its model states, transients
+        and, on gloo, the collectives' buffers) plus what it holds on the host: what
+        ``zerocc train`` reports to its launcher."""
+        states = model_state_bytes_of(self.layout)
+        timeline = predict_memory(self.program, states, gloo=self.comm.on_gloo)
+        return timeline.peak()[1] + timeline.host_peak
+
+    def counted_programs(self) -> list[tuple[fx.GraphModule, int]]:
+        """The programs whose model FLOPs one call counts, each with how many times a call runs
+        it: the last program run, once."""
+        return [(self.program, 1)]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``{fqn: full tensor on CPU}`` for every key of ``model.state_dict()``, in the model's

@@ -26,7 +26,6 @@ from zerocc.compiler.workload import Workload, workload_code
 from zerocc.cost.model import node_work
 from zerocc.errors import NotSupportedError
 from zerocc.ir.nodes import info
-from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.failures import gathered
 
 # Dense peak TFLOP/s by compute dtype, from the datasheets (SXM parts; fp32 without TF32, as
@@ -179,12 +178,8 @@ class Metrics:
         """FLOPs of one call of this rank's step (a pipeline rank's: its stages' part of every
         micro-batch it runs, so that the ranks' calls sum to the model's work)."""
         if self._flops is None:
-            step = self.step
-            if isinstance(step, PipelineStep):
-                forwards = [p.gm for (_, kind), p in step.programs.items() if kind == "F" and p]
-                self._flops = step.microbatches * sum(model_flops(gm) for gm in forwards)
-            else:
-                self._flops = model_flops(step.program)
+            programs = self.step.counted_programs()
+            self._flops = sum(runs * model_flops(gm) for gm, runs in programs)
         return self._flops
 
     def evaluate(self) -> float | None:

@@ -21,7 +21,6 @@ from zerocc.compiler.workload import workload_code
 from zerocc.errors import CheckpointError, ZeroccError
 from zerocc.ir.printing import human_bytes
 from zerocc.local_ranks import ranks_on_this_machine
-from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
 from zerocc.runtime.checkpoint.files import PREFIX, resolve, saved_checkpoints
 from zerocc.runtime.checkpoint.in_memory import MemoryCheckpoints
@@ -179,8 +178,6 @@ class _Run:
     def first_micro_batch(self) -> None:
         """Run the first micro-batch (it captures and compiles), report the predicted peak to
         the launcher, and print on rank 0 what the compiler did."""
-        from zerocc.cost.memory import model_state_bytes_of, predict_memory
-
         first = self.next_batch()
         if first is None:
             raise ZeroccError(f"{self.where} yielded no batch")
@@ -189,12 +186,7 @@ class _Run:
         self.first_done = time.perf_counter()
         self.metrics.start_clock()
         step = self.step
-        if isinstance(step, PipelineStep):  # its schedule's kept tensors on its programs'
-            peak = step.memory().peak
-        else:
-            states = model_state_bytes_of(step.layout)
-            timeline = predict_memory(step.program, states, gloo=step.comm.on_gloo)
-            peak = timeline.peak()[1] + timeline.host_peak
+        peak = step.predicted_peak_bytes()  # (a pipeline's: over its schedule)
         report(predicted_peak_bytes=peak, local_ranks=ranks_on_this_machine(unknown=1))
         if self.rank == 0:
             print(step.explain(), flush=True)  # explains the program the first step built

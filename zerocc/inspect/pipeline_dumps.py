@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -32,7 +32,8 @@ from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule, Timeline
 from zerocc.compiler.plan import Plan
-from zerocc.cost.rates import DeviceRates
+from zerocc.cost.model import CostModel
+from zerocc.cost.rates import DeviceRates, rates_for
 from zerocc.cost.timeline import TraceEvent
 from zerocc.inspect.chrome_trace import chrome_trace
 from zerocc.inspect.dumps import (
@@ -42,7 +43,7 @@ from zerocc.inspect.dumps import (
     programs_section,
     write_program_dumps,
 )
-from zerocc.inspect.pipeline_estimate import action_seconds
+from zerocc.inspect.pipeline_estimate import action_seconds, program_seconds
 from zerocc.inspect.report import ReportSection, write_report
 from zerocc.ir.printing import human_seconds
 from zerocc.runtime.pipeline import StepTimeline
@@ -71,6 +72,25 @@ def write_pipeline_programs(root: Path, records: dict[str, list[PassRecord]]) ->
     """Each of a pipeline rank's programs after each pass (see the module's doc)."""
     for name, program_records in records.items():
         write_program_dumps(root, name, program_records)
+
+
+def write_step_run(step: Any) -> None:
+    """The last step of every rank of pipeline ``step`` (a built pipeline rank's step) drawn
+    beside the predicted one (a collective: see :func:`write_pipeline_run`); its programs'
+    predicted seconds are worked out once and kept in ``step.predicted_seconds``."""
+    rates = rates_for(step.plan, step.device.type)
+    if step.predicted_seconds is None:
+        cost = CostModel(rates, step.comm.world_size, step.mesh)
+        seconds = {key: program_seconds(p.gm, cost) if p is not None else 0.0
+                   for key, p in step.programs.items()}  # fmt: skip
+        step.predicted_seconds = seconds, program_seconds(step.update.gm, cost)
+    mine = RankStep(step.comm.rank, step.pp_rank, step.schedule.stages_of(step.pp_rank),
+                    step.timeline, *step.predicted_seconds)  # fmt: skip
+    write_pipeline_run(
+        step.dump_dir, step.comm, mine, step.micro_batches, plan=step.plan, mesh=step.mesh,
+        schedule=step.schedule, rates=rates,
+        explain=step.explain() if step.comm.rank == 0 else "",
+    )  # fmt: skip
 
 
 def write_pipeline_run(

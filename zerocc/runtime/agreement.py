@@ -53,6 +53,7 @@ class Agreement:
     ) -> None:
         self.comm, self.what, self.detail = comm, what, detail
         self.error: BaseException | None = None  # what settling it raised, set by its settler
+        self.sharing = "tensor-parallel group"  # what the ranks of a ``within`` group are
         self._views: list[Any] | None = None
         self._work: dist.Work | None = None
         self._split: list[list[int]] = []
@@ -150,15 +151,6 @@ def _zerocc_release() -> str:
         return importlib.metadata.version("zerocc")
     except importlib.metadata.PackageNotFoundError:
         return "(not installed: run from its source)"
-
-
-def agree_on_start(comm: Comm, plan: Plan, source: WeightSource | None, model: nn.Module) -> None:
-    """:meth:`RankAgreement.agree_on_start` for a step without a rank's health watch (a
-    pipeline's): RankMismatchError on every rank, naming the first differing line."""
-    start = start_text(plan, source, model)
-    views = views_if_they_differ(comm, ("start", digest(start)), start)
-    if views is not None:
-        raise RankMismatchError(f"rank {comm.rank}: {START_PROBLEM}: " + first_difference(views))
 
 
 def batch_digest(batch: tuple) -> str:
@@ -263,20 +255,27 @@ class RankAgreement:
             raise self.health.peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
 
     def propose(
-        self, what: tuple, batch: tuple | None = None, tp_group: int | None = None
+        self,
+        what: tuple,
+        batch: tuple | None = None,
+        tp_group: int | None = None,
+        sharing: str = "tensor-parallel group",
     ) -> Agreement:
         """Issue the ranks' agreement on the next micro-batch (its signature, or that there is
-        none) without waiting for it; :meth:`settle` waits. Under tensor parallelism
-        (``tp_group``: this rank's data-parallel rank, which its tp group shares) the ranks of
-        a tp group agree on ``batch``'s contents too: they train on one batch, and different
-        ones would train a wrong model without any other error."""
+        none) without waiting for it; :meth:`settle` waits. Under tensor or pipeline
+        parallelism (``tp_group``: this rank's data-parallel rank, which the ranks of its tp
+        group and its pipeline share; ``sharing``: what they are, for the error) those ranks
+        agree on ``batch``'s contents too: they train on one batch, and different ones would
+        train a wrong model without any other error."""
         within = None
         if tp_group is not None:
             within = (tp_group, batch_digest(batch) if batch is not None else "")
         try:
-            return Agreement(self.comm, what, repr(what), within)
+            agreement = Agreement(self.comm, what, repr(what), within)
         except Exception as exc:  # the group failed already
             raise self.health.peer_failure(exc, f"the ranks' agreement on the {what[0]}") from exc
+        agreement.sharing = sharing
+        return agreement
 
     def settle(self, agreement: Agreement) -> None:
         """Wait for the ranks' agreement on the next micro-batch; raise on every rank when they
@@ -298,8 +297,8 @@ class RankAgreement:
             )
             agreement.error = RankMismatchError(
                 f"rank {self.comm.rank}, step {step}: the ranks of a "
-                f"tensor-parallel group were given different batches (ranks {groups}); the "
-                "ranks of a tp group train on one batch: give each rank the batch of its "
-                "data-parallel rank, step.data_rank of step.data_parallel"
+                f"{agreement.sharing} were given different batches (ranks {groups}); they "
+                "train on one batch: give each rank the batch of its data-parallel rank, "
+                "step.data_rank of step.data_parallel"
             )
             raise agreement.error

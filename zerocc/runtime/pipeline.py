@@ -45,6 +45,7 @@ from zerocc.compiler.parallel.stage_programs import (
     stage_model,
     step_form,
 )
+from zerocc.engine.watchdog import Heartbeat, wait_watched
 from zerocc.errors import BatchError
 from zerocc.ir.kinds import Role
 from zerocc.ir.ops import implements
@@ -110,7 +111,9 @@ class TorchTransport:
     kept until :meth:`finish`; receives block. Every message carries a tag numbered from its
     key, the same on every rank (they cut the same step), so that a receive takes its own
     message whatever order the two ranks' schedules issue them in. ``rank_of`` gives the
-    rank (in ``group``) that holds a stage."""
+    rank (in ``group``) that holds a stage. Waits are watched by ``heartbeat`` (the comm's):
+    a neighbour that stops answering is named once the watch finds it silent, not after the
+    group's timeout."""
 
     def __init__(
         self,
@@ -118,6 +121,7 @@ class TorchTransport:
         microbatches: int,
         rank_of: Callable[[int], int],
         group: dist.ProcessGroup | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         keys = [
             (direction, slot.peer, slot.key)
@@ -127,7 +131,7 @@ class TorchTransport:
             if slot.kind == "send"
         ]
         self.tags = {key: i * microbatches for i, key in enumerate(sorted(keys))}
-        self.rank_of, self.group = rank_of, group
+        self.rank_of, self.group, self.heartbeat = rank_of, group, heartbeat
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _tag(self, key: Key) -> int:
@@ -142,13 +146,14 @@ class TorchTransport:
     def recv(self, stage: int, key: Key, like: Like) -> torch.Tensor:
         shape, dtype, device = like
         out = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(out, self.rank_of(stage), group=self.group, tag=self._tag(key))
+        work = dist.irecv(out, self.rank_of(stage), group=self.group, tag=self._tag(key))
+        wait_watched(work, self.heartbeat)
         return out
 
     def finish(self) -> None:
         """Wait for every send issued (their tensors are held until then)."""
         for work, _ in self.pending:
-            work.wait()
+            wait_watched(work, self.heartbeat)
         self.pending.clear()
 
 

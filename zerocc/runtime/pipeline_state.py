@@ -13,8 +13,13 @@ stages' gradients before either applies it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from zerocc.compiler.capture import ParamInfo
+from zerocc.compiler.parallel.pipeline_schedule import PipelineSchedule
+from zerocc.compiler.parallel.stage_programs import StagedStep
 from zerocc.engine.comm import Comm
 from zerocc.ir.ops import PP_GROUP
 from zerocc.runtime.agreement import has_peers
@@ -54,6 +59,25 @@ def whole_model(
             for (key, shape, _), value in zip(part, values, strict=True):
                 full[key] = mine[key] if source == comm.rank else value.view(shape).clone()
     return {k: full[k] for k in order if k in full}
+
+
+def held_earlier(
+    staged: StagedStep, schedule: PipelineSchedule, pp_rank: int, buffers: Sequence[ParamInfo]
+) -> frozenset[str]:
+    """What of pipeline rank ``pp_rank``'s state an earlier pipeline rank holds too, and so
+    saves: a tied parameter, and the model's ``buffers`` (every rank holds them all) but those
+    this rank is the first to read (one no stage reads: pipeline rank 0's)."""
+
+    def reads(rank: int) -> set[str]:
+        stages = [staged.stages[s] for s in schedule.stages_of(rank)]
+        return {fqn for stage in stages for fqn in (*stage.params, *stage.buffers)}
+
+    read = [reads(r) for r in range(schedule.pp)]
+    every = {b.fqn for b in buffers}
+    mine = read[pp_rank] - set().union(*read[:pp_rank])
+    if pp_rank == 0:
+        mine |= every - set().union(*read)
+    return frozenset((read[pp_rank] | every) - mine)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
