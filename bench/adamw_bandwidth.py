@@ -35,6 +35,7 @@ import torch
 import triton
 
 from zerocc.backends.kernels import reference, triton_kernels
+from zerocc.engine.kernel_set import AdamWHyper
 
 DEVICE = "cuda"
 RESULTS = Path(__file__).parent / "results"
@@ -89,8 +90,7 @@ def time_zerocc(kernels, n: int, reps: int, warmup: int) -> float:
             grad_coef=None,
             found_inf=None,
             param_copy=copy,
-            grad_scale=1.0,
-            **HYPER,
+            hyper=AdamWHyper(**HYPER),
         )
 
     return median_ms(update, reps, warmup)

@@ -43,10 +43,14 @@ from pathlib import Path
 import torch
 
 from zerocc.backends.kernels import fused, one_pass
+from zerocc.engine.kernel_set import AdamWHyper
 
 RESULTS = Path(__file__).parent / "results"
 LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.1
 RANKS, CLIP = 2, 0.7  # the gradient's 1/ranks and a clip coefficient, as offload applies them
+HYPER = AdamWHyper(
+    lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, grad_scale=1.0 / RANKS
+)
 BYTES_PER_ELEMENT = 30  # 16 read (param, grad, exp_avg, exp_avg_sq) + 14 written (3 fp32, bf16)
 
 
@@ -73,12 +77,12 @@ def torch_fused(s: Shard) -> None:
 
 def zerocc_fused(s: Shard) -> None:
     fused.adamw_(s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.step, s.coef, None, s.copy,
-                 1.0 / RANKS, LR, BETA1, BETA2, EPS, WD)  # fmt: skip
+                 HYPER)  # fmt: skip
 
 
 def zerocc_one_pass(s: Shard) -> None:
     one_pass.adamw_(s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.step, s.coef, None, s.copy,
-                    1.0 / RANKS, LR, BETA1, BETA2, EPS, WD)  # fmt: skip
+                    HYPER)  # fmt: skip
 
 
 def deepspeed_cpu_adam() -> Callable[[Shard], None] | str:

@@ -4,16 +4,33 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWHyper:
+    """The scalars of one AdamW update of one shard, as ``torch.optim.AdamW`` names them, with
+    the factor the gradient is scaled by first: every kernel set's ``adamw_`` takes them as
+    one record (they were ten positional floats after the tensors, in five signatures)."""
+
+    lr: float  # this step's rate (the schedule's, read from the program's lr input)
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float  # decoupled: the weights shrink by lr * weight_decay first
+    grad_scale: float = 1.0  # the gradient is multiplied by it (1 / the loss scale, 1 / the
+    # micro-batches' count) before the update reads it
 
 
 class KernelSet(Protocol):
     """What a kernel set provides: the optimizer updates on one flat shard, the gradient checks
     and the bucket packing the programs call, and whether it runs on a device. The updates
     skip the step when ``found_inf`` is set (copying the shard into ``param_copy`` still),
-    scale the gradient by ``grad_scale`` (and ``grad_coef``, the clip), and write the updated
+    scale the gradient by ``grad_scale`` (AdamW's in its :class:`AdamWHyper`; and by
+    ``grad_coef``, the clip), and write the updated
     shard's compute copy into ``param_copy`` when given; :mod:`.reference` says the arithmetic
     of each."""
 
@@ -31,12 +48,7 @@ class KernelSet(Protocol):
         grad_coef: torch.Tensor | None,
         found_inf: torch.Tensor | None,
         param_copy: torch.Tensor | None,
-        grad_scale: float,
-        lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
+        hyper: AdamWHyper,
     ) -> None:
         """AdamW on one flat shard, as ``torch.optim.AdamW``."""
         ...

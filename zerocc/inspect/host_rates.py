@@ -26,6 +26,7 @@ import torch
 
 from zerocc.backends.kernels import host_kernels, kernel_set
 from zerocc.engine.host_memory import host_empty
+from zerocc.engine.kernel_set import AdamWHyper
 
 UPDATE_NUMEL = 1 << 24  # a shard larger than any cache, as an offloaded unit's is
 COPY_BYTES = 256 << 20
@@ -53,10 +54,10 @@ def host_update_rate(numel: int = UPDATE_NUMEL, reps: int = 5) -> dict[str, floa
     param, grad, exp_avg, exp_avg_sq = (torch.rand(numel) for _ in range(4))
     copy = torch.empty(numel, dtype=torch.bfloat16)
     step = torch.ones((), dtype=torch.int64)
+    hyper = AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 
     def update() -> None:
-        kernels.adamw_(param, grad, exp_avg, exp_avg_sq, step, None, None, copy,
-                       1.0, 1e-3, 0.9, 0.999, 1e-8, 0.0)  # fmt: skip
+        kernels.adamw_(param, grad, exp_avg, exp_avg_sq, step, None, None, copy, hyper)
 
     seconds = _median_seconds(update, reps)
     moved = ADAMW_BYTES_PER_ELEMENT * numel

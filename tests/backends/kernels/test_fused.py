@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from zerocc.backends.kernels import fused, reference
+from zerocc.engine.kernel_set import AdamWHyper
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ADAMW = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -39,7 +40,7 @@ def _adamw(kernels, state: dict, step: int, **extra) -> None:
     kernels.adamw_(
         state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"],
         torch.tensor(step), args["grad_coef"], args["found_inf"], args["param_copy"],
-        args["grad_scale"], *ADAMW.values(),
+        AdamWHyper(**ADAMW, grad_scale=args["grad_scale"]),
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ if TRITON_PROBLEM is not None:
     pytest.skip(f"backend.kernels: triton cannot run: {TRITON_PROBLEM}", allow_module_level=True)
 
 from zerocc.backends.kernels import reference, triton_kernels  # noqa: E402  (imports triton)
+from zerocc.engine.kernel_set import AdamWHyper  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 1000, 5003]  # the block is 1024: one partial block, several and a partial tail
@@ -82,12 +83,10 @@ def test_adamw_matches_reference(n, grad_dtype, step, options):
             grad_coef=None if coef is None else _scalar(coef),
             found_inf=None if found_inf is None else _scalar(found_inf),
             param_copy=copies[name],
-            grad_scale=0.25,
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=weight_decay,
+            hyper=AdamWHyper(
+                lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=weight_decay, grad_scale=0.25,
+            ),
         )
     for name in ("param", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(ours[name], ref[name], **FP32)
@@ -109,12 +108,10 @@ def test_adamw_small_beta1_lerps_from_the_other_end():
             grad_coef=None,
             found_inf=None,
             param_copy=None,
-            grad_scale=1.0,
-            lr=1e-2,
-            beta1=0.3,
-            beta2=0.99,
-            eps=1e-8,
-            weight_decay=0.0,
+            hyper=AdamWHyper(
+                lr=1e-2, beta1=0.3, beta2=0.99, eps=1e-8,
+                weight_decay=0.0, grad_scale=1.0,
+            ),
         )
     for name in ("param", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(ours[name], ref[name], **FP32)
@@ -133,12 +130,10 @@ def test_adamw_skips_on_found_inf_and_writes_the_copy_of_the_weights_as_they_are
         grad_coef=_scalar(0.5),
         found_inf=_scalar(1.0),
         param_copy=copy,
-        grad_scale=1.0,
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.1,
+        hyper=AdamWHyper(
+            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=0.1, grad_scale=1.0,
+        ),
     )
     for name, tensor in state.items():
         _assert_bit_identical(ours[name], tensor)

@@ -19,6 +19,7 @@ import torch
 from optional_deps import triton_fma_problem
 
 from zerocc.backends.kernels import kernel_set, one_pass, reference
+from zerocc.engine.kernel_set import AdamWHyper
 
 ADAMW = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 FP32 = {"rtol": 1e-6, "atol": 1e-7}
@@ -38,7 +39,7 @@ def _adamw(kernels, state: dict, step: int, **extra) -> None:
     kernels.adamw_(
         state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"],
         torch.tensor(step), args["grad_coef"], args["found_inf"], args["param_copy"],
-        args["grad_scale"], *ADAMW.values(),
+        AdamWHyper(**ADAMW, grad_scale=args["grad_scale"]),
     )  # fmt: skip
 
 
@@ -168,9 +169,10 @@ def test_adamw_is_bit_identical_to_the_gpus_update(case):
     for kernels, device in ((one_pass, "cpu"), (triton_kernels, TRITON_DEVICE)):
         t = _copied_to(device, start)
         for step in (1, 2, 3):
+            hyper = AdamWHyper(lr=3e-2, beta1=beta1, beta2=0.95, eps=1e-8,
+                               weight_decay=weight_decay, grad_scale=0.5)  # fmt: skip
             kernels.adamw_(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"],
-                           torch.tensor(step), t["coef"], None, t["copy"], 0.5, 3e-2, beta1,
-                           0.95, 1e-8, weight_decay)  # fmt: skip
+                           torch.tensor(step), t["coef"], None, t["copy"], hyper)  # fmt: skip
         results.append([_bits(t[k]) for k in ("param", "exp_avg", "exp_avg_sq", "copy")])
     for name, ours, gpus in zip(("param", "exp_avg", "exp_avg_sq", "copy"), *results, strict=True):
         assert torch.equal(ours, gpus), f"{name}: {int((ours != gpus).sum())} of {n} differ"

@@ -23,7 +23,7 @@ import torch
 from zerocc.backends.kernels import host_kernels, kernel_set, reference
 from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Work
-from zerocc.engine.kernel_set import KernelSet
+from zerocc.engine.kernel_set import AdamWHyper, KernelSet
 from zerocc.engine.quantized import all_gather_quantized, reduce_scatter_quantized
 from zerocc.ir import expert_calls
 from zerocc.ir.expert_calls import results_grad_key, results_key, rows_grad_key, rows_key
@@ -303,12 +303,16 @@ class EagerOps:
 
     def _adamw(self, args: tuple) -> None:
         *update, skip, shard_group = args
-        param, _, exp_avg, exp_avg_sq, _, _, found_inf, param_copy, _, lr = update[:10]
+        tensors, (grad_scale, lr, beta1, beta2, eps, weight_decay) = update[:8], update[8:]
+        param, _, exp_avg, exp_avg_sq, _, _, found_inf, param_copy = tensors
         kernels = self.kernels_for(param)
-        update[6] = self._flag_for(kernels, found_inf, param)
-        update[9] = float(lr)  # the schedule's rate: a 0-dim tensor on the CPU, no sync
+        tensors[6] = self._flag_for(kernels, found_inf, param)
+        hyper = AdamWHyper(
+            lr=float(lr),  # the schedule's rate: a 0-dim tensor on the CPU, no sync
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
+        )  # fmt: skip
         with self._untouched([param, exp_avg, exp_avg_sq], param_copy, skip, shard_group):
-            kernels.adamw_(*update)
+            kernels.adamw_(*tensors, hyper)
 
     def _sgd(self, args: tuple) -> None:
         *update, skip, shard_group = args

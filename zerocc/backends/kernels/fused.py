@@ -20,6 +20,7 @@ import torch
 
 from zerocc.backends.kernels import reference
 from zerocc.backends.kernels.reference import nonfinite_flags, pack, unscale_check_
+from zerocc.engine.kernel_set import AdamWHyper
 
 __all__ = ["adamw_", "sgd_", "nonfinite_flags", "pack", "runs_on", "unscale_check_"]
 
@@ -76,26 +77,21 @@ def adamw_(
     grad_coef: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     param_copy: torch.Tensor | None,
-    grad_scale: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """AdamW on one flat fp32 shard, as ``torch.optim.AdamW(fused=True)``."""
     args = (param, grad, exp_avg, exp_avg_sq, step, grad_coef, found_inf, param_copy)
     if not _fused(param, exp_avg, exp_avg_sq):
-        return reference.adamw_(*args, grad_scale, lr, beta1, beta2, eps, weight_decay)
+        return reference.adamw_(*args, hyper)
     torch._fused_adamw_(
         [param],
-        [_scaled(grad, grad_scale, grad_coef)],
+        [_scaled(grad, hyper.grad_scale, grad_coef)],
         [exp_avg],
         [exp_avg_sq],
         [],
         [step.to(param.device, torch.float32)],
         found_inf=_on(param.device, found_inf),
-        **_adamw_options(lr, beta1, beta2, eps, weight_decay),
+        **_adamw_options(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay),
     )
     if param_copy is not None:  # a skipped update rewrites the copy it already holds
         param_copy.copy_(param)

@@ -54,6 +54,7 @@ from zerocc.backends.kernels.reference import (
     pack,
     unscale_check_,
 )
+from zerocc.engine.kernel_set import AdamWHyper
 
 __all__ = ["adamw_", "sgd_", "nonfinite_flags", "pack", "runs_on", "unscale_check_"]
 
@@ -114,7 +115,8 @@ def problem() -> str | None:
     try:
         p, g, m, v = (torch.zeros(8) for _ in range(4))
         copy = torch.empty(8, dtype=torch.bfloat16)
-        _adamw_pass(p, g, m, v, 1, None, copy, 1.0, 0.0, 0.9, 0.999, 1e-8, 0.0)
+        hyper = AdamWHyper(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        _adamw_pass(p, g, m, v, 1, None, copy, hyper)
         _sgd_pass(p, g, m, None, copy, 1.0, 0.0, 0.9, 0.0)
     except Exception as exc:  # no C++ compiler, an Inductor that rejects it
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
@@ -145,28 +147,24 @@ def adamw_(
     grad_coef: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     param_copy: torch.Tensor | None,
-    grad_scale: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """AdamW on one flat fp32 CPU shard, its gradient's scaling and the compute copy in the
     same loop."""
     if not _takes(param, exp_avg, exp_avg_sq) or not runs_on("cpu"):
         args = (param, grad, exp_avg, exp_avg_sq, step, grad_coef, found_inf, param_copy)
-        return fused.adamw_(*args, grad_scale, lr, beta1, beta2, eps, weight_decay)
+        return fused.adamw_(*args, hyper)
     if _skipped(found_inf):
         return _copied(param, param_copy)
     _adamw_pass(param, grad, exp_avg, exp_avg_sq, int(step.item()), grad_coef, param_copy,
-                grad_scale, lr, beta1, beta2, eps, weight_decay)  # fmt: skip
+                hyper)  # fmt: skip
 
 
 def _adamw_pass(param, grad, exp_avg, exp_avg_sq, t: int, grad_coef, param_copy,
-                grad_scale: float, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float) -> None:  # fmt: skip
+                hyper: AdamWHyper) -> None:  # fmt: skip
     """The compiled AdamW loop at step ``t``, its scalars computed once (in double)."""
+    lr, beta1, beta2, eps = hyper.lr, hyper.beta1, hyper.beta2, hyper.eps
+    grad_scale, weight_decay = hyper.grad_scale, hyper.weight_decay
     coef = torch.ones(()) if grad_coef is None else grad_coef.float()
     weight, from_end = lerp_weight(1 - beta1)
     scalars = _scalars(1 - lr * weight_decay, weight, beta2, 1 - beta2,

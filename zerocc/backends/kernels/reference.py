@@ -25,6 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
+from zerocc.engine.kernel_set import AdamWHyper
+
 
 def _skipped(found_inf: torch.Tensor | None) -> bool:
     return found_inf is not None and bool(found_inf.item() != 0)
@@ -80,27 +82,23 @@ def adamw_(
     grad_coef: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     param_copy: torch.Tensor | None,
-    grad_scale: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """AdamW on one flat fp32 shard, step for step the arithmetic of ``torch.optim.AdamW``
     (on a shard stored in bf16/fp16, ``precision.master: bf16``, the same arithmetic in fp32,
     rounded once when stored)."""
     if _skipped(found_inf):
         return _copied(param, param_copy)
-    g = _effective_grad(grad, grad_scale, grad_coef)
+    lr, beta1, beta2 = hyper.lr, hyper.beta1, hyper.beta2
+    g = _effective_grad(grad, hyper.grad_scale, grad_coef)
     t = int(step.item())
     with _in_fp32(param, exp_avg, exp_avg_sq) as (p, m, v):
-        p.mul_(1 - lr * weight_decay)
+        p.mul_(1 - lr * hyper.weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         step_size = lr / (1 - beta1**t)
         bias_correction2_sqrt = math.sqrt(1 - beta2**t)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
         p.addcdiv_(m, denom, value=-step_size)
     if param_copy is not None:
         param_copy.copy_(param)

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from zerocc.backends.kernels.reference import lerp_weight
+from zerocc.engine.kernel_set import AdamWHyper
 
 BLOCK = 1024  # elements per program; 4 KiB of each fp32 stream
 # Launch options of every kernel. No fp contraction: the kernels write the fmas torch computes
@@ -240,12 +241,7 @@ def adamw_(
     grad_coef: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     param_copy: torch.Tensor | None,
-    grad_scale: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """AdamW on one flat fp32 shard in one kernel, the arithmetic of ``torch.optim.AdamW``."""
     _check_contiguous(
@@ -257,6 +253,7 @@ def adamw_(
     if n == 0:
         return
     t = int(step)  # a CPU tensor: no device sync
+    lr, beta1, beta2, weight_decay = hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay
     weight, from_end = lerp_weight(1 - beta1)
     _adamw_kernel[_grid(n)](
         param,
@@ -268,14 +265,14 @@ def adamw_(
         param if param_copy is None else param_copy,
         n,
         # float(): Triton types a Python int as an integer, and specializes the value 1
-        float(grad_scale),
+        float(hyper.grad_scale),
         float(1 - lr * weight_decay),
         float(weight),
         float(beta2),
         float(1 - beta2),
         float(lr / (1 - beta1**t)),
         math.sqrt(1 - beta2**t),
-        float(eps),
+        float(hyper.eps),
         HAS_COEF=grad_coef is not None,
         HAS_FOUND_INF=found_inf is not None,
         HAS_COPY=param_copy is not None,
