@@ -94,6 +94,24 @@ def import_graph() -> dict[str, set[str]]:
     return {name: imports_of(path, known) - {name} for name, path in known.items()}
 
 
+# The modules directly in zerocc/: the base's and the API's (the facade, its steps, the
+# command's entry). Anything else belongs in its layer's package.
+TOP_LEVEL = {
+    "zerocc", "zerocc.__main__", "zerocc.errors", "zerocc.compat", "zerocc.logs",
+    "zerocc.local_ranks", "zerocc.train_step", "zerocc.pipeline_step",
+}  # fmt: skip
+
+
+def test_the_top_level_holds_only_the_base_and_the_api():
+    known = modules()
+    top = {m for m, path in known.items() if path.parent == ROOT / "zerocc"} - {"zerocc"}
+    stray = sorted(top - TOP_LEVEL)
+    assert not stray, (
+        f"{stray} sit directly in zerocc/, where a module is the base's or the API's (and may "
+        "import any layer): put each in its layer's package (a wrapper of inspect/ in inspect/)"
+    )
+
+
 def test_every_module_has_a_layer():
     for module in import_graph():
         assert layer_of(module) in LAYERS, module

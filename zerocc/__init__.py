@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocc.ir.ops  # noqa: F401  (defines the zerocc op library)
-from zerocc.auto_plan import searched_plan
 from zerocc.compiler.capture import LossFn
 from zerocc.compiler.materialize import materialize
 from zerocc.compiler.plan import Plan, load_plan
@@ -33,6 +32,7 @@ from zerocc.errors import (
     RankStoppedError,
     ZeroccError,
 )
+from zerocc.inspect.plan_auto import searched_plan
 from zerocc.ir.keyed_draws import keyed_draws
 from zerocc.pipeline_step import PipelineStep
 from zerocc.runtime.checkpoint.weight_files import weights_from
@@ -89,7 +89,7 @@ def compile(
     ``plan="auto"`` (or ``auto=True`` beside a plan whose fields are kept) searches the plan
     as `zerocc plan auto` does, for this run's ranks and device, on ``example`` (one
     micro-batch as the step takes it); rank 0 prints the candidates and the choice
-    (:mod:`zerocc.auto_plan`). ``step.plan`` is the plan chosen.
+    (:mod:`zerocc.inspect.plan_auto`). ``step.plan`` is the plan chosen.
     """
     named_auto = isinstance(plan, str) and plan == "auto"
     auto = auto or named_auto

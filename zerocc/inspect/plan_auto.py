@@ -1,5 +1,6 @@
 """``zerocc.compile(model, "auto", example=batch)``: the plan `zerocc plan auto` would choose
-for this run, found by every rank before it compiles.
+for this run, found by every rank before it compiles (the library's entry to the plan search;
+``zerocc.searched_plan`` is this module's :func:`searched_plan`).
 
 The search (:mod:`zerocc.inspect.plan_search`) compiles each candidate on fake tensors from one
 example micro-batch and ranks them with the cost model's rates for this rank's device. Every
