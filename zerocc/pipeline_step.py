@@ -342,6 +342,7 @@ class PipelineStep(SavesInBackground):
         ranks and handed over the pipeline (:mod:`zerocc.runtime.pipeline_state`). A
         collective: call it on every rank."""
         self._built()
+        self.agreement.at_the_same_point("full_state_dict()", self.micro_batches)
         with self.comm.stats.paused():  # the last step's figures stay its own
             mine = self.state.full_state_dict()
             return whole_model(self.comm, self.device, self.pipeline_ranks, mine,

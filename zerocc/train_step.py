@@ -30,7 +30,6 @@ from zerocc.inspect.dumps import (
     write_run_dumps,
 )
 from zerocc.inspect.explain import explain_step
-from zerocc.runtime.agreement import has_peers
 from zerocc.runtime.allocations import peak_allocated
 from zerocc.runtime.checkpoint import load_checkpoint, save_checkpoint
 from zerocc.runtime.checkpoint.background import SavesInBackground
@@ -143,13 +142,9 @@ class TrainStep(StepRunner, SavesInBackground):
         return self.state.materialize_model(self.model, device)
 
     def _at_the_same_point(self, call: str) -> None:
-        """Before a collective outside the step: every rank makes the same call after the same
-        micro-batch. A rank a step ahead (in the step's agreement) or making another call gets
-        a RankMismatchError on every rank, saying where each is, instead of a wait for the
-        timeout in collectives that do not match."""
-        if has_peers(self.comm):
-            where = f"{call} after micro-batch {self.micro_batches}"
-            self.agreement.agree(("call", where), "the ranks are not at the same point", where)
+        """Every rank makes ``call`` after the same micro-batch, or an error on every rank
+        (:meth:`~zerocc.runtime.agreement.RankAgreement.at_the_same_point`)."""
+        self.agreement.at_the_same_point(call, self.micro_batches)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards, optimizer state and counters, ready for

@@ -332,27 +332,28 @@ def test_ranks_that_built_different_models_stop_naming_the_first_tensor(pp):
         assert seconds < 30
 
 
-def _one_step_ahead(rank: int, world: int) -> tuple[str, float]:
+def _one_step_ahead(rank: int, world: int, pp: int = 1) -> tuple[str, float]:
     """Rank 0 trains one step more than rank 1, then both ask for the full state dict."""
     import time
 
-    step = zerocc.compile(build("gpt"), _plan(3))
+    step = zerocc.compile(build("gpt"), _plan(3, **({"parallel": {"pp": pp}} if pp > 1 else {})))
     for i in range(2):
-        step(*batch_of(GPT, i, rank))
+        step(*batch_of(GPT, i, step.data_rank))
     began = time.monotonic()
     try:
         if rank == 0:
-            step(*batch_of(GPT, 2, rank))
+            step(*batch_of(GPT, 2, step.data_rank))
         step.full_state_dict()
     except RankMismatchError as exc:
         return str(exc), time.monotonic() - began
     return "", time.monotonic() - began
 
 
-def test_a_rank_a_step_ahead_of_a_collective_outside_the_step_is_named_at_once():
+@pytest.mark.parametrize("pp", [1, 2], ids=["zero3", "pipeline"])
+def test_a_rank_a_step_ahead_of_a_collective_outside_the_step_is_named_at_once(pp):
     """Rank 1 calls full_state_dict() while rank 0 is in a step: each is told where the other
     is, in seconds, not after the timeout of collectives that do not match."""
-    errors = run_ranks(2, _one_step_ahead, timeout=120)
+    errors = run_ranks(2, _one_step_ahead, pp, timeout=120)
     where = "rank 0: ('next batch', (('tensor', (2, 8)"
     for error, seconds in errors:
         assert "the ranks are not at the same point" in error, errors

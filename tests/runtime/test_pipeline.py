@@ -19,7 +19,7 @@ import zerocc
 from zerocc.compiler.parallel.pipeline_schedule import pipeline_schedule
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import split_backward
-from zerocc.errors import BatchError, NotSupportedError
+from zerocc.errors import BatchError, NonFiniteError, NotSupportedError
 from zerocc.runtime.pipeline import (
     TorchTransport,
     captured_rank,
@@ -203,3 +203,66 @@ def test_dropout_in_a_pipeline_is_replayed_by_recompute_and_off_in_evaluation():
         first, again = kept["evaluated"]
         assert first == again
         assert kept["trained"] != first  # the training step drew masks: dropout is on there
+
+
+class _PoisonedBias(torch.nn.Module):
+    """tests/runtime/test_nonfinite.py's model: the loss reads the batch's ``gain`` only through
+    the last element of ``second.bias``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        out = self.second(torch.tanh(self.first(x)))  # (B, 3)
+        return torch.nn.functional.mse_loss(out, y) + gain * self.second.bias[-1]
+
+
+def _poisoned(step: int, poison: float | None) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(step)
+    gain = torch.tensor(poison if poison is not None else 0.0)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g), gain
+
+
+def _nonfinite(rank: int, world: int, mode: str) -> dict:
+    """That model as a pipeline of 2 stages (``first``, ``second``) on the same batches: its
+    gradient is inf at step 2, under ``precision.on_nonfinite: mode``."""
+    plan = {"parallel": {"pp": 2}, "pipeline": {"microbatches": 2},
+            "units": {"modules": ["first", "second"]}, "optimizer": {"eps": 1e-3},
+            "precision": {"on_nonfinite": mode}, "backend": {"device": "cpu"}}  # fmt: skip
+    step = zerocc.compile(_PoisonedBias(), plan)
+    out: dict = {"errors": [], "losses": []}
+    for s in range(3):
+        poison = float("inf") if s == 1 else None
+        if s == 1:
+            before, counters = step.full_state_dict(), (step.steps, step.micro_batches)
+        try:
+            out["losses"].append(float(step(*_poisoned(s, poison))))
+        except NonFiniteError as exc:
+            out["errors"].append(str(exc))
+        if s == 1:
+            after = step.full_state_dict()
+            out["changed"] = [n for n, t in before.items() if not torch.equal(t, after[n])]
+            out["counters"] = counters, (step.steps, step.micro_batches)
+    out["skipped"] = step.summary()["skipped_steps"]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_a_non_finite_step_of_a_pipeline_stops_or_skips_on_every_rank_writing_nothing(mode):
+    """As a TrainStep's (tests/runtime/test_nonfinite.py): ``error`` is a NonFiniteError on
+    every rank naming the step, the step's batch discarded (counters as before it); ``skip``
+    skips it on every rank; either way no weight changes, and training goes on after."""
+    for rank, got in enumerate(run_ranks(2, _nonfinite, mode, timeout=180)):
+        assert got["changed"] == [], got["changed"]
+        assert len(got["losses"]) == (2 if mode == "error" else 3)
+        assert all(torch.isfinite(torch.tensor(got["losses"][:1] + got["losses"][-1:])))
+        before, after = got["counters"]
+        if mode == "error":
+            (message,) = got["errors"]
+            assert f"rank {rank}, step 2:" in message and "on_nonfinite: skip" in message
+            assert before == after and got["skipped"] == 0
+        else:
+            assert got["errors"] == [] and got["skipped"] == 1
+            assert after == (before[0], before[1] + 1)

@@ -60,11 +60,12 @@ class Agreement:
         if not has_peers(comm):
             return
         # ``within``: (group, content) that the ranks of one group must agree on as well (the
-        # batch of a tensor-parallel group's ranks), every rank giving one or none.
-        hashes = [_hash(repr(what))]
-        if within is not None:
-            hashes += [within[0], _hash(within[1])]
-        self._mine = torch.tensor(hashes, dtype=torch.int64)
+        # batch of a tensor-parallel group's or a pipeline's ranks); none: group -1. Every
+        # agreement gathers as many bytes, whatever it is about: a rank making another call
+        # than its peers' (an agreement with ``within`` against one without) is then told
+        # so, not aborted by gloo for a collective of another size.
+        group, content = (within[0], _hash(within[1])) if within is not None else (-1, 0)
+        self._mine = torch.tensor([_hash(repr(what)), group, content], dtype=torch.int64)
         self._everyone = [torch.zeros_like(self._mine) for _ in range(comm.world_size)]
         comm.stats.log("agreement", 0)
         try:
@@ -93,10 +94,11 @@ class Agreement:
         except Exception as exc:
             self.comm.failure = exc
             raise
-        if self._views is None and len(self._mine) > 1:
+        if self._views is None:
             groups: dict[int, dict[int, list[int]]] = {}  # group -> content -> ranks
             for rank, (_, group, content) in enumerate(t.tolist() for t in self._everyone):
-                groups.setdefault(group, {}).setdefault(content, []).append(rank)
+                if group >= 0:
+                    groups.setdefault(group, {}).setdefault(content, []).append(rank)
             self._split = [
                 [ranks for ranks in by_content.values()]
                 for by_content in groups.values()
@@ -241,6 +243,15 @@ class RankAgreement:
         views = self.views_if_they_differ(what, detail if detail is not None else repr(what))
         if views is not None:
             raise RankMismatchError(f"rank {self.comm.rank}: {problem}: " + first_difference(views))
+
+    def at_the_same_point(self, call: str, micro_batches: int) -> None:
+        """Before a collective outside the step (``call``, after ``micro_batches``): every rank
+        makes the same call after the same micro-batch. A rank a step ahead (in the step's
+        agreement) or making another call gets a RankMismatchError on every rank, saying where
+        each is, instead of a wait for the timeout in collectives that do not match."""
+        if has_peers(self.comm):
+            where = f"{call} after micro-batch {micro_batches}"
+            self.agree(("call", where), "the ranks are not at the same point", where)
 
     def agree_on_start(self, plan: Plan, source: WeightSource | None, model: nn.Module) -> None:
         """Raise on every rank when the ranks do not start alike (:func:`start_text`)."""
