@@ -307,8 +307,8 @@ class InductorExecutable(EagerExecutable):
         if self.whole_note is not None:
             lines.append(f"inductor: compiled region by region, not whole: {self.whole_note}")
         lines.append(
-            f"inductor: {compiled} of {len(self.reports)} compute regions compiled, "
-            f"{self.compilations} distinct (the others copies of them: a repeated layer's) "
+            f"inductor: {compiled} of {len(self.reports)} compute regions compiled as "
+            f"{self.compilations} graphs (a repeated layer's copies share one) "
             f"({counted}{seconds:.1f} s, cached ones included)"
         )
         lines += [
