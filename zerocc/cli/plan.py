@@ -185,10 +185,12 @@ def checked_model(plan: Plan) -> tuple[nn.Module, str]:
     # (experts modules are units of their own under the mesh)
     _check_keep_gathered(plan, [u.key for u in found] + list(experts.modules if experts else ()))
     Float8Layers.chosen(model, plan)
-    if plan.parallel.pp > 1:
-        _check_microbatches(plan, workload)
-    if plan.parallel.sequence_parallel:
-        _check_sequence_parallel_loss(plan, workload, splits)
+    if plan.parallel.pp > 1 or plan.parallel.sequence_parallel:
+        batch = _first_batch(plan, workload)
+        if plan.parallel.pp > 1:
+            _check_microbatches(plan, batch)
+        if plan.parallel.sequence_parallel:
+            _check_sequence_parallel_loss(plan, workload, splits, batch)
     elements = sum(p.numel for p in info.params)
     split = f"; {experts.describe()}" if experts is not None else ""
     described = f"{elements:,} parameters, {len(found)} units{split}"
@@ -208,17 +210,24 @@ def _check_keep_gathered(plan: Plan, unit_names: list[str]) -> None:
             )
 
 
-def _check_sequence_parallel_loss(plan: Plan, workload: Workload, splits: ModelSplits) -> None:
-    """That the loss is no statistic of each tp rank's chunk of the sequence (a mixture of
-    experts' load-balancing loss): the loss captured on rank 0's first batch as a rank
-    captures it, forward only (the check reads the loss, not its gradients), on fake tensors;
-    PlanError naming ``parallel.sequence_parallel`` otherwise (a rank refuses it alike)."""
-    from zerocc.compiler.driver.program import capture_split
+def _first_batch(plan: Plan, workload: Workload) -> tuple:
+    """Rank 0's first batch, drawn for the fewest ranks the plan takes."""
     from zerocc.compiler.driver.session import plan_mesh
     from zerocc.inspect.estimate import first_batch
 
     mesh = plan_mesh(plan, plan.least_world_size())  # (plan check opens no session)
-    batch = first_batch(workload, mesh.data_parallel)
+    return first_batch(workload, mesh.data_parallel)
+
+
+def _check_sequence_parallel_loss(
+    plan: Plan, workload: Workload, splits: ModelSplits, batch: tuple
+) -> None:
+    """That the loss is no statistic of each tp rank's chunk of the sequence (a mixture of
+    experts' load-balancing loss): the loss captured on ``batch`` as a rank captures it,
+    forward only (the check reads the loss, not its gradients), on fake tensors; PlanError
+    naming ``parallel.sequence_parallel`` otherwise (a rank refuses it alike)."""
+    from zerocc.compiler.driver.program import capture_split
+
     capture_split(
         workload.model, splits.local, plan, workload.loss_fn, batch, torch.device("cpu"),
         training=False, tensor_parallel=splits.tensor_parallel,
@@ -226,18 +235,13 @@ def _check_sequence_parallel_loss(plan: Plan, workload: Workload, splits: ModelS
     )  # fmt: skip
 
 
-def _check_microbatches(plan: Plan, workload: Workload) -> None:
-    """That ``pipeline.microbatches`` divide rank 0's first batch (drawn for the fewest ranks
-    the plan takes), as each pipeline rank cuts its batches; PlanError naming the field and
-    the batch's shapes otherwise (a rank's own check says BatchError: there it is the batch
-    that does not fit)."""
-    from zerocc.compiler.driver.session import plan_mesh
+def _check_microbatches(plan: Plan, batch: tuple) -> None:
+    """That ``pipeline.microbatches`` divide rank 0's first ``batch``, as each pipeline rank
+    cuts its batches; PlanError naming the field and the batch's shapes otherwise (a rank's
+    own check says BatchError: there it is the batch that does not fit)."""
     from zerocc.errors import BatchError
-    from zerocc.inspect.estimate import first_batch
     from zerocc.runtime.pipeline import microbatches_of
 
-    mesh = plan_mesh(plan, plan.least_world_size())  # (plan check opens no session)
-    batch = first_batch(workload, mesh.data_parallel)
     try:
         microbatches_of(batch, plan.pipeline.microbatches_of(plan.parallel.pp))
     except BatchError as exc:
