@@ -286,6 +286,18 @@ def test_a_workload_that_raises_on_every_rank_shows_its_traceback_once(tmp_path)
                      r"raised ValueError: the data loader broke\n", report), report
 
 
+@pytest.mark.slow
+def test_a_pipelines_data_loader_that_raises_is_said_once_for_its_ranks(tmp_path):
+    """A pipeline's 2 ranks read one data rank's batches: its loader raised on both, said once
+    with the workload's traceback, each rank's line pointing to it (as any run's ranks)."""
+    run = _train(tmp_path, 30, PIPELINE, raise_rank='"all"', stop_at=2)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("Traceback of the workload's code") == 1, run.stderr
+    assert "batches(0, 1) raised ValueError: the data loader broke" in run.stderr, run.stderr
+    report = run.stderr.split("rank(s) failed:")[1]
+    assert report.count("last error: the error above (PlanError)") == 2, report
+
+
 def _leave_early(rank: int, world: int, pp: int = 1) -> str:
     import torch
 
