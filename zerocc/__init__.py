@@ -6,18 +6,10 @@ loss = step(*batch)
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-from torch import nn
-
-import zerocc.ir.ops  # noqa: F401  (defines the zerocc op library)
-from zerocc.compiler.capture import LossFn
-from zerocc.compiler.materialize import materialize
-from zerocc.compiler.plan import Plan, load_plan
-from zerocc.compiler.workload import Workload, load_workload, plan_relative
-from zerocc.engine.comm import Comm, FakeComm, comm_from_environment
 from zerocc.errors import (
     BatchError,
     CaptureError,
@@ -32,12 +24,48 @@ from zerocc.errors import (
     RankStoppedError,
     ZeroccError,
 )
-from zerocc.inspect.plan_auto import searched_plan
-from zerocc.ir.keyed_draws import keyed_draws
-from zerocc.pipeline_step import PipelineStep
-from zerocc.runtime.checkpoint.weight_files import weights_from
-from zerocc.runtime.devices import join_default_group, rank_device, use_device
-from zerocc.train_step import TrainStep
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from zerocc.compiler.capture import LossFn
+    from zerocc.compiler.materialize import materialize
+    from zerocc.compiler.plan import Plan, load_plan
+    from zerocc.compiler.workload import Workload, load_workload, plan_relative
+    from zerocc.engine.comm import Comm, FakeComm
+    from zerocc.ir.keyed_draws import keyed_draws
+    from zerocc.pipeline_step import PipelineStep
+    from zerocc.runtime.checkpoint.weight_files import weights_from
+    from zerocc.train_step import TrainStep
+
+# The API's names and their modules, imported as they are first read (PEP 562): `import zerocc`
+# and the command line's `--help` need no torch (issue 80).
+_LAZY = {
+    "FakeComm": "zerocc.engine.comm",
+    "PipelineStep": "zerocc.pipeline_step",
+    "Plan": "zerocc.compiler.plan",
+    "TrainStep": "zerocc.train_step",
+    "Workload": "zerocc.compiler.workload",
+    "keyed_draws": "zerocc.ir.keyed_draws",
+    "load_plan": "zerocc.compiler.plan",
+    "load_workload": "zerocc.compiler.workload",
+    "materialize": "zerocc.compiler.materialize",
+    "plan_relative": "zerocc.compiler.workload",
+    "weights_from": "zerocc.runtime.checkpoint.weight_files",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'zerocc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "BatchError",
@@ -91,6 +119,15 @@ def compile(
     micro-batch as the step takes it); rank 0 prints the candidates and the choice
     (:mod:`zerocc.inspect.plan_auto`). ``step.plan`` is the plan chosen.
     """
+    import torch.distributed as dist
+
+    from zerocc.compiler.plan import load_plan
+    from zerocc.engine.comm import comm_from_environment
+    from zerocc.inspect.plan_auto import searched_plan
+    from zerocc.pipeline_step import PipelineStep
+    from zerocc.runtime.devices import join_default_group, rank_device, use_device
+    from zerocc.train_step import TrainStep
+
     named_auto = isinstance(plan, str) and plan == "auto"
     auto = auto or named_auto
     plan = load_plan({} if named_auto else plan)

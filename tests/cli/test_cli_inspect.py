@@ -13,7 +13,7 @@ import pydot
 import pytest
 
 from zerocc.cli.main import main
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated - use:DeprecationWarning")
 

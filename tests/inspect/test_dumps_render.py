@@ -20,7 +20,7 @@ from zerocc.inspect.chrome_trace import chrome_trace, write_chrome_trace
 from zerocc.inspect.plots import plot_memory
 from zerocc.inspect.report import ReportSection, write_report
 from zerocc.ir.nodes import info, op_name
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # pydot 4 builds its parser with pyparsing names that pyparsing 3.3 deprecates: not ours to fix.

@@ -25,7 +25,7 @@ from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.passes.partition import assign_units
 from zerocc.compiler.plan import load_plan
 from zerocc.errors import InsufficientMemoryError
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 from zerocc.runtime import machine_memory, memory_check
 from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL
 from zerocc.runtime.pipeline import microbatches_of

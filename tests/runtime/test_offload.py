@@ -363,7 +363,7 @@ def test_more_gradients_in_flight_hold_more_device_memory_and_wait_less():
     bound, and ``null`` never holds backward for them (as ``zerocc estimate`` shows)."""
     from workload import workload
 
-    from zerocc.cli.inspect import _estimate_text
+    from zerocc.cli.inspect_report import _estimate_text
     from zerocc.cost.rates import DeviceRates
     from zerocc.inspect.estimate import estimate, inspect_plan
     from zerocc.ir.ops import TO_HOST

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zerocc.errors import CheckpointError, PlanError
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 if TYPE_CHECKING:
     from torch import nn

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from zerocc.errors import ZeroccError
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

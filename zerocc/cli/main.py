@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    import torch
+    from importlib.metadata import version
 
     from zerocc import __version__
 
@@ -143,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     python = sys.version.split()[0]
     parser.add_argument(
         "--version", action="version",
-        version=f"zerocc {__version__} (torch {torch.__version__}, Python {python})",
+        version=f"zerocc {__version__} (torch {version('torch')}, Python {python})",
     )  # fmt: skip
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 

@@ -11,10 +11,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
 if TYPE_CHECKING:
+    from torch import nn
+
     from zerocc.compiler.driver.session import ModelSplits
     from zerocc.compiler.workload import Workload
 
@@ -226,6 +225,8 @@ def _check_sequence_parallel_loss(
     experts' load-balancing loss): the loss captured on ``batch`` as a rank captures it,
     forward only (the check reads the loss, not its gradients), on fake tensors; PlanError
     naming ``parallel.sequence_parallel`` otherwise (a rank refuses it alike)."""
+    import torch
+
     from zerocc.compiler.driver.program import capture_split
 
     capture_split(
@@ -252,12 +253,13 @@ def checked_plan(args: argparse.Namespace) -> Plan:
     """The command's plan (its file, the command line's `--set`), loaded and checked where it
     can be before any model is built: its `passes` against the passes' contracts, its backend
     among the registered ones, its workload importable (not called), and on this machine an
-    NVMe offload folder must exist and take files."""
+    NVMe offload folder must exist and take files. The plan's own errors come first, before
+    torch is imported (seconds)."""
+    plan = plan_of(args)
     from zerocc.backends import get_backend
     from zerocc.compiler.driver.pass_manager import check_passes
     from zerocc.cost.rates import check_calibration
 
-    plan = plan_of(args)
     check_passes(plan)
     get_backend(plan.backend.name)
     if plan.workload is not None and not launched():  # (the launcher checked it for the ranks)

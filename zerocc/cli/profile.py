@@ -9,17 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import zerocc
 from zerocc.cli.machines import ranks_the_plan_takes
 from zerocc.cli.plan import checked_plan
 from zerocc.cli.plan_args import add_plan_arguments, forwarded
 from zerocc.cli.train_command import NPROC_HELP, launch_ranks
 from zerocc.compiler.plan import Plan
-from zerocc.compiler.workload import load_workload, workload_code
 from zerocc.errors import ZeroccError
-from zerocc.inspect.calibrate import calibrate, default_output
 from zerocc.runtime.launch import launched
-from zerocc.runtime.rank import first_batch, joined_group, to_device
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -43,6 +39,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     """`zerocc profile`: launch the plan's ranks (as `train` does) to calibrate the cost model."""
     plan = checked_plan(args)  # as `train`: checked once, before any rank starts
+    from zerocc.inspect.calibrate import default_output
+
     args.nproc = args.nproc or ranks_the_plan_takes(plan)
     if args.nproc < 1 or args.steps < 1:
         raise ZeroccError("--nproc and --steps must be at least 1")
@@ -56,6 +54,11 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def profile_rank(plan: Plan, output: Path, steps: int) -> int:
     """One rank of ``zerocc profile``: join the group, compile, calibrate; rank 0 writes."""
+    import zerocc
+    from zerocc.compiler.workload import load_workload
+    from zerocc.inspect.calibrate import calibrate
+    from zerocc.runtime.rank import first_batch, joined_group, to_device
+
     with joined_group(plan) as (rank, world_size):
         workload = load_workload(plan)
         step = zerocc.compile(workload.model, plan, loss_fn=workload.loss_fn)
@@ -76,6 +79,8 @@ def profile_rank(plan: Plan, output: Path, steps: int) -> int:
 
 def _endless(batches: Iterator, workload: Any, rank: int, world_size: int) -> Iterator:
     """The workload's batches, started again whenever they run out."""
+    from zerocc.compiler.workload import workload_code
+
     fresh = False
     while True:
         count = 0

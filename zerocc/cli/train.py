@@ -19,7 +19,7 @@ from zerocc.cli.metrics import Metrics, progress_text
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.workload import workload_code
 from zerocc.errors import CheckpointError, ZeroccError
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 from zerocc.local_ranks import ranks_on_this_machine
 from zerocc.runtime.checkpoint.background import PendingSave, background_fits
 from zerocc.runtime.checkpoint.files import PREFIX, resolve, saved_checkpoints

@@ -141,10 +141,10 @@ def _joins_a_run_under_way(nodes: Nodes, args: argparse.Namespace) -> bool:
 
 def run_train(args: argparse.Namespace) -> int:
     """`zerocc train`: check the plan once, then train on this process or launch the ranks."""
+    plan = _with_section_flags(checked_plan(args), args)  # checked once, here (torch after it)
     from zerocc.cli.train import train_rank
     from zerocc.inspect.dumps import DUMP_DIR_ENV
 
-    plan = _with_section_flags(checked_plan(args), args)  # checked once, here
     nodes = nodes_of(args)
     args.nproc = args.nproc or ranks_the_plan_takes(plan, nodes.count)
     if args.nproc < 1 or args.steps < 1:

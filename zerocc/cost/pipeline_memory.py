@@ -23,7 +23,7 @@ from torch import fx
 from zerocc.compiler.parallel.pipeline_schedule import Action
 from zerocc.cost.memory import predict_memory, storage_id, tensors_in
 from zerocc.ir.nodes import val
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 Programs = Mapping[tuple[int, str], fx.GraphModule | None]  # (stage, kind) -> its program
 

@@ -26,7 +26,7 @@ from zerocc.cost.model import CostModel
 from zerocc.cost.rates import rates_for
 from zerocc.errors import PlanError
 from zerocc.ir.nodes import PARAM, info
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 from zerocc.errors import RankStoppedError
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 BEAT_S = 1.0  # seconds between two records of a rank
 MIN_BEAT_S = 0.2  # a new status is written at once, but never more often than this

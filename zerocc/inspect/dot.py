@@ -17,7 +17,8 @@ from torch import fx
 
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import info, op_name, val
-from zerocc.ir.printing import describe_value, human_bytes
+from zerocc.ir.printing import describe_value
+from zerocc.ir.quantities import human_bytes
 
 GRAPHVIZ_HINT = (
     "install Graphviz (apt install graphviz / brew install graphviz / conda install graphviz) "

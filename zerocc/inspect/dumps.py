@@ -42,7 +42,7 @@ from zerocc.inspect.dot import GRAPHVIZ_HINT, program_to_dot, render_svg
 from zerocc.inspect.estimate import pass_table
 from zerocc.inspect.explain import comm_bytes_per_step, precision_line, unit_rows
 from zerocc.inspect.report import ReportSection, write_report
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 if TYPE_CHECKING:
     from zerocc.engine.comm import Comm

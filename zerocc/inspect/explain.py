@@ -30,7 +30,7 @@ from zerocc.ir.ops import (
     TO_HOST,
     reported_kind,
 )
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 from zerocc.runtime.record import StepRecord
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ from zerocc.inspect.dumps import (
 )
 from zerocc.inspect.pipeline_estimate import action_seconds, program_seconds
 from zerocc.inspect.report import ReportSection, write_report
-from zerocc.ir.printing import human_seconds
+from zerocc.ir.quantities import human_seconds
 from zerocc.runtime.pipeline import StepTimeline
 
 if TYPE_CHECKING:

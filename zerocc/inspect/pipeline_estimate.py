@@ -42,7 +42,7 @@ from zerocc.cost.simulate import simulate
 from zerocc.inspect.explain import comm_bytes
 from zerocc.inspect.pipeline import PipelineInspection, inspect_pipeline
 from zerocc.ir.nodes import op_name, val
-from zerocc.ir.printing import human_bytes, human_seconds
+from zerocc.ir.quantities import human_bytes, human_seconds
 
 
 @dataclass(frozen=True)

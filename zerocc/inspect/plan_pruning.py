@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 # Recomputing some of the units (every other one, a list of their names): between none and all.
 SOME = "some"

@@ -68,7 +68,7 @@ from zerocc.inspect.pipeline_estimate import PipelineEstimate, estimate_pipeline
 from zerocc.inspect.plan_depth import DEPTHS, BlockStack, confirmed, extrapolated
 from zerocc.inspect.plan_pruning import SAVES_MEMORY, SOME, Candidate, pruned_search
 from zerocc.inspect.plan_refine import BLOCKS, REFINED, climb, refinements, two_units_mb
-from zerocc.ir.printing import human_bytes, human_seconds
+from zerocc.ir.quantities import human_bytes, human_seconds
 
 HOST_ONLY = {"offload.optimizer"}  # fields that mean nothing where host memory is the device's
 SEQUENCE_PARALLEL = "parallel.sequence_parallel"  # (tried where the plan names tp_layers)

@@ -16,7 +16,7 @@ from matplotlib.patches import Patch
 from matplotlib.text import Text
 
 from zerocc.cost.timeline import CATEGORIES, MemoryTimeline
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 
 # One colour per category (colour-blind friendly, the order of CATEGORIES).
 CATEGORY_COLORS = {

@@ -14,6 +14,7 @@ from torch import fx
 
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import info, op_name, val
+from zerocc.ir.quantities import human_bytes
 
 _DTYPES = {
     torch.float32: "f32",
@@ -36,24 +37,6 @@ def describe_value(value: Any) -> str:
         parts = [describe_value(v) for v in value]
         return "(" + ", ".join(p or "_" for p in parts) + ")" if any(parts) else ""
     return ""
-
-
-def human_bytes(n: float) -> str:
-    """``12.0MiB``-style byte counts."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}TiB"
-
-
-def human_seconds(seconds: float) -> str:
-    """``1.23 s``, ``45.6 ms`` or ``789 us``."""
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds * 1e6:.0f} us"
 
 
 def _arg(a: Any) -> str:

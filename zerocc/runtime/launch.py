@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from zerocc.errors import ZeroccError
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 from zerocc.local_ranks import local_rank
 from zerocc.logs import RANK_PROCESSES, quiet
 from zerocc.runtime import rendezvous

@@ -44,7 +44,7 @@ from zerocc.cost.memory import STATE_CATEGORY, predict_memory
 from zerocc.cost.pipeline_memory import PipelineMemory
 from zerocc.engine.comm import Comm
 from zerocc.errors import InsufficientMemoryError
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 from zerocc.local_ranks import ranks_on_this_machine
 from zerocc.runtime import machine_memory, nvml
 from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL, pool_names

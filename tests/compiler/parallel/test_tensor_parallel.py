@@ -17,7 +17,7 @@ from torch import nn
 import zerocc
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.tensor_parallel import Split
-from zerocc.errors import CaptureError, PlanError, RankMismatchError
+from zerocc.errors import PlanError, RankMismatchError
 from zerocc.inspect.estimate import estimate, inspect_plan
 from zerocc.ir.nodes import info, op_name
 

@@ -33,7 +33,7 @@ from zerocc.compiler.plan.parallelism import (
     check_layout,
 )
 from zerocc.compiler.plan.precision import (
-    DTYPES,
+    DTYPE_NAMES,
     MAX_LOSS_SCALE,
     Dtype,
     Float8Config,
@@ -43,7 +43,7 @@ from zerocc.compiler.plan.precision import (
 from zerocc.compiler.plan.renamed import RENAMED_FIELDS
 
 __all__ = [
-    "DTYPES",
+    "DTYPE_NAMES",
     "FP32_TINY",
     "HOST_LOCAL",
     "MAX_LOSS_SCALE",

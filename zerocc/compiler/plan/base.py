@@ -7,7 +7,6 @@ from __future__ import annotations
 import typing
 from typing import Annotated, Any
 
-import torch
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -18,7 +17,7 @@ from pydantic import (
 
 # The smallest positive normal fp32 number: a positive value below it (eps, a loss scale) is a
 # subnormal or rounds to 0 in the fp32 arithmetic of the update and the loss scaling.
-FP32_TINY = torch.finfo(torch.float32).tiny
+FP32_TINY = 2.0**-126  # float32's smallest normal number (torch.finfo(torch.float32).tiny)
 MAX_MB = 1e9  # a size in MB no device or bucket reaches (a petabyte)
 
 

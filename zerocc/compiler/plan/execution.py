@@ -3,12 +3,14 @@ backend, overlap, cost, offload, recompute, dumps, checkpoint and metrics."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import torch
 from pydantic import Field
 
 from zerocc.compiler.plan.base import MAX_MB, PathStr, Section
+
+if TYPE_CHECKING:
+    import torch
 
 # The longest collective timeout: a collective that waits a week is hung (and longer ones
 # overflow the process group's millisecond clock for no benefit).

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import Field, field_validator, model_validator
 
 from zerocc.compiler.plan.base import FP32_TINY, Section, refuse_quoted_numbers
@@ -13,13 +12,16 @@ from zerocc.compiler.plan.messages import show
 from zerocc.compiler.plan.parallelism import ZeroConfig
 from zerocc.errors import PlanWarning
 
+if TYPE_CHECKING:
+    import torch
+
 # The largest loss scale: Megatron-LM's initial 2^32 is the largest used in practice; above it
 # every step overflows (and is skipped) until the scale has backed off.
 MAX_LOSS_SCALE = 2.0**32
 
 
 Dtype = Literal["fp32", "bf16", "fp16"]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # (torch's names)
 
 
 class LossScaleConfig(Section):
@@ -220,5 +222,7 @@ class PrecisionConfig(Section):
     def dtype(self, field: str) -> torch.dtype:
         """The torch dtype of ``field`` (``buffers`` resolved to ``param`` when unset, ``grad``
         to ``master``)."""
+        import torch  # (the plan loads without torch: `zerocc plan check` says its errors first)
+
         name = getattr(self, field) or (self.master if field == "grad" else self.param)
-        return DTYPES[name]
+        return getattr(torch, DTYPE_NAMES[name])

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 from zerocc.runtime.checkpoint.files import (
     LATEST,
     MANIFEST,

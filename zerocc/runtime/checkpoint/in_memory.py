@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerocc.engine.failures import peer_failure
-from zerocc.ir.printing import human_bytes
+from zerocc.ir.quantities import human_bytes
 from zerocc.runtime.checkpoint.agreement import agree, attempt, gathered, raise_errors
 from zerocc.runtime.checkpoint.files import CheckpointError, checkpoint_name
 from zerocc.runtime.checkpoint.save import (
