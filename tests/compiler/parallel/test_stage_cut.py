@@ -17,6 +17,7 @@ from torch import nn
 from zerocc.compiler.capture import Casts
 from zerocc.compiler.driver.pass_manager import PassContext, bind_passes, run_passes
 from zerocc.compiler.driver.pipeline import cut_step
+from zerocc.compiler.float8 import Float8Layers
 from zerocc.compiler.parallel.mesh import Mesh
 from zerocc.compiler.parallel.stage_cut import cut_stages
 from zerocc.compiler.parallel.stage_programs import (
@@ -159,6 +160,40 @@ def test_a_hugging_face_model_recomputed_in_bf16_is_cut_with_its_norms_casts(mod
     received = staged.stages[1].forward.reads(Role.RECEIVED)
     assert set(received) & set(staged.stages[1].forward.writes("stash"))
     assert not staged.stages[1].backward.reads(Role.RECEIVED)  # (no gradient comes to the last)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["backward", "zero-bubble halves"])
+def test_a_recomputed_float8_step_keeps_nothing_the_passes_derive_again(split):
+    """Under recompute a float8 layer's backward reads its forward's weight cast to float8
+    and that cast's scale (computed from the parameter alone, kept by the recompute pass):
+    the cut kept them from forward to backward, the shard pass dropped the ``keep`` (it
+    derives such values again next to each use) and the backward's ``kept`` found nothing
+    (issue 77's sweep: a raw KeyError '_to_copy_155' in a pipeline's first step). Each
+    program that reads one now derives it again from the parameter; every ``kept`` a
+    compiled stage program reads, some program of its stage keeps; the captured stages
+    compute the whole step's loss and gradients bit for bit."""
+    pytest.importorskip("torchao")
+    model, batch = gpt(4), _gpt_batch(0, 0)
+    fields = {"units": {"classes": ["Block"]}, "precision": {"matmul": "fp8"}}
+    plan = Plan.model_validate({**fields, "recompute": {"units": "all"}, "grad_accumulation": 2})
+    assert Float8Layers.convert(model, plan) is not None
+    gm, info = captured(model, batch)
+    staged = cut_step(gm, info, blocks(4, 2), plan, Mesh.of_plan(plan, 1))
+    _assert_same(whole(gm, info, model, batch), _pipelined(staged, model, batch))
+    for stage in staged.stages:
+        held = stage_model(info, stage)
+        units = assign_units(held, 1, ["Block"], [], None)
+        halves = split_backward(stage.backward) if split else (stage.backward,)
+        keeps, kepts = set(), set()
+        for program in (stage.forward, *halves):
+            ctx = PassContext(plan, Mesh.of_plan(plan, 1), held, boundary=False, units=units)
+            compiled, _ = run_passes(step_form(program, held), ctx, bind_passes(plan))
+            for node in compiled.graph.nodes:
+                if node.target is torch.ops.zerocc.keep.default:
+                    keeps.add(node.args[1])
+                elif node.target is torch.ops.zerocc.kept.default:
+                    kepts.add(node.args[-1])
+        assert kepts and kepts <= keeps, sorted(kepts - keeps)
 
 
 class _Skip(nn.Module):

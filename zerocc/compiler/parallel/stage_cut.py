@@ -47,6 +47,7 @@ from zerocc.compiler.parallel.stage_programs import (
     StagedStep,
     StageProgram,
     build_program,
+    of_params,
 )
 from zerocc.errors import PlanError
 from zerocc.ir.kinds import OpKind, Role
@@ -111,12 +112,15 @@ class StageAssignment:
 
     def _derived(self) -> set[fx.Node]:
         """Forward views and casts of parameters, buffers and batch tensors (a weight
-        transposed for a matmul, cast to the compute dtype): each program that reads one
-        derives it again from its inputs, rather than receive it from the stage that ran it
-        first or keep it from forward to backward (stage 3 frees a gathered parameter after
-        forward, and backward gathers it again, as the shard pass re-derives such views)."""
+        transposed for a matmul, cast to the compute dtype), and what is computed from the
+        parameters alone (a float8 weight's scale and cast: :func:`of_params`): each program
+        that reads one derives it again from its inputs, rather than receive it from the stage
+        that ran it first or keep it from forward to backward (stage 3 frees a gathered
+        parameter after forward, and backward gathers it again, as the shard pass re-derives
+        such values; it drops a ``keep`` of one)."""
         inputs = (PARAM, BUFFER, BATCH)
-        derived: set[fx.Node] = set()
+        params = {n for n in self.gm.graph.nodes if n.op == "placeholder" and info(n).role == PARAM}
+        derived = of_params(self.forward, params)
         for node in self.forward:
             cheap = node.target is _CAST or op_kind(node) in (OpKind.VIEW, OpKind.PLUMBING)
             if cheap and all(

@@ -214,6 +214,29 @@ def _replays(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
     return replays
 
 
+def of_params(nodes: list[fx.Node], params: set[fx.Node]) -> set[fx.Node]:
+    """Which of ``nodes`` (in program order) are computed from the parameters ``params``
+    alone, neither drawing nor writing in place: what the shard pass re-derives next to each
+    use (:mod:`zerocc.compiler.passes.support.param_uses`), such as a weight's transpose, its
+    cast, or its float8 scale and cast. A program that reads one derives it again from the
+    parameters: kept from one program to another it would be a ``keep`` of a parameter's
+    value, which the shard pass drops with the rest of what it re-derives."""
+    found: set[fx.Node] = set()
+    for node in nodes:
+        inputs = node.all_input_nodes
+        target = node.target
+        writes = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+        if (
+            node.op == "call_function"
+            and inputs
+            and not writes
+            and not is_random(node)
+            and all(i in params or i in found for i in inputs)
+        ):
+            found.add(node)
+    return found
+
+
 def stage_model(model: ModelInfo, *stages: Stage) -> ModelInfo:
     """What of ``model`` the stages (one, or a pipeline rank's) hold: their parameters (a tied
     one in every stage that reads it) and the buffers, for the passes that compile their
