@@ -327,15 +327,15 @@ class InductorExecutable(EagerExecutable):
     def artifacts(self) -> dict[str, str]:
         """Files for the dumps: ``regions.txt`` (each region, or the whole program: phase, ops,
         the calls of its generated code by kind, compile time, how it runs, whose code it runs;
-        then every call by name) and the code Inductor generated for each distinct one
-        (``region_<i>.py``, ``whole.py``)."""
+        then every call by name) and the code Inductor generated for each (``region_<i>.py``,
+        ``whole.py``; a layer's copies' the same code)."""
         calls_header = "".join(f"{kind:>9}" for kind in ("kernels", "library", "ATen", "zerocc"))
         rows = [f"{'region':<12}{'phase':<10}{'ops':>5}{calls_header}{'compile s':>11}  runs"]
         for r in self.reports:
             counts = "".join(f"{n:>9}" for n in (r.calls.totals() if r.calls else "----"))
             runs = "compiled" if r.fallback is None else f"eagerly: {r.fallback}"
-            if r.same_as is not None:
-                runs += f" (the code of {r.same_as})"
+            if r.same_as is not None:  # (a row ends with how it runs)
+                runs = f"as {r.same_as}: {runs}"
             head = f"{r.name:<12}{r.phase or '':<10}{r.ops:>5}{counts}{r.seconds:>11.2f}"
             rows.append(f"{head}  {runs}")
         calls = self._calls()
@@ -343,5 +343,5 @@ class InductorExecutable(EagerExecutable):
             rows += ["", "calls of the generated code, all regions:"]
             rows += [f"  {line}" for line in calls.by_name()]
         files = {"regions.txt": "\n".join(rows) + "\n"}
-        files.update({f"{r.name}.py": r.code for r in self.reports if r.code and r.same_as is None})
+        files.update({f"{r.name}.py": r.code for r in self.reports if r.code is not None})
         return files
