@@ -25,9 +25,6 @@ TABLE = ROOT / "docs" / "feature-pairs.md"
 
 # Rows that fail, found by the sweep: row -> what fails (each an xfail(strict=True) case).
 KNOWN_FAILURES: dict[str, str] = {
-    "stage=0,model=gpt,pp=zero-bubble,recompute=all,precision=bf16,fp8=matmul,in_memory=on": "a "
-    "zero-bubble pipeline of the GPT with recompute, bf16 and float8 matmuls fails in its first "
-    "step with a raw KeyError: '_to_copy_155' (a stage program's binding, runtime/pipeline.py)",
     "stage=0,model=gpt,pp=zero-bubble,fp8=matmul,in_memory=on": "a zero-bubble pipeline of the "
     "GPT with float8 matmuls trains its tied embedding (transformer.wte.weight) 5.65e-4 away "
     "from one process converted alike (bound 1e-5; its losses agree)",
@@ -38,7 +35,6 @@ KNOWN_FAILURES: dict[str, str] = {
 AVOID: tuple[frozenset[str], ...] = tuple(
     frozenset(text.split(","))
     for text in (
-        "pp=zero-bubble,recompute=all,precision=bf16,fp8=matmul",
         "pp=zero-bubble,fp8=matmul",
     )
 )
