@@ -13,6 +13,7 @@ stages' gradients before either applies it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -53,9 +54,10 @@ def whole_model(
             if source == comm.rank:
                 flat = torch.cat([mine[k].reshape(-1) for k, _, _ in part]).to(device)
             else:
-                flat = torch.empty(sum(_numel(s) for _, s, _ in part), dtype=dtype, device=device)
+                numel = sum(math.prod(s) for _, s, _ in part)
+                flat = torch.empty(numel, dtype=dtype, device=device)
             group.broadcast(flat, source)
-            values = flat.cpu().split([_numel(s) for _, s, _ in part])
+            values = flat.cpu().split([math.prod(s) for _, s, _ in part])
             for (key, shape, _), value in zip(part, values, strict=True):
                 full[key] = mine[key] if source == comm.rank else value.view(shape).clone()
     return {k: full[k] for k in order if k in full}
@@ -78,10 +80,3 @@ def held_earlier(
     if pp_rank == 0:
         mine |= every - set().union(*read)
     return frozenset((read[pp_rank] | every) - mine)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for size in shape:
-        out *= size
-    return out
