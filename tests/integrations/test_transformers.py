@@ -125,7 +125,6 @@ def _trainer(plan: dict | None = None, **arguments) -> ZeroccTrainer:
     "plan, arguments, named",
     [
         (None, {"fsdp": "full_shard"}, "fsdp="),
-        (None, {"gradient_checkpointing": True}, "(gradient|activation)_checkpoint"),
         (None, {"optim": "adafactor"}, "optim='adafactor'"),
         (None, {"lr_scheduler_type": "polynomial"}, "lr_scheduler_type='polynomial'"),
         ({"precision": {"param": "fp32"}}, {"bf16": True}, "bf16=True"),
@@ -144,8 +143,10 @@ def test_a_conflicting_argument_is_refused_by_name(plan, arguments, named):
 
 def test_the_arguments_become_the_plan():
     trainer = _trainer(None, learning_rate=3e-3, adam_beta2=0.95, max_grad_norm=0.5,
-                       gradient_accumulation_steps=2, bf16=True)  # fmt: skip
+                       gradient_accumulation_steps=2, bf16=True,
+                       gradient_checkpointing=True)  # fmt: skip
     plan = trainer.zerocc_plan
     assert (plan.optimizer.lr, plan.optimizer.betas, plan.optimizer.grad_clip) == (
         3e-3, (0.9, 0.95), 0.5)  # fmt: skip
     assert plan.grad_accumulation == 2 and plan.precision.param == "bf16"
+    assert plan.recompute.units == "all"

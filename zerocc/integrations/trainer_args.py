@@ -39,10 +39,6 @@ REFUSED: dict[str, str] = {
     "deepspeed": "the plan shards the model: pass the DeepSpeed config as plan= instead "
     "(zerocc reads it as `zerocc plan import` does)",
     "fsdp": "the plan shards the model (zero.stage: 3 is FSDP's full sharding): drop fsdp",
-    "gradient_checkpointing": "the plan recomputes activations: set recompute.units in the plan "
-    "and drop gradient_checkpointing",
-    "activation_checkpointing": "the plan recomputes activations: set recompute.units in the "
-    "plan and drop activation_checkpointing",
     "torch_compile": "the plan's backend compiles the step (backend.name: inductor): drop "
     "torch_compile",
     "use_liger_kernel": "zerocc captures the model's own layers: drop use_liger_kernel",
@@ -169,6 +165,13 @@ def merged_plan(
         args.gradient_accumulation_steps,
     )
     _merge_precision(tree, base, args)
+    # The Trainer's activation checkpointing (TRL's SFTConfig turns it on by default) is the
+    # plan's recompute of every unit, unless the plan chose its units itself.
+    checkpointing = _value(args, "activation_checkpointing") or _value(
+        args, "gradient_checkpointing"
+    )
+    if checkpointing and "recompute" not in base.model_fields_set:
+        tree["recompute"] = {"units": "all"}
     return load_plan(tree)
 
 

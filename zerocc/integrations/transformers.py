@@ -143,6 +143,11 @@ class ZeroccTrainerMixin:
         refuse_unsupported(self.args)
         decayed = self.get_decay_parameter_names(self.model)
         self.zerocc_plan = merged_plan(plan, self.args, no_decay_parameters(self.model, decayed))
+        # Activation checkpointing became the plan's recompute: the Trainer must not also turn
+        # on the model's own (torch.utils.checkpoint inside the captured step).
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            if getattr(self.args, name, False):
+                setattr(self.args, name, False)
         self._compiled_model: CompiledModel | None = None
 
     # -- the step in the Trainer's loop --------------------------------------------------------
