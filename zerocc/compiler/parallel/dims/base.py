@@ -124,8 +124,8 @@ class Spread:
 class Dimension:
     """A parallel dimension, registered in :data:`zerocc.compiler.parallel.dims.DIMENSIONS`:
 
-    - ``degree``: the :class:`MeshLayout` field it sets, read from the plan by ``read``
-      (``field``, its plan path); its plan checks sit beside that field
+    - ``degree``: the :class:`MeshLayout` field it sets, read from the plan at ``field`` (its
+      plan path, :meth:`read`); its plan checks sit beside that field
       (:mod:`zerocc.compiler.plan.parallelism`, :func:`~zerocc.compiler.plan.check_layout`);
     - ``groups``: the groups it makes, in the order every rank creates them;
     - ``index``: the layout line's sizes and rank formula with this dimension
@@ -138,7 +138,6 @@ class Dimension:
     name: str
     degree: str
     field: str
-    read: Callable[[Plan], int]
     groups: tuple[Group, ...]
     said: Callable[[MeshLayout, RanksOf], list[str]]  # (the layout, its groups by name)
     said_at: int
@@ -146,6 +145,11 @@ class Dimension:
         lambda layout, sizes, index: (sizes, index)
     )
     spread: Callable[[MeshLayout, str, bool], Spread | None] = lambda layout, group, sharded: None
+
+    def read(self, plan: Plan) -> int:
+        """The degree ``plan`` sets at :attr:`field`."""
+        section, name = self.field.split(".")
+        return getattr(getattr(plan, section), name)
 
 
 def some(groups: Ranks) -> str:

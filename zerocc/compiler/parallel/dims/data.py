@@ -17,7 +17,6 @@ from zerocc.compiler.parallel.dims.base import (
     Spread,
     some,
 )
-from zerocc.compiler.plan import Plan
 from zerocc.ir.ops import DP_GROUP as DP
 from zerocc.ir.ops import REPLICATE_GROUP as REPLICATE
 
@@ -51,15 +50,10 @@ def _spread(m: MeshLayout, group: str, sharded: bool) -> Spread | None:
     return None
 
 
-def _replicate(plan: Plan) -> int:
-    return plan.zero.replicate
-
-
 DATA = Dimension(
     name="data",
     degree="replicate",
     field="zero.replicate",
-    read=_replicate,
     groups=(
         Group(DP, lambda m: True, _shard_groups, MeshLayout.shard_rank),
         Group(REPLICATE, lambda m: m.hybrid, _replicas, MeshLayout.replica),

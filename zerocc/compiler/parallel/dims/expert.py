@@ -18,7 +18,6 @@ from zerocc.compiler.parallel.dims.base import (
     Spread,
     some,
 )
-from zerocc.compiler.plan import Plan
 from zerocc.ir.ops import EP_GROUP as EP
 from zerocc.ir.ops import EXPERT_DP_GROUP as EDP
 from zerocc.ir.ops import REPLICATE_GROUP as REPLICATE
@@ -58,15 +57,10 @@ def _spread(m: MeshLayout, group: str, sharded: bool) -> Spread | None:
     return Spread(EP, "parts", "the other ep ranks' experts")
 
 
-def _ep(plan: Plan) -> int:
-    return plan.parallel.ep
-
-
 EXPERT = Dimension(
     name="expert",
     degree="ep",
     field="parallel.ep",
-    read=_ep,
     groups=(
         Group(EP, lambda m: m.ep > 1, _experts, MeshLayout.ep_rank),
         Group(EDP, lambda m: m.ep > 1, _holders, lambda m, r: m.data_rank(r) // m.ep),

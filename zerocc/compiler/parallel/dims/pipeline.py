@@ -19,7 +19,6 @@ from zerocc.compiler.parallel.dims.base import (
     Spread,
     some,
 )
-from zerocc.compiler.plan import Plan
 from zerocc.ir.ops import PP_GROUP as PP
 from zerocc.ir.ops import TIE_GROUP as TIE
 
@@ -48,15 +47,10 @@ def _spread(m: MeshLayout, group: str, sharded: bool) -> Spread | None:
     return Spread(PP, "units", "the pipeline's stages") if m.pp > 1 else None
 
 
-def _pp(plan: Plan) -> int:
-    return plan.parallel.pp
-
-
 PIPELINE = Dimension(
     name="pipeline",
     degree="pp",
     field="parallel.pp",
-    read=_pp,
     groups=(
         Group(PP, lambda m: m.pp > 1, _pipelines, whole_world=True),
         Group(TIE, lambda m: m.pp > 1, _ends, whole_world=True),

@@ -9,7 +9,6 @@ forward's gather (:mod:`zerocc.compiler.passes.shard`).
 from __future__ import annotations
 
 from zerocc.compiler.parallel.dims.base import Dimension, Group, MeshLayout, Ranks, RanksOf, some
-from zerocc.compiler.plan import Plan
 from zerocc.ir.ops import SECONDARY_GROUP as SECONDARY
 
 
@@ -32,15 +31,10 @@ def _said(m: MeshLayout, groups: RanksOf) -> list[str]:
     ]
 
 
-def _secondary(plan: Plan) -> int:
-    return plan.zero.secondary_group
-
-
 SECONDARY_PARTITION = Dimension(
     name="secondary",
     degree="secondary",
     field="zero.secondary_group",
-    read=_secondary,
     groups=(
         Group(
             SECONDARY,

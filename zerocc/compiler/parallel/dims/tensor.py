@@ -17,7 +17,6 @@ from zerocc.compiler.parallel.dims.base import (
     Spread,
     some,
 )
-from zerocc.compiler.plan import Plan
 from zerocc.ir.ops import TP_GROUP as TP
 
 
@@ -42,15 +41,10 @@ def _spread(m: MeshLayout, group: str, sharded: bool) -> Spread | None:
     return Spread(TP, "parts", "the tp ranks' slices") if m.tp > 1 else None
 
 
-def _tp(plan: Plan) -> int:
-    return plan.parallel.tp
-
-
 TENSOR = Dimension(
     name="tensor",
     degree="tp",
     field="parallel.tp",
-    read=_tp,
     groups=(Group(TP, lambda m: m.tp > 1, _slices, MeshLayout.tp_rank),),
     said=_said,
     said_at=1,
