@@ -30,8 +30,10 @@ from optional_deps import marked, runnable
 from tp_emulation import emulated
 
 import zerocc
+from parity.lion import Lion
 from zerocc.compiler.capture import describe_model
 from zerocc.compiler.passes.partition import assign_units
+from zerocc.compiler.plan.optimizers import OPTIMIZERS
 from zerocc.compiler.state import offloaded_units
 from zerocc.inspect.explain import describe
 
@@ -210,14 +212,26 @@ def _optimizer(case: dict[str, Any], params: list[torch.nn.Parameter]) -> torch.
         opt = torch.optim.AdamW(
             params, lr=cfg["lr"], eps=cfg["eps"], weight_decay=cfg.get("weight_decay", 0.0)
         )
-    else:
+    elif cfg["name"] == "sgd" and set(cfg) <= {"name", "lr", "momentum", "weight_decay"}:
         opt = torch.optim.SGD(
             params,
             lr=cfg["lr"],
             momentum=cfg.get("momentum", 0.0),
             weight_decay=cfg.get("weight_decay", 0.0),
         )
+    else:  # the registry's other optimizers: torch.optim's own, with the plan's fields
+        fields = {k: tuple(v) if k == "betas" else v for k, v in cfg.items()
+                  if k not in ("name", "grad_clip", "schedule")}  # fmt: skip
+        opt = OPTIMIZER_CLASSES[cfg["name"]](params, **fields)
     return opt
+
+
+# The torch.optim class of each optimizer the plan names (Lion, not in torch.optim: the paper's).
+OPTIMIZER_CLASSES = {
+    name: getattr(torch.optim, kind.torch_name) if kind.torch_name else Lion
+    for name, kind in OPTIMIZERS.items()
+    if not kind.whole_tensors
+}
 
 
 def torch_scheduler(schedule: dict[str, Any], optimizer: torch.optim.Optimizer):

@@ -29,6 +29,7 @@ from zerocc.ir.nodes import (
     op_name,
     placeholders,
 )
+from zerocc.ir.ops import UPDATE_OPS
 
 
 class PassContext(Protocol):
@@ -105,7 +106,7 @@ def _grad_shards(gm: fx.GraphModule, ctx: PassContext) -> str | None:
 def _optimizer_update(gm: fx.GraphModule, ctx: PassContext) -> str | None:
     if not ctx.boundary:
         return None  # an accumulating program updates nothing
-    updated = {info(n).unit for n in _ops(gm, "zerocc.adamw_", "zerocc.sgd_")}
+    updated = {info(n).unit for n in _ops(gm, *(f"zerocc.{name}" for name in UPDATE_OPS))}
     missing = sorted(_trainable(ctx) - updated)
     return f"units without an update: {', '.join(missing)}" if missing else None
 

@@ -38,6 +38,7 @@ from torch import nn
 from zerocc.compiler.capture import ModelInfo
 from zerocc.compiler.materialize import holds_values, initial_shard, initial_values
 from zerocc.compiler.plan import OffloadConfig, OptimizerConfig, Plan, PrecisionConfig, ZeroConfig
+from zerocc.compiler.plan.optimizers import OPTIMIZERS
 from zerocc.compiler.units import Unit
 from zerocc.ir.kinds import Role
 from zerocc.ir.nodes import (
@@ -52,7 +53,9 @@ from zerocc.ir.nodes import (
     STEP,
 )
 
-OPTIMIZER_STATES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+# Every state each optimizer may keep per element of a unit's shard (the registry's: which it
+# keeps depends on its fields, :func:`optimizer_states`).
+OPTIMIZER_STATES = {name: kind.all_states for name, kind in OPTIMIZERS.items()}
 
 
 # Where a persistent tensor lives.
@@ -173,10 +176,9 @@ class Dtypes:
 
 
 def optimizer_states(config: OptimizerConfig) -> tuple[str, ...]:
-    """Names of the per-shard states the optimizer keeps."""
-    if config.name == "sgd" and config.momentum == 0:
-        return ()
-    return OPTIMIZER_STATES[config.name]
+    """Names of the per-shard states the optimizer keeps (SGD's momentum buffer only with
+    momentum, RMSprop's gradient average only when centered, ...)."""
+    return config.kind.states_of(config.hyper())
 
 
 def param_specs(
@@ -295,15 +297,15 @@ def declare_params(
 
 
 def declare_optimizer_state(layout: StateLayout, units: list[Unit], plan: Plan) -> None:
-    """Declare each trainable unit's optimizer states, the step's learning rate and AdamW's
-    step counter."""
+    """Declare each trainable unit's optimizer states, the step's learning rate and (an
+    optimizer that counts its steps: AdamW's bias corrections, ...) the step counter."""
     precision = plan.precision if plan.precision.mixed else None
     for unit in units:
         if unit.trainable:
             for spec in optimizer_specs(unit, plan.zero, plan.optimizer, precision):
                 layout.declare(spec)
     layout.declare(LR_SPEC)
-    if plan.optimizer.name == "adamw":
+    if plan.optimizer.kind.counts_steps_of(plan.optimizer.hyper()):
         layout.declare(STEP_SPEC)
 
 

@@ -140,7 +140,21 @@ SCHEMAS = {
         " Tensor? found_inf, Tensor(d!)? param_copy, float grad_scale, Tensor lr,"
         " float momentum, float weight_decay, int[] skip, str? shard_group) -> ()"
     ),
+    # Any other elementwise optimizer of the plan's registry (zerocc.compiler.plan.optimizers),
+    # named by ``optimizer``, its fields' values in ``hyper`` (the registry's order, booleans
+    # 0/1), its states (as many as it keeps, the rest None) in the registry's order: torch's
+    # functional form run on the flat shard (zerocc.backends.kernels.torch_optim).
+    "optim_update_": (
+        "optim_update_(Tensor(a!) param, Tensor grad, Tensor(b!)? state0, Tensor(c!)? state1,"
+        " Tensor(e!)? state2, Tensor? step, Tensor? grad_coef, Tensor? found_inf,"
+        " Tensor(d!)? param_copy, float grad_scale, Tensor lr, str optimizer, float[] hyper,"
+        " int[] skip, str? shard_group) -> ()"
+    ),
 }
+# The most states an update op of the registry's optimizers takes (optim_update_'s state0-2).
+MAX_UPDATE_STATES = 3
+# The ops that update a unit's weights (one per unit, or per parameter's slice, per step).
+UPDATE_OPS = ("adamw_", "sgd_", "optim_update_")
 COLLECTIVE_STARTS = (
     "all_gather_start",
     "all_gather_quantized_start",
@@ -348,6 +362,11 @@ def _(*args):
 
 
 @fake("sgd_")
+def _(*args):
+    return None
+
+
+@fake("optim_update_")
 def _(*args):
     return None
 

@@ -4,11 +4,12 @@ One :class:`EagerOps` per executable, bound to its runtime context: collectives 
 context's comm (on the group of the mesh each names), offload copies on its copy engine, the
 compute ops (``adamw_``, ``sgd_``, ``unscale_check_``, ``nonfinite_flags``, ``pack``) with its
 kernel set (``backend.kernels``: the torch reference or fused Triton kernels, see
-:mod:`zerocc.backends.kernels`). What is in flight is the executable's: each start's handle,
-keyed by the start node's name, until the wait that names it. The rows expert parallelism's
-exchanges receive are the context's (its payloads, shared by a pipeline stage's programs). The
-skip ranges of parameters the loss does not reach are handled here, the same for every kernel
-set.
+:mod:`zerocc.backends.kernels`); the other optimizers' ``optim_update_`` with torch's functional
+forms (:mod:`zerocc.backends.kernels.torch_optim`), whatever the kernel set. What is in flight
+is the executable's: each start's handle, keyed by the start node's name, until the wait that
+names it. The rows expert parallelism's exchanges receive are the context's (its payloads,
+shared by a pipeline stage's programs). The skip ranges of parameters the loss does not reach
+are handled here, the same for every kernel set.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from zerocc.backends.kernels import host_kernels, kernel_set, reference
+from zerocc.backends.kernels import host_kernels, kernel_set, reference, torch_optim
 from zerocc.engine import RuntimeContext
 from zerocc.engine.comm import Work
 from zerocc.engine.kernel_set import AdamWHyper, KernelSet
@@ -287,6 +288,11 @@ class EagerOps:
         """SGD on one flat shard (see :func:`zerocc.backends.kernels.reference.sgd_`)."""
         self._update(self._sgd, args, started)
 
+    def optim_update_(self, *args, started: str | None = None) -> None:
+        """Any other optimizer of the plan's registry on one flat shard (see
+        :func:`zerocc.backends.kernels.torch_optim.optim_update_`)."""
+        self._update(self._optim_update, args, started)
+
     def _update(self, run: Callable[[tuple], None], args: tuple, started: str | None) -> None:
         if started is None:
             run(args)
@@ -322,6 +328,16 @@ class EagerOps:
         update[7] = float(lr)
         with self._untouched([param, momentum_buffer], param_copy, skip, shard_group):
             kernels.sgd_(*update)
+
+    def _optim_update(self, args: tuple) -> None:
+        param, grad, *states = args[:5]
+        step, grad_coef, found_inf, param_copy, grad_scale, lr, name, hyper, skip, group = args[5:]
+        found_inf = self._flag_for(reference, found_inf, param)  # (read on the host, as there)
+        with self._untouched([param, *states], param_copy, skip, group):
+            torch_optim.optim_update_(
+                param, grad, states, step, grad_coef, found_inf, param_copy, grad_scale,
+                float(lr), name, hyper,
+            )  # fmt: skip
 
     def kernels_for(self, param: torch.Tensor) -> KernelSet:
         """The update's kernels: an offloaded unit's update runs on the host while the step

@@ -87,6 +87,7 @@ FILLING_STARTS = {
 }
 COMPUTE = (
     "pack", "unscale_check_", "sum_squares", "clip_coef", "adamw_", "sgd_",
+    "optim_update_",  # (the other optimizers': torch's functional forms, run as in eager)
     "group_rank", "sum_squares_tp",  # (tensor parallelism's)
     "host_buffer",  # (offload's staging)
     "experts_forward", "experts_backward",  # (expert parallelism's, on the rows received)
@@ -104,7 +105,7 @@ HOST_UPDATES = {
     f"host_{name}": SCHEMAS[name]
     .replace(name, f"host_{name}", 1)
     .replace(") -> ()", ", str started) -> ()")
-    for name in ("adamw_", "sgd_")
+    for name in ("adamw_", "sgd_", "optim_update_")
 }
 HOST_WAIT = "host_wait(Tensor tensor, Tensor[] reads, str started) -> ()"
 

@@ -75,6 +75,10 @@ CPU = torch.device("cpu")
 UPDATE_ARGS = {
     "zerocc.adamw_": {"states": (2, 3), "scalars": (5, 6), "copy": 7, "step": 4, "lr": 9},
     "zerocc.sgd_": {"states": (2,), "scalars": (3, 4), "copy": 5, "step": None, "lr": 7},
+    # (the registry's other optimizers: as many of the states as it keeps, the rest None)
+    "zerocc.optim_update_": {
+        "states": (2, 3, 4), "scalars": (6, 7), "copy": 8, "step": 5, "lr": 10,
+    },
 }
 
 

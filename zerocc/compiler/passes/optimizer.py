@@ -31,6 +31,7 @@ from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.passes.support.gradients import solo
 from zerocc.compiler.plan import OptimizerConfig, ZeroConfig
+from zerocc.compiler.plan.optimizers import flat_hyper
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
 from zerocc.compiler.units import Unit
 from zerocc.ir.kinds import Role
@@ -51,7 +52,7 @@ from zerocc.ir.nodes import (
     tag,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, op
+from zerocc.ir.ops import DP_GROUP, MAX_UPDATE_STATES, op
 
 aten = torch.ops.aten
 
@@ -104,7 +105,7 @@ def optimizer(
         ]
         for u in units
     }
-    step_spec = layout.get(STEP_SPEC.key)  # AdamW's step counter
+    step_spec = layout.get(STEP_SPEC.key)  # the step counter (AdamW's bias corrections, ...)
     step = state_placeholder(graph, step_spec, like) if step_spec is not None else None
     lr = state_placeholder(graph, layout.get(LR_SPEC.key), like)  # the schedule's, per step
     scale = 1.0 / (ctx.mesh.data_parallel * grad_accumulation)
@@ -222,48 +223,30 @@ def _emit_update(
     scale: float,
     zero: ZeroConfig,
 ) -> None:
-    """One ``adamw_`` / ``sgd_`` of a flat shard (or of one parameter's slice of it)."""
+    """One update of a flat shard (or of one parameter's slice of it): AdamW's and plain SGD's
+    own ops (their kernels tuned per kernel set), any other elementwise optimizer of the
+    registry as ``optim_update_`` (torch's functional form, named with its fields' values)."""
     skip = list(info(update.grad).no_grad)
     where = {"unit": unit.name, "phase": "optimizer"}
     shard_group = unit.group if zero.shards_optimizer else None
+    head = (update.weights, update.grad)
+    tail = (skip, shard_group)
     if config.name == "adamw":
         m, v = update.states
-        args = (
-            update.weights,
-            update.grad,
-            m,
-            v,
-            step,
-            coef,
-            found_inf,
-            update.copy,
-            scale,
-            lr,
-            config.betas[0],
-            config.betas[1],
-            config.eps,
-            config.weight_decay,
-            skip,
-            shard_group,
-        )
+        hyper = (config.betas[0], config.betas[1], config.eps, config.weight_decay)
+        args = (*head, m, v, step, coef, found_inf, update.copy, scale, lr, *hyper, *tail)
         emit(graph, op("adamw_"), args, **where)
-    else:
+    elif config.name == "sgd" and not config.nesterov and not config.dampening:
         buf = update.states[0] if update.states else None
-        args = (
-            update.weights,
-            update.grad,
-            buf,
-            coef,
-            found_inf,
-            update.copy,
-            scale,
-            lr,
-            config.momentum,
-            config.weight_decay,
-            skip,
-            shard_group,
-        )
+        hyper = (config.momentum, config.weight_decay)
+        args = (*head, buf, coef, found_inf, update.copy, scale, lr, *hyper, *tail)
         emit(graph, op("sgd_"), args, **where)
+    else:
+        states = [*update.states, *[None] * (MAX_UPDATE_STATES - len(update.states))]
+        hyper = flat_hyper(config.kind, config.hyper())
+        args = (*head, *states, step, coef, found_inf, update.copy, scale, lr, config.name,
+                hyper, *tail)  # fmt: skip
+        emit(graph, op("optim_update_"), args, **where)
 
 
 def _all_reduce(

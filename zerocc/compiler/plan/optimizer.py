@@ -17,15 +17,26 @@ from pydantic import (
 
 from zerocc.compiler.plan.base import FP32_TINY, Section, refuse_quoted_numbers
 from zerocc.compiler.plan.messages import show
+from zerocc.compiler.plan.optimizers import (
+    COMMON_FIELDS,
+    OPTIMIZERS,
+    OptimizerKind,
+    readers_of,
+    stray_fields,
+)
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 # The largest learning rate per optimizer. AdamW moves each weight by about lr per step whatever
-# the gradient's scale (its update is normalized), so lr > 1 moves every weight by more than its
-# own size each step: what `lr: 1e3` meaning 1e-3 (a dropped minus sign) looks like. An SGD step
-# is lr times the gradient, whose scale is the loss's: large-batch recipes reach lr ~3-10.
-MAX_LR = {"adamw": 1.0, "sgd": 10.0}
+# the gradient's scale (its update is normalized, as every optimizer's here but SGD's), so
+# lr > 1 moves every weight by more than its own size each step: what `lr: 1e3` meaning 1e-3 (a
+# dropped minus sign) looks like. An SGD step is lr times the gradient, whose scale is the
+# loss's: large-batch recipes reach lr ~3-10.
+MAX_LR = {name: kind.max_lr for name, kind in OPTIMIZERS.items()}
+# The optimizers' names, as the plan's ``optimizer.name`` takes them (the registry's order).
+OptimizerName = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
+Fraction = Annotated[float, Field(ge=0, lt=1)]
 
 # The largest AdamW epsilon: eps is added to the root of the second moment, so a step moves a
 # weight by about lr * gradient / eps once eps outweighs the gradient's scale; recipes use
@@ -163,27 +174,39 @@ class ScheduleConfig(Section):
 
 
 class OptimizerConfig(Section):
-    """The optimizer, applied to each rank's shard of the parameters."""
+    """The optimizer, applied to each rank's shard of the parameters. Each optimizer reads its
+    own fields (as torch.optim names them; :mod:`zerocc.compiler.plan.optimizers` lists which)
+    beside name, lr, grad_clip and schedule: a field of another optimizer is an error, and a
+    field left out takes torch's default for this optimizer."""
 
-    name: Literal["adamw", "sgd"] = Field("adamw", description="optimizer, as torch.optim names it")
+    name: OptimizerName = Field(
+        "adamw",
+        description="optimizer, as torch.optim names it (lowercase): "
+        + ", ".join(OPTIMIZERS)
+        + "; lion is Chen et al.'s (2023), not in torch.optim",
+    )
     lr: float = Field(
         1e-3,
         gt=0,
-        description="learning rate, > 0 and at most 1 for adamw (its step moves each weight by "
-        "about lr, whatever the gradient's scale: lr > 1 is a typo such as 1e3 for 1e-3) or 10 "
-        "for sgd (its step is lr times the gradient; large-batch recipes reach ~3-10)",
+        description="learning rate, > 0 and at most 10 for sgd (its step is lr times the "
+        "gradient; large-batch recipes reach ~3-10) or 1 for the others (their step moves each "
+        "weight by about lr, whatever the gradient's scale: lr > 1 is a typo such as 1e3 for "
+        "1e-3); default torch's: 1e-3, 1e-2 for adagrad and rmsprop, 2e-3 for nadam and adamax, "
+        "1e-4 for lion",
         json_schema_extra={"maximum": max(MAX_LR.values())},
     )
     betas: tuple[Beta, Beta] = Field(
         (0.9, 0.999),
-        description="AdamW betas, each in [0, 1) (a moment that keeps all of its past never "
-        "forgets its first gradient)",
+        description="adamw, adam, nadam, radam, adamax, lion: the moments' betas, each in "
+        "[0, 1) (a moment that keeps all of its past never forgets its first gradient); lion's "
+        "default (0.9, 0.99)",
     )
     eps: float = Field(
         1e-8,
         ge=FP32_TINY,
         le=MAX_EPS,
-        description="AdamW epsilon, added to the denominator; at least the smallest normal fp32 "
+        description="adamw, adam, adagrad, rmsprop, nadam, radam, adamax: epsilon, added to the "
+        "denominator (default 1e-8; adagrad's 1e-10); at least the smallest normal fp32 "
         "number (1.2e-38): below it, it is a subnormal that GPU kernels flush to 0 (or 0 "
         "itself), and a weight whose gradient is 0 becomes NaN (0/0); at most 1: the step is "
         "about lr * gradient / eps once eps outweighs the gradients, and shrinks toward nothing "
@@ -192,15 +215,47 @@ class OptimizerConfig(Section):
     weight_decay: float = Field(
         0.0,
         ge=0,
-        description="decoupled weight decay (AdamW) or L2 (SGD); each step multiplies the "
-        "weights by 1 - lr * weight_decay, so lr * weight_decay must be < 1",
+        description="every optimizer: decoupled weight decay (adamw, lion; nadam and radam "
+        "with decoupled_weight_decay) or L2 (the others); each step multiplies the weights by "
+        "about 1 - lr * weight_decay, so lr * weight_decay must be < 1",
     )
-    momentum: float = Field(
+    momentum: Fraction = Field(
         0.0,
-        ge=0,
-        lt=1,
-        description="SGD momentum (sgd only), in [0, 1): at 1 or above the momentum buffer "
-        "never decays and the steps grow without bound",
+        description="sgd, rmsprop: momentum, in [0, 1): at 1 or above the momentum buffer "
+        "never decays and the steps grow without bound (0: no buffer is kept)",
+    )
+    dampening: Fraction = Field(
+        0.0, description="sgd: dampening of the momentum, in [0, 1) (torch's default 0)"
+    )
+    nesterov: bool = Field(
+        False, description="sgd: Nesterov momentum (needs momentum > 0 and dampening 0)"
+    )
+    amsgrad: bool = Field(
+        False, description="adam: AMSGrad, keeping the largest second moment (one more state)"
+    )
+    lr_decay: float = Field(
+        0.0, ge=0, description="adagrad: the rate is lr / (1 + (step - 1) * lr_decay)"
+    )
+    initial_accumulator_value: float = Field(
+        0.0, ge=0, description="adagrad: the sum of squared gradients starts at this value"
+    )
+    alpha: Fraction = Field(
+        0.99,
+        description="rmsprop: smoothing of the squared-gradient average, in [0, 1) (at 1 the "
+        "average never moves from 0)",
+    )
+    centered: bool = Field(
+        False,
+        description="rmsprop: divide by the gradient's variance estimate (keeps the gradient's "
+        "average too: one more state)",
+    )
+    momentum_decay: float = Field(
+        4e-3, ge=0, description="nadam: the momentum's decay (torch's psi, default 4e-3)"
+    )
+    decoupled_weight_decay: bool = Field(
+        False,
+        description="nadam, radam: weight decay decoupled as AdamW's (NAdamW, RAdamW) instead "
+        "of L2",
     )
     grad_clip: float | None = Field(
         None,
@@ -240,10 +295,8 @@ class OptimizerConfig(Section):
                 f"subnormal that kernels flush to 0, and nothing trains; {allowed}"
             )
         if value > largest:
-            why = {
-                "adamw": "an AdamW step moves each weight by about lr",
-                "sgd": "an SGD step is lr times the gradient",
-            }.get(name, "lr bounds the size of a step")
+            kind = OPTIMIZERS.get(name)
+            why = kind.lr_why if kind is not None else "lr bounds the size of a step"
             raise ValueError(
                 f"{show(lr)} is too large: {why}; {allowed} (a dropped minus sign, as in 1e3 "
                 "for 1e-3?)"
@@ -286,12 +339,52 @@ class OptimizerConfig(Section):
             )
         return self
 
-    @field_validator("momentum")
+    @model_validator(mode="before")
     @classmethod
-    def _momentum_is_sgd_only(cls, momentum: float, info: ValidationInfo) -> float:
-        name = info.data.get("name")
-        if momentum != 0 and name == "adamw":
-            raise ValueError(
-                f"momentum {momentum} applies to sgd only; set optimizer.name: sgd or drop momentum"
+    def _defaults_of_this_optimizer(cls, data: Any) -> Any:
+        # The fields left out take torch's defaults for this optimizer (Adagrad's lr 1e-2 and
+        # eps 1e-10, Lion's betas (0.9, 0.99), ...), before the fields are checked.
+        if not isinstance(data, dict):
+            return data
+        name = data.get("name", "adamw")
+        kind = OPTIMIZERS.get(name) if isinstance(name, str) else None
+        return data if kind is None else {**kind.defaults, **data}
+
+    @model_validator(mode="after")
+    def _fields_of_this_optimizer(self) -> OptimizerConfig:
+        # A field of another optimizer would be ignored: an error naming this one's fields.
+        stray = stray_fields(self.name, set(self.model_fields_set))
+        if stray:
+            readers = "; ".join(
+                f"{f} is read by {', '.join(readers_of(f))}" for f in stray if readers_of(f)
             )
-        return momentum
+            raise ValueError(
+                f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to "
+                f"{self.name}; it reads {', '.join((*COMMON_FIELDS[1:], *self.kind.fields))}"
+                + (f" ({readers})" if readers else "")
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _only_fields_of_this_optimizer(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # A dumped plan loads again: the other optimizers' fields would be errors there.
+        keep = {*COMMON_FIELDS, *self.kind.fields}
+        return {k: v for k, v in handler(self).items() if k in keep}
+
+    @property
+    def kind(self) -> OptimizerKind:
+        """This optimizer's registry entry: its fields, states and step count."""
+        return OPTIMIZERS[self.name]
+
+    def hyper(self) -> dict[str, Any]:
+        """This optimizer's own fields and their values (beside lr, grad_clip, schedule)."""
+        return {f: getattr(self, f) for f in self.kind.fields}
+
+    @model_validator(mode="after")
+    def _nesterov_has_momentum(self) -> OptimizerConfig:
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError(
+                f"nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD), not momentum "
+                f"{self.momentum:g} and dampening {self.dampening:g}"
+            )
+        return self
