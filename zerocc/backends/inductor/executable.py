@@ -45,6 +45,7 @@ from zerocc.backends.inductor.generated_calls import GeneratedCalls, calls_in
 from zerocc.backends.inductor.lowered_ops import running
 from zerocc.backends.inductor.region_keys import region_key
 from zerocc.backends.inductor.regions import Region, find_regions, outline
+from zerocc.backends.inductor.vec_isa import first_valid_isa_only
 from zerocc.backends.inductor.whole import compile_whole, unsupported
 from zerocc.engine import RuntimeContext
 from zerocc.engine.failures import first_line
@@ -221,7 +222,12 @@ class InductorExecutable(EagerExecutable):
         example = example_inputs([val(n) for n in placeholders(program)])
         start = time.perf_counter()
         try:
-            with rounding_as_eager(), quiet(FAKE_KERNELS), loaded_modules() as loaded:
+            with (
+                rounding_as_eager(),
+                first_valid_isa_only(),
+                quiet(FAKE_KERNELS),
+                loaded_modules() as loaded,
+            ):
                 self.compiled_whole = compile_whole(program, example, _numerics())
         except Exception as exc:  # Inductor rejected it: compiled region by region instead
             self.whole_note = f"{type(exc).__name__}: {first_line(exc)[:200]}"
@@ -261,6 +267,7 @@ class InductorExecutable(EagerExecutable):
             with (
                 config.patch(_numerics()),
                 rounding_as_eager(),
+                first_valid_isa_only(),
                 quiet(FAKE_KERNELS),
                 loaded_modules() as loaded,
             ):
