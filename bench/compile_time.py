@@ -12,14 +12,18 @@ the commit measured (:mod:`provenance`), goes to bench/results/.
     python bench/compile_time.py [--repeat 3]
 
 ``--inductor``: the example GPT (128 wide, 4 heads, 64 tokens, batch 8; ZeRO-3, Block units,
-one rank) at each of ``--layers`` under the eager backend, ``inductor`` (the whole program as
-one graph) and ``inductor-regions`` (region by region, each distinct region, a repeated
-layer's, compiled once). Each run is its own process: the first step (capture, passes,
-compile, one step) with a fresh ``TORCHINDUCTOR_CACHE_DIR`` (cold), then again on that cache
-(warm), ``--repeat`` times; the warm runs also time ``--steps`` steps after the first (the
-median step's wall and CPU time, CPU: user + system of the process and its compile workers).
+one rank) at each of ``--layers`` under the eager backend, ``inductor-whole`` (the whole
+program as one graph) and ``inductor`` (region by region, each distinct region, a repeated
+layer's, compiled once), and, for comparison, the unsharded model under ``torch.compile``:
+``torch-whole`` (the model compiled) and ``torch-regional`` (each Block compiled, PyTorch's
+regional compilation recipe), trained by ``torch.optim.AdamW``. Each run is its own process:
+the first step (capture, passes, compile, one step) with a fresh ``TORCHINDUCTOR_CACHE_DIR``
+(cold), then again on that cache (warm), ``--repeat`` times; the warm runs also time
+``--steps`` steps after the first (the median step's wall and CPU time, CPU: user + system of
+the process and its compile workers).
 
     python bench/compile_time.py --inductor [--layers 2 8 24] [--steps 20] [--repeat 1]
+        [--backends eager inductor-whole inductor torch-whole torch-regional]
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from provenance import provenance
 
@@ -78,7 +84,8 @@ def time_command(args: list[str], plan: Path, repeat: int) -> dict[str, list[flo
     return {"cpu_s": cpu, "wall_s": wall}
 
 
-INDUCTOR_BACKENDS = ("eager", "inductor", "inductor-regions")
+INDUCTOR_BACKENDS = ("eager", "inductor-whole", "inductor", "torch-whole", "torch-regional")
+TORCH_COMPILED = ("torch-whole", "torch-regional")  # torch.compile of the unsharded model
 INDUCTOR_PLAN = {
     "zero": {"stage": 3},
     "units": {"classes": ["Block"]},
@@ -92,6 +99,29 @@ def _cpu_now() -> float:
     return own.ru_utime + own.ru_stime + _children_cpu()
 
 
+def torch_compiled_step(model: Any, backend: str) -> Callable[..., Any]:
+    """A training step of ``model`` (unsharded) under ``torch.compile``: the whole model
+    (``torch-whole``) or each of its Blocks (``torch-regional``), AdamW as the plan's."""
+    import torch
+
+    if backend == "torch-whole":
+        compiled = torch.compile(model)
+    else:
+        for block in model.transformer.h:
+            block.compile()
+        compiled = model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INDUCTOR_PLAN["optimizer"]["lr"])
+
+    def step(*batch: Any) -> Any:
+        loss = compiled(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def first_step(layers: int, backend: str, steps: int) -> dict:
     """In this process: the example GPT at ``layers`` compiled under ``backend``, its first
     step timed (wall and CPU), then ``steps`` more each timed; what the executable compiled."""
@@ -103,7 +133,10 @@ def first_step(layers: int, backend: str, steps: int) -> dict:
     batches = job.batches(0, 1)
     plan = {**INDUCTOR_PLAN, "backend": {"name": backend, "device": "cpu"}}
     wall, cpu = time.perf_counter(), _cpu_now()
-    step = zerocc.compile(job.model, plan, comm=zerocc.FakeComm(world_size=1))
+    if backend in TORCH_COMPILED:
+        step = torch_compiled_step(job.model, backend)
+    else:
+        step = zerocc.compile(job.model, plan, comm=zerocc.FakeComm(world_size=1))
     loss = float(step(*next(batches)))
     first = {"wall_s": time.perf_counter() - wall, "cpu_s": _cpu_now() - cpu}
     walls, cpus = [], []
@@ -112,7 +145,7 @@ def first_step(layers: int, backend: str, steps: int) -> dict:
         loss = float(step(*next(batches)))
         walls.append(time.perf_counter() - wall)
         cpus.append(_cpu_now() - cpu)
-    executable = step._last_program.run
+    executable = getattr(getattr(step, "_last_program", None), "run", None)
     return {
         "first": first,
         "step_wall_s": walls,
@@ -132,11 +165,11 @@ def _child(layers: int, backend: str, steps: int, cache: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def inductor_table(layers: list[int], steps: int, repeat: int) -> dict:
+def inductor_table(layers: list[int], backends: list[str], steps: int, repeat: int) -> dict:
     """Cold and warm first steps (and the warm runs' step times) per depth and backend."""
     results: dict = {}
     for depth in layers:
-        for backend in INDUCTOR_BACKENDS:
+        for backend in backends:
             runs = results.setdefault(f"{depth}/{backend}", {"cold": [], "warm": []})
             for _ in range(repeat):
                 with tempfile.TemporaryDirectory() as cache:
@@ -172,6 +205,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--inductor", action="store_true", help="the Inductor backends' table")
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 24])
+    parser.add_argument(
+        "--backends", nargs="+", default=list(INDUCTOR_BACKENDS), choices=INDUCTOR_BACKENDS
+    )
     parser.add_argument("--steps", type=int, default=20, help="steps timed after a warm start")
     parser.add_argument("--first-step", nargs=2, metavar=("LAYERS", "BACKEND"), help="(a run)")
     args = parser.parse_args()
@@ -180,7 +216,7 @@ def main() -> int:
         return 0
     measured = provenance()
     if args.inductor:
-        results = inductor_table(args.layers, args.steps, args.repeat)
+        results = inductor_table(args.layers, args.backends, args.steps, args.repeat)
         print(
             f"commit {measured['commit']}, torch {measured['torch']}, "
             f"{measured['cores']} cores, load {measured['load_average']:.2f} before"

@@ -11,7 +11,7 @@ Markers (the only place they are declared):
   with ``pytest --slow`` (or ``ZEROCC_SLOW=1``), and the default run says how many it left out.
   Keeps the default suite, what CI runs, under 20 minutes on a 2-core machine.
 
-``pytest tests/parity --backend inductor`` (or ``inductor-regions``) trains every parity case
+``pytest tests/parity --backend inductor`` (or ``inductor-whole``) trains every parity case
 that names no backend under that backend, with the tolerances tests/parity/__init__.py gives a
 compiling backend; the default is eager, the bit-identical reference, and
 tests/parity/test_inductor_parity.py holds a subset to Inductor in every run. Other tests hold
@@ -42,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--backend",
         default="eager",
-        choices=["eager", "inductor", "inductor-regions"],
+        choices=["eager", "inductor", "inductor-whole", "inductor-regions"],
         help="the backend of the parity cases that name none (default: eager)",
     )
 
@@ -118,7 +118,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(
             f"tests/parity: {len(_EAGER_PARITY)} cases, under the eager backend where a case "
             "names none (test_inductor_parity.py holds a subset to Inductor); `pytest "
-            "tests/parity --backend inductor` (or inductor-regions) trains them all under "
+            "tests/parity --backend inductor` (or inductor-whole) trains them all under "
             "Inductor, 14-50 min on 2 cores"
         )
     if _SLOW_LEFT_OUT:

@@ -38,8 +38,8 @@ def _cases(world: int) -> list[dict]:
     cases.append({**on_gpu, "stage": 3, "accum": 2})
     cases.append({**on_gpu, "stage": 2, "kernels": "triton"})  # launched, not interpreted
     cases += [{**on_gpu, "stage": s, "precision": {"param": "bf16"}} for s in (0, 3)]
-    cases += [{**on_gpu, "stage": s, "backend": "inductor"} for s in (1, 3)]  # Triton kernels
-    cases.append({**on_gpu, "stage": 3, "backend": "inductor-regions"})
+    cases += [{**on_gpu, "stage": s, "backend": "inductor-whole"} for s in (1, 3)]  # Triton kernels
+    cases.append({**on_gpu, "stage": 3, "backend": "inductor"})
     # The update on the host (the one-pass CPU kernels), its gradient copied out of the GPU, the
     # bf16 compute copy written by the update into pinned host buffers and copied back.
     cases.append({**on_gpu, "stage": 3, "offload": {"optimizer": "cpu"}})
@@ -123,7 +123,7 @@ def test_inductor_compiles_the_whole_program_or_every_region_on_the_gpu(case):
     # Triton's kernels (launched with .run) and the matmuls read off the generated code
     counted = re.search(r"\d+ calls of (\d+) generated kernels, (\d+) library", notes[0])
     assert counted and int(counted[1]) > 0 and int(counted[2]) > 0, notes
-    if case["backend"] == "inductor":
+    if case["backend"] == "inductor-whole":
         assert notes[0].startswith("inductor: the whole program compiled as one graph"), notes
 
 

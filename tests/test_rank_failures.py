@@ -366,7 +366,7 @@ def _slow_compile(
 # (Inductor's lowering waited for as the eager one is: the same agreement, a longer compile)
 @pytest.mark.parametrize(
     "backend",
-    ["eager", *(pytest.param(b, marks=pytest.mark.slow) for b in ("inductor", "inductor-regions"))],
+    ["eager", *(pytest.param(b, marks=pytest.mark.slow) for b in ("inductor-whole", "inductor"))],
 )
 def test_compiling_does_not_count_against_the_timeout(backend):
     """Rank 1 traces, or Inductor compiles, for twice ``backend.timeout_s``: rank 0 waits for
@@ -393,7 +393,7 @@ def _whole_on_rank_0_only(rank: int, world: int) -> tuple[list[float], list[str]
     if rank == 1:
         executable.compile_whole = rejected
     torch.manual_seed(0)
-    plan = {"zero": {"stage": 3}, "backend": {"name": "inductor", "device": "cpu"}}
+    plan = {"zero": {"stage": 3}, "backend": {"name": "inductor-whole", "device": "cpu"}}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = zerocc.compile(torch.nn.Linear(4, 1), plan, loss_fn=lambda m, x: m(x).pow(2).mean())

@@ -213,7 +213,7 @@ def test_a_registered_name_is_not_replaced():
 
 
 def test_auto_is_inductor_by_regions_on_a_gpu_and_eager_on_a_cpu():
-    assert resolve_backend("auto", torch.device("cuda", 0)) == "inductor-regions"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "inductor"
     assert resolve_backend("auto", torch.device("cpu")) == "eager"
     assert resolve_backend("inductor", torch.device("cpu")) == "inductor"
     with pytest.raises(ValueError, match="'auto' is already registered"):

@@ -83,7 +83,7 @@ def _first_step(backend: str) -> tuple[list[str], float | None, int]:
     return step.record().backend_notes, step.loss_scale, step.skipped_steps
 
 
-@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+@pytest.mark.parametrize("backend", ["inductor-whole", "inductor"])
 def test_fp16_gradients_seeded_with_65536_overflow_as_eagers_do(mend, backend):
     """Backward is seeded with the loss scale cast to fp16: 65536 is an infinity there, so
     eager's first step overflows, is skipped and halves the scale; so must the compiled one

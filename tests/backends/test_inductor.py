@@ -1,7 +1,8 @@
-"""The Inductor backend (zerocc/backends/inductor/): the whole program compiled by TorchInductor as
-one graph (C++ on this CPU), zerocc's ops in it where the passes scheduled them; a program it
-cannot take whole compiled region by region (``inductor-regions`` always), and a region
-Inductor cannot compile runs eagerly; explain() says which.
+"""The Inductor backend (zerocc/backends/inductor/): ``inductor`` compiles each compute region
+between zerocc's ops by TorchInductor (C++ on this CPU), a repeated layer's copies once;
+``inductor-whole`` the whole program as one graph, zerocc's ops in it where the passes scheduled
+them (a program it cannot take whole compiled region by region); a region Inductor cannot
+compile runs eagerly; explain() says which.
 
 Most cases run on a simulated world of two ranks (``FakeComm``: every collective runs, as if
 each rank held this one's data), so the program holds gathers, reduce-scatters and waits.
@@ -64,7 +65,7 @@ def _assert_close(ours: list[float], theirs: list[float]) -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_whole_program_compiles_and_trains_as_eager_does(stage):
     eager, _ = _run("eager", stage=stage)
-    ours, step = _run("inductor", stage=stage)
+    ours, step = _run("inductor-whole", stage=stage)
     _assert_close(ours, eager)
     executable = step._last_program.run
     assert executable.compiled_whole is not None, executable.notes()
@@ -74,7 +75,7 @@ def test_the_whole_program_compiles_and_trains_as_eager_does(stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_regions_compile_and_train_as_eager_does(stage):
     eager, _ = _run("eager", stage=stage)
-    ours, step = _run("inductor-regions", stage=stage)
+    ours, step = _run("inductor", stage=stage)
     _assert_close(ours, eager)
     executable = step._last_program.run
     assert executable.compiled_whole is None and executable.whole_note is None
@@ -99,7 +100,7 @@ def test_the_whole_graph_keeps_the_passes_schedule(stage):
     """Inductor calls zerocc's ops in the program's order (its reordering for peak memory
     moved every gather of a ZeRO-3 step to the start), each wait naming its own start; the
     non-finite checks are Inductor's own kernels."""
-    _, step = _run("inductor", steps=1, stage=stage)
+    _, step = _run("inductor-whole", steps=1, stage=stage)
     executable = step._last_program.run
     assert _generated_order(executable.reports[0].code) == _scheduled(step._last_program.gm)
 
@@ -123,7 +124,7 @@ def _scheduled(program: torch.fx.GraphModule) -> list[tuple[str, str]]:
 def test_the_whole_graph_holds_no_more_gathered_units_than_the_program():
     """ZeRO-3's memory: Inductor frees each gathered unit after its last read, as the
     program's frees do, so no more units are gathered at once than the passes planned."""
-    _, step = _run("inductor", steps=1)
+    _, step = _run("inductor-whole", steps=1)
     _assert_no_more_gathered_units_than_planned(step)
 
 
@@ -139,7 +140,7 @@ def test_inductors_own_overlap_reordering_stays_off_for_zerocc():
     reorder = {"reorder_for_compute_comm_overlap": True,
                "reorder_for_compute_comm_overlap_passes": passes}  # fmt: skip
     with config.patch(reorder):
-        _, step = _run("inductor", steps=1)
+        _, step = _run("inductor-whole", steps=1)
     _assert_no_more_gathered_units_than_planned(step)
 
 
@@ -164,7 +165,7 @@ def _assert_no_more_gathered_units_than_planned(step) -> None:
     assert 0 < most <= planned
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor", "inductor-regions"])
+@pytest.mark.parametrize("backend", ["eager", "inductor-whole", "inductor"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_compiled_step_allocates_what_the_estimate_predicts(backend, stage):
     """The most tensor memory a step really holds beyond what was live before it (the
@@ -193,7 +194,7 @@ def _calibrated(backend: str) -> tuple[dict, object]:
     return calibrate(step, batches, steps=1, warmup=1, profiled=1).measured["ops"], step
 
 
-@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+@pytest.mark.parametrize("backend", ["inductor-whole", "inductor"])
 def test_calibration_times_every_op_of_a_compiled_program(backend):
     """`zerocc profile` fits its rates to each op's time, so it runs the program's eager
     binding op by op whatever the plan's backend (a compiled region is one call: by regions it
@@ -209,7 +210,7 @@ def test_calibration_times_every_op_of_a_compiled_program(backend):
 
 
 def test_regions_keep_zerocc_ops_in_their_scheduled_order_and_hold_none():
-    _, step = _run("inductor-regions", steps=1)
+    _, step = _run("inductor", steps=1)
     program, executable = step._last_program.gm, step._last_program.run
     scheduled = [op_name(n.target) for n in program.graph.nodes if _is_zerocc(n)]
     ran = [op_name(n.target) for n in executable.gm.graph.nodes if _is_zerocc(n)]
@@ -231,7 +232,7 @@ def test_random_ops_draw_what_eager_draws_in_the_whole_graph():
     without the chain the replay drew other masks and step 2's loss moved by 2e-4)."""
     recompute = {"units": "all"}
     eager, _ = _run("eager", build=tiny_gpt_dropout, recompute=recompute)
-    ours, step = _run("inductor", build=tiny_gpt_dropout, recompute=recompute)
+    ours, step = _run("inductor-whole", build=tiny_gpt_dropout, recompute=recompute)
     _assert_close(ours, eager)
     executable = step._last_program.run
     assert executable.compiled_whole is not None, executable.notes()
@@ -248,7 +249,7 @@ def test_random_ops_draw_what_eager_draws_in_the_whole_graph():
 def test_regions_leave_random_ops_to_aten_between_them():
     """By region, random ops run outside the regions, by ATen: the masks are eager's."""
     eager, _ = _run("eager", build=tiny_gpt_dropout)
-    ours, step = _run("inductor-regions", build=tiny_gpt_dropout)
+    ours, step = _run("inductor", build=tiny_gpt_dropout)
     _assert_close(ours, eager)
     executable = step._last_program.run
     regions = [n for n in executable.gm.graph.nodes if n.op == "call_module"]
@@ -266,7 +267,7 @@ def _run_kind(name: str, backend: str) -> tuple[list[float], object]:
     return [float(step(*batch(i, 0))) for i in range(3)], step
 
 
-@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+@pytest.mark.parametrize("backend", ["inductor-whole", "inductor"])
 def test_an_lstm_trains_with_its_layers_left_to_aten(backend):
     """Inductor lowers a CPU LSTM layer (aten.mkldnn_rnn_layer) as for inference, with a
     one-element workspace, and the first run stopped on the generated code's size check
@@ -283,7 +284,7 @@ def test_an_lstm_trains_with_its_layers_left_to_aten(backend):
     inner = [n for r in regions for n in getattr(executable.gm, r.target).region.graph.nodes]
     assert regions and not [n for n in inner if op_name(n.target) in rnn]
     assert all(r.fallback is None for r in executable.reports)
-    if backend == "inductor":
+    if backend == "inductor-whole":
         assert "not whole: it calls aten.mkldnn_rnn_layer in training" in step.explain()
 
 
@@ -293,7 +294,7 @@ def test_a_regions_outputs_keep_the_layout_the_next_region_was_compiled_for():
     region, compiled for stride 12, stopped on its input check. Each output is now copied into
     its program layout where Inductor changed it."""
     eager, _ = _run_kind("gru", "eager")
-    ours, step = _run_kind("gru", "inductor-regions")
+    ours, step = _run_kind("gru", "inductor")
     _assert_close(ours, eager)
     assert all(r.fallback is None for r in step._last_program.run.reports)
 
@@ -307,7 +308,7 @@ def test_a_program_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", rejects)
     eager, _ = _run("eager")
-    ours, step = _run("inductor")
+    ours, step = _run("inductor-whole")
     assert ours == eager  # every region eager: the eager backend's numbers, to the bit
     eager_lines = [n for n in step._last_program.run.notes() if "run eagerly" in n]
     assert len(eager_lines) == 1 and "RuntimeError: no C++ compiler found" in eager_lines[0]
@@ -317,7 +318,7 @@ def test_a_program_inductor_rejects_runs_eagerly_and_explain_says_so(monkeypatch
 
 @pytest.mark.parametrize(
     "backend, build",
-    [("inductor", tiny_gpt), ("inductor-regions", tiny_gpt), ("inductor", tiny_gpt_dropout)],
+    [("inductor-whole", tiny_gpt), ("inductor", tiny_gpt), ("inductor-whole", tiny_gpt_dropout)],
 )
 def test_a_second_launch_finds_what_it_compiles_in_inductors_caches(backend, build):
     """The whole graph, or each region, is compiled with a shape environment, so Inductor's
@@ -337,7 +338,7 @@ def test_a_second_launch_finds_what_it_compiles_in_inductors_caches(backend, bui
     assert not cache["autograd_cache_miss"] and not cache["autograd_cache_bypass"], dict(cache)
 
 
-@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+@pytest.mark.parametrize("backend", ["inductor-whole", "inductor"])
 def test_the_dumps_hold_the_generated_code(backend):
     _, step = _run(backend, steps=1)
     files = step.record().backend_artifacts
@@ -351,7 +352,7 @@ def test_the_dumps_hold_the_generated_code(backend):
             assert f"as {region.same_as}: compiled" in row
 
 
-@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+@pytest.mark.parametrize("backend", ["inductor-whole", "inductor"])
 def test_the_dumps_measure_the_compiled_step_as_it_ran(backend, tmp_path, monkeypatch):
     """The dumps' profiled step runs op by op on the eager binding, not the backend's code:
     the step after it runs that code under torch.profiler (its trace holds Inductor's compiled
@@ -382,7 +383,7 @@ def test_the_dumps_measure_the_compiled_step_as_it_ran(backend, tmp_path, monkey
     assert "measured as" in section and "backend/trace.json" in section
 
 
-@pytest.mark.parametrize("backend", ["inductor", "inductor-regions"])
+@pytest.mark.parametrize("backend", ["inductor-whole", "inductor"])
 def test_the_dumps_count_what_the_generated_code_calls(backend):
     """Each region's row and the totals: zerocc's ops as the program holds them (in the whole
     graph; none in a region, they run between), attention left to ATen, once a layer each way,
@@ -390,7 +391,7 @@ def test_the_dumps_count_what_the_generated_code_calls(backend):
     _, step = _run(backend, steps=1)
     program, executable = step._last_program.gm, step._last_program.run
     calls = sum((r.calls for r in executable.reports), GeneratedCalls())
-    if backend == "inductor":
+    if backend == "inductor-whole":
         assert calls.zerocc == Counter(op for op, _ in _scheduled(program))
     else:
         assert not calls.zerocc

@@ -31,7 +31,7 @@ def _gpt(layers: int) -> GPT:
     return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=layers, n_head=2, n_embd=16))
 
 
-def _compiled(layers: int, backend: str = "inductor-regions", steps: int = 2):
+def _compiled(layers: int, backend: str = "inductor", steps: int = 2):
     """The losses of ``steps`` steps, the executable, and how many graphs went to compile_fx."""
     import torch._inductor.compile_fx as compile_fx_module
 
@@ -79,8 +79,18 @@ def test_the_graphs_compiled_do_not_grow_with_the_layers():
         assert abs(loss - expected) <= TOL * abs(expected), (i, loss, expected)
 
 
+def test_inductor_is_the_per_layer_form_and_the_whole_graph_keeps_a_name():
+    """``backend.name: inductor`` compiles by region (it was the whole graph, now
+    ``inductor-whole``); ``inductor-regions``, its name before, is the same form."""
+    from zerocc.backends import get_backend
+    from zerocc.backends import inductor as backend
+
+    assert get_backend("inductor") is get_backend("inductor-regions") is backend.compile
+    assert get_backend("inductor-whole") is backend.compile_whole
+
+
 def test_the_whole_program_is_one_graph():
-    _, executable, compiled = _compiled(2, backend="inductor", steps=1)
+    _, executable, compiled = _compiled(2, backend="inductor-whole", steps=1)
     assert executable.compiled_whole is not None
     assert compiled == executable.compilations == 1
 

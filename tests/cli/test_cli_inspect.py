@@ -224,7 +224,7 @@ def test_estimate_table_has_a_step_time_row(capsys):
 
 
 @pytest.mark.parametrize(
-    ("backend", "compiled"), [("inductor", "whole"), ("inductor-regions", "region_")]
+    ("backend", "compiled"), [("inductor-whole", "whole"), ("inductor", "region_")]
 )
 def test_lowered_shows_what_inductor_compiled_and_writes_its_code(
     capsys, tmp_path, backend, compiled

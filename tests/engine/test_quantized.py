@@ -109,7 +109,9 @@ CASES = {
     "fp32": _plan("none"),
     "int8": _plan("int8"),
     "fp8": _plan("fp8"),
-    "both-int8-inductor": _plan("int8", "int8", backend={"device": "cpu", "name": "inductor"}),
+    "both-int8-inductor": _plan(
+        "int8", "int8", backend={"device": "cpu", "name": "inductor-whole"}
+    ),
     "bf16": _plan("none", precision={"param": "bf16"}),
     "bf16-int8": _plan("int8", precision={"param": "bf16"}),
     "grads-int8": _plan("none", "int8"),

@@ -111,7 +111,14 @@ CASES = [
 # Each stage program lowered by Inductor (C++ on a CPU), region by region: the compute between
 # the sends, receives and kept tensors compiled (`pytest tests/parity --backend inductor` holds
 # every case to it). Tolerance as tests/parity/test_inductor_parity.py's fp32 cases.
-INDUCTOR = {"model": "gpt4", "stage": 2, "world": 2, "pp": 2, "accum": 2, "backend": "inductor"}
+INDUCTOR = {
+    "model": "gpt4",
+    "stage": 2,
+    "world": 2,
+    "pp": 2,
+    "accum": 2,
+    "backend": "inductor-whole",
+}
 CASES.append(INDUCTOR)
 
 

@@ -63,7 +63,7 @@ CASES = [
     # ... its experts on each rank's chunk of the sequence: their gradients summed over tp
     {"model": "mixtral_no_router_loss", "stage": 2, "world": 4, "tp": 2, "sp": True},
     # Inductor's whole graph (its fp32 tolerance is the same, see test_inductor_parity.py)
-    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "backend": "inductor"},
+    {"model": "gpt", "stage": 3, "world": 4, "tp": 2, "sp": True, "backend": "inductor-whole"},
     # dropout inside the split attention, drawn by key: each rank keeps its heads' part of
     # the mask one process draws (zerocc/compiler/parallel/split_draws.py); recomputed
     {"model": "gpt_dropout", "stage": 3, "world": 4, "tp": 2, "keyed": True,
@@ -85,7 +85,7 @@ def test_tensor_parallelism_matches_unsharded_training(case):
 
 
 def test_inductor_compiles_a_tensor_parallel_step_as_one_graph():
-    case = next(c for c in CASES if c.get("backend") == "inductor")
+    case = next(c for c in CASES if c.get("backend") == "inductor-whole")
     notes = _results()[0][case_id(case)]["backend_notes"]
     assert any("whole program compiled as one graph" in n for n in notes), notes
 

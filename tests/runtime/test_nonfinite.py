@@ -132,9 +132,14 @@ CONFIGS = [  # (config, poison)
     ),
     # The whole program compiled by Inductor, the checks its own kernels (min/max reductions
     # that must propagate a NaN as ATen's do).
-    ({"stage": 3, "backend": "inductor"}, float("nan")),
+    ({"stage": 3, "backend": "inductor-whole"}, float("nan")),
     (
-        {"stage": 2, "precision": {"param": "bf16"}, "optimizer": CLIPPED, "backend": "inductor"},
+        {
+            "stage": 2,
+            "precision": {"param": "bf16"},
+            "optimizer": CLIPPED,
+            "backend": "inductor-whole",
+        },
         float("-inf"),
     ),
 ]

@@ -8,7 +8,10 @@ device). The executable owns its runtime state (what is in flight); interpreting
 node by node runs the same computation (profiling, calibration and dumps do). ``eager`` is the
 reference; another backend registers itself with :func:`register_backend` and is chosen by a
 plan's ``backend.name``. ``auto`` is no backend of its own: :func:`resolve_backend` makes it
-``inductor-regions`` on a GPU and ``eager`` on a CPU, as measured (BENCHMARKS.md).
+``inductor`` on a GPU and ``eager`` on a CPU, as measured (BENCHMARKS.md). ``inductor`` compiles
+each distinct compute region once (a repeated layer's copies share one), ``inductor-whole`` the
+whole program as one graph; ``inductor-regions`` is ``inductor``'s name before it was the
+default.
 """
 
 from __future__ import annotations
@@ -58,15 +61,16 @@ class Executable(Protocol):
 Backend = Callable[[fx.GraphModule, Sequence[Any], RuntimeContext], Executable]
 BACKENDS: dict[str, Backend] = {
     "eager": eager.compile,
-    "inductor": inductor.compile,
-    "inductor-regions": inductor.compile_regions,
+    "inductor": inductor.compile,  # per region, once per repeated layer
+    "inductor-regions": inductor.compile,  # (its name before it was inductor's form)
+    "inductor-whole": inductor.compile_whole,
 }
 AUTO = "auto"
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """The backend ``backend.name: name`` runs on ``device``; any name but ``auto`` is itself.
-    ``auto`` picks what was measured: on a GPU ``inductor-regions``, whose Triton kernels took
+    ``auto`` picks what was measured: on a GPU ``inductor`` (by region), whose Triton kernels took
     0.94× the eager backend's step (355M GPT, world size 1, one H100), as fast as the whole
     graph (86.1 against 86.6 ms), which took 76 s to compile cold (the regions 33 s, after it:
     some of its kernels cached). At world size 1 no collective splits the compute, so both
@@ -75,7 +79,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
     whole or by region, within the noise, for a first compile of half a minute."""
     if name != AUTO:
         return name
-    return "inductor-regions" if device.type == "cuda" else "eager"
+    return "inductor" if device.type == "cuda" else "eager"
 
 
 def register_backend(name: str, backend: Backend) -> None:

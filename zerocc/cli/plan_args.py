@@ -20,7 +20,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--backend", metavar="NAME",
-        help="the plan's backend.name: eager, inductor, inductor-regions or auto",
+        help="the plan's backend.name: eager, inductor, inductor-whole or auto",
     )  # fmt: skip
     parser.add_argument(
         "--data", metavar="PATH",

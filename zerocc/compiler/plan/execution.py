@@ -47,10 +47,11 @@ class BackendConfig(Section):
     name: str = Field(
         "eager",
         description="the backend that runs the scheduled graph: eager (the reference, op by op), "
-        "inductor (the whole program compiled by TorchInductor as one graph, zerocc's ops in "
-        "it as scheduled: Triton on a GPU, C++ on a CPU; region by region where it cannot be "
-        "whole), inductor-regions (each compute region between zerocc's ops compiled), auto "
-        "(inductor-regions on a GPU, eager on a CPU) or one registered with "
+        "inductor (each compute region between zerocc's ops compiled by TorchInductor, a "
+        "repeated layer's once: Triton on a GPU, C++ on a CPU; inductor-regions, its name "
+        "before), inductor-whole (the whole program as one graph, zerocc's ops in it as "
+        "scheduled; region by region where it cannot be whole), auto (inductor on a GPU, "
+        "eager on a CPU) or one registered with "
         "zerocc.backends.register_backend",
     )
     kernels: Literal["auto", "torch", "fused", "one-pass", "triton"] = Field(
