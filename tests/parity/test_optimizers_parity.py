@@ -2,10 +2,15 @@
 (Lion against the paper's, tests/parity/lion.py) in one process on all ranks' batches (fp32).
 
 Tolerance 1e-5 relative, as tests/parity/test_parity.py's (the same sums of rank gradients in
-another order, a few ulps per step). Each optimizer trains the GPT at ZeRO-3 on 2 ranks in the
-default run, with the fields that give it another state or branch set (AMSGrad, centered
-RMSprop with momentum, SGD's dampening and Nesterov, Adagrad's decay and initial value, NAdam's
-and RAdam's decoupled decay), and one at 4 ranks; stages 0-2 are slow (``pytest --slow``).
+another order, a few ulps per step); the optimizers that divide by a gradient's scale take
+eps=1e-3 as its AdamW does: the GPT's key biases have noise-level gradients (the softmax does
+not see them), which an eps of 1e-8 turns into steps of lr whose direction is the noise's
+(centered RMSprop at 4 ranks: 1.1e-4 on c_attn.bias). Each optimizer trains the GPT at ZeRO-3 on
+2 ranks in the default run, with the fields that give it another state or branch set (AMSGrad,
+centered RMSprop with momentum, SGD's dampening and Nesterov, Adagrad's decay and initial value,
+NAdam's and RAdam's decoupled decay), and one at 4 ranks; stages 0-2 are slow (``pytest
+--slow``). Beside them: offload to the host (and a host update carried into the next step), a
+cosine schedule, and (slow) the Inductor backend, which runs the update as an opaque op.
 """
 
 from __future__ import annotations
@@ -25,14 +30,15 @@ OPTIMIZERS = {
     "sgd-nesterov": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True},
     "adagrad": {"name": "adagrad", "lr": 5e-2, "lr_decay": 0.01, "weight_decay": 0.01,
                 "initial_accumulator_value": 0.1},
-    "rmsprop": {"name": "rmsprop", "lr": 1e-3, "momentum": 0.5, "centered": True,
+    "rmsprop": {"name": "rmsprop", "lr": 1e-3, "eps": 1e-3, "momentum": 0.5, "centered": True,
                 "weight_decay": 0.01},
     "nadam": {"name": "nadam", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01,
               "decoupled_weight_decay": True},
     "radam": {"name": "radam", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01},
-    "adamax": {"name": "adamax", "lr": 1e-2, "weight_decay": 0.01},
+    "adamax": {"name": "adamax", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01},
     "lion": {"name": "lion", "lr": 1e-3, "weight_decay": 0.1},
 }  # fmt: skip
+COSINE = {"schedule": {"name": "cosine", "warmup_steps": 2, "total_steps": 5}}
 
 
 def _cases() -> list[dict]:
@@ -51,6 +57,19 @@ def _cases() -> list[dict]:
         for name, optimizer in OPTIMIZERS.items()
         if name != "adagrad"
     ]
+    # Offload (the update on the host, its states there), a carried host update (the step
+    # count and lr the runtime sets for it), a schedule and the whole-graph Inductor backend.
+    cases += [
+        {"model": "gpt", "stage": 3, "world": 2, "offload": {"optimizer": "cpu"},
+         "optimizer": {**OPTIMIZERS["rmsprop"], **clipped}},
+        {"model": "gpt", "stage": 3, "world": 2, "optimizer": OPTIMIZERS["nadam"],
+         "offload": {"optimizer": "cpu", "defer_updates": "next_forward"}},
+        {"model": "gpt", "stage": 2, "world": 2, "optimizer": {**OPTIMIZERS["radam"], **COSINE}},
+        {"model": "gpt", "stage": 2, "world": 2, "offload": {"optimizer": "cpu"},
+         "optimizer": OPTIMIZERS["lion"], "slow": True},
+        {"model": "gpt", "stage": 3, "world": 2, "steps": 3, "backend": "inductor",
+         "optimizer": OPTIMIZERS["adagrad"], "slow": True},
+    ]  # fmt: skip
     return cases
 
 
