@@ -3,7 +3,7 @@ and the estimate.
 
 The example GPT (8 blocks) is trained by ``zerocc.compile`` as a pipeline of ``--pp`` gloo ranks
 (ZeRO-3 inside each stage, one data-parallel rank) under each schedule, ``--microbatches`` per
-step. Each rank records its last step's actions (``PipelineStep.timeline.actions``): the time it
+step. Each rank records its last step's actions (``step.pipeline.timeline.actions``): the time it
 computed is every action's time less what it spent waiting for a neighbour's tensor. The
 measured bubble is the share of the step (first action to last, the slowest rank's) a rank did
 not compute, averaged over the ranks; the formula is GPipe's and 1F1B's ``(pp-1)/(M+pp-1)``, and
@@ -72,7 +72,7 @@ def _rank(rank: int, world: int, schedule: str, stages_per_rank: int, microbatch
         after = resource.getrusage(resource.RUSAGE_SELF)
         wall.append(time.perf_counter() - start)
         cpu.append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
-    actions = [(str(a), a.kind, b, e, waited) for a, b, e, waited in step.timeline.actions]
+    actions = [(str(a), a.kind, b, e, waited) for a, b, e, waited in step.pipeline.timeline.actions]
     return {"actions": actions, "cpu_s": cpu, "wall_s": wall}
 
 

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from zerocc.compiler.workload import Workload, load_workload, plan_relative
     from zerocc.engine.comm import Comm, FakeComm
     from zerocc.ir.keyed_draws import keyed_draws
-    from zerocc.pipeline_step import PipelineStep
     from zerocc.runtime.checkpoint.weight_files import weights_from
     from zerocc.train_step import TrainStep
 
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
 # and the command line's `--help` need no torch (issue 80).
 _LAZY = {
     "FakeComm": "zerocc.engine.comm",
-    "PipelineStep": "zerocc.pipeline_step",
     "Plan": "zerocc.compiler.plan",
     "TrainStep": "zerocc.train_step",
     "Workload": "zerocc.compiler.workload",
@@ -77,7 +75,6 @@ __all__ = [
     "LoweringWarning",
     "NotSupportedError",
     "PassOrderError",
-    "PipelineStep",
     "Plan",
     "PlanError",
     "RankMismatchError",
@@ -104,9 +101,10 @@ def compile(
     comm: Comm | None = None,
     auto: bool = False,
     example: Any = None,
-) -> TrainStep | PipelineStep:
-    """Compile the training step of ``model`` under ``plan`` (a YAML path, a dict or a Plan);
-    a plan with ``parallel.pp`` > 1 gives a :class:`~zerocc.pipeline_step.PipelineStep`.
+) -> TrainStep:
+    """Compile the training step of ``model`` under ``plan`` (a YAML path, a dict or a Plan):
+    a :class:`~zerocc.train_step.TrainStep` under every plan (a pipeline's, ``parallel.pp`` >
+    1, walks its rank's schedule of stage actions: :mod:`zerocc.runtime.pipeline_rank`).
 
     ``loss_fn(model, *batch) -> scalar`` defaults to ``model(*batch)`` (or its ``.loss``).
     The step's semantics are DDP's: every rank passes its own micro-batch, the gradient is the
@@ -124,7 +122,6 @@ def compile(
     from zerocc.compiler.plan import load_plan
     from zerocc.engine.comm import comm_from_environment
     from zerocc.inspect.plan_auto import searched_plan
-    from zerocc.pipeline_step import PipelineStep
     from zerocc.runtime.devices import join_default_group, rank_device, use_device
     from zerocc.train_step import TrainStep
 
@@ -142,8 +139,6 @@ def compile(
     try:
         if auto:
             plan, _ = searched_plan(model, plan, loss_fn, example, comm, device)
-        if plan.parallel.pp > 1:
-            return PipelineStep(model, plan, loss_fn, comm, device)
         return TrainStep(model, plan, loss_fn, comm, device)
     except BaseException:
         if made_comm:

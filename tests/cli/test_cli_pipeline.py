@@ -43,7 +43,7 @@ def test_zerocc_train_runs_a_pipeline_and_a_run_without_one_resumes_it(tmp_path)
     assert re.search(r"pipeline: rank 0 waited \d+\.\d% of the last step", out)
     assert "send 256.0KiB" in out  # 4 micro-batches × [2, 64, 128] fp32, one way
     assert f"checkpoint: {saves / 'step-00000004'}" in out
-    assert "checkpoints: 1 saved in the background" in out  # (PipelineStep.save_async)
+    assert "checkpoints: 1 saved in the background" in out  # (a pipeline's save_async)
     # what `zerocc estimate` predicts for rank 0 is what rank 0 compiled and walked
     plan = str(EXAMPLES / "zero3-pp.yaml")
     estimated = _run("estimate", plan, "--world-size", "4")

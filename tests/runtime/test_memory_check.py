@@ -322,7 +322,7 @@ def test_a_pipeline_rank_that_does_not_fit_fails_before_it_allocates(machine, al
     batch = tuple(torch.cat([b] * 4) for b in BATCH)  # 8 micro-batches of 2
     fits = zerocc.compile(build("gpt"), _pipeline_plan("1f1b"), comm=zerocc.FakeComm(2))
     machine({HOST_POOL: 1 << 40})
-    fits._build(microbatches_of(batch, 8)[0])  # (its programs: no step runs on a FakeComm)
+    fits.pipeline._build(microbatches_of(batch, 8)[0])  # (its programs: no step on a FakeComm)
     room = fits.memory().peak
     machine({HOST_POOL: room + 1})
     allocations.clear()

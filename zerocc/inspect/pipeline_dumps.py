@@ -77,18 +77,19 @@ def write_pipeline_programs(root: Path, records: dict[str, list[PassRecord]]) ->
 def write_step_run(step: Any) -> None:
     """The last step of every rank of pipeline ``step`` (a built pipeline rank's step) drawn
     beside the predicted one (a collective: see :func:`write_pipeline_run`); its programs'
-    predicted seconds are worked out once and kept in ``step.predicted_seconds``."""
+    predicted seconds are worked out once and kept in ``step.pipeline.predicted_seconds``."""
+    walk = step.pipeline  # (its rank's walk: zerocc.runtime.pipeline_rank.PipelineWalk)
     rates = rates_for(step.plan, step.device.type)
-    if step.predicted_seconds is None:
+    if walk.predicted_seconds is None:
         cost = CostModel(rates, step.comm.world_size, step.mesh)
         seconds = {key: program_seconds(p.gm, cost) if p is not None else 0.0
-                   for key, p in step.programs.items()}  # fmt: skip
-        step.predicted_seconds = seconds, program_seconds(step.update.gm, cost)
-    mine = RankStep(step.comm.rank, step.pp_rank, step.schedule.stages_of(step.pp_rank),
-                    step.timeline, *step.predicted_seconds)  # fmt: skip
+                   for key, p in walk.programs.items()}  # fmt: skip
+        walk.predicted_seconds = seconds, program_seconds(walk.update.gm, cost)
+    mine = RankStep(step.comm.rank, walk.pp_rank, walk.schedule.stages_of(walk.pp_rank),
+                    walk.timeline, *walk.predicted_seconds)  # fmt: skip
     write_pipeline_run(
         step.dump_dir, step.comm, mine, step.micro_batches, plan=step.plan, mesh=step.mesh,
-        schedule=step.schedule, rates=rates,
+        schedule=walk.schedule, rates=rates,
         explain=step.explain() if step.comm.rank == 0 else "",
     )  # fmt: skip
 

@@ -1,7 +1,8 @@
 """``zerocc estimate`` of a pipeline plan (``parallel.pp`` > 1): each pipeline rank's programs
-compiled for the world size as its :class:`zerocc.PipelineStep` would compile them, its memory
-walked over its schedule, and the step's time: each action's program simulated by the cost
-model, then the schedule simulated with those times (its bubble is what the ranks wait).
+compiled for the world size as its step would compile them
+(:mod:`zerocc.runtime.pipeline_rank`), its memory walked over its schedule, and the step's
+time: each action's program simulated by the cost model, then the schedule simulated with those
+times (its bubble is what the ranks wait).
 
 The other schedules over the same stages (the same ``stages_per_rank``) are simulated with the
 same times, so the plan's choice can be weighed: where the plan compiles a whole backward and a

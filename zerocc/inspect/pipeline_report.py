@@ -1,7 +1,8 @@
-"""What a pipeline rank reports of its step (``zerocc.PipelineStep``'s ``summary()``,
-``explain()``, ``backend_notes()``): the cut, the schedule and its measured waiting, the bytes
-sent to neighbours, the predicted memory, and what the backend made of each program. The
-step itself is :mod:`zerocc.pipeline_step`; its dumps, :mod:`.pipeline_dumps`."""
+"""What a pipeline rank reports of its step (a ``zerocc.TrainStep``'s ``summary()``,
+``explain()``, ``backend_notes()`` under ``parallel.pp`` > 1): the cut, the schedule and its
+measured waiting, the bytes sent to neighbours, the predicted memory, and what the backend made
+of each program. The rank's walk is :mod:`zerocc.runtime.pipeline_rank`; its dumps,
+:mod:`.pipeline_dumps`."""
 
 from __future__ import annotations
 
@@ -25,23 +26,33 @@ from zerocc.engine.comm import Comm
 from zerocc.runtime.pipeline import StepTimeline
 
 
+class PipelineWalkView(Protocol):
+    """What the report reads of a pipeline rank's walk once built
+    (:class:`~zerocc.runtime.pipeline_rank.PipelineWalk`)."""
+
+    schedule: PipelineSchedule
+    staged: StagedStep
+    pp_rank: int
+    microbatches: int
+    timeline: StepTimeline
+    programs: dict[tuple[int, str], Any]
+    update: Any
+    predicted_memory: PipelineMemory
+
+    def rank_of(self, stage: int) -> int: ...
+
+
 class PipelineRankView(Protocol):
-    """What the report reads of a built pipeline rank (a ``PipelineStep`` after its first
-    call)."""
+    """What the report reads of a built pipeline rank (a ``TrainStep`` under ``parallel.pp``
+    > 1 after its first call): the step's own, and its walk's (``pipeline``)."""
 
     plan: Plan
     mesh: Mesh
     comm: Comm
     device: torch.device
-    schedule: PipelineSchedule
-    staged: StagedStep
-    pp_rank: int
-    microbatches: int
+    pipeline: PipelineWalkView
     micro_batches: int
     steps: int
-    timeline: StepTimeline
-    programs: dict[tuple[int, str], Any]
-    update: Any
 
     @property
     def data_rank(self) -> int: ...
@@ -51,21 +62,20 @@ class PipelineRankView(Protocol):
     def loss_scale(self) -> float | None: ...
     @property
     def layout(self) -> StateLayout: ...
-    def memory(self) -> PipelineMemory: ...
-    def rank_of(self, stage: int) -> int: ...
 
 
 def sent_bytes(step: PipelineRankView) -> int:
     """Bytes the rank sends to other pipeline ranks per step: activations forward, gradients
     back, for each micro-batch (what goes to a stage of its own is handed over in memory)."""
+    walk = step.pipeline
     sent = [
         slot
-        for s in step.schedule.stages_of(step.pp_rank)
-        for program in (step.staged.stages[s].forward, step.staged.stages[s].backward)
+        for s in walk.schedule.stages_of(walk.pp_rank)
+        for program in (walk.staged.stages[s].forward, walk.staged.stages[s].backward)
         for slot in program.outputs
-        if slot.kind == "send" and step.rank_of(slot.peer) != step.pp_rank
+        if slot.kind == "send" and walk.rank_of(slot.peer) != walk.pp_rank
     ]
-    return step.microbatches * sum(math.prod(o.shape) * o.dtype.itemsize for o in sent)
+    return walk.microbatches * sum(math.prod(o.shape) * o.dtype.itemsize for o in sent)
 
 
 def summary(step: PipelineRankView) -> dict[str, Any]:
@@ -81,38 +91,39 @@ def summary(step: PipelineRankView) -> dict[str, Any]:
         "offload_bytes_per_step": {},
         "loss_scale": step.loss_scale,
         "skipped_steps": step.micro_batches - step.steps,
-        "pipeline_waiting_share": step.timeline.waiting_share,
-        "predicted_peak_bytes": step.memory().peak,
+        "pipeline_waiting_share": step.pipeline.timeline.waiting_share,
+        "predicted_peak_bytes": step.pipeline.predicted_memory.peak,
     }
 
 
 def explain(step: PipelineRankView) -> str:
     """What the rank runs: the cut, its schedule with the predicted bubble, the last step's
     measured waiting, its predicted memory, and what the backend made of its programs."""
+    walk = step.pipeline
     pipeline = step.plan.pipeline
     lines = [
-        f"pipeline rank {step.pp_rank} of {step.mesh.pp} (stages "
-        f"{step.schedule.stages_of(step.pp_rank)} of {step.schedule.stages}), data rank "
+        f"pipeline rank {walk.pp_rank} of {step.mesh.pp} (stages "
+        f"{walk.schedule.stages_of(walk.pp_rank)} of {walk.schedule.stages}), data rank "
         f"{step.data_rank} of {step.data_parallel}; schedule {pipeline.schedule}, "
-        f"{step.microbatches} micro-batches per step",
+        f"{walk.microbatches} micro-batches per step",
         step.mesh.describe(),
         describe_zero(step.plan.zero.stage, pipeline.gather),
         *router_loss_lines(
-            [s.forward.gm for s in step.staged.stages],
-            step.microbatches,
+            [s.forward.gm for s in walk.staged.stages],
+            walk.microbatches,
             step.data_parallel,
             pipeline=True,
         ),
         "",
         "what each stage holds and what crosses each cut",
-        step.staged.format(),
+        walk.staged.format(),
         "",
         "schedule",
-        step.schedule.format(),
+        walk.schedule.format(),
         f"measured (the last step, step {step.micro_batches}): this rank waited "
-        f"{step.timeline.waiting_share:.1%} of it for a neighbour",
+        f"{walk.timeline.waiting_share:.1%} of it for a neighbour",
         "",
-        f"memory of this rank: {step.memory().format()}",
+        f"memory of this rank: {walk.predicted_memory.format()}",
         *_backend_lines(step),
     ]
     return "\n".join(lines)
@@ -122,8 +133,9 @@ def backend_notes(step: PipelineRankView) -> dict[str, list[str]]:
     """What the backend made of each of the rank's programs, by program name (``rank0-
     stage1-F``, ``rank0-update``): compiled whole or by region, and why (the eager backend
     says nothing)."""
-    programs = {program_name(step.pp_rank, key): p for key, p in step.programs.items()}
-    programs[program_name(step.pp_rank, None)] = step.update
+    walk = step.pipeline
+    programs = {program_name(walk.pp_rank, key): p for key, p in walk.programs.items()}
+    programs[program_name(walk.pp_rank, None)] = walk.update
     return {name: p.run.notes() for name, p in programs.items() if p is not None}
 
 

@@ -4,7 +4,7 @@ The optimizer pass checks the stepping program's reduced gradient shards with
 ``zerocc.nonfinite_flags`` (one flag per unit, in update order; all-reduced when ranks hold
 slices; the offload pass splits it into one check per gradient, in the same order) and
 gates every update on their max, so such a step writes nothing on any rank. The program
-returns the flags and the gate; the TrainStep then counts the step as skipped
+returns the flags and the gate; the step runner then counts the step as skipped
 (``precision.on_nonfinite: skip``) or raises the :class:`NonFiniteError` built here (``error``).
 Every rank read the same all-reduced flags, so every rank raises at the same step.
 """
@@ -33,12 +33,11 @@ def nonfinite_units(gm: fx.GraphModule, flags: torch.Tensor) -> list[str]:
     return list(dict.fromkeys(bad))
 
 
-def nonfinite_error(
-    gm: fx.GraphModule, flags: torch.Tensor, rank: int, step: int
-) -> NonFiniteError:
+def nonfinite_error(units: list[str], rank: int, step: int) -> NonFiniteError:
     """The error of optimizer step ``step`` (1-based, skipped steps counted), naming the first
-    unit whose gradient was not finite and what state the step leaves."""
-    bad = nonfinite_units(gm, flags) or ["?"]
+    of ``units`` (those whose gradient was not finite: :func:`nonfinite_units`, over a
+    pipeline's ranks) and what state the step leaves."""
+    bad = units or ["?"]
     more = f" (and {len(bad) - 1} more: {', '.join(map(repr, bad[1:]))})" if len(bad) > 1 else ""
     return NonFiniteError(
         f"rank {rank}, step {step}: the reduced gradient of unit {bad[0]!r} holds an inf or "

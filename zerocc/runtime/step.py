@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
+from torch.distributed import DistError
 
 from zerocc.backends import resolve_backend
 from zerocc.compiler.batch import batch_from
@@ -34,14 +35,15 @@ from zerocc.compiler.driver.pass_manager import PassRecord
 from zerocc.compiler.driver.session import CompileSession
 from zerocc.compiler.materialize import weight_source
 from zerocc.compiler.parallel.mesh import Mesh
-from zerocc.compiler.passes.partition import auto_units_note
 from zerocc.compiler.plan import Plan
 from zerocc.compiler.schedule import lr_at
-from zerocc.compiler.state import DEVICE, LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
+from zerocc.compiler.state import LOSS_SCALE_SPEC, LR_SPEC, STEP_SPEC, StateLayout
 from zerocc.compiler.units import Unit
 from zerocc.engine.comm import Comm
 from zerocc.engine.failures import describe_node, failing_node
 from zerocc.engine.transfers import TransferStats
+from zerocc.engine.watchdog import PeersSilent
+from zerocc.errors import CheckpointError, NotSupportedError
 from zerocc.ir.keyed_draws import DrawKey, drawing_under
 from zerocc.ir.nodes import BATCH
 from zerocc.runtime.agreement import END_OF_DATA, Agreement, RankAgreement, has_peers
@@ -52,11 +54,12 @@ from zerocc.runtime.failures import RankHealth, run_failure
 from zerocc.runtime.loss_scale import LossScaler
 from zerocc.runtime.measure import ProfiledRun, RecorderFactory
 from zerocc.runtime.memory_check import check_model_states
-from zerocc.runtime.nonfinite import nonfinite_error
+from zerocc.runtime.nonfinite import nonfinite_error, nonfinite_units
+from zerocc.runtime.pipeline_rank import PipelineWalk, check_pipeline_supported
 from zerocc.runtime.programs import LoweredProgram, ProgramBuilder, SetupClock, batch_signature
 from zerocc.runtime.rank import to_device
-from zerocc.runtime.record import StepRecord
 from zerocc.runtime.state_store import StateStore, align_random_state
+from zerocc.runtime.step_inspection import StepInspection
 
 
 class StepObserver:
@@ -80,7 +83,7 @@ class StepObserver:
         return step()
 
 
-class StepRunner:
+class StepRunner(StepInspection):
     """Runs the compiled training step of one rank, holding what it stands on: its compile
     session, the programs built (``programs``, by batch signature), the state they bind
     (``state``, a :class:`~zerocc.runtime.state_store.StateStore`), the agreement with the
@@ -95,6 +98,8 @@ class StepRunner:
     def __init__(
         self, model: nn.Module, plan: Plan, loss_fn: LossFn | None, comm: Comm, device: torch.device
     ) -> None:
+        if plan.parallel.pp > 1:
+            check_pipeline_supported(plan)
         self.plan, self.loss_fn, self.comm, self.device = plan, loss_fn, comm, device
         self.model = model
         self.counts = StepCounts(plan.grad_accumulation)
@@ -111,31 +116,77 @@ class StepRunner:
         self.session = CompileSession.open(model, plan, comm.world_size, loss_fn)
         if self.session.float8 is not None:  # a GPU without float8 matmuls: a clear error
             self.session.float8.check_device(device)
-        # The ranks' layout: units are sharded over the `dp` group (every rank, or a shard
-        # group under hybrid sharding or tensor parallelism, made here: a collective).
+        # The ranks' layout (:class:`~zerocc.compiler.parallel.mesh.Mesh`): units are sharded
+        # over the `dp` group (every rank, or a shard group under hybrid sharding, tensor or
+        # pipeline parallelism, made here: a collective).
+        self.mesh: Mesh = self.session.mesh
+        # Every parameter and buffer of the model, whole (under tensor parallelism too).
+        self.full_model_info: ModelInfo = self.session.full_model_info
         comm.use_mesh(self.mesh)
         self.backend_name = resolve_backend(plan.backend.name, device)
         self.setup = SetupClock()
-        opened = open_context(plan, comm, device, self.layout, self.setup)
-        self.context, self.transfers = opened.context, opened.context.transfers
-        self.kernels, self.host_kernels = opened.kernels, opened.host_kernels
-        if plan.backend.check_memory:  # before anything is allocated: the states fit
-            check_model_states(self.session.model_info, self.units, self.layout, plan, comm, device)
         self.initial_weights = None if source is None else source.describe()
-        # The TrainStep owns the weights from here (``full_state_dict()`` returns them).
-        with self.setup.timed("model states"):
-            self.state = StateStore.allocate(model, self.session, comm, device, opened.nvme)
-        if self.mesh.tp > 1:
-            align_random_state(comm, self.session, device)
+        # fp16's loss scale: its counters from here (a checkpoint may load them before a
+        # pipeline's first call), its tensor the state's once that is allocated.
         self.loss_scaler: LossScaler | None = None
-        if LOSS_SCALE_SPEC.key in self.state:
-            self.loss_scaler = LossScaler.of(plan.precision, self.state[LOSS_SCALE_SPEC.key])
-        self.builder = ProgramBuilder(
-            self.session, self.context, self.agreement, self.setup, self.backend_name
-        )
+        if plan.precision.scaling != "none":
+            scale = torch.zeros((), dtype=torch.float32, device=device)
+            self.loss_scaler = LossScaler.of(plan.precision, scale)
         self.programs: dict[tuple, LoweredProgram] = {}
         self._last_program: LoweredProgram | None = None
+        # A checkpoint loaded before a pipeline's first call: read once its state exists.
+        self._resume_from: Callable[[], None] | None = None
+        # How a step runs: one program per micro-batch (None), or a pipeline rank's walk of
+        # its schedule of stage actions, then its update, per step; the pipeline's stages are
+        # cut, and its state allocated, at its first call (a batch's shapes).
+        self.pipeline = PipelineWalk(self) if plan.parallel.pp > 1 else None
+        if self.pipeline is None:
+            self._open_state(self.session)
+
+    def _open_state(
+        self, session: CompileSession, broadcast: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
+        """Open what the programs of ``session`` (the runner's, or a pipeline rank's) run on
+        and allocate the state they bind; ``broadcast`` sends rank 0's weights (default: over
+        every rank; a pipeline's, over its stage's ranks). The TrainStep owns the weights from
+        here (``full_state_dict()`` returns them)."""
+        plan, comm, device = self.plan, self.comm, self.device
+        self.session = session
+        opened = open_context(plan, comm, device, session.layout, self.setup)
+        self.context, self.transfers = opened.context, opened.context.transfers
+        self.kernels, self.host_kernels = opened.kernels, opened.host_kernels
+        if plan.backend.check_memory and self.pipeline is None:  # (a pipeline's: its schedule's)
+            check_model_states(session.model_info, session.units, session.layout, plan, comm,
+                               device)  # fmt: skip
+        with self.setup.timed("model states"):
+            self.state = StateStore.allocate(
+                self.model, session, comm, device, opened.nvme, broadcast=broadcast
+            )
+        if self.mesh.tp > 1:
+            align_random_state(comm, session, device)
+        if self.loss_scaler is not None:  # the programs read the scale from the state
+            self.loss_scaler.tensor = self.state[LOSS_SCALE_SPEC.key]
+            self.loss_scaler.tensor.fill_(self.loss_scaler.scale)
+        self.builder = ProgramBuilder(
+            session, self.context, self.agreement, self.setup, self.backend_name
+        )
         self.carried = CarriedUpdate(self.state, self.context)  # (offload.defer_updates)
+
+    def _resume(self) -> None:
+        """Read a checkpoint loaded before the state existed (a pipeline's first call)."""
+        if self._resume_from is not None:
+            resume, self._resume_from = self._resume_from, None
+            resume()
+
+    def _built(self) -> CompileSession:
+        """The session of this rank's programs; CheckpointError before a pipeline's first
+        call (its stages, and so its state, are cut on its first batch)."""
+        if self.pipeline is not None and not self.pipeline.built:
+            raise CheckpointError(
+                "a pipeline's stages are cut on its first batch: its state exists from the "
+                "first call on (a checkpoint loads before it, and saves after it)"
+            )
+        return self.session
 
     @property
     def micro_batches(self) -> int:
@@ -161,29 +212,20 @@ class StepRunner:
         return self.setup.seconds
 
     @property
-    def mesh(self) -> Mesh:
-        """The ranks' layout (:class:`~zerocc.compiler.parallel.mesh.Mesh`)."""
-        return self.session.mesh
-
-    @property
-    def full_model_info(self) -> ModelInfo:
-        """Every parameter and buffer of the model, whole (under tensor parallelism too)."""
-        return self.session.full_model_info
-
-    @property
     def units(self) -> list[Unit]:
-        """The FSDP units every program is compiled for."""
-        return self.session.units
+        """The FSDP units every program is compiled for (a pipeline rank's: its stages')."""
+        return self._built().units
 
     @property
     def layout(self) -> StateLayout:
         """The state every program binds, as the plan's passes declare it."""
-        return self.session.layout
+        return self._built().layout
 
     @property
     def data_rank(self) -> int:
-        """Which batch of each step this rank trains on: its rank, unless tensor parallelism
-        groups ranks (the ranks of a tp group must be given the same batch)."""
+        """Which batch of each step this rank trains on: its rank, unless tensor or pipeline
+        parallelism groups ranks (the ranks of a tp group, or of a pipeline, must be given the
+        same batch)."""
         return self.mesh.data_rank(self.comm.rank)
 
     @property
@@ -216,7 +258,15 @@ class StepRunner:
         step's; calibration times each collective alone on a wrapper of it); ``backend``: the
         backend to lower it with instead of the plan's (calibration times every op under
         ``eager``: a compiled region is one call, whose ops it cannot time). Given either, the
-        program is lowered again, bound to ``comm``, once: later profiles there reuse it."""
+        program is lowered again, bound to ``comm``, once: later profiles there reuse it.
+        A pipeline rank runs a schedule of stage programs: NotSupportedError (its dumps draw
+        each step's actions and bubbles instead)."""
+        if self.pipeline is not None:
+            raise NotSupportedError(
+                "profile() runs one program op by op; a pipeline rank (parallel.pp > 1) runs a "
+                "schedule of stage programs: profile with parallel.pp: 1, or set dumps.dir "
+                "(ZEROCC_DUMP_DIR) for the pipeline's measured trace"
+            )
         recorders: list[ProfiledRun] = []
 
         def recorded(program: LoweredProgram) -> ProfiledRun:
@@ -234,13 +284,36 @@ class StepRunner:
     def _step(
         self, batch: tuple, recorded: Callable[[LoweredProgram], ProfiledRun] | None = None
     ) -> torch.Tensor:
-        """One micro-batch; ``recorded(program)``, when given, makes the recorder the program
-        runs under (on an executable of its own) instead of the program's executable."""
+        """One micro-batch (a pipeline's: one step's batch); ``recorded(program)``, when given,
+        makes the recorder the program runs under (on an executable of its own) instead of
+        the program's executable."""
         self.health.check_usable()
         batch = self._on_device(batch)
         boundary = self.updates_next
         signature = batch_signature(batch)
         self.health.set_status(f"in step {self.counts.step_number}")
+        if self.pipeline is not None:  # a schedule of stage actions, then the one update
+            micro = self.pipeline.prepare(batch, signature)
+            self._set_step_inputs()
+            loss, overflow, flags = self.pipeline.walk(micro)
+        else:  # one program per micro-batch
+            loss, overflow, flags = self._program_step(batch, signature, boundary, recorded)
+        self.micro_batches += 1
+        if boundary:
+            self._account_step(overflow, flags)
+            self.health.set_status(f"after step {self.counts.step_number - 1}")
+        return loss
+
+    def _program_step(
+        self,
+        batch: tuple,
+        signature: tuple,
+        boundary: bool,
+        recorded: Callable[[LoweredProgram], ProfiledRun] | None,
+    ) -> tuple[Any, bool, torch.Tensor | None]:
+        """Run the program of ``batch``'s signature (built on its first sight): returns its
+        loss, whether its gradient was not finite (then the step wrote nothing) and its
+        per-unit flags (None where it returns none)."""
         key = (signature, boundary)
         agreement = self._propose(("next batch", signature, boundary), batch)
         program = self.programs.get(key)
@@ -262,7 +335,6 @@ class StepRunner:
         if (recorder.executable if recorder is not None else program.run).in_flight():
             raise RuntimeError("a program finished with collectives still in flight")
         self.context.payloads.check_taken()
-        self.micro_batches += 1
         self._last_program = program
         overflow, flags = False, None
         if program.returns_found_inf:
@@ -271,10 +343,21 @@ class StepRunner:
             overflow, flags = bool(found_inf), flags[0] if flags else None
         if program.carries:  # this step's update runs at the start of the next program
             self.carried.pending = None if overflow else (self.steps + 1, self.lr)
-        if boundary:
-            self._account_step(overflow, flags)
-            self.health.set_status(f"after step {self.counts.step_number - 1}")
-        return loss
+        return loss, overflow, flags
+
+    @contextlib.contextmanager
+    def _peers_named(self, where: Callable[[], str]) -> Iterator[None]:
+        """A collective or transfer of the body that fails is a peer that stopped answering:
+        the RankStoppedError naming it (``where()``: what this rank was running); the process
+        group is unusable after it. (A program's run says the op: :func:`run_failure`.)"""
+        try:
+            yield
+        except BaseException as exc:  # (gloo's lost peer: a DistError, or a RuntimeError)
+            peer = isinstance(exc, DistError | PeersSilent) or "Connection" in str(exc)
+            if self.comm.failure is None and not peer:
+                raise
+            self.comm.failure = self.comm.failure or exc
+            raise self.health.peer_failure(exc, where()) from exc
 
     def _run(
         self,
@@ -355,7 +438,10 @@ class StepRunner:
     def _propose(self, what: tuple, batch: tuple | None = None) -> Agreement:
         """Issue the ranks' agreement on the next micro-batch (see
         :meth:`~zerocc.runtime.agreement.RankAgreement.propose`): under tensor parallelism on
-        the batch's contents too, within this rank's tp group."""
+        the batch's contents too, within this rank's tp group (a pipeline's: within its
+        pipeline)."""
+        if self.pipeline is not None:
+            return self.agreement.propose(what, batch, self.data_rank, "pipeline")
         tp_group = self.data_rank if self.mesh.tp > 1 else None
         return self.agreement.propose(what, batch, tp_group)
 
@@ -379,12 +465,17 @@ class StepRunner:
         a program of its own (compiled on the first call of each batch signature, with the
         model in eval mode) gathers what forward needs and changes no state; training goes
         on as if it had not run. Collective: every rank calls it together (the ranks agree on
-        the batch first). The batch is given as to a step's call."""
+        the batch first). The batch is given as to a step's call (a pipeline's: one step's
+        batch, see :meth:`~zerocc.runtime.pipeline_rank.PipelineWalk.evaluate`)."""
         self.health.check_usable()
         batch = self._on_device(batch_from(batch, named))
         signature = batch_signature(batch)
         key = (signature, "evaluate")
         self.health.set_status(f"evaluating after step {self.counts.step_number - 1}")
+        if self.pipeline is not None:
+            with self.comm.stats.paused():  # the last step's figures stay its own
+                self.agreement.settle(self._propose(("evaluation batch", signature), batch))
+                return self.pipeline.evaluate(batch, signature)
         self.agreement.settle(self._propose(("evaluation batch", signature), batch))
         self.apply_carried_update()  # (after the agreement: under stages 1-2 it all-gathers)
         program = self.programs.get(key) or self._build(batch, boundary=False, training=False)
@@ -406,8 +497,9 @@ class StepRunner:
         when none is pending): before anything reads the weights or the optimizer states.
         Under stages 1-2 on more than one rank it all-gathers the updated shards, so every rank
         calls it together (its callers are collective: a save or load, an evaluation,
-        full_state_dict)."""
-        self.carried.apply(self.programs.values())
+        full_state_dict). (A pipeline defers no update: offload.defer_updates is refused.)"""
+        if self.pipeline is None:
+            self.carried.apply(self.programs.values())
 
     @contextlib.contextmanager
     def _stats_kept(self) -> Iterator[None]:
@@ -455,7 +547,11 @@ class StepRunner:
         if overflow and flags is not None and self.plan.precision.nonfinite == "error":
             step = self.micro_batches // self.plan.grad_accumulation
             self.micro_batches -= self.plan.grad_accumulation
-            raise nonfinite_error(self.program, flags, self.comm.rank, step)
+            if self.pipeline is not None:  # (each rank's flags name its stages' units)
+                units = self.pipeline.nonfinite_units(flags)
+            else:
+                units = nonfinite_units(self.program, flags)
+            raise nonfinite_error(units, self.comm.rank, step)
 
     @property
     def loss_scale(self) -> float | None:
@@ -488,66 +584,3 @@ class StepRunner:
         """Whether the next micro-batch is the last of its optimizer step (the one that
         updates)."""
         return (self.micro_batches + 1) % self.plan.grad_accumulation == 0
-
-    # -- inspection -------------------------------------------------------------------------
-
-    @property
-    def program(self) -> fx.GraphModule:
-        """The scheduled graph of the last program run (or built)."""
-        return self._shown_or_none_yet().gm
-
-    @property
-    def records(self) -> list[PassRecord]:
-        """What each pass did to the last program: time, ops added and removed (and the graph
-        after it where dumps keep it)."""
-        return self._shown_or_none_yet().records
-
-    @property
-    def _shown(self) -> LoweredProgram | None:
-        """The program inspection shows: the last one run, else the first one built."""
-        return self._last_program or next(iter(self.programs.values()), None)
-
-    def _shown_or_none_yet(self) -> LoweredProgram:
-        if self._shown is None:
-            raise RuntimeError("no program yet: call step(*batch) once to compile")
-        return self._shown
-
-    def record(self) -> StepRecord:
-        """A plain record of this compiled step, for inspection (:mod:`zerocc.runtime.record`)."""
-        last, first = self._shown, next(iter(self.programs), (None,))[0]
-        float8 = self.session.float8
-        return StepRecord(
-            plan=self.plan,
-            world_size=self.comm.world_size,
-            mesh=self.mesh,
-            rank=self.comm.rank,
-            device_type=self.device.type,
-            on_gloo=self.comm.on_gloo,
-            units=self.units,
-            layout=self.layout,
-            programs={b: p.gm for (sig, b), p in self.programs.items() if sig == first},
-            program=last.gm if last else None,
-            records=last.records if last else [],
-            state_bytes=self.state.bytes_by_location(),
-            loss_scale=self.loss_scale,
-            dynamic_loss_scale=bool(self.loss_scaler and self.loss_scaler.dynamic),
-            backend=self.backend_name,
-            kernels=self.kernels,
-            host_kernels=self.host_kernels,
-            backend_notes=list(
-                dict.fromkeys(note for p in self.programs.values() for note in p.notes())
-            ),
-            backend_artifacts=last.run.artifacts() if last else {},
-            steps=self.steps,
-            skipped_steps=self.skipped_steps,
-            initial_weights=self.initial_weights,
-            units_note=auto_units_note(self.session.model_info, self.plan.units.classes),
-            float8_note=float8.describe(self.device.type) if float8 is not None else None,
-            setup_seconds=dict(self.setup_seconds),
-        )
-
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of the live persistent params, grads and optimizer states of this rank on the
-        device (measured); what offload placed elsewhere is in
-        :meth:`~zerocc.runtime.state_store.StateStore.bytes_by_location`."""
-        return self.state.bytes_by_location()[DEVICE]

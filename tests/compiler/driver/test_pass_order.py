@@ -40,8 +40,8 @@ OLD_EXAMPLE_PASSES["zero3-pp.yaml"] = OLD_EXAMPLE_PASSES["zero3.yaml"]  # (later
 OLD_EXAMPLE_PASSES["70b-pp.yaml"] = OLD_EXAMPLE_PASSES["70b-tp.yaml"]  # (later)
 OLD_EXAMPLE_PASSES["405b-pp.yaml"] = OLD_EXAMPLE_PASSES["70b-tp.yaml"]  # (later)
 # Examples a whole-step compile does not inspect: a pipeline's stage programs are compiled by
-# its PipelineStep, which tests/cli/test_cli_pipeline.py trains, and by the pipeline estimate
-# (tests/inspect/test_pipeline_estimate.py), with ZEROCC_VERIFY on in CI.
+# its step's pipeline walk, which tests/cli/test_cli_pipeline.py trains, and by the pipeline
+# estimate (tests/inspect/test_pipeline_estimate.py), with ZEROCC_VERIFY on in CI.
 PIPELINE_EXAMPLES = {"zero3-pp.yaml", "70b-pp.yaml", "405b-pp.yaml"}
 
 

@@ -1,5 +1,5 @@
-"""A pipeline rank's programs, compiled without running anything (issue 47): what a
-:class:`zerocc.PipelineStep` lowers and runs, and what ``zerocc estimate`` predicts.
+"""A pipeline rank's programs, compiled without running anything (issue 47): what a pipeline's
+step (:mod:`zerocc.runtime.pipeline_rank`) lowers and runs, and what ``zerocc estimate`` predicts.
 
 The step is captured once on one micro-batch (:func:`capture_microbatch`: under tensor and
 expert parallelism in its split form, each split parameter as a rank's slice, each experts

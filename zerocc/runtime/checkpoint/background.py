@@ -166,7 +166,7 @@ def background_fits(runner: Checkpointed) -> tuple[bool, str]:
 
 
 class SavesInBackground:
-    """What a step (:class:`zerocc.TrainStep`, :class:`zerocc.PipelineStep`) offers of
+    """What a step (:class:`zerocc.TrainStep`, under every plan) offers of
     background saves; its own ``save`` and ``load`` wait for the one in flight first."""
 
     def save_async(self: Checkpointed, folder: str | Path, keep: int | None = None) -> PendingSave:

@@ -1,7 +1,7 @@
 """What a step shows checkpoints: its state and where it sits, its counters and its ranks.
 
-Both steps are checkpointed alike (:class:`zerocc.TrainStep`, and a pipeline rank's
-:class:`zerocc.PipelineStep`, which holds only its stages' units): a checkpoint names tensors
+Every step is checkpointed alike (:class:`zerocc.TrainStep`, a pipeline rank's too, which holds
+only its stages' units): a checkpoint names tensors
 by the model's names, so one saved under any mesh loads under any other.
 """
 
