@@ -283,13 +283,16 @@ def check_pipeline_memory(
     memory: PipelineMemory,
     others: dict[str, PipelineMemory],
     stages: list[int],
-    comm: Comm,
+    comm: Comm | None,
     device: torch.device,
     less_gathered: str | None = None,
     offloaded: int = 0,
+    views: Callable[[dict[str, int]], list[RankMemory]] | None = None,
 ) -> None:
     """Raise :class:`InsufficientMemoryError` on every rank when a pipeline rank's predicted
-    peak would not fit its machine (call before any state is allocated): its model states,
+    peak would not fit its machine (call before any state is allocated; ``views``: every
+    rank's figures from this rank's need, given instead of exchanged over ``comm``, as
+    `zerocc train` reads them before it launches any rank): its model states,
     what its stages keep for backward over the schedule's micro-batches, and the running
     program's transients (:mod:`zerocc.cost.pipeline_memory`). ``others``: the same rank's
     peak under each other schedule that runs its programs; ``stages``: the rank's;
@@ -304,7 +307,8 @@ def check_pipeline_memory(
         _add(need, pool, part, nbytes)
     if offloaded:
         _add(need, HOST_POOL, "model states offloaded to the host", offloaded)
-    short = _shortfalls(_exchange(comm, device, _totals(need)))
+    figures = views or partial(_exchange, comm, device)
+    short = _shortfalls(figures(_totals(need)))
     if not short:
         return
     budget = short[0].view.available.get(pool, 0)
