@@ -116,7 +116,12 @@ def test_unsupported_options_are_errors_naming_each():
     ("config", "message"),
     [
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
-        ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "L2"),
+        ({"optimizer": {"type": "OneBitAdam", "params": {}}}, "DeepSpeed's 1-bit Adam"),
+        ({"optimizer": {"type": "Lamb", "params": {}}}, "LAMB .* zerocc's are Adam, AdamW, SGD"),
+        ({"optimizer": {"type": "MuAdamW", "params": {}}}, "MuP's AdamW"),
+        ({"optimizer": {"type": "Adagrad", "params": {"betas": [0.9, 0.9]}}},
+         "not a parameter of zerocc's adagrad"),
+        ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, "amsgrad"),
         ({"scheduler": {"type": "OneCycle", "params": {}}}, "WarmupLR"),
         ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}}}, "auto"),
         ({"zero_optimization": {"stage": 5}}, "allowed: 0, 1, 2, 3"),
@@ -206,3 +211,42 @@ def test_zero_plus_int8_weights_and_gradients_map_to_quantized_collectives():
                                                     "zero_hpz_partition_size": 8}})  # fmt: skip
     assert "quantized_weights" not in plan["zero"] and "secondary_group" not in plan["zero"]
     assert sum("applies at stage 3" in o.note for o in outcomes) == 2
+
+
+@pytest.mark.parametrize(
+    ("block", "expected"),
+    [
+        ({"type": "Adam", "params": {"adam_w_mode": False, "lr": 1e-3, "amsgrad": True}},
+         {"name": "adam", "amsgrad": True}),
+        ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
+         {"name": "sgd", "nesterov": True, "momentum": 0.9}),
+        ({"type": "Adagrad", "params": {"lr": 0.01, "lr_decay": 0.1, "eps": 1e-10}},
+         {"name": "adagrad", "lr_decay": 0.1, "eps": 1e-10}),
+        ({"type": "RMSprop", "params": {"lr": 1e-3, "alpha": 0.9, "centered": True}},
+         {"name": "rmsprop", "alpha": 0.9, "centered": True}),
+        ({"type": "NAdam", "params": {"lr": 1e-3, "momentum_decay": 1e-3}},
+         {"name": "nadam", "momentum_decay": 1e-3}),
+        ({"type": "RAdam", "params": {"decoupled_weight_decay": True, "weight_decay": 0.1}},
+         {"name": "radam", "decoupled_weight_decay": True}),
+        ({"type": "Adamax", "params": {"betas": [0.8, 0.9]}},
+         {"name": "adamax", "betas": (0.8, 0.9)}),
+        ({"type": "Lion", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}},
+         {"name": "lion", "betas": (0.95, 0.98), "weight_decay": 0.1}),
+    ],
+)  # fmt: skip
+def test_deepspeeds_optimizers_map_to_the_plans(block, expected):
+    """DeepSpeed's own types and the torch.optim classes it builds by name, with their
+    parameters, as the plan's optimizers (Adam with adam_w_mode false is Adam, not AdamW)."""
+    optimizer = zerocc.load_plan({"optimizer": block}).optimizer
+    for field, value in expected.items():
+        assert getattr(optimizer, field) == value, field
+
+
+def test_the_parameters_deepspeed_maps_are_the_registrys_fields():
+    from zerocc.compiler.plan.deepspeed.optimizer import _OPTIMIZERS, _PARAMS
+    from zerocc.compiler.plan.optimizers import OPTIMIZERS
+
+    elementwise = {n for n, k in OPTIMIZERS.items() if not k.whole_tensors}
+    assert set(_OPTIMIZERS.values()) | {"adam"} == elementwise
+    for name in elementwise:
+        assert set(_PARAMS[name]) == {"lr", *OPTIMIZERS[name].fields}, name

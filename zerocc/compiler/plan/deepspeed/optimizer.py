@@ -10,56 +10,109 @@ from zerocc.compiler.plan.deepspeed.conversion import (
     number,
 )
 
+# DeepSpeed's optimizer types (its own, and torch.optim's classes, which it builds by name)
+# as the plan's optimizers; DeepSpeed's Adam is AdamW unless adam_w_mode is false.
 _OPTIMIZERS = {
     "adam": "adamw",
     "adamw": "adamw",
-    "sgd": "sgd",
     "fusedadam": "adamw",
     "cpuadam": "adamw",
+    "sgd": "sgd",
+    "adagrad": "adagrad",
+    "rmsprop": "rmsprop",
+    "nadam": "nadam",
+    "radam": "radam",
+    "adamax": "adamax",
+    "lion": "lion",
 }
+# The params each plan optimizer takes, as torch.optim names them (the plan's fields: the
+# registry's, zerocc/compiler/plan/optimizers.py, which tests/compiler/plan/test_deepspeed.py
+# holds this table to).
+_PARAMS = {
+    "adamw": ("lr", "betas", "eps", "weight_decay"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad"),
+    "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
+    "adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"),
+    "rmsprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"),
+    "nadam": ("lr", "betas", "eps", "weight_decay", "momentum_decay", "decoupled_weight_decay"),
+    "radam": ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay"),
+    "adamax": ("lr", "betas", "eps", "weight_decay"),
+    "lion": ("lr", "betas", "weight_decay"),
+}
+# DeepSpeed's types zerocc has no update for, by name, with what they are.
+_REFUSED = {
+    "onebitadam": "1-bit Adam (compressed communication)",
+    "zerooneadam": "0/1 Adam (compressed communication)",
+    "onebitlamb": "1-bit LAMB (compressed communication)",
+    "lamb": "LAMB (a trust ratio per whole tensor)",
+    "fusedlamb": "LAMB (a trust ratio per whole tensor)",
+    "muadam": "MuP's Adam (a rate per parameter shape)",
+    "muadamw": "MuP's AdamW (a rate per parameter shape)",
+    "musgd": "MuP's SGD (a rate per parameter shape)",
+    "adafactor": "Adafactor (factored moments of whole matrices)",
+    "muon": "Muon (whole matrices)",
+}
+KNOWN = "Adam, AdamW, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax and Lion"
+# Params that choose how DeepSpeed or torch runs the update, not what it computes.
+_HOW = ("adam_w_mode", "torch_adam", "fused", "set_grad_none", "foreach", "capturable",
+        "differentiable")  # fmt: skip
 
 
 def optimizer(conv: Conversion, key: str, block: Any) -> None:
-    """``optimizer``: its type (Adam and AdamW as AdamW, SGD) and parameters."""
+    """``optimizer``: its type (DeepSpeed's Adam as AdamW unless adam_w_mode is false, and the
+    torch.optim classes DeepSpeed builds by name) and its parameters."""
     if not isinstance(block, dict):
         conv.unsupported(key, block, "expected an object with 'type' and 'params'")
         return
     kind = str(block.get("type", "")).lower()
     params = block.get("params", {}) or {}
-    name = _OPTIMIZERS.get(kind)
     for option in block:
         if option not in ("type", "params"):
             conv.unsupported(
                 f"{key}.{option}", block[option], "an optimizer block holds 'type' and 'params'"
             )
+    name = _OPTIMIZERS.get(kind)
     if name is None:
-        why = f"type {block.get('type')!r}: zerocc's optimizers are Adam/AdamW (as AdamW) and SGD"
-        conv.unsupported(key, block, why)
+        what = "not an optimizer zerocc knows"
+        if kind in _REFUSED:
+            what = f"DeepSpeed's {_REFUSED[kind]}, which zerocc has not"
+        conv.unsupported(key, block, f"type {block.get('type')!r}: {what}; zerocc's are {KNOWN}")
         return
-    if kind == "adam" and params.get("adam_w_mode", True) is False:
-        why = "Adam with L2 regularization (adam_w_mode: false); zerocc's is AdamW"
-        conv.unsupported(key, block, why + " (decoupled weight decay)")
-        return
-    note = "DeepSpeed's Adam is AdamW (adam_w_mode defaults to true)" if kind == "adam" else ""
+    note = ""
+    if kind == "adam":
+        if params.get("adam_w_mode", True) is False:
+            name, note = "adam", "adam_w_mode: false, Adam with L2 regularization"
+        else:
+            note = "DeepSpeed's Adam is AdamW (adam_w_mode defaults to true)"
     conv.mapped(f"{key}.type", block.get("type"), "optimizer.name", name, note)
     for option, value in params.items():
-        sub = f"{key}.params.{option}"
-        if option in ("lr", "eps", "weight_decay") or (option == "momentum" and name == "sgd"):
-            if not conv.auto(sub, value, f"optimizer.{option}") and number(conv, sub, value):
+        _param(conv, f"{key}.params.{option}", name, option, value)
+
+
+def _param(conv: Conversion, sub: str, name: str, option: str, value: Any) -> None:
+    """One of the optimizer's params as the plan's field of the same name, when ``name`` reads
+    it."""
+    if option in _PARAMS[name]:
+        if conv.auto(sub, value, f"optimizer.{option}"):
+            return
+        if option == "betas":
+            conv.mapped(sub, value, "optimizer.betas", list(value))
+        elif option in ("nesterov", "amsgrad", "centered", "decoupled_weight_decay"):
+            if isinstance(value, bool):
                 conv.mapped(sub, value, f"optimizer.{option}", value)
-        elif option == "betas":
-            if not conv.auto(sub, value, "optimizer.betas"):
-                conv.mapped(sub, value, "optimizer.betas", list(value))
-        elif option in ("adam_w_mode", "torch_adam", "fused", "set_grad_none", "foreach"):
-            conv.ignored(sub, value, "which kernel DeepSpeed runs; zerocc's are backend.kernels")
-        elif option == "bias_correction" and value is True:
-            conv.ignored(sub, value, "zerocc's AdamW corrects the bias, as torch's")
-        elif option == "amsgrad" and value is False:
-            conv.ignored(sub, value, "off, as zerocc's AdamW")
-        elif option in ("dampening", "nesterov") and not value:
-            conv.ignored(sub, value, "off, as zerocc's SGD")
-        else:
-            conv.unsupported(sub, value, f"not supported by zerocc's {name}")
+            else:
+                conv.unsupported(sub, value, f"expected true or false, got {value!r}")
+        elif number(conv, sub, value):
+            conv.mapped(sub, value, f"optimizer.{option}", value)
+    elif option in _HOW:
+        conv.ignored(sub, value, "which kernel DeepSpeed runs; zerocc's are backend.kernels")
+    elif option == "bias_correction" and value is True:
+        conv.ignored(sub, value, f"zerocc's {name} corrects the bias, as torch's")
+    elif option in ("amsgrad", "maximize", "dampening", "nesterov") and not value:
+        conv.ignored(sub, value, f"off, as zerocc's {name}")
+    else:
+        reads = ", ".join(_PARAMS[name])
+        conv.unsupported(sub, value, f"not a parameter of zerocc's {name} (it reads {reads})")
 
 
 _SCHEDULERS = {
