@@ -31,6 +31,8 @@ from zerocc.runtime.launch import Launched, environment, launched, memory_folder
 from zerocc.runtime.nodes import Nodes
 
 if TYPE_CHECKING:
+    import torch
+
     from zerocc.compiler.driver.session import CompileSession
 
 
@@ -244,14 +246,64 @@ def _preflight(plan: Plan, args: argparse.Namespace, nodes: Nodes) -> None:
     model, _ = checked_model(plan)
     if plan.checkpoint.resume is not None:
         check_resumable(plan, model, plan.checkpoint.resume, "--resume")
-    if not plan.backend.check_memory or plan.parallel.pp > 1:
-        return  # (a pipeline's memory is its schedule's: its ranks check it)
+    if not plan.backend.check_memory:
+        return
+    if plan.parallel.pp > 1:  # (a pipeline's memory is its schedule's: each rank's walked)
+        _check_pipeline_ranks(plan, args, nodes, device)
+        return
     with warnings.catch_warnings():  # (the ranks say them, once)
         warnings.simplefilter("ignore", PlanWarning)
         session = CompileSession.open(model, plan, args.nproc * nodes.count)
     check_states_before_launch(session, plan, args.nproc, nodes.rank * args.nproc, device.type)
     if plan.checkpoint.in_memory:
         _check_snapshot_room(session, args.nproc, copies=nodes.count > 1)
+
+
+def _check_pipeline_ranks(
+    plan: Plan, args: argparse.Namespace, nodes: Nodes, device: torch.device
+) -> None:
+    """That the pipeline ranks this machine is about to start fit its memory and their GPUs':
+    each one's predicted peak over its schedule (its model states, what its stages keep for
+    backward, the running program: :mod:`zerocc.cost.pipeline_memory`), every pipeline rank
+    compiled as `zerocc estimate` compiles it (on fake tensors), in the words its ranks would
+    raise (:func:`~zerocc.runtime.memory_check.check_pipeline_memory`). The rank that needs
+    the most is checked first: where the ranks share a pool (host memory), it is short
+    whenever any is."""
+    import torch
+
+    from zerocc.compiler.plan.pipeline import less_gathered
+    from zerocc.compiler.state import DEVICE
+    from zerocc.errors import PlanWarning
+    from zerocc.inspect.pipeline_estimate import estimate_pipeline
+    from zerocc.runtime import machine_memory, nvml
+    from zerocc.runtime.machine_memory import DEVICE_POOL, HOST_POOL
+    from zerocc.runtime.memory_check import RankMemory, check_pipeline_memory, pool_of
+
+    cuda, first = device.type == "cuda", nodes.rank * args.nproc
+    free = nvml.free_bytes(list(range(args.nproc))) if cuda else {}
+    if free is None:
+        return  # (NVML cannot say: the ranks check it once started)
+    with warnings.catch_warnings():  # (the ranks say them, once)
+        warnings.simplefilter("ignore", PlanWarning)
+        estimate = estimate_pipeline(plan, args.nproc * nodes.count)
+    mesh, pool = estimate.inspection.mesh, pool_of(DEVICE, device)
+    ranks = [estimate.ranks[mesh.pp_rank(first + r)] for r in range(args.nproc)]
+    host = machine_memory.available_memory(torch.device("cpu"))[HOST_POOL]
+    figures = []
+    for r, rank in enumerate(ranks):
+        need = {pool: rank.memory.peak}
+        offloaded = rank.model_states.get("host", 0)
+        if offloaded:
+            need[HOST_POOL] = need.get(HOST_POOL, 0) + offloaded
+        available = {HOST_POOL: host, **({DEVICE_POOL: free[r]} if cuda else {})}
+        place = f"cuda:{r}" if cuda else "cpu"
+        figures.append(RankMemory(first + r, socket.gethostname(), place, need, available))
+    gathered = less_gathered(plan.zero.stage, plan.pipeline.gather)
+    for rank in sorted(ranks, key=lambda rank: -rank.memory.peak)[:1]:
+        check_pipeline_memory(
+            rank.memory, {}, rank.stages, None, device, gathered,
+            rank.model_states.get("host", 0), views=lambda _: figures,
+        )  # fmt: skip
 
 
 def _check_snapshot_room(session: CompileSession, local_ranks: int, copies: bool) -> None:
