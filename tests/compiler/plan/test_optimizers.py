@@ -145,3 +145,13 @@ def test_the_schema_lists_every_optimizer_and_its_fields():
         for field in kind.fields:
             readers = schema[field]["description"].split(":")[0]
             assert kind.name in readers or readers == "every optimizer", (kind.name, field)
+
+
+def test_a_default_filled_in_is_not_a_field_the_plan_set():
+    """torch's defaults fill the fields left out, unset: the Trainer's and Lightning's
+    arguments fill what the plan did not set, and check what it did."""
+    config = load_plan({"optimizer": {"name": "adagrad"}}).optimizer
+    assert (config.lr, config.eps) == (1e-2, 1e-10)
+    assert config.model_fields_set == {"name"}
+    given = load_plan({"optimizer": {"name": "adagrad", "lr": 1e-2}}).optimizer
+    assert given.model_fields_set == {"name", "lr"}

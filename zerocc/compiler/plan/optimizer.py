@@ -17,6 +17,7 @@ from pydantic import (
 
 from zerocc.compiler.plan.base import FP32_TINY, Section, refuse_quoted_numbers
 from zerocc.compiler.plan.messages import show
+from zerocc.compiler.plan.muon import NS_COEFFICIENTS, NS_STEPS, ParamGroup
 from zerocc.compiler.plan.optimizers import (
     COMMON_FIELDS,
     OPTIMIZERS,
@@ -256,6 +257,23 @@ class OptimizerConfig(Section):
         False,
         description="nadam, radam: weight decay decoupled as AdamW's (NAdamW, RAdamW) instead "
         "of L2",
+    )
+    ns_coefficients: tuple[float, float, float] = Field(
+        NS_COEFFICIENTS, description="muon: the Newton-Schulz polynomial's (a, b, c)"
+    )
+    ns_steps: int = Field(
+        NS_STEPS, ge=1, le=99, description="muon: Newton-Schulz steps (torch allows up to 99)"
+    )
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = Field(
+        None,
+        description="muon: each matrix's rate, lr * sqrt(max(1, rows/cols)) (original, the "
+        "default) or lr * 0.2 * sqrt(max(rows, cols)) (match_rms_adamw, Moonlight's)",
+    )
+    groups: list[ParamGroup] = Field(
+        default_factory=list,
+        description="muon: which parameters take muon and which adamw (with their own lr, "
+        "betas, eps, weight_decay), by glob; the first group a parameter matches decides; "
+        "others: 2-D hidden matrices muon, embeddings, the output head, norms, biases adamw",
     )
     grad_clip: float | None = Field(
         None,
