@@ -16,6 +16,7 @@ Per unit, the optimizer pass emits (:mod:`zerocc.compiler.passes.support.owned_u
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ SCHEMAS = {
         " float grad_scale, float momentum, bool nesterov) -> Tensor"
     ),
     "muon_orthogonalize": (
-        "muon_orthogonalize(Tensor full, Tensor rank, int[] matrices, float[] ns_coefficients,"
+        "muon_orthogonalize(Tensor full, Tensor? rank, int[] matrices, float[] ns_coefficients,"
         " int ns_steps, float eps) -> Tensor"
     ),
     "muon_apply_": (
@@ -42,6 +43,19 @@ SCHEMAS = {
     ),
 }
 OWNED_UPDATE_OPS = frozenset(SCHEMAS)
+ADJUST_LR_FNS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
+
+
+def adjusted_ratio(adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
+    """The factor Muon scales the rate by for a matrix of ``shape`` (its last two dimensions),
+    as ``torch.optim.Muon``'s ``_adjust_lr`` (``None`` is ``original``)."""
+    rows, cols = shape[-2:]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return 1.0
+
 
 for _schema in SCHEMAS.values():
     LIBRARY.define(_schema)

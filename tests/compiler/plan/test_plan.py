@@ -287,7 +287,8 @@ def test_float_fields_are_found_in_every_section():
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 @pytest.mark.parametrize("path", FLOAT_FIELDS, ids=".".join)
 def test_every_float_field_must_be_finite(path, value):
-    message = plan_error(_nested(path, [0.5, value] if path[-1] == "betas" else value))
+    tuples = {"betas": [0.5, value], "ns_coefficients": [0.5, 0.5, value]}
+    message = plan_error(_nested(path, tuples.get(path[-1], value)))
     assert ".".join(path) in message and repr(value) in message and "allowed" in message
     assert "\n" not in message  # one bad field: one line
 
@@ -522,7 +523,7 @@ def test_plan_error_is_a_zerocc_error_and_a_value_error():
 def test_schema_describes_every_property():
     schema = plan_json_schema()
     models = [schema, *schema["$defs"].values()]
-    assert len(models) == 20  # Plan and the nineteen models under it
+    assert len(models) == 21  # Plan and the twenty models under it
     for model in models:
         assert model["additionalProperties"] is False
         for name, prop in model["properties"].items():

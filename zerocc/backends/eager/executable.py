@@ -19,17 +19,20 @@ import torch
 from torch import fx
 
 from zerocc.backends.eager.ops import EagerOps
+from zerocc.backends.kernels import newton_schulz  # noqa: F401 (registers Muon's ops)
 from zerocc.engine import RuntimeContext
 from zerocc.ir.kinds import Stream
 from zerocc.ir.nodes import info
 from zerocc.ir.ops import COLLECTIVE_STARTS, TRANSFER_STARTS
+from zerocc.ir.owned_update_ops import OWNED_UPDATE_OPS
 
 STARTS = frozenset((*COLLECTIVE_STARTS, *TRANSFER_STARTS))
 # zerocc ops whose implementation is registered with their schema: the RNG ops read and set the
 # process's generator (zerocc.ir.rng, zerocc.ir.keyed_draws); a pipeline stage's transfers act
 # on the pipeline rank running the action (zerocc.runtime.pipeline).
+# Muon's owned update (zerocc.backends.kernels.newton_schulz, registered on import) too.
 IMPLEMENTED_WITH_SCHEMA = frozenset(
-    {"rng_state", "set_rng_state", "seed_draw", "send", "recv", "keep", "kept"}
+    {"rng_state", "set_rng_state", "seed_draw", "send", "recv", "keep", "kept", *OWNED_UPDATE_OPS}
 )
 
 

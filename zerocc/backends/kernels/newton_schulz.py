@@ -19,13 +19,12 @@ import math
 
 import torch
 
-from zerocc.ir.owned_update_ops import LIBRARY, MATRIX_FIELDS, implements
+from zerocc.ir.owned_update_ops import LIBRARY, MATRIX_FIELDS, adjusted_ratio, implements
 
 # torch.optim.Muon's defaults (Keller Jordan's coefficients, 5 steps, eps 1e-7).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
 
 def _orthogonalize_2d(
@@ -66,17 +65,6 @@ def orthogonalize(
     stack = update.reshape(-1, rows, cols)
     out = torch.stack([_orthogonalize_2d(m, coefficients, steps, eps) for m in stack])
     return out.reshape(update.shape)
-
-
-def adjusted_ratio(adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
-    """The factor Muon scales the rate by for a matrix of ``shape`` (its last two dimensions),
-    as ``torch.optim.Muon``'s ``_adjust_lr`` (``None`` is ``original``)."""
-    rows, cols = shape[-2:]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    return 1.0
 
 
 def newton_schulz_flops(shape: tuple[int, ...], steps: int = NS_STEPS) -> int:
@@ -121,7 +109,7 @@ def muon_momentum_(
 @implements("muon_orthogonalize")
 def muon_orthogonalize(
     full: torch.Tensor,
-    rank: torch.Tensor,
+    rank: torch.Tensor | None,
     matrices: list[int],
     ns_coefficients: list[float],
     ns_steps: int,
@@ -131,15 +119,15 @@ def muon_orthogonalize(
     owns, its orthogonalized update (bf16 values, exact in fp32), and zeros elsewhere: summed
     over the ranks (a reduce-scatter or an all-reduce), each matrix's comes from its owner
     alone, exactly. ``matrices``: ``MATRIX_FIELDS`` per matrix, over the unit's flat;
-    ``rank``: this rank's place in the group the owners are of; an owner of -1 means every
-    rank (one rank: nothing exchanged)."""
+    ``rank``: this rank's place in the group the owners are of (None: every matrix is this
+    rank's, nothing is exchanged); an owner of -1 is every rank."""
     out = torch.zeros(full.numel(), dtype=torch.float32, device=full.device)
-    me = int(rank.item())
+    me = -1 if rank is None else int(rank.item())
     coefficients = (ns_coefficients[0], ns_coefficients[1], ns_coefficients[2])
     width = len(MATRIX_FIELDS)
     for i in range(0, len(matrices), width):
         offset, batch, rows, cols, owner = matrices[i : i + width]
-        if owner not in (-1, me):
+        if me != -1 and owner not in (-1, me):
             continue
         numel = batch * rows * cols
         matrix = full[offset : offset + numel].view(batch, rows, cols)

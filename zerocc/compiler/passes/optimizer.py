@@ -30,6 +30,7 @@ from zerocc.compiler.parallel.dims import Spread
 from zerocc.compiler.parallel.tensor_parallel import TensorParallel
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.passes.support.gradients import solo
+from zerocc.compiler.passes.support.owned_update import emit_unit, owned_plan
 from zerocc.compiler.plan import OptimizerConfig, ZeroConfig
 from zerocc.compiler.plan.optimizers import flat_hyper
 from zerocc.compiler.state import LR_SPEC, STEP_SPEC, declare_optimizer_state
@@ -109,6 +110,7 @@ def optimizer(
     step = state_placeholder(graph, step_spec, like) if step_spec is not None else None
     lr = state_placeholder(graph, layout.get(LR_SPEC.key), like)  # the schedule's, per step
     scale = 1.0 / (ctx.mesh.data_parallel * grad_accumulation)
+    owned = owned_plan(ctx, config)  # Muon: each matrix updated whole, by the rank owning it
     # Where each unit's gradient lies in parts, as the mesh says (its shards, tp slices,
     # other stages, other experts): the checks are summed over those groups.
     sums = _Sums.of(ctx, units, zero)
@@ -146,6 +148,11 @@ def optimizer(
             # Mixed precision: update the master weights, write their compute-dtype copy.
             master = by_role[MASTER].get(u.name)
             target, copy = (master, param) if master is not None else (param, None)
+            if owned is not None:
+                emit_unit(graph, owned, zero, u, grad_shards[u.name], (target, copy),
+                          states[u.name], step, lr, (coef, found_inf), scale)  # fmt: skip
+                _after_update(graph, ctx, zero, u, param, by_role)
+                continue
             for grad in grad_shards[u.name]:
                 span = info(grad).span
                 tensors = [target, *states[u.name], copy]

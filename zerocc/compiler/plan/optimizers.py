@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerocc.compiler.plan.muon import MUON_DEFAULTS, MUON_FIELDS
+
 # The fields every optimizer reads: the optimizer's name, its peak rate, the clip and the
 # rate's schedule (the update of each applies them the same way).
 COMMON_FIELDS = ("name", "lr", "grad_clip", "schedule")
@@ -117,6 +119,16 @@ register_optimizer(OptimizerKind(
     "lion", "", ("betas", "weight_decay"), {"lr": 1e-4, "betas": (0.9, 0.99)},
     (("exp_avg", None),), False, 1.0,
     "a Lion step moves each weight by exactly lr (the sign of its update)",
+))  # fmt: skip
+
+# Muon (torch.optim.Muon, torch >= 2.9): each 2-D hidden matrix's update orthogonalized whole,
+# once, by the rank that owns it (zerocc.compiler.passes.support.owned_update); the model's
+# other parameters take AdamW (optimizer.groups), whose moments it keeps beside its momentum.
+register_optimizer(OptimizerKind(
+    "muon", "Muon", MUON_FIELDS, MUON_DEFAULTS,
+    (("momentum_buffer", None), *_MOMENTS), True, 1.0,
+    "a Muon step moves each matrix by about lr (its update is orthogonalized)",
+    whole_tensors=True,
 ))  # fmt: skip
 
 # Every field some optimizer reads beside the common ones (the plan's optimizer section has one
