@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
@@ -357,16 +358,24 @@ class OptimizerConfig(Section):
             )
         return self
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _defaults_of_this_optimizer(cls, data: Any) -> Any:
+    def _defaults_of_this_optimizer(
+        cls, data: Any, handler: ModelWrapValidatorHandler[OptimizerConfig]
+    ) -> OptimizerConfig:
         # The fields left out take torch's defaults for this optimizer (Adagrad's lr 1e-2 and
-        # eps 1e-10, Lion's betas (0.9, 0.99), ...), before the fields are checked.
-        if not isinstance(data, dict):
-            return data
-        name = data.get("name", "adamw")
+        # eps 1e-10, Lion's betas (0.9, 0.99), ...), checked as given ones are; they stay
+        # unset (model_fields_set): the Trainer's and Lightning's arguments fill what the plan
+        # did not set, and a default is no setting of the user's.
+        filled: list[str] = []
+        name = data.get("name", "adamw") if isinstance(data, dict) else None
         kind = OPTIMIZERS.get(name) if isinstance(name, str) else None
-        return data if kind is None else {**kind.defaults, **data}
+        if kind is not None:
+            filled = [f for f in kind.defaults if f not in data]
+            data = {**{f: kind.defaults[f] for f in filled}, **data}
+        config = handler(data)
+        config.__pydantic_fields_set__.difference_update(filled)
+        return config
 
     @model_validator(mode="after")
     def _fields_of_this_optimizer(self) -> OptimizerConfig:
