@@ -10,10 +10,14 @@ not see them), which an eps of 1e-8 turns into steps of lr whose direction is th
 centered RMSprop with momentum, SGD's dampening and Nesterov, Adagrad's decay and initial value,
 NAdam's and RAdam's decoupled decay), and one at 4 ranks; stages 0-2 are slow (``pytest
 --slow``). Beside them: offload to the host (and a host update carried into the next step), a
-cosine schedule, and (slow) the Inductor backend, which runs the update as an opaque op.
+cosine schedule, and (slow) AMSGrad's three states on NVMe and the Inductor backend, which runs
+the update as an opaque op.
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 from multirank import run_ranks
@@ -38,6 +42,8 @@ OPTIMIZERS = {
     "adamax": {"name": "adamax", "lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01},
     "lion": {"name": "lion", "lr": 1e-3, "weight_decay": 0.1},
 }  # fmt: skip
+NVME = Path(tempfile.gettempdir()) / "zerocc-test-nvme"
+NVME.mkdir(exist_ok=True)
 COSINE = {"schedule": {"name": "cosine", "warmup_steps": 2, "total_steps": 5}}
 
 
@@ -67,6 +73,8 @@ def _cases() -> list[dict]:
         {"model": "gpt", "stage": 2, "world": 2, "optimizer": {**OPTIMIZERS["radam"], **COSINE}},
         {"model": "gpt", "stage": 2, "world": 2, "offload": {"optimizer": "cpu"},
          "optimizer": OPTIMIZERS["lion"], "slow": True},
+        {"model": "gpt", "stage": 3, "world": 2, "optimizer": OPTIMIZERS["adam"], "slow": True,
+         "offload": {"optimizer": "nvme", "nvme_path": str(NVME), "params": "nvme"}},
         {"model": "gpt", "stage": 3, "world": 2, "steps": 3, "backend": "inductor",
          "optimizer": OPTIMIZERS["adagrad"], "slow": True},
     ]  # fmt: skip
