@@ -15,7 +15,7 @@ data (no torch): the plan package imports it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from zerocc.compiler.plan.muon import MUON_DEFAULTS, MUON_FIELDS
@@ -41,7 +41,6 @@ class OptimizerKind:
     max_lr: float  # the largest lr the plan allows (a larger one is a typo)
     lr_why: str  # what lr means for its step, said when lr is too large
     whole_tensors: bool = False  # the update needs each parameter whole (not a flat shard)
-    notes: Mapping[str, str] = field(default_factory=dict)  # field -> what it means here
 
     def states_of(self, values: Mapping[str, Any]) -> tuple[str, ...]:
         """The states kept under a plan whose fields hold ``values``."""
