@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from zerocc.compiler.parallel.dims import Spread
 from zerocc.compiler.passes.spec import PassContext, register_pass
 from zerocc.compiler.plan import PrecisionConfig, ZeroConfig
 from zerocc.compiler.state import Dtypes, declare_params
@@ -53,7 +54,7 @@ from zerocc.ir.nodes import (
     state_placeholder,
     val,
 )
-from zerocc.ir.ops import DP_GROUP, PP_GROUP, TP_GROUP, op
+from zerocc.ir.ops import op
 
 aten = torch.ops.aten
 
@@ -217,25 +218,35 @@ class _PrecisionRewriter:
                 note="unscale the reduced gradients by 1/loss_scale; 1.0 if any is inf/NaN",
                 **where,
             )
-            groups = {
-                # each rank checked its slice of the gradient; each tp rank its slices
-                DP_GROUP: self.zero.shards_optimizer and self.ctx.mesh.data_parallel > 1,
-                TP_GROUP: self.ctx.tensor_parallel is not None,
-                PP_GROUP: self.ctx.mesh.pp > 1,  # each pipeline rank checked its stages
-            }
-            for group in (g for g, sliced in groups.items() if sliced):
+            for spread in _flag_groups(self.ctx, self.zero):
                 found = emit_collective(
                     self.graph,
                     op("all_reduce_start"),
                     op("wait"),
-                    (found, group),
+                    (found, spread.group),
                     nbytes=2 * 4,
-                    note=f"all-reduce the overflow flag ({group}): every rank skips the same steps",
+                    note=f"all-reduce the overflow flag ({spread.group}): every rank skips the "
+                    "same steps",
                     **where,
                 )
         info(found).role = FOUND_INF
         output.args = ((output.args[0], found),)
         return found
+
+
+def _flag_groups(ctx: PassContext, zero: ZeroConfig) -> tuple[Spread, ...]:
+    """The groups the overflow flag is agreed over, as the mesh says where each unit's
+    gradient lies (:meth:`~zerocc.compiler.parallel.mesh.Mesh.gradient_groups`): each rank
+    checked its part of it (its shards, its tp slices, an experts unit's experts or shards on
+    the other ep ranks or replicas) and of the units it holds (its pipeline stages). The
+    groups every unit's gradient lies over in parts first, then those of some units only,
+    then those whose ranks hold other units, each once: the order every rank emits them."""
+    spreads = [ctx.mesh.gradient_groups(u.group, zero.shards_optimizer) for u in ctx.units]
+    every = [s for s in dict.fromkeys(s for spread in spreads for s in spread)]
+    common = [s for s in every if all(s in spread for spread in spreads)]
+    parts = [s for s in common if s.holds == "parts"]
+    some = [s for s in every if s not in common]
+    return (*parts, *some, *(s for s in common if s.holds == "units"))
 
 
 def _rescale_collective_bytes(gm: fx.GraphModule, ctx: PassContext) -> None:
