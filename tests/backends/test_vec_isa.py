@@ -35,9 +35,10 @@ def _forget() -> None:
 
 
 @pytest.fixture
-def probes() -> Iterator[list[str]]:
+def probes(monkeypatch, tmp_path) -> Iterator[list[str]]:
     """The ISA checks run (each passing, no compiler called), with nothing known before or
-    kept after."""
+    kept after (the verdicts kept in a cache folder of the test's own)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     checked: list[str] = []
 
     def check_build(self, code: str) -> bool:
@@ -76,3 +77,41 @@ def test_a_chosen_isa_is_left_to_torch(monkeypatch):
     real = cpu_vec_isa.valid_vec_isa_list
     with vec_isa.first_valid_isa_only():
         assert cpu_vec_isa.valid_vec_isa_list is real
+
+
+def _launch() -> object:
+    """The ISA picked as a fresh launch would (nothing known in the process)."""
+    _forget()
+    with vec_isa.first_valid_isa_only():
+        return cpu_vec_isa.pick_vec_isa()
+
+
+def test_a_second_launch_reads_the_verdict_instead_of_probing(probes):
+    """The verdict is kept in the Inductor cache folder: a second launch with the same CPU,
+    compiler and torch runs no probe and picks the same ISA, with the same BF16 verdict."""
+    first = _launch()
+    assert set(probes) == {str(first)}, probes  # (its checks: the ISA's, BF16's, VNNI's)
+    bf16 = getattr(first, "_is_avx512_bf16_supported", None)
+    if bf16 is not None:
+        first._is_avx512_bf16_supported = not bf16  # what a fresh process would not know
+    probes.clear()
+    second = _launch()
+    assert probes == []
+    assert str(second) == str(first)
+    assert getattr(second, "_is_avx512_bf16_supported", None) == bf16
+
+
+def test_another_compiler_or_a_spoilt_verdict_probes_again(probes, monkeypatch):
+    first = _launch()
+    path = vec_isa.verdict_path(cpu_vec_isa.x86_isa_checker())
+    assert os.path.isfile(path)
+    with open(path, "w") as f:
+        f.write("{not json")
+    probes.clear()
+    assert str(_launch()) == str(first) and set(probes) == {str(first)}
+    from torch._inductor import cpp_builder
+
+    monkeypatch.setattr(cpp_builder, "get_compiler_version_info", lambda compiler: "g++ 99")
+    probes.clear()
+    assert str(_launch()) == str(first) and set(probes) == {str(first)}
+    assert vec_isa.verdict_path(cpu_vec_isa.x86_isa_checker()) != path
