@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from zerocc.compiler.parallel.dims import DIMENSIONS
 from zerocc.errors import RankMismatchError
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ def rank_state_dict(runner: Checkpointed) -> dict[str, Any]:
 def load_rank_state_dict(runner: Checkpointed, sd: dict[str, Any]) -> None:
     """Restore into ``runner`` what :func:`rank_state_dict` gave (after
     ``dcp.load(sd, ...)`` filled it in): RankMismatchError when it was saved sharded otherwise
-    (world size, stage, replicas, tp) or lacks a tensor of this rank."""
+    (world size, stage, a degree of the mesh that shapes a rank's state) or lacks a tensor of
+    this rank."""
     restore_rank_counters(runner, sd)
     runner.state.load_state_dict(sd)
 
@@ -44,10 +46,11 @@ def restore_rank_counters(runner: Checkpointed, sd: dict[str, Any]) -> None:
     of ``runner``'s sharding (its tensors not yet: a pipeline has none before its first
     call)."""
     runner.apply_carried_update()  # (offload.defer_updates) none left to apply over what loads
-    # (saved before hybrid sharding, tensor or pipeline parallelism: no replicas, no split)
-    saved = {"replicate": 1, "tp": 1, "pp": 1, **sd["zerocc"]}
+    saved = {**_BEFORE_THEIR_DIMENSIONS, **sd["zerocc"]}
     for field, mine in _sharding(runner).items():
-        if saved[field] != mine:
+        # A degree a checkpoint does not record otherwise was not saved when it was written
+        # (ep, before the mesh's dimensions were saved): it loads as it did, unchecked.
+        if field in saved and saved[field] != mine:
             raise RankMismatchError(
                 f"checkpoint was saved with {field}={saved[field]}, this run has {field}={mine}"
             )
@@ -56,12 +59,18 @@ def restore_rank_counters(runner: Checkpointed, sd: dict[str, Any]) -> None:
         runner.loss_scaler.load_state_dict(saved["loss_scaler"])
 
 
+# Checkpoints written before hybrid sharding, tensor or pipeline parallelism existed: no
+# replicas, no split (the manifest's layout before each of them was saved).
+_BEFORE_THEIR_DIMENSIONS = {"replicate": 1, "tp": 1, "pp": 1}
+
+
 def _sharding(runner: Checkpointed) -> dict[str, int]:
-    """How ``runner`` shards its state: what a rank's state dict holds depends on it."""
+    """How ``runner`` shards its state: what a rank's state dict holds depends on it (the
+    world size, the stage, and the degree of every mesh dimension that shapes it, by the
+    degree's name: a new dimension is saved and checked with no change here)."""
+    degrees = runner.mesh.degrees()
     return {
         "world_size": runner.comm.world_size,
         "stage": runner.plan.zero.stage,
-        "replicate": runner.plan.zero.replicate,
-        "tp": runner.mesh.tp,
-        "pp": runner.mesh.pp,
+        **{d.degree: degrees[d.degree] for d in DIMENSIONS if d.shapes_state},
     }

@@ -132,7 +132,10 @@ class Dimension:
       (``(sizes, index) -> (sizes, index)``); ``said``: its groups in words (given the mesh's
       ``groups``), at ``said_at`` (the layout line's order);
     - ``spread``: the group over which it spreads a unit's gradient (the unit's group, whether
-      ZeRO shards the optimizer), if any.
+      ZeRO shards the optimizer), if any;
+    - ``shapes_state``: whether its degree changes what a rank's state holds (its shards,
+      slices, stages, experts): a rank's checkpoint records it and loads only under the same
+      (:mod:`zerocc.runtime.checkpoint.rank_state`).
     """
 
     name: str
@@ -145,6 +148,7 @@ class Dimension:
         lambda layout, sizes, index: (sizes, index)
     )
     spread: Callable[[MeshLayout, str, bool], Spread | None] = lambda layout, group, sharded: None
+    shapes_state: bool = True
 
     def read(self, plan: Plan) -> int:
         """The degree ``plan`` sets at :attr:`field`."""

@@ -45,4 +45,5 @@ SECONDARY_PARTITION = Dimension(
     ),
     said=_said,
     said_at=3,
+    shapes_state=False,  # a copy of forward's gather kept in the step: no state of its own
 )
