@@ -1,7 +1,8 @@
-"""Ring attention's block math, load balance and ring walk (zerocc/compiler/parallel/
-ring_attention.py, attention_blocks.py; issue 79): C ranks simulated in one process, one
-thread each, their outputs and gradients assembled over the ranks against torch's
-scaled_dot_product_attention on the whole sequence."""
+"""Context-parallel attention's block math, load balance, ring walk and all-to-all form
+(zerocc/compiler/parallel/ring_attention.py, attention_blocks.py, ulysses_attention.py; issue
+79): C ranks simulated in one process, one thread each, their outputs and gradients assembled
+over the ranks against torch's scaled_dot_product_attention on the whole sequence. The
+all-to-all form's cases are here because they share the simulated ranks and the reference."""
 
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ from zerocc.compiler.parallel.ring_attention import (
     ring_attention_backward,
     ring_attention_forward,
 )
+from zerocc.compiler.parallel.ulysses_attention import (
+    ulysses_attention_backward,
+    ulysses_attention_forward,
+)
 from zerocc.errors import PlanError
 
 # fp32 against torch's sdpa in fp32: the ring sums each row's softmax in blocks and rescales by
-# exp(lse differences), sdpa in one pass, so the two round differently. With 48 tokens and
-# head_dim 16 the two differ by at most 6.3e-7 of the largest value (measured over these cases;
-# one rank, where only the blocking differs, 4.1e-7); 1e-6 of the reference's largest
-# magnitude leaves room for that and little more: a block left out is off by ~1e-1, and one
-# block's merge weight off by one part in a million already fails 9 of these cases.
+# exp(lse differences), sdpa in one pass, so the two round differently. With 48 tokens, 4 heads
+# and head_dim 16 they differ by at most 7.9e-7 of the largest value (measured over these
+# cases, ring and all-to-all; one rank, where only the blocking differs, 4e-7). 1e-6 of the
+# reference's largest magnitude leaves room for that and little more: a block left out is off
+# by ~1e-1, and one block's merge weight off by one part in a million already fails 9 cases.
 RELATIVE = 1e-6
 
 
@@ -53,6 +58,18 @@ class SimulatedRing:
 
         return exchange
 
+    def all_to_all_of(self, rank: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        def all_to_all(sent: list[torch.Tensor]) -> list[torch.Tensor]:
+            assert len(sent) == self.cp
+            self.slots[rank] = tuple(t.clone() for t in sent)
+            self.barrier.wait()
+            received = [self.slots[s][rank] for s in range(self.cp)]  # type: ignore[index]
+            self.barrier.wait()
+            self.shifts[rank] += 1
+            return received
+
+        return all_to_all
+
     def run(self, work: Callable[[int, Callable], object]) -> list[object]:
         """``work(rank, exchange)`` on every rank at once; their results in rank order."""
         results: list[object] = [None] * self.cp
@@ -60,7 +77,7 @@ class SimulatedRing:
 
         def body(rank: int) -> None:
             try:
-                results[rank] = work(rank, self.exchange_of(rank))
+                results[rank] = work(rank, self)
             except BaseException as error:  # noqa: BLE001 - re-raised below
                 errors.append(error)
                 self.barrier.abort()
@@ -81,12 +98,16 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def ring_vs_sdpa(
-    cp: int, causal: bool, balanced: bool, key_keep: torch.Tensor | None = None
+    cp: int,
+    causal: bool,
+    balanced: bool,
+    key_keep: torch.Tensor | None = None,
+    form: str = "ring",
 ) -> dict[str, float]:
-    """The ring over ``cp`` simulated ranks against sdpa on the whole sequence: each of out,
-    dq, dk, dv's relative difference."""
+    """The ring (or the all-to-all form) over ``cp`` simulated ranks against sdpa on the whole
+    sequence: each of out, dq, dk, dv's relative difference."""
     torch.manual_seed(cp * 10 + causal)
-    batch, heads, seq, dim = 2, 3, 48, 16
+    batch, heads, seq, dim = 2, 4, 48, 16
     q, k, v = (torch.randn(batch, heads, seq, dim, requires_grad=True) for _ in range(3))
     dout = torch.randn(batch, heads, seq, dim)
     mask = None
@@ -99,19 +120,29 @@ def ring_vs_sdpa(
 
     layout = CpLayout(seq, cp, balanced)
 
-    def work(rank: int, exchange: Callable) -> tuple[torch.Tensor, ...]:
+    def work(rank: int, ring: SimulatedRing) -> tuple[torch.Tensor, ...]:
         idx = layout.token_indices(rank)
         mine = [t.detach()[:, :, idx] for t in (q, k, v)]
         keep = None if key_keep is None else key_keep[:, idx]
-        common = dict(rank=rank, layout=layout, causal=causal, exchange=exchange, key_keep=keep)
-        out, lse = ring_attention_forward(*mine, **common)
-        grads = ring_attention_backward(*mine, out, lse, dout[:, :, idx], **common)
+        common = dict(layout=layout, causal=causal, key_keep=keep)
+        if form == "alltoall":
+            common["all_to_all"] = ring.all_to_all_of(rank)
+            out, lse = ulysses_attention_forward(*mine, **common)
+            grads = ulysses_attention_backward(*mine, out, lse, dout[:, :, idx], **common)
+        else:
+            common.update(rank=rank, exchange=ring.exchange_of(rank))
+            out, lse = ring_attention_forward(*mine, **common)
+            grads = ring_attention_backward(*mine, out, lse, dout[:, :, idx], **common)
         return (out, *grads)
 
     ring = SimulatedRing(cp)
     per_rank = ring.run(work)
-    # cp-1 shifts forward, cp backward (the last carries dK/dV home); none on one rank
-    assert ring.shifts == [2 * cp - 1 if cp > 1 else 0] * cp
+    # ring: cp-1 shifts forward, cp backward (the last carries dK/dV home), none on one rank;
+    # all-to-all: 4 forward (q, k, v to heads, out back), 8 backward (5 to heads, 3 back)
+    shifts = 2 * cp - 1 if cp > 1 else 0
+    if form == "alltoall":
+        shifts = 12 + 2 * (key_keep is not None)
+    assert ring.shifts == [shifts] * cp
     assembled = [torch.empty(batch, heads, seq, dim) for _ in range(4)]
     for rank, results in enumerate(per_rank):
         for whole, part in zip(assembled, results, strict=True):
@@ -181,3 +212,28 @@ def test_balanced_ranks_do_within_5_percent_of_the_mean_work(cp: int) -> None:
     assert spread(CpLayout(4096, cp)) <= 0.05
     # Contiguous chunks: the last rank does ~2x the mean, which is what balancing fixes.
     assert spread(CpLayout(4096, cp, balanced=False)) > 0.3
+
+
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_all_to_all_equals_sdpa_on_the_whole_sequence(
+    cp: int, causal: bool, balanced: bool
+) -> None:
+    errors = ring_vs_sdpa(cp, causal, balanced, form="alltoall")
+    assert max(errors.values()) <= RELATIVE, errors
+
+
+def test_all_to_all_with_a_padding_mask_equals_sdpa() -> None:
+    keep = torch.ones(2, 48, dtype=torch.bool)
+    keep[0, 40:] = False
+    errors = ring_vs_sdpa(2, True, True, keep, form="alltoall")
+    assert max(errors.values()) <= RELATIVE, errors
+
+
+def test_all_to_all_refuses_heads_that_do_not_divide() -> None:
+    q = torch.randn(1, 3, 8, 4)
+    with pytest.raises(PlanError, match=r"3 attention heads do not divide over cp=2"):
+        ulysses_attention_forward(
+            q, q, q, layout=CpLayout(8, 2), causal=True, all_to_all=lambda parts: parts
+        )
