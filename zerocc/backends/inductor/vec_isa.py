@@ -72,8 +72,7 @@ def first_valid_isa() -> list[Any]:
     if cached is not None:
         for isa in module.supported_vec_isa_list:
             if str(isa) == cached["isa"]:
-                if hasattr(isa, "_is_avx512_bf16_supported"):  # what its bool() would set
-                    isa._is_avx512_bf16_supported = bool(cached["bf16"])
+                _known_valid(isa, bool(cached["bf16"]))
                 return [isa]
         if cached["isa"] is None:
             return []
@@ -87,6 +86,19 @@ def first_valid_isa() -> list[Any]:
     )
     _write_verdict(path, found)
     return found
+
+
+def _known_valid(isa: Any, bf16: bool) -> None:
+    """Let torch's own ``bool(isa)`` (cached per ISA; Inductor's code generation asks it
+    again) find the kept verdict: evaluated once with every check passing but BF16's, which
+    says ``bf16``, so it sets what its probes would have set and runs none."""
+    bf16_code = getattr(isa, "_avx512_bf16_code", None)
+
+    def check_build(self: Any, code: str) -> bool:
+        return bf16 if code == bf16_code else True
+
+    with mock.patch.object(type(isa), "check_build", check_build):
+        bool(isa)
 
 
 def verdict_path(advertised: list[str]) -> str:
