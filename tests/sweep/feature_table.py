@@ -24,20 +24,11 @@ from feature_cells import (  # noqa: E402
 TABLE = ROOT / "docs" / "feature-pairs.md"
 
 # Rows that fail, found by the sweep: row -> what fails (each an xfail(strict=True) case).
-KNOWN_FAILURES: dict[str, str] = {
-    "stage=0,model=gpt,pp=zero-bubble,fp8=matmul,in_memory=on": "a zero-bubble pipeline of the "
-    "GPT with float8 matmuls trains its tied embedding (transformer.wte.weight) 5.65e-4 away "
-    "from one process converted alike (bound 1e-5; its losses agree)",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 # Where rows are known to fail (the rows above and more): sets of levels no repair row holds
-# (``pp=*``: any level of pp).
-AVOID: tuple[frozenset[str], ...] = tuple(
-    frozenset(text.split(","))
-    for text in (
-        "pp=zero-bubble,fp8=matmul",
-    )
-)
+# (``pp=*``: any level of pp), each as ``frozenset("pp=*,fp8=matmul".split(","))``.
+AVOID: tuple[frozenset[str], ...] = ()
 
 
 def all_rows() -> tuple:
@@ -83,8 +74,10 @@ def table() -> str:
         f"{STEPS} steps on CPU ranks within a row below, with parity to one process training on",
         "all ranks' batches (tests/parity's oracle and tolerances; a quantized collective's first",
         "step within 1e-3, its rounding alone, the next within 5e-2, as tests/engine/",
-        "test_quantized.py holds them). Models: the example GPT, a Hugging Face Llama, a Hugging",
-        "Face Mixtral with its router loss (4 layers in a pipeline row). `checkpoint.in_memory`",
+        "test_quantized.py holds them; a float8 row's one process converted alike, summing its",
+        "gradients as the row's ranks do: tests/sweep/feature_rows.py says why). Models: the",
+        "example GPT, a Hugging Face Llama, a Hugging Face Mixtral with its router loss (4",
+        "layers in a pipeline row). `checkpoint.in_memory`",
         "acts under `zerocc train`'s launcher only: its cells hold that it changes nothing else.",
         "The default run trains the rows not marked --slow; `pytest --slow` trains them all.",
         "",
