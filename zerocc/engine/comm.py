@@ -458,8 +458,8 @@ class TorchComm(Comm):
         try:
             works = [dist.irecv(t, peer(r), group=group) for r, t in receives.items()]
             works += [dist.isend(t, peer(r), group=group) for r, t in sends.items()]
-            for work in works:
-                wait_watched(work, self.heartbeat)
+            for work in works:  # (the control group is gloo's)
+                wait_watched(work, self.heartbeat, point_to_point=True)
         except Exception as exc:
             self.failure = exc
             raise

@@ -265,13 +265,21 @@ class Heartbeat:
         return silent
 
 
-def wait_watched(work: Any, heartbeat: Heartbeat | None) -> None:
+def wait_watched(work: Any, heartbeat: Heartbeat | None, *, point_to_point: bool = False) -> None:
     """``work.wait()`` for a process group's work handle, in slices of ``WAIT_SLICE_S``: once
     the heartbeat's watch names a silent peer, raise :class:`PeersSilent` instead of waiting
     out the group's timeout. Without a heartbeat (no peers), a plain wait. A wait that ended
-    is not looked at again: the hot path pays one wait call when the answer is there."""
+    is not looked at again: the hot path pays one wait call when the answer is there.
+
+    ``point_to_point``: a gloo send or receive (``isend``/``irecv``). Its timed wait does not
+    leave it pending as a collective's does: when the slice runs out, gloo closes the pair and
+    the work fails, so a peer one second late (compiling its program, say) would end the run.
+    It is waited for whole in a thread of its own while this one looks at the watch."""
     if heartbeat is None:
         work.wait()
+        return
+    if point_to_point:
+        _wait_in_thread(work, heartbeat)
         return
     while True:
         try:
@@ -280,6 +288,30 @@ def wait_watched(work: Any, heartbeat: Heartbeat | None) -> None:
         except Exception:  # gloo: "Operation timed out!", the work still pending
             if work.is_completed():  # (it failed: a peer left, or the group's own timeout)
                 raise
+        if heartbeat.lost:
+            raise PeersSilent(heartbeat.lost, heartbeat.silence_s)
+
+
+def _wait_in_thread(work: Any, heartbeat: Heartbeat) -> None:
+    """``work.wait()`` in a daemon thread, this thread looking at the watch every slice: the
+    wait's own error is raised here; a silent peer raises :class:`PeersSilent` (the thread is
+    left waiting: the group is unusable from then on, and the process ends with it)."""
+    failure: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # (raised in the caller's thread below)
+            failure.append(exc)
+
+    thread = threading.Thread(target=wait, name="zerocc-p2p-wait", daemon=True)
+    thread.start()
+    while True:
+        thread.join(WAIT_SLICE_S)
+        if not thread.is_alive():
+            if failure:
+                raise failure[0]
+            return
         if heartbeat.lost:
             raise PeersSilent(heartbeat.lost, heartbeat.silence_s)
 

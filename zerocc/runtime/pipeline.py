@@ -133,6 +133,9 @@ class TorchTransport:
         self.tags = {key: i * microbatches for i, key in enumerate(sorted(keys))}
         self.rank_of, self.group, self.heartbeat = rank_of, group, heartbeat
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        # gloo's sends and receives are waited for whole (see wait_watched); NCCL's wait is a
+        # stream's, made on the caller's thread.
+        self.on_gloo = heartbeat is not None and dist.get_backend(group) == "gloo"
 
     def _tag(self, key: Key) -> int:
         direction, stage, microbatch, name = key
@@ -147,13 +150,13 @@ class TorchTransport:
         shape, dtype, device = like
         out = torch.empty(shape, dtype=dtype, device=device)
         work = dist.irecv(out, self.rank_of(stage), group=self.group, tag=self._tag(key))
-        wait_watched(work, self.heartbeat)
+        wait_watched(work, self.heartbeat, point_to_point=self.on_gloo)
         return out
 
     def finish(self) -> None:
         """Wait for every send issued (their tensors are held until then)."""
         for work, _ in self.pending:
-            wait_watched(work, self.heartbeat)
+            wait_watched(work, self.heartbeat, point_to_point=self.on_gloo)
         self.pending.clear()
 
 
