@@ -182,7 +182,10 @@ def test_a_rank_killed_mid_run_restarts_every_rank_from_the_last_checkpoint(tmp_
     assert final_loss(out) == final_loss(whole.stdout)
 
 
-@pytest.mark.parametrize("in_memory", [False, True], ids=["from-disk", "in-memory"])
+# (from disk: the restart of the from-disk case above and a resharded load, both tested: slow)
+@pytest.mark.parametrize(
+    "in_memory", [pytest.param(False, marks=pytest.mark.slow), True], ids=["from-disk", "in-memory"]
+)
 def test_a_rank_that_cannot_come_back_leaves_the_run_to_fewer_ranks(tmp_path, in_memory):
     """Rank 1 dies at step 6 on every attempt; after its restart fails too, `--nproc-min 1`
     goes on with one rank from the checkpoint of step 4 (resharded on load) to step 8. With
